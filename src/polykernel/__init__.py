@@ -1,0 +1,73 @@
+"""polykernel: LLM kernels with several implementations each, and one dispatcher that picks,
+per call and per device, the fastest one that is correct and runnable there.
+
+    >>> import torch, polykernel
+    >>> y = polykernel.rms_norm(torch.randn(4, 8), torch.ones(8))
+    >>> print(polykernel.explain("rms_norm", device="cpu"))  # doctest: +SKIP
+
+Public names load lazily (PEP 562), so ``import polykernel`` does not import torch, and
+``polykernel.spec`` works where torch is missing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> "module:attr" (module relative to this package)
+_LAZY: dict[str, str] = {
+    # metadata (torch-free)
+    "KernelBackend": "spec:KernelBackend",
+    "DeviceType": "spec:DeviceType",
+    "PlatformInfo": "spec:PlatformInfo",
+    "CapabilityRequirement": "spec:CapabilityRequirement",
+    "capabilities_satisfied": "spec:capabilities_satisfied",
+    "FormatSignature": "spec:FormatSignature",
+    "KernelSpec": "spec:KernelSpec",
+    # errors
+    "PolykernelError": "errors:PolykernelError",
+    "ImplNotAvailableError": "errors:ImplNotAvailableError",
+    "UnknownOpError": "errors:UnknownOpError",
+    "OpArgumentError": "errors:OpArgumentError",
+    "OpTypeError": "errors:OpTypeError",
+    # registry and dispatcher
+    "register_impl": "registry:register_impl",
+    "declare_op_locations": "registry:declare_op_locations",
+    "use_impl": "dispatch:use_impl",
+    "set_impl": "dispatch:set_impl",
+    "available_impls": "dispatch:available_impls",
+    "explain": "dispatch:explain",
+    "clear_caches": "dispatch:clear_caches",
+    "list_ops": "registry:all_op_ids",
+    # ops
+    "rms_norm": "ops.rms_norm:rms_norm",
+    "fused_add_rms_norm": "ops.fused_add_rms_norm:fused_add_rms_norm",
+    "layer_norm": "ops.layer_norm:layer_norm",
+    "swiglu": "ops.swiglu:swiglu",
+    "geglu": "ops.geglu:geglu",
+    "softmax": "ops.softmax:softmax",
+    "rope": "ops.rope:rope",
+    "cross_entropy": "ops.cross_entropy:cross_entropy",
+    "fused_linear_cross_entropy": "ops.fused_linear_cross_entropy:fused_linear_cross_entropy",
+}
+_SUBMODULES = ("spec", "nn", "testing", "integrations", "dispatch", "registry", "tuning", "ops", "backends", "cli")
+
+__all__ = sorted([*_LAZY, *_SUBMODULES, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is not None:
+        module_name, _, attr = target.partition(":")
+        value = getattr(importlib.import_module(f".{module_name}", __name__), attr)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'polykernel' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

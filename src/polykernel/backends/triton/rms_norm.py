@@ -1,0 +1,260 @@
+"""Triton RMSNorm: forward and backward (dX and dW), any N, any leading shape.
+
+Forward: a [ROWS, BLOCK_N] tile per program; rows that fit one block are loaded once, longer
+rows (N > MAX_FUSED_N) are walked in chunks twice (sum of squares, then normalize).
+Backward: a persistent grid of G programs; each walks rows pid, pid+G, ... and keeps its share of
+dW in registers (or, for long rows, in its own row of a [G, N] fp32 buffer), which the host sums:
+no atomics, so the result is deterministic and the impl is registered ``deterministic=True``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ...ops.rms_norm import reference  # noqa: F401  (semantics live in the op file)
+
+MAX_FUSED_N = 16384  # one block per row up to here; beyond, a chunked two-pass walk
+CHUNK_N = 4096
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _rms_fwd_kernel(
+    X, W, Y, RSTD,
+    M, N, stride_x, stride_y,
+    eps, offset,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, LLAMA: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) + offset
+    xhat = x * rstd[:, None]
+    if LLAMA:
+        xhat = xhat.to(Y.dtype.element_ty).to(tl.float32)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], (xhat * w[None, :]).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_fwd_chunked_kernel(
+    X, W, Y, RSTD,
+    N, stride_x, stride_y,
+    eps, offset,
+    CHUNK: tl.constexpr, LLAMA: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    y_row = Y + row * stride_y
+    cols = tl.arange(0, CHUNK)
+    acc = tl.zeros([CHUNK], dtype=tl.float32)
+    for start in range(0, N, CHUNK):
+        x = tl.load(x_row + start + cols, mask=start + cols < N, other=0.0).to(tl.float32)
+        acc += x * x
+    rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
+    tl.store(RSTD + row, rstd)
+    for start in range(0, N, CHUNK):
+        m = start + cols < N
+        x = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(W + start + cols, mask=m, other=0.0).to(tl.float32) + offset
+        xhat = x * rstd
+        if LLAMA:
+            xhat = xhat.to(Y.dtype.element_ty).to(tl.float32)
+        tl.store(y_row + start + cols, (xhat * w).to(Y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rms_bwd_kernel(
+    X, W, DY, RSTD, DX, DW_PART,
+    M, N, stride_x, stride_dy, stride_dx,
+    offset,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, LLAMA: tl.constexpr, DTYPE_OUT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    progs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+    dw = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for block in range(pid, tl.cdiv(M, ROWS), progs):
+        rows = tl.cast(block, tl.int64) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        xhat = x * rstd[:, None]
+        g = dy * w[None, :]
+        if LLAMA:  # y = round(x̂) * w: the reference's cast also rounds the gradient of x̂
+            dw += dy * xhat.to(DTYPE_OUT).to(tl.float32)
+            g = g.to(DTYPE_OUT).to(tl.float32)
+        else:
+            dw += dy * xhat
+        c = tl.sum(g * xhat, axis=1) / N
+        dx = (g - xhat * c[:, None]) * rstd[:, None]
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DW_PART + tl.cast(pid, tl.int64) * N + cols, tl.sum(dw, axis=0), mask=col_ok)
+
+
+@triton.jit
+def _rms_bwd_chunked_kernel(
+    X, W, DY, RSTD, DX, DW_PART,
+    M, N, stride_x, stride_dy, stride_dx,
+    offset,
+    CHUNK: tl.constexpr, LLAMA: tl.constexpr, DTYPE_OUT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    progs = tl.num_programs(0)
+    cols = tl.arange(0, CHUNK)
+    part = DW_PART + tl.cast(pid, tl.int64) * N  # this program's own row: read-modify-write, no atomics
+    for row in range(pid, M, progs):
+        row64 = tl.cast(row, tl.int64)
+        rstd = tl.load(RSTD + row64)
+        acc = tl.zeros([CHUNK], dtype=tl.float32)
+        for start in range(0, N, CHUNK):
+            m = start + cols < N
+            x = tl.load(X + row64 * stride_x + start + cols, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row64 * stride_dy + start + cols, mask=m, other=0.0).to(tl.float32)
+            w = tl.load(W + start + cols, mask=m, other=0.0).to(tl.float32) + offset
+            g = dy * w
+            if LLAMA:
+                g = g.to(DTYPE_OUT).to(tl.float32)
+            acc += g * x * rstd
+        c = tl.sum(acc, axis=0) / N
+        for start in range(0, N, CHUNK):
+            m = start + cols < N
+            x = tl.load(X + row64 * stride_x + start + cols, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row64 * stride_dy + start + cols, mask=m, other=0.0).to(tl.float32)
+            w = tl.load(W + start + cols, mask=m, other=0.0).to(tl.float32) + offset
+            xhat = x * rstd
+            g = dy * w
+            if LLAMA:
+                g = g.to(DTYPE_OUT).to(tl.float32)
+                xr = xhat.to(DTYPE_OUT).to(tl.float32)
+            else:
+                xr = xhat
+            tl.store(DX + row64 * stride_dx + start + cols, ((g - xhat * c) * rstd).to(DX.dtype.element_ty), mask=m)
+            prev = tl.load(part + start + cols, mask=m, other=0.0)
+            tl.store(part + start + cols, prev + dy * xr, mask=m)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host launchers
+
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _tile(n: int) -> tuple[int, int, int]:
+    """(BLOCK_N, ROWS, num_warps) for rows that fit one block: ~4K elements per program."""
+    block_n = triton.next_power_of_2(max(n, 1))
+    rows = max(1, min(32, 4096 // block_n))
+    warps = 4 if block_n * rows <= 2048 else 8 if block_n <= 4096 else 16
+    return block_n, rows, warps
+
+
+@functools.lru_cache(maxsize=None)
+def _programs(device: torch.device) -> int:
+    """Persistent-grid size for the backward: 2 programs per SM on GPU, 4 on the interpreter."""
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """A [M, N] view with unit column stride (copies only when the layout needs it)."""
+    t2 = t.reshape(-1, n)
+    return t2 if t2.stride(-1) == 1 or t2.shape[0] == 0 else t2.contiguous()
+
+
+def rms_norm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, llama: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """y [M, N] in x's dtype and rstd [M] fp32."""
+    m, n = x2.shape
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x2.device)
+    if m == 0 or n == 0:
+        return y, rstd.fill_(0)
+    if n <= MAX_FUSED_N:
+        block_n, rows, warps = _tile(n)
+        _rms_fwd_kernel[(triton.cdiv(m, rows),)](
+            x2, weight, y, rstd, m, n, x2.stride(0), y.stride(0), eps, offset,
+            BLOCK_N=block_n, ROWS=rows, LLAMA=llama, num_warps=warps,
+        )
+    else:
+        _rms_fwd_chunked_kernel[(m,)](
+            x2, weight, y, rstd, n, x2.stride(0), y.stride(0), eps, offset,
+            CHUNK=CHUNK_N, LLAMA=llama, num_warps=16,
+        )
+    return y, rstd
+
+
+def rms_norm_backward(
+    dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float, llama: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dx [M, N] in x's dtype and dW [N] in weight's dtype."""
+    m, n = x2.shape
+    dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    if m == 0 or n == 0:
+        return dx, torch.zeros_like(weight)
+    progs = min(_programs(x2.device), m)
+    part = torch.zeros((progs, n), dtype=torch.float32, device=x2.device)
+    if n <= MAX_FUSED_N:
+        block_n, rows, warps = _tile(n)
+        progs = min(progs, triton.cdiv(m, rows))
+        part = part[:progs]
+        _rms_bwd_kernel[(progs,)](
+            x2, weight, dy2, rstd, dx, part, m, n, x2.stride(0), dy2.stride(0), dx.stride(0), offset,
+            BLOCK_N=block_n, ROWS=rows, LLAMA=llama, DTYPE_OUT=_TL_DTYPE[x2.dtype], num_warps=warps,
+        )
+    else:
+        _rms_bwd_chunked_kernel[(progs,)](
+            x2, weight, dy2, rstd, dx, part, m, n, x2.stride(0), dy2.stride(0), dx.stride(0), offset,
+            CHUNK=CHUNK_N, LLAMA=llama, DTYPE_OUT=_TL_DTYPE[x2.dtype], num_warps=16,
+        )
+    return dx, part.sum(0).to(weight.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registered impl
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, casting):  # type: ignore[override]
+        n = x.shape[-1]
+        x2 = _as_rows(x, n)
+        w = weight.contiguous()
+        y, rstd = rms_norm_forward(x2, w, eps, offset, casting == "llama")
+        ctx.save_for_backward(x2, w, rstd)
+        ctx.offset, ctx.llama, ctx.shape = offset, casting == "llama", x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        x2, w, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_backward(_as_rows(dy, x2.shape[1]), x2, w, rstd, ctx.offset, ctx.llama)
+        return (
+            dx.view(ctx.shape) if ctx.needs_input_grad[0] else None,
+            dw if ctx.needs_input_grad[1] else None,
+            None,
+            None,
+            None,
+        )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str) -> torch.Tensor:
+    """The registered impl (arguments already validated by ``polykernel.rms_norm``)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNorm.apply(x, weight, eps, offset, casting)
+    n = x.shape[-1]
+    y, _ = rms_norm_forward(_as_rows(x, n), weight.contiguous(), eps, offset, casting == "llama")
+    return y.view(x.shape)

@@ -1,0 +1,495 @@
+"""Selection: the resolution order, its memo, ``explain`` records and the runtime-fault policy.
+
+Resolution order for one call (first that applies wins):
+
+1. ``impl=`` argument of the call (strict);
+2. ``with use_impl(...)`` scope, innermost first (strict when it names an op, else a preference);
+3. env ``POLYKERNEL_IMPL_<OP>`` (strict), then env ``POLYKERNEL_IMPL`` (a preference list);
+4. ``set_impl(...)`` (strict when it names an op, else a preference);
+5. a tuned (measured) decision, when tuning holds one for this key;
+6. auto: the lowest rank among the runnable impls;
+7. at run time, an impl chosen by 4-6 that raises falls back to the next runnable one.
+
+Strict means: unknown for the op, or not runnable here, raises :class:`ImplNotAvailableError`.
+A preference skips ops that lack the impl (logged once); ``POLYKERNEL_STRICT=1`` makes that skip,
+and every runtime fallback, an error. Environment variables are read when a decision is made
+for a new key; after changing them in-process, call :func:`clear_caches`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import warnings
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from . import registry
+from .errors import ImplNotAvailableError
+from .spec import KernelBackend, KernelSpec, PlatformInfo
+
+if TYPE_CHECKING:
+    from .op import Op
+
+__all__ = [
+    "use_impl",
+    "set_impl",
+    "get_impl_settings",
+    "available_impls",
+    "explain",
+    "clear_caches",
+    "Decision",
+    "Explanation",
+]
+
+log = logging.getLogger("polykernel")
+
+# Scope entries, innermost last: (op id or None, impl names). A tuple, so it can be a memo key.
+_scope: ContextVar[tuple[tuple[str | None, tuple[str, ...]], ...]] = ContextVar("polykernel_scope", default=())
+_global: dict[str | None, tuple[str, ...]] = {}
+_broken: dict[tuple[str, tuple[Any, ...]], dict[str, str]] = {}
+_logged: set[tuple[Any, ...]] = set()
+_lock = threading.RLock()
+
+
+def _parse_names(value: str | Sequence[str] | KernelBackend, where: str) -> tuple[str, ...]:
+    """``"triton"``, ``"triton,torch"`` or a sequence -> validated backend names."""
+    if isinstance(value, KernelBackend):
+        items = [value.value]
+    elif isinstance(value, str):
+        items = [v.strip() for v in value.split(",") if v.strip()]
+    else:
+        items = [str(v.value if isinstance(v, KernelBackend) else v).strip() for v in value]
+    if not items:
+        raise ValueError(f"{where}: empty impl name")
+    valid = [b.value for b in KernelBackend]
+    for name in items:
+        if name not in valid:
+            raise ValueError(f"{where}: {name!r} is not an impl name; impl names are: {', '.join(valid)}")
+    return tuple(items)
+
+
+def _strict_mode() -> bool:
+    return os.environ.get("POLYKERNEL_STRICT", "0") not in ("", "0", "false", "False")
+
+
+# ------------------------------------------------------------------------------------------
+# Public controls
+
+
+@contextlib.contextmanager
+def use_impl(impl: str | Sequence[str], op: str | None = None) -> Iterator[None]:
+    """Scoped override for this thread/task (a ContextVar).
+
+    With ``op`` the choice is strict for that op; without, it is a preference list applied to
+    every op that has the impl (ops without it keep their normal choice)::
+
+        with polykernel.use_impl("torch"):
+            y = polykernel.rms_norm(x, w)        # torch impl
+        with polykernel.use_impl("triton", op="rms_norm"):
+            y = polykernel.rms_norm(x, w)        # triton or ImplNotAvailableError
+    """
+    names = _parse_names(impl, "use_impl")
+    op_id = registry.resolve_op_id(op) if op is not None else None
+    if op_id is not None:
+        _check_known(op_id, names)
+    token = _scope.set(_scope.get() + ((op_id, names),))
+    try:
+        yield
+    finally:
+        _scope.reset(token)
+
+
+def set_impl(impl: str | Sequence[str] | None, op: str | None = None) -> None:
+    """Process-wide choice (step 4 of the order). ``set_impl(None)`` resets it.
+
+    ``set_impl("triton")`` prefers Triton wherever an op has it; ``set_impl("torch", op="softmax")``
+    forces one op (strict). ``set_impl(None, op="softmax")`` resets that op only.
+    """
+    op_id = registry.resolve_op_id(op) if op is not None else None
+    with _lock:
+        if impl is None:
+            if op_id is None:
+                _global.clear()
+            else:
+                _global.pop(op_id, None)
+        else:
+            names = _parse_names(impl, "set_impl")
+            if op_id is not None:
+                _check_known(op_id, names)
+            _global[op_id] = names
+    _clear_memos()
+
+
+def get_impl_settings() -> dict[str | None, tuple[str, ...]]:
+    """The current ``set_impl`` settings (op id or None -> names)."""
+    return dict(_global)
+
+
+def _check_known(op_id: str, names: tuple[str, ...]) -> None:
+    specs = registry.specs_for(op_id)
+    for name in names:
+        if name not in specs:
+            raise ImplNotAvailableError(op_id, name, f"no {name!r} impl is registered for this op", sorted(specs))
+
+
+def clear_caches() -> None:
+    """Forget memoized decisions, runtime-fault marks and once-only log records."""
+    with _lock:
+        _broken.clear()
+        _logged.clear()
+    _clear_memos()
+    try:
+        from . import tuning
+
+        tuning.clear_cache()
+    except ImportError:
+        pass
+
+
+def _clear_memos() -> None:
+    for op in list(registry._ops.values()):
+        op.clear()
+
+
+registry._listeners.append(_clear_memos)
+
+
+# ------------------------------------------------------------------------------------------
+# Decisions
+
+
+@dataclass
+class Verdict:
+    """One impl's standing for a key: runnable or not, and why."""
+
+    name: str
+    rank: int
+    reason: str | None  # None: runnable
+
+    @property
+    def runnable(self) -> bool:
+        return self.reason is None
+
+
+@dataclass
+class Decision:
+    """A memoized choice: the callable to run, where the choice came from, and its fallbacks."""
+
+    op: Op
+    key: tuple[Any, ...]
+    impl: str
+    fn: Any
+    source: str  # argument, scope, env, global, tuned, auto, fallback
+    may_fall_back: bool
+    verdicts: list[Verdict] = field(default_factory=list)
+
+    def on_fault(self, exc: Exception, args: tuple[Any, ...]) -> Any:
+        """Runtime-fault policy: fall back from an impl chosen by steps 4-6 that raised."""
+        import torch
+
+        if not self.may_fall_back or _strict_mode() or isinstance(exc, torch.OutOfMemoryError):
+            raise exc
+        argkey = self.key[0]
+        message = (
+            f"polykernel: {self.op.id}: impl {self.impl!r} failed at run time "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            f"falling back to the next impl for this argument class"
+        )
+        with _lock:
+            _broken.setdefault((self.op.id, argkey), {})[self.impl] = f"failed at run time: {type(exc).__name__}"
+            self.op._memo.pop(self.key, None)
+        once = ("fault", self.op.id, self.impl, argkey)
+        if once not in _logged:
+            _logged.add(once)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            log.warning(message)
+        nxt = decide(self.op, self.key)
+        nxt.source = "fallback"
+        return nxt.fn(*args) if not nxt.may_fall_back else _call_guarded(nxt, args)
+
+
+def _call_guarded(decision: Decision, args: tuple[Any, ...]) -> Any:
+    try:
+        return decision.fn(*args)
+    except Exception as exc:  # noqa: BLE001
+        return decision.on_fault(exc, args)
+
+
+def _verdicts(op: Op, argkey: tuple[Any, ...], deterministic: bool, capturing: bool) -> list[Verdict]:
+    """Every impl of ``op`` with why it can or cannot take this argument class, in rank order."""
+    specs = registry.specs_for(op)
+    info = op.arg_class(argkey)
+    platform = PlatformInfo.detect(info.device)
+    broken = _broken.get((op.id, argkey), {})
+    rows = []
+    for name, spec in specs.items():
+        rows.append(Verdict(name, spec.rank, _why_not(spec, info, platform, deterministic, capturing, broken)))
+    rows.sort(key=lambda v: (v.rank, v.name))
+    return rows
+
+
+def _why_not(spec: KernelSpec, info: Any, platform: PlatformInfo, det: bool, capturing: bool, broken: dict) -> str | None:
+    if spec.name in broken:
+        return broken[spec.name]
+    reason = spec.unavailable_reason(platform)
+    if reason:
+        return reason
+    if not spec.format_signature.supports_dtype(info.dtype):
+        return f"dtype {str(info.dtype).removeprefix('torch.')} not supported"
+    if info.needs_grad and not spec.format_signature.supports_backward:
+        return "has no backward (inputs require grad)"
+    if det and not spec.deterministic:
+        return "not deterministic (torch.use_deterministic_algorithms is on)"
+    if capturing and not spec.cuda_graph_safe:
+        return "not CUDA-graph safe (a graph is being captured)"
+    if spec.predicate is not None:
+        try:
+            reason = spec.predicate(info)
+        except Exception as exc:  # noqa: BLE001 - a broken predicate excludes its impl, visibly
+            reason = f"predicate raised {type(exc).__name__}: {exc}"
+        if reason:
+            return reason
+    return None
+
+
+def _load(op: Op, verdict: Verdict) -> Any:
+    """Import the impl (lazily, on first selection); an import failure makes it not runnable."""
+    spec = registry.specs_for(op)[verdict.name]
+    try:
+        return registry.load_impl(spec)
+    except Exception as exc:  # noqa: BLE001
+        verdict.reason = f"import failed: {type(exc).__name__}: {exc}"
+        return None
+
+
+def _log_once(key: tuple[Any, ...], message: str) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        log.warning(message)
+
+
+def decide(op: Op, key: tuple[Any, ...]) -> Decision:
+    """Resolve ``key`` = (argkey, impl, scope, deterministic, capturing) and memoize it."""
+    decision = _resolve(op, key)
+    op._memo[key] = decision
+    return decision
+
+
+def _resolve(op: Op, key: tuple[Any, ...]) -> Decision:
+    argkey, impl, scope, det, capturing = key
+    rows = _verdicts(op, argkey, det, capturing)
+    by_name = {v.name: v for v in rows}
+    strict_env = _strict_mode()
+
+    def runnable_names() -> list[str]:
+        return [v.name for v in rows if v.runnable]
+
+    def strict(name: str, source: str) -> Decision:
+        v = by_name.get(name)
+        if v is None:
+            raise ImplNotAvailableError(op.id, name, f"no {name!r} impl is registered for this op", runnable_names())
+        fn = _load(op, v) if v.runnable else None
+        if fn is None:
+            raise ImplNotAvailableError(op.id, name, v.reason or "not runnable", runnable_names())
+        return Decision(op, key, name, fn, source, False, rows)
+
+    def prefer(names: Sequence[str], source: str, may_fall_back: bool) -> Decision | None:
+        for name in names:
+            v = by_name.get(name)
+            if v is not None and v.runnable:
+                fn = _load(op, v)
+                if fn is not None:
+                    return Decision(op, key, name, fn, source, may_fall_back, rows)
+        why = ", ".join(f"{n}: {by_name[n].reason}" if n in by_name else f"{n}: not registered for this op" for n in names)
+        if strict_env:
+            raise ImplNotAvailableError(op.id, ",".join(names), f"preference ({source}) cannot be met: {why}", runnable_names())
+        _log_once(("skip", op.id, source, tuple(names), argkey), f"polykernel: {op.id}: {source} preference {','.join(names)} skipped ({why})")
+        return None
+
+    # 1. impl= argument
+    if impl is not None:
+        names = _parse_names(impl, f"{op.name}(impl=)")
+        if len(names) == 1:
+            return strict(names[0], "argument")
+        hit = prefer(names, "argument", False)
+        if hit is None:
+            raise ImplNotAvailableError(op.id, ",".join(names), "none of these impls can run here", runnable_names())
+        return hit
+    # 2. scopes, innermost first
+    for scope_op, names in reversed(scope):
+        if scope_op == op.id:
+            return strict(names[0], "scope") if len(names) == 1 else _required(prefer(names, "scope", False), op, names, runnable_names())
+        if scope_op is None:
+            hit = prefer(names, "scope", False)
+            if hit is not None:
+                return hit
+    # 3. environment
+    per_op = os.environ.get(f"POLYKERNEL_IMPL_{op.name.upper()}")
+    if per_op:
+        names = _parse_names(per_op, f"POLYKERNEL_IMPL_{op.name.upper()}")
+        return strict(names[0], "env") if len(names) == 1 else _required(prefer(names, "env", False), op, names, runnable_names())
+    everywhere = os.environ.get("POLYKERNEL_IMPL")
+    if everywhere:
+        hit = prefer(_parse_names(everywhere, "POLYKERNEL_IMPL"), "env", False)
+        if hit is not None:
+            return hit
+    # 4. set_impl
+    if op.id in _global:
+        names = _global[op.id]
+        if len(names) == 1:
+            chosen = strict(names[0], "global")
+            chosen.may_fall_back = True
+            return chosen
+        return _required(prefer(names, "global", True), op, names, runnable_names())
+    if None in _global:
+        hit = prefer(_global[None], "global", True)
+        if hit is not None:
+            return hit
+    # 5. tuned
+    tuned = _tuned(op, argkey)
+    if tuned is not None:
+        v = by_name.get(tuned)
+        if v is not None and v.runnable:
+            fn = _load(op, v)
+            if fn is not None:
+                return Decision(op, key, tuned, fn, "tuned", True, rows)
+    # 6. auto (the torch impl is eligible everywhere, so this finds one)
+    for v in rows:
+        if v.runnable:
+            fn = _load(op, v)
+            if fn is not None:
+                return Decision(op, key, v.name, fn, "auto", True, rows)
+    raise ImplNotAvailableError(op.id, "auto", "no registered impl can run for these arguments", [])
+
+
+def _required(hit: Decision | None, op: Op, names: Sequence[str], runnable: list[str]) -> Decision:
+    if hit is None:
+        raise ImplNotAvailableError(op.id, ",".join(names), "none of these impls can run here", runnable)
+    return hit
+
+
+def _tuned(op: Op, argkey: tuple[Any, ...]) -> str | None:
+    """Step 5 hook: the measured-selection module answers, when tuning is on (a later issue)."""
+    try:
+        from . import tuning
+    except ImportError:
+        return None
+    return tuning.lookup(op, argkey)
+
+
+# ------------------------------------------------------------------------------------------
+# Introspection
+
+
+@dataclass
+class Explanation:
+    """Why an impl was (or would be) chosen for one call. ``str()`` gives a readable table."""
+
+    op: str
+    platform: str
+    arg_class: dict[str, Any]
+    chosen: str | None
+    source: str | None
+    error: str | None
+    impls: list[dict[str, Any]]
+    import_errors: dict[str, str]
+
+    def __str__(self) -> str:
+        args = ", ".join(f"{k}={_short(v)}" for k, v in self.arg_class.items())
+        lines = [f"{self.op} on {self.platform}", f"  arguments: {args}"]
+        if self.chosen:
+            lines.append(f"  chosen: {self.chosen} (source: {self.source})")
+        else:
+            lines.append(f"  chosen: none ({self.error})")
+        width = max([len(r["name"]) for r in self.impls] + [4])
+        for r in self.impls:
+            mark = "*" if r["name"] == self.chosen else " "
+            verdict = "runnable" if r["runnable"] else f"no: {r['reason']}"
+            lines.append(f"  {mark} {r['name']:<{width}}  rank {r['rank']:>3}  {verdict}")
+        for module, err in self.import_errors.items():
+            lines.append(f"  ! module {module} failed to import: {err}")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "op": self.op,
+            "platform": self.platform,
+            "arg_class": {k: _short(v) for k, v in self.arg_class.items()},
+            "chosen": self.chosen,
+            "source": self.source,
+            "error": self.error,
+            "impls": self.impls,
+            "import_errors": self.import_errors,
+        }
+
+
+def _short(v: Any) -> Any:
+    s = str(v)
+    return s.removeprefix("torch.") if s.startswith("torch.") else (v if isinstance(v, (int, float, bool, type(None))) else s)
+
+
+def _argkey_for(op: Op, args: tuple[Any, ...], kwargs: dict[str, Any], device: Any, dtype: Any) -> tuple[Any, ...]:
+    import torch
+
+    if args:
+        return op.key(*args, **kwargs)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return op.default_key(dev, dtype if dtype is not None else torch.float32)
+
+
+def explain(op: str, *args: Any, device: Any = None, dtype: Any = None, impl: str | None = None, **kwargs: Any) -> Explanation:
+    """What would run for this call, and why: every impl with its verdict and reason.
+
+    Give the call's own arguments, or just ``device=``/``dtype=``::
+
+        >>> import polykernel, torch
+        >>> print(polykernel.explain("rms_norm", torch.randn(4, 8), torch.ones(8)))  # doctest: +SKIP
+        norm.rms_norm on cpu (cpu)
+          chosen: torch (source: auto)
+          ...
+    """
+    import torch
+
+    the_op = registry.get_op(op)
+    argkey = _argkey_for(the_op, args, kwargs, device, dtype)
+    capturing = argkey[0].type == "cuda" and torch.cuda.is_current_stream_capturing()
+    key = (argkey, impl, _scope.get(), torch.are_deterministic_algorithms_enabled(), capturing)
+    chosen = source = error = None
+    try:
+        d = _resolve(the_op, key)
+        chosen, source, rows = d.impl, d.source, d.verdicts
+    except ImplNotAvailableError as exc:
+        error = str(exc)
+        rows = _verdicts(the_op, argkey, key[3], capturing)
+    return Explanation(
+        op=the_op.id,
+        platform=str(PlatformInfo.detect(argkey[0])),
+        arg_class=the_op.arg_class(argkey).as_dict(),
+        chosen=chosen,
+        source=source,
+        error=error,
+        impls=[{"name": v.name, "rank": v.rank, "runnable": v.runnable, "reason": v.reason} for v in rows],
+        import_errors=registry.import_errors(the_op),
+    )
+
+
+def available_impls(op: str, device: Any = None, dtype: Any = None) -> list[str]:
+    """Names of the impls that can run for ``op`` on ``device``/``dtype``, in selection order.
+
+    >>> import polykernel
+    >>> polykernel.available_impls("rms_norm", device="cpu")[-1]
+    'torch'
+    """
+    import torch
+
+    the_op = registry.get_op(op)
+    argkey = _argkey_for(the_op, (), {}, device, dtype)
+    rows = _verdicts(the_op, argkey, torch.are_deterministic_algorithms_enabled(), False)
+    return [v.name for v in rows if v.runnable]

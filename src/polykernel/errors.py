@@ -1,0 +1,54 @@
+"""Exceptions polykernel raises. All name the op (and the argument or impl) they are about."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class PolykernelError(Exception):
+    """Base class of polykernel's own errors."""
+
+
+class UnknownOpError(PolykernelError, KeyError):
+    """An op id or bare name that polykernel does not know."""
+
+    def __init__(self, op: str, known: Sequence[str]) -> None:
+        self.op = op
+        self.known = list(known)
+        super().__init__(op)
+
+    def __str__(self) -> str:
+        return f"unknown op {self.op!r}; known ops: {', '.join(self.known)}"
+
+
+class ImplNotAvailableError(PolykernelError, RuntimeError):
+    """An impl that was asked for strictly is unknown for the op or cannot run here.
+
+    ``reason`` says why (``'sm_90 < required sm_100'``, ``"module 'cutlass' not installed"``,
+    ``'dtype float64 not supported'``, ``'needs a CUDA device'``); ``runnable`` lists the impls
+    that would run for the same call.
+    """
+
+    def __init__(self, op: str, impl: str, reason: str, runnable: Sequence[str] = ()) -> None:
+        self.op = op
+        self.impl = impl
+        self.reason = reason
+        self.runnable = list(runnable)
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        would = ", ".join(self.runnable) if self.runnable else "none"
+        return f"{self.op}: impl {self.impl!r} is not available: {self.reason} (would run here: {would})"
+
+
+class OpArgumentError(PolykernelError, ValueError):
+    """Bad input to an op, raised before any kernel launch. Names the op and the argument."""
+
+    def __init__(self, op: str, arg: str, message: str) -> None:
+        self.op = op
+        self.arg = arg
+        super().__init__(f"{op}: argument {arg!r}: {message}")
+
+
+class OpTypeError(OpArgumentError, TypeError):
+    """An argument of the wrong type or dtype (also a ``TypeError``)."""

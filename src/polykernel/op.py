@@ -1,0 +1,148 @@
+"""The :class:`Op` object: one op's identity, semantics hooks and its per-call hot path.
+
+An op module (``polykernel/ops/<name>.py``) builds one ``Op`` and a public function that validates
+its arguments, computes the op's *argument class* (the small tuple that decisions are memoized
+on) and calls :meth:`Op.call`. Everything slow (resolution order, explain records, fallbacks)
+lives in :mod:`polykernel.dispatch` and runs once per new key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import registry
+from .spec import KernelSpec
+
+
+@dataclass(frozen=True)
+class Tol:
+    """``|out - ref| <= atol + rtol * |ref|`` elementwise (``torch.testing.assert_close``)."""
+
+    atol: float
+    rtol: float
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """Per-dtype tolerances of an op: forward outputs and input gradients."""
+
+    forward: dict[torch.dtype, Tol]
+    backward: dict[torch.dtype, Tol]
+
+    def fwd(self, dtype: torch.dtype) -> Tol:
+        return self.forward[dtype]
+
+    def bwd(self, dtype: torch.dtype) -> Tol:
+        return self.backward.get(dtype, self.forward[dtype])
+
+
+@dataclass(frozen=True)
+class Case:
+    """One parity case: positional args, keyword args and a label for test ids."""
+
+    label: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class ArgClass:
+    """Named, read-only view of an argument-class tuple, handed to spec predicates."""
+
+    __slots__ = ("_fields", "_values")
+
+    def __init__(self, fields: Sequence[str], values: Sequence[Any]) -> None:
+        self._fields = tuple(fields)
+        self._values = tuple(values)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[self._fields.index(name)]
+        except ValueError:
+            raise AttributeError(name) from None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(zip(self._fields, self._values))
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v}" for k, v in self.as_dict().items())
+        return f"ArgClass({inner})"
+
+
+_deterministic = torch.are_deterministic_algorithms_enabled
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class Op:
+    """An op: id, argument-class fields, reference, tolerances, examples and parity cases.
+
+    ``fields`` names the entries of the argument-class tuple; it always starts with
+    ``"device"``, ``"dtype"``, ``"needs_grad"``. ``default_key(device, dtype)`` builds a tuple
+    for ``explain``/``available_impls`` when no arguments are given (unknown sizes are None).
+    """
+
+    def __init__(
+        self,
+        id: str,
+        *,
+        fields: Sequence[str],
+        key: Callable[..., tuple[Any, ...]],
+        default_key: Callable[[torch.device, torch.dtype], tuple[Any, ...]],
+        reference: Callable[..., Any],
+        tolerances: Tolerances,
+        dtypes: Sequence[torch.dtype],
+        cases: Callable[[torch.device, torch.dtype], list[Case]],
+        example: Callable[..., Case],
+        bytes_moved: Callable[..., int] | None = None,
+        impls: Sequence[KernelSpec] = (),
+    ) -> None:
+        if tuple(fields[:3]) != ("device", "dtype", "needs_grad"):
+            raise ValueError("Op fields must start with device, dtype, needs_grad")
+        self.id = id
+        self.name = id.rpartition(".")[2]
+        self.fields = tuple(fields)
+        self.key = key
+        self.default_key = default_key
+        self.reference = reference
+        self.tolerances = tolerances
+        self.dtypes = tuple(dtypes)
+        self.cases = cases
+        self.example = example
+        self.bytes_moved = bytes_moved
+        self._memo: dict[tuple[Any, ...], Any] = {}
+        registry._add_op(self)
+        for spec in impls:
+            registry.register_impl(spec)
+
+    def __repr__(self) -> str:
+        return f"Op({self.id!r})"
+
+    # -- hot path -------------------------------------------------------------------------
+    # Kept to a few dict/attribute operations: the target is <= 1 us over calling the impl.
+    def call(self, impl: str | None, argkey: tuple[Any, ...], *args: Any) -> Any:
+        """Run the impl chosen for ``argkey`` on ``args`` (positional, in the impl's order)."""
+        key = (argkey, impl, _scope.get(), _deterministic(), _capturing(argkey[0]))
+        decision = self._memo.get(key)
+        if decision is None:
+            decision = _dispatch.decide(self, key)
+        try:
+            return decision.fn(*args)
+        except Exception as exc:  # noqa: BLE001 - handed to the fault policy, re-raised there if not ours
+            return decision.on_fault(exc, args)
+
+    def clear(self) -> None:
+        self._memo.clear()
+
+    def arg_class(self, argkey: tuple[Any, ...]) -> ArgClass:
+        return ArgClass(self.fields, argkey)
+
+
+from . import dispatch as _dispatch  # noqa: E402  (dispatch imports Op lazily; cycle is one-way at import)
+
+_scope = _dispatch._scope

@@ -1,0 +1,17 @@
+"""The op catalog: op id -> the module that defines it (imported on the op's first use).
+
+Each op module is the single source of truth for its op: public function, argument validation,
+torch reference, per-dtype tolerances, parity cases and its table of impls.
+"""
+
+OP_MODULES: dict[str, str] = {
+    "norm.rms_norm": "polykernel.ops.rms_norm",
+    "norm.fused_add_rms_norm": "polykernel.ops.fused_add_rms_norm",
+    "norm.layer_norm": "polykernel.ops.layer_norm",
+    "activation.swiglu": "polykernel.ops.swiglu",
+    "activation.geglu": "polykernel.ops.geglu",
+    "activation.softmax": "polykernel.ops.softmax",
+    "embedding.rope": "polykernel.ops.rope",
+    "loss.cross_entropy": "polykernel.ops.cross_entropy",
+    "loss.fused_linear_cross_entropy": "polykernel.ops.fused_linear_cross_entropy",
+}

@@ -1,0 +1,172 @@
+"""``norm.rms_norm``: ``x / sqrt(mean(x², -1) + eps) * (weight + offset)``.
+
+``casting="fp32"`` computes everything in fp32 and casts once at the end; ``"llama"`` casts the
+normalized x to ``x.dtype`` before the weight multiply (Hugging Face Llama's order). Gemma's
+``x̂ · (1 + w)`` is ``offset=1.0`` with ``casting="fp32"``. The output has ``x.dtype``; the weight
+may have another floating dtype (fp32 master weights with bf16 activations).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..op import Case, Op, Tol, Tolerances
+from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
+from . import _checks as check
+
+OP_ID = "norm.rms_norm"
+CASTINGS = ("fp32", "llama")
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, casting: str = "fp32") -> torch.Tensor:
+    """The semantics, in plain torch (fp32 math; fp64 stays fp64)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(acc)
+    xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if casting == "llama":
+        xhat = xhat.to(x.dtype).to(acc)
+    return (xhat * (weight.to(acc) + offset)).to(x.dtype)
+
+
+def validate(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str) -> None:
+    check.tensor(OP_ID, "x", x)
+    check.floating(OP_ID, "x", x)
+    check.tensor(OP_ID, "weight", weight)
+    check.floating(OP_ID, "weight", weight)
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise check.OpArgumentError(OP_ID, "weight", f"expected shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}")
+    check.same_device(OP_ID, "weight", weight, "x", x)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise check.OpArgumentError(OP_ID, "eps", f"expected a number >= 0, got {eps!r}")
+    check.finite_float(OP_ID, "offset", offset)
+    check.choice(OP_ID, "casting", casting, CASTINGS)
+
+
+def _key(x: torch.Tensor, weight: torch.Tensor, *_: object, **__: object) -> tuple:
+    return (x.device, x.dtype, check.needs_grad(x, weight), x.shape[-1], weight.dtype)
+
+
+_op: Op  # defined below, after the public function it serves
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    offset: float = 0.0,
+    casting: str = "fp32",
+    impl: str | None = None,
+) -> torch.Tensor:
+    """RMS-normalize ``x`` over its last dim and scale by ``weight + offset``.
+
+    >>> import torch, polykernel
+    >>> x, w = torch.randn(4, 8), torch.ones(8)
+    >>> polykernel.rms_norm(x, w).shape
+    torch.Size([4, 8])
+    >>> y = polykernel.rms_norm(x, w, offset=1.0, impl="torch")  # Gemma style, forced impl
+    """
+    validate(x, weight, eps, offset, casting)
+    return _op.call(impl, (x.device, x.dtype, check.needs_grad(x, weight), x.shape[-1], weight.dtype), x, weight, eps, offset, casting)
+
+
+# -- tolerances: measured errors of the impls against `reference`, with headroom ----------------
+# Forward: an fp32 result rounded to the output dtype, so ulp-level differences (a reduction in
+# another order moves x̂ by ~1e-7 and can flip a rounding). casting="llama" rounds twice (x̂, then
+# y), so up to 2 ulps: bf16 ulp is 2^-8..2^-7 relative, fp16 2^-11..2^-10.
+TOLERANCES = Tolerances(
+    forward={
+        torch.float32: Tol(atol=1e-5, rtol=1e-5),
+        torch.float64: Tol(atol=1e-12, rtol=1e-12),
+        torch.bfloat16: Tol(atol=1e-2, rtol=1.6e-2),
+        torch.float16: Tol(atol=2e-3, rtol=2e-3),
+    },
+    # dW sums over every row in fp32; dX has a difference of two terms (cancellation).
+    backward={
+        torch.float32: Tol(atol=1e-4, rtol=1e-4),
+        torch.float64: Tol(atol=1e-10, rtol=1e-10),
+        torch.bfloat16: Tol(atol=2e-2, rtol=2e-2),
+        torch.float16: Tol(atol=4e-3, rtol=4e-3),
+    },
+)
+
+
+def example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, requires_grad: bool = False) -> Case:
+    """Random arguments of a given x shape (benchmarks, ``explain --shape``, the demo)."""
+    x = torch.randn(shape, dtype=dtype, device=device, requires_grad=requires_grad)
+    w = (1 + 0.1 * torch.randn(shape[-1], device=device)).to(dtype).requires_grad_(requires_grad)
+    return Case(f"{'x'.join(map(str, shape))}", (x, w))
+
+
+def bytes_moved(x: torch.Tensor, weight: torch.Tensor, *_: object, backward: bool = False) -> int:
+    """Fewest bytes: forward reads x and writes y; backward adds x, dy read and dx written."""
+    n = x.numel() * x.element_size()
+    return (5 if backward else 2) * n + weight.numel() * weight.element_size() * (3 if backward else 1)
+
+
+def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -> list[Case]:
+    """Awkward shapes and every option, sized for the CPU interpreter unless ``large``."""
+
+    def t(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, device=device, dtype=dtype).requires_grad_()
+
+    def w(n: int, wdtype: torch.dtype = dtype) -> torch.Tensor:
+        return (1 + 0.1 * torch.randn(n, device=device)).to(wdtype).requires_grad_()
+
+    out = [
+        Case("1x1", (t(1, 1), w(1))),
+        Case("3x7", (t(3, 7), w(7))),
+        Case("2x5x33", (t(2, 5, 33), w(33))),
+        Case("0x16", (t(0, 16), w(16))),
+        Case("6x128-llama", (t(6, 128), w(128)), {"casting": "llama"}),
+        Case("5x96-gemma", (t(5, 96), w(96)), {"offset": 1.0, "eps": 1e-5}),
+        Case("4x64-fp32w", (t(4, 64), w(64, torch.float32))),
+        Case("9x200-rowstrided", (t(18, 200)[::2], w(200))),
+        Case("7x64-colstrided", (t(7, 128)[:, ::2], w(128)[::2])),
+        Case("3x70001-long", (t(3, 70001), w(70001))),
+    ]
+    if large:
+        out += [
+            Case("16384x4096", (t(16384, 4096), w(4096))),
+            Case("4096x16384", (t(4096, 16384), w(16384))),
+            Case("1031x5120-llama", (t(1031, 5120), w(5120)), {"casting": "llama"}),
+            Case("64x262144", (t(64, 262144), w(262144))),
+        ]
+    return out
+
+
+_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
+
+IMPLS = [
+    KernelSpec(
+        OP_ID,
+        "torch",
+        "polykernel.backends.torch.rms_norm:rms_norm",
+        rank=100,
+        description="F.rms_norm (PyTorch's fused kernel) for casting='fp32', else the reference",
+    ),
+    KernelSpec(
+        OP_ID,
+        "triton",
+        "polykernel.backends.triton.rms_norm:rms_norm",
+        capabilities=frozenset({CapabilityRequirement.CUDA}),
+        requires_modules=("triton",),
+        format_signature=_TRITON_DTYPES,
+        rank=10,
+        description="one row per program (chunked for long rows); dW from per-program partials (deterministic)",
+    ),
+]
+
+_op = Op(
+    OP_ID,
+    fields=("device", "dtype", "needs_grad", "n", "weight_dtype"),
+    key=_key,
+    default_key=lambda device, dtype: (device, dtype, False, None, dtype),
+    reference=reference,
+    tolerances=TOLERANCES,
+    dtypes=(torch.float32, torch.bfloat16, torch.float16),
+    cases=cases,
+    example=example,
+    bytes_moved=bytes_moved,
+    impls=IMPLS,
+)

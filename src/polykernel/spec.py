@@ -1,0 +1,363 @@
+"""Kernel metadata: what an impl is, where it can run, how to load it.
+
+This module is importable without torch (``import polykernel.spec`` works on a machine with no
+torch at all), so registries, CLIs and docs tools can read impl metadata cheaply. Only
+:meth:`PlatformInfo.detect` touches torch, lazily, and it never raises.
+
+Example::
+
+    >>> from polykernel.spec import CapabilityRequirement, PlatformInfo
+    >>> hopper = PlatformInfo("cuda", 0, (9, 0), "NVIDIA H200")
+    >>> CapabilityRequirement.cuda(min_sm=90).is_satisfied_by(hopper)
+    True
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+__all__ = [
+    "KernelBackend",
+    "DeviceType",
+    "PlatformInfo",
+    "CapabilityRequirement",
+    "capabilities_satisfied",
+    "FormatSignature",
+    "KernelSpec",
+    "split_op_id",
+]
+
+
+class KernelBackend(str, Enum):
+    """Provenance of an impl: how it is built. Never the device it runs on."""
+
+    TORCH = "torch"
+    TORCH_COMPILE = "torch_compile"
+    TRITON = "triton"
+    CUTE_DSL = "cute_dsl"
+    CUTILE = "cutile"
+    CUDA_JIT = "cuda_jit"
+    LIGER = "liger"
+    QUACK = "quack"
+
+    def __str__(self) -> str:  # "triton", not "KernelBackend.TRITON", in messages
+        return self.value
+
+
+class DeviceType(str, Enum):
+    """Kind of device a tensor lives on (matches ``torch.device.type``)."""
+
+    CUDA = "cuda"
+    HIP = "hip"
+    NPU = "npu"
+    XPU = "xpu"
+    MPS = "mps"
+    CPU = "cpu"
+    META = "meta"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _device_type(value: DeviceType | str) -> DeviceType:
+    return value if isinstance(value, DeviceType) else DeviceType(str(value))
+
+
+@dataclass(frozen=True)
+class PlatformInfo:
+    """What a device is. ``cuda_arch`` is ``(major, minor)`` for CUDA devices, else None.
+
+    ``device_type`` is a :class:`DeviceType` value (``"cuda"``, ``"cpu"``, ...). ROCm devices,
+    which torch reports as ``cuda``, are reported as ``hip``.
+    """
+
+    device_type: str = "cpu"
+    device_index: int | None = None
+    cuda_arch: tuple[int, int] | None = None
+    name: str = "cpu"
+
+    @property
+    def device(self) -> DeviceType:
+        return _device_type(self.device_type)
+
+    @property
+    def sm(self) -> int | None:
+        """``cuda_arch`` as one number (``(9, 0)`` -> 90), or None."""
+        return None if self.cuda_arch is None else self.cuda_arch[0] * 10 + self.cuda_arch[1]
+
+    def __str__(self) -> str:
+        where = self.device_type if self.device_index is None else f"{self.device_type}:{self.device_index}"
+        arch = f", sm_{self.sm}" if self.cuda_arch else ""
+        return f"{where} ({self.name}{arch})"
+
+    @staticmethod
+    def detect(where: Any = None) -> PlatformInfo:
+        """Describe the device of ``where``: a tensor, a ``torch.device``, a string or None.
+
+        None means the current CUDA device if there is one, else the CPU. Never raises: anything
+        it cannot resolve is reported as the CPU platform.
+
+        >>> PlatformInfo.detect("cpu").device_type
+        'cpu'
+        """
+        try:
+            return _detect(where)
+        except Exception:  # noqa: BLE001 - the contract is "never raises"
+            return _CPU
+
+
+_CPU = PlatformInfo()
+_platform_memo: dict[tuple[str, int | None], PlatformInfo] = {}
+
+
+def _detect(where: Any) -> PlatformInfo:
+    try:
+        import torch
+    except ImportError:
+        return _CPU
+    if where is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    elif isinstance(where, torch.Tensor):
+        device = where.device
+    else:
+        device = torch.device(where)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device.type, device.index)
+    hit = _platform_memo.get(key)
+    if hit is not None:
+        return hit
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device.index)
+        if getattr(torch.version, "hip", None):
+            info = PlatformInfo("hip", device.index, None, props.name)
+        else:
+            info = PlatformInfo("cuda", device.index, (props.major, props.minor), props.name)
+    elif device.type == "cpu":
+        info = _CPU
+    else:
+        info = PlatformInfo(device.type, device.index, None, device.type)
+    _platform_memo[key] = info
+    return info
+
+
+@dataclass(frozen=True)
+class CapabilityRequirement:
+    """One place an impl can run: a device type and, for CUDA, an inclusive arch window.
+
+    >>> CapabilityRequirement.cuda(min_sm=80, max_sm=90).is_satisfied_by(PlatformInfo("cuda", 0, (10, 0), "B200"))
+    False
+    """
+
+    device: str = "cuda"
+    min_cuda_arch: tuple[int, int] | None = None
+    max_cuda_arch: tuple[int, int] | None = None
+
+    # Class constants (CUDA, HIP, NPU, CPU) are attached after the class body.
+
+    @staticmethod
+    def cuda(min_sm: int | tuple[int, int] | None = None, max_sm: int | tuple[int, int] | None = None) -> CapabilityRequirement:
+        """CUDA within an inclusive arch window; ``90`` and ``(9, 0)`` are the same arch."""
+        return CapabilityRequirement("cuda", _arch(min_sm), _arch(max_sm))
+
+    def is_satisfied_by(self, platform: PlatformInfo) -> bool:
+        return self.unmet_reason(platform) is None
+
+    def unmet_reason(self, platform: PlatformInfo) -> str | None:
+        """None when satisfied, else a short reason such as ``'sm_90 < required sm_100'``."""
+        want = str(_device_type(self.device))
+        if str(platform.device) != want:
+            return f"needs a {want.upper()} device" if want != "cpu" else "needs the CPU"
+        if want != "cuda":
+            return None
+        if platform.cuda_arch is None:
+            return "CUDA arch unknown"
+        if self.min_cuda_arch is not None and platform.cuda_arch < self.min_cuda_arch:
+            return f"sm_{_sm(platform.cuda_arch)} < required sm_{_sm(self.min_cuda_arch)}"
+        if self.max_cuda_arch is not None and platform.cuda_arch > self.max_cuda_arch:
+            return f"sm_{_sm(platform.cuda_arch)} > supported sm_{_sm(self.max_cuda_arch)}"
+        return None
+
+    def __str__(self) -> str:
+        if self.min_cuda_arch is None and self.max_cuda_arch is None:
+            return str(_device_type(self.device))
+        lo = f"sm_{_sm(self.min_cuda_arch)}" if self.min_cuda_arch else ""
+        hi = f"sm_{_sm(self.max_cuda_arch)}" if self.max_cuda_arch else ""
+        return f"cuda[{lo}..{hi}]"
+
+
+CapabilityRequirement.CUDA = CapabilityRequirement("cuda")  # type: ignore[attr-defined]
+CapabilityRequirement.HIP = CapabilityRequirement("hip")  # type: ignore[attr-defined]
+CapabilityRequirement.NPU = CapabilityRequirement("npu")  # type: ignore[attr-defined]
+CapabilityRequirement.XPU = CapabilityRequirement("xpu")  # type: ignore[attr-defined]
+CapabilityRequirement.CPU = CapabilityRequirement("cpu")  # type: ignore[attr-defined]
+
+
+def _arch(value: int | tuple[int, int] | None) -> tuple[int, int] | None:
+    if value is None or isinstance(value, tuple):
+        return value
+    return (int(value) // 10, int(value) % 10)
+
+
+def _sm(arch: tuple[int, int]) -> int:
+    return arch[0] * 10 + arch[1]
+
+
+def _as_caps(caps: CapabilityRequirement | Iterable[CapabilityRequirement] | None) -> tuple[CapabilityRequirement, ...]:
+    if caps is None:
+        return ()
+    if isinstance(caps, CapabilityRequirement):
+        return (caps,)
+    return tuple(caps)
+
+
+def capabilities_satisfied(
+    caps: CapabilityRequirement | Iterable[CapabilityRequirement] | None, platform: PlatformInfo
+) -> bool:
+    """OR over ``caps``; an empty set means unrestricted. A single requirement is accepted."""
+    reqs = _as_caps(caps)
+    return not reqs or any(r.is_satisfied_by(platform) for r in reqs)
+
+
+def capabilities_unmet_reason(
+    caps: CapabilityRequirement | Iterable[CapabilityRequirement] | None, platform: PlatformInfo
+) -> str | None:
+    """None when ``capabilities_satisfied``; else the reason of the closest requirement."""
+    reqs = _as_caps(caps)
+    if not reqs:
+        return None
+    reasons = [r.unmet_reason(platform) for r in reqs]
+    if any(r is None for r in reasons):
+        return None
+    # Prefer a reason about the platform's own device type (an arch window) over "needs X".
+    same = [r for req, r in zip(reqs, reasons) if str(_device_type(req.device)) == str(platform.device)]
+    return (same or reasons)[0]
+
+
+@dataclass(frozen=True)
+class FormatSignature:
+    """Data formats an impl accepts. Empty ``supported_dtypes`` means any floating dtype.
+
+    Dtypes are named as strings (``"bfloat16"``), so this stays torch-free; ``torch.bfloat16``
+    objects are accepted too and normalised.
+    """
+
+    supported_dtypes: tuple[str, ...] = ()
+    in_place: bool = False
+    supports_backward: bool = True
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        names = tuple(_dtype_name(d) for d in self.supported_dtypes)
+        object.__setattr__(self, "supported_dtypes", names)
+
+    def supports_dtype(self, dtype: Any) -> bool:
+        return not self.supported_dtypes or _dtype_name(dtype) in self.supported_dtypes
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+_TARGET = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+
+
+def split_op_id(op: str) -> tuple[str, str]:
+    """``"norm.rms_norm"`` -> ``("norm", "rms_norm")``; a bare name has group ``""``."""
+    group, _, name = op.rpartition(".")
+    return group, name
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One impl of one op. ``target`` is ``"module:attr"`` (attr may be dotted), loaded lazily.
+
+    ``predicate`` (optional, beyond the frozen contract fields) is a per-call check on the
+    argument class that the op computes for each call (dtype, sizes, ...): it returns None
+    when the impl can take those arguments, else a short reason. It must depend only on that
+    class, since decisions are memoized per class.
+
+    >>> spec = KernelSpec("norm.rms_norm", "triton", "polykernel.backends.triton.rms_norm:rms_norm")
+    >>> spec.group, spec.name
+    ('norm', 'triton')
+    """
+
+    op: str
+    backend: KernelBackend | str
+    target: str
+    capabilities: frozenset[CapabilityRequirement] = frozenset()
+    requires_modules: tuple[str, ...] = ()
+    format_signature: FormatSignature = FormatSignature()
+    rank: int = 100
+    deterministic: bool = True
+    cuda_graph_safe: bool = True
+    description: str = ""
+    predicate: Callable[[Any], str | None] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", KernelBackend(self.backend))
+        object.__setattr__(self, "capabilities", frozenset(_as_caps(self.capabilities)))
+        object.__setattr__(self, "requires_modules", tuple(self.requires_modules))
+
+    @property
+    def group(self) -> str:
+        return split_op_id(self.op)[0]
+
+    @property
+    def name(self) -> str:
+        """The impl's name: its backend value, unique per op."""
+        return self.backend.value  # type: ignore[union-attr]
+
+    def load(self) -> Callable[..., Any]:
+        """Import the target module and return the callable (``ValueError`` if malformed)."""
+        if not isinstance(self.target, str) or not _TARGET.match(self.target):
+            raise ValueError(f"KernelSpec target {self.target!r} is not of the form 'module:attr'")
+        module_name, _, attr = self.target.partition(":")
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def missing_modules(self) -> list[str]:
+        """Required modules that cannot be found (metadata only: nothing is imported)."""
+        return [m for m in self.requires_modules if not _module_findable(m)]
+
+    def is_available(self, platform: PlatformInfo) -> bool:
+        """Metadata-only check: capabilities and required modules (no import, no predicate)."""
+        return self.unavailable_reason(platform) is None
+
+    def unavailable_reason(self, platform: PlatformInfo) -> str | None:
+        reason = capabilities_unmet_reason(self.capabilities, platform)
+        if reason is not None and not (self.backend is KernelBackend.TRITON and triton_interpret_allows(platform)):
+            return reason
+        missing = self.missing_modules()
+        if missing:
+            return f"module {missing[0]!r} not installed"
+        return None
+
+
+def triton_interpret_allows(platform: PlatformInfo) -> bool:
+    """With ``TRITON_INTERPRET=1`` Triton kernels run on CPU tensors through the interpreter."""
+    return str(platform.device) == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_findable: dict[str, bool] = {}
+
+
+def _module_findable(name: str) -> bool:
+    hit = _findable.get(name)
+    if hit is None:
+        try:
+            import importlib.util
+
+            hit = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a missing parent package raises here
+            hit = False
+        _findable[name] = hit
+    return hit

@@ -1,0 +1,196 @@
+"""Parity harness and pytest helpers (public: use them for your own impls too).
+
+``check_parity`` runs an op's impls on the op's own parity cases (or yours) and compares the
+forward outputs and the gradients of every input that requires grad with the op's torch
+reference, using the op's per-dtype tolerances::
+
+    >>> from polykernel.testing import assert_parity
+    >>> assert_parity("rms_norm", impls=["torch"], device="cpu")  # raises AssertionError on a mismatch
+
+The pytest fixture ``polykernel_reset`` (import it into a conftest) gives each test a clean
+dispatcher: no ``set_impl`` settings, no memoized decisions or fault marks, no tuned entries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import dispatch, registry
+from .op import Case, Op, Tol
+
+__all__ = ["ParityResult", "check_parity", "assert_parity", "runnable_impls", "fresh", "isolated", "polykernel_reset"]
+
+
+@dataclass
+class ParityResult:
+    op: str
+    impl: str
+    case: str
+    dtype: str
+    ok: bool
+    forward_error: float  # max |out - ref| / (atol + rtol |ref|): <= 1 passes
+    backward_error: float
+    message: str = ""
+
+    def __str__(self) -> str:
+        status = "ok" if self.ok else "FAIL"
+        return (
+            f"{status:4} {self.op} [{self.impl}] {self.case} {self.dtype}: "
+            f"fwd {self.forward_error:.3g}, bwd {self.backward_error:.3g} (x tolerance){' - ' + self.message if self.message else ''}"
+        )
+
+
+def fresh(value: Any) -> Any:
+    """A leaf copy of a tensor with the same shape, strides, dtype and requires_grad."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    leaf = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+    with torch.no_grad():
+        leaf.copy_(value.detach())
+    return leaf.requires_grad_(value.requires_grad)
+
+
+def _as_tuple(out: Any) -> tuple[Any, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _ratio(out: torch.Tensor, ref: torch.Tensor, tol: Tol) -> tuple[float, str]:
+    """Worst |out - ref| / (atol + rtol |ref|); NaN/inf must match the reference exactly."""
+    if out.shape != ref.shape:
+        return float("inf"), f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    if out.dtype != ref.dtype:
+        return float("inf"), f"dtype {out.dtype} != reference {ref.dtype}"
+    if out.numel() == 0:
+        return 0.0, ""
+    o, r = out.detach().double(), ref.detach().double()
+    o_bad, r_bad = ~torch.isfinite(o), ~torch.isfinite(r)
+    if not torch.equal(o_bad, r_bad) or not torch.equal(o[o_bad].nan_to_num(), r[r_bad].nan_to_num()):
+        return float("inf"), "non-finite values differ from the reference"
+    ok = ~r_bad
+    err = (o[ok] - r[ok]).abs() / (tol.atol + tol.rtol * r[ok].abs())
+    return (err.max().item() if err.numel() else 0.0), ""
+
+
+def runnable_impls(op: str | Op, device: torch.device | str, dtype: torch.dtype) -> list[str]:
+    return dispatch.available_impls(registry.get_op(op).id, device=device, dtype=dtype)
+
+
+def check_parity(
+    op: str | Op,
+    impls: Sequence[str] | None = None,
+    *,
+    device: torch.device | str = "cpu",
+    dtypes: Sequence[torch.dtype] | None = None,
+    cases: Sequence[Case] | None = None,
+    large: bool = False,
+    backward: bool = True,
+    seed: int = 0,
+) -> list[ParityResult]:
+    """Compare impls with the op's reference, forward and backward, on every case and dtype.
+
+    ``impls`` defaults to every impl runnable on ``device``; ``cases`` to the op's own
+    (``large=True`` adds its full-size GPU cases). Inputs are drawn fresh per case and dtype.
+    """
+    the_op = registry.get_op(op)
+    results: list[ParityResult] = []
+    for dtype in dtypes or the_op.dtypes:
+        names = list(impls) if impls is not None else runnable_impls(the_op, device, dtype)
+        torch.manual_seed(seed)
+        for case in cases if cases is not None else the_op.cases(device, dtype, large) if large else the_op.cases(device, dtype):
+            for name in names:
+                results.append(_one(the_op, name, case, dtype, backward))
+    return results
+
+
+def _one(op: Op, impl: str, case: Case, dtype: torch.dtype, backward: bool) -> ParityResult:
+    public = _public_fn(op)
+    label = dict(op=op.id, impl=impl, case=case.label, dtype=str(dtype).removeprefix("torch."))
+    args_impl = [fresh(a) for a in case.args]
+    args_ref = [fresh(a) for a in case.args]
+    try:
+        out = _as_tuple(public(*args_impl, impl=impl, **case.kwargs))
+    except Exception as exc:  # noqa: BLE001 - reported as a failed result
+        return ParityResult(**label, ok=False, forward_error=float("inf"), backward_error=float("nan"), message=f"raised {type(exc).__name__}: {exc}")
+    ref = _as_tuple(op.reference(*args_ref, **case.kwargs))
+    fwd_err, messages = 0.0, []
+    if len(out) != len(ref):
+        return ParityResult(**label, ok=False, forward_error=float("inf"), backward_error=float("nan"), message="output count differs")
+    for o, r in zip(out, ref):
+        if isinstance(r, torch.Tensor):
+            e, m = _ratio(o, r, op.tolerances.fwd(dtype))
+            fwd_err = max(fwd_err, e)
+            if m:
+                messages.append(m)
+    bwd_err = 0.0
+    if backward:
+        pairs = [(o, r) for o, r in zip(out, ref) if isinstance(r, torch.Tensor) and r.requires_grad]
+        leaves = [(i, a) for i, a in enumerate(args_impl) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if pairs and leaves:
+            cot = [torch.randn_like(r, dtype=r.dtype) if r.is_floating_point() else None for _, r in pairs]
+            try:
+                g_out = torch.autograd.grad([o for o, _ in pairs], [a for _, a in leaves], cot, allow_unused=True)
+            except Exception as exc:  # noqa: BLE001
+                return ParityResult(**label, ok=False, forward_error=fwd_err, backward_error=float("inf"), message=f"backward raised {type(exc).__name__}: {exc}")
+            g_ref = torch.autograd.grad([r for _, r in pairs], [args_ref[i] for i, _ in leaves], cot, allow_unused=True)
+            for (i, _), go, gr in zip(leaves, g_out, g_ref):
+                if gr is None:
+                    continue
+                if go is None:
+                    messages.append(f"no gradient for argument {i}")
+                    bwd_err = float("inf")
+                    continue
+                e, m = _ratio(go, gr, op.tolerances.bwd(dtype))
+                bwd_err = max(bwd_err, e)
+                if m:
+                    messages.append(f"grad {i}: {m}")
+    ok = fwd_err <= 1.0 and bwd_err <= 1.0 and not messages
+    return ParityResult(**label, ok=ok, forward_error=fwd_err, backward_error=bwd_err, message="; ".join(messages))
+
+
+def _public_fn(op: Op) -> Any:
+    import polykernel
+
+    return getattr(polykernel, op.name)
+
+
+def assert_parity(op: str | Op, impls: Sequence[str] | None = None, **kwargs: Any) -> list[ParityResult]:
+    """``check_parity`` that raises ``AssertionError`` listing every failing case."""
+    results = check_parity(op, impls, **kwargs)
+    failed = [r for r in results if not r.ok]
+    if failed:
+        raise AssertionError(f"{len(failed)} of {len(results)} parity checks failed:\n" + "\n".join(map(str, failed)))
+    if not results:
+        raise AssertionError(f"no parity check ran for {op} (no runnable impl or no case)")
+    return results
+
+
+@contextlib.contextmanager
+def isolated() -> Iterator[None]:
+    """Run a block with a clean dispatcher state and restore the previous settings after."""
+    saved = dict(dispatch._global)
+    dispatch._global.clear()
+    dispatch.clear_caches()
+    try:
+        yield
+    finally:
+        dispatch._global.clear()
+        dispatch._global.update(saved)
+        dispatch.clear_caches()
+
+
+try:
+    import pytest
+
+    @pytest.fixture
+    def polykernel_reset() -> Iterator[None]:
+        """pytest fixture: a clean dispatcher for the test (settings, memo, faults, tuning)."""
+        with isolated():
+            yield
+
+except ImportError:  # pytest is a test-time extra
+    pass

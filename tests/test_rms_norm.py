@@ -1,0 +1,74 @@
+"""rms_norm: parity of every runnable impl with the reference, and argument errors."""
+
+import pytest
+import torch
+
+import polykernel
+from polykernel.errors import OpArgumentError, OpTypeError
+from polykernel.testing import assert_parity, runnable_impls
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_parity_cpu(impl, dtype):
+    if impl not in runnable_impls("rms_norm", "cpu", dtype):
+        pytest.skip(f"{impl} not runnable on the CPU here")
+    assert_parity("rms_norm", [impl], device="cpu", dtypes=[dtype])
+
+
+def test_float64_uses_torch_and_matches_reference():
+    x, w = torch.randn(3, 10, dtype=torch.float64), torch.randn(10, dtype=torch.float64)
+    assert polykernel.explain("rms_norm", x, w).chosen == "torch"
+    from polykernel.ops.rms_norm import reference
+
+    torch.testing.assert_close(polykernel.rms_norm(x, w), reference(x, w), rtol=0, atol=0)
+
+
+def test_casting_modes_differ_in_bf16():
+    # The two castings are different functions: a test that could not tell them apart is useless.
+    x = torch.randn(64, 256, dtype=torch.bfloat16)
+    w = (1 + torch.randn(256)).to(torch.bfloat16)
+    a = polykernel.rms_norm(x, w, casting="fp32", impl="torch")
+    b = polykernel.rms_norm(x, w, casting="llama", impl="torch")
+    assert not torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, exc, words",
+    [
+        ((torch.randn(4, 8), torch.ones(7)), {}, OpArgumentError, "'weight'"),
+        ((torch.randn(4, 8), torch.ones(8, 1)), {}, OpArgumentError, "'weight'"),
+        ((torch.randn(4, 8).int(), torch.ones(8)), {}, OpTypeError, "'x'"),
+        (([1.0, 2.0], torch.ones(2)), {}, OpTypeError, "'x'"),
+        ((torch.randn(4, 8), torch.ones(8)), {"eps": -1.0}, OpArgumentError, "'eps'"),
+        ((torch.randn(4, 8), torch.ones(8)), {"casting": "bf16"}, OpArgumentError, "'casting'"),
+        ((torch.randn(4, 8), torch.ones(8)), {"offset": float("nan")}, OpArgumentError, "'offset'"),
+        ((torch.randn(()), torch.ones(1)), {}, OpArgumentError, "'x'"),
+        ((torch.randn(4, 8), torch.ones(8, device="meta")), {}, OpArgumentError, "'weight'"),
+    ],
+)
+def test_bad_input_names_op_and_argument(args, kwargs, exc, words):
+    with pytest.raises(exc) as info:
+        polykernel.rms_norm(*args, **kwargs)
+    assert "norm.rms_norm" in str(info.value) and words in str(info.value)
+
+
+def test_triton_backward_is_deterministic():
+    if "triton" not in runnable_impls("rms_norm", "cpu", torch.float32):
+        pytest.skip("triton not runnable here")
+    x = torch.randn(67, 96, requires_grad=True)
+    w = torch.randn(96, requires_grad=True)
+    g = torch.randn(67, 96)
+    grads = []
+    for _ in range(2):
+        gx, gw = torch.autograd.grad(polykernel.rms_norm(x, w, impl="triton"), (x, w), g)
+        grads.append((gx, gw))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_parity_gpu_large(dtype):
+    assert_parity("rms_norm", device="cuda", dtypes=[dtype], large=True)
