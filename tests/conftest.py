@@ -16,6 +16,12 @@ except ImportError:  # the torch-free spec tests still run
 
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Import triton now, while TRITON_INTERPRET=1: a later first import (torch imports it from
+    # e.g. use_deterministic_algorithms) under a test's TRITON_INTERPRET=0 would fix the mode.
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pass
 
 from polykernel.testing import polykernel_reset  # noqa: E402,F401  (fixture)
 

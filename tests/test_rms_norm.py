@@ -72,3 +72,26 @@ def test_triton_backward_is_deterministic():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_parity_gpu_large(dtype):
     assert_parity("rms_norm", device="cuda", dtypes=[dtype], large=True)
+
+
+def test_inline_key_matches_op_key():
+    # rms_norm builds its argument class inline for speed; it must equal the op's key function.
+    from polykernel import registry
+
+    op = registry.get_op("rms_norm")
+    x, w = torch.randn(3, 8, requires_grad=True), torch.randn(8)
+    polykernel.clear_caches()
+    polykernel.rms_norm(x, w, 1e-5, offset=1.0, casting="llama")
+    (memo_key,) = op._memo
+    assert memo_key[0] == op.key(x, w, 1e-5, offset=1.0, casting="llama")
+
+
+def test_validation_is_not_skipped_for_a_new_invalid_class():
+    x = torch.randn(4, 8)
+    polykernel.rms_norm(x, torch.ones(8))
+    with pytest.raises(OpArgumentError, match="'weight'"):
+        polykernel.rms_norm(x, torch.ones(8, device="meta"))
+    with pytest.raises(OpArgumentError, match="'eps'"):
+        polykernel.rms_norm(x, torch.ones(8), -1.0)
+    with pytest.raises(OpArgumentError, match="'eps'"):  # the same bad class twice: still raises
+        polykernel.rms_norm(x, torch.ones(8), -1.0)

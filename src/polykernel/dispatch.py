@@ -339,7 +339,8 @@ def _resolve(op: Op, key: tuple[Any, ...]) -> Decision:
         if hit is not None:
             return hit
     # 4. set_impl
-    if op.id in _global:
+    broken = _broken.get((op.id, argkey), {})
+    if op.id in _global and not all(n in broken for n in _global[op.id]):  # broken: step 7 moves on
         names = _global[op.id]
         if len(names) == 1:
             chosen = strict(names[0], "global")

@@ -171,8 +171,13 @@ def assert_parity(op: str | Op, impls: Sequence[str] | None = None, **kwargs: An
 
 @contextlib.contextmanager
 def isolated() -> Iterator[None]:
-    """Run a block with a clean dispatcher state and restore the previous settings after."""
+    """Run a block with a clean dispatcher state; restore settings and registrations after.
+
+    Impls registered inside the block (``register_impl``) are removed again on exit.
+    """
     saved = dict(dispatch._global)
+    specs = {op: dict(table) for op, table in registry._specs.items()}
+    preloaded = dict(registry._preloaded)
     dispatch._global.clear()
     dispatch.clear_caches()
     try:
@@ -180,6 +185,13 @@ def isolated() -> Iterator[None]:
     finally:
         dispatch._global.clear()
         dispatch._global.update(saved)
+        with registry._lock:
+            for op, table in registry._specs.items():
+                if op in specs:  # ops first imported inside the block keep their built-in impls
+                    table.clear()
+                    table.update(specs[op])
+            registry._preloaded.clear()
+            registry._preloaded.update(preloaded)
         dispatch.clear_caches()
 
 

@@ -42,8 +42,14 @@ def validate(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, c
     check.choice(OP_ID, "casting", casting, CASTINGS)
 
 
-def _key(x: torch.Tensor, weight: torch.Tensor, *_: object, **__: object) -> tuple:
-    return (x.device, x.dtype, check.needs_grad(x, weight), x.shape[-1], weight.dtype)
+_grad_enabled = torch.is_grad_enabled
+
+
+def _key(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0, casting: str = "fp32") -> tuple:
+    """The argument class. It holds everything validity depends on, so `validate` runs once per
+    class (on the memo miss), not per call. `rms_norm` inlines this tuple: keep the two equal."""
+    needs_grad = (x.requires_grad or weight.requires_grad) and _grad_enabled()
+    return (x.device, x.dtype, needs_grad, x.shape[-1], weight.dtype, weight.shape, weight.device, eps, offset, casting)
 
 
 _op: Op  # defined below, after the public function it serves
@@ -66,8 +72,14 @@ def rms_norm(
     torch.Size([4, 8])
     >>> y = polykernel.rms_norm(x, w, offset=1.0, impl="torch")  # Gemma style, forced impl
     """
-    validate(x, weight, eps, offset, casting)
-    return _op.call(impl, (x.device, x.dtype, check.needs_grad(x, weight), x.shape[-1], weight.dtype), x, weight, eps, offset, casting)
+    try:  # the hot path: build the argument class inline (see _key); validation is memoized on it
+        key = (
+            x.device, x.dtype, (x.requires_grad or weight.requires_grad) and _grad_enabled(), x.shape[-1],
+            weight.dtype, weight.shape, weight.device, eps, offset, casting,
+        )  # fmt: skip
+    except Exception:  # not tensors, 0-d x, unhashable option: validate() names the problem
+        key = None
+    return _op.call(impl, key, x, weight, eps, offset, casting)
 
 
 # -- tolerances: measured errors of the impls against `reference`, with headroom ----------------
@@ -159,9 +171,10 @@ IMPLS = [
 
 _op = Op(
     OP_ID,
-    fields=("device", "dtype", "needs_grad", "n", "weight_dtype"),
+    fields=("device", "dtype", "needs_grad", "n", "weight_dtype", "weight_shape", "weight_device", "eps", "offset", "casting"),
     key=_key,
-    default_key=lambda device, dtype: (device, dtype, False, None, dtype),
+    default_key=lambda device, dtype: (device, dtype, False, None, dtype, None, device, 1e-6, 0.0, "fp32"),
+    validate=validate,
     reference=reference,
     tolerances=TOLERANCES,
     dtypes=(torch.float32, torch.bfloat16, torch.float16),

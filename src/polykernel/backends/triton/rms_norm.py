@@ -154,20 +154,33 @@ def _rms_bwd_chunked_kernel(
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def _tile(n: int) -> tuple[int, int, int]:
-    """(BLOCK_N, ROWS, num_warps) for rows that fit one block: ~4K elements per program."""
+# Launch settings. benchmarks/sweep_rms_norm.py overrides these to measure alternatives.
+TUNE = {
+    "fwd_tile_elems": 4096,  # elements per program for short rows (ROWS = this // BLOCK_N)
+    "fwd_warps": None,  # None: by tile size (below)
+    "bwd_tile_elems": 4096,
+    "bwd_warps": None,
+    "bwd_programs_per_sm": 2,
+}
+
+
+def _tile(n: int, elems: int, warps: int | None) -> tuple[int, int, int]:
+    """(BLOCK_N, ROWS, num_warps) for rows that fit one block."""
     block_n = triton.next_power_of_2(max(n, 1))
-    rows = max(1, min(32, 4096 // block_n))
-    warps = 4 if block_n * rows <= 2048 else 8 if block_n <= 4096 else 16
+    rows = max(1, min(32, elems // block_n))
+    if warps is None:
+        warps = 4 if block_n * rows <= 2048 else 8 if block_n <= 4096 else 16
     return block_n, rows, warps
 
 
 @functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+
+
 def _programs(device: torch.device) -> int:
-    """Persistent-grid size for the backward: 2 programs per SM on GPU, 4 on the interpreter."""
-    if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    """Persistent-grid size of the backward."""
+    return TUNE["bwd_programs_per_sm"] * _sm_count(device)
 
 
 def _as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -184,7 +197,7 @@ def rms_norm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, offset:
     if m == 0 or n == 0:
         return y, rstd.fill_(0)
     if n <= MAX_FUSED_N:
-        block_n, rows, warps = _tile(n)
+        block_n, rows, warps = _tile(n, TUNE["fwd_tile_elems"], TUNE["fwd_warps"])
         _rms_fwd_kernel[(triton.cdiv(m, rows),)](
             x2, weight, y, rstd, m, n, x2.stride(0), y.stride(0), eps, offset,
             BLOCK_N=block_n, ROWS=rows, LLAMA=llama, num_warps=warps,
@@ -205,22 +218,25 @@ def rms_norm_backward(
     dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     if m == 0 or n == 0:
         return dx, torch.zeros_like(weight)
-    progs = min(_programs(x2.device), m)
-    part = torch.zeros((progs, n), dtype=torch.float32, device=x2.device)
+    # Host work here is on the critical path of small steps (measured on the H200 host: a Triton
+    # launch costs ~20 us, each extra torch op ~5-10 us), so allocate exactly and skip no-op casts.
     if n <= MAX_FUSED_N:
-        block_n, rows, warps = _tile(n)
-        progs = min(progs, triton.cdiv(m, rows))
-        part = part[:progs]
+        block_n, rows, warps = _tile(n, TUNE["bwd_tile_elems"], TUNE["bwd_warps"])
+        progs = min(_programs(x2.device), triton.cdiv(m, rows))
+        part = torch.empty((progs, n), dtype=torch.float32, device=x2.device)  # every program writes its row
         _rms_bwd_kernel[(progs,)](
             x2, weight, dy2, rstd, dx, part, m, n, x2.stride(0), dy2.stride(0), dx.stride(0), offset,
             BLOCK_N=block_n, ROWS=rows, LLAMA=llama, DTYPE_OUT=_TL_DTYPE[x2.dtype], num_warps=warps,
         )
     else:
+        progs = min(_programs(x2.device), m)
+        part = torch.zeros((progs, n), dtype=torch.float32, device=x2.device)  # read-modify-write
         _rms_bwd_chunked_kernel[(progs,)](
             x2, weight, dy2, rstd, dx, part, m, n, x2.stride(0), dy2.stride(0), dx.stride(0), offset,
             CHUNK=CHUNK_N, LLAMA=llama, DTYPE_OUT=_TL_DTYPE[x2.dtype], num_warps=16,
         )
-    return dx, part.sum(0).to(weight.dtype)
+    dw = part.sum(0)
+    return dx, dw if weight.dtype == torch.float32 else dw.to(weight.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,52 @@
+"""Host (CPU) time per call of GPU launches, without synchronizing: what limits small, fast steps.
+
+    PYTHONPATH=src python benchmarks/host_overhead.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+import polykernel
+from polykernel.backends.triton import rms_norm as tk
+
+
+def host_us(fn, n: int = 2000) -> float:
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t) / n * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def main() -> None:
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    dy = torch.randn_like(x)
+    y, rstd = tk.rms_norm_forward(x, w, 1e-6, 0.0, False)
+    rows = {
+        "empty_like (one torch op)": lambda: torch.empty_like(x),
+        "F.rms_norm": lambda: F.rms_norm(x, (4096,), w, 1e-6),
+        "polykernel.rms_norm torch impl": lambda: polykernel.rms_norm(x, w, impl="torch"),
+        "triton launcher rms_norm_forward": lambda: tk.rms_norm_forward(x, w, 1e-6, 0.0, False),
+        "polykernel.rms_norm triton (no grad)": lambda: polykernel.rms_norm(x, w, impl="triton"),
+        "triton launcher rms_norm_backward": lambda: tk.rms_norm_backward(dy, x, w, rstd, 0.0, False),
+        "fwd+bwd triton via autograd": lambda: torch.autograd.grad(polykernel.rms_norm(xg, wg, impl="triton"), (xg, wg), dy),
+        "fwd+bwd torch via autograd": lambda: torch.autograd.grad(polykernel.rms_norm(xg, wg, impl="torch"), (xg, wg), dy),
+    }
+    for name, fn in rows.items():
+        print(f"{name:<40} {host_us(fn):7.1f} us host per call")
+
+
+if __name__ == "__main__":
+    main()

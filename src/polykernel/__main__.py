@@ -1,0 +1,5 @@
+"""python -m polykernel"""
+
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,274 @@
+"""``embedding.rope``: rotary position embedding, Hugging Face rotate-half convention.
+
+``q_rot = q · cos + rotate_half(q) · sin`` (same for k), where ``rotate_half(x) =
+cat(-x[..., D/2:], x[..., :D/2])``. q is ``[B, Hq, T, D]``, k is ``[B, Hk, T, D]`` (grouped-query
+attention: ``Hq != Hk`` is fine), cos/sin are ``[B or 1, T, D]`` and broadcast over the heads (a
+batch of 1 also broadcasts over B). Math in fp32; each result has its input's dtype. The gradient
+of q (and k) is the transposed rotation: ``dq = g · cos - rotate_half(g · sin)``. Gradients of
+cos/sin (rarely wanted: they are usually buffers) come from autograd in the torch impl; impls
+that do not compute them are excluded by a predicate on the ``rot_grad`` field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..op import Case, Op, Tol, Tolerances
+from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
+from . import _checks as check
+
+OP_ID = "embedding.rope"
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``cat(-x[..., D/2:], x[..., :D/2])`` (Hugging Face's ``rotate_half``)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The semantics, in plain torch (fp32 math; fp64 stays fp64).
+
+    cos/sin are converted once and shared by q and k, so their gradients (when they require
+    grad) are summed over both in fp32 and rounded once."""
+    tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        acc = torch.promote_types(x.dtype, torch.float32)
+        if acc not in tables:
+            tables[acc] = (cos.unsqueeze(1).to(acc), sin.unsqueeze(1).to(acc))
+        c, s = tables[acc]
+        xf = x.to(acc)
+        return (xf * c + rotate_half(xf) * s).to(x.dtype)
+
+    return rot(q), rot(k)
+
+
+def validate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k)):
+        check.tensor(OP_ID, name, t)
+        check.floating(OP_ID, name, t)
+        if t.dim() != 4:
+            raise check.OpArgumentError(OP_ID, name, f"expected 4 dimensions [B, H, T, D], got shape {tuple(t.shape)}")
+    b, _, t_len, d = q.shape
+    if k.shape[0] != b or k.shape[2] != t_len or k.shape[3] != d:
+        raise check.OpArgumentError(OP_ID, "k", f"expected shape [{b}, Hk, {t_len}, {d}] (q's B, T and D), got {tuple(k.shape)}")
+    if d == 0 or d % 2:
+        raise check.OpArgumentError(OP_ID, "q", f"expected a positive even head dim D, got D={d} (shape {tuple(q.shape)})")
+    for name, t in (("cos", cos), ("sin", sin)):
+        check.tensor(OP_ID, name, t)
+        check.floating(OP_ID, name, t)
+        if t.dim() != 3 or t.shape[0] not in (1, b) or t.shape[1] != t_len or t.shape[2] != d:
+            raise check.OpArgumentError(OP_ID, name, f"expected shape [{b} or 1, {t_len}, {d}] ([B or 1, T, D] of q), got {tuple(t.shape)}")
+    if sin.shape != cos.shape:
+        raise check.OpArgumentError(OP_ID, "sin", f"expected cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
+    check.same_device(OP_ID, "k", k, "q", q)
+    check.same_device(OP_ID, "cos", cos, "q", q)
+    check.same_device(OP_ID, "sin", sin, "q", q)
+
+
+def _argkey(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+    grad = torch.is_grad_enabled()
+    rot_grad = grad and (cos.requires_grad or sin.requires_grad)
+    needs = rot_grad or (grad and (q.requires_grad or k.requires_grad))
+    return (q.device, q.dtype, needs, rot_grad, k.dtype)
+
+
+def _key(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *_: object, **__: object) -> tuple:
+    return _argkey(q, k, cos, sin)
+
+
+_op: Op  # defined below, after the public function it serves
+
+
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    impl: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply rotary position embedding to ``q`` and ``k``; returns ``(q_rot, k_rot)``.
+
+    >>> import torch, polykernel
+    >>> q, k = torch.randn(2, 8, 16, 64), torch.randn(2, 2, 16, 64)  # 8 query heads, 2 kv heads
+    >>> cos, sin = torch.randn(1, 16, 64), torch.randn(1, 16, 64)
+    >>> q_rot, k_rot = polykernel.rope(q, k, cos, sin)
+    >>> q_rot.shape, k_rot.shape
+    (torch.Size([2, 8, 16, 64]), torch.Size([2, 2, 16, 64]))
+    """
+    if not _valid(q, k, cos, sin):
+        validate(q, k, cos, sin)  # raises the error that names the argument
+    return _op.call(impl, _argkey(q, k, cos, sin), q, k, cos, sin)
+
+
+_FLOATING = frozenset(check.FLOATING)
+
+
+def _valid(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """The hot path's check: the same conditions as `validate` in a few µs less (shapes vary with
+    T on every call, so validation cannot be memoized on the argument class)."""
+    try:
+        qs, ks, cs = q.shape, k.shape, cos.shape
+        return (
+            len(qs) == 4 and len(ks) == 4 and len(cs) == 3
+            and ks[0] == qs[0] and ks[2] == qs[2] and ks[3] == qs[3] and qs[3] > 0 and qs[3] % 2 == 0
+            and (cs[0] == 1 or cs[0] == qs[0]) and cs[1] == qs[2] and cs[2] == qs[3] and sin.shape == cs
+            and q.dtype in _FLOATING and k.dtype in _FLOATING and cos.dtype in _FLOATING and sin.dtype in _FLOATING
+            and q.device == k.device == cos.device == sin.device
+            and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)
+        )  # fmt: skip
+    except Exception:  # not tensors: `validate` names the problem
+        return False
+
+
+# -- tolerances: measured errors of the impls against `reference`, with headroom ----------------
+# Each output element is a·b ± c·d in fp32, rounded once to the output dtype. A kernel may fuse a
+# multiply-add (one fp32 rounding fewer than the reference): the fp32 results then differ by up to
+# one fp32 ulp of the larger product (|x|·|cos| < 8 for randn inputs: < 4.8e-7 absolute), which can
+# flip the final rounding by 1 ulp of the output dtype: bf16 <= 2^-7 relative, fp16 <= 2^-10
+# (Triton's interpreter also rounds fp32 -> bf16 differently from torch: measured 0.97 of the bf16
+# tolerance, i.e. exactly 1 ulp). The backward has the same form (g·cos ∓ g·sin): same tolerances.
+_TOL = {
+    torch.float32: Tol(atol=1e-6, rtol=1e-6),
+    torch.float64: Tol(atol=1e-12, rtol=1e-12),
+    torch.bfloat16: Tol(atol=1e-5, rtol=8e-3),
+    torch.float16: Tol(atol=1e-6, rtol=1e-3),
+}
+TOLERANCES = Tolerances(forward=dict(_TOL), backward=dict(_TOL))
+
+
+def _rope_tables(
+    b: int, t: int, d: int, dtype: torch.dtype, device: torch.device | str, base: float = 10000.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face style cos/sin ``[b, t, d]`` (``cat(freqs, freqs)``), positions offset per batch."""
+    inv = 1.0 / base ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
+    pos = torch.arange(t, device=device, dtype=torch.float32)[None, :] + 7.0 * torch.arange(b, device=device)[:, None]
+    freqs = pos[..., None] * inv
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, requires_grad: bool = False) -> Case:
+    """Random arguments for a q shape ``[B, Hq, T, D]``; k gets ``max(1, Hq // 4)`` heads (GQA)."""
+    b, hq, t, d = shape
+    hk = max(1, hq // 4)
+    q = torch.randn(shape, dtype=dtype, device=device, requires_grad=requires_grad)
+    k = torch.randn((b, hk, t, d), dtype=dtype, device=device, requires_grad=requires_grad)
+    cos, sin = _rope_tables(1, t, d, dtype, device)
+    return Case(f"{'x'.join(map(str, shape))}-k{hk}", (q, k, cos, sin))
+
+
+def bytes_moved(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *_: object, backward: bool = False) -> int:
+    """Fewest bytes: forward reads q, k, cos, sin and writes q_rot, k_rot; the backward moves the
+    same again (reads dq_rot, dk_rot, cos, sin; writes dq, dk)."""
+    n = 2 * (q.numel() * q.element_size() + k.numel() * k.element_size())
+    n += cos.numel() * cos.element_size() + sin.numel() * sin.element_size()
+    return 2 * n if backward else n
+
+
+def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -> list[Case]:
+    """Awkward shapes and layouts, sized for the CPU interpreter unless ``large``."""
+
+    def t(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, device=device, dtype=dtype).requires_grad_()
+
+    def tables(b: int, tl: int, d: int, cdtype: torch.dtype = dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return _rope_tables(b, tl, d, cdtype, device)
+
+    def rand_tables(b: int, tl: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # halves that differ: catches a kernel that assumes cos[:D/2] == cos[D/2:]
+        return torch.rand(b, tl, d, device=device).to(dtype) * 2 - 1, torch.rand(b, tl, d, device=device).to(dtype) * 2 - 1
+
+    def hf(b: int, tl: int, h: int, d: int) -> torch.Tensor:
+        # how HF models produce q/k: a [B, T, H*D] projection viewed [B, T, H, D], transposed
+        return t(b, tl, h * d).view(b, tl, h, d).transpose(1, 2)
+
+    qkv = t(2, 9, (4 + 2 * 2) * 16)  # a fused QKV projection: q and k are strided views of it
+    out = [
+        Case("1x1x1x2-D2", (t(1, 1, 1, 2), t(1, 1, 1, 2), *tables(1, 1, 2))),
+        Case("2x4x1x64-T1", (t(2, 4, 1, 64), t(2, 2, 1, 64), *tables(1, 1, 64))),
+        Case("1x3x7x32-B1", (t(1, 3, 7, 32), t(1, 3, 7, 32), *tables(1, 7, 32))),
+        Case("3x4x5x16-cosB", (t(3, 4, 5, 16), t(3, 1, 5, 16), *tables(3, 5, 16))),
+        Case("2x6x13x24-gqa", (t(2, 6, 13, 24), t(2, 2, 13, 24), *tables(1, 13, 24))),
+        Case("2x4x11x20-randtables", (t(2, 4, 11, 20), t(2, 3, 11, 20), *rand_tables(2, 11, 20))),
+        Case("2x8x33x64-hf-transposed", (hf(2, 33, 8, 64), hf(2, 33, 2, 64), *tables(2, 33, 64))),
+        Case(
+            "2x4x9x16-fused-qkv",
+            (
+                qkv[..., : 4 * 16].view(2, 9, 4, 16).transpose(1, 2),
+                qkv[..., 4 * 16 : 6 * 16].view(2, 9, 2, 16).transpose(1, 2),
+                *tables(1, 9, 16),
+            ),
+        ),
+        Case("2x3x10x32-strided-d", (t(2, 3, 10, 64)[..., ::2], t(2, 1, 10, 32), *tables(2, 10, 32))),
+        Case(
+            "2x2x6x16-strided-cos",
+            (t(2, 2, 6, 16), t(2, 2, 6, 16), *(x[:, ::2] for x in rand_tables(2, 12, 16))),
+        ),
+        Case("2x4x5x32-fp32-tables", (t(2, 4, 5, 32), t(2, 1, 5, 32), *tables(1, 5, 32, torch.float32))),
+        Case("2x2x0x16-empty-T", (t(2, 2, 0, 16), t(2, 1, 0, 16), *tables(1, 0, 16))),
+        Case("2x3x4x8-no-k-heads", (t(2, 3, 4, 8), t(2, 0, 4, 8), *tables(2, 4, 8))),
+        Case("1x40x3x256-many-heads", (t(1, 40, 3, 256), t(1, 5, 3, 256), *tables(1, 3, 256))),
+        Case("1x2x3x272-long-D", (t(1, 2, 3, 272), t(1, 3, 3, 272), *rand_tables(1, 3, 272))),
+    ]
+    if large:
+        out += [
+            Case("4x32x4096x128-k8", (t(4, 32, 4096, 128), t(4, 8, 4096, 128), *tables(1, 4096, 128))),
+            Case("2x32x2048x128-hf-cosB", (hf(2, 2048, 32, 128), hf(2, 2048, 8, 128), *tables(2, 2048, 128))),
+            Case("1x40x1000x80-k8-odd", (t(1, 40, 1000, 80), t(1, 8, 1000, 80), *tables(1, 1000, 80))),
+            Case("64x32x1x128-decode", (t(64, 32, 1, 128), t(64, 8, 1, 128), *tables(64, 1, 128))),
+            Case("2x12x777x256-randtables", (t(2, 12, 777, 256), t(2, 4, 777, 256), *rand_tables(2, 777, 256))),
+        ]
+    return out
+
+
+def _triton_predicate(info: Any) -> str | None:
+    if info.rot_grad:
+        return "cos/sin require grad (the Triton kernel computes only the q and k gradients)"
+    if info.k_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"k dtype {str(info.k_dtype).removeprefix('torch.')} not supported"
+    return None
+
+
+_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
+
+IMPLS = [
+    KernelSpec(
+        OP_ID,
+        "torch",
+        "polykernel.backends.torch.rope:rope",
+        rank=100,
+        description="fp32 rotate-half in eager torch (autograd gives every gradient, cos/sin included)",
+    ),
+    KernelSpec(
+        OP_ID,
+        "triton",
+        "polykernel.backends.triton.rope:rope",
+        capabilities=frozenset({CapabilityRequirement.CUDA}),
+        requires_modules=("triton",),
+        format_signature=_TRITON_DTYPES,
+        rank=10,
+        description="a tile of positions per program, all q and k heads, cos/sin loaded once; strided (no copies); "
+        "backward is the same kernel rotating by -sin",
+        predicate=_triton_predicate,
+    ),
+]
+
+_op = Op(
+    OP_ID,
+    fields=("device", "dtype", "needs_grad", "rot_grad", "k_dtype"),
+    key=_key,
+    default_key=lambda device, dtype: (device, dtype, False, False, dtype),
+    reference=reference,
+    tolerances=TOLERANCES,
+    dtypes=(torch.float32, torch.bfloat16, torch.float16),
+    cases=cases,
+    example=example,
+    bytes_moved=bytes_moved,
+    impls=IMPLS,
+)

@@ -1,0 +1,475 @@
+"""The dispatcher contract: every rule of the resolution order, every error, memo and faults.
+
+Throwaway impls of rms_norm are registered per test (the autouse fixture removes them again);
+each records its calls, so a test sees which impl actually ran.
+"""
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+import polykernel
+from polykernel import dispatch, registry, tuning
+from polykernel.errors import ImplNotAvailableError, UnknownOpError
+from polykernel.ops.rms_norm import reference
+from polykernel.spec import CapabilityRequirement, FormatSignature, KernelSpec
+
+CALLS: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _calls(monkeypatch):
+    # Keep the built-in Triton impl out of the way: "builtin" below means the torch impl.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    polykernel.clear_caches()
+    CALLS.clear()
+    yield
+
+
+def fake(backend, rank, *, cpu=True, fail=False, **fields):
+    """Register a recording rms_norm impl on the CPU (or CUDA-only when cpu=False)."""
+    caps = {CapabilityRequirement.CPU} if cpu else {CapabilityRequirement.CUDA}
+
+    def impl(x, weight, eps, offset, casting):
+        CALLS.append(backend)
+        if fail:
+            raise RuntimeError(f"{backend} kernel failed to compile")
+        return reference(x, weight, eps, offset, casting)
+
+    polykernel.register_impl(op="rms_norm", backend=backend, rank=rank, capabilities=frozenset(caps), **fields)(impl)
+    return impl
+
+
+def args(n=8, dtype=torch.float32):
+    return torch.randn(3, n, dtype=dtype), torch.randn(n, dtype=dtype)
+
+
+def run(**kw):
+    x, w = args()
+    out = polykernel.rms_norm(x, w, **kw)
+    torch.testing.assert_close(out, reference(x, w))
+    return CALLS[-1] if CALLS else "builtin"
+
+
+# --- 6. auto ---------------------------------------------------------------------------------
+
+
+def test_auto_picks_lowest_rank_runnable():
+    fake("liger", 50)
+    fake("quack", 5, cpu=False)  # better rank but CUDA-only: not runnable on CPU
+    fake("cuda_jit", 30)
+    assert run() == "cuda_jit"
+    e = polykernel.explain("rms_norm", *args())
+    assert e.chosen == "cuda_jit" and e.source == "auto"
+    reasons = {r["name"]: r["reason"] for r in e.impls}
+    assert reasons["quack"] == "needs a CUDA device" and reasons["liger"] is None
+
+
+def test_torch_is_always_eligible():
+    assert polykernel.available_impls("rms_norm", device="cpu", dtype=torch.float64) == ["torch"]
+
+
+def test_dtype_excluded_with_reason():
+    fake("liger", 1, format_signature=FormatSignature(supported_dtypes=("bfloat16",)))
+    assert run() == "builtin"  # float32 -> liger excluded
+    e = polykernel.explain("rms_norm", *args())
+    assert {r["name"]: r["reason"] for r in e.impls}["liger"] == "dtype float32 not supported"
+    with pytest.raises(ImplNotAvailableError, match="dtype float32 not supported"):
+        run(impl="liger")
+
+
+def test_predicate_on_argument_class():
+    fake("liger", 1, predicate=lambda a: None if a.n is None or a.n <= 16 else f"N={a.n} > 16")
+    x, w = args(8)
+    polykernel.rms_norm(x, w)
+    assert CALLS == ["liger"]
+    x, w = args(32)
+    polykernel.rms_norm(x, w)
+    assert CALLS == ["liger"]  # N=32: liger refused, builtin ran
+    assert "N=32 > 16" in str(polykernel.explain("rms_norm", x, w))
+
+
+def test_no_backward_impl_excluded_when_grad_needed():
+    fake("liger", 1, format_signature=FormatSignature(supports_backward=False))
+    x, w = args()
+    polykernel.rms_norm(x, w)
+    assert CALLS == ["liger"]
+    polykernel.rms_norm(x.requires_grad_(), w)
+    assert CALLS == ["liger"]
+    with torch.no_grad():
+        polykernel.rms_norm(x, w)
+    assert CALLS == ["liger", "liger"]
+
+
+def test_deterministic_mode_excludes_nondeterministic_impls():
+    fake("liger", 1, deterministic=False)
+    assert run() == "liger"
+    torch.use_deterministic_algorithms(True)
+    try:
+        CALLS.clear()
+        assert run() == "builtin"
+        reason = {r["name"]: r["reason"] for r in polykernel.explain("rms_norm", *args()).impls}["liger"]
+        assert "deterministic" in reason
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert run() == "liger"
+
+
+# --- 1. impl= ----------------------------------------------------------------------------------
+
+
+def test_impl_argument_wins_over_everything(monkeypatch):
+    fake("liger", 1)
+    fake("cuda_jit", 2)
+    polykernel.set_impl("liger", op="rms_norm")
+    monkeypatch.setenv("POLYKERNEL_IMPL_RMS_NORM", "liger")
+    with polykernel.use_impl("liger", op="rms_norm"):
+        assert run(impl="cuda_jit") == "cuda_jit"
+    assert polykernel.explain("rms_norm", *args(), impl="cuda_jit").source == "argument"
+
+
+def test_impl_argument_strict_errors():
+    fake("quack", 1, cpu=False)
+    with pytest.raises(ImplNotAvailableError) as info:
+        run(impl="quack")
+    err = info.value
+    assert (err.op, err.impl, err.reason) == ("norm.rms_norm", "quack", "needs a CUDA device")
+    assert "torch" in err.runnable and "would run here: " in str(err)
+    with pytest.raises(ImplNotAvailableError, match="no 'cute_dsl' impl is registered"):
+        run(impl="cute_dsl")
+    with pytest.raises(ValueError, match="not an impl name"):
+        run(impl="cuda")
+
+
+def test_missing_module_reason():
+    polykernel.register_impl(
+        KernelSpec("norm.rms_norm", "cute_dsl", "polykernel_no_such:f", requires_modules=("polykernel_no_such_pkg",), rank=1)
+    )
+    with pytest.raises(ImplNotAvailableError, match="module 'polykernel_no_such_pkg' not installed"):
+        run(impl="cute_dsl")
+    assert run() == "builtin"
+
+
+def test_import_failure_of_target_is_a_reason_not_a_crash():
+    polykernel.register_impl(KernelSpec("norm.rms_norm", "cutile", "polykernel_no_such_module:f", rank=1))
+    assert run() == "builtin"
+    reason = {r["name"]: r["reason"] for r in polykernel.explain("rms_norm", *args()).impls}["cutile"]
+    assert reason.startswith("import failed: ModuleNotFoundError")
+
+
+# --- 2. use_impl scopes -------------------------------------------------------------------------
+
+
+def test_scope_for_op_is_strict_and_nested_innermost_wins():
+    fake("liger", 50)
+    fake("cuda_jit", 60)
+    with polykernel.use_impl("liger", op="rms_norm"):
+        assert run() == "liger"
+        with polykernel.use_impl("cuda_jit", op="norm.rms_norm"):
+            assert run() == "cuda_jit"
+            assert polykernel.explain("rms_norm", *args()).source == "scope"
+        assert run() == "liger"
+    assert polykernel.explain("rms_norm", *args()).source == "auto"
+
+
+def test_scope_for_op_unknown_impl_raises_at_entry():
+    with pytest.raises(ImplNotAvailableError):
+        with polykernel.use_impl("quack", op="rms_norm"):
+            pass
+
+
+def test_scope_without_op_is_a_preference_that_skips(caplog):
+    fake("liger", 50)
+    with polykernel.use_impl("cute_dsl,liger"):
+        assert run() == "liger"
+    with polykernel.use_impl("cute_dsl"):
+        with caplog.at_level("WARNING", logger="polykernel"):
+            assert polykernel.explain("rms_norm", *args()).source == "auto"
+            run()
+        assert "scope preference cute_dsl skipped" in caplog.text
+
+
+def test_scope_is_per_thread():
+    fake("liger", 50)
+    seen = []
+    with polykernel.use_impl("liger", op="rms_norm"):
+        t = threading.Thread(target=lambda: seen.append(polykernel.explain("rms_norm", *args()).source))
+        t.start()
+        t.join()
+        assert polykernel.explain("rms_norm", *args()).source == "scope"
+    assert seen == ["auto"]
+
+
+# --- 3. environment -------------------------------------------------------------------------------
+
+
+def test_env_per_op_is_strict(monkeypatch):
+    fake("liger", 50)
+    monkeypatch.setenv("POLYKERNEL_IMPL_RMS_NORM", "liger")
+    polykernel.clear_caches()
+    assert run() == "liger"
+    assert polykernel.explain("rms_norm", *args()).source == "env"
+    monkeypatch.setenv("POLYKERNEL_IMPL_RMS_NORM", "quack")
+    polykernel.clear_caches()
+    with pytest.raises(ImplNotAvailableError):
+        run()
+
+
+def test_env_global_preference_list(monkeypatch):
+    fake("liger", 50)
+    fake("cuda_jit", 60)
+    monkeypatch.setenv("POLYKERNEL_IMPL", "quack,cuda_jit,liger")
+    polykernel.clear_caches()
+    assert run() == "cuda_jit"
+
+
+def test_env_global_skips_ops_without_it(monkeypatch):
+    monkeypatch.setenv("POLYKERNEL_IMPL", "liger")
+    polykernel.clear_caches()
+    assert run() == "builtin"
+
+
+def test_env_beats_set_impl_and_scope_beats_env(monkeypatch):
+    fake("liger", 50)
+    fake("cuda_jit", 60)
+    polykernel.set_impl("cuda_jit", op="rms_norm")
+    monkeypatch.setenv("POLYKERNEL_IMPL_RMS_NORM", "liger")
+    polykernel.clear_caches()
+    assert run() == "liger"
+    with polykernel.use_impl("cuda_jit", op="rms_norm"):
+        assert run() == "cuda_jit"
+
+
+def test_env_name_not_a_backend_is_an_error(monkeypatch):
+    monkeypatch.setenv("POLYKERNEL_IMPL", "fastest")
+    polykernel.clear_caches()
+    with pytest.raises(ValueError, match="POLYKERNEL_IMPL: 'fastest' is not an impl name"):
+        run()
+
+
+def test_strict_env_turns_skip_into_error(monkeypatch):
+    monkeypatch.setenv("POLYKERNEL_IMPL", "liger")
+    monkeypatch.setenv("POLYKERNEL_STRICT", "1")
+    polykernel.clear_caches()
+    with pytest.raises(ImplNotAvailableError, match="preference"):
+        run()
+
+
+# --- 4. set_impl ------------------------------------------------------------------------------------
+
+
+def test_set_impl_global_preference_and_reset():
+    fake("liger", 50)
+    fake("cuda_jit", 60)
+    polykernel.set_impl("cuda_jit")
+    assert run() == "cuda_jit"
+    assert polykernel.explain("rms_norm", *args()).source == "global"
+    polykernel.set_impl(None)
+    assert run() == "liger"
+
+
+def test_set_impl_per_op_beats_global_and_resets_alone():
+    fake("liger", 50)
+    fake("cuda_jit", 60)
+    polykernel.set_impl("liger")
+    polykernel.set_impl("cuda_jit", op="rms_norm")
+    assert run() == "cuda_jit"
+    polykernel.set_impl(None, op="rms_norm")
+    assert run() == "liger"
+
+
+def test_set_impl_validates_names():
+    with pytest.raises(ValueError, match="not an impl name"):
+        polykernel.set_impl("fast")
+    with pytest.raises(ImplNotAvailableError):
+        polykernel.set_impl("quack", op="rms_norm")
+    with pytest.raises(UnknownOpError, match="known ops"):
+        polykernel.set_impl("torch", op="rms_nrom")
+
+
+def test_set_impl_global_skip_logged_once(caplog):
+    with caplog.at_level("WARNING", logger="polykernel"):
+        polykernel.set_impl("quack")
+        run()
+        run()
+    assert caplog.text.count("skipped") == 1
+
+
+# --- 5. tuned ---------------------------------------------------------------------------------------
+
+
+def test_tuned_decision_between_global_and_auto(monkeypatch):
+    fake("liger", 50)
+    fake("cuda_jit", 60)
+    x, w = args()
+    argkey = registry.get_op("rms_norm").key(x, w)
+    tuning.remember(registry.get_op("rms_norm"), argkey, "cuda_jit")
+    assert run() == "cuda_jit"
+    assert polykernel.explain("rms_norm", x, w).source == "tuned"
+    polykernel.set_impl("liger")
+    assert run() == "liger"  # step 4 beats step 5
+    polykernel.set_impl(None)
+    monkeypatch.setenv("POLYKERNEL_TUNE", "off")
+    polykernel.clear_caches()
+    tuning.remember(registry.get_op("rms_norm"), argkey, "cuda_jit")
+    assert run() == "liger"
+
+
+# --- 7. runtime faults ------------------------------------------------------------------------------
+
+
+def test_runtime_fault_warns_once_marks_broken_and_falls_back():
+    fake("liger", 1, fail=True)
+    with pytest.warns(RuntimeWarning, match="liger.*failed at run time"):
+        assert run() == "liger"  # it was tried first...
+    assert CALLS == ["liger"]  # ...and the builtin torch impl produced the checked result
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run()  # no second warning, no second try for this key
+    assert CALLS == ["liger"]
+    e = polykernel.explain("rms_norm", *args())
+    assert e.chosen == "torch"
+    assert {r["name"]: r["reason"] for r in e.impls}["liger"].startswith("failed at run time")
+    x, w = args(16)  # another argument class tries it again
+    with pytest.warns(RuntimeWarning):
+        polykernel.rms_norm(x, w)
+    assert CALLS == ["liger", "liger"]
+
+
+def test_runtime_fault_in_strict_mode_reraises(monkeypatch):
+    fake("liger", 1, fail=True)
+    monkeypatch.setenv("POLYKERNEL_STRICT", "1")
+    with pytest.raises(RuntimeError, match="failed to compile"):
+        run()
+
+
+def test_runtime_fault_of_forced_impl_is_not_hidden():
+    fake("liger", 100, fail=True)
+    with pytest.raises(RuntimeError, match="failed to compile"):
+        run(impl="liger")
+    with polykernel.use_impl("liger", op="rms_norm"), pytest.raises(RuntimeError):
+        run()
+
+
+def test_runtime_fault_of_set_impl_falls_back():
+    fake("liger", 100, fail=True)
+    polykernel.set_impl("liger", op="rms_norm")
+    with pytest.warns(RuntimeWarning):
+        run()
+
+
+def test_bad_input_errors_before_any_impl_runs():
+    fake("liger", 1)
+    with pytest.raises(ValueError):
+        polykernel.rms_norm(torch.randn(3, 8), torch.randn(7))
+    assert CALLS == []
+
+
+# --- memo, explain, available_impls -----------------------------------------------------------------
+
+
+def test_decisions_are_memoized(monkeypatch):
+    fake("liger", 1)
+    resolved = []
+    real = dispatch._resolve
+    monkeypatch.setattr(dispatch, "_resolve", lambda op, key: resolved.append(key) or real(op, key))
+    x, w = args()
+    for _ in range(5):
+        polykernel.rms_norm(x, w)
+    assert len(resolved) == 1
+    polykernel.rms_norm(*args(16))  # a new argument class: one more resolution
+    assert len(resolved) == 2
+    polykernel.clear_caches()
+    polykernel.rms_norm(x, w)
+    assert len(resolved) == 3
+
+
+def test_selection_happens_before_autograd_records_the_node():
+    # The chosen impl's own autograd graph is what backward runs through.
+    seen = []
+
+    def impl(x, weight, eps, offset, casting):
+        seen.append("fwd")
+        out = reference(x, weight, eps, offset, casting)
+        out.register_hook(lambda g: seen.append("bwd") or g)
+        return out
+
+    polykernel.register_impl(op="rms_norm", backend="liger", rank=1, capabilities=frozenset({CapabilityRequirement.CPU}))(impl)
+    x = torch.randn(3, 8, requires_grad=True)
+    polykernel.rms_norm(x, torch.ones(8)).sum().backward()
+    assert seen == ["fwd", "bwd"] and x.grad is not None
+
+
+def test_available_impls_in_selection_order():
+    fake("liger", 50)
+    fake("cuda_jit", 60)
+    fake("quack", 1, cpu=False)
+    assert polykernel.available_impls("rms_norm", device="cpu")[:2] == ["liger", "cuda_jit"]
+    assert "quack" not in polykernel.available_impls("norm.rms_norm", device="cpu")
+
+
+def test_explain_lists_every_impl_and_serializes():
+    import json
+
+    fake("quack", 1, cpu=False)
+    e = polykernel.explain("rms_norm", device="cpu", dtype=torch.bfloat16)
+    text = str(e)
+    for name in ("quack", "torch", "triton"):
+        assert name in text
+    assert "needs a CUDA device" in text and "source:" in text
+    json.dumps(e.as_dict())
+
+
+def test_unknown_op():
+    with pytest.raises(UnknownOpError, match="known ops: .*rms_norm"):
+        polykernel.explain("rmsnorm")
+
+
+# --- registry ------------------------------------------------------------------------------------------
+
+
+def test_declare_op_locations_is_lazy_and_idempotent():
+    import builtins
+    import sys
+
+    sys.modules.pop("_pk_location_ok", None)
+    before = getattr(builtins, "_pk_location_imports", 0)
+    polykernel.declare_op_locations("rms_norm", "_pk_location_ok")
+    assert "_pk_location_ok" not in sys.modules  # nothing imported yet
+    threads = [threading.Thread(target=registry.specs_for, args=("rms_norm",)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert builtins._pk_location_imports == before + 1
+    assert "quack" in polykernel.available_impls("rms_norm", device="cpu")
+    polykernel.declare_op_locations("rms_norm", "_pk_location_ok")
+    registry.specs_for("rms_norm")
+    assert builtins._pk_location_imports == before + 1
+    registry._locations["norm.rms_norm"].remove("_pk_location_ok")
+
+
+def test_failing_location_is_recorded_and_shown():
+    polykernel.declare_op_locations("rms_norm", "_pk_location_broken")
+    try:
+        assert run() == "builtin"
+        text = str(polykernel.explain("rms_norm", *args()))
+        assert "_pk_location_broken failed to import" in text and "broken on purpose" in text
+    finally:
+        registry._locations["norm.rms_norm"].remove("_pk_location_broken")
+
+
+def test_register_impl_decorator_needs_op_and_backend():
+    with pytest.raises(TypeError):
+        polykernel.register_impl(op="rms_norm")
+    with pytest.raises(ValueError):
+        polykernel.register_impl(op="rms_norm", backend="not_a_backend")
+
+
+def test_triton_on_cpu_only_under_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    polykernel.clear_caches()
+    reason = {r["name"]: r["reason"] for r in polykernel.explain("rms_norm", device="cpu").impls}["triton"]
+    assert reason in ("needs a CUDA device", "module 'triton' not installed")
