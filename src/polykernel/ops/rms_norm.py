@@ -130,6 +130,7 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
         Case("3x7", (t(3, 7), w(7))),
         Case("2x5x33", (t(2, 5, 33), w(33))),
         Case("0x16", (t(0, 16), w(16))),
+        Case("2x3x0", (t(2, 3, 0), w(0))),
         Case("6x128-llama", (t(6, 128), w(128)), {"casting": "llama"}),
         Case("5x96-gemma", (t(5, 96), w(96)), {"offset": 1.0, "eps": 1e-5}),
         Case("4x64-fp32w", (t(4, 64), w(64, torch.float32))),

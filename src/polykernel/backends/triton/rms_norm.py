@@ -10,6 +10,7 @@ no atomics, so the result is deterministic and the impl is registered ``determin
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -185,8 +186,8 @@ def _programs(device: torch.device) -> int:
 
 def _as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """A [M, N] view with unit column stride (copies only when the layout needs it)."""
-    t2 = t.reshape(-1, n)
-    return t2 if t2.stride(-1) == 1 or t2.shape[0] == 0 else t2.contiguous()
+    t2 = t.reshape(math.prod(t.shape[:-1]), n)  # not -1: ambiguous when N = 0
+    return t2 if t2.stride(-1) == 1 or t2.numel() == 0 else t2.contiguous()
 
 
 def rms_norm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, llama: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,280 @@
+"""Triton fused add + RMSNorm: forward and backward (d(x) = d(residual), dW), any N, any leading shape.
+
+Forward, one pass over memory: read x and residual, write s = x + residual (rounded to x's dtype,
+as PyTorch rounds it) and y = rms_norm(s); a [ROWS, BLOCK_N] tile per program. Longer rows
+(N > MAX_FUSED_N) are walked in chunks twice: sum of squares of the rounded s (storing s), then
+normalize (re-adding x + residual, which rounds to the same s).
+Backward: d(s) = d(s_out) + rstd·(g - ŝ·mean(g·ŝ)), g = dy·(w + offset), from the saved s and
+rstd; one tensor is the gradient of both x and residual. dW as in the rms_norm Triton backward:
+a persistent grid, each program's share kept in registers (or, for long rows, in its own row of a
+[G, N] fp32 buffer) and summed on the host: no atomics, deterministic.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ...ops.fused_add_rms_norm import reference  # noqa: F401  (semantics live in the op file)
+
+MAX_FUSED_N = 16384  # one block per row up to here; beyond, a chunked walk
+CHUNK_N = 4096
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _add_rms_fwd_kernel(
+    X, R, W, Y, S, RSTD,
+    M, N, stride_x, stride_r, stride_y, stride_s,
+    eps, offset,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = (x + r).to(S.dtype.element_ty)  # the exact sum of two x.dtype values, rounded once: PyTorch's x + r
+    tl.store(S + rows[:, None] * stride_s + cols[None, :], s, mask=mask)
+    sf = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(sf * sf, axis=1) / N + eps)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) + offset
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], (sf * rstd[:, None] * w[None, :]).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_rms_fwd_chunked_kernel(
+    X, R, W, Y, S, RSTD,
+    N, stride_x, stride_r, stride_y, stride_s,
+    eps, offset,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    r_row = R + row * stride_r
+    s_row = S + row * stride_s
+    y_row = Y + row * stride_y
+    cols = tl.arange(0, CHUNK)
+    acc = tl.zeros([CHUNK], dtype=tl.float32)
+    for start in range(0, N, CHUNK):
+        m = start + cols < N
+        x = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
+        r = tl.load(r_row + start + cols, mask=m, other=0.0).to(tl.float32)
+        s = (x + r).to(S.dtype.element_ty)
+        tl.store(s_row + start + cols, s, mask=m)
+        sf = s.to(tl.float32)
+        acc += sf * sf
+    rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
+    tl.store(RSTD + row, rstd)
+    for start in range(0, N, CHUNK):
+        m = start + cols < N
+        x = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
+        r = tl.load(r_row + start + cols, mask=m, other=0.0).to(tl.float32)
+        sf = (x + r).to(S.dtype.element_ty).to(tl.float32)
+        w = tl.load(W + start + cols, mask=m, other=0.0).to(tl.float32) + offset
+        tl.store(y_row + start + cols, (sf * rstd * w).to(Y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _add_rms_bwd_kernel(
+    S, W, DY, DS_OUT, RSTD, DS, DW_PART,
+    M, N, stride_s, stride_dy, stride_dso, stride_ds,
+    offset,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_DS_OUT: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    progs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    dw = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for block in range(pid, tl.cdiv(M, ROWS), progs):
+        rows = tl.cast(block, tl.int64) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        s = tl.load(S + rows[:, None] * stride_s + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + offset  # L1-resident; frees registers
+        shat = s * rstd[:, None]
+        g = dy * w[None, :]
+        dw += dy * shat
+        c = tl.sum(g * shat, axis=1) / N
+        ds = (g - shat * c[:, None]) * rstd[:, None]
+        if HAS_DS_OUT:
+            ds += tl.load(DS_OUT + rows[:, None] * stride_dso + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DS + rows[:, None] * stride_ds + cols[None, :], ds.to(DS.dtype.element_ty), mask=mask)
+    tl.store(DW_PART + tl.cast(pid, tl.int64) * N + cols, tl.sum(dw, axis=0), mask=col_ok)
+
+
+@triton.jit
+def _add_rms_bwd_chunked_kernel(
+    S, W, DY, DS_OUT, RSTD, DS, DW_PART,
+    M, N, stride_s, stride_dy, stride_dso, stride_ds,
+    offset,
+    CHUNK: tl.constexpr, HAS_DS_OUT: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    progs = tl.num_programs(0)
+    cols = tl.arange(0, CHUNK)
+    part = DW_PART + tl.cast(pid, tl.int64) * N  # this program's own row: read-modify-write, no atomics
+    for row in range(pid, M, progs):
+        row64 = tl.cast(row, tl.int64)
+        rstd = tl.load(RSTD + row64)
+        acc = tl.zeros([CHUNK], dtype=tl.float32)
+        for start in range(0, N, CHUNK):
+            m = start + cols < N
+            s = tl.load(S + row64 * stride_s + start + cols, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row64 * stride_dy + start + cols, mask=m, other=0.0).to(tl.float32)
+            w = tl.load(W + start + cols, mask=m, other=0.0).to(tl.float32) + offset
+            acc += dy * w * s
+        c = tl.sum(acc, axis=0) * rstd / N
+        for start in range(0, N, CHUNK):
+            m = start + cols < N
+            s = tl.load(S + row64 * stride_s + start + cols, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row64 * stride_dy + start + cols, mask=m, other=0.0).to(tl.float32)
+            w = tl.load(W + start + cols, mask=m, other=0.0).to(tl.float32) + offset
+            shat = s * rstd
+            ds = (dy * w - shat * c) * rstd
+            if HAS_DS_OUT:
+                ds += tl.load(DS_OUT + row64 * stride_dso + start + cols, mask=m, other=0.0).to(tl.float32)
+            tl.store(DS + row64 * stride_ds + start + cols, ds.to(DS.dtype.element_ty), mask=m)
+            prev = tl.load(part + start + cols, mask=m, other=0.0)
+            tl.store(part + start + cols, prev + dy * shat, mask=m)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host launchers
+
+# Launch settings (a sweep may override them to measure alternatives).
+TUNE = {
+    "fwd_tile_elems": 4096,  # elements per program for short rows (ROWS = this // BLOCK_N)
+    "fwd_warps": None,  # None: by tile size (see _tile)
+    "bwd_tile_elems": 4096,
+    "bwd_warps": None,
+    "bwd_programs_per_sm": 2,  # persistent grid of the backward
+}
+
+
+def _tile(n: int, elems: int, warps: int | None) -> tuple[int, int, int]:
+    """(BLOCK_N, ROWS, num_warps) for rows that fit one block: ~``elems`` elements per program."""
+    block_n = triton.next_power_of_2(max(n, 1))
+    rows = max(1, min(32, elems // block_n))
+    if warps is None:
+        warps = 4 if block_n * rows <= 2048 else 8 if block_n <= 4096 else 16
+    return block_n, rows, warps
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+
+
+def _programs(device: torch.device) -> int:
+    """Persistent-grid size of the backward (4 on the CPU interpreter: several partials)."""
+    return TUNE["bwd_programs_per_sm"] * _sm_count(device)
+
+
+def _as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """A [M, N] view with unit column stride (copies only when the layout needs it)."""
+    t2 = t.reshape(math.prod(t.shape[:-1]), n)  # not -1: ambiguous when N = 0
+    return t2 if t2.stride(-1) == 1 or t2.numel() == 0 else t2.contiguous()
+
+
+def fused_add_rms_norm_forward(
+    x2: torch.Tensor, r2: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y [M, N] and s [M, N] in x's dtype, rstd [M] fp32 (x2, r2: [M, N], unit column stride)."""
+    m, n = x2.shape
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    s = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x2.device)
+    if m == 0 or n == 0:
+        return y, s, rstd
+    if n <= MAX_FUSED_N:
+        block_n, rows, warps = _tile(n, TUNE["fwd_tile_elems"], TUNE["fwd_warps"])
+        _add_rms_fwd_kernel[(triton.cdiv(m, rows),)](
+            x2, r2, weight, y, s, rstd, m, n, x2.stride(0), r2.stride(0), y.stride(0), s.stride(0), eps, offset,
+            BLOCK_N=block_n, ROWS=rows, num_warps=warps,
+        )  # fmt: skip
+    else:
+        _add_rms_fwd_chunked_kernel[(m,)](
+            x2, r2, weight, y, s, rstd, n, x2.stride(0), r2.stride(0), y.stride(0), s.stride(0), eps, offset,
+            CHUNK=CHUNK_N, num_warps=16,
+        )  # fmt: skip
+    return y, s, rstd
+
+
+def fused_add_rms_norm_backward(
+    dy2: torch.Tensor, ds_out2: torch.Tensor | None, s2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """d(s) [M, N] in s's dtype (``ds_out2`` added when given) and dW [N] in weight's dtype."""
+    m, n = s2.shape
+    dev = s2.device
+    ds = torch.empty((m, n), dtype=s2.dtype, device=dev)
+    if m == 0 or n == 0:
+        return ds, torch.zeros_like(weight)
+    has_dso = ds_out2 is not None
+    dso = ds_out2 if has_dso else dy2  # never read without HAS_DS_OUT
+    progs = min(_programs(dev), m)
+    if n <= MAX_FUSED_N:
+        block_n, rows, warps = _tile(n, TUNE["bwd_tile_elems"], TUNE["bwd_warps"])
+        progs = min(progs, triton.cdiv(m, rows))
+        part = torch.empty((progs, n), dtype=torch.float32, device=dev)
+        _add_rms_bwd_kernel[(progs,)](
+            s2, weight, dy2, dso, rstd, ds, part, m, n, s2.stride(0), dy2.stride(0), dso.stride(0), ds.stride(0), offset,
+            BLOCK_N=block_n, ROWS=rows, HAS_DS_OUT=has_dso, num_warps=warps,
+        )  # fmt: skip
+    else:
+        part = torch.zeros((progs, n), dtype=torch.float32, device=dev)  # accumulated into: starts at zero
+        _add_rms_bwd_chunked_kernel[(progs,)](
+            s2, weight, dy2, dso, rstd, ds, part, m, n, s2.stride(0), dy2.stride(0), dso.stride(0), ds.stride(0), offset,
+            CHUNK=CHUNK_N, HAS_DS_OUT=has_dso, num_warps=16,
+        )  # fmt: skip
+    return ds, part.sum(0).to(weight.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registered impl
+
+
+class _FusedAddRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, offset):  # type: ignore[override]
+        n = x.shape[-1]
+        w = weight.contiguous()
+        y, s, rstd = fused_add_rms_norm_forward(_as_rows(x, n), _as_rows(residual, n), w, eps, offset)
+        ctx.save_for_backward(s, w, rstd)
+        ctx.offset, ctx.shape = offset, x.shape
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros read
+        return y.view(x.shape), s.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy, ds_out):  # type: ignore[override]
+        s2, w, rstd = ctx.saved_tensors
+        n = s2.shape[1]
+        if dy is None:  # only the new residual was used: y contributes nothing
+            ds, dw = ds_out, None
+        else:
+            ds2, dw = fused_add_rms_norm_backward(_as_rows(dy, n), None if ds_out is None else _as_rows(ds_out, n), s2, w, rstd, ctx.offset)
+            ds = ds2.view(ctx.shape)
+        need = ctx.needs_input_grad
+        return ds if need[0] else None, ds if need[1] else None, dw if need[2] else None, None, None
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The registered impl (arguments already validated by ``polykernel.fused_add_rms_norm``)."""
+    if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
+        return _FusedAddRMSNorm.apply(x, residual, weight, eps, offset)
+    n = x.shape[-1]
+    y, s, _ = fused_add_rms_norm_forward(_as_rows(x, n), _as_rows(residual, n), weight.contiguous(), eps, offset)
+    return y.view(x.shape), s.view(x.shape)

@@ -1,0 +1,323 @@
+"""Triton LayerNorm: forward and backward (dX, dW, dB), any N, any leading shape.
+
+Forward: a [ROWS, BLOCK_N] tile per program; a row that fits one block is loaded once (mean,
+then the centred variance from registers: no cancellation). Longer rows (N > MAX_FUSED_N) are
+walked in chunks twice: per-chunk mean and centred sum of squares merged with Chan's formula
+(stable for any mean/std ratio), then normalize. The forward saves mean and rstd (fp32, [M]).
+Backward: a persistent grid of G programs; each walks rows pid, pid+G, ... and keeps its share of
+dW and dB in registers (or, for long rows, in its own row of [G, N] fp32 buffers), which the host
+sums: no atomics, so the result is deterministic and the impl is registered ``deterministic=True``.
+Missing weight or bias are compile-time switches: no loads, no partial buffers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ...ops.layer_norm import reference  # noqa: F401  (semantics live in the op file)
+
+MAX_FUSED_N = 16384  # one block per row up to here; beyond, a chunked walk
+CHUNK_N = 4096
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _ln_fwd_kernel(
+    X, W, B, Y, MEAN, RSTD,
+    M, N, stride_x, stride_y,
+    eps,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    mask = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / N
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    tl.store(MEAN + rows, mean, mask=row_ok)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+    y = xc * rstd[:, None]
+    if HAS_W:
+        y = y * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        y = y + tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ln_fwd_chunked_kernel(
+    X, W, B, Y, MEAN, RSTD,
+    N, stride_x, stride_y,
+    eps,
+    CHUNK: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    y_row = Y + row * stride_y
+    cols = tl.arange(0, CHUNK)
+    # Running (count, mean, centred sum of squares), merged chunk by chunk (Chan et al.).
+    count = 0.0
+    mean = 0.0
+    m2 = 0.0
+    for start in range(0, N, CHUNK):
+        m = start + cols < N
+        x = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
+        n_c = tl.cast(tl.minimum(N - start, CHUNK), tl.float32)
+        mean_c = tl.sum(x, axis=0) / n_c
+        d = tl.where(m, x - mean_c, 0.0)
+        total = count + n_c
+        delta = mean_c - mean
+        mean = mean + delta * (n_c / total)
+        m2 = m2 + tl.sum(d * d, axis=0) + delta * delta * (count * n_c / total)
+        count = total
+    rstd = tl.rsqrt(m2 / N + eps)
+    tl.store(MEAN + row, mean)
+    tl.store(RSTD + row, rstd)
+    for start in range(0, N, CHUNK):
+        m = start + cols < N
+        x = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
+        y = (x - mean) * rstd
+        if HAS_W:
+            y = y * tl.load(W + start + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_B:
+            y = y + tl.load(B + start + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_row + start + cols, y.to(Y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _ln_bwd_kernel(
+    X, W, DY, MEAN, RSTD, DX, DW_PART, DB_PART,
+    M, N, stride_x, stride_dy, stride_dx,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    progs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if HAS_W:
+        dw = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    if HAS_B:
+        db = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for block in range(pid, tl.cdiv(M, ROWS), progs):
+        rows = tl.cast(block, tl.int64) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_W:
+            w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+            g = dy * w[None, :]
+            dw += dy * xhat
+        else:
+            g = dy
+        if HAS_B:
+            db += dy
+        c1 = tl.sum(g * xhat, axis=1) / N
+        c2 = tl.sum(g, axis=1) / N
+        dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    if HAS_W:
+        tl.store(DW_PART + tl.cast(pid, tl.int64) * N + cols, tl.sum(dw, axis=0), mask=col_ok)
+    if HAS_B:
+        tl.store(DB_PART + tl.cast(pid, tl.int64) * N + cols, tl.sum(db, axis=0), mask=col_ok)
+
+
+@triton.jit
+def _ln_bwd_chunked_kernel(
+    X, W, DY, MEAN, RSTD, DX, DW_PART, DB_PART,
+    M, N, stride_x, stride_dy, stride_dx,
+    CHUNK: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    progs = tl.num_programs(0)
+    cols = tl.arange(0, CHUNK)
+    dw_part = DW_PART + tl.cast(pid, tl.int64) * N  # this program's own rows: read-modify-write, no atomics
+    db_part = DB_PART + tl.cast(pid, tl.int64) * N
+    for row in range(pid, M, progs):
+        row64 = tl.cast(row, tl.int64)
+        mean = tl.load(MEAN + row64)
+        rstd = tl.load(RSTD + row64)
+        acc1 = tl.zeros([CHUNK], dtype=tl.float32)
+        acc2 = tl.zeros([CHUNK], dtype=tl.float32)
+        for start in range(0, N, CHUNK):
+            m = start + cols < N
+            x = tl.load(X + row64 * stride_x + start + cols, mask=m, other=0.0).to(tl.float32)
+            g = tl.load(DY + row64 * stride_dy + start + cols, mask=m, other=0.0).to(tl.float32)
+            if HAS_W:
+                g = g * tl.load(W + start + cols, mask=m, other=0.0).to(tl.float32)
+            acc1 += g * (x - mean) * rstd  # g is 0 past N
+            acc2 += g
+        c1 = tl.sum(acc1, axis=0) / N
+        c2 = tl.sum(acc2, axis=0) / N
+        for start in range(0, N, CHUNK):
+            m = start + cols < N
+            x = tl.load(X + row64 * stride_x + start + cols, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row64 * stride_dy + start + cols, mask=m, other=0.0).to(tl.float32)
+            xhat = (x - mean) * rstd
+            if HAS_W:
+                g = dy * tl.load(W + start + cols, mask=m, other=0.0).to(tl.float32)
+                prev = tl.load(dw_part + start + cols, mask=m, other=0.0)
+                tl.store(dw_part + start + cols, prev + dy * xhat, mask=m)
+            else:
+                g = dy
+            if HAS_B:
+                prev_b = tl.load(db_part + start + cols, mask=m, other=0.0)
+                tl.store(db_part + start + cols, prev_b + dy, mask=m)
+            dx = (g - (xhat * c1 + c2)) * rstd
+            tl.store(DX + row64 * stride_dx + start + cols, dx.to(DX.dtype.element_ty), mask=m)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host launchers
+
+# Launch settings (a sweep may override them to measure alternatives).
+TUNE = {
+    "fwd_tile_elems": 4096,  # elements per program for short rows (ROWS = this // BLOCK_N)
+    "fwd_warps": None,  # None: by tile size (see _tile)
+    "bwd_tile_elems": 4096,
+    "bwd_warps": None,
+    "bwd_programs_per_sm": 2,  # persistent grid of the backward
+}
+
+
+def _tile(n: int, elems: int, warps: int | None) -> tuple[int, int, int]:
+    """(BLOCK_N, ROWS, num_warps) for rows that fit one block: ~``elems`` elements per program."""
+    block_n = triton.next_power_of_2(max(n, 1))
+    rows = max(1, min(32, elems // block_n))
+    if warps is None:
+        warps = 4 if block_n * rows <= 2048 else 8 if block_n <= 4096 else 16
+    return block_n, rows, warps
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+
+
+def _programs(device: torch.device) -> int:
+    """Persistent-grid size of the backward (4 on the CPU interpreter: several partials)."""
+    return TUNE["bwd_programs_per_sm"] * _sm_count(device)
+
+
+def _as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """A [M, N] view with unit column stride (copies only when the layout needs it)."""
+    t2 = t.reshape(math.prod(t.shape[:-1]), n)  # not -1: ambiguous when N = 0
+    return t2 if t2.stride(-1) == 1 or t2.numel() == 0 else t2.contiguous()
+
+
+def layer_norm_forward(
+    x2: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y [M, N] in x's dtype, mean [M] and rstd [M] fp32 (weight/bias contiguous or None)."""
+    m, n = x2.shape
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    mean = torch.empty(m, dtype=torch.float32, device=x2.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x2.device)
+    if m == 0 or n == 0:
+        return y, mean, rstd
+    # An absent parameter is never read (HAS_W/HAS_B are compile-time); any pointer will do.
+    w = weight if weight is not None else x2
+    b = bias if bias is not None else x2
+    flags = dict(HAS_W=weight is not None, HAS_B=bias is not None)
+    if n <= MAX_FUSED_N:
+        block_n, rows, warps = _tile(n, TUNE["fwd_tile_elems"], TUNE["fwd_warps"])
+        _ln_fwd_kernel[(triton.cdiv(m, rows),)](
+            x2, w, b, y, mean, rstd, m, n, x2.stride(0), y.stride(0), eps,
+            BLOCK_N=block_n, ROWS=rows, num_warps=warps, **flags,
+        )  # fmt: skip
+    else:
+        _ln_fwd_chunked_kernel[(m,)](
+            x2, w, b, y, mean, rstd, n, x2.stride(0), y.stride(0), eps,
+            CHUNK=CHUNK_N, num_warps=16, **flags,
+        )  # fmt: skip
+    return y, mean, rstd
+
+
+def layer_norm_backward(
+    dy2: torch.Tensor,
+    x2: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    bias_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """dx [M, N] in x's dtype; dW [N] in weight's dtype and dB [N] in ``bias_dtype`` (None if absent)."""
+    m, n = x2.shape
+    dev = x2.device
+    dx = torch.empty((m, n), dtype=x2.dtype, device=dev)
+    has_w, has_b = weight is not None, bias_dtype is not None
+    if m == 0 or n == 0:
+        dw = torch.zeros(n, dtype=weight.dtype, device=dev) if has_w else None
+        db = torch.zeros(n, dtype=bias_dtype, device=dev) if has_b else None
+        return dx.zero_(), dw, db
+    progs = min(_programs(dev), m)
+    chunked = n > MAX_FUSED_N
+    if not chunked:
+        block_n, rows, warps = _tile(n, TUNE["bwd_tile_elems"], TUNE["bwd_warps"])
+        progs = min(progs, triton.cdiv(m, rows))
+    # The chunked kernel accumulates into its rows (read-modify-write): they start at zero.
+    new = torch.zeros if chunked else torch.empty
+    dw_part = new((progs, n), dtype=torch.float32, device=dev) if has_w else dx
+    db_part = new((progs, n), dtype=torch.float32, device=dev) if has_b else dx
+    w = weight if has_w else x2
+    if not chunked:
+        _ln_bwd_kernel[(progs,)](
+            x2, w, dy2, mean, rstd, dx, dw_part, db_part, m, n, x2.stride(0), dy2.stride(0), dx.stride(0),
+            BLOCK_N=block_n, ROWS=rows, HAS_W=has_w, HAS_B=has_b, num_warps=warps,
+        )  # fmt: skip
+    else:
+        _ln_bwd_chunked_kernel[(progs,)](
+            x2, w, dy2, mean, rstd, dx, dw_part, db_part, m, n, x2.stride(0), dy2.stride(0), dx.stride(0),
+            CHUNK=CHUNK_N, HAS_W=has_w, HAS_B=has_b, num_warps=16,
+        )  # fmt: skip
+    dw = dw_part.sum(0).to(weight.dtype) if has_w else None
+    db = db_part.sum(0).to(bias_dtype) if has_b else None
+    return dx, dw, db
+
+
+# ---------------------------------------------------------------------------------------------
+# Registered impl
+
+
+def _contig(p: torch.Tensor | None) -> torch.Tensor | None:
+    return None if p is None else p.contiguous()
+
+
+class _LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):  # type: ignore[override]
+        x2 = _as_rows(x, x.shape[-1])
+        w = _contig(weight)
+        y, mean, rstd = layer_norm_forward(x2, w, _contig(bias), eps)
+        ctx.save_for_backward(x2, w, mean, rstd)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        x2, w, mean, rstd = ctx.saved_tensors
+        dx, dw, db = layer_norm_backward(_as_rows(dy, x2.shape[1]), x2, w, mean, rstd, ctx.bias_dtype)
+        need = ctx.needs_input_grad
+        return (dx.view(ctx.shape) if need[0] else None, dw if need[1] else None, db if need[2] else None, None)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The registered impl (arguments already validated by ``polykernel.layer_norm``)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return _LayerNorm.apply(x, weight, bias, eps)
+    y, _, _ = layer_norm_forward(_as_rows(x, x.shape[-1]), _contig(weight), _contig(bias), eps)
+    return y.view(x.shape)

@@ -1,0 +1,196 @@
+"""``norm.fused_add_rms_norm``: ``s = x + residual``, returns ``(rms_norm(s, weight, eps, offset=offset), s)``.
+
+The pre-norm transformer step: add the block's output to the residual stream, normalize the new
+stream. ``x`` and ``residual`` have the same shape and dtype; ``s`` is rounded to that dtype exactly
+as PyTorch's ``x + residual`` rounds it, and the normalization runs on that rounded ``s`` with
+``rms_norm``'s ``casting="fp32"`` semantics (fp32 math, one cast at the end; ``offset=1.0`` is
+Gemma's ``1 + w``). Both outputs have x's dtype; the weight may have another floating dtype.
+``x`` and ``residual`` both get the gradient of ``s``: the incoming gradient of the second
+output plus the normalization's contribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..op import Case, Op, Tol, Tolerances
+from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
+from . import _checks as check
+from .rms_norm import reference as rms_norm_reference
+
+OP_ID = "norm.fused_add_rms_norm"
+
+
+def reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The semantics, in plain torch: PyTorch's rounded sum, then ``rms_norm`` (casting ``"fp32"``)."""
+    s = x + residual
+    return rms_norm_reference(s, weight, eps, offset, "fp32"), s
+
+
+def validate(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> None:
+    check.tensor(OP_ID, "x", x)
+    check.floating(OP_ID, "x", x)
+    check.tensor(OP_ID, "residual", residual)
+    if residual.dtype != x.dtype:
+        raise check.OpTypeError(OP_ID, "residual", f"expected x's dtype {x.dtype}, got {residual.dtype}")
+    if residual.shape != x.shape:
+        raise check.OpArgumentError(OP_ID, "residual", f"expected x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    check.same_device(OP_ID, "residual", residual, "x", x)
+    check.tensor(OP_ID, "weight", weight)
+    check.floating(OP_ID, "weight", weight)
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise check.OpArgumentError(OP_ID, "weight", f"expected shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}")
+    check.same_device(OP_ID, "weight", weight, "x", x)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise check.OpArgumentError(OP_ID, "eps", f"expected a number >= 0, got {eps!r}")
+    check.finite_float(OP_ID, "offset", offset)
+
+
+def _key(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *_: object, **__: object) -> tuple:
+    return (x.device, x.dtype, check.needs_grad(x, residual, weight), x.shape[-1], weight.dtype)
+
+
+_op: Op  # defined below, after the public function it serves
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    offset: float = 0.0,
+    impl: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + residual``; return ``(rms_norm(s, weight, eps, offset=offset), s)``.
+
+    >>> import torch, polykernel
+    >>> x, r, w = torch.randn(4, 8), torch.randn(4, 8), torch.ones(8)
+    >>> y, s = polykernel.fused_add_rms_norm(x, r, w)
+    >>> torch.equal(s, x + r)
+    True
+    >>> y, s = polykernel.fused_add_rms_norm(x, r, w, offset=1.0, impl="torch")  # Gemma style, forced impl
+    """
+    validate(x, residual, weight, eps, offset)
+    return _op.call(
+        impl,
+        (x.device, x.dtype, check.needs_grad(x, residual, weight), x.shape[-1], weight.dtype),
+        x,
+        residual,
+        weight,
+        eps,
+        offset,
+    )
+
+
+# -- tolerances: measured errors of the impls against `reference`, with headroom ----------------
+# Forward: s is rounded once from an exact fp32 sum (bit-equal on GPU; Triton's CPU interpreter
+# truncates fp32 -> bf16 instead of rounding, 1 ulp); y is rms_norm's fp32-casting result rounded
+# once to the output dtype, from a reduction in another order: 1 ulp (bf16 2^-8..2^-7 relative,
+# fp16 2^-11..2^-10).
+TOLERANCES = Tolerances(
+    forward={
+        torch.float32: Tol(atol=1e-5, rtol=1e-5),
+        torch.float64: Tol(atol=1e-12, rtol=1e-12),
+        torch.bfloat16: Tol(atol=1e-2, rtol=1.6e-2),
+        torch.float16: Tol(atol=2e-3, rtol=2e-3),
+    },
+    # dW sums over every row in fp32; d(s) = d(s_out) + rstd·(g - ŝ·mean(g·ŝ)) cancels. The
+    # reference rounds the normalization's part to x's dtype before adding d(s_out); a fused
+    # kernel adds in fp32 and rounds once: up to 2 ulps of the gradient's dtype apart.
+    # bf16 atol: dW = Σ dy·ŝ depends on the rounding of s; where s is 1 ulp off (the interpreter's
+    # truncation), each term moves by up to 2^-8 relative, so dW by ~2^-9·sqrt(M)·|dy·ŝ| at random:
+    # measured 0.027 at its worst over 3x70001 (a 4.5-sigma tail of 70001 columns).
+    backward={
+        torch.float32: Tol(atol=1e-4, rtol=1e-4),
+        torch.float64: Tol(atol=1e-10, rtol=1e-10),
+        torch.bfloat16: Tol(atol=4e-2, rtol=2e-2),
+        torch.float16: Tol(atol=4e-3, rtol=4e-3),
+    },
+)
+
+
+def example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, requires_grad: bool = False) -> Case:
+    """Random arguments of a given x shape (benchmarks, ``explain --shape``, the demo)."""
+    x = torch.randn(shape, dtype=dtype, device=device, requires_grad=requires_grad)
+    r = torch.randn(shape, dtype=dtype, device=device, requires_grad=requires_grad)
+    w = (1 + 0.1 * torch.randn(shape[-1], device=device)).to(dtype).requires_grad_(requires_grad)
+    return Case(f"{'x'.join(map(str, shape))}", (x, r, w))
+
+
+def bytes_moved(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *_: object, backward: bool = False) -> int:
+    """Fewest bytes: forward reads x, residual, writes y, s (4·M·N); backward adds s, dy, d(s_out)
+    read and d(s) written (one gradient tensor serves x and residual): 8·M·N elements in all."""
+    n = x.numel() * x.element_size()
+    return (8 if backward else 4) * n + weight.numel() * weight.element_size() * (3 if backward else 1)
+
+
+def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -> list[Case]:
+    """Awkward shapes and every option, sized for the CPU interpreter unless ``large``."""
+
+    def t(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(shape, device=device)).to(dtype).requires_grad_()
+
+    def w(n: int, wdtype: torch.dtype = dtype) -> torch.Tensor:
+        return (1 + 0.1 * torch.randn(n, device=device)).to(wdtype).requires_grad_()
+
+    out = [
+        Case("1x1", (t(1, 1), t(1, 1), w(1))),
+        Case("3x7", (t(3, 7), t(3, 7), w(7))),
+        Case("2x5x33", (t(2, 5, 33), t(2, 5, 33), w(33))),
+        Case("0x16", (t(0, 16), t(0, 16), w(16))),
+        Case("2x3x0", (t(2, 3, 0), t(2, 3, 0), w(0))),
+        Case("6x128-big-residual", (t(6, 128, scale=0.05), t(6, 128, scale=20.0), w(128))),  # the sum's rounding matters
+        Case("5x96-gemma", (t(5, 96), t(5, 96), w(96)), {"offset": 1.0, "eps": 1e-5}),
+        Case("4x64-fp32w", (t(4, 64), t(4, 64), w(64, torch.float32))),
+        Case("9x200-rowstrided", (t(18, 200)[::2], t(9, 200), w(200))),
+        Case("7x64-colstrided", (t(7, 64), t(7, 128)[:, ::2], w(128)[::2])),
+        Case("3x70001-long", (t(3, 70001), t(3, 70001), w(70001))),
+    ]
+    if large:
+        out += [
+            Case("16384x4096", (t(16384, 4096), t(16384, 4096), w(4096))),
+            Case("4096x16384", (t(4096, 16384), t(4096, 16384), w(16384))),
+            Case("1031x5120-fp32w", (t(1031, 5120), t(1031, 5120), w(5120, torch.float32))),
+            Case("64x262144", (t(64, 262144), t(64, 262144), w(262144))),
+        ]
+    return out
+
+
+_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
+
+IMPLS = [
+    KernelSpec(
+        OP_ID,
+        "torch",
+        "polykernel.backends.torch.fused_add_rms_norm:fused_add_rms_norm",
+        rank=100,
+        description="x + residual, then the torch rms_norm impl (F.rms_norm where it matches)",
+    ),
+    KernelSpec(
+        OP_ID,
+        "triton",
+        "polykernel.backends.triton.fused_add_rms_norm:fused_add_rms_norm",
+        capabilities=frozenset({CapabilityRequirement.CUDA}),
+        requires_modules=("triton",),
+        format_signature=_TRITON_DTYPES,
+        rank=10,
+        description="add + RMSNorm in one pass (chunked for long rows); dW from per-program partials (deterministic)",
+    ),
+]
+
+_op = Op(
+    OP_ID,
+    fields=("device", "dtype", "needs_grad", "n", "weight_dtype"),
+    key=_key,
+    default_key=lambda device, dtype: (device, dtype, False, None, dtype),
+    reference=reference,
+    tolerances=TOLERANCES,
+    dtypes=(torch.float32, torch.bfloat16, torch.float16),
+    cases=cases,
+    example=example,
+    bytes_moved=bytes_moved,
+    impls=IMPLS,
+)

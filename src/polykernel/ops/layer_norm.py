@@ -1,0 +1,216 @@
+"""``norm.layer_norm``: ``(x - mean(x)) / sqrt(var(x) + eps) * weight + bias`` over the last dim.
+
+``weight`` and ``bias`` are optional, each on its own (``None`` means 1 and 0). The statistics
+and the affine step are computed in fp32 (fp64 stays fp64) and cast once to ``x.dtype``; the
+weight and bias may have another floating dtype than ``x`` (fp32 parameters with bf16
+activations), and their gradients come back in their own dtypes. ``var`` is the biased variance
+(divide by N), as in ``torch.nn.functional.layer_norm``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..op import Case, Op, Tol, Tolerances
+from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
+from . import _checks as check
+
+OP_ID = "norm.layer_norm"
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+    """The semantics, in plain torch (fp32 math; fp64 stays fp64)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(acc)
+    xc = xf - xf.mean(-1, keepdim=True)
+    y = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(acc)
+    if bias is not None:
+        y = y + bias.to(acc)
+    return y.to(x.dtype)
+
+
+def _param(x: torch.Tensor, name: str, p: torch.Tensor | None) -> None:
+    if p is None:
+        return
+    check.tensor(OP_ID, name, p)
+    check.floating(OP_ID, name, p)
+    if p.dim() != 1 or p.shape[0] != x.shape[-1]:
+        raise check.OpArgumentError(OP_ID, name, f"expected shape ({x.shape[-1]},) to match x's last dim, got {tuple(p.shape)}")
+    check.same_device(OP_ID, name, p, "x", x)
+
+
+def validate(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> None:
+    check.tensor(OP_ID, "x", x)
+    check.floating(OP_ID, "x", x)
+    _param(x, "weight", weight)
+    _param(x, "bias", bias)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise check.OpArgumentError(OP_ID, "eps", f"expected a number >= 0, got {eps!r}")
+
+
+def _key(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, *_: object, **__: object) -> tuple:
+    return (
+        x.device,
+        x.dtype,
+        check.needs_grad(x, weight, bias),
+        x.shape[-1],
+        None if weight is None else weight.dtype,
+        None if bias is None else bias.dtype,
+    )
+
+
+_op: Op  # defined below, after the public function it serves
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    impl: str | None = None,
+) -> torch.Tensor:
+    """Layer-normalize ``x`` over its last dim, then scale by ``weight`` and shift by ``bias``.
+
+    >>> import torch, polykernel
+    >>> x, w, b = torch.randn(4, 8), torch.ones(8), torch.zeros(8)
+    >>> polykernel.layer_norm(x, w, b).shape
+    torch.Size([4, 8])
+    >>> y = polykernel.layer_norm(x, impl="torch")  # no affine parameters, forced impl
+    """
+    validate(x, weight, bias, eps)
+    return _op.call(
+        impl,
+        (
+            x.device,
+            x.dtype,
+            check.needs_grad(x, weight, bias),
+            x.shape[-1],
+            None if weight is None else weight.dtype,
+            None if bias is None else bias.dtype,
+        ),
+        x,
+        weight,
+        bias,
+        eps,
+    )
+
+
+# -- tolerances: measured errors of the impls against `reference`, with headroom ----------------
+# Forward: an fp32 result rounded once to the output dtype; the impls reduce in another order
+# (and F.layer_norm uses Welford), which moves x̂ by ~1e-7 relative and can flip a rounding:
+# 1 ulp (bf16 2^-8..2^-7 relative, fp16 2^-11..2^-10). fp32 atol: x - mean inherits the
+# rounding of the fp32 mean, a few ulps of |mean| (ulp(40) = 3.8e-6; the reference itself is
+# 5e-6 off fp64 when mean = 40·std, the "shifted" cases): 2e-5. A one-pass E[x²] - E[x]²
+# variance would be off by ~1e-4 relative there, still caught.
+TOLERANCES = Tolerances(
+    forward={
+        torch.float32: Tol(atol=2e-5, rtol=1e-5),
+        torch.float64: Tol(atol=1e-12, rtol=1e-12),
+        torch.bfloat16: Tol(atol=1e-2, rtol=1.6e-2),
+        torch.float16: Tol(atol=2e-3, rtol=2e-3),
+    },
+    # dW and dB sum over every row in fp32; dX = rstd·(g - mean(g) - x̂·mean(g·x̂)) cancels.
+    # Low-precision gradients are rounded once from fp32: 1-2 ulps of their dtype.
+    backward={
+        torch.float32: Tol(atol=1e-4, rtol=1e-4),
+        torch.float64: Tol(atol=1e-10, rtol=1e-10),
+        torch.bfloat16: Tol(atol=2e-2, rtol=2e-2),
+        torch.float16: Tol(atol=4e-3, rtol=4e-3),
+    },
+)
+
+
+def example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, requires_grad: bool = False) -> Case:
+    """Random arguments of a given x shape (benchmarks, ``explain --shape``, the demo)."""
+    x = torch.randn(shape, dtype=dtype, device=device, requires_grad=requires_grad)
+    w = (1 + 0.1 * torch.randn(shape[-1], device=device)).to(dtype).requires_grad_(requires_grad)
+    b = (0.1 * torch.randn(shape[-1], device=device)).to(dtype).requires_grad_(requires_grad)
+    return Case(f"{'x'.join(map(str, shape))}", (x, w, b))
+
+
+def bytes_moved(
+    x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, *_: object, backward: bool = False
+) -> int:
+    """Fewest bytes: forward reads x and writes y; backward adds x, dy read and dx written."""
+    n = x.numel() * x.element_size()
+    params = sum(p.numel() * p.element_size() for p in (weight, bias) if p is not None)
+    return (5 if backward else 2) * n + params * (3 if backward else 1)
+
+
+def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -> list[Case]:
+    """Awkward shapes and every option, sized for the CPU interpreter unless ``large``."""
+
+    def t(*shape: int, shift: float = 0.0) -> torch.Tensor:
+        return (torch.randn(shape, device=device) + shift).to(dtype).requires_grad_()
+
+    def w(n: int, pdtype: torch.dtype = dtype) -> torch.Tensor:
+        return (1 + 0.1 * torch.randn(n, device=device)).to(pdtype).requires_grad_()
+
+    def b(n: int, pdtype: torch.dtype = dtype) -> torch.Tensor:
+        return (0.1 * torch.randn(n, device=device)).to(pdtype).requires_grad_()
+
+    out = [
+        Case("1x1", (t(1, 1), w(1), b(1))),
+        Case("3x7", (t(3, 7), w(7), b(7))),
+        Case("2x5x33", (t(2, 5, 33), w(33), b(33))),
+        Case("0x16", (t(0, 16), w(16), b(16))),
+        Case("2x3x0", (t(2, 3, 0), w(0), b(0))),
+        Case("5x96-no-affine", (t(5, 96), None, None), {"eps": 1e-6}),
+        Case("6x80-weight-only", (t(6, 80), w(80), None)),
+        Case("7x48-bias-only", (t(7, 48), None, b(48))),
+        Case("4x64-fp32-params", (t(4, 64), w(64, torch.float32), b(64, torch.float32))),
+        Case("8x300-shifted", (t(8, 300, shift=40.0), w(300), b(300))),  # mean >> std: variance must not cancel
+        Case("9x200-rowstrided", (t(18, 200)[::2], w(200), b(200))),
+        Case("7x64-colstrided", (t(7, 128)[:, ::2], w(128)[::2], b(192)[::3])),
+        Case("3x70001-long", (t(3, 70001), w(70001), b(70001))),
+        Case("2x20000-long-shifted-no-w", (t(2, 20000, shift=40.0), None, b(20000))),
+    ]
+    if large:
+        out += [
+            Case("16384x4096", (t(16384, 4096), w(4096), b(4096))),
+            Case("4096x16384", (t(4096, 16384), w(16384), b(16384))),
+            Case("1031x5120-fp32-params", (t(1031, 5120), w(5120, torch.float32), b(5120, torch.float32))),
+            Case("8191x768-no-affine", (t(8191, 768), None, None)),
+            Case("64x262144", (t(64, 262144), w(262144), b(262144))),
+        ]
+    return out
+
+
+_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
+
+IMPLS = [
+    KernelSpec(
+        OP_ID,
+        "torch",
+        "polykernel.backends.torch.layer_norm:layer_norm",
+        rank=100,
+        description="F.layer_norm (PyTorch's fused kernel) where the parameter dtypes match x, else the reference",
+    ),
+    KernelSpec(
+        OP_ID,
+        "triton",
+        "polykernel.backends.triton.layer_norm:layer_norm",
+        capabilities=frozenset({CapabilityRequirement.CUDA}),
+        requires_modules=("triton",),
+        format_signature=_TRITON_DTYPES,
+        rank=10,
+        description="one row per program (chunked for long rows); dW/dB from per-program partials (deterministic)",
+    ),
+]
+
+_op = Op(
+    OP_ID,
+    fields=("device", "dtype", "needs_grad", "n", "weight_dtype", "bias_dtype"),
+    key=_key,
+    default_key=lambda device, dtype: (device, dtype, False, None, dtype, dtype),
+    reference=reference,
+    tolerances=TOLERANCES,
+    dtypes=(torch.float32, torch.bfloat16, torch.float16),
+    cases=cases,
+    example=example,
+    bytes_moved=bytes_moved,
+    impls=IMPLS,
+)
