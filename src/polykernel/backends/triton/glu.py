@@ -1,0 +1,232 @@
+"""Triton gated linear units: ``act(gate) * up`` and its backward, shared by swiglu and geglu.
+
+One elementwise kernel per direction, specialized on the activation (``ACT``: silu, gelu-tanh,
+gelu-erf). Math in fp32; outputs in the inputs' dtype. The backward recomputes the activation
+from ``gate`` (only the two inputs are saved) and writes both gradients in one pass:
+reads gate, up, dy and writes dgate, dup (5 tensors; the forward moves 3).
+
+Layouts, chosen per call (:func:`_same_dense`):
+
+* *flat*: every tensor has the same strides and is non-overlapping and dense (contiguous, or a
+  permutation of contiguous such as ``x.t()``): the kernels walk memory as one 1-D array of
+  ``numel`` elements and the outputs take the same strides (``empty_like``). No copy.
+* *rows*: otherwise each tensor is viewed as ``[M, N]`` with unit column stride and its own row
+  stride (e.g. the two halves of a fused ``[M, 2N]`` projection, or an ``expand``-ed input with
+  row stride 0) — a copy happens only when no such view exists (column stride != 1).
+
+Each program handles a ``[ROWS, BLOCK]`` tile (ROWS > 1 only for short rows), with an int64
+scalar base offset and int32 in-tile offsets, so 16-byte vector accesses stay possible and
+tensors of more than 2^31 elements are addressed correctly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SILU, GELU_TANH, GELU_ERF = 0, 1, 2
+ACTS = {"silu": SILU, "tanh": GELU_TANH, "none": GELU_ERF}
+
+BLOCK_MAX = 4096  # elements per program (bf16: 8 KiB per tensor; 16 per thread at 8 warps)
+# GELU-tanh: z = √(2/π)·(g + 0.044715·g³) and 0.5·(1 + tanh z) = sigmoid(2z) = sigmoid(g·(K2 + K2C·g²))
+_K2 = tl.constexpr(1.5957691216057308)  # 2·√(2/π)
+_K2C = tl.constexpr(0.0713548162726009)  # 2·√(2/π)·0.044715
+_K2C3 = tl.constexpr(0.2140644488178027)  # 3·_K2C
+_INV_SQRT_2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+# (tensor operands come first: the interpreter cannot multiply a constexpr global by a tensor)
+@triton.jit
+def _act_fwd(g, ACT: tl.constexpr):
+    """act(g) in fp32."""
+    if ACT == 0:
+        return g * tl.sigmoid(g)
+    elif ACT == 1:
+        # 0.5·(1 + tanh z) as sigmoid(2z): no tanh needed, and no cancellation for g << 0
+        return g * tl.sigmoid(g * (g * g * _K2C + _K2))
+    else:
+        return g * ((tl.erf(g * _INV_SQRT_2) + 1.0) * 0.5)
+
+
+@triton.jit
+def _act_fwd_bwd(g, ACT: tl.constexpr):
+    """(act(g), act'(g)) in fp32."""
+    if ACT == 0:
+        s = tl.sigmoid(g)
+        a = g * s
+        d = s * (1.0 + g * (1.0 - s))
+    elif ACT == 1:
+        g2 = g * g
+        cdf = tl.sigmoid(g * (g2 * _K2C + _K2))
+        a = g * cdf
+        # d/dg [g·σ(2z)] = σ + g·σ(1-σ)·2z'   (1 - tanh² z = 4σ(1-σ)),  2z' = K2 + 3·K2C·g²
+        d = cdf + g * (cdf * (1.0 - cdf)) * (g2 * _K2C3 + _K2)
+    else:
+        cdf = (tl.erf(g * _INV_SQRT_2) + 1.0) * 0.5
+        a = g * cdf
+        d = cdf + g * (tl.exp(g * g * -0.5) * _INV_SQRT_2PI)
+    return a, d
+
+
+@triton.jit
+def _glu_fwd_kernel(
+    G, U, Y,
+    M, N, col_blocks,
+    stride_g, stride_u, stride_y,
+    ACT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rb = pid // col_blocks
+    row0 = tl.cast(rb, tl.int64) * ROWS
+    col0 = tl.cast(pid - rb * col_blocks, tl.int64) * BLOCK
+    r = tl.arange(0, ROWS)
+    c = tl.arange(0, BLOCK)
+    mask = (r < M - row0)[:, None] & (c < N - col0)[None, :]
+    g = tl.load(G + (row0 * stride_g + col0) + (r[:, None] * stride_g + c[None, :]), mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + (row0 * stride_u + col0) + (r[:, None] * stride_u + c[None, :]), mask=mask, other=0.0).to(tl.float32)
+    y = _act_fwd(g, ACT) * u
+    tl.store(Y + (row0 * stride_y + col0) + (r[:, None] * stride_y + c[None, :]), y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _glu_bwd_kernel(
+    G, U, DY, DG, DU,
+    M, N, col_blocks,
+    stride_g, stride_u, stride_dy, stride_dg, stride_du,
+    ACT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rb = pid // col_blocks
+    row0 = tl.cast(rb, tl.int64) * ROWS
+    col0 = tl.cast(pid - rb * col_blocks, tl.int64) * BLOCK
+    r = tl.arange(0, ROWS)
+    c = tl.arange(0, BLOCK)
+    mask = (r < M - row0)[:, None] & (c < N - col0)[None, :]
+    g = tl.load(G + (row0 * stride_g + col0) + (r[:, None] * stride_g + c[None, :]), mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + (row0 * stride_u + col0) + (r[:, None] * stride_u + c[None, :]), mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + (row0 * stride_dy + col0) + (r[:, None] * stride_dy + c[None, :]), mask=mask, other=0.0).to(tl.float32)
+    a, d = _act_fwd_bwd(g, ACT)
+    tl.store(DG + (row0 * stride_dg + col0) + (r[:, None] * stride_dg + c[None, :]), (dy * u * d).to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + (row0 * stride_du + col0) + (r[:, None] * stride_du + c[None, :]), (dy * a).to(DU.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+
+
+def _layout(t: torch.Tensor) -> tuple[int, ...]:
+    """Strides that matter for addressing (size-1 dims can carry any stride)."""
+    return tuple(st for size, st in zip(t.shape, t.stride()) if size != 1)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: the elements fill ``numel`` consecutive slots (any dim order)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, size) for size, st in zip(t.shape, t.stride()) if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A ``[M, N]`` view with unit column stride (copies only when the layout needs it)."""
+    n = t.shape[-1] if t.dim() else 1
+    t2 = t.reshape(-1, n)
+    return t2 if t2.stride(-1) == 1 or t2.numel() == 0 else t2.contiguous()
+
+
+def _tile(m: int, n: int) -> tuple[int, int, int]:
+    """(BLOCK, ROWS, num_warps) for m rows of n elements: up to BLOCK_MAX elements per program."""
+    block = min(BLOCK_MAX, triton.next_power_of_2(max(n, 1)))
+    rows = min(max(1, BLOCK_MAX // block), triton.next_power_of_2(max(m, 1)))
+    warps = max(1, min(8, block * rows // 512))
+    return block, rows, warps
+
+
+def _launch(kernel, tensors: list[torch.Tensor], flat: bool, act: int) -> None:
+    """Run ``kernel`` on same-shape tensors (inputs first, then outputs)."""
+    if flat:
+        m, n, strides = 1, tensors[0].numel(), [0] * len(tensors)
+    else:
+        m, n = tensors[0].shape
+        strides = [t.stride(0) for t in tensors]
+    block, rows, warps = _tile(m, n)
+    # in-tile offsets are int32: keep (ROWS-1)·stride + BLOCK below 2^31 (huge strides: one row per tile)
+    if rows > 1 and (rows - 1) * max(map(abs, strides)) + block >= 2**31:
+        rows = 1
+    col_blocks = triton.cdiv(n, block)
+    grid = (triton.cdiv(m, rows) * col_blocks,)
+    kernel[grid](*tensors, m, n, col_blocks, *strides, ACT=act, BLOCK=block, ROWS=rows, num_warps=warps)
+
+
+def _same_dense(*ts: torch.Tensor) -> bool:
+    """All tensors share one dense layout: the flat walk addresses them alike."""
+    lay = _layout(ts[0])
+    return all(_layout(t) == lay for t in ts) and _dense(ts[0])
+
+
+def _contiguous_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else torch.empty(like.shape, dtype=like.dtype, device=like.device)
+
+
+def _n(t: torch.Tensor) -> int:
+    return t.shape[-1] if t.dim() else 1
+
+
+def glu_forward(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
+    """``act(gate) * up`` with gate's shape and dtype (and gate's layout when it is dense)."""
+    y = torch.empty_like(gate)
+    if y.numel() == 0:
+        return y
+    if _same_dense(gate, up, y):
+        _launch(_glu_fwd_kernel, [gate, up, y], True, act)
+        return y
+    y = _contiguous_like(y, gate)
+    _launch(_glu_fwd_kernel, [_rows(gate), _rows(up), y.view(-1, _n(y))], False, act)
+    return y
+
+
+def glu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dgate, dup) in the inputs' dtype, recomputing act(gate) from gate."""
+    dg, du = torch.empty_like(gate), torch.empty_like(gate)
+    if dg.numel() == 0:
+        return dg, du
+    if _same_dense(gate, up, dy, dg, du):
+        _launch(_glu_bwd_kernel, [gate, up, dy, dg, du], True, act)
+        return dg, du
+    dg, du = _contiguous_like(dg, gate), _contiguous_like(du, gate)
+    n = _n(gate)
+    _launch(_glu_bwd_kernel, [_rows(gate), _rows(up), _rows(dy), dg.view(-1, n), du.view(-1, n)], False, act)
+    return dg, du
+
+
+class GLUFunction(torch.autograd.Function):
+    """autograd for ``act(gate) * up``; saves only gate and up."""
+
+    @staticmethod
+    def forward(ctx, gate, up, act):  # type: ignore[override]
+        ctx.save_for_backward(gate, up)
+        ctx.act = act
+        return glu_forward(gate, up, act)
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        gate, up = ctx.saved_tensors
+        dg, du = glu_backward(dy, gate, up, ctx.act)
+        return (dg if ctx.needs_input_grad[0] else None, du if ctx.needs_input_grad[1] else None, None)
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
+    """Forward (with autograd when a grad is needed) of ``act(gate) * up``; args validated."""
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return GLUFunction.apply(gate, up, act)
+    return glu_forward(gate, up, act)

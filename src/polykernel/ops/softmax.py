@@ -1,0 +1,166 @@
+"""``activation.softmax``: ``exp(x - max) / Σ exp(x - max)`` over the last dim.
+
+Math in fp32 (fp64 stays fp64), output in x's dtype; stable for any finite logits (the row max
+is subtracted before exp) and for rows of any length. A row of all -inf gives NaN, like torch.
+Backward: ``dx = y · (dy - Σ dy·y)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..op import Case, Op, Tol, Tolerances
+from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
+from . import _checks as check
+
+OP_ID = "activation.softmax"
+
+
+def reference(x: torch.Tensor) -> torch.Tensor:
+    """The semantics, in plain torch (fp32 math; fp64 stays fp64)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    return torch.softmax(x.to(acc), dim=-1).to(x.dtype)
+
+
+def validate(x: torch.Tensor) -> None:
+    check.tensor(OP_ID, "x", x)
+    check.floating(OP_ID, "x", x)
+
+
+def _key(x: torch.Tensor, *_: object, **__: object) -> tuple:
+    return (x.device, x.dtype, check.needs_grad(x), x.shape[-1])
+
+
+_op: Op  # defined below, after the public function it serves
+
+
+def softmax(x: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
+    """Softmax of ``x`` over its last dim, computed in fp32, in x's dtype.
+
+    >>> import torch, polykernel
+    >>> y = polykernel.softmax(torch.randn(4, 8))
+    >>> bool(torch.allclose(y.sum(-1), torch.ones(4)))
+    True
+    >>> y = polykernel.softmax(torch.randn(4, 8), impl="torch")  # forced impl
+    """
+    validate(x)
+    return _op.call(impl, (x.device, x.dtype, check.needs_grad(x), x.shape[-1]), x)
+
+
+# -- tolerances: measured errors of the impls against `reference`, with headroom ----------------
+# Forward: y ∈ [0, 1] is an fp32 result rounded once. The max and sum are reduced in another
+# order (sums of up to 256K terms: ~1e-6 relative in fp32) and the GPU exp is ex2.approx (error
+# ~2 ulp plus |x - m|·2^-24 relative), so fp32 allows ~1e-5 relative; atol 1e-6 covers tiny
+# probabilities. bf16/fp16: one-ulp flips of the rounded output (2^-7, 2^-10 relative).
+# Backward: the impls recompute y in fp32 (as the reference's autograd has it), so dx = y·(dy - c)
+# is again an fp32 value rounded once; the cancellation in dy - c (c = Σ y·dy, summed in another
+# order) adds ~1e-7·|y| absolute, covered by atol.
+TOLERANCES = Tolerances(
+    forward={
+        torch.float32: Tol(atol=1e-6, rtol=1e-5),
+        torch.float64: Tol(atol=1e-12, rtol=1e-12),
+        torch.bfloat16: Tol(atol=1e-5, rtol=1e-2),
+        torch.float16: Tol(atol=1e-6, rtol=1.25e-3),
+    },
+    backward={
+        torch.float32: Tol(atol=1e-6, rtol=1e-5),
+        torch.float64: Tol(atol=1e-12, rtol=1e-12),
+        torch.bfloat16: Tol(atol=1e-5, rtol=1e-2),
+        torch.float16: Tol(atol=1e-6, rtol=1.25e-3),
+    },
+)
+
+
+def example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, requires_grad: bool = False) -> Case:
+    """Random logits of one shape (benchmarks, ``explain --shape``, the demo)."""
+    x = torch.randn(shape, dtype=dtype, device=device, requires_grad=requires_grad)
+    return Case(f"{'x'.join(map(str, shape))}", (x,))
+
+
+def bytes_moved(x: torch.Tensor, *_: object, backward: bool = False) -> int:
+    """Fewest bytes: forward reads x and writes y (2·numel·size); the backward reads y, dy and
+    writes dx, so forward+backward is 5·numel·size."""
+    return (5 if backward else 2) * x.numel() * x.element_size()
+
+
+LONG_N = 40000  # > the Triton one-block limits (forward 32768, backward 16384): chunked paths
+MID_N = 20000  # Triton: one-block forward, chunked backward
+
+
+def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -> list[Case]:
+    """Awkward shapes, big logits and long rows, sized for the CPU interpreter unless ``large``."""
+
+    def t(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(shape, device=device)).to(dtype).requires_grad_()
+
+    def masked(m: int, n: int, start: int, stop: int) -> torch.Tensor:
+        # causal-attention style: a run of -inf logits (covering whole chunks on long rows)
+        x = 3 * torch.randn(m, n, device=device)
+        x[:, start:stop] = float("-inf")
+        return x.to(dtype).requires_grad_()
+
+    out = [
+        Case("1x1", (t(1, 1),)),
+        Case("7", (t(7),)),
+        Case("3x7", (t(3, 7),)),
+        Case("2x5x33", (t(2, 5, 33),)),
+        Case("0x16", (t(0, 16),)),
+        Case("5x0", (t(5, 0),)),
+        Case("4x1000-logits-1e4", (t(4, 1000, scale=1e4),)),
+        Case("6x2048-masked", (masked(6, 2048, 0, 1500),)),
+        Case("9x200-rowstrided", (t(18, 200)[::2],)),
+        Case("7x64-colstrided", (t(7, 128)[:, ::2],)),
+        Case("3x5x12-transposed", (t(3, 12, 5).transpose(1, 2),)),
+        Case(f"8x{MID_N}-mid", (t(8, MID_N),)),
+        Case(f"3x{LONG_N}-long", (t(3, LONG_N, scale=4.0),)),
+        Case(f"2x{LONG_N}-long-masked", (masked(2, LONG_N, 0, 20000),)),
+    ]
+    if large:
+        out += [
+            Case("8192x32768", (t(8192, 32768),)),
+            Case("16384x128", (t(16384, 128),)),
+            Case("4x32x1024x1024-attn", (t(4, 32, 1024, 1024),)),
+            Case("1031x50257-odd", (t(1031, 50257),)),
+            Case("512x32768-logits-1e4", (t(512, 32768, scale=1e4),)),
+            Case("64x262144-long", (t(64, 262144, scale=4.0),)),
+            Case("1000x262144-long", (t(1000, 262144),)),
+            Case("256x65537-masked", (masked(256, 65537, 0, 40000),)),
+        ]
+    return out
+
+
+_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
+
+IMPLS = [
+    KernelSpec(
+        OP_ID,
+        "torch",
+        "polykernel.backends.torch.softmax:softmax",
+        rank=100,
+        description="torch.softmax (fp32 accumulation, x's dtype out); bf16/fp16 backward recomputes fp32 y from x",
+    ),
+    KernelSpec(
+        OP_ID,
+        "triton",
+        "polykernel.backends.triton.softmax:softmax",
+        capabilities=frozenset({CapabilityRequirement.CUDA}),
+        requires_modules=("triton",),
+        format_signature=_TRITON_DTYPES,
+        rank=10,
+        description="one block per row up to 32K (one read, one write), online chunked beyond (rows split when few); backward recomputes fp32 y from x",
+    ),
+]
+
+_op = Op(
+    OP_ID,
+    fields=("device", "dtype", "needs_grad", "n"),
+    key=_key,
+    default_key=lambda device, dtype: (device, dtype, False, None),
+    reference=reference,
+    tolerances=TOLERANCES,
+    dtypes=(torch.float32, torch.bfloat16, torch.float16),
+    cases=cases,
+    example=example,
+    bytes_moved=bytes_moved,
+    impls=IMPLS,
+)
