@@ -1,0 +1,439 @@
+"""``torch.compile`` integration: every op as a ``torch.library`` custom op ``polykernel::<name>``.
+
+Under ``torch.compile`` (and ``torch.export``) :meth:`Op.call <polykernel.op.Op.call>` does not
+dispatch in Python: it calls the op's custom op, which Dynamo puts in the graph as one opaque
+node, so ``fullgraph=True`` works with every backend. Eager calls never come here.
+
+For each op (built once, when the op registers or when this module is first imported) there are
+two custom ops, with schemas derived from the op's ``reference`` signature::
+
+    polykernel::rms_norm(Tensor x, Tensor weight, float eps=1e-06, float offset=0.0,
+                         str casting="fp32", *, str? impl=None) -> Tensor
+    polykernel::rms_norm_backward(Tensor?[] grad_outputs, Tensor x, Tensor weight, float eps,
+                                  float offset, str casting, bool[] grad_mask, *,
+                                  str? impl=None) -> Tensor[]
+
+- **Real impl** (the forward): the dispatcher's eager path, run at *run time* under ``no_grad``:
+  selection reads the same mutable state as an eager call (``impl=``, ``use_impl`` scopes,
+  ``POLYKERNEL_IMPL*``, ``set_impl``, tuning, the runtime-fault policy), so compiled code keeps
+  honouring them without recompiling. Outputs are made fresh (never an input or a view of one)
+  and contiguous, matching the fake impl's layout exactly (inductor asserts the strides).
+- **Fake impl**: the op's ``reference`` run on the fake tensors, for shapes and dtypes only, then
+  ``torch.empty`` of those (contiguous, fresh). The reference must therefore be pure torch with
+  no data-dependent output shape.
+- **Autograd**: ``setup_context`` saves the inputs; the backward is the second custom op, whose
+  real impl recomputes the forward with the impl the dispatcher selects (now with the inputs
+  that need a gradient requiring grad, so impls that lack a backward are not selected), under
+  ``enable_grad`` on detached inputs, and returns ``torch.autograd.grad`` of it. Its fake impl
+  is ``torch.empty`` of each input that needs a gradient.
+
+Known cost: under compile, the backward recomputes the forward (one extra forward pass per
+backward, and the forward's activations are not kept). A later improvement is impls that
+register an explicit ``(forward, backward)`` pair, so the backward op can call the impl's own
+backward on saved activations.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import types
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from . import dispatch, registry
+from .op import Op, _capturing
+from .spec import KernelBackend
+
+__all__ = ["NAMESPACE", "CompiledOp", "build_errors", "custom_op_for"]
+
+NAMESPACE = "polykernel"
+
+_lock = threading.RLock()
+_built: dict[str, CompiledOp] = {}  # op id -> its custom ops (filled once per op, never replaced)
+_errors: dict[str, str] = {}  # op id -> why its custom op could not be built
+_taken: dict[str, str] = {}  # custom-op name -> op id
+_ATTR = "_polykernel_custom_op"  # set on each Op object: its CompiledOp.call
+
+
+def custom_op_for(op: Op | str) -> Callable[..., Any]:
+    """``callable(impl, *args)`` that runs ``op`` through its ``polykernel::<name>`` custom op.
+
+    ``args`` are the impl's positional arguments (the public function's minus ``impl=``).
+    Built once per op and cached; safe to call from several threads. This lookup is what Dynamo
+    traces on the compiled path, so its hit path is a plain dict read.
+    """
+    if not isinstance(op, str):
+        # Dynamo traces this: an attribute of the op object is read live, while a global dict
+        # read once in a trace is a snapshot (an op registered later in the same trace would be
+        # missing from it).
+        call = getattr(op, _ATTR, None)
+        if call is not None:
+            return call
+    op_id = op if isinstance(op, str) else op.id
+    hit = _built.get(op_id)
+    if hit is None:
+        the_op = registry.get_op(op_id)
+        if the_op.id in _errors:
+            raise RuntimeError(f"polykernel: {the_op.id}: cannot build its torch.library custom op: {_errors[the_op.id]}")
+        hit = _build(the_op)
+    return hit.call
+
+
+def build_errors() -> dict[str, str]:
+    """Ops whose custom op could not be built (op id -> error). Empty when all is well."""
+    return dict(_errors)
+
+
+# ---------------------------------------------------------------------------------------------
+# Schema from the reference's signature
+
+_SCALARS: dict[Any, str] = {
+    torch.Tensor: "Tensor",
+    float: "float",
+    int: "SymInt",  # SymInt, so an int argument Dynamo makes dynamic still fits
+    bool: "bool",
+    str: "str",
+    torch.dtype: "ScalarType",
+    torch.device: "Device",
+}
+_LISTS = (list, tuple, Sequence)
+
+
+def _schema_type(tp: Any, where: str) -> str:
+    """A Python annotation -> a schema type (``Tensor``, ``Tensor?``, ``float``, ``SymInt[]``...)."""
+    if tp in _SCALARS:
+        return _SCALARS[tp]
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            inner = _schema_type(rest[0], where)
+            if not inner.endswith("?"):
+                return inner + "?"
+    if origin in _LISTS or (isinstance(origin, type) and issubclass(origin, Sequence)):
+        elems = [a for a in args if a is not Ellipsis]
+        if len(set(elems)) == 1:
+            return _schema_type(elems[0], where) + "[]"
+    raise TypeError(f"polykernel: {where}: annotation {tp!r} has no torch.library schema type")
+
+
+def _return_types(tp: Any, where: str) -> list[str]:
+    """The reference's return annotation -> schema return types (a list of ``Tensor`` usually)."""
+    if tp is inspect.Signature.empty or tp is None:
+        return ["Tensor"]
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is tuple and args and Ellipsis not in args:
+        return [_schema_type(a, where) for a in args]
+    return [_schema_type(tp, where)]
+
+
+def _default(value: Any) -> str | None:
+    """A schema default literal, or None when the value has none (the argument is then required)."""
+    if value is None:
+        return "None"
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value) if value == value and value not in (float("inf"), float("-inf")) else None
+    if isinstance(value, str) and '"' not in value and "\\" not in value:
+        return f'"{value}"'
+    return None
+
+
+class _Param(typing.NamedTuple):
+    name: str
+    type: str  # schema type
+    default: str | None  # schema literal
+    value: Any  # the Python default (inspect.Parameter.empty when none)
+
+
+def _params(op: Op) -> tuple[list[_Param], list[str]]:
+    """The impl's parameters (from the reference) and the return types, as schema pieces."""
+    ref = op.reference
+    sig = inspect.signature(ref)
+    try:
+        hints = typing.get_type_hints(ref)
+    except Exception:  # unresolvable string annotations: fall back per parameter
+        hints = {}
+    params = []
+    for p in sig.parameters.values():
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            raise TypeError(f"polykernel: {op.id}: reference parameter {p.name!r} must be positional (it is {p.kind.description})")
+        if p.name in ("impl", "grad_outputs", "grad_mask"):
+            raise TypeError(f"polykernel: {op.id}: reference parameter name {p.name!r} is reserved")
+        tp = hints.get(p.name)
+        if tp is None:  # unannotated: the default's type, else a tensor
+            tp = type(p.default) if p.default is not p.empty and p.default is not None else torch.Tensor
+        default = _default(p.default) if p.default is not p.empty else None
+        params.append(_Param(p.name, _schema_type(tp, f"{op.id} parameter {p.name!r}"), default, p.default))
+    returns = _return_types(hints.get("return", inspect.Signature.empty), f"{op.id} return")
+    return params, returns
+
+
+def _schema(params: Sequence[_Param], returns: Sequence[str], *, with_defaults: bool, prefix: str = "", suffix: str = "") -> str:
+    parts = [prefix] if prefix else []
+    for p in params:
+        parts.append(f"{p.type} {p.name}" + (f"={p.default}" if with_defaults and p.default is not None else ""))
+    if suffix:
+        parts.append(suffix)
+    parts.append("*, str? impl=None")
+    ret = returns[0] if len(returns) == 1 else f"({', '.join(returns)})"
+    return f"({', '.join(parts)}) -> {ret}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The run-time bodies
+
+
+def _select_and_run(op: Op, impl: str | None, args: Sequence[Any], names: Sequence[str] | None) -> Any:
+    """The dispatcher's eager path, as in :meth:`Op.call` minus its compile check (a real impl
+    can run while a compile is in progress, e.g. inductor constant folding; going through
+    ``Op.call`` then would re-enter the custom op). ``names``: pass the arguments to ``op.key``
+    by name (its signature is the public function's, with keyword-only options)."""
+    argkey = op.key(**dict(zip(names, args))) if names is not None else op.key(*args)
+    key = (argkey, impl, dispatch._scope.get(), torch.are_deterministic_algorithms_enabled(), _capturing(argkey[0]))
+    decision = op._memo.get(key)
+    if decision is None:
+        if getattr(op, "validate", None) is not None:  # Op.call validates once per argument class
+            op.validate(*args)
+        decision = dispatch.decide(op, key)
+    try:
+        return decision.fn(*args)
+    except Exception as exc:  # the runtime-fault policy re-raises what is not ours
+        return decision.on_fault(exc, tuple(args))
+
+
+def _key_names(op: Op, names: Sequence[str]) -> tuple[str, ...] | None:
+    """The parameter names to call ``op.key`` with by keyword, or None to call it positionally."""
+    try:
+        inspect.signature(op.key).bind(**dict.fromkeys(names))
+        return tuple(names)
+    except TypeError:
+        return None
+
+
+def _impl_str(impl: Any) -> str:
+    """``impl=`` as the schema's ``str``: a preference list becomes ``"a,b"`` (the dispatcher
+    parses both forms the same way)."""
+    if isinstance(impl, KernelBackend):
+        return impl.value
+    return ",".join(v.value if isinstance(v, KernelBackend) else str(v) for v in impl)
+
+
+def _current(op_id: str) -> Op:
+    """The op object registered under ``op_id`` now (a dict read; ``get_op`` on a miss)."""
+    op = registry._ops.get(op_id)
+    return op if op is not None else registry.get_op(op_id)
+
+
+def _storage_id(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except Exception:  # tensors without storage (some subclasses) cannot alias
+        return None
+
+
+def _fresh(outputs: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
+    """Outputs that alias no input and no other output, each contiguous (the fake impl's layout)."""
+    seen = {s for a in inputs if isinstance(a, torch.Tensor) and (s := _storage_id(a)) is not None}
+    out = []
+    for o in outputs:
+        if isinstance(o, torch.Tensor):
+            s = _storage_id(o)
+            if s is not None and s in seen:
+                o = o.clone(memory_format=torch.contiguous_format)
+                s = _storage_id(o)
+            elif not o.is_contiguous():
+                o = o.contiguous()
+            if o.requires_grad:
+                o = o.detach()
+            if s is not None:
+                seen.add(s)
+        out.append(o)
+    return out
+
+
+def _as_tuple(out: Any) -> tuple[Any, ...]:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+_AUTOGRAD_KEYS = (
+    torch._C.DispatchKey.AutogradFunctionality,
+    torch._C.DispatchKey.AutogradOther,
+    torch._C.DispatchKey.AutogradNestedTensor,
+    torch._C.DispatchKey.ADInplaceOrView,
+)
+
+
+def _autograd_on() -> Any:
+    """A guard that takes autograd's keys out of this thread's excluded dispatch keys: a custom
+    op's kernels run below autograd, and the backward recomputes the forward through autograd."""
+    keys = torch._C._dispatch_tls_local_exclude_set()
+    for k in _AUTOGRAD_KEYS:
+        keys = keys.remove(k)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), keys)
+
+
+class CompiledOp:
+    """The custom ops of one :class:`Op`: ``forward`` and ``backward`` (``OpOverload`` s)."""
+
+    def __init__(self, op: Op, name: str) -> None:
+        self.op_id = op.id
+        self.name = name
+        self.qualname = f"{NAMESPACE}::{name}"
+        params, returns = _params(op)
+        self.params = params
+        self.returns = returns
+        self.n_args = len(params)
+        self.tensor_args = tuple(i for i, p in enumerate(params) if p.type in ("Tensor", "Tensor?"))
+        self.single = len(returns) == 1 and not returns[0].endswith("[]")
+        # The dispatcher drops trailing arguments equal to their schema default before calling a
+        # Python kernel; the kernels put them back from here.
+        self.defaults = tuple(p.value for p in params)
+        self.key_names = _key_names(op, [p.name for p in params])
+        self.forward_schema = _schema(params, returns, with_defaults=True)
+        self.backward_schema = _schema(
+            params, ["Tensor[]"], with_defaults=False, prefix="Tensor?[] grad_outputs", suffix="bool[] grad_mask"
+        )
+        self.forward = self._define_forward()
+        self.backward = self._define_backward()
+        fwd, validate = self.forward, getattr(op, "validate", None)
+
+        def call(impl: Any, *args: Any) -> Any:
+            # Traced by Dynamo: validation happens at trace time, on the (fake) arguments, so a
+            # bad call fails while compiling, not inside the graph.
+            if validate is not None:
+                validate(*args)
+            if impl is not None and not isinstance(impl, str):  # a list or a KernelBackend
+                impl = _impl_str(impl)
+            return fwd(*args, impl=impl)
+
+        self.call = call
+
+    def __repr__(self) -> str:
+        return f"CompiledOp({self.qualname}{self.forward_schema})"
+
+    # -- forward -------------------------------------------------------------------------------
+    def _full(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return args if len(args) == self.n_args else (*args, *self.defaults[len(args) :])
+
+    def _define_forward(self) -> Any:
+        op_id, single, full, names = self.op_id, self.single, self._full, self.key_names
+
+        def real(*args: Any, impl: str | None = None) -> Any:
+            args = full(args)
+            with torch.no_grad():
+                out = _as_tuple(_select_and_run(_current(op_id), impl, args, names))
+            out = _fresh(out, args)
+            return out[0] if single else tuple(out)
+
+        def fake(*args: Any, impl: str | None = None) -> Any:
+            args = full(args)
+            # Run the reference as at the top of a trace, with the autograd keys on (a fake impl
+            # runs below autograd): composite ops such as cross_entropy then decompose through
+            # their C++ kernels. Below autograd, FakeTensorMode decomposes them through Python
+            # refs, some of which are wrong (torch 2.13's nll_loss ref misreads `reduction` and
+            # gives a [0]-shaped mean for empty inputs).
+            with _autograd_on(), torch.no_grad():
+                out = _as_tuple(_current(op_id).reference(*args))
+            out = [torch.empty(o.shape, dtype=o.dtype, device=o.device) if isinstance(o, torch.Tensor) else o for o in out]
+            return out[0] if single else tuple(out)
+
+        custom = torch.library.custom_op(self.qualname, real, mutates_args=(), schema=self.forward_schema)
+        custom.register_fake(fake)
+        custom.register_autograd(self._backward_formula, setup_context=self._setup_context)
+        return custom._opoverload
+
+    def _setup_context(self, ctx: Any, inputs: Sequence[Any], keyword_only_inputs: dict[str, Any], output: Any) -> None:
+        tensors = set(self.tensor_args)
+        ctx.save_for_backward(*(inputs[i] for i in self.tensor_args))
+        ctx.pk_consts = [None if i in tensors else a for i, a in enumerate(inputs)]
+        ctx.pk_impl = keyword_only_inputs.get("impl")
+
+    def _backward_formula(self, ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        args = list(ctx.pk_consts)
+        for i, t in zip(self.tensor_args, ctx.saved_tensors):
+            args[i] = t
+        needs = ctx.needs_input_grad  # one per argument the call passed (defaults may be dropped)
+        mask = [i < len(needs) and bool(needs[i]) for i in range(self.n_args)]
+        result = iter(self.backward(list(grads), *args, mask, impl=ctx.pk_impl))
+        return tuple(next(result) if m else None for m in mask[: len(needs)])
+
+    # -- backward ------------------------------------------------------------------------------
+    def _define_backward(self) -> Any:
+        op_id, names = self.op_id, self.key_names
+
+        def real(grad_outputs: list[torch.Tensor | None], *rest: Any, impl: str | None = None) -> list[torch.Tensor]:
+            *args, mask = rest
+            op = _current(op_id)
+            with _autograd_on(), torch.enable_grad():
+                leaves = [a.detach().requires_grad_(bool(m)) if isinstance(a, torch.Tensor) else a for a, m in zip(args, mask)]
+                wanted = [leaf for leaf, m in zip(leaves, mask) if m]
+                outs = _as_tuple(_select_and_run(op, impl, leaves, names))
+                pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+                if pairs and wanted:
+                    got = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+                else:
+                    got = (None,) * len(wanted)
+            grads = [g if g is not None else torch.zeros_like(w, memory_format=torch.contiguous_format) for g, w in zip(got, wanted)]
+            return _fresh(grads, [*args, *grad_outputs])
+
+        def fake(grad_outputs: list[torch.Tensor | None], *rest: Any, impl: str | None = None) -> list[torch.Tensor]:
+            *args, mask = rest
+            return [torch.empty(a.shape, dtype=a.dtype, device=a.device) for a, m in zip(args, mask) if m]
+
+        custom = torch.library.custom_op(f"{self.qualname}_backward", real, mutates_args=(), schema=self.backward_schema)
+        custom.register_fake(fake)
+        return custom._opoverload
+
+
+# ---------------------------------------------------------------------------------------------
+# Building: once per op, when it registers (so Dynamo only ever traces the dict read above)
+
+
+def _free_name(op: Op) -> str:
+    name = op.name
+    owner = _taken.get(name)
+    if owner is not None and owner != op.id:
+        name = op.id.replace(".", "_")
+    return name
+
+
+def _build(op: Op) -> CompiledOp:
+    with _lock:
+        hit = _built.get(op.id)
+        if hit is not None:
+            if getattr(op, _ATTR, None) is None:  # an Op object re-created under the same id
+                setattr(op, _ATTR, hit.call)
+            return hit
+        name = _free_name(op)
+        try:
+            hit = CompiledOp(op, name)
+        except Exception as exc:
+            _errors[op.id] = f"{type(exc).__name__}: {exc}"
+            raise RuntimeError(f"polykernel: {op.id}: cannot build its torch.library custom op: {exc}") from exc
+        _errors.pop(op.id, None)
+        _taken[name] = op.id
+        _built[op.id] = hit
+        setattr(op, _ATTR, hit.call)
+        return hit
+
+
+def _build_registered() -> None:
+    """Build the custom op of every registered op that lacks one (registry listener)."""
+    for op in list(registry._ops.values()):
+        if getattr(op, _ATTR, None) is None and op.id not in _errors:
+            try:
+                _build(op)
+            except Exception:  # recorded in _errors; custom_op_for raises it on use
+                pass
+
+
+registry._listeners.append(_build_registered)
+_build_registered()

@@ -1,0 +1,425 @@
+"""torch.compile integration (polykernel.library): every op is a ``polykernel::<name>`` custom op
+with a fake impl and autograd, so ``torch.compile(fullgraph=True)`` has no graph break, forward
+and backward; ``opcheck`` passes; dispatcher state is read at run time inside compiled code.
+
+Parametrized over every op in the catalog; an op whose module does not import yet is skipped.
+CPU tests use the smallest non-empty parity cases (inductor on the CPU compiles C++: only a few
+inductor tests run there). GPU tests (``-m gpu``) run inductor for every op, forward and backward.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+import polykernel
+from polykernel import dispatch, library, registry
+from polykernel.errors import OpArgumentError
+from polykernel.op import Case, Op
+from polykernel.ops import OP_MODULES
+from polykernel.testing import fresh
+
+OP_IDS = list(OP_MODULES)
+
+
+@pytest.fixture(autouse=True)
+def _dynamo_reset():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _op(op_id: str) -> Op:
+    try:
+        importlib.import_module(OP_MODULES[op_id])
+    except Exception as exc:  # another agent's op file may not be there yet
+        pytest.skip(f"{op_id}: module {OP_MODULES[op_id]} does not import ({type(exc).__name__}: {exc})")
+    return registry.get_op(op_id)
+
+
+def _public(op: Op):
+    return getattr(polykernel, op.name)
+
+
+def _overloads(op: Op):
+    compiled = library._built[op.id]
+    packet = getattr(torch.ops.polykernel, compiled.name)
+    return compiled, packet.default, getattr(torch.ops.polykernel, f"{compiled.name}_backward").default
+
+
+def _first_numel(case: Case) -> int:
+    return next(a.numel() for a in case.args if isinstance(a, torch.Tensor))
+
+
+def _small_cases(op: Op, device="cpu", dtype=torch.float32, n=2) -> list[Case]:
+    """The ``n`` smallest cases whose first tensor is not empty, preferring ones with options."""
+    cases = [c for c in op.cases(device, dtype) if _first_numel(c) > 0]
+    cases.sort(key=lambda c: sum(a.numel() for a in c.args if isinstance(a, torch.Tensor)))
+    picked = cases[:1]
+    with_kwargs = [c for c in cases[1:] if c.kwargs]
+    picked += (with_kwargs or cases[1:])[: n - 1]
+    if not picked:
+        pytest.skip(f"{op.id}: no non-empty parity case")
+    return picked
+
+
+def _tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _run(fn, case: Case, seed: int = 0):
+    """Outputs and gradients (random cotangents from ``seed``) of ``fn`` on fresh copies of the case."""
+    args = [fresh(a) for a in case.args]
+    outs = _tuple(fn(*args))
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+    grads = ()
+    if leaves and diff:
+        gen = torch.Generator(device=diff[0].device).manual_seed(seed)
+        cot = [torch.randn(o.shape, generator=gen, device=o.device, dtype=o.dtype) for o in diff]
+        grads = torch.autograd.grad(diff, leaves, cot, allow_unused=True)
+    return [o.detach() for o in outs], list(grads)
+
+
+def _assert_same(op: Op, got, want, dtype, what: str):
+    (out_g, grad_g), (out_w, grad_w) = got, want
+    assert len(out_g) == len(out_w) and len(grad_g) == len(grad_w), what
+    fwd, bwd = op.tolerances.fwd(dtype), op.tolerances.bwd(dtype)
+    for i, (g, w) in enumerate(zip(out_g, out_w)):
+        torch.testing.assert_close(g, w, atol=fwd.atol, rtol=fwd.rtol, equal_nan=True, msg=lambda m, i=i: f"{what}: output {i}: {m}")
+    for i, (g, w) in enumerate(zip(grad_g, grad_w)):
+        assert (g is None) == (w is None), f"{what}: gradient {i} is {'missing' if g is None else 'unexpected'}"
+        if g is not None:
+            torch.testing.assert_close(g, w, atol=bwd.atol, rtol=bwd.rtol, equal_nan=True, msg=lambda m, i=i: f"{what}: grad {i}: {m}")
+
+
+def _compiled(op: Op, case: Case, backend, **compile_kwargs):
+    public, kwargs = _public(op), dict(case.kwargs)
+
+    def fn(*args):
+        return public(*args, **kwargs)
+
+    return torch.compile(fn, fullgraph=True, backend=backend, **compile_kwargs)
+
+
+def _targets(gm: torch.fx.GraphModule) -> set:
+    return {n.target for n in gm.graph.nodes if n.op == "call_function"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Every op
+
+
+@pytest.mark.parametrize("op_id", OP_IDS)
+def test_custom_op_schema_follows_reference(op_id):
+    op = _op(op_id)
+    assert op_id not in library.build_errors(), library.build_errors()[op_id]
+    compiled, fwd, bwd = _overloads(op)
+    names = list(inspect.signature(op.reference).parameters)
+    schema = fwd._schema
+    assert [a.name for a in schema.arguments] == [*names, "impl"]
+    assert schema.arguments[-1].kwarg_only and str(schema.arguments[-1].type) == "Optional[str]"
+    assert all(a.alias_info is None for a in schema.arguments)  # functional: mutates nothing
+    assert [a.name for a in bwd._schema.arguments] == ["grad_outputs", *names, "grad_mask", "impl"]
+    assert library.custom_op_for(op) is library.custom_op_for(op_id) is compiled.call
+
+
+@pytest.mark.parametrize("op_id", OP_IDS)
+def test_opcheck(op_id):
+    op = _op(op_id)
+    _, fwd, _ = _overloads(op)
+    for case in _small_cases(op):
+        torch.library.opcheck(fwd, case.args, case.kwargs)
+        no_grad_args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in case.args)
+        torch.library.opcheck(fwd, no_grad_args, case.kwargs, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("op_id", OP_IDS)
+def test_aot_eager_fullgraph_matches_eager(op_id):
+    op = _op(op_id)
+    _, fwd, _ = _overloads(op)
+    for case in _small_cases(op):
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        compiled = _compiled(op, case, counter)
+        got = _run(compiled, case)
+        want = _run(lambda *a, case=case: _public(op)(*a, **case.kwargs), case)
+        _assert_same(op, got, want, torch.float32, f"{op_id} {case.label} aot_eager")
+        assert counter.frame_count == 1
+        assert fwd in _targets(counter.graphs[0]), "the op must be one custom-op node in the Dynamo graph"
+
+
+@pytest.mark.parametrize("op_id", OP_IDS)
+def test_compiled_and_eager_share_decisions(op_id):
+    # The custom op's real impl builds the dispatcher's memo key itself (it cannot go through
+    # Op.call while compiling): it must build the same key as the public function.
+    op = _op(op_id)
+    _, fwd, _ = _overloads(op)
+    case = _small_cases(op, n=1)[0]
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in case.args)
+    dispatch.clear_caches()
+    with torch.no_grad():
+        fwd(*args, **case.kwargs)
+        keys = set(op._memo)
+        _public(op)(*args, **case.kwargs)
+    assert len(keys) == 1 and set(op._memo) == keys
+
+
+def test_every_catalog_op_gets_its_custom_op_when_it_registers():
+    loaded = []
+    for op_id in OP_IDS:
+        try:
+            loaded.append(registry.get_op(op_id))
+        except Exception:  # not there yet: covered by the skips above
+            continue
+    assert {op.id: library.build_errors()[op.id] for op in loaded if op.id in library.build_errors()} == {}
+    for op in loaded:
+        assert getattr(op, library._ATTR) is library._built[op.id].call
+
+
+# ---------------------------------------------------------------------------------------------
+# rms_norm: inductor, dynamic shapes, run-time selection, errors
+
+
+def _rms_args(rows=6, n=32, dtype=torch.float32):
+    x = torch.randn(rows, n, dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(n)).to(dtype).requires_grad_()
+    return Case(f"{rows}x{n}", (x, w), {"offset": 0.5})
+
+
+def test_inductor_cpu_rms_norm_forward_backward():
+    op = _op("norm.rms_norm")
+    case = _rms_args()
+
+    def model(x, w):  # inductor-generated code on both sides of the custom op
+        return (polykernel.rms_norm(x * 2, w, offset=0.5) + 1).square()
+
+    got = _run(torch.compile(model, fullgraph=True, backend="inductor"), case)
+    want = _run(model, case)
+    _assert_same(op, got, want, torch.float32, "rms_norm inductor")
+
+
+def test_dynamic_shapes_do_not_recompile():
+    op = _op("norm.rms_norm")
+    compiled = torch.compile(lambda x, w: polykernel.rms_norm(x, w, offset=0.5), fullgraph=True, backend="aot_eager", dynamic=True)
+    for i, (rows, n) in enumerate(((6, 32), (9, 48), (3, 17))):
+        case = _rms_args(rows, n)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = _run(compiled, case)
+        _assert_same(op, got, _run(lambda x, w: polykernel.rms_norm(x, w, offset=0.5), case), torch.float32, f"{rows}x{n}")
+
+
+@pytest.fixture
+def recorded_impl(monkeypatch):
+    """A ``cuda_jit`` impl of rms_norm (rank 1000: never picked by auto) that records its calls.
+    The registry tables are restored after the test."""
+    op = _op("norm.rms_norm")
+    monkeypatch.setitem(registry._specs, op.id, dict(registry.specs_for(op)))
+    monkeypatch.setattr(registry, "_preloaded", dict(registry._preloaded))
+    calls = []
+
+    def spy(x, weight, eps, offset, casting):
+        calls.append(torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        return op.reference(x, weight, eps, offset, casting)
+
+    polykernel.register_impl(op="rms_norm", backend="cuda_jit", rank=1000)(spy)
+    yield calls
+    dispatch.clear_caches()
+
+
+def test_use_impl_and_set_impl_are_read_at_run_time(recorded_impl):
+    calls = recorded_impl
+    case = _rms_args()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda x, w: polykernel.rms_norm(x, w, offset=0.5), fullgraph=True, backend=counter)
+    want = _run(lambda x, w: polykernel.rms_norm(x, w, offset=0.5, impl="torch"), case)
+
+    _run(compiled, case)  # auto: the torch impl
+    assert calls == []
+    with polykernel.use_impl("cuda_jit"):
+        got = _run(compiled, case)
+    assert calls == [False, True]  # forward (no autograd inside the op), then the backward's recompute
+    _assert_same(_op("norm.rms_norm"), got, want, torch.float32, "scoped cuda_jit")
+    del calls[:]
+    polykernel.set_impl("cuda_jit", op="rms_norm")
+    _run(compiled, case)
+    assert calls == [False, True]
+    del calls[:]
+    with polykernel.use_impl("torch"):  # a scope beats set_impl, inside compiled code too
+        _run(compiled, case)
+    assert calls == []
+    polykernel.set_impl(None)
+    _run(compiled, case)
+    assert calls == []
+    assert counter.frame_count == 1  # none of this recompiled: the choice is made at run time
+
+
+def test_impl_argument_is_baked_into_the_graph(recorded_impl):
+    calls = recorded_impl
+    compiled = torch.compile(lambda x, w: polykernel.rms_norm(x, w, impl="cuda_jit"), fullgraph=True, backend="aot_eager")
+    x, w = torch.randn(4, 8), torch.ones(8)
+    torch.testing.assert_close(compiled(x, w), polykernel.rms_norm(x, w, impl="torch"))
+    assert calls == [False]
+
+
+def test_impl_preference_list_under_compile(recorded_impl):
+    calls = recorded_impl
+    x, w = torch.randn(4, 8), torch.ones(8)
+    for impl in (["quack", "cuda_jit", "torch"], polykernel.KernelBackend.CUDA_JIT):
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x, w, impl=impl: polykernel.rms_norm(x, w, impl=impl), fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(compiled(x, w), polykernel.rms_norm(x, w, impl="torch"))
+    assert calls == [False, False]
+
+
+def test_export_keeps_the_custom_op():
+    op = _op("norm.rms_norm")
+    _, fwd, _ = _overloads(op)
+
+    class Norm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(16))
+
+        def forward(self, x):
+            return polykernel.rms_norm(x, self.weight, casting="llama")
+
+    model, x = Norm(), torch.randn(3, 16)
+    program = torch.export.export(model, (x,))
+    assert fwd in _targets(program.graph_module)
+    torch.testing.assert_close(program.module()(x), model(x))
+
+
+def test_eager_calls_do_not_use_the_custom_op(monkeypatch):
+    _op("norm.rms_norm")
+
+    def boom(op):
+        raise AssertionError("went through the custom op")
+
+    monkeypatch.setattr(library, "custom_op_for", boom)
+    x = torch.randn(4, 8, requires_grad=True)
+    polykernel.rms_norm(x, torch.ones(8)).sum().backward()  # eager, forward and backward: fine
+    with pytest.raises(Exception, match="went through the custom op"):  # the compiled path does use it
+        torch.compile(lambda x: polykernel.rms_norm(x, torch.ones(8)), fullgraph=True, backend="eager")(x)
+
+
+def test_bad_arguments_raise_the_ops_error_under_compile():
+    _op("norm.rms_norm")
+    x, w = torch.randn(4, 8), torch.ones(7)
+    with pytest.raises(OpArgumentError, match=r"norm\.rms_norm.*'weight'"):  # graph break, then eager raises
+        torch.compile(lambda x, w: polykernel.rms_norm(x, w), backend="eager")(x, w)
+    torch._dynamo.reset()
+    # fullgraph: Dynamo cannot build the exception inside the graph, so it reports an unsupported
+    # construct (torch.compile's own error type), at compile time, before anything runs.
+    with pytest.raises(Exception, match="rms_norm"):
+        torch.compile(lambda x, w: polykernel.rms_norm(x, w), fullgraph=True, backend="eager")(x, w)
+
+
+def _user_reference(
+    x: torch.Tensor, y: torch.Tensor | None = None, alpha: float = 2.0, mode: str = "sum"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out = x * alpha + (y if y is not None else 0)
+    return out, (out.sum(-1) if mode == "sum" else out.amax(-1))
+
+
+def _user_impl(x, y, alpha, mode):
+    return _user_reference(x, y, alpha, mode)
+
+
+def test_user_defined_op_compiles(monkeypatch):
+    """An op made outside the catalog gets its custom op when it registers (options with
+    defaults, an optional tensor, a tuple output), and compiles like the built-in ones."""
+    from polykernel.op import Tol, Tolerances
+    from polykernel.spec import KernelSpec
+
+    monkeypatch.setattr(registry, "_ops", dict(registry._ops))
+    monkeypatch.setattr(registry, "_specs", dict(registry._specs))
+    tol = {torch.float32: Tol(1e-6, 1e-6)}
+    op = Op(
+        "test.pk_compile_user_op",
+        fields=("device", "dtype", "needs_grad"),
+        key=lambda x, y=None, alpha=2.0, mode="sum": (x.device, x.dtype, torch.is_grad_enabled() and x.requires_grad),
+        default_key=lambda device, dtype: (device, dtype, False),
+        reference=_user_reference,
+        tolerances=Tolerances(forward=tol, backward=tol),
+        dtypes=(torch.float32,),
+        cases=lambda device, dtype, large=False: [],
+        example=lambda *a, **k: None,
+        impls=[KernelSpec("test.pk_compile_user_op", "torch", f"{__name__}:_user_impl")],
+    )
+    _, fwd, _ = _overloads(op)
+    assert str(fwd._schema).endswith('(Tensor x, Tensor? y=None, float alpha=2., str mode="sum", *, str? impl=None) -> (Tensor, Tensor)')
+
+    def public(x, y=None, alpha=2.0, mode="sum"):
+        return op.call(None, op.key(x, y, alpha, mode), x, y, alpha, mode)
+
+    for y in (None, torch.randn(3, 5, requires_grad=True)):
+        case = Case("3x5", (torch.randn(3, 5, requires_grad=True), y), {"alpha": 0.5, "mode": "max"})
+        compiled = torch.compile(lambda x, y: public(x, y, alpha=0.5, mode="max"), fullgraph=True, backend="aot_eager")
+        got, want = _run(compiled, case), _run(lambda x, y: _user_reference(x, y, 0.5, "max"), case)
+        _assert_same(op, got, want, torch.float32, f"user op, y={'tensor' if y is not None else None}")
+        torch.library.opcheck(fwd, case.args, case.kwargs)
+
+
+def test_fresh_outputs_never_alias_inputs():
+    x = torch.randn(4, 6)
+    y = torch.randn(6, 4).t()
+    out = library._fresh([x, x[:, ::2], y, y], [x])
+    assert all(o.is_contiguous() for o in out)
+    ids = [o.untyped_storage()._cdata for o in out]
+    assert x.untyped_storage()._cdata not in ids and len(set(ids)) == 4
+    torch.testing.assert_close(out[1], x[:, ::2])
+    torch.testing.assert_close(out[3], y)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (the lead runs these on the H200): inductor on CUDA for every op, forward and backward
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op_id", OP_IDS)
+def test_inductor_cuda(op_id, dtype):
+    op = _op(op_id)
+    if dtype not in op.dtypes:
+        pytest.skip(f"{op_id} has no {dtype} cases")
+    _, fwd, _ = _overloads(op)
+    cases = _small_cases(op, "cuda", dtype, n=2)
+    small_labels = {c.label for c in op.cases("cuda", dtype)}
+    large = [c for c in op.cases("cuda", dtype, large=True) if c.label not in small_labels][:1]
+    for case in cases + large:
+        torch._dynamo.reset()
+        counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+        got = _run(_compiled(op, case, counter), case)
+        # Against the reference (the parity contract): the compiled forward selects with
+        # needs_grad=False, so it may run another impl than an eager call with grad would.
+        want = _run(lambda *a, case=case: op.reference(*a, **case.kwargs), case)
+        _assert_same(op, got, want, dtype, f"{op_id} {case.label} {dtype} inductor")
+        assert any(fwd in _targets(g) for g in counter.graphs)
+        del got, want
+    del large
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op_id", OP_IDS)
+def test_opcheck_cuda(op_id):
+    op = _op(op_id)
+    _, fwd, _ = _overloads(op)
+    for case in _small_cases(op, "cuda"):
+        torch.library.opcheck(fwd, case.args, case.kwargs)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_rms_norm():
+    op = _op("norm.rms_norm")
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    case = Case("64x1024", (x, w))
+    compiled = torch.compile(lambda x, w: polykernel.rms_norm(x, w), fullgraph=True, mode="reduce-overhead")
+    want = _run(polykernel.rms_norm, case)
+    for _ in range(3):  # warm-up, record, replay
+        got = _run(compiled, case)
+    _assert_same(op, got, want, torch.bfloat16, "rms_norm cuda graphs")
