@@ -1,0 +1,158 @@
+"""PyTorch cross-entropy, row-chunked: fp32 temporaries are O(TEMP_BYTES), never O(N·V).
+
+The forward walks the rows in chunks (upcast, logsumexp, target logit, row mean) and keeps the
+fp32 LSE per row; the backward walks them again and writes ``softmax - (1-ε)·onehot - ε/V``
+scaled per row. The helpers here (``loss_and_grad``, ``grad_from_lse``, ``reduce_rows``,
+``grad_scale``, ``scale_grads_``) are shared with the fused linear cross-entropy impls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...ops.cross_entropy import reference  # noqa: F401  (semantics live in the op file)
+
+TEMP_BYTES = 64 << 20  # fp32 bytes of one chunk of upcast rows (a few such temporaries live at once)
+
+
+def _step(v: int) -> int:
+    return max(1, TEMP_BYTES // (4 * max(v, 1)))
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _row_grad(xf: torch.Tensor, t: torch.Tensor, valid: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor, ls: float) -> torch.Tensor:
+    """``(softmax - (1-ε)·onehot - ε/V) · scale`` for one chunk, in fp32 (a new tensor)."""
+    p = (xf - lse[:, None]).exp_()
+    if ls:
+        p.sub_(ls / xf.shape[1])
+    hot = torch.where(valid, -(1.0 - ls), 0.0).to(p.dtype)
+    p.scatter_add_(1, t[:, None], hot[:, None])
+    return p.mul_(torch.where(valid, scale, 0.0).to(p.dtype)[:, None])
+
+
+def loss_and_grad(
+    x: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    ls: float,
+    scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss and LSE of ``x [n, V]`` (fp32, fp64 for fp64 x); ``target [n]`` int64.
+
+    With ``out`` (``[n, V]`` in x's dtype; it may be ``x`` itself), also writes the gradient
+    scaled by ``scale`` (a 0-d or ``[n]`` tensor; ignored rows get 0).
+    """
+    n, v = x.shape
+    acc = _acc(x.dtype)
+    loss = torch.empty(n, dtype=acc, device=x.device)
+    lse = torch.empty(n, dtype=acc, device=x.device)
+    valid = target != ignore_index
+    t = torch.where(valid, target, 0)
+    if out is not None:
+        scale = scale.to(acc).expand(n)  # type: ignore[union-attr]
+    step = _step(v)
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        xf = x[s:e].to(acc)
+        lse_c = torch.logsumexp(xf, -1)
+        r = lse_c - (1.0 - ls) * xf.gather(1, t[s:e, None]).squeeze(1)
+        if ls:
+            r = r - ls * xf.mean(-1)
+        loss[s:e] = torch.where(valid[s:e], r, 0.0)
+        lse[s:e] = lse_c
+        if out is not None:
+            out[s:e].copy_(_row_grad(xf, t[s:e], valid[s:e], lse_c, scale[s:e], ls))  # type: ignore[index]
+    return loss, lse
+
+
+def grad_from_lse(
+    x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor, ignore_index: int, ls: float
+) -> torch.Tensor:
+    """The scaled gradient ``[n, V]`` in x's dtype, recomputed from x and the saved LSE."""
+    n, v = x.shape
+    acc = _acc(x.dtype)
+    out = torch.empty((n, v), dtype=x.dtype, device=x.device)
+    valid = target != ignore_index
+    t = torch.where(valid, target, 0)
+    scale = scale.to(acc).expand(n)
+    step = _step(v)
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        out[s:e].copy_(_row_grad(x[s:e].to(acc), t[s:e], valid[s:e], lse[s:e], scale[s:e], ls))
+    return out
+
+
+def reduce_rows(loss: torch.Tensor, count: torch.Tensor, reduction: str, shape: torch.Size) -> torch.Tensor:
+    """mean = sum / (non-ignored count): 0/0 = NaN for an empty or all-ignored batch, as PyTorch."""
+    if reduction == "mean":
+        return loss.sum() / count.to(loss.dtype)
+    if reduction == "sum":
+        return loss.sum()
+    return loss.view(shape)
+
+
+def grad_scale(g: torch.Tensor, count: torch.Tensor, reduction: str, dtype: torch.dtype) -> torch.Tensor:
+    """Per-row gradient scale: a 0-d tensor (mean/sum) or ``[n]`` (none). Ignored rows are
+    zeroed by the consumers, so the ``inf`` of an all-ignored mean never reaches a gradient."""
+    if reduction == "mean":
+        return (g.to(dtype) / count.to(dtype)).reshape(())
+    if reduction == "sum":
+        return g.to(dtype).reshape(())
+    return g.reshape(-1).to(dtype)
+
+
+def _is_one(g: torch.Tensor) -> bool:
+    """Whether the incoming scalar gradient is exactly 1 (the usual ``loss.backward()``).
+
+    On CUDA this costs a sync, so while a CUDA graph is being captured it answers False.
+    """
+    if g.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    return bool(g == 1)
+
+
+def scale_grads_(g: torch.Tensor, *grads: torch.Tensor | None) -> None:
+    """Multiply gradients computed for ``grad_output = 1`` by the real scalar ``g``, in place."""
+    if _is_one(g):
+        return
+    for t in grads:
+        if t is not None:
+            t.mul_(g)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registered impl
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, ls, reduction):  # type: ignore[override]
+        v = logits.shape[-1]
+        x2 = logits.reshape(-1, v)
+        t = target.reshape(-1).long()
+        loss, lse = loss_and_grad(x2, t, ignore_index, ls)
+        count = (t != ignore_index).sum()
+        ctx.save_for_backward(x2, t, lse, count)
+        ctx.ignore_index, ctx.ls, ctx.reduction, ctx.shape = ignore_index, ls, reduction, logits.shape
+        return reduce_rows(loss, count, reduction, target.shape)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        x2, t, lse, count = ctx.saved_tensors
+        scale = grad_scale(g, count, ctx.reduction, lse.dtype)
+        dx = grad_from_lse(x2, t, lse, scale, ctx.ignore_index, ctx.ls)
+        return dx.view(ctx.shape), None, None, None, None
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str) -> torch.Tensor:
+    """The registered impl (arguments already validated by ``polykernel.cross_entropy``)."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _CrossEntropy.apply(logits, target, ignore_index, label_smoothing, reduction)
+    v = logits.shape[-1]
+    t = target.reshape(-1).long()
+    loss, _ = loss_and_grad(logits.reshape(-1, v), t, ignore_index, label_smoothing)
+    return reduce_rows(loss, (t != ignore_index).sum(), reduction, target.shape)

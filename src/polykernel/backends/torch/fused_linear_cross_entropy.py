@@ -1,0 +1,164 @@
+"""PyTorch fused linear cross-entropy: row chunks, logits never held for all rows at once.
+
+``run`` is the chunked driver shared by every impl of the op; an impl passes its per-chunk
+cross-entropy (``chunk_fn``), which turns a chunk's logits into per-row losses and, when asked,
+overwrites them with the scaled dlogits. Per chunk of ``chunk_rows`` rows:
+
+    logits = hidden[c] @ weight.T + bias          (torch matmul, hidden's dtype, a fresh buffer)
+    loss[c] = chunk_fn(logits, ...)               (logits -> dlogits in place)
+    grad_hidden[c] = dlogits @ weight;  grad_weight += dlogits.T @ hidden[c];  grad_bias += Σ dlogits
+
+Peak extra memory: one chunk of logits (``CHUNK_BYTES``) plus the chunk_fn's temporaries (this
+impl: ``TEMP_BYTES`` fp32 rows at a time), besides the gradients themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ...ops.fused_linear_cross_entropy import reference  # noqa: F401  (semantics live in the op file)
+from .cross_entropy import grad_scale, loss_and_grad, reduce_rows, scale_grads_
+
+CHUNK_BYTES = 256 << 20  # logits of one row chunk, in the logits' dtype (~1024 rows at V = 128K bf16)
+
+ChunkFn = Callable[[torch.Tensor, torch.Tensor, int, float, "torch.Tensor | None"], torch.Tensor]
+
+
+def chunk_rows(v: int, elt: int) -> int:
+    """Rows per chunk: logits within CHUNK_BYTES, a multiple of 128 when large (matmul tiles)."""
+    rows = max(1, CHUNK_BYTES // (max(v, 1) * elt))
+    return rows - rows % 128 if rows >= 256 else rows
+
+
+def _walk(
+    h2: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    t: torch.Tensor,
+    ignore_index: int,
+    ls: float,
+    chunk_fn: ChunkFn,
+    scale: torch.Tensor | None,
+    needs: tuple[bool, bool, bool] = (False, False, False),
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """One walk over the row chunks: losses, and with ``scale`` the scaled gradients
+    (hidden, weight, bias) that ``needs`` asks for."""
+    n, h = h2.shape
+    v = weight.shape[0]
+    acc = torch.promote_types(h2.dtype, torch.float32)
+    dev = h2.device
+    losses = torch.empty(n, dtype=acc, device=dev)
+    grads = scale is not None
+    gh = torch.empty((n, h), dtype=h2.dtype, device=dev) if grads and needs[0] else None
+    gw = torch.empty((v, h), dtype=weight.dtype, device=dev) if grads and needs[1] else None
+    gb = torch.zeros(v, dtype=acc, device=dev) if grads and needs[2] else None
+    if gw is not None and n == 0:
+        gw.zero_()
+    step = chunk_rows(v, h2.element_size())
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        hc = h2[s:e]
+        logits = F.linear(hc, weight, bias)
+        sc = None if scale is None else scale if scale.dim() == 0 else scale[s:e]
+        losses[s:e] = chunk_fn(logits, t[s:e], ignore_index, ls, sc)
+        if gh is not None:
+            torch.mm(logits, weight, out=gh[s:e])
+        if gw is not None:
+            if s == 0:
+                torch.mm(logits.t(), hc, out=gw)
+            else:
+                gw.addmm_(logits.t(), hc)
+        if gb is not None:
+            gb += logits.sum(0, dtype=acc)
+        del logits
+    return losses, gh, gw, gb
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, bias, ignore_index, ls, reduction, chunk_fn):  # type: ignore[override]
+        h2 = hidden.reshape(-1, hidden.shape[-1])
+        t = target.reshape(-1).long().contiguous()
+        count = (t != ignore_index).sum()
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
+        ctx.args = (ignore_index, ls, chunk_fn, needs, acc)
+        ctx.reduction, ctx.shape = reduction, hidden.shape
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.grads = None
+        if reduction == "none":  # per-row grad_output: the backward recomputes the logits
+            losses, *_ = _walk(h2, weight, bias, t, ignore_index, ls, chunk_fn, None)
+            ctx.save_for_backward(h2, weight, bias, t)
+        else:
+            scale = grad_scale(torch.ones((), dtype=acc, device=h2.device), count, reduction, acc)
+            losses, *grads = _walk(h2, weight, bias, t, ignore_index, ls, chunk_fn, scale, needs)
+            ctx.grads = grads
+        return reduce_rows(losses, count, reduction, target.shape)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        ignore_index, ls, chunk_fn, needs, acc = ctx.args
+        if ctx.reduction == "none":
+            h2, weight, bias, t = ctx.saved_tensors
+            _, gh, gw, gb = _walk(h2, weight, bias, t, ignore_index, ls, chunk_fn, g.reshape(-1).to(acc), needs)
+        else:
+            if ctx.grads is None:
+                raise RuntimeError(
+                    "polykernel fused_linear_cross_entropy: backward ran twice through the same graph; its gradients "
+                    "were computed in the forward and are consumed by the first backward (retain_graph is not supported)"
+                )
+            (gh, gw, gb), ctx.grads = ctx.grads, None
+            scale_grads_(g, gh, gw, gb)
+        return (
+            None if gh is None else gh.view(ctx.shape),
+            gw,
+            None,
+            None if gb is None else gb.to(ctx.bias_dtype),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def run(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    chunk_fn: ChunkFn,
+) -> torch.Tensor:
+    """The op on validated arguments, with ``chunk_fn`` as the per-chunk cross-entropy."""
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias)):
+        return _FusedLinearCrossEntropy.apply(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_fn)
+    t = target.reshape(-1).long().contiguous()
+    losses, *_ = _walk(hidden.reshape(-1, hidden.shape[-1]), weight, bias, t, ignore_index, label_smoothing, chunk_fn, None)
+    return reduce_rows(losses, (t != ignore_index).sum(), reduction, target.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registered impl
+
+
+def _chunk(x: torch.Tensor, t: torch.Tensor, ignore_index: int, ls: float, scale: torch.Tensor | None) -> torch.Tensor:
+    loss, _ = loss_and_grad(x, t, ignore_index, ls, scale, out=None if scale is None else x)
+    return loss
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+) -> torch.Tensor:
+    """The registered impl (arguments already validated by ``polykernel.fused_linear_cross_entropy``)."""
+    return run(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, _chunk)

@@ -1,0 +1,215 @@
+"""Triton cross-entropy: forward and backward, V up to 256K+ (any V), fp32 math.
+
+One kernel, one program per row, two optional passes over the row in BLOCK-wide chunks:
+- FWD: online softmax (running max and sum of exp2), the target logit by one scalar load and,
+  with label smoothing, the row sum; writes the row's loss and LSE (fp32).
+- GRAD: ``(exp(x - lse) - ε/V - (1-ε)·[col == t]) · scale`` in the logits' dtype, where scale
+  is a per-row or scalar fp32 value read from device memory (``grad_output / count`` for a
+  mean), so no host sync is ever needed.
+The registered impl runs FWD in the forward and GRAD in the backward (re-reading the logits with
+the saved LSE): 3·N·V·elt bytes for fwd+bwd, no N·V buffer alive between them, grad_output
+folded in for free. ``GRAD_IN_FORWARD = True`` switches to one FWD+GRAD launch in the forward
+(the row's second read may hit L2) and an in-place ``dx *= grad_output`` in the backward,
+skipped when grad_output is exactly 1 (a sync); which is faster on the H200 is for the
+benchmark to say. The fused linear cross-entropy uses FWD+GRAD per chunk, in place.
+
+Ignored rows load nothing (their loads are masked off) and get loss 0 and gradient 0. A row whose
+target is neither in [0, V) nor ignore_index never reads out of bounds and gets a NaN loss and a
+NaN gradient row (the host does not check on CUDA: that would sync).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...ops.cross_entropy import reference  # noqa: F401  (semantics live in the op file)
+from ..torch.cross_entropy import grad_scale, reduce_rows, scale_grads_
+
+GRAD_IN_FORWARD = False  # see the module docstring
+MAX_BLOCK_BYTES = 32768  # one chunk of a row: 16K bf16 / 8K fp32 elements, 4 x 16-byte loads per thread
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel
+
+
+@triton.jit
+def _ce_kernel(
+    X,
+    T,
+    LOSS,
+    LSE,
+    DX,
+    SCALE,
+    V,
+    stride_x,
+    stride_dx,
+    stride_scale,
+    ignore_index,
+    smoothing,
+    BLOCK: tl.constexpr,
+    FWD: tl.constexpr,
+    GRAD: tl.constexpr,
+    SMOOTH: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    cols = tl.arange(0, BLOCK)
+    t = tl.load(T + row).to(tl.int64)
+    valid = t != ignore_index
+    bad = valid & ((t < 0) | (t >= V))
+    n_load = tl.where(valid, V, 0)  # ignored rows read nothing
+    if FWD:
+        # first chunk peeled so the running values start as fp32 scalars
+        mask = cols < n_load
+        x = tl.load(x_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        m = tl.max(x, axis=0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        s = tl.sum(tl.exp2((x - m_safe) * LOG2E), axis=0)
+        if SMOOTH:
+            sx = tl.sum(tl.where(mask, x, 0.0), axis=0)
+        for start in range(BLOCK, V, BLOCK):
+            offs = start + cols
+            mask = offs < n_load
+            x = tl.load(x_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s = s * tl.exp2((m - m_safe) * LOG2E) + tl.sum(tl.exp2((x - m_safe) * LOG2E), axis=0)
+            m = m_new
+            if SMOOTH:
+                sx += tl.sum(tl.where(mask, x, 0.0), axis=0)
+        # ignored rows (s = 0): a finite LSE, so the GRAD pass stays finite
+        lse = tl.where(valid, m + tl.log(tl.where(valid, s, 1.0)), 0.0)
+        xt = tl.load(x_row + t, mask=valid & (t >= 0) & (t < V), other=0.0).to(tl.float32)
+        loss = lse - (1.0 - smoothing) * xt
+        if SMOOTH:
+            loss -= smoothing * (sx / V)
+        loss = tl.where(valid, loss, 0.0)
+        loss = tl.where(bad, float("nan"), loss)
+        tl.store(LOSS + row, loss)
+        tl.store(LSE + row, lse)
+    else:
+        lse = tl.load(LSE + row)
+    if GRAD:
+        scale = tl.load(SCALE + row * stride_scale).to(tl.float32)
+        scale = tl.where(valid, scale, 0.0)  # 0 even when scale is inf (all-ignored mean)
+        scale = tl.where(bad, float("nan"), scale)
+        eps = smoothing / V
+        t32 = t.to(tl.int32)  # an in-range target fits; an out-of-range one has a NaN row anyway
+        dx_row = DX + row * stride_dx
+        for start in range(0, V, BLOCK):
+            offs = start + cols
+            x = tl.load(x_row + offs, mask=offs < n_load, other=0.0).to(tl.float32)
+            p = tl.exp2((x - lse) * LOG2E)
+            if SMOOTH:
+                p -= eps
+            p = tl.where(offs == t32, p - (1.0 - smoothing), p)
+            tl.store(dx_row + offs, (p * scale).to(DX.dtype.element_ty), mask=offs < V)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host launchers
+
+
+def _config(v: int, elt: int) -> tuple[int, int]:
+    """(BLOCK, num_warps): a 32 KB chunk per iteration for long rows, 16-byte accesses."""
+    block = max(16, min(triton.next_power_of_2(v), MAX_BLOCK_BYTES // elt))
+    warps = max(4, min(16, block * elt // 2048))
+    return block, warps
+
+
+def _launch(x2, t, loss, lse, dx, scale, ignore_index, ls, fwd, grad) -> None:
+    n, v = x2.shape
+    block, warps = _config(v, x2.element_size())
+    _ce_kernel[(n,)](
+        x2, t, loss, lse,
+        dx if grad else x2, scale if grad else lse,
+        v, x2.stride(0), dx.stride(0) if grad else 0, (scale.stride(0) if scale.dim() else 0) if grad else 0,
+        ignore_index, ls,
+        BLOCK=block, FWD=fwd, GRAD=grad, SMOOTH=ls > 0, num_warps=warps,
+    )  # fmt: skip
+
+
+def ce_forward(
+    x2: torch.Tensor,
+    t: torch.Tensor,
+    ignore_index: int,
+    ls: float,
+    grad: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss and LSE (fp32 [n]) of ``x2 [n, V]`` (unit column stride), ``t [n]`` int.
+
+    With ``grad`` (``[n, V]`` in x2's dtype, unit column stride; may be ``x2`` itself) and
+    ``scale`` (fp32, 0-d or ``[n]``), also writes the scaled gradient in the same launch.
+    """
+    n = x2.shape[0]
+    loss = torch.empty(n, dtype=torch.float32, device=x2.device)
+    lse = torch.empty(n, dtype=torch.float32, device=x2.device)
+    if n:
+        _launch(x2, t, loss, lse, grad, scale, ignore_index, ls, True, grad is not None)
+    return loss, lse
+
+
+def ce_backward(x2: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor, ignore_index: int, ls: float) -> torch.Tensor:
+    """The scaled gradient ``[n, V]`` in x2's dtype, from x2 and the saved LSE."""
+    dx = torch.empty(x2.shape, dtype=x2.dtype, device=x2.device)
+    if x2.shape[0]:
+        _launch(x2, t, lse, lse, dx, scale, ignore_index, ls, False, True)
+    return dx
+
+
+def _as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """A [M, N] view with unit column stride (copies only when the layout needs it)."""
+    t2 = t.reshape(-1, n)
+    return t2 if t2.stride(-1) == 1 or t2.shape[0] == 0 else t2.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Registered impl
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, ls, reduction):  # type: ignore[override]
+        v = logits.shape[-1]
+        x2 = _as_rows(logits, v)
+        t = target.reshape(-1).contiguous()
+        count = (t != ignore_index).sum()
+        ctx.ignore_index, ctx.ls, ctx.reduction, ctx.shape = ignore_index, ls, reduction, logits.shape
+        ctx.grad_in_forward = GRAD_IN_FORWARD and reduction != "none"
+        if ctx.grad_in_forward:
+            one = torch.ones((), dtype=torch.float32, device=x2.device)
+            dx = torch.empty(x2.shape, dtype=x2.dtype, device=x2.device)
+            loss, _ = ce_forward(x2, t, ignore_index, ls, dx, grad_scale(one, count, reduction, torch.float32))
+            ctx.dx = dx
+        else:
+            loss, lse = ce_forward(x2, t, ignore_index, ls)
+            ctx.save_for_backward(x2, t, lse, count)
+        return reduce_rows(loss, count, reduction, target.shape)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        if ctx.grad_in_forward:
+            dx, ctx.dx = ctx.dx, None
+            if dx is None:
+                raise RuntimeError("polykernel cross_entropy (triton, GRAD_IN_FORWARD): backward ran twice; the gradient was consumed")
+            scale_grads_(g, dx)
+        else:
+            x2, t, lse, count = ctx.saved_tensors
+            dx = ce_backward(x2, t, lse, grad_scale(g, count, ctx.reduction, torch.float32), ctx.ignore_index, ctx.ls)
+        return dx.view(ctx.shape), None, None, None, None
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str) -> torch.Tensor:
+    """The registered impl (arguments already validated by ``polykernel.cross_entropy``)."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _CrossEntropy.apply(logits, target, ignore_index, label_smoothing, reduction)
+    v = logits.shape[-1]
+    t = target.reshape(-1).contiguous()
+    loss, _ = ce_forward(_as_rows(logits, v), t, ignore_index, label_smoothing)
+    return reduce_rows(loss, (t != ignore_index).sum(), reduction, target.shape)

@@ -1,0 +1,33 @@
+"""Triton fused linear cross-entropy: the shared row-chunk driver with the Triton CE kernel.
+
+Per chunk the logits come from a torch matmul (cuBLAS); one launch of the cross-entropy kernel
+(FWD+GRAD) reads each row twice and writes the scaled dlogits over the logits in place, so the
+chunk buffer is the only N-proportional temporary. Gradient matmuls as in the driver
+(``polykernel.backends.torch.fused_linear_cross_entropy``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...ops.fused_linear_cross_entropy import reference  # noqa: F401  (semantics live in the op file)
+from ..torch.fused_linear_cross_entropy import run
+from .cross_entropy import ce_forward
+
+
+def _chunk(x: torch.Tensor, t: torch.Tensor, ignore_index: int, ls: float, scale: torch.Tensor | None) -> torch.Tensor:
+    loss, _ = ce_forward(x, t, ignore_index, ls, grad=x if scale is not None else None, scale=scale)
+    return loss
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+) -> torch.Tensor:
+    """The registered impl (arguments already validated by ``polykernel.fused_linear_cross_entropy``)."""
+    return run(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, _chunk)

@@ -1,0 +1,255 @@
+"""``loss.cross_entropy``: ``F.cross_entropy`` on fp32-upcast logits, class dim last.
+
+``logits`` is ``[..., V]`` and ``target`` ``[...]`` (int64 or int32; flattened to rows); the loss
+is fp32 (fp64 for fp64 logits): a scalar for ``"mean"``/``"sum"``, ``target``'s shape for
+``"none"``. Per row, with ``lse = logsumexp(x)`` and smoothing ``ε``::
+
+    loss = lse - (1 - ε)·x[t] - ε·mean(x)        (0 where t == ignore_index)
+    dloss/dx = softmax(x) - (1 - ε)·onehot(t) - ε/V
+
+``"mean"`` divides the sum by the number of non-ignored targets, so an empty or all-ignored
+batch gives NaN with zero gradients, exactly as PyTorch does. The gradient has the logits' dtype;
+the logits are never written to.
+
+Out-of-range targets (neither in ``[0, V)`` nor ``ignore_index``): on the CPU the public function
+raises ``OpArgumentError`` before anything runs. On other devices the host does not check (that
+would cost a device-to-host sync per call); instead the kernels never read out of bounds and flag
+the row: the Triton impl makes that row's loss (so the mean/sum) and gradient NaN, and the torch
+impl's ``gather`` raises PyTorch's device-side index assertion. No impl returns a finite loss
+computed from an out-of-range target.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..op import Case, Op, Tol, Tolerances
+from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
+from . import _checks as check
+
+OP_ID = "loss.cross_entropy"
+REDUCTIONS = ("mean", "sum", "none")
+TARGET_DTYPES = (torch.int64, torch.int32)
+
+
+def reference(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """The semantics, in plain torch: ``F.cross_entropy`` on the upcast ``[rows, V]`` logits.
+
+    The upcast values are evaluated in fp64 and the loss rounded to fp32 (fp64 stays fp64): the
+    same function as fp32 ``F.cross_entropy``, without its rounding errors (~1e-5 of the gradient's
+    scale at V = 40K with label smoothing), so parity tests can hold the impls to fp32 accuracy.
+    """
+    out_dtype = torch.promote_types(logits.dtype, torch.float32)
+    v = logits.shape[-1]
+    out = F.cross_entropy(
+        logits.reshape(-1, v).to(torch.float64),
+        target.reshape(-1).long(),
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        reduction=reduction,
+    ).to(out_dtype)
+    return out.reshape(target.shape) if reduction == "none" else out
+
+
+def validate_options(op: str, ignore_index: int, label_smoothing: float, reduction: str) -> None:
+    """Checks shared with ``loss.fused_linear_cross_entropy``."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise check.OpArgumentError(op, "ignore_index", f"expected an int, got {ignore_index!r}")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+        raise check.OpArgumentError(op, "label_smoothing", f"expected a number in [0, 1], got {label_smoothing!r}")
+    check.choice(op, "reduction", reduction, REDUCTIONS)
+
+
+def validate_target(
+    op: str, target: torch.Tensor, rows_shape: torch.Size, n_classes: int, ignore_index: int, ref_name: str, ref: torch.Tensor
+) -> None:
+    """dtype, shape and device of ``target``; its range on the CPU only (elsewhere it costs a sync)."""
+    check.tensor(op, "target", target, min_dim=0)
+    if target.dtype not in TARGET_DTYPES:
+        raise check.OpTypeError(op, "target", f"expected an int64 or int32 tensor of class indices, got {target.dtype}")
+    if target.shape != rows_shape:
+        raise check.OpArgumentError(
+            op, "target", f"expected shape {tuple(rows_shape)} ({ref_name}'s shape without its last dim), got {tuple(target.shape)}"
+        )
+    check.same_device(op, "target", target, ref_name, ref)
+    # Not while torch.compile traces: a data-dependent branch would break the graph; the check
+    # still runs when the custom op executes (its real impl validates through the eager path).
+    if target.device.type == "cpu" and target.numel() and not torch.compiler.is_compiling():
+        bad = ((target < 0) | (target >= n_classes)) & (target != ignore_index)
+        if bool(bad.any()):
+            first = target[bad].flatten()[0].item()
+            raise check.OpArgumentError(
+                op, "target", f"class index {first} is out of range [0, {n_classes}) and is not ignore_index ({ignore_index})"
+            )
+
+
+def validate(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str) -> None:
+    check.tensor(OP_ID, "logits", logits)
+    check.floating(OP_ID, "logits", logits)
+    if logits.shape[-1] == 0:
+        raise check.OpArgumentError(OP_ID, "logits", f"expected at least one class (last dim), got shape {tuple(logits.shape)}")
+    validate_options(OP_ID, ignore_index, label_smoothing, reduction)
+    validate_target(OP_ID, target, logits.shape[:-1], logits.shape[-1], ignore_index, "logits", logits)
+
+
+def _key(logits: torch.Tensor, *_: object, **__: object) -> tuple:
+    return (logits.device, logits.dtype, check.needs_grad(logits), logits.shape[-1])
+
+
+_op: Op  # defined below, after the public function it serves
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    impl: str | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of ``logits [..., V]`` against class indices ``target [...]`` (fp32 result).
+
+    >>> import torch, polykernel
+    >>> logits, target = torch.randn(4, 10), torch.tensor([1, 2, -100, 9])
+    >>> polykernel.cross_entropy(logits, target).shape
+    torch.Size([])
+    >>> polykernel.cross_entropy(logits, target, reduction="none", label_smoothing=0.1).shape
+    torch.Size([4])
+    """
+    validate(logits, target, ignore_index, label_smoothing, reduction)
+    return _op.call(
+        impl,
+        (logits.device, logits.dtype, check.needs_grad(logits), logits.shape[-1]),
+        logits,
+        target,
+        ignore_index,
+        float(label_smoothing),
+        reduction,
+    )
+
+
+# -- tolerances: measured errors of the impls against `reference` (fp64 inside), with headroom --
+# Forward: the loss is fp32 for every logits dtype (both sides upcast the same values); the
+# impls' fp32 sums (sum-exp, row mean, the mean over rows) are within ~2e-6 relative.
+# Backward: softmax - onehot computed in fp32 (exp(x - lse): ~|x - lse|·2^-24 relative, 2e-5
+# covers |x - lse| up to ~300; measured need beyond that rtol: atol 6e-10 with ε = 1 where
+# p - 1/V cancels), then rounded to the logits' dtype, where a rounding may flip by one ulp
+# (up to 2^-7 relative in bf16, 2^-10 in fp16; fp16 gradients ~1e-7 are subnormal, one step is
+# 6e-8). atol stays far below the gradients' size (~1/(V·N)) so it cannot hide an error.
+TOLERANCES = Tolerances(
+    forward={
+        torch.float32: Tol(atol=1e-6, rtol=1e-5),
+        torch.float64: Tol(atol=1e-12, rtol=1e-12),
+        torch.bfloat16: Tol(atol=1e-6, rtol=1e-5),
+        torch.float16: Tol(atol=1e-6, rtol=1e-5),
+    },
+    backward={
+        torch.float32: Tol(atol=2e-9, rtol=2e-5),
+        torch.float64: Tol(atol=1e-15, rtol=1e-12),
+        torch.bfloat16: Tol(atol=1e-9, rtol=1e-2),
+        torch.float16: Tol(atol=1.2e-7, rtol=1.5e-3),
+    },
+)
+
+
+def example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, requires_grad: bool = False) -> Case:
+    """Random logits of ``shape`` (last dim = vocabulary) and targets with ~5% ignored."""
+    logits = (3 * torch.randn(shape, device=device)).to(dtype).requires_grad_(requires_grad)
+    target = torch.randint(0, shape[-1], shape[:-1], device=device)
+    target = target.masked_fill(torch.rand(shape[:-1], device=device) < 0.05, -100)
+    return Case(f"{'x'.join(map(str, shape))}", (logits, target))
+
+
+def bytes_moved(logits: torch.Tensor, target: torch.Tensor, *_: object, backward: bool = False) -> int:
+    """Fewest bytes: forward reads the logits once; backward reads them again and writes dlogits.
+
+    (Targets and per-row statistics are O(N) and ignored.) fwd+bwd = 3·N·V·elt.
+    """
+    n = logits.numel() * logits.element_size()
+    return 3 * n if backward else n
+
+
+def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -> list[Case]:
+    """Awkward shapes and every option, sized for the CPU interpreter unless ``large``."""
+
+    def x(*shape: int, scale: float = 3.0) -> torch.Tensor:
+        return (scale * torch.randn(shape, device=device)).to(dtype).requires_grad_()
+
+    def t(v: int, *shape: int, ignored: float = 0.0) -> torch.Tensor:
+        out = torch.randint(0, v, shape, device=device)
+        return out.masked_fill(torch.rand(shape, device=device) < ignored, -100)
+
+    out = [
+        Case("1x1", (x(1, 1), t(1, 1))),
+        Case("1x1000", (x(1, 1000), t(1000, 1))),
+        Case("0x1000", (x(0, 1000), t(1000, 0))),
+        Case("0x1000-sum", (x(0, 1000), t(1000, 0)), {"reduction": "sum"}),
+        Case("0x1000-none", (x(0, 1000), t(1000, 0)), {"reduction": "none"}),
+        Case("13x3001-ignored", (x(13, 3001), t(3001, 13, ignored=0.3))),
+        Case("9x2000-allignored", (x(9, 2000), t(2000, 9, ignored=1.0))),
+        Case("9x2000-allignored-sum", (x(9, 2000), t(2000, 9, ignored=1.0)), {"reduction": "sum"}),
+        Case("8x1000-smooth", (x(8, 1000), t(1000, 8, ignored=0.25)), {"label_smoothing": 0.1}),
+        Case("8x1000-smooth1", (x(8, 1000), t(1000, 8)), {"label_smoothing": 1.0, "reduction": "sum"}),
+        Case("11x4999-sum", (x(11, 4999), t(4999, 11, ignored=0.2)), {"reduction": "sum"}),
+        Case("11x4999-none-smooth", (x(11, 4999), t(4999, 11, ignored=0.2)), {"reduction": "none", "label_smoothing": 0.2}),
+        Case("2x3x500-3d", (x(2, 3, 500), t(500, 2, 3))),
+        Case("2x3x500-3d-none", (x(2, 3, 500), t(500, 2, 3)), {"reduction": "none"}),
+        Case("6x1000-ignore7", (x(6, 1000), torch.tensor([7, 1, 7, 999, 0, 7], device=device)), {"ignore_index": 7}),
+        Case("7x1500-rowstrided", (x(14, 1500)[::2], t(1500, 7))),
+        Case("5x1200-colstrided", (x(5, 2400)[:, ::2], t(1200, 5)), {"label_smoothing": 0.05}),
+        Case("4x1000-int32", (x(4, 1000), t(1000, 4).int())),
+        Case("3x40000-long", (x(3, 40000, scale=5.0), t(40000, 3)), {"label_smoothing": 0.1}),
+    ]
+    if large:
+        out += [
+            Case("8192x128256", (x(8192, 128256), t(128256, 8192, ignored=0.05))),
+            Case("4096x256000-smooth", (x(4096, 256000), t(256000, 4096, ignored=0.05)), {"label_smoothing": 0.1}),
+            Case("1031x128256-none", (x(1031, 128256), t(128256, 1031, ignored=0.05)), {"reduction": "none"}),
+            Case("64x262144-sum", (x(64, 262144, scale=10.0), t(262144, 64)), {"reduction": "sum"}),
+        ]
+    return out
+
+
+_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
+
+IMPLS = [
+    KernelSpec(
+        OP_ID,
+        "torch",
+        "polykernel.backends.torch.cross_entropy:cross_entropy",
+        rank=100,
+        description="row-chunked torch (fp32 temporaries O(chunk), not O(N·V)); backward recomputes softmax from the saved LSE",
+    ),
+    KernelSpec(
+        OP_ID,
+        "triton",
+        "polykernel.backends.triton.cross_entropy:cross_entropy",
+        capabilities=frozenset({CapabilityRequirement.CUDA}),
+        requires_modules=("triton",),
+        format_signature=_TRITON_DTYPES,
+        rank=10,
+        description="one program per row, online softmax over V in chunks; backward re-reads the logits with the saved LSE",
+    ),
+]
+
+_op = Op(
+    OP_ID,
+    fields=("device", "dtype", "needs_grad", "n_classes"),
+    key=_key,
+    default_key=lambda device, dtype: (device, dtype, False, None),
+    reference=reference,
+    tolerances=TOLERANCES,
+    dtypes=(torch.float32, torch.bfloat16, torch.float16),
+    cases=cases,
+    example=example,
+    bytes_moved=bytes_moved,
+    impls=IMPLS,
+)

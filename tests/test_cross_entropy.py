@@ -1,0 +1,184 @@
+"""cross_entropy: parity of every runnable impl with the reference, PyTorch's edge cases, the
+out-of-range-target flag, both Triton gradient strategies, and argument errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import polykernel
+from polykernel.errors import OpArgumentError, OpTypeError
+from polykernel.ops.cross_entropy import cases, reference
+from polykernel.testing import assert_parity, runnable_impls
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+IMPLS = ["torch", "triton"]
+
+
+def _need(impl, dtype=torch.float32):
+    if impl not in runnable_impls("cross_entropy", "cpu", dtype):
+        pytest.skip(f"{impl} not runnable on the CPU here")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_parity_cpu(impl, dtype):
+    _need(impl, dtype)
+    assert_parity("cross_entropy", [impl], device="cpu", dtypes=[dtype])
+
+
+def test_reference_is_f_cross_entropy():
+    # The fp64-evaluated reference is F.cross_entropy's function: equal to fp32 F.cross_entropy
+    # within fp32 rounding, for every option.
+    x = 3 * torch.randn(16, 700)
+    t = torch.randint(0, 700, (16,)).masked_fill(torch.rand(16) < 0.3, -100)
+    for kw in ({}, {"label_smoothing": 0.2}, {"reduction": "sum"}, {"reduction": "none", "label_smoothing": 0.5}):
+        torch.testing.assert_close(reference(x, t, **kw), F.cross_entropy(x, t, **kw), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_empty_and_all_ignored_match_pytorch(impl):
+    _need(impl)
+    for n, ignored in ((0, False), (5, True)):
+        for reduction, want in (("mean", float("nan")), ("sum", 0.0)):
+            x = torch.randn(n, 300, requires_grad=True)
+            t = torch.full((n,), -100) if ignored else torch.zeros(n, dtype=torch.long)
+            loss = polykernel.cross_entropy(x, t, reduction=reduction, label_smoothing=0.1, impl=impl)
+            ref = F.cross_entropy(x.detach(), t, reduction=reduction, label_smoothing=0.1)
+            assert loss.dtype == torch.float32 and loss.shape == ()
+            assert (loss.isnan() and ref.isnan() and want != want) or (loss.item() == ref.item() == want)
+            (g,) = torch.autograd.grad(loss, x)
+            assert g.shape == x.shape and bool((g == 0).all())  # PyTorch: zero, not NaN
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_logits_are_not_modified(impl):
+    _need(impl)
+    x = torch.randn(6, 2000, dtype=torch.bfloat16, requires_grad=True)
+    before = x.detach().clone()
+    loss = polykernel.cross_entropy(x, torch.randint(0, 2000, (6,)), impl=impl)
+    loss.backward()
+    assert torch.equal(x.detach(), before) and x.grad is not None and not torch.equal(x.grad, torch.zeros_like(x.grad))
+
+
+def test_torch_impl_row_chunks(monkeypatch):
+    # Force many row chunks (a few rows per fp32 temporary): same results as one chunk.
+    import polykernel.backends.torch.cross_entropy as tce
+
+    monkeypatch.setattr(tce, "TEMP_BYTES", 3 * 4 * 1000)
+    assert tce._step(1000) == 3
+    sel = [c for c in cases("cpu", torch.float32) if c.label in ("13x3001-ignored", "11x4999-none-smooth", "8x1000-smooth", "2x3x500-3d")]
+    assert len(sel) == 4
+    assert_parity("cross_entropy", ["torch"], device="cpu", dtypes=[torch.float32], cases=sel)
+
+
+def test_triton_out_of_range_target_gives_nan_not_garbage():
+    # On CUDA the host does not check the range (a sync); the kernel must flag the row. Call the
+    # registered impl directly (the public function refuses this target on the CPU).
+    _need("triton")
+    from polykernel.backends.triton.cross_entropy import cross_entropy as tri
+
+    x = torch.randn(4, 1000, requires_grad=True)
+    t = torch.tensor([3, 1000, -100, -7])
+    loss = tri(x, t, -100, 0.0, "none")
+    assert loss[1].isnan() and loss[3].isnan() and loss[2] == 0
+    torch.testing.assert_close(loss[0], reference(x.detach()[:1], t[:1], reduction="none")[0])
+    (g,) = torch.autograd.grad(loss.sum(), x)
+    assert g[1].isnan().all() and g[3].isnan().all() and bool((g[2] == 0).all()) and g[0].isfinite().all()
+    assert tri(x.detach(), t, -100, 0.0, "mean").isnan()
+
+
+def test_triton_grad_in_forward_strategy(monkeypatch):
+    # The alternative strategy (gradient written in the forward, scaled in the backward). In fp32:
+    # with bf16/fp16 logits a grad_output != 1 rounds the gradient twice (documented cost).
+    _need("triton")
+    import polykernel.backends.triton.cross_entropy as tce
+
+    monkeypatch.setattr(tce, "GRAD_IN_FORWARD", True)
+    labels = ("13x3001-ignored", "9x2000-allignored", "8x1000-smooth", "11x4999-sum", "2x3x500-3d-none")
+    sel = [c for c in cases("cpu", torch.float32) if c.label in labels]
+    assert len(sel) == len(labels)
+    assert_parity("cross_entropy", ["triton"], device="cpu", dtypes=[torch.float32], cases=sel)
+    # grad_output exactly 1 takes the no-scaling path (bf16: one rounding, as the reference)
+    x = (3 * torch.randn(5, 700)).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, 700, (5,))
+    for g in (1.0, 3.0):
+        (gi,) = torch.autograd.grad(polykernel.cross_entropy(x, t, impl="triton"), x, torch.tensor(g))
+        (gr,) = torch.autograd.grad(reference(x, t), x, torch.tensor(g))
+        torch.testing.assert_close(gi, gr, rtol=1e-2 if g == 1.0 else 2e-2, atol=1e-9)
+    loss = polykernel.cross_entropy(x, t, impl="triton")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
+def test_float64_uses_torch_and_matches_reference():
+    x = torch.randn(7, 300, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 300, (7,))
+    assert polykernel.explain("cross_entropy", x, t).chosen == "torch"
+    loss = polykernel.cross_entropy(x, t, label_smoothing=0.1)
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, reference(x, t, label_smoothing=0.1), rtol=1e-12, atol=1e-12)
+
+
+def test_unbatched_logits():
+    x, t = torch.randn(50), torch.tensor(7)
+    out = polykernel.cross_entropy(x, t, reduction="none")
+    assert out.shape == () and torch.allclose(out, F.cross_entropy(x, t, reduction="none"))
+
+
+def _bad(*shape, **kw):
+    return torch.randn(*shape, **kw)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, exc, words",
+    [
+        ((_bad(4, 8).int(), torch.zeros(4, dtype=torch.long)), {}, OpTypeError, "'logits'"),
+        (([1.0, 2.0], torch.zeros(1, dtype=torch.long)), {}, OpTypeError, "'logits'"),
+        ((_bad(()), torch.zeros((), dtype=torch.long)), {}, OpArgumentError, "'logits'"),
+        ((_bad(4, 0), torch.zeros(4, dtype=torch.long)), {}, OpArgumentError, "'logits'"),
+        ((_bad(4, 8), torch.zeros(4)), {}, OpTypeError, "'target'"),
+        ((_bad(4, 8), torch.zeros(4, dtype=torch.int16)), {}, OpTypeError, "'target'"),
+        ((_bad(4, 8), torch.zeros(5, dtype=torch.long)), {}, OpArgumentError, "'target'"),
+        ((_bad(4, 8), torch.zeros(4, 1, dtype=torch.long)), {}, OpArgumentError, "'target'"),
+        ((_bad(4, 8), [0, 1, 2, 3]), {}, OpTypeError, "'target'"),
+        ((_bad(4, 8), torch.zeros(4, dtype=torch.long, device="meta")), {}, OpArgumentError, "'target'"),
+        ((_bad(4, 8), torch.tensor([0, 1, 8, 2])), {}, OpArgumentError, "'target'"),
+        ((_bad(4, 8), torch.tensor([0, -1, 2, 2])), {}, OpArgumentError, "'target'"),
+        ((_bad(4, 8), torch.tensor([0, 1, -100, 2])), {"ignore_index": 3}, OpArgumentError, "'target'"),
+        ((_bad(4, 8), torch.zeros(4, dtype=torch.long)), {"reduction": "avg"}, OpArgumentError, "'reduction'"),
+        ((_bad(4, 8), torch.zeros(4, dtype=torch.long)), {"reduction": None}, OpArgumentError, "'reduction'"),
+        ((_bad(4, 8), torch.zeros(4, dtype=torch.long)), {"label_smoothing": -0.1}, OpArgumentError, "'label_smoothing'"),
+        ((_bad(4, 8), torch.zeros(4, dtype=torch.long)), {"label_smoothing": 1.5}, OpArgumentError, "'label_smoothing'"),
+        ((_bad(4, 8), torch.zeros(4, dtype=torch.long)), {"label_smoothing": float("nan")}, OpArgumentError, "'label_smoothing'"),
+        ((_bad(4, 8), torch.zeros(4, dtype=torch.long)), {"label_smoothing": True}, OpArgumentError, "'label_smoothing'"),
+        ((_bad(4, 8), torch.zeros(4, dtype=torch.long)), {"ignore_index": 1.0}, OpArgumentError, "'ignore_index'"),
+    ],
+)
+def test_bad_input_names_op_and_argument(args, kwargs, exc, words):
+    with pytest.raises(exc) as info:
+        polykernel.cross_entropy(*args, **kwargs)
+    assert "loss.cross_entropy" in str(info.value) and words in str(info.value)
+
+
+def test_ignore_index_inside_range_is_accepted():
+    x, t = torch.randn(3, 8), torch.tensor([3, 1, 3])
+    torch.testing.assert_close(polykernel.cross_entropy(x, t, ignore_index=3), F.cross_entropy(x, t, ignore_index=3))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_parity_gpu_large(dtype):
+    # includes V = 128256 and 256000 (and 262144 with large logits)
+    assert_parity("cross_entropy", device="cuda", dtypes=[dtype], large=True)
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_range_target_is_flagged():
+    x = torch.randn(8, 128256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, 128256, (8,), device="cuda")
+    t[5] = 128256
+    loss = polykernel.cross_entropy(x, t, impl="triton")  # no host check on CUDA: the kernel flags it
+    assert loss.isnan()
+    (g,) = torch.autograd.grad(loss, x)
+    assert g[5].isnan().all()
