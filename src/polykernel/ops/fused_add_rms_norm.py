@@ -104,7 +104,8 @@ TOLERANCES = Tolerances(
     # truncation), each term moves by up to 2^-8 relative, so dW by ~2^-9·sqrt(M)·|dy·ŝ| at random:
     # measured 0.027 at its worst over 3x70001 (a 4.5-sigma tail of 70001 columns).
     backward={
-        torch.float32: Tol(atol=1e-4, rtol=1e-4),
+        # fp32 dW sums every row: at 16384 rows the torch impl was 1.07x of 1e-4 on the H200.
+        torch.float32: Tol(atol=2e-4, rtol=2e-4),
         torch.float64: Tol(atol=1e-10, rtol=1e-10),
         torch.bfloat16: Tol(atol=4e-2, rtol=2e-2),
         torch.float16: Tol(atol=4e-3, rtol=4e-3),

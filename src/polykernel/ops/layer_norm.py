@@ -115,7 +115,9 @@ TOLERANCES = Tolerances(
     # dW and dB sum over every row in fp32; dX = rstd·(g - mean(g) - x̂·mean(g·x̂)) cancels.
     # Low-precision gradients are rounded once from fp32: 1-2 ulps of their dtype.
     backward={
-        torch.float32: Tol(atol=1e-4, rtol=1e-4),
+        # fp32 dW/dB sum every row: at 16384 rows the torch impl (PyTorch's reduction order) was
+        # 1.04x of 1e-4 on the H200, so 2e-4 (error grows ~ sqrt(rows) * 2^-24 * sum of |terms|).
+        torch.float32: Tol(atol=2e-4, rtol=2e-4),
         torch.float64: Tol(atol=1e-10, rtol=1e-10),
         torch.bfloat16: Tol(atol=2e-2, rtol=2e-2),
         torch.float16: Tol(atol=4e-3, rtol=4e-3),

@@ -1,0 +1,423 @@
+"""``torch.nn`` modules over polykernel's ops: drop-in layers whose kernels the dispatcher picks.
+
+Every module takes ``impl=`` (``None``: the dispatcher's choice for each call, i.e. scope, env,
+``set_impl``, tuning, then rank) and passes it to the op on every call, so a module can be pinned
+to one impl (strict: an impl that cannot run raises ``ImplNotAvailableError``)::
+
+    >>> import torch, polykernel.nn as pnn
+    >>> norm = pnn.RMSNorm(64)
+    >>> norm(torch.randn(2, 5, 64)).shape
+    torch.Size([2, 5, 64])
+    >>> mlp = pnn.SwiGLU(64, 172, impl="torch")  # pinned to the torch impl
+    >>> mlp(torch.randn(2, 5, 64)).shape
+    torch.Size([2, 5, 64])
+
+Parameter names follow PyTorch and Hugging Face (``weight``, ``bias``; ``gate_proj``, ``up_proj``,
+``down_proj``), so state dicts load across.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import polykernel
+
+__all__ = [
+    "GEGLU",
+    "CrossEntropyLoss",
+    "FusedLinearCrossEntropyLoss",
+    "LayerNorm",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "Softmax",
+    "SwiGLU",
+]
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _impl_repr(impl: str | None) -> str:
+    return f", impl={impl!r}" if impl is not None else ""
+
+
+def _check_impl(cls: str, impl: str | None) -> str | None:
+    """Fail at construction, not at the first call, on a name that is no impl at all."""
+    if impl is None:
+        return None
+    from .spec import KernelBackend
+
+    valid = [b.value for b in KernelBackend]
+    names = [n.strip() for n in str(impl).split(",")] if isinstance(impl, str) else None
+    if not names or any(n not in valid for n in names):
+        raise ValueError(f"{cls}: impl={impl!r} is not an impl name (or comma-separated list); impl names are: {', '.join(valid)}")
+    return impl
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim: ``x / sqrt(mean(x²) + eps) * (weight + offset)``.
+
+    ``casting="fp32"`` matches ``torch.nn.RMSNorm`` (fp32 math, one cast at the end);
+    ``"llama"`` matches Hugging Face Llama (normalized x cast to x.dtype before the weight).
+    Gemma's ``x̂ · (1 + w)`` is ``offset=1.0``. The weight is initialized to ``1 - offset``, so a
+    fresh module scales by one either way.
+
+    ``forward(x, residual=None)``: with a residual it returns ``(rms_norm(x + residual),
+    x + residual)``, through the fused op ``polykernel.fused_add_rms_norm`` for ``casting="fp32"``
+    (that op has no casting option), else an add and ``rms_norm``.
+
+    >>> import torch, polykernel.nn as pnn
+    >>> norm = pnn.RMSNorm(8, eps=1e-5)
+    >>> y = norm(torch.randn(4, 8))
+    >>> norm
+    RMSNorm((8,), eps=1e-05, casting='fp32')
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        *,
+        offset: float = 0.0,
+        casting: str = "fp32",
+        impl: str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.hidden_size = int(hidden_size)
+        self.eps = eps
+        self.offset = offset
+        if casting not in ("fp32", "llama"):
+            raise ValueError(f"RMSNorm: casting must be 'fp32' or 'llama', got {casting!r}")
+        self.casting = casting
+        self.impl = _check_impl(type(self).__name__, impl)
+        self.weight = nn.Parameter(torch.empty(self.hidden_size, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.weight, 1.0 - self.offset)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            if self.casting != "fp32":  # the fused op rounds like casting="fp32": add, then normalize
+                s = x + residual
+                return polykernel.rms_norm(s, self.weight, self.eps, offset=self.offset, casting=self.casting, impl=self.impl), s
+            return polykernel.fused_add_rms_norm(x, residual, self.weight, self.eps, offset=self.offset, impl=self.impl)
+        return polykernel.rms_norm(x, self.weight, self.eps, offset=self.offset, casting=self.casting, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        s = f"({self.hidden_size},), eps={self.eps}"
+        if self.offset:
+            s += f", offset={self.offset}"
+        return s + f", casting={self.casting!r}" + _impl_repr(self.impl)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dim, like ``torch.nn.LayerNorm(hidden_size)`` (fp32 math).
+
+    >>> import torch, polykernel.nn as pnn
+    >>> ln = pnn.LayerNorm(16, bias=False)
+    >>> ln(torch.randn(3, 16)).shape
+    torch.Size([3, 16])
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        *,
+        impl: str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.hidden_size = int(hidden_size)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.impl = _check_impl(type(self).__name__, impl)
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.hidden_size, device=device, dtype=dtype))
+            self.bias = nn.Parameter(torch.empty(self.hidden_size, device=device, dtype=dtype)) if bias else None
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return polykernel.layer_norm(x, self.weight, self.bias, self.eps, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        return (
+            f"({self.hidden_size},), eps={self.eps}, elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}"
+            + _impl_repr(self.impl)
+        )
+
+
+class _GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with Hugging Face parameter names."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        impl: str | None,
+        device: torch.device | str | None,
+        dtype: torch.dtype | None,
+    ) -> None:
+        super().__init__()
+        self.hidden_size = int(hidden_size)
+        self.intermediate_size = int(intermediate_size)
+        self.impl = _check_impl(type(self).__name__, impl)
+        kw = {"bias": bias, "device": device, "dtype": dtype}
+        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, **kw)
+        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, **kw)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, **kw)
+
+    def reset_parameters(self) -> None:
+        for lin in (self.gate_proj, self.up_proj, self.down_proj):
+            lin.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}" + _impl_repr(self.impl)
+
+
+class SwiGLU(_GatedMLP):
+    """The Llama MLP: ``down_proj(silu(gate_proj(x)) * up_proj(x))``, the gate through
+    ``polykernel.swiglu``.
+
+    >>> import torch, polykernel.nn as pnn
+    >>> mlp = pnn.SwiGLU(32, 86)
+    >>> mlp(torch.randn(2, 7, 32)).shape
+    torch.Size([2, 7, 32])
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        *,
+        impl: str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(hidden_size, intermediate_size, bias, impl, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(polykernel.swiglu(self.gate_proj(x), self.up_proj(x), impl=self.impl))
+
+
+class GEGLU(_GatedMLP):
+    """The Gemma MLP: ``down_proj(gelu(gate_proj(x)) * up_proj(x))``, the gate through
+    ``polykernel.geglu``; ``approximate`` is ``"tanh"`` (Gemma) or ``"none"`` (exact erf).
+
+    >>> import torch, polykernel.nn as pnn
+    >>> mlp = pnn.GEGLU(32, 86, approximate="none")
+    >>> mlp(torch.randn(2, 7, 32)).shape
+    torch.Size([2, 7, 32])
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        approximate: str = "tanh",
+        *,
+        impl: str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(hidden_size, intermediate_size, bias, impl, device, dtype)
+        if approximate not in ("tanh", "none"):
+            raise ValueError(f"GEGLU: approximate must be 'tanh' or 'none', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(polykernel.geglu(self.gate_proj(x), self.up_proj(x), approximate=self.approximate, impl=self.impl))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", approximate={self.approximate!r}"
+
+
+class Softmax(nn.Module):
+    """Softmax over the last dim (fp32 math, output in the input dtype).
+
+    >>> import torch, polykernel.nn as pnn
+    >>> pnn.Softmax()(torch.zeros(2, 4))
+    tensor([[0.2500, 0.2500, 0.2500, 0.2500],
+            [0.2500, 0.2500, 0.2500, 0.2500]])
+    """
+
+    def __init__(self, *, impl: str | None = None) -> None:
+        super().__init__()
+        self.impl = _check_impl(type(self).__name__, impl)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return polykernel.softmax(x, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        return _impl_repr(self.impl).removeprefix(", ")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (Hugging Face rotate-half convention) applied with
+    ``polykernel.rope``.
+
+    ``cos_sin(positions, dtype)`` gives ``cos``/``sin`` of shape ``[B or 1, T, head_dim]`` (computed
+    in fp32, cast to ``dtype``, as Hugging Face does); ``forward(q, k, positions=None)`` rotates
+    ``q [B, Hq, T, D]`` and ``k [B, Hk, T, D]`` (positions default to ``0..T-1``).
+
+    >>> import torch, polykernel.nn as pnn
+    >>> rot = pnn.RotaryEmbedding(16, max_position_embeddings=128)
+    >>> cos, sin = rot.cos_sin(torch.arange(10), torch.float32)
+    >>> cos.shape
+    torch.Size([1, 10, 16])
+    >>> q, k = torch.randn(2, 4, 10, 16), torch.randn(2, 2, 10, 16)
+    >>> q_rot, k_rot = rot(q, k)
+    >>> q_rot.shape, k_rot.shape
+    (torch.Size([2, 4, 10, 16]), torch.Size([2, 2, 10, 16]))
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position_embeddings: int = 2048,
+        base: float = 10000.0,
+        *,
+        impl: str | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"RotaryEmbedding: head_dim must be even, got {head_dim}")
+        self.head_dim = int(head_dim)
+        self.max_position_embeddings = int(max_position_embeddings)
+        self.base = float(base)
+        self.impl = _check_impl(type(self).__name__, impl)
+        self.register_buffer("inv_freq", torch.empty(self.head_dim // 2, device=device, dtype=torch.float32), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Recompute ``inv_freq`` (a non-persistent buffer: also after ``to_empty``/meta init)."""
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=self.inv_freq.device) / self.head_dim
+        with torch.no_grad():
+            self.inv_freq.copy_(1.0 / (self.base**exponent))
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions`` ``[T]`` or ``[B, T]`` -> ``(cos, sin)`` of shape ``[1 or B, T, head_dim]``."""
+        pos = positions if positions.dim() == 2 else positions[None]
+        freqs = pos.to(device=self.inv_freq.device, dtype=torch.float32)[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions is None:
+            positions = torch.arange(q.shape[-2], device=q.device)
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return polykernel.rope(q, k, cos, sin, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, max_position_embeddings={self.max_position_embeddings}, base={self.base:g}" + _impl_repr(
+            self.impl
+        )
+
+
+def _check_loss_options(cls: str, ignore_index: int, label_smoothing: float, reduction: str) -> None:
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"{cls}: ignore_index must be an int, got {ignore_index!r}")
+    if not (isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing <= 1.0):
+        raise ValueError(f"{cls}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{cls}: reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, got {reduction!r}")
+
+
+class CrossEntropyLoss(nn.Module):
+    """Cross-entropy of ``logits [..., V]`` against class indices ``target [...]`` (fp32 result).
+
+    Unlike ``torch.nn.CrossEntropyLoss`` the class dim is the *last* one (the LM layout
+    ``[B, T, V]``); ``reduction="none"`` returns ``target``'s shape.
+    Targets equal to ``ignore_index`` add nothing and do not count in the mean.
+
+    >>> import torch, polykernel.nn as pnn
+    >>> loss_fn = pnn.CrossEntropyLoss(label_smoothing=0.1)
+    >>> loss = loss_fn(torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5)))
+    >>> loss.shape, loss.dtype
+    (torch.Size([]), torch.float32)
+    """
+
+    def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean", *, impl: str | None = None) -> None:
+        super().__init__()
+        _check_loss_options(type(self).__name__, ignore_index, label_smoothing, reduction)
+        self.ignore_index = ignore_index
+        self.label_smoothing = label_smoothing
+        self.reduction = reduction
+        self.impl = _check_impl(type(self).__name__, impl)
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return polykernel.cross_entropy(
+            logits,
+            target,
+            ignore_index=self.ignore_index,
+            label_smoothing=self.label_smoothing,
+            reduction=self.reduction,
+            impl=self.impl,
+        )
+
+    def extra_repr(self) -> str:
+        return f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, reduction={self.reduction!r}" + _impl_repr(
+            self.impl
+        )
+
+
+class FusedLinearCrossEntropyLoss(nn.Module):
+    """``cross_entropy(hidden @ weight.T + bias, target)`` without materializing the logits.
+
+    ``forward(hidden [..., H], weight [V, H], target [...], bias=None)``; the LM head's weight is
+    passed in (the module owns no parameters), so it stays tied to / sharded with the model.
+
+    >>> import torch, polykernel.nn as pnn
+    >>> head = torch.nn.Linear(32, 100, bias=False)
+    >>> loss_fn = pnn.FusedLinearCrossEntropyLoss()
+    >>> loss = loss_fn(torch.randn(2, 6, 32), head.weight, torch.randint(0, 100, (2, 6)))
+    >>> loss.backward()  # gradients reach head.weight
+    >>> head.weight.grad.shape
+    torch.Size([100, 32])
+    """
+
+    def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean", *, impl: str | None = None) -> None:
+        super().__init__()
+        _check_loss_options(type(self).__name__, ignore_index, label_smoothing, reduction)
+        self.ignore_index = ignore_index
+        self.label_smoothing = label_smoothing
+        self.reduction = reduction
+        self.impl = _check_impl(type(self).__name__, impl)
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        flat_hidden = hidden.reshape(-1, hidden.shape[-1]) if hidden.dim() != 2 else hidden
+        out = polykernel.fused_linear_cross_entropy(
+            flat_hidden,
+            weight,
+            target.reshape(-1),
+            bias,
+            ignore_index=self.ignore_index,
+            label_smoothing=self.label_smoothing,
+            reduction=self.reduction,
+            impl=self.impl,
+        )
+        return out.reshape(target.shape) if self.reduction == "none" else out
+
+    def extra_repr(self) -> str:
+        return f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, reduction={self.reduction!r}" + _impl_repr(
+            self.impl
+        )
