@@ -29,7 +29,12 @@ from polykernel import registry
 
 # op -> list of (label, example shape). Shapes from ../shared/gpu/README.md's peer table.
 SHAPES: dict[str, list[tuple[str, tuple[int, ...]]]] = {
-    "rms_norm": [("16384x4096", (16384, 4096)), ("4096x16384", (4096, 16384)), ("2048x65536", (2048, 65536)), ("512x262144", (512, 262144))],
+    "rms_norm": [
+        ("16384x4096", (16384, 4096)),
+        ("4096x16384", (4096, 16384)),
+        ("2048x65536", (2048, 65536)),
+        ("512x262144", (512, 262144)),
+    ],
     "fused_add_rms_norm": [("16384x4096", (16384, 4096))],
     "layer_norm": [("16384x4096", (16384, 4096))],
     "swiglu": [("16384x14336", (16384, 14336))],
@@ -48,7 +53,9 @@ def _peers(op: str) -> dict[str, Callable[..., Any]]:
         import liger_kernel.transformers.functional as lf
 
         table = {
-            "rms_norm": lambda x, w, eps=1e-6, offset=0.0, casting="fp32": lf.liger_rms_norm(x, w, eps, offset, "gemma" if casting == "fp32" else "llama", False),
+            "rms_norm": lambda x, w, eps=1e-6, offset=0.0, casting="fp32": lf.liger_rms_norm(
+                x, w, eps, offset, "gemma" if casting == "fp32" else "llama", False
+            ),
             "layer_norm": lambda x, w, b, eps=1e-5: lf.liger_layer_norm(x, w, b, eps),
             "swiglu": lambda g, u: lf.liger_swiglu(g, u),
             "geglu": lambda g, u, approximate="tanh": lf.liger_geglu(g, u),
@@ -62,7 +69,7 @@ def _peers(op: str) -> dict[str, Callable[..., Any]]:
             from liger_kernel.ops.softmax import LigerSoftmaxFunction
 
             peers["liger"] = lambda x: LigerSoftmaxFunction.apply(x)
-    except Exception:  # noqa: BLE001 - a peer that does not import is simply absent
+    except Exception:
         pass
     try:
         if op == "rms_norm":
@@ -77,7 +84,7 @@ def _peers(op: str) -> dict[str, Callable[..., Any]]:
             from quack.cross_entropy import cross_entropy as q_ce
 
             peers["quack"] = lambda lo, t, **kw: q_ce(lo, t)
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
     return peers
 
@@ -88,7 +95,6 @@ def copy_bandwidth() -> float:
     src = torch.randn(2**30, dtype=torch.bfloat16, device="cuda")  # 2 GiB
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
-    del src, dst
     return 2 * 2**31 / (ms * 1e-3) / 1e9
 
 
@@ -96,8 +102,12 @@ def _outputs(out: Any) -> list[torch.Tensor]:
     return [o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, torch.Tensor) and o.requires_grad]
 
 
-def measure(fn: Callable[[], Any], grad_inputs: list[torch.Tensor], backward: bool) -> tuple[float, float]:
-    """(median ms, peak extra MiB) of fn (forward) or fn + autograd.grad (forward+backward)."""
+def measure(fn: Callable[[], Any], grad_inputs: list[torch.Tensor], backward: bool, graph: bool = False) -> tuple[float, float]:
+    """(median ms, peak extra MiB) of fn (forward) or fn + autograd.grad (forward+backward).
+
+    ``graph=True`` captures the step in a CUDA graph and times its replays: GPU time alone, with
+    the host's launch cost (Python, autograd, Triton's launcher) taken out.
+    """
     import triton.testing
 
     if backward:
@@ -119,11 +129,23 @@ def measure(fn: Callable[[], Any], grad_inputs: list[torch.Tensor], backward: bo
     step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    ms = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            step()
+        ms = triton.testing.do_bench(captured.replay, warmup=25, rep=100, return_mode="median")
+    else:
+        ms = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
     return ms, peak
 
 
-def run(ops: list[str], use_compile: bool, dtype: torch.dtype) -> tuple[list[dict[str, Any]], float]:
+def run(ops: list[str], use_compile: bool, dtype: torch.dtype, graph: bool = False) -> tuple[list[dict[str, Any]], float]:
     copy = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | copy 2 GiB: {copy:.0f} GB/s", flush=True)
     rows: list[dict[str, Any]] = []
@@ -147,11 +169,20 @@ def run(ops: list[str], use_compile: bool, dtype: torch.dtype) -> tuple[list[dic
                 for backward in (False, True):
                     t0 = time.time()
                     try:
-                        ms, peak = measure(fn, grad_inputs, backward)
+                        ms, peak = measure(fn, grad_inputs, backward, graph)
                         err = ""
-                    except Exception as exc:  # noqa: BLE001 - one failing contender must not end the run
+                    except Exception as exc:
                         ms, peak, err = float("nan"), float("nan"), f"{type(exc).__name__}: {str(exc)[:120]}"
-                    row = {"op": op.name, "shape": label, "dtype": str(dtype).removeprefix("torch."), "mode": "fwd+bwd" if backward else "fwd", "impl": who, "ms": ms, "peak_extra_MiB": peak, "error": err}
+                    row = {
+                        "op": op.name,
+                        "shape": label,
+                        "dtype": str(dtype).removeprefix("torch."),
+                        "mode": ("fwd+bwd" if backward else "fwd") + (" graph" if graph else ""),
+                        "impl": who,
+                        "ms": ms,
+                        "peak_extra_MiB": peak,
+                        "error": err,
+                    }
                     if op.name == "fused_linear_cross_entropy":
                         n, h, v = shape
                         row["TFLOP/s"] = (6 if backward else 2) * n * h * v / (ms * 1e-3) / 1e12
@@ -165,7 +196,11 @@ def run(ops: list[str], use_compile: bool, dtype: torch.dtype) -> tuple[list[dic
 
 
 def _fmt(r: dict[str, Any]) -> str:
-    perf = f"{r['TFLOP/s']:7.1f} TFLOP/s" if "TFLOP/s" in r else f"{r.get('GB/s', float('nan')):7.0f} GB/s ({r.get('% copy', float('nan')):5.1f}% copy)"
+    perf = (
+        f"{r['TFLOP/s']:7.1f} TFLOP/s"
+        if "TFLOP/s" in r
+        else f"{r.get('GB/s', float('nan')):7.0f} GB/s ({r.get('% copy', float('nan')):5.1f}% copy)"
+    )
     return f"{r['op']:<27} {r['shape']:<20} {r['mode']:<8} {r['impl']:<18} {r['ms']:9.3f} ms {perf} peak+{r['peak_extra_MiB']:8.0f} MiB {r['error']}"
 
 
@@ -175,17 +210,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--graph", action="store_true", help="time CUDA-graph replays (GPU time without host launch cost)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_ops needs a CUDA GPU", file=sys.stderr)
         return 2
     ops = [registry.get_op(o).name for o in a.ops.split(",") if o]
-    rows, copy = run(ops, not a.no_compile, getattr(torch, a.dtype))
+    rows, copy = run(ops, not a.no_compile, getattr(torch, a.dtype), a.graph)
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "bench.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBps": copy, "date": time.strftime("%Y-%m-%d"), "rows": rows}, f, indent=1)
+    stem = "bench-graph" if a.graph else "bench"
+    with open(os.path.join(a.out, f"{stem}.json"), "w") as f:
+        json.dump(
+            {
+                "device": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "copy_GBps": copy,
+                "date": time.strftime("%Y-%m-%d"),
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
     keys = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
-    with open(os.path.join(a.out, "bench.csv"), "w", newline="") as f:
+    with open(os.path.join(a.out, f"{stem}.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)

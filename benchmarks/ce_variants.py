@@ -1,6 +1,6 @@
 """Cross-entropy gradient strategies and the fused linear CE impls, forward+backward (H200).
 
-    PYTHONPATH=src python benchmarks/ce_variants.py
+PYTHONPATH=src python benchmarks/ce_variants.py
 """
 
 import torch
@@ -26,7 +26,7 @@ def main() -> None:
         tce.GRAD_IN_FORWARD = g
         print(f"cross_entropy {n}x{v} bf16 fwd+bwd, GRAD_IN_FORWARD={g}: {ms(ce):.3f} ms")
     tce.GRAD_IN_FORWARD = False
-    del x
+    x.grad = None
     hid = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / 64).requires_grad_()
     for impl in ("triton", "torch"):

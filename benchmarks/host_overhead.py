@@ -1,6 +1,6 @@
 """Host (CPU) time per call of GPU launches, without synchronizing: what limits small, fast steps.
 
-    PYTHONPATH=src python benchmarks/host_overhead.py
+PYTHONPATH=src python benchmarks/host_overhead.py
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main() -> None:
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
     dy = torch.randn_like(x)
-    y, rstd = tk.rms_norm_forward(x, w, 1e-6, 0.0, False)
+    _y, rstd = tk.rms_norm_forward(x, w, 1e-6, 0.0, False)
     rows = {
         "empty_like (one torch op)": lambda: torch.empty_like(x),
         "F.rms_norm": lambda: F.rms_norm(x, (4096,), w, 1e-6),

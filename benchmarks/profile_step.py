@@ -15,7 +15,13 @@ from torch.profiler import ProfilerActivity, profile
 import polykernel
 from polykernel import registry
 
-SHAPES = {"rms_norm": (16384, 4096), "rope": (4, 32, 4096, 128), "layer_norm": (16384, 4096), "swiglu": (16384, 14336), "softmax": (8192, 32768)}
+SHAPES = {
+    "rms_norm": (16384, 4096),
+    "rope": (4, 32, 4096, 128),
+    "layer_norm": (16384, 4096),
+    "swiglu": (16384, 14336),
+    "softmax": (8192, 32768),
+}
 
 
 def main() -> None:

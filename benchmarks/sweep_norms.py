@@ -32,7 +32,7 @@ def layer_norm() -> None:
         ms = bench(lambda: ln.layer_norm_forward(x, w, b, 1e-5))
         print(f"ln fwd elems={elems:5} warps={warps!s:4} {2 * gb / ms * 1e3:6.0f} GB/s")
     ln.TUNE.update(base)
-    y, mean, rstd = ln.layer_norm_forward(x, w, b, 1e-5)
+    _y, mean, rstd = ln.layer_norm_forward(x, w, b, 1e-5)
     for elems, warps, per_sm in itertools.product((4096, 8192), (None, 4, 8, 16), (1, 2, 4, 8)):
         ln.TUNE.update(base, bwd_tile_elems=elems, bwd_warps=warps, bwd_programs_per_sm=per_sm)
         ms = bench(lambda: ln.layer_norm_backward(dy, x, w, mean, rstd, b.dtype))
@@ -51,10 +51,12 @@ def softmax() -> None:
             with torch.no_grad():
                 f = bench(lambda: polykernel.softmax(x, impl="triton"))
             fb = bench(lambda: torch.autograd.grad(polykernel.softmax(x, impl="triton"), (x,), dy))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             print(f"softmax fused={fused} fused_bwd={fused_bwd} chunk={chunk} warps={warps} failed {type(exc).__name__}")
             continue
-        print(f"softmax fused={fused:5} fused_bwd={fused_bwd:5} chunk={chunk} warps={warps:2} fwd {2 * gb / f * 1e3:6.0f} GB/s  fwd+bwd {5 * gb / fb * 1e3:6.0f} GB/s")
+        print(
+            f"softmax fused={fused:5} fused_bwd={fused_bwd:5} chunk={chunk} warps={warps:2} fwd {2 * gb / f * 1e3:6.0f} GB/s  fwd+bwd {5 * gb / fb * 1e3:6.0f} GB/s"
+        )
     sm.MAX_FUSED_N, sm.MAX_FUSED_N_BWD, sm.CHUNK_N, sm.CHUNK_WARPS = saved
 
 

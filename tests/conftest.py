@@ -23,11 +23,11 @@ if not _cuda:
     except ImportError:
         pass
 
-from polykernel.testing import polykernel_reset  # noqa: E402,F401  (fixture)
+from polykernel.testing import polykernel_reset  # noqa: F401  (fixture)
 
 
 @pytest.fixture(autouse=True)
-def _clean_dispatch(polykernel_reset, monkeypatch):
+def _clean_dispatch(polykernel_reset, monkeypatch):  # noqa: F811 - uses the imported fixture
     for name in list(os.environ):
         if name.startswith("POLYKERNEL_IMPL") or name == "POLYKERNEL_STRICT":
             monkeypatch.delenv(name)

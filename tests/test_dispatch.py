@@ -423,7 +423,7 @@ def test_explain_lists_every_impl_and_serializes():
 
 
 def test_unknown_op():
-    with pytest.raises(UnknownOpError, match="known ops: .*rms_norm"):
+    with pytest.raises(UnknownOpError, match=r"known ops: .*rms_norm"):
         polykernel.explain("rmsnorm")
 
 

@@ -40,7 +40,9 @@ def test_graph_capture_excludes_unsafe_impls():
         calls.append("liger")
         return reference(x, weight, eps, offset, casting)
 
-    polykernel.register_impl(op="rms_norm", backend="liger", rank=1, cuda_graph_safe=False, capabilities=frozenset({CapabilityRequirement.CUDA}))(unsafe)
+    polykernel.register_impl(
+        op="rms_norm", backend="liger", rank=1, cuda_graph_safe=False, capabilities=frozenset({CapabilityRequirement.CUDA})
+    )(unsafe)
     x, w = torch.randn(8, 64, device="cuda"), torch.randn(64, device="cuda")
     polykernel.rms_norm(x, w)
     assert calls == ["liger"]

@@ -52,7 +52,21 @@ _LAZY: dict[str, str] = {
     "cross_entropy": "ops.cross_entropy:cross_entropy",
     "fused_linear_cross_entropy": "ops.fused_linear_cross_entropy:fused_linear_cross_entropy",
 }
-_SUBMODULES = ("spec", "nn", "testing", "integrations", "dispatch", "registry", "tuning", "library", "ops", "backends", "models", "demo", "cli")
+_SUBMODULES = (
+    "spec",
+    "nn",
+    "testing",
+    "integrations",
+    "dispatch",
+    "registry",
+    "tuning",
+    "library",
+    "ops",
+    "backends",
+    "models",
+    "demo",
+    "cli",
+)
 
 __all__ = sorted([*_LAZY, *_SUBMODULES, "__version__"])
 

@@ -1,10 +1,10 @@
 """Command line: ``polykernel list | explain OP | check [OP] | env | demo`` (also ``python -m polykernel``).
 
-    $ polykernel list                      # every op, its impls and their verdict here
-    $ polykernel explain rms_norm --dtype bfloat16 --shape 4096x4096
-    $ polykernel check rms_norm --json     # parity of every runnable impl with the reference
-    $ polykernel env                       # versions, devices, settings
-    $ polykernel demo                      # the main job (see polykernel.demo)
+$ polykernel list                      # every op, its impls and their verdict here
+$ polykernel explain rms_norm --dtype bfloat16 --shape 4096x4096
+$ polykernel check rms_norm --json     # parity of every runnable impl with the reference
+$ polykernel env                       # versions, devices, settings
+$ polykernel demo                      # the main job (see polykernel.demo)
 """
 
 from __future__ import annotations
@@ -132,7 +132,9 @@ def cmd_env(args: argparse.Namespace) -> int:
 def _version(module: str) -> str:
     from importlib import metadata
 
-    dist = {"cutlass": "nvidia-cutlass-dsl", "cuda.tile": "cuda-tile", "liger_kernel": "liger-kernel", "quack": "quack-kernels"}.get(module, module)
+    dist = {"cutlass": "nvidia-cutlass-dsl", "cuda.tile": "cuda-tile", "liger_kernel": "liger-kernel", "quack": "quack-kernels"}.get(
+        module, module
+    )
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:

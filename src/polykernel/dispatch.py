@@ -36,14 +36,14 @@ if TYPE_CHECKING:
     from .op import Op
 
 __all__ = [
-    "use_impl",
-    "set_impl",
-    "get_impl_settings",
-    "available_impls",
-    "explain",
-    "clear_caches",
     "Decision",
     "Explanation",
+    "available_impls",
+    "clear_caches",
+    "explain",
+    "get_impl_settings",
+    "set_impl",
+    "use_impl",
 ]
 
 log = logging.getLogger("polykernel")
@@ -97,7 +97,7 @@ def use_impl(impl: str | Sequence[str], op: str | None = None) -> Iterator[None]
     op_id = registry.resolve_op_id(op) if op is not None else None
     if op_id is not None:
         _check_known(op_id, names)
-    token = _scope.set(_scope.get() + ((op_id, names),))
+    token = _scope.set((*_scope.get(), (op_id, names)))
     try:
         yield
     finally:
@@ -216,7 +216,7 @@ class Decision:
 def _call_guarded(decision: Decision, args: tuple[Any, ...]) -> Any:
     try:
         return decision.fn(*args)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return decision.on_fault(exc, args)
 
 
@@ -250,7 +250,7 @@ def _why_not(spec: KernelSpec, info: Any, platform: PlatformInfo, det: bool, cap
     if spec.predicate is not None:
         try:
             reason = spec.predicate(info)
-        except Exception as exc:  # noqa: BLE001 - a broken predicate excludes its impl, visibly
+        except Exception as exc:
             reason = f"predicate raised {type(exc).__name__}: {exc}"
         if reason:
             return reason
@@ -262,7 +262,7 @@ def _load(op: Op, verdict: Verdict) -> Any:
     spec = registry.specs_for(op)[verdict.name]
     try:
         return registry.load_impl(spec)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         verdict.reason = f"import failed: {type(exc).__name__}: {exc}"
         return None
 
@@ -308,7 +308,9 @@ def _resolve(op: Op, key: tuple[Any, ...]) -> Decision:
         why = ", ".join(f"{n}: {by_name[n].reason}" if n in by_name else f"{n}: not registered for this op" for n in names)
         if strict_env:
             raise ImplNotAvailableError(op.id, ",".join(names), f"preference ({source}) cannot be met: {why}", runnable_names())
-        _log_once(("skip", op.id, source, tuple(names), argkey), f"polykernel: {op.id}: {source} preference {','.join(names)} skipped ({why})")
+        _log_once(
+            ("skip", op.id, source, tuple(names), argkey), f"polykernel: {op.id}: {source} preference {','.join(names)} skipped ({why})"
+        )
         return None
 
     # 1. impl= argument

@@ -153,7 +153,7 @@ class Op:
             decision = _dispatch.decide(self, key)
         try:
             return decision.fn(*args)
-        except Exception as exc:  # noqa: BLE001 - handed to the fault policy, re-raised there if not ours
+        except Exception as exc:
             return decision.on_fault(exc, args)
 
     def custom_op(self, impl: str | None, *args: Any) -> Any:

@@ -20,7 +20,7 @@ from .spec import KernelBackend, KernelSpec
 if TYPE_CHECKING:
     from .op import Op
 
-__all__ = ["register_impl", "declare_op_locations", "specs_for", "resolve_op_id", "get_op", "all_op_ids"]
+__all__ = ["all_op_ids", "declare_op_locations", "get_op", "register_impl", "resolve_op_id", "specs_for"]
 
 _lock = threading.RLock()
 _specs: dict[str, dict[str, KernelSpec]] = {}
@@ -155,7 +155,7 @@ def specs_for(op: str | Op) -> dict[str, KernelSpec]:
                 _imported.add(module)
                 try:
                     importlib.import_module(module)
-                except Exception as exc:  # noqa: BLE001 - recorded, shown by explain
+                except Exception as exc:
                     last = traceback.format_exception_only(type(exc), exc)[-1].strip()
                     _import_errors.setdefault(the_op.id, {})[module] = last
     return dict(_specs.get(the_op.id, {}))

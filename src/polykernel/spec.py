@@ -23,13 +23,13 @@ from enum import Enum
 from typing import Any
 
 __all__ = [
-    "KernelBackend",
-    "DeviceType",
-    "PlatformInfo",
     "CapabilityRequirement",
-    "capabilities_satisfied",
+    "DeviceType",
     "FormatSignature",
+    "KernelBackend",
     "KernelSpec",
+    "PlatformInfo",
+    "capabilities_satisfied",
     "split_op_id",
 ]
 
@@ -108,7 +108,7 @@ class PlatformInfo:
         """
         try:
             return _detect(where)
-        except Exception:  # noqa: BLE001 - the contract is "never raises"
+        except Exception:
             return _CPU
 
 
@@ -217,17 +217,13 @@ def _as_caps(caps: CapabilityRequirement | Iterable[CapabilityRequirement] | Non
     return tuple(caps)
 
 
-def capabilities_satisfied(
-    caps: CapabilityRequirement | Iterable[CapabilityRequirement] | None, platform: PlatformInfo
-) -> bool:
+def capabilities_satisfied(caps: CapabilityRequirement | Iterable[CapabilityRequirement] | None, platform: PlatformInfo) -> bool:
     """OR over ``caps``; an empty set means unrestricted. A single requirement is accepted."""
     reqs = _as_caps(caps)
     return not reqs or any(r.is_satisfied_by(platform) for r in reqs)
 
 
-def capabilities_unmet_reason(
-    caps: CapabilityRequirement | Iterable[CapabilityRequirement] | None, platform: PlatformInfo
-) -> str | None:
+def capabilities_unmet_reason(caps: CapabilityRequirement | Iterable[CapabilityRequirement] | None, platform: PlatformInfo) -> str | None:
     """None when ``capabilities_satisfied``; else the reason of the closest requirement."""
     reqs = _as_caps(caps)
     if not reqs:

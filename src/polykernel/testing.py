@@ -23,7 +23,7 @@ import torch
 from . import dispatch, registry
 from .op import Case, Op, Tol
 
-__all__ = ["ParityResult", "check_parity", "assert_parity", "runnable_impls", "fresh", "isolated", "polykernel_reset"]
+__all__ = ["ParityResult", "assert_parity", "check_parity", "fresh", "isolated", "polykernel_reset", "runnable_impls"]
 
 
 @dataclass
@@ -114,8 +114,10 @@ def _one(op: Op, impl: str, case: Case, dtype: torch.dtype, backward: bool) -> P
     args_ref = [fresh(a) for a in case.args]
     try:
         out = _as_tuple(public(*args_impl, impl=impl, **case.kwargs))
-    except Exception as exc:  # noqa: BLE001 - reported as a failed result
-        return ParityResult(**label, ok=False, forward_error=float("inf"), backward_error=float("nan"), message=f"raised {type(exc).__name__}: {exc}")
+    except Exception as exc:
+        return ParityResult(
+            **label, ok=False, forward_error=float("inf"), backward_error=float("nan"), message=f"raised {type(exc).__name__}: {exc}"
+        )
     ref = _as_tuple(op.reference(*args_ref, **case.kwargs))
     fwd_err, messages = 0.0, []
     if len(out) != len(ref):
@@ -134,8 +136,14 @@ def _one(op: Op, impl: str, case: Case, dtype: torch.dtype, backward: bool) -> P
             cot = [torch.randn_like(r, dtype=r.dtype) if r.is_floating_point() else None for _, r in pairs]
             try:
                 g_out = torch.autograd.grad([o for o, _ in pairs], [a for _, a in leaves], cot, allow_unused=True)
-            except Exception as exc:  # noqa: BLE001
-                return ParityResult(**label, ok=False, forward_error=fwd_err, backward_error=float("inf"), message=f"backward raised {type(exc).__name__}: {exc}")
+            except Exception as exc:
+                return ParityResult(
+                    **label,
+                    ok=False,
+                    forward_error=fwd_err,
+                    backward_error=float("inf"),
+                    message=f"backward raised {type(exc).__name__}: {exc}",
+                )
             g_ref = torch.autograd.grad([r for _, r in pairs], [args_ref[i] for i, _ in leaves], cot, allow_unused=True)
             for (i, _), go, gr in zip(leaves, g_out, g_ref):
                 if gr is None:

@@ -28,10 +28,19 @@ CHUNK_N = 4096
 
 @triton.jit
 def _rms_fwd_kernel(
-    X, W, Y, RSTD,
-    M, N, stride_x, stride_y,
-    eps, offset,
-    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, LLAMA: tl.constexpr,
+    X,
+    W,
+    Y,
+    RSTD,
+    M,
+    N,
+    stride_x,
+    stride_y,
+    eps,
+    offset,
+    BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
+    LLAMA: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -49,10 +58,17 @@ def _rms_fwd_kernel(
 
 @triton.jit
 def _rms_fwd_chunked_kernel(
-    X, W, Y, RSTD,
-    N, stride_x, stride_y,
-    eps, offset,
-    CHUNK: tl.constexpr, LLAMA: tl.constexpr,
+    X,
+    W,
+    Y,
+    RSTD,
+    N,
+    stride_x,
+    stride_y,
+    eps,
+    offset,
+    CHUNK: tl.constexpr,
+    LLAMA: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
@@ -76,10 +92,22 @@ def _rms_fwd_chunked_kernel(
 
 @triton.jit
 def _rms_bwd_kernel(
-    X, W, DY, RSTD, DX, DW_PART,
-    M, N, stride_x, stride_dy, stride_dx,
+    X,
+    W,
+    DY,
+    RSTD,
+    DX,
+    DW_PART,
+    M,
+    N,
+    stride_x,
+    stride_dy,
+    stride_dx,
     offset,
-    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, LLAMA: tl.constexpr, DTYPE_OUT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
+    LLAMA: tl.constexpr,
+    DTYPE_OUT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
@@ -109,10 +137,21 @@ def _rms_bwd_kernel(
 
 @triton.jit
 def _rms_bwd_chunked_kernel(
-    X, W, DY, RSTD, DX, DW_PART,
-    M, N, stride_x, stride_dy, stride_dx,
+    X,
+    W,
+    DY,
+    RSTD,
+    DX,
+    DW_PART,
+    M,
+    N,
+    stride_x,
+    stride_dy,
+    stride_dx,
     offset,
-    CHUNK: tl.constexpr, LLAMA: tl.constexpr, DTYPE_OUT: tl.constexpr,
+    CHUNK: tl.constexpr,
+    LLAMA: tl.constexpr,
+    DTYPE_OUT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
@@ -174,7 +213,7 @@ def _tile(n: int, elems: int, warps: int | None) -> tuple[int, int, int]:
     return block_n, rows, warps
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 
@@ -200,13 +239,35 @@ def rms_norm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, offset:
     if n <= MAX_FUSED_N:
         block_n, rows, warps = _tile(n, TUNE["fwd_tile_elems"], TUNE["fwd_warps"])
         _rms_fwd_kernel[(triton.cdiv(m, rows),)](
-            x2, weight, y, rstd, m, n, x2.stride(0), y.stride(0), eps, offset,
-            BLOCK_N=block_n, ROWS=rows, LLAMA=llama, num_warps=warps,
+            x2,
+            weight,
+            y,
+            rstd,
+            m,
+            n,
+            x2.stride(0),
+            y.stride(0),
+            eps,
+            offset,
+            BLOCK_N=block_n,
+            ROWS=rows,
+            LLAMA=llama,
+            num_warps=warps,
         )
     else:
         _rms_fwd_chunked_kernel[(m,)](
-            x2, weight, y, rstd, n, x2.stride(0), y.stride(0), eps, offset,
-            CHUNK=CHUNK_N, LLAMA=llama, num_warps=16,
+            x2,
+            weight,
+            y,
+            rstd,
+            n,
+            x2.stride(0),
+            y.stride(0),
+            eps,
+            offset,
+            CHUNK=CHUNK_N,
+            LLAMA=llama,
+            num_warps=16,
         )
     return y, rstd
 
@@ -226,15 +287,44 @@ def rms_norm_backward(
         progs = min(_programs(x2.device), triton.cdiv(m, rows))
         part = torch.empty((progs, n), dtype=torch.float32, device=x2.device)  # every program writes its row
         _rms_bwd_kernel[(progs,)](
-            x2, weight, dy2, rstd, dx, part, m, n, x2.stride(0), dy2.stride(0), dx.stride(0), offset,
-            BLOCK_N=block_n, ROWS=rows, LLAMA=llama, DTYPE_OUT=_TL_DTYPE[x2.dtype], num_warps=warps,
+            x2,
+            weight,
+            dy2,
+            rstd,
+            dx,
+            part,
+            m,
+            n,
+            x2.stride(0),
+            dy2.stride(0),
+            dx.stride(0),
+            offset,
+            BLOCK_N=block_n,
+            ROWS=rows,
+            LLAMA=llama,
+            DTYPE_OUT=_TL_DTYPE[x2.dtype],
+            num_warps=warps,
         )
     else:
         progs = min(_programs(x2.device), m)
         part = torch.zeros((progs, n), dtype=torch.float32, device=x2.device)  # read-modify-write
         _rms_bwd_chunked_kernel[(progs,)](
-            x2, weight, dy2, rstd, dx, part, m, n, x2.stride(0), dy2.stride(0), dx.stride(0), offset,
-            CHUNK=CHUNK_N, LLAMA=llama, DTYPE_OUT=_TL_DTYPE[x2.dtype], num_warps=16,
+            x2,
+            weight,
+            dy2,
+            rstd,
+            dx,
+            part,
+            m,
+            n,
+            x2.stride(0),
+            dy2.stride(0),
+            dx.stride(0),
+            offset,
+            CHUNK=CHUNK_N,
+            LLAMA=llama,
+            DTYPE_OUT=_TL_DTYPE[x2.dtype],
+            num_warps=16,
         )
     dw = part.sum(0)
     return dx, dw if weight.dtype == torch.float32 else dw.to(weight.dtype)
