@@ -12,14 +12,14 @@ Missing weight or bias are compile-time switches: no loads, no partial buffers.
 
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from ...ops.layer_norm import reference  # noqa: F401  (semantics live in the op file)
+from ._rows import as_rows as _as_rows
+from ._rows import row_tile as _tile
+from ._rows import sm_count as _sm_count
 
 MAX_FUSED_N = 16384  # one block per row up to here; beyond, a chunked walk
 CHUNK_N = 4096
@@ -193,29 +193,9 @@ TUNE = {
 }
 
 
-def _tile(n: int, elems: int, warps: int | None) -> tuple[int, int, int]:
-    """(BLOCK_N, ROWS, num_warps) for rows that fit one block: ~``elems`` elements per program."""
-    block_n = triton.next_power_of_2(max(n, 1))
-    rows = max(1, min(32, elems // block_n))
-    if warps is None:
-        warps = 4 if block_n * rows <= 2048 else 8 if block_n <= 4096 else 16
-    return block_n, rows, warps
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-
-
 def _programs(device: torch.device) -> int:
     """Persistent-grid size of the backward (4 on the CPU interpreter: several partials)."""
     return TUNE["bwd_programs_per_sm"] * _sm_count(device)
-
-
-def _as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """A [M, N] view with unit column stride (copies only when the layout needs it)."""
-    t2 = t.reshape(math.prod(t.shape[:-1]), n)  # not -1: ambiguous when N = 0
-    return t2 if t2.stride(-1) == 1 or t2.numel() == 0 else t2.contiguous()
 
 
 def layer_norm_forward(

@@ -9,14 +9,15 @@ no atomics, so the result is deterministic and the impl is registered ``determin
 
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from ...ops.rms_norm import reference  # noqa: F401  (semantics live in the op file)
+from ._rows import TL_DTYPE
+from ._rows import as_rows as _as_rows
+from ._rows import row_tile as _tile
+from ._rows import sm_count as _sm_count
 
 MAX_FUSED_N = 16384  # one block per row up to here; beyond, a chunked two-pass walk
 CHUNK_N = 4096
@@ -191,8 +192,6 @@ def _rms_bwd_chunked_kernel(
 # ---------------------------------------------------------------------------------------------
 # Host launchers
 
-_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
 
 # Launch settings. benchmarks/sweep_rms_norm.py overrides these to measure alternatives.
 TUNE = {
@@ -204,29 +203,9 @@ TUNE = {
 }
 
 
-def _tile(n: int, elems: int, warps: int | None) -> tuple[int, int, int]:
-    """(BLOCK_N, ROWS, num_warps) for rows that fit one block."""
-    block_n = triton.next_power_of_2(max(n, 1))
-    rows = max(1, min(32, elems // block_n))
-    if warps is None:
-        warps = 4 if block_n * rows <= 2048 else 8 if block_n <= 4096 else 16
-    return block_n, rows, warps
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-
-
 def _programs(device: torch.device) -> int:
     """Persistent-grid size of the backward."""
     return TUNE["bwd_programs_per_sm"] * _sm_count(device)
-
-
-def _as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """A [M, N] view with unit column stride (copies only when the layout needs it)."""
-    t2 = t.reshape(math.prod(t.shape[:-1]), n)  # not -1: ambiguous when N = 0
-    return t2 if t2.stride(-1) == 1 or t2.numel() == 0 else t2.contiguous()
 
 
 def rms_norm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, llama: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,7 +281,7 @@ def rms_norm_backward(
             BLOCK_N=block_n,
             ROWS=rows,
             LLAMA=llama,
-            DTYPE_OUT=_TL_DTYPE[x2.dtype],
+            DTYPE_OUT=TL_DTYPE[x2.dtype],
             num_warps=warps,
         )
     else:
@@ -323,7 +302,7 @@ def rms_norm_backward(
             offset,
             CHUNK=CHUNK_N,
             LLAMA=llama,
-            DTYPE_OUT=_TL_DTYPE[x2.dtype],
+            DTYPE_OUT=TL_DTYPE[x2.dtype],
             num_warps=16,
         )
     dw = part.sum(0)
