@@ -473,3 +473,14 @@ def test_triton_on_cpu_only_under_interpreter(monkeypatch):
     polykernel.clear_caches()
     reason = {r["name"]: r["reason"] for r in polykernel.explain("rms_norm", device="cpu").impls}["triton"]
     assert reason in ("needs a CUDA device", "module 'triton' not installed")
+
+
+def test_decisions_lists_what_ran_and_why():
+    fake("liger", 50)
+    fake("quack", 1, cpu=False)
+    run()
+    (rec,) = polykernel.decisions("rms_norm")
+    assert rec["impl"] == "liger" and rec["source"] == "auto" and rec["arg_class"]["n"] == 8
+    assert ("quack", "needs a CUDA device") in rec["skipped"]
+    polykernel.clear_caches()
+    assert polykernel.decisions("rms_norm") == []

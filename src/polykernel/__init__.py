@@ -40,6 +40,7 @@ _LAZY: dict[str, str] = {
     "available_impls": "dispatch:available_impls",
     "explain": "dispatch:explain",
     "clear_caches": "dispatch:clear_caches",
+    "decisions": "dispatch:decisions",
     "list_ops": "registry:all_op_ids",
     # ops
     "rms_norm": "ops.rms_norm:rms_norm",

@@ -303,34 +303,24 @@ def used_impls() -> list[dict[str, Any]]:
 
     Read from the dispatcher's decision memo, i.e. exactly what the training run called.
     """
-    from polykernel import registry
+    import polykernel
 
-    rows = []
-    for op_id in sorted(getattr(registry, "_ops", {})):
-        op = registry._ops[op_id]
-        seen: dict[tuple[str, str], dict[str, Any]] = {}
-        for key, decision in list(getattr(op, "_memo", {}).items()):
-            argkey = key[0]
-            grad = bool(argkey[2]) if len(argkey) > 2 else False
-            row = seen.get((decision.impl, decision.source))
-            if row is None:
-                skipped = []
-                for v in decision.verdicts:
-                    if v.name == decision.impl:
-                        break
-                    skipped.append(f"{v.name}: {v.reason or 'runnable, lower preference'}")
-                row = {
-                    "op": op_id,
-                    "impl": decision.impl,
-                    "source": decision.source,
-                    "why": _SOURCES.get(decision.source, decision.source),
-                    "skipped": skipped,
-                    "forward_only": not grad,
-                }
-                seen[(decision.impl, decision.source)] = row
-            row["forward_only"] = row["forward_only"] and not grad
-        rows.extend(seen.values())
-    return rows
+    seen: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for d in polykernel.decisions():
+        grad = bool(d["arg_class"].get("needs_grad"))
+        row = seen.get((d["op"], d["impl"], d["source"]))
+        if row is None:
+            row = {
+                "op": d["op"],
+                "impl": d["impl"],
+                "source": d["source"],
+                "why": _SOURCES.get(d["source"], d["source"]),
+                "skipped": [f"{name}: {reason}" for name, reason in d["skipped"]],
+                "forward_only": not grad,
+            }
+            seen[(d["op"], d["impl"], d["source"])] = row
+        row["forward_only"] = row["forward_only"] and not grad
+    return list(seen.values())
 
 
 # ------------------------------------------------------------------------------------------------

@@ -496,3 +496,29 @@ def available_impls(op: str, device: Any = None, dtype: Any = None) -> list[str]
     argkey = _argkey_for(the_op, (), {}, device, dtype)
     rows = _verdicts(the_op, argkey, torch.are_deterministic_algorithms_enabled(), False)
     return [v.name for v in rows if v.runnable]
+
+
+def decisions(op: str | None = None) -> list[dict[str, Any]]:
+    """The decisions made since the last ``clear_caches()`` (what actually ran), one per key.
+
+    Each record: op id, the argument class, the impl, the source of the choice (argument, scope,
+    env, global, tuned, auto, fallback) and the better-ranked impls that did not run, with why::
+
+        >>> import polykernel, torch
+        >>> _ = polykernel.rms_norm(torch.randn(2, 8), torch.ones(8))
+        >>> polykernel.decisions("rms_norm")[-1]["impl"] in ("torch", "triton")
+        True
+    """
+    ops = [registry.get_op(op)] if op is not None else [registry._ops[k] for k in sorted(registry._ops)]
+    out = []
+    for the_op in ops:
+        for key, d in list(the_op._memo.items()):
+            skipped = []
+            for v in d.verdicts:
+                if v.name == d.impl:
+                    break
+                skipped.append((v.name, v.reason or "runnable, lower preference"))
+            out.append(
+                {"op": the_op.id, "arg_class": the_op.arg_class(key[0]).as_dict(), "impl": d.impl, "source": d.source, "skipped": skipped}
+            )
+    return out
