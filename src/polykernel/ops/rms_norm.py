@@ -138,8 +138,14 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
         Case("7x64-colstrided", (t(7, 128)[:, ::2], w(128)[::2])),
         Case("3x70001-long", (t(3, 70001), w(70001))),
     ]
+    if not (dtype == torch.bfloat16 and torch.device(device).type == "cpu"):
+        # Triton's CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest even, so
+        # llama casting's two roundings drift past tolerance there (seen on the one-block path too,
+        # 1.04x at 9x2000); on the GPU the large bf16 llama case below checks it.
+        out.append(Case("9x20000-long-llama", (t(9, 20000), w(20000)), {"casting": "llama", "offset": 0.5}))
     if large:
         out += [
+            Case("2048x65536-llama", (t(2048, 65536), w(65536)), {"casting": "llama"}),
             Case("16384x4096", (t(16384, 4096), w(4096))),
             Case("4096x16384", (t(4096, 16384), w(16384))),
             Case("1031x5120-llama", (t(1031, 5120), w(5120)), {"casting": "llama"}),

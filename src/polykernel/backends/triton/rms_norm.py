@@ -3,8 +3,10 @@
 Forward: a [ROWS, BLOCK_N] tile per program; rows that fit one block are loaded once, longer
 rows (N > MAX_FUSED_N) are walked in chunks twice (sum of squares, then normalize).
 Backward: a persistent grid of G programs; each walks rows pid, pid+G, ... and keeps its share of
-dW in registers (or, for long rows, in its own row of a [G, N] fp32 buffer), which the host sums:
-no atomics, so the result is deterministic and the impl is registered ``deterministic=True``.
+dW in registers, written to its own row of a [G, N] fp32 buffer that the host sums. Long rows take
+two kernels: per-row dot products, then a (column block x row group) grid that writes dx and keeps
+its dW slice in registers. No atomics anywhere, so the result is deterministic and the impl is
+registered ``deterministic=True``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ._rows import sm_count as _sm_count
 
 MAX_FUSED_N = 16384  # one block per row up to here; beyond, a chunked two-pass walk
 CHUNK_N = 4096
+LONG_BWD_BLOCK_C = 4096  # columns per program in the long-row backward
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,56 +140,61 @@ def _rms_bwd_kernel(
 
 
 @triton.jit
-def _rms_bwd_chunked_kernel(
-    X,
-    W,
-    DY,
-    RSTD,
-    DX,
-    DW_PART,
-    M,
-    N,
-    stride_x,
-    stride_dy,
-    stride_dx,
+def _rms_bwd_rowdot_kernel(
+    X, W, DY, RSTD, C,
+    N, stride_x, stride_dy,
     offset,
-    CHUNK: tl.constexpr,
-    LLAMA: tl.constexpr,
-    DTYPE_OUT: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    progs = tl.num_programs(0)
+    CHUNK: tl.constexpr, LLAMA: tl.constexpr, DTYPE_OUT: tl.constexpr,
+):  # fmt: skip
+    """Long rows, backward step 1: c[row] = mean(g * x̂) with g = dy * (w + offset)."""
+    row = tl.cast(tl.program_id(0), tl.int64)
     cols = tl.arange(0, CHUNK)
-    part = DW_PART + tl.cast(pid, tl.int64) * N  # this program's own row: read-modify-write, no atomics
-    for row in range(pid, M, progs):
-        row64 = tl.cast(row, tl.int64)
-        rstd = tl.load(RSTD + row64)
-        acc = tl.zeros([CHUNK], dtype=tl.float32)
-        for start in range(0, N, CHUNK):
-            m = start + cols < N
-            x = tl.load(X + row64 * stride_x + start + cols, mask=m, other=0.0).to(tl.float32)
-            dy = tl.load(DY + row64 * stride_dy + start + cols, mask=m, other=0.0).to(tl.float32)
-            w = tl.load(W + start + cols, mask=m, other=0.0).to(tl.float32) + offset
-            g = dy * w
-            if LLAMA:
-                g = g.to(DTYPE_OUT).to(tl.float32)
-            acc += g * x * rstd
-        c = tl.sum(acc, axis=0) / N
-        for start in range(0, N, CHUNK):
-            m = start + cols < N
-            x = tl.load(X + row64 * stride_x + start + cols, mask=m, other=0.0).to(tl.float32)
-            dy = tl.load(DY + row64 * stride_dy + start + cols, mask=m, other=0.0).to(tl.float32)
-            w = tl.load(W + start + cols, mask=m, other=0.0).to(tl.float32) + offset
-            xhat = x * rstd
-            g = dy * w
-            if LLAMA:
-                g = g.to(DTYPE_OUT).to(tl.float32)
-                xr = xhat.to(DTYPE_OUT).to(tl.float32)
-            else:
-                xr = xhat
-            tl.store(DX + row64 * stride_dx + start + cols, ((g - xhat * c) * rstd).to(DX.dtype.element_ty), mask=m)
-            prev = tl.load(part + start + cols, mask=m, other=0.0)
-            tl.store(part + start + cols, prev + dy * xr, mask=m)
+    acc = tl.zeros([CHUNK], dtype=tl.float32)
+    for start in range(0, N, CHUNK):
+        m = start + cols < N
+        x = tl.load(X + row * stride_x + start + cols, mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * stride_dy + start + cols, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(W + start + cols, mask=m, other=0.0).to(tl.float32) + offset
+        g = dy * w
+        if LLAMA:
+            g = g.to(DTYPE_OUT).to(tl.float32)
+        acc += g * x
+    tl.store(C + row, tl.sum(acc, axis=0) * tl.load(RSTD + row) / N)
+
+
+@triton.jit
+def _rms_bwd_colblock_kernel(
+    X, W, DY, RSTD, C, DX, DW_PART,
+    M, N, stride_x, stride_dy, stride_dx,
+    offset,
+    BLOCK_C: tl.constexpr, LLAMA: tl.constexpr, DTYPE_OUT: tl.constexpr,
+):  # fmt: skip
+    """Long rows, backward step 2: program (column block, row group) writes dx for its columns of
+    rows group, group + groups, ... and keeps their dW in registers: one more read of x and dy and
+    no dW traffic per row (the old single-kernel walk re-read each row and read-modify-wrote an
+    fp32 dW row per row: ~18·N bytes per row against ~10·N here)."""
+    cb = tl.program_id(0)
+    group = tl.program_id(1)
+    groups = tl.num_programs(1)
+    cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < N
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+    dw = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for row in range(group, M, groups):
+        r = tl.cast(row, tl.int64)
+        x = tl.load(X + r * stride_x + cols, mask=col_ok, other=0.0).to(tl.float32)
+        dy = tl.load(DY + r * stride_dy + cols, mask=col_ok, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + r)
+        c = tl.load(C + r)
+        xhat = x * rstd
+        g = dy * w
+        if LLAMA:
+            dw += dy * xhat.to(DTYPE_OUT).to(tl.float32)
+            g = g.to(DTYPE_OUT).to(tl.float32)
+        else:
+            dw += dy * xhat
+        tl.store(DX + r * stride_dx + cols, ((g - xhat * c) * rstd).to(DX.dtype.element_ty), mask=col_ok)
+    tl.store(DW_PART + tl.cast(group, tl.int64) * N + cols, dw, mask=col_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,6 +208,7 @@ TUNE = {
     "bwd_tile_elems": 4096,
     "bwd_warps": None,
     "bwd_programs_per_sm": 2,
+    "long_bwd_programs_per_sm": 4,  # programs of the column-blocked long-row backward
 }
 
 
@@ -284,27 +293,19 @@ def rms_norm_backward(
             DTYPE_OUT=TL_DTYPE[x2.dtype],
             num_warps=warps,
         )
-    else:
-        progs = min(_programs(x2.device), m)
-        part = torch.zeros((progs, n), dtype=torch.float32, device=x2.device)  # read-modify-write
-        _rms_bwd_chunked_kernel[(progs,)](
-            x2,
-            weight,
-            dy2,
-            rstd,
-            dx,
-            part,
-            m,
-            n,
-            x2.stride(0),
-            dy2.stride(0),
-            dx.stride(0),
-            offset,
-            CHUNK=CHUNK_N,
-            LLAMA=llama,
-            DTYPE_OUT=TL_DTYPE[x2.dtype],
-            num_warps=16,
-        )
+    else:  # long rows: row dot products, then a column-blocked dx/dW pass
+        c = torch.empty(m, dtype=torch.float32, device=x2.device)
+        _rms_bwd_rowdot_kernel[(m,)](
+            x2, weight, dy2, rstd, c, n, x2.stride(0), dy2.stride(0), offset,
+            CHUNK=CHUNK_N, LLAMA=llama, DTYPE_OUT=TL_DTYPE[x2.dtype], num_warps=16,
+        )  # fmt: skip
+        blocks = triton.cdiv(n, LONG_BWD_BLOCK_C)
+        groups = max(1, min(m, triton.cdiv(TUNE["long_bwd_programs_per_sm"] * _sm_count(x2.device), blocks)))
+        part = torch.empty((groups, n), dtype=torch.float32, device=x2.device)  # (group, block) pairs cover it
+        _rms_bwd_colblock_kernel[(blocks, groups)](
+            x2, weight, dy2, rstd, c, dx, part, m, n, x2.stride(0), dy2.stride(0), dx.stride(0), offset,
+            BLOCK_C=LONG_BWD_BLOCK_C, LLAMA=llama, DTYPE_OUT=TL_DTYPE[x2.dtype], num_warps=8,
+        )  # fmt: skip
     dw = part.sum(0)
     return dx, dw if weight.dtype == torch.float32 else dw.to(weight.dtype)
 
