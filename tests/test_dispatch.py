@@ -484,3 +484,33 @@ def test_decisions_lists_what_ran_and_why():
     assert ("quack", "needs a CUDA device") in rec["skipped"]
     polykernel.clear_caches()
     assert polykernel.decisions("rms_norm") == []
+
+
+def test_fault_in_the_last_runnable_impl_raises_the_original_error_and_does_not_stick(monkeypatch):
+    # Only the torch impl can run (triton is off here): its failure is the user's error to see.
+    import polykernel.backends.torch.rms_norm as torch_impl
+
+    failures = iter([ValueError("bad data in this batch")])
+
+    def flaky(x, weight, eps, offset, casting):
+        for exc in failures:
+            raise exc
+        return reference(x, weight, eps, offset, casting)
+
+    monkeypatch.setattr(torch_impl, "rms_norm", flaky)
+    polykernel.clear_caches()
+    with pytest.raises(ValueError, match="bad data in this batch"):
+        run()
+    assert run() == "builtin"  # the next call with the same argument class runs normally
+    reasons = {r["name"]: r["reason"] for r in polykernel.explain("rms_norm", *args()).impls}
+    assert reasons["torch"] is None
+
+
+def test_capability_requirement_accepts_int_arch():
+    from polykernel.spec import PlatformInfo
+
+    req = CapabilityRequirement("cuda", 90, 100)
+    assert req == CapabilityRequirement.cuda(min_sm=90, max_sm=100)
+    assert req.is_satisfied_by(PlatformInfo("cuda", 0, (9, 0), "H200"))
+    with pytest.raises(ValueError):
+        CapabilityRequirement("gpu")

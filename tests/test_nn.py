@@ -472,3 +472,14 @@ def test_impl_preference_list_and_bad_casting_at_construction():
     assert pnn.RMSNorm(8, impl="triton,torch").impl == "triton,torch"  # a preference list is accepted
     with pytest.raises(ValueError, match="casting"):
         pnn.RMSNorm(8, casting="bf16")
+
+
+def test_fused_linear_ce_module_rejects_a_target_of_another_shape():
+    # Same element count, other shape: must not be silently reshaped into agreement.
+    loss = polykernel.nn.FusedLinearCrossEntropyLoss()
+    hidden, weight = torch.randn(2, 6, 16), torch.randn(32, 16)
+    with pytest.raises(polykernel.OpArgumentError, match="target"):
+        loss(hidden, weight, torch.randint(0, 32, (3, 4)))
+    assert loss(hidden, weight, torch.randint(0, 32, (2, 6))).shape == ()
+    none = polykernel.nn.FusedLinearCrossEntropyLoss(reduction="none")
+    assert none(hidden, weight, torch.randint(0, 32, (2, 6))).shape == (2, 6)

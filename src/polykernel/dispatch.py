@@ -203,12 +203,19 @@ class Decision:
         with _lock:
             _broken.setdefault((self.op.id, argkey), {})[self.impl] = f"failed at run time: {type(exc).__name__}"
             self.op._memo.pop(self.key, None)
+        try:
+            nxt = decide(self.op, self.key)
+        except ImplNotAvailableError:
+            # Nothing else can run: the user's own error is the useful one, and the impl must not
+            # stay marked broken (it may be a transient failure or bad data, not a bad kernel).
+            with _lock:
+                _broken.get((self.op.id, argkey), {}).pop(self.impl, None)
+            raise exc from None
         once = ("fault", self.op.id, self.impl, argkey)
         if once not in _logged:
             _logged.add(once)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
             log.warning(message)
-        nxt = decide(self.op, self.key)
         nxt.source = "fallback"
         return nxt.fn(*args) if not nxt.may_fall_back else _call_guarded(nxt, args)
 
@@ -441,7 +448,9 @@ def _argkey_for(op: Op, args: tuple[Any, ...], kwargs: dict[str, Any], device: A
 
     if args:
         return op.key(*args, **kwargs)
-    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if device is None:  # "here": the current CUDA device if there is one, else the CPU
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())
     return op.default_key(dev, dtype if dtype is not None else torch.float32)

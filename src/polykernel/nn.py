@@ -404,18 +404,17 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         self.impl = _check_impl(type(self).__name__, impl)
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        flat_hidden = hidden.reshape(-1, hidden.shape[-1]) if hidden.dim() != 2 else hidden
-        out = polykernel.fused_linear_cross_entropy(
-            flat_hidden,
+        # Unflattened: the op takes any leading shape and checks target against it.
+        return polykernel.fused_linear_cross_entropy(
+            hidden,
             weight,
-            target.reshape(-1),
+            target,
             bias,
             ignore_index=self.ignore_index,
             label_smoothing=self.label_smoothing,
             reduction=self.reduction,
             impl=self.impl,
         )
-        return out.reshape(target.shape) if self.reduction == "none" else out
 
     def extra_repr(self) -> str:
         return f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, reduction={self.reduction!r}" + _impl_repr(

@@ -147,6 +147,18 @@ def _detect(where: Any) -> PlatformInfo:
     return info
 
 
+def _arch(value: int | tuple[int, int] | list[int] | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if isinstance(value, (tuple, list)):
+        return (int(value[0]), int(value[1]))
+    return (int(value) // 10, int(value) % 10)
+
+
+def _sm(arch: tuple[int, int]) -> int:
+    return arch[0] * 10 + arch[1]
+
+
 @dataclass(frozen=True)
 class CapabilityRequirement:
     """One place an impl can run: a device type and, for CUDA, an inclusive arch window.
@@ -160,6 +172,11 @@ class CapabilityRequirement:
     max_cuda_arch: tuple[int, int] | None = None
 
     # Class constants (CUDA, HIP, NPU, CPU) are attached after the class body.
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device", str(_device_type(self.device)))  # validates the name
+        object.__setattr__(self, "min_cuda_arch", _arch(self.min_cuda_arch))
+        object.__setattr__(self, "max_cuda_arch", _arch(self.max_cuda_arch))
 
     @staticmethod
     def cuda(min_sm: int | tuple[int, int] | None = None, max_sm: int | tuple[int, int] | None = None) -> CapabilityRequirement:
@@ -197,16 +214,6 @@ CapabilityRequirement.HIP = CapabilityRequirement("hip")  # type: ignore[attr-de
 CapabilityRequirement.NPU = CapabilityRequirement("npu")  # type: ignore[attr-defined]
 CapabilityRequirement.XPU = CapabilityRequirement("xpu")  # type: ignore[attr-defined]
 CapabilityRequirement.CPU = CapabilityRequirement("cpu")  # type: ignore[attr-defined]
-
-
-def _arch(value: int | tuple[int, int] | None) -> tuple[int, int] | None:
-    if value is None or isinstance(value, tuple):
-        return value
-    return (int(value) // 10, int(value) % 10)
-
-
-def _sm(arch: tuple[int, int]) -> int:
-    return arch[0] * 10 + arch[1]
 
 
 def _as_caps(caps: CapabilityRequirement | Iterable[CapabilityRequirement] | None) -> tuple[CapabilityRequirement, ...]:
