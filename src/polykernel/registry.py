@@ -27,6 +27,7 @@ _specs: dict[str, dict[str, KernelSpec]] = {}
 _ops: dict[str, Op] = {}
 _locations: dict[str, list[str]] = {}
 _imported: set[str] = set()
+_importing: set[str] = set()
 _import_errors: dict[str, dict[str, str]] = {}
 _listeners: list[Callable[[], None]] = []  # told when the set of impls changes (the dispatcher's memo)
 
@@ -148,16 +149,21 @@ def specs_for(op: str | Op) -> dict[str, KernelSpec]:
     the_op = get_op(op)
     pending = [m for m in _locations.get(the_op.id, ()) if m not in _imported]
     if pending:
+        # A module counts as imported only once its import has finished (under the lock), so a
+        # thread that finds nothing pending never sees an op without that module's impls.
         with _lock:
             for module in pending:
-                if module in _imported:
+                if module in _imported or module in _importing:  # done, or our own import is re-entering
                     continue
-                _imported.add(module)
+                _importing.add(module)
                 try:
                     importlib.import_module(module)
                 except Exception as exc:
                     last = traceback.format_exception_only(type(exc), exc)[-1].strip()
                     _import_errors.setdefault(the_op.id, {})[module] = last
+                finally:
+                    _importing.discard(module)
+                    _imported.add(module)
     return dict(_specs.get(the_op.id, {}))
 
 

@@ -181,11 +181,13 @@ def assert_parity(op: str | Op, impls: Sequence[str] | None = None, **kwargs: An
 def isolated() -> Iterator[None]:
     """Run a block with a clean dispatcher state; restore settings and registrations after.
 
-    Impls registered inside the block (``register_impl``) are removed again on exit.
+    Impls registered and locations declared inside the block are removed again on exit.
     """
     saved = dict(dispatch._global)
     specs = {op: dict(table) for op, table in registry._specs.items()}
     preloaded = dict(registry._preloaded)
+    locations = {op: list(mods) for op, mods in registry._locations.items()}
+    imported, import_errors = set(registry._imported), {op: dict(e) for op, e in registry._import_errors.items()}
     dispatch._global.clear()
     dispatch.clear_caches()
     try:
@@ -200,6 +202,12 @@ def isolated() -> Iterator[None]:
                     table.update(specs[op])
             registry._preloaded.clear()
             registry._preloaded.update(preloaded)
+            registry._locations.clear()
+            registry._locations.update(locations)
+            registry._imported.clear()
+            registry._imported.update(imported)
+            registry._import_errors.clear()
+            registry._import_errors.update(import_errors)
         dispatch.clear_caches()
 
 
