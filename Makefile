@@ -33,7 +33,7 @@ lint: setup
 	$(BIN)/ruff check src tests benchmarks && $(BIN)/ruff format --check src tests benchmarks
 
 bench:  ## on a CUDA machine: polykernel next to eager, torch.compile and installed peers
-	PYTHONPATH=src $(PYTHON) benchmarks/bench_ops.py
+	PYTHONPATH=src $(PYTHON) -m polykernel bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

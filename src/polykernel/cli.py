@@ -1,4 +1,4 @@
-"""Command line: ``polykernel list | explain OP | check [OP] | env | demo`` (also ``python -m polykernel``).
+"""Command line: ``polykernel list | explain OP | check [OP] | bench [OP] | env | demo`` (also ``python -m polykernel``).
 
 $ polykernel list                      # every op, its impls and their verdict here
 $ polykernel explain rms_norm --dtype bfloat16 --shape 4096x4096
@@ -98,6 +98,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from polykernel import bench
+
+    return bench.run_cli(args)
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     info: dict[str, Any] = {"python": sys.version.split()[0], "platform": _platform.platform()}
     import polykernel
@@ -174,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--verbose", "-v", action="store_true")
     s.add_argument("--json", action="store_true")
 
+    from polykernel import bench as _bench  # argparse only; torch loads when a command runs
+
+    s = sub.add_parser("bench", help="impls next to eager PyTorch, torch.compile and installed peers (CUDA)")
+    _bench.add_arguments(s)
+
     s = sub.add_parser("env", help="versions, devices and settings")
     s.add_argument("--json", action="store_true")
 
@@ -186,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "demo":
         return cmd_demo(argparse.Namespace(), argv[1:])
     args = build_parser().parse_args(argv)
-    handler = {"list": cmd_list, "explain": cmd_explain, "check": cmd_check, "env": cmd_env}[args.command]
+    handler = {"list": cmd_list, "explain": cmd_explain, "check": cmd_check, "bench": cmd_bench, "env": cmd_env}[args.command]
     try:
         return handler(args)
     except Exception as exc:  # polykernel's own errors read well without a traceback
