@@ -47,6 +47,8 @@ def test_bench_needs_a_gpu(capsys):
 
 
 def test_env_and_module_entry_point():
-    out = subprocess.run([sys.executable, "-m", "polykernel", "env", "--json"], capture_output=True, text=True, env={"PYTHONPATH": SRC, "PATH": ""})
+    out = subprocess.run(
+        [sys.executable, "-m", "polykernel", "env", "--json"], capture_output=True, text=True, env={"PYTHONPATH": SRC, "PATH": ""}
+    )
     assert out.returncode == 0, out.stderr
     assert "torch" in json.loads(out.stdout)
