@@ -130,3 +130,15 @@ def test_parity_gpu_large(dtype):
 def test_sum_is_rounded_like_pytorch_gpu(dtype):
     _need("triton", dtype, "cuda")
     _sum_is_pytorchs("triton", dtype, "cuda")
+
+
+def test_validation_runs_for_each_new_argument_class():
+    # Validation is memoized per argument class: a bad residual after good calls must still fail.
+    x, w = torch.randn(4, 8), torch.ones(8)
+    polykernel.fused_add_rms_norm(x, torch.randn(4, 8), w)
+    polykernel.fused_add_rms_norm(torch.randn(9, 8), torch.randn(9, 8), w)  # new shape, same decision
+    assert len(polykernel.registry.get_op("fused_add_rms_norm")._memo) == 1
+    with pytest.raises(polykernel.OpArgumentError, match="'residual'"):
+        polykernel.fused_add_rms_norm(x, torch.randn(4, 9), w)
+    with pytest.raises(polykernel.OpTypeError, match="'residual'"):
+        polykernel.fused_add_rms_norm(x, torch.randn(4, 8, dtype=torch.float64), w)

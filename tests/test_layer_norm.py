@@ -108,3 +108,12 @@ def test_bad_input_names_op_and_argument(args, kwargs, exc, words):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_parity_gpu_large(dtype):
     assert_parity("layer_norm", device="cuda", dtypes=[dtype], large=True)
+
+
+def test_validation_runs_for_each_new_argument_class():
+    x = torch.randn(4, 8)
+    polykernel.layer_norm(x, torch.ones(8), torch.zeros(8))
+    with pytest.raises(polykernel.OpArgumentError, match="'bias'"):
+        polykernel.layer_norm(x, torch.ones(8), torch.zeros(9))
+    with pytest.raises(polykernel.OpArgumentError, match="'eps'"):
+        polykernel.layer_norm(x, None, None, [1e-5])

@@ -95,3 +95,8 @@ def test_validation_is_not_skipped_for_a_new_invalid_class():
         polykernel.rms_norm(x, torch.ones(8), -1.0)
     with pytest.raises(OpArgumentError, match="'eps'"):  # the same bad class twice: still raises
         polykernel.rms_norm(x, torch.ones(8), -1.0)
+
+
+def test_unhashable_option_gets_a_named_error_not_a_bare_type_error():
+    with pytest.raises(OpArgumentError, match="'eps'"):
+        polykernel.rms_norm(torch.randn(4, 8), torch.ones(8), [1e-6])

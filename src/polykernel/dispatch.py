@@ -223,7 +223,7 @@ class Decision:
 def _call_guarded(decision: Decision, args: tuple[Any, ...]) -> Any:
     try:
         return decision.fn(*args)
-    except Exception as exc:
+    except Exception as exc:  # the next fallback's fault goes through the same policy
         return decision.on_fault(exc, args)
 
 
@@ -257,7 +257,7 @@ def _why_not(spec: KernelSpec, info: Any, platform: PlatformInfo, det: bool, cap
     if spec.predicate is not None:
         try:
             reason = spec.predicate(info)
-        except Exception as exc:
+        except Exception as exc:  # a broken predicate excludes its impl, visibly
             reason = f"predicate raised {type(exc).__name__}: {exc}"
         if reason:
             return reason
@@ -269,7 +269,7 @@ def _load(op: Op, verdict: Verdict) -> Any:
     spec = registry.specs_for(op)[verdict.name]
     try:
         return registry.load_impl(spec)
-    except Exception as exc:
+    except Exception as exc:  # any import failure: not runnable, with the reason in explain
         verdict.reason = f"import failed: {type(exc).__name__}: {exc}"
         return None
 

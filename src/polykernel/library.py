@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
-from . import dispatch, registry
-from .op import Op, _capturing
+from . import registry
+from .op import Op
 from .spec import KernelBackend
 
 __all__ = ["NAMESPACE", "CompiledOp", "build_errors", "custom_op_for"]
@@ -192,21 +192,11 @@ def _schema(params: Sequence[_Param], returns: Sequence[str], *, with_defaults: 
 
 
 def _select_and_run(op: Op, impl: str | None, args: Sequence[Any], names: Sequence[str] | None) -> Any:
-    """The dispatcher's eager path, as in :meth:`Op.call` minus its compile check (a real impl
-    can run while a compile is in progress, e.g. inductor constant folding; going through
-    ``Op.call`` then would re-enter the custom op). ``names``: pass the arguments to ``op.key``
-    by name (its signature is the public function's, with keyword-only options)."""
+    """The dispatcher's eager path (:meth:`Op.run`: ``Op.call`` minus its compile check, which
+    would re-enter the custom op while a compile is in progress). ``names``: pass the arguments
+    to ``op.key`` by name (its signature is the public function's, with keyword-only options)."""
     argkey = op.key(**dict(zip(names, args))) if names is not None else op.key(*args)
-    key = (argkey, impl, dispatch._scope.get(), torch.are_deterministic_algorithms_enabled(), _capturing(argkey[0]))
-    decision = op._memo.get(key)
-    if decision is None:
-        if getattr(op, "validate", None) is not None:  # Op.call validates once per argument class
-            op.validate(*args)
-        decision = dispatch.decide(op, key)
-    try:
-        return decision.fn(*args)
-    except Exception as exc:  # the runtime-fault policy re-raises what is not ours
-        return decision.on_fault(exc, tuple(args))
+    return op.run(impl, argkey, *args)
 
 
 def _key_names(op: Op, names: Sequence[str]) -> tuple[str, ...] | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -141,20 +141,47 @@ class Op:
     def call(self, impl: str | None, argkey: tuple[Any, ...] | None, *args: Any) -> Any:
         """Run the impl chosen for ``argkey`` on ``args`` (positional, in the impl's order)."""
         if argkey is None:  # the public function could not build the class: validate says why
-            self.validate(*args)  # type: ignore[misc]
-            raise AssertionError(f"{self.id}: arguments rejected without a reason")
+            self._reject(args)
         if _compiling():  # under torch.compile: the op's torch.library custom op (no graph break)
             return self.custom_op(impl, *args)
+        # The body of `run`, inlined: one more Python frame costs ~170 ns here, a sixth of the
+        # budget. Keep the two in step (tests/test_compile.py checks that both use one memo key).
         key = (argkey, impl, _scope.get(), _deterministic(), _capturing(argkey[0]))
-        decision = self._memo.get(key)
-        if decision is None:
-            if self.validate is not None:  # once per argument class (see the class docstring)
-                self.validate(*args)
-            decision = _dispatch.decide(self, key)
+        try:
+            decision = self._memo.get(key) or self._miss(key, args)
+        except TypeError as exc:  # an unhashable option (eps=[1e-6]): validate names it
+            self._reject(args, exc)
         try:
             return decision.fn(*args)
-        except Exception as exc:
+        except Exception as exc:  # handed to the fault policy, which re-raises what is not its own
             return decision.on_fault(exc, args)
+
+    def run(self, impl: str | None, argkey: tuple[Any, ...], *args: Any) -> Any:
+        """The eager path of :meth:`call` without its compile check: the custom op's real impl
+        runs this (a compile may be in progress around it, e.g. inductor constant folding)."""
+        key = (argkey, impl, _scope.get(), _deterministic(), _capturing(argkey[0]))
+        try:
+            decision = self._memo.get(key) or self._miss(key, args)
+        except TypeError as exc:  # an unhashable option (eps=[1e-6]): validate names it
+            self._reject(args, exc)
+        try:
+            return decision.fn(*args)
+        except Exception as exc:  # handed to the fault policy, which re-raises what is not its own
+            return decision.on_fault(exc, args)
+
+    def _miss(self, key: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
+        """First call for a key: validate once per argument class, then resolve and memoize."""
+        if self.validate is not None:
+            self.validate(*args)
+        return _dispatch.decide(self, key)
+
+    def _reject(self, args: tuple[Any, ...], exc: Exception | None = None) -> NoReturn:
+        """Raise validation's error for ``args``; else ``exc``, the error that brought us here."""
+        if self.validate is not None:
+            self.validate(*args)
+        if exc is not None:
+            raise exc
+        raise AssertionError(f"{self.id}: arguments rejected without a reason")
 
     def custom_op(self, impl: str | None, *args: Any) -> Any:
         """Call this op's ``torch.ops.polykernel.<name>`` custom op (built on first use)."""

@@ -158,7 +158,7 @@ def specs_for(op: str | Op) -> dict[str, KernelSpec]:
                 _importing.add(module)
                 try:
                     importlib.import_module(module)
-                except Exception as exc:
+                except Exception as exc:  # recorded and shown by explain, never raised here
                     last = traceback.format_exception_only(type(exc), exc)[-1].strip()
                     _import_errors.setdefault(the_op.id, {})[module] = last
                 finally:

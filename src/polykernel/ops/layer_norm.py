@@ -50,14 +50,29 @@ def validate(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
         raise check.OpArgumentError(OP_ID, "eps", f"expected a number >= 0, got {eps!r}")
 
 
-def _key(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, *_: object, **__: object) -> tuple:
+_grad_enabled = torch.is_grad_enabled
+
+
+def _param_class(p: torch.Tensor | None) -> tuple | None:
+    return None if p is None else (p.dtype, p.shape, p.device)
+
+
+def _key(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, eps: float = 1e-5) -> tuple:
+    """The argument class. It holds everything validity depends on, so `validate` runs once per
+    class (on the memo miss), not per call."""
+    needs_grad = (
+        x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)
+    ) and _grad_enabled()
     return (
         x.device,
         x.dtype,
-        check.needs_grad(x, weight, bias),
+        needs_grad,
         x.shape[-1],
         None if weight is None else weight.dtype,
         None if bias is None else bias.dtype,
+        _param_class(weight),
+        _param_class(bias),
+        eps,
     )
 
 
@@ -80,22 +95,11 @@ def layer_norm(
     torch.Size([4, 8])
     >>> y = polykernel.layer_norm(x, impl="torch")  # no affine parameters, forced impl
     """
-    validate(x, weight, bias, eps)
-    return _op.call(
-        impl,
-        (
-            x.device,
-            x.dtype,
-            check.needs_grad(x, weight, bias),
-            x.shape[-1],
-            None if weight is None else weight.dtype,
-            None if bias is None else bias.dtype,
-        ),
-        x,
-        weight,
-        bias,
-        eps,
-    )
+    try:
+        key = _key(x, weight, bias, eps)
+    except Exception:  # not tensors, 0-d x: validate() names the problem
+        key = None
+    return _op.call(impl, key, x, weight, bias, eps)
 
 
 # -- tolerances: measured errors of the impls against `reference`, with headroom ----------------
@@ -205,9 +209,10 @@ IMPLS = [
 
 _op = Op(
     OP_ID,
-    fields=("device", "dtype", "needs_grad", "n", "weight_dtype", "bias_dtype"),
+    fields=("device", "dtype", "needs_grad", "n", "weight_dtype", "bias_dtype", "weight", "bias", "eps"),
     key=_key,
-    default_key=lambda device, dtype: (device, dtype, False, None, dtype, dtype),
+    default_key=lambda device, dtype: (device, dtype, False, None, dtype, dtype, None, None, 1e-5),
+    validate=validate,
     reference=reference,
     tolerances=TOLERANCES,
     dtypes=(torch.float32, torch.bfloat16, torch.float16),
