@@ -65,7 +65,7 @@ def _parse_names(value: str | Sequence[str] | KernelBackend, where: str) -> tupl
     else:
         items = [str(v.value if isinstance(v, KernelBackend) else v).strip() for v in value]
     if not items:
-        raise ValueError(f"{where}: empty impl name")
+        raise ValueError(f"{where}: {value!r} is not an impl name (empty)")
     valid = [b.value for b in KernelBackend]
     for name in items:
         if name not in valid:

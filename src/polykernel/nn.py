@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import polykernel
+from polykernel.dispatch import _parse_names
 
 __all__ = [
     "GEGLU",
@@ -34,8 +35,6 @@ __all__ = [
     "SwiGLU",
 ]
 
-_REDUCTIONS = ("mean", "sum", "none")
-
 
 def _impl_repr(impl: str | None) -> str:
     return f", impl={impl!r}" if impl is not None else ""
@@ -43,14 +42,8 @@ def _impl_repr(impl: str | None) -> str:
 
 def _check_impl(cls: str, impl: str | None) -> str | None:
     """Fail at construction, not at the first call, on a name that is no impl at all."""
-    if impl is None:
-        return None
-    from .spec import KernelBackend
-
-    valid = [b.value for b in KernelBackend]
-    names = [n.strip() for n in str(impl).split(",")] if isinstance(impl, str) else None
-    if not names or any(n not in valid for n in names):
-        raise ValueError(f"{cls}: impl={impl!r} is not an impl name (or comma-separated list); impl names are: {', '.join(valid)}")
+    if impl is not None:
+        _parse_names(impl, f"{cls}(impl=)")
     return impl
 
 
@@ -334,12 +327,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def _check_loss_options(cls: str, ignore_index: int, label_smoothing: float, reduction: str) -> None:
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"{cls}: ignore_index must be an int, got {ignore_index!r}")
-    if not (isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing <= 1.0):
-        raise ValueError(f"{cls}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"{cls}: reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, got {reduction!r}")
+    """The loss ops' own option checks, at construction (errors name the module)."""
+    from .ops.cross_entropy import validate_options
+
+    validate_options(cls, ignore_index, label_smoothing, reduction)
 
 
 class CrossEntropyLoss(nn.Module):
