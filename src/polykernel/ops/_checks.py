@@ -46,4 +46,5 @@ def choice(op: str, name: str, value: Any, allowed: tuple[str, ...]) -> None:
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    # requires_grad first: inference inputs then skip the is_grad_enabled() call (hot path).
+    return any(t is not None and t.requires_grad for t in tensors) and torch.is_grad_enabled()
