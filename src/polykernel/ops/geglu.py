@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ..op import Case, Op, Tol, Tolerances
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
-from .swiglu import glu_cases, validate_glu
+from ._glu import bytes_moved, example, glu_cases, validate_glu
 
 OP_ID = "activation.geglu"
 APPROXIMATIONS = ("tanh", "none")
@@ -72,19 +72,6 @@ TOLERANCES = Tolerances(
         torch.float16: Tol(atol=5e-5, rtol=1.25e-3),
     },
 )
-
-
-def example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, requires_grad: bool = False) -> Case:
-    """Random gate and up of one shape (benchmarks, ``explain --shape``, the demo)."""
-    gate = torch.randn(shape, dtype=dtype, device=device, requires_grad=requires_grad)
-    up = torch.randn(shape, dtype=dtype, device=device, requires_grad=requires_grad)
-    return Case(f"{'x'.join(map(str, shape))}", (gate, up))
-
-
-def bytes_moved(gate: torch.Tensor, *_: object, backward: bool = False) -> int:
-    """Fewest bytes: forward reads gate, up and writes y (3·numel·size); the backward reads gate,
-    up, dy and writes dgate, dup, so forward+backward is 8·numel·size."""
-    return (8 if backward else 3) * gate.numel() * gate.element_size()
 
 
 def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -> list[Case]:
