@@ -41,6 +41,7 @@ _LAZY: dict[str, str] = {
     "explain": "dispatch:explain",
     "clear_caches": "dispatch:clear_caches",
     "decisions": "dispatch:decisions",
+    "sync_decisions": "tuning:sync_decisions",
     "list_ops": "registry:all_op_ids",
     # ops
     "rms_norm": "ops.rms_norm:rms_norm",

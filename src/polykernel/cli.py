@@ -1,9 +1,10 @@
-"""Command line: ``polykernel list | explain OP | check [OP] | bench [OP] | env | demo`` (also ``python -m polykernel``).
+"""Command line: ``polykernel list | explain OP | check [OP] | bench [OP] | tune OP... | env | demo`` (also ``python -m polykernel``).
 
 $ polykernel list                      # every op, its impls and their verdict here
 $ polykernel explain rms_norm --dtype bfloat16 --shape 4096x4096
 $ polykernel check rms_norm --json     # parity of every runnable impl with the reference
 $ polykernel env                       # versions, devices, settings
+$ polykernel tune rms_norm --shapes 4096x4096 --dtype bfloat16   # fill the tuning store ahead of time
 $ polykernel demo                      # the main job (see polykernel.demo)
 """
 
@@ -104,6 +105,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench.run_cli(args)
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from polykernel import tune_cmd
+
+    return tune_cmd.run_cli(args)
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     info: dict[str, Any] = {"python": sys.version.split()[0], "platform": _platform.platform()}
     import polykernel
@@ -185,6 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("bench", help="impls next to eager PyTorch, torch.compile and installed peers (CUDA)")
     _bench.add_arguments(s)
 
+    from polykernel import tune_cmd as _tune  # argparse only
+
+    s = sub.add_parser("tune", help="measure impls for given ops and shapes and store the choices (the tuning store)")
+    _tune.add_arguments(s)
+
     s = sub.add_parser("env", help="versions, devices and settings")
     s.add_argument("--json", action="store_true")
 
@@ -197,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "demo":
         return cmd_demo(argparse.Namespace(), argv[1:])
     args = build_parser().parse_args(argv)
-    handler = {"list": cmd_list, "explain": cmd_explain, "check": cmd_check, "bench": cmd_bench, "env": cmd_env}[args.command]
+    handler = {"list": cmd_list, "explain": cmd_explain, "check": cmd_check, "bench": cmd_bench, "tune": cmd_tune, "env": cmd_env}[
+        args.command
+    ]
     try:
         return handler(args)
     except Exception as exc:  # polykernel's own errors read well without a traceback

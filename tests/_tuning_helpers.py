@@ -1,0 +1,97 @@
+"""Helpers for the tuning tests: planted rms_norm impls with controllable speed and correctness,
+and the workers that run in spawned processes (they must be importable by name)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def plant(backend: str, rank: int, *, delay: float = 0.0, wrong: bool = False, fail: bool = False, wrong_grad: bool = False) -> list[int]:
+    """Register an rms_norm impl named ``backend``; returns the list its calls append to."""
+    import torch
+
+    import polykernel
+    from polykernel.ops.rms_norm import reference
+
+    calls: list[int] = []
+
+    class _WrongGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y):
+            return y.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 3
+
+    @polykernel.register_impl(op="rms_norm", backend=backend, rank=rank)
+    def impl(x, weight, eps, offset, casting):
+        calls.append(1)
+        if fail:
+            raise RuntimeError("planted failure")
+        if delay:
+            time.sleep(delay)
+        y = reference(x, weight, eps, offset, casting)
+        if wrong_grad:
+            return _WrongGrad.apply(y)
+        return y * 2 if wrong else y
+
+    return calls
+
+
+def only(*names: str) -> None:
+    """Keep only these rms_norm impls registered (inside ``polykernel.testing.isolated()``)."""
+    from polykernel import registry
+
+    specs = registry.specs_for("rms_norm")  # imports the declared locations first
+    table = registry._specs["norm.rms_norm"]
+    for name in list(specs):
+        if name not in names:
+            del table[name]
+    registry._changed()
+
+
+# -- spawned workers ----------------------------------------------------------------------------
+
+
+def store_worker(directory: str, worker: int, keys: int, rounds: int) -> None:
+    """Put overlapping keys into one store, one entry at a time (a fresh Store each round)."""
+    from pathlib import Path
+
+    from polykernel.tuning_store import Store
+
+    ident = {"schema": 1, "test": "concurrency"}
+    for r in range(rounds):
+        store = Store(Path(directory), ident)
+        k = (worker * 3 + r) % keys
+        store.put({f"key-{k}": {"eager": "torch", "graph": "torch", "times": {}}, f"only-{worker}-{r}": {"eager": "torch", "times": {}}})
+
+
+def sync_worker(rank: int, world: int, init_file: str, base: str, out: str) -> None:
+    """Rank r has its own store choosing a different impl; after sync every rank runs rank 0's."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["POLYKERNEL_CACHE_DIR"] = os.path.join(base, f"rank{rank}")
+    os.environ["POLYKERNEL_TUNE"] = "cached"
+    import torch
+    import torch.distributed as dist
+
+    import polykernel
+    from polykernel import registry, tuning, tuning_key
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        x, w = torch.randn(4, 32), torch.ones(32)
+        op = registry.get_op("rms_norm")
+        key = tuning_key.key(op, op.key(x, w), [x, w])
+        mine = "torch" if rank == 0 else "triton"
+        tuning.store().put({key: {"eager": mine, "graph": mine, "static": "triton", "times": {}}})
+        polykernel.clear_caches()
+        before = polykernel.explain("rms_norm", x, w).chosen
+        n = polykernel.sync_decisions()
+        polykernel.rms_norm(x, w)
+        after = polykernel.decisions("rms_norm")[-1]
+        with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+            f.write(f"{before} {after['impl']} {after['source']} {n}")
+    finally:
+        dist.destroy_process_group()
