@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..backends.quack import _gates as quack_gates
 from ..op import Case, Op, Tol, Tolerances
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
@@ -101,8 +102,11 @@ def validate(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, labe
     validate_target(OP_ID, target, logits.shape[:-1], logits.shape[-1], ignore_index, "logits", logits)
 
 
-def _key(logits: torch.Tensor, *_: object, **__: object) -> tuple:
-    return (logits.device, logits.dtype, check.needs_grad(logits), logits.shape[-1])
+def _key(logits: torch.Tensor, *args: object, label_smoothing: object = 0.0, **__: object) -> tuple:
+    if len(args) >= 3:  # the impl's positional order: (logits, target, ignore_index, label_smoothing, ...)
+        label_smoothing = args[2]
+    # label_smoothing is in the class because an impl's eligibility depends on it (QuACK has none)
+    return (logits.device, logits.dtype, check.needs_grad(logits), logits.shape[-1], label_smoothing)
 
 
 _op: Op  # defined below, after the public function it serves
@@ -129,7 +133,7 @@ def cross_entropy(
     validate(logits, target, ignore_index, label_smoothing, reduction)
     return _op.call(
         impl,
-        (logits.device, logits.dtype, check.needs_grad(logits), logits.shape[-1]),
+        (logits.device, logits.dtype, check.needs_grad(logits), logits.shape[-1], label_smoothing),
         logits,
         target,
         ignore_index,
@@ -222,6 +226,9 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
 
 _TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
 
+# Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
+# predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
+# lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
 IMPLS = [
     KernelSpec(
         OP_ID,
@@ -240,13 +247,37 @@ IMPLS = [
         rank=10,
         description="one program per row, online softmax over V in chunks; backward re-reads the logits with the saved LSE",
     ),
+    # QuACK: 1.67 ms vs our 1.61 ms fwd+bwd at 8192x128256; Liger 2.34 ms and a host sync per call
+    # (not CUDA-graph safe). Both behind Triton.
+    KernelSpec(
+        OP_ID,
+        "quack",
+        "polykernel.backends.quack.cross_entropy:cross_entropy",
+        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=90)}),
+        requires_modules=("quack", "cutlass"),
+        format_signature=_TRITON_DTYPES,
+        rank=20,
+        description="QuACK cross_entropy (CuTeDSL); no label smoothing",
+        predicate=quack_gates.cross_entropy,
+    ),
+    KernelSpec(
+        OP_ID,
+        "liger",
+        "polykernel.backends.liger.cross_entropy:cross_entropy",
+        capabilities=frozenset({CapabilityRequirement.CUDA}),
+        requires_modules=("liger_kernel", "triton"),
+        format_signature=_TRITON_DTYPES,
+        rank=30,
+        cuda_graph_safe=False,
+        description="Liger's CE kernel with an fp32 loss and a private gradient buffer (the logits stay unwritten); host sync per call",
+    ),
 ]
 
 _op = Op(
     OP_ID,
-    fields=("device", "dtype", "needs_grad", "n_classes"),
+    fields=("device", "dtype", "needs_grad", "n_classes", "label_smoothing"),
     key=_key,
-    default_key=lambda device, dtype: (device, dtype, False, None),
+    default_key=lambda device, dtype: (device, dtype, False, None, 0.0),
     reference=reference,
     tolerances=TOLERANCES,
     dtypes=(torch.float32, torch.bfloat16, torch.float16),

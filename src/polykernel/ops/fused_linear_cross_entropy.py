@@ -217,6 +217,9 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
 
 _TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
 
+# Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
+# predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
+# lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
 IMPLS = [
     KernelSpec(
         OP_ID,
@@ -234,6 +237,21 @@ IMPLS = [
         format_signature=_TRITON_DTYPES,
         rank=10,
         description="row chunks: torch matmul + the Triton cross-entropy kernel (loss and dlogits in one launch, in place)",
+    ),
+    # Liger: 54.9 ms vs our 39.6 ms per call fwd+bwd (N=8192 H=4096 V=128256), 63 MiB vs 251 MiB
+    # extra memory; a host sync per call (not CUDA-graph safe). Behind Triton.
+    # QuACK's chunked linear cross-entropy (quack.linear_cross_entropy) is not registered: on the
+    # H200 stack it fails with a CuTeDSL epilogue ContextVar error.
+    KernelSpec(
+        OP_ID,
+        "liger",
+        "polykernel.backends.liger.fused_linear_cross_entropy:fused_linear_cross_entropy",
+        capabilities=frozenset({CapabilityRequirement.CUDA}),
+        requires_modules=("liger_kernel", "triton"),
+        format_signature=_TRITON_DTYPES,
+        rank=30,
+        cuda_graph_safe=False,
+        description="Liger LigerFusedLinearCrossEntropyFunction (grads in the forward, fp32 dW accumulation); host sync per call",
     ),
 ]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..backends.liger import _gates as liger_gates
 from ..op import Case, Op, Tol, Tolerances
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
@@ -30,8 +31,9 @@ def validate(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> None:
     check.choice(OP_ID, "approximate", approximate, APPROXIMATIONS)
 
 
-def _key(gate: torch.Tensor, up: torch.Tensor, *_: object, **__: object) -> tuple:
-    return (gate.device, gate.dtype, check.needs_grad(gate, up))
+def _key(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *_: object, **__: object) -> tuple:
+    # approximate is in the class because an impl's eligibility depends on it (Liger: tanh only)
+    return (gate.device, gate.dtype, check.needs_grad(gate, up), approximate)
 
 
 _op: Op  # defined below, after the public function it serves
@@ -47,7 +49,7 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *, im
     >>> y = polykernel.geglu(gate, up, "none", impl="torch")  # exact erf GELU, forced impl
     """
     validate(gate, up, approximate)
-    return _op.call(impl, (gate.device, gate.dtype, check.needs_grad(gate, up)), gate, up, approximate)
+    return _op.call(impl, (gate.device, gate.dtype, check.needs_grad(gate, up), approximate), gate, up, approximate)
 
 
 # -- tolerances: measured errors of the impls against `reference`, with headroom ----------------
@@ -83,6 +85,9 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
 
 _TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
 
+# Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
+# predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
+# lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
 IMPLS = [
     KernelSpec(
         OP_ID,
@@ -101,13 +106,26 @@ IMPLS = [
         rank=10,
         description="one elementwise pass each way (flat or row-strided, 16-byte accesses); backward recomputes gelu",
     ),
+    # Liger: fwd 2.62 vs our 4.31, fwd+bwd 3.21 vs 4.32 at 16384x14336: behind Triton. It refuses
+    # N > 65536 at run time (the argument class has no N for a predicate).
+    KernelSpec(
+        OP_ID,
+        "liger",
+        "polykernel.backends.liger.geglu:geglu",
+        capabilities=frozenset({CapabilityRequirement.CUDA}),
+        requires_modules=("liger_kernel", "triton"),
+        format_signature=_TRITON_DTYPES,
+        rank=30,
+        description="Liger LigerGELUMulFunction (tanh only); gate/up copied when grad is on",
+        predicate=liger_gates.geglu,
+    ),
 ]
 
 _op = Op(
     OP_ID,
-    fields=("device", "dtype", "needs_grad"),
+    fields=("device", "dtype", "needs_grad", "approximate"),
     key=_key,
-    default_key=lambda device, dtype: (device, dtype, False),
+    default_key=lambda device, dtype: (device, dtype, False, "tanh"),
     reference=reference,
     tolerances=TOLERANCES,
     dtypes=(torch.float32, torch.bfloat16, torch.float16),

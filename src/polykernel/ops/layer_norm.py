@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.liger import _gates as liger_gates
 from ..op import Case, Op, Tol, Tolerances
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
@@ -187,6 +188,9 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
 
 _TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
 
+# Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
+# predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
+# lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
 IMPLS = [
     KernelSpec(
         OP_ID,
@@ -204,6 +208,19 @@ IMPLS = [
         format_signature=_TRITON_DTYPES,
         rank=10,
         description="one row per program (chunked for long rows); dW/dB from per-program partials (deterministic)",
+    ),
+    # Liger: fwd 3.58 vs our 3.65, fwd+bwd 2.42 vs 3.07 at 16384x4096: behind Triton. (QuACK's
+    # LayerNorm has no autograd wrapper and takes fp32 weight and bias only: not adapted.)
+    KernelSpec(
+        OP_ID,
+        "liger",
+        "polykernel.backends.liger.layer_norm:layer_norm",
+        capabilities=frozenset({CapabilityRequirement.CUDA}),
+        requires_modules=("liger_kernel", "triton"),
+        format_signature=_TRITON_DTYPES,
+        rank=30,
+        description="Liger LigerLayerNormFunction; weight and bias required; N <= 65536",
+        predicate=liger_gates.layer_norm,
     ),
 ]
 

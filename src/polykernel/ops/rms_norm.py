@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.liger import _gates as liger_gates
+from ..backends.quack import _gates as quack_gates
 from ..op import Case, Op, Tol, Tolerances
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
@@ -156,6 +158,9 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
 
 _TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
 
+# Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
+# predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
+# lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
 IMPLS = [
     KernelSpec(
         OP_ID,
@@ -173,6 +178,34 @@ IMPLS = [
         format_signature=_TRITON_DTYPES,
         rank=10,
         description="one row per program (chunked for long rows); dW from per-program partials (deterministic)",
+    ),
+    # QuACK: fwd 3.77 vs our 3.75 at 16384x4096, 3.78 vs 3.64 at 4096x16384, 3.97 vs 2.64 at
+    # 2048x65536, 3.98 vs 2.58 at 512x262144; fwd+bwd 3.49 vs 3.39, 2.85 vs 3.30, 2.67 vs 2.51,
+    # 1.90 vs 2.23. Faster in 6 of the 8 measured cells (all forwards): ranked ahead of Triton
+    # (a static rank cannot follow N and needs_grad; measured selection will).
+    KernelSpec(
+        OP_ID,
+        "quack",
+        "polykernel.backends.quack.rms_norm:rms_norm",
+        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=90)}),
+        requires_modules=("quack", "cutlass"),
+        format_signature=_TRITON_DTYPES,
+        rank=5,
+        description="QuACK rmsnorm (CuTeDSL, cluster reductions); casting='fp32' only; one compile per N",
+        predicate=quack_gates.rms_norm,
+    ),
+    # Liger: fwd 3.86 vs our 3.75 at 16384x4096 but fwd+bwd 2.30 vs 3.38; 0.62 vs 2.51 fwd+bwd
+    # at 2048x65536; refuses N > 65536. Behind Triton.
+    KernelSpec(
+        OP_ID,
+        "liger",
+        "polykernel.backends.liger.rms_norm:rms_norm",
+        capabilities=frozenset({CapabilityRequirement.CUDA}),
+        requires_modules=("liger_kernel", "triton"),
+        format_signature=_TRITON_DTYPES,
+        rank=30,
+        description="Liger LigerRMSNormFunction (gemma/llama casting, in_place=False); N <= 65536",
+        predicate=liger_gates.rms_norm,
     ),
 ]
 

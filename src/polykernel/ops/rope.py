@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..backends.liger import _gates as liger_gates
 from ..op import Case, Op, Tol, Tolerances
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
@@ -237,6 +238,9 @@ def _triton_predicate(info: Any) -> str | None:
 
 _TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
 
+# Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
+# predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
+# lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
 IMPLS = [
     KernelSpec(
         OP_ID,
@@ -256,6 +260,19 @@ IMPLS = [
         description="a tile of positions per program, all q and k heads, cos/sin loaded once; strided (no copies); "
         "backward is the same kernel rotating by -sin",
         predicate=_triton_predicate,
+    ),
+    # Liger: fwd 1.08 vs our 3.31, fwd+bwd 1.69 vs 3.37 (q 4x32x4096x128, k 8 heads): behind
+    # Triton. (QuACK's rotary takes another layout, [B, T, H, D] with half-width cos/sin: not adapted.)
+    KernelSpec(
+        OP_ID,
+        "liger",
+        "polykernel.backends.liger.rope:rope",
+        capabilities=frozenset({CapabilityRequirement.CUDA}),
+        requires_modules=("liger_kernel", "triton"),
+        format_signature=_TRITON_DTYPES,
+        rank=30,
+        description="Liger rope_forward/rope_backward (in cos/sin's dtype); no cos/sin gradient; q/k copied where Liger would rotate them in place",
+        predicate=liger_gates.rope,
     ),
 ]
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.liger import _gates as liger_gates
+from ..backends.quack import _gates as quack_gates
 from ..op import Case, Op, Tol, Tolerances
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
@@ -131,6 +133,9 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
 
 _TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
 
+# Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
+# predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
+# lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
 IMPLS = [
     KernelSpec(
         OP_ID,
@@ -148,6 +153,31 @@ IMPLS = [
         format_signature=_TRITON_DTYPES,
         rank=10,
         description="one block per row up to 32K (one read, one write), online chunked beyond (rows split when few); backward recomputes fp32 y from x",
+    ),
+    # QuACK: fwd 4.09 vs our 3.22, fwd+bwd 3.97 vs 3.55 at 8192x32768: ahead of Triton where its
+    # predicate holds (N a multiple of 16 bytes). Liger: fwd 3.22 (a tie), fwd+bwd 3.81 vs 3.55,
+    # refuses N > 65536: behind Triton (only one shape measured).
+    KernelSpec(
+        OP_ID,
+        "quack",
+        "polykernel.backends.quack.softmax:softmax",
+        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=90)}),
+        requires_modules=("quack", "cutlass"),
+        format_signature=_TRITON_DTYPES,
+        rank=5,
+        description="QuACK softmax (CuTeDSL, online, cluster reductions); N a multiple of 16 bytes; one compile per N",
+        predicate=quack_gates.softmax,
+    ),
+    KernelSpec(
+        OP_ID,
+        "liger",
+        "polykernel.backends.liger.softmax:softmax",
+        capabilities=frozenset({CapabilityRequirement.CUDA}),
+        requires_modules=("liger_kernel", "triton"),
+        format_signature=_TRITON_DTYPES,
+        rank=30,
+        description="Liger LigerSoftmaxFunction; N <= 65536; backward from the saved y",
+        predicate=liger_gates.softmax,
     ),
 ]
 

@@ -75,6 +75,9 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
 
 _TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
 
+# Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
+# predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
+# lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
 IMPLS = [
     KernelSpec(
         OP_ID,
@@ -92,6 +95,18 @@ IMPLS = [
         format_signature=_TRITON_DTYPES,
         rank=10,
         description="one elementwise pass each way (flat or row-strided, 16-byte accesses); backward recomputes silu",
+    ),
+    # Liger: fwd 4.28 vs our 4.26, fwd+bwd 4.25 vs 4.29 at 16384x14336 (copy speed, a tie): behind
+    # Triton. It refuses N > 65536 at run time (the argument class has no N for a predicate).
+    KernelSpec(
+        OP_ID,
+        "liger",
+        "polykernel.backends.liger.swiglu:swiglu",
+        capabilities=frozenset({CapabilityRequirement.CUDA}),
+        requires_modules=("liger_kernel", "triton"),
+        format_signature=_TRITON_DTYPES,
+        rank=30,
+        description="Liger LigerSiLUMulFunction (silu(gate) rounded to up's dtype before the multiply); gate/up copied when grad is on",
     ),
 ]
 

@@ -1,0 +1,45 @@
+"""Per-call predicates of the Liger impls (torch-free: they read the op's argument class)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# liger_kernel.ops.utils.calculate_settings: one block holds a whole row, next_power_of_2(n) <= 65536.
+MAX_N = 65536
+
+
+def _row(a: Any) -> str | None:
+    n = a.n
+    if n is not None and n > MAX_N:
+        return f"Liger refuses N > {MAX_N} (one block per row); N = {n}"
+    return None
+
+
+def rms_norm(a: Any) -> str | None:
+    return _row(a)
+
+
+def fused_add_rms_norm(a: Any) -> str | None:
+    return _row(a)
+
+
+def layer_norm(a: Any) -> str | None:
+    if a.weight is None or a.bias is None:
+        return "Liger's LayerNorm needs both weight and bias"
+    return _row(a)
+
+
+def geglu(a: Any) -> str | None:
+    if a.approximate != "tanh":
+        return "Liger's GeGLU is the tanh approximation only"
+    return None
+
+
+def rope(a: Any) -> str | None:
+    if a.rot_grad:
+        return "Liger's RoPE gives no gradient for cos/sin"
+    return None
+
+
+def softmax(a: Any) -> str | None:
+    return _row(a)  # liger_kernel/ops/softmax.py calls calculate_settings(n) before its multi-block path

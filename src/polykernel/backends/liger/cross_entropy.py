@@ -1,0 +1,104 @@
+"""Liger-Kernel cross-entropy on ``loss.cross_entropy``'s signature.
+
+Liger's ``LigerCrossEntropyFunction`` breaks two points of the contract: it rounds the per-row
+losses to the logits' dtype (a bf16 loss), and it writes the gradient into the logits. So this
+adapter launches Liger's own kernel (``liger_cross_entropy_kernel``, the whole of Liger's
+computation) with an fp32 loss buffer and a private copy of the logits to hold the gradient,
+the copy made only when a gradient is needed (without one, Liger's kernel writes nothing).
+Like Liger, it syncs with the host once per call (the count of non-ignored targets): not
+capturable in a CUDA graph. A "mean" over no target is NaN, as in PyTorch (Liger's is 0).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from liger_kernel.ops.cross_entropy import MAX_FUSED_SIZE, liger_cross_entropy_kernel
+
+from ..torch.cross_entropy import cross_entropy as _torch_cross_entropy
+from ..torch.cross_entropy import scale_grads_
+
+
+def _num_warps(x: torch.Tensor) -> int:
+    # liger_kernel/ops/cross_entropy.py: 8 for 16-bit logits on Blackwell, else 32 (CUDA)
+    try:
+        from liger_kernel.utils import infer_device_arch
+
+        blackwell = infer_device_arch().startswith("blackwell")
+    except Exception:
+        blackwell = False
+    return 8 if (x.element_size() == 2 and blackwell) else 32
+
+
+def loss_rows(x: torch.Tensor, t: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str, grad: bool):
+    """Per-row fp32 losses (divided by the count for "mean") and, when ``grad``, dloss/dx in a
+    new tensor (the gradient of the reduced loss w.r.t. x for an upstream gradient of 1)."""
+    rows, v = x.shape
+    work = x.clone(memory_format=torch.contiguous_format) if grad else (x if x.stride(-1) == 1 else x.contiguous())
+    t = t.contiguous()
+    count = int((t != ignore_index).sum().item())
+    loss = torch.zeros(rows, dtype=torch.float32, device=x.device)
+    liger_cross_entropy_kernel[(rows,)](
+        X_ptr=work,
+        X_stride=work.stride(-2),
+        Y_ptr=t,
+        Y_stride=t.stride(-1),
+        weight_ptr=None,
+        loss_ptr=loss,
+        z_loss_ptr=None,
+        loss_stride=loss.stride(-1),
+        token_accuracy_ptr=None,
+        token_accuracy_stride=0,
+        predicted_tokens_ptr=None,
+        predicted_tokens_stride=0,
+        n_cols=v,
+        n_non_ignore=count,
+        sum_non_ignore_weight=count,
+        weight_sum=0.0,
+        ignore_index=ignore_index,
+        lse_square_scale=0.0,
+        label_smoothing=label_smoothing,
+        reduction=reduction,
+        softcap=None,
+        RETURN_Z_LOSS=False,
+        RETURN_TOKEN_ACCURACY=False,
+        RETURN_PREDICTED_TOKENS=False,
+        BLOCK_SIZE=min(MAX_FUSED_SIZE, triton.next_power_of_2(v)),
+        HAS_WEIGHT=False,
+        HAS_SOFTCAPPING=False,
+        HAS_GRADIENTS=grad,
+        num_warps=_num_warps(x),
+    )
+    return loss, (work if grad else None), count
+
+
+class _LigerCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, label_smoothing, reduction):  # type: ignore[override]
+        v = logits.shape[-1]
+        grad = ctx.needs_input_grad[0]
+        loss, dx, count = loss_rows(logits.reshape(-1, v), target.reshape(-1), ignore_index, label_smoothing, reduction, grad)
+        ctx.save_for_backward(dx)
+        ctx.shape, ctx.reduction = logits.shape, reduction
+        if reduction == "none":
+            return loss.view(target.shape)
+        out = loss.sum()
+        if reduction == "mean" and count == 0:
+            out = out + float("nan")  # PyTorch: a mean over no target is NaN (the gradient stays 0)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        (dx,) = ctx.saved_tensors
+        # dx is ours (a private copy): scale it in place, with the fp32 upstream gradient
+        if ctx.reduction == "none":
+            dx.mul_(g.reshape(-1, 1))
+        else:
+            scale_grads_(g, dx)
+        return dx.view(ctx.shape), None, None, None, None
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str) -> torch.Tensor:
+    if logits.numel() == 0:
+        return _torch_cross_entropy(logits, target, ignore_index, label_smoothing, reduction)
+    return _LigerCrossEntropy.apply(logits, target, ignore_index, float(label_smoothing), reduction)

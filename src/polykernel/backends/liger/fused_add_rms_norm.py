@@ -1,0 +1,19 @@
+"""Liger-Kernel fused add + RMSNorm (``LigerFusedAddRMSNormFunction``, "gemma" casting = our
+fp32 math) on ``norm.fused_add_rms_norm``'s signature. s = x + residual is rounded to x's dtype
+and normalized from that rounded value, as the op's contract has it."""
+
+from __future__ import annotations
+
+import torch
+from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+
+from ..torch.fused_add_rms_norm import fused_add_rms_norm as _torch_impl
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.numel() == 0:
+        return _torch_impl(x, residual, weight, eps, offset)
+    y, s = LigerFusedAddRMSNormFunction.apply(x, residual, weight, eps, offset, "gemma", False)
+    return y, s

@@ -1,0 +1,18 @@
+"""Liger-Kernel GeGLU (``LigerGELUMulFunction``, tanh GELU only) on ``activation.geglu``'s
+signature. Like its SwiGLU, Liger rounds gelu(gate) to up's dtype before the multiply."""
+
+from __future__ import annotations
+
+import torch
+from liger_kernel.ops.geglu import LigerGELUMulFunction
+
+from ..torch.geglu import geglu as _torch_geglu
+from ._glu import private
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> torch.Tensor:
+    if gate.numel() == 0 or approximate != "tanh":
+        return _torch_geglu(gate, up, approximate)
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        gate, up = private(gate), private(up)
+    return LigerGELUMulFunction.apply(gate, up)

@@ -1,0 +1,15 @@
+"""Liger-Kernel LayerNorm (``LigerLayerNormFunction``) on ``norm.layer_norm``'s signature
+(weight and bias both given: the predicate excludes the other cases)."""
+
+from __future__ import annotations
+
+import torch
+from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+
+from ..torch.layer_norm import layer_norm as _torch_layer_norm
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    if x.numel() == 0 or weight is None or bias is None:
+        return _torch_layer_norm(x, weight, bias, eps)
+    return LigerLayerNormFunction.apply(x, weight, bias, eps)

@@ -1,0 +1,21 @@
+"""Liger-Kernel RMSNorm (``LigerRMSNormFunction``) on ``norm.rms_norm``'s signature.
+
+casting="fp32" is Liger's "gemma" mode (x, w in fp32, one cast at the end); "llama" is Liger's
+"llama" (x̂ cast to x.dtype before the weight multiply). ``offset`` is Liger's offset.
+``in_place=False``: Liger's default writes dX into the incoming gradient dY.
+"""
+
+from __future__ import annotations
+
+import torch
+from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+from ..torch.rms_norm import rms_norm as _torch_rms_norm
+
+_MODES = {"fp32": "gemma", "llama": "llama"}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str) -> torch.Tensor:
+    if x.numel() == 0:  # Liger's x.view(-1, 0) fails on empty rows
+        return _torch_rms_norm(x, weight, eps, offset, casting)
+    return LigerRMSNormFunction.apply(x, weight, eps, offset, _MODES[casting], False)

@@ -1,0 +1,21 @@
+"""Liger-Kernel SwiGLU (``LigerSiLUMulFunction``) on ``activation.swiglu``'s signature.
+
+Liger rounds silu(gate) to up's dtype before the multiply (Hugging Face's order): in bf16/fp16
+that is one more rounding than the contract's single fp32 expression (within ~1 ulp).
+"""
+
+from __future__ import annotations
+
+import torch
+from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+from ..torch.swiglu import swiglu as _torch_swiglu
+from ._glu import private
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if gate.numel() == 0:
+        return _torch_swiglu(gate, up)
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        gate, up = private(gate), private(up)
+    return LigerSiLUMulFunction.apply(gate, up)
