@@ -29,8 +29,9 @@ test: setup  ## the CPU suite (Triton kernels through TRITON_INTERPRET=1)
 test-gpu:  ## on a CUDA machine with torch and triton installed
 	PYTHONPATH=src $(PYTHON) -m pytest -q -m "gpu or gpu2" tests
 
-lint: setup
+lint: setup  ## style, formatting, and the core's one-way import layers ([tool.importlinter] in pyproject.toml)
 	$(BIN)/ruff check src tests benchmarks && $(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/lint-imports
 
 bench:  ## on a CUDA machine: polykernel next to eager, torch.compile and installed peers
 	PYTHONPATH=src $(PYTHON) -m polykernel bench $(ARGS)

@@ -12,7 +12,7 @@ import torch
 
 import polykernel
 from polykernel import dispatch, registry, tuning
-from polykernel.errors import ImplNotAvailableError, UnknownOpError
+from polykernel.errors import ImplNotAvailableError, UnknownImplError, UnknownOpError
 from polykernel.ops.rms_norm import reference
 from polykernel.spec import CapabilityRequirement, FormatSignature, KernelSpec
 
@@ -139,8 +139,58 @@ def test_impl_argument_strict_errors():
     assert "torch" in err.runnable and "would run here: " in str(err)
     with pytest.raises(ImplNotAvailableError, match="no 'cute_dsl' impl is registered"):
         run(impl="cute_dsl")
+    for typo in ("cuda", "tritonn", "Torch"):  # not an impl of the op: the op's impls are listed
+        with pytest.raises(ImplNotAvailableError, match=f"no '{typo}' impl is registered for this op; its impls are: ") as info:
+            run(impl=typo)
+        assert isinstance(info.value, UnknownImplError) and isinstance(info.value, ValueError)
+        assert {"torch", "triton", "quack"} <= set(info.value.valid)
+        assert "rms_norm(impl=)" in str(info.value)
+
+
+@pytest.mark.parametrize("bad", ["", " ", ",,,", "x" * 100_000, "triton,tritonn", 123, 1.5, ("triton", 5), ["torch", None]])
+def test_hostile_impl_values_are_clear_errors(bad):
+    with pytest.raises(UnknownImplError) as info:
+        run(impl=bad)
+    text = str(info.value)
+    assert text.startswith("norm.rms_norm: impl ") and "its impls are: " in text and len(text) < 600
+
+
+@pytest.mark.parametrize("bad", ["tritonn", ",,,", "x" * 100_000, "cute_dsl"])
+def test_scoped_and_set_impl_for_an_op_list_the_valid_names(bad):
+    with pytest.raises(UnknownImplError, match="its impls are: ") as info:
+        with polykernel.use_impl(bad, op="rms_norm"):
+            pass
+    assert len(str(info.value)) < 600 and "use_impl" in str(info.value)
+    with pytest.raises(UnknownImplError, match="its impls are: ") as info:
+        polykernel.set_impl(bad, op="rms_norm")
+    assert len(str(info.value)) < 600 and "set_impl" in str(info.value)
+    assert dispatch.get_impl_settings() == {}
+
+
+@pytest.mark.parametrize("bad", ["tritonn", ",,,", "x" * 100_000])
+def test_env_per_op_unknown_impl_lists_the_valid_names(monkeypatch, bad):
+    monkeypatch.setenv("POLYKERNEL_IMPL_RMS_NORM", bad)
+    polykernel.clear_caches()
+    with pytest.raises(UnknownImplError, match=r"POLYKERNEL_IMPL_RMS_NORM: no .* impl is registered for this op; its impls are: ") as info:
+        run()
+    assert len(str(info.value)) < 600
+
+
+@pytest.mark.parametrize("bad", ["fastest", ",,,", "x" * 100_000, "triton,,fast"])
+def test_global_names_not_a_backend_are_errors_naming_the_variable(monkeypatch, bad):
+    with pytest.raises(ValueError, match=r"set_impl: .* is not an impl name") as info:
+        polykernel.set_impl(bad)
+    assert len(str(info.value)) < 600
+    with pytest.raises(ValueError, match=r"use_impl: .* is not an impl name"):
+        with polykernel.use_impl(bad):
+            pass
+    monkeypatch.setenv("POLYKERNEL_IMPL", bad)
+    polykernel.clear_caches()
+    with pytest.raises(ValueError, match=r"POLYKERNEL_IMPL: .* is not an impl name") as info:
+        run()
+    assert len(str(info.value)) < 600
     with pytest.raises(ValueError, match="not an impl name"):
-        run(impl="cuda")
+        polykernel.set_impl(12)
 
 
 def test_missing_module_reason():
@@ -175,9 +225,10 @@ def test_scope_for_op_is_strict_and_nested_innermost_wins():
 
 
 def test_scope_for_op_unknown_impl_raises_at_entry():
-    with pytest.raises(ImplNotAvailableError):
-        with polykernel.use_impl("cute_dsl", op="rms_norm"):
-            pass
+    for name in ("cute_dsl", "tritonn"):  # an impl the op lacks, a typo
+        with pytest.raises(ImplNotAvailableError, match="its impls are: "):
+            with polykernel.use_impl(name, op="rms_norm"):
+                pass
 
 
 def test_scope_without_op_is_a_preference_that_skips(caplog):
@@ -285,6 +336,8 @@ def test_set_impl_validates_names():
         polykernel.set_impl("fast")
     with pytest.raises(ImplNotAvailableError):
         polykernel.set_impl("cute_dsl", op="rms_norm")  # an impl rms_norm lacks (quack is registered now)
+    with pytest.raises(ImplNotAvailableError, match="its impls are: "):
+        polykernel.set_impl("tritonn", op="rms_norm")
     with pytest.raises(UnknownOpError, match="known ops"):
         polykernel.set_impl("torch", op="rms_nrom")
 
@@ -374,7 +427,7 @@ def test_decisions_are_memoized(monkeypatch):
     fake("liger", 1)
     resolved = []
     real = dispatch._resolve
-    monkeypatch.setattr(dispatch, "_resolve", lambda op, key: resolved.append(key) or real(op, key))
+    monkeypatch.setattr(dispatch, "_resolve", lambda op, key, *a, **k: resolved.append(key) or real(op, key, *a, **k))
     x, w = args()
     for _ in range(5):
         polykernel.rms_norm(x, w)
@@ -484,6 +537,49 @@ def test_decisions_lists_what_ran_and_why():
     assert ("quack", "needs a CUDA device") in rec["skipped"]
     polykernel.clear_caches()
     assert polykernel.decisions("rms_norm") == []
+
+
+def test_decisions_survive_another_ops_registration():
+    # Registering impls of one op drops only that op's memo; decisions() lists every op's.
+    run()
+    x = torch.randn(3, 8)
+    polykernel.swiglu(x, x)
+    polykernel.register_impl(op="swiglu", backend="cuda_jit", rank=200, capabilities=frozenset({CapabilityRequirement.CPU}))(
+        lambda gate, up: gate
+    )
+    rms_norm, swiglu = registry.get_op("rms_norm"), registry.get_op("swiglu")
+    assert rms_norm._memo and not swiglu._memo
+    assert [d["op"] for d in polykernel.decisions()] == ["activation.swiglu", "norm.rms_norm"]
+    polykernel.set_impl("torch")  # drops every memo; the record of what ran stays
+    assert [d["op"] for d in polykernel.decisions()] == ["activation.swiglu", "norm.rms_norm"]
+    run()
+    assert [(d["op"], d["source"]) for d in polykernel.decisions()] == [("activation.swiglu", "auto"), ("norm.rms_norm", "global")]
+    polykernel.clear_caches()
+    assert polykernel.decisions() == []
+
+
+def test_decisions_record_a_fallback():
+    fake("liger", 1, fail=True)
+    with pytest.warns(RuntimeWarning):
+        run()
+    (rec,) = polykernel.decisions("rms_norm")
+    assert (rec["impl"], rec["source"]) == ("torch", "fallback")
+
+
+def test_first_use_of_another_op_keeps_earlier_decisions():
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, polykernel\n"
+        "x = torch.randn(2, 8)\n"
+        "polykernel.rms_norm(x, torch.ones(8))\n"
+        "polykernel.swiglu(x, x)\n"
+        "print(sorted(d['op'] for d in polykernel.decisions()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['activation.swiglu', 'norm.rms_norm']"
 
 
 def test_fault_in_the_last_runnable_impl_raises_the_original_error_and_does_not_stick(monkeypatch):

@@ -386,7 +386,7 @@ def ran(monkeypatch):
         fn = real(spec)
 
         def spy(*args, **kwargs):
-            calls.append((spec.op, spec.name))
+            calls.append((spec.op, spec.impl))
             return fn(*args, **kwargs)
 
         return spy

@@ -26,7 +26,8 @@ def test_import_without_torch():
         "import sys; sys.modules['torch'] = None\n"
         "import polykernel, polykernel.spec as s\n"
         "p = s.PlatformInfo.detect(); assert p.device_type == 'cpu', p\n"
-        "assert s.KernelSpec('norm.rms_norm', 'triton', 'a.b:c').name == 'triton'\n"
+        "k = s.KernelSpec('norm.rms_norm', 'triton', 'a.b:c')\n"
+        "assert (k.group, k.name, k.impl, k.accepts_subclasses) == ('norm', 'rms_norm', 'triton', False)\n"
         "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None and m == 'torch']\n"
         "print('ok')\n"
     )
@@ -119,7 +120,18 @@ def test_format_signature():
 
 def test_kernel_spec_fields_and_load():
     spec = KernelSpec("norm.rms_norm", "torch", "os.path:join")
-    assert (spec.group, spec.name, spec.rank, spec.deterministic, spec.cuda_graph_safe) == ("norm", "torch", 100, True, True)
+    assert (spec.group, spec.name, spec.impl, spec.rank, spec.deterministic, spec.cuda_graph_safe) == (
+        "norm",
+        "rms_norm",
+        "torch",
+        100,
+        True,
+        True,
+    )
+    assert spec.accepts_subclasses  # the torch backend goes through torch's own dispatch
+    assert not KernelSpec("norm.rms_norm", "triton", "os.path:join").accepts_subclasses
+    assert KernelSpec("norm.rms_norm", "triton", "os.path:join", accepts_subclasses=True).accepts_subclasses
+    assert KernelSpec("rms_norm", "triton", "os.path:join").group == ""  # a bare op name has no group
     import os.path
 
     assert spec.load() is os.path.join

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import registry
-from .errors import ImplNotAvailableError
+from .errors import ImplNotAvailableError, UnknownImplError, shown
 from .spec import KernelBackend, KernelSpec, PlatformInfo
 
 if TYPE_CHECKING:
@@ -56,21 +56,51 @@ _logged: set[tuple[Any, ...]] = set()
 _lock = threading.RLock()
 
 
-def _parse_names(value: str | Sequence[str] | KernelBackend, where: str) -> tuple[str, ...]:
-    """``"triton"``, ``"triton,torch"`` or a sequence -> validated backend names."""
+def _split_names(value: Any, where: str) -> tuple[str, ...]:
+    """``"triton"``, ``"triton,torch"``, a ``KernelBackend`` or a sequence -> names (unchecked).
+    Anything else, or no name at all (``""``, ``",,,"``), is a ``ValueError`` naming ``where``."""
     if isinstance(value, KernelBackend):
-        items = [value.value]
-    elif isinstance(value, str):
-        items = [v.strip() for v in value.split(",") if v.strip()]
+        return (value.value,)
+    if isinstance(value, str):
+        items = [v.strip() for v in value.split(",")]
+    elif isinstance(value, (list, tuple)):
+        items = [v.value if isinstance(v, KernelBackend) else v.strip() if isinstance(v, str) else v for v in value]
     else:
-        items = [str(v.value if isinstance(v, KernelBackend) else v).strip() for v in value]
-    if not items:
-        raise ValueError(f"{where}: {value!r} is not an impl name (empty)")
+        raise ValueError(f"{where}: {shown(value)} is not an impl name (expected a name, 'a,b' or a list of names)")
+    names = tuple(v for v in items if v != "")
+    if not names:
+        raise ValueError(f"{where}: {shown(value)} is not an impl name (empty)")
+    for name in names:
+        if not isinstance(name, str):
+            raise ValueError(f"{where}: {shown(name)} is not an impl name (expected a string)")
+    return names
+
+
+def _parse_names(value: str | Sequence[str] | KernelBackend, where: str) -> tuple[str, ...]:
+    """Names for a global preference (any op): each must be a ``KernelBackend`` value, else a
+    ``ValueError`` that names ``where`` (the variable or function) and the impl names."""
+    names = _split_names(value, where)
     valid = [b.value for b in KernelBackend]
-    for name in items:
+    for name in names:
         if name not in valid:
-            raise ValueError(f"{where}: {name!r} is not an impl name; impl names are: {', '.join(valid)}")
-    return tuple(items)
+            raise ValueError(f"{where}: {shown(name)} is not an impl name; impl names are: {', '.join(valid)}")
+    return names
+
+
+def _parse_op_names(value: Any, where: str, op_id: str, runnable: Sequence[str] | None = None) -> tuple[str, ...]:
+    """Names asked of one op (``impl=``, ``op=``, ``POLYKERNEL_IMPL_<OP>``): a name that is not
+    a ``KernelBackend`` value, or a single name the op lacks, is an :class:`UnknownImplError`
+    listing the op's impls. (A list may name impls the op lacks: it is a preference.)"""
+    valid = sorted(registry.specs_for(op_id))
+    try:
+        names = _split_names(value, where)
+    except ValueError:
+        raise UnknownImplError(op_id, value, valid, where, runnable) from None
+    backends = {b.value for b in KernelBackend}
+    for name in names:
+        if name not in backends or (len(names) == 1 and name not in valid):
+            raise UnknownImplError(op_id, name, valid, where, runnable)
+    return names
 
 
 def _strict_mode() -> bool:
@@ -93,10 +123,8 @@ def use_impl(impl: str | Sequence[str], op: str | None = None) -> Iterator[None]
         with polykernel.use_impl("triton", op="rms_norm"):
             y = polykernel.rms_norm(x, w)        # triton or ImplNotAvailableError
     """
-    names = _parse_names(impl, "use_impl")
     op_id = registry.resolve_op_id(op) if op is not None else None
-    if op_id is not None:
-        _check_known(op_id, names)
+    names = _parse_names(impl, "use_impl") if op_id is None else _parse_op_names(impl, "use_impl", op_id)
     token = _scope.set((*_scope.get(), (op_id, names)))
     try:
         yield
@@ -118,9 +146,7 @@ def set_impl(impl: str | Sequence[str] | None, op: str | None = None) -> None:
             else:
                 _global.pop(op_id, None)
         else:
-            names = _parse_names(impl, "set_impl")
-            if op_id is not None:
-                _check_known(op_id, names)
+            names = _parse_names(impl, "set_impl") if op_id is None else _parse_op_names(impl, "set_impl", op_id)
             _global[op_id] = names
     _clear_memos()
 
@@ -130,18 +156,12 @@ def get_impl_settings() -> dict[str | None, tuple[str, ...]]:
     return dict(_global)
 
 
-def _check_known(op_id: str, names: tuple[str, ...]) -> None:
-    specs = registry.specs_for(op_id)
-    for name in names:
-        if name not in specs:
-            raise ImplNotAvailableError(op_id, name, f"no {name!r} impl is registered for this op", sorted(specs))
-
-
 def clear_caches() -> None:
     """Forget memoized decisions, runtime-fault marks and once-only log records."""
     with _lock:
         _broken.clear()
         _logged.clear()
+        _record.clear()
     _clear_memos()
     try:
         from . import tuning
@@ -151,7 +171,14 @@ def clear_caches() -> None:
         pass
 
 
-def _clear_memos() -> None:
+def _clear_memos(op_id: str | None = None) -> None:
+    """Drop memoized decisions: of ``op_id`` only (its impls changed), or of every op (None).
+    The record that :func:`decisions` reads is kept: it lists what ran since ``clear_caches``."""
+    if op_id is not None:
+        op = registry._ops.get(op_id)
+        if op is not None:
+            op.clear()
+        return
     for op in list(registry._ops.values()):
         op.clear()
 
@@ -187,6 +214,9 @@ class Decision:
     source: str  # argument, scope, env, global, tuned, auto, fallback
     may_fall_back: bool
     verdicts: list[Verdict] = field(default_factory=list)
+    # The impl reads raw memory (``KernelSpec.accepts_subclasses`` is False): the hot path then
+    # checks that no argument is a tensor subclass before calling it (see Op.call).
+    raw: bool = True
 
     def on_fault(self, exc: Exception, args: tuple[Any, ...]) -> Any:
         """Runtime-fault policy: fall back from an impl chosen by steps 4-6 that raised."""
@@ -227,25 +257,30 @@ def _call_guarded(decision: Decision, args: tuple[Any, ...]) -> Any:
         return decision.on_fault(exc, args)
 
 
-def _verdicts(op: Op, argkey: tuple[Any, ...], deterministic: bool, capturing: bool) -> list[Verdict]:
-    """Every impl of ``op`` with why it can or cannot take this argument class, in rank order."""
+def _verdicts(op: Op, argkey: tuple[Any, ...], deterministic: bool, capturing: bool, subclass: str | None = None) -> list[Verdict]:
+    """Every impl of ``op`` with why it can or cannot take this argument class, in rank order.
+    ``subclass``: the type name of a tensor-subclass argument (None: plain tensors only)."""
     specs = registry.specs_for(op)
     info = op.arg_class(argkey)
     platform = PlatformInfo.detect(info.device)
     broken = _broken.get((op.id, argkey), {})
     rows = []
     for name, spec in specs.items():
-        rows.append(Verdict(name, spec.rank, _why_not(spec, info, platform, deterministic, capturing, broken)))
+        rows.append(Verdict(name, spec.rank, _why_not(spec, info, platform, deterministic, capturing, broken, subclass)))
     rows.sort(key=lambda v: (v.rank, v.name))
     return rows
 
 
-def _why_not(spec: KernelSpec, info: Any, platform: PlatformInfo, det: bool, capturing: bool, broken: dict) -> str | None:
-    if spec.name in broken:
-        return broken[spec.name]
+def _why_not(
+    spec: KernelSpec, info: Any, platform: PlatformInfo, det: bool, capturing: bool, broken: dict, subclass: str | None = None
+) -> str | None:
+    if spec.impl in broken:
+        return broken[spec.impl]
     reason = spec.unavailable_reason(platform)
     if reason:
         return reason
+    if subclass is not None and not spec.accepts_subclasses:
+        return f"input is a tensor subclass ({subclass}); this impl reads raw memory"
     if not spec.format_signature.supports_dtype(info.dtype):
         return f"dtype {str(info.dtype).removeprefix('torch.')} not supported"
     if info.needs_grad and not spec.format_signature.supports_backward:
@@ -280,16 +315,47 @@ def _log_once(key: tuple[Any, ...], message: str) -> None:
         log.warning(message)
 
 
-def decide(op: Op, key: tuple[Any, ...]) -> Decision:
-    """Resolve ``key`` = (argkey, impl, scope, deterministic, capturing) and memoize it."""
-    decision = _resolve(op, key)
+def decide(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None) -> Decision:
+    """Resolve ``key`` = (argkey, impl, scope, deterministic, capturing) and memoize it.
+
+    ``args``: the call's real arguments (the op's miss path), which tuning may measure on."""
+    decision = _resolve(op, key, args, measure=args is not None)
+    decision.raw = not registry.specs_for(op)[decision.impl].accepts_subclasses
     op._memo[key] = decision
+    _record[(op.id, key)] = decision  # what `decisions()` lists; outlives the memo
     return decision
 
 
-def _resolve(op: Op, key: tuple[Any, ...]) -> Decision:
-    argkey, impl, scope, det, capturing = key
-    rows = _verdicts(op, argkey, det, capturing)
+# Decisions made since the last clear_caches(), by (op id, memo key), in the order first made.
+# Separate from the ops' memos, which are dropped whenever an op's impls or settings change.
+_record: dict[tuple[str, tuple[Any, ...]], Decision] = {}
+
+
+def subclass_name(args: Sequence[Any]) -> str | None:
+    """The type name of the first tensor argument that is a tensor subclass, else None.
+
+    ``torch.Tensor`` and ``torch.nn.Parameter`` are plain; anything else that is a tensor (a
+    DTensor, a ``__torch_dispatch__`` wrapper, a ``__torch_function__`` subclass, and FakeTensor
+    or FunctionalTensor when a tracer hands them to the eager path) is a subclass. Tensors in
+    lists and tuples count too. Off the hot path: :meth:`Op.call` checks types cheaply first.
+    """
+    import torch
+
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if type(a) is not torch.Tensor and type(a) is not torch.nn.Parameter:
+                return type(a).__name__
+        elif isinstance(a, (list, tuple)):
+            inner = subclass_name(a)
+            if inner is not None:
+                return inner
+    return None
+
+
+def _resolve(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None, measure: bool = False) -> Decision:
+    argkey, impl, scope, det, capturing = key[:5]
+    subclass = key[5] if len(key) > 5 else None  # a tensor-subclass argument (see Op.call)
+    rows = _verdicts(op, argkey, det, capturing, subclass)
     by_name = {v.name: v for v in rows}
     strict_env = _strict_mode()
 
@@ -299,7 +365,7 @@ def _resolve(op: Op, key: tuple[Any, ...]) -> Decision:
     def strict(name: str, source: str) -> Decision:
         v = by_name.get(name)
         if v is None:
-            raise ImplNotAvailableError(op.id, name, f"no {name!r} impl is registered for this op", runnable_names())
+            raise UnknownImplError(op.id, name, sorted(by_name), "", runnable_names())
         fn = _load(op, v) if v.runnable else None
         if fn is None:
             raise ImplNotAvailableError(op.id, name, v.reason or "not runnable", runnable_names())
@@ -322,7 +388,7 @@ def _resolve(op: Op, key: tuple[Any, ...]) -> Decision:
 
     # 1. impl= argument
     if impl is not None:
-        names = _parse_names(impl, f"{op.name}(impl=)")
+        names = _parse_op_names(impl, f"{op.name}(impl=)", op.id, runnable_names())
         if len(names) == 1:
             return strict(names[0], "argument")
         hit = prefer(names, "argument", False)
@@ -340,7 +406,7 @@ def _resolve(op: Op, key: tuple[Any, ...]) -> Decision:
     # 3. environment
     per_op = os.environ.get(f"POLYKERNEL_IMPL_{op.name.upper()}")
     if per_op:
-        names = _parse_names(per_op, f"POLYKERNEL_IMPL_{op.name.upper()}")
+        names = _parse_op_names(per_op, f"POLYKERNEL_IMPL_{op.name.upper()}", op.id, runnable_names())
         return strict(names[0], "env") if len(names) == 1 else _required(prefer(names, "env", False), op, names, runnable_names())
     everywhere = os.environ.get("POLYKERNEL_IMPL")
     if everywhere:
@@ -361,7 +427,7 @@ def _resolve(op: Op, key: tuple[Any, ...]) -> Decision:
         if hit is not None:
             return hit
     # 5. tuned
-    tuned = _tuned(op, argkey)
+    tuned = _tuned(op, argkey, args, rows, capturing, measure, det)
     if tuned is not None:
         v = by_name.get(tuned)
         if v is not None and v.runnable:
@@ -383,13 +449,13 @@ def _required(hit: Decision | None, op: Op, names: Sequence[str], runnable: list
     return hit
 
 
-def _tuned(op: Op, argkey: tuple[Any, ...]) -> str | None:
-    """Step 5 hook: the measured-selection module answers, when tuning is on (a later issue)."""
-    try:
-        from . import tuning
-    except ImportError:
-        return None
-    return tuning.lookup(op, argkey)
+def _tuned(
+    op: Op, argkey: tuple[Any, ...], args: tuple[Any, ...] | None, rows: list[Verdict], capturing: bool, measure: bool, det: bool
+) -> str | None:
+    """Step 5 hook: the measured-selection module answers (and, on a miss in mode ``on``, measures)."""
+    from . import tuning
+
+    return tuning.lookup(op, argkey, args, rows, capturing, measure, det)
 
 
 # ------------------------------------------------------------------------------------------
@@ -408,6 +474,7 @@ class Explanation:
     error: str | None
     impls: list[dict[str, Any]]
     import_errors: dict[str, str]
+    tuned: dict[str, Any] | None = None  # source "tuned": the store key, the choice and the measured times
 
     def __str__(self) -> str:
         args = ", ".join(f"{k}={_short(v)}" for k, v in self.arg_class.items())
@@ -423,6 +490,8 @@ class Explanation:
             lines.append(f"  {mark} {r['name']:<{width}}  rank {r['rank']:>3}  {verdict}")
         for module, err in self.import_errors.items():
             lines.append(f"  ! module {module} failed to import: {err}")
+        if self.tuned:
+            lines.append(_tuned_lines(self.tuned))
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
@@ -435,7 +504,26 @@ class Explanation:
             "error": self.error,
             "impls": self.impls,
             "import_errors": self.import_errors,
+            "tuned": self.tuned,
         }
+
+
+def _tuned_times(op: Op, argkey: tuple[Any, ...]) -> dict[str, Any] | None:
+    from . import tuning
+
+    return tuning.measured(op, argkey)
+
+
+def _tuned_lines(tuned: dict[str, Any]) -> str:
+    """``measured (ms): triton gpu 0.051 host 0.012; torch gpu 0.090 host 0.008`` (or an error)."""
+    cells = []
+    for name, t in tuned.get("times", {}).items():
+        if t.get("error"):
+            cells.append(f"{name} {t['error']}")
+        else:
+            gpu = "" if t.get("gpu_ms") is None else f" gpu {t['gpu_ms']:.4g}"
+            cells.append(f"{name}{gpu} {'host' if gpu else 'wall'} {t.get('host_ms', float('nan')):.4g}")
+    return "  measured (ms): " + ("; ".join(cells) or tuned.get("note", "no times"))
 
 
 def _short(v: Any) -> Any:
@@ -473,13 +561,17 @@ def explain(op: str, *args: Any, device: Any = None, dtype: Any = None, impl: st
     argkey = _argkey_for(the_op, args, kwargs, device, dtype)
     capturing = argkey[0].type == "cuda" and torch.cuda.is_current_stream_capturing()
     key = (argkey, impl, _scope.get(), torch.are_deterministic_algorithms_enabled(), capturing)
+    subclass = subclass_name((*args, *kwargs.values()))
+    if subclass is not None:
+        key = (*key, subclass)
     chosen = source = error = None
     try:
-        d = _resolve(the_op, key)
+        tensors = (*args, *kwargs.values()) if args else None  # tuning keys on the call's tensors
+        d = _resolve(the_op, key, tensors)
         chosen, source, rows = d.impl, d.source, d.verdicts
     except ImplNotAvailableError as exc:
         error = str(exc)
-        rows = _verdicts(the_op, argkey, key[3], capturing)
+        rows = _verdicts(the_op, argkey, key[3], capturing, subclass)
     return Explanation(
         op=the_op.id,
         platform=str(PlatformInfo.detect(argkey[0])),
@@ -489,6 +581,7 @@ def explain(op: str, *args: Any, device: Any = None, dtype: Any = None, impl: st
         error=error,
         impls=[{"name": v.name, "rank": v.rank, "runnable": v.runnable, "reason": v.reason} for v in rows],
         import_errors=registry.import_errors(the_op),
+        tuned=_tuned_times(the_op, argkey) if source == "tuned" else None,
     )
 
 
@@ -518,16 +611,18 @@ def decisions(op: str | None = None) -> list[dict[str, Any]]:
         >>> polykernel.decisions("rms_norm")[-1]["impl"] in ("torch", "triton")
         True
     """
-    ops = [registry.get_op(op)] if op is not None else [registry._ops[k] for k in sorted(registry._ops)]
+    wanted = registry.get_op(op).id if op is not None else None
+    records = [(op_id, key, d) for (op_id, key), d in list(_record.items()) if wanted is None or op_id == wanted]
+    records.sort(key=lambda r: r[0])  # by op id; within an op, in the order the decisions were made
     out = []
-    for the_op in ops:
-        for key, d in list(the_op._memo.items()):
-            skipped = []
-            for v in d.verdicts:
-                if v.name == d.impl:
-                    break
-                skipped.append((v.name, v.reason or "runnable, lower preference"))
-            out.append(
-                {"op": the_op.id, "arg_class": the_op.arg_class(key[0]).as_dict(), "impl": d.impl, "source": d.source, "skipped": skipped}
-            )
+    for op_id, key, d in records:
+        skipped = []
+        for v in d.verdicts:
+            if v.name == d.impl:
+                break
+            skipped.append((v.name, v.reason or "runnable, lower preference"))
+        record = {"op": op_id, "arg_class": d.op.arg_class(key[0]).as_dict(), "impl": d.impl, "source": d.source, "skipped": skipped}
+        if len(key) > 5:
+            record["subclass"] = key[5]
+        out.append(record)
     return out

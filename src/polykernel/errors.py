@@ -52,3 +52,28 @@ class OpArgumentError(PolykernelError, ValueError):
 
 class OpTypeError(OpArgumentError, TypeError):
     """An argument of the wrong type or dtype (also a ``TypeError``)."""
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a hostile or mistaken value may be huge)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}... ({len(text)} characters)"
+
+
+class UnknownImplError(ImplNotAvailableError, ValueError):
+    """A name that is not an impl of the op (a typo such as ``"tritonn"``, or an impl this op
+    lacks), asked for strictly: ``impl=``, ``use_impl``/``set_impl`` with ``op=``,
+    ``POLYKERNEL_IMPL_<OP>``. ``valid`` lists the op's impls. Also a ``ValueError``."""
+
+    def __init__(self, op: str, impl: object, valid: Sequence[str], where: str = "", runnable: Sequence[str] | None = None) -> None:
+        self.valid = list(valid)
+        self.where = where
+        self._runnable_known = runnable is not None
+        name = str(impl) if len(str(impl)) <= 60 else f"{str(impl)[:57]}..."
+        reason = f"{where + ': ' if where else ''}no {shown(impl)} impl is registered for this op; its impls are: {', '.join(self.valid) or 'none'}"
+        super().__init__(op, name, reason, runnable or ())
+
+    def __str__(self) -> str:
+        if not getattr(self, "_runnable_known", True):
+            return f"{self.op}: impl {self.impl!r} is not available: {self.reason}"
+        return super().__str__()

@@ -415,8 +415,9 @@ def _build(op: Op) -> CompiledOp:
         return hit
 
 
-def _build_registered() -> None:
-    """Build the custom op of every registered op that lacks one (registry listener)."""
+def _build_registered(op_id: str | None = None) -> None:
+    """Build the custom op of every registered op that lacks one (registry listener; ``op_id``,
+    the op whose impls changed, is not needed: building is idempotent and cheap when done)."""
     for op in list(registry._ops.values()):
         if getattr(op, _ATTR, None) is None and op.id not in _errors:
             try:

@@ -8,12 +8,15 @@ lives in :mod:`polykernel.dispatch` and runs once per new key.
 
 from __future__ import annotations
 
+import inspect
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import torch
 
+from . import dispatch as _dispatch
 from . import registry
 from .spec import KernelSpec
 
@@ -84,6 +87,55 @@ def _capturing(device: torch.device) -> bool:
     return device != _CPU and device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+# -- the tensor-subclass guard ---------------------------------------------------------------
+# An impl that reads raw memory (Triton, CuTe, peers) must never be handed a tensor subclass: a
+# DTensor has no storage of its own, a wrapper subclass's memory is not what it stands for. The
+# hot path asks, only when the memoized impl reads raw memory, whether every tensor argument is a
+# plain torch.Tensor or nn.Parameter; the op's tensor positions come from its reference's
+# signature, and the check is generated code (~25 ns per tensor; a loop or map costs ~3x more).
+
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter, type(None)})
+
+
+def _mentions_tensor(tp: Any) -> bool:
+    if isinstance(tp, type) and issubclass(tp, torch.Tensor):
+        return True
+    return any(_mentions_tensor(a) for a in typing.get_args(tp))
+
+
+def _tensor_positions(reference: Callable[..., Any]) -> tuple[int, ...]:
+    """Positional parameters of ``reference`` that may hold a tensor (annotated so, or not
+    annotated and without a non-None default)."""
+    try:
+        hints = typing.get_type_hints(reference)
+    except Exception:  # unresolvable annotations: every parameter without a scalar default
+        hints = {}
+    out = []
+    for i, p in enumerate(inspect.signature(reference).parameters.values()):
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        tp = hints.get(p.name)
+        if tp is not None:
+            if _mentions_tensor(tp):
+                out.append(i)
+        elif p.default is p.empty or p.default is None:
+            out.append(i)
+    return tuple(out)
+
+
+def plain_check(reference: Callable[..., Any]) -> Callable[[tuple[Any, ...]], bool]:
+    """``check(args)``: True when the arguments at the reference's tensor positions are plain
+    tensors (or None). False sends the call to the slow path, which looks at every argument
+    (:func:`polykernel.dispatch.subclass_name`), so a false alarm only costs time."""
+    positions = _tensor_positions(reference)
+    if not positions:
+        return lambda args: True
+    body = " and ".join(f"type(a[{i}]) in P" for i in positions)
+    namespace: dict[str, Any] = {"P": _PLAIN}
+    exec(f"def check(a):\n    try:\n        return {body}\n    except IndexError:\n        return False\n", namespace)
+    return namespace["check"]
+
+
 class Op:
     """An op: id, argument-class fields, reference, tolerances, examples and parity cases.
 
@@ -129,6 +181,7 @@ class Op:
         self.bytes_moved = bytes_moved
         self.validate = validate
         self._memo: dict[tuple[Any, ...], Any] = {}
+        self._plain = plain_check(reference)
         registry._add_op(self)
         for spec in impls:
             registry.register_impl(spec)
@@ -150,7 +203,11 @@ class Op:
         try:
             decision = self._memo.get(key) or self._miss(key, args)
         except TypeError as exc:  # an unhashable option (eps=[1e-6]): validate names it
+            if isinstance(impl, list):  # impl=["triton", "torch"]: the same as a tuple
+                return self.call(tuple(impl), argkey, *args)
             self._reject(args, exc)
+        if decision.raw and not self._plain(args):  # the impl reads raw memory: no subclasses
+            decision = self._subclass(key, args, decision)
         try:
             return decision.fn(*args)
         except Exception as exc:  # handed to the fault policy, which re-raises what is not its own
@@ -163,7 +220,11 @@ class Op:
         try:
             decision = self._memo.get(key) or self._miss(key, args)
         except TypeError as exc:  # an unhashable option (eps=[1e-6]): validate names it
+            if isinstance(impl, list):  # impl=["triton", "torch"]: the same as a tuple
+                return self.run(tuple(impl), argkey, *args)
             self._reject(args, exc)
+        if decision.raw and not self._plain(args):  # the impl reads raw memory: no subclasses
+            decision = self._subclass(key, args, decision)
         try:
             return decision.fn(*args)
         except Exception as exc:  # handed to the fault policy, which re-raises what is not its own
@@ -173,7 +234,21 @@ class Op:
         """First call for a key: validate once per argument class, then resolve and memoize."""
         if self.validate is not None:
             self.validate(*args)
-        return _dispatch.decide(self, key)
+        subclass = _dispatch.subclass_name(args)
+        if subclass is not None:  # decided under its own key; the plain key stays unset
+            key = (*key, subclass)
+            return self._memo.get(key) or _dispatch.decide(self, key, args)
+        return _dispatch.decide(self, key, args)
+
+    def _subclass(self, key: tuple[Any, ...], args: tuple[Any, ...], decision: Any) -> Any:
+        """Slow path of the guard: the memoized impl reads raw memory and an argument may be a
+        tensor subclass. Such calls are decided under the key plus the subclass's type name,
+        where only impls with ``accepts_subclasses`` are eligible (or a strict choice raises)."""
+        subclass = _dispatch.subclass_name(args)
+        if subclass is None:  # a false alarm (e.g. a list argument): the plain decision stands
+            return decision
+        key = (*key, subclass)
+        return self._memo.get(key) or _dispatch.decide(self, key, args)
 
     def _reject(self, args: tuple[Any, ...], exc: Exception | None = None) -> NoReturn:
         """Raise validation's error for ``args``; else ``exc``, the error that brought us here."""
@@ -195,7 +270,5 @@ class Op:
     def arg_class(self, argkey: tuple[Any, ...]) -> ArgClass:
         return ArgClass(self.fields, argkey)
 
-
-from . import dispatch as _dispatch  # noqa: E402  (dispatch imports Op lazily; cycle is one-way at import)
 
 _scope = _dispatch._scope

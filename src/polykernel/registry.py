@@ -29,7 +29,10 @@ _locations: dict[str, list[str]] = {}
 _imported: set[str] = set()
 _importing: set[str] = set()
 _import_errors: dict[str, dict[str, str]] = {}
-_listeners: list[Callable[[], None]] = []  # told when the set of impls changes (the dispatcher's memo)
+# Told when the set of impls changes, with the op id it changed for (None: any op may have).
+# This is how the layers above (the dispatcher's memo, the custom-op builder) hear of changes
+# without this module importing them.
+_listeners: list[Callable[[str | None], None]] = []
 
 
 def _catalog() -> dict[str, str]:
@@ -70,12 +73,13 @@ def _add_op(op: Op) -> None:
     with _lock:
         _ops[op.id] = op
         _specs.setdefault(op.id, {})
-    _changed()
+    _changed(op.id)
 
 
-def _changed() -> None:
+def _changed(op_id: str | None = None) -> None:
+    """Tell the listeners that ``op_id``'s impls (None: possibly every op's) have changed."""
     for fn in _listeners:
-        fn()
+        fn(op_id)
 
 
 @overload
@@ -119,17 +123,17 @@ def _store(spec: KernelSpec, loaded: Callable[..., Any] | None = None) -> None:
 
         spec = dataclasses.replace(spec, op=op_id)
     with _lock:
-        _specs.setdefault(op_id, {})[spec.name] = spec
+        _specs.setdefault(op_id, {})[spec.impl] = spec
         if loaded is not None:
-            _preloaded[(op_id, spec.name)] = loaded
+            _preloaded[(op_id, spec.impl)] = loaded
         else:
-            _preloaded.pop((op_id, spec.name), None)
-    _changed()
+            _preloaded.pop((op_id, spec.impl), None)
+    _changed(op_id)
 
 
 def load_impl(spec: KernelSpec) -> Callable[..., Any]:
     """The spec's callable: the decorated function itself, or ``spec.load()``."""
-    fn = _preloaded.get((spec.op, spec.name))
+    fn = _preloaded.get((spec.op, spec.impl))
     return fn if fn is not None else spec.load()
 
 
@@ -141,7 +145,7 @@ def declare_op_locations(op: str, *modules: str) -> None:
         for m in modules:
             if m not in known:
                 known.append(m)
-    _changed()
+    _changed(op_id)
 
 
 def specs_for(op: str | Op) -> dict[str, KernelSpec]:

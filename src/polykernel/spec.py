@@ -286,9 +286,17 @@ class KernelSpec:
     when the impl can take those arguments, else a short reason. It must depend only on that
     class, since decisions are memoized per class.
 
+    ``accepts_subclasses`` says whether the impl may be handed a tensor subclass (a DTensor, a
+    ``__torch_dispatch__`` wrapper, a ``__torch_function__`` subclass; ``torch.nn.Parameter`` is
+    not one). Impls that read raw memory (Triton, CuTe, peers' kernels) must not: a DTensor has
+    no storage of its own and a wrapper's memory is not what it stands for. Left as None it is
+    True for the ``torch`` backend, which goes through torch's own dispatch, and False otherwise.
+
     >>> spec = KernelSpec("norm.rms_norm", "triton", "polykernel.backends.triton.rms_norm:rms_norm")
-    >>> spec.group, spec.name
-    ('norm', 'triton')
+    >>> spec.group, spec.name, spec.impl
+    ('norm', 'rms_norm', 'triton')
+    >>> spec.accepts_subclasses
+    False
     """
 
     op: str
@@ -302,19 +310,28 @@ class KernelSpec:
     cuda_graph_safe: bool = True
     description: str = ""
     predicate: Callable[[Any], str | None] | None = field(default=None, compare=False)
+    accepts_subclasses: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", KernelBackend(self.backend))
         object.__setattr__(self, "capabilities", frozenset(_as_caps(self.capabilities)))
         object.__setattr__(self, "requires_modules", tuple(self.requires_modules))
+        if self.accepts_subclasses is None:
+            object.__setattr__(self, "accepts_subclasses", self.backend is KernelBackend.TORCH)
 
     @property
     def group(self) -> str:
+        """The op id's group: ``"norm.rms_norm"`` -> ``"norm"`` (``""`` for a bare name)."""
         return split_op_id(self.op)[0]
 
     @property
     def name(self) -> str:
-        """The impl's name: its backend value, unique per op."""
+        """The op id's bare name: ``"norm.rms_norm"`` -> ``"rms_norm"`` (as sglang's spec splits it)."""
+        return split_op_id(self.op)[1]
+
+    @property
+    def impl(self) -> str:
+        """The impl's name: its backend value (``"triton"``), unique per op."""
         return self.backend.value  # type: ignore[union-attr]
 
     def load(self) -> Callable[..., Any]:
