@@ -7,7 +7,7 @@ TRITON ?= triton==3.9.0
 BIN    := $(VENV)/bin
 JOBS   ?= 2
 
-.PHONY: setup demo test test-gpu lint bench clean
+.PHONY: setup demo test test-simd test-gpu lint bench clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,15 @@ demo: setup  ## the main job: op/impl verdicts here, then a small Llama trained 
 
 test: setup  ## the CPU suite (Triton kernels through TRITON_INTERPRET=1)
 	$(BIN)/python -m pytest -q -n $(JOBS) --timeout=900 tests
+
+# CPUs differ: without AVX-512 (or AVX2) torch and numpy (under Triton's interpreter) take other
+# SIMD paths, with other summation orders. The parity tests must hold on each: run them again with
+# those paths off (numpy >= 2.4 names the levels X86_V3/X86_V4; older numpy the single features).
+NPY_NO_AVX512 := AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL AVX512_SPR X86_V4
+NPY_NO_AVX2   := $(NPY_NO_AVX512) AVX2 FMA3 X86_V3
+test-simd: setup  ## the parity tests again with the AVX-512, then the AVX2 paths of torch and numpy off
+	ATEN_CPU_CAPABILITY=avx2 NPY_DISABLE_CPU_FEATURES="$(NPY_NO_AVX512)" $(BIN)/python -m pytest -q -n $(JOBS) -k parity tests
+	ATEN_CPU_CAPABILITY=default NPY_DISABLE_CPU_FEATURES="$(NPY_NO_AVX2)" $(BIN)/python -m pytest -q -n $(JOBS) -k parity tests
 
 test-gpu:  ## on a CUDA machine with torch and triton installed
 	PYTHONPATH=src $(PYTHON) -m pytest -q -m "gpu or gpu2" tests

@@ -86,12 +86,13 @@ def test_rmsnorm_llama_casting_matches_hugging_face():
     ours = pnn.RMSNorm(64, eps=1e-6, casting="llama", dtype=torch.bfloat16)
     ours.load_state_dict(hf.state_dict())
     x = torch.randn(4, 9, 64, dtype=torch.bfloat16)
-    # bf16: the same two roundings in the same order; a reduction in another order can move each
-    # rounding by one ulp, so the op's own bound (2 ulps) applies
-    from polykernel.ops.rms_norm import TOLERANCES
+    # bf16: the same two roundings in the same order; each result is within the op's error model
+    # of the exact one, so the two are within twice that of each other
+    from polykernel.ops.rms_norm import error_model
 
-    tol = TOLERANCES.fwd(torch.bfloat16)
-    torch.testing.assert_close(ours(x), hf(x), atol=tol.atol, rtol=tol.rtol)
+    want = hf(x)
+    tol = error_model(x, ours.weight, 1e-6, casting="llama").output(0).tol(torch.bfloat16, want.double().abs().max().item())
+    torch.testing.assert_close(ours(x), want, atol=2 * tol.atol, rtol=2 * tol.rtol)
     fp32 = pnn.RMSNorm(64, eps=1e-6, casting="fp32", dtype=torch.bfloat16)
     fp32.load_state_dict(hf.state_dict())
     assert not torch.equal(fp32(x), ours(x))  # the casting reaches the op

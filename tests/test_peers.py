@@ -21,8 +21,7 @@ PEER_OPS = {
     "layer_norm": ("liger",),
     "swiglu": ("liger",),
     "geglu": ("liger",),
-    "softmax": ("liger", "quack"),
-    "rope": ("liger",),
+    "softmax": ("liger",),
     "cross_entropy": ("liger", "quack"),
     "fused_linear_cross_entropy": ("liger",),
 }
@@ -131,22 +130,24 @@ def test_predicates_activations_and_losses():
     assert _why("geglu", "liger", t(2, 64), t(2, 64)) is None
     assert "tanh" in _why("geglu", "liger", t(2, 64), t(2, 64), "none")
     assert "tanh" in _why("geglu", "liger", t(2, 64), t(2, 64), approximate="none")
-    assert _why("softmax", "quack", t(2, 4096)) is None
-    assert "divisible by 8" in _why("softmax", "quack", t(2, 4100))
-    assert _why("softmax", "quack", t(2, 4100, dtype=torch.float32)) is None
-    assert "divisible by 4" in _why("softmax", "quack", t(2, 4098, dtype=torch.float32))
-    assert "65536" in _why("softmax", "liger", t(2, 70000))
-    logits, target = t(3, 100), torch.zeros(3, dtype=torch.long)
+    assert "65536" in _why("softmax", "liger", t(2, 70000, dtype=torch.float32))
+    logits, target = t(3, 128), torch.zeros(3, dtype=torch.long)
     assert _why("cross_entropy", "quack", logits, target) is None
     assert "label_smoothing" in _why("cross_entropy", "quack", logits, target, label_smoothing=0.1)
     assert "label_smoothing" in _why("cross_entropy", "quack", logits, target, -100, 0.1, "mean")  # the impl's order
     assert _why("cross_entropy", "liger", logits, target, label_smoothing=0.1) is None
 
 
-def test_predicate_rope():
-    q, k = t(1, 2, 3, 8), t(1, 1, 3, 8)
-    assert _why("rope", "liger", q, k, t(1, 3, 8), t(1, 3, 8)) is None
-    assert "cos/sin" in _why("rope", "liger", q, k, t(1, 3, 8, grad=True), t(1, 3, 8))
+def test_dropped_peers_not_registered():
+    # failed parity on the H200 (the reasons are next to the other registrations)
+    assert "quack" not in registry.specs_for("softmax")
+    assert "liger" not in registry.specs_for("rope")
+
+
+def test_quack_needs_16_byte_rows():
+    assert "divisible by 8" in _why("rms_norm", "quack", t(2, 70001), t(70001))
+    assert "divisible by 8" in _why("cross_entropy", "quack", t(3, 4999), torch.zeros(3, dtype=torch.long))
+    assert _why("rms_norm", "quack", t(2, 4096), t(4096)) is None
 
 
 def test_new_fields_keep_the_public_results():
@@ -242,30 +243,3 @@ def test_liger_softmax_adapter():
     cot = torch.randn_like(out)
     torch.testing.assert_close(out, ref(x), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(_grads(out, [x], [cot])[0], _grads(ref(x), [x], [cot])[0], atol=1e-6, rtol=1e-5)
-
-
-@needs_liger
-@pytest.mark.parametrize("layout", ["hf", "contiguous"])
-def test_liger_rope_adapter(layout):
-    from polykernel.ops.rope import _rope_tables
-
-    impl = registry.specs_for("rope")["liger"].load()
-    ref = registry.get_op("rope").reference
-    torch.manual_seed(0)
-    if layout == "hf":  # q, k transposed views of [B, T, H, D]: Liger would rotate them in place
-        q = torch.randn(2, 4, 5, 16).transpose(1, 2).requires_grad_()
-        k = torch.randn(2, 4, 3, 16).transpose(1, 2).requires_grad_()
-    else:
-        q, k = torch.randn(2, 5, 4, 16, requires_grad=True), torch.randn(2, 3, 4, 16, requires_grad=True)
-    cos, sin = _rope_tables(2, 4, 16, torch.float32, "cpu")
-    q0, k0 = q.detach().clone(), k.detach().clone()
-    out = impl(q, k, cos, sin)
-    expect = ref(q, k, cos, sin)
-    cots = [torch.randn_like(o) for o in out]
-    cots0 = [c.clone() for c in cots]
-    for a, r in zip(out, expect):
-        torch.testing.assert_close(a, r, atol=1e-6, rtol=1e-5)
-    for a, r in zip(_grads(out, [q, k], cots), _grads(expect, [q, k], cots0)):
-        torch.testing.assert_close(a, r, atol=1e-6, rtol=1e-5)
-    assert torch.equal(q.detach(), q0) and torch.equal(k.detach(), k0)
-    assert all(torch.equal(c, c0) for c, c0 in zip(cots, cots0))  # the incoming gradients too

@@ -15,9 +15,10 @@ import torch
 
 from ..backends.liger import _gates as liger_gates
 from ..backends.quack import _gates as quack_gates
-from ..op import Case, Op, Tol, Tolerances
+from ..op import Bounds, Case, ErrorModel, Op, rows_and_len
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
+from .rms_norm import dx_terms
 from .rms_norm import reference as rms_norm_reference
 
 OP_ID = "norm.fused_add_rms_norm"
@@ -89,32 +90,20 @@ def fused_add_rms_norm(
     return _op.call(impl, key, x, residual, weight, eps, offset)
 
 
-# -- tolerances: measured errors of the impls against `reference`, with headroom ----------------
-# Forward: s is rounded once from an exact fp32 sum (bit-equal on GPU; Triton's CPU interpreter
-# truncates fp32 -> bf16 instead of rounding, 1 ulp); y is rms_norm's fp32-casting result rounded
-# once to the output dtype, from a reduction in another order: 1 ulp (bf16 2^-8..2^-7 relative,
-# fp16 2^-11..2^-10).
-TOLERANCES = Tolerances(
-    forward={
-        torch.float32: Tol(atol=1e-5, rtol=1e-5),
-        torch.float64: Tol(atol=1e-12, rtol=1e-12),
-        torch.bfloat16: Tol(atol=1e-2, rtol=1.6e-2),
-        torch.float16: Tol(atol=2e-3, rtol=2e-3),
-    },
-    # dW sums over every row in fp32; d(s) = d(s_out) + rstd·(g - ŝ·mean(g·ŝ)) cancels. The
-    # reference rounds the normalization's part to x's dtype before adding d(s_out); a fused
-    # kernel adds in fp32 and rounds once: up to 2 ulps of the gradient's dtype apart.
-    # bf16 atol: dW = Σ dy·ŝ depends on the rounding of s; where s is 1 ulp off (the interpreter's
-    # truncation), each term moves by up to 2^-8 relative, so dW by ~2^-9·sqrt(M)·|dy·ŝ| at random:
-    # measured 0.027 at its worst over 3x70001 (a 4.5-sigma tail of 70001 columns).
-    backward={
-        # fp32 dW sums every row: at 16384 rows the torch impl was 1.07x of 1e-4 on the H200.
-        torch.float32: Tol(atol=2e-4, rtol=2e-4),
-        torch.float64: Tol(atol=1e-10, rtol=1e-10),
-        torch.bfloat16: Tol(atol=4e-2, rtol=2e-2),
-        torch.float16: Tol(atol=4e-3, rtol=4e-3),
-    },
-)
+# -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
+# s = x + residual is one fp32 sum rounded once. y is rms_norm's model on s, with one more
+# rounding: the semantics normalize the rounded s, the exact result the exact one. Gradients: ds =
+# d(s_out) + rms_norm's dx (cancelling terms, magnitude max(1, rms_norm's)), where the rounding of
+# s, and the reference's rounding of the normalization's part before the add, move terms by up to
+# an ulp each; dW = Σ dy·ŝ over M rows, random signs, with ŝ from the rounded s.
+def error_model(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0) -> Bounds:
+    rows, n = rows_and_len(x)
+    y = ErrorModel(rounds=2, ops=8, sum_rel=0.5, n=n)
+    s = ErrorModel(ops=1)
+    terms = max(1.0, dx_terms(x.detach() + residual.detach(), weight, eps, offset))
+    ds = ErrorModel(ops=4, sum_rel=0.5, cancel=8, sum_abs=1, rounds_abs=2, n=n, scale=terms)
+    dw = ErrorModel(ops=4, cancel=4, sum_abs=1, rounds_abs=2, n=rows, inter=x.dtype)
+    return Bounds(outputs=(y, s), grads={0: ds, 1: ds, 2: dw})
 
 
 def example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, requires_grad: bool = False) -> Case:
@@ -195,7 +184,7 @@ IMPLS = [
         capabilities=frozenset({CapabilityRequirement.cuda(min_sm=90)}),
         requires_modules=("quack", "cutlass"),
         format_signature=_TRITON_DTYPES,
-        rank=20,
+        rank=50,
         description="QuACK rmsnorm(residual=, prenorm=True); normalizes the unrounded fp32 sum",
         predicate=quack_gates.fused_add_rms_norm,
     ),
@@ -206,7 +195,7 @@ IMPLS = [
         capabilities=frozenset({CapabilityRequirement.CUDA}),
         requires_modules=("liger_kernel", "triton"),
         format_signature=_TRITON_DTYPES,
-        rank=30,
+        rank=60,
         description="Liger LigerFusedAddRMSNormFunction (gemma casting); N <= 65536",
         predicate=liger_gates.fused_add_rms_norm,
     ),
@@ -219,7 +208,7 @@ _op = Op(
     default_key=lambda device, dtype: (device, dtype, False, None, dtype, True, None, device, 1e-6, 0.0),
     validate=validate,
     reference=reference,
-    tolerances=TOLERANCES,
+    error_model=error_model,
     dtypes=(torch.float32, torch.bfloat16, torch.float16),
     cases=cases,
     example=example,

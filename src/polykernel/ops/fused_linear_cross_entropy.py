@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..op import Case, Op, Tol, Tolerances
+from ..op import SUM_LAMBDA, TINY, Bounds, Case, ErrorModel, Op
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 from .cross_entropy import reference as _ce_reference
@@ -137,33 +137,69 @@ def bytes_moved(hidden: torch.Tensor, weight: torch.Tensor, *_: object, backward
     return 2 * n if backward else n
 
 
-# -- tolerances: measured errors of the impls against `reference`, with headroom ----------------
-# Forward: the chunk matmul may round a logit differently from the full one (another blocking):
-# an ulp of the logits' dtype moves a row's loss by ~ulp·|logit| at worst, averaged by the mean.
-# Backward: dlogits are rounded to the dtype as in the reference, but a 1-ulp flip of one dlogit
-# (Triton's exp2 vs torch's exp; grad_output applied after the matmuls, i.e. after that
-# rounding, for mean/sum) goes through the matmuls, and dH = Σ_j dlogit_j·W_j cancels (softmax
-# minus one-hot sums to 0): the error is ~2^-8 (bf16) / 2^-11 (fp16) of the *terms*, so of the
-# gradient's scale, not of each element. dW also takes one rounding per row chunk. Measured on
-# the CPU cases (gradients up to ~5): bf16 up to 3.1e-2 absolute where |ref| ~ 2 (1.5% of it),
-# 1.6e-2 on small elements; fp16 up to 2e-3. fp32: matmul accumulation order only (~1e-7 of
-# the gradient's scale here, ~sqrt(V)·2^-24 of it at V = 128K).
-TOLERANCES = Tolerances(
-    forward={
-        torch.float32: Tol(atol=2e-5, rtol=2e-5),
-        torch.float64: Tol(atol=1e-10, rtol=1e-10),
-        torch.bfloat16: Tol(atol=2e-3, rtol=2e-3),
-        torch.float16: Tol(atol=5e-4, rtol=5e-4),
-    },
-    backward={
-        # H200, N=2050 H=2048 V=128256, reduction='sum' with bias (bias grad sums 2050 rows): the
-        # Triton impl measured 1.74x (fp32) and 1.43x (fp16) of the previous 2e-6/2e-5 and 1.5e-3/4e-3.
-        torch.float32: Tol(atol=5e-6, rtol=5e-5),
-        torch.float64: Tol(atol=1e-12, rtol=1e-10),
-        torch.bfloat16: Tol(atol=1e-2, rtol=2e-2),
-        torch.float16: Tol(atol=3e-3, rtol=8e-3),
-    },
-)
+# -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
+# The logits z = h·Wᵀ + b are a matmul in the inputs' dtype: rounded to it (u_d) after an fp32 sum
+# over H, so each is off by δ <= (u_d + λ·√H·u32)·Z, Z = max|z|. The loss then follows
+# cross_entropy's model on z (rows of size Z + 1) plus 2δ (lse moves by at most max δ, z_target by
+# δ). Backward: dz = c·(p - onehot - ε/V) moves by 2·δ·c·p plus its rounding to the dtype; dH = dz·W
+# sums over V (Σ p = 1: off by ~c·max|W|·(2δ + 2u_d)), dW = dzᵀ·h and db sum over rows, relative to
+# their own magnitude. c is 1/(valid rows) for "mean", else 1 (cotangents |dy| <= 1).
+def error_model(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+) -> Bounds:
+    (v, h), n = weight.shape, hidden.numel() // max(1, hidden.shape[-1])
+    valid = max(1, int((target != ignore_index).sum()))
+    z_max = 0.0
+    for rows in hidden.detach().reshape(-1, h).split(1024):  # max|z| without the [N, V] logits at once
+        z = torch.nn.functional.linear(rows.float(), weight.detach().float(), None if bias is None else bias.detach().float())
+        z_max = max(z_max, z.abs().max().item() if z.numel() else 0.0)
+    w_max = weight.detach().abs().max().item() if weight.numel() else 0.0
+    big = max(v, h, n)
+    loss = ErrorModel(
+        ops=4,
+        sum_rel=1,
+        rounds_abs=2,
+        cancel=6,
+        sum_abs=2,
+        n=big,
+        scale=(z_max + 1) * (valid**0.5 if reduction == "sum" else 1.0),
+        inter=hidden.dtype,
+    )
+    c = 1.0 / valid if reduction == "mean" else 1.0
+    # dz rounded to the inputs' dtype is off by up to TINY absolute where it is subnormal (fp16:
+    # c·p ~ 1e-9 at N = 8K, V = 128K), summed with random signs over V (dH) or N rows (dW)
+    h_max = hidden.detach().abs().max().item() if hidden.numel() else 0.0
+    tiny = TINY[hidden.dtype] if hidden.dtype in TINY else 0.0
+    d_hidden = ErrorModel(
+        ops=4,
+        rounds_abs=2 * (z_max + 1),
+        cancel=8,
+        sum_abs=1 + 2 * z_max,
+        n=big,
+        scale=c * w_max,
+        inter=hidden.dtype,
+        floor=SUM_LAMBDA * v**0.5 * tiny * w_max,
+    )
+    # dW may be accumulated in its own dtype over row chunks of >= 256 MiB of logits (the module
+    # docstring): one rounding per chunk
+    chunks = max(1, -(-n * v * hidden.element_size() // (256 << 20)))
+    d_weight = ErrorModel(
+        rounds=chunks,
+        ops=4,
+        rounds_abs=2 * (z_max + 1),
+        cancel=8,
+        sum_abs=1 + 2 * z_max,
+        n=big,
+        inter=hidden.dtype,
+        floor=SUM_LAMBDA * n**0.5 * tiny * h_max,
+    )
+    return Bounds(outputs=(loss,), grads={0: d_hidden, 1: d_weight, 3: d_weight})
 
 
 def example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, requires_grad: bool = False) -> Case:
@@ -249,7 +285,7 @@ IMPLS = [
         capabilities=frozenset({CapabilityRequirement.CUDA}),
         requires_modules=("liger_kernel", "triton"),
         format_signature=_TRITON_DTYPES,
-        rank=30,
+        rank=60,
         cuda_graph_safe=False,
         description="Liger LigerFusedLinearCrossEntropyFunction (grads in the forward, fp32 dW accumulation); host sync per call",
     ),
@@ -261,7 +297,7 @@ _op = Op(
     key=_key,
     default_key=lambda device, dtype: (device, dtype, False, None, None, False),
     reference=reference,
-    tolerances=TOLERANCES,
+    error_model=error_model,
     dtypes=(torch.float32, torch.bfloat16, torch.float16),
     cases=cases,
     example=example,

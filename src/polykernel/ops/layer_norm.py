@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..backends.liger import _gates as liger_gates
-from ..op import Case, Op, Tol, Tolerances
+from ..op import SUM_LAMBDA, Bounds, Case, ErrorModel, Op, rows_and_len
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 
@@ -103,31 +103,26 @@ def layer_norm(
     return _op.call(impl, key, x, weight, bias, eps)
 
 
-# -- tolerances: measured errors of the impls against `reference`, with headroom ----------------
-# Forward: an fp32 result rounded once to the output dtype; the impls reduce in another order
-# (and F.layer_norm uses Welford), which moves x̂ by ~1e-7 relative and can flip a rounding:
-# 1 ulp (bf16 2^-8..2^-7 relative, fp16 2^-11..2^-10). fp32 atol: x - mean inherits the
-# rounding of the fp32 mean, a few ulps of |mean| (ulp(40) = 3.8e-6; the reference itself is
-# 5e-6 off fp64 when mean = 40·std, the "shifted" cases): 2e-5. A one-pass E[x²] - E[x]²
-# variance would be off by ~1e-4 relative there, still caught.
-TOLERANCES = Tolerances(
-    forward={
-        torch.float32: Tol(atol=2e-5, rtol=1e-5),
-        torch.float64: Tol(atol=1e-12, rtol=1e-12),
-        torch.bfloat16: Tol(atol=1e-2, rtol=1.6e-2),
-        torch.float16: Tol(atol=2e-3, rtol=2e-3),
-    },
-    # dW and dB sum over every row in fp32; dX = rstd·(g - mean(g) - x̂·mean(g·x̂)) cancels.
-    # Low-precision gradients are rounded once from fp32: 1-2 ulps of their dtype.
-    backward={
-        # fp32 dW/dB sum every row: at 16384 rows the torch impl (PyTorch's reduction order) was
-        # 1.04x of 1e-4 on the H200, so 2e-4 (error grows ~ sqrt(rows) * 2^-24 * sum of |terms|).
-        torch.float32: Tol(atol=2e-4, rtol=2e-4),
-        torch.float64: Tol(atol=1e-10, rtol=1e-10),
-        torch.bfloat16: Tol(atol=2e-2, rtol=2e-2),
-        torch.float16: Tol(atol=4e-3, rtol=4e-3),
-    },
-)
+# -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
+# y = (x - μ)·rstd·w + b in fp32, rounded once. μ sums N terms of size up to max|x|, so x̂ is off by
+# up to (λ·√N + 2)·u32·k, where k = max |x|·rstd: the data's offset in units of its spread (~4 for
+# centred rows, ~45 for the "shifted" cases, whose one-pass E[x²] - E[x]² variance would be off by
+# 1e-4 and is caught); the variance is a positive sum (relative). dx = rstd·(g - mean(g) -
+# x̂·mean(g·x̂)) cancels: relative to the magnitude of its terms rstd·max|w|·k. dW = Σ dy·x̂ and
+# dB = Σ dy over M rows, random signs: relative to √M·k, with x̂'s error above in every term.
+def error_model(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, eps: float = 1e-5) -> Bounds:
+    rows, n = rows_and_len(x)
+    k = rstd_max = 0.0
+    if x.numel():
+        xd = x.detach().double()
+        rstd = torch.rsqrt(xd.var(-1, unbiased=False, keepdim=True) + eps)
+        k, rstd_max = max(1.0, (xd.abs() * rstd).max().item()), rstd.max().item()
+    w_max = weight.detach().abs().max().item() if weight is not None and weight.numel() else 1.0
+    y = ErrorModel(ops=6, sum_rel=0.5, cancel=2 * k, sum_abs=k, n=n, scale=k * w_max)
+    dx = ErrorModel(ops=4, sum_rel=0.5, cancel=8 + 2 * k, sum_abs=1 + k, n=n, scale=rstd_max * w_max * k)
+    # dW, dB: M terms of size <= k (|dy| <= 1, |x̂| <= k): partial sums ~√M·k, each term off by x̂'s error
+    dwb = ErrorModel(ops=4, cancel=2 * SUM_LAMBDA, sum_abs=1 + SUM_LAMBDA, n=max(n, rows), scale=max(rows, 1) ** 0.5 * k)
+    return Bounds(outputs=(y,), grads={0: dx, 1: dwb, 2: dwb})
 
 
 def example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, requires_grad: bool = False) -> Case:
@@ -218,7 +213,7 @@ IMPLS = [
         capabilities=frozenset({CapabilityRequirement.CUDA}),
         requires_modules=("liger_kernel", "triton"),
         format_signature=_TRITON_DTYPES,
-        rank=30,
+        rank=60,
         description="Liger LigerLayerNormFunction; weight and bias required; N <= 65536",
         predicate=liger_gates.layer_norm,
     ),
@@ -231,7 +226,7 @@ _op = Op(
     default_key=lambda device, dtype: (device, dtype, False, None, dtype, dtype, None, None, 1e-5),
     validate=validate,
     reference=reference,
-    tolerances=TOLERANCES,
+    error_model=error_model,
     dtypes=(torch.float32, torch.bfloat16, torch.float16),
     cases=cases,
     example=example,

@@ -12,7 +12,7 @@ import torch
 
 from ..backends.liger import _gates as liger_gates
 from ..backends.quack import _gates as quack_gates
-from ..op import Case, Op, Tol, Tolerances
+from ..op import Bounds, Case, ErrorModel, Op, rows_and_len
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 
@@ -84,25 +84,31 @@ def rms_norm(
     return _op.call(impl, key, x, weight, eps, offset, casting)
 
 
-# -- tolerances: measured errors of the impls against `reference`, with headroom ----------------
-# Forward: an fp32 result rounded to the output dtype, so ulp-level differences (a reduction in
-# another order moves x̂ by ~1e-7 and can flip a rounding). casting="llama" rounds twice (x̂, then
-# y), so up to 2 ulps: bf16 ulp is 2^-8..2^-7 relative, fp16 2^-11..2^-10.
-TOLERANCES = Tolerances(
-    forward={
-        torch.float32: Tol(atol=1e-5, rtol=1e-5),
-        torch.float64: Tol(atol=1e-12, rtol=1e-12),
-        torch.bfloat16: Tol(atol=1e-2, rtol=1.6e-2),
-        torch.float16: Tol(atol=2e-3, rtol=2e-3),
-    },
-    # dW sums over every row in fp32; dX has a difference of two terms (cancellation).
-    backward={
-        torch.float32: Tol(atol=1e-4, rtol=1e-4),
-        torch.float64: Tol(atol=1e-10, rtol=1e-10),
-        torch.bfloat16: Tol(atol=2e-2, rtol=2e-2),
-        torch.float16: Tol(atol=4e-3, rtol=4e-3),
-    },
-)
+# -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
+# Forward: y = x·rstd·(w + offset) in fp32, rounded once to x's dtype (twice with casting="llama",
+# which rounds x̂ first); rstd comes from a sum of N squares (positive terms: relative error
+# λ·√N·u32, halved by the square root). Backward: dx = rstd·(g - x̂·mean(g·x̂)) with g = dy·w
+# cancels, so its error is relative to the magnitude of its terms, rstd·max|g|, plus mean(g·x̂)'s
+# sum over N; dW = Σ dy·x̂ over M rows, random signs: relative to the result's magnitude. With
+# casting="llama" the semantics also round x̂ (forward) and dy·w (backward) to x's dtype.
+def dx_terms(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> float:
+    """rstd·max|w + offset|·max(1, |x̂|): the magnitude of dx's terms for cotangents |dy| <= 1."""
+    if not x.numel() or not weight.numel():
+        return 0.0
+    xd = x.detach().double()
+    rstd = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+    return rstd.max().item() * (weight.detach().double() + offset).abs().max().item() * max(1.0, (xd * rstd).abs().max().item())
+
+
+def error_model(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, casting: str = "fp32") -> Bounds:
+    rows, n = rows_and_len(x)
+    y = ErrorModel(rounds=2 if casting == "llama" else 1, ops=8, sum_rel=0.5, n=n)
+    llama = casting == "llama"
+    dx = ErrorModel(
+        ops=4, sum_rel=0.5, cancel=8, sum_abs=1, rounds_abs=2 if llama else 0, n=n, scale=dx_terms(x, weight, eps, offset), inter=x.dtype
+    )
+    dw = ErrorModel(ops=4, cancel=4, sum_abs=1, rounds_abs=2 if llama else 0, n=rows, inter=x.dtype)
+    return Bounds(outputs=(y,), grads={0: dx, 1: dw})
 
 
 def example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, requires_grad: bool = False) -> Case:
@@ -190,7 +196,7 @@ IMPLS = [
         capabilities=frozenset({CapabilityRequirement.cuda(min_sm=90)}),
         requires_modules=("quack", "cutlass"),
         format_signature=_TRITON_DTYPES,
-        rank=5,
+        rank=50,
         description="QuACK rmsnorm (CuTeDSL, cluster reductions); casting='fp32' only; one compile per N",
         predicate=quack_gates.rms_norm,
     ),
@@ -203,7 +209,7 @@ IMPLS = [
         capabilities=frozenset({CapabilityRequirement.CUDA}),
         requires_modules=("liger_kernel", "triton"),
         format_signature=_TRITON_DTYPES,
-        rank=30,
+        rank=60,
         description="Liger LigerRMSNormFunction (gemma/llama casting, in_place=False); N <= 65536",
         predicate=liger_gates.rms_norm,
     ),
@@ -216,7 +222,7 @@ _op = Op(
     default_key=lambda device, dtype: (device, dtype, False, None, dtype, None, device, 1e-6, 0.0, "fp32"),
     validate=validate,
     reference=reference,
-    tolerances=TOLERANCES,
+    error_model=error_model,
     dtypes=(torch.float32, torch.bfloat16, torch.float16),
     cases=cases,
     example=example,

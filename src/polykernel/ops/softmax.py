@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..backends.liger import _gates as liger_gates
-from ..backends.quack import _gates as quack_gates
-from ..op import Case, Op, Tol, Tolerances
+from ..op import Bounds, Case, ErrorModel, Op, rows_and_len
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 
@@ -49,28 +48,17 @@ def softmax(x: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
     return _op.call(impl, (x.device, x.dtype, check.needs_grad(x), x.shape[-1]), x)
 
 
-# -- tolerances: measured errors of the impls against `reference`, with headroom ----------------
-# Forward: y ∈ [0, 1] is an fp32 result rounded once. The max and sum are reduced in another
-# order (sums of up to 256K terms: ~1e-6 relative in fp32) and the GPU exp is ex2.approx (error
-# ~2 ulp plus |x - m|·2^-24 relative), so fp32 allows ~1e-5 relative; atol 1e-6 covers tiny
-# probabilities. bf16/fp16: one-ulp flips of the rounded output (2^-7, 2^-10 relative).
-# Backward: the impls recompute y in fp32 (as the reference's autograd has it), so dx = y·(dy - c)
-# is again an fp32 value rounded once; the cancellation in dy - c (c = Σ y·dy, summed in another
-# order) adds ~1e-7·|y| absolute, covered by atol.
-TOLERANCES = Tolerances(
-    forward={
-        torch.float32: Tol(atol=1e-6, rtol=1e-5),
-        torch.float64: Tol(atol=1e-12, rtol=1e-12),
-        torch.bfloat16: Tol(atol=1e-5, rtol=1e-2),
-        torch.float16: Tol(atol=1e-6, rtol=1.25e-3),
-    },
-    backward={
-        torch.float32: Tol(atol=1e-6, rtol=1e-5),
-        torch.float64: Tol(atol=1e-12, rtol=1e-12),
-        torch.bfloat16: Tol(atol=1e-5, rtol=1e-2),
-        torch.float16: Tol(atol=1e-6, rtol=1.25e-3),
-    },
-)
+# -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
+# y = exp(x - m) / Σ exp(x - m): the sum of N positive terms (relative), an exp and a division. A
+# GPU exp evaluates exp2((x - m)·log2 e), whose rounded argument costs |x - m|·u32 of relative error:
+# |x - m|·exp(-|x - m|) <= 1/e of the row's largest y, so absolute. Backward dx = y·(dy - Σ dy·y):
+# dy - c cancels, so the error is relative to max(y)·max|dy| (|dy| <= 1), with c's sum over N.
+def error_model(x: torch.Tensor) -> Bounds:
+    _, n = rows_and_len(x)
+    y_max = reference(x.detach().double()).nan_to_num().abs().max().item() if x.numel() else 0.0
+    y = ErrorModel(ops=6, sum_rel=1, cancel=1, n=n, scale=y_max)
+    dx = ErrorModel(ops=6, sum_rel=1, cancel=4, sum_abs=1, n=n, scale=y_max)
+    return Bounds(outputs=(y,), grads={0: dx})
 
 
 def example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, requires_grad: bool = False) -> Case:
@@ -136,6 +124,9 @@ _TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float
 # Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
 # predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
 # lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
+# Peers whose low-precision results fail the error model (see the comment at each).
+_FP32_ONLY = FormatSignature(supported_dtypes=("float32",))
+
 IMPLS = [
     KernelSpec(
         OP_ID,
@@ -157,25 +148,20 @@ IMPLS = [
     # QuACK: fwd 4.09 vs our 3.22, fwd+bwd 3.97 vs 3.55 at 8192x32768: ahead of Triton where its
     # predicate holds (N a multiple of 16 bytes). Liger: fwd 3.22 (a tie), fwd+bwd 3.81 vs 3.55,
     # refuses N > 65536: behind Triton (only one shape measured).
-    KernelSpec(
-        OP_ID,
-        "quack",
-        "polykernel.backends.quack.softmax:softmax",
-        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=90)}),
-        requires_modules=("quack", "cutlass"),
-        format_signature=_TRITON_DTYPES,
-        rank=5,
-        description="QuACK softmax (CuTeDSL, online, cluster reductions); N a multiple of 16 bytes; one compile per N",
-        predicate=quack_gates.softmax,
-    ),
+    # QuACK softmax (0.6.5) is not registered: on the H200 (2026-11-30, benchmarks/check_peers.py)
+    # it returned non-finite values where the reference has none on rows with a run of -inf
+    # logits (2x40000, every dtype), was 13.5x the fp32 error model on logits of scale 1e4 (it
+    # subtracts the max after scaling by log2 e), and its bf16/fp16 backward uses the rounded y
+    # (up to 10x the model). Its speed (fwd 4.09 vs our 3.22 TB/s at 8192x32768) is not worth that.
+    # H200 2026-11-30: bf16/fp16 backward from the rounded y: 1.1-124x the error model. fp32 passes.
     KernelSpec(
         OP_ID,
         "liger",
         "polykernel.backends.liger.softmax:softmax",
         capabilities=frozenset({CapabilityRequirement.CUDA}),
         requires_modules=("liger_kernel", "triton"),
-        format_signature=_TRITON_DTYPES,
-        rank=30,
+        format_signature=_FP32_ONLY,
+        rank=60,
         description="Liger LigerSoftmaxFunction; N <= 65536; backward from the saved y",
         predicate=liger_gates.softmax,
     ),
@@ -187,7 +173,7 @@ _op = Op(
     key=_key,
     default_key=lambda device, dtype: (device, dtype, False, None),
     reference=reference,
-    tolerances=TOLERANCES,
+    error_model=error_model,
     dtypes=(torch.float32, torch.bfloat16, torch.float16),
     cases=cases,
     example=example,

@@ -35,11 +35,5 @@ def geglu(a: Any) -> str | None:
     return None
 
 
-def rope(a: Any) -> str | None:
-    if a.rot_grad:
-        return "Liger's RoPE gives no gradient for cos/sin"
-    return None
-
-
 def softmax(a: Any) -> str | None:
     return _row(a)  # liger_kernel/ops/softmax.py calls calculate_settings(n) before its multi-block path

@@ -11,7 +11,7 @@ from ._glu import private
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> torch.Tensor:
-    if gate.numel() == 0 or approximate != "tanh":
+    if gate.numel() == 0 or gate.dim() == 0 or approximate != "tanh":  # Liger indexes the last dim
         return _torch_geglu(gate, up, approximate)
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         gate, up = private(gate), private(up)

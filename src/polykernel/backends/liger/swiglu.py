@@ -14,7 +14,7 @@ from ._glu import private
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    if gate.numel() == 0:
+    if gate.numel() == 0 or gate.dim() == 0:  # Liger indexes the last dim (IndexError on a 0-d tensor)
         return _torch_swiglu(gate, up)
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         gate, up = private(gate), private(up)
