@@ -15,7 +15,7 @@ $(BIN)/activate:
 $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)" "$(TRITON)"
-	$(BIN)/python -m pip install -q -e ".[transformers,test]"
+	$(BIN)/python -m pip install -q -e ".[transformers,plot,test]"
 	touch $@
 
 setup: $(VENV)/.installed
