@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import polykernel
 from _tuning_helpers import only, plant
 from polykernel import registry, tuning, tuning_key
+from polykernel.op import Tol
 from polykernel.spec import CapabilityRequirement, KernelSpec
 from polykernel.tuning_measure import Timing, choose, slowest
 
@@ -281,3 +282,92 @@ def test_key_buckets_rows_and_keeps_last_dim_and_layout():
     xs = torch.randn(1000, 128)[:, ::2]
     assert json.loads(tuning_key.key(op, op.key(xs, w), [xs, w]))["tensors"][0] == "float32[1024x64]:strided"
     assert "cpu" in k["platform"] and "index" not in k["platform"]
+
+
+# -- the parity check before timing uses the op's error model ------------------------------------
+
+
+def _scaled(backend: str, rank: int, factor: float) -> None:
+    """An rms_norm impl whose output is the reference times ``factor`` (computed in fp64)."""
+    from polykernel.ops.rms_norm import reference
+
+    @polykernel.register_impl(op="rms_norm", backend=backend, rank=rank)
+    def impl(x, weight, eps, offset, casting):
+        return (reference(x.double(), weight.double(), eps, offset, casting) * factor).to(x.dtype)
+
+
+def _measure_rms(x, w, grad=False):
+    from polykernel import tuning_measure as tm
+
+    op = registry.get_op("rms_norm")
+    specs = registry.specs_for(op)
+    cands = {n: registry.load_impl(specs[n]) for n in ("cuda_jit", "cute_dsl")}
+    return tm.measure(op, cands, (x, w, 1e-6, 0.0, "fp32"), x.dtype, grad)
+
+
+def test_parity_before_timing_holds_impls_to_the_error_model():
+    # fp32 rms_norm at N=64: the error model allows ~1e-6 relative. 1e-5 off is wrong there,
+    # although a generic fp32 tolerance (1e-4) would let it win; 1e-7 off is within the model.
+    _scaled("cuda_jit", 1, 1.0 + 1e-7)
+    _scaled("cute_dsl", 2, 1.0 + 1e-5)
+    times = _measure_rms(torch.randn(8, 64), torch.rand(64) + 0.5)
+    assert times["cuda_jit"].error is None and times["cuda_jit"].host_ms is not None
+    assert times["cute_dsl"].error.startswith("parity: differs from the reference")
+
+
+def test_parity_bounds_match_the_harness():
+    # The same ErrorModel/Bounds as polykernel.testing, for the outputs and every gradient.
+    from polykernel import tuning_measure as tm
+    from polykernel.ops.rms_norm import error_model
+
+    op = registry.get_op("rms_norm")
+    x, w = torch.randn(5, 33, dtype=torch.bfloat16), torch.ones(33, dtype=torch.bfloat16)
+    want = error_model(x, w, 1e-6, 0.0, "fp32")
+    b = tm._Bounds(op, (x, w, 1e-6, 0.0, "fp32"), x.device)
+    assert b.fwd("torch", 0, torch.bfloat16, 2.0) == want.output(0).tol(torch.bfloat16, 2.0, 1.0)
+    assert b.bwd("torch", 1, torch.bfloat16, 3.0) == want.grads[1].tol(torch.bfloat16, 3.0, 1.0)
+    # Triton's CPU interpreter truncates to bf16: one ulp instead of half, for Triton impls only.
+    assert b.fwd("triton", 0, torch.bfloat16, 2.0) == want.output(0).tol(torch.bfloat16, 2.0, 2.0)
+
+
+def test_nonfinite_values_must_match_the_reference():
+    from polykernel import tuning_measure as tm
+
+    ref = torch.tensor([1.0, float("inf"), 2.0], dtype=torch.float64)
+    tol = lambda scale: Tol(1e-6, 1e-6)
+    assert tm._mismatch(ref.float(), ref.float(), ref, tol) is None
+    assert tm._mismatch(torch.tensor([1.0, -float("inf"), 2.0]), ref.float(), ref, tol) == "non-finite values differ from the reference"
+    assert tm._mismatch(torch.tensor([1.0, float("nan"), 2.0]), ref.float(), ref, tol) == "non-finite values differ from the reference"
+    assert "tensor" in tm._mismatch((1.0,), ref.float(), ref, tol)
+
+
+def test_an_error_model_that_fails_means_not_tuned(monkeypatch, caplog):
+    monkeypatch.setenv("POLYKERNEL_TUNE", "on")
+    plant("cuda_jit", 1, delay=0.004)
+    plant("cute_dsl", 2)
+    only("cuda_jit", "cute_dsl")
+    op = registry.get_op("rms_norm")
+
+    def broken(*a):
+        raise ZeroDivisionError("no model here")
+
+    monkeypatch.setattr(op, "error_model", broken)
+    with caplog.at_level("WARNING", logger="polykernel"):
+        assert chosen(*args()) == ("cuda_jit", "auto")  # nothing checked: nothing measured or stored
+    assert "parity cannot be checked" in caplog.text and "ZeroDivisionError" in caplog.text
+    assert tuning.store().empty()
+
+
+def test_an_error_model_without_a_gradient_bound_means_not_tuned(monkeypatch):
+    from polykernel import tuning_measure as tm
+    from polykernel.op import Bounds
+
+    plant("cuda_jit", 1)
+    plant("cute_dsl", 2)
+    only("cuda_jit", "cute_dsl")
+    op = registry.get_op("rms_norm")
+    real = op.error_model
+    monkeypatch.setattr(op, "error_model", lambda *a: Bounds(outputs=real(*a).outputs, grads={0: real(*a).grads[0]}))
+    x, w = args(grad=True)
+    with pytest.raises(tm.ReferenceFailed, match="no bound for the gradient of argument 1"):
+        _measure_rms(x, w, grad=True)

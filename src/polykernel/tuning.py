@@ -168,7 +168,7 @@ def _measure(
     try:
         times.update(tm.measure(op, candidates, args, argkey[1], bool(argkey[2])))
     except tm.ReferenceFailed as exc:
-        log.warning("polykernel: %s: not tuned, the reference failed on these arguments (%s)", op.id, exc)
+        log.warning("polykernel: %s: not tuned, parity cannot be checked on these arguments (%s)", op.id, exc)
         return None
     finally:
         _busy.active = False

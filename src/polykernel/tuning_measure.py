@@ -1,10 +1,11 @@
 """Measuring impls for one key, and choosing among them (the cost model and the margin rule).
 
 :func:`measure` runs every candidate on fresh clones of the real arguments (an impl may write its
-inputs): parity with the op's reference first, under the op's tolerances (a wrong impl gets no
-time, so it never wins), then timing. On CUDA: CUDA events around each call with L2 flushed
-before it, candidates interleaved round by round, the median of each, plus the host time per call
-(``perf_counter`` around the launch). On the CPU: wall time, interleaved, median. An impl that
+inputs): parity with the op's float64 reference first, within the op's error model (the bounds
+``polykernel.testing`` holds every impl to; a wrong impl gets no time, so it never wins), then
+timing. On CUDA: CUDA events around each call with L2 flushed before it, candidates interleaved
+round by round, the median of each, plus the host time per call (``perf_counter`` around the
+launch). On the CPU: wall time, interleaved, median. An impl that
 raises (or runs out of memory) at any point costs infinity. With ``needs_grad`` the time is of
 forward plus backward (``torch.autograd.grad`` of every output with a fixed cotangent).
 
@@ -25,8 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import registry
+from . import spec as spec_mod
+
 if TYPE_CHECKING:
-    from .op import Op
+    from .op import Bounds, Op, Tol
 
 # Per key: at most this many timed rounds (each round runs every candidate once), at least
 # MIN_REPS, and no more rounds than fit in BUDGET_S once the first round has been timed.
@@ -68,7 +72,8 @@ class Timing:
 
 
 class ReferenceFailed(Exception):
-    """The op's reference raised on these arguments: nothing can be checked, nothing is stored."""
+    """The op's reference or error model failed on these arguments: nothing can be checked, so
+    nothing is measured or stored."""
 
 
 # -- choosing ----------------------------------------------------------------------------------
@@ -142,48 +147,27 @@ def _outputs(out: Any) -> tuple[Any, ...]:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
-_FALLBACK_TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
-
-
 class _Bounds:
-    """The op's error bounds for one call: its error model (``op.error_model``, against a float64
-    reference) where it has one, else its per-dtype tolerances (``op.tolerances``)."""
+    """The op's error model for one call (``op.error_model``, the bounds ``polykernel.testing``
+    checks against a float64 reference), with each candidate's rounding rule."""
 
-    def __init__(self, op: Op, args: tuple[Any, ...], interpret: bool) -> None:
-        self.op = op
-        self.model: Any = None
-        self.rounding = 2.0 if interpret else 1.0  # the CPU interpreter truncates to bf16
-        make = getattr(op, "error_model", None)
-        if callable(make):
-            try:
-                self.model = make(*args)
-            except Exception:  # no model for these arguments: the fallback tolerances apply
-                self.model = None
-        self.exact = callable(make)
-
-    def _fallback(self, dtype: Any) -> tuple[float, float]:
-        t = _FALLBACK_TOL.get(dtype, 1e-2)
-        return t, t
-
-    def fwd(self, k: int, dtype: Any, scale: float) -> tuple[float, float]:
+    def __init__(self, op: Op, args: tuple[Any, ...], device: torch.device) -> None:
         try:
-            if self.model is not None:
-                tol = self.model.output(k).tol(dtype, scale, self.rounding)
-            else:
-                tol = self.op.tolerances.fwd(dtype)
-            return tol.atol, tol.rtol
-        except Exception:  # an op without bounds for this output: a generic tolerance
-            return self._fallback(dtype)
+            self.model: Bounds = op.error_model(*args)
+        except Exception as exc:  # nothing to check against: the caller does not tune this key
+            raise ReferenceFailed(f"the op's error model failed: {_error(exc)}") from exc
+        specs = registry.specs_for(op)
+        # Triton's CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest: one ulp,
+        # not half, for the impls that run through it (as polykernel.testing counts it).
+        interpret = spec_mod.triton_interpret_allows(spec_mod.PlatformInfo.detect(device))
+        truncating = (spec_mod.KernelBackend.TRITON, spec_mod.KernelBackend.LIGER)
+        self.rounding = {name: 2.0 if interpret and s.backend in truncating else 1.0 for name, s in specs.items()}
 
-    def bwd(self, i: int, dtype: Any, scale: float) -> tuple[float, float]:
-        try:
-            if self.model is not None:
-                tol = self.model.grads[i].tol(dtype, scale, self.rounding)
-            else:
-                tol = self.op.tolerances.bwd(dtype)
-            return tol.atol, tol.rtol
-        except Exception:
-            return self._fallback(dtype)
+    def fwd(self, name: str, k: int, dtype: torch.dtype, scale: float) -> Tol:
+        return self.model.output(k).tol(dtype, scale, self.rounding.get(name, 1.0))
+
+    def bwd(self, name: str, i: int, dtype: torch.dtype, scale: float) -> Tol:
+        return self.model.grads[i].tol(dtype, scale, self.rounding.get(name, 1.0))
 
 
 def _exact(a: Any) -> Any:
@@ -193,8 +177,9 @@ def _exact(a: Any) -> Any:
     return a.detach().to(torch.float64).requires_grad_(a.requires_grad)
 
 
-def _mismatch(out: Any, want: Any, ref: Any, tol: Callable[[float], tuple[float, float]]) -> str | None:
-    """Why ``out`` fails: shape/dtype of ``want`` (the contract), values within ``tol`` of ``ref``."""
+def _mismatch(out: Any, want: Any, ref: Any, tol: Callable[[float], Tol]) -> str | None:
+    """Why ``out`` fails: shape/dtype of ``want`` (the contract), values within ``tol`` of the
+    float64 ``ref``; NaN/inf must match ``ref`` rounded to the output dtype (as in testing)."""
     if not isinstance(want, torch.Tensor):
         return None
     if not isinstance(out, torch.Tensor):
@@ -204,15 +189,16 @@ def _mismatch(out: Any, want: Any, ref: Any, tol: Callable[[float], tuple[float,
     if out.numel() == 0:
         return None
     o, r = out.detach().double(), ref.detach().double()
-    o_bad, r_bad = ~torch.isfinite(o), ~torch.isfinite(ref.detach().to(out.dtype).double())
-    if not torch.equal(o_bad, r_bad):
+    rounded = r.to(out.dtype).double()
+    o_bad, r_bad = ~torch.isfinite(o), ~torch.isfinite(rounded)
+    if not torch.equal(o_bad, r_bad) or not torch.equal(o[o_bad].nan_to_num(), rounded[r_bad].nan_to_num()):
         return "non-finite values differ from the reference"
     ok = ~r_bad
     if not ok.any():
         return None
     r_ok = r[ok]
-    atol, rtol = tol(r_ok.abs().max().item())
-    worst = ((o[ok] - r_ok).abs() / (atol + rtol * r_ok.abs())).max().item()
+    t = tol(r_ok.abs().max().item())
+    worst = ((o[ok] - r_ok).abs() / (t.atol + t.rtol * r_ok.abs())).max().item()
     return None if worst <= 1.0 else f"differs from the reference ({worst:.3g}x tolerance)"
 
 
@@ -251,7 +237,7 @@ def _error(exc: BaseException) -> str:
     return f"raised {type(exc).__name__}: {first}"[:300]
 
 
-def _parity(runner: _Runner, fn: Callable[..., Any], ref: tuple[Any, ...], bounds: _Bounds) -> str | None:
+def _parity(runner: _Runner, name: str, fn: Callable[..., Any], ref: tuple[Any, ...], bounds: _Bounds) -> str | None:
     """None when ``fn`` matches the reference (forward, and gradients when timed with backward)."""
     want, ref_out, ref_grads, leaf_pos = ref
     a = runner.prepare()
@@ -259,7 +245,7 @@ def _parity(runner: _Runner, fn: Callable[..., Any], ref: tuple[Any, ...], bound
     if len(outs) != len(want):
         return f"returned {len(outs)} outputs, reference {len(want)}"
     for k, (o, w, r) in enumerate(zip(outs, want, ref_out)):
-        why = _mismatch(o, w, r, functools.partial(bounds.fwd, k, getattr(w, "dtype", None)))
+        why = _mismatch(o, w, r, functools.partial(bounds.fwd, name, k, getattr(w, "dtype", None)))
         if why:
             return why
     if len(grads) != len(ref_grads):
@@ -269,7 +255,7 @@ def _parity(runner: _Runner, fn: Callable[..., Any], ref: tuple[Any, ...], bound
             continue
         if g is None:
             return f"no gradient for argument {pos}"
-        why = _mismatch(g, a[pos], r, functools.partial(bounds.bwd, pos, a[pos].dtype))
+        why = _mismatch(g, a[pos], r, functools.partial(bounds.bwd, name, pos, a[pos].dtype))
         if why:
             return f"grad {pos}: {why}"
     return None
@@ -281,14 +267,12 @@ def measure(op: Op, candidates: dict[str, Callable[..., Any]], args: tuple[Any, 
     cuda = device.type == "cuda"
     gen = torch.Generator(device=device).manual_seed(0)  # the caller's RNG stream is left alone
 
-    # The reference (float64 where the op has an error model), and a fixed cotangent in [-1, 1)
-    # per differentiable output (error models may count on |dy| <= 1).
-    import os
-
-    bounds = _Bounds(op, args, os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+    # The reference in float64 (the exact result, held to the op's error model), and a fixed
+    # cotangent in [-1, 1) per differentiable output (error models count on |dy| <= 1).
     runner = _Runner(args, needs_grad)
+    bounds = _Bounds(op, args, device)
     try:
-        ref_args = tuple(_exact(a) if bounds.exact else a for a in runner.prepare())
+        ref_args = tuple(_exact(a) for a in runner.prepare())
         with torch.no_grad():
             want = _outputs(op.reference(*runner.prepare()))  # the contract's shapes and dtypes
         with torch.enable_grad() if needs_grad else torch.no_grad():
@@ -308,12 +292,15 @@ def measure(op: Op, candidates: dict[str, Callable[..., Any]], args: tuple[Any, 
         ref = (want, tuple(r.detach() if isinstance(r, torch.Tensor) else r for r in ref_out), ref_grads, leaf_pos)
     except Exception as exc:
         raise ReferenceFailed(_error(exc)) from exc
+    missing = [i for i, g in zip(leaf_pos, ref_grads) if g is not None and i not in bounds.model.grads]
+    if missing:  # an op whose error model lacks a gradient's bound: nothing to hold impls to
+        raise ReferenceFailed(f"the op's error model has no bound for the gradient of argument {missing[0]}")
 
     times: dict[str, Timing] = {}
     live: list[str] = []
     for name, fn in candidates.items():  # parity first (this also warms each candidate up)
         try:
-            why = _parity(runner, fn, ref, bounds)
+            why = _parity(runner, name, fn, ref, bounds)
         except Exception as exc:
             why = _error(exc)
         if why is not None:
