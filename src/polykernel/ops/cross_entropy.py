@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..backends.cute_dsl import _predicates as cute_predicates
 from ..backends.quack import _gates as quack_gates
 from ..op import Bounds, Case, ErrorModel, Op
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
@@ -245,6 +246,19 @@ IMPLS = [
         format_signature=_TRITON_DTYPES,
         rank=10,
         description="one program per row, online softmax over V in chunks; backward re-reads the logits with the saved LSE",
+    ),
+    # Our CuTeDSL kernel (backends/cute_dsl/cross_entropy.py). Rank 40 (behind Triton, ahead of the peers)
+    # until benchmarks/bench_cute_dsl.py has measured it on the H200; promote where it wins.
+    KernelSpec(
+        OP_ID,
+        "cute_dsl",
+        "polykernel.backends.cute_dsl.cross_entropy:cross_entropy",
+        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=90)}),
+        requires_modules=("cutlass", "tvm_ffi"),
+        format_signature=_TRITON_DTYPES,
+        rank=40,
+        description="one CTA per row, online softmax over V in 128-bit chunks; dlogits written in the forward (mean/sum), scaled in the backward",
+        predicate=cute_predicates.cross_entropy,
     ),
     # QuACK: 1.67 ms vs our 1.61 ms fwd+bwd at 8192x128256; Liger 2.34 ms and a host sync per call
     # (not CUDA-graph safe). Both behind Triton.

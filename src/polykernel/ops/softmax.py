@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.cute_dsl import _predicates as cute_predicates
 from ..backends.liger import _gates as liger_gates
 from ..op import Bounds, Case, ErrorModel, Op, rows_and_len
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
@@ -144,6 +145,19 @@ IMPLS = [
         format_signature=_TRITON_DTYPES,
         rank=10,
         description="one block per row up to 32K (one read, one write), online chunked beyond (rows split when few); backward recomputes fp32 y from x",
+    ),
+    # Our CuTeDSL kernel (backends/cute_dsl/softmax.py). Rank 40 (behind Triton, ahead of the peers)
+    # until benchmarks/bench_cute_dsl.py has measured it on the H200; promote where it wins.
+    KernelSpec(
+        OP_ID,
+        "cute_dsl",
+        "polykernel.backends.cute_dsl.softmax:softmax",
+        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=90)}),
+        requires_modules=("cutlass", "tvm_ffi"),
+        format_signature=_TRITON_DTYPES,
+        rank=40,
+        description="one CTA per row, the row in registers (N <= 32768, 16-byte rows); backward recomputes fp32 y from x",
+        predicate=cute_predicates.softmax,
     ),
     # QuACK: fwd 4.09 vs our 3.22, fwd+bwd 3.97 vs 3.55 at 8192x32768: ahead of Triton where its
     # predicate holds (N a multiple of 16 bytes). Liger: fwd 3.22 (a tie), fwd+bwd 3.81 vs 3.55,
