@@ -36,6 +36,7 @@ backward on saved activations.
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 import types
 import typing
@@ -44,13 +45,34 @@ from typing import Any
 
 import torch
 
+from . import op as _op_mod
 from . import registry
 from .op import Op
-from .spec import KernelBackend
+from .spec import KernelBackend, Split
 
 __all__ = ["NAMESPACE", "CompiledOp", "build_errors", "custom_op_for"]
 
 NAMESPACE = "polykernel"
+
+# What a compiled graph runs per op, when the call gives no ``impl=``: "ours" (the custom ops,
+# so the dispatcher's impl runs) or "decompose" (Dynamo traces the op's torch reference and
+# Inductor fuses it into its neighbours). Decided from measurements, H200, bf16 (README tables;
+# GPU time of CUDA-graph replays unless said), and to be re-checked with
+# benchmarks/compile_llama.py. Override per op with POLYKERNEL_COMPILE_<OP>=ours|decompose
+# (read when the op's custom op is built, i.e. at import).
+COMPILE_MODES: dict[str, str] = {
+    # swiglu/geglu 16384x14336: compile 4.31/4.33 TB/s fwd+bwd vs our Triton 4.30/4.32 (per call):
+    # both at copy speed, and Inductor can fuse the decomposed op into the next matmul's input.
+    "activation.swiglu": "decompose",
+    "activation.geglu": "decompose",
+    # rope q4x32x4096x128: compile 3.87/3.80 TB/s fwd/fwd+bwd vs our Triton 3.29/3.36.
+    "embedding.rope": "decompose",
+    # fused_add_rms_norm 16384x4096 fwd+bwd: compile 3.52 vs our 3.36 (fwd 3.92 vs 3.95).
+    "norm.fused_add_rms_norm": "decompose",
+    # Ours where it wins: rms_norm fwd+bwd 3.38 vs 3.09 (2.24 vs 2.00 at 512x262144), layer_norm
+    # 3.07 vs 2.60, softmax 3.51 vs 2.48, cross_entropy 1.61 vs 5.81 ms, and the fused linear
+    # cross-entropy, which compile can only run by materializing the [N, V] logits.
+}
 
 _lock = threading.RLock()
 _built: dict[str, CompiledOp] = {}  # op id -> its custom ops (filled once per op, never replaced)
@@ -199,6 +221,38 @@ def _select_and_run(op: Op, impl: str | None, args: Sequence[Any], names: Sequen
     return op.run(impl, argkey, *args)
 
 
+def _training_decision(op: Op, impl: str | None, args: Sequence[Any], names: Sequence[str] | None) -> Any:
+    """The dispatcher's decision for a training call (``needs_grad`` True), without running it:
+    the forward and the backward of a compiled graph both ask this, so that with unchanged
+    state they pick the same impl (the key mirrors :meth:`Op.run`'s, with needs_grad set)."""
+    args = tuple(args)
+    argkey = op.key(**dict(zip(names, args))) if names is not None else op.key(*args)
+    argkey = (*argkey[:2], True, *argkey[3:])  # fields start (device, dtype, needs_grad)
+    key = (argkey, impl, _op_mod._scope.get(), _op_mod._deterministic(), False)
+    decision = op._memo.get(key) or op._miss(key, args)
+    if getattr(decision, "cuda", False) and _op_mod._stream_capturing():  # graph capture: graph-safe impls
+        decision = op._captured(key, args)
+    if decision.raw and not op._plain(args):
+        decision = op._subclass(decision.key, args, decision)
+    return decision
+
+
+def _split_of(fn: Any) -> Split | None:
+    split = getattr(fn, "split", None)
+    return split if isinstance(split, Split) else None
+
+
+def _layout_split(op: Op) -> Split | None:
+    """The split that defines the op's saved layout: the torch impl's (None: nothing is saved)."""
+    spec = registry.specs_for(op).get("torch")
+    if spec is None:
+        return None
+    try:
+        return _split_of(registry.load_impl(spec))
+    except Exception:  # the torch impl always imports; if not, the op saves nothing
+        return None
+
+
 def _key_names(op: Op, names: Sequence[str]) -> tuple[str, ...] | None:
     """The parameter names to call ``op.key`` with by keyword, or None to call it positionally."""
     try:
@@ -291,9 +345,20 @@ class CompiledOp:
         self.backward_schema = _schema(
             params, ["Tensor[]"], with_defaults=False, prefix="Tensor?[] grad_outputs", suffix="bool[] grad_mask"
         )
+        self.train_schema = _schema(params, [*returns, "Tensor[]"], with_defaults=False, suffix="bool[] grad_mask")
+        self.train_backward_schema = _schema(
+            params, ["Tensor[]"], with_defaults=False, prefix="Tensor?[] grad_outputs, Tensor[] saved", suffix="bool[] grad_mask"
+        )
         self.forward = self._define_forward()
         self.backward = self._define_backward()
-        fwd, validate = self.forward, getattr(op, "validate", None)
+        self.train_backward = self._define_train_backward()
+        self.train = self._define_train()
+        mode = os.environ.get(f"POLYKERNEL_COMPILE_{name.upper()}") or COMPILE_MODES.get(op.id, "ours")
+        if mode not in ("ours", "decompose"):
+            raise ValueError(f"POLYKERNEL_COMPILE_{name.upper()}: {mode!r} is not 'ours' or 'decompose'")
+        self.mode = mode
+        fwd, train, validate, reference = self.forward, self.train, getattr(op, "validate", None), op.reference
+        decompose, single = mode == "decompose", self.single
 
         def call(impl: Any, *args: Any) -> Any:
             # Traced by Dynamo: validation happens at trace time, on the (fake) arguments, so a
@@ -302,6 +367,13 @@ class CompiledOp:
                 validate(*args)
             if impl is not None and not isinstance(impl, str):  # a list or a KernelBackend
                 impl = _impl_str(impl)
+            if decompose and impl is None:  # Inductor's own code is as fast: let it fuse the op
+                return reference(*args)
+            if torch.is_grad_enabled():
+                mask = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
+                if any(mask):  # training: the forward returns what the backward needs
+                    *outs, _saved = train(*args, mask, impl=impl)
+                    return outs[0] if single else tuple(outs)
             return fwd(*args, impl=impl)
 
         self.call = call
@@ -379,6 +451,106 @@ class CompiledOp:
             return [torch.empty(a.shape, dtype=a.dtype, device=a.device) for a, m in zip(args, mask) if m]
 
         custom = torch.library.custom_op(f"{self.qualname}_backward", real, mutates_args=(), schema=self.backward_schema)
+        custom.register_fake(fake)
+        self._recompute = real
+        return custom._opoverload
+
+    # -- training: forward with saved activations, backward without recompute -------------------
+    def _define_train(self) -> Any:
+        op_id, names, n_out, full = self.op_id, self.key_names, len(self.returns), self._full
+
+        def saved_by_layout(op: Op, args: Sequence[Any], mask: Sequence[bool], fake: bool) -> list[torch.Tensor]:
+            split = _layout_split(op)
+            if split is None:
+                return []
+            if fake and split.layout is not None:
+                return list(split.layout(*args, list(mask)))
+            return list(split.forward(*args, list(mask))[1])
+
+        def real(*rest: Any, impl: str | None = None) -> Any:
+            *args, mask = rest
+            args = full(tuple(args))
+            op = _current(op_id)
+            decision = _training_decision(op, impl, args, names)
+            split = _split_of(decision.fn)
+            saved = None
+            with torch.no_grad():
+                try:
+                    if split is not None:
+                        outs, saved = split.forward(*args, list(mask))
+                    else:
+                        outs = decision.fn(*args)
+                except Exception as exc:  # the fault policy: falls back (a plain call) or re-raises
+                    outs, saved = decision.on_fault(exc, tuple(args)), None
+                if saved is None:  # no split ran: the op's layout, from the torch impl's split
+                    saved = saved_by_layout(op, args, mask, fake=False)
+            out = _fresh([*_as_tuple(outs), *saved], args)
+            return (*out[:n_out], out[n_out:])
+
+        def fake(*rest: Any, impl: str | None = None) -> Any:
+            *args, mask = rest
+            args = full(tuple(args))
+            op = _current(op_id)
+            with _autograd_on(), torch.no_grad():  # see the forward's fake impl
+                outs = _as_tuple(op.reference(*args))
+                saved = saved_by_layout(op, args, mask, fake=True)
+            out = [torch.empty(o.shape, dtype=o.dtype, device=o.device) if isinstance(o, torch.Tensor) else o for o in (*outs, *saved)]
+            return (*out[:n_out], out[n_out:])
+
+        custom = torch.library.custom_op(f"{self.qualname}_train", real, mutates_args=(), schema=self.train_schema)
+        custom.register_fake(fake)
+        custom.register_autograd(self._train_formula, setup_context=self._train_setup)
+        return custom._opoverload
+
+    def _train_setup(self, ctx: Any, inputs: Sequence[Any], keyword_only_inputs: dict[str, Any], output: Any) -> None:
+        *args, _mask = inputs
+        *outs, saved = output
+        tensors = set(self.tensor_args)
+        ctx.save_for_backward(*(args[i] for i in self.tensor_args), *saved)
+        ctx.pk_consts = [None if i in tensors else a for i, a in enumerate(args)]
+        ctx.pk_impl = keyword_only_inputs.get("impl")
+        ctx.pk_outs = [(o.shape, o.dtype, o.device) for o in outs]
+        ctx.set_materialize_grads(False)  # no zeros for the saved tensors' (absent) gradients
+        ctx.mark_non_differentiable(*saved)
+
+    def _train_formula(self, ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        n_t = len(self.tensor_args)
+        stored = ctx.saved_tensors
+        args = list(ctx.pk_consts)
+        for i, t in zip(self.tensor_args, stored[:n_t]):
+            args[i] = t
+        needs = ctx.needs_input_grad[: self.n_args]
+        mask = [bool(m) for m in needs]
+        # An output that took no gradient: zeros (the formula runs only when some output did).
+        outs = [g if g is not None else torch.zeros(s, dtype=d, device=dev) for g, (s, d, dev) in zip(grads, ctx.pk_outs)]
+        result = iter(self.train_backward(outs, list(stored[n_t:]), *args, mask, impl=ctx.pk_impl))
+        return (*(next(result) if m else None for m in mask), None)
+
+    def _define_train_backward(self) -> Any:
+        op_id, names, recompute = self.op_id, self.key_names, self._recompute
+
+        def real(
+            grad_outputs: list[torch.Tensor | None], saved: list[torch.Tensor], *rest: Any, impl: str | None = None
+        ) -> list[torch.Tensor]:
+            *args, mask = rest
+            op = _current(op_id)
+            split = _split_of(_training_decision(op, impl, args, names).fn)
+            if split is None:  # an impl without a split (a peer, say): recompute its forward
+                return recompute(grad_outputs, *args, mask, impl=impl)
+            with torch.no_grad():
+                got = list(split.backward(list(grad_outputs), list(saved), *args, list(mask)))
+            grads = [
+                g if g is not None else torch.zeros_like(a, memory_format=torch.contiguous_format) for g, a, m in zip(got, args, mask) if m
+            ]
+            return _fresh(grads, [*args, *grad_outputs, *saved])
+
+        def fake(
+            grad_outputs: list[torch.Tensor | None], saved: list[torch.Tensor], *rest: Any, impl: str | None = None
+        ) -> list[torch.Tensor]:
+            *args, mask = rest
+            return [torch.empty(a.shape, dtype=a.dtype, device=a.device) for a, m in zip(args, mask) if m]
+
+        custom = torch.library.custom_op(f"{self.qualname}_train_backward", real, mutates_args=(), schema=self.train_backward_schema)
         custom.register_fake(fake)
         return custom._opoverload
 

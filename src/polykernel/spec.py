@@ -29,6 +29,7 @@ __all__ = [
     "KernelBackend",
     "KernelSpec",
     "PlatformInfo",
+    "Split",
     "capabilities_satisfied",
     "split_op_id",
 ]
@@ -268,6 +269,36 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@dataclass(frozen=True)
+class Split:
+    """An impl's forward and backward as two functions, so that a compiled graph runs each once.
+
+    Attach it to the registered impl callable as its ``split`` attribute (one impl name per op;
+    the dispatcher picks the impl, and with it the pair). Under ``torch.compile`` the op's
+    training custom op calls ``forward``, keeps what it returns as ``saved`` and hands it to
+    ``backward`` (see :mod:`polykernel.library`); eager calls keep using the impl itself.
+
+    - ``forward(*args, grad_mask) -> (outputs, saved)``: ``args`` are the impl's positional
+      arguments, ``grad_mask`` one bool per argument (which ones need a gradient); ``outputs``
+      is a tuple in the op's return order, ``saved`` a tuple of fresh tensors for the backward.
+    - ``backward(grad_outputs, saved, *args, grad_mask) -> grads``: one gradient (or None) per
+      argument; ``grad_outputs`` has a tensor for every output (zeros where unused).
+    - ``layout(*args, grad_mask) -> saved``: optional; tensors shaped like ``saved`` (for fake
+      tensors at trace time). Without it, ``forward`` itself runs on the fake tensors.
+
+    ``saved`` must have one layout per op whichever impl produced it (the torch impl's split
+    defines it; an op without a torch split saves nothing), because the backward may select
+    another impl than the forward did (a scope that ended in between, say).
+
+    >>> Split(forward=lambda *a: ((), ()), backward=lambda g, s, *a: []).layout is None
+    True
+    """
+
+    forward: Callable[..., Any]
+    backward: Callable[..., Any]
+    layout: Callable[..., Any] | None = None
+
+
 _TARGET = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 
 
@@ -291,6 +322,10 @@ class KernelSpec:
     not one). Impls that read raw memory (Triton, CuTe, peers' kernels) must not: a DTensor has
     no storage of its own and a wrapper's memory is not what it stands for. Left as None it is
     True for the ``torch`` backend, which goes through torch's own dispatch, and False otherwise.
+
+    The loaded callable may carry a :class:`Split` as its ``split`` attribute: its forward and
+    backward as separate functions, which compiled graphs use so the backward does not recompute
+    the forward (:mod:`polykernel.library`). Impls without one are recomputed there.
 
     >>> spec = KernelSpec("norm.rms_norm", "triton", "polykernel.backends.triton.rms_norm:rms_norm")
     >>> spec.group, spec.name, spec.impl

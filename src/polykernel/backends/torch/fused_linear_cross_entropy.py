@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ...ops.fused_linear_cross_entropy import reference  # noqa: F401  (semantics live in the op file)
+from ...spec import Split
 from .cross_entropy import grad_scale, loss_and_grad, reduce_rows, scale_grads_
 
 CHUNK_BYTES = 256 << 20  # logits of one row chunk, in the logits' dtype (~1024 rows at V = 128K bf16)
@@ -162,3 +163,66 @@ def fused_linear_cross_entropy(
 ) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.fused_linear_cross_entropy``)."""
     return run(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, _chunk)
+
+
+# Forward and backward as separate functions, for compiled graphs (polykernel.library). With
+# reduction "mean"/"sum" the forward computes the gradients for grad_output = 1, as the eager
+# path does, and saves them; the backward scales them (out of place: a custom op's outputs are
+# fresh tensors). With "none" nothing is saved and the backward walks the chunks again. This
+# driver's split defines the op's saved layout: [grad_hidden [N, H]], [grad_weight], [grad_bias
+# (fp32)], each present when its argument needs a gradient.
+def _needs(bias: torch.Tensor | None, grad_mask) -> tuple[bool, bool, bool]:
+    return (bool(grad_mask[0]), bool(grad_mask[1]), bias is not None and bool(grad_mask[3]))
+
+
+def make_split(chunk_fn: ChunkFn) -> Split:
+    """The :class:`~polykernel.spec.Split` of an impl that runs this driver with ``chunk_fn``."""
+
+    def forward(hidden, weight, target, bias, ignore_index, ls, reduction, grad_mask):
+        h2 = hidden.reshape(-1, hidden.shape[-1])
+        t = target.reshape(-1).long().contiguous()
+        count = (t != ignore_index).sum()
+        if reduction == "none":
+            losses, *_ = _walk(h2, weight, bias, t, ignore_index, ls, chunk_fn, None)
+            return (reduce_rows(losses, count, reduction, target.shape),), ()
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        scale = grad_scale(torch.ones((), dtype=acc, device=h2.device), count, reduction, acc)
+        losses, *grads = _walk(h2, weight, bias, t, ignore_index, ls, chunk_fn, scale, _needs(bias, grad_mask))
+        return (reduce_rows(losses, count, reduction, target.shape),), tuple(g for g in grads if g is not None)
+
+    def backward(grads, saved, hidden, weight, target, bias, ignore_index, ls, reduction, grad_mask):
+        g, needs = grads[0], _needs(bias, grad_mask)
+        if reduction == "none":
+            acc = torch.promote_types(hidden.dtype, torch.float32)
+            t = target.reshape(-1).long().contiguous()
+            _, gh, gw, gb = _walk(
+                hidden.reshape(-1, hidden.shape[-1]), weight, bias, t, ignore_index, ls, chunk_fn, g.reshape(-1).to(acc), needs
+            )
+        else:
+            it = iter(saved)
+            gh, gw, gb = (torch.mul(next(it), g) if need else None for need in needs)
+        return [
+            None if gh is None else gh.view(hidden.shape),
+            gw,
+            None,
+            None if gb is None else gb.to(bias.dtype),
+            None,
+            None,
+            None,
+        ]
+
+    def layout(hidden, weight, target, bias, ignore_index, ls, reduction, grad_mask):
+        if reduction == "none":
+            return ()
+        needs, acc = _needs(bias, grad_mask), torch.promote_types(hidden.dtype, torch.float32)
+        shapes = (
+            ((hidden.numel() // max(hidden.shape[-1], 1), hidden.shape[-1]), hidden.dtype),
+            (weight.shape, weight.dtype),
+            ((weight.shape[0],), acc),
+        )
+        return tuple(torch.empty(s, dtype=d, device=hidden.device) for need, (s, d) in zip(needs, shapes) if need)
+
+    return Split(forward=forward, backward=backward, layout=layout)
+
+
+fused_linear_cross_entropy.split = make_split(_chunk)  # type: ignore[attr-defined]

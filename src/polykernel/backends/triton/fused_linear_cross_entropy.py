@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...ops.fused_linear_cross_entropy import reference  # noqa: F401  (semantics live in the op file)
-from ..torch.fused_linear_cross_entropy import run
+from ..torch.fused_linear_cross_entropy import make_split, run
 from .cross_entropy import ce_forward
 
 
@@ -31,3 +31,6 @@ def fused_linear_cross_entropy(
 ) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.fused_linear_cross_entropy``)."""
     return run(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, _chunk)
+
+
+fused_linear_cross_entropy.split = make_split(_chunk)  # type: ignore[attr-defined]  # compiled graphs: no recompute

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ...ops.rms_norm import reference  # noqa: F401  (semantics live in the op file)
+from ...spec import Split
 from ._rows import TL_DTYPE
 from ._rows import as_rows as _as_rows
 from ._rows import row_tile as _tile
@@ -345,3 +346,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, c
     n = x.shape[-1]
     y, _ = rms_norm_forward(_as_rows(x, n), weight.contiguous(), eps, offset, casting == "llama")
     return y.view(x.shape)
+
+
+# Forward and backward as separate functions, for compiled graphs (polykernel.library): the
+# backward runs on the saved rstd, no recompute. Saved layout: the torch impl's (rstd fp32 [M]).
+def _split_forward(x, weight, eps, offset, casting, grad_mask):
+    y, rstd = rms_norm_forward(_as_rows(x, x.shape[-1]), weight.contiguous(), eps, offset, casting == "llama")
+    return (y.view(x.shape),), (rstd,)
+
+
+def _split_backward(grads, saved, x, weight, eps, offset, casting, grad_mask):
+    n = x.shape[-1]
+    dx, dw = rms_norm_backward(_as_rows(grads[0], n), _as_rows(x, n), weight.contiguous(), saved[0], offset, casting == "llama")
+    return [dx.view(x.shape), dw, None, None, None]
+
+
+rms_norm.split = Split(forward=_split_forward, backward=_split_backward)  # type: ignore[attr-defined]
