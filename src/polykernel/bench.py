@@ -1,17 +1,29 @@
-"""``polykernel bench``: polykernel's impls next to eager PyTorch and torch.compile, in one process
-and one run, on a CUDA GPU. The peers that are installed (Liger-Kernel, QuACK) are registered
-impls (``polykernel:liger``, ``polykernel:quack``) and are measured as such.
+"""``polykernel bench``: polykernel next to eager PyTorch and torch.compile, in one process and one
+run, on a CUDA GPU. The peers that are installed (Liger-Kernel, QuACK) are registered impls
+(``polykernel:liger``, ``polykernel:quack``) and are measured as such.
 
-    $ polykernel bench                          # every op, README shapes, bf16
-    $ polykernel bench rms_norm softmax --graph # GPU time only (CUDA-graph replays)
-    $ python benchmarks/bench_ops.py --ops rms_norm --out results/
+    $ polykernel bench                                   # every op, README shapes, bf16, per call
+    $ polykernel bench rms_norm softmax --graph          # GPU time only (CUDA-graph replays)
+    $ polykernel bench --graph --sweep --plot --out benchmarks/results   # + sizes per op, a PNG
+    $ polykernel bench --load benchmarks/results/h200-2026-12-01-graph.json --plot out.png  # re-plot
+
+Rows, per case (op, shape, mode): ``impl="polykernel"`` is the automatic choice, as a user's call
+gets it, with the impl it chose in ``chosen``; then one row per registered impl forced with
+``impl=`` (``polykernel:triton``, ``polykernel:torch``, the peers' ``polykernel:liger`` ...), the op's
+reference in plain PyTorch (``eager reference``) and ``torch.compile`` of that reference.
 
 Timing: ``triton.testing.do_bench`` medians (it flushes L2 between runs). Forward times one call;
 "fwd+bwd" times a forward plus ``torch.autograd.grad`` of every output with a fixed random
 cotangent. GB/s counts the fewest bytes the op must move (each op file's ``bytes_moved``: state
 the formula there); the fused linear cross-entropy reports TFLOP/s from 2·N·H·V (forward) and
 6·N·H·V (forward+backward). "% copy" is against a 2 GiB device-to-device copy measured at the
-start of the same run (bytes read + written). Peak extra memory is reported for the losses.
+start of the same run (bytes read + written). Peak extra memory is reported for every row.
+
+``--sweep`` adds, per op, sizes along the leading dimension (the README shape and three smaller
+ones, largest first). To keep a full sweep within a few minutes: the extra sizes are timed with
+``do_bench(warmup=10, rep=40)`` instead of (25, 100), and ``torch.compile`` keeps one compiled
+reference per op and row length, so a sweep costs one static and one dynamic-shape compile per
+mode (what ``torch.compile``'s default automatic dynamic shapes give a user) instead of one per size.
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -27,8 +40,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from rich.console import Console
 
-# op -> list of (label, example shape). Shapes from ../shared/gpu/README.md's peer table.
+# op -> list of (label, example shape): the README's tables.
 SHAPES: dict[str, list[tuple[str, tuple[int, ...]]]] = {
     "rms_norm": [
         ("16384x4096", (16384, 4096)),
@@ -46,8 +60,48 @@ SHAPES: dict[str, list[tuple[str, tuple[int, ...]]]] = {
     "fused_linear_cross_entropy": [("N8192,H4096,V128256", (8192, 4096, 128256))],
 }
 
+# op -> (index of the dimension a sweep scales, how many smaller sizes): the README shape, then
+# the swept dimension divided by 4, 16, 64 (rope: the sequence length; the losses: the tokens).
+_SWEEP_DIM: dict[str, tuple[int, int]] = {"rope": (2, 3), "cross_entropy": (0, 2), "fused_linear_cross_entropy": (0, 1)}
+
+
+def sweep_shapes(op_name: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The op's first README shape and smaller sizes along one dimension, largest first.
+
+    >>> [label for label, _ in sweep_shapes("softmax")]
+    ['8192x32768', '2048x32768', '512x32768', '128x32768']
+    """
+    label, shape = SHAPES[op_name][0]
+    dim, steps = _SWEEP_DIM.get(op_name, (0, 3))
+    out = [(label, shape)]
+    for k in range(1, steps + 1):
+        s = list(shape)
+        s[dim] = max(1, shape[dim] // 4**k)
+        out.append((_label(op_name, tuple(s)), tuple(s)))
+    return out
+
+
+def _label(op_name: str, shape: tuple[int, ...]) -> str:
+    if op_name == "rope":
+        b, h, t, d = shape
+        return f"q{b}x{h}x{t}x{d},k{max(1, h // 4)}"
+    if op_name == "fused_linear_cross_entropy":
+        n, h, v = shape
+        return f"N{n},H{h},V{v}"
+    return "x".join(map(str, shape))
+
+
+def cases_for(op_name: str, sweep: bool) -> list[tuple[str, tuple[int, ...], bool]]:
+    """(label, shape, in the sweep series) for one op: the README shapes, plus the sweep's."""
+    series = sweep_shapes(op_name) if sweep else []
+    in_series = {s for _, s in series}
+    out = [(label, shape, shape in in_series) for label, shape in SHAPES[op_name]]
+    out += [(label, shape, True) for label, shape in series if shape not in {s for _, s in SHAPES[op_name]}]
+    return out
+
 
 def copy_bandwidth() -> float:
+    """GB/s of a 2 GiB device-to-device copy (bytes read + written)."""
     import torch
     import triton.testing
 
@@ -63,7 +117,9 @@ def _outputs(out: Any) -> list[torch.Tensor]:
     return [o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, torch.Tensor) and o.requires_grad]
 
 
-def measure(fn: Callable[[], Any], grad_inputs: list[torch.Tensor], backward: bool, graph: bool = False) -> tuple[float, float]:
+def measure(
+    fn: Callable[[], Any], grad_inputs: list[torch.Tensor], backward: bool, graph: bool = False, warmup: int = 25, rep: int = 100
+) -> tuple[float, float]:
     """(median ms, peak extra MiB) of fn (forward) or fn + autograd.grad (forward+backward).
 
     ``graph=True`` captures the step in a CUDA graph and times its replays: GPU time alone, with
@@ -101,131 +157,235 @@ def measure(fn: Callable[[], Any], grad_inputs: list[torch.Tensor], backward: bo
         captured = torch.cuda.CUDAGraph()
         with torch.cuda.graph(captured):
             step()
-        ms = triton.testing.do_bench(captured.replay, warmup=25, rep=100, return_mode="median")
+        ms = triton.testing.do_bench(captured.replay, warmup=warmup, rep=rep, return_mode="median")
     else:
-        ms = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
+        ms = triton.testing.do_bench(step, warmup=warmup, rep=rep, return_mode="median")
     return ms, peak
 
 
 def _contenders(
-    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype, use_compile: bool
+    op: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dtype: torch.dtype,
+    compiled: Callable[..., Any] | None,
+    device: str = "cuda",
 ) -> dict[str, Callable[[], Any]]:
     """Name -> a no-argument call of one contender on the same inputs."""
-    import torch
-
     import polykernel
 
     public = getattr(polykernel, op.name)
-    out: dict[str, Callable[[], Any]] = {}
+    # The automatic choice first: as a user calls it (static ranks, or the tuning store's choice).
+    out: dict[str, Callable[[], Any]] = {"polykernel": lambda: public(*args, **kwargs)}
     # Every registered impl runnable here, the peers included (impl="liger", impl="quack"): a peer
     # is measured through its adapter, as polykernel runs it. An impl whose predicate refuses these
     # arguments (Liger at N > 65536) raises ImplNotAvailableError: its row records the reason.
-    for impl in polykernel.available_impls(op.id, device="cuda", dtype=dtype):
+    for impl in polykernel.available_impls(op.id, device=device, dtype=dtype):
         out[f"polykernel:{impl}"] = lambda impl=impl: public(*args, impl=impl, **kwargs)
     out["eager reference"] = lambda: op.reference(*args, **kwargs)
-    if use_compile:
-        compiled = torch.compile(op.reference, dynamic=False)
+    if compiled is not None:
         out["torch.compile"] = lambda: compiled(*args, **kwargs)
     return out
 
 
-def run(ops: list[str], use_compile: bool, dtype: torch.dtype, graph: bool = False) -> tuple[list[dict[str, Any]], float]:
+def _chosen(op_id: str, backward: bool) -> str:
+    """The impl(s) the dispatcher used for the automatic row (its decisions since the last clear;
+    under CUDA-graph capture the capture's own decision is among them)."""
+    import polykernel
+
+    used = {d["impl"] for d in polykernel.decisions(op_id) if bool(d["arg_class"].get("needs_grad")) == backward}
+    return "+".join(sorted(used))
+
+
+def _perf(row: dict[str, Any], op: Any, shape: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any], copy: float) -> None:
+    backward = row["mode"].startswith("fwd+bwd")
+    ms = row["ms"]
+    if op.name == "fused_linear_cross_entropy":
+        n, h, v = shape
+        row["size"] = 2 * n * h * v / 1e9  # GFLOP forward: the plot's x
+        row["TFLOP/s"] = (6 if backward else 2) * n * h * v / (ms * 1e-3) / 1e12
+    elif op.bytes_moved is not None:
+        row["size"] = op.bytes_moved(*args, backward=False, **kwargs) / 2**20  # MiB forward: the plot's x
+        gbs = op.bytes_moved(*args, backward=backward, **kwargs) / (ms * 1e-3) / 1e9
+        row["GB/s"], row["% copy"] = gbs, 100 * gbs / copy
+
+
+def run(
+    ops: list[str],
+    use_compile: bool,
+    dtype: torch.dtype,
+    graph: bool = False,
+    sweep: bool = False,
+    console: Console | None = None,
+    device: str = "cuda",
+) -> tuple[list[dict[str, Any]], float]:
+    """Measure every contender on every case of ``ops``; (rows, copy GB/s). ``device`` other than
+    CUDA is for tests of the bookkeeping (with ``measure`` replaced)."""
     import torch
 
+    import polykernel
     from polykernel import registry
+    from polykernel.console import make_console, progress
 
+    con = console or make_console()
     copy = copy_bandwidth()
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | copy 2 GiB: {copy:.0f} GB/s", flush=True)
+    name = torch.cuda.get_device_name() if device == "cuda" else device
+    con.print(f"# {name} | torch {torch.__version__} | copy 2 GiB: {copy:.0f} GB/s")
+    plan = [(registry.get_op(name), *case) for name in ops for case in cases_for(registry.get_op(name).name, sweep)]
+    readme = {(op, s) for op, cases in SHAPES.items() for _, s in cases}
     rows: list[dict[str, Any]] = []
-    for name in ops:
-        op = registry.get_op(name)
-        for label, shape in SHAPES[op.name]:
-            case = op.example(shape, dtype, "cuda", True)
+    compiled: dict[tuple[str, int], Callable[..., Any]] = {}
+    with progress(con) as bar:
+        task = bar.add_task("bench", total=len(plan))
+        for op, label, shape, in_sweep in plan:
+            bar.update(task, description=f"{op.name} {label}")
+            case = op.example(shape, dtype, device, True)
             args, kwargs = case.args, case.kwargs
             grad_inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-            contenders = _contenders(op, args, kwargs, dtype, use_compile)
-            for who, fn in contenders.items():
+            fn = None
+            if use_compile:  # one per op and row length: sizes along the leading dim share it
+                fn = compiled.setdefault((op.name, shape[-1]), torch.compile(op.reference))
+            timing = {"warmup": 25, "rep": 100} if (op.name, shape) in readme else {"warmup": 10, "rep": 40}
+            for who, call in _contenders(op, args, kwargs, dtype, fn, device).items():
                 for backward in (False, True):
                     t0 = time.time()
+                    if who == "polykernel":
+                        polykernel.clear_caches()  # so decisions() holds this row's choice only
                     try:
-                        ms, peak = measure(fn, grad_inputs, backward, graph)
+                        ms, peak = measure(call, grad_inputs, backward, graph, **timing)
                         err = ""
                     except Exception as exc:
                         ms, peak, err = float("nan"), float("nan"), f"{type(exc).__name__}: {str(exc)[:120]}"
-                    row = {
+                    row: dict[str, Any] = {
                         "op": op.name,
                         "shape": label,
                         "dtype": str(dtype).removeprefix("torch."),
                         "mode": ("fwd+bwd" if backward else "fwd") + (" graph" if graph else ""),
                         "impl": who,
+                        "chosen": _chosen(op.id, backward) if who == "polykernel" else "",
+                        "sweep": in_sweep,
                         "ms": ms,
                         "peak_extra_MiB": peak,
                         "error": err,
+                        "seconds": round(time.time() - t0, 2),
                     }
-                    if op.name == "fused_linear_cross_entropy":
-                        n, h, v = shape
-                        row["TFLOP/s"] = (6 if backward else 2) * n * h * v / (ms * 1e-3) / 1e12
-                    elif op.bytes_moved is not None:
-                        gbs = op.bytes_moved(*args, backward=backward, **kwargs) / (ms * 1e-3) / 1e9
-                        row["GB/s"], row["% copy"] = gbs, 100 * gbs / copy
+                    _perf(row, op, shape, args, kwargs, copy)
                     rows.append(row)
-                    print(_fmt(row), f"[{time.time() - t0:.1f}s]", flush=True)
-            torch.cuda.empty_cache()
+            bar.advance(task)
+            if bar.disable:  # plain output: a line per case instead of the bar
+                con.print(f"{op.name} {label}: done ({sum(r['shape'] == label and r['op'] == op.name for r in rows)} rows)")
+            del case, args, kwargs, grad_inputs
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return rows, copy
 
 
-def _fmt(r: dict[str, Any]) -> str:
-    perf = (
-        f"{r['TFLOP/s']:7.1f} TFLOP/s"
-        if "TFLOP/s" in r
-        else f"{r.get('GB/s', float('nan')):7.0f} GB/s ({r.get('% copy', float('nan')):5.1f}% copy)"
-    )
-    return f"{r['op']:<27} {r['shape']:<20} {r['mode']:<8} {r['impl']:<18} {r['ms']:9.3f} ms {perf} peak+{r['peak_extra_MiB']:8.0f} MiB {r['error']}"
+def print_rows(rows: list[dict[str, Any]], console: Console) -> None:
+    """The rows as one table: ms, TB/s (or TFLOP/s), % of the copy, peak extra memory, errors."""
+    from polykernel.console import table
+
+    t = table(console, "op", "shape", "mode", "impl", "chosen", "ms", "TB/s | TFLOP/s", "% copy", "peak+ MiB", "error",
+              right=("ms", "TB/s | TFLOP/s", "% copy", "peak+ MiB"))  # fmt: skip
+    for r in rows:
+        perf = f"{r['TFLOP/s']:.0f} TFLOP/s" if "TFLOP/s" in r else (f"{r['GB/s'] / 1e3:.2f}" if "GB/s" in r else "")
+        pct = f"{r['% copy']:.1f}" if "% copy" in r else ""
+        t.add_row(
+            r["op"], r["shape"], r["mode"], r["impl"], r["chosen"], f"{r['ms']:.3f}", perf, pct, f"{r['peak_extra_MiB']:.0f}", r["error"]
+        )
+    console.print(t)
+
+
+def device_slug(name: str) -> str:
+    """A short file-name tag for a device: ``NVIDIA H200`` -> ``h200``, ``cpu`` -> ``cpu``.
+
+    >>> device_slug("NVIDIA H200"), device_slug("NVIDIA GeForce RTX 4090")
+    ('h200', 'rtx-4090')
+    """
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w and w not in ("nvidia", "geforce", "tesla")]
+    return "-".join(words[:2]) or "gpu"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("op", nargs="*", help="ops to measure (default: all)")
     p.add_argument("--ops", default="", help="comma-separated ops (same as the positional list)")
-    p.add_argument("--out", default=os.environ.get("OUT", "results"))
+    p.add_argument(
+        "--out", default=os.environ.get("OUT", "results"), help="directory for <device>-<date>-<graph|call>.json/.csv (and .png)"
+    )
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--graph", action="store_true", help="time CUDA-graph replays (GPU time without host launch cost)")
-    p.add_argument("--json", action="store_true", help="print the rows as JSON at the end")
+    p.add_argument("--sweep", action="store_true", help="add three smaller sizes per op (for the plot)")
+    p.add_argument(
+        "--plot",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="FILE.png",
+        help="draw one panel per op: TB/s (TFLOP/s) per provider over sizes, copy bandwidth as a line "
+        "(needs the 'plot' extra: matplotlib). Without FILE: next to the JSON in --out",
+    )
+    p.add_argument("--load", metavar="RESULTS.json", help="no measuring: read a results file (e.g. to --plot it on another machine)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON at the end (tables and progress go to stderr)")
 
 
 def run_cli(a: argparse.Namespace) -> int:
-    import torch
-
     from polykernel import registry
+    from polykernel.console import make_console
 
-    if not torch.cuda.is_available():
-        print("polykernel bench needs a CUDA GPU", file=sys.stderr)
-        return 2
-    names = [*a.op, *(o for o in a.ops.split(",") if o)] or list(SHAPES)
-    ops = [registry.get_op(o).name for o in names]
-    rows, copy = run(ops, not a.no_compile, getattr(torch, a.dtype), a.graph)
-    os.makedirs(a.out, exist_ok=True)
-    stem = "bench-graph" if a.graph else "bench"
-    with open(os.path.join(a.out, f"{stem}.json"), "w") as f:
-        json.dump(
-            {
-                "device": torch.cuda.get_device_name(),
-                "torch": torch.__version__,
-                "copy_GBps": copy,
-                "date": time.strftime("%Y-%m-%d"),
-                "rows": rows,
-            },
-            f,
-            indent=1,
-        )
-    keys = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
-    with open(os.path.join(a.out, f"{stem}.csv"), "w", newline="") as f:
+    con = getattr(a, "console", None) or make_console(sys.stderr if a.json else None)
+    if a.plot is not None:
+        from polykernel.plotting import require_matplotlib
+
+        require_matplotlib("polykernel bench --plot")  # before measuring, not after minutes of it
+    if a.load:
+        with open(a.load) as f:
+            result = json.load(f)
+        stem = os.path.splitext(a.load)[0]
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("polykernel bench needs a CUDA GPU (or --load RESULTS.json to plot saved results)", file=sys.stderr)
+            return 2
+        names = [*a.op, *(o for o in a.ops.split(",") if o)] or list(SHAPES)
+        ops = [registry.get_op(o).name for o in names]
+        unknown = [o for o in ops if o not in SHAPES]
+        if unknown:
+            raise ValueError(f"--ops: no bench shapes for {', '.join(unknown)}")
+        rows, copy = run(ops, not a.no_compile, getattr(torch, a.dtype), a.graph, a.sweep, con)
+        result = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "copy_GBps": copy,
+            "date": time.strftime("%Y-%m-%d"),
+            "mode": "graph" if a.graph else "call",
+            "rows": rows,
+        }
+        os.makedirs(a.out, exist_ok=True)
+        stem = os.path.join(a.out, f"{device_slug(result['device'])}-{result['date']}-{result['mode']}")
+        _write(result, stem)
+        con.print(f"wrote {stem}.json and {stem}.csv")
+    print_rows(result["rows"], con)
+    if a.plot is not None:
+        from polykernel.plotting import plot_bench
+
+        path = a.plot or f"{stem}.png"
+        plot_bench(result, path)
+        con.print(f"wrote {path}")
+    if a.json:
+        print(json.dumps(result["rows"], indent=1))
+    return 0
+
+
+def _write(result: dict[str, Any], stem: str) -> None:
+    rows = result["rows"]
+    with open(f"{stem}.json", "w") as f:
+        json.dump(result, f, indent=1)
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(f"{stem}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
-    if a.json:
-        print(json.dumps(rows, indent=1))
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,12 @@ import json
 import os
 import platform as _platform
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from polykernel.console import make_console, progress, table
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -43,6 +48,11 @@ def _shape(text: str) -> tuple[int, ...]:
     return dims
 
 
+def _console(args: argparse.Namespace) -> Console:
+    """The console given to main(), else stdout's; with --json, stderr's (stdout is the JSON)."""
+    return getattr(args, "console", None) or make_console(sys.stderr if getattr(args, "json", False) else None)
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     import polykernel
 
@@ -54,13 +64,14 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"ops and impls on {rows[0]['platform'] if rows else device} ({args.dtype}); * = chosen by default")
+    con = _console(args)
+    t = table(
+        con, "op", "chosen", "impls (why not runnable)", title=f"ops and impls on {rows[0]['platform'] if rows else device} ({args.dtype})"
+    )
     for r in rows:
-        cells = []
-        for impl in r["impls"]:
-            mark = "*" if impl["name"] == r["chosen"] else ""
-            cells.append(f"{mark}{impl['name']}" + ("" if impl["runnable"] else f" (no: {impl['reason']})"))
-        print(f"  {r['op']:<34} {', '.join(cells)}")
+        cells = [impl["name"] + ("" if impl["runnable"] else f" (no: {impl['reason']})") for impl in r["impls"]]
+        t.add_row(r["op"], r["chosen"] or f"none: {r['error']}", ", ".join(cells))
+    con.print(t)
     return 0
 
 
@@ -75,7 +86,26 @@ def cmd_explain(args: argparse.Namespace) -> int:
         e = polykernel.explain(args.op, *case.args, impl=args.impl, **case.kwargs)
     else:
         e = polykernel.explain(args.op, device=device, dtype=dtype, impl=args.impl)
-    print(json.dumps(e.as_dict(), indent=2) if args.json else e)
+    if args.json:
+        print(json.dumps(e.as_dict(), indent=2))
+        return 0 if e.chosen else 1
+    d = e.as_dict()
+    con = _console(args)
+    con.print(f"{d['op']} on {d['platform']}")
+    con.print("  arguments: " + ", ".join(f"{k}={v}" for k, v in d["arg_class"].items()))
+    con.print(f"  chosen: {d['chosen']} (source: {d['source']})" if d["chosen"] else f"  chosen: none ({d['error']})")
+    t = table(con, "", "impl", "rank", "verdict", right=("rank",))
+    for r in d["impls"]:
+        t.add_row("*" if r["name"] == d["chosen"] else "", r["name"], str(r["rank"]), "runnable" if r["runnable"] else f"no: {r['reason']}")
+    con.print(t)
+    for module, err in d["import_errors"].items():
+        con.print(f"  ! module {module} failed to import: {err}")
+    if d["tuned"]:
+        t = table(con, "impl", "gpu ms", "host/wall ms", "error", title="measured (tuning)", right=("gpu ms", "host/wall ms"))
+        for name, tm in d["tuned"].get("times", {}).items():
+            gpu = tm.get("gpu_ms")
+            t.add_row(name, "" if gpu is None else f"{gpu:.4g}", f"{tm.get('host_ms', float('nan')):.4g}", tm.get("error") or "")
+        con.print(t)
     return 0 if e.chosen else 1
 
 
@@ -86,16 +116,28 @@ def cmd_check(args: argparse.Namespace) -> int:
     device = args.device or _default_device()
     ops = [args.op] if args.op else polykernel.list_ops()
     dtypes = [_dtype(args.dtype)] if args.dtype else None
+    con = _console(args)
     results = []
-    for op in ops:
-        results += check_parity(op, args.impl or None, device=device, dtypes=dtypes, large=args.large)
+    with progress(con, transient=True) as bar:
+        task = bar.add_task("parity", total=len(ops))
+        for op in ops:
+            bar.update(task, description=f"parity {op}")
+            results += check_parity(op, args.impl or None, device=device, dtypes=dtypes, large=args.large)
+            bar.advance(task)
     failed = [r for r in results if not r.ok]
     if args.json:
         print(json.dumps([r.__dict__ for r in results], indent=2, default=str))
-    else:
-        for r in results if args.verbose else failed:
-            print(r)
-        print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+        return 1 if failed else 0
+    shown = results if args.verbose else failed
+    if shown:
+        t = table(con, "", "op", "impl", "case", "dtype", "fwd err", "bwd err", "message", right=("fwd err", "bwd err"))
+        for r in shown:
+            t.add_row(
+                "ok" if r.ok else "FAIL", r.op, r.impl, r.case, r.dtype, f"{r.forward_error:.3g}", f"{r.backward_error:.3g}", r.message
+            )
+        con.print(t)
+        con.print("  errors are max |out - ref| / (atol + rtol |ref|) of the op's error model: <= 1 passes")
+    con.print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
 
 
@@ -136,9 +178,19 @@ def cmd_env(args: argparse.Namespace) -> int:
     info["settings"] = {k: v for k, v in os.environ.items() if k.startswith("POLYKERNEL_") or k == "TRITON_INTERPRET"}
     if args.json:
         print(json.dumps(info, indent=2))
-    else:
-        for k, v in info.items():
-            print(f"{k:>14}: {v}")
+        return 0
+    con = _console(args)
+    t = table(con, "", "", title="polykernel env", show_header=False)
+    for k, v in info.items():
+        t.add_row(
+            k,
+            ", ".join(v)
+            if isinstance(v, list)
+            else (" ".join(f"{a}={b}" for a, b in v.items()) or "(none)")
+            if isinstance(v, dict)
+            else str(v),
+        )
+    con.print(t)
     return 0
 
 
@@ -157,7 +209,7 @@ def _version(module: str) -> str:
 def cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
     from polykernel import demo
 
-    return demo.main(rest)
+    return demo.main(rest, console=getattr(args, "console", None))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,11 +256,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, console: Console | None = None) -> int:
+    """Run one command; its exit status. ``console``: where tables and progress go (default: a
+    rich console on stdout, plain when stdout is not a terminal); ``--json`` always prints to stdout.
+
+    >>> main(["list", "--device", "cpu", "--json"])  # doctest: +SKIP
+    0
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo":
-        return cmd_demo(argparse.Namespace(), argv[1:])
+        return cmd_demo(argparse.Namespace(console=console), argv[1:])
     args = build_parser().parse_args(argv)
+    args.console = console
     handler = {"list": cmd_list, "explain": cmd_explain, "check": cmd_check, "bench": cmd_bench, "tune": cmd_tune, "env": cmd_env}[
         args.command
     ]

@@ -19,6 +19,8 @@ import os
 import sys
 from typing import Any
 
+from polykernel.console import make_console, progress, table
+
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
@@ -77,29 +79,31 @@ def run_cli(args: argparse.Namespace) -> int:
         dtypes = [getattr(torch, d) for d in (args.dtype or (["bfloat16"] if cuda else ["float32"]))]
         ops = [registry.get_op(op) for op in args.ops]
         unmeasured = []
-        with tuning.collecting() as records:
-            for op in ops:
-                if args.shapes:
-                    shapes = args.shapes
-                else:
-                    from polykernel.bench import SHAPES
+        con = getattr(args, "console", None) or make_console(sys.stderr if args.json else None)  # stdout: the JSON
+        cases = []
+        for op in ops:
+            if args.shapes:
+                shapes = args.shapes
+            else:
+                from polykernel.bench import SHAPES
 
-                    shapes = [s for _, s in SHAPES.get(op.name, [])]
-                    if not shapes:
-                        raise ValueError(f"{op.id}: no default shapes; give --shapes")
-                fn = getattr(polykernel, op.name)
-                for shape in shapes:
-                    for dtype in dtypes:
-                        dispatch.clear_caches()  # every case must be a memo miss (that is where tuning measures)
-                        case = op.example(shape, dtype, device, args.grad)
-                        before = len(records)
-                        print(
-                            f"tuning {op.id} {case.label} {str(dtype).removeprefix('torch.')}{' +grad' if args.grad else ''} ...",
-                            file=sys.stderr,
-                        )
-                        fn(*case.args, **case.kwargs)
-                        if len(records) == before:
-                            unmeasured.append(f"{op.id} {case.label}: not measured (an impl override or an already-seen key applies)")
+                shapes = [s for _, s in SHAPES.get(op.name, [])]
+                if not shapes:
+                    raise ValueError(f"{op.id}: no default shapes; give --shapes")
+            cases += [(op, shape, dtype) for shape in shapes for dtype in dtypes]
+        with tuning.collecting() as records, progress(con) as bar:
+            task = bar.add_task("tuning", total=len(cases))
+            for op, shape, dtype in cases:
+                dispatch.clear_caches()  # every case must be a memo miss (that is where tuning measures)
+                case = op.example(shape, dtype, device, args.grad)
+                before = len(records)
+                bar.update(
+                    task, description=f"tuning {op.name} {case.label} {str(dtype).removeprefix('torch.')}{' +grad' if args.grad else ''}"
+                )
+                getattr(polykernel, op.name)(*case.args, **case.kwargs)
+                if len(records) == before:
+                    unmeasured.append(f"{op.id} {case.label}: not measured (an impl override or an already-seen key applies)")
+                bar.advance(task)
         plain = [{**r, "times": {n: t.as_json() for n, t in r["times"].items()}} for r in records]
         if dist is not None:
             gathered: list[Any] = [None] * dist.get_world_size()
@@ -115,13 +119,13 @@ def run_cli(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps({"store": str(where), "entries": {k: v for k, v in entries.items()}}, indent=1))
             else:
+                t = table(con, "key", "eager", "graph", "static", "times (ms)", title=f"{len(entries)} decisions stored in {where}")
                 for key, entry in entries.items():
                     k = json.loads(key)
-                    print(f"{k['op']} {' '.join(k['tensors'])}{' +grad' if k['class'].get('needs_grad') else ''}: {entry['eager']}"
-                          f" (graph: {entry['graph']}, static: {entry['static']})")  # fmt: skip
-                    for name, t in entry["times"].items():
-                        print(f"    {name:<12} {t.get('error') or _ms(t)}")
-                print(f"{len(entries)} decisions stored in {where}")
+                    times = "; ".join(f"{name} {tm.get('error') or _ms(tm)}" for name, tm in entry["times"].items())
+                    label = f"{k['op']} {' '.join(k['tensors'])}{' +grad' if k['class'].get('needs_grad') else ''}"
+                    t.add_row(label, entry["eager"], entry["graph"], entry["static"], times)
+                con.print(t)
             for line in unmeasured:
                 print(line, file=sys.stderr)
         if dist is not None:
