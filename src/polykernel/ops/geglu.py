@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..backends.cutile import _gates as cutile_gates
 from ..backends.liger import _gates as liger_gates
 from ..op import Bounds, Case, ErrorModel, Op
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
@@ -115,6 +116,20 @@ IMPLS = [
         rank=60,
         description="Liger LigerGELUMulFunction (tanh only); gate/up copied when grad is on",
         predicate=liger_gates.geglu,
+    ),
+    # cuTile (issue 9): not yet measured on the H200; ranked behind Triton until it is, so auto does
+    # not change. The predicate probes the tileiras compiler once per process and arch (explain
+    # shows why it cannot run: `tileiras not found`, `tileiras failed: ...`).
+    KernelSpec(
+        OP_ID,
+        "cutile",
+        "polykernel.backends.cutile.geglu:geglu",
+        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=cutile_gates.MIN_SM, max_sm=cutile_gates.MAX_SM)}),
+        requires_modules=cutile_gates.MODULES,
+        format_signature=_TRITON_DTYPES,
+        rank=40,
+        description="one elementwise pass each way over [M, N] views (any strides); erf from an erfc fit (cuTile has no erf)",
+        predicate=cutile_gates.geglu,
     ),
 ]
 

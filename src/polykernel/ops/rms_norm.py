@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.cutile import _gates as cutile_gates
 from ..backends.liger import _gates as liger_gates
 from ..backends.quack import _gates as quack_gates
 from ..op import Bounds, Case, ErrorModel, Op, rows_and_len
@@ -212,6 +213,20 @@ IMPLS = [
         rank=60,
         description="Liger LigerRMSNormFunction (gemma/llama casting, in_place=False); N <= 65536",
         predicate=liger_gates.rms_norm,
+    ),
+    # cuTile (issue 9): not yet measured on the H200; ranked behind Triton until it is, so auto does
+    # not change. The predicate probes the tileiras compiler once per process and arch (explain
+    # shows why it cannot run: `tileiras not found`, `tileiras failed: ...`).
+    KernelSpec(
+        OP_ID,
+        "cutile",
+        "polykernel.backends.cutile.rms_norm:rms_norm",
+        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=cutile_gates.MIN_SM, max_sm=cutile_gates.MAX_SM)}),
+        requires_modules=cutile_gates.MODULES,
+        format_signature=_TRITON_DTYPES,
+        rank=40,
+        description="one tile per row block (chunked beyond 8192); persistent backward, dW from per-block partials (deterministic)",
+        predicate=cutile_gates.rms_norm,
     ),
 ]
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..backends.cutile import _gates as cutile_gates
 from ..op import Bounds, Case, ErrorModel, Op
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
@@ -268,6 +269,20 @@ IMPLS = [
     # it is off by 1e5-1e7x the error model in fp32 with cos/sin halves that differ, strided
     # cos/sin, D = 272 and decode shapes, and 25-1e5x in bf16/fp16 (it reads only the first half
     # of each cos/sin row and computes in the tables' dtype); it also trailed (1.08 / 1.69 TB/s).
+    # cuTile (issue 9): not yet measured on the H200; ranked behind Triton until it is, so auto does
+    # not change. The predicate probes the tileiras compiler once per process and arch (explain
+    # shows why it cannot run: `tileiras not found`, `tileiras failed: ...`).
+    KernelSpec(
+        OP_ID,
+        "cutile",
+        "polykernel.backends.cutile.rope:rope",
+        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=cutile_gates.MIN_SM, max_sm=cutile_gates.MAX_SM)}),
+        requires_modules=cutile_gates.MODULES,
+        format_signature=_TRITON_DTYPES,
+        rank=40,
+        description="gathers by element index (any D, any q/k strides); cos/sin loaded once per position tile for all heads",
+        predicate=cutile_gates.rope,
+    ),
 ]
 
 _op = Op(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..backends.cute_dsl import _predicates as cute_predicates
+from ..backends.cutile import _gates as cutile_gates
 from ..backends.liger import _gates as liger_gates
 from ..op import Bounds, Case, ErrorModel, Op, rows_and_len
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
@@ -128,6 +129,8 @@ _TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float
 # Peers whose low-precision results fail the error model (see the comment at each).
 _FP32_ONLY = FormatSignature(supported_dtypes=("float32",))
 
+_CUTILE_FWD = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"), supports_backward=False)
+
 IMPLS = [
     KernelSpec(
         OP_ID,
@@ -178,6 +181,20 @@ IMPLS = [
         rank=60,
         description="Liger LigerSoftmaxFunction; N <= 65536; backward from the saved y",
         predicate=liger_gates.softmax,
+    ),
+    # cuTile (issue 9): not yet measured on the H200; ranked behind Triton until it is, so auto does
+    # not change. The predicate probes the tileiras compiler once per process and arch (explain
+    # shows why it cannot run: `tileiras not found`, `tileiras failed: ...`).
+    KernelSpec(
+        OP_ID,
+        "cutile",
+        "polykernel.backends.cutile.softmax:softmax",
+        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=cutile_gates.MIN_SM, max_sm=cutile_gates.MAX_SM)}),
+        requires_modules=cutile_gates.MODULES,
+        format_signature=_CUTILE_FWD,
+        rank=40,
+        description="forward only: one tile per row block (chunked online max/sum beyond 8192)",
+        predicate=cutile_gates.softmax,
     ),
 ]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..backends.cutile import _gates as cutile_gates
 from ..op import Bounds, Case, ErrorModel, Op
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
@@ -103,6 +104,20 @@ IMPLS = [
         format_signature=_FP32_ONLY,
         rank=60,
         description="Liger LigerSiLUMulFunction (silu(gate) rounded to up's dtype before the multiply); gate/up copied when grad is on",
+    ),
+    # cuTile (issue 9): not yet measured on the H200; ranked behind Triton until it is, so auto does
+    # not change. The predicate probes the tileiras compiler once per process and arch (explain
+    # shows why it cannot run: `tileiras not found`, `tileiras failed: ...`).
+    KernelSpec(
+        OP_ID,
+        "cutile",
+        "polykernel.backends.cutile.swiglu:swiglu",
+        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=cutile_gates.MIN_SM, max_sm=cutile_gates.MAX_SM)}),
+        requires_modules=cutile_gates.MODULES,
+        format_signature=_TRITON_DTYPES,
+        rank=40,
+        description="one elementwise pass each way over [M, N] views (any strides); backward recomputes silu",
+        predicate=cutile_gates.swiglu,
     ),
 ]
 

@@ -1,0 +1,194 @@
+"""cuTile RMSNorm: forward and backward, ``casting`` "fp32" and "llama", any ``offset``.
+
+Rows of up to ONE_TILE_N (backward: BWD_ONE_TILE_N) elements live in one tile (TM rows per block); longer rows are walked in
+CHUNK_N-wide chunks (forward: sum of squares, then normalize; backward: the row dot, then dx).
+The forward saves rstd (fp32, one per row). The backward is persistent (about two blocks per SM):
+each block accumulates dW = Σ dy·x̂ over its rows into its own row of an fp32 partials buffer,
+summed on the host in a fixed order, so dW is deterministic (no atomics).
+"""
+
+from __future__ import annotations
+
+import cuda.tile as ct
+import torch
+
+from ..torch.rms_norm import rms_norm as _torch_rms_norm
+from ._host import launch, num_sms, pow2, rows
+
+ONE_TILE_N = 8192  # rows up to this length are held in one tile
+CHUNK_N = 4096  # chunk width for longer rows
+TILE_ELEMS = 8192  # elements per block on the one-tile path (several short rows per block)
+# The backward holds x, dy and a dW accumulator per tile: half the forward's tile (an sm_90
+# compile of TM x TN = 2 x 4096 in fp32 took 15 s and a 1 MB cubin, a sign of spills).
+BWD_ONE_TILE_N = 4096
+BWD_TILE_ELEMS = 4096
+ZERO = ct.PaddingMode.ZERO
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+@ct.kernel
+def _fwd_tile(X, W, Y, RSTD, EPS: ct.Constant[float], OFFSET: ct.Constant[float], LLAMA: ct.Constant[bool],
+              TM: ct.Constant[int], TN: ct.Constant[int]):  # fmt: skip
+    bm = ct.bid(0)
+    inv_n = 1.0 / ct.astype(X.shape[1], ct.float32)
+    x = ct.astype(ct.load(X, index=(bm, 0), shape=(TM, TN), padding_mode=ZERO), ct.float32)
+    rstd = ct.rsqrt(ct.sum(x * x, axis=1, keepdims=True) * inv_n + EPS)  # (TM, 1)
+    ct.store(RSTD, index=(bm,), tile=ct.reshape(rstd, (TM,)))
+    w = ct.reshape(ct.astype(ct.load(W, index=(0,), shape=(TN,), padding_mode=ZERO), ct.float32), (1, TN)) + OFFSET
+    xhat = x * rstd
+    if LLAMA:
+        xhat = ct.astype(ct.astype(xhat, X.dtype), ct.float32)
+    ct.store(Y, index=(bm, 0), tile=ct.astype(xhat * w, Y.dtype))
+
+
+@ct.kernel
+def _fwd_chunked(X, W, Y, RSTD, EPS: ct.Constant[float], OFFSET: ct.Constant[float], LLAMA: ct.Constant[bool],
+                 TN: ct.Constant[int]):  # fmt: skip
+    row = ct.bid(0)
+    n = X.shape[1]
+    chunks = ct.cdiv(n, TN)
+    acc = ct.full((1, TN), 0.0, dtype=ct.float32)
+    for j in range(chunks):
+        x = ct.astype(ct.load(X, index=(row, j), shape=(1, TN), padding_mode=ZERO), ct.float32)
+        acc = acc + x * x
+    rstd = ct.rsqrt(ct.sum(acc, axis=1, keepdims=True) / ct.astype(n, ct.float32) + EPS)  # (1, 1)
+    ct.store(RSTD, index=(row,), tile=ct.reshape(rstd, (1,)))
+    for j in range(chunks):
+        x = ct.astype(ct.load(X, index=(row, j), shape=(1, TN), padding_mode=ZERO), ct.float32)
+        w = ct.reshape(ct.astype(ct.load(W, index=(j,), shape=(TN,), padding_mode=ZERO), ct.float32), (1, TN)) + OFFSET
+        xhat = x * rstd
+        if LLAMA:
+            xhat = ct.astype(ct.astype(xhat, X.dtype), ct.float32)
+        ct.store(Y, index=(row, j), tile=ct.astype(xhat * w, Y.dtype))
+
+
+@ct.kernel
+def _bwd_tile(X, W, DY, RSTD, DX, DWP, OFFSET: ct.Constant[float], LLAMA: ct.Constant[bool],
+              TM: ct.Constant[int], TN: ct.Constant[int]):  # fmt: skip
+    bid, blocks = ct.bid(0), ct.num_blocks(0)
+    inv_n = 1.0 / ct.astype(X.shape[1], ct.float32)
+    w = ct.reshape(ct.astype(ct.load(W, index=(0,), shape=(TN,), padding_mode=ZERO), ct.float32), (1, TN)) + OFFSET
+    dw = ct.full((TM, TN), 0.0, dtype=ct.float32)
+    for i in range(bid, ct.cdiv(X.shape[0], TM), blocks):
+        x = ct.astype(ct.load(X, index=(i, 0), shape=(TM, TN), padding_mode=ZERO), ct.float32)
+        dy = ct.astype(ct.load(DY, index=(i, 0), shape=(TM, TN), padding_mode=ZERO), ct.float32)
+        rstd = ct.reshape(ct.load(RSTD, index=(i,), shape=(TM,), padding_mode=ZERO), (TM, 1))
+        xhat = x * rstd
+        g = dy * w
+        if LLAMA:  # y = round(x̂)·w: the reference's cast also rounds the gradient of x̂
+            dw = dw + dy * ct.astype(ct.astype(xhat, X.dtype), ct.float32)
+            g = ct.astype(ct.astype(g, X.dtype), ct.float32)
+        else:
+            dw = dw + dy * xhat
+        c = ct.sum(g * xhat, axis=1, keepdims=True) * inv_n
+        ct.store(DX, index=(i, 0), tile=ct.astype((g - xhat * c) * rstd, DX.dtype))
+    ct.store(DWP, index=(bid, 0), tile=ct.sum(dw, axis=0, keepdims=True))
+
+
+@ct.kernel
+def _bwd_chunked(X, W, DY, RSTD, DX, DWP, OFFSET: ct.Constant[float], LLAMA: ct.Constant[bool], TN: ct.Constant[int]):
+    # DWP starts at zero; each block adds into its own row only (no races, no atomics)
+    bid, blocks = ct.bid(0), ct.num_blocks(0)
+    n = X.shape[1]
+    chunks = ct.cdiv(n, TN)
+    for row in range(bid, X.shape[0], blocks):
+        rstd = ct.reshape(ct.load(RSTD, index=(row,), shape=(1,), padding_mode=ZERO), (1, 1))
+        acc = ct.full((1, TN), 0.0, dtype=ct.float32)
+        for j in range(chunks):
+            x = ct.astype(ct.load(X, index=(row, j), shape=(1, TN), padding_mode=ZERO), ct.float32)
+            dy = ct.astype(ct.load(DY, index=(row, j), shape=(1, TN), padding_mode=ZERO), ct.float32)
+            w = ct.reshape(ct.astype(ct.load(W, index=(j,), shape=(TN,), padding_mode=ZERO), ct.float32), (1, TN)) + OFFSET
+            g = dy * w
+            if LLAMA:
+                g = ct.astype(ct.astype(g, X.dtype), ct.float32)
+            acc = acc + g * (x * rstd)
+        c = ct.sum(acc, axis=1, keepdims=True) / ct.astype(n, ct.float32)
+        for j in range(chunks):
+            x = ct.astype(ct.load(X, index=(row, j), shape=(1, TN), padding_mode=ZERO), ct.float32)
+            dy = ct.astype(ct.load(DY, index=(row, j), shape=(1, TN), padding_mode=ZERO), ct.float32)
+            w = ct.reshape(ct.astype(ct.load(W, index=(j,), shape=(TN,), padding_mode=ZERO), ct.float32), (1, TN)) + OFFSET
+            xhat = x * rstd
+            g = dy * w
+            xr = xhat
+            if LLAMA:
+                g = ct.astype(ct.astype(g, X.dtype), ct.float32)
+                xr = ct.astype(ct.astype(xhat, X.dtype), ct.float32)
+            ct.store(DX, index=(row, j), tile=ct.astype((g - xhat * c) * rstd, DX.dtype))
+            part = ct.load(DWP, index=(bid, j), shape=(1, TN), padding_mode=ZERO)
+            ct.store(DWP, index=(bid, j), tile=part + dy * xr)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host launcher
+
+
+def _tm(m: int, tn: int, elems: int = TILE_ELEMS) -> int:
+    return min(pow2(m), max(1, elems // tn))
+
+
+def rms_norm_forward(x2: torch.Tensor, w: torch.Tensor, eps: float, offset: float, llama: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [M, N] contiguous, rstd [M] fp32) for ``x2`` [M, N] (any strides)."""
+    m, n = x2.shape
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x2.device)
+    if pow2(n) <= ONE_TILE_N:
+        tn = pow2(n)
+        tm = _tm(m, tn)
+        launch(((m + tm - 1) // tm,), _fwd_tile, x2, w, y, rstd, float(eps), float(offset), llama, tm, tn)
+    else:
+        launch((m,), _fwd_chunked, x2, w, y, rstd, float(eps), float(offset), llama, CHUNK_N)
+    return y, rstd
+
+
+def rms_norm_backward(
+    dy2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, offset: float, llama: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [M, N] in x's dtype, dw [N] in w's dtype)."""
+    m, n = x2.shape
+    dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    sms = num_sms(x2.device.index if x2.device.index is not None else torch.cuda.current_device())
+    if pow2(n) <= BWD_ONE_TILE_N:
+        tn = pow2(n)
+        tm = _tm(m, tn, BWD_TILE_ELEMS)
+        grid = min(2 * sms, (m + tm - 1) // tm)
+        dwp = torch.empty((grid, n), dtype=torch.float32, device=x2.device)
+        launch((grid,), _bwd_tile, x2, w, dy2, rstd, dx, dwp, float(offset), llama, tm, tn)
+    else:
+        grid = min(2 * sms, m)
+        dwp = torch.zeros((grid, n), dtype=torch.float32, device=x2.device)
+        launch((grid,), _bwd_chunked, x2, w, dy2, rstd, dx, dwp, float(offset), llama, CHUNK_N)
+    return dx, dwp.sum(0).to(w.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registered impl
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, casting):  # type: ignore[override]
+        x2 = rows(x, x.shape[-1])
+        y, rstd = rms_norm_forward(x2, weight, eps, offset, casting == "llama")
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.offset, ctx.llama = offset, casting == "llama"
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        x2, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_backward(rows(dy, x2.shape[1]), x2, weight, rstd, ctx.offset, ctx.llama)
+        return (dx.view(dy.shape) if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None, None, None, None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str) -> torch.Tensor:
+    """The registered impl (arguments already validated by ``polykernel.rms_norm``). Empty inputs
+    (no rows, or N = 0) go to the torch impl: there is no kernel to launch."""
+    if x.numel() == 0:
+        return _torch_rms_norm(x, weight, eps, offset, casting)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNorm.apply(x, weight, eps, offset, casting)
+    y, _ = rms_norm_forward(rows(x, x.shape[-1]), weight, eps, offset, casting == "llama")
+    return y.view(x.shape)
