@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.cute_dsl import _gates as cute_gates
 from ..backends.liger import _gates as liger_gates
 from ..op import SUM_LAMBDA, Bounds, Case, ErrorModel, Op, rows_and_len
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
@@ -216,6 +217,20 @@ IMPLS = [
         rank=60,
         description="Liger LigerLayerNormFunction; weight and bias required; N <= 65536",
         predicate=liger_gates.layer_norm,
+    ),
+    # Our CuTeDSL kernels (backends/cute_dsl/layer_norm.py, issue 8): rank 40, behind Triton, until
+    # benchmarks/bench_cute_dsl.py has measured them on the H200 (expected to win the forward of
+    # long rows, where one cluster reads x once); measured selection promotes them meanwhile.
+    KernelSpec(
+        OP_ID,
+        "cute_dsl",
+        "polykernel.backends.cute_dsl.layer_norm:layer_norm",
+        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=90)}),
+        requires_modules=("cutlass", "tvm_ffi"),
+        format_signature=_TRITON_DTYPES,
+        rank=40,
+        description="as cute_dsl rms_norm, centred in registers (two-pass variance); dW/dB from per-CTA partials (deterministic)",
+        predicate=cute_gates.layer_norm,
     ),
 ]
 

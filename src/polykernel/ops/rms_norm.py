@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.cute_dsl import _gates as cute_gates
 from ..backends.cutile import _gates as cutile_gates
 from ..backends.liger import _gates as liger_gates
 from ..backends.quack import _gates as quack_gates
@@ -227,6 +228,20 @@ IMPLS = [
         rank=40,
         description="one tile per row block (chunked beyond 8192); persistent backward, dW from per-block partials (deterministic)",
         predicate=cutile_gates.rms_norm,
+    ),
+    # Our CuTeDSL kernels (backends/cute_dsl/rms_norm.py, issue 8): rank 40, behind Triton, until
+    # benchmarks/bench_cute_dsl.py has measured them on the H200 (expected to win the forward of
+    # long rows, where one cluster reads x once); measured selection promotes them meanwhile.
+    KernelSpec(
+        OP_ID,
+        "cute_dsl",
+        "polykernel.backends.cute_dsl.rms_norm:rms_norm",
+        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=90)}),
+        requires_modules=("cutlass", "tvm_ffi"),
+        format_signature=_TRITON_DTYPES,
+        rank=40,
+        description="rows in registers, 128-bit vectors, warp/block/cluster sums (rows past 16K over a thread-block cluster, DSMEM); dW from per-CTA partials (deterministic)",
+        predicate=cute_gates.rms_norm,
     ),
 ]
 

@@ -173,7 +173,7 @@ def _sm_count(index: int) -> int:
 def rows16(t: Any, n: int) -> Any:
     """``t`` as [M, n] with unit column stride, 16-byte aligned base and row stride (the fake
     tensors' promise); copies only when the layout breaks it."""
-    t2 = t.reshape(-1, n) if t.dim() != 2 else t
+    t2 = t.reshape(math.prod(t.shape[:-1]), n)  # not -1: ambiguous when n = 0
     vec_elems = VEC_BYTES // t.element_size()
     if t2.stride(-1) != 1 or t2.stride(0) % vec_elems or t2.data_ptr() % VEC_BYTES:
         t2 = t2.contiguous() if not t2.is_contiguous() else t2.clone()
