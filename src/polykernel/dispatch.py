@@ -217,6 +217,10 @@ class Decision:
     # The impl reads raw memory (``KernelSpec.accepts_subclasses`` is False): the hot path then
     # checks that no argument is a tensor subclass before calling it (see Op.call).
     raw: bool = True
+    # The argument class is on a CUDA device: the hot path then asks whether a CUDA graph is being
+    # captured (a capture is decided under its own key, graph-safe impls only).
+    cuda: bool = False
+    guarded: bool = True  # raw or cuda: one read on the hot path when neither applies
 
     def on_fault(self, exc: Exception, args: tuple[Any, ...]) -> Any:
         """Runtime-fault policy: fall back from an impl chosen by steps 4-6 that raised."""
@@ -232,7 +236,7 @@ class Decision:
         )
         with _lock:
             _broken.setdefault((self.op.id, argkey), {})[self.impl] = f"failed at run time: {type(exc).__name__}"
-            self.op._memo.pop(self.key, None)
+            self.op.forget(self.key)
         try:
             nxt = decide(self.op, self.key)
         except ImplNotAvailableError:
@@ -321,6 +325,8 @@ def decide(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None) ->
     ``args``: the call's real arguments (the op's miss path), which tuning may measure on."""
     decision = _resolve(op, key, args, measure=args is not None)
     decision.raw = not registry.specs_for(op)[decision.impl].accepts_subclasses
+    decision.cuda = getattr(key[0][0], "type", None) == "cuda"
+    decision.guarded = decision.raw or decision.cuda
     op._memo[key] = decision
     _record[(op.id, key)] = decision  # what `decisions()` lists; outlives the memo
     return decision
