@@ -176,7 +176,7 @@ def rows16(t: Any, n: int) -> Any:
     t2 = t.reshape(math.prod(t.shape[:-1]), n)  # not -1: ambiguous when n = 0
     vec_elems = VEC_BYTES // t.element_size()
     if t2.stride(-1) != 1 or t2.stride(0) % vec_elems or t2.data_ptr() % VEC_BYTES:
-        t2 = t2.contiguous() if not t2.is_contiguous() else t2.clone()
+        t2 = t2.new_empty(t2.shape).copy_(t2)  # fresh storage: standard strides, aligned base
     return t2
 
 
@@ -184,9 +184,9 @@ def vector16(t: Any | None) -> Any | None:
     """A 1-D parameter as a contiguous, 16-byte aligned tensor (a copy only when needed)."""
     if t is None:
         return None
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t if t.data_ptr() % VEC_BYTES == 0 else t.clone()
+    if t.stride(0) != 1 or t.data_ptr() % VEC_BYTES:
+        t = t.new_empty(t.shape).copy_(t)
+    return t
 
 
 # -- device-side helpers --------------------------------------------------------------------------

@@ -17,8 +17,14 @@ def _dt(t: torch.Tensor | None):
     return None if t is None else common.cutlass_dtype(t.dtype)
 
 
+_archs: dict[torch.device, tuple[int, int]] = {}
+
+
 def _arch(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
+    hit = _archs.get(device)
+    if hit is None:
+        hit = _archs[device] = torch.cuda.get_device_capability(device)
+    return hit
 
 
 def norm_forward(
