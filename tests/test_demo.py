@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import io
 import itertools
 import json
@@ -13,6 +14,7 @@ import torch
 
 import polykernel
 from polykernel import demo
+from polykernel.demo import command as demo_command
 from polykernel.models import PRESETS, LlamaConfig, LlamaForCausalLM
 
 MICRO = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32)
@@ -128,33 +130,57 @@ def cpu_default(monkeypatch):
     polykernel.clear_caches()
 
 
-def test_demo_end_to_end_on_cpu(cpu_default, tmp_path):
+SHORT = ["--device", "cpu", "--batch", "4", "--seq-len", "64", "--no-progress"]
+
+
+def test_demo_end_to_end_on_cpu_with_a_transformers_llama(cpu_default, tmp_path):
+    pytest.importorskip("transformers")
     out = io.StringIO()
     path = tmp_path / "demo.json"
-    argv = ["--device", "cpu", "--steps", "12", "--batch", "4", "--seq-len", "64", "--no-progress", "--json", str(path)]
-    rc = demo.main(argv, out=out)
+    rc = demo.main([*SHORT, "--steps", "12", "--json", str(path)], out=out)
     text = out.getvalue()
     assert rc == 0, text
     for op_id in polykernel.list_ops():
         assert op_id in text  # the op table lists every op
-    assert "platform: cpu" in text and "max |diff|" in text and "agree" in text and "tokens/s" in text
+    assert "platform: cpu" in text and "a transformers Llama" in text and "tokens/s" in text and "agree" in text
     assert "VmHWM" in text or "ru_maxrss" in text  # says which memory measure it used
     res = json.loads(path.read_text())
     assert res["agree"] and res["learned"] and res["device"] == "cpu" and res["dtype"] == "float32"
-    pk, pt = res["runs"]
+    assert res["model"]["kind"] == "hf"
+    pt, pk = res["runs"]
+    assert (pt["label"], pk["label"]) == ("torch", "polykernel")  # the CPU default: no compile, no Liger
     assert len(pk["losses"]) == len(pt["losses"]) == 12
     assert pk["losses"][-1] < pk["losses"][0] - 1.0  # the loss visibly falls
-    assert abs(pk["losses"][0] - math.log(res["config"]["vocab_size"])) < 0.5  # from ~ln(V)
+    assert abs(pk["losses"][0] - math.log(res["model"]["vocab_size"])) < 0.5  # from ~ln(V)
     used = {r["op"]: r for r in pk["impls"]}
     for op_id in ("norm.rms_norm", "activation.swiglu", "embedding.rope", "loss.fused_linear_cross_entropy"):
         assert used[op_id]["impl"] == "torch" and used[op_id]["source"] == "auto", used
-    assert pk["tokens_per_second"] > 0 and pk["peak_bytes"] >= 0
-    assert pt["impls"] == []  # the torch path never calls polykernel
+    assert pk["tokens_per_second"] > 0 and pk["median_step_seconds"] > 0 and pk["peak_bytes"] >= 0
+    assert pk["max_abs_loss_diff"] <= 2e-3 and pk["agrees"]
+    assert pt["impls"] == []  # the plain run never calls polykernel
 
 
-def test_demo_logits_loss_uses_cross_entropy(cpu_default):
-    res = demo.run_demo(steps=2, size="tiny", device="cpu", batch=2, seq_len=32, fused_loss=False, out=io.StringIO(), progress=False)
-    ops = {r["op"] for r in res.runs[0].impls}
+def test_demo_falls_back_to_the_builtin_model(cpu_default, monkeypatch):
+    import importlib.util
+
+    from polykernel.demo import models
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    assert models.model_kind("auto") == "builtin"
+    with pytest.raises(ValueError, match="transformers is not installed"):
+        models.model_kind("hf")
+    out = io.StringIO()
+    assert demo.main([*SHORT, "--steps", "3"], out=out) == 0, out.getvalue()
+    assert "the built-in Llama" in out.getvalue()
+
+
+@pytest.mark.parametrize("model", ["hf", "builtin"])
+def test_demo_logits_loss_uses_cross_entropy(cpu_default, model):
+    if model == "hf":
+        pytest.importorskip("transformers")
+    res = demo.run_demo(steps=2, size="tiny", device="cpu", batch=2, seq_len=32, fused_loss=False, model=model)
+    ops = {r["op"] for r in res.run("polykernel").impls}
     assert "loss.cross_entropy" in ops and "loss.fused_linear_cross_entropy" not in ops
     assert res.agree
 
@@ -166,40 +192,109 @@ def test_demo_flags_a_disagreement(cpu_default, monkeypatch):
     real = llama._Polykernel.norm
     monkeypatch.setattr(llama._Polykernel, "norm", staticmethod(lambda mod, x: real(mod, x) * 2))
     out = io.StringIO()
-    rc = demo.main(["--device", "cpu", "--steps", "3", "--batch", "2", "--seq-len", "32", "--no-progress"], out=out)
-    assert rc == 1 and "DIFFER" in out.getvalue() and "PROBLEM" in out.getvalue()
+    rc = demo.main(["--model", "builtin", "--steps", "3", *SHORT], out=out)
+    assert rc == 1 and "DIFFER" in out.getvalue() and "PROBLEM: the losses of polykernel differ" in out.getvalue()
 
 
-def test_demo_options_and_progress_bar():
+def test_demo_compare_option_is_checked_before_training():
+    from polykernel.demo.models import parse_compare
+
+    cpu = torch.device("cpu")
+    assert parse_compare(None, cpu, "hf") == ["torch", "polykernel"]  # CPU default: no compile (slow to build), no Liger
+    assert parse_compare("compile,polykernel", cpu, "builtin") == ["torch", "compile", "polykernel"]  # torch: the baseline, first
+    for text, match in [
+        ("torch,triton", "unknown run triton"),
+        ("liger", "Liger-Kernel patches Hugging Face models"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            parse_compare(text, cpu, "builtin")
+    if importlib.util.find_spec("liger_kernel") is not None:
+        with pytest.raises(ValueError, match="need a CUDA device"):
+            parse_compare("liger", cpu, "hf")
+    with pytest.raises(SystemExit, match="unknown run"):
+        demo.main(["--device", "cpu", "--compare", "torch,fast"], out=io.StringIO())
     with pytest.raises(SystemExit):
         demo.main(["--dtype", "int8", "--device", "cpu"], out=io.StringIO())
     with pytest.raises(SystemExit):
         demo.main(["--size", "huge"], out=io.StringIO())
-    assert demo.resolve_dtype("auto", torch.device("cpu")) is torch.float32
-    assert demo.resolve_size("auto", torch.device("cpu")) == "tiny"
+    assert demo_command.resolve_dtype("auto", torch.device("cpu")) is torch.float32
+    assert demo_command.resolve_size("auto", torch.device("cpu")) == "tiny"
 
-    class Tty(io.StringIO):
-        def isatty(self):
-            return True
 
-    tty = Tty()
-    bar = demo._Progress("polykernel", 4, tty, width=8)
-    bar.update(2, 3.5)
-    bar.close(3.0)
-    assert "[####....]    2/4" in tty.getvalue() and "4 steps in" in tty.getvalue()
+def test_liger_patch_is_undone_for_later_runs():
+    pytest.importorskip("liger_kernel")
+    pytest.importorskip("transformers")
+    from transformers.models.llama import modeling_llama
+
+    from polykernel.demo import models
+
+    before = {n: getattr(modeling_llama, n) for n in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")}
+    forward = modeling_llama.LlamaForCausalLM.forward
+    shape = demo.runs.model_shape("tiny")
+    with models.built("liger", "hf", shape, device=torch.device("cpu"), dtype=torch.float32, seed=0) as v:
+        assert modeling_llama.apply_rotary_pos_emb is not before["apply_rotary_pos_emb"]  # Liger's, while its run lasts
+        assert "Liger" in type(v.model.model.norm).__name__ or v.model.model.norm.forward.__func__.__module__.startswith("liger")
+    assert {n: getattr(modeling_llama, n) for n in before} == before
+    assert modeling_llama.LlamaForCausalLM.forward is forward
+
+
+def test_same_initial_weights_for_every_contender():
+    pytest.importorskip("transformers")
+    from polykernel.demo import models
+
+    shape = demo.runs.model_shape("tiny")
+    kw = {"device": torch.device("cpu"), "dtype": torch.float32, "seed": 3}
+    a = models.build("torch", "hf", shape, **kw).model.state_dict()
+    b = models.build("polykernel", "hf", shape, **kw).model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "plain"])
+def test_demo_output_on_a_terminal_and_plain(cpu_default, terminal, tmp_path):
+    from polykernel.console import make_console
+
+    buf = io.StringIO()
+    argv = ["--device", "cpu", "--batch", "2", "--seq-len", "32", "--steps", "4", "--model", "builtin", "--json", str(tmp_path / "d.json")]
+    assert demo.main(argv, console=make_console(buf, force_terminal=terminal, width=200)) == 0
+    text = buf.getvalue()
+    assert ("\x1b[" in text) is terminal  # colours, styles and the progress bars only on a terminal
+    assert "━" in text if terminal else not any(c in text for c in "━─│")
+    row = next(ln for ln in text.splitlines() if ln.lstrip().startswith("polykernel ") and "x" in ln)
+    assert "MiB" in row and ("agree" in row)
+
+
+def test_demo_plot_and_load(cpu_default, tmp_path):
+    pytest.importorskip("matplotlib")
+    path, png, png2 = tmp_path / "d.json", tmp_path / "d.png", tmp_path / "again.png"
+    out = io.StringIO()
+    argv = ["--model", "builtin", "--steps", "3", *SHORT, "--json", str(path), "--plot", str(png)]
+    assert demo.main(argv, out=out) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG" and f"wrote {png}" in out.getvalue()
+    assert demo.main(["--load", str(path), "--plot", str(png2)], out=io.StringIO()) == 0 and png2.exists()
+
+
+def test_demo_isolate_runs_each_contender_in_its_own_process(cpu_default, tmp_path):
+    path = tmp_path / "d.json"
+    argv = ["--model", "builtin", "--steps", "2", "--device", "cpu", "--batch", "2", "--seq-len", "16", "--no-progress", "--isolate"]
+    out = io.StringIO()
+    assert demo.main([*argv, "--json", str(path)], out=out) == 0, out.getvalue()
+    res = json.loads(path.read_text())
+    assert res["isolated"] and [r["label"] for r in res["runs"]] == ["torch", "polykernel"]
+    assert res["runs"][1]["impls"] and "each in its own process" in out.getvalue()
 
 
 @pytest.mark.gpu
-def test_demo_on_gpu_uses_gpu_kernels_and_saves_memory(tmp_path):
+def test_demo_on_gpu_all_contenders(tmp_path):
     path = tmp_path / "demo.json"
     out = io.StringIO()
-    rc = demo.main(["--device", "cuda", "--size", "small", "--steps", "20", "--no-progress", "--json", str(path)], out=out)
+    rc = demo.main(["--device", "cuda", "--size", "small", "--steps", "16", "--no-progress", "--json", str(path)], out=out)
     text = out.getvalue()
     assert rc == 0, text
     res = json.loads(path.read_text())
     assert res["dtype"] == "bfloat16" and res["agree"] and res["learned"]
-    pk, pt = res["runs"]
-    used = {r["op"]: r["impl"] for r in pk["impls"]}
+    runs = {r["label"]: r for r in res["runs"]}
+    assert {"torch", "polykernel", "compile"} <= set(runs)
+    used = {r["op"]: r["impl"] for r in runs["polykernel"]["impls"]}
     assert used["norm.rms_norm"] != "torch" and used["loss.fused_linear_cross_entropy"] != "torch", used
     # the fused loss never materializes the [B*T, V] logits (and their fp32 copies and gradients)
-    assert pk["peak_bytes"] < pt["peak_bytes"], (pk["peak_bytes"], pt["peak_bytes"])
+    assert runs["polykernel"]["peak_bytes"] < runs["torch"]["peak_bytes"], (runs["polykernel"]["peak_bytes"], runs["torch"]["peak_bytes"])
