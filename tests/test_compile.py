@@ -21,6 +21,7 @@ from polykernel import dispatch, library, registry
 from polykernel.errors import OpArgumentError
 from polykernel.op import Case, Op
 from polykernel.ops import OP_MODULES
+from polykernel.spec import Split
 from polykernel.testing import fresh
 
 OP_IDS = list(OP_MODULES)
@@ -49,6 +50,16 @@ def _overloads(op: Op):
     compiled = library._built[op.id]
     packet = getattr(torch.ops.polykernel, compiled.name)
     return compiled, packet.default, getattr(torch.ops.polykernel, f"{compiled.name}_backward").default
+
+
+def _expected_node(op: Op, case: Case):
+    """The custom op a compiled call of ``case`` puts in the graph: the training op when an
+    input needs a gradient, else the forward op; None when the op decomposes under compile."""
+    compiled = library._built[op.id]
+    if compiled.mode == "decompose" and not case.kwargs.get("impl"):
+        return None
+    grad = any(isinstance(a, torch.Tensor) and a.requires_grad for a in case.args)
+    return compiled.train if grad else compiled.forward
 
 
 def _first_numel(case: Case) -> int:
@@ -133,6 +144,10 @@ def test_custom_op_schema_follows_reference(op_id):
     assert schema.arguments[-1].kwarg_only and str(schema.arguments[-1].type) == "Optional[str]"
     assert all(a.alias_info is None for a in schema.arguments)  # functional: mutates nothing
     assert [a.name for a in bwd._schema.arguments] == ["grad_outputs", *names, "grad_mask", "impl"]
+    assert [a.name for a in compiled.train._schema.arguments] == [*names, "grad_mask", "impl"]
+    assert str(compiled.train._schema.returns[-1].type) == "List[Tensor]"  # the saved tensors
+    assert [a.name for a in compiled.train_backward._schema.arguments] == ["grad_outputs", "saved", *names, "grad_mask", "impl"]
+    assert all(a.alias_info is None for a in (*compiled.train._schema.arguments, *compiled.train_backward._schema.arguments))
     assert library.custom_op_for(op) is library.custom_op_for(op_id) is compiled.call
 
 
@@ -147,9 +162,27 @@ def test_opcheck(op_id):
 
 
 @pytest.mark.parametrize("op_id", OP_IDS)
+def test_opcheck_training_ops(op_id):
+    """The training forward (outputs + saved) and its backward pass opcheck, backward included."""
+    op = _op(op_id)
+    compiled = library._built[op.id]
+    for case in _small_cases(op):
+        names = list(inspect.signature(op.reference).parameters)
+        bound = inspect.signature(op.reference).bind(*case.args, **case.kwargs)
+        bound.apply_defaults()
+        args = [bound.arguments[n] for n in names]
+        mask = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
+        torch.library.opcheck(compiled.train, (*args, mask))
+        *outs, saved = compiled.train(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args], mask)
+        grads = [torch.randn_like(o) if o.is_floating_point() else None for o in outs]
+        detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+        torch.library.opcheck(compiled.train_backward, (grads, saved, *detached, mask), test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("op_id", OP_IDS)
 def test_aot_eager_fullgraph_matches_eager(op_id):
     op = _op(op_id)
-    _, fwd, _ = _overloads(op)
+    _overloads(op)  # built
     for case in _small_cases(op):
         counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
         compiled = _compiled(op, case, counter)
@@ -157,7 +190,11 @@ def test_aot_eager_fullgraph_matches_eager(op_id):
         want = _run(lambda *a, case=case: _public(op)(*a, **case.kwargs), case)
         _assert_same(op, case, got, want, torch.float32, f"{op_id} {case.label} aot_eager")
         assert counter.frame_count == 1
-        assert fwd in _targets(counter.graphs[0]), "the op must be one custom-op node in the Dynamo graph"
+        node, targets = _expected_node(op, case), _targets(counter.graphs[0])
+        if node is None:  # decomposed: Inductor sees the reference's torch ops, nothing opaque
+            assert not any(str(t).startswith("polykernel.") for t in targets), targets
+        else:
+            assert node in targets, "the op must be one custom-op node in the Dynamo graph"
 
 
 @pytest.mark.parametrize("op_id", OP_IDS)
@@ -297,7 +334,8 @@ def test_export_keeps_the_custom_op():
 
     model, x = Norm(), torch.randn(3, 16)
     program = torch.export.export(model, (x,))
-    assert fwd in _targets(program.graph_module)
+    # The weight requires grad, so the training op (forward + saved tensors) is what is exported.
+    assert {fwd, library._built[op.id].train} & _targets(program.graph_module)
     torch.testing.assert_close(program.module()(x), model(x))
 
 
@@ -383,6 +421,149 @@ def test_fresh_outputs_never_alias_inputs():
 
 
 # ---------------------------------------------------------------------------------------------
+# Training under compile: one forward per op call, the backward on the saved tensors
+
+
+def _real(a) -> bool:
+    """A real tensor (not a fake one seen while tracing)."""
+    return type(a) is torch.Tensor or type(a) is torch.nn.Parameter
+
+
+def _counted_split(monkeypatch, fn, log: list):
+    """Replace ``fn.split`` by one that logs its real (not traced) forward and backward calls."""
+    split = fn.split
+
+    def forward(*args):
+        if _real(args[0]):
+            log.append("forward")
+        return split.forward(*args)
+
+    def backward(grads, saved, *args):
+        log.append("backward")
+        return split.backward(grads, saved, *args)
+
+    monkeypatch.setattr(fn, "split", Split(forward, backward, split.layout))
+
+
+def _two_norms(x, w1, w2):
+    return polykernel.rms_norm(polykernel.rms_norm(x, w1, casting="llama") * 3, w2, offset=0.5)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_compiled_training_runs_each_forward_once(monkeypatch, impl):
+    op = _op("norm.rms_norm")
+    fn = registry.load_impl(registry.specs_for(op)[impl])
+    log: list = []
+    _counted_split(monkeypatch, fn, log)
+    launches: list = []
+    if impl == "triton":  # the kernel's host launcher, module global of the split's forward
+        module = importlib.import_module("polykernel.backends.triton.rms_norm")
+        launcher = module.rms_norm_forward
+        monkeypatch.setattr(module, "rms_norm_forward", lambda *a: launches.append(1) or launcher(*a))
+    case = Case("5x24", (torch.randn(5, 24, requires_grad=True), *(torch.randn(24).requires_grad_() for _ in range(2))))
+    compiled = torch.compile(lambda *a: _scoped(impl, *a), fullgraph=True, backend="aot_eager")
+    got = _run(compiled, case)
+    assert log == ["forward", "forward", "backward", "backward"]  # no recompute in the backward
+    if impl == "triton":
+        assert len(launches) == 2
+    with polykernel.use_impl("torch"):
+        want = _run(_two_norms, case)
+    for g, w in zip([*got[0], *got[1]], [*want[0], *want[1]]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def _scoped(impl, *args):
+    return polykernel.rms_norm(polykernel.rms_norm(args[0], args[1], casting="llama", impl=impl) * 3, args[2], offset=0.5, impl=impl)
+
+
+def test_compiled_linear_cross_entropy_walks_the_chunks_once(monkeypatch):
+    """The fused linear cross-entropy computes its gradients in the forward walk: compiled, the
+    backward only scales them (the recompute path walked twice)."""
+    _op("loss.fused_linear_cross_entropy")
+    module = importlib.import_module("polykernel.backends.torch.fused_linear_cross_entropy")
+    walk, walks = module._walk, []
+    monkeypatch.setattr(module, "_walk", lambda *a, **k: walks.append(type(a[0])) or walk(*a, **k))
+    h, w = torch.randn(2, 3, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True)
+    target = torch.randint(0, 40, (2, 3))
+    target[0, 0] = -100
+    case = Case("6x16x40", (h, w, target))
+    for reduction, expected in (("mean", 1), ("sum", 1), ("none", 2)):
+        torch._dynamo.reset()
+        walks.clear()
+        compiled = torch.compile(
+            lambda h, w, t, r=reduction: polykernel.fused_linear_cross_entropy(h, w, t, reduction=r), fullgraph=True, backend="aot_eager"
+        )
+        got = _run(compiled, case)
+        assert sum(t is torch.Tensor for t in walks) == expected, (reduction, walks)
+        want = _run(lambda h, w, t, r=reduction: polykernel.fused_linear_cross_entropy(h, w, t, reduction=r), case)
+        for g, e in zip([*got[0], *got[1]], [*want[0], *want[1]]):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op_id", ["norm.rms_norm", "loss.fused_linear_cross_entropy"])
+def test_every_split_saves_the_ops_layout(op_id):
+    """The backward may select another impl than the forward did: every impl's split must save
+    what the torch impl's split saves (shapes, dtypes and values)."""
+    op = _op(op_id)
+    layout = library._layout_split(op)
+    assert layout is not None
+    for case in _small_cases(op, n=3):
+        bound = inspect.signature(op.reference).bind(*case.args, **case.kwargs)
+        bound.apply_defaults()
+        args = [a.detach() if isinstance(a, torch.Tensor) else a for a in bound.arguments.values()]
+        mask = [isinstance(a, torch.Tensor) and a.is_floating_point() for a in args]
+        _, want = layout.forward(*args, mask)
+        if layout.layout is not None:
+            assert [(t.shape, t.dtype) for t in layout.layout(*args, mask)] == [(t.shape, t.dtype) for t in want]
+        for name, spec in registry.specs_for(op).items():
+            try:
+                split = getattr(registry.load_impl(spec), "split", None)
+            except Exception:  # not importable here
+                continue
+            if split is None or not polykernel.available_impls(op_id, device="cpu").count(name):
+                continue
+            _, got = split.forward(*args, mask)
+            assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in want], (name, case.label)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_backward_after_a_scope_ends_uses_the_saved_layout(recorded_impl):
+    """Forward under ``use_impl`` (an impl without a split: the saved tensors come from the torch
+    impl's split), backward outside it (the auto impl's backward on them): still correct."""
+    calls = recorded_impl
+    case = _rms_args()
+    compiled = torch.compile(lambda x, w: polykernel.rms_norm(x, w, offset=0.5), fullgraph=True, backend="aot_eager")
+    args = [fresh(a) for a in case.args]
+    with polykernel.use_impl("cuda_jit"):
+        y = compiled(*args)
+    assert calls == [False]
+    cot = torch.randn_like(y)
+    got = torch.autograd.grad(y, args, cot)
+    assert calls == [False]  # the backward ran the auto impl's split, not a recompute of cuda_jit
+    want_args = [fresh(a) for a in case.args]
+    want = torch.autograd.grad(polykernel.rms_norm(*want_args, offset=0.5, impl="torch"), want_args, cot)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_decomposed_ops_trace_the_reference_unless_an_impl_is_forced():
+    op = _op("activation.swiglu")
+    compiled_op = library._built[op.id]
+    assert compiled_op.mode == "decompose"
+    gate, up = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    for impl, expected in ((None, None), ("torch", compiled_op.train)):
+        torch._dynamo.reset()
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        torch.compile(lambda g, u, i=impl: polykernel.swiglu(g, u, impl=i), fullgraph=True, backend=counter)(gate, up)
+        targets = _targets(counter.graphs[0])
+        if expected is None:
+            assert not any(str(t).startswith("polykernel.") for t in targets), targets
+        else:
+            assert expected in targets
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU (the lead runs these on the H200): inductor on CUDA for every op, forward and backward
 
 
@@ -393,7 +574,7 @@ def test_inductor_cuda(op_id, dtype):
     op = _op(op_id)
     if dtype not in op.dtypes:
         pytest.skip(f"{op_id} has no {dtype} cases")
-    _, fwd, _ = _overloads(op)
+    _overloads(op)  # built
     cases = _small_cases(op, "cuda", dtype, n=2)
     small_labels = {c.label for c in op.cases("cuda", dtype)}
     large = [c for c in op.cases("cuda", dtype, large=True) if c.label not in small_labels][:1]
@@ -405,7 +586,8 @@ def test_inductor_cuda(op_id, dtype):
         # needs_grad=False, so it may run another impl than an eager call with grad would.
         want = _run(lambda *a, case=case: op.reference(*a, **case.kwargs), case)
         _assert_same(op, case, got, want, dtype, f"{op_id} {case.label} {dtype} inductor")
-        assert any(fwd in _targets(g) for g in counter.graphs)
+        node = _expected_node(op, case)
+        assert node is None or any(node in _targets(g) for g in counter.graphs)
         del got, want
     del large
 

@@ -1,0 +1,218 @@
+"""Training step of a Llama (1.x B, vocab 128256) with and without polykernel, eager and compiled.
+
+Reproduces issue 14's table on one GPU: a ``transformers`` Llama (hidden 2048, 16 layers, 32/8
+heads, vocab 128256, tied embeddings; ``polykernel.models.llama`` when transformers is absent),
+bf16, fused AdamW, batch 4 x 2048, each variant in its own subprocess (fresh allocator, fresh
+compile caches). Per variant: tokens/s from the median step time of steps 4..N, peak memory, and
+the compile time (the first step's time; also the first three steps' sum).
+
+    PYTHONPATH=src python benchmarks/compile_llama.py --out DIR              # 4 variants, ~4-5 min
+    PYTHONPATH=src python benchmarks/compile_llama.py --out DIR --all-modes  # + max-autotune-no-cudagraphs, reduce-overhead
+
+Writes ``DIR/compile_llama.json`` (one record per variant, plus the environment) and prints a
+table. ``--steps`` (default 10) sets N; ``--layers``/``--batch``/``--seq`` shrink the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+VARIANTS = {  # name -> (polykernel patch, torch.compile mode: None = eager, "default" = compile(model))
+    "plain": (False, None),
+    "compile": (False, "default"),
+    "polykernel": (True, None),
+    "polykernel+compile": (True, "default"),
+}
+EXTRA = {
+    "compile[max-autotune-no-cudagraphs]": (False, "max-autotune-no-cudagraphs"),
+    "polykernel+compile[max-autotune-no-cudagraphs]": (True, "max-autotune-no-cudagraphs"),
+    "compile[reduce-overhead]": (False, "reduce-overhead"),
+    "polykernel+compile[reduce-overhead]": (True, "reduce-overhead"),
+}
+
+
+def _build(args: argparse.Namespace, patch: bool) -> tuple[Any, Any, str]:
+    """The model on the GPU in bf16 and a ``step_loss(ids)`` for it; which implementation built it."""
+    import torch
+
+    try:
+        import transformers
+    except ImportError:
+        transformers = None
+    if transformers is not None and not args.builtin:
+        cfg = transformers.LlamaConfig(
+            vocab_size=128256,
+            hidden_size=args.hidden,
+            intermediate_size=args.intermediate,
+            num_hidden_layers=args.layers,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=max(args.seq, 2048),
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+        )
+        cfg._attn_implementation = "sdpa"
+        with torch.device("cuda"):
+            model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+        if patch:
+            from polykernel.integrations.transformers import patch as pk_patch
+
+            pk_patch(model)
+        return model, lambda m, ids: m(input_ids=ids, labels=ids).loss, f"transformers {transformers.__version__}"
+    from polykernel.models import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_layers=args.layers,
+        num_heads=32,
+        num_kv_heads=8,
+        max_seq_len=max(args.seq, 2048),
+        norm_casting="llama",
+        tie_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg, device="cuda").to(torch.bfloat16)
+    model.use_polykernel = patch
+    return model, lambda m, ids: m(ids[:, :-1], targets=ids[:, 1:]), "polykernel.models.llama"
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    """One variant in this process; returns its record."""
+    import torch
+
+    patch, mode = (VARIANTS | EXTRA)[args.child]
+    torch.manual_seed(0)
+    model, loss_fn, built_by = _build(args, patch)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    run = model
+    if mode is not None:
+        run = torch.compile(model) if mode == "default" else torch.compile(model, mode=mode)
+    ids = torch.randint(0, 128256, (args.batch, args.seq), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        loss = loss_fn(run, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    steady = times[3:] if len(times) > 3 else times[-1:]
+    median = statistics.median(steady)
+    record: dict[str, Any] = {
+        "variant": args.child,
+        "polykernel": patch,
+        "compile_mode": mode,
+        "model": built_by,
+        "tokens_per_s": args.batch * args.seq / median,
+        "median_step_s": median,
+        "step_times_s": times,
+        "first_step_s": times[0],
+        "first_3_steps_s": sum(times[:3]),
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "losses": losses,
+    }
+    if mode is not None:
+        from torch._dynamo.utils import counters
+
+        record["graph_breaks"] = sum(counters["graph_break"].values())
+        record["unique_graphs"] = counters["stats"]["unique_graphs"]
+    if patch:
+        import polykernel
+
+        record["impls"] = sorted({(d["op"], d["impl"]) for d in polykernel.decisions()})
+    return record
+
+
+def _env() -> dict[str, Any]:
+    import torch
+
+    env = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="directory for compile_llama.json")
+    parser.add_argument("--steps", type=int, default=10, help="steps per variant (median of steps 4..N)")
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--all-modes", action="store_true", help="also max-autotune-no-cudagraphs and reduce-overhead")
+    parser.add_argument("--only", default="", help="comma-separated variant names")
+    parser.add_argument("--builtin", action="store_true", help="polykernel.models.llama even when transformers is installed")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per variant")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(args)), flush=True)
+        return
+    if args.out is None:
+        parser.error("--out DIR is required")
+    names = list(VARIANTS) + (list(EXTRA) if args.all_modes else [])
+    if args.only:
+        names = [n for n in args.only.split(",") if n in VARIANTS or n in EXTRA]
+    args.out.mkdir(parents=True, exist_ok=True)
+    passthrough = [
+        f"--steps={args.steps}", f"--layers={args.layers}", f"--hidden={args.hidden}", f"--intermediate={args.intermediate}",
+        f"--batch={args.batch}", f"--seq={args.seq}", *(["--builtin"] if args.builtin else []),
+    ]  # fmt: skip
+    results: list[dict[str, Any]] = []
+    for name in names:
+        print(f"[{time.strftime('%H:%M:%S')}] {name} ...", flush=True)
+        try:
+            proc = subprocess.run(
+                [sys.executable, __file__, f"--child={name}", *passthrough],
+                capture_output=True,
+                text=True,
+                timeout=args.timeout,
+                env=os.environ.copy(),
+            )
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if line is None:
+                results.append({"variant": name, "error": (proc.stderr or proc.stdout)[-3000:]})
+            else:
+                results.append(json.loads(line[len("RESULT ") :]))
+        except subprocess.TimeoutExpired:
+            results.append({"variant": name, "error": f"timed out after {args.timeout} s"})
+        (args.out / "compile_llama.json").write_text(
+            json.dumps({"env": _env(), "args": vars(args) | {"out": str(args.out)}, "results": results}, indent=1)
+        )
+    base = next((r for r in results if r["variant"] == "plain" and "error" not in r), None)
+    print(f"\n{'variant':<48} {'tokens/s':>10} {'vs plain':>8} {'peak GiB':>9} {'1st step s':>10}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['variant']:<48} error: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}")
+            continue
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else ""
+        print(f"{r['variant']:<48} {r['tokens_per_s'] / 1e3:>9.1f}k {ratio:>8} {r['peak_memory_gib']:>9.1f} {r['first_step_s']:>10.1f}")
+    print(f"\nwrote {args.out / 'compile_llama.json'}")
+
+
+if __name__ == "__main__":
+    main()
