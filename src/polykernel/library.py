@@ -21,16 +21,37 @@ two custom ops, with schemas derived from the op's ``reference`` signature::
 - **Fake impl**: the op's ``reference`` run on the fake tensors, for shapes and dtypes only, then
   ``torch.empty`` of those (contiguous, fresh). The reference must therefore be pure torch with
   no data-dependent output shape.
-- **Autograd**: ``setup_context`` saves the inputs; the backward is the second custom op, whose
-  real impl recomputes the forward with the impl the dispatcher selects (now with the inputs
-  that need a gradient requiring grad, so impls that lack a backward are not selected), under
-  ``enable_grad`` on detached inputs, and returns ``torch.autograd.grad`` of it. Its fake impl
-  is ``torch.empty`` of each input that needs a gradient.
+- **Autograd** of ``polykernel::<name>``: ``setup_context`` saves the inputs; the backward is
+  the second custom op, whose real impl recomputes the forward with the impl the dispatcher
+  selects, under ``enable_grad``, and returns ``torch.autograd.grad`` of it.
 
-Known cost: under compile, the backward recomputes the forward (one extra forward pass per
-backward, and the forward's activations are not kept). A later improvement is impls that
-register an explicit ``(forward, backward)`` pair, so the backward op can call the impl's own
-backward on saved activations.
+**Training without recompute.** When an input needs a gradient, a compiled call uses a third and
+fourth custom op instead::
+
+    polykernel::rms_norm_train(Tensor x, ..., bool[] grad_mask, *, str? impl=None) -> (Tensor, Tensor[])
+    polykernel::rms_norm_train_backward(Tensor?[] grad_outputs, Tensor[] saved, Tensor x, ...,
+                                        bool[] grad_mask, *, str? impl=None) -> Tensor[]
+
+The forward selects (at run time, with ``needs_grad`` in the key, as an eager training call
+does) and, if the impl carries a :class:`~polykernel.spec.Split`, runs its ``forward``, which
+returns the outputs and the tensors its backward needs (``saved``: rstd for rms_norm, the
+gradients for the fused linear cross-entropy). The backward selects again (same state, same
+impl) and runs the split's ``backward`` on ``saved``: each forward kernel runs once per step.
+``saved`` has one layout per op (the torch impl's split defines it), so a backward that selects
+another impl than its forward (a ``use_impl`` scope that ended in between) is still right; an
+impl without a split (peers) runs its forward plainly, ``saved`` then comes from the torch
+split, and its backward recomputes as above.
+
+**Per-op choice** (``COMPILE_MODES``, measured; ``POLYKERNEL_COMPILE_<OP>=ours|decompose``):
+ops where Inductor's own code is as fast as ours (swiglu, geglu, rope, fused_add_rms_norm)
+*decompose*: without ``impl=``, Dynamo traces the op's torch reference, so Inductor fuses it
+with its neighbours and the dispatcher is not involved. ``impl=`` still forces our impl.
+
+**Not done: ``torch.library.triton_op``.** Inductor can only see a Triton kernel whose launch it
+traces, i.e. with the impl chosen at trace time. Here selection happens at run time inside the
+custom op (scopes, ``set_impl`` and the fault policy keep working in compiled code without a
+recompile; ``reduce-overhead`` graphs replay what was recorded). Switching compiled graphs to
+trace-time selection (guarded on the dispatcher's state) is the step that would allow it.
 """
 
 from __future__ import annotations
