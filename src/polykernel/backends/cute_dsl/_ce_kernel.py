@@ -96,7 +96,7 @@ class _CrossEntropy:
         t = Int64(mT[row])
         valid = t != ignore_index
         in_range = (t >= 0) & (t < self.v)
-        bad = valid & (~in_range)
+        bad = valid & ((t < 0) | (t >= self.v))
 
         smem = cutlass.utils.SmemAllocator()
         warps = self.threads // 32

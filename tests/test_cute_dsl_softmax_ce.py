@@ -1,0 +1,237 @@
+"""cute_dsl softmax and cross_entropy (issue 8, F2): registration, gating reasons, predicates and
+lazy imports on any machine; compile-only checks where ``cutlass`` is installed (sm_90a, no GPU
+needed); parity with the reference on the H200 (``-m gpu``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import polykernel
+from polykernel import registry
+from polykernel.backends.cute_dsl import _predicates as pred
+from polykernel.op import Case
+from polykernel.testing import check_parity, refusal
+
+OPS = ("softmax", "cross_entropy")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_registered_and_gated(op):
+    spec = registry.specs_for(op)["cute_dsl"]
+    assert spec.backend.value == "cute_dsl"
+    assert spec.target == f"polykernel.backends.cute_dsl.{op}:{op}"
+    assert spec.requires_modules[0] == "cutlass"
+    assert {str(c) for c in spec.capabilities} == {"cuda[sm_90..]"}
+    rows = {r["name"]: r for r in polykernel.explain(op, device="cpu", dtype=torch.bfloat16).impls}
+    assert not rows["cute_dsl"]["runnable"]
+    assert rows["cute_dsl"]["reason"] in ("needs a CUDA device", "module 'cutlass' not installed")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_arch_gate(op):
+    from polykernel.spec import PlatformInfo
+
+    spec = registry.specs_for(op)["cute_dsl"]
+    (cap,) = spec.capabilities
+    assert cap.unmet_reason(PlatformInfo("cuda", 0, (8, 0), "A100")) == "sm_80 < required sm_90"
+    assert cap.unmet_reason(PlatformInfo("cuda", 0, (9, 0), "H200")) is None
+
+
+def _sm(dtype: str, n: int | None) -> SimpleNamespace:
+    return SimpleNamespace(dtype=dtype, n=n)
+
+
+def _ce(dtype: str, v: int | None) -> SimpleNamespace:
+    return SimpleNamespace(dtype=dtype, n_classes=v, label_smoothing=0.0)
+
+
+def test_softmax_predicate():
+    assert pred.softmax(_sm("bfloat16", 32768)) is None
+    assert pred.softmax(_sm("float32", 4)) is None
+    assert pred.softmax(_sm("float32", None)) is None  # no argument class yet: decided per call
+    assert "multiple of 8" in pred.softmax(_sm("bfloat16", 4100))
+    assert "multiple of 4" in pred.softmax(_sm("float32", 4101))
+    assert "N = 0" in pred.softmax(_sm("float16", 0))
+    assert "N <= 32768" in pred.softmax(_sm("bfloat16", 32776))
+
+
+def test_cross_entropy_predicate():
+    assert pred.cross_entropy(_ce("bfloat16", 128256)) is None
+    assert pred.cross_entropy(_ce("float32", 256000)) is None
+    assert "V = 3001" in pred.cross_entropy(_ce("float32", 3001))
+    assert "multiple of 8" in pred.cross_entropy(_ce("bfloat16", 50257))
+    assert "V <= " in pred.cross_entropy(_ce("float32", (1 << 20) + 4))
+
+
+def test_forced_on_cpu_names_the_reason():
+    with pytest.raises(polykernel.ImplNotAvailableError, match=r"needs a CUDA device|not installed"):
+        polykernel.softmax(torch.randn(2, 64), impl="cute_dsl")
+
+
+_SCRIPT = r"""
+import json, sys, torch, polykernel
+x = torch.randn(4, 64, requires_grad=True)
+t = torch.randint(0, 64, (4,))
+(polykernel.softmax(x).sum() + polykernel.cross_entropy(x, t)).backward()
+for op in ("softmax", "cross_entropy"):
+    str(polykernel.explain(op, device="cpu", dtype=torch.bfloat16))
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("cutlass", "tvm_ffi")
+                        or m.startswith("polykernel.backends.cute_dsl.") and m.rsplit(".", 1)[1] not in ("_predicates", "_gates"))))
+"""
+
+
+@pytest.mark.parametrize("env", [{}, {"POLYKERNEL_IMPL": "cute_dsl"}])
+def test_cpu_use_imports_no_cutlass(env):
+    """On the CPU the ops run (torch) and neither cutlass nor our kernel modules are imported."""
+    full = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(["src", os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", _SCRIPT], env=full, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+# -- compile-only: where cutlass is installed, kernels compile for sm_90a on any machine ------------
+
+
+def _cute():
+    pytest.importorskip("cutlass")
+    pytest.importorskip("tvm_ffi")
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+
+@pytest.mark.parametrize("dtype,n", [("bfloat16", 32768), ("float32", 32768), ("float16", 4104), ("float32", 4)])
+def test_softmax_compiles(dtype, n):
+    _cute()
+    from polykernel.backends.cute_dsl import _softmax_kernel as k
+
+    f = k.compile_forward(dtype, n)
+    assert k.compile_forward(dtype, n) is f  # cached: one compile per (dtype, N)
+    k.compile_backward(dtype, n)
+
+
+@pytest.mark.parametrize("dtype,v,tdtype", [("bfloat16", 128256, "int64"), ("float32", 1000, "int32"), ("float16", 8, "int64")])
+def test_cross_entropy_compiles(dtype, v, tdtype):
+    _cute()
+    from polykernel.backends.cute_dsl import _ce_kernel as k
+
+    for fwd, grad, smooth, per_row in [(True, False, False, False), (True, True, True, False), (False, True, False, True)]:
+        f = k.compile_ce(dtype, v, tdtype, fwd, grad, smooth, per_row)
+        assert k.compile_ce(dtype, v, tdtype, fwd, grad, smooth, per_row) is f
+
+
+# -- H200 parity (-m gpu) ----------------------------------------------------------------------------
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _runnable_cases(op: str, cases: list[Case]) -> list[Case]:
+    return [c for c in cases if refusal(op, "cute_dsl", c) is None]
+
+
+def _assert_parity(op: str, cases: list[Case], dtype: torch.dtype) -> None:
+    results = check_parity(op, ["cute_dsl"], device="cuda", dtypes=[dtype], cases=cases)
+    assert results, "no case ran"
+    bad = [str(r) for r in results if not r.ok]
+    assert not bad, "\n".join(bad)
+
+
+def _softmax_cases(dtype: torch.dtype) -> list[Case]:
+    def t(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(shape, device="cuda")).to(dtype).requires_grad_()
+
+    masked = 3 * torch.randn(6, 4096, device="cuda")
+    masked[:, :3000] = float("-inf")
+    return [
+        Case("1x8", (t(1, 8),)),
+        Case("0x4096", (t(0, 4096),)),
+        Case("3x4104-tail", (t(3, 4104),)),
+        Case("2x5x1032-3d", (t(2, 5, 1032),)),
+        Case("4x2048-logits-1e4", (t(4, 2048, scale=1e4),)),
+        Case("6x4096-masked", (masked.to(dtype).requires_grad_(),)),
+        Case("9x2048-rowstrided", (t(18, 2048)[::2],)),
+        Case("7x512-colstrided", (t(7, 1024)[:, ::2],)),
+        Case("8x20000-mid", (t(8, 20000),)),
+        Case("64x32768", (t(64, 32768),)),
+        Case("1000x4096", (t(1000, 4096),)),
+    ]
+
+
+def _ce_cases(dtype: torch.dtype) -> list[Case]:
+    def x(*shape: int, scale: float = 3.0) -> torch.Tensor:
+        return (scale * torch.randn(shape, device="cuda")).to(dtype).requires_grad_()
+
+    def t(v: int, *shape: int, ignored: float = 0.0) -> torch.Tensor:
+        out = torch.randint(0, v, shape, device="cuda")
+        return out.masked_fill(torch.rand(shape, device="cuda") < ignored, -100)
+
+    return [
+        Case("1x8", (x(1, 8), t(8, 1))),
+        Case("0x1000", (x(0, 1000), t(1000, 0))),
+        Case("0x1000-none", (x(0, 1000), t(1000, 0)), {"reduction": "none"}),
+        Case("13x3000-ignored", (x(13, 3000), t(3000, 13, ignored=0.3))),
+        Case("9x2000-allignored", (x(9, 2000), t(2000, 9, ignored=1.0))),
+        Case("8x1000-smooth", (x(8, 1000), t(1000, 8, ignored=0.25)), {"label_smoothing": 0.1}),
+        Case("8x1000-smooth1-sum", (x(8, 1000), t(1000, 8)), {"label_smoothing": 1.0, "reduction": "sum"}),
+        Case("11x5000-none-smooth", (x(11, 5000), t(5000, 11, ignored=0.2)), {"reduction": "none", "label_smoothing": 0.2}),
+        Case("2x3x504-3d", (x(2, 3, 504), t(504, 2, 3))),
+        Case("6x1000-ignore7", (x(6, 1000), torch.tensor([7, 1, 7, 999, 0, 7], device="cuda")), {"ignore_index": 7}),
+        Case("7x1504-rowstrided", (x(14, 1504)[::2], t(1504, 7))),
+        Case("5x1200-colstrided", (x(5, 2400)[:, ::2], t(1200, 5)), {"label_smoothing": 0.05}),
+        Case("4x1000-int32", (x(4, 1000), t(1000, 4).int())),
+        Case("3x40000-long", (x(3, 40000, scale=5.0), t(40000, 3)), {"label_smoothing": 0.1}),
+        Case("256x128256", (x(256, 128256), t(128256, 256, ignored=0.05))),
+        Case("64x262144-sum", (x(64, 262144, scale=10.0), t(262144, 64)), {"reduction": "sum"}),
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_softmax_parity_gpu(dtype):
+    _assert_parity("softmax", _runnable_cases("softmax", _softmax_cases(dtype)), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_softmax_parity_gpu_op_cases(dtype):
+    """The op's own cases (awkward shapes), where the predicate admits them."""
+    cases = registry.get_op("softmax").cases("cuda", dtype, large=True)
+    _assert_parity("softmax", _runnable_cases("softmax", cases), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cross_entropy_parity_gpu(dtype):
+    _assert_parity("cross_entropy", _runnable_cases("cross_entropy", _ce_cases(dtype)), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad_in_forward", [True, False])
+def test_cross_entropy_parity_gpu_both_schedules(grad_in_forward, monkeypatch):
+    """Both gradient schedules, bf16, with a grad_output != 1 (the in-place scaling path)."""
+    from polykernel.backends.cute_dsl import cross_entropy as ce
+
+    monkeypatch.setattr(ce, "GRAD_IN_FORWARD", grad_in_forward)
+    x = (3 * torch.randn(33, 4096, device="cuda")).bfloat16().requires_grad_()
+    t = torch.randint(0, 4096, (33,), device="cuda").masked_fill(torch.rand(33, device="cuda") < 0.1, -100)
+    for reduction in ("mean", "sum"):
+        loss = polykernel.cross_entropy(x, t, reduction=reduction, impl="cute_dsl")
+        (g,) = torch.autograd.grad(3.0 * loss, x)
+        ref = torch.nn.functional.cross_entropy(x.double(), t, reduction=reduction)
+        (g_ref,) = torch.autograd.grad(3.0 * ref, x)
+        torch.testing.assert_close(loss.double(), ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(g.double(), g_ref, atol=2e-2 * g_ref.abs().max().item(), rtol=1e-2)
+
+
+@pytest.mark.gpu
+def test_cross_entropy_out_of_range_target_is_nan():
+    x = torch.randn(3, 1000, device="cuda", requires_grad=True)
+    t = torch.tensor([1, 5000, 2], device="cuda")
+    loss = polykernel.cross_entropy(x, t, reduction="none", impl="cute_dsl")
+    assert torch.isnan(loss[1]) and torch.isfinite(loss[[0, 2]]).all()
+    (g,) = torch.autograd.grad(loss.sum(), x)
+    assert torch.isnan(g[1]).all() and torch.isfinite(g[[0, 2]]).all()
