@@ -1,7 +1,7 @@
 # Two entry points on a fresh machine (see README): `make demo` and `make test`.
 PYTHON ?= python3
 VENV   ?= .venv
-# torch is the only required dependency; 2.13.0 is what CI runs (a CPU build where one is provided).
+# torch is the main required dependency; 2.13.0 is what CI runs (a CPU build where one is provided).
 TORCH  ?= torch==2.13.0
 TRITON ?= triton==3.9.0
 BIN    := $(VENV)/bin
