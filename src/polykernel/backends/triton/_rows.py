@@ -15,6 +15,7 @@ import triton.language as tl
 TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+@functools.lru_cache(maxsize=4096)  # host time: the same few (n, settings) on every call
 def row_tile(n: int, elems: int, warps: int | None) -> tuple[int, int, int]:
     """(BLOCK_N, ROWS, num_warps) for rows that fit one block: about ``elems`` elements per program.
 
@@ -35,6 +36,19 @@ def sm_count(device: torch.device) -> int:
 
 
 def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """A [M, N] view with unit column stride (copies only when the layout needs it)."""
-    t2 = t.reshape(math.prod(t.shape[:-1]), n)  # not -1: ambiguous when N = 0
-    return t2 if t2.stride(-1) == 1 or t2.numel() == 0 else t2.contiguous()
+    """A [M, N] view with unit column stride (copies only when the layout needs it).
+
+    A 2-D tensor with unit column stride is returned as it is: no view op on the host path."""
+    if t.dim() != 2:
+        t = t.reshape(math.prod(t.shape[:-1]), n)  # not -1: ambiguous when N = 0
+    return t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous()
+
+
+def contig(t: torch.Tensor) -> torch.Tensor:
+    """``t.contiguous()`` without the op call when ``t`` already is (the usual weight)."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def unrows(t2: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The [M, N] result ``t2`` in the input's ``shape`` (no view op when that is 2-D already)."""
+    return t2 if len(shape) == 2 else t2.view(shape)

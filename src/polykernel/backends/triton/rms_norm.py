@@ -17,10 +17,13 @@ import triton.language as tl
 
 from ...ops.rms_norm import reference  # noqa: F401  (semantics live in the op file)
 from ...spec import Split
+from ._launch import launch
 from ._rows import TL_DTYPE
 from ._rows import as_rows as _as_rows
+from ._rows import contig as _contig
 from ._rows import row_tile as _tile
 from ._rows import sm_count as _sm_count
+from ._rows import unrows as _unrows
 
 MAX_FUSED_N = 16384  # one block per row up to here; beyond, a chunked two-pass walk
 CHUNK_N = 4096
@@ -46,6 +49,7 @@ def _rms_fwd_kernel(
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     LLAMA: tl.constexpr,
+    STORE_RSTD: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -53,7 +57,8 @@ def _rms_fwd_kernel(
     mask = row_ok[:, None] & (cols < N)[None, :]
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
-    tl.store(RSTD + rows, rstd, mask=row_ok)
+    if STORE_RSTD:  # inference needs no rstd: no buffer to allocate
+        tl.store(RSTD + rows, rstd, mask=row_ok)
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) + offset
     xhat = x * rstd[:, None]
     if LLAMA:
@@ -74,6 +79,7 @@ def _rms_fwd_chunked_kernel(
     offset,
     CHUNK: tl.constexpr,
     LLAMA: tl.constexpr,
+    STORE_RSTD: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
@@ -84,7 +90,8 @@ def _rms_fwd_chunked_kernel(
         x = tl.load(x_row + start + cols, mask=start + cols < N, other=0.0).to(tl.float32)
         acc += x * x
     rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
-    tl.store(RSTD + row, rstd)
+    if STORE_RSTD:
+        tl.store(RSTD + row, rstd)
     for start in range(0, N, CHUNK):
         m = start + cols < N
         x = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
@@ -218,46 +225,30 @@ def _programs(device: torch.device) -> int:
     return TUNE["bwd_programs_per_sm"] * _sm_count(device)
 
 
-def rms_norm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, llama: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """y [M, N] in x's dtype and rstd [M] fp32."""
+def rms_norm_forward(
+    x2: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, llama: bool, need_rstd: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """y [M, N] in x's dtype and rstd [M] fp32 (None unless ``need_rstd``: inference)."""
     m, n = x2.shape
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    rstd = torch.empty(m, dtype=torch.float32, device=x2.device)
+    # Host work is on the critical path of small calls (one torch op ~2-5 us on the H200 host):
+    # inference skips the rstd buffer (the kernel is told not to store it; any pointer will do).
+    rstd = torch.empty(m, dtype=torch.float32, device=x2.device) if need_rstd else None
     if m == 0 or n == 0:
-        return y, rstd.fill_(0)
+        return y, None if rstd is None else rstd.fill_(0)
     if n <= MAX_FUSED_N:
         block_n, rows, warps = _tile(n, TUNE["fwd_tile_elems"], TUNE["fwd_warps"])
-        _rms_fwd_kernel[(triton.cdiv(m, rows),)](
-            x2,
-            weight,
-            y,
-            rstd,
-            m,
-            n,
-            x2.stride(0),
-            y.stride(0),
-            eps,
-            offset,
-            BLOCK_N=block_n,
-            ROWS=rows,
-            LLAMA=llama,
-            num_warps=warps,
-        )
+        launch(
+            _rms_fwd_kernel, (triton.cdiv(m, rows),),
+            x2, weight, y, y if rstd is None else rstd, m, n, x2.stride(0), y.stride(0), eps, offset,
+            BLOCK_N=block_n, ROWS=rows, LLAMA=llama, STORE_RSTD=need_rstd, num_warps=warps,
+        )  # fmt: skip
     else:
-        _rms_fwd_chunked_kernel[(m,)](
-            x2,
-            weight,
-            y,
-            rstd,
-            n,
-            x2.stride(0),
-            y.stride(0),
-            eps,
-            offset,
-            CHUNK=CHUNK_N,
-            LLAMA=llama,
-            num_warps=16,
-        )
+        launch(
+            _rms_fwd_chunked_kernel, (m,),
+            x2, weight, y, y if rstd is None else rstd, n, x2.stride(0), y.stride(0), eps, offset,
+            CHUNK=CHUNK_N, LLAMA=llama, STORE_RSTD=need_rstd, num_warps=16,
+        )  # fmt: skip
     return y, rstd
 
 
@@ -275,35 +266,23 @@ def rms_norm_backward(
         block_n, rows, warps = _tile(n, TUNE["bwd_tile_elems"], TUNE["bwd_warps"])
         progs = min(_programs(x2.device), triton.cdiv(m, rows))
         part = torch.empty((progs, n), dtype=torch.float32, device=x2.device)  # every program writes its row
-        _rms_bwd_kernel[(progs,)](
-            x2,
-            weight,
-            dy2,
-            rstd,
-            dx,
-            part,
-            m,
-            n,
-            x2.stride(0),
-            dy2.stride(0),
-            dx.stride(0),
-            offset,
-            BLOCK_N=block_n,
-            ROWS=rows,
-            LLAMA=llama,
-            DTYPE_OUT=TL_DTYPE[x2.dtype],
-            num_warps=warps,
-        )
+        launch(
+            _rms_bwd_kernel, (progs,),
+            x2, weight, dy2, rstd, dx, part, m, n, x2.stride(0), dy2.stride(0), dx.stride(0), offset,
+            BLOCK_N=block_n, ROWS=rows, LLAMA=llama, DTYPE_OUT=TL_DTYPE[x2.dtype], num_warps=warps,
+        )  # fmt: skip
     else:  # long rows: row dot products, then a column-blocked dx/dW pass
         c = torch.empty(m, dtype=torch.float32, device=x2.device)
-        _rms_bwd_rowdot_kernel[(m,)](
+        launch(
+            _rms_bwd_rowdot_kernel, (m,),
             x2, weight, dy2, rstd, c, n, x2.stride(0), dy2.stride(0), offset,
             CHUNK=CHUNK_N, LLAMA=llama, DTYPE_OUT=TL_DTYPE[x2.dtype], num_warps=16,
         )  # fmt: skip
         blocks = triton.cdiv(n, LONG_BWD_BLOCK_C)
         groups = max(1, min(m, triton.cdiv(TUNE["long_bwd_programs_per_sm"] * _sm_count(x2.device), blocks)))
         part = torch.empty((groups, n), dtype=torch.float32, device=x2.device)  # (group, block) pairs cover it
-        _rms_bwd_colblock_kernel[(blocks, groups)](
+        launch(
+            _rms_bwd_colblock_kernel, (blocks, groups),
             x2, weight, dy2, rstd, c, dx, part, m, n, x2.stride(0), dy2.stride(0), dx.stride(0), offset,
             BLOCK_C=LONG_BWD_BLOCK_C, LLAMA=llama, DTYPE_OUT=TL_DTYPE[x2.dtype], num_warps=8,
         )  # fmt: skip
@@ -318,21 +297,23 @@ def rms_norm_backward(
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, offset, casting):  # type: ignore[override]
-        n = x.shape[-1]
-        x2 = _as_rows(x, n)
-        w = weight.contiguous()
-        y, rstd = rms_norm_forward(x2, w, eps, offset, casting == "llama")
+        shape = x.shape
+        x2 = _as_rows(x, shape[-1])
+        w = _contig(weight)
+        llama = casting == "llama"
+        y, rstd = rms_norm_forward(x2, w, eps, offset, llama)
         ctx.save_for_backward(x2, w, rstd)
-        ctx.offset, ctx.llama, ctx.shape = offset, casting == "llama", x.shape
-        return y.view(x.shape)
+        ctx.offset, ctx.llama, ctx.shape = offset, llama, shape
+        return _unrows(y, shape)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
         x2, w, rstd = ctx.saved_tensors
         dx, dw = rms_norm_backward(_as_rows(dy, x2.shape[1]), x2, w, rstd, ctx.offset, ctx.llama)
+        need = ctx.needs_input_grad
         return (
-            dx.view(ctx.shape) if ctx.needs_input_grad[0] else None,
-            dw if ctx.needs_input_grad[1] else None,
+            _unrows(dx, ctx.shape) if need[0] else None,
+            dw if need[1] else None,
             None,
             None,
             None,
@@ -341,11 +322,11 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.rms_norm``)."""
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if (x.requires_grad or weight.requires_grad) and torch.is_grad_enabled():
         return _RMSNorm.apply(x, weight, eps, offset, casting)
-    n = x.shape[-1]
-    y, _ = rms_norm_forward(_as_rows(x, n), weight.contiguous(), eps, offset, casting == "llama")
-    return y.view(x.shape)
+    shape = x.shape
+    y, _ = rms_norm_forward(_as_rows(x, shape[-1]), _contig(weight), eps, offset, casting == "llama", need_rstd=False)
+    return _unrows(y, shape)
 
 
 # Forward and backward as separate functions, for compiled graphs (polykernel.library): the
