@@ -393,8 +393,10 @@ class Op:
         if self.validate is not None:
             self.validate(*args)
         subclass = _dispatch.subclass_name(args)
-        if subclass == "DTensor":  # tensor parallel: the plain key stays unset (see _dtensor)
-            return self._dtensor(key)
+        if subclass == "DTensor" and self._dtensor(key) is not None:  # tensor parallel: the plain
+            # decision (not measured on DTensors), which checks for subclasses, so the guard below
+            # hands the DTensors to the route (see _subclass)
+            return self._memo.get(key) or _dispatch.decide(self, key)
         if subclass is not None:  # decided under its own key; the plain key stays unset
             key = (*key, subclass)
             return self._memo.get(key) or _dispatch.decide(self, key, args)
@@ -408,16 +410,19 @@ class Op:
         if subclass is None:  # a false alarm (e.g. a list argument): the plain decision stands
             return decision
         if subclass == "DTensor":
-            return self._dtensor(key)
+            route = self._dtensor(key)
+            if route is not None:
+                return route
         key = (*key, subclass)
         return self._memo.get(key) or _dispatch.decide(self, key, args)
 
     def _dtensor(self, key: tuple[Any, ...]) -> Any:
         """DTensor arguments: per call, the op on the local shards, redistributed first where the
-        placements need it (:mod:`polykernel.dtensor`, imported only once a DTensor is seen)."""
+        placements need it (:mod:`polykernel.dtensor`, imported only once a DTensor is seen).
+        None for an op without a row layout: DTensor's rules on the torch impl, as any subclass."""
         from . import dtensor
 
-        return dtensor.route(self, key)
+        return dtensor.route(self, key)  # None for an op without a row layout
 
     def _reject(self, args: tuple[Any, ...], exc: Exception | None = None) -> NoReturn:
         """Raise validation's error for ``args``; else ``exc``, the error that brought us here."""
