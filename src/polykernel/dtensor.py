@@ -23,11 +23,19 @@ Supported placements, per mesh dim (``Replicate()`` everywhere always is):
 - rope: q and k on ``Shard`` of the batch, heads or sequence dim; cos/sin ``Shard(0)`` (per-batch
   tables) or ``Replicate()`` (batch 1) for batch, ``Replicate()`` for heads, ``Shard(1)`` for sequence.
 
-Anything else (sharded on the normalized dim, a ``Partial`` input, a vocab-sharded weight, a
-plain tensor mixed with DTensors) runs the torch impl through DTensor's own sharding rules, which
-redistribute as needed; that is logged once per op and reason, and ``polykernel.explain`` names
-the path taken. Torch is imported here, and ``torch.distributed.tensor`` only when a DTensor was
-seen (it is then already imported): ``import polykernel`` never imports it.
+Anything else (sharded on the normalized dim, a ``Partial`` input, a vocab-sharded weight) is
+first redistributed to what the layout needs (``Replicate()`` on that mesh dim), then runs on the
+shards the same way: logged once per op and reason, an error under ``POLYKERNEL_STRICT=1``. A
+plain tensor among DTensors is an ``OpTypeError`` naming the op and the argument. An op without a
+layout here runs its torch impl through DTensor's own rules, as for any tensor subclass.
+``polykernel.explain`` prints the route taken (``route: DTensor Shard(0) on mesh of 2: triton on
+local shards``). Torch's DTensor module is never imported by this one: it is loaded only after a
+DTensor was seen, so ``import polykernel`` stays free of it.
+
+Once this module is loaded, every decision of an op listed here takes the hot path's subclass
+check (``dispatch.routed``): a DTensor must reach the route even where the torch impl is chosen,
+since the torch impls of the losses cannot run on DTensors. Processes that never see a DTensor
+pay nothing.
 
 Example (``torchrun --nproc_per_node 2``)::
 
