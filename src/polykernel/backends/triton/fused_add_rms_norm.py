@@ -17,9 +17,12 @@ import triton
 import triton.language as tl
 
 from ...ops.fused_add_rms_norm import reference  # noqa: F401  (semantics live in the op file)
+from ._launch import launch
 from ._rows import as_rows as _as_rows
+from ._rows import contig as _contig
 from ._rows import row_tile as _tile
 from ._rows import sm_count as _sm_count
+from ._rows import unrows as _unrows
 
 MAX_FUSED_N = 16384  # one block per row up to here; beyond, a chunked walk
 CHUNK_N = 4096
@@ -33,7 +36,7 @@ def _add_rms_fwd_kernel(
     X, R, W, Y, S, RSTD,
     M, N, stride_x, stride_r, stride_y, stride_s,
     eps, offset,
-    BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, STORE_RSTD: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -45,7 +48,8 @@ def _add_rms_fwd_kernel(
     tl.store(S + rows[:, None] * stride_s + cols[None, :], s, mask=mask)
     sf = s.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(sf * sf, axis=1) / N + eps)
-    tl.store(RSTD + rows, rstd, mask=row_ok)
+    if STORE_RSTD:  # inference needs no rstd: no buffer to allocate
+        tl.store(RSTD + rows, rstd, mask=row_ok)
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) + offset
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], (sf * rstd[:, None] * w[None, :]).to(Y.dtype.element_ty), mask=mask)
 
@@ -55,7 +59,7 @@ def _add_rms_fwd_chunked_kernel(
     X, R, W, Y, S, RSTD,
     N, stride_x, stride_r, stride_y, stride_s,
     eps, offset,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, STORE_RSTD: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
@@ -73,7 +77,8 @@ def _add_rms_fwd_chunked_kernel(
         sf = s.to(tl.float32)
         acc += sf * sf
     rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
-    tl.store(RSTD + row, rstd)
+    if STORE_RSTD:
+        tl.store(RSTD + row, rstd)
     for start in range(0, N, CHUNK):
         m = start + cols < N
         x = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
@@ -169,25 +174,29 @@ def _programs(device: torch.device) -> int:
 
 
 def fused_add_rms_norm_forward(
-    x2: torch.Tensor, r2: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """y [M, N] and s [M, N] in x's dtype, rstd [M] fp32 (x2, r2: [M, N], unit column stride)."""
+    x2: torch.Tensor, r2: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, need_rstd: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """y [M, N] and s [M, N] in x's dtype, rstd [M] fp32 (None unless ``need_rstd``: inference;
+    x2, r2: [M, N], unit column stride)."""
     m, n = x2.shape
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    s = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    rstd = torch.empty(m, dtype=torch.float32, device=x2.device)
+    s = torch.empty((m, n), dtype=x2.dtype, device=x2.device)  # its own storage: saved for backward alone
+    rstd = torch.empty(m, dtype=torch.float32, device=x2.device) if need_rstd else None
     if m == 0 or n == 0:
         return y, s, rstd
+    r = y if rstd is None else rstd  # never written without STORE_RSTD
     if n <= MAX_FUSED_N:
         block_n, rows, warps = _tile(n, TUNE["fwd_tile_elems"], TUNE["fwd_warps"])
-        _add_rms_fwd_kernel[(triton.cdiv(m, rows),)](
-            x2, r2, weight, y, s, rstd, m, n, x2.stride(0), r2.stride(0), y.stride(0), s.stride(0), eps, offset,
-            BLOCK_N=block_n, ROWS=rows, num_warps=warps,
+        launch(
+            _add_rms_fwd_kernel, (triton.cdiv(m, rows),),
+            x2, r2, weight, y, s, r, m, n, x2.stride(0), r2.stride(0), n, n, eps, offset,
+            BLOCK_N=block_n, ROWS=rows, STORE_RSTD=need_rstd, num_warps=warps,
         )  # fmt: skip
     else:
-        _add_rms_fwd_chunked_kernel[(m,)](
-            x2, r2, weight, y, s, rstd, n, x2.stride(0), r2.stride(0), y.stride(0), s.stride(0), eps, offset,
-            CHUNK=CHUNK_N, num_warps=16,
+        launch(
+            _add_rms_fwd_chunked_kernel, (m,),
+            x2, r2, weight, y, s, r, n, x2.stride(0), r2.stride(0), n, n, eps, offset,
+            CHUNK=CHUNK_N, STORE_RSTD=need_rstd, num_warps=16,
         )  # fmt: skip
     return y, s, rstd
 
@@ -208,13 +217,15 @@ def fused_add_rms_norm_backward(
         block_n, rows, warps = _tile(n, TUNE["bwd_tile_elems"], TUNE["bwd_warps"])
         progs = min(progs, triton.cdiv(m, rows))
         part = torch.empty((progs, n), dtype=torch.float32, device=dev)
-        _add_rms_bwd_kernel[(progs,)](
+        launch(
+            _add_rms_bwd_kernel, (progs,),
             s2, weight, dy2, dso, rstd, ds, part, m, n, s2.stride(0), dy2.stride(0), dso.stride(0), ds.stride(0), offset,
             BLOCK_N=block_n, ROWS=rows, HAS_DS_OUT=has_dso, num_warps=warps,
         )  # fmt: skip
     else:
         part = torch.zeros((progs, n), dtype=torch.float32, device=dev)  # accumulated into: starts at zero
-        _add_rms_bwd_chunked_kernel[(progs,)](
+        launch(
+            _add_rms_bwd_chunked_kernel, (progs,),
             s2, weight, dy2, dso, rstd, ds, part, m, n, s2.stride(0), dy2.stride(0), dso.stride(0), ds.stride(0), offset,
             CHUNK=CHUNK_N, HAS_DS_OUT=has_dso, num_warps=16,
         )  # fmt: skip
@@ -228,13 +239,14 @@ def fused_add_rms_norm_backward(
 class _FusedAddRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, eps, offset):  # type: ignore[override]
-        n = x.shape[-1]
-        w = weight.contiguous()
+        shape = x.shape
+        n = shape[-1]
+        w = _contig(weight)
         y, s, rstd = fused_add_rms_norm_forward(_as_rows(x, n), _as_rows(residual, n), w, eps, offset)
         ctx.save_for_backward(s, w, rstd)
-        ctx.offset, ctx.shape = offset, x.shape
+        ctx.offset, ctx.shape = offset, shape
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros read
-        return y.view(x.shape), s.view(x.shape)
+        return _unrows(y, shape), _unrows(s, shape)
 
     @staticmethod
     def backward(ctx, dy, ds_out):  # type: ignore[override]
@@ -244,7 +256,7 @@ class _FusedAddRMSNorm(torch.autograd.Function):
             ds, dw = ds_out, None
         else:
             ds2, dw = fused_add_rms_norm_backward(_as_rows(dy, n), None if ds_out is None else _as_rows(ds_out, n), s2, w, rstd, ctx.offset)
-            ds = ds2.view(ctx.shape)
+            ds = _unrows(ds2, ctx.shape)
         need = ctx.needs_input_grad
         return ds if need[0] else None, ds if need[1] else None, dw if need[2] else None, None, None
 
@@ -253,8 +265,9 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered impl (arguments already validated by ``polykernel.fused_add_rms_norm``)."""
-    if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
+    if (x.requires_grad or residual.requires_grad or weight.requires_grad) and torch.is_grad_enabled():
         return _FusedAddRMSNorm.apply(x, residual, weight, eps, offset)
-    n = x.shape[-1]
-    y, s, _ = fused_add_rms_norm_forward(_as_rows(x, n), _as_rows(residual, n), weight.contiguous(), eps, offset)
-    return y.view(x.shape), s.view(x.shape)
+    shape = x.shape
+    n = shape[-1]
+    y, s, _ = fused_add_rms_norm_forward(_as_rows(x, n), _as_rows(residual, n), _contig(weight), eps, offset, need_rstd=False)
+    return _unrows(y, shape), _unrows(s, shape)

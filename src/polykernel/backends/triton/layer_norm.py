@@ -17,9 +17,12 @@ import triton
 import triton.language as tl
 
 from ...ops.layer_norm import reference  # noqa: F401  (semantics live in the op file)
+from ._launch import launch
 from ._rows import as_rows as _as_rows
+from ._rows import contig as _contig_t
 from ._rows import row_tile as _tile
 from ._rows import sm_count as _sm_count
+from ._rows import unrows as _unrows
 
 MAX_FUSED_N = 16384  # one block per row up to here; beyond, a chunked walk
 CHUNK_N = 4096
@@ -33,7 +36,7 @@ def _ln_fwd_kernel(
     X, W, B, Y, MEAN, RSTD,
     M, N, stride_x, stride_y,
     eps,
-    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_STATS: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -44,8 +47,9 @@ def _ln_fwd_kernel(
     mean = tl.sum(x, axis=1) / N
     xc = tl.where(mask, x - mean[:, None], 0.0)
     rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
-    tl.store(MEAN + rows, mean, mask=row_ok)
-    tl.store(RSTD + rows, rstd, mask=row_ok)
+    if STORE_STATS:  # inference needs no mean/rstd: no buffers to allocate
+        tl.store(MEAN + rows, mean, mask=row_ok)
+        tl.store(RSTD + rows, rstd, mask=row_ok)
     y = xc * rstd[:, None]
     if HAS_W:
         y = y * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -59,7 +63,7 @@ def _ln_fwd_chunked_kernel(
     X, W, B, Y, MEAN, RSTD,
     N, stride_x, stride_y,
     eps,
-    CHUNK: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    CHUNK: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STORE_STATS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
@@ -81,8 +85,9 @@ def _ln_fwd_chunked_kernel(
         m2 = m2 + tl.sum(d * d, axis=0) + delta * delta * (count * n_c / total)
         count = total
     rstd = tl.rsqrt(m2 / N + eps)
-    tl.store(MEAN + row, mean)
-    tl.store(RSTD + row, rstd)
+    if STORE_STATS:
+        tl.store(MEAN + row, mean)
+        tl.store(RSTD + row, rstd)
     for start in range(0, N, CHUNK):
         m = start + cols < N
         x = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
@@ -199,29 +204,36 @@ def _programs(device: torch.device) -> int:
 
 
 def layer_norm_forward(
-    x2: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """y [M, N] in x's dtype, mean [M] and rstd [M] fp32 (weight/bias contiguous or None)."""
+    x2: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, need_stats: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """y [M, N] in x's dtype, mean [M] and rstd [M] fp32 (None unless ``need_stats``: inference;
+    weight/bias contiguous or None)."""
     m, n = x2.shape
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    mean = torch.empty(m, dtype=torch.float32, device=x2.device)
-    rstd = torch.empty(m, dtype=torch.float32, device=x2.device)
+    if need_stats:  # one allocation for both (a host op less); rows 0 and 1 of a [2, M] buffer
+        mean, rstd = torch.empty((2, m), dtype=torch.float32, device=x2.device).unbind(0)
+    else:
+        mean = rstd = None
     if m == 0 or n == 0:
         return y, mean, rstd
+    mean_p = y if mean is None else mean  # never written without STORE_STATS
+    rstd_p = y if rstd is None else rstd
     # An absent parameter is never read (HAS_W/HAS_B are compile-time); any pointer will do.
     w = weight if weight is not None else x2
     b = bias if bias is not None else x2
     flags = dict(HAS_W=weight is not None, HAS_B=bias is not None)
     if n <= MAX_FUSED_N:
         block_n, rows, warps = _tile(n, TUNE["fwd_tile_elems"], TUNE["fwd_warps"])
-        _ln_fwd_kernel[(triton.cdiv(m, rows),)](
-            x2, w, b, y, mean, rstd, m, n, x2.stride(0), y.stride(0), eps,
-            BLOCK_N=block_n, ROWS=rows, num_warps=warps, **flags,
+        launch(
+            _ln_fwd_kernel, (triton.cdiv(m, rows),),
+            x2, w, b, y, mean_p, rstd_p, m, n, x2.stride(0), y.stride(0), eps,
+            BLOCK_N=block_n, ROWS=rows, num_warps=warps, STORE_STATS=need_stats, **flags,
         )  # fmt: skip
     else:
-        _ln_fwd_chunked_kernel[(m,)](
-            x2, w, b, y, mean, rstd, n, x2.stride(0), y.stride(0), eps,
-            CHUNK=CHUNK_N, num_warps=16, **flags,
+        launch(
+            _ln_fwd_chunked_kernel, (m,),
+            x2, w, b, y, mean_p, rstd_p, n, x2.stride(0), y.stride(0), eps,
+            CHUNK=CHUNK_N, num_warps=16, STORE_STATS=need_stats, **flags,
         )  # fmt: skip
     return y, mean, rstd
 
@@ -254,12 +266,14 @@ def layer_norm_backward(
     db_part = new((progs, n), dtype=torch.float32, device=dev) if has_b else dx
     w = weight if has_w else x2
     if not chunked:
-        _ln_bwd_kernel[(progs,)](
+        launch(
+            _ln_bwd_kernel, (progs,),
             x2, w, dy2, mean, rstd, dx, dw_part, db_part, m, n, x2.stride(0), dy2.stride(0), dx.stride(0),
             BLOCK_N=block_n, ROWS=rows, HAS_W=has_w, HAS_B=has_b, num_warps=warps,
         )  # fmt: skip
     else:
-        _ln_bwd_chunked_kernel[(progs,)](
+        launch(
+            _ln_bwd_chunked_kernel, (progs,),
             x2, w, dy2, mean, rstd, dx, dw_part, db_part, m, n, x2.stride(0), dy2.stride(0), dx.stride(0),
             CHUNK=CHUNK_N, HAS_W=has_w, HAS_B=has_b, num_warps=16,
         )  # fmt: skip
@@ -273,31 +287,35 @@ def layer_norm_backward(
 
 
 def _contig(p: torch.Tensor | None) -> torch.Tensor | None:
-    return None if p is None else p.contiguous()
+    return None if p is None else _contig_t(p)
 
 
 class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):  # type: ignore[override]
-        x2 = _as_rows(x, x.shape[-1])
+        shape = x.shape
+        x2 = _as_rows(x, shape[-1])
         w = _contig(weight)
         y, mean, rstd = layer_norm_forward(x2, w, _contig(bias), eps)
         ctx.save_for_backward(x2, w, mean, rstd)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.shape = x.shape
-        return y.view(x.shape)
+        ctx.shape = shape
+        return _unrows(y, shape)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
         x2, w, mean, rstd = ctx.saved_tensors
         dx, dw, db = layer_norm_backward(_as_rows(dy, x2.shape[1]), x2, w, mean, rstd, ctx.bias_dtype)
         need = ctx.needs_input_grad
-        return (dx.view(ctx.shape) if need[0] else None, dw if need[1] else None, db if need[2] else None, None)
+        return (_unrows(dx, ctx.shape) if need[0] else None, dw if need[1] else None, db if need[2] else None, None)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.layer_norm``)."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+    if (x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)) and (
+        torch.is_grad_enabled()
+    ):
         return _LayerNorm.apply(x, weight, bias, eps)
-    y, _, _ = layer_norm_forward(_as_rows(x, x.shape[-1]), _contig(weight), _contig(bias), eps)
-    return y.view(x.shape)
+    shape = x.shape
+    y, _, _ = layer_norm_forward(_as_rows(x, shape[-1]), _contig(weight), _contig(bias), eps, need_stats=False)
+    return _unrows(y, shape)
