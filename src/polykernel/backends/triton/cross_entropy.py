@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ...ops.cross_entropy import reference  # noqa: F401  (semantics live in the op file)
 from ..torch.cross_entropy import grad_scale, reduce_rows, scale_grads_
+from ._launch import launch
 
 GRAD_IN_FORWARD = False  # see the module docstring
 MAX_BLOCK_BYTES = 32768  # one chunk of a row: 16K bf16 / 8K fp32 elements, 4 x 16-byte loads per thread
@@ -125,7 +126,8 @@ def _config(v: int, elt: int) -> tuple[int, int]:
 def _launch(x2, t, loss, lse, dx, scale, ignore_index, ls, fwd, grad) -> None:
     n, v = x2.shape
     block, warps = _config(v, x2.element_size())
-    _ce_kernel[(n,)](
+    launch(
+        _ce_kernel, (n,),
         x2, t, loss, lse,
         dx if grad else x2, scale if grad else lse,
         v, x2.stride(0), dx.stride(0) if grad else 0, (scale.stride(0) if scale.dim() else 0) if grad else 0,

@@ -21,9 +21,13 @@ tensors of more than 2^31 elements are addressed correctly.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from ._launch import launch
 
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
 ACTS = {"silu": SILU, "tanh": GELU_TANH, "none": GELU_ERF}
@@ -144,6 +148,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 or t2.numel() == 0 else t2.contiguous()
 
 
+@functools.lru_cache(maxsize=4096)  # host time: decode shapes repeat on every call
 def _tile(m: int, n: int) -> tuple[int, int, int]:
     """(BLOCK, ROWS, num_warps) for m rows of n elements: up to BLOCK_MAX elements per program."""
     block = min(BLOCK_MAX, triton.next_power_of_2(max(n, 1)))
@@ -165,11 +170,16 @@ def _launch(kernel, tensors: list[torch.Tensor], flat: bool, act: int) -> None:
         rows = 1
     col_blocks = triton.cdiv(n, block)
     grid = (triton.cdiv(m, rows) * col_blocks,)
-    kernel[grid](*tensors, m, n, col_blocks, *strides, ACT=act, BLOCK=block, ROWS=rows, num_warps=warps)
+    launch(kernel, grid, *tensors, m, n, col_blocks, *strides, ACT=act, BLOCK=block, ROWS=rows, num_warps=warps)
 
 
 def _same_dense(*ts: torch.Tensor) -> bool:
     """All tensors share one dense layout: the flat walk addresses them alike."""
+    for t in ts:  # the usual case, contiguous tensors (of one shape: validated), without Python loops
+        if not t.is_contiguous():
+            break
+    else:
+        return True
     lay = _layout(ts[0])
     return all(_layout(t) == lay for t in ts) and _dense(ts[0])
 
@@ -227,6 +237,6 @@ class GLUFunction(torch.autograd.Function):
 
 def glu(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
     """Forward (with autograd when a grad is needed) of ``act(gate) * up``; args validated."""
-    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+    if (gate.requires_grad or up.requires_grad) and torch.is_grad_enabled():
         return GLUFunction.apply(gate, up, act)
     return glu_forward(gate, up, act)

@@ -16,11 +16,14 @@ no cos/sin gradient: the op's predicate keeps it from being selected when cos/si
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from ...ops.rope import reference  # noqa: F401  (semantics live in the op file)
+from ._launch import launch
 
 ELEMS = 2048  # elements per half-tile [BLOCK_T, BLOCK_H, BLOCK_D] (two halves per head row)
 MAX_BLOCK_D = 128  # half dims up to 128 (D <= 256) in one chunk; longer ones are walked in chunks
@@ -146,6 +149,7 @@ def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(n, 1))
 
 
+@functools.lru_cache(maxsize=4096)  # host time: the same few shapes on every call
 def _tiles(t: int, hq: int, hk: int, half: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_T, BLOCK_D, BLOCK_HQ, BLOCK_HK, num_warps): ~ELEMS elements per half-tile, all heads
     of one position in one tile where they fit, and several positions per program when a
@@ -185,37 +189,16 @@ def rope_launch(
     qa, qoa = (q, qo) if q is not None else (k, ko)  # placeholders when absent (HQ = 0: never read)
     ka, koa = (k, ko) if k is not None else (q, qo)
     assert qoa is not None and koa is not None
-    sc_b = cos.stride(0) if cos.shape[0] != 1 else 0
-    ss_b = sin.stride(0) if sin.shape[0] != 1 else 0
-    _rope_kernel[(b * n_tblocks,)](
-        qa,
-        ka,
-        qoa,
-        koa,
-        cos,
-        sin,
-        t,
-        n_tblocks,
-        hq,
-        hk,
-        *qa.stride(),
-        *ka.stride(),
-        *qoa.stride(),
-        *koa.stride(),
-        sc_b,
-        cos.stride(1),
-        cos.stride(2),
-        ss_b,
-        sin.stride(1),
-        sin.stride(2),
-        HALF=half,
-        BLOCK_T=block_t,
-        BLOCK_D=block_d,
-        BLOCK_HQ=block_hq,
-        BLOCK_HK=block_hk,
-        BACKWARD=backward,
+    cs, ss = cos.stride(), sin.stride()  # one stride() call per tensor: each is a host op
+    launch(
+        _rope_kernel, (b * n_tblocks,),
+        qa, ka, qoa, koa, cos, sin, t, n_tblocks, hq, hk,
+        *qa.stride(), *ka.stride(), *qoa.stride(), *koa.stride(),
+        cs[0] if cos.shape[0] != 1 else 0, cs[1], cs[2],
+        ss[0] if sin.shape[0] != 1 else 0, ss[1], ss[2],
+        HALF=half, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BACKWARD=backward,
         num_warps=warps,
-    )
+    )  # fmt: skip
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,7 +234,7 @@ class _Rope(torch.autograd.Function):
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered impl (arguments already validated by ``polykernel.rope``)."""
-    if torch.is_grad_enabled():
+    if (q.requires_grad or k.requires_grad or cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled():
         if cos.requires_grad or sin.requires_grad:
             # The dispatcher never picks this impl then (the op's predicate); refuse a direct call
             # rather than return results whose cos/sin gradients would silently be missing.

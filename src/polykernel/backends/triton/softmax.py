@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import launch
+
 # Tiling (sm_90, checked by compiling for it: no register spills, 16-byte accesses; not yet timed).
 MAX_FUSED_N = 32768  # forward: one block per row up to here (a 32K fp32 row: 32 registers/thread at 32 warps)
 MAX_FUSED_N_BWD = 32768  # backward one block up to here: at 8192x32768 bf16 on the H200 it gave 3.50 TB/s fwd+bwd vs 2.84 chunked (benchmarks/sweep_norms.py), spills and all
@@ -254,18 +256,32 @@ def softmax_forward(x2: torch.Tensor, stats: bool) -> tuple[torch.Tensor, torch.
     rm, ri = (rmax, rinv) if stats else (y, y)  # unused pointers when STATS=False
     if n <= MAX_FUSED_N:
         block_n, rows, warps = _tile(n)
-        _softmax_fwd_kernel[(triton.cdiv(m, rows),)](
-            x2, y, rm, ri, m, n, x2.stride(0), y.stride(0), BLOCK_N=block_n, ROWS=rows, STATS=stats, num_warps=warps
+        launch(
+            _softmax_fwd_kernel,
+            (triton.cdiv(m, rows),),
+            x2,
+            y,
+            rm,
+            ri,
+            m,
+            n,
+            x2.stride(0),
+            y.stride(0),
+            BLOCK_N=block_n,
+            ROWS=rows,
+            STATS=stats,
+            num_warps=warps,
         )
         return y, rmax, rinv
     s, seg_chunks = _split(m, n, x2.device)
     if s > 1:
         ms = torch.empty((m, s), dtype=torch.float32, device=x2.device)
         ss = torch.empty((m, s), dtype=torch.float32, device=x2.device)
-        _softmax_stats_kernel[(m * s,)](x2, ms, ss, n, x2.stride(0), seg_chunks, s, CHUNK=CHUNK_N, num_warps=CHUNK_WARPS)
+        launch(_softmax_stats_kernel, (m * s,), x2, ms, ss, n, x2.stride(0), seg_chunks, s, CHUNK=CHUNK_N, num_warps=CHUNK_WARPS)
     else:
         ms = ss = y  # unused (SPLIT=False)
-    _softmax_fwd_chunked_kernel[(m * s,)](
+    launch(
+        _softmax_fwd_chunked_kernel, (m * s,),
         x2, y, ms, ss, rm, ri, n, x2.stride(0), y.stride(0), seg_chunks, s,
         CHUNK=CHUNK_N, S_POW2=triton.next_power_of_2(s), SPLIT=s > 1, STATS=stats, num_warps=CHUNK_WARPS,
     )  # fmt: skip
@@ -280,19 +296,47 @@ def softmax_backward(dy2: torch.Tensor, x2: torch.Tensor, rmax: torch.Tensor, ri
         return dx
     if n <= MAX_FUSED_N_BWD:
         block_n, rows, warps = _tile(n)
-        _softmax_bwd_kernel[(triton.cdiv(m, rows),)](
-            x2, dy2, dx, rmax, rinv, m, n, x2.stride(0), dy2.stride(0), dx.stride(0), BLOCK_N=block_n, ROWS=rows, num_warps=warps
+        launch(
+            _softmax_bwd_kernel,
+            (triton.cdiv(m, rows),),
+            x2,
+            dy2,
+            dx,
+            rmax,
+            rinv,
+            m,
+            n,
+            x2.stride(0),
+            dy2.stride(0),
+            dx.stride(0),
+            BLOCK_N=block_n,
+            ROWS=rows,
+            num_warps=warps,
         )
         return dx
     s, seg_chunks = _split(m, n, x2.device)
     if s > 1:
         dot = torch.empty((m, s), dtype=torch.float32, device=x2.device)
-        _softmax_dot_kernel[(m * s,)](
-            x2, dy2, rmax, rinv, dot, n, x2.stride(0), dy2.stride(0), seg_chunks, s, CHUNK=CHUNK_N, num_warps=CHUNK_WARPS
+        launch(
+            _softmax_dot_kernel,
+            (m * s,),
+            x2,
+            dy2,
+            rmax,
+            rinv,
+            dot,
+            n,
+            x2.stride(0),
+            dy2.stride(0),
+            seg_chunks,
+            s,
+            CHUNK=CHUNK_N,
+            num_warps=CHUNK_WARPS,
         )
     else:
         dot = rmax  # unused (SPLIT=False)
-    _softmax_bwd_chunked_kernel[(m * s,)](
+    launch(
+        _softmax_bwd_chunked_kernel, (m * s,),
         x2, dy2, dx, rmax, rinv, dot, n, x2.stride(0), dy2.stride(0), dx.stride(0), seg_chunks, s,
         CHUNK=CHUNK_N, S_POW2=triton.next_power_of_2(s), SPLIT=s > 1, num_warps=CHUNK_WARPS,
     )  # fmt: skip
