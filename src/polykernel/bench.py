@@ -18,6 +18,8 @@ cotangent. GB/s counts the fewest bytes the op must move (each op file's ``bytes
 the formula there); the fused linear cross-entropy reports TFLOP/s from 2·N·H·V (forward) and
 6·N·H·V (forward+backward). "% copy" is against a 2 GiB device-to-device copy measured at the
 start of the same run (bytes read + written). Peak extra memory is reported for every row.
+"host µs" (per-call mode) is the CPU time to issue one step while the GPU is kept busy
+(:func:`host_us_per_call`): an eager call costs max(GPU time, host time).
 
 ``--sweep`` adds, per op, sizes along the leading dimension (the README shape and three smaller
 ones, largest first). To keep a full sweep within a few minutes: the extra sizes are timed with
@@ -163,6 +165,28 @@ def measure(
     return ms, peak
 
 
+def host_us_per_call(step: Callable[[], Any], calls: int = 20, rounds: int = 7) -> float:
+    """Host (CPU) microseconds to issue one ``step`` with the GPU never the bottleneck: a long
+    ``torch.cuda._sleep`` is queued first, so each call only enqueues its work; best round.
+
+    A step that synchronizes with the GPU (``.item()``, a host copy) waits out the sleep and shows
+    up as thousands of microseconds here: that is the point.
+    """
+    import torch
+
+    step()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        torch.cuda._sleep(50_000_000)  # ~25 ms on a ~2 GHz GPU: longer than the calls take to issue
+        t = time.perf_counter()
+        for _ in range(calls):
+            step()
+        best = min(best, (time.perf_counter() - t) / calls)
+        torch.cuda.synchronize()
+    return best * 1e6
+
+
 def _contenders(
     op: Any,
     args: tuple[Any, ...],
@@ -186,6 +210,16 @@ def _contenders(
     if compiled is not None:
         out["torch.compile"] = lambda: compiled(*args, **kwargs)
     return out
+
+
+def _step(fn: Callable[[], Any], grad_inputs: list[torch.Tensor], backward: bool) -> Callable[[], Any]:
+    """One call as ``measure`` times it: the forward under no_grad, or forward + autograd.grad."""
+    import torch
+
+    if not backward:
+        return lambda: torch.no_grad()(fn)()
+    cots = [torch.randn_like(o) for o in _outputs(fn())]
+    return lambda: torch.autograd.grad(_outputs(fn()), grad_inputs, cots)
 
 
 def _chosen(op_id: str, backward: bool) -> str:
@@ -251,9 +285,12 @@ def run(
                     t0 = time.time()
                     if who == "polykernel":
                         polykernel.clear_caches()  # so decisions() holds this row's choice only
+                    host = float("nan")
                     try:
                         ms, peak = measure(call, grad_inputs, backward, graph, **timing)
                         err = ""
+                        if device == "cuda" and not graph:  # host time to issue the step (see host_us_per_call)
+                            host = host_us_per_call(_step(call, grad_inputs, backward))
                     except Exception as exc:
                         ms, peak, err = float("nan"), float("nan"), f"{type(exc).__name__}: {str(exc)[:120]}"
                     row: dict[str, Any] = {
@@ -265,6 +302,7 @@ def run(
                         "chosen": _chosen(op.id, backward) if who == "polykernel" else "",
                         "sweep": in_sweep,
                         "ms": ms,
+                        "host_us": host,
                         "peak_extra_MiB": peak,
                         "error": err,
                         "seconds": round(time.time() - t0, 2),
@@ -284,15 +322,30 @@ def print_rows(rows: list[dict[str, Any]], console: Console) -> None:
     """The rows as one table: ms, TB/s (or TFLOP/s), % of the copy, peak extra memory, errors."""
     from polykernel.console import table
 
-    t = table(console, "op", "shape", "mode", "impl", "chosen", "ms", "TB/s | TFLOP/s", "% copy", "peak+ MiB", "error",
-              right=("ms", "TB/s | TFLOP/s", "% copy", "peak+ MiB"))  # fmt: skip
+    t = table(console, "op", "shape", "mode", "impl", "chosen", "ms", "host µs", "TB/s | TFLOP/s", "% copy", "peak+ MiB", "error",
+              right=("ms", "host µs", "TB/s | TFLOP/s", "% copy", "peak+ MiB"))  # fmt: skip
     for r in rows:
         perf = f"{r['TFLOP/s']:.0f} TFLOP/s" if "TFLOP/s" in r else (f"{r['GB/s'] / 1e3:.2f}" if "GB/s" in r else "")
         pct = f"{r['% copy']:.1f}" if "% copy" in r else ""
         t.add_row(
-            r["op"], r["shape"], r["mode"], r["impl"], r["chosen"], f"{r['ms']:.3f}", perf, pct, f"{r['peak_extra_MiB']:.0f}", r["error"]
+            r["op"],
+            r["shape"],
+            r["mode"],
+            r["impl"],
+            r["chosen"],
+            f"{r['ms']:.3f}",
+            _host(r),
+            perf,
+            pct,
+            f"{r['peak_extra_MiB']:.0f}",
+            r["error"],
         )
     console.print(t)
+
+
+def _host(row: dict[str, Any]) -> str:
+    host = row.get("host_us", float("nan"))  # rows loaded from older files lack it
+    return "" if host != host else f"{host:.1f}"
 
 
 def device_slug(name: str) -> str:
