@@ -56,23 +56,23 @@ def _enabled_by_env() -> bool:
 
 # Off: the interpreter (kernels are not JITFunctions then anyway), a CPU-only torch, a Triton
 # without the pieces used here, or the user's switch.
-ENABLED = (
-    _enabled_by_env()
-    and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+_SUPPORTED = (
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     and _JITFunction is not None
     and _runtime_knobs is not None
     and _get_device is not None
     and _get_stream is not None
 )
+ENABLED = _SUPPORTED and _enabled_by_env()
 
 
 class _KernelState:
     """Per-kernel fast-path state: the argument-key function and the compiled entries."""
 
-    __slots__ = ("arity", "entries", "key", "on")
+    __slots__ = ("arity", "entries", "key", "on", "supported")
 
     def __init__(self) -> None:
-        self.on = True
+        self.on = self.supported = True
         self.arity = -1
         self.key: Callable[..., tuple[Any, ...]] | None = None
         # our key -> (launcher, function handle, packed metadata, trailing parameter values)
@@ -109,7 +109,8 @@ def _state(kernel: Any) -> _KernelState:
     state = kernel.__dict__.get(_SLOT)
     if state is None:
         state = _KernelState()
-        state.on = ENABLED and type(kernel) is _JITFunction and not getattr(kernel, "pre_run_hooks", None)
+        state.supported = type(kernel) is _JITFunction and not getattr(kernel, "pre_run_hooks", None)
+        state.on = ENABLED and state.supported
         setattr(kernel, _SLOT, state)
         _states.append(state)
     return state
@@ -167,7 +168,7 @@ def _miss(state: _KernelState, kernel: Any, grid: tuple[int, ...], args: tuple[A
         tail = _trailing_params(kernel, len(args), meta)
         state.entries[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
     except Exception as exc:  # internals differ from what this module expects: Triton's path only
-        state.on = False
+        state.on = state.supported = False
         log.info("polykernel: fast Triton launch off for %s (%s: %s)", getattr(kernel, "__name__", kernel), type(exc).__name__, exc)
     return compiled
 
@@ -190,6 +191,17 @@ def clear() -> None:
     """Forget every cached compiled kernel (after changing a Triton knob in-process)."""
     for state in list(_states):
         state.entries.clear()
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn the fast path on or off in this process (benchmarks A/B it); returns the old setting.
+    Turning it on has no effect where it cannot work (the interpreter, a CPU-only torch)."""
+    global ENABLED
+    old = ENABLED
+    ENABLED = bool(on) and _SUPPORTED
+    for state in _states:
+        state.on = ENABLED and state.supported
+    return old
 
 
 def cached_keys(kernel: Any) -> list[tuple[Any, ...]]:
