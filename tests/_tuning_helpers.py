@@ -95,3 +95,34 @@ def sync_worker(rank: int, world: int, init_file: str, base: str, out: str) -> N
             f.write(f"{before} {after['impl']} {after['source']} {n}")
     finally:
         dist.destroy_process_group()
+
+
+def tune_and_sync_worker(rank: int, world: int, init_file: str, cache: str, out: str) -> None:
+    """Every rank measures overlapping keys into one shared store at once (POLYKERNEL_TUNE=on),
+    then ``sync_decisions``; writes what it ran for the shared key after the sync."""
+    import json
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["POLYKERNEL_CACHE_DIR"] = cache
+    os.environ["POLYKERNEL_TUNE"] = "on"
+    import torch
+    import torch.distributed as dist
+
+    import polykernel
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(rank)
+        shared = [32, 48]  # every rank meets these
+        mine = [16 * (rank + 4)]  # and one key of its own
+        dist.barrier()  # start together
+        for n in shared + mine:
+            polykernel.rms_norm(torch.randn(4, n), torch.ones(n))
+        dist.barrier()
+        polykernel.sync_decisions()
+        polykernel.rms_norm(torch.randn(4, 32), torch.ones(32))
+        ran = [d for d in polykernel.decisions("rms_norm") if d["arg_class"]["n"] == 32][-1]
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"impl": ran["impl"], "source": ran["source"]}, f)
+    finally:
+        dist.destroy_process_group()
