@@ -28,6 +28,9 @@ from ._rows import unrows as _unrows
 MAX_FUSED_N = 16384  # one block per row up to here; beyond, a chunked two-pass walk
 CHUNK_N = 4096
 LONG_BWD_BLOCK_C = 4096  # columns per program in the long-row backward
+# Forward kernel for rows up to MAX_FUSED_N: "tile" ([ROWS, BLOCK_N] per program) or "row" (one
+# row per program, 1-D). benchmarks/kernel_variants.py A/Bs them on the GPU.
+FWD_VARIANT = "tile"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,6 +67,28 @@ def _rms_fwd_kernel(
     if LLAMA:
         xhat = xhat.to(Y.dtype.element_ty).to(tl.float32)
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], (xhat * w[None, :]).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_fwd_row_kernel(
+    X, W, Y, RSTD,
+    N, stride_x, stride_y,
+    eps, offset,
+    BLOCK_N: tl.constexpr, LLAMA: tl.constexpr, STORE_RSTD: tl.constexpr,
+):  # fmt: skip
+    """One row per program, 1-D: the plainest schedule (FWD_VARIANT = "row")."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    ok = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    if STORE_RSTD:
+        tl.store(RSTD + row, rstd)
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32) + offset
+    xhat = x * rstd
+    if LLAMA:
+        xhat = xhat.to(Y.dtype.element_ty).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, (xhat * w).to(Y.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -236,7 +261,14 @@ def rms_norm_forward(
     rstd = torch.empty(m, dtype=torch.float32, device=x2.device) if need_rstd else None
     if m == 0 or n == 0:
         return y, None if rstd is None else rstd.fill_(0)
-    if n <= MAX_FUSED_N:
+    if n <= MAX_FUSED_N and FWD_VARIANT == "row":
+        block_n = triton.next_power_of_2(n)
+        launch(
+            _rms_fwd_row_kernel, (m,),
+            x2, weight, y, y if rstd is None else rstd, n, x2.stride(0), y.stride(0), eps, offset,
+            BLOCK_N=block_n, LLAMA=llama, STORE_RSTD=need_rstd, num_warps=TUNE["fwd_warps"] or _tile(n, block_n, None)[2],
+        )  # fmt: skip
+    elif n <= MAX_FUSED_N:
         block_n, rows, warps = _tile(n, TUNE["fwd_tile_elems"], TUNE["fwd_warps"])
         launch(
             _rms_fwd_kernel, (triton.cdiv(m, rows),),

@@ -27,6 +27,7 @@ from ._launch import launch
 
 ELEMS = 2048  # elements per half-tile [BLOCK_T, BLOCK_H, BLOCK_D] (two halves per head row)
 MAX_BLOCK_D = 128  # half dims up to 128 (D <= 256) in one chunk; longer ones are walked in chunks
+MAX_WARPS = 4  # benchmarks/kernel_variants.py A/Bs these three (call _tiles.cache_clear() after a change)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,7 +161,7 @@ def _tiles(t: int, hq: int, hk: int, half: int) -> tuple[int, int, int, int, int
     block_hk = min(_pow2(hk), cap_h)
     block_t = min(_pow2(t), max(1, ELEMS // (max(block_hq, block_hk) * block_d)))
     elems = block_t * max(block_hq, block_hk) * block_d
-    warps = max(1, min(4, elems // 512))
+    warps = max(1, min(MAX_WARPS, elems // 512))
     return block_t, block_d, block_hq, block_hk, warps
 
 
