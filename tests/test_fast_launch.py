@@ -198,3 +198,40 @@ def test_gpu_keys_separate_dtypes():
     keys = _launch.cached_keys(tk._rms_fwd_kernel)
     seen = {next(v for v in k if isinstance(v, torch.dtype)) for k in keys}
     assert seen == {torch.float32, torch.bfloat16, torch.float16}
+
+
+# -- the lean autograd apply -------------------------------------------------------------------
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):  # type: ignore[override]
+        ctx.save_for_backward(x)
+        ctx.scale = scale
+        return x * x * scale
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        return 2 * x * g * ctx.scale, None
+
+
+def test_lean_apply_records_the_same_node_and_gradient():
+    from polykernel.backends.triton._autograd import lean_apply
+
+    x = torch.randn(5, requires_grad=True)
+    y = lean_apply(_Square)(x, 3.0)
+    assert type(y.grad_fn) is type(_Square.apply(x, 3.0).grad_fn)
+    (g,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(g, 6 * x.detach())
+
+
+def test_lean_apply_defers_to_apply_under_functorch_transforms():
+    from polykernel.backends.triton._autograd import lean_apply
+
+    x = torch.randn(5)
+    with pytest.raises(RuntimeError, match="setup_context") as plain:
+        torch.func.grad(lambda t: _Square.apply(t, 3.0).sum())(x)
+    with pytest.raises(RuntimeError, match="setup_context") as lean:
+        torch.func.grad(lambda t: lean_apply(_Square)(t, 3.0).sum())(x)
+    assert str(lean.value) == str(plain.value)

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ...ops.cross_entropy import reference  # noqa: F401  (semantics live in the op file)
 from ..torch.cross_entropy import grad_scale, reduce_rows, scale_grads_
+from ._autograd import lean_apply
 from ._launch import launch
 
 GRAD_IN_FORWARD = False  # see the module docstring
@@ -207,10 +208,13 @@ class _CrossEntropy(torch.autograd.Function):
         return dx.view(ctx.shape), None, None, None, None
 
 
+_lean_apply = lean_apply(_CrossEntropy)  # _CrossEntropy.apply without its Python wrapper (see _autograd.py)
+
+
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.cross_entropy``)."""
     if torch.is_grad_enabled() and logits.requires_grad:
-        return _CrossEntropy.apply(logits, target, ignore_index, label_smoothing, reduction)
+        return _lean_apply(logits, target, ignore_index, label_smoothing, reduction)
     v = logits.shape[-1]
     t = target.reshape(-1).contiguous()
     loss, _ = ce_forward(_as_rows(logits, v), t, ignore_index, label_smoothing)

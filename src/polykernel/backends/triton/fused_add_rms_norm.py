@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ...ops.fused_add_rms_norm import reference  # noqa: F401  (semantics live in the op file)
+from ._autograd import lean_apply
 from ._launch import launch
 from ._rows import as_rows as _as_rows
 from ._rows import contig as _contig
@@ -261,12 +262,15 @@ class _FusedAddRMSNorm(torch.autograd.Function):
         return ds if need[0] else None, ds if need[1] else None, dw if need[2] else None, None, None
 
 
+_lean_apply = lean_apply(_FusedAddRMSNorm)  # _FusedAddRMSNorm.apply without its Python wrapper (see _autograd.py)
+
+
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered impl (arguments already validated by ``polykernel.fused_add_rms_norm``)."""
     if (x.requires_grad or residual.requires_grad or weight.requires_grad) and torch.is_grad_enabled():
-        return _FusedAddRMSNorm.apply(x, residual, weight, eps, offset)
+        return _lean_apply(x, residual, weight, eps, offset)
     shape = x.shape
     n = shape[-1]
     y, s, _ = fused_add_rms_norm_forward(_as_rows(x, n), _as_rows(residual, n), _contig(weight), eps, offset, need_rstd=False)

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._autograd import lean_apply
 from ._launch import launch
 
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
@@ -235,8 +236,11 @@ class GLUFunction(torch.autograd.Function):
         return (dg if ctx.needs_input_grad[0] else None, du if ctx.needs_input_grad[1] else None, None)
 
 
+_lean_apply = lean_apply(GLUFunction)  # GLUFunction.apply without its Python wrapper (see _autograd.py)
+
+
 def glu(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
     """Forward (with autograd when a grad is needed) of ``act(gate) * up``; args validated."""
     if (gate.requires_grad or up.requires_grad) and torch.is_grad_enabled():
-        return GLUFunction.apply(gate, up, act)
+        return _lean_apply(gate, up, act)
     return glu_forward(gate, up, act)

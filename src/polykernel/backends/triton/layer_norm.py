@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ...ops.layer_norm import reference  # noqa: F401  (semantics live in the op file)
+from ._autograd import lean_apply
 from ._launch import launch
 from ._rows import as_rows as _as_rows
 from ._rows import contig as _contig_t
@@ -310,12 +311,15 @@ class _LayerNorm(torch.autograd.Function):
         return (_unrows(dx, ctx.shape) if need[0] else None, dw if need[1] else None, db if need[2] else None, None)
 
 
+_lean_apply = lean_apply(_LayerNorm)  # _LayerNorm.apply without its Python wrapper (see _autograd.py)
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.layer_norm``)."""
     if (x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)) and (
         torch.is_grad_enabled()
     ):
-        return _LayerNorm.apply(x, weight, bias, eps)
+        return _lean_apply(x, weight, bias, eps)
     shape = x.shape
     y, _, _ = layer_norm_forward(_as_rows(x, shape[-1]), _contig(weight), _contig(bias), eps, need_stats=False)
     return _unrows(y, shape)

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from ...ops.rms_norm import reference  # noqa: F401  (semantics live in the op file)
 from ...spec import Split
+from ._autograd import lean_apply
 from ._launch import launch
 from ._rows import TL_DTYPE
 from ._rows import as_rows as _as_rows
@@ -352,10 +353,13 @@ class _RMSNorm(torch.autograd.Function):
         )
 
 
+_lean_apply = lean_apply(_RMSNorm)  # _RMSNorm.apply without its Python wrapper (see _autograd.py)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.rms_norm``)."""
     if (x.requires_grad or weight.requires_grad) and torch.is_grad_enabled():
-        return _RMSNorm.apply(x, weight, eps, offset, casting)
+        return _lean_apply(x, weight, eps, offset, casting)
     shape = x.shape
     y, _ = rms_norm_forward(_as_rows(x, shape[-1]), _contig(weight), eps, offset, casting == "llama", need_rstd=False)
     return _unrows(y, shape)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ...ops.rope import reference  # noqa: F401  (semantics live in the op file)
+from ._autograd import lean_apply
 from ._launch import launch
 
 ELEMS = 2048  # elements per half-tile [BLOCK_T, BLOCK_H, BLOCK_D] (two halves per head row)
@@ -233,6 +234,9 @@ class _Rope(torch.autograd.Function):
         return dq, dk, None, None
 
 
+_lean_apply = lean_apply(_Rope)  # _Rope.apply without its Python wrapper (see _autograd.py)
+
+
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered impl (arguments already validated by ``polykernel.rope``)."""
     if (q.requires_grad or k.requires_grad or cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled():
@@ -241,5 +245,5 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
             # rather than return results whose cos/sin gradients would silently be missing.
             raise NotImplementedError("embedding.rope [triton]: no cos/sin gradients; use impl='torch'")
         if q.requires_grad or k.requires_grad:
-            return _Rope.apply(q, k, cos, sin)
+            return _lean_apply(q, k, cos, sin)
     return _forward(q, k, cos, sin)

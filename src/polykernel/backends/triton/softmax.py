@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._autograd import lean_apply
 from ._launch import launch
 
 # Tiling (sm_90, checked by compiling for it: no register spills, 16-byte accesses; not yet timed).
@@ -362,8 +363,11 @@ class _Softmax(torch.autograd.Function):
         return softmax_backward(_as_rows(dy, x2.shape[1]), x2, rmax, rinv).view(ctx.shape)
 
 
+_lean_apply = lean_apply(_Softmax)  # _Softmax.apply without its Python wrapper (see _autograd.py)
+
+
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.softmax``)."""
     if torch.is_grad_enabled() and x.requires_grad:
-        return _Softmax.apply(x)
+        return _lean_apply(x)
     return softmax_forward(_as_rows(x, x.shape[-1]), False)[0].view(x.shape)
