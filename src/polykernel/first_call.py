@@ -54,27 +54,44 @@ def _mismatch(op: Any, args: tuple[Any, ...], out: Any) -> str | None:
     """Why ``out`` cannot be the op's result for ``args`` (shapes, dtypes, count), else None."""
     import torch
 
+    wants = _expected(op, args)
+    if wants is None:
+        return None
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if len(outs) != len(wants):
+        return f"{len(outs)} outputs, the reference {len(wants)}"
+    for i, (o, w) in enumerate(zip(outs, wants)):
+        if w is None:
+            continue
+        if not isinstance(o, torch.Tensor):
+            return f"{type(o).__name__} as output {i}, not a tensor"
+        shape, dtype = w
+        if tuple(o.shape) != shape or o.dtype != dtype:
+            return (
+                f"output {i} of shape {tuple(o.shape)} and dtype {str(o.dtype).removeprefix('torch.')}; "
+                f"the reference's is {shape}, {str(dtype).removeprefix('torch.')}"
+            )
+    return None
+
+
+def _expected(op: Any, args: tuple[Any, ...]) -> list[tuple[tuple[int, ...], Any] | None] | None:
+    """Per output of the op on ``args``: ``(shape, dtype)``, or None for a non-tensor output.
+    None when nothing can be said. The op's declared ``outputs`` when it has them (cheap); else
+    its reference on meta tensors, which imports ``torch._dynamo`` (torch's Python meta kernels
+    sit behind ``torch._disable_dynamo``), so built-in ops declare theirs."""
+    import torch
+
+    outputs = getattr(op, "outputs", None)
     try:
+        if outputs is not None:
+            return [(tuple(shape), dtype) for shape, dtype in outputs(*args)]
         with torch.no_grad():
             meta = tuple(torch.empty_like(a, device="meta") if isinstance(a, torch.Tensor) else a for a in args)
             want = op.reference(*meta)
     except Exception:  # a reference that cannot run on meta tensors: nothing to compare with
         return None
-    outs = out if isinstance(out, (tuple, list)) else (out,)
     wants = want if isinstance(want, (tuple, list)) else (want,)
-    if len(outs) != len(wants):
-        return f"{len(outs)} outputs, the reference {len(wants)}"
-    for i, (o, w) in enumerate(zip(outs, wants)):
-        if not isinstance(w, torch.Tensor):
-            continue
-        if not isinstance(o, torch.Tensor):
-            return f"{type(o).__name__} as output {i}, not a tensor"
-        if o.shape != w.shape or o.dtype != w.dtype:
-            return (
-                f"output {i} of shape {tuple(o.shape)} and dtype {str(o.dtype).removeprefix('torch.')}; "
-                f"the reference's is {tuple(w.shape)}, {str(w.dtype).removeprefix('torch.')}"
-            )
-    return None
+    return [(tuple(w.shape), w.dtype) if isinstance(w, torch.Tensor) else None for w in wants]
 
 
 def _tag_backward(out: Any, label: str) -> None:

@@ -300,6 +300,12 @@ class Op:
     checked, scalar options), the op validates once per new class, on the memo miss, and a
     public function may pass ``argkey=None`` when it could not even build the class (a non-tensor
     argument, say) so that ``validate`` raises the proper error.
+
+    ``outputs`` (optional) gives, from the impl's positional arguments, the ``(shape, dtype)`` of
+    each output: the first call of each decision checks an impl's outputs against it
+    (:mod:`polykernel.first_call`). Without it, the reference runs on meta tensors, which imports
+    ``torch._dynamo`` (and with it ``torch.distributed.tensor``, ~1 s) on the first call: torch's
+    Python meta kernels sit behind ``torch._disable_dynamo``.
     """
 
     def __init__(
@@ -317,6 +323,7 @@ class Op:
         bytes_moved: Callable[..., int] | None = None,
         impls: Sequence[KernelSpec] = (),
         validate: Callable[..., None] | None = None,
+        outputs: Callable[..., Sequence[tuple[Sequence[int], torch.dtype]]] | None = None,
     ) -> None:
         if tuple(fields[:3]) != ("device", "dtype", "needs_grad"):
             raise ValueError("Op fields must start with device, dtype, needs_grad")
@@ -332,6 +339,7 @@ class Op:
         self.example = example
         self.bytes_moved = bytes_moved
         self.validate = validate
+        self.outputs = outputs
         self._memo: dict[tuple[Any, ...], Any] = {}
         # The last memo hit of the hot path, (argkey, impl, scope, deterministic, decision): a
         # repeated argument class (every layer's norm) skips hashing the key (~80 ns).

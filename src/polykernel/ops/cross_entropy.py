@@ -287,12 +287,22 @@ IMPLS = [
     ),
 ]
 
+
+def outputs(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean"
+) -> tuple[tuple[torch.Size, torch.dtype], ...]:
+    """The reference's output shape and dtype, without running it (the first-call check)."""
+    shape = target.shape if reduction == "none" else torch.Size()
+    return ((shape, torch.promote_types(logits.dtype, torch.float32)),)
+
+
 _op = Op(
     OP_ID,
     fields=("device", "dtype", "needs_grad", "n_classes", "label_smoothing"),
     key=_key,
     default_key=lambda device, dtype: (device, dtype, False, None, 0.0),
     reference=reference,
+    outputs=outputs,
     error_model=error_model,
     dtypes=(torch.float32, torch.bfloat16, torch.float16),
     cases=cases,

@@ -291,12 +291,29 @@ IMPLS = [
     ),
 ]
 
+
+def outputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+) -> tuple[tuple[torch.Size, torch.dtype], ...]:
+    """The reference's output shape and dtype, without running it (the first-call check)."""
+    logits = torch.promote_types(hidden.dtype, weight.dtype)
+    shape = target.shape if reduction == "none" else torch.Size()
+    return ((shape, torch.promote_types(logits, torch.float32)),)
+
+
 _op = Op(
     OP_ID,
     fields=("device", "dtype", "needs_grad", "hidden_size", "n_classes", "has_bias"),
     key=_key,
     default_key=lambda device, dtype: (device, dtype, False, None, None, False),
     reference=reference,
+    outputs=outputs,
     error_model=error_model,
     dtypes=(torch.float32, torch.bfloat16, torch.float16),
     cases=cases,

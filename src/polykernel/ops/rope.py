@@ -285,12 +285,19 @@ IMPLS = [
     ),
 ]
 
+
+def outputs(q: torch.Tensor, k: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
+    """The reference's output shapes and dtypes, without running it (the first-call check)."""
+    return ((q.shape, q.dtype), (k.shape, k.dtype))
+
+
 _op = Op(
     OP_ID,
     fields=("device", "dtype", "needs_grad", "rot_grad", "k_dtype"),
     key=_key,
     default_key=lambda device, dtype: (device, dtype, False, False, dtype),
     reference=reference,
+    outputs=outputs,
     error_model=error_model,
     dtypes=(torch.float32, torch.bfloat16, torch.float16),
     cases=cases,
