@@ -137,8 +137,8 @@ def test_impl_argument_strict_errors():
     err = info.value
     assert (err.op, err.impl, err.reason) == ("norm.rms_norm", "quack", "needs a CUDA device")
     assert "torch" in err.runnable and "would run here: " in str(err)
-    with pytest.raises(ImplNotAvailableError, match="no 'cute_dsl' impl is registered"):
-        run(impl="cute_dsl")
+    with pytest.raises(ImplNotAvailableError, match="no 'cuda_jit' impl is registered"):
+        run(impl="cuda_jit")
     for typo in ("cuda", "tritonn", "Torch"):  # not an impl of the op: the op's impls are listed
         with pytest.raises(ImplNotAvailableError, match=f"no '{typo}' impl is registered for this op; its impls are: ") as info:
             run(impl=typo)
@@ -155,7 +155,7 @@ def test_hostile_impl_values_are_clear_errors(bad):
     assert text.startswith("norm.rms_norm: impl ") and "its impls are: " in text and len(text) < 600
 
 
-@pytest.mark.parametrize("bad", ["tritonn", ",,,", "x" * 100_000, "cute_dsl"])
+@pytest.mark.parametrize("bad", ["tritonn", ",,,", "x" * 100_000, "cuda_jit"])
 def test_scoped_and_set_impl_for_an_op_list_the_valid_names(bad):
     with pytest.raises(UnknownImplError, match="its impls are: ") as info:
         with polykernel.use_impl(bad, op="rms_norm"):
@@ -225,7 +225,7 @@ def test_scope_for_op_is_strict_and_nested_innermost_wins():
 
 
 def test_scope_for_op_unknown_impl_raises_at_entry():
-    for name in ("cute_dsl", "tritonn"):  # an impl the op lacks, a typo
+    for name in ("cuda_jit", "tritonn"):  # an impl the op lacks, a typo
         with pytest.raises(ImplNotAvailableError, match="its impls are: "):
             with polykernel.use_impl(name, op="rms_norm"):
                 pass
@@ -335,7 +335,7 @@ def test_set_impl_validates_names():
     with pytest.raises(ValueError, match="not an impl name"):
         polykernel.set_impl("fast")
     with pytest.raises(ImplNotAvailableError):
-        polykernel.set_impl("cute_dsl", op="rms_norm")  # an impl rms_norm lacks (quack is registered now)
+        polykernel.set_impl("cuda_jit", op="rms_norm")  # an impl rms_norm lacks (quack and cute_dsl are registered now)
     with pytest.raises(ImplNotAvailableError, match="its impls are: "):
         polykernel.set_impl("tritonn", op="rms_norm")
     with pytest.raises(UnknownOpError, match="known ops"):
