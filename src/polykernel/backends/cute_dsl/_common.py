@@ -129,7 +129,7 @@ def compiled(key: tuple, build: Callable[[], Any]) -> Any:
 
 def fake_rows(dtype: type[cutlass.Numeric] | None, m: Any, n: int) -> Any:
     """A fake [m, n] row-major tensor for compiling: symbolic m and row stride, 16-byte aligned
-    (the host launcher guarantees it: see the op modules' ``_rows16``)."""
+    (the host launcher guarantees it: see ``_norm_host.rows16``)."""
     if dtype is None:
         return None
     vec = VEC_BYTES * 8 // dtype.width
@@ -148,45 +148,6 @@ def compile_kernel(kernel: Any, *args: Any) -> Any:
     """``cute.compile`` with the TVM-FFI calling convention and the env stream as last argument."""
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(kernel, *args, stream, options=ARCH_OPTION)
-
-
-def sm_count(device: Any) -> int:
-    """Multiprocessors of a CUDA device (persistent grids)."""
-    import torch  # host only; this module stays importable without torch
-
-    d = torch.device(device)
-    return _sm_count(d.index if d.index is not None else torch.cuda.current_device())
-
-
-_sms: dict[int, int] = {}
-
-
-def _sm_count(index: int) -> int:
-    hit = _sms.get(index)
-    if hit is None:
-        import torch
-
-        hit = _sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return hit
-
-
-def rows16(t: Any, n: int) -> Any:
-    """``t`` as [M, n] with unit column stride, 16-byte aligned base and row stride (the fake
-    tensors' promise); copies only when the layout breaks it."""
-    t2 = t.reshape(math.prod(t.shape[:-1]), n)  # not -1: ambiguous when n = 0
-    vec_elems = VEC_BYTES // t.element_size()
-    if t2.stride(-1) != 1 or t2.stride(0) % vec_elems or t2.data_ptr() % VEC_BYTES:
-        t2 = t2.new_empty(t2.shape).copy_(t2)  # fresh storage: standard strides, aligned base
-    return t2
-
-
-def vector16(t: Any | None) -> Any | None:
-    """A 1-D parameter as a contiguous, 16-byte aligned tensor (a copy only when needed)."""
-    if t is None:
-        return None
-    if t.stride(0) != 1 or t.data_ptr() % VEC_BYTES:
-        t = t.new_empty(t.shape).copy_(t)
-    return t
 
 
 # -- device-side helpers --------------------------------------------------------------------------

@@ -2,22 +2,55 @@
 ``layer_norm``: allocate outputs, fetch the compiled kernel for the key, launch through TVM-FFI.
 
 A key is (kernel, x dtype, parameter dtypes, N, options, arch); the row count is symbolic, so one
-compile serves every M. Empty inputs never launch.
+compile serves every M. Empty inputs never launch. CuTeDSL itself (``_common``, ``_norms``) is
+imported on the first launch, so this module and the op modules import on any machine.
 """
 
 from __future__ import annotations
 
+import math
+from types import ModuleType
+
 import torch
 
-from . import _common as common
-from . import _norms as kern
+VEC_BYTES = 16
+
+
+def rows16(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t`` as [M, n] with unit column stride, 16-byte aligned base and row stride (what the
+    compiled kernels assume); copies only when the layout breaks it."""
+    t2 = t.reshape(math.prod(t.shape[:-1]), n)  # not -1: ambiguous when n = 0
+    if t2.stride(-1) != 1 or t2.stride(0) % (VEC_BYTES // t.element_size()) or t2.data_ptr() % VEC_BYTES:
+        t2 = t2.new_empty(t2.shape).copy_(t2)  # fresh storage: standard strides, aligned base
+    return t2
+
+
+def vector16(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A 1-D parameter as a contiguous, 16-byte aligned tensor (a copy only when needed)."""
+    if t is not None and (t.stride(0) != 1 or t.data_ptr() % VEC_BYTES):
+        t = t.new_empty(t.shape).copy_(t)
+    return t
+
+
+def _kernels() -> tuple[ModuleType, ModuleType]:
+    from . import _common, _norms  # CuTeDSL: only once a launch needs it
+
+    return _common, _norms
+
+
+_sms: dict[torch.device, int] = {}
+_archs: dict[torch.device, tuple[int, int]] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    hit = _sms.get(device)
+    if hit is None:
+        hit = _sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return hit
 
 
 def _dt(t: torch.Tensor | None):
-    return None if t is None else common.cutlass_dtype(t.dtype)
-
-
-_archs: dict[torch.device, tuple[int, int]] = {}
+    return None if t is None else _kernels()[0].cutlass_dtype(t.dtype)
 
 
 def _arch(device: torch.device) -> tuple[int, int]:
@@ -43,6 +76,7 @@ def norm_forward(
     mean = torch.empty(m, dtype=torch.float32, device=x2.device) if layer else None
     if m == 0 or n == 0:
         return y, rstd.fill_(0), None if mean is None else mean.fill_(0)
+    common, kern = _kernels()
     key = ("norm_fwd", x2.dtype, _dt_key(weight), _dt_key(bias), n, layer, llama, _arch(x2.device))
     fn = common.compiled(key, lambda: kern.compile_fwd(_dt(x2), _dt(weight), _dt(bias), n, layer, llama))
     fn(x2, weight, bias, y, rstd, mean, eps, offset)
@@ -67,11 +101,14 @@ def norm_backward(
     zeros = lambda: torch.zeros(n, dtype=torch.float32, device=x2.device)
     if m == 0 or n == 0:
         return dx, zeros() if want_dw else None, zeros() if want_db else None
+    common, kern = _kernels()
     cfg, acc_smem = kern.bwd_config(n, common.cutlass_dtype(x2.dtype).width)
     blocks = -(-m // cfg.rows)
-    # Persistent grid: about two waves of CTAs, fewer when shared memory (wide rows) limits them.
-    per_sm = 1 if acc_smem else max(1, min(4, 2048 // cfg.threads))
-    groups = max(1, min(blocks, per_sm * common.sm_count(x2.device) // cfg.cluster))
+    # Persistent grid: as many CTAs as fit at once. The backward compiles to ~128 registers a thread
+    # (sm_90a, ptxas), so 65536 // (threads * 128) CTAs share an SM; wide rows (dW in shared
+    # memory, 512 threads) take one.
+    per_sm = 1 if acc_smem else max(1, 65536 // (cfg.threads * 128))
+    groups = max(1, min(blocks, per_sm * _sm_count(x2.device) // cfg.cluster))
     parts = groups * cfg.rows
     dw = torch.empty((parts, n), dtype=torch.float32, device=x2.device) if want_dw else None
     db = torch.empty((parts, n), dtype=torch.float32, device=x2.device) if want_db else None

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import rows16, vector16
-from ._norm_host import norm_backward, norm_forward
+from ._norm_host import norm_backward, norm_forward, rows16, vector16
 
 
 class _RMSNorm(torch.autograd.Function):
