@@ -16,7 +16,8 @@ A finer key than Triton's only costs an extra entry, never a wrong kernel: on a 
 goes through ``kernel[grid]``, which compiles (or finds) the right kernel and launches it, and
 its compiled handle is stored under our key. Everything else goes through ``kernel[grid]``
 too: the CPU interpreter (``TRITON_INTERPRET=1``), a kernel that is not a plain ``JITFunction``
-(autotuned, heuristics), pre-run or launch hooks (profilers such as Proton), kernels that read globals, and any
+(autotuned, heuristics), pre-run or launch hooks (profilers such as Proton), a global the kernel
+reads (a ``tl.constexpr`` module constant) rebound since it compiled, and any
 Triton whose internals differ from what this module expects (then the fast path turns itself off
 for that kernel, with one log line). ``POLYKERNEL_FAST_LAUNCH=0`` turns it off everywhere.
 
@@ -75,10 +76,11 @@ class _KernelState:
         self.on = self.supported = True
         self.arity = -1
         self.key: Callable[..., tuple[Any, ...]] | None = None
-        # our key -> (launcher, function handle, packed metadata, trailing parameter values)
-        self.entries: dict[tuple[Any, ...], tuple[Any, Any, Any, tuple[Any, ...]]] = {}
+        # our key -> (launcher, function handle, packed metadata, trailing parameter values, globals)
+        self.entries: dict[tuple[Any, ...], tuple[Any, Any, Any, tuple[Any, ...], tuple[Any, ...]]] = {}
 
 
+_MISSING = object()
 _states: list[_KernelState] = []  # every kernel's state, for clear()
 _SLOT = "_polykernel_fast_launch"
 
@@ -138,7 +140,10 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> Any:
     entry = state.entries.get(key) if key is not None else None
     if entry is None:
         return _miss(state, kernel, grid, args, meta, key)
-    run, function, packed, tail = entry
+    run, function, packed, tail, globs = entry
+    for namespace, name, value in globs:  # Triton's check that used globals kept their values
+        if namespace.get(name, _MISSING) is not value:  # rebound since: Triton's path (it raises)
+            return kernel[grid](*args, **meta)
     grid_n = len(grid)
     run(
         grid[0], grid[1] if grid_n > 1 else 1, grid[2] if grid_n > 2 else 1,
@@ -161,12 +166,14 @@ def _miss(state: _KernelState, kernel: Any, grid: tuple[int, ...], args: tuple[A
             key = (_get_device(), *meta.items(), *state.key(*args))
         if key is None:
             return compiled
-        if getattr(kernel, "used_global_vals", None):  # Triton re-checks these per launch
-            raise TypeError("the kernel reads global values")
+        # Globals the kernel reads (tl.constexpr module constants): Triton compares them to their
+        # compile-time values per launch; here, the objects bound now (just checked by Triton)
+        # are compared by identity, which is cheap.
+        globs = tuple((ns, name, ns.get(name, _MISSING)) for (name, _), (_val, ns) in kernel.used_global_vals.items())
         if hasattr(compiled, "result"):  # an asynchronous compile's future
             compiled = compiled.result()
         tail = _trailing_params(kernel, len(args), meta)
-        state.entries[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail)
+        state.entries[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail, globs)
     except Exception as exc:  # internals differ from what this module expects: Triton's path only
         state.on = state.supported = False
         log.info("polykernel: fast Triton launch off for %s (%s: %s)", getattr(kernel, "__name__", kernel), type(exc).__name__, exc)
