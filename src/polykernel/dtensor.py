@@ -274,13 +274,13 @@ def run(op: Op, impl: Any, p: Plan, args: tuple[Any, ...]) -> Any:
         a = args[i]
         if tuple(a.placements) != p.targets[i]:
             a = a.redistribute(p.mesh, p.targets[i])
-        local[i] = a.to_local(grad_placements=gp)
+        local[i] = _waited(a.to_local(grad_placements=gp))
     loss = _LOSS_ARGS.get(op.id)
     mean = loss is not None and args[loss[2]] == "mean"
     if mean:  # the local sum, divided below by the global count of scored rows
         local[loss[2]] = "sum"
     argkey = op.key(**dict(zip(_arg_names(op), local)))
-    out = op.call(impl, argkey, *local)
+    out = _WaitGrads.around(op.call(impl, argkey, *local))
     layout = LAYOUTS.get(op.id)
     if layout is not None and layout.outputs == ("loss",):
         if args[loss[2]] == "none":  # per-row losses: placed like the targets
@@ -294,6 +294,52 @@ def run(op: Op, impl: Any, p: Plan, args: tuple[Any, ...]) -> Any:
     outs = out if isinstance(out, tuple) else (out,)
     wrapped = tuple(_wrap(o, p, pl, args[like].shape) for o, pl, like in zip(outs, p.out_placements, outputs))
     return wrapped if isinstance(out, tuple) else wrapped[0]
+
+
+def _waited(t: Any) -> Any:
+    """``t`` as a plain tensor: a redistribution's result may be an ``AsyncCollectiveTensor``
+    (functional collectives' wrapper subclass, whose storage is not its data until waited on),
+    which no raw-memory kernel may read."""
+    fc = sys.modules.get("torch.distributed._functional_collectives")
+    act = getattr(fc, "AsyncCollectiveTensor", None)
+    return t.wait() if act is not None and type(t) is act else t
+
+
+def _grad_wait_fn() -> Any:
+    import torch
+
+    class WaitGrads(torch.autograd.Function):
+        """Identity between an impl's outputs and ``DTensor.from_local``. In the backward,
+        ``from_local`` hands down its gradient's local tensor, which is an
+        ``AsyncCollectiveTensor`` when a collective made it (the reduce-scatter behind a
+        sequence-parallel layer): it is waited on here, before the impl's own backward (a Triton
+        kernel) reads it."""
+
+        @staticmethod
+        def forward(ctx: Any, *xs: Any) -> Any:
+            return tuple(x.view_as(x) for x in xs)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            return tuple(_waited(g) if g is not None else None for g in grads)
+
+    return WaitGrads
+
+
+class _WaitGrads:
+    fn: Any = None
+
+    @classmethod
+    def around(cls, out: Any) -> Any:
+        """``out`` (a tensor or a tuple of tensors) behind :func:`_grad_wait_fn`'s node when it
+        takes gradients; unchanged otherwise (no node, no cost)."""
+        outs = out if isinstance(out, tuple) else (out,)
+        if not any(getattr(o, "requires_grad", False) for o in outs):
+            return out
+        if cls.fn is None:
+            cls.fn = _grad_wait_fn()
+        waited = cls.fn.apply(*outs)
+        return tuple(waited) if isinstance(out, tuple) else waited[0]
 
 
 class Route:

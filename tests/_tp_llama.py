@@ -1,0 +1,73 @@
+"""A tensor- and sequence-parallel plan for a Hugging Face Llama, as torchtitan shards its Llama.
+
+Shared by tests/test_tp_transformers.py (CPU, gloo), tests/test_tp_gpu2.py (NCCL) and
+benchmarks/tp_block.py. Per decoder layer:
+
+- the norms: ``SequenceParallel`` (activations ``Shard(1)`` on the sequence, weights replicated);
+  the norm receives a DTensor, so polykernel runs it on the local shard;
+- attention: its ``hidden_states`` gathered to ``Replicate()``, q/k/v ``ColwiseParallel`` (each
+  rank holds half of the heads), o ``RowwiseParallel`` reduce-scattered back to ``Shard(1)``;
+- MLP: input gathered, gate/up ``ColwiseParallel``, down ``RowwiseParallel`` to ``Shard(1)``.
+
+q and k reach RoPE as plain tensors holding the rank's heads (as in torchtitan: with DTensor q/k,
+transformers' own RoPE and attention would mix DTensors with its plain cos/sin and mask).
+``dtensor_mlp=True`` keeps gate/up's outputs as DTensors (``use_local_output=False``): swiglu
+then sees ``Shard(2)`` DTensors (polykernel's route) instead of plain local tensors. The embedding output is sharded on the sequence before
+the first layer (positions and the causal mask are made from the full sequence); the final norm
+is sequence parallel and ``lm_head`` column-parallel with its logits gathered (transformers'
+own ``colwise_gather_output``), so the loss sees plain, replicated logits (polykernel's
+cross_entropy; the fused linear cross-entropy steps aside for a sharded or hooked ``lm_head``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def parallelize_llama(model: Any, mesh: Any, *, dtensor_mlp: bool = False) -> Any:
+    """Shard ``model`` (a ``LlamaForCausalLM``) over the 1-D ``mesh`` in place; returns it."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    plan: dict[str, Any] = {
+        "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    for i in range(len(model.model.layers)):
+        p = f"model.layers.{i}"
+        plan.update(
+            {
+                f"{p}.input_layernorm": SequenceParallel(),
+                f"{p}.self_attn": PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+                ),
+                f"{p}.self_attn.q_proj": ColwiseParallel(),
+                f"{p}.self_attn.k_proj": ColwiseParallel(),
+                f"{p}.self_attn.v_proj": ColwiseParallel(),
+                f"{p}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+                f"{p}.post_attention_layernorm": SequenceParallel(),
+                f"{p}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                f"{p}.mlp.gate_proj": ColwiseParallel(use_local_output=not dtensor_mlp),
+                f"{p}.mlp.up_proj": ColwiseParallel(use_local_output=not dtensor_mlp),
+                f"{p}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+            }
+        )
+    return parallelize_module(model, mesh, plan)
+
+
+def full_grads(model: Any) -> dict[str, Any]:
+    """Each parameter's gradient as a plain full tensor (DTensor gradients gathered)."""
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is not None and hasattr(g, "full_tensor"):
+            g = g.full_tensor()
+        out[name] = g
+    return out
