@@ -135,9 +135,9 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> Any:
     try:
         device = _get_device()
         key = (device, *meta.items(), *state.key(*args)) if len(args) == state.arity else None
-    except Exception:  # an argument of another kind than the first call's: Triton's own path
-        key = None
-    entry = state.entries.get(key) if key is not None else None
+        entry = state.entries.get(key) if key is not None else None
+    except Exception:  # an argument of another kind than the first call's, an unhashable value
+        key = entry = None
     if entry is None:
         return _miss(state, kernel, grid, args, meta, key)
     run, function, packed, tail, globs = entry
