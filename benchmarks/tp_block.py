@@ -1,0 +1,150 @@
+"""Tensor + sequence parallel Llama on 2 GPUs: tokens/s with and without polykernel's patch.
+
+A transformers Llama (2 layers, hidden 1024, 16/8 heads, bf16) sharded over 2 ranks as
+torchtitan does it (tests/_tp_llama.py: sequence-parallel norms, column/row-parallel attention
+and MLP), trained for a few steps (forward, backward, AdamW) unpatched, then patched
+(``polykernel.integrations.transformers.patch``), same seed, weights and data. Rank 0 writes
+``tp_block.json`` to ``--out``: tokens/s (median step time of the timed steps), peak memory,
+the losses of both runs and what polykernel ran (``decisions()``)::
+
+    PYTHONPATH=src python benchmarks/tp_block.py --out results/tp        # 2 GPUs, NCCL, ~1 min
+    PYTHONPATH=src python benchmarks/tp_block.py --out /tmp/tp --smoke   # CPU, gloo, tiny (a check)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+WORLD = 2
+FULL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=8)
+SMOKE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def build(config: dict[str, Any], device: str, dtype: torch.dtype) -> Any:
+    import transformers
+
+    cfg = transformers.LlamaConfig(max_position_embeddings=4096, pad_token_id=0, **config)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
+
+
+def run(model: Any, ids: torch.Tensor, steps: int, warmup: int, device: str) -> dict[str, Any]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model.train()
+    times, losses = [], []
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(warmup + steps):
+        sync()
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    step = statistics.median(times)
+    return {
+        "tokens_per_s": ids.numel() / step,
+        "median_step_ms": 1e3 * step,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        "losses": losses,
+    }
+
+
+def worker(rank: int, init_file: str, args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import polykernel
+    from _tp_llama import parallelize_llama
+    from polykernel.integrations import transformers as pkt
+
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if args.smoke else "nccl", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        mesh = init_device_mesh(device, (WORLD,))
+        dtype = torch.float32 if args.smoke else torch.bfloat16
+        base = build(SMOKE if args.smoke else FULL, device, dtype)
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(1, base.config.vocab_size, (args.batch, args.seq), generator=g).to(device)
+        results: dict[str, Any] = {}
+        for name in ("unpatched", "patched"):
+            model = parallelize_llama(copy.deepcopy(base), mesh)
+            if name == "patched":
+                pkt.patch(model)
+            polykernel.clear_caches()
+            results[name] = run(model, ids, args.steps, args.warmup, device)
+            if name == "patched":
+                results[name]["decisions"] = [(d["op"], d["impl"], d.get("subclass")) for d in polykernel.decisions()]
+            del model
+        if rank == 0:
+            a, b = results["unpatched"], results["patched"]
+            out = {
+                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                "world": WORLD,
+                "config": SMOKE if args.smoke else FULL,
+                "dtype": str(dtype),
+                "batch": args.batch,
+                "seq": args.seq,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "torch": torch.__version__,
+                "results": results,
+                "speedup": b["tokens_per_s"] / a["tokens_per_s"],
+                "max_loss_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
+            }
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "tp_block.json"), "w") as f:
+                json.dump(out, f, indent=1)
+            print(
+                f"unpatched {a['tokens_per_s']:.0f} tok/s, patched {b['tokens_per_s']:.0f} tok/s "
+                f"({out['speedup']:.2f}x), max |loss diff| {out['max_loss_diff']:.2e}; ran: {sorted(set(b['decisions']))}"
+            )
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="directory for tp_block.json")
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--smoke", action="store_true", help="CPU, gloo, a tiny model, Triton through its interpreter")
+    args = parser.parse_args(argv)
+    defaults = dict(batch=2, seq=32, steps=2, warmup=1) if args.smoke else dict(batch=8, seq=2048, steps=10, warmup=3)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif torch.cuda.device_count() < WORLD:
+        raise SystemExit(f"tp_block: needs {WORLD} CUDA GPUs, found {torch.cuda.device_count()} (--smoke runs on the CPU)")
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(worker, args=(os.path.join(d, "init"), args), nprocs=WORLD, join=True)
+
+
+if __name__ == "__main__":
+    main()
