@@ -86,10 +86,11 @@ class Layout:
 
 def _rows_with(*same: int) -> Callable[[tuple[Any, ...], int], dict[int, int | None]]:
     """Expectations for a row-wise op: the lead and the ``same`` arguments share the shard dim,
-    every other tensor argument is replicated."""
+    every other tensor argument is replicated. (Also read by polykernel.dtensor_sharding, whose
+    arguments are DTensor specs: they have ``placements``.)"""
 
     def expect(args: tuple[Any, ...], d: int) -> dict[int, int | None]:
-        return {i: (d if i == 0 or i in same else None) for i, a in enumerate(args) if _is_tensor(a)}
+        return {i: (d if i == 0 or i in same else None) for i, a in enumerate(args) if _is_tensor(a) or hasattr(a, "placements")}
 
     return expect
 

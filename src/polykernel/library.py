@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import threading
 import types
 import typing
@@ -605,6 +606,10 @@ def _build(op: Op) -> CompiledOp:
         _taken[name] = op.id
         _built[op.id] = hit
         setattr(op, _ATTR, hit.call)
+        if "torch.distributed.tensor" in sys.modules:  # DTensor is in use (Dynamo loads it too): sharding rules
+            from . import dtensor_sharding
+
+            dtensor_sharding.register(op, hit)
         return hit
 
 
