@@ -150,3 +150,27 @@ def test_dtensor_compiles_fullgraph_and_matches_eager(report, name):
     assert r["diff"] <= 1e-5
     assert r["placements"] == EXPECTED[name]
     assert r["impls"] and set(r["impls"]) == {"triton"}  # the dispatcher's choice ran, on the local shards
+
+
+def test_sharded_ops_are_the_dtensor_layouts_and_compiling_does_not_route():
+    """dtensor_sharding lists the laid-out ops without importing polykernel.dtensor (whose import
+    routes the eager path's subclass checks): a process that compiles plain tensors keeps them off."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, polykernel\n"
+        "f = torch.compile(lambda x, w: polykernel.rms_norm(x, w), fullgraph=True, backend='eager')\n"
+        "f(torch.randn(4, 8), torch.ones(8))\n"
+        "from polykernel import dispatch, dtensor_sharding\n"
+        "print(sorted(dispatch.routed), 'polykernel.dtensor' in sys.modules, sorted(dtensor_sharding._LAID_OUT))\n"
+        "from polykernel import dtensor\n"
+        "print(sorted(dtensor.LAYOUTS))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"}
+    )
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.strip().splitlines()[-2:]
+    assert first.startswith("[] False ")
+    assert first.removeprefix("[] False ") == second

@@ -25,29 +25,47 @@ Registered when the library builds a custom op while ``torch.distributed.tensor`
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import dtensor
-from .op import Op
+if TYPE_CHECKING:
+    from .op import Op
 
 __all__ = ["register", "register_built"]
 
 _lock = threading.Lock()
+# The ops with a layout in polykernel.dtensor.LAYOUTS (kept equal by tests/test_dtensor_compile.py).
+_LAID_OUT = frozenset(
+    {
+        "norm.rms_norm",
+        "norm.fused_add_rms_norm",
+        "norm.layer_norm",
+        "activation.softmax",
+        "activation.swiglu",
+        "activation.geglu",
+        "embedding.rope",
+        "loss.cross_entropy",
+        "loss.fused_linear_cross_entropy",
+    }
+)
 _done: set[str] = set()
 
 
 def _rules(op: Op) -> Any:
     """The sharding function for ``op``'s forward custom op (register_sharding's contract:
-    the op's arguments, DTensor specs for tensors; returns ``[(outputs, inputs), ...]``)."""
+    the op's arguments, DTensor specs for tensors; returns ``[(outputs, inputs), ...]``).
+    :mod:`polykernel.dtensor` is imported when the rules are first asked for, i.e. when a DTensor
+    meets the op: importing it routes the eager path's subclass checks (see its docstring), which
+    a process that only compiles plain tensors must not pay for."""
     from torch.distributed.tensor import Partial, Replicate, Shard
-
-    layout = dtensor.LAYOUTS[op.id]
-    loss = dtensor._LOSS_ARGS.get(op.id)
 
     def is_spec(a: Any) -> bool:
         return hasattr(a, "placements") and hasattr(a, "shape")
 
     def sharding(*args: Any, **_: Any) -> list[tuple[list[Any], list[Any]]]:
+        from . import dtensor
+
+        layout = dtensor.LAYOUTS[op.id]
+        loss = dtensor._LOSS_ARGS.get(op.id)
         lead = args[0]
         ndim = len(lead.shape)
         tensors = [i for i, a in enumerate(args) if is_spec(a)]
@@ -76,7 +94,7 @@ def _rules(op: Op) -> Any:
 def register(op: Op, compiled: Any) -> None:
     """Register ``op``'s sharding rules on its forward custom op (``compiled``: the library's
     ``CompiledOp``); once per op, and only for ops with a row layout."""
-    if op.id not in dtensor.LAYOUTS:
+    if op.id not in _LAID_OUT:
         return
     with _lock:
         if op.id in _done:
