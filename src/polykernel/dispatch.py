@@ -7,7 +7,8 @@ Resolution order for one call (first that applies wins):
 3. env ``POLYKERNEL_IMPL_<OP>`` (strict), then env ``POLYKERNEL_IMPL`` (a preference list);
 4. ``set_impl(...)`` (strict when it names an op, else a preference);
 5. a tuned (measured) decision, when tuning holds one for this key;
-6. auto: the lowest rank among the runnable impls;
+6. auto: the lowest rank among the runnable impls (a spec's ``rank_for`` may set the rank of
+   one argument class, from measurements; ``explain`` shows why);
 7. at run time, an impl chosen by 4-6 that raises falls back to the next runnable one.
 
 Strict means: unknown for the op, or not runnable here, raises :class:`ImplNotAvailableError`.
@@ -197,6 +198,7 @@ class Verdict:
     name: str
     rank: int
     reason: str | None  # None: runnable
+    rank_note: str | None = None  # why ``rank`` is not the spec's static rank (KernelSpec.rank_for)
 
     @property
     def runnable(self) -> bool:
@@ -270,7 +272,8 @@ def _verdicts(op: Op, argkey: tuple[Any, ...], deterministic: bool, capturing: b
     broken = _broken.get((op.id, argkey), {})
     rows = []
     for name, spec in specs.items():
-        rows.append(Verdict(name, spec.rank, _why_not(spec, info, platform, deterministic, capturing, broken, subclass)))
+        rank, note = spec.rank_here(info)  # on a memo miss only: the hot path never gets here
+        rows.append(Verdict(name, rank, _why_not(spec, info, platform, deterministic, capturing, broken, subclass), note))
     rows.sort(key=lambda v: (v.rank, v.name))
     return rows
 
@@ -495,6 +498,8 @@ class Explanation:
             mark = "*" if r["name"] == self.chosen else " "
             verdict = "runnable" if r["runnable"] else f"no: {r['reason']}"
             lines.append(f"  {mark} {r['name']:<{width}}  rank {r['rank']:>3}  {verdict}")
+            if r.get("rank_reason"):
+                lines.append(f"    {'':<{width}}  rank {r['rank']} for these arguments: {r['rank_reason']}")
         for module, err in self.import_errors.items():
             lines.append(f"  ! module {module} failed to import: {err}")
         if self.tuned:
@@ -586,7 +591,7 @@ def explain(op: str, *args: Any, device: Any = None, dtype: Any = None, impl: st
         chosen=chosen,
         source=source,
         error=error,
-        impls=[{"name": v.name, "rank": v.rank, "runnable": v.runnable, "reason": v.reason} for v in rows],
+        impls=[{"name": v.name, "rank": v.rank, "runnable": v.runnable, "reason": v.reason, "rank_reason": v.rank_note} for v in rows],
         import_errors=registry.import_errors(the_op),
         tuned=_tuned_times(the_op, argkey) if source == "tuned" else None,
     )

@@ -317,6 +317,20 @@ class KernelSpec:
     when the impl can take those arguments, else a short reason. It must depend only on that
     class, since decisions are memoized per class.
 
+    ``rank_for`` (optional) is a measured, per-call rank: called with the same argument class
+    as ``predicate``, it returns ``(rank, reason)`` to replace the static ``rank`` for these
+    arguments, or None to keep it. ``reason`` is the measurement behind the rule (shown by
+    ``explain``), e.g. ``"forward, N >= 32768: 3.64-3.75 vs triton 2.50-2.84 TB/s (H200 bf16)"``.
+    It orders auto selection (step 6) only: explicit choices and tuned (measured) decisions
+    still come first. Like ``predicate`` it must depend only on the class (decisions are
+    memoized per class, so it costs nothing on a memo hit); fields may be None when ``explain``
+    or ``available_impls`` is asked without arguments (then return None). One that raises keeps
+    the static rank, and ``explain`` says so.
+
+    >>> fwd_long = lambda c: (5, "measured 1.3x over triton") if not c.needs_grad and (c.n or 0) >= 32768 else None
+    >>> KernelSpec("norm.rms_norm", "quack", "quack:rmsnorm", rank=50, rank_for=fwd_long).rank
+    50
+
     ``accepts_subclasses`` says whether the impl may be handed a tensor subclass (a DTensor, a
     ``__torch_dispatch__`` wrapper, a ``__torch_function__`` subclass; ``torch.nn.Parameter`` is
     not one). Impls that read raw memory (Triton, CuTe, peers' kernels) must not: a DTensor has
@@ -346,6 +360,7 @@ class KernelSpec:
     description: str = ""
     predicate: Callable[[Any], str | None] | None = field(default=None, compare=False)
     accepts_subclasses: bool | None = None
+    rank_for: Callable[[Any], tuple[int, str] | None] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", KernelBackend(self.backend))
@@ -353,6 +368,23 @@ class KernelSpec:
         object.__setattr__(self, "requires_modules", tuple(self.requires_modules))
         if self.accepts_subclasses is None:
             object.__setattr__(self, "accepts_subclasses", self.backend is KernelBackend.TORCH)
+
+    def rank_here(self, arg_class: Any) -> tuple[int, str | None]:
+        """The rank for one argument class, and why when ``rank_for`` moved it (else None).
+
+        >>> KernelSpec("norm.rms_norm", "triton", "m:f", rank=10).rank_here(None)
+        (10, None)
+        """
+        if self.rank_for is None:
+            return self.rank, None
+        try:
+            got = self.rank_for(arg_class)
+        except Exception as exc:  # a broken rule must not break selection: static rank, visibly
+            return self.rank, f"rank_for raised {type(exc).__name__}: {exc}; static rank kept"
+        if got is None:
+            return self.rank, None
+        rank, reason = got
+        return int(rank), str(reason)
 
     @property
     def group(self) -> str:
