@@ -1,20 +1,28 @@
-"""CuTeDSL cross-entropy kernel (torch-free; imported only when the cute_dsl impl is selected).
+"""CuTeDSL cross-entropy kernel (torch-free; imported only when the cute_dsl impl is launched).
 
 One CTA per row of ``V`` logits, walked in chunks of ``threads·vec·iters`` columns with 128-bit
-loads; up to two passes over the row, chosen at compile time:
+loads. One kernel, two passes chosen at compile time (``grad``):
 
-* FWD: each thread keeps a running max and ``Σ exp(x - max)`` over its columns (one rescale per
-  chunk, one exp per element), then the CTA merges them (max, then rescaled sums) into the row's
-  LSE; with label smoothing also the row sum. Thread 0 loads the target logit and writes the row's
-  loss and LSE (fp32). Ignored rows read nothing: loss 0, LSE 0.
-* GRAD: writes ``(exp(x - lse) - ε/V) · scale`` for every column and then, from the thread that
-  stored the target's vector (so after it, in that thread's program order), the target column
-  ``(exp(x_t - lse) - ε/V - (1 - ε)) · scale``. ``scale`` is fp32 in device memory (per row, or
-  one value), so no host sync. Ignored rows get zeros without reading the logits.
+* forward (``grad=False``): each thread keeps a running max and ``Σ exp(x - max)`` over its
+  columns (one rescale per chunk, one exp per element), then the CTA merges them (max, then
+  rescaled sums) into the row's LSE; with label smoothing also the row sum. Thread 0 loads the
+  target logit and writes the row's loss and LSE (fp32). Ignored rows read nothing: loss 0, LSE 0.
+* backward (``grad=True``): from the saved LSE, writes ``(exp(x - lse) - ε/V) · scale`` for every
+  column and then, from the thread that stored the target's vector (so after it, in that thread's
+  program order), the target column ``(exp(x_t - lse) - ε/V - (1 - ε)) · scale``. Everything is
+  fp32 up to the store, so each dlogit is rounded to the logits' dtype once (the error model
+  allows one rounding). ``scale`` (fp32 in device memory: one value or one per row, so no host
+  sync) already holds grad_output and the mean's 1/count. Ignored rows get zeros without reading
+  the logits.
 
-FWD+GRAD in one launch re-reads the row (mostly from L2) to write the gradient in the forward;
-GRAD alone (with the saved LSE) is the backward. A target neither in [0, V) nor ignore_index is
-never dereferenced: that row's loss and gradient are NaN.
+There is no forward-writes-the-gradient schedule: it needs grad_output before it exists, so it
+stored dlogits for grad_output = 1 in the logits' dtype and scaled them afterwards (two roundings:
+1.0-1.9x the bf16/fp16 tolerance on the H200), and it was slow (H200, bf16, 8192x128256, CUDA
+graph: 5.30 ms fwd+bwd against 1.51 ms for forward + this backward, although the forward's
+second read of each row was meant to hit L2).
+
+A target neither in [0, V) nor ignore_index is never dereferenced: that row's loss and gradient
+are NaN.
 """
 
 from __future__ import annotations
@@ -47,11 +55,11 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class _CrossEntropy:
-    """Host side of the kernel for one (dtype, V, target dtype, passes, options)."""
+    """Host side of the kernel for one (dtype, V, target dtype, pass, options)."""
 
-    def __init__(self, dtype, v: int, tdtype, fwd: bool, grad: bool, smooth: bool, per_row: bool):
+    def __init__(self, dtype, v: int, tdtype, grad: bool, smooth: bool, per_row: bool):
         self.dtype, self.v, self.tdtype = dtype, v, tdtype
-        self.fwd, self.grad, self.smooth, self.per_row = fwd, grad, smooth, per_row
+        self.grad, self.smooth, self.per_row = grad, smooth, per_row
         self.vec = vec_elems(dtype)
         self.threads, self.iters, self.chunks = chunk_shape(v, self.vec)
         self.chunk = self.threads * self.vec * self.iters
@@ -105,8 +113,7 @@ class _CrossEntropy:
         buf_sx = smem.allocate_tensor(Float32, cute.make_layout(warps), byte_alignment=16)
 
         tXrX = cute.make_rmem_tensor_like(thr.partition_S(cute.local_tile(mX, tile, (row, 0))))
-        lse = Float32(0.0)
-        if const_expr(self.fwd):
+        if const_expr(not self.grad):
             m = Float32(-FLT_MAX)  # finite: exp2((m - m_new)·log2 e) never sees -inf - -inf
             s = Float32(0.0)
             sx = Float32(0.0)
@@ -131,6 +138,7 @@ class _CrossEntropy:
             if const_expr(self.smooth):
                 row_sx = block_reduce(sx, fadd, buf_sx, Float32(0.0))
             loss = Float32(0.0)
+            lse = Float32(0.0)
             if valid:
                 lse = row_max + cute.math.log2(row_sum) * LN2
                 xt = Float32(0.0)
@@ -146,8 +154,6 @@ class _CrossEntropy:
                 mLse[row] = lse
         else:
             lse = mLse[row]
-
-        if const_expr(self.grad):
             scale = Float32(0.0)
             if const_expr(self.per_row):
                 scale = mScale[row]
@@ -188,15 +194,17 @@ def _fake(dtype, *shape, align: int):
 
 
 @functools.cache
-def compile_ce(dtype: str, v: int, tdtype: str, fwd: bool, grad: bool, smooth: bool, per_row: bool):
-    """Compiled kernel for one key: ``f(x2, t, loss, lse, dx, scale, ignore_index, smoothing)``.
+def compile_ce(dtype: str, v: int, tdtype: str, grad: bool, smooth: bool, per_row: bool):
+    """Compiled pass for one key: ``f(x2, t, loss, lse, dx, scale, ignore_index, smoothing)``.
 
     x2 and dx are row-major ``[M, V]`` at 16-byte aligned addresses; t, loss, lse ``[M]``; scale
-    ``[1]`` or ``[M]`` (``per_row``) fp32. M is dynamic: one compile serves every row count.
+    contiguous fp32, ``[1]`` or ``[M]`` (``per_row``). The forward writes loss and lse (dx, scale
+    unused); the backward reads lse and scale and writes dx (loss unused). M is dynamic: one
+    compile serves every row count.
     """
     dt, m, k = DTYPES[dtype], cute.sym_int(), cute.sym_int()
     return cute.compile(
-        _CrossEntropy(dt, v, TDTYPES[tdtype], fwd, grad, smooth, per_row),
+        _CrossEntropy(dt, v, TDTYPES[tdtype], grad, smooth, per_row),
         _fake(dt, m, v, align=16),
         _fake(TDTYPES[tdtype], m, align=4),
         _fake(Float32, m, align=4),

@@ -1,26 +1,28 @@
 """CuTeDSL cross-entropy (``loss.cross_entropy``): forward and backward, sm_90+.
 
 Kernel in :mod:`._ce_kernel` (one CTA per row, online softmax over V in 128-bit chunks); this
-file holds the host launchers and the registered impl. Two schedules, as in the Triton impl:
+file holds the host launchers and the registered impl. The forward writes each row's fp32 loss
+and LSE; the backward re-reads the logits with the saved LSE and writes
+``(softmax - smoothed one-hot) · grad_output · scale`` computed in fp32 and rounded once at the
+store. (A schedule that wrote dlogits in the forward was removed: two roundings and 3.5x slower
+on the H200; see :mod:`._ce_kernel`.)
 
-* ``GRAD_IN_FORWARD = True`` (mean/sum reductions, caller needs grad): one launch in the forward
-  computes the loss and writes dlogits for ``grad_output = 1`` (the row's second read mostly
-  hits L2); the backward scales it by the real grad_output in place, skipped when that is exactly
-  1 (one sync; always scaled during CUDA-graph capture).
-* otherwise the forward writes loss and LSE, and the backward re-reads the logits with the saved
-  LSE and writes the scaled gradient (``reduction="none"`` always: its grad_output is per row).
-
-Which is faster on the H200 is for ``benchmarks/bench_cute_dsl.py`` to say (it times both).
+CuTeDSL is imported on the first launch, so this module imports on any machine.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
-from ..torch.cross_entropy import grad_scale, reduce_rows, scale_grads_
-from . import _ce_kernel as kern
+from ..torch.cross_entropy import grad_scale, reduce_rows
 
-GRAD_IN_FORWARD = True  # see the module docstring
+
+def _kernel() -> ModuleType:
+    from . import _ce_kernel  # CuTeDSL: only once a launch needs it
+
+    return _ce_kernel
 
 
 def _rows16(t: torch.Tensor, v: int) -> torch.Tensor:
@@ -35,29 +37,29 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _launch(x2, t, loss, lse, dx, scale, ignore_index: int, ls: float, fwd: bool, grad: bool) -> None:
+def ce_forward(x2: torch.Tensor, t: torch.Tensor, ignore_index: int, ls: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row fp32 loss and LSE of row-major ``x2 [n, V]`` (``t``: contiguous ``[n]`` targets)."""
     n, v = x2.shape
-    if not n:
-        return
-    per_row = grad and scale.numel() > 1
-    f = kern.compile_ce(_name(x2.dtype), v, _name(t.dtype), fwd, grad, ls > 0, per_row)
-    f(x2, t, loss, lse, dx if grad else x2, scale.reshape(-1) if grad else lse, ignore_index, float(ls))
-
-
-def ce_forward(x2, t, ignore_index: int, ls: float, dx=None, scale=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row fp32 loss and LSE of row-major ``x2 [n, V]``; with ``dx`` and ``scale`` (fp32,
-    one value or ``[n]``) also writes the scaled gradient in the same launch."""
-    n = x2.shape[0]
     loss = torch.empty(n, dtype=torch.float32, device=x2.device)
     lse = torch.empty(n, dtype=torch.float32, device=x2.device)
-    _launch(x2, t, loss, lse, dx, scale, ignore_index, ls, True, dx is not None)
+    if n:
+        f = _kernel().compile_ce(_name(x2.dtype), v, _name(t.dtype), False, ls > 0, False)
+        f(x2, t, loss, lse, x2, lse, ignore_index, float(ls))  # dx, scale: unused by the forward
     return loss, lse
 
 
-def ce_backward(x2, t, lse, scale, ignore_index: int, ls: float) -> torch.Tensor:
-    """The scaled gradient ``[n, V]`` in x2's dtype, from x2 and the saved LSE."""
+def ce_backward(x2: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor, ignore_index: int, ls: float) -> torch.Tensor:
+    """The gradient ``[n, V]`` in x2's dtype, from x2, the saved LSE and the fp32 ``scale`` (a 0-d
+    tensor or one value per row: grad_output, divided by the valid count for "mean")."""
+    n, v = x2.shape
     dx = torch.empty_like(x2)
-    _launch(x2, t, lse, lse, dx, scale, ignore_index, ls, False, True)
+    if n:
+        # contiguous: a "none" grad_output is often an expanded scalar (stride 0), and the kernel
+        # was compiled for unit stride
+        scale = scale.reshape(-1).contiguous()
+        per_row = scale.numel() > 1
+        f = _kernel().compile_ce(_name(x2.dtype), v, _name(t.dtype), True, ls > 0, per_row)
+        f(x2, t, lse, lse, dx, scale, ignore_index, float(ls))  # loss: unused by the backward
     return dx
 
 
@@ -67,28 +69,15 @@ class _CrossEntropy(torch.autograd.Function):
         x2 = _rows16(logits, logits.shape[-1])
         t = target.reshape(-1).contiguous()
         count = (t != ignore_index).sum()
+        loss, lse = ce_forward(x2, t, ignore_index, ls)
         ctx.ignore_index, ctx.ls, ctx.reduction, ctx.shape = ignore_index, ls, reduction, logits.shape
-        ctx.grad_in_forward = GRAD_IN_FORWARD and reduction != "none"
-        if ctx.grad_in_forward:
-            one = torch.ones((), dtype=torch.float32, device=x2.device)
-            dx = torch.empty_like(x2)
-            loss, _ = ce_forward(x2, t, ignore_index, ls, dx, grad_scale(one, count, reduction, torch.float32))
-            ctx.dx = dx
-        else:
-            loss, lse = ce_forward(x2, t, ignore_index, ls)
-            ctx.save_for_backward(x2, t, lse, count)
+        ctx.save_for_backward(x2, t, lse, count)
         return reduce_rows(loss, count, reduction, target.shape)
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        if ctx.grad_in_forward:
-            dx, ctx.dx = ctx.dx, None
-            if dx is None:
-                raise RuntimeError("polykernel cross_entropy (cute_dsl): backward ran twice; the gradient was consumed")
-            scale_grads_(g, dx)
-        else:
-            x2, t, lse, count = ctx.saved_tensors
-            dx = ce_backward(x2, t, lse, grad_scale(g, count, ctx.reduction, torch.float32), ctx.ignore_index, ctx.ls)
+        x2, t, lse, count = ctx.saved_tensors
+        dx = ce_backward(x2, t, lse, grad_scale(g, count, ctx.reduction, torch.float32), ctx.ignore_index, ctx.ls)
         return dx.view(ctx.shape), None, None, None, None
 
 

@@ -5,15 +5,21 @@ this file holds the host launchers and the registered impl. The forward saves ea
 (max, 1/sum) and the input; the backward recomputes y in fp32 from them (the contract's fp32
 gradient, same bytes as reading a saved y). The impl's predicate (:mod:`._predicates`) admits
 N a multiple of 16 bytes up to 32768; the kernels compile once per (dtype, N) and are cached.
+CuTeDSL is imported on the first launch, so this module imports on any machine.
 """
 
 from __future__ import annotations
 
 import math
+from types import ModuleType
 
 import torch
 
-from . import _softmax_kernel as kern
+
+def _kernel() -> ModuleType:
+    from . import _softmax_kernel  # CuTeDSL: only once a launch needs it
+
+    return _softmax_kernel
 
 
 def _rows16(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -31,7 +37,7 @@ def softmax_forward(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     rmax = torch.empty(m, dtype=torch.float32, device=x2.device)
     rinv = torch.empty(m, dtype=torch.float32, device=x2.device)
     if m:
-        kern.compile_forward(str(x2.dtype).removeprefix("torch."), n)(x2, y, rmax, rinv)
+        _kernel().compile_forward(str(x2.dtype).removeprefix("torch."), n)(x2, y, rmax, rinv)
     return y, rmax, rinv
 
 
@@ -40,7 +46,7 @@ def softmax_backward(dy2: torch.Tensor, x2: torch.Tensor, rmax: torch.Tensor, ri
     m, n = x2.shape
     dx = torch.empty_like(x2)
     if m:
-        kern.compile_backward(str(x2.dtype).removeprefix("torch."), n)(x2, dy2, rmax, rinv, dx)
+        _kernel().compile_backward(str(x2.dtype).removeprefix("torch."), n)(x2, dy2, rmax, rinv, dx)
     return dx
 
 
