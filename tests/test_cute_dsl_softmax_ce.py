@@ -70,6 +70,44 @@ def test_cross_entropy_predicate():
     assert "V <= " in pred.cross_entropy(_ce("float32", (1 << 20) + 4))
 
 
+def _cute_row(op: str, *args: torch.Tensor) -> dict:
+    return {r["name"]: r for r in polykernel.explain(op, *args).impls}["cute_dsl"]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "n", "preferred"),
+    [
+        (torch.bfloat16, 32768, True),  # measured: fwd 3.41 vs triton 3.23, fwd+bwd 3.63 vs 3.53
+        (torch.float16, 16384, True),  # the threshold (a guess between the two measured points)
+        (torch.bfloat16, 4096, False),  # measured: triton 3.81 vs 3.30
+        (torch.float32, 32768, False),  # fp32 unmeasured: static rank
+    ],
+)
+def test_softmax_measured_rank(dtype, n, preferred):
+    row = _cute_row("softmax", torch.randn(2, n, dtype=dtype))
+    assert (row["rank"] < registry.specs_for("softmax")["triton"].rank) == preferred
+    assert (row["rank_reason"] is not None) == preferred
+    if preferred:
+        assert "measured at N = 32768 only" in row["rank_reason"]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "v", "preferred"),
+    [
+        (torch.bfloat16, 128256, True),  # measured: fwd 0.487 vs 0.595 ms, fwd+bwd 1.512 vs 1.613
+        (torch.float16, 32768, True),
+        (torch.bfloat16, 4096, False),  # unmeasured: behind Triton
+        (torch.float32, 128256, False),  # fp32 unmeasured
+    ],
+)
+def test_cross_entropy_measured_rank(dtype, v, preferred):
+    row = _cute_row("cross_entropy", torch.randn(2, v, dtype=dtype), torch.zeros(2, dtype=torch.long))
+    assert (row["rank"] < registry.specs_for("cross_entropy")["triton"].rank) == preferred
+    assert (row["rank_reason"] is not None) == preferred
+    if preferred:
+        assert "measured at V = 128256 only" in row["rank_reason"]
+
+
 def test_forced_on_cpu_names_the_reason():
     with pytest.raises(polykernel.ImplNotAvailableError, match=r"needs a CUDA device|not installed"):
         polykernel.softmax(torch.randn(2, 64), impl="cute_dsl")

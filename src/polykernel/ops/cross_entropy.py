@@ -247,8 +247,9 @@ IMPLS = [
         rank=10,
         description="one program per row, online softmax over V in chunks; backward re-reads the logits with the saved LSE",
     ),
-    # Our CuTeDSL kernel (backends/cute_dsl/cross_entropy.py). Rank 40 (behind Triton, ahead of the peers)
-    # until benchmarks/bench_cute_dsl.py has measured it on the H200; promote where it wins.
+    # Our CuTeDSL kernel (backends/cute_dsl/cross_entropy.py). H200 bf16 8192x128256 (bench_cute_dsl.py,
+    # CUDA graph): fwd 0.487 ms vs triton 0.595 vs quack 0.600; fwd+bwd 1.512 vs 1.613 vs 1.665. So
+    # rank 5 for V >= 32768 (rank_for; measured at V = 128256 only), static 40 (behind Triton) below.
     KernelSpec(
         OP_ID,
         "cute_dsl",
@@ -257,8 +258,9 @@ IMPLS = [
         requires_modules=("cutlass", "tvm_ffi"),
         format_signature=_TRITON_DTYPES,
         rank=40,
-        description="one CTA per row, online softmax over V in 128-bit chunks; dlogits written in the forward (mean/sum), scaled in the backward",
+        description="one CTA per row, online softmax over V in 128-bit chunks; backward re-reads the logits with the saved LSE (dlogits rounded once)",
         predicate=cute_predicates.cross_entropy,
+        rank_for=cute_predicates.cross_entropy_rank,
     ),
     # QuACK: 1.67 ms vs our 1.61 ms fwd+bwd at 8192x128256; Liger 2.34 ms and a host sync per call
     # (not CUDA-graph safe). Both behind Triton.

@@ -149,8 +149,10 @@ IMPLS = [
         rank=10,
         description="one block per row up to 32K (one read, one write), online chunked beyond (rows split when few); backward recomputes fp32 y from x",
     ),
-    # Our CuTeDSL kernel (backends/cute_dsl/softmax.py). Rank 40 (behind Triton, ahead of the peers)
-    # until benchmarks/bench_cute_dsl.py has measured it on the H200; promote where it wins.
+    # Our CuTeDSL kernel (backends/cute_dsl/softmax.py). H200 bf16 (bench_cute_dsl.py, CUDA graph):
+    # 8192x32768 fwd 3.41 vs triton 3.23 TB/s, fwd+bwd 3.63 vs 3.53 (cute wins); 16384x4096 fwd 3.30
+    # vs 3.81, fwd+bwd 3.81 vs 4.03 (triton wins). So rank 5 for N >= 16384 (rank_for; measured at
+    # 32768 only), static 40 (behind Triton) below.
     KernelSpec(
         OP_ID,
         "cute_dsl",
@@ -161,6 +163,7 @@ IMPLS = [
         rank=40,
         description="one CTA per row, the row in registers (N <= 32768, 16-byte rows); backward recomputes fp32 y from x",
         predicate=cute_predicates.softmax,
+        rank_for=cute_predicates.softmax_rank,
     ),
     # QuACK: fwd 4.09 vs our 3.22, fwd+bwd 3.97 vs 3.55 at 8192x32768: ahead of Triton where its
     # predicate holds (N a multiple of 16 bytes). Liger: fwd 3.22 (a tie), fwd+bwd 3.81 vs 3.55,

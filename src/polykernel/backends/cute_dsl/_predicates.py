@@ -4,7 +4,8 @@ any machine).
 
 The rank rules (``KernelSpec.rank_for``) put our kernel ahead of Triton (rank 10) where the H200
 measured it faster, and nowhere else: ``benchmarks/bench_cute_dsl.py``, bf16, CUDA-graph replays,
-2026-11-30.
+2026-11-30. Only bf16 was measured; fp16 moves the same bytes, so the rules cover both, and fp32
+(unmeasured) keeps the static rank (behind Triton).
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ CE_MAX_V = 1 << 20  # rows are walked in chunks; bounded only to keep column ind
 PREFERRED_RANK = 5  # ahead of triton's 10
 SOFTMAX_PREFER_N = 16384
 CE_PREFER_V = 32768
+
+
+def _half(dtype: Any) -> bool:
+    return _BYTES.get(str(dtype).removeprefix("torch.")) == 2
 
 
 def _vec(dtype: Any) -> int:
@@ -46,7 +51,7 @@ def cross_entropy(a: Any) -> str | None:
 
 
 def softmax_rank(a: Any) -> tuple[int, str] | None:
-    """Preferred for long rows, N >= 16384 (and the predicate's N <= 32768).
+    """Preferred for long 16-bit rows, N >= 16384 (and the predicate's N <= 32768).
 
     Measured at N = 32768 only: 8192x32768 fwd 3.41 vs triton 3.23 TB/s, fwd+bwd 3.63 vs 3.53;
     at 16384x4096 Triton wins (fwd 3.81 vs 3.30, fwd+bwd 4.03 vs 3.81), so short rows keep the
@@ -55,9 +60,11 @@ def softmax_rank(a: Any) -> tuple[int, str] | None:
     >>> from types import SimpleNamespace as A
     >>> softmax_rank(A(dtype="bfloat16", n=32768))[0], softmax_rank(A(dtype="bfloat16", n=4096))
     (5, None)
+    >>> softmax_rank(A(dtype="float32", n=32768)) is None
+    True
     """
     n = getattr(a, "n", None)
-    if n is None or n < SOFTMAX_PREFER_N or softmax(a) is not None:
+    if n is None or n < SOFTMAX_PREFER_N or not _half(a.dtype) or softmax(a) is not None:
         return None
     return PREFERRED_RANK, (
         f"N >= {SOFTMAX_PREFER_N}: measured at N = 32768 only (H200 bf16, 8192x32768): fwd 3.41 vs triton 3.23 TB/s, "
@@ -66,7 +73,7 @@ def softmax_rank(a: Any) -> tuple[int, str] | None:
 
 
 def cross_entropy_rank(a: Any) -> tuple[int, str] | None:
-    """Preferred for large vocabularies, V >= 32768.
+    """Preferred for large vocabularies of 16-bit logits, V >= 32768.
 
     Measured at V = 128256 only (8192 rows): fwd 0.487 ms vs triton 0.595 vs quack 0.600; fwd+bwd
     1.512 ms vs triton 1.613 vs quack 1.665. Smaller V is unmeasured: static rank (behind Triton).
@@ -76,7 +83,7 @@ def cross_entropy_rank(a: Any) -> tuple[int, str] | None:
     (5, None)
     """
     v = getattr(a, "n_classes", None)
-    if v is None or v < CE_PREFER_V or cross_entropy(a) is not None:
+    if v is None or v < CE_PREFER_V or not _half(a.dtype) or cross_entropy(a) is not None:
         return None
     return PREFERRED_RANK, (
         f"V >= {CE_PREFER_V}: measured at V = 128256 only (H200 bf16, 8192 rows): fwd 0.487 ms vs triton 0.595, fwd+bwd 1.512 vs 1.613"
