@@ -155,3 +155,60 @@ def test_rank_here_and_spec_equality():
     assert spec.rank_here(None) == (3, "measured")
     assert spec.rank == 50
     assert spec == KernelSpec("norm.rms_norm", "quack", "m:f", rank=50)  # rules are not identity
+
+
+# -- the measured rules registered on the norms (H200, bf16, 2026-11-30) --------------------------
+
+
+def rank_of(op_name, impl, n, dtype=torch.bfloat16, grad=False):
+    """The rank ``impl`` gets for an (M, n) call, from the op's own argument class."""
+    op = registry.get_op(op_name)
+    x = torch.empty(2, n, dtype=dtype, device="meta", requires_grad=grad)
+    w = torch.empty(n, dtype=dtype, device="meta", requires_grad=grad)
+    return registry.specs_for(op)[impl].rank_here(op.arg_class(op.key(x, w)))
+
+
+@pytest.mark.parametrize(
+    ("n", "dtype", "grad", "rank"),
+    [
+        (32768, torch.bfloat16, False, 5),  # measured: 3.71 vs triton 2.84
+        (262144, torch.float16, False, 5),  # 256K: 3.75 vs 2.61 (fp16: same bytes)
+        (16384, torch.bfloat16, False, 50),  # a tie at <= 16K: Triton stays first
+        (65536, torch.bfloat16, True, 50),  # with a backward Triton wins
+        (65536, torch.float32, False, 50),  # fp32 unmeasured: static
+    ],
+)
+def test_rms_norm_prefers_quack_for_long_forward_rows_only(n, dtype, grad, rank):
+    got, why = rank_of("rms_norm", "quack", n, dtype, grad)
+    assert got == rank
+    assert (why is not None) == (rank == 5)
+    triton = registry.specs_for("rms_norm")["triton"].rank
+    assert (got < triton) == (rank == 5)
+    assert rank_of("rms_norm", "cute_dsl", n, dtype, grad) == (40, None)  # by name only
+
+
+@pytest.mark.parametrize(
+    ("n", "grad", "preferred"),
+    [
+        (4096, False, True),  # fwd 3.79 vs 3.71 (small)
+        (8192, False, True),
+        (4096, True, False),  # fwd+bwd 2.87 vs 3.09: Triton
+        (16384, True, True),  # fwd+bwd 2.16 vs 1.77
+        (16384, False, False),  # fwd 2.44 vs 3.47: Triton
+        (65536, False, False),  # fwd 1.50 vs 2.20
+        (32768, True, False),  # unmeasured beyond 16K: static
+    ],
+)
+def test_layer_norm_prefers_cute_dsl_where_measured(n, grad, preferred):
+    got, why = rank_of("layer_norm", "cute_dsl", n, torch.bfloat16, grad)
+    assert (got < registry.specs_for("layer_norm")["triton"].rank) == preferred
+    assert (why is not None) == preferred
+    if preferred:
+        assert "H200" in why and "triton" in why
+    assert rank_of("layer_norm", "cute_dsl", n, torch.float32, grad) == (40, None)
+
+
+def test_explain_names_the_rule_even_where_the_impl_cannot_run_here():
+    x, w = torch.randn(2, 32768, dtype=torch.bfloat16), torch.randn(32768, dtype=torch.bfloat16)
+    text = str(polykernel.explain("rms_norm", x, w))
+    assert "rank 5 for these arguments: forward only, N >= 32768" in text

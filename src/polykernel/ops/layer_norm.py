@@ -13,7 +13,7 @@ import torch
 
 from ..backends.cute_dsl import _gates as cute_gates
 from ..backends.liger import _gates as liger_gates
-from ..op import SUM_LAMBDA, Bounds, Case, ErrorModel, Op, rows_and_len
+from ..op import SUM_LAMBDA, ArgClass, Bounds, Case, ErrorModel, Op, rows_and_len
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 
@@ -183,6 +183,26 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
 
 
 _TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
+_HALF = ("torch.bfloat16", "torch.float16", "bfloat16", "float16")
+
+
+def _cute_rank(a: ArgClass) -> tuple[int, str] | None:
+    """Measured rule (KernelSpec.rank_for): our CuTeDSL layer_norm first where it beat Triton.
+
+    H200, bf16, CUDA-graph replays, 2026-11-30 (benchmarks/bench_cute_dsl.py, ../h200/r2), TB/s,
+    cute_dsl vs triton: 16384x4096 fwd 3.79 vs 3.71 (a small win, 2%), fwd+bwd 2.87 vs 3.09;
+    4096x16384 fwd 2.44 vs 3.47, fwd+bwd 2.16 vs 1.77 (1.22x); 1024x65536 fwd 1.50 vs 2.20. So:
+    the forward only up to N = 8192, fwd+bwd for 8192 < N <= 16384; Triton elsewhere. fp16 moves
+    the bytes bf16 does; fp32 is unmeasured, so it keeps the static ranks.
+    """
+    if a.n is None or str(a.dtype) not in _HALF:
+        return None
+    if not a.needs_grad and a.n <= 8192:
+        return 5, "forward only, N <= 8192: 3.79 vs triton 3.71 TB/s at 16384x4096 (small, 2%; H200 bf16, 2026-11-30)"
+    if a.needs_grad and 8192 < a.n <= 16384:
+        return 5, "fwd+bwd, 8192 < N <= 16384: 2.16 vs triton 1.77 TB/s at 4096x16384 (1.22x; H200 bf16, 2026-11-30)"
+    return None
+
 
 # Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
 # predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
@@ -218,9 +238,8 @@ IMPLS = [
         description="Liger LigerLayerNormFunction; weight and bias required; N <= 65536",
         predicate=liger_gates.layer_norm,
     ),
-    # Our CuTeDSL kernels (backends/cute_dsl/layer_norm.py, issue 8): rank 40, behind Triton, until
-    # benchmarks/bench_cute_dsl.py has measured them on the H200 (expected to win the forward of
-    # long rows, where one cluster reads x once); measured selection promotes them meanwhile.
+    # Our CuTeDSL kernels (backends/cute_dsl/layer_norm.py, issue 8): rank 40, behind Triton,
+    # except where _cute_rank's measurements put them first (short-row forward, mid-row fwd+bwd).
     KernelSpec(
         OP_ID,
         "cute_dsl",
@@ -231,6 +250,7 @@ IMPLS = [
         rank=40,
         description="as cute_dsl rms_norm, centred in registers (two-pass variance); dW/dB from per-CTA partials (deterministic)",
         predicate=cute_gates.layer_norm,
+        rank_for=_cute_rank,
     ),
 ]
 

@@ -14,7 +14,7 @@ from ..backends.cute_dsl import _gates as cute_gates
 from ..backends.cutile import _gates as cutile_gates
 from ..backends.liger import _gates as liger_gates
 from ..backends.quack import _gates as quack_gates
-from ..op import Bounds, Case, ErrorModel, Op, rows_and_len
+from ..op import ArgClass, Bounds, Case, ErrorModel, Op, rows_and_len
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 
@@ -165,6 +165,23 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
 
 
 _TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
+_HALF = ("torch.bfloat16", "torch.float16", "bfloat16", "float16")
+
+
+def _quack_rank(a: ArgClass) -> tuple[int, str] | None:
+    """Measured rule (KernelSpec.rank_for): QuACK first for the forward only of long 16-bit rows.
+
+    H200, bf16, CUDA-graph replays, 2026-11-30 (benchmarks/bench_cute_dsl.py, ../h200/r2), TB/s,
+    forward (quack / triton / cute_dsl): 32K 3.71 / 2.84 / 3.03; 64K 3.67 / 2.52 / 2.84; 128K
+    3.64 / 2.50 / 2.75; 256K 3.75 / 2.61 / 2.36. At N <= 16K all three tie (3.66-3.78, within
+    1-3%): Triton stays first. With a backward Triton wins or ties at long N (fwd+bwd 64K 2.39 vs
+    quack 2.37, 128K 2.13 vs 1.83, 256K 2.24 vs 1.89): Triton. fp16 moves the bytes bf16 does;
+    fp32 is unmeasured, so it keeps the static ranks.
+    """
+    if a.needs_grad or a.n is None or a.n < 32768 or str(a.dtype) not in _HALF:
+        return None
+    return 5, "forward only, N >= 32768: 3.64-3.75 TB/s vs triton 2.50-2.84 (1.3-1.45x; H200 bf16, 2026-11-30)"
+
 
 # Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
 # predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
@@ -189,8 +206,8 @@ IMPLS = [
     ),
     # QuACK: fwd 3.77 vs our 3.75 at 16384x4096, 3.78 vs 3.64 at 4096x16384, 3.97 vs 2.64 at
     # 2048x65536, 3.98 vs 2.58 at 512x262144; fwd+bwd 3.49 vs 3.39, 2.85 vs 3.30, 2.67 vs 2.51,
-    # 1.90 vs 2.23. Faster in 6 of the 8 measured cells (all forwards): ranked ahead of Triton
-    # (a static rank cannot follow N and needs_grad; measured selection will).
+    # 1.90 vs 2.23. Static rank behind Triton; _quack_rank puts it first where it was measured to
+    # win: the forward only at N >= 32768 (see there for the second run's figures).
     KernelSpec(
         OP_ID,
         "quack",
@@ -201,6 +218,7 @@ IMPLS = [
         rank=50,
         description="QuACK rmsnorm (CuTeDSL, cluster reductions); casting='fp32' only; one compile per N",
         predicate=quack_gates.rms_norm,
+        rank_for=_quack_rank,
     ),
     # Liger: fwd 3.86 vs our 3.75 at 16384x4096 but fwd+bwd 2.30 vs 3.38; 0.62 vs 2.51 fwd+bwd
     # at 2048x65536; refuses N > 65536. Behind Triton.
@@ -229,9 +247,10 @@ IMPLS = [
         description="one tile per row block (chunked beyond 8192); persistent backward, dW from per-block partials (deterministic)",
         predicate=cutile_gates.rms_norm,
     ),
-    # Our CuTeDSL kernels (backends/cute_dsl/rms_norm.py, issue 8): rank 40, behind Triton, until
-    # benchmarks/bench_cute_dsl.py has measured them on the H200 (expected to win the forward of
-    # long rows, where one cluster reads x once); measured selection promotes them meanwhile.
+    # Our CuTeDSL kernels (backends/cute_dsl/rms_norm.py, issue 8): rank 40, behind Triton, by
+    # measurement (H200 bf16, 2026-11-30, TB/s): the forward ties Triton and QuACK at N <= 16K
+    # (3.66-3.78) and trails QuACK beyond (32K 3.03 vs 3.71, 256K 2.36 vs 3.75); fwd+bwd loses to
+    # Triton from 4K on (4K 3.21 vs 3.39, 64K 1.67 vs 2.39, 256K 1.46 vs 2.24). Available by name.
     KernelSpec(
         OP_ID,
         "cute_dsl",
