@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from ._gates import VEC_BYTES, elem_bytes
+
 SOFTMAX_MAX_N = 32768  # one CTA holds the row in registers (32 fp32 a thread at 1024 threads)
 CE_MAX_V = 1 << 20  # rows are walked in chunks; bounded only to keep column indices in int32
 PREFERRED_RANK = 5  # ahead of triton's 10
@@ -21,11 +22,11 @@ CE_PREFER_V = 32768
 
 
 def _half(dtype: Any) -> bool:
-    return _BYTES.get(str(dtype).removeprefix("torch.")) == 2
+    return elem_bytes(dtype) == 2
 
 
 def _vec(dtype: Any) -> int:
-    return 16 // _BYTES.get(str(dtype).removeprefix("torch."), 4)
+    return VEC_BYTES // (elem_bytes(dtype) or 4)
 
 
 def softmax(a: Any) -> str | None:
