@@ -303,3 +303,36 @@ def test_rms_norm_backward_deterministic():
     dy = torch.randn_like(x)
     grads = [torch.autograd.grad(polykernel.rms_norm(x, w, impl="cute_dsl"), (x, w), dy) for _ in range(2)]
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+# -- the clustered backward's persistent grid ---------------------------------------------------------
+
+
+def test_cluster_count_fallback_fits_whole_gpcs(monkeypatch):
+    """Without the driver's answer (no cutlass/GPU here) the estimate counts whole clusters per GPC."""
+    from polykernel.backends.cute_dsl import _norm_host as host
+
+    monkeypatch.setattr(host, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(host, "_clusters", {})
+    dev = torch.device("cuda", 0)
+    got = {size: host._max_clusters(dev, size) for size in (2, 4, 8, 16)}
+    assert got == {2: 64, 4: 32, 8: 16, 16: 8}  # not 132 // 4 = 33: one cluster would run as a second wave
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size", [2, 4, 8, 16])
+def test_cluster_count_from_the_driver(size):
+    from polykernel.backends.cute_dsl import _norm_host as host
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    got = host._max_clusters(dev, size)
+    assert 1 <= got <= host._sm_count(dev) // size
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("rows", "n"), [(1024, 65536), (97, 131072)])
+def test_wide_backward_more_rows_than_clusters(rows, n):
+    """Every cluster group walks several rows (weight re-read per row, dW summed in shared memory)."""
+    x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(n, device="cuda")).to(torch.bfloat16).requires_grad_()
+    _assert_parity("rms_norm", [Case(f"{rows}x{n}", (x, w))], torch.bfloat16)

@@ -108,7 +108,10 @@ def norm_backward(
     # (sm_90a, ptxas), so 65536 // (threads * 128) CTAs share an SM; wide rows (dW in shared
     # memory, 512 threads) take one.
     per_sm = 1 if acc_smem else max(1, 65536 // (cfg.threads * 128))
-    groups = max(1, min(blocks, per_sm * _sm_count(x2.device) // cfg.cluster))
+    if cfg.cluster > 1:  # clustered rows run one CTA an SM (acc_smem): as many clusters as fit
+        groups = max(1, min(blocks, _max_clusters(x2.device, cfg.cluster)))
+    else:
+        groups = max(1, min(blocks, per_sm * _sm_count(x2.device)))
     parts = groups * cfg.rows
     dw = torch.empty((parts, n), dtype=torch.float32, device=x2.device) if want_dw else None
     db = torch.empty((parts, n), dtype=torch.float32, device=x2.device) if want_db else None
@@ -116,6 +119,34 @@ def norm_backward(
     fn = common.compiled(key, lambda: kern.compile_bwd(_dt(x2), _dt(weight), n, layer, llama, want_dw, want_db))
     fn(x2, weight, dy2, rstd, mean, dx, dw, db, offset, groups)
     return dx, None if dw is None else dw.sum(0), None if db is None else db.sum(0)
+
+
+_clusters: dict[tuple[torch.device, int], int] = {}
+
+
+def _max_clusters(device: torch.device, size: int) -> int:
+    """How many clusters of ``size`` CTAs (one CTA an SM) run at once on ``device``.
+
+    Not ``SMs // size``: a cluster must fit in one GPC, so on the H200 (132 SMs) 33 clusters of 4
+    do not all fit, and a persistent grid of 33 ran its last cluster as a second wave - its rows
+    after everyone else's (the fwd+bwd at N = 64K took 1.77x Triton's backward time). The driver's
+    occupancy query answers (through CuTeDSL's HardwareInfo); if it cannot, assume 8 GPCs of
+    ``SMs // 8`` SMs each, which under-fills by at most one cluster per GPC.
+    """
+    key = (device, size)
+    hit = _clusters.get(key)
+    if hit is None:
+        try:
+            from cutlass.utils import HardwareInfo
+
+            with torch.cuda.device(device):
+                hit = int(HardwareInfo(device.index or 0).get_max_active_clusters(size))
+        except Exception:  # an older CuTeDSL or driver: the conservative estimate
+            hit = 0
+        if hit <= 0:
+            hit = max(1, (_sm_count(device) // 8 // size) * 8)
+        _clusters[key] = hit
+    return hit
 
 
 def _dt_key(t: torch.Tensor | None):
