@@ -1,7 +1,9 @@
 """cuTile RMSNorm: forward and backward, ``casting`` "fp32" and "llama", any ``offset``.
 
-Rows of up to ONE_TILE_N (backward: BWD_ONE_TILE_N) elements live in one tile (TM rows per block); longer rows are walked in
-CHUNK_N-wide chunks (forward: sum of squares, then normalize; backward: the row dot, then dx).
+Forward: one row per block with the whole row in one tile for N <= ONE_TILE_N (16K; several
+rows per block only when rows are shorter than ROW_ELEMS), so a block reads its row once and
+writes it once. The backward holds rows of up to BWD_ONE_TILE_N in one tile (TM rows per block).
+Longer rows are walked in CHUNK_N-wide chunks (forward: sum of squares, then normalize; backward: the row dot, then dx).
 The forward saves rstd (fp32, one per row). The backward is persistent (about two blocks per SM):
 each block accumulates dW = Σ dy·x̂ over its rows into its own row of an fp32 partials buffer,
 summed on the host in a fixed order, so dW is deterministic (no atomics).
@@ -15,13 +17,17 @@ import torch
 from ..torch.rms_norm import rms_norm as _torch_rms_norm
 from ._host import launch, num_sms, pow2, rows
 
-ONE_TILE_N = 8192  # rows up to this length are held in one tile
+ONE_TILE_N = 16384  # forward: rows up to this length are held in one tile, one row per block
 CHUNK_N = 4096  # chunk width for longer rows
-TILE_ELEMS = 8192  # elements per block on the one-tile path (several short rows per block)
+ROW_ELEMS = 2048  # forward: rows shorter than this share a block (TM = ROW_ELEMS // TN rows)
 # The backward holds x, dy and a dW accumulator per tile: half the forward's tile (an sm_90
 # compile of TM x TN = 2 x 4096 in fp32 took 15 s and a 1 MB cubin, a sign of spills).
 BWD_ONE_TILE_N = 4096
 BWD_TILE_ELEMS = 4096
+# Two resident blocks per SM for the persistent backward (grid = 2 x SMs): left alone, tileiras
+# gives these kernels 255 registers at 256 threads, one block per SM; the hint caps them at 128,
+# without spills for casting "fp32" (sm_90 cubins: no local frame; "llama" spills 96-184 bytes).
+BWD_OCCUPANCY = 2
 ZERO = ct.PaddingMode.ZERO
 
 
@@ -34,14 +40,14 @@ def _fwd_tile(X, W, Y, RSTD, EPS: ct.Constant[float], OFFSET: ct.Constant[float]
               TM: ct.Constant[int], TN: ct.Constant[int]):  # fmt: skip
     bm = ct.bid(0)
     inv_n = 1.0 / ct.astype(X.shape[1], ct.float32)
-    x = ct.astype(ct.load(X, index=(bm, 0), shape=(TM, TN), padding_mode=ZERO), ct.float32)
+    x = ct.astype(ct.load(X, index=(bm, 0), shape=(TM, TN), padding_mode=ZERO, allow_tma=False), ct.float32)
     rstd = ct.rsqrt(ct.sum(x * x, axis=1, keepdims=True) * inv_n + EPS)  # (TM, 1)
     ct.store(RSTD, index=(bm,), tile=ct.reshape(rstd, (TM,)))
-    w = ct.reshape(ct.astype(ct.load(W, index=(0,), shape=(TN,), padding_mode=ZERO), ct.float32), (1, TN)) + OFFSET
+    w = ct.reshape(ct.astype(ct.load(W, index=(0,), shape=(TN,), padding_mode=ZERO, allow_tma=False), ct.float32), (1, TN)) + OFFSET
     xhat = x * rstd
     if LLAMA:
         xhat = ct.astype(ct.astype(xhat, X.dtype), ct.float32)
-    ct.store(Y, index=(bm, 0), tile=ct.astype(xhat * w, Y.dtype))
+    ct.store(Y, index=(bm, 0), tile=ct.astype(xhat * w, Y.dtype), allow_tma=False)
 
 
 @ct.kernel
@@ -52,29 +58,29 @@ def _fwd_chunked(X, W, Y, RSTD, EPS: ct.Constant[float], OFFSET: ct.Constant[flo
     chunks = ct.cdiv(n, TN)
     acc = ct.full((1, TN), 0.0, dtype=ct.float32)
     for j in range(chunks):
-        x = ct.astype(ct.load(X, index=(row, j), shape=(1, TN), padding_mode=ZERO), ct.float32)
+        x = ct.astype(ct.load(X, index=(row, j), shape=(1, TN), padding_mode=ZERO, allow_tma=False), ct.float32)
         acc = acc + x * x
     rstd = ct.rsqrt(ct.sum(acc, axis=1, keepdims=True) / ct.astype(n, ct.float32) + EPS)  # (1, 1)
     ct.store(RSTD, index=(row,), tile=ct.reshape(rstd, (1,)))
     for j in range(chunks):
-        x = ct.astype(ct.load(X, index=(row, j), shape=(1, TN), padding_mode=ZERO), ct.float32)
-        w = ct.reshape(ct.astype(ct.load(W, index=(j,), shape=(TN,), padding_mode=ZERO), ct.float32), (1, TN)) + OFFSET
+        x = ct.astype(ct.load(X, index=(row, j), shape=(1, TN), padding_mode=ZERO, allow_tma=False), ct.float32)
+        w = ct.reshape(ct.astype(ct.load(W, index=(j,), shape=(TN,), padding_mode=ZERO, allow_tma=False), ct.float32), (1, TN)) + OFFSET
         xhat = x * rstd
         if LLAMA:
             xhat = ct.astype(ct.astype(xhat, X.dtype), ct.float32)
-        ct.store(Y, index=(row, j), tile=ct.astype(xhat * w, Y.dtype))
+        ct.store(Y, index=(row, j), tile=ct.astype(xhat * w, Y.dtype), allow_tma=False)
 
 
-@ct.kernel
+@ct.kernel(occupancy=BWD_OCCUPANCY)
 def _bwd_tile(X, W, DY, RSTD, DX, DWP, OFFSET: ct.Constant[float], LLAMA: ct.Constant[bool],
               TM: ct.Constant[int], TN: ct.Constant[int]):  # fmt: skip
     bid, blocks = ct.bid(0), ct.num_blocks(0)
     inv_n = 1.0 / ct.astype(X.shape[1], ct.float32)
-    w = ct.reshape(ct.astype(ct.load(W, index=(0,), shape=(TN,), padding_mode=ZERO), ct.float32), (1, TN)) + OFFSET
+    w = ct.reshape(ct.astype(ct.load(W, index=(0,), shape=(TN,), padding_mode=ZERO, allow_tma=False), ct.float32), (1, TN)) + OFFSET
     dw = ct.full((TM, TN), 0.0, dtype=ct.float32)
     for i in range(bid, ct.cdiv(X.shape[0], TM), blocks):
-        x = ct.astype(ct.load(X, index=(i, 0), shape=(TM, TN), padding_mode=ZERO), ct.float32)
-        dy = ct.astype(ct.load(DY, index=(i, 0), shape=(TM, TN), padding_mode=ZERO), ct.float32)
+        x = ct.astype(ct.load(X, index=(i, 0), shape=(TM, TN), padding_mode=ZERO, allow_tma=False), ct.float32)
+        dy = ct.astype(ct.load(DY, index=(i, 0), shape=(TM, TN), padding_mode=ZERO, allow_tma=False), ct.float32)
         rstd = ct.reshape(ct.load(RSTD, index=(i,), shape=(TM,), padding_mode=ZERO), (TM, 1))
         xhat = x * rstd
         g = dy * w
@@ -84,11 +90,11 @@ def _bwd_tile(X, W, DY, RSTD, DX, DWP, OFFSET: ct.Constant[float], LLAMA: ct.Con
         else:
             dw = dw + dy * xhat
         c = ct.sum(g * xhat, axis=1, keepdims=True) * inv_n
-        ct.store(DX, index=(i, 0), tile=ct.astype((g - xhat * c) * rstd, DX.dtype))
+        ct.store(DX, index=(i, 0), tile=ct.astype((g - xhat * c) * rstd, DX.dtype), allow_tma=False)
     ct.store(DWP, index=(bid, 0), tile=ct.sum(dw, axis=0, keepdims=True))
 
 
-@ct.kernel
+@ct.kernel(occupancy=BWD_OCCUPANCY)
 def _bwd_chunked(X, W, DY, RSTD, DX, DWP, OFFSET: ct.Constant[float], LLAMA: ct.Constant[bool], TN: ct.Constant[int]):
     # DWP starts at zero; each block adds into its own row only (no races, no atomics)
     bid, blocks = ct.bid(0), ct.num_blocks(0)
@@ -98,25 +104,25 @@ def _bwd_chunked(X, W, DY, RSTD, DX, DWP, OFFSET: ct.Constant[float], LLAMA: ct.
         rstd = ct.reshape(ct.load(RSTD, index=(row,), shape=(1,), padding_mode=ZERO), (1, 1))
         acc = ct.full((1, TN), 0.0, dtype=ct.float32)
         for j in range(chunks):
-            x = ct.astype(ct.load(X, index=(row, j), shape=(1, TN), padding_mode=ZERO), ct.float32)
-            dy = ct.astype(ct.load(DY, index=(row, j), shape=(1, TN), padding_mode=ZERO), ct.float32)
-            w = ct.reshape(ct.astype(ct.load(W, index=(j,), shape=(TN,), padding_mode=ZERO), ct.float32), (1, TN)) + OFFSET
+            x = ct.astype(ct.load(X, index=(row, j), shape=(1, TN), padding_mode=ZERO, allow_tma=False), ct.float32)
+            dy = ct.astype(ct.load(DY, index=(row, j), shape=(1, TN), padding_mode=ZERO, allow_tma=False), ct.float32)
+            w = ct.reshape(ct.astype(ct.load(W, index=(j,), shape=(TN,), padding_mode=ZERO, allow_tma=False), ct.float32), (1, TN)) + OFFSET
             g = dy * w
             if LLAMA:
                 g = ct.astype(ct.astype(g, X.dtype), ct.float32)
             acc = acc + g * (x * rstd)
         c = ct.sum(acc, axis=1, keepdims=True) / ct.astype(n, ct.float32)
         for j in range(chunks):
-            x = ct.astype(ct.load(X, index=(row, j), shape=(1, TN), padding_mode=ZERO), ct.float32)
-            dy = ct.astype(ct.load(DY, index=(row, j), shape=(1, TN), padding_mode=ZERO), ct.float32)
-            w = ct.reshape(ct.astype(ct.load(W, index=(j,), shape=(TN,), padding_mode=ZERO), ct.float32), (1, TN)) + OFFSET
+            x = ct.astype(ct.load(X, index=(row, j), shape=(1, TN), padding_mode=ZERO, allow_tma=False), ct.float32)
+            dy = ct.astype(ct.load(DY, index=(row, j), shape=(1, TN), padding_mode=ZERO, allow_tma=False), ct.float32)
+            w = ct.reshape(ct.astype(ct.load(W, index=(j,), shape=(TN,), padding_mode=ZERO, allow_tma=False), ct.float32), (1, TN)) + OFFSET
             xhat = x * rstd
             g = dy * w
             xr = xhat
             if LLAMA:
                 g = ct.astype(ct.astype(g, X.dtype), ct.float32)
                 xr = ct.astype(ct.astype(xhat, X.dtype), ct.float32)
-            ct.store(DX, index=(row, j), tile=ct.astype((g - xhat * c) * rstd, DX.dtype))
+            ct.store(DX, index=(row, j), tile=ct.astype((g - xhat * c) * rstd, DX.dtype), allow_tma=False)
             part = ct.load(DWP, index=(bid, j), shape=(1, TN), padding_mode=ZERO)
             ct.store(DWP, index=(bid, j), tile=part + dy * xr)
 
@@ -125,7 +131,7 @@ def _bwd_chunked(X, W, DY, RSTD, DX, DWP, OFFSET: ct.Constant[float], LLAMA: ct.
 # Host launcher
 
 
-def _tm(m: int, tn: int, elems: int = TILE_ELEMS) -> int:
+def _tm(m: int, tn: int, elems: int) -> int:
     return min(pow2(m), max(1, elems // tn))
 
 
@@ -136,7 +142,7 @@ def rms_norm_forward(x2: torch.Tensor, w: torch.Tensor, eps: float, offset: floa
     rstd = torch.empty(m, dtype=torch.float32, device=x2.device)
     if pow2(n) <= ONE_TILE_N:
         tn = pow2(n)
-        tm = _tm(m, tn)
+        tm = _tm(m, tn, ROW_ELEMS)
         launch(((m + tm - 1) // tm,), _fwd_tile, x2, w, y, rstd, float(eps), float(offset), llama, tm, tn)
     else:
         launch((m,), _fwd_chunked, x2, w, y, rstd, float(eps), float(offset), llama, CHUNK_N)
