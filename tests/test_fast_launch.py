@@ -238,3 +238,28 @@ def test_lean_apply_defers_to_apply_under_functorch_transforms():
     with pytest.raises(RuntimeError, match="setup_context") as lean:
         torch.func.grad(lambda t: lean_apply(_Square)(t, 3.0).sum())(x)
     assert str(lean.value) == str(plain.value)
+
+
+def test_lean_apply_switch_routes_through_apply(monkeypatch):
+    from polykernel.backends.triton import _autograd
+
+    calls = []
+    original = _Square.apply.__func__
+
+    def counting(cls, *args):
+        calls.append(args)
+        return original(cls, *args)
+
+    monkeypatch.setattr(_Square, "apply", classmethod(counting))
+    lean = _autograd.lean_apply(_Square)
+    x = torch.randn(5, requires_grad=True)
+    lean(x, 3.0)
+    assert calls == []  # on: the C entry point, not the Python wrapper
+    old = _autograd.set_enabled(False)
+    try:
+        y = lean(x, 3.0)
+    finally:
+        _autograd.set_enabled(old)
+    assert len(calls) == 1 and old is True
+    (g,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(g, 6 * x.detach())

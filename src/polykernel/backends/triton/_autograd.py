@@ -6,7 +6,8 @@ for ``setup_context``-style Functions and unwraps dead functorch wrappers, then 
 transforms, neither step does anything, yet the wrapper costs a few microseconds of host time
 per call (6 µs on the small-CPU dev machine). ``lean_apply(cls)`` goes straight to the C entry
 point in that case and through ``cls.apply`` otherwise (vmap/grad transforms active, a
-``setup_context`` Function, or a torch whose internals differ).
+``setup_context`` Function, or a torch whose internals differ). :func:`set_enabled` (or
+``POLYKERNEL_LEAN_APPLY=0``) sends every call through ``cls.apply``: benchmarks A/B the two.
 
 Example::
 
@@ -16,10 +17,25 @@ Example::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+# Read per call (one global load): benchmarks/host_diag.py measures with the lean path off.
+ENABLED = os.environ.get("POLYKERNEL_LEAN_APPLY", "1") not in ("0", "false", "False", "off")
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn the lean path on or off in this process; returns the old setting.
+
+    >>> old = set_enabled(False)   # every lean_apply now calls cls.apply
+    >>> _ = set_enabled(old)
+    """
+    global ENABLED
+    old, ENABLED = ENABLED, bool(on)
+    return old
 
 
 def lean_apply(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
@@ -33,7 +49,7 @@ def lean_apply(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
         return cls.apply
 
     def apply(*args: Any) -> Any:
-        if transforms_active():  # functorch (vmap, grad): its wrappers need the Python path
+        if not ENABLED or transforms_active():  # functorch (vmap, grad) needs the Python path
             return cls.apply(*args)
         return c_apply(*args)
 
