@@ -1,15 +1,19 @@
 """On the H200: cuTile impls next to Triton and torch.compile at issue 9's target shapes.
 
     source /opt/pk/env.sh   # after `bash ../shared/gpu/stage.sh cutile` (tileiras 13.4; unsets CUDA_HOME)
-    PYTHONPATH=src python3 benchmarks/bench_cutile.py --out DIR [--op rms_norm ...] [--no-compile]
+    PYTHONPATH=src python3 benchmarks/bench_cutile.py --out DIR [--op rms_norm ...] [--no-compile] [--graph]
 
-GPU time of CUDA-graph replays (each step captured once, replayed REPLAYS times per round, median
-of ROUNDS rounds), bf16. TB/s over each op's fewest bytes (the op file's ``bytes_moved``: swiglu
-and geglu 3·M·N·2 fwd, 8·M·N·2 fwd+bwd; rms_norm 2·M·N·2 and 5·M·N·2; softmax 2·M·N·2; rope reads
-q, k, cos, sin and writes q, k, twice for fwd+bwd) and % of a 2 GiB device copy timed the same
-way. Before timing, each contender's output is compared with the Triton impl's (max abs
-difference, in the JSON): a quick sanity check, not the parity test (tests/test_cutile.py is).
-Writes DIR/bench_cutile.json and DIR/bench_cutile.csv; prints a table. About 1-2 minutes.
+Timing and the copy reference are ``polykernel bench``'s own (:func:`polykernel.bench.measure`,
+:func:`polykernel.bench.copy_bandwidth`): ``triton.testing.do_bench`` medians, fwd+bwd as a forward
+plus ``torch.autograd.grad`` with fixed random cotangents drawn before any timing; ``--graph``
+times CUDA-graph replays instead (captured on a side stream after a warm-up, as ``measure`` does).
+At these sizes (0.1-1 ms per step) the launch cost is noise, so the default needs no capture.
+bf16. TB/s over each op's fewest bytes (the op file's ``bytes_moved``: swiglu and geglu 3·M·N·2
+fwd, 8·M·N·2 fwd+bwd; rms_norm 2·M·N·2 and 5·M·N·2; softmax 2·M·N·2; rope reads q, k, cos, sin
+and writes q, k, twice for fwd+bwd) and % of a 2 GiB device copy. Before timing, each
+contender's forward output is compared with the Triton impl's (max abs difference, in the JSON):
+a quick sanity check, not the parity test (tests/test_cutile.py is). Writes DIR/bench_cutile.json
+and DIR/bench_cutile.csv; prints a table. About a minute with --no-compile.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -28,8 +31,8 @@ import torch
 
 import polykernel
 from polykernel import registry
+from polykernel.bench import copy_bandwidth, measure
 
-ROUNDS, REPLAYS = 5, 20
 # (op, shape, kwargs, modes, target TB/s per mode): issue 9's table
 CASES: list[tuple[str, tuple[int, ...], dict[str, Any], dict[str, float]]] = [
     ("swiglu", (16384, 14336), {}, {"fwd": 4.2, "fwd+bwd": 4.2}),
@@ -38,40 +41,6 @@ CASES: list[tuple[str, tuple[int, ...], dict[str, Any], dict[str, float]]] = [
     ("rope", (4, 32, 4096, 128), {}, {"fwd": 3.9, "fwd+bwd": 3.8}),
     ("softmax", (8192, 32768), {}, {"fwd": 4.0}),
 ]
-
-
-def graph_time_ms(step: Callable[[], Any]) -> float:
-    """Median GPU time of one ``step`` (ms), from CUDA-graph replays."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):  # compiles (cuTile JIT, Triton, torch.compile) and warms allocators
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(ROUNDS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(REPLAYS):
-            g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / REPLAYS)
-    del g
-    return statistics.median(times)
-
-
-def copy_tbs() -> float:
-    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    ms = graph_time_ms(lambda: dst.copy_(src))
-    return 2 * 2**31 / ms / 1e9
 
 
 def contenders(op_name: str, use_compile: bool) -> dict[str, Callable[..., Any]]:
@@ -89,42 +58,51 @@ def _tensors(out: Any) -> list[torch.Tensor]:
 
 
 def bench_case(
-    op_name: str, shape: tuple[int, ...], kwargs: dict[str, Any], modes: dict[str, float], copy: float, use_compile: bool
+    op_name: str,
+    shape: tuple[int, ...],
+    kwargs: dict[str, Any],
+    modes: dict[str, float],
+    copy: float,
+    use_compile: bool,
+    graph: bool = False,
+    device: str = "cuda",
 ) -> list[dict[str, Any]]:
+    """One row per (mode, contender): ms and TB/s from ``polykernel.bench.measure`` (``device``
+    other than CUDA only for a smoke test of the bookkeeping, with ``measure`` replaced)."""
     op = registry.get_op(op_name)
     rows = []
+    torch.manual_seed(0)
+    # one set of inputs for every mode and contender, drawn before anything is timed or captured
+    args = op.example(shape, torch.bfloat16, device, requires_grad=True).args
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    calls = contenders(op_name, use_compile)
     for mode, target in modes.items():
         backward = mode == "fwd+bwd"
-        torch.manual_seed(0)
-        args = op.example(shape, torch.bfloat16, "cuda", requires_grad=backward).args
-        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         nbytes = op.bytes_moved(*args, backward=backward)
         baseline = None
-        for name, fn in contenders(op_name, use_compile).items():
+        for name, fn in calls.items():
             row: dict[str, Any] = dict(op=op_name, shape="x".join(map(str, shape)), mode=mode, impl=name, target_tbs=target)
             try:
-                with torch.no_grad() if not backward else torch.enable_grad():
-                    first = _tensors(fn(*args, **kwargs))
+                with torch.no_grad():
+                    first = [t.float() for t in _tensors(fn(*args, **kwargs))]
                 if baseline is None:
-                    baseline = [t.detach().float() for t in first]
-                row["max_abs_diff_vs_triton"] = max((t.detach().float() - b).abs().max().item() for t, b in zip(first, baseline))
-                cots = [torch.rand_like(t) * 2 - 1 for t in first] if backward else []
-
-                def step(fn=fn, cots=cots) -> Any:
-                    if not backward:
-                        with torch.no_grad():
-                            return fn(*args, **kwargs)
-                    outs = _tensors(fn(*args, **kwargs))
-                    return torch.autograd.grad(outs, leaves, cots)
-
-                ms = graph_time_ms(step)
+                    baseline = first
+                row["max_abs_diff_vs_triton"] = max((t - b).abs().max().item() for t, b in zip(first, baseline))
+                del first
+                ms, peak = measure(lambda fn=fn: fn(*args, **kwargs), leaves, backward, graph=graph)
                 tbs = nbytes / ms / 1e9
                 row.update(ms=round(ms, 4), tbs=round(tbs, 3), pct_copy=round(100 * tbs / copy, 1), meets_target=tbs >= target)
+                row["peak_extra_MiB"] = round(peak)
             except Exception as exc:  # one contender's failure must not stop the run
                 row.update(ms=None, tbs=None, error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
             rows.append(row)
             print(json.dumps(row), flush=True)
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        triton_tbs = next((r.get("tbs") for r in rows if r["mode"] == mode and r["impl"] == "triton"), None)
+        for r in rows:
+            if r["mode"] == mode and r.get("tbs") and triton_tbs:
+                r["vs_triton"] = round(r["tbs"] / triton_tbs, 3)
     return rows
 
 
@@ -133,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="directory for bench_cutile.json / .csv")
     p.add_argument("--op", nargs="*", default=None, help="ops to run (default: all five)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its compile time)")
+    p.add_argument("--graph", action="store_true", help="time CUDA-graph replays (polykernel.bench.measure(graph=True))")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_cutile needs a CUDA GPU", file=sys.stderr)
@@ -142,27 +121,35 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     for op_name in ("swiglu", "geglu", "rms_norm", "rope", "softmax"):
         print(polykernel.explain(op_name, device="cuda", dtype=torch.bfloat16), flush=True)
-    copy = copy_tbs()
+    copy = copy_bandwidth() / 1e3  # GB/s -> TB/s
     print(f"2 GiB copy: {copy:.3f} TB/s", flush=True)
     rows: list[dict[str, Any]] = []
     for op_name, shape, kwargs, modes in CASES:
         if a.op and op_name not in a.op:
             continue
-        rows += bench_case(op_name, shape, kwargs, modes, copy, not a.no_compile)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_tbs=round(copy, 3), seconds=round(time.time() - t0, 1))
+        rows += bench_case(op_name, shape, kwargs, modes, copy, not a.no_compile, a.graph)
+    meta = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        timing="graph" if a.graph else "do_bench",
+        copy_tbs=round(copy, 3),
+        seconds=round(time.time() - t0, 1),
+    )
     (out / "bench_cutile.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    keys = ["op", "shape", "mode", "impl", "ms", "tbs", "pct_copy", "target_tbs", "meets_target", "max_abs_diff_vs_triton", "error"]
+    keys = ["op", "shape", "mode", "impl", "ms", "tbs", "pct_copy", "vs_triton", "target_tbs", "meets_target", "max_abs_diff_vs_triton",
+            "peak_extra_MiB", "error"]  # fmt: skip
     with open(out / "bench_cutile.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    print(f"\n{'op':9} {'mode':8} {'impl':14} {'ms':>8} {'TB/s':>6} {'%copy':>6} target")
+    print(f"\n{'op':9} {'mode':8} {'impl':14} {'ms':>8} {'TB/s':>6} {'%copy':>6} {'/triton':>7} target")
     for r in rows:
         ms = f"{r['ms']:.4f}" if r.get("ms") else "-"
         tbs = f"{r['tbs']:.2f}" if r.get("tbs") else "-"
         pct = f"{r['pct_copy']:.0f}" if r.get("pct_copy") else "-"
         mark = ("ok" if r.get("meets_target") else "MISS") if r["impl"] == "cutile" and r.get("tbs") else r.get("error", "")
-        print(f"{r['op']:9} {r['mode']:8} {r['impl']:14} {ms:>8} {tbs:>6} {pct:>6} {r['target_tbs']} {mark}")
+        rel = f"{r['vs_triton']:.2f}" if r.get("vs_triton") else "-"
+        print(f"{r['op']:9} {r['mode']:8} {r['impl']:14} {ms:>8} {tbs:>6} {pct:>6} {rel:>7} {r['target_tbs']} {mark}")
     print(f"({meta['seconds']} s)")
     return 0
 
