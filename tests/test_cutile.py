@@ -29,7 +29,12 @@ H200 = PlatformInfo("cuda", 0, (9, 0), "NVIDIA H200")
 
 
 @pytest.fixture(autouse=True)
-def _fresh_probe():
+def _fresh_probe(request):
+    # The probe's tests fake the compiler and must not see (or leave) a cached answer. The GPU tests
+    # keep the real answer: re-probing runs tileiras again, about a second per test.
+    if request.node.get_closest_marker("gpu"):
+        yield
+        return
     gates.reset()
     yield
     gates.reset()
