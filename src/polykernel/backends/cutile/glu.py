@@ -33,7 +33,7 @@ ACTS = {"silu": SILU, "tanh": GELU_TANH, "none": GELU_ERF}
 FLAT_BLOCK = (
     1024  # flat path: 8 elements per thread at 128 threads (inductor's pointwise block); sm_90: 32 registers (4096: 120, 4 blocks per SM)
 )
-TILE_ELEMS = 4096  # elements per block on the rows path
+TILE_ELEMS = FLAT_BLOCK  # elements per block on the rows path (several rows when rows are short)
 MAX_TN = 1024
 ZERO = ct.PaddingMode.ZERO
 APPROX = ct.RoundingMode.APPROX
