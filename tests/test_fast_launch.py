@@ -263,3 +263,15 @@ def test_lean_apply_switch_routes_through_apply(monkeypatch):
     assert len(calls) == 1 and old is True
     (g,) = torch.autograd.grad(y.sum(), x)
     torch.testing.assert_close(g, 6 * x.detach())
+
+
+@pytest.mark.parametrize("p, n", [(1, 5), (7, 64), (33, 130), (70, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_colsum_matches_sum_then_cast(p, n, dtype):
+    from polykernel.backends.triton._colsum import colsum
+
+    part = torch.randn(p, n, dtype=torch.float32)
+    out = colsum(part, dtype)
+    assert out.shape == (n,) and out.dtype == dtype
+    # fp32 sums in another order, then one rounding: equal to within one ulp of the output dtype
+    torch.testing.assert_close(out, part.sum(0).to(dtype), rtol=2 * torch.finfo(dtype).eps, atol=1e-5)

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ...ops.fused_add_rms_norm import reference  # noqa: F401  (semantics live in the op file)
 from ._autograd import lean_apply
+from ._colsum import colsum as _colsum
 from ._launch import launch
 from ._rows import as_rows as _as_rows
 from ._rows import contig as _contig
@@ -230,7 +231,7 @@ def fused_add_rms_norm_backward(
             s2, weight, dy2, dso, rstd, ds, part, m, n, s2.stride(0), dy2.stride(0), dso.stride(0), ds.stride(0), offset,
             CHUNK=CHUNK_N, HAS_DS_OUT=has_dso, num_warps=16,
         )  # fmt: skip
-    return ds, part.sum(0).to(weight.dtype)
+    return ds, _colsum(part, weight.dtype)  # one launch for part.sum(0).to(dtype): two host ops
 
 
 # ---------------------------------------------------------------------------------------------

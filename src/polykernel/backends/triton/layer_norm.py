@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ...ops.layer_norm import reference  # noqa: F401  (semantics live in the op file)
 from ._autograd import lean_apply
+from ._colsum import colsum as _colsum
 from ._launch import launch
 from ._rows import as_rows as _as_rows
 from ._rows import contig as _contig_t
@@ -278,8 +279,9 @@ def layer_norm_backward(
             x2, w, dy2, mean, rstd, dx, dw_part, db_part, m, n, x2.stride(0), dy2.stride(0), dx.stride(0),
             CHUNK=CHUNK_N, HAS_W=has_w, HAS_B=has_b, num_warps=16,
         )  # fmt: skip
-    dw = dw_part.sum(0).to(weight.dtype) if has_w else None
-    db = db_part.sum(0).to(bias_dtype) if has_b else None
+    # One launch each for part.sum(0).to(dtype): two host ops each.
+    dw = _colsum(dw_part, weight.dtype) if has_w else None
+    db = _colsum(db_part, bias_dtype) if has_b else None
     return dx, dw, db
 
 

@@ -18,6 +18,7 @@ import triton.language as tl
 from ...ops.rms_norm import reference  # noqa: F401  (semantics live in the op file)
 from ...spec import Split
 from ._autograd import lean_apply
+from ._colsum import colsum as _colsum
 from ._launch import launch
 from ._rows import TL_DTYPE
 from ._rows import as_rows as _as_rows
@@ -319,8 +320,7 @@ def rms_norm_backward(
             x2, weight, dy2, rstd, c, dx, part, m, n, x2.stride(0), dy2.stride(0), dx.stride(0), offset,
             BLOCK_C=LONG_BWD_BLOCK_C, LLAMA=llama, DTYPE_OUT=TL_DTYPE[x2.dtype], num_warps=8,
         )  # fmt: skip
-    dw = part.sum(0)
-    return dx, dw if weight.dtype == torch.float32 else dw.to(weight.dtype)
+    return dx, _colsum(part, weight.dtype)  # one launch for part.sum(0).to(dtype): two host ops
 
 
 # ---------------------------------------------------------------------------------------------
