@@ -230,6 +230,8 @@ class Decision:
 
         if not self.may_fall_back or _strict_mode() or isinstance(exc, torch.OutOfMemoryError):
             raise exc
+        if subclass_name(args) is not None:  # the next impl may read raw memory: never on a subclass
+            raise exc
         argkey = self.key[0]
         message = (
             f"polykernel: {self.op.id}: impl {self.impl!r} failed at run time "
@@ -327,7 +329,7 @@ def decide(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None) ->
 
     ``args``: the call's real arguments (the op's miss path), which tuning may measure on."""
     decision = _resolve(op, key, args, measure=args is not None)
-    decision.raw = not registry.specs_for(op)[decision.impl].accepts_subclasses
+    decision.raw = not registry.specs_for(op)[decision.impl].accepts_subclasses or op.id in routed
     decision.fn = first_call.checked(decision)  # outputs and backward checked on the first call
     decision.cuda = getattr(key[0][0], "type", None) == "cuda"
     decision.guarded = decision.raw or decision.cuda
@@ -335,6 +337,11 @@ def decide(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None) ->
     _record[(op.id, key)] = decision  # what `decisions()` lists; outlives the memo
     return decision
 
+
+# Ops whose tensor-subclass arguments a layer above routes itself (polykernel.dtensor adds its ops
+# when a DTensor is first seen, then clears the memos): their decisions all take the subclass
+# check, so a DTensor never reaches even a torch impl directly. Empty, and free, until then.
+routed: set[str] = set()
 
 # Decisions made since the last clear_caches(), by (op id, memo key), in the order first made.
 # Separate from the ops' memos, which are dropped whenever an op's impls or settings change.
@@ -485,10 +492,13 @@ class Explanation:
     impls: list[dict[str, Any]]
     import_errors: dict[str, str]
     tuned: dict[str, Any] | None = None  # source "tuned": the store key, the choice and the measured times
+    route: str | None = None  # DTensor arguments: the path taken (local shards or DTensor's rules) and why
 
     def __str__(self) -> str:
         args = ", ".join(f"{k}={_short(v)}" for k, v in self.arg_class.items())
         lines = [f"{self.op} on {self.platform}", f"  arguments: {args}"]
+        if self.route:
+            lines.append(f"  route: {self.route}")
         if self.chosen:
             lines.append(f"  chosen: {self.chosen} (source: {self.source})")
         else:
@@ -517,6 +527,7 @@ class Explanation:
             "impls": self.impls,
             "import_errors": self.import_errors,
             "tuned": self.tuned,
+            "route": self.route,
         }
 
 
@@ -574,6 +585,15 @@ def explain(op: str, *args: Any, device: Any = None, dtype: Any = None, impl: st
     capturing = argkey[0].type == "cuda" and torch.cuda.is_current_stream_capturing()
     key = (argkey, impl, _scope.get(), torch.are_deterministic_algorithms_enabled(), capturing)
     subclass = subclass_name((*args, *kwargs.values()))
+    route = None
+    if subclass == "DTensor":  # tensor parallel: the local shards' explanation, or why not
+        from . import dtensor
+
+        local, route = dtensor.explain_local(
+            the_op, key, args, kwargs, lambda *a, **k: explain(op, *a, device=device, dtype=dtype, impl=impl, **k)
+        )
+        if local is not None:
+            return local
     if subclass is not None:
         key = (*key, subclass)
     chosen = source = error = None
@@ -594,6 +614,7 @@ def explain(op: str, *args: Any, device: Any = None, dtype: Any = None, impl: st
         impls=[{"name": v.name, "rank": v.rank, "runnable": v.runnable, "reason": v.reason, "rank_reason": v.rank_note} for v in rows],
         import_errors=registry.import_errors(the_op),
         tuned=_tuned_times(the_op, argkey) if source == "tuned" else None,
+        route=route(chosen) if route is not None else None,
     )
 
 
