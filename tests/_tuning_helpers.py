@@ -5,6 +5,37 @@ from __future__ import annotations
 
 import os
 import time
+import types
+
+
+class FakeClock:
+    """A ``time`` stand-in for ``polykernel.tuning_measure``: ``perf_counter`` advances only by the
+    planted impls' delays, so measured differences are exact and no test depends on how busy the
+    machine is (sleeps overshoot by milliseconds on a loaded 2-core CI box)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+_clock: FakeClock | None = None  # set by use_fake_clock(); planted delays advance it instead of sleeping
+
+
+def use_fake_clock(monkeypatch) -> FakeClock:
+    """Install a :class:`FakeClock` as ``tuning_measure``'s ``time`` for the rest of the test."""
+    import sys
+
+    import polykernel.tuning_measure as tm
+
+    clock = FakeClock()
+    monkeypatch.setattr(tm, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(sys.modules[__name__], "_clock", clock)  # undone at the test's end
+    return clock
 
 
 def plant(backend: str, rank: int, *, delay: float = 0.0, wrong: bool = False, fail: bool = False, wrong_grad: bool = False) -> list[int]:
@@ -31,7 +62,7 @@ def plant(backend: str, rank: int, *, delay: float = 0.0, wrong: bool = False, f
         if fail:
             raise RuntimeError("planted failure")
         if delay:
-            time.sleep(delay)
+            (_clock or time).sleep(delay)
         y = reference(x, weight, eps, offset, casting)
         if wrong_grad:
             return _WrongGrad.apply(y)

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import polykernel
-from _tuning_helpers import only, plant
+from _tuning_helpers import only, plant, use_fake_clock
 from polykernel import registry, tuning, tuning_key
 from polykernel.op import Tol
 from polykernel.spec import CapabilityRequirement, KernelSpec
@@ -22,6 +22,7 @@ from polykernel.tuning_measure import Timing, choose, slowest
 @pytest.fixture(autouse=True)
 def _tuning_env(tmp_path, monkeypatch):
     monkeypatch.setenv("POLYKERNEL_CACHE_DIR", str(tmp_path / "cache"))
+    use_fake_clock(monkeypatch)  # planted delays are exact: no test depends on the machine's load
     for name in ("POLYKERNEL_TUNE", "POLYKERNEL_TUNE_MARGIN"):
         monkeypatch.delenv(name, raising=False)
     polykernel.clear_caches()
