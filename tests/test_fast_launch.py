@@ -275,3 +275,12 @@ def test_colsum_matches_sum_then_cast(p, n, dtype):
     assert out.shape == (n,) and out.dtype == dtype
     # fp32 sums in another order, then one rounding: equal to within one ulp of the output dtype
     torch.testing.assert_close(out, part.sum(0).to(dtype), rtol=2 * torch.finfo(dtype).eps, atol=1e-5)
+
+
+def test_plain_cdiv_and_next_pow2_match_triton():
+    from polykernel.backends.triton._rows import cdiv, next_pow2
+
+    for a in [*range(0, 70), 4095, 4096, 4097, 2**31 - 1, 2**31, 2**40 + 3]:
+        assert next_pow2(a) == triton.next_power_of_2(a), a
+        for b in (1, 2, 3, 8, 16, 127, 4096):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)

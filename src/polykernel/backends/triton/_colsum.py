@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ._launch import launch
+from ._rows import cdiv as _cdiv
 
 BLOCK_C = 64  # columns per program: N=4096 gives 64 programs, enough to read 4 MiB quickly
 BLOCK_P = 32  # rows per step
@@ -38,5 +39,5 @@ def colsum(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``part.sum(0)`` of a contiguous [P, N] fp32 buffer (P >= 1), as a new [N] tensor of ``dtype``."""
     p, n = part.shape
     out = torch.empty(n, dtype=dtype, device=part.device)
-    launch(_colsum_kernel, (triton.cdiv(n, BLOCK_C),), part, out, p, n, BLOCK_C=BLOCK_C, BLOCK_P=BLOCK_P, num_warps=4)
+    launch(_colsum_kernel, (_cdiv(n, BLOCK_C),), part, out, p, n, BLOCK_C=BLOCK_C, BLOCK_P=BLOCK_P, num_warps=4)
     return out

@@ -28,6 +28,7 @@ from ...ops.cross_entropy import reference  # noqa: F401  (semantics live in the
 from ..torch.cross_entropy import grad_scale, reduce_rows, scale_grads_
 from ._autograd import lean_apply
 from ._launch import launch
+from ._rows import next_pow2 as _next_pow2
 
 GRAD_IN_FORWARD = False  # see the module docstring
 MAX_BLOCK_BYTES = 32768  # one chunk of a row: 16K bf16 / 8K fp32 elements, 4 x 16-byte loads per thread
@@ -119,7 +120,7 @@ def _ce_kernel(
 
 def _config(v: int, elt: int) -> tuple[int, int]:
     """(BLOCK, num_warps): a 32 KB chunk per iteration for long rows, 16-byte accesses."""
-    block = max(16, min(triton.next_power_of_2(v), MAX_BLOCK_BYTES // elt))
+    block = max(16, min(_next_pow2(v), MAX_BLOCK_BYTES // elt))
     warps = max(4, min(16, block * elt // 2048))
     return block, warps
 

@@ -21,6 +21,7 @@ from ._autograd import lean_apply
 from ._colsum import colsum as _colsum
 from ._launch import launch
 from ._rows import as_rows as _as_rows
+from ._rows import cdiv as _cdiv
 from ._rows import contig as _contig
 from ._rows import row_tile as _tile
 from ._rows import sm_count as _sm_count
@@ -190,7 +191,7 @@ def fused_add_rms_norm_forward(
     if n <= MAX_FUSED_N:
         block_n, rows, warps = _tile(n, TUNE["fwd_tile_elems"], TUNE["fwd_warps"])
         launch(
-            _add_rms_fwd_kernel, (triton.cdiv(m, rows),),
+            _add_rms_fwd_kernel, (_cdiv(m, rows),),
             x2, r2, weight, y, s, r, m, n, x2.stride(0), r2.stride(0), n, n, eps, offset,
             BLOCK_N=block_n, ROWS=rows, STORE_RSTD=need_rstd, num_warps=warps,
         )  # fmt: skip
@@ -217,7 +218,7 @@ def fused_add_rms_norm_backward(
     progs = min(_programs(dev), m)
     if n <= MAX_FUSED_N:
         block_n, rows, warps = _tile(n, TUNE["bwd_tile_elems"], TUNE["bwd_warps"])
-        progs = min(progs, triton.cdiv(m, rows))
+        progs = min(progs, _cdiv(m, rows))
         part = torch.empty((progs, n), dtype=torch.float32, device=dev)
         launch(
             _add_rms_bwd_kernel, (progs,),

@@ -29,6 +29,8 @@ import triton.language as tl
 
 from ._autograd import lean_apply
 from ._launch import launch
+from ._rows import cdiv as _cdiv
+from ._rows import next_pow2 as _next_pow2
 
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
 ACTS = {"silu": SILU, "tanh": GELU_TANH, "none": GELU_ERF}
@@ -152,8 +154,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=4096)  # host time: decode shapes repeat on every call
 def _tile(m: int, n: int) -> tuple[int, int, int]:
     """(BLOCK, ROWS, num_warps) for m rows of n elements: up to BLOCK_MAX elements per program."""
-    block = min(BLOCK_MAX, triton.next_power_of_2(max(n, 1)))
-    rows = min(max(1, BLOCK_MAX // block), triton.next_power_of_2(max(m, 1)))
+    block = min(BLOCK_MAX, _next_pow2(max(n, 1)))
+    rows = min(max(1, BLOCK_MAX // block), _next_pow2(max(m, 1)))
     warps = max(1, min(8, block * rows // 512))
     return block, rows, warps
 
@@ -169,8 +171,8 @@ def _launch(kernel, tensors: list[torch.Tensor], flat: bool, act: int) -> None:
     # in-tile offsets are int32: keep (ROWS-1)·stride + BLOCK below 2^31 (huge strides: one row per tile)
     if rows > 1 and (rows - 1) * max(map(abs, strides)) + block >= 2**31:
         rows = 1
-    col_blocks = triton.cdiv(n, block)
-    grid = (triton.cdiv(m, rows) * col_blocks,)
+    col_blocks = _cdiv(n, block)
+    grid = (_cdiv(m, rows) * col_blocks,)
     launch(kernel, grid, *tensors, m, n, col_blocks, *strides, ACT=act, BLOCK=block, ROWS=rows, num_warps=warps)
 
 

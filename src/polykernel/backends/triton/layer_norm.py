@@ -21,6 +21,7 @@ from ._autograd import lean_apply
 from ._colsum import colsum as _colsum
 from ._launch import launch
 from ._rows import as_rows as _as_rows
+from ._rows import cdiv as _cdiv
 from ._rows import contig as _contig_t
 from ._rows import row_tile as _tile
 from ._rows import sm_count as _sm_count
@@ -227,7 +228,7 @@ def layer_norm_forward(
     if n <= MAX_FUSED_N:
         block_n, rows, warps = _tile(n, TUNE["fwd_tile_elems"], TUNE["fwd_warps"])
         launch(
-            _ln_fwd_kernel, (triton.cdiv(m, rows),),
+            _ln_fwd_kernel, (_cdiv(m, rows),),
             x2, w, b, y, mean_p, rstd_p, m, n, x2.stride(0), y.stride(0), eps,
             BLOCK_N=block_n, ROWS=rows, num_warps=warps, STORE_STATS=need_stats, **flags,
         )  # fmt: skip
@@ -261,7 +262,7 @@ def layer_norm_backward(
     chunked = n > MAX_FUSED_N
     if not chunked:
         block_n, rows, warps = _tile(n, TUNE["bwd_tile_elems"], TUNE["bwd_warps"])
-        progs = min(progs, triton.cdiv(m, rows))
+        progs = min(progs, _cdiv(m, rows))
     # The chunked kernel accumulates into its rows (read-modify-write): they start at zero.
     new = torch.zeros if chunked else torch.empty
     dw_part = new((progs, n), dtype=torch.float32, device=dev) if has_w else dx

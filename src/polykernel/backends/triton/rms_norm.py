@@ -22,7 +22,9 @@ from ._colsum import colsum as _colsum
 from ._launch import launch
 from ._rows import TL_DTYPE
 from ._rows import as_rows as _as_rows
+from ._rows import cdiv as _cdiv
 from ._rows import contig as _contig
+from ._rows import next_pow2 as _next_pow2
 from ._rows import row_tile as _tile
 from ._rows import sm_count as _sm_count
 from ._rows import unrows as _unrows
@@ -264,7 +266,7 @@ def rms_norm_forward(
     if m == 0 or n == 0:
         return y, None if rstd is None else rstd.fill_(0)
     if n <= MAX_FUSED_N and FWD_VARIANT == "row":
-        block_n = triton.next_power_of_2(n)
+        block_n = _next_pow2(n)
         launch(
             _rms_fwd_row_kernel, (m,),
             x2, weight, y, y if rstd is None else rstd, n, x2.stride(0), y.stride(0), eps, offset,
@@ -273,7 +275,7 @@ def rms_norm_forward(
     elif n <= MAX_FUSED_N:
         block_n, rows, warps = _tile(n, TUNE["fwd_tile_elems"], TUNE["fwd_warps"])
         launch(
-            _rms_fwd_kernel, (triton.cdiv(m, rows),),
+            _rms_fwd_kernel, (_cdiv(m, rows),),
             x2, weight, y, y if rstd is None else rstd, m, n, x2.stride(0), y.stride(0), eps, offset,
             BLOCK_N=block_n, ROWS=rows, LLAMA=llama, STORE_RSTD=need_rstd, num_warps=warps,
         )  # fmt: skip
@@ -298,7 +300,7 @@ def rms_norm_backward(
     # launch costs ~20 us, each extra torch op ~5-10 us), so allocate exactly and skip no-op casts.
     if n <= MAX_FUSED_N:
         block_n, rows, warps = _tile(n, TUNE["bwd_tile_elems"], TUNE["bwd_warps"])
-        progs = min(_programs(x2.device), triton.cdiv(m, rows))
+        progs = min(_programs(x2.device), _cdiv(m, rows))
         part = torch.empty((progs, n), dtype=torch.float32, device=x2.device)  # every program writes its row
         launch(
             _rms_bwd_kernel, (progs,),
@@ -312,8 +314,8 @@ def rms_norm_backward(
             x2, weight, dy2, rstd, c, n, x2.stride(0), dy2.stride(0), offset,
             CHUNK=CHUNK_N, LLAMA=llama, DTYPE_OUT=TL_DTYPE[x2.dtype], num_warps=16,
         )  # fmt: skip
-        blocks = triton.cdiv(n, LONG_BWD_BLOCK_C)
-        groups = max(1, min(m, triton.cdiv(TUNE["long_bwd_programs_per_sm"] * _sm_count(x2.device), blocks)))
+        blocks = _cdiv(n, LONG_BWD_BLOCK_C)
+        groups = max(1, min(m, _cdiv(TUNE["long_bwd_programs_per_sm"] * _sm_count(x2.device), blocks)))
         part = torch.empty((groups, n), dtype=torch.float32, device=x2.device)  # (group, block) pairs cover it
         launch(
             _rms_bwd_colblock_kernel, (blocks, groups),

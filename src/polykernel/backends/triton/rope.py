@@ -25,6 +25,8 @@ import triton.language as tl
 from ...ops.rope import reference  # noqa: F401  (semantics live in the op file)
 from ._autograd import lean_apply
 from ._launch import launch
+from ._rows import cdiv as _cdiv
+from ._rows import next_pow2 as _next_pow2
 
 ELEMS = 2048  # elements per half-tile [BLOCK_T, BLOCK_H, BLOCK_D] (two halves per head row)
 MAX_BLOCK_D = 128  # half dims up to 128 (D <= 256) in one chunk; longer ones are walked in chunks
@@ -148,7 +150,7 @@ def _rope_kernel(
 
 
 def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(n, 1))
+    return _next_pow2(max(n, 1))
 
 
 @functools.lru_cache(maxsize=4096)  # host time: the same few shapes on every call
@@ -187,7 +189,7 @@ def rope_launch(
         return
     half = d // 2
     block_t, block_d, block_hq, block_hk, warps = _tiles(t, hq, hk, half)
-    n_tblocks = triton.cdiv(t, block_t)
+    n_tblocks = _cdiv(t, block_t)
     qa, qoa = (q, qo) if q is not None else (k, ko)  # placeholders when absent (HQ = 0: never read)
     ka, koa = (k, ko) if k is not None else (q, qo)
     assert qoa is not None and koa is not None

@@ -31,6 +31,8 @@ import triton.language as tl
 
 from ._autograd import lean_apply
 from ._launch import launch
+from ._rows import cdiv as _cdiv
+from ._rows import next_pow2 as _next_pow2
 
 # Tiling (sm_90, checked by compiling for it: no register spills, 16-byte accesses; not yet timed).
 MAX_FUSED_N = 32768  # forward: one block per row up to here (a 32K fp32 row: 32 registers/thread at 32 warps)
@@ -217,7 +219,7 @@ def _softmax_bwd_chunked_kernel(
 
 def _tile(n: int) -> tuple[int, int, int]:
     """(BLOCK_N, ROWS, num_warps) for rows that fit one block: >= TILE elements per program."""
-    block_n = triton.next_power_of_2(max(n, 1))
+    block_n = _next_pow2(max(n, 1))
     rows = max(1, TILE // block_n)
     size = block_n * rows
     warps = 4 if size <= 2048 else 8 if size <= 4096 else 16 if size <= 16384 else 32
@@ -234,10 +236,10 @@ def _programs(device: torch.device) -> int:
 
 def _split(m: int, n: int, device: torch.device) -> tuple[int, int]:
     """(segments per row S, chunks per segment): S > 1 only when m rows cannot fill the device."""
-    chunks = triton.cdiv(n, CHUNK_N)
-    s = max(1, min(chunks, triton.cdiv(_programs(device), m)))
-    seg_chunks = triton.cdiv(chunks, s)
-    return triton.cdiv(chunks, seg_chunks), seg_chunks
+    chunks = _cdiv(n, CHUNK_N)
+    s = max(1, min(chunks, _cdiv(_programs(device), m)))
+    seg_chunks = _cdiv(chunks, s)
+    return _cdiv(chunks, seg_chunks), seg_chunks
 
 
 def _as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -259,7 +261,7 @@ def softmax_forward(x2: torch.Tensor, stats: bool) -> tuple[torch.Tensor, torch.
         block_n, rows, warps = _tile(n)
         launch(
             _softmax_fwd_kernel,
-            (triton.cdiv(m, rows),),
+            (_cdiv(m, rows),),
             x2,
             y,
             rm,
@@ -284,7 +286,7 @@ def softmax_forward(x2: torch.Tensor, stats: bool) -> tuple[torch.Tensor, torch.
     launch(
         _softmax_fwd_chunked_kernel, (m * s,),
         x2, y, ms, ss, rm, ri, n, x2.stride(0), y.stride(0), seg_chunks, s,
-        CHUNK=CHUNK_N, S_POW2=triton.next_power_of_2(s), SPLIT=s > 1, STATS=stats, num_warps=CHUNK_WARPS,
+        CHUNK=CHUNK_N, S_POW2=_next_pow2(s), SPLIT=s > 1, STATS=stats, num_warps=CHUNK_WARPS,
     )  # fmt: skip
     return y, rmax, rinv
 
@@ -299,7 +301,7 @@ def softmax_backward(dy2: torch.Tensor, x2: torch.Tensor, rmax: torch.Tensor, ri
         block_n, rows, warps = _tile(n)
         launch(
             _softmax_bwd_kernel,
-            (triton.cdiv(m, rows),),
+            (_cdiv(m, rows),),
             x2,
             dy2,
             dx,
@@ -339,7 +341,7 @@ def softmax_backward(dy2: torch.Tensor, x2: torch.Tensor, rmax: torch.Tensor, ri
     launch(
         _softmax_bwd_chunked_kernel, (m * s,),
         x2, dy2, dx, rmax, rinv, dot, n, x2.stride(0), dy2.stride(0), dx.stride(0), seg_chunks, s,
-        CHUNK=CHUNK_N, S_POW2=triton.next_power_of_2(s), SPLIT=s > 1, num_warps=CHUNK_WARPS,
+        CHUNK=CHUNK_N, S_POW2=_next_pow2(s), SPLIT=s > 1, num_warps=CHUNK_WARPS,
     )  # fmt: skip
     return dx
 
