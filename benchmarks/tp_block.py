@@ -41,7 +41,9 @@ def build(config: dict[str, Any], device: str, dtype: torch.dtype) -> Any:
 
 
 def run(model: Any, ids: torch.Tensor, steps: int, warmup: int, device: str) -> dict[str, Any]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # foreach=False: the parallelized model mixes DTensor and plain parameters, which torch's
+    # foreach kernels refuse ("got mixed torch.Tensor and DTensor"; seen on 2xH200, torch 2.11).
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     model.train()
     times, losses = [], []
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
