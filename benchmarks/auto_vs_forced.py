@@ -1,0 +1,113 @@
+"""Does the public call's automatic path cost GPU time that the same impl forced with ``impl=``
+does not? The H200 sweep (benchmarks/sweep_tuning.py, 2026-11-30) timed the tuned public call
+7-11% slower than the impl it chose at some points (rms_norm fwd 4K/8K, softmax 128K).
+
+For each case: CUDA-graph replay time of ``impl=<chosen>`` and of the automatic call (tuning off,
+then on with a fresh store), interleaved A/B/A/B with ``polykernel.bench.measure``, plus the
+kernels each captured graph launches (``torch.profiler`` over replays). Writes JSON to --out.
+
+    PYTHONPATH=src python benchmarks/auto_vs_forced.py --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+CASES = [  # (op, M, N, backward)
+    ("rms_norm", 32768, 4096, False),
+    ("rms_norm", 16384, 8192, False),
+    ("rms_norm", 2048, 65536, False),
+    ("softmax", 32768, 4096, True),
+    ("softmax", 1024, 131072, False),
+]
+
+
+def _kernels(step: Any) -> list[str]:
+    """Names of the GPU kernels one replay of ``step``'s graph runs."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    a = parser.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    os.environ["POLYKERNEL_CACHE_DIR"] = tempfile.mkdtemp()
+    import torch
+
+    import polykernel
+    from polykernel import bench, registry
+
+    rows = []
+    for op_name, m, n, backward in CASES:
+        op = registry.get_op(op_name)
+        public = getattr(polykernel, op.name)
+        torch.manual_seed(0)
+        args = op.example((m, n), torch.bfloat16, "cuda", requires_grad=backward).args
+        grads = [x for x in args if isinstance(x, torch.Tensor) and x.requires_grad]
+        nbytes = op.bytes_moved(*args, backward=backward)
+        times: dict[str, list[float]] = {}
+        chosen = {}
+        for tune in ("off", "on"):
+            os.environ["POLYKERNEL_TUNE"] = tune
+            polykernel.clear_caches()
+            public(*args)  # decide (and, with tuning on, measure) eagerly first
+            chosen[tune] = polykernel.decisions(op.name)[-1]["impl"]
+        impl = chosen["on"]
+        variants = {"forced": lambda: public(*args, impl=impl), "auto (tune off)": None, "auto (tune on)": None}
+        for _ in range(2):  # interleaved: forced, auto off, auto on, forced, ...
+            for name in variants:
+                if name.startswith("auto"):
+                    os.environ["POLYKERNEL_TUNE"] = "off" if "off" in name else "on"
+                fn = variants[name] or (lambda: public(*args))
+                ms = bench.measure(fn, grads, backward, graph=True, warmup=10, rep=60)[0]
+                times.setdefault(name, []).append(ms)
+        kernels = {}
+        for name in variants:
+            os.environ["POLYKERNEL_TUNE"] = "off" if "off" in name else "on"
+            fn = variants[name] or (lambda: public(*args))
+            step = (lambda fn=fn: torch.autograd.grad(fn(), grads, torch.ones_like(args[0]))) if backward else fn
+            with torch.no_grad() if not backward else torch.enable_grad():
+                kernels[name] = _kernels(step)
+        row = {
+            "op": op_name,
+            "M": m,
+            "N": n,
+            "mode": "fwd+bwd" if backward else "fwd",
+            "chosen": chosen,
+            "ms": times,
+            "TB/s": {k: [nbytes / (t * 1e-3) / 1e12 for t in v] for k, v in times.items()},
+            "kernels": kernels,
+        }
+        rows.append(row)
+        tbs = "  ".join(f"{k} {', '.join(f'{x:.2f}' for x in v)}" for k, v in row["TB/s"].items())
+        print(f"{op_name} {m}x{n} {row['mode']} chose {chosen}: {tbs}", flush=True)
+        for k, v in kernels.items():
+            print(f"    {k}: {v}", flush=True)
+    (a.out / "auto_vs_forced.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
