@@ -3,9 +3,10 @@
 :func:`measure` runs every candidate on fresh clones of the real arguments (an impl may write its
 inputs): parity with the op's float64 reference first, within the op's error model (the bounds
 ``polykernel.testing`` holds every impl to; a wrong impl gets no time, so it never wins), then
-timing. On CUDA: CUDA events around each call with L2 flushed before it, candidates interleaved
-round by round, the median of each, plus the host time per call (``perf_counter`` around the
-launch). On the CPU: wall time, interleaved, median. An impl that
+timing. On CUDA: CUDA events around each call with L2 flushed before it and the GPU held busy
+(``torch.cuda._sleep``) while the host issues the call, so the events time the GPU work alone and
+not the host's launch gaps; candidates interleaved round by round, the median of each, plus the
+host time per call (``perf_counter`` around the launch). On the CPU: wall time, interleaved, median. An impl that
 raises (or runs out of memory) at any point costs infinity. With ``needs_grad`` the time is of
 forward plus backward (``torch.autograd.grad`` of every output with a fixed cotangent).
 
@@ -38,6 +39,20 @@ REPS = {"cuda": 25, "cpu": 7}
 MIN_REPS = 3
 BUDGET_S = {"cuda": 1.0, "cpu": 0.4}
 L2_FLUSH_BYTES = 256 << 20
+# GPU cycles to spin before each timed call, so that the whole call is queued before the start
+# event runs (~1 ms at H200 clocks: more than any op's host time per call in benchmarks/
+# host_profile.py). Without it the events also count the GPU's idle gaps while the host
+# launches, so an impl with a costlier launch looks slower on the GPU than it is: the likely
+# cause of the H200 sweep's (2026-11-30) picks that lost to the graph-fastest impl by 6-20%
+# (QuACK vs cute_dsl/Triton at small rows). Not yet re-measured with it.
+HOLD_CYCLES = 2_000_000
+
+
+def _hold_gpu() -> None:
+    """Keep the GPU busy for HOLD_CYCLES (a no-op where torch lacks the private helper)."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is not None:
+        sleep(HOLD_CYCLES)
 
 
 @dataclass
@@ -324,6 +339,7 @@ def measure(op: Op, candidates: dict[str, Callable[..., Any]], args: tuple[Any, 
                 if flush is not None:
                     flush.zero_()
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    _hold_gpu()
                     start.record()
                     t0 = time.perf_counter()
                     runner(candidates[name], a)
