@@ -58,7 +58,10 @@ def loss_and_grad(
     for s in range(0, n, step):
         e = min(n, s + step)
         xf = x[s:e].to(acc)
+        # A +inf logit: logsumexp gives +inf (and the loss +inf), the reference's log_softmax NaN
+        # (inf - inf); the reference's answer is the op's, so make it NaN here too.
         lse_c = torch.logsumexp(xf, -1)
+        lse_c = torch.where(torch.isposinf(lse_c), torch.nan, lse_c)
         r = lse_c - (1.0 - ls) * xf.gather(1, t[s:e, None]).squeeze(1)
         if ls:
             r = r - ls * xf.mean(-1)
