@@ -476,6 +476,41 @@ def _scoped(impl, *args):
     return polykernel.rms_norm(polykernel.rms_norm(args[0], args[1], casting="llama", impl=impl) * 3, args[2], offset=0.5, impl=impl)
 
 
+# Per op with a split: a model that calls it twice (the second call on the first's output, so
+# the backward runs both splits' backwards) and a small case whose floating tensors need grads.
+def _ln_twice(impl, x, w, b):
+    return polykernel.layer_norm(polykernel.layer_norm(x, w, b, impl=impl) * 3, None, b, eps=1e-3, impl=impl)
+
+
+def _ln_case():
+    return Case("5x24", (torch.randn(5, 24, requires_grad=True), *(torch.randn(24).requires_grad_() for _ in range(2))))
+
+
+_TWICE = {
+    "norm.layer_norm": (_ln_twice, _ln_case),
+}
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("op_id", list(_TWICE))
+def test_compiled_training_runs_each_split_forward_once(monkeypatch, op_id, impl):
+    """One forward per call in a compiled fwd+bwd (the backward uses the saved tensors, no
+    recompute) and the gradients of an eager run with the torch impl."""
+    op = _op(op_id)
+    fn = registry.load_impl(registry.specs_for(op)[impl])
+    log: list = []
+    _counted_split(monkeypatch, fn, log)
+    twice, make_case = _TWICE[op_id]
+    case = make_case()
+    compiled = torch.compile(lambda *a: twice(impl, *a), fullgraph=True, backend="aot_eager")
+    got = _run(compiled, case)
+    assert log == ["forward", "forward", "backward", "backward"]  # no recompute in the backward
+    want = _run(lambda *a: twice("torch", *a), case)
+    assert len(got[1]) == len(want[1]) == sum(isinstance(a, torch.Tensor) and a.requires_grad for a in case.args)
+    for g, w in zip([*got[0], *got[1]], [*want[0], *want[1]]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_compiled_linear_cross_entropy_walks_the_chunks_once(monkeypatch):
     """The fused linear cross-entropy computes its gradients in the forward walk: compiled, the
     backward only scales them (the recompute path walked twice)."""
@@ -500,7 +535,7 @@ def test_compiled_linear_cross_entropy_walks_the_chunks_once(monkeypatch):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("op_id", ["norm.rms_norm", "loss.fused_linear_cross_entropy"])
+@pytest.mark.parametrize("op_id", ["norm.rms_norm", "loss.fused_linear_cross_entropy", *_TWICE])
 def test_every_split_saves_the_ops_layout(op_id):
     """The backward may select another impl than the forward did: every impl's split must save
     what the torch impl's split saves (shapes, dtypes and values)."""

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ...ops.layer_norm import reference  # noqa: F401  (semantics live in the op file)
+from ...spec import Split
 from ._autograd import lean_apply
 from ._colsum import colsum as _colsum
 from ._launch import launch
@@ -326,3 +327,22 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     shape = x.shape
     y, _, _ = layer_norm_forward(_as_rows(x, shape[-1]), _contig(weight), _contig(bias), eps, need_stats=False)
     return _unrows(y, shape)
+
+
+# Forward and backward as separate functions, for compiled graphs (polykernel.library): the
+# backward runs on the saved statistics, no recompute. Saved layout: the torch impl's (mean and
+# rstd, fp32 [M]).
+def _split_forward(x, weight, bias, eps, grad_mask):
+    y, mean, rstd = layer_norm_forward(_as_rows(x, x.shape[-1]), _contig(weight), _contig(bias), eps)
+    return (y.view(x.shape),), (mean, rstd)
+
+
+def _split_backward(grads, saved, x, weight, bias, eps, grad_mask):
+    n = x.shape[-1]
+    dx, dw, db = layer_norm_backward(
+        _as_rows(grads[0], n), _as_rows(x, n), _contig(weight), saved[0], saved[1], None if bias is None else bias.dtype
+    )
+    return [dx.view(x.shape), dw, db, None]
+
+
+layer_norm.split = Split(forward=_split_forward, backward=_split_backward)  # type: ignore[attr-defined]
