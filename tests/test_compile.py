@@ -486,8 +486,20 @@ def _ln_case():
     return Case("5x24", (torch.randn(5, 24, requires_grad=True), *(torch.randn(24).requires_grad_() for _ in range(2))))
 
 
+def _ce_twice(impl, x, t):
+    first = polykernel.cross_entropy(x, t, impl=impl)
+    return first + polykernel.cross_entropy(x * 2, t, label_smoothing=0.1, reduction="none", impl=impl).square().sum()
+
+
+def _ce_case():
+    target = torch.randint(0, 40, (2, 3))
+    target[0, 1] = -100
+    return Case("6x40", (torch.randn(2, 3, 40, requires_grad=True), target))
+
+
 _TWICE = {
     "norm.layer_norm": (_ln_twice, _ln_case),
+    "loss.cross_entropy": (_ce_twice, _ce_case),
 }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...ops.cross_entropy import reference  # noqa: F401  (semantics live in the op file)
+from ...spec import Split
 
 TEMP_BYTES = 64 << 20  # fp32 bytes of one chunk of upcast rows (a few such temporaries live at once)
 
@@ -159,3 +160,29 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
     t = target.reshape(-1).long()
     loss, _ = loss_and_grad(logits.reshape(-1, v), t, ignore_index, label_smoothing)
     return reduce_rows(loss, (t != ignore_index).sum(), reduction, target.shape)
+
+
+# Forward and backward as separate functions, for compiled graphs (polykernel.library). This
+# split defines the op's saved layout, which every impl's split follows: the per-row LSE ([rows],
+# fp32; fp64 for fp64 logits) and the non-ignored count (0-d int64); the target is an argument.
+def _split_forward(logits, target, ignore_index, label_smoothing, reduction, grad_mask):
+    t = target.reshape(-1).long()
+    loss, lse = loss_and_grad(logits.reshape(-1, logits.shape[-1]), t, ignore_index, label_smoothing)
+    count = (t != ignore_index).sum()
+    return (reduce_rows(loss, count, reduction, target.shape),), (lse, count)
+
+
+def _split_backward(grads, saved, logits, target, ignore_index, label_smoothing, reduction, grad_mask):
+    lse, count = saved
+    scale = grad_scale(grads[0], count, reduction, lse.dtype)
+    dx = grad_from_lse(logits.reshape(-1, logits.shape[-1]), target.reshape(-1).long(), lse, scale, ignore_index, label_smoothing)
+    return [dx.view(logits.shape), None, None, None, None]
+
+
+def _split_layout(logits, target, ignore_index, label_smoothing, reduction, grad_mask):
+    # For fake tensors: the forward's row loop would branch on the (symbolic) row count.
+    rows = target.numel()
+    return (torch.empty(rows, dtype=_acc(logits.dtype), device=logits.device), torch.empty((), dtype=torch.int64, device=logits.device))
+
+
+cross_entropy.split = Split(forward=_split_forward, backward=_split_backward, layout=_split_layout)  # type: ignore[attr-defined]

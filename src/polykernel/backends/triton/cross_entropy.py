@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ...ops.cross_entropy import reference  # noqa: F401  (semantics live in the op file)
+from ...spec import Split
 from ..torch.cross_entropy import grad_scale, reduce_rows, scale_grads_
 from ._autograd import lean_apply
 from ._launch import launch
@@ -220,3 +221,23 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
     t = target.reshape(-1).contiguous()
     loss, _ = ce_forward(_as_rows(logits, v), t, ignore_index, label_smoothing)
     return reduce_rows(loss, (t != ignore_index).sum(), reduction, target.shape)
+
+
+# Forward and backward as separate functions, for compiled graphs (polykernel.library): the FWD
+# pass in the forward, the GRAD pass on the saved LSE in the backward (GRAD_IN_FORWARD is for
+# eager calls only). Saved layout: the torch impl's (LSE fp32 [rows], count 0-d int64).
+def _split_forward(logits, target, ignore_index, label_smoothing, reduction, grad_mask):
+    t = target.reshape(-1).contiguous()
+    loss, lse = ce_forward(_as_rows(logits, logits.shape[-1]), t, ignore_index, label_smoothing)
+    count = (t != ignore_index).sum()
+    return (reduce_rows(loss, count, reduction, target.shape),), (lse, count)
+
+
+def _split_backward(grads, saved, logits, target, ignore_index, label_smoothing, reduction, grad_mask):
+    lse, count = saved
+    x2, t = _as_rows(logits, logits.shape[-1]), target.reshape(-1).contiguous()
+    dx = ce_backward(x2, t, lse, grad_scale(grads[0], count, reduction, torch.float32), ignore_index, label_smoothing)
+    return [dx.view(logits.shape), None, None, None, None]
+
+
+cross_entropy.split = Split(forward=_split_forward, backward=_split_backward)  # type: ignore[attr-defined]
