@@ -103,6 +103,13 @@ _taken: dict[str, str] = {}  # custom-op name -> op id
 _ATTR = "_polykernel_custom_op"  # set on each Op object: its CompiledOp.call
 
 
+def _has_dtensor(args: Sequence[Any]) -> bool:
+    """Whether any argument is a DTensor (only looked up if torch.distributed.tensor is loaded)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(mod, "DTensor", None)
+    return dtensor is not None and any(isinstance(a, dtensor) for a in args)
+
+
 def custom_op_for(op: Op | str) -> Callable[..., Any]:
     """``callable(impl, *args)`` that runs ``op`` through its ``polykernel::<name>`` custom op.
 
@@ -393,6 +400,11 @@ class CompiledOp:
                 return reference(*args)
             if torch.is_grad_enabled():
                 mask = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
+                if any(mask) and impl is None and _has_dtensor(args):
+                    # Compiled training on DTensors: the _train ops have no sharding rules yet
+                    # (their saved tensors and Partial weight gradients), so the op decomposes
+                    # into torch ops that DTensor and Inductor handle, rather than failing.
+                    return reference(*args)
                 if any(mask):  # training: the forward returns what the backward needs
                     *outs, _saved = train(*args, mask, impl=impl)
                     return outs[0] if single else tuple(outs)
