@@ -497,9 +497,18 @@ def _ce_case():
     return Case("6x40", (torch.randn(2, 3, 40, requires_grad=True), target))
 
 
+def _softmax_twice(impl, x):
+    return polykernel.softmax(polykernel.softmax(x, impl=impl) * 5, impl=impl)
+
+
+def _softmax_case():
+    return Case("5x24", (torch.randn(5, 24, requires_grad=True),))
+
+
 _TWICE = {
     "norm.layer_norm": (_ln_twice, _ln_case),
     "loss.cross_entropy": (_ce_twice, _ce_case),
+    "activation.softmax": (_softmax_twice, _softmax_case),
 }
 
 

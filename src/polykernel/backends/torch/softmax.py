@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ...spec import Split
+
 
 class _Softmax(torch.autograd.Function):
     @staticmethod
@@ -28,3 +30,32 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     if x.dtype in (torch.float32, torch.float64) or not (torch.is_grad_enabled() and x.requires_grad):
         return torch.softmax(x, dim=-1)
     return _Softmax.apply(x)
+
+
+# Forward and backward as separate functions, for compiled graphs (polykernel.library). This
+# split defines the op's saved layout, which every impl's split follows: each row's max and 1/sum
+# ([M] each, in the accumulation dtype: fp32, fp64 for fp64 x), from which the backward rebuilds
+# y in that dtype. Not y itself: in bf16 its rounding would leak into Σ dy·y (see above), and the
+# rows' stats are 8 bytes where y is 2·N (x is kept for the backward anyway).
+def _split_forward(x, grad_mask):
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(acc)
+    if x.shape[-1] == 0:  # amax of an empty row raises; the stats are never read then
+        rmax = rinv = xf.new_zeros(x.shape[:-1])
+        return (torch.empty_like(x),), (rmax.reshape(-1), rinv.reshape(-1))
+    rmax = xf.amax(-1, keepdim=True)
+    e = (xf - rmax).exp()
+    rinv = e.sum(-1, keepdim=True).reciprocal()
+    return ((e * rinv).to(x.dtype),), (rmax.reshape(-1), rinv.reshape(-1))
+
+
+def _split_backward(grads, saved, x, grad_mask):
+    # dx = y·(dy - Σ dy·y), with y = exp(x - max)·(1/sum) rebuilt in the accumulation dtype.
+    acc = torch.promote_types(x.dtype, torch.float32)
+    rmax, rinv = (s.to(acc).view(*x.shape[:-1], 1) for s in saved)
+    y = (x.to(acc) - rmax).exp() * rinv
+    dy = grads[0].to(acc)
+    return [(y * (dy - (dy * y).sum(-1, keepdim=True))).to(x.dtype)]
+
+
+softmax.split = Split(forward=_split_forward, backward=_split_backward)  # type: ignore[attr-defined]

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...spec import Split
 from ._autograd import lean_apply
 from ._launch import launch
 from ._rows import cdiv as _cdiv
@@ -373,3 +374,19 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and x.requires_grad:
         return _lean_apply(x)
     return softmax_forward(_as_rows(x, x.shape[-1]), False)[0].view(x.shape)
+
+
+# Forward and backward as separate functions, for compiled graphs (polykernel.library): the
+# backward kernel runs on the saved row stats, no recompute of the forward. Saved layout: the
+# torch impl's (row max and 1/sum, fp32 [M]).
+def _split_forward(x, grad_mask):
+    y, rmax, rinv = softmax_forward(_as_rows(x, x.shape[-1]), True)
+    return (y.view(x.shape),), (rmax, rinv)
+
+
+def _split_backward(grads, saved, x, grad_mask):
+    n = x.shape[-1]
+    return [softmax_backward(_as_rows(grads[0], n), _as_rows(x, n), saved[0], saved[1]).view(x.shape)]
+
+
+softmax.split = Split(forward=_split_forward, backward=_split_backward)  # type: ignore[attr-defined]
