@@ -36,8 +36,9 @@ The forward selects (at run time, with ``needs_grad`` in the key, as an eager tr
 does) and, if the impl carries a :class:`~polykernel.spec.Split`, runs its ``forward``, which
 returns the outputs and the tensors its backward needs (``saved``: rstd for rms_norm, mean and
 rstd for layer_norm, each row's max and 1/sum for softmax, the LSE and the non-ignored count for
-cross_entropy, the gradients for the fused linear cross-entropy; torch and Triton impls). The backward selects again (same state, same
-impl) and runs the split's ``backward`` on ``saved``: each forward kernel runs once per step.
+cross_entropy, the gradients for the fused linear cross-entropy; torch and Triton impls). The
+backward selects again (same state, same impl) and runs the split's ``backward`` on ``saved``:
+each forward kernel runs once per step.
 ``saved`` has one layout per op (the torch impl's split defines it), so a backward that selects
 another impl than its forward (a ``use_impl`` scope that ended in between) is still right; an
 impl without a split (peers) runs its forward plainly, ``saved`` then comes from the torch
