@@ -12,8 +12,15 @@ local shards and redistributes anything else, as the eager route does.
 Covered: the forward custom op (``polykernel::<op>``: inference, or ``torch.no_grad``). Not
 expressible here, so left to DTensor's default (an error naming the op):
 
-- the training ops (``<op>_train``, ``<op>_train_backward``): their ``Tensor[]`` of saved
-  tensors has an op-specific layout, and a weight gradient must come back ``Partial``;
+- the training ops (``<op>_train``, ``<op>_train_backward``), so compiled training on DTensors
+  decomposes the op (``library.CompiledOp.call``). ``register_sharding`` gives one placement per
+  schema return (its strategy has ``len(schema.returns)`` output specs), but both ops return a
+  ``Tensor[]`` whose length is known only per call: ``_train``'s saved list needs a tuple of
+  specs where the API makes one (DTensor's ``wrap`` then asserts "Expected list/tuple"), and
+  ``_train_backward``'s gradient list needs a spec per gradient, ``Shard`` for the rows'
+  and ``Partial()`` for a replicated weight's, where the API makes one ("output_specs has 1
+  output which does not equal the number of op outputs: 2"). Checked with torch 2.13; DTensor's
+  lower-level strategy registration can express both, but it is private API;
 - a ``reduction="mean"`` loss over sharded rows: the mean divides by the global count of
   scored rows, which no placement says; such a loss is computed replicated (``"sum"`` gives
   ``Partial()``, ``"none"`` shards like the targets).
