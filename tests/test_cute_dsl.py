@@ -5,35 +5,32 @@ shapes, long rows over a cluster, CUDA-graph capture, one compile per key)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import polykernel
+from _cute_helpers import (
+    DTYPES,
+    IMPORTED_KERNEL_MODULES,
+    assert_imports_no_cutlass,
+    assert_parity,
+    assert_registered_and_gated,
+    cute,
+    runnable,
+)
 from polykernel import registry
 from polykernel.backends.cute_dsl import _gates as gates
 from polykernel.op import Case
-from polykernel.testing import check_parity, refusal
 
 OPS = ("rms_norm", "layer_norm")
 
 
 @pytest.mark.parametrize("op", OPS)
 def test_registered_and_gated(op):
-    spec = registry.specs_for(op)["cute_dsl"]
-    assert spec.backend.value == "cute_dsl"
-    assert spec.target == f"polykernel.backends.cute_dsl.{op}:{op}"
-    assert spec.requires_modules[0] == "cutlass"
-    assert {str(c) for c in spec.capabilities} == {"cuda[sm_90..]"}
+    spec = assert_registered_and_gated(op)
     assert spec.deterministic  # dW/dB from per-CTA partials, no atomics
-    rows = {r["name"]: r for r in polykernel.explain(op, device="cpu", dtype=torch.bfloat16).impls}
-    assert not rows["cute_dsl"]["runnable"]
-    assert rows["cute_dsl"]["reason"] in ("needs a CUDA device", "module 'cutlass' not installed")
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -82,37 +79,30 @@ def test_forced_on_cpu_names_the_reason():
         polykernel.layer_norm(torch.randn(2, 64), impl="cute_dsl")
 
 
-_SCRIPT = r"""
+_SCRIPT = (
+    r"""
 import json, sys, torch, polykernel
 x = torch.randn(4, 64, requires_grad=True)
 w = torch.ones(64, requires_grad=True)
 (polykernel.rms_norm(x, w).sum() + polykernel.layer_norm(x, w, w).sum()).backward()
 for op in ("rms_norm", "layer_norm"):
     str(polykernel.explain(op, device="cpu", dtype=torch.bfloat16))
-print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("cutlass", "tvm_ffi")
-                        or m.startswith("polykernel.backends.cute_dsl.") and m.rsplit(".", 1)[1] not in ("_predicates", "_gates"))))
 """
+    + IMPORTED_KERNEL_MODULES
+)
 
 
 @pytest.mark.parametrize("env", [{}, {"POLYKERNEL_IMPL": "cute_dsl"}])
 def test_cpu_use_imports_no_cutlass(env):
     """On the CPU the norms run (torch) and neither cutlass nor our kernel modules are imported."""
-    full = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(["src", os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", _SCRIPT], env=full, capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+    assert_imports_no_cutlass(_SCRIPT, env)
 
 
 # -- compile-only: where cutlass is installed, kernels compile for sm_90a on any machine ------------
 
 
-def _cute():
-    pytest.importorskip("cutlass")
-    pytest.importorskip("tvm_ffi")
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-
-
 def test_row_config():
-    _cute()
+    cute()
     from polykernel.backends.cute_dsl._common import MAX_CLUSTER, row_config
 
     for bits in (16, 32):
@@ -131,7 +121,7 @@ def test_row_config():
 
 
 def test_compile_cache_builds_once():
-    _cute()
+    cute()
     from polykernel.backends.cute_dsl import _common as common
 
     calls = []
@@ -155,7 +145,7 @@ def test_compile_cache_builds_once():
     ],
 )
 def test_norm_kernels_compile(dtype, wdtype, n, layer, llama):
-    _cute()
+    cute()
     import cutlass
 
     from polykernel.backends.cute_dsl import _norms
@@ -167,19 +157,6 @@ def test_norm_kernels_compile(dtype, wdtype, n, layer, llama):
 
 
 # -- H200 parity (-m gpu) ----------------------------------------------------------------------------
-
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _runnable(op: str, cases: list[Case]) -> list[Case]:
-    return [c for c in cases if refusal(op, "cute_dsl", c) is None]
-
-
-def _assert_parity(op: str, cases: list[Case], dtype: torch.dtype) -> None:
-    results = check_parity(op, ["cute_dsl"], device="cuda", dtypes=[dtype], cases=cases)
-    assert results, "no case ran"
-    bad = [str(r) for r in results if not r.ok]
-    assert not bad, "\n".join(bad)
 
 
 def _t(*shape: int, dtype: torch.dtype, shift: float = 0.0) -> torch.Tensor:
@@ -238,26 +215,26 @@ def _ln_cases(dtype: torch.dtype) -> list[Case]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rms_norm_parity_gpu(dtype):
-    _assert_parity("rms_norm", _runnable("rms_norm", _rms_cases(dtype)), dtype)
+    assert_parity("rms_norm", runnable("rms_norm", _rms_cases(dtype)), dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rms_norm_parity_gpu_op_cases(dtype):
     """The op's own cases (awkward shapes, large ones), where the predicate admits them."""
-    _assert_parity("rms_norm", _runnable("rms_norm", registry.get_op("rms_norm").cases("cuda", dtype, large=True)), dtype)
+    assert_parity("rms_norm", runnable("rms_norm", registry.get_op("rms_norm").cases("cuda", dtype, large=True)), dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_layer_norm_parity_gpu(dtype):
-    _assert_parity("layer_norm", _runnable("layer_norm", _ln_cases(dtype)), dtype)
+    assert_parity("layer_norm", runnable("layer_norm", _ln_cases(dtype)), dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_layer_norm_parity_gpu_op_cases(dtype):
-    _assert_parity("layer_norm", _runnable("layer_norm", registry.get_op("layer_norm").cases("cuda", dtype, large=True)), dtype)
+    assert_parity("layer_norm", runnable("layer_norm", registry.get_op("layer_norm").cases("cuda", dtype, large=True)), dtype)
 
 
 @pytest.mark.gpu
@@ -335,4 +312,4 @@ def test_wide_backward_more_rows_than_clusters(rows, n):
     """Every cluster group walks several rows (weight re-read per row, dW summed in shared memory)."""
     x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (1 + 0.1 * torch.randn(n, device="cuda")).to(torch.bfloat16).requires_grad_()
-    _assert_parity("rms_norm", [Case(f"{rows}x{n}", (x, w))], torch.bfloat16)
+    assert_parity("rms_norm", [Case(f"{rows}x{n}", (x, w))], torch.bfloat16)

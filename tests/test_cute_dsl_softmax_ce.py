@@ -4,34 +4,31 @@ needed); parity with the reference on the H200 (``-m gpu``)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import polykernel
+from _cute_helpers import (
+    DTYPES,
+    IMPORTED_KERNEL_MODULES,
+    assert_imports_no_cutlass,
+    assert_parity,
+    assert_registered_and_gated,
+    cute,
+    runnable,
+)
 from polykernel import registry
 from polykernel.backends.cute_dsl import _predicates as pred
 from polykernel.op import Case
-from polykernel.testing import check_parity, refusal
 
 OPS = ("softmax", "cross_entropy")
 
 
 @pytest.mark.parametrize("op", OPS)
 def test_registered_and_gated(op):
-    spec = registry.specs_for(op)["cute_dsl"]
-    assert spec.backend.value == "cute_dsl"
-    assert spec.target == f"polykernel.backends.cute_dsl.{op}:{op}"
-    assert spec.requires_modules[0] == "cutlass"
-    assert {str(c) for c in spec.capabilities} == {"cuda[sm_90..]"}
-    rows = {r["name"]: r for r in polykernel.explain(op, device="cpu", dtype=torch.bfloat16).impls}
-    assert not rows["cute_dsl"]["runnable"]
-    assert rows["cute_dsl"]["reason"] in ("needs a CUDA device", "module 'cutlass' not installed")
+    assert_registered_and_gated(op)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -113,38 +110,31 @@ def test_forced_on_cpu_names_the_reason():
         polykernel.softmax(torch.randn(2, 64), impl="cute_dsl")
 
 
-_SCRIPT = r"""
+_SCRIPT = (
+    r"""
 import json, sys, torch, polykernel
 x = torch.randn(4, 64, requires_grad=True)
 t = torch.randint(0, 64, (4,))
 (polykernel.softmax(x).sum() + polykernel.cross_entropy(x, t)).backward()
 for op in ("softmax", "cross_entropy"):
     str(polykernel.explain(op, device="cpu", dtype=torch.bfloat16))
-print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("cutlass", "tvm_ffi")
-                        or m.startswith("polykernel.backends.cute_dsl.") and m.rsplit(".", 1)[1] not in ("_predicates", "_gates"))))
 """
+    + IMPORTED_KERNEL_MODULES
+)
 
 
 @pytest.mark.parametrize("env", [{}, {"POLYKERNEL_IMPL": "cute_dsl"}])
 def test_cpu_use_imports_no_cutlass(env):
     """On the CPU the ops run (torch) and neither cutlass nor our kernel modules are imported."""
-    full = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(["src", os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", _SCRIPT], env=full, capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+    assert_imports_no_cutlass(_SCRIPT, env)
 
 
 # -- compile-only: where cutlass is installed, kernels compile for sm_90a on any machine ------------
 
 
-def _cute():
-    pytest.importorskip("cutlass")
-    pytest.importorskip("tvm_ffi")
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-
-
 @pytest.mark.parametrize("dtype,n", [("bfloat16", 32768), ("float32", 32768), ("float16", 4104), ("float32", 4)])
 def test_softmax_compiles(dtype, n):
-    _cute()
+    cute()
     from polykernel.backends.cute_dsl import _softmax_kernel as k
 
     f = k.compile_forward(dtype, n)
@@ -154,7 +144,7 @@ def test_softmax_compiles(dtype, n):
 
 @pytest.mark.parametrize("dtype,v,tdtype", [("bfloat16", 128256, "int64"), ("float32", 1000, "int32"), ("float16", 8, "int64")])
 def test_cross_entropy_compiles(dtype, v, tdtype):
-    _cute()
+    cute()
     from polykernel.backends.cute_dsl import _ce_kernel as k
 
     for grad, smooth, per_row in [(False, False, False), (False, True, False), (True, True, False), (True, False, True)]:
@@ -163,19 +153,6 @@ def test_cross_entropy_compiles(dtype, v, tdtype):
 
 
 # -- H200 parity (-m gpu) ----------------------------------------------------------------------------
-
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _runnable_cases(op: str, cases: list[Case]) -> list[Case]:
-    return [c for c in cases if refusal(op, "cute_dsl", c) is None]
-
-
-def _assert_parity(op: str, cases: list[Case], dtype: torch.dtype) -> None:
-    results = check_parity(op, ["cute_dsl"], device="cuda", dtypes=[dtype], cases=cases)
-    assert results, "no case ran"
-    bad = [str(r) for r in results if not r.ok]
-    assert not bad, "\n".join(bad)
 
 
 def _softmax_cases(dtype: torch.dtype) -> list[Case]:
@@ -230,7 +207,7 @@ def _ce_cases(dtype: torch.dtype) -> list[Case]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_softmax_parity_gpu(dtype):
-    _assert_parity("softmax", _runnable_cases("softmax", _softmax_cases(dtype)), dtype)
+    assert_parity("softmax", runnable("softmax", _softmax_cases(dtype)), dtype)
 
 
 @pytest.mark.gpu
@@ -238,13 +215,13 @@ def test_softmax_parity_gpu(dtype):
 def test_softmax_parity_gpu_op_cases(dtype):
     """The op's own cases (awkward shapes), where the predicate admits them."""
     cases = registry.get_op("softmax").cases("cuda", dtype, large=True)
-    _assert_parity("softmax", _runnable_cases("softmax", cases), dtype)
+    assert_parity("softmax", runnable("softmax", cases), dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cross_entropy_parity_gpu(dtype):
-    _assert_parity("cross_entropy", _runnable_cases("cross_entropy", _ce_cases(dtype)), dtype)
+    assert_parity("cross_entropy", runnable("cross_entropy", _ce_cases(dtype)), dtype)
 
 
 @pytest.mark.gpu
