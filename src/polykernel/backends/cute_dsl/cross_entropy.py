@@ -17,20 +17,13 @@ from types import ModuleType
 import torch
 
 from ..torch.cross_entropy import grad_scale, reduce_rows
+from .softmax import _rows16  # the same row-major, 16-byte aligned rows
 
 
 def _kernel() -> ModuleType:
     from . import _ce_kernel  # CuTeDSL: only once a launch needs it
 
     return _ce_kernel
-
-
-def _rows16(t: torch.Tensor, v: int) -> torch.Tensor:
-    """``t`` as a row-major ``[n, V]`` tensor at a 16-byte aligned address (copies if needed)."""
-    t2 = t.reshape(-1, v)
-    if not t2.is_contiguous() or t2.data_ptr() % 16:
-        t2 = t2.contiguous()
-    return t2
 
 
 def _name(dtype: torch.dtype) -> str:
