@@ -17,10 +17,18 @@ the first layer (positions and the causal mask are made from the full sequence);
 is sequence parallel and ``lm_head`` column-parallel with its logits gathered (transformers'
 own ``colwise_gather_output``), so the loss sees plain, replicated logits (polykernel's
 cross_entropy; the fused linear cross-entropy steps aside for a sharded or hooked ``lm_head``).
+
+Also the spawn/report plumbing of the multi-process tests (tests/test_dtensor*.py, test_tp_*.py):
+``spawn_report`` runs a worker on every rank and reads back the JSON report that rank 0 wrote with
+``finish_worker``.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
+from collections.abc import Callable
 from typing import Any
 
 
@@ -71,3 +79,25 @@ def full_grads(model: Any) -> dict[str, Any]:
             g = g.full_tensor()
         out[name] = g
     return out
+
+
+def finish_worker(rank: int, report: Any, out_file: str) -> None:
+    """A worker's last step: rank 0 writes ``report`` to ``out_file``; all ranks leave the group."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(report, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def spawn_report(worker: Callable[..., None], nprocs: int) -> Any:
+    """Run ``worker(rank, init_file, out_file)`` on ``nprocs`` spawned ranks; the report it wrote."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "report.json")
+        mp.spawn(worker, args=(os.path.join(d, "init"), out), nprocs=nprocs, join=True)
+        with open(out) as f:
+            return json.load(f)

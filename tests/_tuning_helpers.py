@@ -38,6 +38,17 @@ def use_fake_clock(monkeypatch) -> FakeClock:
     return clock
 
 
+def isolate_tuning(tmp_path, monkeypatch) -> None:
+    """A test's own tuning store under ``tmp_path``, no ``POLYKERNEL_TUNE``/``_MARGIN`` from the
+    caller's environment, and empty caches (the autouse fixtures clear them again afterwards)."""
+    import polykernel
+
+    monkeypatch.setenv("POLYKERNEL_CACHE_DIR", str(tmp_path / "cache"))
+    for name in ("POLYKERNEL_TUNE", "POLYKERNEL_TUNE_MARGIN"):
+        monkeypatch.delenv(name, raising=False)
+    polykernel.clear_caches()
+
+
 def plant(backend: str, rank: int, *, delay: float = 0.0, wrong: bool = False, fail: bool = False, wrong_grad: bool = False) -> list[int]:
     """Register an rms_norm impl named ``backend``; returns the list its calls append to."""
     import torch

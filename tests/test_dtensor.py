@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import torch
 
+from _tp_llama import finish_worker
+
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="torch.distributed with gloo is not available"
 )
@@ -245,11 +247,7 @@ def _worker(rank: int, init_file: str, out_file: str) -> None:
             }
         )
     finally:
-        if rank == 0:
-            with open(out_file, "w") as f:
-                json.dump(reports, f)
-        dist.barrier()
-        dist.destroy_process_group()
+        finish_worker(rank, reports, out_file)
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,14 @@ dtensor_sharding's docstring), and its gradients match eager."""
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 import traceback
 from typing import Any
 
 import pytest
 import torch
+
+from _tp_llama import finish_worker, spawn_report
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="torch.distributed with gloo is not available"
@@ -130,22 +130,12 @@ def _worker(rank: int, init_file: str, out_file: str) -> None:
             except Exception as exc:
                 reports["train:" + name] = {"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}
     finally:
-        if rank == 0:
-            with open(out_file, "w") as f:
-                json.dump(reports, f)
-        dist.barrier()
-        dist.destroy_process_group()
+        finish_worker(rank, reports, out_file)
 
 
 @pytest.fixture(scope="module")
 def report() -> dict[str, Any]:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "report.json")
-        mp.spawn(_worker, args=(os.path.join(d, "init"), out), nprocs=WORLD, join=True)
-        with open(out) as f:
-            return json.load(f)
+    return spawn_report(_worker, WORLD)
 
 
 # case -> the output placements expected: sharded inputs stay sharded (no gather), a summed loss

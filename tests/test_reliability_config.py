@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import polykernel
+from _tuning_helpers import isolate_tuning
 from polykernel import tuning
 from polykernel.ops.rms_norm import reference
 
@@ -34,10 +35,7 @@ VARIABLES = [
 
 @pytest.fixture(autouse=True)
 def _fresh(tmp_path, monkeypatch):
-    monkeypatch.setenv("POLYKERNEL_CACHE_DIR", str(tmp_path / "cache"))
-    for name in ("POLYKERNEL_TUNE", "POLYKERNEL_TUNE_MARGIN"):
-        monkeypatch.delenv(name, raising=False)
-    polykernel.clear_caches()
+    isolate_tuning(tmp_path, monkeypatch)
     yield
     polykernel.clear_caches()
 

@@ -11,15 +11,15 @@ norms through the DTensor route). Tokens/s: ``benchmarks/tp_block.py``.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
-import tempfile
 import traceback
 from typing import Any
 
 import pytest
 import torch
+
+from _tp_llama import finish_worker, spawn_report
 
 pytestmark = [
     pytest.mark.gpu2,
@@ -90,22 +90,12 @@ def _worker(rank: int, init_file: str, out_file: str) -> None:
     except Exception as exc:
         report["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     finally:
-        if rank == 0:
-            with open(out_file, "w") as f:
-                json.dump(report, f)
-        dist.barrier()
-        dist.destroy_process_group()
+        finish_worker(rank, report, out_file)
 
 
 @pytest.fixture(scope="module")
 def report() -> dict[str, Any]:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "report.json")
-        mp.spawn(_worker, args=(os.path.join(d, "init"), path), nprocs=WORLD, join=True)
-        with open(path) as f:
-            data = json.load(f)
+    data = spawn_report(_worker, WORLD)
     assert "error" not in data, data["error"]
     return data
 

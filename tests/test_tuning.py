@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import polykernel
-from _tuning_helpers import only, plant, use_fake_clock
+from _tuning_helpers import isolate_tuning, only, plant, use_fake_clock
 from polykernel import registry, tuning, tuning_key
 from polykernel.op import Tol
 from polykernel.spec import CapabilityRequirement, KernelSpec
@@ -21,11 +21,8 @@ from polykernel.tuning_measure import Timing, choose, slowest
 
 @pytest.fixture(autouse=True)
 def _tuning_env(tmp_path, monkeypatch):
-    monkeypatch.setenv("POLYKERNEL_CACHE_DIR", str(tmp_path / "cache"))
     use_fake_clock(monkeypatch)  # planted delays are exact: no test depends on the machine's load
-    for name in ("POLYKERNEL_TUNE", "POLYKERNEL_TUNE_MARGIN"):
-        monkeypatch.delenv(name, raising=False)
-    polykernel.clear_caches()
+    isolate_tuning(tmp_path, monkeypatch)
     yield
     polykernel.clear_caches()
 

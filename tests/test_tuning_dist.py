@@ -8,14 +8,13 @@ import pytest
 import torch
 
 import polykernel
+from _tuning_helpers import isolate_tuning
 from polykernel import cli, tuning
 
 
 @pytest.fixture(autouse=True)
 def _tuning_env(tmp_path, monkeypatch):
-    monkeypatch.setenv("POLYKERNEL_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("POLYKERNEL_TUNE", raising=False)
-    polykernel.clear_caches()
+    isolate_tuning(tmp_path, monkeypatch)
     yield
     polykernel.clear_caches()
 

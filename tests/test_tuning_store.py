@@ -8,6 +8,7 @@ import warnings
 import pytest
 
 import polykernel
+from _tuning_helpers import isolate_tuning
 from polykernel import tuning, tuning_key, tuning_store
 from polykernel.tuning_store import FORMAT, Store
 
@@ -17,9 +18,7 @@ ENTRY = {"eager": "torch", "graph": "torch", "static": "triton", "times": {"torc
 
 @pytest.fixture(autouse=True)
 def _tuning_env(tmp_path, monkeypatch):
-    monkeypatch.setenv("POLYKERNEL_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("POLYKERNEL_TUNE", raising=False)
-    polykernel.clear_caches()
+    isolate_tuning(tmp_path, monkeypatch)
     yield
     polykernel.clear_caches()
 
