@@ -32,15 +32,9 @@ def _kernels(step: Any) -> list[str]:
     """Names of the GPU kernels one replay of ``step``'s graph runs."""
     import torch
 
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        step()
+    from polykernel.bench import capture_graph
+
+    graph = capture_graph(step)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         graph.replay()

@@ -42,7 +42,7 @@ import torch
 
 import polykernel
 from polykernel import registry
-from polykernel.bench import host_us_per_call
+from polykernel.bench import capture_graph, host_us_per_call
 
 # (op, label, example shape, modes). Decode shapes: forward only, inference.
 CASES: list[tuple[str, str, tuple[int, ...], tuple[str, ...]]] = [
@@ -89,16 +89,7 @@ def _step(fn: Callable[[], Any], inputs: list[torch.Tensor], mode: str) -> Calla
 
 def gpu_us(step: Callable[[], Any], calls: int = 10, replays: int = 20) -> float:
     """GPU time per call from CUDA-graph replays (the host is out of the picture)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            step()
+    graph = capture_graph(step, calls)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []

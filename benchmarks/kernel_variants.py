@@ -35,6 +35,7 @@ from polykernel import registry
 from polykernel.backends.triton import fused_add_rms_norm as tfa
 from polykernel.backends.triton import rms_norm as trms
 from polykernel.backends.triton import rope as trope
+from polykernel.bench import capture_graph
 
 # group -> (op, shape, modes, [(label, {module attribute or TUNE key: value})])
 GROUPS: dict[str, tuple[str, tuple[int, ...], tuple[str, ...], list[tuple[str, dict[str, Any]]]]] = {
@@ -197,14 +198,7 @@ def run_flce() -> dict[str, Any]:
         graph_us = gpu_us(step, calls=1, replays=5)
         entry = {"eager_per_call_ms": eager / 1e3, "graph_ms": graph_us / 1e3, "eager_peak_extra_MiB": peak}
         entry["eager_kernels_us"] = _kernels(step)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = capture_graph(step, warmup=1)
         graph.replay()
         entry["graph_kernels_us"] = _kernels(graph.replay)
         del graph

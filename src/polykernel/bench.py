@@ -119,6 +119,24 @@ def _outputs(out: Any) -> list[torch.Tensor]:
     return [o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, torch.Tensor) and o.requires_grad]
 
 
+def capture_graph(step: Callable[[], Any], calls: int = 1, warmup: int = 3) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` back-to-back ``step``s, captured after ``warmup`` calls on a side
+    stream (what capture needs: allocator pools, lazy inits and autotuning done first)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            step()
+    return graph
+
+
 def measure(
     fn: Callable[[], Any], grad_inputs: list[torch.Tensor], backward: bool, graph: bool = False, warmup: int = 25, rep: int = 100
 ) -> tuple[float, float]:
@@ -150,15 +168,7 @@ def measure(
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        captured = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(captured):
-            step()
+        captured = capture_graph(step)
         ms = triton.testing.do_bench(captured.replay, warmup=warmup, rep=rep, return_mode="median")
     else:
         ms = triton.testing.do_bench(step, warmup=warmup, rep=rep, return_mode="median")
