@@ -26,6 +26,7 @@ from __future__ import annotations
 import cuda.tile as ct
 import torch
 
+from ..torch._functions import glu_function
 from ._host import MAX_ELEMS, launch, pow2, row_chunks, rows
 
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
@@ -202,20 +203,7 @@ def glu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: in
 # Registered impl (through swiglu.py / geglu.py)
 
 
-class GLUFunction(torch.autograd.Function):
-    """autograd for ``act(gate) * up``; saves only gate and up."""
-
-    @staticmethod
-    def forward(ctx, gate, up, act):  # type: ignore[override]
-        ctx.save_for_backward(gate, up)
-        ctx.act = act
-        return glu_forward(gate, up, act)
-
-    @staticmethod
-    def backward(ctx, dy):  # type: ignore[override]
-        gate, up = ctx.saved_tensors
-        dg, du = glu_backward(dy, gate, up, ctx.act)
-        return (dg if ctx.needs_input_grad[0] else None, du if ctx.needs_input_grad[1] else None, None)
+GLUFunction = glu_function(glu_forward, glu_backward)  # the autograd node, shared with the other kernel backends
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import cuda.tile as ct
 import torch
 
+from ..torch._functions import rope_function
 from ._host import launch, num_sms, pow2
 
 TILE_ELEMS = 1024  # elements per half-tile [TT, TD] (tiled, sm_90: about 90 registers at 128 threads; 2048: 164)
@@ -145,35 +146,11 @@ def rope_launch(
     launch((b, (t + tt - 1) // tt), _rope_kernel, qa, ka, qoa, koa, cos, sin, hq, hk, cos_b, sin_b, half, tt, td, backward)
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    qo, ko = torch.empty_like(q), torch.empty_like(k)  # q's / k's dense layout (no copy of a view)
-    rope_launch(q, k, cos, sin, qo, ko, backward=False)
-    return qo, ko
-
-
 # ---------------------------------------------------------------------------------------------
 # Registered impl
 
 
-class _Rope(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, cos, sin):  # type: ignore[override]
-        qo, ko = _forward(q, k, cos, sin)
-        ctx.save_for_backward(cos, sin)
-        ctx.layouts = ((q.shape, qo.stride()), (k.shape, ko.stride()))
-        ctx.set_materialize_grads(False)
-        return qo, ko
-
-    @staticmethod
-    def backward(ctx, gq, gk):  # type: ignore[override]
-        cos, sin = ctx.saved_tensors
-        (q_shape, q_stride), (k_shape, k_stride) = ctx.layouts
-        gq = gq if ctx.needs_input_grad[0] else None
-        gk = gk if ctx.needs_input_grad[1] else None
-        dq = torch.empty_strided(q_shape, q_stride, dtype=gq.dtype, device=gq.device) if gq is not None else None
-        dk = torch.empty_strided(k_shape, k_stride, dtype=gk.dtype, device=gk.device) if gk is not None else None
-        rope_launch(gq, gk, cos, sin, dq, dk, backward=True)
-        return dq, dk, None, None
+_Rope, _forward = rope_function(rope_launch)  # the autograd node, shared with the other kernel backends
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

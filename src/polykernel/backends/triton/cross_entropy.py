@@ -29,6 +29,7 @@ from ...spec import Split
 from ..torch.cross_entropy import grad_scale, reduce_rows, scale_grads_
 from ._autograd import lean_apply
 from ._launch import launch
+from ._rows import as_rows as _as_rows
 from ._rows import next_pow2 as _next_pow2
 
 GRAD_IN_FORWARD = False  # see the module docstring
@@ -166,12 +167,6 @@ def ce_backward(x2: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, scale: tor
     if x2.shape[0]:
         _launch(x2, t, lse, lse, dx, scale, ignore_index, ls, False, True)
     return dx
-
-
-def _as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """A [M, N] view with unit column stride (copies only when the layout needs it)."""
-    t2 = t.reshape(-1, n)
-    return t2 if t2.stride(-1) == 1 or t2.shape[0] == 0 else t2.contiguous()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..torch._functions import glu_function
 from ._autograd import lean_apply
 from ._launch import launch
 from ._rows import cdiv as _cdiv
@@ -222,20 +223,7 @@ def glu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: in
     return dg, du
 
 
-class GLUFunction(torch.autograd.Function):
-    """autograd for ``act(gate) * up``; saves only gate and up."""
-
-    @staticmethod
-    def forward(ctx, gate, up, act):  # type: ignore[override]
-        ctx.save_for_backward(gate, up)
-        ctx.act = act
-        return glu_forward(gate, up, act)
-
-    @staticmethod
-    def backward(ctx, dy):  # type: ignore[override]
-        gate, up = ctx.saved_tensors
-        dg, du = glu_backward(dy, gate, up, ctx.act)
-        return (dg if ctx.needs_input_grad[0] else None, du if ctx.needs_input_grad[1] else None, None)
+GLUFunction = glu_function(glu_forward, glu_backward)  # the autograd node, shared with the other kernel backends
 
 
 _lean_apply = lean_apply(GLUFunction)  # GLUFunction.apply without its Python wrapper (see _autograd.py)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ...ops.rope import reference  # noqa: F401  (semantics live in the op file)
+from ..torch._functions import rope_function
 from ._autograd import lean_apply
 from ._launch import launch
 from ._rows import cdiv as _cdiv
@@ -205,35 +206,11 @@ def rope_launch(
     )  # fmt: skip
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    qo, ko = torch.empty_like(q), torch.empty_like(k)  # q's / k's dense layout (no copy of a view)
-    rope_launch(q, k, cos, sin, qo, ko, backward=False)
-    return qo, ko
-
-
 # ---------------------------------------------------------------------------------------------
 # Registered impl
 
 
-class _Rope(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, cos, sin):  # type: ignore[override]
-        qo, ko = _forward(q, k, cos, sin)
-        ctx.save_for_backward(cos, sin)
-        ctx.layouts = ((q.shape, qo.stride()), (k.shape, ko.stride()))
-        ctx.set_materialize_grads(False)
-        return qo, ko
-
-    @staticmethod
-    def backward(ctx, gq, gk):  # type: ignore[override]
-        cos, sin = ctx.saved_tensors
-        (q_shape, q_stride), (k_shape, k_stride) = ctx.layouts
-        gq = gq if ctx.needs_input_grad[0] else None
-        gk = gk if ctx.needs_input_grad[1] else None
-        dq = torch.empty_strided(q_shape, q_stride, dtype=gq.dtype, device=gq.device) if gq is not None else None
-        dk = torch.empty_strided(k_shape, k_stride, dtype=gk.dtype, device=gk.device) if gk is not None else None
-        rope_launch(gq, gk, cos, sin, dq, dk, backward=True)
-        return dq, dk, None, None
+_Rope, _forward = rope_function(rope_launch)  # the autograd node, shared with the other kernel backends
 
 
 _lean_apply = lean_apply(_Rope)  # _Rope.apply without its Python wrapper (see _autograd.py)

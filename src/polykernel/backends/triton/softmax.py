@@ -23,7 +23,6 @@ Rows of -inf logits give 0 where torch gives 0 and NaN for an all -inf row (as t
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
@@ -32,8 +31,10 @@ import triton.language as tl
 from ...spec import Split
 from ._autograd import lean_apply
 from ._launch import launch
+from ._rows import as_rows as _as_rows
 from ._rows import cdiv as _cdiv
 from ._rows import next_pow2 as _next_pow2
+from ._rows import sm_count as _sm_count
 
 # Tiling (sm_90, checked by compiling for it: no register spills, 16-byte accesses; not yet timed).
 MAX_FUSED_N = 32768  # forward: one block per row up to here (a 32K fp32 row: 32 registers/thread at 32 warps)
@@ -229,10 +230,8 @@ def _tile(n: int) -> tuple[int, int, int]:
 
 @functools.cache
 def _programs(device: torch.device) -> int:
-    """How many programs fill the device: 4 per SM on GPU (a small number on the interpreter)."""
-    if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
+    """How many programs fill the device: 4 per SM on GPU (8 on the interpreter)."""
+    return 4 * _sm_count(device)
 
 
 def _split(m: int, n: int, device: torch.device) -> tuple[int, int]:
@@ -241,12 +240,6 @@ def _split(m: int, n: int, device: torch.device) -> tuple[int, int]:
     s = max(1, min(chunks, _cdiv(_programs(device), m)))
     seg_chunks = _cdiv(chunks, s)
     return _cdiv(chunks, seg_chunks), seg_chunks
-
-
-def _as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """A [M, N] view with unit column stride (copies only when the layout needs it)."""
-    t2 = t.reshape(math.prod(t.shape[:-1]), n)  # explicit M: n may be 0
-    return t2 if t2.stride(-1) == 1 or t2.numel() == 0 else t2.contiguous()
 
 
 def softmax_forward(x2: torch.Tensor, stats: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
