@@ -10,7 +10,9 @@ the compile time (the first step's time; also the first three steps' sum).
     PYTHONPATH=src python benchmarks/compile_llama.py --out DIR --all-modes  # + max-autotune-no-cudagraphs, reduce-overhead
 
 Writes ``DIR/compile_llama.json`` (one record per variant, plus the environment) and prints a
-table. ``--steps`` (default 10) sets N; ``--layers``/``--batch``/``--seq`` shrink the model.
+table. ``--profile`` also profiles two steady steps per variant (torch.profiler, CUDA): the GPU
+time by kernel family goes into the record (where the time goes: GEMMs, attention, Inductor's
+Triton kernels, polykernel's kernels, copies) and the top kernels into ``DIR/profile-<variant>.txt``. ``--steps`` (default 10) sets N; ``--layers``/``--batch``/``--seq`` shrink the model.
 """
 
 from __future__ import annotations
@@ -85,6 +87,51 @@ def _build(args: argparse.Namespace, patch: bool) -> tuple[Any, Any, str]:
     return model, lambda m, ids: m(ids[:, :-1], targets=ids[:, 1:]), "polykernel.models.llama"
 
 
+# kernel-name patterns -> family, first match wins (for --profile's breakdown); Inductor's
+# kernels are named triton_*, ours start with an underscore
+FAMILIES = (
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul", "_mm_", "mm_kernel")),
+    ("inductor", ("triton_",)),
+    ("polykernel", ("_add_rms_", "_rms_", "_ln_", "_glu_", "_rope_kernel", "_softmax_", "_ce_kernel", "_colsum_kernel", "quack")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("copy/fill", ("copy", "memcpy", "memset", "fill", "cat", "elementwise")),
+)
+
+
+def _family(name: str) -> str:
+    low = name.lower()
+    return next((fam for fam, keys in FAMILIES if any(k in low for k in keys)), "other")
+
+
+def _profile(run_step: Any, out: Path, variant: str) -> dict[str, Any]:
+    """Two steady steps under torch.profiler: GPU ms per kernel family (per step) and the top kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            run_step()
+        torch.cuda.synchronize()
+    families: dict[str, float] = {}
+    kernels = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        us = e.self_cuda_time_total if us is None else us
+        if us <= 0:
+            continue
+        fam = _family(e.key)
+        families[fam] = families.get(fam, 0.0) + us / 2e3  # ms per step
+        kernels.append((us / 2e3, e.count // 2, fam, e.key))
+    kernels.sort(reverse=True)
+    lines = [
+        f"{variant}: GPU ms per step by family: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(families.items(), key=lambda kv: -kv[1]))
+    ]
+    lines += [f"{ms:9.3f} ms {n:5d}x  {fam:<10} {name[:140]}" for ms, n, fam, name in kernels[:60]]
+    (out / f"profile-{variant.replace('[', '-').replace(']', '')}.txt").write_text("\n".join(lines) + "\n")
+    return {"gpu_ms_per_step": sum(families.values()), "families_ms_per_step": families}
+
+
 def child(args: argparse.Namespace) -> dict[str, Any]:
     """One variant in this process; returns its record."""
     import torch
@@ -101,14 +148,19 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
+
+    def step() -> Any:
         loss = loss_fn(run, ids)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
+        return loss
+
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        loss = step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
@@ -132,6 +184,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
         record["graph_breaks"] = sum(counters["graph_break"].values())
         record["unique_graphs"] = counters["stats"]["unique_graphs"]
+    if args.profile_dir:
+        record["profile"] = _profile(step, Path(args.profile_dir), args.child)
     if patch:
         import polykernel
 
@@ -167,7 +221,9 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated variant names")
     parser.add_argument("--builtin", action="store_true", help="polykernel.models.llama even when transformers is installed")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per variant")
+    parser.add_argument("--profile", action="store_true", help="profile two steady steps per variant (GPU time by kernel family)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--profile-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print("RESULT " + json.dumps(child(args)), flush=True)
@@ -181,6 +237,7 @@ def main() -> None:
     passthrough = [
         f"--steps={args.steps}", f"--layers={args.layers}", f"--hidden={args.hidden}", f"--intermediate={args.intermediate}",
         f"--batch={args.batch}", f"--seq={args.seq}", *(["--builtin"] if args.builtin else []),
+        *([f"--profile-dir={args.out}"] if args.profile else []),
     ]  # fmt: skip
     results: list[dict[str, Any]] = []
     for name in names:

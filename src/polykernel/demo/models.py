@@ -5,7 +5,9 @@ seed (so the same initial weights) on the same device:
 - ``polykernel``: the same model on polykernel's ops (``polykernel.integrations.transformers.patch``
   for a Hugging Face model, the built-in model's polykernel path otherwise);
 - ``liger``: Liger-Kernel's own patch of the Hugging Face model (``apply_liger_kernel_to_llama``);
-- ``compile``: ``torch.compile`` of the plain model.
+- ``compile``: ``torch.compile`` of the plain model;
+- ``polykernel+compile``: ``torch.compile`` of the polykernel-patched model (ask for it with
+  ``--compare``; issue 14's comparison).
 
 The model is a ``transformers`` Llama built from a config (random init, nothing downloaded) when
 ``transformers`` is installed, else the built-in :mod:`polykernel.models.llama`.
@@ -23,7 +25,7 @@ import torch
 
 __all__ = ["VARIANTS", "Variant", "build", "default_compare", "model_kind", "parse_compare"]
 
-VARIANTS = ("torch", "polykernel", "liger", "compile")
+VARIANTS = ("torch", "polykernel", "liger", "compile", "polykernel+compile")
 
 
 @dataclass
@@ -93,8 +95,9 @@ def _builtin(name: str, shape: dict[str, Any], device: torch.device, dtype: torc
     from polykernel.models import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig.preset(shape["preset"], **{k: v for k, v in shape.items() if k != "preset"})
-    model = LlamaForCausalLM(cfg, use_polykernel=name == "polykernel", fused_loss=fused_loss, device=device).to(dtype)
-    fwd = torch.compile(model) if name == "compile" else model
+    use_polykernel = name in ("polykernel", "polykernel+compile")
+    model = LlamaForCausalLM(cfg, use_polykernel=use_polykernel, fused_loss=fused_loss, device=device).to(dtype)
+    fwd = torch.compile(model) if name.endswith("compile") else model
     return Variant(name, model, lambda b: fwd(b[:, :-1], targets=b[:, 1:]))
 
 
@@ -125,13 +128,13 @@ def _hf(name: str, shape: dict[str, Any], device: torch.device, dtype: torch.dty
         model = transformers.LlamaForCausalLM(hf_config(shape)).to(dtype)
     fwd: Any = model
     close: Callable[[], None] = lambda: None
-    if name == "polykernel":
+    if name in ("polykernel", "polykernel+compile"):
         from polykernel.integrations.transformers import patch
 
         patch(model, fused_linear_cross_entropy=fused_loss)
     elif name == "liger":
         close = _liger_patch(model)
-    elif name == "compile":
+    if name.endswith("compile"):
         fwd = torch.compile(model)
 
     # HF convention: labels are the inputs, shifted inside the model (T - 1 predictions per row)

@@ -21,7 +21,13 @@ if TYPE_CHECKING:
 
 __all__ = ["op_table", "print_op_table", "print_platform", "print_result"]
 
-_RUN_NAMES = {"torch": "plain PyTorch", "polykernel": "polykernel", "liger": "Liger-Kernel patch", "compile": "torch.compile"}
+_RUN_NAMES = {
+    "torch": "plain PyTorch",
+    "polykernel": "polykernel",
+    "liger": "Liger-Kernel patch",
+    "compile": "torch.compile",
+    "polykernel+compile": "polykernel + torch.compile",
+}
 
 
 def print_platform(con: Console, device: torch.device) -> None:
@@ -100,9 +106,9 @@ def print_result(con: Console, res: DemoResult) -> None:
 
     lo, hi = (TIMED_STEPS.start + 1, TIMED_STEPS.stop) if n > TIMED_STEPS.start else (2, n)
     t = table(
-        con, "run", "tokens/s", "vs torch", "median step", "peak memory", "vs torch", "max |loss - torch|", "losses",
+        con, "run", "tokens/s", "vs torch", "median step", "1st step", "peak memory", "vs torch", "max |loss - torch|", "losses",
         title=f"runs ({'each in its own process' if res.isolated else 'one process'}; tokens/s from the median step time of steps {lo}-{min(hi, n)})",
-        right=("tokens/s", "vs torch", "median step", "peak memory", "vs torch", "max |loss - torch|"),
+        right=("tokens/s", "vs torch", "median step", "1st step", "peak memory", "vs torch", "max |loss - torch|"),
     )  # fmt: skip
     for r in res.runs:
         same = r is base
@@ -111,6 +117,7 @@ def print_result(con: Console, res: DemoResult) -> None:
             f"{r.tokens_per_second:,.0f}",
             "" if same else f"{r.tokens_per_second / max(base.tokens_per_second, 1e-9):.2f}x",
             f"{r.median_step_seconds * 1e3:,.1f} ms",
+            f"{r.step_seconds[0]:,.1f} s" if r.step_seconds else "",  # includes torch.compile's compile
             _gib(r.peak_bytes),
             "" if same or not base.peak_bytes else f"{r.peak_bytes / base.peak_bytes:.2f}x",
             "" if same else f"{res.max_abs_diff(r):.2e}",
