@@ -283,6 +283,28 @@ def test_demo_isolate_runs_each_contender_in_its_own_process(cpu_default, tmp_pa
     assert res["runs"][1]["impls"] and "each in its own process" in out.getvalue()
 
 
+def test_demo_isolate_reports_a_failed_contender(cpu_default, monkeypatch, tmp_path):
+    # a contender whose process dies (say a peer's patch that no longer fits transformers) is named
+    # with its error and fails the demo, but the other runs are still measured and reported
+    from polykernel.demo import runs as demo_runs
+
+    real = demo_runs._run_isolated
+
+    def crash_polykernel(name, *args):
+        if name == "polykernel":
+            raise RuntimeError("polykernel demo --isolate: the polykernel run failed (exit 1):\nValueError: planted")
+        return real(name, *args)
+
+    monkeypatch.setattr(demo_runs, "_run_isolated", crash_polykernel)
+    path = tmp_path / "d.json"
+    argv = ["--model", "builtin", "--steps", "2", "--device", "cpu", "--batch", "2", "--seq-len", "16", "--no-progress", "--isolate"]
+    out = io.StringIO()
+    assert demo.main([*argv, "--json", str(path)], out=out) == 1
+    res = json.loads(path.read_text())
+    assert [r["label"] for r in res["runs"]] == ["torch"] and "planted" in res["failed"]["polykernel"]
+    assert "FAILED: the polykernel run: ValueError: planted" in out.getvalue() and "PROBLEM: the polykernel run failed" in out.getvalue()
+
+
 @pytest.mark.gpu
 def test_demo_on_gpu_all_contenders(tmp_path):
     path = tmp_path / "demo.json"

@@ -180,7 +180,7 @@ def _main(
         con.print(f"wrote {args.json}")
     if args.plot:
         _plot(data, args.plot, con)
-    problems = []
+    problems = [f"the {name} run failed" for name in res.failed]
     differ = [r.label for r in res.runs if not res.agrees(r)]
     if differ:
         problems.append(f"the losses of {', '.join(differ)} differ from plain PyTorch's beyond {res.tolerance_text}")

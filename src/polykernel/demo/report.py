@@ -125,6 +125,8 @@ def print_result(con: Console, res: DemoResult) -> None:
         )
     con.print(t)
     con.print(f"  losses agree when within {res.tolerance_text} per step ({res.dtype}); memory: {base.memory_kind}")
+    for name, why in res.failed.items():
+        con.print(f"  FAILED: the {_RUN_NAMES.get(name, name)} run: {why.strip().splitlines()[-1] if why.strip() else '?'}")
 
     pk = res.run("polykernel")
     if pk is None:

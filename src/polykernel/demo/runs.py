@@ -237,6 +237,7 @@ class DemoResult:
     atol: float
     rtol: float
     isolated: bool = False
+    failed: dict[str, str] = field(default_factory=dict)  # contender -> why its run failed (--isolate)
 
     @property
     def baseline(self) -> RunResult:
@@ -286,6 +287,7 @@ class DemoResult:
             "agree": self.agree,
             "learned": self.learned,
             "runs": [{**r.as_dict(), "max_abs_loss_diff": self.max_abs_diff(r), "agrees": self.agrees(r)} for r in self.runs],
+            "failed": self.failed,
         }
 
 
@@ -325,14 +327,21 @@ def run_demo(
     kind = model_kind(model)
     names = parse_compare(",".join(compare) if isinstance(compare, list) else compare, device, kind)
     setup, shape, batches, floor = _prepare(steps, size, device, seed, batch, seq_len, lr)
-    runs = []
+    runs, failed = [], {}
     for name in names:
         if isolate:
-            runs.append(_run_isolated(name, steps, size, device, dtype, seed, setup, fused_loss, kind))
+            # a contender that crashes its own process (a peer's patch that no longer fits this
+            # transformers, an OOM) is reported with its error; the baseline's failure still ends the demo
+            try:
+                runs.append(_run_isolated(name, steps, size, device, dtype, seed, setup, fused_loss, kind))
+            except RuntimeError as exc:
+                if name == "torch":
+                    raise
+                failed[name] = str(exc)
         else:
             runs.append(_run_one(name, kind, shape, batches, setup, steps, device, dtype, seed, fused_loss, on_step))
     atol, rtol = LOSS_TOL.get(dtype, LOSS_TOL[torch.bfloat16])
-    return DemoResult(setup, shape, kind, str(device), str(dtype).removeprefix("torch."), floor, runs, atol, rtol, isolate)
+    return DemoResult(setup, shape, kind, str(device), str(dtype).removeprefix("torch."), floor, runs, atol, rtol, isolate, failed)
 
 
 def _prepare(
