@@ -145,8 +145,14 @@ def test_custom_op_schema_follows_reference(op_id):
     assert all(a.alias_info is None for a in schema.arguments)  # functional: mutates nothing
     assert [a.name for a in bwd._schema.arguments] == ["grad_outputs", *names, "grad_mask", "impl"]
     assert [a.name for a in compiled.train._schema.arguments] == [*names, "grad_mask", "impl"]
-    assert str(compiled.train._schema.returns[-1].type) == "List[Tensor]"  # the saved tensors
-    assert [a.name for a in compiled.train_backward._schema.arguments] == ["grad_outputs", "saved", *names, "grad_mask", "impl"]
+    # Fixed arity (DTensor's register_sharding places each return): the outputs, then the op's
+    # saved tensors; the backward takes them one by one and returns one tensor per tensor argument.
+    n_out, n_saved = len(fwd._schema.returns), len(library.SAVED.get(op_id, ()))
+    assert [str(r.type) for r in compiled.train._schema.returns] == ["Tensor"] * (n_out + n_saved)
+    head = [f"grad_output_{i}" for i in range(n_out)] + [f"saved_{i}" for i in range(n_saved)]
+    assert [a.name for a in compiled.train_backward._schema.arguments] == [*head, *names, "grad_mask", "impl"]
+    n_tensors = sum(str(a.type) in ("Tensor", "Optional[Tensor]") for a in fwd._schema.arguments)
+    assert [str(r.type) for r in compiled.train_backward._schema.returns] == ["Tensor"] * n_tensors
     assert all(a.alias_info is None for a in (*compiled.train._schema.arguments, *compiled.train_backward._schema.arguments))
     assert library.custom_op_for(op) is library.custom_op_for(op_id) is compiled.call
 
@@ -173,10 +179,20 @@ def test_opcheck_training_ops(op_id):
         args = [bound.arguments[n] for n in names]
         mask = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
         torch.library.opcheck(compiled.train, (*args, mask))
-        *outs, saved = compiled.train(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args], mask)
+        got = compiled.train(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args], mask)
+        got = got if isinstance(got, tuple) else (got,)
+        outs, saved = got[: len(compiled.returns)], got[len(compiled.returns) :]
+        assert len(saved) == len(compiled.saved_kinds)
         grads = [torch.randn_like(o) if o.is_floating_point() else None for o in outs]
         detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-        torch.library.opcheck(compiled.train_backward, (grads, saved, *detached, mask), test_utils=("test_schema", "test_faketensor"))
+        bwd_args = (*grads, *saved, *detached, mask)
+        torch.library.opcheck(compiled.train_backward, bwd_args, test_utils=("test_schema", "test_faketensor"))
+        # One tensor per tensor argument: the gradient where asked for, else an empty placeholder.
+        back = compiled.train_backward(*bwd_args)
+        back = back if isinstance(back, tuple) else (back,)
+        for i, g in zip(compiled.tensor_args, back):
+            a = args[i]
+            assert g.shape == (a.shape if mask[i] else (0,) * (a.dim() if isinstance(a, torch.Tensor) else 1)), (op_id, i)
 
 
 @pytest.mark.parametrize("op_id", OP_IDS)

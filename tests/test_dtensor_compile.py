@@ -1,9 +1,11 @@
 """DTensors through ``torch.compile(fullgraph=True)`` (CPU, 2 gloo ranks): the custom ops carry
 sharding rules (polykernel.dtensor_sharding), so the trace has no graph break, the result matches
 eager on the whole tensors, row-sharded inputs stay sharded (no gather) and the dispatcher's
-Triton impl (interpreter) runs on the local shards. Inference (``no_grad``) there; compiled
-training on DTensors decomposes the op into torch ops (the training ops have no rules yet, see
-dtensor_sharding's docstring), and its gradients match eager."""
+Triton impl (interpreter) runs on the local shards. Compiled training too: the training custom
+ops (``<op>_train``, ``<op>_train_backward``) carry rules, so a fwd+bwd graph runs them on the
+local shards, gradients match eager on the whole tensors and a replicated weight's gradient is
+``Partial``; the calls no rule covers (a mean loss over sharded rows, the fused linear
+cross-entropy) decompose, logged once."""
 
 from __future__ import annotations
 
@@ -75,6 +77,158 @@ def _cases() -> list[tuple[str, Any, Any]]:
     ]
 
 
+def _train_cases() -> list[tuple[str, Any, Any]]:
+    """Training-only cases (the inference ones are reused too)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    import polykernel as pk
+
+    R = Replicate()
+    target = torch.tensor([[1, 2, -100, 3, 4], [5, 6, 7, 8, -100]])
+    return [
+        ("rms_norm-S1-uneven", lambda x, w: pk.rms_norm(x, w) * 2, lambda: ((torch.randn(2, 5, 16), 1 + torch.randn(16)), (Shard(1), R))),
+        ("rms_norm-S-last", lambda x, w: pk.rms_norm(x, w), lambda: ((torch.randn(8, 16), 1 + torch.randn(16)), (Shard(1), R))),
+        (
+            "cross_entropy-sum-S1-3d",
+            lambda x, t: pk.cross_entropy(x, t, reduction="sum"),
+            lambda: ((torch.randn(2, 5, 10), target), (Shard(1), Shard(1))),
+        ),
+        (
+            "swiglu-forced-S1",
+            lambda g, u: pk.swiglu(g, u, impl="triton"),
+            lambda: ((torch.randn(4, 16), torch.randn(4, 16)), (Shard(1), Shard(1))),
+        ),
+        (
+            "rope-heads-qk",  # the Triton kernel computes q's and k's gradients only
+            lambda q, k, c, s: pk.rope(q, k, c, s, impl="triton"),
+            lambda: (
+                (torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 6, 8), torch.randn(1, 6, 8)),
+                (Shard(1), Shard(1), R, R),
+            ),
+        ),
+        (
+            "flce-sum-S0",
+            lambda h, w, t: pk.fused_linear_cross_entropy(h, w, t, reduction="sum"),
+            lambda: ((torch.randn(8, 16), torch.randn(10, 16), torch.tensor([1, 2, -100, 3, 4, 5, 6, 7])), (Shard(0), R, Shard(0))),
+        ),
+    ]
+
+
+def _recording_backend(graphs: list) -> Any:
+    """aot_eager that keeps the forward and backward graphs AOTAutograd made (DTensors desugared:
+    the custom ops there run on local tensors). Inductor's partitioner (min-cut), which recomputes
+    only allowlisted ops: the default one recomputes a forward op whose output the backward needs
+    (the norm's output, for the MLP's weight gradients) rather than save it."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def keep(gm: Any, _inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    return aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition)
+
+
+def _polykernel_nodes(graphs: list) -> list[str]:
+    return sorted(
+        str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function" and str(n.target).startswith("polykernel.")
+    )
+
+
+def _loss(out: Any) -> Any:
+    """A scalar from an op's output(s) (weighted, so each output's gradient differs)."""
+    outs = out if isinstance(out, tuple) else (out,)
+    return sum((o if o.dim() == 0 else (o * (i + 1)).sum()) for i, o in enumerate(outs))
+
+
+def _train_once(mesh: Any, fn: Any, args: list, placements: tuple, n_grad: int) -> dict[str, Any]:
+    """fwd+bwd of ``fn`` eager on whole tensors and compiled on DTensors (the first ``n_grad``
+    floating arguments take gradients): gradient diffs, the gradients' placements, the
+    polykernel nodes of the compiled graphs and the impls chosen."""
+    from torch.distributed.tensor import distribute_tensor
+
+    import polykernel
+    from polykernel.dtensor import _placement
+
+    leaves = [a.clone().requires_grad_(a.is_floating_point() and i < n_grad) for i, a in enumerate(args)]
+    _loss(fn(*leaves)).backward()
+    dargs = [distribute_tensor(a, mesh, [p]).requires_grad_(leaf.requires_grad) for a, p, leaf in zip(args, placements, leaves)]
+    graphs: list = []
+    _loss(torch.compile(fn, fullgraph=True, backend=_recording_backend(graphs))(*dargs)).backward()
+    diffs = [float((d.grad.full_tensor() - a.grad).abs().max()) for d, a in zip(dargs, leaves) if a.grad is not None]
+    return {
+        "diff": max(diffs),
+        "grads": len(diffs),
+        "grad_placements": [[_placement(p) for p in d.grad.placements] for d in dargs if d.grad is not None],
+        "nodes": _polykernel_nodes(graphs),
+        "impls": sorted({d["impl"] for d in polykernel.decisions()}),
+    }
+
+
+def _tp_block(mesh: Any) -> dict[str, Any]:
+    """A sequence-parallel norm and a tensor-parallel SwiGLU MLP (torchtitan's plan, through
+    parallelize_module), compiled fwd+bwd with fullgraph=True: our training ops in the graphs,
+    gradients equal to the unsharded block's."""
+    import copy
+
+    from torch import nn
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module
+
+    import polykernel as pk
+
+    class Norm(nn.Module):
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(1 + 0.1 * torch.randn(n))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return pk.rms_norm(x, self.weight)
+
+    class Mlp(nn.Module):
+        def __init__(self, n: int, h: int) -> None:
+            super().__init__()
+            self.gate, self.up, self.down = nn.Linear(n, h, bias=False), nn.Linear(n, h, bias=False), nn.Linear(h, n, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(pk.swiglu(self.gate(x), self.up(x), impl="triton"))
+
+    class Block(nn.Module):
+        def __init__(self, n: int = 16, h: int = 32) -> None:
+            super().__init__()
+            self.norm, self.mlp = Norm(n), Mlp(n, h)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.mlp(self.norm(x))
+
+    torch.manual_seed(0)
+    ref = Block()
+    model = parallelize_module(
+        copy.deepcopy(ref),
+        mesh,
+        {
+            "norm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate": ColwiseParallel(),
+            "mlp.up": ColwiseParallel(),
+            "mlp.down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        },
+    )
+    x = torch.randn(2, 6, 16)
+    ref(x).square().sum().backward()
+    from torch.distributed.tensor import distribute_tensor
+
+    graphs: list = []
+    dx = distribute_tensor(x, mesh, [Shard(1)])
+    out = torch.compile(model, fullgraph=True, backend=_recording_backend(graphs))(dx)
+    out.square().sum().backward()
+    diffs = {}
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        diffs[name] = float((g - q.grad).abs().max())
+    return {"diffs": diffs, "nodes": _polykernel_nodes(graphs)}
+
+
 def _worker(rank: int, init_file: str, out_file: str) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     import torch.distributed as dist
@@ -109,9 +263,8 @@ def _worker(rank: int, init_file: str, out_file: str) -> None:
                 }
             except Exception as exc:
                 reports[name] = {"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}
-        # Compiled training: the _train ops have no sharding rules yet, so with DTensor arguments
-        # the op decomposes (library.CompiledOp.call) instead of failing; gradients match eager.
-        for name, fn, build in _cases():
+        # Compiled training: fwd+bwd through the training custom ops, on the local shards.
+        for name, fn, build in [*_cases(), *_train_cases()]:
             if name not in TRAIN:
                 continue
             torch._dynamo.reset()
@@ -119,16 +272,13 @@ def _worker(rank: int, init_file: str, out_file: str) -> None:
             torch.manual_seed(0)
             args, placements = build()
             try:
-                leaves = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
-                out = fn(*leaves)
-                (out if out.dim() == 0 else out.sum()).backward()
-                dargs = [distribute_tensor(a, mesh, [p]).requires_grad_(a.is_floating_point()) for a, p in zip(args, placements)]
-                got = torch.compile(fn, fullgraph=True, backend="aot_eager")(*dargs)
-                (got if got.dim() == 0 else got.sum()).backward()
-                diffs = [float((d.grad.full_tensor() - a.grad).abs().max()) for d, a in zip(dargs, leaves) if a.grad is not None]
-                reports["train:" + name] = {"diff": max(diffs), "grads": len(diffs)}
+                reports["train:" + name] = _train_once(mesh, fn, args, placements, 2 if name.endswith("-qk") else len(args))
             except Exception as exc:
                 reports["train:" + name] = {"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}
+        try:
+            reports["block"] = _tp_block(mesh)
+        except Exception as exc:
+            reports["block"] = {"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}
     finally:
         finish_worker(rank, reports, out_file)
 
@@ -154,14 +304,53 @@ EXPECTED = {
 }
 
 
-TRAIN = ("rms_norm-S0", "cross_entropy-sum-S0")
+# Training case -> the polykernel ops in its compiled fwd+bwd graphs (each once: one forward
+# kernel per call, its backward on the saved tensors) and the gradients' placements (a
+# replicated weight of sharded rows: Partial). None: the call decomposes, no polykernel node.
+def _trained(op: str) -> list[str]:
+    return [f"polykernel.{op}_train.default", f"polykernel.{op}_train_backward.default"]
 
 
-@pytest.mark.parametrize("name", TRAIN)
-def test_compiled_training_on_dtensors_matches_eager(report, name):
+TRAIN = {
+    "rms_norm-S0": (_trained("rms_norm"), [["Shard(0)"], ["Partial(sum)"]]),
+    "rms_norm-S1-3d": (_trained("rms_norm"), [["Shard(1)"], ["Partial(sum)"]]),
+    "rms_norm-S1-uneven": (_trained("rms_norm"), [["Shard(1)"], ["Partial(sum)"]]),
+    # sharded on the normalized dim: DTensor redistributes x to Replicate() for the ops' rules
+    "rms_norm-S-last": (_trained("rms_norm"), None),
+    "layer_norm-S0": (_trained("layer_norm"), [["Shard(0)"], ["Partial(sum)"], ["Partial(sum)"]]),
+    "softmax-S0": (_trained("softmax"), [["Shard(0)"]]),
+    "cross_entropy-sum-S0": (_trained("cross_entropy"), [["Shard(0)"]]),
+    "cross_entropy-sum-S1-3d": (_trained("cross_entropy"), [["Shard(1)"]]),
+    "cross_entropy-none-S0": (_trained("cross_entropy"), [["Shard(0)"]]),
+    "swiglu-forced-S1": (_trained("swiglu"), [["Shard(1)"], ["Shard(1)"]]),
+    "rope-heads-qk": (_trained("rope"), [["Shard(1)"], ["Shard(1)"]]),
+    "cross_entropy-mean-S0": (None, None),  # the mean needs the global count of scored rows
+    "flce-sum-S0": (None, None),  # its saved gradients have no fixed placement
+}
+
+
+@pytest.mark.parametrize("name", list(TRAIN))
+def test_compiled_training_on_dtensors_runs_our_ops_and_matches_eager(report, name):
     r = report["train:" + name]
     assert "error" not in r, r.get("tb")
     assert r["grads"] >= 1 and r["diff"] <= 1e-5
+    nodes, placements = TRAIN[name]
+    if nodes is None:
+        assert r["nodes"] == [], r["nodes"]
+        return
+    assert r["nodes"] == sorted(nodes)
+    assert "triton" in r["impls"], r["impls"]  # the dispatcher's choice, on the local shards
+    if placements is not None:
+        assert r["grad_placements"] == placements
+
+
+def test_compiled_tp_block_trains_through_our_ops(report):
+    """Sequence-parallel norm + column/row-parallel SwiGLU MLP, compiled fwd+bwd (fullgraph)."""
+    r = report["block"]
+    assert "error" not in r, r.get("tb")
+    assert r["nodes"] == sorted([*_trained("rms_norm"), *_trained("swiglu")]), r["nodes"]
+    assert set(r["diffs"]) == {"norm.weight", "mlp.gate.weight", "mlp.up.weight", "mlp.down.weight"}
+    assert max(r["diffs"].values()) <= 1e-5, r["diffs"]
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))

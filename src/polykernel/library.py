@@ -26,23 +26,26 @@ two custom ops, with schemas derived from the op's ``reference`` signature::
   selects, under ``enable_grad``, and returns ``torch.autograd.grad`` of it.
 
 **Training without recompute.** When an input needs a gradient, a compiled call uses a third and
-fourth custom op instead::
+fourth custom op instead, with fixed-arity returns (one per output, saved tensor and gradient,
+so that DTensor's ``register_sharding`` can give each a placement)::
 
-    polykernel::rms_norm_train(Tensor x, ..., bool[] grad_mask, *, str? impl=None) -> (Tensor, Tensor[])
-    polykernel::rms_norm_train_backward(Tensor?[] grad_outputs, Tensor[] saved, Tensor x, ...,
-                                        bool[] grad_mask, *, str? impl=None) -> Tensor[]
+    polykernel::rms_norm_train(Tensor x, ..., bool[] grad_mask, *, str? impl=None) -> (Tensor, Tensor)
+    polykernel::rms_norm_train_backward(Tensor? grad_output_0, Tensor saved_0, Tensor x, ...,
+                                        bool[] grad_mask, *, str? impl=None) -> (Tensor, Tensor)
 
 The forward selects (at run time, with ``needs_grad`` in the key, as an eager training call
 does) and, if the impl carries a :class:`~polykernel.spec.Split`, runs its ``forward``, which
-returns the outputs and the tensors its backward needs (``saved``: rstd for rms_norm, mean and
-rstd for layer_norm, each row's max and 1/sum for softmax, the LSE and the non-ignored count for
-cross_entropy, the gradients for the fused linear cross-entropy; torch and Triton impls). The
-backward selects again (same state, same impl) and runs the split's ``backward`` on ``saved``:
-each forward kernel runs once per step.
+returns the outputs and the tensors its backward needs (``saved``, a fixed set per op:
+:data:`SAVED`). The backward selects again (same state, same impl) and runs the split's
+``backward`` on ``saved``: each forward kernel runs once per step. It returns one tensor per
+tensor argument: the gradient where ``grad_mask`` asks for one, else an empty placeholder
+(shape ``(0,) * ndim``, so that any placement of the argument is valid for it).
 ``saved`` has one layout per op (the torch impl's split defines it), so a backward that selects
 another impl than its forward (a ``use_impl`` scope that ended in between) is still right; an
 impl without a split (peers) runs its forward plainly, ``saved`` then comes from the torch
-split, and its backward recomputes as above.
+split, and its backward recomputes as above. On DTensors the training ops run on the local
+shards through the sharding rules of :mod:`polykernel.dtensor_sharding`; an op or a call those
+rules do not cover decomposes into torch ops (logged once).
 
 **Per-op choice** (``COMPILE_MODES``, measured; ``POLYKERNEL_COMPILE_<OP>=ours|decompose``):
 ops where Inductor's own code is as fast as ours (swiglu, geglu, rope, fused_add_rms_norm)
@@ -59,6 +62,7 @@ trace-time selection (guarded on the dispatcher's state) is the step that would 
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import sys
 import threading
@@ -105,11 +109,82 @@ _taken: dict[str, str] = {}  # custom-op name -> op id
 _ATTR = "_polykernel_custom_op"  # set on each Op object: its CompiledOp.call
 
 
+# The tensors each op's training custom op saves for its backward: a fixed set per op (the schema
+# returns a fixed tuple, which DTensor's register_sharding needs: one placement per return). The
+# torch impl's split defines them and every impl's split follows it. Per tensor, its kind:
+# "rows": one value per row of the lead (first) argument: the split's [M], returned by the custom
+#         op shaped lead.shape[:-1], so that rows sharded on dim d shard it on dim d too (a
+#         flattened [M] would interleave ranks' rows on dim 0, and split unevenly otherwise);
+# "sum":  a sum over the rows (the non-ignored count): Partial over sharded rows;
+# "any":  anything else: no sharding rule, so the op decomposes in compiled training on DTensors.
+# A split that saves fewer gets empty tensors appended, which its backward must ignore: the fused
+# linear cross-entropy saves, compacted, the gradients its grad_mask and reduction ask for. An op
+# with a split but no entry here saves nothing, and its compiled backward recomputes the forward.
+SAVED: dict[str, tuple[str, ...]] = {
+    "norm.rms_norm": ("rows",),  # rstd
+    "norm.layer_norm": ("rows", "rows"),  # mean, rstd
+    "activation.softmax": ("rows", "rows"),  # each row's max and 1/sum
+    "loss.cross_entropy": ("rows", "sum"),  # LSE, the non-ignored count
+    "loss.fused_linear_cross_entropy": ("any", "any", "any"),  # [grad_hidden], [grad_weight], [grad_bias]
+}
+
+
 def _has_dtensor(args: Sequence[Any]) -> bool:
     """Whether any argument is a DTensor (only looked up if torch.distributed.tensor is loaded)."""
     mod = sys.modules.get("torch.distributed.tensor")
     dtensor = getattr(mod, "DTensor", None)
     return dtensor is not None and any(isinstance(a, dtensor) for a in args)
+
+
+# Trace-time side effects: Dynamo traces CompiledOp.call, so what must really happen while it
+# traces (registering rules, logging) goes through ``comptime``, whose function Dynamo runs.
+
+
+def _sharding_rules(op_id: str) -> None:
+    """Register ``op_id``'s DTensor sharding rules (idempotent): a compiled call met a DTensor."""
+    if torch.compiler.is_compiling():
+        from torch._dynamo.comptime import comptime
+
+        comptime(_rules_from_trace)
+    else:
+        _register_rules(op_id)
+
+
+def _rules_from_trace(ctx: Any) -> None:  # no free variables: comptime's rule
+    _register_rules(ctx.get_local("op_id").as_python_constant())
+
+
+def _register_rules(op_id: str) -> None:
+    # polykernel.dtensor too: the layouts that the rules and dtensor_sharding.trains read (the
+    # latter traced, where a first import is not possible).
+    from . import dtensor, dtensor_sharding  # noqa: F401
+
+    dtensor_sharding.register(_current(op_id), _built[op_id])
+
+
+def _decomposing_on_dtensors(op_id: str, why: str) -> None:
+    """Compiled training on DTensors decomposes ``op_id``: logged once; ``POLYKERNEL_STRICT=1``
+    makes it an error. Runs at trace time: under Dynamo through ``comptime`` (a logger call in
+    traced code would break the graph, and ``fullgraph=True`` with it)."""
+    if torch.compiler.is_compiling():
+        from torch._dynamo.comptime import comptime
+
+        comptime(_decomposing_from_trace)
+    else:
+        _report_decomposing(op_id, why)
+
+
+def _decomposing_from_trace(ctx: Any) -> None:  # no free variables: comptime's rule
+    _report_decomposing(ctx.get_local("op_id").as_python_constant(), ctx.get_local("why").as_python_constant())
+
+
+def _report_decomposing(op_id: str, why: str) -> None:
+    from . import dispatch
+    from .errors import ImplNotAvailableError
+
+    if dispatch._strict_mode():
+        raise ImplNotAvailableError(op_id, "training custom ops on DTensors", f"{why} (POLYKERNEL_STRICT=1)")
+    dispatch._log_once(("compile-dtensor", op_id, why), f"polykernel: {op_id}: compiled training on DTensors decomposes the op ({why})")
 
 
 def custom_op_for(op: Op | str) -> Callable[..., Any]:
@@ -218,7 +293,7 @@ def _params(op: Op) -> tuple[list[_Param], list[str]]:
     for p in sig.parameters.values():
         if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
             raise TypeError(f"polykernel: {op.id}: reference parameter {p.name!r} must be positional (it is {p.kind.description})")
-        if p.name in ("impl", "grad_outputs", "grad_mask"):
+        if p.name in ("impl", "grad_outputs", "grad_mask") or p.name.startswith(("grad_output_", "saved_")):
             raise TypeError(f"polykernel: {op.id}: reference parameter name {p.name!r} is reserved")
         tp = hints.get(p.name)
         if tp is None:  # unannotated: the default's type, else a tensor
@@ -376,9 +451,14 @@ class CompiledOp:
         self.backward_schema = _schema(
             params, ["Tensor[]"], with_defaults=False, prefix="Tensor?[] grad_outputs", suffix="bool[] grad_mask"
         )
-        self.train_schema = _schema(params, [*returns, "Tensor[]"], with_defaults=False, suffix="bool[] grad_mask")
+        # Training ops: fixed arity (see the module docstring), tensors one by one, not lists.
+        self.saved_kinds = SAVED.get(op.id, ())
+        self.uses_split = op.id in SAVED
+        n_out, n_saved = len(returns), len(self.saved_kinds)
+        self.train_schema = _schema(params, [*returns, *["Tensor"] * n_saved], with_defaults=False, suffix="bool[] grad_mask")
+        head = [f"Tensor? grad_output_{i}" for i in range(n_out)] + [f"Tensor saved_{i}" for i in range(n_saved)]
         self.train_backward_schema = _schema(
-            params, ["Tensor[]"], with_defaults=False, prefix="Tensor?[] grad_outputs, Tensor[] saved", suffix="bool[] grad_mask"
+            params, ["Tensor"] * len(self.tensor_args), with_defaults=False, prefix=", ".join(head), suffix="bool[] grad_mask"
         )
         self.forward = self._define_forward()
         self.backward = self._define_backward()
@@ -389,7 +469,7 @@ class CompiledOp:
             raise ValueError(f"POLYKERNEL_COMPILE_{name.upper()}: {mode!r} is not 'ours' or 'decompose'")
         self.mode = mode
         fwd, train, validate, reference = self.forward, self.train, getattr(op, "validate", None), op.reference
-        decompose, single = mode == "decompose", self.single
+        decompose, single, op_id, n_out = mode == "decompose", self.single, op.id, len(returns)
 
         def call(impl: Any, *args: Any) -> Any:
             # Traced by Dynamo: validation happens at trace time, on the (fake) arguments, so a
@@ -400,15 +480,20 @@ class CompiledOp:
                 impl = _impl_str(impl)
             if decompose and impl is None:  # Inductor's own code is as fast: let it fuse the op
                 return reference(*args)
+            dtensors = _has_dtensor(args)
+            if dtensors:  # the ops' sharding rules, registered at trace time (once)
+                _sharding_rules(op_id)
+                from . import dtensor_sharding
             if torch.is_grad_enabled():
                 mask = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
-                if any(mask) and impl is None and _has_dtensor(args):
-                    # Compiled training on DTensors: the _train ops have no sharding rules yet
-                    # (their saved tensors and Partial weight gradients), so the op decomposes
-                    # into torch ops that DTensor and Inductor handle, rather than failing.
+                why = dtensor_sharding.why_not(op_id, args) if any(mask) and impl is None and dtensors else None
+                if why is not None:
+                    # No sharding rule covers the training ops here (see dtensor_sharding): the op
+                    # decomposes into torch ops that DTensor and Inductor handle.
+                    _decomposing_on_dtensors(op_id, why)
                     return reference(*args)
                 if any(mask):  # training: the forward returns what the backward needs
-                    *outs, _saved = train(*args, mask, impl=impl)
+                    outs = _as_tuple(train(*args, mask, impl=impl))[:n_out]
                     return outs[0] if single else tuple(outs)
             return fwd(*args, impl=impl)
 
@@ -492,11 +577,26 @@ class CompiledOp:
         return custom._opoverload
 
     # -- training: forward with saved activations, backward without recompute -------------------
+    def _fit_saved(self, saved: Sequence[torch.Tensor], lead: torch.Tensor) -> list[torch.Tensor]:
+        """A split's ``saved`` as the training op returns it: padded with empty tensors to the op's
+        count, and each "rows" tensor shaped ``lead.shape[:-1]`` (see :data:`SAVED`)."""
+        out = list(saved)
+        out += [torch.empty((0,), dtype=torch.float32, device=lead.device) for _ in range(len(self.saved_kinds) - len(out))]
+        rows = lead.shape[:-1]
+        for i, kind in enumerate(self.saved_kinds):
+            if kind == "rows" and out[i].dim() == 1 and out[i].numel() == math.prod(rows):
+                out[i] = out[i].reshape(rows)
+        return out
+
+    def _split_saved(self, saved: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The training op's saved tensors back in the split's layout ("rows" flat again)."""
+        return [s.reshape(-1) if kind == "rows" and s.dim() != 1 else s for s, kind in zip(saved, self.saved_kinds)]
+
     def _define_train(self) -> Any:
-        op_id, names, n_out, full = self.op_id, self.key_names, len(self.returns), self._full
+        op_id, names, full, uses_split, fit = self.op_id, self.key_names, self._full, self.uses_split, self._fit_saved
 
         def saved_by_layout(op: Op, args: Sequence[Any], mask: Sequence[bool], fake: bool) -> list[torch.Tensor]:
-            split = _layout_split(op)
+            split = _layout_split(op) if uses_split else None
             if split is None:
                 return []
             if fake and split.layout is not None:
@@ -508,7 +608,7 @@ class CompiledOp:
             args = full(tuple(args))
             op = _current(op_id)
             decision = _training_decision(op, impl, args, names)
-            split = _split_of(decision.fn)
+            split = _split_of(decision.fn) if uses_split else None
             saved = None
             with torch.no_grad():
                 try:
@@ -520,8 +620,8 @@ class CompiledOp:
                     outs, saved = decision.on_fault(exc, tuple(args)), None
                 if saved is None:  # no split ran: the op's layout, from the torch impl's split
                     saved = saved_by_layout(op, args, mask, fake=False)
-            out = _fresh([*_as_tuple(outs), *saved], args)
-            return (*out[:n_out], out[n_out:])
+            out = _fresh([*_as_tuple(outs), *fit(saved, args[0])], args)
+            return out[0] if len(out) == 1 else tuple(out)
 
         def fake(*rest: Any, impl: str | None = None) -> Any:
             *args, mask = rest
@@ -530,8 +630,8 @@ class CompiledOp:
             with _autograd_on(), torch.no_grad():  # see the forward's fake impl
                 outs = _as_tuple(op.reference(*args))
                 saved = saved_by_layout(op, args, mask, fake=True)
-            out = [torch.empty(o.shape, dtype=o.dtype, device=o.device) if isinstance(o, torch.Tensor) else o for o in (*outs, *saved)]
-            return (*out[:n_out], out[n_out:])
+            out = [torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in (*outs, *fit(saved, args[0]))]
+            return out[0] if len(out) == 1 else tuple(out)
 
         custom = torch.library.custom_op(f"{self.qualname}_train", real, mutates_args=(), schema=self.train_schema)
         custom.register_fake(fake)
@@ -540,12 +640,11 @@ class CompiledOp:
 
     def _train_setup(self, ctx: Any, inputs: Sequence[Any], keyword_only_inputs: dict[str, Any], output: Any) -> None:
         *args, _mask = inputs
-        *outs, saved = output
+        saved = _as_tuple(output)[len(self.returns) :]
         tensors = set(self.tensor_args)
         ctx.save_for_backward(*(args[i] for i in self.tensor_args), *saved)
         ctx.pk_consts = [None if i in tensors else a for i, a in enumerate(args)]
         ctx.pk_impl = keyword_only_inputs.get("impl")
-        ctx.pk_outs = [(o.shape, o.dtype, o.device) for o in outs]
         ctx.set_materialize_grads(False)  # no zeros for the saved tensors' (absent) gradients
         ctx.mark_non_differentiable(*saved)
 
@@ -555,40 +654,69 @@ class CompiledOp:
         args = list(ctx.pk_consts)
         for i, t in zip(self.tensor_args, stored[:n_t]):
             args[i] = t
-        needs = ctx.needs_input_grad[: self.n_args]
-        mask = [bool(m) for m in needs]
-        # An output that took no gradient: zeros (the formula runs only when some output did).
-        outs = [g if g is not None else torch.zeros(s, dtype=d, device=dev) for g, (s, d, dev) in zip(grads, ctx.pk_outs)]
-        result = iter(self.train_backward(outs, list(stored[n_t:]), *args, mask, impl=ctx.pk_impl))
-        return (*(next(result) if m else None for m in mask), None)
+        mask = [bool(m) for m in ctx.needs_input_grad[: self.n_args]]
+        # An output that took no gradient goes as None (the backward makes its zeros: here they
+        # would be plain tensors among DTensors); the saved tensors' gradients are dropped.
+        got = _as_tuple(self.train_backward(*grads[: len(self.returns)], *stored[n_t:], *args, mask, impl=ctx.pk_impl))
+        by_arg = dict(zip(self.tensor_args, got))
+        return (*(by_arg[i] if m else None for i, m in enumerate(mask)), None)
 
     def _define_train_backward(self) -> Any:
-        op_id, names, recompute = self.op_id, self.key_names, self._recompute
+        op_id, names, recompute, uses_split = self.op_id, self.key_names, self._recompute, self.uses_split
+        n_out, n_saved, tensor_args, unflatten = len(self.returns), len(self.saved_kinds), self.tensor_args, self._split_saved
 
-        def real(
-            grad_outputs: list[torch.Tensor | None], saved: list[torch.Tensor], *rest: Any, impl: str | None = None
-        ) -> list[torch.Tensor]:
-            *args, mask = rest
+        def grad_or_placeholder(got: Sequence[Any], args: Sequence[Any], mask: Sequence[bool], fake: bool) -> list[torch.Tensor]:
+            """One tensor per tensor argument: its gradient where asked for (zeros when the
+            split gave None), else an empty placeholder of the argument's rank."""
+            lead, out = args[0], []
+            for i in tensor_args:
+                a = args[i]
+                if not mask[i]:
+                    shape = (0,) * a.dim() if isinstance(a, torch.Tensor) else (0,)
+                    like = a if isinstance(a, torch.Tensor) else lead
+                    out.append(torch.empty(shape, dtype=like.dtype, device=like.device))
+                elif fake:
+                    out.append(torch.empty(a.shape, dtype=a.dtype, device=a.device))
+                elif got[i] is None:
+                    out.append(torch.zeros_like(a, memory_format=torch.contiguous_format))
+                else:
+                    out.append(got[i])
+            return out
+
+        def real(*rest: Any, impl: str | None = None) -> Any:
+            grads, saved = list(rest[:n_out]), list(rest[n_out : n_out + n_saved])
+            *args, mask = rest[n_out + n_saved :]
             op = _current(op_id)
-            split = _split_of(_training_decision(op, impl, args, names).fn)
+            split = _split_of(_training_decision(op, impl, args, names).fn) if uses_split else None
             if split is None:  # an impl without a split (a peer, say): recompute its forward
-                return recompute(grad_outputs, *args, mask, impl=impl)
-            with torch.no_grad():
-                got = list(split.backward(list(grad_outputs), list(saved), *args, list(mask)))
-            grads = [
-                g if g is not None else torch.zeros_like(a, memory_format=torch.contiguous_format) for g, a, m in zip(got, args, mask) if m
-            ]
-            return _fresh(grads, [*args, *grad_outputs, *saved])
+                it = iter(recompute(grads, *args, mask, impl=impl))
+                got = [next(it) if m else None for m in mask]
+            else:
+                with torch.no_grad():
+                    got = list(split.backward(_output_grads(op, grads, args), unflatten(saved), *args, list(mask)))
+            out = _fresh(grad_or_placeholder(got, args, mask, fake=False), [*args, *grads, *saved])
+            return out[0] if len(out) == 1 else tuple(out)
 
-        def fake(
-            grad_outputs: list[torch.Tensor | None], saved: list[torch.Tensor], *rest: Any, impl: str | None = None
-        ) -> list[torch.Tensor]:
-            *args, mask = rest
-            return [torch.empty(a.shape, dtype=a.dtype, device=a.device) for a, m in zip(args, mask) if m]
+        def fake(*rest: Any, impl: str | None = None) -> Any:
+            *args, mask = rest[n_out + n_saved :]
+            out = grad_or_placeholder((), args, mask, fake=True)
+            return out[0] if len(out) == 1 else tuple(out)
 
         custom = torch.library.custom_op(f"{self.qualname}_train_backward", real, mutates_args=(), schema=self.train_backward_schema)
         custom.register_fake(fake)
         return custom._opoverload
+
+
+def _output_grads(op: Op, grads: Sequence[torch.Tensor | None], args: Sequence[Any]) -> list[torch.Tensor]:
+    """``grads`` with zeros for the outputs that took none (a split's backward wants a tensor
+    for every output); their shapes come from the reference run on meta tensors."""
+    if all(g is not None for g in grads):
+        return list(grads)
+    metas = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
+    with _autograd_on(), torch.no_grad():  # see the forward's fake impl
+        outs = _as_tuple(op.reference(*metas))
+    device = args[0].device
+    return [g if g is not None else torch.zeros(o.shape, dtype=o.dtype, device=device) for g, o in zip(grads, outs)]
 
 
 # ---------------------------------------------------------------------------------------------
