@@ -121,6 +121,11 @@ def test_predicates_rms_norm():
 def test_predicates_other_norms():
     assert "65536" in _why("fused_add_rms_norm", "liger", t(2, 70000), t(2, 70000), t(70000))
     assert _why("fused_add_rms_norm", "quack", t(2, 70000), t(2, 70000), t(70000)) is None
+    # QuACK stages x and the residual in shared memory: fp32 at N = 262144 asks 262,408 bytes (H200)
+    f32 = dict(dtype=torch.float32)
+    assert "shared memory" in _why("fused_add_rms_norm", "quack", t(2, 262144, **f32), t(2, 262144, **f32), t(262144, **f32))
+    assert _why("fused_add_rms_norm", "quack", t(2, 16384, **f32), t(2, 16384, **f32), t(16384, **f32)) is None
+    assert _why("fused_add_rms_norm", "quack", t(2, 262144), t(2, 262144), t(262144)) is None  # bf16: half the bytes
     assert _why("layer_norm", "liger", t(2, 64), t(64), t(64)) is None
     assert "bias" in _why("layer_norm", "liger", t(2, 64), t(64))
     assert "weight" in _why("layer_norm", "liger", t(2, 64))
@@ -128,6 +133,9 @@ def test_predicates_other_norms():
 
 def test_predicates_activations_and_losses():
     assert _why("geglu", "liger", t(2, 64), t(2, 64)) is None
+    assert "65536" in _why("geglu", "liger", t(2, 70000), t(2, 70000))  # one block per row
+    assert _why("swiglu", "liger", t(2, 64, dtype=torch.float32), t(2, 64, dtype=torch.float32)) is None
+    assert "65536" in _why("swiglu", "liger", t(2, 70000, dtype=torch.float32), t(2, 70000, dtype=torch.float32))
     assert "tanh" in _why("geglu", "liger", t(2, 64), t(2, 64), "none")
     assert "tanh" in _why("geglu", "liger", t(2, 64), t(2, 64), approximate="none")
     assert "65536" in _why("softmax", "liger", t(2, 70000, dtype=torch.float32))

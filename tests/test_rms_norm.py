@@ -100,3 +100,32 @@ def test_validation_is_not_skipped_for_a_new_invalid_class():
 def test_unhashable_option_gets_a_named_error_not_a_bare_type_error():
     with pytest.raises(OpArgumentError, match="'eps'"):
         polykernel.rms_norm(torch.randn(4, 8), torch.ones(8), [1e-6])
+
+
+def test_parity_allows_a_row_with_inf_to_come_back_nan_but_nothing_else():
+    # PyTorch's CUDA RMSNorm computes the row statistic in one pass (inf - inf = NaN) and returns
+    # NaN across a row holding inf, where the float64 reference is NaN only at the inf (x̂ = x·0
+    # elsewhere). The error model allows that for the rows with a non-finite input, no others.
+    from polykernel.op import Case
+    from polykernel.ops.rms_norm import reference
+    from polykernel.testing import check_parity
+
+    def whole_row_nan(spread_to_clean_rows: bool):
+        def impl(x, weight, eps, offset, casting):
+            y = reference(x, weight, eps, offset, casting)
+            bad = ~torch.isfinite(x).all(-1, keepdim=True)
+            if spread_to_clean_rows:
+                bad = bad | torch.zeros_like(bad).index_fill_(0, torch.tensor([2]), True)
+            return y.masked_fill(bad, float("nan"))
+
+        return impl
+
+    x = torch.randn(4, 8)
+    x[1, 3] = float("inf")
+    case = Case("inf", (x, torch.rand(8) + 0.5))
+    polykernel.register_impl(op="rms_norm", backend="cuda_jit", rank=1)(whole_row_nan(False))
+    (ok,) = check_parity("rms_norm", ["cuda_jit"], dtypes=[torch.float32], cases=[case], backward=False)
+    assert ok.ok, str(ok)
+    polykernel.register_impl(op="rms_norm", backend="cuda_jit", rank=1)(whole_row_nan(True))  # replaces it
+    (bad,) = check_parity("rms_norm", ["cuda_jit"], dtypes=[torch.float32], cases=[case], backward=False)
+    assert not bad.ok and "non-finite" in bad.message, str(bad)

@@ -36,6 +36,10 @@ UNIT_ROUNDOFF: dict[torch.dtype, float] = {
     torch.bfloat16: 2.0**-8,
     torch.float16: 2.0**-11,
 }
+# The smallest normal fp32 number: GPU fast math (ex2.approx.ftz, rcp.approx.ftz) flushes fp32
+# results below it to zero, so a value computed in fp32 may be off by this much in absolute terms
+# (liger's silu(-94) = -0 where the exact value is -1.4e-39: H200, 2026-11-30).
+FTZ_FP32 = 2.0**-126
 # Half the smallest subnormal: the absolute floor of one rounding to the dtype.
 TINY: dict[torch.dtype, float] = {torch.float64: 2.0**-1075, torch.float32: 2.0**-150, torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25}
 
@@ -72,6 +76,11 @@ class ErrorModel:
     Each rounding (``rounds``, ``rounds_abs``) is also off by up to half the smallest subnormal of
     its dtype in absolute terms (fp16 x̂ below 6e-5, say); ``floor`` adds what the op's model
     derives from that where such errors are summed (tiny fp16 logit gradients over many rows).
+
+    ``nonfinite_rows``: a row that holds a non-finite input may come back NaN at every position
+    (row statistics computed in one pass, e.g. Welford's, turn ``inf`` into ``inf - inf``), where
+    the exact result is NaN only where the input was. PyTorch's own CUDA RMSNorm and LayerNorm do
+    this, so the contract allows it for the norms; every other position must still match.
     """
 
     rounds: float = 1.0
@@ -84,6 +93,7 @@ class ErrorModel:
     scale: float | None = None
     inter: torch.dtype | None = None
     floor: float = 0.0
+    nonfinite_rows: bool = False
 
     def tol(self, dtype: torch.dtype, scale: float, rounding: float = 1.0) -> Tol:
         """Tolerance for one tensor of ``dtype``; ``scale`` = max |exact| unless the model has

@@ -98,7 +98,7 @@ def fused_add_rms_norm(
 # an ulp each; dW = Σ dy·ŝ over M rows, random signs, with ŝ from the rounded s.
 def error_model(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0) -> Bounds:
     rows, n = rows_and_len(x)
-    y = ErrorModel(rounds=2, ops=8, sum_rel=0.5, n=n)
+    y = ErrorModel(rounds=2, ops=8, sum_rel=0.5, n=n, nonfinite_rows=True)
     s = ErrorModel(ops=1)
     terms = max(1.0, dx_terms(x.detach() + residual.detach(), weight, eps, offset))
     ds = ErrorModel(ops=4, sum_rel=0.5, cancel=8, sum_abs=1, rounds_abs=2, n=n, scale=terms)

@@ -33,8 +33,9 @@ def validate(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> None:
 
 
 def _key(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *_: object, **__: object) -> tuple:
-    # approximate is in the class because an impl's eligibility depends on it (Liger: tanh only)
-    return (gate.device, gate.dtype, check.needs_grad(gate, up), approximate)
+    # approximate and n (the row length) are in the class because an impl's eligibility depends on
+    # them (Liger: tanh only, N <= 65536)
+    return (gate.device, gate.dtype, check.needs_grad(gate, up), approximate, gate.shape[-1] if gate.dim() else 1)
 
 
 _op: Op  # defined below, after the public function it serves
@@ -50,7 +51,8 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *, im
     >>> y = polykernel.geglu(gate, up, "none", impl="torch")  # exact erf GELU, forced impl
     """
     validate(gate, up, approximate)
-    return _op.call(impl, (gate.device, gate.dtype, check.needs_grad(gate, up), approximate), gate, up, approximate)
+    n = gate.shape[-1] if gate.dim() else 1
+    return _op.call(impl, (gate.device, gate.dtype, check.needs_grad(gate, up), approximate, n), gate, up, approximate)
 
 
 # -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
@@ -141,9 +143,9 @@ def outputs(gate: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dty
 
 _op = Op(
     OP_ID,
-    fields=("device", "dtype", "needs_grad", "approximate"),
+    fields=("device", "dtype", "needs_grad", "approximate", "n"),
     key=_key,
-    default_key=lambda device, dtype: (device, dtype, False, "tanh"),
+    default_key=lambda device, dtype: (device, dtype, False, "tanh", None),
     reference=reference,
     outputs=outputs,
     error_model=error_model,

@@ -119,7 +119,7 @@ def error_model(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch
         rstd = torch.rsqrt(xd.var(-1, unbiased=False, keepdim=True) + eps)
         k, rstd_max = max(1.0, (xd.abs() * rstd).max().item()), rstd.max().item()
     w_max = weight.detach().abs().max().item() if weight is not None and weight.numel() else 1.0
-    y = ErrorModel(ops=6, sum_rel=0.5, cancel=2 * k, sum_abs=k, n=n, scale=k * w_max)
+    y = ErrorModel(ops=6, sum_rel=0.5, cancel=2 * k, sum_abs=k, n=n, scale=k * w_max, nonfinite_rows=True)
     dx = ErrorModel(ops=4, sum_rel=0.5, cancel=8 + 2 * k, sum_abs=1 + k, n=n, scale=rstd_max * w_max * k)
     # dW, dB: M terms of size <= k (|dy| <= 1, |x̂| <= k): partial sums ~√M·k, each term off by x̂'s error
     dwb = ErrorModel(ops=4, cancel=2 * SUM_LAMBDA, sum_abs=1 + SUM_LAMBDA, n=max(n, rows), scale=max(rows, 1) ** 0.5 * k)

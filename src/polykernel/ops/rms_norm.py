@@ -104,7 +104,7 @@ def dx_terms(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -
 
 def error_model(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, casting: str = "fp32") -> Bounds:
     rows, n = rows_and_len(x)
-    y = ErrorModel(rounds=2 if casting == "llama" else 1, ops=8, sum_rel=0.5, n=n)
+    y = ErrorModel(rounds=2 if casting == "llama" else 1, ops=8, sum_rel=0.5, n=n, nonfinite_rows=True)
     llama = casting == "llama"
     dx = ErrorModel(
         ops=4, sum_rel=0.5, cancel=8, sum_abs=1, rounds_abs=2 if llama else 0, n=n, scale=dx_terms(x, weight, eps, offset), inter=x.dtype

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from ..backends.cutile import _gates as cutile_gates
-from ..op import Bounds, Case, ErrorModel, Op
+from ..backends.liger import _gates as liger_gates
+from ..op import FTZ_FP32, Bounds, Case, ErrorModel, Op
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 from ._glu import bytes_moved, example, glu_cases, validate_glu
@@ -29,7 +30,8 @@ def validate(gate: torch.Tensor, up: torch.Tensor) -> None:
 
 
 def _key(gate: torch.Tensor, up: torch.Tensor, *_: object, **__: object) -> tuple:
-    return (gate.device, gate.dtype, check.needs_grad(gate, up))
+    # n (the row length) is in the class because an impl's eligibility depends on it (Liger: N <= 65536)
+    return (gate.device, gate.dtype, check.needs_grad(gate, up), gate.shape[-1] if gate.dim() else 1)
 
 
 _op: Op  # defined below, after the public function it serves
@@ -45,7 +47,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str | None = None) -> 
     >>> y = polykernel.swiglu(gate, up, impl="torch")  # forced impl
     """
     validate(gate, up)
-    return _op.call(impl, (gate.device, gate.dtype, check.needs_grad(gate, up)), gate, up)
+    return _op.call(impl, (gate.device, gate.dtype, check.needs_grad(gate, up), gate.shape[-1] if gate.dim() else 1), gate, up)
 
 
 # -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
@@ -56,7 +58,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str | None = None) -> 
 def error_model(gate: torch.Tensor, up: torch.Tensor) -> Bounds:
     g_max = gate.detach().abs().max().item() if gate.numel() else 0.0
     u_max = up.detach().abs().max().item() if up.numel() else 0.0
-    out = ErrorModel(ops=6 + g_max)
+    out = ErrorModel(ops=6 + g_max, floor=FTZ_FP32 * max(u_max, 1.0))  # σ(g) below 2^-126 may flush to 0
     d_gate = ErrorModel(ops=6 + g_max, cancel=4 + g_max, scale=1.1 * u_max)
     return Bounds(outputs=(out,), grads={0: d_gate, 1: out})
 
@@ -93,7 +95,7 @@ IMPLS = [
         description="one elementwise pass each way (flat or row-strided, 16-byte accesses); backward recomputes silu",
     ),
     # Liger: fwd 4.28 vs our 4.26, fwd+bwd 4.25 vs 4.29 at 16384x14336 (copy speed, a tie): behind
-    # Triton. It refuses N > 65536 at run time (the argument class has no N for a predicate).
+    # Triton. One block per row: its predicate refuses N > 65536.
     # H200 2026-11-30: bf16/fp16 round silu(gate) before the multiply: ~2x the one-rounding model. fp32 passes.
     KernelSpec(
         OP_ID,
@@ -104,6 +106,7 @@ IMPLS = [
         format_signature=_FP32_ONLY,
         rank=60,
         description="Liger LigerSiLUMulFunction (silu(gate) rounded to up's dtype before the multiply); gate/up copied when grad is on",
+        predicate=liger_gates.swiglu,
     ),
     # cuTile (issue 9): not yet measured on the H200; ranked behind Triton until it is, so auto does
     # not change. The predicate probes the tileiras compiler once per process and arch (explain
@@ -129,9 +132,9 @@ def outputs(gate: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dty
 
 _op = Op(
     OP_ID,
-    fields=("device", "dtype", "needs_grad"),
+    fields=("device", "dtype", "needs_grad", "n"),
     key=_key,
-    default_key=lambda device, dtype: (device, dtype, False),
+    default_key=lambda device, dtype: (device, dtype, False, None),
     reference=reference,
     outputs=outputs,
     error_model=error_model,

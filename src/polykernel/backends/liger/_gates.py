@@ -29,10 +29,14 @@ def layer_norm(a: Any) -> str | None:
     return _row(a)
 
 
+def swiglu(a: Any) -> str | None:
+    return _row(a)
+
+
 def geglu(a: Any) -> str | None:
     if a.approximate != "tanh":
         return "Liger's GeGLU is the tanh approximation only"
-    return None
+    return _row(a)
 
 
 def softmax(a: Any) -> str | None:

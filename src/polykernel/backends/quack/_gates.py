@@ -31,9 +31,26 @@ def rms_norm(a: Any) -> str | None:
     return None
 
 
+# Shared memory per CTA on sm_90 (227 KiB), and QuACK 0.6.5's forward cluster size per row length
+# (quack/rmsnorm_config.py, Hopper): the row is split over a cluster of CTAs, each staging its slice.
+SMEM_BYTES = 232448
+_CLUSTER = {2: ((16384, 1), (32768, 2), (65536, 4), (131072, 8)), 4: ((32768, 1), (65536, 2), (131072, 4), (262144, 8))}
+
+
+def _residual_smem(a: Any) -> int:
+    """Bytes of shared memory QuACK's fused add + RMSNorm forward asks per CTA: x's and the
+    residual's slices of a row, plus ~264 bytes of reduction buffer (H200: 262,408 at N = 262144
+    in fp32, which fails to launch)."""
+    width = _bytes(a.dtype)
+    cluster = next((c for limit, c in _CLUSTER[2 if width == 2 else 4] if a.n <= limit), 16)
+    return 2 * -(-a.n // cluster) * width + 512
+
+
 def fused_add_rms_norm(a: Any) -> str | None:
     if _vectors(a):
         return _vectors(a)
+    if a.n is not None and _residual_smem(a) > SMEM_BYTES:
+        return f"QuACK's fused add + RMSNorm needs {_residual_smem(a)} bytes of shared memory per CTA at N = {a.n} in {str(a.dtype).removeprefix('torch.')} (sm_90 has {SMEM_BYTES})"
     if a.needs_grad and _bytes(a.dtype) >= 4 and a.n is not None and a.n > 128 * 1024:
         return f"QuACK's RMSNorm backward refuses N > 131072 in fp32 (shared memory); N = {a.n}"
     return None
