@@ -128,7 +128,7 @@ def _profile(run_step: Any, out: Path, variant: str) -> dict[str, Any]:
         f"{variant}: GPU ms per step by family: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(families.items(), key=lambda kv: -kv[1]))
     ]
     lines += [f"{ms:9.3f} ms {n:5d}x  {fam:<10} {name[:140]}" for ms, n, fam, name in kernels[:60]]
-    (out / f"profile-{variant.replace('[', '-').replace(']', '')}.txt").write_text("\n".join(lines) + "\n")
+    (out / f"profile-{variant.replace('+', '_plus_').replace('[', '-').replace(']', '')}.txt").write_text("\n".join(lines) + "\n")
     return {"gpu_ms_per_step": sum(families.values()), "families_ms_per_step": families}
 
 
