@@ -147,12 +147,12 @@ def test_more_than_2_31_elements_gpu(layout):
         torch.testing.assert_close(du[rows], ru, atol=1e-5, rtol=1e-2)
 
 
-def test_error_model_allows_fp32_flush_to_zero():
-    # GPU fast math flushes fp32 results below 2^-126 to zero: Liger's silu(-94) comes back -0
-    # where the exact value is -1.4e-39 (H200). That is within the model; a real error is not.
+def test_error_model_allows_sigmoid_underflow():
+    # fp32 exp(-g) overflows for g < -88.72, so silu(g) comes back -0 where the exact value is up to
+    # -2.6e-37 (H200: torch's and Liger's silu(-94)). That is within the model; a real error is not.
     from polykernel.ops.swiglu import error_model, reference
 
-    gate, up = torch.tensor([[-94.0, 3.0]]), torch.tensor([[1.5, 2.0]])
+    gate, up = torch.tensor([[-88.8, 3.0]]), torch.tensor([[1.5, 2.0]])
     exact = reference(gate.double(), up.double())
     tol = error_model(gate, up).output(0).tol(torch.float32, exact.abs().max().item())
     flushed = exact.clone()

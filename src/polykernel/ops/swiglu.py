@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ..backends.cutile import _gates as cutile_gates
 from ..backends.liger import _gates as liger_gates
-from ..op import FTZ_FP32, Bounds, Case, ErrorModel, Op
+from ..op import SIGMOID_UNDERFLOW_FP32, Bounds, Case, ErrorModel, Op
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 from ._glu import bytes_moved, example, glu_cases, validate_glu
@@ -58,7 +58,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str | None = None) -> 
 def error_model(gate: torch.Tensor, up: torch.Tensor) -> Bounds:
     g_max = gate.detach().abs().max().item() if gate.numel() else 0.0
     u_max = up.detach().abs().max().item() if up.numel() else 0.0
-    out = ErrorModel(ops=6 + g_max, floor=FTZ_FP32 * max(u_max, 1.0))  # σ(g) below 2^-126 may flush to 0
+    out = ErrorModel(ops=6 + g_max, floor=SIGMOID_UNDERFLOW_FP32 * max(u_max, 1.0))  # σ(g) = 0 once exp(-g) overflows
     d_gate = ErrorModel(ops=6 + g_max, cancel=4 + g_max, scale=1.1 * u_max)
     return Bounds(outputs=(out,), grads={0: d_gate, 1: out})
 
