@@ -35,6 +35,10 @@ def plot_demo(result: dict[str, Any], path: str) -> None:
     bars = ax_tps.bar(labels, values, color=[colours[lab] for lab in labels])
     for bar, v in zip(bars, values):
         ax_tps.annotate(f"{v / base:.2f}x", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=9)
+    if len(labels) > 4:  # long names ("polykernel+compile") would overlap their neighbours
+        ax_tps.tick_params(axis="x", labelrotation=20)
+        for tick in ax_tps.get_xticklabels():
+            tick.set_horizontalalignment("right")
     ax_tps.set_ylabel("tokens/s (median step)")
     ax_tps.set_title("throughput")
     ax_tps.grid(True, axis="y", alpha=0.3)
