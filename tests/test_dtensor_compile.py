@@ -4,8 +4,7 @@ eager on the whole tensors, row-sharded inputs stay sharded (no gather) and the 
 Triton impl (interpreter) runs on the local shards. Compiled training too: the training custom
 ops (``<op>_train``, ``<op>_train_backward``) carry rules, so a fwd+bwd graph runs them on the
 local shards, gradients match eager on the whole tensors and a replicated weight's gradient is
-``Partial``; the calls no rule covers (a mean loss over sharded rows, the fused linear
-cross-entropy) decompose, logged once."""
+``Partial``; the calls no rule covers (a mean loss over sharded rows) decompose, logged once."""
 
 from __future__ import annotations
 
@@ -106,12 +105,54 @@ def _train_cases() -> list[tuple[str, Any, Any]]:
                 (Shard(1), Shard(1), R, R),
             ),
         ),
-        (
-            "flce-sum-S0",
-            lambda h, w, t: pk.fused_linear_cross_entropy(h, w, t, reduction="sum"),
-            lambda: ((torch.randn(8, 16), torch.randn(10, 16), torch.tensor([1, 2, -100, 3, 4, 5, 6, 7])), (Shard(0), R, Shard(0))),
-        ),
+        *_flce_cases(),
     ]
+
+
+def _flce_cases() -> list[tuple[str, Any, Any]]:
+    """The fused linear cross-entropy (its saved slots: grad_hidden, grad_weight, grad_bias, a
+    placeholder where not computed) on sharded rows, replicated LM head."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    import polykernel as pk
+
+    R = Replicate()
+    rows = torch.tensor([1, 2, -100, 3, 4, 5, 6, 7])
+    target = torch.tensor([[1, 2, -100, 3, 4], [5, 6, 7, 8, -100]])
+
+    def flce(reduction: str) -> Any:
+        return lambda h, w, t, b=None: pk.fused_linear_cross_entropy(h, w, t, b, reduction=reduction)
+
+    return [
+        ("flce-sum-S0", flce("sum"), lambda: ((torch.randn(8, 16), torch.randn(10, 16), rows), (Shard(0), R, Shard(0)))),
+        ("flce-none-S0", flce("none"), lambda: ((torch.randn(8, 16), torch.randn(10, 16), rows), (Shard(0), R, Shard(0)))),
+        (
+            "flce-sum-S1-3d-bias",  # uneven: 5 rows over 2 ranks; the bias's gradient is a saved slot too
+            flce("sum"),
+            lambda: ((torch.randn(2, 5, 16), torch.randn(10, 16), target, torch.randn(10)), (Shard(1), R, Shard(1), R)),
+        ),
+        (
+            "flce-none-S1-3d-bias",
+            flce("none"),
+            lambda: ((torch.randn(2, 5, 16), torch.randn(10, 16), target, torch.randn(10)), (Shard(1), R, Shard(1), R)),
+        ),
+        (
+            "flce-sum-S0-weight-only",  # hidden takes no gradient: its saved slot is a placeholder
+            flce("sum"),
+            lambda: ((torch.randn(8, 16), torch.randn(10, 16), rows), (Shard(0), R, Shard(0))),
+        ),
+        ("flce-mean-replicated", flce("mean"), lambda: ((torch.randn(8, 16), torch.randn(10, 16), rows), (R, R, R))),
+        ("flce-mean-S0", flce("mean"), lambda: ((torch.randn(8, 16), torch.randn(10, 16), rows), (Shard(0), R, Shard(0)))),
+    ]
+
+
+def _grad_args(name: str, args: list) -> set[int]:
+    """Which arguments of a training case take gradients (the floating ones, unless named)."""
+    if name.endswith("-qk"):  # q and k only
+        return {0, 1}
+    if name.endswith("-weight-only"):
+        return {1}
+    return {i for i, a in enumerate(args) if a.is_floating_point()}
 
 
 def _recording_backend(graphs: list) -> Any:
@@ -141,27 +182,32 @@ def _loss(out: Any) -> Any:
     return sum((o if o.dim() == 0 else (o * (i + 1)).sum()) for i, o in enumerate(outs))
 
 
-def _train_once(mesh: Any, fn: Any, args: list, placements: tuple, n_grad: int) -> dict[str, Any]:
-    """fwd+bwd of ``fn`` eager on whole tensors and compiled on DTensors (the first ``n_grad``
-    floating arguments take gradients): gradient diffs, the gradients' placements, the
-    polykernel nodes of the compiled graphs and the impls chosen."""
+def _train_once(mesh: Any, fn: Any, args: list, placements: tuple, grad_args: set[int]) -> dict[str, Any]:
+    """fwd+bwd of ``fn`` eager on whole tensors and compiled on DTensors (the ``grad_args`` take
+    gradients): loss and gradient diffs, the gradients' placements, the polykernel nodes of the
+    compiled graphs, the impls chosen and the ops whose decomposition was logged."""
     from torch.distributed.tensor import distribute_tensor
 
     import polykernel
+    from polykernel import dispatch
     from polykernel.dtensor import _placement
 
-    leaves = [a.clone().requires_grad_(a.is_floating_point() and i < n_grad) for i, a in enumerate(args)]
-    _loss(fn(*leaves)).backward()
+    leaves = [a.clone().requires_grad_(i in grad_args) for i, a in enumerate(args)]
+    want = _loss(fn(*leaves))
+    want.backward()
     dargs = [distribute_tensor(a, mesh, [p]).requires_grad_(leaf.requires_grad) for a, p, leaf in zip(args, placements, leaves)]
     graphs: list = []
-    _loss(torch.compile(fn, fullgraph=True, backend=_recording_backend(graphs))(*dargs)).backward()
+    got = _loss(torch.compile(fn, fullgraph=True, backend=_recording_backend(graphs))(*dargs))
+    got.backward()
     diffs = [float((d.grad.full_tensor() - a.grad).abs().max()) for d, a in zip(dargs, leaves) if a.grad is not None]
+    diffs.append(float((got.full_tensor() - want.detach()).abs().max()))
     return {
         "diff": max(diffs),
         "grads": len(diffs),
         "grad_placements": [[_placement(p) for p in d.grad.placements] for d in dargs if d.grad is not None],
         "nodes": _polykernel_nodes(graphs),
         "impls": sorted({d["impl"] for d in polykernel.decisions()}),
+        "decomposed": sorted({k[1] for k in dispatch._logged if k[0] == "compile-dtensor"}),
     }
 
 
@@ -272,7 +318,7 @@ def _worker(rank: int, init_file: str, out_file: str) -> None:
             torch.manual_seed(0)
             args, placements = build()
             try:
-                reports["train:" + name] = _train_once(mesh, fn, args, placements, 2 if name.endswith("-qk") else len(args))
+                reports["train:" + name] = _train_once(mesh, fn, args, placements, _grad_args(name, args))
             except Exception as exc:
                 reports["train:" + name] = {"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}
         try:
@@ -325,8 +371,17 @@ TRAIN = {
     "swiglu-forced-S1": (_trained("swiglu"), [["Shard(1)"], ["Shard(1)"]]),
     "rope-heads-qk": (_trained("rope"), [["Shard(1)"], ["Shard(1)"]]),
     "cross_entropy-mean-S0": (None, None),  # the mean needs the global count of scored rows
-    "flce-sum-S0": (None, None),  # its saved gradients have no fixed placement
+    # The fused linear cross-entropy: grad_hidden like hidden, the LM head's gradients Partial
+    "flce-sum-S0": (_trained("fused_linear_cross_entropy"), [["Shard(0)"], ["Partial(sum)"]]),
+    "flce-none-S0": (_trained("fused_linear_cross_entropy"), [["Shard(0)"], ["Partial(sum)"]]),
+    "flce-sum-S1-3d-bias": (_trained("fused_linear_cross_entropy"), [["Shard(1)"], ["Partial(sum)"], ["Partial(sum)"]]),
+    "flce-none-S1-3d-bias": (_trained("fused_linear_cross_entropy"), [["Shard(1)"], ["Partial(sum)"], ["Partial(sum)"]]),
+    "flce-sum-S0-weight-only": (_trained("fused_linear_cross_entropy"), [["Partial(sum)"]]),
+    "flce-mean-replicated": (_trained("fused_linear_cross_entropy"), [["Replicate()"], ["Replicate()"]]),
+    "flce-mean-S0": (None, None),  # the mean needs the global count of scored rows
 }
+# The op each decomposing case belongs to (its decomposition is logged).
+DECOMPOSED = {"cross_entropy-mean-S0": "loss.cross_entropy", "flce-mean-S0": "loss.fused_linear_cross_entropy"}
 
 
 @pytest.mark.parametrize("name", list(TRAIN))
@@ -337,6 +392,7 @@ def test_compiled_training_on_dtensors_runs_our_ops_and_matches_eager(report, na
     nodes, placements = TRAIN[name]
     if nodes is None:
         assert r["nodes"] == [], r["nodes"]
+        assert DECOMPOSED[name] in r["decomposed"], r["decomposed"]
         return
     assert r["nodes"] == sorted(nodes)
     assert "triton" in r["impls"], r["impls"]  # the dispatcher's choice, on the local shards

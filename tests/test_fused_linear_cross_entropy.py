@@ -113,6 +113,47 @@ def test_grad_output_one_and_partial_requires_grad(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_split_saves_fixed_slots(impl):
+    """The split (compiled training) saves (grad_hidden, grad_weight, grad_bias) whatever
+    grad_mask and reduction ask for, so each slot has one placement under DTensor: a slot not
+    computed is an empty placeholder of the slot's rank and dtype (grad_hidden's keeps hidden's
+    rows), the others hold grad_output = 1's gradients; the backward gives the reference's."""
+    _need(impl)
+    from polykernel import registry
+
+    split = registry.load_impl(registry.specs_for(registry.get_op("loss.fused_linear_cross_entropy"))[impl]).split
+    h, w, b = torch.randn(2, 3, 16), torch.randn(50, 16) / 4, torch.randn(50)
+    t = torch.randint(0, 50, (2, 3))
+    t[0, 1] = -100
+    full = {0: (h.shape, h.dtype), 1: (w.shape, w.dtype), 2: ((50,), torch.float32)}
+    empty = {0: (2, 3, 0), 1: (0, 0), 2: (0,)}
+    for reduction in ("mean", "sum", "none"):
+        for needs in ((True, True, True), (True, False, False), (False, True, True), (True, True, False)):
+            mask = [needs[0], needs[1], False, needs[2], False, False, False]
+            args = (h, w, t, b, -100, 0.1, reduction)
+            (loss,), saved = split.forward(*args, mask)
+            assert len(saved) == 3 and [s.dim() for s in saved] == [3, 2, 1]
+            computed = needs if reduction != "none" else (False, False, False)
+            for i, (s, c) in enumerate(zip(saved, computed)):
+                assert (tuple(s.shape), s.dtype) == ((tuple(full[i][0]), full[i][1]) if c else (empty[i], full[i][1])), (
+                    reduction,
+                    needs,
+                    i,
+                )
+            assert [(s.shape, s.dtype) for s in split.layout(*args, mask)] == [(s.shape, s.dtype) for s in saved]
+            refs = [x.clone().requires_grad_(r) for x, r in zip((h, w, b), needs)]
+            want = reference(refs[0], refs[1], t, refs[2], label_smoothing=0.1, reduction=reduction)
+            cot = torch.randn_like(want)
+            want.backward(cot)
+            torch.testing.assert_close(loss, want.detach(), rtol=2e-5, atol=2e-5)
+            got = split.backward([cot], saved, *args, mask)
+            for g, r, need in zip((got[0], got[1], got[3]), refs, needs):
+                assert (g is None) == (not need)
+                if need:
+                    torch.testing.assert_close(g, r.grad, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_no_grad_forward_and_double_backward(impl):
     _need(impl)
     h = torch.randn(6, 16, requires_grad=True)

@@ -14,19 +14,29 @@ Covered:
 - the forward custom op (``polykernel::<op>``: inference, or ``torch.no_grad``);
 - the training ops (``<op>_train``, ``<op>_train_backward``; their fixed-arity schemas are in
   :mod:`polykernel.library`): the forward's placements, plus the saved tensors' (one value per
-  row: sharded like the rows; a sum over the rows: ``Partial()``), and in the backward each
-  gradient placed like its argument, ``Partial()`` for a replicated argument of sharded rows (a
-  norm's weight, cos/sin for head-sharded RoPE): DTensor reduces it when it is read.
+  row: sharded like the rows; shaped like the lead, e.g. the fused linear cross-entropy's
+  grad_hidden: placed like it; a sum over the rows, e.g. its grad_weight and grad_bias:
+  ``Partial()``), and in the backward each gradient placed like its argument, ``Partial()`` for
+  a replicated argument of sharded rows (a norm's weight, cos/sin for head-sharded RoPE, the
+  LM head's weight and bias): DTensor reduces it when it is read.
 
 Not covered, so compiled training on DTensors decomposes the op (``library.CompiledOp.call``,
 logged once; :func:`why_not` says why):
 
-- the fused linear cross-entropy: its saved tensors are the gradients its ``grad_mask`` and
-  ``reduction`` ask for, compacted, so a saved slot has no fixed placement;
-- a ``reduction="mean"`` loss over sharded rows: the mean divides by the global count of
-  scored rows, which no placement says; inference computes it replicated (``"sum"`` gives
-  ``Partial()``, ``"none"`` shards like the targets), training decomposes rather than gather
-  the logits.
+- a ``reduction="mean"`` loss over sharded rows (cross_entropy, fused_linear_cross_entropy):
+  the mean divides by the global count of scored rows, which no placement says: the split
+  scales by its local count (the fused linear cross-entropy even scales its saved gradients by
+  it in the forward), and a placement can neither express "divide by the sum over ranks of a
+  per-rank count" nor fix it afterwards without a collective inside the op. Inference computes
+  it replicated (``"sum"`` gives ``Partial()``, ``"none"`` shards like the targets); training
+  decomposes rather than gather the hidden states or logits.
+- a vocab-sharded fused linear cross-entropy (the LM head's weight ``Shard(0)``, column
+  parallel): each rank holds a slice of every row's logits, and the loss and its gradient need
+  the row's logsumexp over all ranks (a max and a sum all-reduced per row chunk, then the
+  target's logit from the rank that owns it), i.e. collectives between the kernel's steps. A
+  sharding rule only places an op's inputs and outputs, so no rule can say it; DTensor
+  redistributes the weight to ``Replicate()`` (an all-gather) to meet the rules below, and the
+  eager route does the same.
 
 DTensor caches a strategy per op and argument specs, and by default hashes no non-tensor
 argument before the first ``int`` one; each op's cache key is widened here to every argument
@@ -46,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .op import Op
 
-__all__ = ["register", "register_built", "why_not"]
+__all__ = ["decompose", "register", "register_built", "why_not"]
 
 _lock = threading.Lock()
 # The ops with a layout in polykernel.dtensor.LAYOUTS (kept equal by tests/test_dtensor_compile.py).
@@ -64,7 +74,7 @@ _LAID_OUT = frozenset(
     }
 )
 # Saved-tensor kinds (library.SAVED) that have a placement here.
-_PLACED_KINDS = frozenset({"rows", "sum"})
+_PLACED_KINDS = frozenset({"rows", "lead", "sum"})
 _done: set[str] = set()
 _trained: set[str] = set()  # ops whose training ops got rules
 
@@ -124,11 +134,14 @@ def _rules(op: Op) -> Any:
 
 
 def _saved_placements(kinds: tuple[str, ...], d: int | None) -> list[Any]:
+    """The saved tensors' placements for the lead sharded on ``d`` (None: all replicated). A
+    "rows" tensor is shaped like the lead's rows and a "lead" one like the lead (or an empty
+    placeholder of its rank): both ``Shard(d)``; a "sum" over the rows is ``Partial()``."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     if d is None:
         return [Replicate()] * len(kinds)
-    return [Shard(d) if kind == "rows" else Partial() for kind in kinds]
+    return [Shard(d) if kind in ("rows", "lead") else Partial() for kind in kinds]
 
 
 def _train_rules(op: Op, compiled: Any) -> Any:
@@ -217,8 +230,6 @@ def why_not(op_id: str, args: tuple[Any, ...]) -> str | None:
     """Why the training ops have no rule for this call of ``op_id`` on DTensors (``args``: the
     impl's positional arguments), or None when they do. Read at trace time."""
     if op_id not in _trained:
-        if op_id == "loss.fused_linear_cross_entropy":
-            return "its saved gradients depend on grad_mask and reduction, so they have no fixed placement"
         return "the op has no row layout" if op_id not in _LAID_OUT else "its saved tensors have no placement"
     from . import dtensor
 
@@ -227,6 +238,26 @@ def why_not(op_id: str, args: tuple[Any, ...]) -> str | None:
     if loss is not None and _reduction(args, loss) == "mean" and not all(p.is_replicate() for p in getattr(lead, "placements", ())):
         return 'reduction="mean" over sharded rows needs the global count of scored rows'
     return None
+
+
+def decompose(op_id: str, reference: Any, args: tuple[Any, ...]) -> Any:
+    """What compiled training on DTensors traces for a call :func:`why_not` refuses: the op's
+    torch ``reference``, which DTensor and Inductor handle. A mean loss over sharded rows is
+    traced as its sum over the global count of scored rows: DTensor's own rule for a mean
+    ``nll_loss`` over sharded rows gives the average of the ranks' means (``Partial(avg)``),
+    wrong whenever the ranks score different numbers of rows (ignored targets). The sum and
+    the count are ``Partial()``, so DTensor all-reduces both before dividing."""
+    from . import dtensor
+
+    loss = dtensor._LOSS_ARGS.get(op_id)
+    if loss is None or _reduction(args, loss) != "mean" or all(p.is_replicate() for p in getattr(args[0], "placements", ())):
+        return reference(*args)
+    # The public functions pass every argument positionally, reduction last (a shorter call
+    # took "mean" by default above only if it also left ignore_index out: the default, -100).
+    ignore = args[loss[1]] if len(args) > loss[1] else -100
+    total = reference(*args[: loss[2]], reduction="sum")
+    count = (args[loss[0]] != ignore).sum()
+    return total / count.to(total.dtype)
 
 
 def register_built() -> None:

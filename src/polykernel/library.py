@@ -115,17 +115,24 @@ _ATTR = "_polykernel_custom_op"  # set on each Op object: its CompiledOp.call
 # "rows": one value per row of the lead (first) argument: the split's [M], returned by the custom
 #         op shaped lead.shape[:-1], so that rows sharded on dim d shard it on dim d too (a
 #         flattened [M] would interleave ranks' rows on dim 0, and split unevenly otherwise);
-# "sum":  a sum over the rows (the non-ignored count): Partial over sharded rows;
+# "lead": shaped like the lead argument (a gradient of it), or an empty placeholder shaped like
+#         the lead with its last dim 0 (so that it shards wherever the lead's rows do: DTensor
+#         refuses Shard(d) of a dim smaller than the mesh): placed like the lead;
+# "sum":  a sum over the rows (the non-ignored count, a weight's gradient), or an empty
+#         placeholder of a fixed rank: Partial over sharded rows;
 # "any":  anything else: no sharding rule, so the op decomposes in compiled training on DTensors.
-# A split that saves fewer gets empty tensors appended, which its backward must ignore: the fused
-# linear cross-entropy saves, compacted, the gradients its grad_mask and reduction ask for. An op
-# with a split but no entry here saves nothing, and its compiled backward recomputes the forward.
+# Every slot keeps one meaning whatever grad_mask and reduction ask for: a slot a call does not
+# compute holds an empty placeholder (no allocation), which the backward ignores. A split that
+# saves fewer gets empty 1-d tensors appended. An op with a split but no entry here saves
+# nothing, and its compiled backward recomputes the forward.
 SAVED: dict[str, tuple[str, ...]] = {
     "norm.rms_norm": ("rows",),  # rstd
     "norm.layer_norm": ("rows", "rows"),  # mean, rstd
     "activation.softmax": ("rows", "rows"),  # each row's max and 1/sum
     "loss.cross_entropy": ("rows", "sum"),  # LSE, the non-ignored count
-    "loss.fused_linear_cross_entropy": ("any", "any", "any"),  # [grad_hidden], [grad_weight], [grad_bias]
+    # grad_hidden, grad_weight, grad_bias (fp32): computed in the forward for "sum"/"mean", each
+    # a placeholder where grad_mask does not ask for it, and all three for "none" (recomputed)
+    "loss.fused_linear_cross_entropy": ("lead", "sum", "sum"),
 }
 
 
@@ -491,7 +498,7 @@ class CompiledOp:
                     # No sharding rule covers the training ops here (see dtensor_sharding): the op
                     # decomposes into torch ops that DTensor and Inductor handle.
                     _decomposing_on_dtensors(op_id, why)
-                    return reference(*args)
+                    return dtensor_sharding.decompose(op_id, reference, args)
                 if any(mask):  # training: the forward returns what the backward needs
                     outs = _as_tuple(train(*args, mask, impl=impl))[:n_out]
                     return outs[0] if single else tuple(outs)

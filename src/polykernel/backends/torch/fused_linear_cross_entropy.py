@@ -168,11 +168,39 @@ def fused_linear_cross_entropy(
 # Forward and backward as separate functions, for compiled graphs (polykernel.library). With
 # reduction "mean"/"sum" the forward computes the gradients for grad_output = 1, as the eager
 # path does, and saves them; the backward scales them (out of place: a custom op's outputs are
-# fresh tensors). With "none" nothing is saved and the backward walks the chunks again. This
-# driver's split defines the op's saved layout: [grad_hidden [N, H]], [grad_weight], [grad_bias
-# (fp32)], each present when its argument needs a gradient.
+# fresh tensors). With "none" nothing is computed ahead and the backward walks the chunks again.
+# This driver's split defines the op's saved layout (library.SAVED), three fixed slots whatever
+# grad_mask and reduction ask for, so that each slot has one placement under DTensor:
+#   0: grad_hidden, shaped like hidden (sharded like its rows);
+#   1: grad_weight [V, H] (a sum over the rows);
+#   2: grad_bias [V], fp32 (a sum over the rows).
+# A slot that is not computed holds an empty placeholder of the same rank and dtype, which the
+# backward ignores: no allocation (numel 0), and valid under the slot's placements: grad_hidden's
+# is hidden's shape with H = 0, so that it shards wherever hidden's rows do (DTensor refuses to
+# shard a tensor dim smaller than the mesh, even as an input it only passes through); the sums'
+# are (0, 0) and (0,), replicated or Partial.
 def _needs(bias: torch.Tensor | None, grad_mask) -> tuple[bool, bool, bool]:
     return (bool(grad_mask[0]), bool(grad_mask[1]), bias is not None and bool(grad_mask[3]))
+
+
+def _slots(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    """The saved slots' full shapes and dtypes: grad_hidden, grad_weight, grad_bias."""
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    return ((tuple(hidden.shape), hidden.dtype), (tuple(weight.shape), weight.dtype), ((weight.shape[0],), acc))
+
+
+def _placeholder(slot: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The empty tensor that stands for an uncomputed slot (see above)."""
+    return torch.empty((*shape[:-1], 0) if slot == 0 else (0,) * len(shape), dtype=dtype, device=device)
+
+
+def _saved(grads, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``grads`` (grad_hidden [N, H], grad_weight, grad_bias; None where not computed) as the
+    fixed slots: grad_hidden viewed like hidden, a placeholder for each None."""
+    return tuple(
+        _placeholder(i, shape, dtype, hidden.device) if g is None else g.view(shape)
+        for i, (g, (shape, dtype)) in enumerate(zip(grads, _slots(hidden, weight)))
+    )
 
 
 def make_split(chunk_fn: ChunkFn) -> Split:
@@ -184,11 +212,11 @@ def make_split(chunk_fn: ChunkFn) -> Split:
         count = (t != ignore_index).sum()
         if reduction == "none":
             losses, *_ = _walk(h2, weight, bias, t, ignore_index, ls, chunk_fn, None)
-            return (reduce_rows(losses, count, reduction, target.shape),), ()
+            return (reduce_rows(losses, count, reduction, target.shape),), _saved((None, None, None), hidden, weight)
         acc = torch.promote_types(hidden.dtype, torch.float32)
         scale = grad_scale(torch.ones((), dtype=acc, device=h2.device), count, reduction, acc)
         losses, *grads = _walk(h2, weight, bias, t, ignore_index, ls, chunk_fn, scale, _needs(bias, grad_mask))
-        return (reduce_rows(losses, count, reduction, target.shape),), tuple(g for g in grads if g is not None)
+        return (reduce_rows(losses, count, reduction, target.shape),), _saved(grads, hidden, weight)
 
     def backward(grads, saved, hidden, weight, target, bias, ignore_index, ls, reduction, grad_mask):
         g, needs = grads[0], _needs(bias, grad_mask)
@@ -199,8 +227,7 @@ def make_split(chunk_fn: ChunkFn) -> Split:
                 hidden.reshape(-1, hidden.shape[-1]), weight, bias, t, ignore_index, ls, chunk_fn, g.reshape(-1).to(acc), needs
             )
         else:
-            it = iter(saved)
-            gh, gw, gb = (torch.mul(next(it), g) if need else None for need in needs)
+            gh, gw, gb = (torch.mul(s, g) if need else None for s, need in zip(saved, needs))
         return [
             None if gh is None else gh.view(hidden.shape),
             gw,
@@ -212,15 +239,11 @@ def make_split(chunk_fn: ChunkFn) -> Split:
         ]
 
     def layout(hidden, weight, target, bias, ignore_index, ls, reduction, grad_mask):
-        if reduction == "none":
-            return ()
-        needs, acc = _needs(bias, grad_mask), torch.promote_types(hidden.dtype, torch.float32)
-        shapes = (
-            ((hidden.numel() // max(hidden.shape[-1], 1), hidden.shape[-1]), hidden.dtype),
-            (weight.shape, weight.dtype),
-            ((weight.shape[0],), acc),
+        needs = (False, False, False) if reduction == "none" else _needs(bias, grad_mask)
+        return tuple(
+            torch.empty(shape, dtype=dtype, device=hidden.device) if need else _placeholder(i, shape, dtype, hidden.device)
+            for i, (need, (shape, dtype)) in enumerate(zip(needs, _slots(hidden, weight)))
         )
-        return tuple(torch.empty(s, dtype=d, device=hidden.device) for need, (s, d) in zip(needs, shapes) if need)
 
     return Split(forward=forward, backward=backward, layout=layout)
 
