@@ -20,22 +20,24 @@ Covered:
   a replicated argument of sharded rows (a norm's weight, cos/sin for head-sharded RoPE, the
   LM head's weight and bias): DTensor reduces it when it is read.
 
-Not covered, so compiled training on DTensors decomposes the op (``library.CompiledOp.call``,
-logged once; :func:`why_not` says why):
+A ``reduction="mean"`` loss over sharded rows (cross_entropy, fused_linear_cross_entropy) has no
+rule of its own: the mean divides by the global count of scored rows, which no placement says
+(the split scales by its local count; the fused linear cross-entropy even scales its saved
+gradients by it in the forward). ``library.CompiledOp.call`` traces it as the same call with
+``reduction="sum"`` (our custom ops, whose rules give a ``Partial()`` loss: the training pair, or
+the forward op without grad) over the global count (:func:`mean_of_sum`), so compiled training
+and inference run our kernels on the local shards, nothing gathered.
 
-- a ``reduction="mean"`` loss over sharded rows (cross_entropy, fused_linear_cross_entropy):
-  the mean divides by the global count of scored rows, which no placement says: the split
-  scales by its local count (the fused linear cross-entropy even scales its saved gradients by
-  it in the forward), and a placement can neither express "divide by the sum over ranks of a
-  per-rank count" nor fix it afterwards without a collective inside the op. Inference computes
-  it replicated (``"sum"`` gives ``Partial()``, ``"none"`` shards like the targets); training
-  decomposes rather than gather the hidden states or logits.
+Not covered, so DTensor redistributes the arguments to meet the rules (an op whose training
+ops have no rules decomposes into its torch reference in compiled training instead:
+``library.CompiledOp.call``, logged once; :func:`why_not` says why):
+
 - a vocab-sharded fused linear cross-entropy (the LM head's weight ``Shard(0)``, column
   parallel): each rank holds a slice of every row's logits, and the loss and its gradient need
   the row's logsumexp over all ranks (a max and a sum all-reduced per row chunk, then the
   target's logit from the rank that owns it), i.e. collectives between the kernel's steps. A
   sharding rule only places an op's inputs and outputs, so no rule can say it; DTensor
-  redistributes the weight to ``Replicate()`` (an all-gather) to meet the rules below, and the
+  redistributes the weight to ``Replicate()`` (an all-gather) to meet the rules above, and the
   eager route does the same.
 
 DTensor caches a strategy per op and argument specs, and by default hashes no non-tensor
@@ -56,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .op import Op
 
-__all__ = ["decompose", "register", "register_built", "why_not"]
+__all__ = ["mean_of_sum", "register", "register_built", "sharded_mean", "why_not"]
 
 _lock = threading.Lock()
 # The ops with a layout in polykernel.dtensor.LAYOUTS (kept equal by tests/test_dtensor_compile.py).
@@ -228,36 +230,46 @@ def register(op: Op, compiled: Any) -> None:
 
 def why_not(op_id: str, args: tuple[Any, ...]) -> str | None:
     """Why the training ops have no rule for this call of ``op_id`` on DTensors (``args``: the
-    impl's positional arguments), or None when they do. Read at trace time."""
+    impl's positional arguments), or None when they do. Read at trace time. A mean loss over
+    sharded rows never gets here: :func:`sharded_mean` turns it into a ``"sum"`` call, which the
+    rules cover, over the global count (:func:`mean_of_sum`)."""
     if op_id not in _trained:
         return "the op has no row layout" if op_id not in _LAID_OUT else "its saved tensors have no placement"
-    from . import dtensor
-
-    loss = dtensor._LOSS_ARGS.get(op_id)
-    lead = args[0]
-    if loss is not None and _reduction(args, loss) == "mean" and not all(p.is_replicate() for p in getattr(lead, "placements", ())):
-        return 'reduction="mean" over sharded rows needs the global count of scored rows'
     return None
 
 
-def decompose(op_id: str, reference: Any, args: tuple[Any, ...]) -> Any:
-    """What compiled training on DTensors traces for a call :func:`why_not` refuses: the op's
-    torch ``reference``, which DTensor and Inductor handle. A mean loss over sharded rows is
-    traced as its sum over the global count of scored rows: DTensor's own rule for a mean
-    ``nll_loss`` over sharded rows gives the average of the ranks' means (``Partial(avg)``),
-    wrong whenever the ranks score different numbers of rows (ignored targets). The sum and
-    the count are ``Partial()``, so DTensor all-reduces both before dividing."""
+def sharded_mean(op_id: str, args: tuple[Any, ...]) -> bool:
+    """Whether this call of ``op_id`` on DTensors is a ``reduction="mean"`` loss over sharded
+    rows (``args``: the impl's positional arguments; an omitted reduction is the default, mean)."""
     from . import dtensor
 
     loss = dtensor._LOSS_ARGS.get(op_id)
-    if loss is None or _reduction(args, loss) != "mean" or all(p.is_replicate() for p in getattr(args[0], "placements", ())):
-        return reference(*args)
-    # The public functions pass every argument positionally, reduction last (a shorter call
-    # took "mean" by default above only if it also left ignore_index out: the default, -100).
-    ignore = args[loss[1]] if len(args) > loss[1] else -100
-    total = reference(*args[: loss[2]], reduction="sum")
-    count = (args[loss[0]] != ignore).sum()
-    return total / count.to(total.dtype)
+    if loss is None or _reduction(args, loss) != "mean":
+        return False
+    return not all(p.is_replicate() for p in getattr(args[0], "placements", ()))
+
+
+def mean_of_sum(op_id: str, run: Any, args: tuple[Any, ...]) -> Any:
+    """A mean loss over sharded rows as ``run`` (the compiled call: our custom ops) with
+    ``reduction="sum"`` over the global count of scored rows (``args``: the impl's positional
+    arguments, every one given). Both are ``Partial()``, so DTensor all-reduces them before
+    dividing, and the division's backward scales the sum's gradients. DTensor's own mean
+    ``nll_loss`` over sharded rows averages the ranks' means (``Partial(avg)``), wrong whenever
+    the ranks score different numbers of rows; torch's mean, label smoothing included, is the
+    sum over the non-ignored rows divided by their count.
+
+    No scored row on any rank: the loss is NaN (0 / 0, as the reference), and the gradients are
+    zero (the reference's; ``inf * 0`` in a kernel's backward would give NaN): the sum takes its
+    gradient through ``where``, which gives the branch it does not pick a zero gradient."""
+    import torch
+
+    from . import dtensor
+
+    target, ignore, reduction = dtensor._LOSS_ARGS[op_id]
+    total = run(*args[:reduction], "sum", *args[reduction + 1 :])
+    count = (args[target] != args[ignore]).sum().to(total.dtype)
+    scored = count > 0
+    return torch.where(scored, total / torch.where(scored, count, 1.0), torch.nan)
 
 
 def register_built() -> None:

@@ -476,7 +476,7 @@ class CompiledOp:
             raise ValueError(f"POLYKERNEL_COMPILE_{name.upper()}: {mode!r} is not 'ours' or 'decompose'")
         self.mode = mode
         fwd, train, validate, reference = self.forward, self.train, getattr(op, "validate", None), op.reference
-        decompose, single, op_id, n_out = mode == "decompose", self.single, op.id, len(returns)
+        decompose, single, op_id, n_out, full = mode == "decompose", self.single, op.id, len(returns), self._full
 
         def call(impl: Any, *args: Any) -> Any:
             # Traced by Dynamo: validation happens at trace time, on the (fake) arguments, so a
@@ -485,12 +485,17 @@ class CompiledOp:
                 validate(*args)
             if impl is not None and not isinstance(impl, str):  # a list or a KernelBackend
                 impl = _impl_str(impl)
-            if decompose and impl is None:  # Inductor's own code is as fast: let it fuse the op
-                return reference(*args)
             dtensors = _has_dtensor(args)
             if dtensors:  # the ops' sharding rules, registered at trace time (once)
                 _sharding_rules(op_id)
                 from . import dtensor_sharding
+
+                if dtensor_sharding.sharded_mean(op_id, args):
+                    # A mean loss over sharded rows: this call with reduction="sum" (its rules give
+                    # a Partial loss; the train ops too) over the global count of scored rows.
+                    return dtensor_sharding.mean_of_sum(op_id, lambda *a: call(impl, *a), full(args))
+            if decompose and impl is None:  # Inductor's own code is as fast: let it fuse the op
+                return reference(*args)
             if torch.is_grad_enabled():
                 mask = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
                 why = dtensor_sharding.why_not(op_id, args) if any(mask) and impl is None and dtensors else None
@@ -498,7 +503,7 @@ class CompiledOp:
                     # No sharding rule covers the training ops here (see dtensor_sharding): the op
                     # decomposes into torch ops that DTensor and Inductor handle.
                     _decomposing_on_dtensors(op_id, why)
-                    return dtensor_sharding.decompose(op_id, reference, args)
+                    return reference(*args)
                 if any(mask):  # training: the forward returns what the backward needs
                     outs = _as_tuple(train(*args, mask, impl=impl))[:n_out]
                     return outs[0] if single else tuple(outs)
