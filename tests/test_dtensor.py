@@ -12,6 +12,7 @@ that the tests below read.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import traceback
@@ -56,11 +57,16 @@ def _cases() -> list[tuple[str, str, Any]]:
 
         return build
 
-    def flce():
-        h, w, b = torch.randn(6, 8), torch.randn(10, 8), torch.randn(10)
-        t = torch.randint(0, 10, (6,))
-        t[1] = -100
-        return (h, w, t, b), {}, (S(0), R, S(0), R)
+    def flce(scored=True):
+        def build():
+            h, w, b = torch.randn(6, 8), torch.randn(10, 8), torch.randn(10)
+            t = torch.randint(0, 10, (6,))
+            t[1] = -100
+            if not scored:  # no row scored on any rank: NaN loss, zero gradients (the reference's)
+                t[:] = -100
+            return (h, w, t, b), {}, (S(0), R, S(0), R)
+
+        return build
 
     def glu(shape, dim, **kw):
         return lambda: ((torch.randn(shape), torch.randn(shape)), kw, (S(dim), S(dim)))
@@ -91,7 +97,8 @@ def _cases() -> list[tuple[str, str, Any]]:
         ("cross_entropy-sum", "cross_entropy", ce((6, 10), 0, "sum")),
         ("cross_entropy-none-S1", "cross_entropy", ce((2, 5, 10), 1, "none")),
         ("cross_entropy-mean-smoothing-S1", "cross_entropy", ce((2, 5, 10), 1, "mean", label_smoothing=0.1)),
-        ("fused_linear_cross_entropy-S0", "fused_linear_cross_entropy", flce),
+        ("fused_linear_cross_entropy-S0", "fused_linear_cross_entropy", flce()),
+        ("fused_linear_cross_entropy-none-scored", "fused_linear_cross_entropy", flce(scored=False)),
     ]
     moved = [
         ("rms_norm-S-last", "rms_norm", rn((4, 16), 1)),
@@ -102,6 +109,14 @@ def _cases() -> list[tuple[str, str, Any]]:
         ("rms_norm-weight-sharded", "rms_norm", lambda: ((torch.randn(6, 16), torch.randn(16)), {}, (S(0), S(0)))),
     ]
     return [(n, op, b, "local") for n, op, b in local] + [(n, op, b, "moved") for n, op, b in moved]
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b|, where NaN in both is equal and NaN in one only is infinitely far."""
+    if not b.numel():
+        return 0.0
+    both = a.isnan() & b.isnan()
+    return (a - b).abs().masked_fill(both, 0.0).nan_to_num(nan=math.inf).max().item()
 
 
 def _outputs(out: Any) -> tuple[Any, ...]:
@@ -140,14 +155,14 @@ def _run_case(mesh, name, op_name, build, mode, raw_seen):
     loss.backward()
     report = {"name": name, "op": op_name, "mode": mode, "fwd": 0.0, "bwd": 0.0, "problems": []}
     for g, r in zip(got, ref):
-        report["fwd"] = max(report["fwd"], (g.full_tensor() - r.detach()).abs().max().item() if r.numel() else 0.0)
+        report["fwd"] = max(report["fwd"], _max_diff(g.full_tensor(), r.detach()))
     for i, (d, r) in enumerate(zip(dargs, ref_args)):
         if not isinstance(d, DTensor) or not d.requires_grad:
             continue
         if d.grad is None:
             report["problems"].append(f"arg {i}: no gradient")
             continue
-        report["bwd"] = max(report["bwd"], (d.grad.full_tensor() - r.grad).abs().max().item())
+        report["bwd"] = max(report["bwd"], _max_diff(d.grad.full_tensor(), r.grad))
         want = list(d.placements)
         if any(p.is_shard() for p in dargs[0].placements) and all(p.is_replicate() for p in d.placements):
             want = [Partial()]  # a replicated input of sharded rows

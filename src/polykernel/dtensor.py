@@ -270,6 +270,10 @@ def run(op: Op, impl: Any, p: Plan, args: tuple[Any, ...]) -> Any:
     """Run ``op`` on the local shards of ``args`` (redistributed first where ``p`` says) through
     :meth:`Op.call` (the normal selection, memo and fault policy on plain tensors) and wrap the
     outputs as DTensors."""
+    import math
+
+    import torch
+
     local = list(args)
     for i, gp in p.grad_placements.items():
         a = args[i]
@@ -289,8 +293,12 @@ def run(op: Op, impl: Any, p: Plan, args: tuple[Any, ...]) -> Any:
         total = _wrap(out, p, p.out_placements[0], ())
         if not mean:
             return total
-        count = (local[loss[0]] != args[loss[1]]).sum().to(out.dtype)
-        return total / _wrap(count, p, p.out_placements[0], ())
+        count = _wrap((local[loss[0]] != args[loss[1]]).sum().to(out.dtype), p, p.out_placements[0], ())
+        # no scored row on any rank: a NaN loss and zero gradients, as the reference (a plain
+        # total / count would send inf * 0 = NaN into the backward); where() gives the branch it
+        # does not take a zero gradient
+        scored = count > 0
+        return torch.where(scored, total / torch.where(scored, count, torch.ones_like(count)), torch.full_like(total, math.nan))
     outputs = layout.outputs if layout is not None else (0,)
     outs = out if isinstance(out, tuple) else (out,)
     wrapped = tuple(_wrap(o, p, pl, args[like].shape) for o, pl, like in zip(outs, p.out_placements, outputs))
