@@ -610,3 +610,20 @@ def test_capability_requirement_accepts_int_arch():
     assert req.is_satisfied_by(PlatformInfo("cuda", 0, (9, 0), "H200"))
     with pytest.raises(ValueError):
         CapabilityRequirement("gpu")
+
+
+@pytest.mark.parametrize(
+    "op_name",
+    ["rms_norm", "fused_add_rms_norm", "layer_norm", "swiglu", "geglu", "softmax", "rope", "cross_entropy", "fused_linear_cross_entropy"],
+)
+def test_public_call_memo_key_is_the_ops_key(op_name):
+    # several public functions build their argument class inline for speed (swiglu, geglu and
+    # softmax pass it to Op.call): it must equal the op's key function, or a predicate reads the
+    # wrong fields and explain() disagrees with the call
+    op = registry.get_op(op_name)
+    for case in op.cases("cpu", torch.float32)[:3]:
+        polykernel.clear_caches()
+        getattr(polykernel, op_name)(*case.args, **case.kwargs)
+        assert len(op._memo) == 1, case.label
+        (memo_key,) = op._memo
+        assert memo_key[0] == op.key(*case.args, **case.kwargs), case.label
