@@ -129,6 +129,19 @@ dispatch._clear_memos()
 _LOSS_ARGS = {"loss.cross_entropy": (1, 2, 4), "loss.fused_linear_cross_entropy": (2, 4, 6)}  # target, ignore_index, reduction
 
 
+def mean_of_scored(total: Any, count: Any) -> Any:
+    """A mean loss over sharded rows from its sum and the count of scored rows (DTensors, both
+    ``Partial()``: DTensor all-reduces them before dividing), as the eager route and compiled
+    calls (:func:`polykernel.dtensor_sharding.mean_of_sum`) both compute it. No scored row on
+    any rank: the loss is NaN (0 / 0, as the reference's) and the gradients are zero (the
+    reference's; a plain ``total / count`` would send ``inf * 0`` into the sum's backward):
+    ``where`` gives the branch it does not pick a zero gradient."""
+    import torch
+
+    scored = count > 0
+    return torch.where(scored, total / torch.where(scored, count, 1.0), torch.nan)
+
+
 def _is_tensor(a: Any) -> bool:
     import torch
 
@@ -270,9 +283,6 @@ def run(op: Op, impl: Any, p: Plan, args: tuple[Any, ...]) -> Any:
     """Run ``op`` on the local shards of ``args`` (redistributed first where ``p`` says) through
     :meth:`Op.call` (the normal selection, memo and fault policy on plain tensors) and wrap the
     outputs as DTensors."""
-    import math
-
-    import torch
 
     local = list(args)
     for i, gp in p.grad_placements.items():
@@ -293,12 +303,8 @@ def run(op: Op, impl: Any, p: Plan, args: tuple[Any, ...]) -> Any:
         total = _wrap(out, p, p.out_placements[0], ())
         if not mean:
             return total
-        count = _wrap((local[loss[0]] != args[loss[1]]).sum().to(out.dtype), p, p.out_placements[0], ())
-        # no scored row on any rank: a NaN loss and zero gradients, as the reference (a plain
-        # total / count would send inf * 0 = NaN into the backward); where() gives the branch it
-        # does not take a zero gradient
-        scored = count > 0
-        return torch.where(scored, total / torch.where(scored, count, torch.ones_like(count)), torch.full_like(total, math.nan))
+        count = (local[loss[0]] != args[loss[1]]).sum().to(out.dtype)
+        return mean_of_scored(total, _wrap(count, p, p.out_placements[0], ()))
     outputs = layout.outputs if layout is not None else (0,)
     outs = out if isinstance(out, tuple) else (out,)
     wrapped = tuple(_wrap(o, p, pl, args[like].shape) for o, pl, like in zip(outs, p.out_placements, outputs))

@@ -256,20 +256,12 @@ def mean_of_sum(op_id: str, run: Any, args: tuple[Any, ...]) -> Any:
     dividing, and the division's backward scales the sum's gradients. DTensor's own mean
     ``nll_loss`` over sharded rows averages the ranks' means (``Partial(avg)``), wrong whenever
     the ranks score different numbers of rows; torch's mean, label smoothing included, is the
-    sum over the non-ignored rows divided by their count.
-
-    No scored row on any rank: the loss is NaN (0 / 0, as the reference), and the gradients are
-    zero (the reference's; ``inf * 0`` in a kernel's backward would give NaN): the sum takes its
-    gradient through ``where``, which gives the branch it does not pick a zero gradient."""
-    import torch
-
+    sum over the non-ignored rows divided by their count (:func:`polykernel.dtensor.mean_of_scored`)."""
     from . import dtensor
 
     target, ignore, reduction = dtensor._LOSS_ARGS[op_id]
     total = run(*args[:reduction], "sum", *args[reduction + 1 :])
-    count = (args[target] != args[ignore]).sum().to(total.dtype)
-    scored = count > 0
-    return torch.where(scored, total / torch.where(scored, count, 1.0), torch.nan)
+    return dtensor.mean_of_scored(total, (args[target] != args[ignore]).sum().to(total.dtype))
 
 
 def register_built() -> None:
