@@ -29,26 +29,24 @@ def _vec(dtype: Any) -> int:
     return VEC_BYTES // (elem_bytes(dtype) or 4)
 
 
-def softmax(a: Any) -> str | None:
-    vec, n = _vec(a.dtype), a.n
-    if n is None:
+def _row_length(op: str, what: str, dtype: Any, n: int | None, limit: int, why: str) -> str | None:
+    """Refuse a row length that 16-byte vectors do not tile (no scalar tail), or past ``limit``."""
+    if n is None:  # no argument class yet: decided per call
         return None
+    vec = _vec(dtype)
     if n == 0 or n % vec:
-        return f"cute_dsl softmax needs N a positive multiple of {vec} (16-byte vectors); N = {n}"
-    if n > SOFTMAX_MAX_N:
-        return f"cute_dsl softmax holds a row in registers: N <= {SOFTMAX_MAX_N}; N = {n}"
+        return f"cute_dsl {op} needs {what} a positive multiple of {vec} (16-byte vectors); {what} = {n}"
+    if n > limit:
+        return f"cute_dsl {op}{why}: {what} <= {limit}; {what} = {n}"
     return None
+
+
+def softmax(a: Any) -> str | None:
+    return _row_length("softmax", "N", a.dtype, a.n, SOFTMAX_MAX_N, " holds a row in registers")
 
 
 def cross_entropy(a: Any) -> str | None:
-    vec, v = _vec(a.dtype), a.n_classes
-    if v is None:
-        return None
-    if v == 0 or v % vec:
-        return f"cute_dsl cross_entropy needs V a positive multiple of {vec} (16-byte vectors); V = {v}"
-    if v > CE_MAX_V:
-        return f"cute_dsl cross_entropy: V <= {CE_MAX_V}; V = {v}"
-    return None
+    return _row_length("cross_entropy", "V", a.dtype, a.n_classes, CE_MAX_V, "")
 
 
 def softmax_rank(a: Any) -> tuple[int, str] | None:
