@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from _child import emit, last_error_line, run_child
 
 VARIANTS = {  # name -> (polykernel patch, torch.compile mode: None = eager, "default" = compile(model))
     "plain": (False, None),
@@ -226,7 +226,7 @@ def main() -> None:
     parser.add_argument("--profile-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(child(args)), flush=True)
+        emit(child(args))
         return
     if args.out is None:
         parser.error("--out DIR is required")
@@ -242,21 +242,7 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     for name in names:
         print(f"[{time.strftime('%H:%M:%S')}] {name} ...", flush=True)
-        try:
-            proc = subprocess.run(
-                [sys.executable, __file__, f"--child={name}", *passthrough],
-                capture_output=True,
-                text=True,
-                timeout=args.timeout,
-                env=os.environ.copy(),
-            )
-            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if line is None:
-                results.append({"variant": name, "error": (proc.stderr or proc.stdout)[-3000:]})
-            else:
-                results.append(json.loads(line[len("RESULT ") :]))
-        except subprocess.TimeoutExpired:
-            results.append({"variant": name, "error": f"timed out after {args.timeout} s"})
+        results.append(run_child(__file__, name, passthrough, args.timeout))
         (args.out / "compile_llama.json").write_text(
             json.dumps({"env": _env(), "args": vars(args) | {"out": str(args.out)}, "results": results}, indent=1)
         )
@@ -264,7 +250,7 @@ def main() -> None:
     print(f"\n{'variant':<48} {'tokens/s':>10} {'vs plain':>8} {'peak GiB':>9} {'1st step s':>10}")
     for r in results:
         if "error" in r:
-            print(f"{r['variant']:<48} error: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}")
+            print(f"{r['variant']:<48} error: {last_error_line(r)}")
             continue
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else ""
         print(f"{r['variant']:<48} {r['tokens_per_s'] / 1e3:>9.1f}k {ratio:>8} {r['peak_memory_gib']:>9.1f} {r['first_step_s']:>10.1f}")

@@ -40,12 +40,12 @@ import argparse
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from _child import emit, last_error_line, run_child
 
 OURS_ENV = {f"POLYKERNEL_COMPILE_{op}": "ours" for op in ("SWIGLU", "GEGLU", "ROPE", "FUSED_ADD_RMS_NORM")}
 # transformers skips the causal mask under torch.compile only with torch >= 2.14 (its
@@ -401,7 +401,7 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(child(args)), flush=True)
+        emit(child(args))
         return
     if args.out is None:
         parser.error("--out DIR is required")
@@ -425,15 +425,7 @@ def main() -> None:
             # Triton impls (fp32 copies in rms_norm's and rope's references): run the Triton
             # impls in the interpreter, so that eager saves what it saves on the H200
             env |= {"TRITON_INTERPRET": "1", "POLYKERNEL_IMPL": args.eager_impl}
-        try:
-            proc = subprocess.run(
-                [sys.executable, __file__, f"--child={name}", *passthrough],
-                capture_output=True, text=True, timeout=args.timeout, env=env,
-            )  # fmt: skip
-            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            results[name] = json.loads(line[7:]) if line else {"variant": name, "error": (proc.stderr or proc.stdout)[-3000:]}
-        except subprocess.TimeoutExpired:
-            results[name] = {"variant": name, "error": f"timed out after {args.timeout} s"}
+        results[name] = run_child(__file__, name, passthrough, args.timeout, env)
     # bytes per token per layer, scaled to the target run (dtype to bf16, hidden to the target's)
     scale_dtype = 0.5 if args.dtype == "float32" else 1.0
     scale_hidden = args.target_hidden / args.hidden
@@ -447,7 +439,7 @@ def main() -> None:
     summary: dict[str, Any] = {}
     for name, rec in results.items():
         if "error" in rec:
-            lines.append(f"{name:<34} error: {rec['error'].strip().splitlines()[-1] if rec['error'].strip() else '?'}")
+            lines.append(f"{name:<34} error: {last_error_line(rec)}")
             continue
         pl = _per_layer(rec, args.layers)
         per_tok = pl["steady_layer_bytes"] / rec["tokens"]
