@@ -25,7 +25,15 @@ import torch
 
 __all__ = ["VARIANTS", "Variant", "build", "default_compare", "model_kind", "parse_compare"]
 
-VARIANTS = ("torch", "polykernel", "liger", "compile", "polykernel+compile")
+# contender -> (on polykernel's ops, under torch.compile); liger is patched separately
+_CONTENDERS = {
+    "torch": (False, False),
+    "polykernel": (True, False),
+    "liger": (False, False),
+    "compile": (False, True),
+    "polykernel+compile": (True, True),
+}
+VARIANTS = tuple(_CONTENDERS)
 
 
 @dataclass
@@ -95,9 +103,9 @@ def _builtin(name: str, shape: dict[str, Any], device: torch.device, dtype: torc
     from polykernel.models import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig.preset(shape["preset"], **{k: v for k, v in shape.items() if k != "preset"})
-    use_polykernel = name in ("polykernel", "polykernel+compile")
+    use_polykernel, compiled = _CONTENDERS[name]
     model = LlamaForCausalLM(cfg, use_polykernel=use_polykernel, fused_loss=fused_loss, device=device).to(dtype)
-    fwd = torch.compile(model) if name.endswith("compile") else model
+    fwd = torch.compile(model) if compiled else model
     return Variant(name, model, lambda b: fwd(b[:, :-1], targets=b[:, 1:]))
 
 
@@ -126,16 +134,15 @@ def _hf(name: str, shape: dict[str, Any], device: torch.device, dtype: torch.dty
 
     with torch.device(device):
         model = transformers.LlamaForCausalLM(hf_config(shape)).to(dtype)
-    fwd: Any = model
+    use_polykernel, compiled = _CONTENDERS[name]
     close: Callable[[], None] = lambda: None
-    if name in ("polykernel", "polykernel+compile"):
+    if use_polykernel:
         from polykernel.integrations.transformers import patch
 
         patch(model, fused_linear_cross_entropy=fused_loss)
     elif name == "liger":
         close = _liger_patch(model)
-    if name.endswith("compile"):
-        fwd = torch.compile(model)
+    fwd: Any = torch.compile(model) if compiled else model
 
     # HF convention: labels are the inputs, shifted inside the model (T - 1 predictions per row)
     def loss(b: torch.Tensor) -> torch.Tensor:
