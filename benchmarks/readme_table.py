@@ -35,9 +35,12 @@ def _value(row: dict[str, Any]) -> tuple[float, str] | None:
 
 
 def render(results: dict[str, Any], sweep: bool) -> str:
+    readme_shape: dict[str, str] = {}  # the README's shape of an op: the first (largest) its sweep measured
+    for row in results["rows"]:
+        readme_shape.setdefault(row["op"], row["shape"])
     cases: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
     for row in results["rows"]:
-        if row.get("sweep") and not sweep and not _is_readme_shape(results["rows"], row):
+        if row.get("sweep") and not sweep and row["shape"] != readme_shape[row["op"]]:
             continue
         key = (row["op"], row["shape"], row["mode"].replace(" graph", "").replace(" call", ""))
         cases.setdefault(key, {})[row["impl"].removeprefix("polykernel:")] = row
@@ -59,12 +62,6 @@ def render(results: dict[str, Any], sweep: bool) -> str:
                 cells.append(f"{text} ({r['chosen']})" if c == "polykernel" and r.get("chosen") else text)
         lines.append("| " + " | ".join([op, shape, mode, *cells]) + " |")
     return "\n".join(lines)
-
-
-def _is_readme_shape(rows: list[dict[str, Any]], row: dict[str, Any]) -> bool:
-    """The README's shape of an op is the first (largest) size its sweep measured."""
-    first = next(r["shape"] for r in rows if r["op"] == row["op"])
-    return row["shape"] == first
 
 
 def main() -> None:
