@@ -8,6 +8,11 @@ the compile time (the first step's time; also the first three steps' sum).
 
     PYTHONPATH=src python benchmarks/compile_llama.py --out DIR              # 4 variants, ~4-5 min
     PYTHONPATH=src python benchmarks/compile_llama.py --out DIR --all-modes  # + max-autotune-no-cudagraphs, reduce-overhead
+    PYTHONPATH=src python benchmarks/compile_llama.py --out DIR --only compile,compile[is_causal],polykernel[ops]+compile,polykernel+compile
+
+The last isolates the causal mask: transformers materializes it under compile where torch < 2.14
+(or transformers <= 5.2x) and eager skips it; ``patch``'s ``sdpa_is_causal`` switch skips it
+under compile too (``[is_causal]``: that switch alone; ``polykernel[ops]``: the ops without it).
 
 Writes ``DIR/compile_llama.json`` (one record per variant, plus the environment) and prints a
 table. ``--profile`` also profiles two steady steps per variant (torch.profiler, CUDA): the GPU
@@ -27,21 +32,32 @@ from typing import Any
 
 from _child import emit, last_error_line, run_child
 
-VARIANTS = {  # name -> (polykernel patch, torch.compile mode: None = eager, "default" = compile(model))
-    "plain": (False, None),
-    "compile": (False, "default"),
-    "polykernel": (True, None),
-    "polykernel+compile": (True, "default"),
+# name -> (what polykernel patches, torch.compile mode: None = eager, "default" = compile(model)).
+# Patches: None; "all" = patch(model); "ops" = the ops only, transformers builds the causal mask
+# under compile as before (patch(model, sdpa_is_causal=False)); "mask" = only SDPA's is_causal
+# under compile, no op of ours (isolates what the materialized mask costs plain torch.compile).
+VARIANTS = {
+    "plain": (None, None),
+    "compile": (None, "default"),
+    "polykernel": ("all", None),
+    "polykernel+compile": ("all", "default"),
 }
 EXTRA = {
-    "compile[max-autotune-no-cudagraphs]": (False, "max-autotune-no-cudagraphs"),
-    "polykernel+compile[max-autotune-no-cudagraphs]": (True, "max-autotune-no-cudagraphs"),
-    "compile[reduce-overhead]": (False, "reduce-overhead"),
-    "polykernel+compile[reduce-overhead]": (True, "reduce-overhead"),
+    "compile[is_causal]": ("mask", "default"),
+    "polykernel[ops]+compile": ("ops", "default"),
+    "compile[max-autotune-no-cudagraphs]": (None, "max-autotune-no-cudagraphs"),
+    "polykernel+compile[max-autotune-no-cudagraphs]": ("all", "max-autotune-no-cudagraphs"),
+    "compile[reduce-overhead]": (None, "reduce-overhead"),
+    "polykernel+compile[reduce-overhead]": ("all", "reduce-overhead"),
+}
+PATCH_SWITCHES = {
+    "all": {},
+    "ops": {"sdpa_is_causal": False},
+    "mask": dict.fromkeys(("rms_norm", "swiglu", "rope", "cross_entropy", "fused_linear_cross_entropy"), False),
 }
 
 
-def _build(args: argparse.Namespace, patch: bool) -> tuple[Any, Any, str]:
+def _build(args: argparse.Namespace, patch: str | None) -> tuple[Any, Any, str]:
     """The model on the GPU in bf16 and a ``step_loss(ids)`` for it; which implementation built it."""
     import torch
 
@@ -64,10 +80,10 @@ def _build(args: argparse.Namespace, patch: bool) -> tuple[Any, Any, str]:
         cfg._attn_implementation = "sdpa"
         with torch.device("cuda"):
             model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
-        if patch:
+        if patch is not None:
             from polykernel.integrations.transformers import patch as pk_patch
 
-            pk_patch(model)
+            pk_patch(model, **PATCH_SWITCHES[patch])
         return model, lambda m, ids: m(input_ids=ids, labels=ids).loss, f"transformers {transformers.__version__}"
     from polykernel.models import LlamaConfig, LlamaForCausalLM
 
@@ -83,7 +99,7 @@ def _build(args: argparse.Namespace, patch: bool) -> tuple[Any, Any, str]:
         tie_embeddings=True,
     )
     model = LlamaForCausalLM(cfg, device="cuda").to(torch.bfloat16)
-    model.use_polykernel = patch
+    model.use_polykernel = patch in ("all", "ops")  # no causal-mask question here: it calls SDPA with is_causal
     return model, lambda m, ids: m(ids[:, :-1], targets=ids[:, 1:]), "polykernel.models.llama"
 
 

@@ -137,7 +137,7 @@ def test_same_loss_and_grads_as_the_unsharded_model(report, variant):
 def test_patched_ops_ran_triton_on_local_shards(report, variant):
     r = report[variant]
     assert "error" not in r, r.get("tb")
-    assert r["patched"] == {"rms_norm": 5, "swiglu": 2, "rope": 2, "loss": 1}
+    assert r["patched"] == {"rms_norm": 5, "swiglu": 2, "rope": 2, "loss": 1, "sdpa_is_causal": 1}
     ran = {op: impl for op, impl, _ in r["decisions"]}
     # the default selection with the interpreter on: Triton on every op that ran
     assert ran == {"norm.rms_norm": "triton", "activation.swiglu": "triton", "embedding.rope": "triton", "loss.cross_entropy": "triton"}

@@ -20,7 +20,8 @@ import polykernel  # noqa: E402
 from polykernel.integrations import transformers as pkt  # noqa: E402
 
 OPS = ("rms_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy")
-SWITCHES = ("rms_norm", "swiglu", "rope", "cross_entropy", "fused_linear_cross_entropy")
+SWITCHES = ("rms_norm", "swiglu", "rope", "cross_entropy", "fused_linear_cross_entropy")  # the ops' switches
+ALL_SWITCHES = (*SWITCHES, "sdpa_is_causal")  # and the one that changes no op (the causal mask under compile)
 VOCAB, B, T = 256, 2, 16
 
 # family -> (config class, causal-LM class, config overrides)
@@ -53,7 +54,7 @@ def need(*ops):
 
 
 def switches_only(*names):
-    return {s: s in names for s in SWITCHES}
+    return {s: s in names for s in ALL_SWITCHES}
 
 
 def tiny(family, dtype=torch.float32, seed=0, layers=2, **overrides):
@@ -388,6 +389,84 @@ def test_patched_inference_compiles_without_graph_breaks(torch_impls):
     assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
 
 
+# -- the causal mask under torch.compile ----------------------------------------------------------
+@pytest.fixture
+def mask_built_under_compile(monkeypatch):
+    """transformers as the H200 runs it (5.17, or torch < 2.14): it never lets SDPA apply
+    causality itself while compiling, and builds the [B, 1, S, S] mask instead."""
+    from transformers import masking_utils
+
+    skip = masking_utils._ignore_causal_mask_sdpa
+    monkeypatch.setattr(
+        masking_utils, "_ignore_causal_mask_sdpa", lambda *a, **k: False if torch.compiler.is_compiling() else skip(*a, **k)
+    )
+
+
+def compiled_sdpa(model, *args, **kwargs):
+    """The model's output under torch.compile(fullgraph=True), and the (attn_mask, is_causal) of
+    each scaled_dot_product_attention call in its graph."""
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(model, backend=backend, fullgraph=True)(*args, **kwargs)
+    sdpa = [
+        (n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None), n.kwargs.get("is_causal", False))
+        for g in graphs
+        for n in g.graph.nodes
+        if n.op == "call_function" and getattr(n.target, "__name__", "") == "scaled_dot_product_attention"
+    ]
+    return out, sdpa
+
+
+def test_compiled_model_lets_sdpa_apply_causality(torch_impls, mask_built_under_compile):
+    ref, model = pair("llama")
+    ids, labels = batch()
+    model.train(), ref.train()
+    want = ref(ids, labels=labels).loss  # eager, unpatched: transformers skips the mask here
+    _, unpatched = compiled_sdpa(ref, ids, labels=labels)
+    assert unpatched and all(mask is not None for mask, _ in unpatched)  # the cost the switch removes
+    out, patched = compiled_sdpa(model, ids, labels=labels)
+    assert patched == [(None, True)] * len(unpatched)
+    torch.testing.assert_close(out.loss, want, **FP32)
+    _, off = compiled_sdpa(pair("llama", sdpa_is_causal=False)[1], ids, labels=labels)
+    assert off and all(mask is not None for mask, _ in off)
+
+
+@pytest.mark.parametrize("case", ["padding", "packed positions"])
+def test_compiled_model_keeps_the_mask_it_needs(torch_impls, mask_built_under_compile, case):
+    # padded rows, or position_ids that restart (packed sequences): only a mask says which keys
+    # a query may see, so the switch must leave it, and the result must match eager's
+    ref, model = pair("llama")
+    ids, _ = batch()
+    if case == "padding":
+        kwargs = {"attention_mask": torch.ones_like(ids)}
+        kwargs["attention_mask"][1, -3:] = 0
+    else:
+        # (without a cache: with one, transformers reads positions as a continuation, packed or not)
+        kwargs = {"position_ids": torch.cat([torch.arange(T // 2), torch.arange(T - T // 2)]).expand(B, T), "use_cache": False}
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        want = ref(ids, **kwargs).logits
+        out, sdpa = compiled_sdpa(model, ids, **kwargs)
+    assert sdpa and all(mask is not None for mask, _ in sdpa)
+    torch.testing.assert_close(out.logits, want, **FP32)
+
+
+def test_class_patch_lets_sdpa_apply_causality(torch_impls, mask_built_under_compile):
+    pkt.patch("llama")
+    try:
+        assert "LlamaModel.forward" in pkt.patched("llama")["sdpa_is_causal"]
+        model = tiny("llama")
+        _, sdpa = compiled_sdpa(model, batch()[0])
+        assert sdpa and all(mask is None and causal for mask, causal in sdpa)
+    finally:
+        pkt.unpatch("llama")
+
+
 def test_custom_loss_function_is_respected(calls, torch_impls):
     _, model = pair("llama")
     model.loss_function = lambda logits, labels, vocab_size, **kw: logits.float().mean() * 0 + 42.0
@@ -434,7 +513,7 @@ def test_idempotent_repatch_and_unpatch(calls, torch_impls):
 
 
 def test_switches_off(calls):
-    ref, model = pair("gemma", **dict.fromkeys(SWITCHES, False))
+    ref, model = pair("gemma", **dict.fromkeys(ALL_SWITCHES, False))
     assert pkt.patched(model) == {}
     ids, labels = batch()
     assert torch.equal(train_step(model, ids, labels).loss, train_step(ref, ids, labels).loss)
@@ -487,7 +566,7 @@ def test_exact_gelu_uses_geglu_none(calls, torch_impls):
 def test_accelerate_style_hook_is_kept(calls, torch_impls):
     # accelerate keeps the real forward in `_old_forward` and wraps it in `forward`
     need("rms_norm")
-    _, model = pair("llama", **dict.fromkeys(SWITCHES, False))
+    _, model = pair("llama", **dict.fromkeys(ALL_SWITCHES, False))
     norm = model.model.norm
     hook_calls = []
 
