@@ -10,8 +10,8 @@ the compile time (the first step's time; also the first three steps' sum).
     PYTHONPATH=src python benchmarks/compile_llama.py --out DIR --all-modes  # + max-autotune-no-cudagraphs, reduce-overhead
     PYTHONPATH=src python benchmarks/compile_llama.py --out DIR --only compile,compile[is_causal],polykernel[ops]+compile,polykernel+compile
 
-The last isolates the causal mask: transformers materializes it under compile where torch < 2.14
-(or transformers <= 5.2x) and eager skips it; ``patch``'s ``sdpa_is_causal`` switch skips it
+The last isolates the causal mask: transformers materializes it under compile (5.17 always; 5.24
+with a torch before pytorch#176499) where eager skips it; ``patch``'s ``sdpa_is_causal`` switch skips it
 under compile too (``[is_causal]``: that switch alone; ``polykernel[ops]``: the ops without it).
 
 Writes ``DIR/compile_llama.json`` (one record per variant, plus the environment) and prints a

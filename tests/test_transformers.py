@@ -392,7 +392,7 @@ def test_patched_inference_compiles_without_graph_breaks(torch_impls):
 # -- the causal mask under torch.compile ----------------------------------------------------------
 @pytest.fixture
 def mask_built_under_compile(monkeypatch):
-    """transformers as the H200 runs it (5.17, or torch < 2.14): it never lets SDPA apply
+    """transformers as the H200 runs it (5.17; 5.24 on a torch before pytorch#176499): it never lets SDPA apply
     causality itself while compiling, and builds the [B, 1, S, S] mask instead."""
     from transformers import masking_utils
 

@@ -34,8 +34,9 @@ What is swapped (families: Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Olmo2):
 - ``sdpa_is_causal`` (no op of ours): ``<Family>Model.forward`` builds its attention masks so
   that, under ``torch.compile``, SDPA gets ``is_causal=True`` and no mask wherever transformers
   itself skips the mask outside compile (nothing padded, plain causal, positions the model made
-  itself or a cache). transformers materializes a ``[B, 1, S, S]`` mask there instead (up to
-  torch 2.13, or transformers 5.2x), which takes SDPA off its flash/GQA path.
+  itself or a cache). transformers materializes a ``[B, 1, S, S]`` mask there instead (5.17
+  always; 5.24 with a torch before pytorch#176499, such as 2.11), which takes SDPA off its
+  flash/GQA path.
 
 How: an already-built model is patched per module instance (each patched module gets its own
 ``forward``; other models of the same class are untouched); RoPE is swapped by giving the patched
@@ -347,8 +348,8 @@ def _attention_forward(base: Callable, modeling: types.ModuleType) -> Callable:
 # -- the causal mask under torch.compile -------------------------------------------------------
 # transformers lets SDPA apply causality itself (``is_causal=True``, no mask tensor) when nothing is
 # padded, but only outside torch.compile: while tracing it cannot read the padding mask's values,
-# and up to torch 2.13 ``torch.compiler.is_exporting()`` also reads True under compile
-# (pytorch#176347), so a compiled model builds a [B, 1, S, S] mask instead. SDPA then leaves its
+# and where it tries (5.24), torch before pytorch#176499 (2.11, say) answers True to
+# ``torch.compiler.is_exporting()`` under compile, so a compiled model builds a [B, 1, S, S] mask. SDPA then leaves its
 # GQA path (K and V repeated to every head) and cuDNN's flash backward runs with a bias: on the
 # H200, issue 14's Llama spends 33 ms per step in attention compiled against 12.6 ms eager.
 # When the mask is decidable from shapes alone (no padding mask, plain causal, no sliding window,
