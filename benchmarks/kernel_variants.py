@@ -60,8 +60,9 @@ GROUPS: dict[str, tuple[str, tuple[int, ...], tuple[str, ...], list[tuple[str, d
         [
             ("default", {}),
             ("bwd 4 programs/SM", {"TUNE.bwd_programs_per_sm": 4}),
-            ("bwd 16 warps", {"TUNE.bwd_warps": 16}),
-            ("bwd 4 warps", {"TUNE.bwd_warps": 4}),
+            ("bwd warps by tile size", {"TUNE.bwd_warps": None}),
+            ("bwd 8 warps", {"TUNE.bwd_warps": 8}),
+            ("bwd 32 warps", {"TUNE.bwd_warps": 32}),
             ("bwd 2 rows/program", {"TUNE.bwd_tile_elems": 8192}),
             ("fwd 16 warps", {"TUNE.fwd_warps": 16}),
         ],
@@ -71,11 +72,12 @@ GROUPS: dict[str, tuple[str, tuple[int, ...], tuple[str, ...], list[tuple[str, d
         (4, 32, 4096, 128),
         ("fwd", "fwd+bwd"),
         [
-            ("default (2048 elems, <=4 warps)", {}),
+            ("default (1024 elems, 2 warps)", {}),
+            ("1024 elems, 1 warp", {"MAX_WARPS": 1}),
+            ("512 elems, 1 warp", {"ELEMS": 512}),
+            ("2048 elems, <=4 warps", {"ELEMS": 2048}),
+            ("2048 elems, 2 warps", {"ELEMS": 2048, "MAX_WARPS": 2}),
             ("4096 elems, 4 warps", {"ELEMS": 4096}),
-            ("4096 elems, 8 warps", {"ELEMS": 4096, "MAX_WARPS": 8}),
-            ("8192 elems, 8 warps", {"ELEMS": 8192, "MAX_WARPS": 8}),
-            ("1024 elems", {"ELEMS": 1024}),
         ],
     ),
 }

@@ -214,8 +214,9 @@ def layer_norm_forward(
     weight/bias contiguous or None)."""
     m, n = x2.shape
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    if need_stats:  # one allocation for both (a host op less); rows 0 and 1 of a [2, M] buffer
-        mean, rstd = torch.empty((2, m), dtype=torch.float32, device=x2.device).unbind(0)
+    if need_stats:  # two allocations: one [2, M] buffer and .unbind(0) costs ~4x an empty (H200 cProfile)
+        mean = torch.empty(m, dtype=torch.float32, device=x2.device)
+        rstd = torch.empty(m, dtype=torch.float32, device=x2.device)
     else:
         mean = rstd = None
     if m == 0 or n == 0:
