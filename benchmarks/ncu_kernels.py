@@ -7,14 +7,17 @@ the child builds each case's inputs, warms it up (Triton/CuTeDSL compiles) outsi
 range, then brackets ``--calls`` calls (default 2) with ``cudaProfilerStart/Stop``
 (``ncu --profile-from-start off``), each call in its own NVTX range ``ncucase-<case>-<call>``
 (``ncu --nvtx``), so every profiled kernel is attributed to its case and call. Autograd runs the
-backward on the calling thread during those calls (NVTX ranges are per thread). ``--isolate``
-instead profiles each case in its own ``ncu`` run (no NVTX needed; slower: one Python start and
-one set of compiles per case).
+backward on the calling thread during those calls (NVTX ranges are per thread). Each call also
+starts with a tiny marker kernel whose program count encodes case and call: should ncu's CSV lack
+the NVTX columns, the kernels are attributed by launch order after the markers. ``--isolate``
+profiles each case in its own ``ncu`` run instead (slower: one Python start and one set of
+compiles per case).
 
 Per kernel: time, DRAM bytes read and written, DRAM and SM throughput (% of peak), achieved
 occupancy, registers, shared memory, grid, block, waves, L2 hit rate. Per case: the sum over its
-kernels (one call's mean), against the op's fewest bytes (each op file's ``bytes_moved``) and the
-2 GiB device-to-device copy profiled in the same run (the ceiling). The excess over "ideal bytes at
+kernels (one call's mean), against the op's fewest bytes (each op file's ``bytes_moved``) and a
+2 GiB copy kernel profiled in the same run (the ceiling; ``Tensor.copy_`` itself is a cudaMemcpy,
+which ncu does not profile: its bandwidth is timed by events, outside the profiled ranges). The excess over "ideal bytes at
 copy bandwidth" is split into extra bytes (DRAM traffic above the ideal: re-reads missing L2) and
 time below copy bandwidth on the bytes actually moved (latency, occupancy, tails, small kernels).
 
@@ -172,15 +175,17 @@ def skip_reason(case: Case, device: str, dtype: Any) -> str | None:
 # -- the child: runs the cases under ncu ---------------------------------------------------------
 
 
-def _case_step(case: Case) -> tuple[Callable[[], Any], int]:
-    """(one call of the case, the op's ideal bytes for it) on fresh CUDA inputs; the first call
+def _case_step(case: Case, device: str = "cuda") -> tuple[Callable[[], Any], int]:
+    """(one call of the case, the op's ideal bytes for it) on fresh inputs; the first call
     (which compiles) is made by the caller."""
     import torch
 
     if case.op == "copy":
-        src = torch.randn(COPY_BYTES // 4, dtype=torch.bfloat16, device="cuda")  # 2 GiB
+        src = torch.randn(2**30, dtype=torch.bfloat16, device=device)  # 2 GiB
         dst = torch.empty_like(src)
-        return (lambda: dst.copy_(src)), COPY_BYTES
+        # A copy kernel: Tensor.copy_ of contiguous same-dtype tensors is a cudaMemcpy, which ncu
+        # does not profile (its bandwidth is measured apart, by events: meta memcpy_TBps).
+        return (lambda: torch.mul(src, 1, out=dst)), COPY_BYTES
 
     import polykernel
     from polykernel import registry
@@ -188,7 +193,7 @@ def _case_step(case: Case) -> tuple[Callable[[], Any], int]:
 
     op = registry.get_op(case.op)
     backward = case.mode == "fwd+bwd"
-    example = op.example(shape_of(case.op, case.label), torch.bfloat16, "cuda", backward)
+    example = op.example(shape_of(case.op, case.label), torch.bfloat16, device, backward)
     args, kwargs = example.args, example.kwargs
     public = getattr(polykernel, op.name)
     grad_inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
@@ -197,16 +202,25 @@ def _case_step(case: Case) -> tuple[Callable[[], Any], int]:
     return step, op.bytes_moved(*args, backward=backward, **kwargs)
 
 
-def run_child(manifest: Path, result: Path, calls: int, deadline: float) -> int:
+def run_child(manifest: Path, result: Path, calls: int, deadline: float, device: str = "cuda") -> int:
     """Profile each case of ``manifest`` (warm-up outside the profiled range); write a record per
-    case to ``result`` after each one (a time-out keeps what was done)."""
+    case to ``result`` after each one (a time-out keeps what was done). ``device="cpu"`` runs the
+    same steps without the CUDA profiler calls (a smoke test of the bookkeeping)."""
     import torch
     import triton
 
     from polykernel.errors import ImplNotAvailableError
 
     entries = json.loads(manifest.read_text())  # [{"id": global case number, **Case fields}]
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    cuda = device == "cuda"
+    name = torch.cuda.get_device_name() if cuda else device
+    meta: dict[str, Any] = {"device": name, "torch": torch.__version__, "triton": triton.__version__}
+    try:  # the issues' copy figure: Tensor.copy_ (a cudaMemcpy) timed by events, outside ncu's ranges
+        from polykernel.bench import copy_bandwidth
+
+        meta["memcpy_TBps"] = copy_bandwidth() / 1e3 if cuda else None
+    except Exception as exc:
+        meta["memcpy_TBps_error"] = f"{type(exc).__name__}: {exc}"[:200]
     records: list[dict[str, Any]] = []
     for entry in entries:
         i, case = entry["id"], Case(**{k: v for k, v in entry.items() if k != "id"})
@@ -215,11 +229,11 @@ def run_child(manifest: Path, result: Path, calls: int, deadline: float) -> int:
         try:
             if time.time() > deadline:
                 raise TimeoutError("skipped: the run's time budget is spent (raise --timeout)")
-            reason = skip_reason(case, "cuda", torch.bfloat16)
+            reason = skip_reason(case, device, torch.bfloat16)
             if reason:
                 rec["skipped"] = reason
             else:
-                _profile_case(case, i, calls, rec)
+                _profile_case(case, i, calls, rec, device)
         except ImplNotAvailableError as exc:  # a per-call predicate refused these arguments
             rec["skipped"] = str(exc)[:400]
         except Exception as exc:  # one failing impl is recorded; the others still run
@@ -228,7 +242,8 @@ def run_child(manifest: Path, result: Path, calls: int, deadline: float) -> int:
         records.append(rec)
         result.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
         print(f"[ncu_kernels] {case.name}: " + rec.get("error", rec.get("skipped", "profiled")), flush=True)
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
     return 0
 
 
@@ -253,28 +268,34 @@ def mark(index: int, call: int, device: str = "cuda") -> None:
     kernel[(index * MARKER_STRIDE + call + 1,)](buf)
 
 
-def _profile_case(case: Case, index: int, calls: int, rec: dict[str, Any]) -> None:
+def _profile_case(case: Case, index: int, calls: int, rec: dict[str, Any], device: str = "cuda") -> None:
     import torch
 
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else lambda: None
     # The backward on this thread: autograd's device threads would launch outside our NVTX range.
     with torch.autograd.set_multithreading_enabled(False):
-        step, rec["ideal_bytes"] = _case_step(case)
+        step, rec["ideal_bytes"] = _case_step(case, device)
         step()
         step()  # compiled, caches and allocator warm
-        mark(index, 0)
-        torch.cuda.synchronize()
-        torch.cuda.profiler.start()
+        mark(index, 0, device)
+        sync()
+        if cuda:
+            torch.cuda.profiler.start()
         try:
             for call in range(calls):
-                torch.cuda.nvtx.range_push(f"{NVTX_PREFIX}-{index:03d}-{call}")
+                if cuda:
+                    torch.cuda.nvtx.range_push(f"{NVTX_PREFIX}-{index:03d}-{call}")
                 try:
-                    mark(index, call)
+                    mark(index, call, device)
                     step()
                 finally:
-                    torch.cuda.nvtx.range_pop()
-            torch.cuda.synchronize()
+                    if cuda:
+                        torch.cuda.nvtx.range_pop()
+            sync()
         finally:
-            torch.cuda.profiler.stop()
+            if cuda:
+                torch.cuda.profiler.stop()
     del step
 
 
@@ -320,8 +341,8 @@ def _run(cmd: list[str], timeout: float, env: dict[str, str]) -> tuple[int, str]
 def check_metrics(ncu: str, metrics: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """(metrics to use, dropped metric -> why) from ``ncu --query-metrics`` on this GPU. A metric
     whose base name the query does not list is dropped; launch__* metrics (launch statistics, not
-    always listed) are kept. If the query fails, every metric is kept (a failing profile then
-    names the bad ones: see :func:`metric_errors`)."""
+    always listed) and the time and DRAM bytes (the report's core) are kept. If the query fails,
+    every metric is kept (a failing profile then names the bad ones: see :func:`metric_errors`)."""
     try:
         code, text = _run([ncu, "--query-metrics"], 60, env)
     except OSError:
@@ -331,7 +352,7 @@ def check_metrics(ncu: str, metrics: list[str], env: dict[str, str]) -> tuple[li
         return metrics, {}
     keep, dropped = [], {}
     for m in metrics:
-        if m.startswith("launch__") or m.split(".")[0] in listed:
+        if m.startswith("launch__") or m in (TIME, READ, WRITE) or m.split(".")[0] in listed:
             keep.append(m)
         else:
             dropped[m] = "not listed by ncu --query-metrics on this GPU"
@@ -632,7 +653,9 @@ def markdown(report: dict[str, Any]) -> str:
         "- `--clock-control none` (clocks as they run), `--cache-control all` (ncu's default: L2 flushed before each "
         "kernel, i.e. cold-L2 streaming like `do_bench`'s flush), kernel replay: kernels run one at a time, so a "
         "case's time is the sum of its kernels, without launch gaps or overlap (CUDA-graph times add ~1-2 µs per kernel).",
-        f"- Copy ceiling: 2 GiB device-to-device copy **{_f(copy, '.2f')} TB/s** (read + written, profiled here). "
+        f"- Copy ceiling: a 2 GiB copy kernel (`torch.mul(src, 1, out=dst)`, profiled here) **{_f(copy, '.2f')} TB/s** "
+        f"(read + written); `Tensor.copy_` of the same (a cudaMemcpy, which ncu does not profile; CUDA events, "
+        f"L2 flushed by `do_bench`): {_f(meta.get('memcpy_TBps'), '.2f')} TB/s. "
         f"Kernels attributed to cases by {meta.get('attributed_by', '?')}.",
         "- ideal = the op's fewest bytes (`bytes_moved`); TB/s ideal = ideal / time (what the targets count); "
         "excess over *ideal at copy bandwidth* = extra bytes (DRAM above ideal: re-reads that miss L2) + "
@@ -738,12 +761,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--child-result", help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, default=float("inf"), help=argparse.SUPPRESS)
+    p.add_argument("--child-device", default="cuda", help=argparse.SUPPRESS)  # cpu: the tests' smoke run
     a = p.parse_args(argv)
     a.calls = a.calls or (1 if a.quick else 2)
     if not 1 <= a.calls < MARKER_STRIDE:
         p.error(f"--calls must be between 1 and {MARKER_STRIDE - 1}")
     if a.child:
-        return run_child(Path(a.child), Path(a.child_result), a.calls, a.deadline)
+        return run_child(Path(a.child), Path(a.child_result), a.calls, a.deadline, a.child_device)
 
     cases = build_cases(a.only.split(","), a.cases.split(","), a.quick)
     if a.list:
@@ -785,8 +809,12 @@ def main(argv: list[str] | None = None) -> int:
                     meta.update(child_meta)
             logs.append(f"$ {' '.join(ncu_command(ncu, metrics, Path('REPORT'), ['CHILD']))}  (exit {code})\n{log}")
             raws.append(raw)
-            records += recs or [
-                {"id": i, **asdict(c), "name": c.name, "error": f"ncu exit {code}: {_first_error(log)}"} for i, c in zip(ids, group)
+            seen = {r["id"] for r in recs}
+            records += recs
+            records += [
+                {"id": i, **asdict(c), "name": c.name, "error": f"no record: the child stopped (ncu exit {code}: {_first_error(log)})"}
+                for i, c in zip(ids, group)
+                if i not in seen
             ]
             kernels += parse_raw_csv(raw)
     (out / "ncu_log.txt").write_text("\n".join(logs)[-500_000:])
@@ -796,7 +824,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(out, meta, "ncu profiled no kernel: " + _first_error("\n".join(logs)))
     report = build_report(records, kernels, meta)
     _write(out, report)
-    print(markdown(report))
+    print(markdown(report).split("\n## ")[0])  # the summary table; per-kernel tables in the file
     print(f"wrote {out / 'ncu_kernels.md'} and .json in {meta['seconds']} s", file=sys.stderr)
     return 0
 

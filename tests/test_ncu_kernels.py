@@ -208,6 +208,27 @@ def test_cases_build_on_cpu_without_peers():
     assert "PEERS []" in out.stdout
 
 
+def test_child_runs_the_cases_and_records_them_on_cpu(tmp_path, monkeypatch):
+    # The child's own steps (inputs, warm-up, marker, calls, ideal bytes, skips) with the CUDA
+    # profiler calls left out; the torch impl at the real shape, peers refused on this machine.
+    monkeypatch.setattr(nk, "_marker_kernel", None)
+    cases = [
+        nk.Case("rms_norm", "16384x4096", "fwd", "torch"),
+        nk.Case("rms_norm", "16384x4096", "fwd", "quack"),
+        nk.Case("softmax", "8192x32768", "fwd", "quack"),
+    ]
+    manifest, result = tmp_path / "cases.json", tmp_path / "records.json"
+    manifest.write_text(json.dumps([{"id": 7 + i, **nk.asdict(c)} for i, c in enumerate(cases)]))
+    assert nk.main(["--child", str(manifest), "--child-result", str(result), "--child-device", "cpu", "--calls", "1"]) == 0
+    done = json.loads(result.read_text())
+    assert done["meta"]["device"] == "cpu"
+    torch_rec, quack_rec, softmax_rec = done["records"]
+    assert torch_rec["id"] == 7 and "error" not in torch_rec and "skipped" not in torch_rec
+    assert torch_rec["ideal_bytes"] == IDEAL_RMS and torch_rec["name"] == "rms_norm/16384x4096/fwd/torch"
+    assert quack_rec["skipped"] == "needs a CUDA device"
+    assert softmax_rec["id"] == 9 and softmax_rec["skipped"] == "no quack impl registered for softmax"
+
+
 # A stand-in for ncu: --version, --query-metrics, a profile run (writes the child's records and a
 # report file, or fails as FAKE_NCU_MODE says) and --import (prints the canned CSV).
 FAKE_NCU = """\
@@ -273,6 +294,8 @@ def test_main_profiles_through_ncu_and_writes_the_report(tmp_path, fake_ncu, mon
     rms = next(c for c in report["cases"] if c["op"] == "rms_norm")
     assert rms["n_kernels"] == 2 and rms["TBps_ideal"] > 0
     assert "## rms_norm/16384x4096/fwd/triton" in md
+    # the stand-in wrote records for the first three cases only: the others say so
+    assert any(c.get("error", "").startswith("no record: the child stopped") for c in report["cases"])
 
 
 def test_main_without_counter_access_records_the_error(tmp_path, fake_ncu, monkeypatch, capsys):
