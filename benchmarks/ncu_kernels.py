@@ -754,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="our Triton impls only, one call per case")
     p.add_argument("--calls", type=int, default=None, help="profiled calls per case (default 2; --quick 1)")
     p.add_argument("--timeout", type=float, default=420.0, help="seconds for the whole ncu run (each, with --isolate)")
-    p.add_argument("--isolate", action="store_true", help="one ncu run per case (no NVTX attribution needed; slower)")
+    p.add_argument("--isolate", action="store_true", help="one ncu run per case (slower: a Python start and compiles per case)")
     p.add_argument("--ncu", default=None, help="path of the ncu binary")
     p.add_argument("--keep-report", action="store_true", help="also copy ncu's .ncu-rep file(s) to --out")
     p.add_argument("--list", action="store_true", help="print the cases and exit")
