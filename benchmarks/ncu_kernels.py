@@ -416,14 +416,15 @@ def to_base(value: str, unit: str) -> float | None:
     """A raw-page value in base units: seconds for ``[n|u|m]second``, bytes for ``[K|M|G]byte``
     (ncu's prefixes are decimal); other units as printed. ``n/a`` and empty give None.
 
-    >>> to_base("1,500", "nsecond"), to_base("2", "Mbyte"), to_base("87.5", "%"), to_base("n/a", "")
-    (1.5e-06, 2000000.0, 87.5, None)
+    >>> to_base("1,500", "nsecond"), to_base("1,500", "ns"), to_base("2", "Mbyte"), to_base("87.5", "%"), to_base("n/a", "")
+    (1.5e-06, 1.5e-06, 2000000.0, 87.5, None)
     """
     try:
         number = float(value.strip().replace(",", ""))
     except ValueError:
         return None
-    m = re.match(r"^([numKMGT]?)(second|byte)\b", unit.strip())
+    # ncu 2025 prints "ns"/"byte" with --print-units base; older releases "nsecond"
+    m = re.match(r"^([numKMGT]?)(second|sec|s|byte|B)(?![A-Za-z])", unit.strip())
     return number * _SCALE[m.group(1)] if m else number
 
 

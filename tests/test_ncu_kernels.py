@@ -316,3 +316,9 @@ def test_main_drops_a_metric_ncu_rejects_and_retries(tmp_path, fake_ncu, monkeyp
 def test_main_without_ncu_says_so(tmp_path, monkeypatch, capsys):
     code, report, md = _main(tmp_path, tmp_path / "no-such-ncu", "ok", monkeypatch)
     assert code == 0 and "not found" in report["meta"]["error"] and "not found" in md
+
+
+@pytest.mark.parametrize("unit", ["nsecond", "nsec", "ns"])
+def test_durations_in_any_ncu_spelling_become_seconds(unit):
+    # ncu 2025.3 prints "ns" in the units row with --print-units base (first H200 run: read as seconds)
+    assert nk.to_base("1,500", unit) == pytest.approx(1.5e-6)
