@@ -29,11 +29,12 @@ from ._launch import launch
 from ._rows import cdiv as _cdiv
 from ._rows import next_pow2 as _next_pow2
 
-# elements per half-tile [BLOCK_T, BLOCK_H, BLOCK_D] (two halves per head row). 1024: q 4x32x4096x128
-# bf16 fwd 3.62 TB/s, fwd+bwd 3.49, vs 3.40 / 3.40 at 2048 (H200, kernel_variants.py, 2026-11-30)
+# elements per half-tile [BLOCK_T, BLOCK_H, BLOCK_D] (two halves per head row), and the warps that
+# share one. 1024 elements on 1 warp: q 4x32x4096x128 bf16 fwd 3.73 TB/s, fwd+bwd 3.72, against
+# 3.40 / 3.40 at 2048 on up to 4 warps (H200, kernel_variants.py, 2026-11-30)
 ELEMS = 1024
 MAX_BLOCK_D = 128  # half dims up to 128 (D <= 256) in one chunk; longer ones are walked in chunks
-MAX_WARPS = 4  # benchmarks/kernel_variants.py A/Bs these three (call _tiles.cache_clear() after a change)
+MAX_WARPS = 1  # benchmarks/kernel_variants.py A/Bs these three (call _tiles.cache_clear() after a change)
 
 
 # ---------------------------------------------------------------------------------------------
