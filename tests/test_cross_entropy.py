@@ -195,3 +195,18 @@ def test_a_positive_inf_logit_gives_the_references_nan(impl):
     got = polykernel.cross_entropy(x, t, reduction="none", impl=impl)
     assert torch.isnan(want[1]) and torch.isnan(got[1])
     torch.testing.assert_close(got[[0, 2]], want[[0, 2]])
+
+
+def test_scale_grads_applies_the_cotangent_in_place():
+    # the loss backwards scale gradients computed for grad_output = 1 by the real g
+    from polykernel.backends.torch.cross_entropy import scale_grads_
+
+    a = torch.randn(4, 3, dtype=torch.bfloat16)
+    b = torch.randn(5)
+    want_a, want_b = a.float() * 0.3, b * 0.3
+    scale_grads_(torch.tensor(0.3), a, None, b)
+    torch.testing.assert_close(a.float(), want_a, atol=0, rtol=2**-8)  # one bf16 rounding of a·g
+    torch.testing.assert_close(b, want_b)
+    kept = a.clone()
+    scale_grads_(torch.tensor(1.0), a)
+    assert torch.equal(a, kept)
