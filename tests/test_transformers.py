@@ -456,6 +456,27 @@ def test_compiled_model_keeps_the_mask_it_needs(torch_impls, mask_built_under_co
     torch.testing.assert_close(out.logits, want, **FP32)
 
 
+@pytest.mark.parametrize(
+    "family, overrides",
+    [("mistral", {"sliding_window": 8}), ("gemma2", {"sliding_window": 8}), ("qwen3", {}), ("olmo2", {})],
+    ids=["mistral-sliding", "gemma2-hybrid-eager-attention", "qwen3", "olmo2"],
+)
+def test_compiled_families_match_eager(torch_impls, mask_built_under_compile, family, overrides):
+    # a sliding window needs its mask (the switch leaves it); full-attention layers may drop theirs.
+    # Gemma2 runs eager attention (logit soft-capping): no SDPA call, its masks are transformers' own
+    ref = tiny(family, **overrides)
+    model = copy.deepcopy(ref)
+    pkt.patch(model)
+    ids, _ = batch()
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        want = ref(ids).logits
+        out, sdpa = compiled_sdpa(model, ids)
+    torch.testing.assert_close(out.logits, want, **FP32)
+    if family == "mistral":
+        assert sdpa and all(mask is not None for mask, _ in sdpa)
+
+
 def test_class_patch_lets_sdpa_apply_causality(torch_impls, mask_built_under_compile):
     pkt.patch("llama")
     try:
