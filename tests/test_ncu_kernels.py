@@ -4,7 +4,6 @@ range, the report's arithmetic, the case list (no peer imported), and the parent
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,15 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from _scripts import load_benchmark
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "ncu_kernels.py"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("ncu_kernels", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ncu_kernels"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("ncu_kernels")
 
 
 nk = _load()

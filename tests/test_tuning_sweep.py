@@ -5,12 +5,12 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 import polykernel
+from _scripts import load_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "sweep_tuning.py"
 
@@ -18,11 +18,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarn
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("sweep_tuning", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sweep_tuning"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("sweep_tuning")
 
 
 def test_smoke_sweep_writes_results_and_the_table(tmp_path, monkeypatch, capsys):
