@@ -347,13 +347,13 @@ def _attention_forward(base: Callable, modeling: types.ModuleType) -> Callable:
 
 # -- the causal mask under torch.compile -------------------------------------------------------
 # transformers lets SDPA apply causality itself (``is_causal=True``, no mask tensor) when nothing is
-# padded, but only outside torch.compile: while tracing it cannot read the padding mask's values,
-# and where it tries (5.24), torch before pytorch#176499 (2.11, say) answers True to
-# ``torch.compiler.is_exporting()`` under compile, so a compiled model builds a [B, 1, S, S] mask. SDPA then leaves its
-# GQA path (K and V repeated to every head) and cuDNN's flash backward runs with a bias: on the
-# H200, issue 14's Llama spends 33 ms per step in attention compiled against 12.6 ms eager.
-# When the mask is decidable from shapes alone (no padding mask, plain causal, no sliding window,
-# no static-cache offset), the patched model takes the same ``is_causal`` route under compile.
+# padded, but only outside torch.compile: while tracing it cannot read the padding mask's values
+# (5.17), and where it tries (5.24), a torch before pytorch#176499 (2.11, say) answers True to
+# ``torch.compiler.is_exporting()`` under compile. So a compiled model builds a [B, 1, S, S] mask,
+# SDPA leaves its GQA path (K and V repeated to every head) and cuDNN's flash backward runs with
+# a bias: on the H200, issue 14's Llama spent 31-33 ms per step in attention compiled against
+# 12.4 eager. Where the mask is decidable from shapes alone (no padding mask, plain causal, no
+# sliding window, no static-cache offset), the patched model takes the eager route under compile.
 def _no_mask_needed(kw: dict[str, Any], causal: Callable) -> bool:
     """transformers' own eager test for "SDPA's is_causal is this mask", on shapes only."""
     if kw.get("attention_mask") is not None or not kw.get("allow_is_causal_skip", True):
