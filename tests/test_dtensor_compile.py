@@ -463,3 +463,48 @@ def test_sharded_ops_are_the_dtensor_layouts_and_compiling_does_not_route():
     first, second = out.stdout.strip().splitlines()[-2:]
     assert first.startswith("[] False ")
     assert first.removeprefix("[] False ") == second
+
+
+_DECOMPOSE_SCRIPT = """
+import os, sys
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+import polykernel
+from polykernel import dispatch, dtensor_sharding
+dtensor_sharding._trainable = lambda op_id, compiled: op_id != "activation.swiglu"  # an op with no training rules
+mesh = init_device_mesh("cpu", (1,))
+g = distribute_tensor(torch.randn(4, 8), mesh, [Shard(0)]).requires_grad_()
+u = distribute_tensor(torch.randn(4, 8), mesh, [Shard(0)]).requires_grad_()
+f = torch.compile(lambda a, b: polykernel.swiglu(a, b), backend="aot_eager", fullgraph=True)
+f(g, u).sum().backward()
+print("LOGGED", sorted(k[1:] for k in dispatch._logged if k[0] == "compile-dtensor"))
+os.environ["POLYKERNEL_STRICT"] = "1"
+torch._dynamo.reset()
+try:
+    torch.compile(lambda a, b: polykernel.swiglu(a, b), backend="aot_eager", fullgraph=True)(g, u)
+    print("STRICT no error")
+except Exception as exc:
+    print("STRICT", "POLYKERNEL_STRICT=1" in str(exc))
+dist.destroy_process_group()
+"""
+
+
+def test_compiled_training_without_rules_decomposes_logged_or_strict(tmp_path):
+    # the trace-time side effects (a log line; with POLYKERNEL_STRICT=1 an error) of an op whose
+    # training ops have no sharding rules, run while Dynamo traces the call
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "POLYKERNEL_COMPILE_SWIGLU": "ours"}
+    env.pop("POLYKERNEL_STRICT", None)
+    script = tmp_path / "decompose.py"
+    script.write_text(_DECOMPOSE_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True, env=env, timeout=300)
+    assert "LOGGED [('activation.swiglu', 'its saved tensors have no placement')]" in out.stdout, out.stderr[-2000:]
+    assert "STRICT True" in out.stdout, out.stderr[-2000:]

@@ -283,7 +283,6 @@ def run(op: Op, impl: Any, p: Plan, args: tuple[Any, ...]) -> Any:
     """Run ``op`` on the local shards of ``args`` (redistributed first where ``p`` says) through
     :meth:`Op.call` (the normal selection, memo and fault policy on plain tensors) and wrap the
     outputs as DTensors."""
-
     local = list(args)
     for i, gp in p.grad_placements.items():
         a = args[i]

@@ -143,25 +143,8 @@ def _has_dtensor(args: Sequence[Any]) -> bool:
     return dtensor is not None and any(isinstance(a, dtensor) for a in args)
 
 
-# Trace-time side effects: Dynamo traces CompiledOp.call, so what must really happen while it
-# traces (registering rules, logging) goes through ``comptime``, whose function Dynamo runs.
-
-
-def _sharding_rules(op_id: str) -> None:
-    """Register ``op_id``'s DTensor sharding rules (idempotent): a compiled call met a DTensor."""
-    if torch.compiler.is_compiling():
-        from torch._dynamo.comptime import comptime
-
-        comptime(_rules_from_trace)
-    else:
-        _register_rules(op_id)
-
-
-def _rules_from_trace(ctx: Any) -> None:  # no free variables: comptime's rule
-    _register_rules(ctx.get_local("op_id").as_python_constant())
-
-
 def _register_rules(op_id: str) -> None:
+    """Register ``op_id``'s DTensor sharding rules (idempotent): a compiled call met a DTensor."""
     # polykernel.dtensor too: the layouts that the rules and dtensor_sharding.trains read (the
     # latter traced, where a first import is not possible).
     from . import dtensor, dtensor_sharding  # noqa: F401
@@ -169,29 +152,36 @@ def _register_rules(op_id: str) -> None:
     dtensor_sharding.register(_current(op_id), _built[op_id])
 
 
-def _decomposing_on_dtensors(op_id: str, why: str) -> None:
-    """Compiled training on DTensors decomposes ``op_id``: logged once; ``POLYKERNEL_STRICT=1``
-    makes it an error. Runs at trace time: under Dynamo through ``comptime`` (a logger call in
-    traced code would break the graph, and ``fullgraph=True`` with it)."""
-    if torch.compiler.is_compiling():
-        from torch._dynamo.comptime import comptime
-
-        comptime(_decomposing_from_trace)
-    else:
-        _report_decomposing(op_id, why)
-
-
-def _decomposing_from_trace(ctx: Any) -> None:  # no free variables: comptime's rule
-    _report_decomposing(ctx.get_local("op_id").as_python_constant(), ctx.get_local("why").as_python_constant())
-
-
 def _report_decomposing(op_id: str, why: str) -> None:
+    """Compiled training on DTensors decomposes ``op_id``: logged once; ``POLYKERNEL_STRICT=1``
+    makes it an error."""
     from . import dispatch
     from .errors import ImplNotAvailableError
 
     if dispatch._strict_mode():
         raise ImplNotAvailableError(op_id, "training custom ops on DTensors", f"{why} (POLYKERNEL_STRICT=1)")
     dispatch._log_once(("compile-dtensor", op_id, why), f"polykernel: {op_id}: compiled training on DTensors decomposes the op ({why})")
+
+
+# Side effects of a compiled call that must really happen while Dynamo traces CompiledOp.call
+# (registering rules, logging: a logger call in traced code would break the graph, and
+# fullgraph=True with it). They run through ``comptime``, whose function Dynamo runs; by name,
+# with string arguments, so that the rule reads only constants.
+_TRACE_TIME = {"register_rules": _register_rules, "report_decomposing": _report_decomposing}
+
+
+def _at_trace_time(action: str, *args: str) -> None:
+    """``_TRACE_TIME[action](*args)``, now: also while Dynamo traces the caller."""
+    if torch.compiler.is_compiling():
+        from torch._dynamo.comptime import comptime
+
+        comptime(_from_trace)
+    else:
+        _TRACE_TIME[action](*args)
+
+
+def _from_trace(ctx: Any) -> None:  # no free variables: comptime's rule
+    _TRACE_TIME[ctx.get_local("action").as_python_constant()](*ctx.get_local("args").as_python_constant())
 
 
 def custom_op_for(op: Op | str) -> Callable[..., Any]:
@@ -487,7 +477,7 @@ class CompiledOp:
                 impl = _impl_str(impl)
             dtensors = _has_dtensor(args)
             if dtensors:  # the ops' sharding rules, registered at trace time (once)
-                _sharding_rules(op_id)
+                _at_trace_time("register_rules", op_id)
                 from . import dtensor_sharding
 
                 if dtensor_sharding.sharded_mean(op_id, args):
@@ -502,7 +492,7 @@ class CompiledOp:
                 if why is not None:
                     # No sharding rule covers the training ops here (see dtensor_sharding): the op
                     # decomposes into torch ops that DTensor and Inductor handle.
-                    _decomposing_on_dtensors(op_id, why)
+                    _at_trace_time("report_decomposing", op_id, why)
                     return reference(*args)
                 if any(mask):  # training: the forward returns what the backward needs
                     outs = _as_tuple(train(*args, mask, impl=impl))[:n_out]

@@ -36,11 +36,6 @@ UNIT_ROUNDOFF: dict[torch.dtype, float] = {
     torch.bfloat16: 2.0**-8,
     torch.float16: 2.0**-11,
 }
-# fp32 math evaluates σ(g) = 1/(1 + exp(-g)), and exp overflows once -g > ln(FLT_MAX) = 88.72: σ(g)
-# and g·σ(g) then come back 0 where the exact |g·σ(g)| is up to 88.73/FLT_MAX = 2.6e-37 (H200,
-# 2026-11-30: torch's and Liger's silu(-94) = -0, exact -6e-39). An absolute error of up to this
-# much times what multiplies σ is the math's, not an impl's, fault.
-SIGMOID_UNDERFLOW_FP32 = 88.73 / 3.4028234663852886e38
 # Half the smallest subnormal: the absolute floor of one rounding to the dtype.
 TINY: dict[torch.dtype, float] = {torch.float64: 2.0**-1075, torch.float32: 2.0**-150, torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25}
 

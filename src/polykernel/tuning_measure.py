@@ -44,7 +44,8 @@ L2_FLUSH_BYTES = 256 << 20
 # host_profile.py). Without it the events also count the GPU's idle gaps while the host
 # launches, so an impl with a costlier launch looks slower on the GPU than it is: the likely
 # cause of the H200 sweep's (2026-11-30) picks that lost to the graph-fastest impl by 6-20%
-# (QuACK vs cute_dsl/Triton at small rows). Not yet re-measured with it.
+# (QuACK vs cute_dsl/Triton at small rows). With it, the next sweep held 54 of 54 points within
+# 5% of the fastest (benchmarks/results/h200-2026-11-30-sweep-tuning.json).
 HOLD_CYCLES = 2_000_000
 
 

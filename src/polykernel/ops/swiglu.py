@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ..backends.cutile import _gates as cutile_gates
 from ..backends.liger import _gates as liger_gates
-from ..op import SIGMOID_UNDERFLOW_FP32, Bounds, Case, ErrorModel, Op
+from ..op import Bounds, Case, ErrorModel, Op
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 from ._glu import bytes_moved, example, glu_cases, validate_glu
@@ -55,6 +55,13 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str | None = None) -> 
 # |g|·u32 of relative error (GPUs evaluate exp as exp2(g·log2 e)), a few more roundings. d_gate =
 # dy·up·σ·(1 + g·(1 - σ)) cancels near g = -1.28: relative to its terms' magnitude, ~1.1·max|up|
 # for cotangents |dy| <= 1.
+# fp32 math evaluates σ(g) = 1/(1 + exp(-g)), and exp overflows once -g > ln(FLT_MAX) = 88.72: σ(g)
+# and g·σ(g) then come back 0 where the exact |g·σ(g)| is up to 88.73/FLT_MAX = 2.6e-37 (H200,
+# 2026-11-30: torch's and Liger's silu(-94) = -0, exact -6e-39). An absolute error of up to this
+# much times what multiplies σ is the math's, not an impl's, fault.
+SIGMOID_UNDERFLOW_FP32 = 88.73 / 3.4028234663852886e38
+
+
 def error_model(gate: torch.Tensor, up: torch.Tensor) -> Bounds:
     g_max = gate.detach().abs().max().item() if gate.numel() else 0.0
     u_max = up.detach().abs().max().item() if up.numel() else 0.0
