@@ -8,7 +8,5 @@ Not registered: QuACK's chunked linear cross-entropy (``quack.linear_cross_entro
 H200 stack (torch 2.11, CuTeDSL 4.x) with a CuTeDSL epilogue ContextVar error; its LayerNorm
 (``layernorm_fwd``/``layernorm_bwd``, no autograd wrapper, fp32 weight and bias only) and its rotary
 embedding (``apply_rotary_emb``: [B, T, H, D] layout, half-width cos/sin) are not adapted yet.
-Its softmax was registered and dropped after the H200 parity run of 2026-11-30: non-finite
-outputs on rows masked with -inf, 13.5x the error model's fp32 bound at logits of scale 1e4, and a
-backward that reads the rounded bf16 y (the contract's impls recompute y in fp32).
+Its softmax failed parity on the H200 and is not registered either (why: ``ops/softmax.py``).
 """
