@@ -18,7 +18,13 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 	$(BIN)/python -m pip install -q -e ".[transformers,plot,test]"
 	touch $@
 
-setup: $(VENV)/.installed
+# The native (C++) launch path of the norms: compiled once per torch/Python/source version into
+# the user cache (~30 s on 2 cores); the Python path runs where it cannot be built.
+$(VENV)/.native: $(VENV)/.installed src/polykernel/csrc/native.cpp
+	$(BIN)/python -m polykernel.backends.triton._native
+	touch $@
+
+setup: $(VENV)/.installed $(VENV)/.native
 
 demo: setup  ## the main job: op/impl verdicts here, then a small Llama trained with and without polykernel
 	$(BIN)/polykernel demo $(ARGS)

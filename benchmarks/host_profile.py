@@ -3,9 +3,10 @@
     PYTHONPATH=src python benchmarks/host_profile.py --out DIR [--ops rms_norm,rope] [--quick]
 
 For each case (op, shape, fwd or fwd+bwd; bf16; the issue's training and decode shapes) and each
-contender — ``polykernel`` (automatic choice), ``triton`` (the registered Triton impl called
-directly), ``triton[grid]`` (the same with the direct launch off: every kernel through
-``kernel[grid]``), ``torch`` (the torch impl, i.e. ``F.rms_norm``/``F.layer_norm``/... where it
+contender — ``polykernel`` (automatic choice), ``polykernel[py]`` (the same with the native
+C++ path off: the norms' host path in Python), ``triton`` (the registered Triton impl called
+directly), ``triton[grid]`` (the same with the direct launch and the native path off: every
+kernel through ``kernel[grid]``), ``torch`` (the torch impl, i.e. ``F.rms_norm``/``F.layer_norm``/... where it
 applies, called directly) — three figures:
 
 - ``gpu_us``: GPU time per call, from replays of a CUDA graph of 10 calls (no host in it);
@@ -163,6 +164,7 @@ def contenders(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[s
     public = getattr(polykernel, op.name)
     pos = _positional(op, args, kwargs)
     out: dict[str, Callable[[], Any]] = {"polykernel": lambda: public(*args, **kwargs)}
+    out["polykernel[py]"] = out["polykernel"]  # measured with the native (C++) path off
     triton_impl = _impl(op, "triton")
     if triton_impl is not None:
         out["triton"] = lambda: triton_impl(*pos)
@@ -174,14 +176,16 @@ def contenders(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[s
 
 
 @contextlib.contextmanager
-def fast_launch(on: bool):
-    from polykernel.backends.triton import _launch
+def launch_paths(fast: bool, native: bool):
+    """The direct Triton launch and the native (C++) path on or off for one contender."""
+    from polykernel.backends.triton import _launch, _native
 
-    old = _launch.set_enabled(on)
+    old = _launch.set_enabled(fast), _native.set_enabled(native)
     try:
         yield
     finally:
-        _launch.set_enabled(old)
+        _launch.set_enabled(old[0])
+        _native.set_enabled(old[1])
 
 
 def run_case(op_name: str, label: str, shape: tuple[int, ...], mode: str, decode: bool, prof_dir: Path) -> list[dict[str, Any]]:
@@ -196,7 +200,7 @@ def run_case(op_name: str, label: str, shape: tuple[int, ...], mode: str, decode
     for who, fn in contenders(op, args, kwargs).items():
         row: dict[str, Any] = {"op": op_name, "shape": label, "mode": mode, "impl": who}
         try:
-            with ctx(), fast_launch(who != "triton[grid]"):
+            with ctx(), launch_paths(fast=who != "triton[grid]", native=who in ("polykernel", "triton")):
                 step = _step(fn, inputs, mode)
                 row["gpu_us"] = gpu_us(step)
                 row["per_call_us"] = per_call_us(step)
@@ -234,16 +238,17 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "GPU = CUDA-graph replay per call; per call = back-to-back wall time; host = CPU time to issue",
         "one call with the GPU kept busy. µs. ratio = per call / GPU (polykernel).",
         "",
-        "| op | shape | mode | polykernel GPU | per call | host | ratio | triton host | triton[grid] host | torch GPU | torch per call | torch host |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| op | shape | mode | polykernel GPU | per call | host | ratio | polykernel[py] per call | polykernel[py] host | triton host | triton[grid] host | torch GPU | torch per call | torch host |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     keys = list(dict.fromkeys((r["op"], r["shape"], r["mode"]) for r in rows))
     by = {(r["op"], r["shape"], r["mode"], r["impl"]): r for r in rows}
     for k in keys:
-        pk, tr, tg, th = (by.get((*k, who)) for who in ("polykernel", "triton", "triton[grid]", "torch"))
+        pk, py, tr, tg, th = (by.get((*k, who)) for who in ("polykernel", "polykernel[py]", "triton", "triton[grid]", "torch"))
         out.append(
             f"| {k[0]} | {k[1]} | {k[2]} | {cell(pk, 'gpu_us')} | {cell(pk, 'per_call_us')} | {cell(pk, 'host_us')} | "
-            f"{cell(pk, 'per_call_over_gpu', '{:.2f}')} | {cell(tr, 'host_us')} | {cell(tg, 'host_us')} | "
+            f"{cell(pk, 'per_call_over_gpu', '{:.2f}')} | {cell(py, 'per_call_us')} | {cell(py, 'host_us')} | "
+            f"{cell(tr, 'host_us')} | {cell(tg, 'host_us')} | "
             f"{cell(th, 'gpu_us')} | {cell(th, 'per_call_us')} | {cell(th, 'host_us')} |"
         )
     out += ["", "Host time of the polykernel call by category (µs, cProfile shares scaled to the measured host time):", ""]
@@ -267,6 +272,9 @@ def main() -> None:
     prof_dir = out / "profiles"
     prof_dir.mkdir(parents=True, exist_ok=True)
     wanted = {o for o in a.ops.split(",") if o}
+    from polykernel.backends.triton import _native
+
+    print(f"native path: {'on' if _native.module(wait=True) is not None else 'off'}", flush=True)  # built before timing
     t0 = time.time()
     rows: list[dict[str, Any]] = []
     for op_name, label, shape, modes in CASES:

@@ -113,6 +113,9 @@ def _clear(module: Any) -> None:
         if hasattr(fn, "cache_clear"):
             fn.cache_clear()
     polykernel.clear_caches()
+    from polykernel.backends.triton import _native
+
+    _native.clear()  # the native path's plans hold tile choices read from TUNE
 
 
 def _step(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], mode: str) -> Callable[[], Any]:

@@ -21,6 +21,7 @@ from ._rows import cdiv as _cdiv
 
 BLOCK_C = 64  # columns per program: N=4096 gives 64 programs, enough to read 4 MiB quickly
 BLOCK_P = 32  # rows per step
+META = dict(BLOCK_C=BLOCK_C, BLOCK_P=BLOCK_P, num_warps=4)  # the launch's keywords (also the native path's)
 
 
 @triton.jit
@@ -39,5 +40,5 @@ def colsum(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``part.sum(0)`` of a contiguous [P, N] fp32 buffer (P >= 1), as a new [N] tensor of ``dtype``."""
     p, n = part.shape
     out = torch.empty(n, dtype=dtype, device=part.device)
-    launch(_colsum_kernel, (_cdiv(n, BLOCK_C),), part, out, p, n, BLOCK_C=BLOCK_C, BLOCK_P=BLOCK_P, num_warps=4)
+    launch(_colsum_kernel, (_cdiv(n, BLOCK_C),), part, out, p, n, **META)
     return out

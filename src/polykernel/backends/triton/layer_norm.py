@@ -18,7 +18,9 @@ import triton.language as tl
 
 from ...ops.layer_norm import reference  # noqa: F401  (semantics live in the op file)
 from ...spec import Split
+from . import _native
 from ._autograd import lean_apply
+from ._colsum import BLOCK_C as _COLSUM_BLOCK
 from ._colsum import colsum as _colsum
 from ._launch import launch
 from ._rows import as_rows as _as_rows
@@ -319,8 +321,42 @@ class _LayerNorm(torch.autograd.Function):
 _lean_apply = lean_apply(_LayerNorm)  # _LayerNorm.apply without its Python wrapper (see _autograd.py)
 
 
+class _NativePlan:
+    """The C++ path's plan for one (dtypes, N, parameters present, device): slots and tile numbers."""
+
+    def __init__(self, x: torch.Tensor, has_w: bool, has_b: bool) -> None:
+        n = x.shape[-1]
+        flags = dict(HAS_W=has_w, HAS_B=has_b)
+        block_n, self.rows_fwd, warps = _tile(n, TUNE["fwd_tile_elems"], TUNE["fwd_warps"])
+        fwd = dict(BLOCK_N=block_n, ROWS=self.rows_fwd, num_warps=warps, **flags)
+        self.fwd = _native.slot(_ln_fwd_kernel, STORE_STATS=True, **fwd)
+        self.fwd_infer = _native.slot(_ln_fwd_kernel, STORE_STATS=False, **fwd)
+        block_n, self.rows_bwd, warps = _tile(n, TUNE["bwd_tile_elems"], TUNE["bwd_warps"])
+        self.bwd = _native.slot(_ln_bwd_kernel, BLOCK_N=block_n, ROWS=self.rows_bwd, num_warps=warps, **flags)
+        self.programs = _programs(x.device)
+        self.colsum_w = self.colsum_b = _native.colsum_slot()
+        self.colsum_block = _COLSUM_BLOCK
+
+
+def _native_layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+    """The whole call in C++ (see _native.py), or None where the Python path runs."""
+    C = _native.module()
+    if C is None or _native.transforms_active() or _native.hooks_set():
+        return None
+    y = C.layer_norm(x, weight, bias, eps)
+    if y is None and x.is_cuda and C.ln_plan_state(x, weight, bias) == 0:
+        takes = x.shape[-1] <= MAX_FUSED_N
+        C.set_ln_plan(x, weight, bias, _NativePlan(x, weight is not None, bias is not None) if takes else None)
+        y = C.layer_norm(x, weight, bias, eps)
+    return y
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.layer_norm``)."""
+    if _native.ENABLED:
+        y = _native_layer_norm(x, weight, bias, eps)
+        if y is not None:
+            return y
     if (x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)) and (
         torch.is_grad_enabled()
     ):

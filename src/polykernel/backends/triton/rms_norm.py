@@ -17,7 +17,9 @@ import triton.language as tl
 
 from ...ops.rms_norm import reference  # noqa: F401  (semantics live in the op file)
 from ...spec import Split
+from . import _native
 from ._autograd import lean_apply
+from ._colsum import BLOCK_C as _COLSUM_BLOCK
 from ._colsum import colsum as _colsum
 from ._launch import launch
 from ._rows import TL_DTYPE
@@ -358,8 +360,44 @@ class _RMSNorm(torch.autograd.Function):
 _lean_apply = lean_apply(_RMSNorm)  # _RMSNorm.apply without its Python wrapper (see _autograd.py)
 
 
+class _NativePlan:
+    """The C++ path's plan for one (dtypes, N, casting, device): its slots and tile numbers."""
+
+    def __init__(self, x: torch.Tensor, w: torch.Tensor, llama: bool) -> None:
+        n = x.shape[-1]
+        block_n, self.rows_fwd, warps = _tile(n, TUNE["fwd_tile_elems"], TUNE["fwd_warps"])
+        fwd = dict(BLOCK_N=block_n, ROWS=self.rows_fwd, LLAMA=llama, num_warps=warps)
+        self.fwd = _native.slot(_rms_fwd_kernel, STORE_RSTD=True, **fwd)
+        self.fwd_infer = _native.slot(_rms_fwd_kernel, STORE_RSTD=False, **fwd)
+        block_n, self.rows_bwd, warps = _tile(n, TUNE["bwd_tile_elems"], TUNE["bwd_warps"])
+        self.bwd = _native.slot(
+            _rms_bwd_kernel, BLOCK_N=block_n, ROWS=self.rows_bwd, LLAMA=llama, DTYPE_OUT=TL_DTYPE[x.dtype], num_warps=warps
+        )
+        self.programs = _programs(x.device)
+        self.colsum = _native.colsum_slot()
+        self.colsum_block = _COLSUM_BLOCK
+
+
+def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, llama: bool) -> torch.Tensor | None:
+    """The whole call in C++ (see _native.py), or None where the Python path runs."""
+    C = _native.module()
+    if C is None or _native.transforms_active() or _native.hooks_set():
+        return None
+    y = C.rms_norm(x, weight, eps, offset, llama)
+    if y is None and x.is_cuda and C.rms_plan_state(x, weight, llama) == 0:
+        # Rows that fit one tile and the tile forward: the shapes the C++ path mirrors.
+        takes = x.shape[-1] <= MAX_FUSED_N and FWD_VARIANT == "tile" and weight.dtype in TL_DTYPE and x.dtype in TL_DTYPE
+        C.set_rms_plan(x, weight, llama, _NativePlan(x, weight, llama) if takes else None)
+        y = C.rms_norm(x, weight, eps, offset, llama)
+    return y
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.rms_norm``)."""
+    if _native.ENABLED:
+        y = _native_rms_norm(x, weight, eps, offset, casting == "llama")
+        if y is not None:
+            return y
     if (x.requires_grad or weight.requires_grad) and torch.is_grad_enabled():
         return _lean_apply(x, weight, eps, offset, casting)
     shape = x.shape

@@ -1,0 +1,225 @@
+"""The native launch path: the norms' whole host path in C++ (``polykernel/csrc/native.cpp``).
+
+On the H200 host, Python around a Triton kernel costs more than the kernel (notes/PERF.md): a
+Python autograd node alone ~60 µs per fwd+bwd, Triton's launcher ~6.6 µs, a torch allocation
+2-8 µs. The C++ extension does an op's allocations, launches and autograd node the way torch's own
+ops do. Triton still compiles: each :class:`Slot` (one kernel, fixed constexprs) asks Python on a
+specialization it has not seen, which launches through ``kernel[grid]`` and hands the compiled
+handle and its parameter layout back (checked against the driver's view of the function).
+
+Build: the extension is compiled once per torch/Python/source version into the cache directory
+(``$POLYKERNEL_CACHE_DIR`` or the user cache dir, ``native/``), by ``make setup`` (the README's
+commands) or ``python -m polykernel.backends.triton._native``; it needs a C++ compiler, no CUDA
+toolkit. Until it is built, or where it cannot be, the Python path runs: that is logged once, and
+with ``POLYKERNEL_NATIVE=1`` (require it) it is an error. A CUDA call that finds no built extension
+starts the build in the background and keeps using the Python path meanwhile.
+
+``POLYKERNEL_NATIVE=0`` (or ``set_enabled(False)``) turns the path off; benchmarks A/B it.
+
+Example::
+
+    C = module()                 # the extension, or None (not built / not usable here)
+    y = C.rms_norm(x, w, 1e-6, 0.0, False)   # None when this input takes the Python path
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import _launch
+
+log = logging.getLogger("polykernel")
+
+SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "native.cpp"
+_MODE = os.environ.get("POLYKERNEL_NATIVE", "auto").strip().lower()  # auto | 1 (required) | 0 (off)
+REQUIRED = _MODE in ("1", "on", "true", "required")
+ENABLED = _MODE not in ("0", "off", "false") and _launch.ENABLED  # the fast launch off: the old path
+
+_module: Any = None
+_state = "new"  # new | building | ready | failed
+_lock = threading.Lock()
+_logged: set[str] = set()
+
+
+def _log_once(msg: str) -> None:
+    if msg not in _logged:
+        _logged.add(msg)
+        log.warning(msg)
+
+
+def build_dir() -> Path:
+    """Where this torch/Python/source combination is built."""
+    from ...tuning_store import cache_dir
+
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}-{digest}"
+    return (cache_dir() or Path.home() / ".cache" / "polykernel") / "native" / tag
+
+
+def build(verbose: bool = False) -> Any:
+    """Compile (or load the already built) extension; raises on failure."""
+    from torch.utils import cpp_extension
+
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name="polykernel_native",
+        sources=[str(SOURCE)],
+        build_directory=str(out),
+        extra_cflags=["-O2", "-std=c++17"],
+        verbose=verbose,
+    )
+
+
+def _built() -> bool:
+    try:
+        return any(build_dir().glob("polykernel_native*.so"))
+    except OSError:
+        return False
+
+
+def _finish(wait: bool) -> None:
+    global _module, _state
+    try:
+        mod = build()
+        error = mod.driver_error() if torch.cuda.is_available() else ""
+        if error:
+            raise RuntimeError(error)
+        _module, _state = mod, "ready"
+    except Exception as exc:
+        _state = "failed"
+        msg = f"polykernel: native launch path unavailable ({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); the norms launch from Python"
+        if REQUIRED and wait:
+            raise RuntimeError(msg + " (POLYKERNEL_NATIVE=1 requires it)") from exc
+        _log_once(msg)
+
+
+def module(wait: bool = False) -> Any:
+    """The extension when ready, else None. The first call loads a built extension, or starts
+    the build (in the background unless ``wait`` or ``POLYKERNEL_NATIVE=1``)."""
+    global _state
+    if _state == "ready":
+        return _module
+    if not ENABLED and not wait:
+        return None
+    with _lock:
+        if _state == "new":
+            if wait or REQUIRED or _built():
+                _state = "building"
+                _finish(True)
+            else:
+                _state = "building"
+                _log_once("polykernel: building the native launch path in the background (once per torch version)")
+                threading.Thread(target=_finish, args=(False,), name="polykernel-native-build", daemon=True).start()
+        elif _state == "failed" and REQUIRED:
+            raise RuntimeError("polykernel: POLYKERNEL_NATIVE=1 but the native launch path failed to build (see the log)")
+    return _module if _state == "ready" else None
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn the native path on or off in this process; returns the old setting."""
+    global ENABLED
+    old, ENABLED = ENABLED, bool(on)
+    return old
+
+
+def clear() -> None:
+    """Forget every plan (after changing a kernel file's TUNE settings in-process)."""
+    if _module is not None:
+        _module.clear_plans()
+
+
+# ---------------------------------------------------------------------------------------------
+# Slots: one kernel with fixed keyword arguments (constexprs, num_warps)
+
+_SIG_KINDS = {"i32": "i", "i64": "l", "u64": "l", "fp32": "f", "fp64": "d"}
+
+
+def _layout(compiled: Any, kernel: Any, n_args: int) -> str | None:
+    """The packed-parameter kinds of ``n_args`` positional arguments, from Triton's compiled
+    signature ('\\0' for a constexpr-specialized one); None if this path cannot launch it."""
+    md = compiled.metadata
+    if getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_pdl", False) or getattr(md, "launch_cooperative_grid", False):
+        return None
+    if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0) or md.shared > 227 * 1024:
+        return None
+    sig = compiled.src.signature
+    types = [sig[name] for name in kernel.arg_names] if isinstance(sig, dict) else list(sig)
+    if any(t != "constexpr" for t in types[n_args:]):  # keyword arguments must all be constexprs
+        return None
+    kinds = []
+    for t in types[:n_args]:
+        if t == "constexpr":
+            kinds.append("\0")
+        elif isinstance(t, str) and t.startswith("*"):
+            kinds.append("p")
+        elif t in _SIG_KINDS:
+            kinds.append(_SIG_KINDS[t])
+        else:
+            return None
+    return "".join(kinds)
+
+
+def slot(kernel: Any, **meta: Any) -> Any:
+    """A C++ ``Slot`` for ``kernel`` launched with ``meta`` (requires :func:`module`)."""
+    C = module()
+    refused: set[bytes] = set()
+
+    def miss(grid: tuple[int, int, int], args: tuple[Any, ...], key: bytes) -> None:
+        compiled = kernel[grid](*args, **meta)
+        if key in refused:
+            return
+        if hasattr(compiled, "result"):  # an asynchronous compile's future
+            compiled = compiled.result()
+        try:
+            kinds = _layout(compiled, kernel, len(args))
+            ok = kinds is not None and s.add(
+                key, int(compiled.function), int(compiled.metadata.num_warps), int(compiled.metadata.shared), kinds
+            )
+        except Exception as exc:  # Triton internals other than expected: this key stays in Python
+            ok = False
+            _log_once(f"polykernel: native launch of {kernel.__name__} refused ({type(exc).__name__}: {exc})")
+        if not ok:
+            refused.add(key)
+            _log_once(f"polykernel: {kernel.__name__} launches from Python for some arguments (layout not supported natively)")
+
+    s = C.Slot(miss)
+    return s
+
+
+_colsum_slot: Any = None
+
+
+def colsum_slot() -> Any:
+    """One slot for the norms' shared column-sum kernel (its key includes the output dtype)."""
+    global _colsum_slot
+    if _colsum_slot is None:
+        from . import _colsum
+
+        _colsum_slot = slot(_colsum._colsum_kernel, **_colsum.META)
+    return _colsum_slot
+
+
+def transforms_active() -> bool:
+    """functorch transforms (vmap, grad) need the Python autograd path."""
+    return torch._C._are_functorch_transforms_active()
+
+
+def hooks_set() -> bool:
+    """Triton launch hooks (profilers) only run on Triton's own path."""
+    knobs = _launch._runtime_knobs
+    return knobs is not None and (_launch._hooked(knobs.launch_enter_hook) or _launch._hooked(knobs.launch_exit_hook))
+
+
+if __name__ == "__main__":  # python -m polykernel.backends.triton._native: build now
+    logging.basicConfig(level=logging.INFO)
+    mod = build(verbose="-v" in sys.argv)
+    print(f"polykernel native launch path built: {mod.__file__}")

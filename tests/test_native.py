@@ -1,0 +1,267 @@
+"""The native (C++) launch path of the norms: backends/triton/_native.py and csrc/native.cpp.
+
+On the CPU: the extension builds from the repository (the README's commands build it in
+``make setup``), and its specialization keys, parameter packing and layout reading are checked
+against what Triton does. On the GPU (``-m gpu``): the native path gives bit-for-bit the results
+of the Python path (the same kernels), forward and backward, across dtypes, shapes, optional
+parameters, misaligned inputs, side streams and CUDA-graph capture, and it really ran natively.
+"""
+
+from __future__ import annotations
+
+import struct
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from polykernel.backends.triton import _native
+
+
+@pytest.fixture(scope="module")
+def C():
+    return _native.build()
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU
+
+
+def test_builds_and_reports_the_driver(C):
+    assert hasattr(C, "Slot") and hasattr(C, "rms_norm")
+    assert isinstance(C.driver_error(), str)  # "" where libcuda loads; the reason elsewhere
+
+
+def test_keys_follow_triton_specialization(C):
+    buf = torch.zeros(64, dtype=torch.float32)
+    aligned, misaligned = buf[:32], buf[1:33]
+    key = lambda *a: C.key_for(0, *a)
+    assert key(aligned) == key(buf[4:36])  # 16-byte aligned both
+    assert key(aligned) != key(misaligned)
+    assert key(aligned) != key(aligned.to(torch.bfloat16))
+    assert key(aligned) != C.key_for(1, aligned)  # the device
+    # ints: == 1, divisible by 16, width
+    assert key(1) != key(3) and key(16) != key(17) and key(3) == key(5) and key(32) == key(48)
+    assert key(2**31) != key(2**31 - 16)
+    # floats specialize on nothing; bools on their value
+    assert key(1e-6) == key(0.5) and key(True) != key(False)
+
+
+def test_packing_matches_the_kernel_signature(C):
+    x = torch.arange(8, dtype=torch.float32)
+    # kinds: pointer, constexpr-specialized (skipped), i32, i64, fp32, fp64; then 2 scratch pointers
+    packed = C.pack_for("p\0ilfd", 2, x, 1, -7, 2**40, 0.25, 1e-300)
+    expected = struct.pack("<QiqfdQQ", x.data_ptr(), -7, 2**40, 0.25, 1e-300, 0, 0)
+    assert packed == expected
+    with pytest.raises(RuntimeError, match="argument count"):
+        C.pack_for("pp", 0, x)
+    with pytest.raises(RuntimeError, match="non-tensor"):
+        C.pack_for("p", 0, 3)
+
+
+def _compiled(signature, **md):
+    meta = dict(num_ctas=1, launch_pdl=False, launch_cooperative_grid=False, global_scratch_size=0, profile_scratch_size=0, shared=0)
+    meta.update(md)
+    return SimpleNamespace(src=SimpleNamespace(signature=signature), metadata=SimpleNamespace(**meta))
+
+
+def test_layout_reads_triton_signature():
+    kernel = SimpleNamespace(arg_names=["X", "M", "N", "eps", "BLOCK"])
+    sig = {"X": "*bf16", "M": "constexpr", "N": "i32", "eps": "fp32", "BLOCK": "constexpr"}
+    assert _native._layout(_compiled(sig), kernel, 4) == "p\0if"
+    assert _native._layout(_compiled({**sig, "N": "i64"}), kernel, 4) == "p\0lf"
+    # a keyword argument that is not a constexpr, an unknown type, scratch, clusters: not natively
+    assert _native._layout(_compiled({**sig, "BLOCK": "i32"}), kernel, 4) is None
+    assert _native._layout(_compiled({**sig, "N": "nvTmaDesc"}), kernel, 4) is None
+    assert _native._layout(_compiled(sig, global_scratch_size=128), kernel, 4) is None
+    assert _native._layout(_compiled(sig, num_ctas=2), kernel, 4) is None
+
+
+def test_no_native_path_without_cuda_tensors(C):
+    x, w = torch.randn(4, 8), torch.randn(8)
+    assert C.rms_norm(x, w, 1e-6, 0.0, False) is None
+    assert C.layer_norm(x, w, None, 1e-5) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+gpu = pytest.mark.gpu
+
+
+def _both_paths(fn, *inputs):
+    """fn's outputs and input grads with the native path on, then off (same seed, same kernels)."""
+    results = []
+    for on in (True, False):
+        old = _native.set_enabled(on)
+        try:
+            ins = [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in inputs]
+            y = fn(*ins)
+            grads = []
+            if y.requires_grad:
+                g = torch.randn(y.shape, generator=torch.Generator(y.device).manual_seed(7), device=y.device, dtype=y.dtype)
+                y.backward(g)
+                grads = [t.grad for t in ins if isinstance(t, torch.Tensor) and t.requires_grad]
+            torch.cuda.synchronize()
+            results.append((y.detach(), grads))
+        finally:
+            _native.set_enabled(old)
+    return results
+
+
+def _assert_identical(results):
+    (y1, g1), (y2, g2) = results
+    assert torch.equal(y1, y2)
+    assert len(g1) == len(g2)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+
+
+@pytest.fixture
+def native():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    C = _native.module(wait=True)
+    if C is None:
+        pytest.fail("the native path did not build on this CUDA machine")
+    return C
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 4096), (3, 5, 4096), (257, 1000), (64, 8192), (2048, 16384)])
+@pytest.mark.parametrize("casting", ["llama", "fp32"])
+def test_rms_norm_native_equals_python(native, dtype, shape, casting):
+    from polykernel.backends.triton.rms_norm import rms_norm
+
+    torch.manual_seed(0)
+    x = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
+    w = torch.randn(shape[-1], device="cuda", dtype=dtype, requires_grad=True)
+    offset = 1.0 if casting == "fp32" else 0.0  # Gemma's (1 + w)
+    before = native.rms_plan_state(x, w, casting == "llama")
+    _assert_identical(_both_paths(lambda a, b: rms_norm(a, b, 1e-6, offset, casting), x, w))
+    assert native.rms_plan_state(x, w, casting == "llama") == 1, before  # a plan exists: it ran natively
+    with torch.inference_mode():
+        xi, wi = x.detach(), w.detach()
+        _assert_identical(_both_paths(lambda a, b: rms_norm(a, b, 1e-6, offset, casting), xi, wi))
+
+
+@gpu
+def test_rms_norm_native_counts_launches_and_partial_grads(native):
+    from polykernel.backends.triton.rms_norm import rms_norm
+
+    torch.manual_seed(0)
+    x = torch.randn(128, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(2048, device="cuda", dtype=torch.bfloat16)  # no grad for w
+    _assert_identical(_both_paths(lambda a, b: rms_norm(a, b, 1e-6, 0.0, "llama"), x, w))
+    x2 = x.detach()
+    w2 = w.clone().requires_grad_()  # grad for w only
+    _assert_identical(_both_paths(lambda a, b: rms_norm(a, b, 1e-6, 0.0, "llama"), x2, w2))
+    slot = _native.colsum_slot()
+    n0 = slot.launches()
+    y = rms_norm(x2, w2, 1e-6, 0.0, "llama")
+    y.sum().backward()
+    torch.cuda.synchronize()
+    assert slot.launches() == n0 + 1  # the backward's column sum went through C++
+
+
+@gpu
+def test_rms_norm_native_misaligned_and_side_stream(native):
+    from polykernel.backends.triton.rms_norm import rms_norm
+
+    torch.manual_seed(0)
+    buf = torch.randn(1 + 33 * 4096, device="cuda", dtype=torch.bfloat16)
+    x = buf[1:].view(33, 4096)  # contiguous, not 16-byte aligned: another specialization
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    _assert_identical(_both_paths(lambda a, b: rms_norm(a, b, 1e-6, 0.0, "llama"), x, w))
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        assert native.current_stream(torch.cuda.current_device()) == s.cuda_stream
+        xs = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16)
+        ys = rms_norm(xs, w, 1e-6, 0.0, "llama")
+    s.synchronize()
+    old = _native.set_enabled(False)
+    try:
+        assert torch.equal(ys, rms_norm(xs, w, 1e-6, 0.0, "llama"))
+    finally:
+        _native.set_enabled(old)
+
+
+@gpu
+def test_rms_norm_native_in_a_cuda_graph(native):
+    from polykernel.backends.triton.rms_norm import rms_norm
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        ref = rms_norm(x, w, 1e-6, 0.0, "llama")  # warm: compiled and planned outside capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = rms_norm(x, w, 1e-6, 0.0, "llama")
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        old = _native.set_enabled(False)
+        try:
+            assert torch.equal(out, rms_norm(x, w, 1e-6, 0.0, "llama"))
+        finally:
+            _native.set_enabled(old)
+        assert not torch.equal(out, ref)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("params", ["wb", "w", "b", "none"])
+@pytest.mark.parametrize("shape", [(1, 4096), (4, 7, 1000), (1024, 4096)])
+def test_layer_norm_native_equals_python(native, dtype, params, shape):
+    from polykernel.backends.triton.layer_norm import layer_norm
+
+    torch.manual_seed(0)
+    n = shape[-1]
+    x = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
+    w = torch.randn(n, device="cuda", dtype=dtype, requires_grad=True) if "w" in params else None
+    b = torch.randn(n, device="cuda", dtype=dtype, requires_grad=True) if "b" in params else None
+    _assert_identical(_both_paths(lambda a, ww, bb: layer_norm(a, ww, bb, 1e-5), x, w, b))
+    assert native.ln_plan_state(x, w, b) == 1
+    with torch.inference_mode():
+        _assert_identical(
+            _both_paths(
+                lambda a, ww, bb: layer_norm(a, ww, bb, 1e-5),
+                x.detach(),
+                None if w is None else w.detach(),
+                None if b is None else b.detach(),
+            )
+        )
+
+
+@gpu
+def test_layer_norm_native_bias_grad_only(native):
+    from polykernel.backends.triton.layer_norm import layer_norm
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    _assert_identical(_both_paths(lambda a, ww, bb: layer_norm(a, ww, bb, 1e-5), x, w, b))
+
+
+@gpu
+def test_public_ops_take_the_native_path(native):
+    import polykernel
+
+    torch.manual_seed(0)
+    x = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = polykernel.rms_norm(x, w, impl="triton")
+    assert "RmsNormFn" in y.grad_fn.name()
+    y.float().pow(2).mean().backward()
+    old = _native.set_enabled(False)
+    try:
+        x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        y2 = polykernel.rms_norm(x2, w2, impl="triton")
+        assert "RmsNormFn" not in y2.grad_fn.name()
+        y2.float().pow(2).mean().backward()
+    finally:
+        _native.set_enabled(old)
+    assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad) and torch.equal(w.grad, w2.grad)
