@@ -265,3 +265,52 @@ def test_public_ops_take_the_native_path(native):
     finally:
         _native.set_enabled(old)
     assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad) and torch.equal(w.grad, w2.grad)
+
+
+def _both_paths_two(fn, use, *inputs):
+    """fused_add_rms_norm's two outputs; ``use`` picks which feed the loss ('y', 's' or 'ys')."""
+    results = []
+    for on in (True, False):
+        old = _native.set_enabled(on)
+        try:
+            ins = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+            y, s = fn(*ins)
+            gen = torch.Generator(y.device).manual_seed(7)
+            loss = sum(
+                (o.float() * torch.randn(o.shape, generator=gen, device=o.device)).sum() for o, k in ((y, "y"), (s, "s")) if k in use
+            )
+            loss.backward()
+            torch.cuda.synchronize()
+            results.append(((y.detach(), s.detach()), [t.grad for t in ins if t.requires_grad]))
+        finally:
+            _native.set_enabled(old)
+    return results
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(8, 4096), (3, 5, 1000), (2048, 4096)])
+@pytest.mark.parametrize("use", ["ys", "y", "s"])
+def test_fused_add_rms_norm_native_equals_python(native, dtype, shape, use):
+    from polykernel.backends.triton.fused_add_rms_norm import fused_add_rms_norm
+
+    torch.manual_seed(0)
+    n = shape[-1]
+    x = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
+    r = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
+    w = torch.randn(n, device="cuda", dtype=dtype, requires_grad=True)
+    (o1, g1), (o2, g2) = _both_paths_two(lambda a, b, c: fused_add_rms_norm(a, b, c, 1e-6, 0.0), use, x, r, w)
+    assert all(torch.equal(a, b) for a, b in zip(o1, o2))
+    assert len(g1) == len(g2) == 3
+    for a, b in zip(g1, g2):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert native.add_rms_plan_state(x, r, w) == 1
+    with torch.inference_mode():
+        outs = []
+        for on in (True, False):
+            old = _native.set_enabled(on)
+            try:
+                outs.append(fused_add_rms_norm(x.detach(), r.detach(), w.detach(), 1e-6, 1.0))
+            finally:
+                _native.set_enabled(old)
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -352,6 +352,11 @@ struct LnPlan {
   int64_t n, rows_fwd, rows_bwd, programs, colsum_block;
 };
 
+struct AddRmsPlan {
+  SlotPtr fwd, fwd_infer, bwd, bwd_dso, colsum;  // bwd_dso: the new residual's gradient added in
+  int64_t n, rows_fwd, rows_bwd, programs, colsum_block;
+};
+
 template <typename P>
 struct PlanTable {
   std::mutex mu;
@@ -384,6 +389,10 @@ PlanTable<RmsPlan>& rms_plans() {
 }
 PlanTable<LnPlan>& ln_plans() {
   static auto* t = new PlanTable<LnPlan>();
+  return *t;
+}
+PlanTable<AddRmsPlan>& add_rms_plans() {
+  static auto* t = new PlanTable<AddRmsPlan>();
   return *t;
 }
 
@@ -597,6 +606,110 @@ void set_ln_plan(const Tensor& x, const c10::optional<Tensor>& w, const c10::opt
 }
 
 // ---------------------------------------------------------------------------------------------
+// fused_add_rms_norm: s = x + residual, y = rms_norm(s); returns (y, s)
+
+void add_rms_forward(AddRmsPlan& p, const Tensor& x, const Tensor& r, const Tensor& w, const Tensor& y, const Tensor& s,
+                     const Tensor* rstd, double eps, double offset) {
+  const int64_t m = x.numel() / p.n;
+  const unsigned grid = static_cast<unsigned>(cdiv(m, p.rows_fwd));
+  Arg a[] = {T(x), T(r), T(w), T(y), T(s), T(rstd ? *rstd : y), I(m), I(p.n), I(p.n), I(p.n), I(p.n), I(p.n),
+             F(eps), F(offset)};
+  (rstd ? p.fwd : p.fwd_infer)->launch(grid, 1, 1, a, 14);
+}
+
+struct FusedAddRmsNormFn : public torch::autograd::Function<FusedAddRmsNormFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& r, const Tensor& w, double eps,
+                               double offset, int64_t plan) {
+    AddRmsPlan& p = *reinterpret_cast<AddRmsPlan*>(plan);
+    Tensor y = at::empty(x.sizes(), x.options());
+    Tensor s = at::empty(x.sizes(), x.options());  // its own storage: saved for backward alone
+    Tensor rstd = at::empty({x.numel() / p.n}, x.options().dtype(at::kFloat));
+    add_rms_forward(p, x, r, w, y, s, &rstd, eps, offset);
+    ctx->save_for_backward({s, w, rstd});
+    ctx->saved_data["offset"] = offset;
+    ctx->saved_data["plan"] = plan;
+    ctx->set_materialize_grads(false);  // an unused output's gradient stays undefined: no zeros read
+    return {y, s};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    AddRmsPlan& p = *reinterpret_cast<AddRmsPlan*>(ctx->saved_data["plan"].toInt());
+    const double offset = ctx->saved_data["offset"].toDouble();
+    auto saved = ctx->get_saved_variables();
+    const Tensor &s = saved[0], &w = saved[1], &rstd = saved[2];
+    const Tensor& dy_in = grads[0];
+    const Tensor& dso_in = grads[1];
+    Tensor ds, dw;
+    if (!dy_in.defined()) {  // only the new residual was used: y contributes nothing
+      ds = dso_in;
+    } else {
+      const Tensor dy = dy_in.is_contiguous() ? dy_in : dy_in.contiguous();
+      const bool has_dso = dso_in.defined();
+      const Tensor dso = !has_dso ? dy : (dso_in.is_contiguous() ? dso_in : dso_in.contiguous());
+      const int64_t m = s.numel() / p.n;
+      ds = at::empty(s.sizes(), s.options());
+      const int64_t progs = std::min(std::min(p.programs, m), cdiv(m, p.rows_bwd));
+      Tensor part = at::empty({progs, p.n}, s.options().dtype(at::kFloat));
+      Arg a[] = {T(s), T(w), T(dy), T(dso), T(rstd), T(ds), T(part), I(m), I(p.n), I(p.n), I(p.n), I(p.n), I(p.n),
+                 F(offset)};
+      (has_dso ? p.bwd_dso : p.bwd)->launch(static_cast<unsigned>(progs), 1, 1, a, 14);
+      if (ctx->needs_input_grad(2)) {
+        dw = at::empty(w.sizes(), w.options());
+        Arg c[] = {T(part), T(dw), I(progs), I(p.n)};
+        p.colsum->launch(static_cast<unsigned>(cdiv(p.n, p.colsum_block)), 1, 1, c, 4);
+      }
+    }
+    return {ctx->needs_input_grad(0) ? ds : Tensor(), ctx->needs_input_grad(1) ? ds : Tensor(), dw, Tensor(), Tensor(),
+            Tensor()};
+  }
+};
+
+std::string add_rms_key(const Tensor& x, const Tensor& r, const Tensor& w) {
+  return plan_key(x.get_device(), x.size(-1), {static_cast<int>(x.scalar_type()), static_cast<int>(r.scalar_type()),
+                                                static_cast<int>(w.scalar_type())});
+}
+
+py::object fused_add_rms_norm(const Tensor& x, const Tensor& r, const Tensor& w, double eps, double offset) {
+  if (!plain(x) || !plain(r) || !plain(w) || x.dim() == 0 || x.numel() == 0 || !x.sizes().equals(r.sizes())) {
+    return py::none();
+  }
+  std::shared_ptr<AddRmsPlan> p;
+  if (add_rms_plans().find(add_rms_key(x, r, w), p) != 1) return py::none();
+  if (at::GradMode::is_enabled() && (x.requires_grad() || r.requires_grad() || w.requires_grad())) {
+    variable_list out = FusedAddRmsNormFn::apply(x, r, w, eps, offset, reinterpret_cast<int64_t>(p.get()));
+    return py::make_tuple(out[0], out[1]);
+  }
+  Tensor y = at::empty(x.sizes(), x.options());
+  Tensor s = at::empty(x.sizes(), x.options());
+  add_rms_forward(*p, x, r, w, y, s, nullptr, eps, offset);
+  return py::make_tuple(y, s);
+}
+
+int add_rms_plan_state(const Tensor& x, const Tensor& r, const Tensor& w) {
+  std::shared_ptr<AddRmsPlan> p;
+  return add_rms_plans().find(add_rms_key(x, r, w), p);
+}
+
+void set_add_rms_plan(const Tensor& x, const Tensor& r, const Tensor& w, py::object plan) {
+  if (plan.is_none()) {
+    add_rms_plans().set(add_rms_key(x, r, w), nullptr);
+    return;
+  }
+  auto p = std::make_shared<AddRmsPlan>();
+  p->fwd = plan.attr("fwd").cast<SlotPtr>();
+  p->fwd_infer = plan.attr("fwd_infer").cast<SlotPtr>();
+  p->bwd = plan.attr("bwd").cast<SlotPtr>();
+  p->bwd_dso = plan.attr("bwd_dso").cast<SlotPtr>();
+  p->colsum = plan.attr("colsum").cast<SlotPtr>();
+  p->n = x.size(-1);
+  p->rows_fwd = plan.attr("rows_fwd").cast<int64_t>();
+  p->rows_bwd = plan.attr("rows_bwd").cast<int64_t>();
+  p->programs = plan.attr("programs").cast<int64_t>();
+  p->colsum_block = plan.attr("colsum_block").cast<int64_t>();
+  add_rms_plans().set(add_rms_key(x, r, w), p);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Python-facing helpers: a generic launch (any kernel through a slot) and test hooks
 
 std::vector<Arg> args_from_py(const py::args& args, size_t start, std::vector<Tensor>& keep) {
@@ -641,6 +754,7 @@ py::bytes pack_for(const std::string& kinds, int scratch, py::args args) {
 void clear_plans() {
   rms_plans().clear();
   ln_plans().clear();
+  add_rms_plans().clear();
 }
 
 }  // namespace
@@ -665,6 +779,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm", &layer_norm, py::arg("x"), py::arg("w").none(true), py::arg("b").none(true), py::arg("eps"));
   m.def("ln_plan_state", &ln_plan_state, py::arg("x"), py::arg("w").none(true), py::arg("b").none(true));
   m.def("set_ln_plan", &set_ln_plan, py::arg("x"), py::arg("w").none(true), py::arg("b").none(true), py::arg("plan"));
+  m.def("fused_add_rms_norm", &fused_add_rms_norm);
+  m.def("add_rms_plan_state", &add_rms_plan_state);
+  m.def("set_add_rms_plan", &set_add_rms_plan);
   m.def("clear_plans", &clear_plans);
   m.def("key_for", &key_for);
   m.def("pack_for", &pack_for);

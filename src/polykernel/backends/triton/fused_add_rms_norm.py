@@ -17,7 +17,9 @@ import triton
 import triton.language as tl
 
 from ...ops.fused_add_rms_norm import reference  # noqa: F401  (semantics live in the op file)
+from . import _native
 from ._autograd import lean_apply
+from ._colsum import BLOCK_C as _COLSUM_BLOCK
 from ._colsum import colsum as _colsum
 from ._launch import launch
 from ._rows import as_rows as _as_rows
@@ -267,10 +269,44 @@ class _FusedAddRMSNorm(torch.autograd.Function):
 _lean_apply = lean_apply(_FusedAddRMSNorm)  # _FusedAddRMSNorm.apply without its Python wrapper (see _autograd.py)
 
 
+class _NativePlan:
+    """The C++ path's plan for one (dtypes, N, device): its slots and tile numbers."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        n = x.shape[-1]
+        block_n, self.rows_fwd, warps = _tile(n, TUNE["fwd_tile_elems"], TUNE["fwd_warps"])
+        self.fwd = _native.slot(_add_rms_fwd_kernel, BLOCK_N=block_n, ROWS=self.rows_fwd, STORE_RSTD=True, num_warps=warps)
+        self.fwd_infer = _native.slot(_add_rms_fwd_kernel, BLOCK_N=block_n, ROWS=self.rows_fwd, STORE_RSTD=False, num_warps=warps)
+        block_n, self.rows_bwd, warps = _tile(n, TUNE["bwd_tile_elems"], TUNE["bwd_warps"])
+        self.bwd = _native.slot(_add_rms_bwd_kernel, BLOCK_N=block_n, ROWS=self.rows_bwd, HAS_DS_OUT=False, num_warps=warps)
+        self.bwd_dso = _native.slot(_add_rms_bwd_kernel, BLOCK_N=block_n, ROWS=self.rows_bwd, HAS_DS_OUT=True, num_warps=warps)
+        self.programs = _programs(x.device)
+        self.colsum = _native.colsum_slot()
+        self.colsum_block = _COLSUM_BLOCK
+
+
+def _native_fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The whole call in C++ (see _native.py), or None where the Python path runs."""
+    C = _native.module()
+    if C is None or _native.transforms_active() or _native.hooks_set():
+        return None
+    out = C.fused_add_rms_norm(x, residual, weight, eps, offset)
+    if out is None and x.is_cuda and C.add_rms_plan_state(x, residual, weight) == 0:
+        C.set_add_rms_plan(x, residual, weight, _NativePlan(x) if x.shape[-1] <= MAX_FUSED_N else None)
+        out = C.fused_add_rms_norm(x, residual, weight, eps, offset)
+    return out
+
+
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered impl (arguments already validated by ``polykernel.fused_add_rms_norm``)."""
+    if _native.ENABLED:
+        out = _native_fused_add_rms_norm(x, residual, weight, eps, offset)
+        if out is not None:
+            return out
     if (x.requires_grad or residual.requires_grad or weight.requires_grad) and torch.is_grad_enabled():
         return _lean_apply(x, residual, weight, eps, offset)
     shape = x.shape
