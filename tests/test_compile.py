@@ -572,6 +572,90 @@ def test_compiled_linear_cross_entropy_walks_the_chunks_once(monkeypatch):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
 
 
+def _linear_ce_case(dtype=torch.float32, bias=False):
+    h = torch.randn(2, 24, 16, dtype=dtype, requires_grad=True)
+    w = (0.5 * torch.randn(40, 16)).to(dtype).requires_grad_()
+    target = torch.randint(0, 40, (2, 24))
+    target[0, :3] = -100
+    b = (0.1 * torch.randn(40)).to(dtype).requires_grad_() if bias else None
+    return h, w, target, b
+
+
+_FLCE_BACKWARD = "fused_linear_cross_entropy_train_backward"
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_compiled_linear_cross_entropy_backward_is_a_traced_scale(reduction):
+    """With "mean"/"sum" the forward saves the gradients for grad_output = 1: the compiled backward
+    graph multiplies the saved tensors by grad_output itself (so that Inductor can do it in their
+    buffers), with no backward custom op; with "none" the backward custom op walks again."""
+    _op("loss.fused_linear_cross_entropy")
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def bw_compiler(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=bw_compiler)
+    h, w, target, b = _linear_ce_case(bias=True)
+
+    def loss(h, w, t, b):
+        return polykernel.fused_linear_cross_entropy(h, w, t, b, reduction=reduction)
+
+    case = Case("2x24x16x40", (h, w, target, b))
+    got = _run(torch.compile(loss, fullgraph=True, backend=backend), case)
+    (bw,) = graphs
+    nodes = [n for n in bw.graph.nodes if n.op == "call_function"]
+    custom = [n for n in nodes if _FLCE_BACKWARD in str(n.target)]
+    if reduction == "none":
+        assert len(custom) == 1
+    else:
+        assert custom == []
+        scaled = [n for n in nodes if n.target is torch.ops.aten.mul.Tensor and n.args[0].op == "placeholder"]
+        assert sorted(tuple(n.meta["val"].shape) for n in scaled) == sorted([(40,), (40, 16), (2, 24, 16)])
+    want = _run(loss, case)  # eager: the impl's own autograd (scales in place, skips g == 1)
+    assert len(got[1]) == len(want[1]) == 3
+    for g, e in zip([*got[0], *got[1]], [*want[0], *want[1]]):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_inductor_linear_cross_entropy_scales_saved_gradients_in_place(reduction):
+    """Issue 14: Inductor writes grad_output x the forward's saved grad_hidden and grad_weight into
+    the saved buffers themselves (donated buffers), so no second grad_weight ([V, H]) is ever
+    alive with the first, as in eager. The backward custom op had to return fresh tensors."""
+    _op("loss.fused_linear_cross_entropy")
+    h, w, target, b = _linear_ce_case(torch.bfloat16, bias=True)
+
+    def loss(h, w, t, b):
+        return polykernel.fused_linear_cross_entropy(h, w, t, b, reduction=reduction)
+
+    compiled = torch.compile(loss, fullgraph=True, backend="inductor")
+    saved, grads = {}, {}
+
+    def pack(t):
+        saved[t.data_ptr()] = tuple(t.shape)
+        return t
+
+    args = [fresh(a) for a in (h, w, target, b)]
+    for name, a in zip(("hidden", "weight", "bias"), (args[0], args[1], args[3])):
+        a.register_hook(lambda g, name=name: grads.__setitem__(name, g.data_ptr()))
+    with torch._inductor.config.patch(force_disable_caches=True):  # the graphs are built here, not loaded
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = compiled(*args)
+        (3.0 * out).backward()  # AOTAutograd may compile the backward only now
+    assert saved.get(grads["hidden"]) == (2, 24, 16)
+    assert saved.get(grads["weight"]) == (40, 16)
+    want_args = [fresh(a) for a in (h, w, target, b)]
+    (3.0 * loss(*want_args)).backward()
+    torch.testing.assert_close(out, loss(*want_args).detach(), rtol=1e-5, atol=1e-5)
+    for a, e in zip((args[0], args[1], args[3]), (want_args[0], want_args[1], want_args[3])):
+        torch.testing.assert_close(a.grad, e.grad, rtol=1e-2, atol=1e-3)
+
+
 @pytest.mark.parametrize("op_id", ["norm.rms_norm", "loss.fused_linear_cross_entropy", *_TWICE])
 def test_every_split_saves_the_ops_layout(op_id):
     """The backward may select another impl than the forward did: every impl's split must save

@@ -45,7 +45,10 @@ another impl than its forward (a ``use_impl`` scope that ended in between) is st
 impl without a split (peers) runs its forward plainly, ``saved`` then comes from the torch
 split, and its backward recomputes as above. On DTensors the training ops run on the local
 shards through the sharding rules of :mod:`polykernel.dtensor_sharding`; an op or a call those
-rules do not cover decomposes into torch ops (logged once).
+rules do not cover decomposes into torch ops (logged once). Where the saved tensors are the
+gradients themselves, for a unit grad_output (:data:`SAVED_GRADS`: the fused linear
+cross-entropy's "mean"/"sum"), the autograd formula multiplies them in the graph instead of
+calling the backward custom op, so that Inductor scales them in their own buffers.
 
 **Per-op choice** (``COMPILE_MODES``, measured; ``POLYKERNEL_COMPILE_<OP>=ours|decompose``):
 ops where Inductor's own code is as fast as ours (swiglu, geglu, rope, fused_add_rms_norm)
@@ -133,6 +136,31 @@ SAVED: dict[str, tuple[str, ...]] = {
     # grad_hidden, grad_weight, grad_bias (fp32): computed in the forward for "sum"/"mean", each
     # a placeholder where grad_mask does not ask for it, and all three for "none" (recomputed)
     "loss.fused_linear_cross_entropy": ("lead", "sum", "sum"),
+}
+
+
+class SavedGrads(typing.NamedTuple):
+    """Calls whose saved tensors are the gradients themselves, computed for ``grad_output = 1``."""
+
+    slots: dict[str, int]  # argument name -> the saved slot holding its gradient
+    when: Callable[[dict[str, Any]], bool]  # on the call's arguments by name: whether it applies
+
+
+# Ops whose training forward saves, for some calls, the finished gradients for a unit scalar
+# grad_output (the fused linear cross-entropy with reduction "mean"/"sum": its walk computes them
+# with the loss). Their compiled backward is then ``saved * grad_output``, traced into the graph by
+# the autograd formula instead of run inside the opaque backward custom op: Inductor sees a
+# pointwise multiply whose input, a saved tensor aliased to nothing else, is a donated buffer
+# (torch._functorch.config.donated_buffer, on by default) at its last use, and writes the product
+# into that buffer, as eager scales in place. Inside the custom op the product had to be a fresh
+# tensor (custom-op outputs never alias inputs): a second grad_weight ([V, H], 0.5 GiB at Llama 3's
+# 128K vocab and H = 2048) alive with the first at the start of the backward, the step's peak
+# (issue 14). The multiply always runs (eager skips it at grad_output == 1, which needs a host
+# sync: none in compiled code, so CUDA graphs capture it). DTensors keep the custom op (its
+# sharding rules place the gradients); backends without Inductor (aot_eager) multiply out of place.
+# Read while tracing: dropping an entry brings the custom op back for the next compile.
+SAVED_GRADS: dict[str, SavedGrads] = {
+    "loss.fused_linear_cross_entropy": SavedGrads({"hidden": 0, "weight": 1, "bias": 2}, lambda a: a["reduction"] != "none"),
 }
 
 
@@ -657,11 +685,35 @@ class CompiledOp:
         for i, t in zip(self.tensor_args, stored[:n_t]):
             args[i] = t
         mask = [bool(m) for m in ctx.needs_input_grad[: self.n_args]]
+        scaled = self._scaled_saved(grads, stored[n_t:], args, mask)
+        if scaled is not None:
+            return (*scaled, None)
         # An output that took no gradient goes as None (the backward makes its zeros: here they
         # would be plain tensors among DTensors); the saved tensors' gradients are dropped.
         got = _as_tuple(self.train_backward(*grads[: len(self.returns)], *stored[n_t:], *args, mask, impl=ctx.pk_impl))
         by_arg = dict(zip(self.tensor_args, got))
         return (*(by_arg[i] if m else None for i, m in enumerate(mask)), None)
+
+    def _scaled_saved(self, grads: Sequence[Any], saved: Sequence[Any], args: Sequence[Any], mask: Sequence[bool]) -> list[Any] | None:
+        """The gradients as ``saved * grad_output`` (see :data:`SAVED_GRADS`), in torch ops that
+        the compiled backward graph sees; None where that does not apply (the backward custom op
+        runs). DTensors keep the custom op, whose sharding rules place the gradients."""
+        entry = SAVED_GRADS.get(self.op_id)  # read while tracing: a benchmark may drop an entry
+        if entry is None or len(self.returns) != 1:
+            return None
+        names = [p.name for p in self.params]
+        slots = {names.index(name): slot for name, slot in entry.slots.items()}  # argument index -> slot
+        g = grads[0]
+        if (
+            g is None
+            or any(m and i not in slots for i, m in enumerate(mask))
+            or not entry.when(dict(zip(names, args)))
+            or _has_dtensor([g, *saved, *args])
+        ):
+            return None
+        # Each slot holds its argument's gradient shaped like the argument, in its dtype or wider
+        # (grad_bias is fp32): the multiply runs in the saved dtype, as the split's backward did.
+        return [torch.mul(saved[slots[i]], g).view(args[i].shape).to(args[i].dtype) if m else None for i, m in enumerate(mask)]
 
     def _define_train_backward(self) -> Any:
         op_id, names, recompute, uses_split = self.op_id, self.key_names, self._recompute, self.uses_split
