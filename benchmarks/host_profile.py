@@ -17,8 +17,9 @@ applies, called directly) — three figures:
 ``per_call_us / gpu_us`` above 1 means the call waits on the host. For the ``polykernel``
 contender the host time is also split by cProfile (200 calls) into dispatch (the dispatcher and
 the public function), checks, allocation (``torch.empty*``/``zeros``), launch (``_launch`` and
-Triton's runtime), autograd (``autograd.Function`` plumbing and the engine), other torch ops and
-the rest; cProfile inflates Python, so the shares are scaled to the measured ``host_us``. The
+Triton's runtime), native (the C++ call of the native path: its allocations, launches and
+autograd node), autograd (``autograd.Function`` plumbing and the engine, including the backward
+the engine runs), other torch ops and the rest; cProfile inflates Python, so the shares are scaled to the measured ``host_us``. The
 top functions of each profile go to ``DIR/profiles/``. Writes ``DIR/host_profile.json`` and
 ``DIR/host_profile.md``. Forward cases of decode shapes run under ``torch.inference_mode()``.
 About 1-2 minutes on an H200 (Triton compiles included).
@@ -61,7 +62,7 @@ CASES: list[tuple[str, str, tuple[int, ...], tuple[str, ...]]] = [
 ]
 QUICK = {("rms_norm", "16384x4096"), ("rms_norm", "1x4096"), ("swiglu", "1x14336"), ("rope", "q8x32x1x128,k8")}
 
-CATEGORIES = ("dispatch", "checks", "allocation", "launch", "autograd", "torch ops", "other")
+CATEGORIES = ("dispatch", "checks", "allocation", "launch", "native", "autograd", "torch ops", "other")
 
 
 def _positional(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -128,6 +129,8 @@ def _category(filename: str, name: str) -> str:
         return "launch"
     if "launch" in name and f == "~":
         return "launch"
+    if f == "~" and "PyCapsule" in name:  # the native path's C++ call (pybind11 functions)
+        return "native"
     if f == "~" and any(k in name for k in ("torch.empty", "torch.zeros", "empty_like", "empty_strided", "new_empty")):
         return "allocation"
     if "/torch/autograd/" in f or "run_backward" in name or ("apply" in name and f == "~") or "FunctionBase" in name:
