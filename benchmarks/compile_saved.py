@@ -23,11 +23,15 @@ runs the Triton impls in the interpreter, ``--eager-impl``, so that it saves wha
 impls save); polykernel+compile with the default ``COMPILE_MODES``; ``[ours]`` with
 ``POLYKERNEL_COMPILE_{SWIGLU,GEGLU,ROPE,FUSED_ADD_RMS_NORM}=ours`` (``[ours-rope]``,
 ``[ours-swiglu]``: one op); ``[mask]`` makes transformers materialize the causal mask while
-compiling, as it does with torch < 2.14 (see ``MASK_ENV``).
+compiling, as it does with torch < 2.14 (see ``MASK_ENV``); ``[op-scale]`` drops the fused linear
+cross-entropy from ``library.SAVED_GRADS``, so that its backward custom op scales the saved
+gradients into fresh tensors (the behaviour before issue 14's fix; compare its peak on CUDA).
 
 Writes ``DIR/compile_saved.json``; prints saved bytes per layer and per token by variant, scaled to
 issue 14's run (``--target-tokens`` x ``--target-layers``, bf16, hidden 2048), and the tensors
-that one variant saves per layer and the other does not (matched by size and dtype). It also
+that one variant saves per layer and the other does not (matched by size and dtype), and per
+compiled variant what its backward graphs run of ours: the polykernel custom ops, and the saved
+tensors of our training ops that the graph multiplies itself (``SAVED_GRADS``). It also
 records the bytes live after the forward and the step's peak, over the step's start (CUDA: the
 allocator's counters; CPU: the profiler's allocation events), at the run's own shape.
 Bytes scale to the target shape by hidden size (all per-token activations here are multiples of
@@ -53,6 +57,7 @@ OURS_ENV = {f"POLYKERNEL_COMPILE_{op}": "ours" for op in ("SWIGLU", "GEGLU", "RO
 # on older torch (the H200's 2.11) compiled Llamas get a materialized [B, 1, S, S] mask, hence
 # no enable_gqa (repeat_kv) and SDPA with a mask. "[mask]" variants reproduce that on a newer torch.
 MASK_ENV = {"COMPILE_SAVED_MASK": "1"}
+OP_SCALE_ENV = {"COMPILE_SAVED_OP_SCALE": "1"}  # the loss's saved gradients scaled in its backward op
 VARIANTS: dict[str, tuple[bool, bool, dict[str, str]]] = {  # name -> (patch, compile, env)
     "plain": (False, False, {}),
     "compile": (False, True, {}),
@@ -64,6 +69,7 @@ VARIANTS: dict[str, tuple[bool, bool, dict[str, str]]] = {  # name -> (patch, co
     "polykernel+compile[ours+mask]": (True, True, OURS_ENV | MASK_ENV),
     "polykernel+compile[ours-rope]": (True, True, {"POLYKERNEL_COMPILE_ROPE": "ours"}),
     "polykernel+compile[ours-swiglu]": (True, True, {"POLYKERNEL_COMPILE_SWIGLU": "ours"}),
+    "polykernel+compile[op-scale]": (True, True, OP_SCALE_ENV),
 }
 DEFAULT = "polykernel,polykernel+compile,polykernel+compile[mask],polykernel+compile[ours]"
 PAIRS = (  # (a, b): what b saves per layer that a does not, and the other way
@@ -112,6 +118,10 @@ def _build(args: argparse.Namespace, patch: bool) -> Any:
         from polykernel.integrations.transformers import patch as pk_patch
 
         pk_patch(model)
+        if os.environ.get("COMPILE_SAVED_OP_SCALE") == "1":
+            from polykernel import library
+
+            library.SAVED_GRADS.pop("loss.fused_linear_cross_entropy", None)  # read when the graph is traced
     model.train()
     return model
 
@@ -152,6 +162,7 @@ class _Partitions:
 
     def __init__(self) -> None:
         self.graphs: list[list[dict[str, Any]]] = []
+        self.backward: list[dict[str, Any]] = []  # per graph: what its backward runs of ours
 
     def install(self) -> None:
         import torch._inductor.compile_fx as cfx
@@ -163,9 +174,31 @@ class _Partitions:
         def partition(gm: Any, joint_inputs: Any, **kwargs: Any) -> Any:
             fw, bw = original(gm, joint_inputs, **kwargs)
             self.graphs.append(self._saved(fw, bw))
+            self.backward.append(self._ours(fw, bw))
             return fw, bw
 
         setattr(cfx, name, partition)
+
+    @staticmethod
+    def _ours(fw: Any, bw: Any) -> dict[str, Any]:
+        """The backward's polykernel custom ops, and the multiplies of a saved output of one of our
+        training ops (``library.SAVED_GRADS``: Inductor does them in the saved buffer)."""
+        import torch
+
+        by_name = {n.name: n for n in fw.graph.nodes}
+        ops, scaled = [], []
+        for n in bw.graph.nodes:
+            if n.op != "call_function":
+                continue
+            if str(n.target).startswith("polykernel."):
+                ops.append(str(n.target))
+            elif "mul" in str(n.target) and isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "placeholder":
+                src = by_name.get(n.args[0].name)
+                if src is not None and src.op == "call_function" and "getitem" in str(src.target):
+                    src = src.args[0]
+                if src is not None and str(getattr(src, "target", "")).startswith("polykernel."):
+                    scaled.append(f"{src.target} {list(n.args[0].meta['val'].shape)}")
+        return {"ops": ops, "scaled_saved": scaled}
 
     @staticmethod
     def _saved(fw: Any, bw: Any) -> list[dict[str, Any]]:
@@ -312,6 +345,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "saved": saved,
         "graphs": len(parts.graphs),
         "graph_saved": len(graph_saved),
+        "backward_ours": parts.backward,
         "named": named,
         "held_after_forward": held,  # bytes allocated by the forward and alive at its end
         "peak_over_start": peak,  # the step's peak over what was allocated before it
@@ -481,6 +515,13 @@ def main() -> None:
     for name, rec in results.items():
         if "error" in rec or not rec["compiled"]:
             continue
+        for i, ours in enumerate(rec.get("backward_ours", ())):
+            counts: dict[str, int] = defaultdict(int)
+            for o in ours["ops"]:
+                counts[o.removeprefix("polykernel.")] += 1
+            lines.append(
+                f"\n{name}: backward graph {i} runs {dict(counts)}; multiplies saved {ours['scaled_saved'] or 'nothing'} in the graph"
+            )
         lines.append(f"\n{name}: {rec['graphs']} graph(s), {rec['graph_saved']} saved values named: {rec['named']}; layer {layer} saves:")
         lines += [f"  {_label(r)}" for r in sorted(_layer_tensors(rec, layer), key=lambda r: -r["bytes"])]
     for name in ("polykernel",):
