@@ -314,3 +314,22 @@ def test_fused_add_rms_norm_native_equals_python(native, dtype, shape, use):
             finally:
                 _native.set_enabled(old)
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@gpu
+@pytest.mark.parametrize("act", [0, 1, 2])  # silu (swiglu), gelu-tanh and gelu-erf (geglu)
+@pytest.mark.parametrize("shape", [(1, 14336), (3, 5, 1000), (4096, 14336)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_glu_native_equals_python(native, act, shape, dtype):
+    from polykernel.backends.triton.glu import glu
+
+    torch.manual_seed(0)
+    g = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
+    u = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
+    _assert_identical(_both_paths(lambda a, b: glu(a, b, act), g, u))
+    assert native.glu_plan_state(g, u, act) == 1
+    _assert_identical(_both_paths(lambda a, b: glu(a, b, act), g.detach(), u))  # up's gradient only
+    with torch.inference_mode():
+        _assert_identical(_both_paths(lambda a, b: glu(a, b, act), g.detach(), u.detach()))
+    gt = torch.randn(shape[-1], *shape[:-1], device="cuda", dtype=dtype).transpose(0, -1)  # not contiguous: Python path
+    _assert_identical(_both_paths(lambda a, b: glu(a, b, act), gt, u.detach()))

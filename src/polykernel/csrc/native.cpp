@@ -357,6 +357,11 @@ struct AddRmsPlan {
   int64_t n, rows_fwd, rows_bwd, programs, colsum_block;
 };
 
+struct GluPlan {
+  SlotPtr fwd, bwd;
+  int64_t numel, block;  // the flat walk: one row of numel elements, block elements per program
+};
+
 template <typename P>
 struct PlanTable {
   std::mutex mu;
@@ -393,6 +398,10 @@ PlanTable<LnPlan>& ln_plans() {
 }
 PlanTable<AddRmsPlan>& add_rms_plans() {
   static auto* t = new PlanTable<AddRmsPlan>();
+  return *t;
+}
+PlanTable<GluPlan>& glu_plans() {
+  static auto* t = new PlanTable<GluPlan>();
   return *t;
 }
 
@@ -710,6 +719,75 @@ void set_add_rms_plan(const Tensor& x, const Tensor& r, const Tensor& w, py::obj
 }
 
 // ---------------------------------------------------------------------------------------------
+// GLU: act(gate) * up (swiglu, geglu), contiguous inputs as one flat row
+
+void glu_forward(GluPlan& p, const Tensor& g, const Tensor& u, const Tensor& y) {
+  const int64_t blocks = cdiv(p.numel, p.block);
+  Arg a[] = {T(g), T(u), T(y), I(1), I(p.numel), I(blocks), I(0), I(0), I(0)};
+  p.fwd->launch(static_cast<unsigned>(blocks), 1, 1, a, 9);
+}
+
+struct GluFn : public torch::autograd::Function<GluFn> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& g, const Tensor& u, int64_t act, int64_t plan) {
+    GluPlan& p = *reinterpret_cast<GluPlan*>(plan);
+    Tensor y = at::empty(g.sizes(), g.options());
+    glu_forward(p, g, u, y);
+    ctx->save_for_backward({g, u});
+    ctx->saved_data["plan"] = plan;
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    GluPlan& p = *reinterpret_cast<GluPlan*>(ctx->saved_data["plan"].toInt());
+    auto saved = ctx->get_saved_variables();
+    const Tensor &g = saved[0], &u = saved[1];
+    if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
+    const Tensor dy = grads[0].is_contiguous() ? grads[0] : grads[0].contiguous();
+    Tensor dg = at::empty(g.sizes(), g.options());
+    Tensor du = at::empty(g.sizes(), g.options());
+    const int64_t blocks = cdiv(p.numel, p.block);
+    Arg a[] = {T(g), T(u), T(dy), T(dg), T(du), I(1), I(p.numel), I(blocks), I(0), I(0), I(0), I(0), I(0)};
+    p.bwd->launch(static_cast<unsigned>(blocks), 1, 1, a, 13);
+    return {ctx->needs_input_grad(0) ? dg : Tensor(), ctx->needs_input_grad(1) ? du : Tensor(), Tensor(), Tensor()};
+  }
+};
+
+std::string glu_key(const Tensor& g, const Tensor& u, int64_t act) {
+  return plan_key(g.get_device(), g.numel(), {static_cast<int>(act), static_cast<int>(g.scalar_type()),
+                                               static_cast<int>(u.scalar_type())});
+}
+
+py::object glu(const Tensor& g, const Tensor& u, int64_t act) {
+  if (!plain(g) || !plain(u) || g.numel() == 0 || !g.sizes().equals(u.sizes())) return py::none();
+  std::shared_ptr<GluPlan> p;
+  if (glu_plans().find(glu_key(g, u, act), p) != 1) return py::none();
+  if (at::GradMode::is_enabled() && (g.requires_grad() || u.requires_grad())) {
+    return py::cast(GluFn::apply(g, u, act, reinterpret_cast<int64_t>(p.get())));
+  }
+  Tensor y = at::empty(g.sizes(), g.options());
+  glu_forward(*p, g, u, y);
+  return py::cast(y);
+}
+
+int glu_plan_state(const Tensor& g, const Tensor& u, int64_t act) {
+  std::shared_ptr<GluPlan> p;
+  return glu_plans().find(glu_key(g, u, act), p);
+}
+
+void set_glu_plan(const Tensor& g, const Tensor& u, int64_t act, py::object plan) {
+  if (plan.is_none()) {
+    glu_plans().set(glu_key(g, u, act), nullptr);
+    return;
+  }
+  auto p = std::make_shared<GluPlan>();
+  p->fwd = plan.attr("fwd").cast<SlotPtr>();
+  p->bwd = plan.attr("bwd").cast<SlotPtr>();
+  p->numel = g.numel();
+  p->block = plan.attr("block").cast<int64_t>();
+  glu_plans().set(glu_key(g, u, act), p);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Python-facing helpers: a generic launch (any kernel through a slot) and test hooks
 
 std::vector<Arg> args_from_py(const py::args& args, size_t start, std::vector<Tensor>& keep) {
@@ -755,6 +833,7 @@ void clear_plans() {
   rms_plans().clear();
   ln_plans().clear();
   add_rms_plans().clear();
+  glu_plans().clear();
 }
 
 }  // namespace
@@ -782,6 +861,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm);
   m.def("add_rms_plan_state", &add_rms_plan_state);
   m.def("set_add_rms_plan", &set_add_rms_plan);
+  m.def("glu", &glu);
+  m.def("glu_plan_state", &glu_plan_state);
+  m.def("set_glu_plan", &set_glu_plan);
   m.def("clear_plans", &clear_plans);
   m.def("key_for", &key_for);
   m.def("pack_for", &pack_for);

@@ -168,8 +168,19 @@ def _layout(compiled: Any, kernel: Any, n_args: int) -> str | None:
     return "".join(kinds)
 
 
+_slots: dict[tuple[Any, ...], Any] = {}
+
+
 def slot(kernel: Any, **meta: Any) -> Any:
-    """A C++ ``Slot`` for ``kernel`` launched with ``meta`` (requires :func:`module`)."""
+    """The C++ ``Slot`` for ``kernel`` launched with ``meta`` (one per pair; requires :func:`module`)."""
+    key = (kernel, *meta.items())
+    s = _slots.get(key)
+    if s is None:
+        s = _slots[key] = _new_slot(kernel, meta)
+    return s
+
+
+def _new_slot(kernel: Any, meta: dict[str, Any]) -> Any:
     C = module()
     refused: set[bytes] = set()
 

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..torch._functions import glu_function
+from . import _native
 from ._autograd import lean_apply
 from ._launch import launch
 from ._rows import cdiv as _cdiv
@@ -229,8 +230,33 @@ GLUFunction = glu_function(glu_forward, glu_backward)  # the autograd node, shar
 _lean_apply = lean_apply(GLUFunction)  # GLUFunction.apply without its Python wrapper (see _autograd.py)
 
 
+class _NativePlan:
+    """The C++ path's plan for contiguous inputs of one size (the flat walk): slots and block."""
+
+    def __init__(self, numel: int, act: int) -> None:
+        self.block, rows, warps = _tile(1, numel)
+        self.fwd = _native.slot(_glu_fwd_kernel, ACT=act, BLOCK=self.block, ROWS=rows, num_warps=warps)
+        self.bwd = _native.slot(_glu_bwd_kernel, ACT=act, BLOCK=self.block, ROWS=rows, num_warps=warps)
+
+
+def _native_glu(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor | None:
+    """The whole call in C++ (see _native.py), or None where the Python path runs."""
+    C = _native.module()
+    if C is None or _native.transforms_active() or _native.hooks_set():
+        return None
+    y = C.glu(gate, up, act)
+    if y is None and gate.is_cuda and C.glu_plan_state(gate, up, act) == 0:
+        C.set_glu_plan(gate, up, act, _NativePlan(gate.numel(), act))
+        y = C.glu(gate, up, act)
+    return y
+
+
 def glu(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
     """Forward (with autograd when a grad is needed) of ``act(gate) * up``; args validated."""
+    if _native.ENABLED:
+        y = _native_glu(gate, up, act)
+        if y is not None:
+            return y
     if (gate.requires_grad or up.requires_grad) and torch.is_grad_enabled():
         return _lean_apply(gate, up, act)
     return glu_forward(gate, up, act)
