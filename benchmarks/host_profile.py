@@ -129,7 +129,7 @@ def _category(filename: str, name: str) -> str:
         return "launch"
     if "launch" in name and f == "~":
         return "launch"
-    if f == "~" and "PyCapsule" in name:  # the native path's C++ call (pybind11 functions)
+    if f == "~" and "polykernel_native." in name:  # the native path's C++ call
         return "native"
     if f == "~" and any(k in name for k in ("torch.empty", "torch.zeros", "empty_like", "empty_strided", "new_empty")):
         return "allocation"
