@@ -342,24 +342,27 @@ inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Plans: per op and (dtypes, row length, flags, device), the slots and the shape numbers Python
 // chose. Kept for the process's life (a handful per model); `clear_plans` forgets them.
 
-struct RmsPlan {
+// The norms' shape numbers: rows per program forward and backward, the backward's persistent
+// grid size, the column-sum kernel's block; n is the row length the plan is for.
+struct RowPlan {
+  int64_t n = 0, rows_fwd = 0, rows_bwd = 0, programs = 0, colsum_block = 0;
+};
+
+struct RmsPlan : RowPlan {
   SlotPtr fwd, fwd_infer, bwd, colsum;
-  int64_t n, rows_fwd, rows_bwd, programs, colsum_block;
 };
 
-struct LnPlan {
+struct LnPlan : RowPlan {
   SlotPtr fwd, fwd_infer, bwd, colsum_w, colsum_b;
-  int64_t n, rows_fwd, rows_bwd, programs, colsum_block;
 };
 
-struct AddRmsPlan {
+struct AddRmsPlan : RowPlan {
   SlotPtr fwd, fwd_infer, bwd, bwd_dso, colsum;  // bwd_dso: the new residual's gradient added in
-  int64_t n, rows_fwd, rows_bwd, programs, colsum_block;
 };
 
 struct GluPlan {
   SlotPtr fwd, bwd;
-  int64_t numel, block;  // the flat walk: one row of numel elements, block elements per program
+  int64_t numel = 0, block = 0;  // the flat walk: one row of numel elements, block elements per program
 };
 
 template <typename P>
@@ -379,6 +382,21 @@ struct PlanTable {
   void set(const std::string& key, std::shared_ptr<P> p) {
     std::lock_guard<std::mutex> lock(mu);
     plans[key] = std::move(p);
+  }
+  int state(const std::string& key) {
+    std::shared_ptr<P> p;
+    return find(key, p);
+  }
+  // Python's plan object (None: this key stays in Python), read by `fill`.
+  template <typename Fill>
+  void store(const std::string& key, const py::object& plan, Fill fill) {
+    if (plan.is_none()) {
+      set(key, nullptr);
+      return;
+    }
+    auto p = std::make_shared<P>();
+    fill(*p);
+    set(key, std::move(p));
   }
   void clear() {
     std::lock_guard<std::mutex> lock(mu);
@@ -403,6 +421,16 @@ PlanTable<AddRmsPlan>& add_rms_plans() {
 PlanTable<GluPlan>& glu_plans() {
   static auto* t = new PlanTable<GluPlan>();
   return *t;
+}
+
+SlotPtr slot_of(const py::object& plan, const char* name) { return plan.attr(name).cast<SlotPtr>(); }
+
+void read_rows(RowPlan& p, const py::object& plan, int64_t n) {
+  p.n = n;
+  p.rows_fwd = plan.attr("rows_fwd").cast<int64_t>();
+  p.rows_bwd = plan.attr("rows_bwd").cast<int64_t>();
+  p.programs = plan.attr("programs").cast<int64_t>();
+  p.colsum_block = plan.attr("colsum_block").cast<int64_t>();
 }
 
 // The plan-table key of a call: what the plan's tile choice and kernels depend on.
@@ -485,27 +513,16 @@ py::object rms_norm(const Tensor& x, const Tensor& w, double eps, double offset,
   return py::cast(y);
 }
 
-int rms_plan_state(const Tensor& x, const Tensor& w, bool llama) {
-  std::shared_ptr<RmsPlan> p;
-  return rms_plans().find(rms_key(x, w, llama), p);
-}
+int rms_plan_state(const Tensor& x, const Tensor& w, bool llama) { return rms_plans().state(rms_key(x, w, llama)); }
 
 void set_rms_plan(const Tensor& x, const Tensor& w, bool llama, py::object plan) {
-  if (plan.is_none()) {
-    rms_plans().set(rms_key(x, w, llama), nullptr);
-    return;
-  }
-  auto p = std::make_shared<RmsPlan>();
-  p->fwd = plan.attr("fwd").cast<SlotPtr>();
-  p->fwd_infer = plan.attr("fwd_infer").cast<SlotPtr>();
-  p->bwd = plan.attr("bwd").cast<SlotPtr>();
-  p->colsum = plan.attr("colsum").cast<SlotPtr>();
-  p->n = x.size(-1);
-  p->rows_fwd = plan.attr("rows_fwd").cast<int64_t>();
-  p->rows_bwd = plan.attr("rows_bwd").cast<int64_t>();
-  p->programs = plan.attr("programs").cast<int64_t>();
-  p->colsum_block = plan.attr("colsum_block").cast<int64_t>();
-  rms_plans().set(rms_key(x, w, llama), p);
+  rms_plans().store(rms_key(x, w, llama), plan, [&](RmsPlan& p) {
+    p.fwd = slot_of(plan, "fwd");
+    p.fwd_infer = slot_of(plan, "fwd_infer");
+    p.bwd = slot_of(plan, "bwd");
+    p.colsum = slot_of(plan, "colsum");
+    read_rows(p, plan, x.size(-1));
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -591,27 +608,18 @@ py::object layer_norm(const Tensor& x, const c10::optional<Tensor>& w, const c10
 }
 
 int ln_plan_state(const Tensor& x, const c10::optional<Tensor>& w, const c10::optional<Tensor>& b) {
-  std::shared_ptr<LnPlan> p;
-  return ln_plans().find(ln_key(x, w, b), p);
+  return ln_plans().state(ln_key(x, w, b));
 }
 
 void set_ln_plan(const Tensor& x, const c10::optional<Tensor>& w, const c10::optional<Tensor>& b, py::object plan) {
-  if (plan.is_none()) {
-    ln_plans().set(ln_key(x, w, b), nullptr);
-    return;
-  }
-  auto p = std::make_shared<LnPlan>();
-  p->fwd = plan.attr("fwd").cast<SlotPtr>();
-  p->fwd_infer = plan.attr("fwd_infer").cast<SlotPtr>();
-  p->bwd = plan.attr("bwd").cast<SlotPtr>();
-  p->colsum_w = plan.attr("colsum_w").cast<SlotPtr>();
-  p->colsum_b = plan.attr("colsum_b").cast<SlotPtr>();
-  p->n = x.size(-1);
-  p->rows_fwd = plan.attr("rows_fwd").cast<int64_t>();
-  p->rows_bwd = plan.attr("rows_bwd").cast<int64_t>();
-  p->programs = plan.attr("programs").cast<int64_t>();
-  p->colsum_block = plan.attr("colsum_block").cast<int64_t>();
-  ln_plans().set(ln_key(x, w, b), p);
+  ln_plans().store(ln_key(x, w, b), plan, [&](LnPlan& p) {
+    p.fwd = slot_of(plan, "fwd");
+    p.fwd_infer = slot_of(plan, "fwd_infer");
+    p.bwd = slot_of(plan, "bwd");
+    p.colsum_w = slot_of(plan, "colsum_w");
+    p.colsum_b = slot_of(plan, "colsum_b");
+    read_rows(p, plan, x.size(-1));
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -695,27 +703,18 @@ py::object fused_add_rms_norm(const Tensor& x, const Tensor& r, const Tensor& w,
 }
 
 int add_rms_plan_state(const Tensor& x, const Tensor& r, const Tensor& w) {
-  std::shared_ptr<AddRmsPlan> p;
-  return add_rms_plans().find(add_rms_key(x, r, w), p);
+  return add_rms_plans().state(add_rms_key(x, r, w));
 }
 
 void set_add_rms_plan(const Tensor& x, const Tensor& r, const Tensor& w, py::object plan) {
-  if (plan.is_none()) {
-    add_rms_plans().set(add_rms_key(x, r, w), nullptr);
-    return;
-  }
-  auto p = std::make_shared<AddRmsPlan>();
-  p->fwd = plan.attr("fwd").cast<SlotPtr>();
-  p->fwd_infer = plan.attr("fwd_infer").cast<SlotPtr>();
-  p->bwd = plan.attr("bwd").cast<SlotPtr>();
-  p->bwd_dso = plan.attr("bwd_dso").cast<SlotPtr>();
-  p->colsum = plan.attr("colsum").cast<SlotPtr>();
-  p->n = x.size(-1);
-  p->rows_fwd = plan.attr("rows_fwd").cast<int64_t>();
-  p->rows_bwd = plan.attr("rows_bwd").cast<int64_t>();
-  p->programs = plan.attr("programs").cast<int64_t>();
-  p->colsum_block = plan.attr("colsum_block").cast<int64_t>();
-  add_rms_plans().set(add_rms_key(x, r, w), p);
+  add_rms_plans().store(add_rms_key(x, r, w), plan, [&](AddRmsPlan& p) {
+    p.fwd = slot_of(plan, "fwd");
+    p.fwd_infer = slot_of(plan, "fwd_infer");
+    p.bwd = slot_of(plan, "bwd");
+    p.bwd_dso = slot_of(plan, "bwd_dso");
+    p.colsum = slot_of(plan, "colsum");
+    read_rows(p, plan, x.size(-1));
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -769,22 +768,15 @@ py::object glu(const Tensor& g, const Tensor& u, int64_t act) {
   return py::cast(y);
 }
 
-int glu_plan_state(const Tensor& g, const Tensor& u, int64_t act) {
-  std::shared_ptr<GluPlan> p;
-  return glu_plans().find(glu_key(g, u, act), p);
-}
+int glu_plan_state(const Tensor& g, const Tensor& u, int64_t act) { return glu_plans().state(glu_key(g, u, act)); }
 
 void set_glu_plan(const Tensor& g, const Tensor& u, int64_t act, py::object plan) {
-  if (plan.is_none()) {
-    glu_plans().set(glu_key(g, u, act), nullptr);
-    return;
-  }
-  auto p = std::make_shared<GluPlan>();
-  p->fwd = plan.attr("fwd").cast<SlotPtr>();
-  p->bwd = plan.attr("bwd").cast<SlotPtr>();
-  p->numel = g.numel();
-  p->block = plan.attr("block").cast<int64_t>();
-  glu_plans().set(glu_key(g, u, act), p);
+  glu_plans().store(glu_key(g, u, act), plan, [&](GluPlan& p) {
+    p.fwd = slot_of(plan, "fwd");
+    p.bwd = slot_of(plan, "bwd");
+    p.numel = g.numel();
+    p.block = plan.attr("block").cast<int64_t>();
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
