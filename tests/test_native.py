@@ -333,3 +333,72 @@ def test_glu_native_equals_python(native, act, shape, dtype):
         _assert_identical(_both_paths(lambda a, b: glu(a, b, act), g.detach(), u.detach()))
     gt = torch.randn(shape[-1], *shape[:-1], device="cuda", dtype=dtype).transpose(0, -1)  # not contiguous: Python path
     _assert_identical(_both_paths(lambda a, b: glu(a, b, act), gt, u.detach()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: a failed build falls back to Python (logged once), or is an error when required
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch):
+    """_native's load state reset for one test (restored after)."""
+    monkeypatch.setattr(_native, "_module", None)
+    monkeypatch.setattr(_native, "_state", "new")
+    monkeypatch.setattr(_native, "_logged", set())
+    monkeypatch.setattr(_native, "ENABLED", True)
+    return monkeypatch
+
+
+def _failing_build(verbose: bool = False):
+    raise RuntimeError("no compiler here\nninja: build stopped")
+
+
+def test_failed_build_falls_back_and_logs_once(fresh_loader, caplog):
+    fresh_loader.setattr(_native, "build", _failing_build)
+    fresh_loader.setattr(_native, "REQUIRED", False)
+    with caplog.at_level("WARNING", logger="polykernel"):
+        assert _native.module(wait=True) is None
+        assert _native.module(wait=True) is None
+    msgs = [r.getMessage() for r in caplog.records if "native launch path unavailable" in r.getMessage()]
+    assert len(msgs) == 1 and "ninja: build stopped" in msgs[0]
+
+
+def test_failed_build_is_an_error_when_required(fresh_loader):
+    fresh_loader.setattr(_native, "build", _failing_build)
+    fresh_loader.setattr(_native, "REQUIRED", True)
+    with pytest.raises(RuntimeError, match="POLYKERNEL_NATIVE=1"):
+        _native.module()
+    with pytest.raises(RuntimeError, match="POLYKERNEL_NATIVE=1"):
+        _native.module()  # and stays one
+
+
+def test_unbuilt_extension_builds_in_the_background(fresh_loader, tmp_path, caplog):
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+
+    def slow_build(verbose: bool = False):
+        started.set()
+        release.wait(10)
+        return SimpleNamespace(driver_error=lambda: "")
+
+    fresh_loader.setattr(_native, "build", slow_build)
+    fresh_loader.setattr(_native, "REQUIRED", False)
+    fresh_loader.setattr(_native, "_built", lambda: False)
+    with caplog.at_level("WARNING", logger="polykernel"):
+        assert _native.module() is None  # the Python path meanwhile
+        assert started.wait(10)
+        assert _native.module() is None
+        release.set()
+        for _ in range(100):
+            if _native._state == "ready":
+                break
+            threading.Event().wait(0.05)
+    assert _native.module() is not None
+    assert any("in the background" in r.getMessage() for r in caplog.records)
+
+
+def test_disabled_path_builds_nothing(fresh_loader):
+    fresh_loader.setattr(_native, "ENABLED", False)
+    fresh_loader.setattr(_native, "build", _failing_build)
+    assert _native.module() is None and _native._state == "new"
