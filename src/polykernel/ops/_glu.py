@@ -22,6 +22,12 @@ def bytes_moved(gate: torch.Tensor, *_: object, backward: bool = False) -> int:
     return (8 if backward else 3) * gate.numel() * gate.element_size()
 
 
+def up_matches(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """up has gate's shape, dtype and device: the argument-class field that lets the GLUs validate
+    once per class instead of per call (the class holds only gate's last dimension)."""
+    return up.shape == gate.shape and up.dtype == gate.dtype and up.device == gate.device
+
+
 def validate_glu(op_id: str, gate: torch.Tensor, up: torch.Tensor) -> None:
     """Checks shared by the gated linear units (swiglu, geglu)."""
     check.tensor(op_id, "gate", gate, min_dim=0)

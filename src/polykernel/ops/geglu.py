@@ -15,7 +15,7 @@ from ..backends.liger import _gates as liger_gates
 from ..op import Bounds, Case, ErrorModel, Op
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
-from ._glu import bytes_moved, example, glu_cases, validate_glu
+from ._glu import bytes_moved, example, glu_cases, up_matches, validate_glu
 
 OP_ID = "activation.geglu"
 APPROXIMATIONS = ("tanh", "none")
@@ -35,9 +35,12 @@ def validate(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> None:
 def _key(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *_: object, **__: object) -> tuple:
     # approximate and n (the row length) are in the class because an impl's eligibility depends on
     # them (Liger: tanh only, N <= 65536)
-    return (gate.device, gate.dtype, check.needs_grad(gate, up), approximate, gate.shape[-1] if gate.dim() else 1)
+    # up_matches: with it the class holds everything validity depends on (validate runs per class).
+    # `geglu` inlines this tuple: keep the two equal.
+    return (gate.device, gate.dtype, check.needs_grad(gate, up), approximate, gate.shape[-1] if gate.dim() else 1, up_matches(gate, up))
 
 
+_grad_enabled = torch.is_grad_enabled
 _op: Op  # defined below, after the public function it serves
 
 
@@ -50,9 +53,14 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *, im
     torch.Size([4, 8])
     >>> y = polykernel.geglu(gate, up, "none", impl="torch")  # exact erf GELU, forced impl
     """
-    validate(gate, up, approximate)
-    n = gate.shape[-1] if gate.dim() else 1
-    return _op.call(impl, (gate.device, gate.dtype, check.needs_grad(gate, up), approximate, n), gate, up, approximate)
+    try:  # the hot path: the argument class inline (see _key); validation is memoized on it
+        key = (
+            gate.device, gate.dtype, (gate.requires_grad or up.requires_grad) and _grad_enabled(), approximate,
+            gate.shape[-1] if gate.dim() else 1, up.shape == gate.shape and up.dtype == gate.dtype and up.device == gate.device,
+        )  # fmt: skip
+    except Exception:  # not tensors: validate() names the problem
+        key = None
+    return _op.call(impl, key, gate, up, approximate)
 
 
 # -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
@@ -143,9 +151,10 @@ def outputs(gate: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dty
 
 _op = Op(
     OP_ID,
-    fields=("device", "dtype", "needs_grad", "approximate", "n"),
+    fields=("device", "dtype", "needs_grad", "approximate", "n", "up_matches"),
     key=_key,
-    default_key=lambda device, dtype: (device, dtype, False, "tanh", None),
+    default_key=lambda device, dtype: (device, dtype, False, "tanh", None, True),
+    validate=validate,
     reference=reference,
     outputs=outputs,
     error_model=error_model,

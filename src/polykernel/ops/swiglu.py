@@ -14,7 +14,7 @@ from ..backends.liger import _gates as liger_gates
 from ..op import Bounds, Case, ErrorModel, Op
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
-from ._glu import bytes_moved, example, glu_cases, validate_glu
+from ._glu import bytes_moved, example, glu_cases, up_matches, validate_glu
 
 OP_ID = "activation.swiglu"
 
@@ -30,10 +30,13 @@ def validate(gate: torch.Tensor, up: torch.Tensor) -> None:
 
 
 def _key(gate: torch.Tensor, up: torch.Tensor, *_: object, **__: object) -> tuple:
-    # n (the row length) is in the class because an impl's eligibility depends on it (Liger: N <= 65536)
-    return (gate.device, gate.dtype, check.needs_grad(gate, up), gate.shape[-1] if gate.dim() else 1)
+    """The argument class; with up_matches it holds everything validity depends on, so `validate`
+    runs once per class (on the memo miss). n (the row length) is in it because an impl's
+    eligibility depends on it (Liger: N <= 65536). `swiglu` inlines this tuple: keep the two equal."""
+    return (gate.device, gate.dtype, check.needs_grad(gate, up), gate.shape[-1] if gate.dim() else 1, up_matches(gate, up))
 
 
+_grad_enabled = torch.is_grad_enabled
 _op: Op  # defined below, after the public function it serves
 
 
@@ -46,8 +49,14 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str | None = None) -> 
     torch.Size([4, 8])
     >>> y = polykernel.swiglu(gate, up, impl="torch")  # forced impl
     """
-    validate(gate, up)
-    return _op.call(impl, (gate.device, gate.dtype, check.needs_grad(gate, up), gate.shape[-1] if gate.dim() else 1), gate, up)
+    try:  # the hot path: the argument class inline (see _key); validation is memoized on it
+        key = (
+            gate.device, gate.dtype, (gate.requires_grad or up.requires_grad) and _grad_enabled(), gate.shape[-1] if gate.dim() else 1,
+            up.shape == gate.shape and up.dtype == gate.dtype and up.device == gate.device,
+        )  # fmt: skip
+    except Exception:  # not tensors: validate() names the problem
+        key = None
+    return _op.call(impl, key, gate, up)
 
 
 # -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
@@ -139,9 +148,10 @@ def outputs(gate: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dty
 
 _op = Op(
     OP_ID,
-    fields=("device", "dtype", "needs_grad", "n"),
+    fields=("device", "dtype", "needs_grad", "n", "up_matches"),
     key=_key,
-    default_key=lambda device, dtype: (device, dtype, False, None),
+    default_key=lambda device, dtype: (device, dtype, False, None, True),
+    validate=validate,
     reference=reference,
     outputs=outputs,
     error_model=error_model,
