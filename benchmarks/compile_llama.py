@@ -17,7 +17,11 @@ under compile too (``[is_causal]``: that switch alone; ``polykernel[ops]``: the 
 Writes ``DIR/compile_llama.json`` (one record per variant, plus the environment) and prints a
 table. ``--profile`` also profiles two steady steps per variant (torch.profiler, CUDA): the GPU
 time by kernel family goes into the record (where the time goes: GEMMs, attention, Inductor's
-Triton kernels, polykernel's kernels, copies) and the top kernels into ``DIR/profile-<variant>.txt``. ``--steps`` (default 10) sets N; ``--layers``/``--batch``/``--seq`` shrink the model.
+Triton kernels, polykernel's kernels, copies) and the top kernels into ``DIR/profile-<variant>.txt``.
+``--memory`` records one more steady step's allocations: the step's peak over its start and the
+largest allocations alive at that peak, with the frame that made each (Inductor's generated code
+under compile), into ``DIR/memory-<variant>.txt`` (what a compiled peak above eager's holds).
+``--steps`` (default 10) sets N; ``--layers``/``--batch``/``--seq`` shrink the model.
 """
 
 from __future__ import annotations
@@ -148,6 +152,61 @@ def _profile(run_step: Any, out: Path, variant: str) -> dict[str, Any]:
     return {"gpu_ms_per_step": sum(families.values()), "families_ms_per_step": families}
 
 
+def peak_allocations(events: list[dict[str, Any]]) -> tuple[int, list[dict[str, Any]]]:
+    """From a CUDA caching-allocator trace (``torch.cuda.memory._snapshot()["device_traces"][i]``):
+    the most bytes allocated at once during the trace, and the allocations alive at that moment
+    (those made during the trace), largest first. Frees count when completed."""
+    live: dict[int, dict[str, Any]] = {}
+    total = peak = 0
+    at_peak: list[dict[str, Any]] = []
+    for e in events:
+        action, addr, size = e.get("action"), e.get("addr"), e.get("size", 0)
+        if action == "alloc":
+            live[addr] = e
+            total += size
+            if total > peak:
+                peak, at_peak = total, list(live.values())
+        elif action == "free_completed" and addr in live:
+            total -= live.pop(addr).get("size", 0)
+    return peak, sorted(at_peak, key=lambda e: -e.get("size", 0))
+
+
+def _where(e: dict[str, Any]) -> str:
+    """The innermost frame of an allocation outside torch's own modules (else the innermost)."""
+    frames = e.get("frames") or []
+    for f in frames:
+        name = str(f.get("filename", ""))
+        if "/torch/" not in name or "torchinductor" in name:
+            return f"{name}:{f.get('line')} {f.get('name')}"
+    return f"{frames[0].get('filename')}:{frames[0].get('line')} {frames[0].get('name')}" if frames else "?"
+
+
+def _memory(run_step: Any, out: Path, variant: str) -> dict[str, Any]:
+    """One steady step with the allocator's history on: the step's peak over its start and the
+    largest allocations alive at that peak, with where they were made (``memory-<variant>.txt``)."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=500_000)
+    try:
+        run_step()
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    events = snap["device_traces"][torch.cuda.current_device()]
+    peak, alive = peak_allocations(events)
+    lines = [f"{variant}: peak over the step's start {peak / 2**20:.1f} MiB; {len(alive)} allocations alive at it, largest first:"]
+    lines += [f"{e.get('size', 0) / 2**20:10.1f} MiB  {_where(e)}" for e in alive[:60]]
+    name = variant.replace("+", "_plus_").replace("[", "-").replace("]", "")
+    (out / f"memory-{name}.txt").write_text("\n".join(lines) + "\n")
+    return {
+        "step_peak_mib": peak / 2**20,
+        "alive_at_peak": len(alive),
+        "largest_mib": [round(e.get("size", 0) / 2**20, 1) for e in alive[:10]],
+    }
+
+
 def child(args: argparse.Namespace) -> dict[str, Any]:
     """One variant in this process; returns its record."""
     import torch
@@ -202,6 +261,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         record["unique_graphs"] = counters["stats"]["unique_graphs"]
     if args.profile_dir:
         record["profile"] = _profile(step, Path(args.profile_dir), args.child)
+    if args.memory_dir:
+        record["memory"] = _memory(step, Path(args.memory_dir), args.child)
     if patch:
         import polykernel
 
@@ -238,7 +299,9 @@ def main() -> None:
     parser.add_argument("--builtin", action="store_true", help="polykernel.models.llama even when transformers is installed")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per variant")
     parser.add_argument("--profile", action="store_true", help="profile two steady steps per variant (GPU time by kernel family)")
+    parser.add_argument("--memory", action="store_true", help="record one steady step's allocations: what is alive at its peak")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--memory-dir", help=argparse.SUPPRESS)
     parser.add_argument("--profile-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -254,6 +317,7 @@ def main() -> None:
         f"--steps={args.steps}", f"--layers={args.layers}", f"--hidden={args.hidden}", f"--intermediate={args.intermediate}",
         f"--batch={args.batch}", f"--seq={args.seq}", *(["--builtin"] if args.builtin else []),
         *([f"--profile-dir={args.out}"] if args.profile else []),
+        *([f"--memory-dir={args.out}"] if args.memory else []),
     ]  # fmt: skip
     results: list[dict[str, Any]] = []
     for name in names:
