@@ -402,3 +402,30 @@ def test_disabled_path_builds_nothing(fresh_loader):
     fresh_loader.setattr(_native, "ENABLED", False)
     fresh_loader.setattr(_native, "build", _failing_build)
     assert _native.module() is None and _native._state == "new"
+
+
+def test_plans_are_stored_per_key(C):
+    """The plan tables on the CPU (no launch): Python's plan objects are read into C++ plans under
+    their key, None marks a key for the Python path, and clear_plans forgets them."""
+    s = C.Slot(lambda grid, args, key: None)
+    rows = dict(rows_fwd=2, rows_bwd=4, programs=8, colsum_block=64)
+    x, w = torch.randn(3, 16), torch.randn(16)
+    C.clear_plans()
+    assert C.rms_plan_state(x, w, False) == 0
+    C.set_rms_plan(x, w, False, SimpleNamespace(fwd=s, fwd_infer=s, bwd=s, colsum=s, **rows))
+    C.set_rms_plan(x, w, True, None)
+    assert C.rms_plan_state(x, w, False) == 1 and C.rms_plan_state(x, w, True) == 2
+    assert C.rms_plan_state(x.double(), w, False) == 0  # the dtype is in the key
+    assert C.rms_plan_state(torch.randn(3, 32), torch.randn(32), False) == 0  # and N
+    C.set_ln_plan(x, w, None, SimpleNamespace(fwd=s, fwd_infer=s, bwd=s, colsum_w=s, colsum_b=s, **rows))
+    assert C.ln_plan_state(x, w, None) == 1 and C.ln_plan_state(x, w, w) == 0 and C.ln_plan_state(x, None, None) == 0
+    C.set_add_rms_plan(x, x, w, SimpleNamespace(fwd=s, fwd_infer=s, bwd=s, bwd_dso=s, colsum=s, **rows))
+    assert C.add_rms_plan_state(x, x, w) == 1
+    C.set_glu_plan(x, x, 0, SimpleNamespace(fwd=s, bwd=s, block=64))
+    assert C.glu_plan_state(x, x, 0) == 1 and C.glu_plan_state(x, x, 1) == 0  # the activation is in the key
+    with pytest.raises(AttributeError):  # a plan without a field is refused, not half-read
+        C.set_glu_plan(x, x, 2, SimpleNamespace(fwd=s, block=64))
+    assert C.glu_plan_state(x, x, 2) == 0
+    assert C.rms_norm(x, w, 1e-6, 0.0, False) is None  # CPU tensors: never the native path
+    C.clear_plans()
+    assert C.rms_plan_state(x, w, False) == 0 and C.glu_plan_state(x, x, 0) == 0
