@@ -176,7 +176,9 @@ constexpr int kMaxParams = 48;
 
 // Pack the launch parameters as Triton's launcher does: every non-constexpr argument in order
 // (kinds: 0 skipped, 'p' pointer, 'i' i32, 'l' i64, 'f' fp32, 'd' fp64), then `scratch` null
-// pointers (Triton's global and profile scratch, unused by these kernels).
+// pointers (Triton's global and profile scratch, unused by these kernels). Ints fill 'i'/'l' and
+// floats 'f'/'d': Triton typed them so, and the key (which holds each argument's kind) keeps a
+// layout to the arguments it was made for.
 int pack(const std::string& kinds, int scratch, const Arg* a, int n, Value* vals, void** params) {
   if (static_cast<int>(kinds.size()) != n) throw std::runtime_error("polykernel native launch: argument count changed");
   int j = 0;
@@ -190,16 +192,16 @@ int pack(const std::string& kinds, int scratch, const Arg* a, int n, Value* vals
         vals[j].p = a[k].t->data_ptr();
         break;
       case 'i':
-        vals[j].i = static_cast<int32_t>(a[k].kind == 'f' ? static_cast<int64_t>(a[k].f) : a[k].i);
+        vals[j].i = static_cast<int32_t>(a[k].i);
         break;
       case 'l':
         vals[j].l = a[k].i;
         break;
       case 'f':
-        vals[j].f = static_cast<float>(a[k].kind == 'f' ? a[k].f : static_cast<double>(a[k].i));
+        vals[j].f = static_cast<float>(a[k].f);
         break;
       case 'd':
-        vals[j].d = a[k].kind == 'f' ? a[k].f : static_cast<double>(a[k].i);
+        vals[j].d = a[k].f;
         break;
       default:
         throw std::runtime_error("polykernel native launch: unknown parameter kind");
@@ -228,17 +230,6 @@ struct Entry {
   int scratch = 0;
 };
 
-Arg arg_from_py(py::handle h, std::vector<Tensor>& keep) {
-  if (THPVariable_Check(h.ptr())) {
-    keep.push_back(THPVariable_Unpack(h.ptr()));
-    return T(keep.back());
-  }
-  if (PyBool_Check(h.ptr())) return Arg{'b', nullptr, h.ptr() == Py_True ? 1 : 0, 0.0};
-  if (PyLong_Check(h.ptr())) return I(h.cast<int64_t>());
-  if (PyFloat_Check(h.ptr())) return F(h.cast<double>());
-  throw py::type_error("polykernel native launch: arguments must be tensors, ints, floats or bools");
-}
-
 class Slot {
  public:
   explicit Slot(py::object miss) : miss_(miss.release().ptr()) {}  // kept for the process's life
@@ -247,27 +238,23 @@ class Slot {
   void launch(unsigned gx, unsigned gy, unsigned gz, const Arg* a, int n) {
     const int device = cuda_guard()->getDevice().index();
     std::string key = key_of(device, a, n);
-    Entry e;
-    bool hit = false;
+    std::shared_ptr<const Entry> e;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = entries_.find(key);
-      if (it != entries_.end()) {
-        e = it->second;
-        hit = true;
-      }
+      if (it != entries_.end()) e = it->second;
     }
-    if (!hit) {
+    if (!e) {
       call_python(gx, gy, gz, a, n, key);
       return;
     }
     if (static_cast<uint64_t>(gx) * gy * gz == 0) return;
     Value vals[kMaxParams];
     void* params[kMaxParams];
-    pack(e.kinds, e.scratch, a, n, vals, params);
+    pack(e->kinds, e->scratch, a, n, vals, params);
     ensure_context(device);
     void* stream = cuda_guard()->getStream(c10::Device(c10::DeviceType::CUDA, device)).native_handle();
-    check(driver().launch(e.fn, gx, gy, gz, e.block, 1, 1, e.shared, stream, params, nullptr), "cuLaunchKernel");
+    check(driver().launch(e->fn, gx, gy, gz, e->block, 1, 1, e->shared, stream, params, nullptr), "cuLaunchKernel");
     launches_.fetch_add(1, std::memory_order_relaxed);
   }
 
@@ -289,20 +276,12 @@ class Slot {
       if (size != 8 || ++scratch > 2) return false;
       ++j;
     }
-    Entry e{f, static_cast<unsigned>(32 * num_warps), static_cast<unsigned>(shared), kinds, scratch};
+    auto e = std::make_shared<const Entry>(Entry{f, static_cast<unsigned>(32 * num_warps), static_cast<unsigned>(shared), kinds, scratch});
     std::lock_guard<std::mutex> lock(mu_);
-    entries_[std::string(key)] = e;
+    entries_[std::string(key)] = std::move(e);
     return true;
   }
 
-  size_t size() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return entries_.size();
-  }
-  void clear() {
-    std::lock_guard<std::mutex> lock(mu_);
-    entries_.clear();
-  }
   int64_t launches() const { return launches_.load(); }
 
  private:
@@ -330,7 +309,7 @@ class Slot {
 
   PyObject* miss_;
   std::mutex mu_;
-  std::unordered_map<std::string, Entry> entries_;
+  std::unordered_map<std::string, std::shared_ptr<const Entry>> entries_;
   std::atomic<int64_t> launches_{0};
 };
 
@@ -433,10 +412,14 @@ void read_rows(RowPlan& p, const py::object& plan, int64_t n) {
   p.colsum_block = plan.attr("colsum_block").cast<int64_t>();
 }
 
-// The plan-table key of a call: what the plan's tile choice and kernels depend on.
+// The plan-table key of a call: what the plan's tile choice and kernels depend on (device, the row
+// length or size, small codes: dtypes, flags). Raw bytes, short enough for the string's own buffer:
+// no allocation on the per-call path.
 std::string plan_key(int device, int64_t n, std::initializer_list<int> codes) {
-  std::string key = std::to_string(device) + ":" + std::to_string(n);
-  for (int c : codes) key += ":" + std::to_string(c);
+  std::string key(1 + sizeof n, '\0');
+  key[0] = static_cast<char>(device);
+  std::memcpy(&key[1], &n, sizeof n);
+  for (int c : codes) key.push_back(static_cast<char>(c));
   return key;
 }
 
@@ -780,34 +763,37 @@ void set_glu_plan(const Tensor& g, const Tensor& u, int64_t act, py::object plan
 }
 
 // ---------------------------------------------------------------------------------------------
-// Python-facing helpers: a generic launch (any kernel through a slot) and test hooks
+// Test hooks: the key and the packed parameters of Python arguments
 
-std::vector<Arg> args_from_py(const py::args& args, size_t start, std::vector<Tensor>& keep) {
-  keep.reserve(args.size());
-  std::vector<Arg> out;
-  out.reserve(args.size());
-  for (size_t k = start; k < args.size(); ++k) out.push_back(arg_from_py(args[k], keep));
-  return out;
+Arg arg_from_py(py::handle h, std::vector<Tensor>& keep) {
+  if (THPVariable_Check(h.ptr())) {
+    keep.push_back(THPVariable_Unpack(h.ptr()));
+    return T(keep.back());
+  }
+  if (PyBool_Check(h.ptr())) return Arg{'b', nullptr, h.ptr() == Py_True ? 1 : 0, 0.0};
+  if (PyLong_Check(h.ptr())) return I(h.cast<int64_t>());
+  if (PyFloat_Check(h.ptr())) return F(h.cast<double>());
+  throw py::type_error("polykernel native launch: arguments must be tensors, ints, floats or bools");
 }
 
-void slot_launch(Slot& slot, py::tuple grid, py::args args) {
-  std::vector<Tensor> keep;
-  std::vector<Arg> a = args_from_py(args, 0, keep);
-  const size_t g = grid.size();
-  slot.launch(grid[0].cast<unsigned>(), g > 1 ? grid[1].cast<unsigned>() : 1, g > 2 ? grid[2].cast<unsigned>() : 1,
-              a.data(), static_cast<int>(a.size()));
+std::vector<Arg> args_from_py(const py::args& args, std::vector<Tensor>& keep) {
+  keep.reserve(args.size());  // Args point into it: it must not reallocate
+  std::vector<Arg> out;
+  out.reserve(args.size());
+  for (const auto& h : args) out.push_back(arg_from_py(h, keep));
+  return out;
 }
 
 py::bytes key_for(int device, py::args args) {
   std::vector<Tensor> keep;
-  std::vector<Arg> a = args_from_py(args, 0, keep);
+  std::vector<Arg> a = args_from_py(args, keep);
   return py::bytes(key_of(device, a.data(), static_cast<int>(a.size())));
 }
 
 // The packed parameter bytes Triton's kernel would receive (tests compare with the values).
 py::bytes pack_for(const std::string& kinds, int scratch, py::args args) {
   std::vector<Tensor> keep;
-  std::vector<Arg> a = args_from_py(args, 0, keep);
+  std::vector<Arg> a = args_from_py(args, keep);
   Value vals[kMaxParams];
   void* params[kMaxParams];
   const int count = pack(kinds, scratch, a.data(), static_cast<int>(a.size()), vals, params);
@@ -835,9 +821,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Slot, SlotPtr>(m, "Slot")
       .def(py::init<py::object>())
       .def("add", &Slot::add)
-      .def("launch", &slot_launch)
-      .def("size", &Slot::size)
-      .def("clear", &Slot::clear)
       .def("launches", &Slot::launches);
   m.def("driver_error", [] { return driver().error; });
   m.def("current_stream", [](int device) {
