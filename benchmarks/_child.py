@@ -4,13 +4,29 @@ compile_saved.py (scripts in this folder import it by name)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 _PREFIX = "RESULT "
+
+
+def parse(parser: argparse.ArgumentParser, child: Callable[[argparse.Namespace], dict[str, Any]]) -> argparse.Namespace | None:
+    """The command line of a script with variants in child processes. With ``--child=NAME`` (what
+    :func:`run_child` passes) run ``child(args)`` here, print its record and return None; else
+    return the parent's arguments, ``--out`` required."""
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        emit(child(args))
+        return None
+    if args.out is None:
+        parser.error("--out DIR is required")
+    return args
 
 
 def emit(record: dict[str, Any]) -> None:

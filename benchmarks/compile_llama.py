@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _child import emit, last_error_line, run_child
+from _child import last_error_line, parse, run_child
 
 # name -> (what polykernel patches, torch.compile mode: None = eager, "default" = compile(model)).
 # Patches: None; "all" = patch(model); "ops" = the ops only, transformers builds the causal mask
@@ -300,15 +300,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=600, help="seconds per variant")
     parser.add_argument("--profile", action="store_true", help="profile two steady steps per variant (GPU time by kernel family)")
     parser.add_argument("--memory", action="store_true", help="record one steady step's allocations: what is alive at its peak")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--memory-dir", help=argparse.SUPPRESS)
     parser.add_argument("--profile-dir", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        emit(child(args))
+    args = parse(parser, child)
+    if args is None:  # a child process: its record is printed
         return
-    if args.out is None:
-        parser.error("--out DIR is required")
     names = list(VARIANTS) + (list(EXTRA) if args.all_modes else [])
     if args.only:
         names = [n for n in args.only.split(",") if n in VARIANTS or n in EXTRA]

@@ -49,7 +49,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from _child import emit, last_error_line, run_child
+from _child import last_error_line, parse, run_child
 
 OURS_ENV = {f"POLYKERNEL_COMPILE_{op}": "ours" for op in ("SWIGLU", "GEGLU", "ROPE", "FUSED_ADD_RMS_NORM")}
 # transformers skips the causal mask under torch.compile only with torch >= 2.14 (its
@@ -432,13 +432,9 @@ def main() -> None:
     parser.add_argument("--eager-impl", default="triton", help="CPU only: POLYKERNEL_IMPL for polykernel eager ('' = torch)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per child (0: torch's default)")
     parser.add_argument("--timeout", type=int, default=600)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        emit(child(args))
+    args = parse(parser, child)
+    if args is None:  # a child process: its record is printed
         return
-    if args.out is None:
-        parser.error("--out DIR is required")
     names = list(VARIANTS) if args.only == "all" else [n for n in args.only.split(",") if n]
     bad = [n for n in names if n not in VARIANTS]
     if bad:
