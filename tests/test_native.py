@@ -138,9 +138,9 @@ def test_rms_norm_native_equals_python(native, dtype, shape, casting):
     x = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
     w = torch.randn(shape[-1], device="cuda", dtype=dtype, requires_grad=True)
     offset = 1.0 if casting == "fp32" else 0.0  # Gemma's (1 + w)
-    before = native.rms_plan_state(x, w, casting == "llama")
+    before = native.rms_norm_plan_state(x, w, casting == "llama")
     _assert_identical(_both_paths(lambda a, b: rms_norm(a, b, 1e-6, offset, casting), x, w))
-    assert native.rms_plan_state(x, w, casting == "llama") == 1, before  # a plan exists: it ran natively
+    assert native.rms_norm_plan_state(x, w, casting == "llama") == 1, before  # a plan exists: it ran natively
     with torch.inference_mode():
         xi, wi = x.detach(), w.detach()
         _assert_identical(_both_paths(lambda a, b: rms_norm(a, b, 1e-6, offset, casting), xi, wi))
@@ -223,7 +223,7 @@ def test_layer_norm_native_equals_python(native, dtype, params, shape):
     w = torch.randn(n, device="cuda", dtype=dtype, requires_grad=True) if "w" in params else None
     b = torch.randn(n, device="cuda", dtype=dtype, requires_grad=True) if "b" in params else None
     _assert_identical(_both_paths(lambda a, ww, bb: layer_norm(a, ww, bb, 1e-5), x, w, b))
-    assert native.ln_plan_state(x, w, b) == 1
+    assert native.layer_norm_plan_state(x, w, b) == 1
     with torch.inference_mode():
         _assert_identical(
             _both_paths(
@@ -304,7 +304,7 @@ def test_fused_add_rms_norm_native_equals_python(native, dtype, shape, use):
     assert len(g1) == len(g2) == 3
     for a, b in zip(g1, g2):
         assert (a is None and b is None) or torch.equal(a, b)
-    assert native.add_rms_plan_state(x, r, w) == 1
+    assert native.fused_add_rms_norm_plan_state(x, r, w) == 1
     with torch.inference_mode():
         outs = []
         for on in (True, False):
@@ -411,16 +411,18 @@ def test_plans_are_stored_per_key(C):
     rows = dict(rows_fwd=2, rows_bwd=4, programs=8, colsum_block=64)
     x, w = torch.randn(3, 16), torch.randn(16)
     C.clear_plans()
-    assert C.rms_plan_state(x, w, False) == 0
-    C.set_rms_plan(x, w, False, SimpleNamespace(fwd=s, fwd_infer=s, bwd=s, colsum=s, **rows))
-    C.set_rms_plan(x, w, True, None)
-    assert C.rms_plan_state(x, w, False) == 1 and C.rms_plan_state(x, w, True) == 2
-    assert C.rms_plan_state(x.double(), w, False) == 0  # the dtype is in the key
-    assert C.rms_plan_state(torch.randn(3, 32), torch.randn(32), False) == 0  # and N
-    C.set_ln_plan(x, w, None, SimpleNamespace(fwd=s, fwd_infer=s, bwd=s, colsum_w=s, colsum_b=s, **rows))
-    assert C.ln_plan_state(x, w, None) == 1 and C.ln_plan_state(x, w, w) == 0 and C.ln_plan_state(x, None, None) == 0
-    C.set_add_rms_plan(x, x, w, SimpleNamespace(fwd=s, fwd_infer=s, bwd=s, bwd_dso=s, colsum=s, **rows))
-    assert C.add_rms_plan_state(x, x, w) == 1
+    assert C.rms_norm_plan_state(x, w, False) == 0
+    C.set_rms_norm_plan(x, w, False, SimpleNamespace(fwd=s, fwd_infer=s, bwd=s, colsum=s, **rows))
+    C.set_rms_norm_plan(x, w, True, None)
+    assert C.rms_norm_plan_state(x, w, False) == 1 and C.rms_norm_plan_state(x, w, True) == 2
+    assert C.rms_norm_plan_state(x.double(), w, False) == 0  # the dtype is in the key
+    assert C.rms_norm_plan_state(torch.randn(3, 32), torch.randn(32), False) == 0  # and N
+    C.set_layer_norm_plan(x, w, None, SimpleNamespace(fwd=s, fwd_infer=s, bwd=s, colsum_w=s, colsum_b=s, **rows))
+    assert (
+        C.layer_norm_plan_state(x, w, None) == 1 and C.layer_norm_plan_state(x, w, w) == 0 and C.layer_norm_plan_state(x, None, None) == 0
+    )
+    C.set_fused_add_rms_norm_plan(x, x, w, SimpleNamespace(fwd=s, fwd_infer=s, bwd=s, bwd_dso=s, colsum=s, **rows))
+    assert C.fused_add_rms_norm_plan_state(x, x, w) == 1
     C.set_glu_plan(x, x, 0, SimpleNamespace(fwd=s, bwd=s, block=64))
     assert C.glu_plan_state(x, x, 0) == 1 and C.glu_plan_state(x, x, 1) == 0  # the activation is in the key
     with pytest.raises(AttributeError):  # a plan without a field is refused, not half-read
@@ -428,4 +430,36 @@ def test_plans_are_stored_per_key(C):
     assert C.glu_plan_state(x, x, 2) == 0
     assert C.rms_norm(x, w, 1e-6, 0.0, False) is None  # CPU tensors: never the native path
     C.clear_plans()
-    assert C.rms_plan_state(x, w, False) == 0 and C.glu_plan_state(x, x, 0) == 0
+    assert C.rms_norm_plan_state(x, w, False) == 0 and C.glu_plan_state(x, x, 0) == 0
+
+
+def test_call_builds_a_plan_once_then_runs_natively(fresh_loader):
+    """_native.call's protocol against a stand-in module: a key without a plan gets one (or the
+    Python path's mark) from make_plan, once; then the op runs; None sends the call to Python."""
+    plans: dict = {}
+    made: list = []
+
+    def op(x, scale):  # the C++ op: None until its key has a plan
+        return None if plans.get(x.key) is None else ("native", x.key, scale)
+
+    fake = SimpleNamespace(
+        op=op,
+        op_plan_state=lambda x: 0 if x.key not in plans else (1 if plans[x.key] is not None else 2),
+        set_op_plan=lambda x, plan: plans.__setitem__(x.key, plan),
+    )
+    fresh_loader.setattr(_native, "_module", fake)
+    fresh_loader.setattr(_native, "_state", "ready")
+    fresh_loader.setattr(_native, "hooks_set", lambda: False)
+
+    def make_plan(x):
+        made.append(x.key)
+        return None if x.key == "long rows" else object()
+
+    cuda = lambda key: SimpleNamespace(key=key, is_cuda=True)
+    assert _native.call("op", (cuda("a"), 2), (cuda("a"),), make_plan) == ("native", "a", 2)
+    assert _native.call("op", (cuda("a"), 3), (cuda("a"),), make_plan) == ("native", "a", 3)
+    assert _native.call("op", (cuda("long rows"), 2), (cuda("long rows"),), make_plan) is None
+    assert _native.call("op", (cuda("long rows"), 2), (cuda("long rows"),), make_plan) is None
+    assert made == ["a", "long rows"]  # one plan per key
+    cpu = SimpleNamespace(key="cpu", is_cuda=False)
+    assert _native.call("op", (cpu, 2), (cpu,), make_plan) is None and made == ["a", "long rows"]

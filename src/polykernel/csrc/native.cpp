@@ -816,6 +816,8 @@ void clear_plans() {
 
 }  // namespace
 
+// Per op NAME: NAME(...) runs the op (None: the Python path), NAME_plan_state(...) and
+// set_NAME_plan(..., plan) read and store its plan (backends/triton/_native.call).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "polykernel's native launch path (see native.cpp)";
   py::class_<Slot, SlotPtr>(m, "Slot")
@@ -828,14 +830,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         cuda_guard()->getStream(c10::Device(c10::DeviceType::CUDA, device)).native_handle());
   });
   m.def("rms_norm", &rms_norm);
-  m.def("rms_plan_state", &rms_plan_state);
-  m.def("set_rms_plan", &set_rms_plan);
+  m.def("rms_norm_plan_state", &rms_plan_state);
+  m.def("set_rms_norm_plan", &set_rms_plan);
   m.def("layer_norm", &layer_norm, py::arg("x"), py::arg("w").none(true), py::arg("b").none(true), py::arg("eps"));
-  m.def("ln_plan_state", &ln_plan_state, py::arg("x"), py::arg("w").none(true), py::arg("b").none(true));
-  m.def("set_ln_plan", &set_ln_plan, py::arg("x"), py::arg("w").none(true), py::arg("b").none(true), py::arg("plan"));
+  m.def("layer_norm_plan_state", &ln_plan_state, py::arg("x"), py::arg("w").none(true), py::arg("b").none(true));
+  m.def("set_layer_norm_plan", &set_ln_plan, py::arg("x"), py::arg("w").none(true), py::arg("b").none(true), py::arg("plan"));
   m.def("fused_add_rms_norm", &fused_add_rms_norm);
-  m.def("add_rms_plan_state", &add_rms_plan_state);
-  m.def("set_add_rms_plan", &set_add_rms_plan);
+  m.def("fused_add_rms_norm_plan_state", &add_rms_plan_state);
+  m.def("set_fused_add_rms_norm_plan", &set_add_rms_plan);
   m.def("glu", &glu);
   m.def("glu_plan_state", &glu_plan_state);
   m.def("set_glu_plan", &set_glu_plan);

@@ -29,6 +29,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +205,25 @@ def _new_slot(kernel: Any, meta: dict[str, Any]) -> Any:
 
     s = C.Slot(miss)
     return s
+
+
+def call(name: str, args: tuple[Any, ...], key_args: tuple[Any, ...], make_plan: Callable[..., Any]) -> Any:
+    """``C.<name>(*args)``: the op in C++, or None where the Python path runs (not built, functorch
+    transforms, Triton launch hooks, an input the C++ op does not take). A CUDA call whose plan key
+    (``key_args``) has no entry yet stores ``make_plan(*key_args)`` first (None: that key stays in
+    Python), then runs.
+
+    >>> y = call("rms_norm", (x, w, 1e-6, 0.0, False), (x, w, False), plan_for)   # doctest: +SKIP
+    """
+    C = module()
+    if C is None or transforms_active() or hooks_set():
+        return None
+    run = getattr(C, name)
+    out = run(*args)
+    if out is None and args[0].is_cuda and getattr(C, f"{name}_plan_state")(*key_args) == 0:
+        getattr(C, f"set_{name}_plan")(*key_args, make_plan(*key_args))
+        out = run(*args)
+    return out
 
 
 _colsum_slot: Any = None

@@ -285,18 +285,9 @@ class _NativePlan:
         self.colsum_block = _COLSUM_BLOCK
 
 
-def _native_fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The whole call in C++ (see _native.py), or None where the Python path runs."""
-    C = _native.module()
-    if C is None or _native.transforms_active() or _native.hooks_set():
-        return None
-    out = C.fused_add_rms_norm(x, residual, weight, eps, offset)
-    if out is None and x.is_cuda and C.add_rms_plan_state(x, residual, weight) == 0:
-        C.set_add_rms_plan(x, residual, weight, _NativePlan(x) if x.shape[-1] <= MAX_FUSED_N else None)
-        out = C.fused_add_rms_norm(x, residual, weight, eps, offset)
-    return out
+def _native_plan(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> _NativePlan | None:
+    """Rows that fit one tile: the shapes the C++ path mirrors."""
+    return _NativePlan(x) if x.shape[-1] <= MAX_FUSED_N else None
 
 
 def fused_add_rms_norm(
@@ -304,7 +295,7 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered impl (arguments already validated by ``polykernel.fused_add_rms_norm``)."""
     if _native.ENABLED:
-        out = _native_fused_add_rms_norm(x, residual, weight, eps, offset)
+        out = _native.call("fused_add_rms_norm", (x, residual, weight, eps, offset), (x, residual, weight), _native_plan)
         if out is not None:
             return out
     if (x.requires_grad or residual.requires_grad or weight.requires_grad) and torch.is_grad_enabled():

@@ -239,22 +239,14 @@ class _NativePlan:
         self.bwd = _native.slot(_glu_bwd_kernel, ACT=act, BLOCK=self.block, ROWS=rows, num_warps=warps)
 
 
-def _native_glu(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor | None:
-    """The whole call in C++ (see _native.py), or None where the Python path runs."""
-    C = _native.module()
-    if C is None or _native.transforms_active() or _native.hooks_set():
-        return None
-    y = C.glu(gate, up, act)
-    if y is None and gate.is_cuda and C.glu_plan_state(gate, up, act) == 0:
-        C.set_glu_plan(gate, up, act, _NativePlan(gate.numel(), act))
-        y = C.glu(gate, up, act)
-    return y
+def _native_plan(gate: torch.Tensor, up: torch.Tensor, act: int) -> _NativePlan:
+    return _NativePlan(gate.numel(), act)
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
     """Forward (with autograd when a grad is needed) of ``act(gate) * up``; args validated."""
     if _native.ENABLED:
-        y = _native_glu(gate, up, act)
+        y = _native.call("glu", (gate, up, act), (gate, up, act), _native_plan)
         if y is not None:
             return y
     if (gate.requires_grad or up.requires_grad) and torch.is_grad_enabled():

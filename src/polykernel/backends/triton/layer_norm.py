@@ -338,23 +338,15 @@ class _NativePlan:
         self.colsum_block = _COLSUM_BLOCK
 
 
-def _native_layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor | None:
-    """The whole call in C++ (see _native.py), or None where the Python path runs."""
-    C = _native.module()
-    if C is None or _native.transforms_active() or _native.hooks_set():
-        return None
-    y = C.layer_norm(x, weight, bias, eps)
-    if y is None and x.is_cuda and C.ln_plan_state(x, weight, bias) == 0:
-        takes = x.shape[-1] <= MAX_FUSED_N
-        C.set_ln_plan(x, weight, bias, _NativePlan(x, weight is not None, bias is not None) if takes else None)
-        y = C.layer_norm(x, weight, bias, eps)
-    return y
+def _native_plan(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> _NativePlan | None:
+    """Rows that fit one tile: the shapes the C++ path mirrors."""
+    return _NativePlan(x, weight is not None, bias is not None) if x.shape[-1] <= MAX_FUSED_N else None
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.layer_norm``)."""
     if _native.ENABLED:
-        y = _native_layer_norm(x, weight, bias, eps)
+        y = _native.call("layer_norm", (x, weight, bias, eps), (x, weight, bias), _native_plan)
         if y is not None:
             return y
     if (x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)) and (

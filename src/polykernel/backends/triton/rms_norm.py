@@ -378,24 +378,17 @@ class _NativePlan:
         self.colsum_block = _COLSUM_BLOCK
 
 
-def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, llama: bool) -> torch.Tensor | None:
-    """The whole call in C++ (see _native.py), or None where the Python path runs."""
-    C = _native.module()
-    if C is None or _native.transforms_active() or _native.hooks_set():
-        return None
-    y = C.rms_norm(x, weight, eps, offset, llama)
-    if y is None and x.is_cuda and C.rms_plan_state(x, weight, llama) == 0:
-        # Rows that fit one tile and the tile forward: the shapes the C++ path mirrors.
-        takes = x.shape[-1] <= MAX_FUSED_N and FWD_VARIANT == "tile" and weight.dtype in TL_DTYPE and x.dtype in TL_DTYPE
-        C.set_rms_plan(x, weight, llama, _NativePlan(x, weight, llama) if takes else None)
-        y = C.rms_norm(x, weight, eps, offset, llama)
-    return y
+def _native_plan(x: torch.Tensor, weight: torch.Tensor, llama: bool) -> _NativePlan | None:
+    """Rows that fit one tile and the tile forward: the shapes the C++ path mirrors."""
+    takes = x.shape[-1] <= MAX_FUSED_N and FWD_VARIANT == "tile" and weight.dtype in TL_DTYPE and x.dtype in TL_DTYPE
+    return _NativePlan(x, weight, llama) if takes else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.rms_norm``)."""
     if _native.ENABLED:
-        y = _native_rms_norm(x, weight, eps, offset, casting == "llama")
+        llama = casting == "llama"
+        y = _native.call("rms_norm", (x, weight, eps, offset, llama), (x, weight, llama), _native_plan)
         if y is not None:
             return y
     if (x.requires_grad or weight.requires_grad) and torch.is_grad_enabled():
