@@ -627,3 +627,168 @@ def test_public_call_memo_key_is_the_ops_key(op_name):
         assert len(op._memo) == 1, case.label
         (memo_key,) = op._memo
         assert memo_key[0] == op.key(*case.args, **case.kwargs), case.label
+
+
+# -- the hot path's guard (Op.dispatch, polykernel.hit_guard) ----------------------------------
+# A repeat of the last decision's argument class is recognised by a C check of the tensors'
+# metadata instead of building the class. It must never let a call through whose class differs:
+# each variant below changes one thing after two calls with the base arguments, and the call must
+# then be decided under its own class (a new memo entry) or rejected by validation.
+
+
+def _variants(op_name):
+    """[(label, base args, args, context)] for a guarded op, args in the impl's order."""
+    from contextlib import nullcontext
+
+    def t(*shape, dtype=torch.float32, device="cpu", grad=False):
+        return torch.randn(shape, dtype=dtype, device=device).requires_grad_(grad)
+
+    def moved(args, i, **kw):
+        out = list(args)
+        x = out[i]
+        if "device" in kw or "dtype" in kw:
+            x = x.detach().to(device=kw.get("device", x.device), dtype=kw.get("dtype", x.dtype))
+        if "grad" in kw:
+            x = x.detach().clone().requires_grad_(kw["grad"])
+        out[i] = x
+        return tuple(out)
+
+    def everywhere(args, **kw):
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                args = moved(args, i, **kw)
+        return args
+
+    base = {
+        "rms_norm": (t(4, 8), t(8), 1e-6, 0.0, "fp32"),
+        "layer_norm": (t(4, 8), t(8), t(8), 1e-5),
+        "fused_add_rms_norm": (t(4, 8), t(4, 8), t(8), 1e-6, 0.0),
+        "swiglu": (t(4, 8), t(4, 8)),
+        "geglu": (t(4, 8), t(4, 8), "tanh"),
+    }[op_name]
+    spec = registry.get_op(op_name).guard
+    tensors = [i for i, kind in enumerate(spec) if kind is not None]
+    options = [i for i, kind in enumerate(spec) if kind is None]
+    out = [
+        ("same class again", base, nullcontext()),
+        (
+            "other leading dims",
+            tuple(t(2, 3, 8) if spec[i] == "last" or isinstance(spec[i], int) else a for i, a in enumerate(base)),
+            nullcontext(),
+        ),
+        ("all on meta", everywhere(base, device="meta"), nullcontext()),
+        ("all bf16", everywhere(base, dtype=torch.bfloat16), nullcontext()),
+        ("all float64", everywhere(base, dtype=torch.float64), nullcontext()),
+        ("grad mode off", everywhere(base, grad=True), torch.no_grad()),
+        ("inference mode", base, torch.inference_mode()),
+        ("grad mode off, same tensors", everywhere(base, grad=True), torch.no_grad(), "own base"),
+        ("inference mode, same tensors", everywhere(base, grad=True), torch.inference_mode(), "own base"),
+        ("scope", base, polykernel.use_impl("torch")),
+        ("deterministic", base, _deterministic_algorithms()),
+        ("last dim 16", tuple(t(*a.shape[:-1], 16) if isinstance(a, torch.Tensor) else a for a in base), nullcontext()),
+        ("a non-tensor", (base[0], [1.0] * 8, *base[2:]), nullcontext()),
+    ]
+    for i in tensors:
+        out += [
+            (f"arg {i} requires grad", moved(base, i, grad=True), nullcontext()),
+            (f"arg {i} on meta", moved(base, i, device="meta"), nullcontext()),
+            (f"arg {i} bf16", moved(base, i, dtype=torch.bfloat16), nullcontext()),
+            (f"arg {i} int32", moved(base, i, dtype=torch.int32), nullcontext()),
+            (f"arg {i} last dim 9", tuple(t(*a.shape[:-1], 9) if j == i else a for j, a in enumerate(base)), nullcontext()),
+            (f"arg {i} one more dim", tuple(t(1, *a.shape) if j == i else a for j, a in enumerate(base)), nullcontext()),
+            (f"arg {i} first dim 5", tuple(t(5, *a.shape[1:]) if j == i else a for j, a in enumerate(base)), nullcontext()),
+            (f"arg {i} a subclass", tuple(a.as_subclass(_Sub) if j == i else a for j, a in enumerate(base)), nullcontext()),
+        ]
+        if i and spec[i] == "shape":
+            out.append((f"arg {i} None", tuple(None if j == i else a for j, a in enumerate(base)), nullcontext()))
+    for i in options:
+        other = {float: 1e-3, str: "llama" if op_name == "rms_norm" else "none"}[type(base[i])]
+        out += [
+            (f"option {i} changed", tuple(other if j == i else a for j, a in enumerate(base)), nullcontext()),
+            (
+                f"option {i} invalid",
+                tuple(-1.0 if isinstance(a, float) else "bad" if j == i else a for j, a in enumerate(base)),
+                nullcontext(),
+            ),
+        ]
+    return [(v[0], v[1] if len(v) > 3 else base, *v[1:3]) for v in out]
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+class _deterministic_algorithms:
+    def __enter__(self):
+        torch.use_deterministic_algorithms(True)
+
+    def __exit__(self, *exc):
+        torch.use_deterministic_algorithms(False)
+
+
+GUARDED = ["rms_norm", "layer_norm", "fused_add_rms_norm", "swiglu", "geglu"]
+
+
+@pytest.mark.parametrize("op_name", GUARDED)
+def test_the_guard_never_reuses_a_decision_for_another_class(op_name):
+    from polykernel.errors import OpArgumentError
+
+    op = registry.get_op(op_name)
+    assert op.guard is not None
+    for label, base, args, context in _variants(op_name):
+        polykernel.clear_caches()
+        op.dispatch(None, *base)
+        op.dispatch(None, *base)
+        assert op._fast[0][6] is not None, "the base call installed a guard"
+        with context:
+            scope, det = dispatch._scope.get(), torch.are_deterministic_algorithms_enabled()
+            try:
+                expected = (op.key(*args), None, scope, det, False)
+            except Exception:
+                expected = None
+            try:
+                op.dispatch(None, *args)
+            except (OpArgumentError, TypeError):
+                with pytest.raises((OpArgumentError, TypeError)):  # validation rejects it as well
+                    op.validate(*args)
+                continue
+        base_key = (op.key(*base), None, (), False, False)
+        # (a subclass's call is decided under its class plus the subclass's name when it is new)
+        assert {k[:5] for k in op._memo} == {base_key, expected}, label
+        # and the base class is recognised again afterwards, by the decision made for it
+        op.dispatch(None, *base)
+        assert op._fast[0][6] is op._memo[base_key] or op._last[0][4] is op._memo[base_key], label
+
+
+def test_the_guard_is_optional(monkeypatch):
+    # Without torch's C guards (another torch, or the private API moved) every call builds its
+    # argument class in Python: same decisions, same results.
+    from polykernel import hit_guard
+    from polykernel import op as op_mod
+
+    monkeypatch.setattr(hit_guard, "_tensor_guards", lambda: None)
+    op = registry.get_op("rms_norm")
+    x, w = torch.randn(3, 8), torch.randn(8)
+    for _ in range(3):
+        torch.testing.assert_close(polykernel.rms_norm(x, w), reference(x, w))
+    assert op._fast[0] is op_mod._NO_FAST
+    assert [k[0] for k in op._memo] == [op.key(x, w)]
+    with pytest.raises(polykernel.errors.OpArgumentError, match="weight"):
+        polykernel.rms_norm(x, torch.randn(9))
+
+
+def test_a_fault_drops_the_guarded_decision():
+    # A decision that faulted and was forgotten must not stay reachable through the guard.
+    op = registry.get_op("rms_norm")
+    x, w = torch.randn(3, 8), torch.randn(8)
+    polykernel.rms_norm(x, w)
+    polykernel.rms_norm(x, w)
+    assert op._fast[0][6] is not None
+    (key,) = op._memo
+    op.forget(key)
+    assert op._fast[0][6] is None
+    polykernel.clear_caches()
+    polykernel.rms_norm(x, w)
+    polykernel.rms_norm(x, w)
+    polykernel.clear_caches()
+    assert op._fast[0][6] is None and not op._memo

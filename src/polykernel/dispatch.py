@@ -223,6 +223,9 @@ class Decision:
     # captured (a capture is decided under its own key, graph-safe impls only).
     cuda: bool = False
     guarded: bool = True  # raw or cuda: one read on the hot path when neither applies
+    # The guard that recognises this decision's calls without their argument class (Op.dispatch,
+    # polykernel.hit_guard): built on the first call that takes it, kept for when it comes back.
+    check: Any = None
 
     def on_fault(self, exc: Exception, args: tuple[Any, ...]) -> Any:
         """Runtime-fault policy: fall back from an impl chosen by steps 4-6 that raised."""

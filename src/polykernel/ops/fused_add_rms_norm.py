@@ -15,6 +15,7 @@ import torch
 
 from ..backends.liger import _gates as liger_gates
 from ..backends.quack import _gates as quack_gates
+from ..hit_guard import LAST, SHAPE
 from ..op import Bounds, Case, ErrorModel, Op, rows_and_len
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
@@ -54,9 +55,11 @@ def validate(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps:
 _grad_enabled = torch.is_grad_enabled
 
 
-def _key(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0) -> tuple:
+def _key(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0) -> tuple:
     """The argument class. It holds everything validity depends on (residual's match with x as
-    one flag, so a new sequence length needs no new decision), so `validate` runs once per class."""
+    one flag, so a new sequence length needs no new decision), so `validate` runs once per class.
+    The guard (``_op``'s ``guard``) recognises a repeat without building it: x's last dim, weight's
+    shape, and residual's shape compared with x's on each call."""
     needs_grad = (x.requires_grad or residual.requires_grad or weight.requires_grad) and _grad_enabled()
     same = residual.shape == x.shape and residual.dtype == x.dtype and residual.device == x.device
     return (x.device, x.dtype, needs_grad, x.shape[-1], weight.dtype, same, weight.shape, weight.device, eps, offset)
@@ -83,11 +86,7 @@ def fused_add_rms_norm(
     True
     >>> y, s = polykernel.fused_add_rms_norm(x, r, w, offset=1.0, impl="torch")  # Gemma style, forced impl
     """
-    try:
-        key = _key(x, residual, weight, eps, offset=offset)
-    except Exception:  # not tensors, 0-d x: validate() names the problem
-        key = None
-    return _op.call(impl, key, x, residual, weight, eps, offset)
+    return _op.dispatch(impl, x, residual, weight, eps, offset)  # the class and validation: see _key
 
 
 # -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
@@ -212,6 +211,7 @@ _op = Op(
     OP_ID,
     fields=("device", "dtype", "needs_grad", "n", "weight_dtype", "residual_matches", "weight_shape", "weight_device", "eps", "offset"),
     key=_key,
+    guard=(LAST, 0, SHAPE, None, None),
     default_key=lambda device, dtype: (device, dtype, False, None, dtype, True, None, device, 1e-6, 0.0),
     validate=validate,
     reference=reference,

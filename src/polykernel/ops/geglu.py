@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ..backends.cutile import _gates as cutile_gates
 from ..backends.liger import _gates as liger_gates
+from ..hit_guard import LAST
 from ..op import Bounds, Case, ErrorModel, Op
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
@@ -36,11 +37,10 @@ def _key(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *_: ob
     # approximate and n (the row length) are in the class because an impl's eligibility depends on
     # them (Liger: tanh only, N <= 65536)
     # up_matches: with it the class holds everything validity depends on (validate runs per class).
-    # `geglu` inlines this tuple: keep the two equal.
+    # The guard (``_op``'s ``guard``) recognises a repeat without building it.
     return (gate.device, gate.dtype, check.needs_grad(gate, up), approximate, gate.shape[-1] if gate.dim() else 1, up_matches(gate, up))
 
 
-_grad_enabled = torch.is_grad_enabled
 _op: Op  # defined below, after the public function it serves
 
 
@@ -53,14 +53,7 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *, im
     torch.Size([4, 8])
     >>> y = polykernel.geglu(gate, up, "none", impl="torch")  # exact erf GELU, forced impl
     """
-    try:  # the hot path: the argument class inline (see _key); validation is memoized on it
-        key = (
-            gate.device, gate.dtype, (gate.requires_grad or up.requires_grad) and _grad_enabled(), approximate,
-            gate.shape[-1] if gate.dim() else 1, up.shape == gate.shape and up.dtype == gate.dtype and up.device == gate.device,
-        )  # fmt: skip
-    except Exception:  # not tensors: validate() names the problem
-        key = None
-    return _op.call(impl, key, gate, up, approximate)
+    return _op.dispatch(impl, gate, up, approximate)  # the class and validation: see _key
 
 
 # -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
@@ -153,6 +146,7 @@ _op = Op(
     OP_ID,
     fields=("device", "dtype", "needs_grad", "approximate", "n", "up_matches"),
     key=_key,
+    guard=(LAST, 0, None),
     default_key=lambda device, dtype: (device, dtype, False, "tanh", None, True),
     validate=validate,
     reference=reference,

@@ -13,6 +13,7 @@ import torch
 
 from ..backends.cute_dsl import _gates as cute_gates
 from ..backends.liger import _gates as liger_gates
+from ..hit_guard import LAST, SHAPE
 from ..op import SUM_LAMBDA, ArgClass, Bounds, Case, ErrorModel, Op, rows_and_len
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
@@ -61,7 +62,8 @@ def _param_class(p: torch.Tensor | None) -> tuple | None:
 
 def _key(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, eps: float = 1e-5) -> tuple:
     """The argument class. It holds everything validity depends on, so `validate` runs once per
-    class (on the memo miss), not per call."""
+    class (on the memo miss), not per call. The guard (``_op``'s ``guard``) recognises a repeat
+    of it without building it: x's last dim and the parameters' whole shapes (or None)."""
     needs_grad = (
         x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)
     ) and _grad_enabled()
@@ -97,11 +99,7 @@ def layer_norm(
     torch.Size([4, 8])
     >>> y = polykernel.layer_norm(x, impl="torch")  # no affine parameters, forced impl
     """
-    try:
-        key = _key(x, weight, bias, eps)
-    except Exception:  # not tensors, 0-d x: validate() names the problem
-        key = None
-    return _op.call(impl, key, x, weight, bias, eps)
+    return _op.dispatch(impl, x, weight, bias, eps)  # the class and validation: see _key
 
 
 # -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
@@ -264,6 +262,7 @@ _op = Op(
     OP_ID,
     fields=("device", "dtype", "needs_grad", "n", "weight_dtype", "bias_dtype", "weight", "bias", "eps"),
     key=_key,
+    guard=(LAST, SHAPE, SHAPE, None),
     default_key=lambda device, dtype: (device, dtype, False, None, dtype, dtype, None, None, 1e-5),
     validate=validate,
     reference=reference,

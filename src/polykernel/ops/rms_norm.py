@@ -14,6 +14,7 @@ from ..backends.cute_dsl import _gates as cute_gates
 from ..backends.cutile import _gates as cutile_gates
 from ..backends.liger import _gates as liger_gates
 from ..backends.quack import _gates as quack_gates
+from ..hit_guard import LAST, SHAPE
 from ..op import ArgClass, Bounds, Case, ErrorModel, Op, rows_and_len
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
@@ -49,9 +50,10 @@ def validate(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, c
 _grad_enabled = torch.is_grad_enabled
 
 
-def _key(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0, casting: str = "fp32") -> tuple:
+def _key(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, casting: str = "fp32") -> tuple:
     """The argument class. It holds everything validity depends on, so `validate` runs once per
-    class (on the memo miss), not per call. `rms_norm` inlines this tuple: keep the two equal."""
+    class (on the memo miss), not per call. The guard (``_op``'s ``guard``) recognises a repeat
+    of it without building it: x's last dim and weight's whole shape are what it holds of them."""
     needs_grad = (x.requires_grad or weight.requires_grad) and _grad_enabled()
     return (x.device, x.dtype, needs_grad, x.shape[-1], weight.dtype, weight.shape, weight.device, eps, offset, casting)
 
@@ -76,14 +78,7 @@ def rms_norm(
     torch.Size([4, 8])
     >>> y = polykernel.rms_norm(x, w, offset=1.0, impl="torch")  # Gemma style, forced impl
     """
-    try:  # the hot path: build the argument class inline (see _key); validation is memoized on it
-        key = (
-            x.device, x.dtype, (x.requires_grad or weight.requires_grad) and _grad_enabled(), x.shape[-1],
-            weight.dtype, weight.shape, weight.device, eps, offset, casting,
-        )  # fmt: skip
-    except Exception:  # not tensors, 0-d x, unhashable option: validate() names the problem
-        key = None
-    return _op.call(impl, key, x, weight, eps, offset, casting)
+    return _op.dispatch(impl, x, weight, eps, offset, casting)  # the class and validation: see _key
 
 
 # -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
@@ -274,6 +269,7 @@ _op = Op(
     OP_ID,
     fields=("device", "dtype", "needs_grad", "n", "weight_dtype", "weight_shape", "weight_device", "eps", "offset", "casting"),
     key=_key,
+    guard=(LAST, SHAPE, None, None, None),
     default_key=lambda device, dtype: (device, dtype, False, None, dtype, None, device, 1e-6, 0.0, "fp32"),
     validate=validate,
     reference=reference,

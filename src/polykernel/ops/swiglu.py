@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from ..backends.cutile import _gates as cutile_gates
 from ..backends.liger import _gates as liger_gates
+from ..hit_guard import LAST
 from ..op import Bounds, Case, ErrorModel, Op
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
@@ -32,11 +33,11 @@ def validate(gate: torch.Tensor, up: torch.Tensor) -> None:
 def _key(gate: torch.Tensor, up: torch.Tensor, *_: object, **__: object) -> tuple:
     """The argument class; with up_matches it holds everything validity depends on, so `validate`
     runs once per class (on the memo miss). n (the row length) is in it because an impl's
-    eligibility depends on it (Liger: N <= 65536). `swiglu` inlines this tuple: keep the two equal."""
+    eligibility depends on it (Liger: N <= 65536). The guard (``_op``'s ``guard``) recognises a
+    repeat without building it: gate's last dim, and up's shape compared with gate's per call."""
     return (gate.device, gate.dtype, check.needs_grad(gate, up), gate.shape[-1] if gate.dim() else 1, up_matches(gate, up))
 
 
-_grad_enabled = torch.is_grad_enabled
 _op: Op  # defined below, after the public function it serves
 
 
@@ -49,14 +50,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str | None = None) -> 
     torch.Size([4, 8])
     >>> y = polykernel.swiglu(gate, up, impl="torch")  # forced impl
     """
-    try:  # the hot path: the argument class inline (see _key); validation is memoized on it
-        key = (
-            gate.device, gate.dtype, (gate.requires_grad or up.requires_grad) and _grad_enabled(), gate.shape[-1] if gate.dim() else 1,
-            up.shape == gate.shape and up.dtype == gate.dtype and up.device == gate.device,
-        )  # fmt: skip
-    except Exception:  # not tensors: validate() names the problem
-        key = None
-    return _op.call(impl, key, gate, up)
+    return _op.dispatch(impl, gate, up)  # the class and validation: see _key
 
 
 # -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
@@ -150,6 +144,7 @@ _op = Op(
     OP_ID,
     fields=("device", "dtype", "needs_grad", "n", "up_matches"),
     key=_key,
+    guard=(LAST, 0),
     default_key=lambda device, dtype: (device, dtype, False, None, True),
     validate=validate,
     reference=reference,

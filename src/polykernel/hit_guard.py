@@ -1,0 +1,110 @@
+"""The hot path's repeat test: one C call that says whether a call's tensors carry the metadata of
+the call that last decided, so that its argument class (and with it the memoized decision) is the
+same without building the class.
+
+Building an argument class in Python reads ~10 tensor attributes (``x.device``, ``x.dtype``,
+``x.shape``, ``requires_grad`` ...; ~45 ns each, ``device`` and ``shape`` also allocate) and then
+compares the tuple with the last one: ~0.55 µs of a ~1 µs dispatch. PyTorch's ``TensorGuards``,
+the C++ check behind torch.compile's tensor guards (``torch._C._dynamo.guards``; it needs no
+``torch._dynamo`` import), compares each tensor's exact Python type, dispatch keys (device type,
+layout, the inference-mode and other thread-local key state), dtype, device index,
+``requires_grad``, number of dims and the sizes we pin with what it recorded: ~65 ns per tensor.
+It is a private API: where it is missing or refuses, :func:`build` returns None and the call
+takes the Python argument class, as correct as before and as fast.
+
+An op says per positional argument what its class holds (``Op(guard=...)``):
+
+- :data:`LAST`: a tensor; its dtype, device, requires_grad and last dim;
+- :data:`SHAPE`: a tensor; its dtype, device, requires_grad and whole shape;
+- ``i`` (an int): a tensor whose shape must equal argument ``i``'s (the class holds that it
+  does, e.g. ``up_matches``); its dtype, device and requires_grad. The hot path compares the two
+  shapes on every call (the guard leaves them free, so a new sequence length still hits);
+- ``None``: not a tensor: an option the class holds as is (the hot path compares it with ==).
+
+The guard pins more than the class (the exact type, the number of dims): a call it refuses only
+takes the slow path, which decides exactly as before. It must never accept a call whose class
+differs: ``tests/test_dispatch.py`` checks each field of each guarded op.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+LAST = "last"
+SHAPE = "shape"
+
+GuardSpec = Sequence["str | int | None"]
+
+# Only plain tensors are guarded: a subclass (DTensor, a wrapper) takes the slow path, where its
+# own key and routing live (Op._subclass); TensorGuards would also read a wrapper's outer metadata.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+@functools.cache
+def _tensor_guards() -> Any:
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+    except Exception:  # a torch without Dynamo's C guards: every call builds its class in Python
+        return None
+    return TensorGuards
+
+
+def tensor_positions(spec: GuardSpec) -> tuple[int, ...]:
+    """The positions the guard checks (every argument that is not an option), in order."""
+    return tuple(i for i, kind in enumerate(spec) if kind is not None)
+
+
+def relations(spec: GuardSpec) -> tuple[tuple[int, int], ...]:
+    """(i, j): argument i's shape must equal argument j's."""
+    return tuple((i, kind) for i, kind in enumerate(spec) if isinstance(kind, int) and not isinstance(kind, bool))
+
+
+def build(spec: GuardSpec, args: Sequence[Any]) -> Callable[..., bool] | None:
+    """``check(*tensors)`` for the spec's tensor positions: True when each has the metadata its
+    counterpart in ``args`` has (an argument that is None in ``args`` must be None again).
+    None when no guard can be built (a subclass, a non-tensor, no TensorGuards here)."""
+    guards = _tensor_guards()
+    if guards is None:
+        return None
+    present, sizes, missing = [], [], []
+    try:
+        for slot, i in enumerate(tensor_positions(spec)):
+            kind, t = spec[i], args[i]
+            if t is None:
+                missing.append(slot)
+                continue
+            if type(t) not in _PLAIN:
+                return None
+            dims = t.dim()
+            if kind == LAST:
+                sizes.append([None] * (dims - 1) + [t.shape[-1]] if dims else [])
+            elif kind == SHAPE:
+                sizes.append(list(t.shape))
+            else:  # a shape relation: the sizes stay free, the hot path compares the two shapes
+                if t.shape != args[kind].shape:
+                    return None
+                sizes.append([None] * dims)
+            present.append(t)
+        check = guards(*present, dynamic_dims_sizes=sizes, dynamic_dims_strides=[[None] * t.dim() for t in present]).check
+    except Exception:  # a refusal of this private API (its signature moved): no guard, no harm
+        return None
+    if missing:
+        return _with_nones(len(tensor_positions(spec)), tuple(missing))(check)
+    return check
+
+
+@functools.cache
+def _with_nones(n: int, missing: tuple[int, ...]) -> Callable[[Callable[..., bool]], Callable[..., bool]]:
+    """A wrapper for a guard whose call had None at some tensor positions (a LayerNorm without
+    bias): those must be None again, the others go to the guard. Generated per arity and pattern
+    (a fixed signature is ~40 ns cheaper than *args)."""
+    names = [f"t{i}" for i in range(n)]
+    nones = " and ".join(f"{names[i]} is None" for i in missing)
+    rest = ", ".join(name for i, name in enumerate(names) if i not in missing)
+    namespace: dict[str, Any] = {}
+    exec(f"def make(guard):\n    def check({', '.join(names)}):\n        return {nones} and guard({rest})\n    return check\n", namespace)
+    return namespace["make"]
