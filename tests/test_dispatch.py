@@ -739,7 +739,7 @@ def test_the_guard_never_reuses_a_decision_for_another_class(op_name):
         polykernel.clear_caches()
         op.dispatch(None, *base)
         op.dispatch(None, *base)
-        assert op._fast[0][6] is not None, "the base call installed a guard"
+        assert op._fast[0][5] is not None, "the base call installed a guard"
         with context:
             scope, det = dispatch._scope.get(), torch.are_deterministic_algorithms_enabled()
             try:
@@ -757,7 +757,7 @@ def test_the_guard_never_reuses_a_decision_for_another_class(op_name):
         assert {k[:5] for k in op._memo} == {base_key, expected}, label
         # and the base class is recognised again afterwards, by the decision made for it
         op.dispatch(None, *base)
-        assert op._fast[0][6] is op._memo[base_key] or op._last[0][4] is op._memo[base_key], label
+        assert op._fast[0][5] is op._memo[base_key] or op._last[0][4] is op._memo[base_key], label
 
 
 def test_the_guard_is_optional(monkeypatch):
@@ -783,12 +783,12 @@ def test_a_fault_drops_the_guarded_decision():
     x, w = torch.randn(3, 8), torch.randn(8)
     polykernel.rms_norm(x, w)
     polykernel.rms_norm(x, w)
-    assert op._fast[0][6] is not None
+    assert op._fast[0][5] is not None
     (key,) = op._memo
     op.forget(key)
-    assert op._fast[0][6] is None
+    assert op._fast[0][5] is None
     polykernel.clear_caches()
     polykernel.rms_norm(x, w)
     polykernel.rms_norm(x, w)
     polykernel.clear_caches()
-    assert op._fast[0][6] is None and not op._memo
+    assert op._fast[0][5] is None and not op._memo

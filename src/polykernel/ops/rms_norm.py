@@ -58,7 +58,7 @@ def _key(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float
     return (x.device, x.dtype, needs_grad, x.shape[-1], weight.dtype, weight.shape, weight.device, eps, offset, casting)
 
 
-_op: Op  # defined below, after the public function it serves
+_op: Op  # defined below, after the public function it serves (with _dispatch, its dispatch)
 
 
 def rms_norm(
@@ -78,7 +78,7 @@ def rms_norm(
     torch.Size([4, 8])
     >>> y = polykernel.rms_norm(x, w, offset=1.0, impl="torch")  # Gemma style, forced impl
     """
-    return _op.dispatch(impl, x, weight, eps, offset, casting)  # the class and validation: see _key
+    return _dispatch(impl, x, weight, eps, offset, casting)  # _op.dispatch; the class and validation: see _key
 
 
 # -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
@@ -281,3 +281,4 @@ _op = Op(
     bytes_moved=bytes_moved,
     impls=IMPLS,
 )
+_dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

@@ -38,7 +38,7 @@ def _key(gate: torch.Tensor, up: torch.Tensor, *_: object, **__: object) -> tupl
     return (gate.device, gate.dtype, check.needs_grad(gate, up), gate.shape[-1] if gate.dim() else 1, up_matches(gate, up))
 
 
-_op: Op  # defined below, after the public function it serves
+_op: Op  # defined below, after the public function it serves (with _dispatch, its dispatch)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
@@ -50,7 +50,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str | None = None) -> 
     torch.Size([4, 8])
     >>> y = polykernel.swiglu(gate, up, impl="torch")  # forced impl
     """
-    return _op.dispatch(impl, gate, up)  # the class and validation: see _key
+    return _dispatch(impl, gate, up)  # _op.dispatch; the class and validation: see _key
 
 
 # -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
@@ -156,3 +156,4 @@ _op = Op(
     bytes_moved=bytes_moved,
     impls=IMPLS,
 )
+_dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup
