@@ -9,6 +9,7 @@ lives in :mod:`polykernel.dispatch` and runs once per new key.
 from __future__ import annotations
 
 import inspect
+import operator
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -226,9 +227,10 @@ def plain_check(reference: Callable[..., Any]) -> Callable[[tuple[Any, ...]], bo
 
 _NA = object()  # "not passed": a trailing optional argument the caller left out
 _NO_HIT = (_NA, _NA, _NA, _NA, None)  # an Op's last hit before any (equal to no argument class)
-# An Op's guarded last decision before any: (check, grad mode, impl, scope, deterministic,
-# decision, *options); `impl is _NA` fails first, so nothing after it is read.
-_NO_FAST = (None, _NA, _NA, _NA, _NA, None)
+# How many guarded decisions Op.dispatch tries per call, most recent first: a model may alternate
+# a few classes per op (DeepSeek-V3's norms of three widths, grad mode on and off); a class after
+# them costs its argument class in Python (the slow path) plus ~0.1 µs per failed guard.
+FAST_RECORDS = 4
 
 
 def _hot_call(op: Op) -> Callable[..., Any]:
@@ -314,18 +316,31 @@ def _exec(op: Op, src: str, name: str) -> Callable[..., Any]:
     return namespace[name]
 
 
+def _picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """``pick(args)``: the tuple of ``args`` at ``positions`` (itemgetter: no Python frame)."""
+    if len(positions) >= 2:
+        return operator.itemgetter(*positions)
+    if positions:
+        (i,) = positions
+        return lambda args: (args[i],)
+    return lambda args: ()
+
+
 def _hot_dispatch(op: Op) -> Callable[..., Any]:
     """``op.dispatch`` as code generated for the op's arity and guard spec (see
     :mod:`polykernel.hit_guard`): the public function hands over the impl's arguments as they
-    came, and a call whose tensors pass the last decision's guard, with the same options, grad
-    mode, impl, scope and deterministic flag, runs that decision without building its argument
-    class (~0.45 µs less than :meth:`Op.call`). Any other call takes :meth:`Op._dispatch_slow`:
-    the class from ``op.key``, then ``Op.call``'s logic, and a new guard for the next calls.
+    came, and a call whose tensors pass the guard of one of the last few decisions (most recent
+    first, ``FAST_RECORDS``), with the same options, grad mode, impl, scope and deterministic
+    flag, runs that decision without building its argument class (~0.4 µs less than
+    :meth:`Op.call`). Any other call takes :meth:`Op._dispatch_slow`: the class from
+    ``op.key``, then ``Op.call``'s logic, and that decision's guard for the next calls.
     """
     spec = op.guard
     params = [p for p in inspect.signature(op.reference).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if spec is None or not params or len(spec) != len(params):
+    if spec is None:
         return op._dispatch_slow_star
+    if len(spec) != len(params):
+        raise ValueError(f"{op.id}: guard has {len(spec)} entries, the reference {len(params)} positional parameters")
     names = [f"a{i}" for i in range(len(params))]
     sig = ", ".join(n if p.default is p.empty else f"{n}=NA" for n, p in zip(names, params))
     args = ", ".join(names)
@@ -345,13 +360,20 @@ def _hot_dispatch(op: Op) -> Callable[..., Any]:
         f"    scope = scope_get()\n"
         f"    dt = det()\n"
         f"    gm = grad()\n"
-        f"    f = fast[0]\n"
+        f"    for f in fast:\n"
+        f"        try:\n"
+        f"            if {test}:\n"
+        f"                break\n"
+        f"        except Exception:  # an option that compares oddly (a tensor eps), a non-tensor\n"
+        f"            pass\n"
+        f"    else:\n"
+        f"        return slow(impl, ({args},), scope, dt, gm)\n"
         f"    try:\n"
-        f"        miss = not ({test})\n"
-        f"    except Exception:  # an option that compares oddly (a tensor eps), a non-tensor\n"
-        f"        miss = True\n"
-        f"    if miss:\n"
-        f"        return slow(impl, ({args},))\n"
+        f"        if f is not fast[0]:  # a class that alternates with others: tried first from now on\n"
+        f"            fast.remove(f)\n"
+        f"            fast.insert(0, f)\n"
+        f"    except (ValueError, IndexError):  # another thread changed the list meanwhile\n"
+        f"        pass\n"
         f"    d = f[5]\n"
         f"{_run_tail(args, plain)}"
     )
@@ -421,13 +443,16 @@ class Op:
         self.validate = validate
         self.outputs = outputs
         self.guard = None if guard is None else tuple(guard)
+        if self.guard is not None:  # the slow path's views of a call: the guarded tensors, the options
+            self._guarded = _picker(hit_guard.tensor_positions(self.guard))
+            self._options = _picker(tuple(i for i, kind in enumerate(self.guard) if kind is None))
         self._memo: dict[tuple[Any, ...], Any] = {}
         # The last memo hit of the hot path, (argkey, impl, scope, deterministic, decision): a
         # repeated argument class (every layer's norm) skips hashing the key (~80 ns).
         self._last: list[tuple[Any, ...]] = [_NO_HIT]
-        # The last decision :meth:`dispatch` can recognise by its guard (see _hot_dispatch):
-        # (check, grad mode, impl, scope, deterministic, decision, *options).
-        self._fast: list[tuple[Any, ...]] = [_NO_FAST]
+        # The decisions :meth:`dispatch` recognises by their guards (see _hot_dispatch), most
+        # recent first: (check, grad mode, impl, scope, deterministic, decision, *options).
+        self._fast: list[tuple[Any, ...]] = []
         self._plain = plain_check(reference)
         self.call = _hot_call(self)  # type: ignore[method-assign]  # generated hot path (see _hot_call)
         self.dispatch = _hot_dispatch(self)  # type: ignore[method-assign]  # generated (see _hot_dispatch)
@@ -459,38 +484,31 @@ class Op:
     def _dispatch_slow_star(self, impl: str | None, *args: Any) -> Any:
         return self._dispatch_slow(impl, args)
 
-    def _dispatch_slow(self, impl: str | None, args: tuple[Any, ...]) -> Any:
-        """:meth:`dispatch` for a call the guard did not recognise: the argument class from
-        ``key``, the decision as :meth:`call` makes it, and a guard for the calls that follow."""
+    def _dispatch_slow(self, impl: str | None, args: tuple[Any, ...], scope: Any = None, det: Any = None, grad: Any = None) -> Any:
+        """:meth:`dispatch` for a call the guard did not recognise (``scope``, ``det``, ``grad``:
+        the state it read): the argument class from ``key``, the decision as :meth:`call` makes
+        it, and that decision's guard for the next calls (built ~1 µs on the decision's first
+        call, kept on the decision for when its class comes back). A call no guard can cover (a
+        subclass, a non-tensor) leaves the last one in place."""
         try:
             argkey = self.key(*args)
         except Exception:  # not tensors, 0-d x, an unhashable option: validate() names the problem
             argkey = None
-        if self.guard is None or len(args) != len(self.guard) or _compiling():
+        if grad is None or len(args) != len(self.guard):  # type: ignore[arg-type]
             return self.call(impl, argkey, *args)
-        scope, det = _scope_get(), _deterministic()
         key = (argkey, impl, scope, det, False)
         try:
             decision = self._memo.get(key) or self._miss(key, args)
         except TypeError as exc:  # an unhashable option (eps=[1e-6]): validate names it
             return self._unhashable(exc, impl, argkey, args)
-        self._last[0] = (argkey, impl, scope, det, decision)
-        self._remember(decision, impl, scope, det, args)
+        check = decision.check
+        if check is None or not check(*self._guarded(args)):  # none yet, or it does not fit (dims, type)
+            check = decision.check = hit_guard.build(self.guard, args)  # type: ignore[arg-type]
+        if check is not None:
+            fast = self._fast  # the generated code holds this list: changed in place
+            fast.insert(0, (check, grad, impl, scope, det, decision, *self._options(args)))
+            del fast[FAST_RECORDS:]
         return self._finish(decision, key, args)
-
-    def _remember(self, decision: Any, impl: Any, scope: Any, det: bool, args: tuple[Any, ...]) -> None:
-        """Make ``decision`` the one :meth:`dispatch` recognises by its guard. The guard lives on
-        the decision (built ~1 µs, reused when a class comes back); a call no guard can cover (a
-        subclass, a non-tensor) leaves the previous one in place."""
-        tensors = [args[i] for i in hit_guard.tensor_positions(self.guard)]  # type: ignore[arg-type]
-        check = getattr(decision, "check", None)
-        if check is None or not check(*tensors):
-            check = hit_guard.build(self.guard, args)  # type: ignore[arg-type]
-            if check is None:
-                return
-            decision.check = check
-        options = (a for a, kind in zip(args, self.guard) if kind is None)  # type: ignore[arg-type]
-        self._fast[0] = (check, _grad_enabled(), impl, scope, det, decision, *options)
 
     def run(self, impl: str | None, argkey: tuple[Any, ...] | None, *args: Any) -> Any:
         """The eager path of :meth:`call` without its compile check: the custom op's real impl
@@ -577,13 +595,13 @@ class Op:
 
     def clear(self) -> None:
         self._last[0] = _NO_HIT
-        self._fast[0] = _NO_FAST
+        self._fast.clear()
         self._memo.clear()
 
     def forget(self, key: tuple[Any, ...]) -> None:
         """Drop one memoized decision (a runtime fault moved on from it)."""
         self._last[0] = _NO_HIT
-        self._fast[0] = _NO_FAST
+        self._fast.clear()
         self._memo.pop(key, None)
 
     def arg_class(self, argkey: tuple[Any, ...]) -> ArgClass:
