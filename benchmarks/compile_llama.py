@@ -171,14 +171,34 @@ def peak_allocations(events: list[dict[str, Any]]) -> tuple[int, list[dict[str, 
     return peak, sorted(at_peak, key=lambda e: -e.get("size", 0))
 
 
+# C++ frames that say nothing about who allocated: the unwinder, the allocator, empty/new_empty.
+_CPP_NOISE = ("torch::unwind", "c10::", "at::empty", "at::native::empty", "at::detail::empty", "at::_ops::empty", "at::TensorBase::", "??")
+
+
 def _where(e: dict[str, Any]) -> str:
-    """The innermost frame of an allocation outside torch's own modules (else the innermost)."""
+    """Who made an allocation: its innermost Python frame outside torch's own modules (Inductor's
+    generated code counts as ours), else its innermost C++ frame past the allocator (the autograd
+    engine's thread has no Python frames), else '?'."""
     frames = e.get("frames") or []
     for f in frames:
         name = str(f.get("filename", ""))
-        if "/torch/" not in name or "torchinductor" in name:
+        if name.endswith(".py") and ("/torch/" not in name or "torchinductor" in name):
             return f"{name}:{f.get('line')} {f.get('name')}"
-    return f"{frames[0].get('filename')}:{frames[0].get('line')} {frames[0].get('name')}" if frames else "?"
+    for f in frames:
+        fn = str(f.get("name", ""))
+        if not str(f.get("filename", "")).endswith(".py") and fn and not fn.startswith(_CPP_NOISE):
+            return fn[:160]
+    return "?"
+
+
+def _by_site(alive: list[dict[str, Any]]) -> list[str]:
+    """The allocations alive at the peak summed per site, largest total first."""
+    sites: dict[str, list[int]] = {}
+    for e in alive:
+        total = sites.setdefault(_where(e), [0, 0])
+        total[0] += e.get("size", 0)
+        total[1] += 1
+    return [f"{b / 2**20:10.1f} MiB {n:5d}x  {site}" for site, (b, n) in sorted(sites.items(), key=lambda kv: -kv[1][0])]
 
 
 def _memory(run_step: Any, out: Path, variant: str) -> dict[str, Any]:
@@ -196,7 +216,8 @@ def _memory(run_step: Any, out: Path, variant: str) -> dict[str, Any]:
         torch.cuda.memory._record_memory_history(enabled=None)
     events = snap["device_traces"][torch.cuda.current_device()]
     peak, alive = peak_allocations(events)
-    lines = [f"{variant}: peak over the step's start {peak / 2**20:.1f} MiB; {len(alive)} allocations alive at it, largest first:"]
+    lines = [f"{variant}: peak over the step's start {peak / 2**20:.1f} MiB; {len(alive)} allocations alive at it."]
+    lines += ["", "By site:", *_by_site(alive), "", "Largest:"]
     lines += [f"{e.get('size', 0) / 2**20:10.1f} MiB  {_where(e)}" for e in alive[:60]]
     name = variant.replace("+", "_plus_").replace("[", "-").replace("]", "")
     (out / f"memory-{name}.txt").write_text("\n".join(lines) + "\n")

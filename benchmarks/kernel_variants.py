@@ -3,7 +3,7 @@
     PYTHONPATH=src python benchmarks/kernel_variants.py --out DIR [--only rms_norm,rope,fused_add_rms_norm,flce]
 
 Each variant sets module constants of a Triton backend file (the settings the kernels read at
-launch: ``rms_norm.FWD_VARIANT``, ``TUNE`` entries, ``rope.ELEMS``/``MAX_WARPS``), then times the
+launch: ``rms_norm.FWD_VARIANT``, ``TUNE`` entries, ``rope.ROWS_MIN_T``/``ROW_ELEMS``/``ROW_WARPS``/``ELEMS``/``MAX_WARPS``), then times the
 Triton impl (``impl="triton"``) in bf16 from CUDA-graph replays, fwd and fwd+bwd, and reports
 TB/s on the op's ``bytes_moved``. The first row of each group is the current default. Targets
 (H200): rms_norm fwd 16384x4096 >= 3.9 TB/s; rope q4x32x4096x128 fwd >= 3.9, fwd+bwd >= 3.85;
@@ -71,12 +71,14 @@ GROUPS: dict[str, tuple[str, tuple[int, ...], tuple[str, ...], list[tuple[str, d
         (4, 32, 4096, 128),
         ("fwd", "fwd+bwd"),
         [
-            ("default (1024 elems, 1 warp)", {}),
-            ("1024 elems, 2 warps", {"MAX_WARPS": 2}),
-            ("512 elems, 1 warp", {"ELEMS": 512}),
-            ("2048 elems, 1 warp", {"ELEMS": 2048}),
-            ("2048 elems, <=4 warps", {"ELEMS": 2048, "MAX_WARPS": 4}),
-            ("4096 elems, 4 warps", {"ELEMS": 4096, "MAX_WARPS": 4}),
+            ("default (rows kernel, 2048 elems, 4 warps)", {}),
+            ("heads kernel (1024 elems, 1 warp)", {"ROWS_MIN_T": 1 << 30}),
+            ("rows, 1024 elems, 2 warps", {"ROW_ELEMS": 1024, "ROW_WARPS": 2}),
+            ("rows, 1024 elems, 4 warps", {"ROW_ELEMS": 1024, "ROW_WARPS": 4}),
+            ("rows, 2048 elems, 8 warps", {"ROW_WARPS": 8}),
+            ("rows, 4096 elems, 4 warps", {"ROW_ELEMS": 4096}),
+            ("rows, 4096 elems, 8 warps", {"ROW_ELEMS": 4096, "ROW_WARPS": 8}),
+            ("rows, 8192 elems, 8 warps", {"ROW_ELEMS": 8192, "ROW_WARPS": 8}),
         ],
     ),
 }

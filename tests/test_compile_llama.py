@@ -34,5 +34,23 @@ def test_peak_allocations_finds_what_is_alive_at_the_peak():
     assert cl._where(alive[2]) == "?"
 
 
+def test_where_reads_cpp_frames_past_the_allocator():
+    """The autograd engine's thread has only C++ frames: the first one past the unwinder and the
+    allocator names the maker; Python frames still win where there are any."""
+    cpp = [
+        {"filename": "??", "line": 0, "name": "torch::unwind::unwind()"},
+        {"filename": "??", "line": 0, "name": "c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc"},
+        {"filename": "??", "line": 0, "name": "at::empty(c10::ArrayRef<long>, c10::TensorOptions)"},
+        {"filename": "??", "line": 0, "name": "(anonymous namespace)::RmsNormFn::backward"},
+    ]
+    assert cl._where({"frames": cpp}) == "(anonymous namespace)::RmsNormFn::backward"
+    assert cl._where({"frames": [*cpp, {"filename": "/m/model.py", "line": 3, "name": "f"}]}) == "/m/model.py:3 f"
+    assert cl._where({"frames": cpp[:3]}) == "?"
+    alive = [{"size": 2**20, "frames": cpp}, {"size": 3 * 2**20, "frames": cpp}, {"size": 2**21, "frames": []}]
+    lines = cl._by_site(alive)
+    assert lines[0].split() == ["4.0", "MiB", "2x", "(anonymous", "namespace)::RmsNormFn::backward"]
+    assert lines[1].split() == ["2.0", "MiB", "1x", "?"]
+
+
 def test_peak_allocations_of_an_empty_trace():
     assert cl.peak_allocations([]) == (0, [])

@@ -335,6 +335,85 @@ def test_glu_native_equals_python(native, act, shape, dtype):
     _assert_identical(_both_paths(lambda a, b: glu(a, b, act), gt, u.detach()))
 
 
+def _rope_both_paths(q, k, cos, sin, use):
+    """rope's outputs and input grads with the native path on, then off; ``use`` picks which
+    outputs feed the loss ('q', 'k' or 'qk')."""
+    from polykernel.backends.triton.rope import rope
+
+    results = []
+    for on in (True, False):
+        old = _native.set_enabled(on)
+        try:
+            ins = [t.detach().clone().requires_grad_(t.requires_grad) for t in (q, k)]
+            qo, ko = rope(*ins, cos, sin)
+            if qo.requires_grad:
+                assert ("RopeFn" in qo.grad_fn.name()) == on
+                gen = torch.Generator(q.device).manual_seed(7)
+                picked = [o for o, name in ((qo, "q"), (ko, "k")) if name in use]
+                sum((o.float() * torch.randn(o.shape, generator=gen, device=o.device)).sum() for o in picked).backward()
+            torch.cuda.synchronize()
+            results.append(((qo.detach(), ko.detach()), [t.grad for t in ins]))
+        finally:
+            _native.set_enabled(old)
+    return results
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "b,hq,hk,t,d,layout,shared",
+    [
+        (2, 32, 8, 512, 128, "bhtd", True),  # GQA, contiguous, one cos/sin for the batch
+        (2, 8, 8, 100, 64, "bthd", False),  # HF's transposed view [B, T, H, D].transpose(1, 2), per-batch cos/sin
+        (8, 32, 8, 1, 128, "bhtd", True),  # decode
+        (1, 4, 2, 37, 320, "bhtd", True),  # half dim over one chunk (walked)
+    ],
+)
+@pytest.mark.parametrize("use", ["qk", "q", "k"])
+def test_rope_native_equals_python(native, dtype, b, hq, hk, t, d, layout, shared, use):
+    torch.manual_seed(0)
+
+    def make(h):
+        if layout == "bthd":
+            return torch.randn(b, t, h, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+        return torch.randn(b, h, t, d, device="cuda", dtype=dtype, requires_grad=True)
+
+    q, k = make(hq), make(hk)
+    cos = torch.randn(1 if shared else b, t, d, device="cuda", dtype=dtype)
+    sin = torch.randn(1 if shared else b, t, d, device="cuda", dtype=dtype)
+    (o1, g1), (o2, g2) = _rope_both_paths(q, k, cos, sin, use)
+    assert all(torch.equal(x, y) and x.stride() == y.stride() for x, y in zip(o1, o2))
+    for x, y in zip(g1, g2):
+        assert (x is None and y is None) or (torch.equal(x, y) and x.stride() == y.stride())
+    assert native.rope_plan_state(q, k) == 1
+    (o1, g1), (o2, g2) = _rope_both_paths(q.detach(), k, cos, sin, "qk")  # k's gradient only
+    assert all(torch.equal(x, y) for x, y in zip(o1, o2)) and torch.equal(g1[1], g2[1]) and g1[0] is None
+    with torch.inference_mode():
+        (o1, _), (o2, _) = _rope_both_paths(q.detach(), k.detach(), cos, sin, "qk")
+        assert all(torch.equal(x, y) for x, y in zip(o1, o2))
+
+
+@gpu
+def test_public_rope_takes_the_native_path(native):
+    import polykernel
+    from polykernel.backends.triton import rope as triton_rope
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 2, 64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = torch.randn(1, 64, 128, device="cuda", dtype=torch.bfloat16), torch.randn(1, 64, 128, device="cuda", dtype=torch.bfloat16)
+    plan = triton_rope._NativePlan(q, k)
+    qo, ko = polykernel.rope(q, k, cos, sin, impl="triton")  # a key's first launch goes through Triton's (not counted)
+    (qo.float().sum() + ko.float().sum()).backward()
+    before = plan.fwd.launches(), plan.bwd.launches()
+    qo, ko = polykernel.rope(q, k, cos, sin, impl="triton")
+    assert "RopeFn" in qo.grad_fn.name()
+    (qo.float().sum() + ko.float().sum()).backward()
+    assert plan.fwd.launches() == before[0] + 1 and plan.bwd.launches() == before[1] + 1
+    with pytest.raises(NotImplementedError, match="cos/sin"):  # cos/sin gradients: refused by name, as before
+        triton_rope.rope(q, k, cos.requires_grad_(), sin)
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading: a failed build falls back to Python (logged once), or is an error when required
 
@@ -428,9 +507,16 @@ def test_plans_are_stored_per_key(C):
     with pytest.raises(AttributeError):  # a plan without a field is refused, not half-read
         C.set_glu_plan(x, x, 2, SimpleNamespace(fwd=s, block=64))
     assert C.glu_plan_state(x, x, 2) == 0
+    q, k = torch.randn(2, 8, 5, 16), torch.randn(2, 2, 5, 16)
+    C.set_rope_plan(q, k, SimpleNamespace(fwd=s, bwd=s, block_t=8, per_head=False))
+    assert C.rope_plan_state(q, k) == 1
+    assert C.rope_plan_state(torch.randn(1, 8, 7, 16), k[:1, :, :1]) == 1  # T counts by its next power of two
+    assert C.rope_plan_state(torch.randn(1, 8, 9, 16), k) == 0
+    assert C.rope_plan_state(q, torch.randn(2, 4, 5, 16)) == 0 and C.rope_plan_state(q[..., :8], k[..., :8]) == 0  # heads, D
     assert C.rms_norm(x, w, 1e-6, 0.0, False) is None  # CPU tensors: never the native path
+    assert C.rope(q, k, q[:, 0], q[:, 0]) is None
     C.clear_plans()
-    assert C.rms_norm_plan_state(x, w, False) == 0 and C.glu_plan_state(x, x, 0) == 0
+    assert C.rms_norm_plan_state(x, w, False) == 0 and C.glu_plan_state(x, x, 0) == 0 and C.rope_plan_state(q, k) == 0
 
 
 def test_call_builds_a_plan_once_then_runs_natively(fresh_loader):

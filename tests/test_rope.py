@@ -26,6 +26,22 @@ def test_parity_cpu(impl, dtype):
     assert_parity("rope", [impl], device="cpu", dtypes=[dtype])
 
 
+@pytest.mark.parametrize("rows_min_t", [1, 1 << 30], ids=["rows-kernel", "heads-kernel"])
+def test_triton_both_kernels_parity_cpu(rows_min_t, monkeypatch):
+    """The Triton impl's two ways to cut the work (a program per head and block of positions, or
+    per block of positions with every head), each forced on every case, forward and backward."""
+    _need("triton")
+    from polykernel.backends.triton import rope as trope
+
+    monkeypatch.setattr(trope, "ROWS_MIN_T", rows_min_t)
+    trope._tiles.cache_clear()
+    try:
+        assert trope._tiles(5, 4, 2, 8).rows == (rows_min_t == 1)
+        assert_parity("rope", ["triton"], device="cpu", dtypes=[torch.float32, torch.bfloat16])
+    finally:
+        trope._tiles.cache_clear()
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_matches_transformers(impl):
     _need(impl)

@@ -1,8 +1,13 @@
-"""Triton RoPE (rotate-half): forward and backward (dq, dk) with one kernel.
+"""Triton RoPE (rotate-half): forward and backward (dq, dk) with one kernel per layout of work.
 
-One program takes a tile of BLOCK_T consecutive positions of one batch row and every head of q
-and of k: cos/sin for those positions are loaded once (per BLOCK_D chunk of the half dim) and
-reused across all heads. Each head row is read as its two halves x1 = x[:D/2], x2 = x[D/2:]:
+Two ways to cut the work, same math:
+- *heads* (short sequences, decode): one program takes BLOCK_T consecutive positions of one batch
+  row and every head of q and of k; cos/sin for those positions are loaded once (per BLOCK_D chunk
+  of the half dim) and reused across all heads.
+- *rows* (long sequences): one program takes BLOCK_T consecutive positions of one head (of q or
+  of k), a streaming tile like an elementwise kernel's; cos/sin rows are re-read per head from L2.
+
+Each head row is read as its two halves x1 = x[:D/2], x2 = x[D/2:]:
 
     forward:  o1 = x1·c1 - x2·s1      o2 = x2·c2 + x1·s2
     backward: o1 = g1·c1 + g2·s2      o2 = g2·c2 - g1·s1   (the transposed rotation, by -sin)
@@ -17,6 +22,7 @@ no cos/sin gradient: the op's predicate keeps it from being selected when cos/si
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -24,17 +30,26 @@ import triton.language as tl
 
 from ...ops.rope import reference  # noqa: F401  (semantics live in the op file)
 from ..torch._functions import rope_function
+from . import _native
 from ._autograd import lean_apply
 from ._launch import launch
 from ._rows import cdiv as _cdiv
 from ._rows import next_pow2 as _next_pow2
 
-# elements per half-tile [BLOCK_T, BLOCK_H, BLOCK_D] (two halves per head row), and the warps that
-# share one. 1024 elements on 1 warp: q 4x32x4096x128 bf16 fwd 3.73 TB/s, fwd+bwd 3.72, against
-# 3.40 / 3.40 at 2048 on up to 4 warps (H200, kernel_variants.py, 2026-11-30)
+# The heads kernel: elements per half-tile [BLOCK_T, BLOCK_H, BLOCK_D] (two halves per head row),
+# and the warps that share one. 1024 elements on 1 warp: q 4x32x4096x128 bf16 fwd 3.73 TB/s,
+# fwd+bwd 3.72, against 3.40 / 3.40 at 2048 on up to 4 warps (H200, kernel_variants.py, 2026-11-30)
 ELEMS = 1024
 MAX_BLOCK_D = 128  # half dims up to 128 (D <= 256) in one chunk; longer ones are walked in chunks
-MAX_WARPS = 1  # benchmarks/kernel_variants.py A/Bs these three (call _tiles.cache_clear() after a change)
+MAX_WARPS = 1  # benchmarks/kernel_variants.py A/Bs these (call _tiles.cache_clear() after a change)
+# The rows kernel from this many positions on (a power of two: the native path keys plans on T's
+# next power of two), with ROW_ELEMS elements (both halves) per program on ROW_WARPS warps. The
+# heads kernel's 1-warp programs cap occupancy at 50% (32 blocks per SM). q 4x32x4096x128 bf16:
+# rows 2048/4 warps fwd 3.94, fwd+bwd 4.00 TB/s; heads 3.73 / 3.74; rows 1024/2 the same within
+# noise; rows 1024/4 and 2048/8 3.4-3.6 (H200, kernel_variants.py, 2026-11-30 late).
+ROWS_MIN_T = 64
+ROW_ELEMS = 2048
+ROW_WARPS = 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,6 +164,69 @@ def _rope_kernel(
         _rot_heads(K, KO, k_base, ko_base, HK, sk_h, sk_d, sko_h, sko_d, t_ok, d, d_ok, c1, c2, sa, sb, HALF, BLOCK_HK)
 
 
+@triton.jit
+def _rot_rows(
+    X, OUT, COS, SIN, b, h, t, T,
+    sx_b, sx_h, sx_t, sx_d, so_b, so_h, so_t, so_d, sc_b, sc_t, sc_d, ss_b, ss_t, ss_d,
+    HALF: tl.constexpr, BLOCK_D: tl.constexpr, BACKWARD: tl.constexpr,
+):  # fmt: skip
+    """Rotate positions t ([BLOCK_T], int64) of head h of batch row b."""
+    t_ok = t < T
+    x_row = X + b * sx_b + h * sx_h + t[:, None] * sx_t
+    o_row = OUT + b * so_b + h * so_h + t[:, None] * so_t
+    c_row = COS + b * sc_b + t[:, None] * sc_t
+    s_row = SIN + b * ss_b + t[:, None] * ss_t
+    for d0 in tl.static_range(0, HALF, BLOCK_D):
+        d = (d0 + tl.arange(0, BLOCK_D)).to(tl.int64)[None, :]
+        m = t_ok[:, None] & (d < HALF)
+        c1 = tl.load(c_row + d * sc_d, mask=m, other=0.0).to(tl.float32)
+        c2 = tl.load(c_row + (d + HALF) * sc_d, mask=m, other=0.0).to(tl.float32)
+        s1 = tl.load(s_row + d * ss_d, mask=m, other=0.0).to(tl.float32)
+        s2 = tl.load(s_row + (d + HALF) * ss_d, mask=m, other=0.0).to(tl.float32)
+        if BACKWARD:
+            sa = -s2
+            sb = -s1
+        else:
+            sa = s1
+            sb = s2
+        x1 = tl.load(x_row + d * sx_d, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(x_row + (d + HALF) * sx_d, mask=m, other=0.0).to(tl.float32)
+        o1 = x1 * c1 - x2 * sa
+        o2 = x2 * c2 + x1 * sb
+        tl.store(o_row + d * so_d, o1.to(OUT.dtype.element_ty), mask=m)
+        tl.store(o_row + (d + HALF) * so_d, o2.to(OUT.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rope_rows_kernel(
+    Q, K, QO, KO, COS, SIN, T, n_tblocks, HQ, HK,
+    sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d,
+    sqo_b, sqo_h, sqo_t, sqo_d, sko_b, sko_h, sko_t, sko_d,
+    sc_b, sc_t, sc_d, ss_b, ss_t, ss_d,
+    HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BACKWARD: tl.constexpr,
+):  # fmt: skip
+    """The rows layout: program (b, head of q then of k, block of positions); the heads kernel's
+    arguments (BLOCK_HQ/BLOCK_HK unused), so one host path launches either."""
+    pid = tl.program_id(0)
+    bh = pid // n_tblocks
+    t = tl.cast(pid % n_tblocks, tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    h = bh % (HQ + HK)
+    b = tl.cast(bh // (HQ + HK), tl.int64)
+    if h < HQ:
+        _rot_rows(
+            Q, QO, COS, SIN, b, tl.cast(h, tl.int64), t, T,
+            sq_b, sq_h, sq_t, sq_d, sqo_b, sqo_h, sqo_t, sqo_d, sc_b, sc_t, sc_d, ss_b, ss_t, ss_d,
+            HALF, BLOCK_D, BACKWARD,
+        )  # fmt: skip
+    else:
+        _rot_rows(
+            K, KO, COS, SIN, b, tl.cast(h - HQ, tl.int64), t, T,
+            sk_b, sk_h, sk_t, sk_d, sko_b, sko_h, sko_t, sko_d, sc_b, sc_t, sc_d, ss_b, ss_t, ss_d,
+            HALF, BLOCK_D, BACKWARD,
+        )  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------
 # Host launcher
 
@@ -157,19 +235,41 @@ def _pow2(n: int) -> int:
     return _next_pow2(max(n, 1))
 
 
+class Tiles(NamedTuple):
+    """One launch shape: the kernel (rows: one program per head and block of positions; heads: per
+    block of positions, every head) and its tile."""
+
+    rows: bool
+    block_t: int
+    block_d: int
+    block_hq: int
+    block_hk: int
+    warps: int
+
+    @property
+    def kernel(self) -> Any:
+        return _rope_rows_kernel if self.rows else _rope_kernel
+
+    def programs(self, b: int, t: int, hq: int, hk: int) -> int:
+        return b * _cdiv(t, self.block_t) * (hq + hk if self.rows else 1)
+
+
 @functools.lru_cache(maxsize=4096)  # host time: the same few shapes on every call
-def _tiles(t: int, hq: int, hk: int, half: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_T, BLOCK_D, BLOCK_HQ, BLOCK_HK, num_warps): ~ELEMS elements per half-tile, all heads
-    of one position in one tile where they fit, and several positions per program when a
-    position is small."""
+def _tiles(t: int, hq: int, hk: int, half: int) -> Tiles:
+    """The rows kernel from ROWS_MIN_T positions on (ROW_ELEMS per program); below, the heads
+    kernel: ~ELEMS elements per half-tile, all heads of one position in one tile where they fit,
+    and several positions per program when a position is small. Depends on t only through its
+    next power of two (the native path's plan key)."""
     block_d = min(_pow2(half), MAX_BLOCK_D)
+    if _pow2(t) >= ROWS_MIN_T:
+        return Tiles(True, min(_pow2(t), max(1, ROW_ELEMS // (2 * block_d))), block_d, 1, 1, ROW_WARPS)
     cap_h = max(1, ELEMS // block_d)
     block_hq = min(_pow2(hq), cap_h)
     block_hk = min(_pow2(hk), cap_h)
     block_t = min(_pow2(t), max(1, ELEMS // (max(block_hq, block_hk) * block_d)))
     elems = block_t * max(block_hq, block_hk) * block_d
     warps = max(1, min(MAX_WARPS, elems // 512))
-    return block_t, block_d, block_hq, block_hk, warps
+    return Tiles(False, block_t, block_d, block_hq, block_hk, warps)
 
 
 def rope_launch(
@@ -192,20 +292,20 @@ def rope_launch(
     if b * t == 0 or hq + hk == 0:
         return
     half = d // 2
-    block_t, block_d, block_hq, block_hk, warps = _tiles(t, hq, hk, half)
-    n_tblocks = _cdiv(t, block_t)
+    tiles = _tiles(t, hq, hk, half)
+    n_tblocks = _cdiv(t, tiles.block_t)
     qa, qoa = (q, qo) if q is not None else (k, ko)  # placeholders when absent (HQ = 0: never read)
     ka, koa = (k, ko) if k is not None else (q, qo)
     assert qoa is not None and koa is not None
     cs, ss = cos.stride(), sin.stride()  # one stride() call per tensor: each is a host op
     launch(
-        _rope_kernel, (b * n_tblocks,),
+        tiles.kernel, (tiles.programs(b, t, hq, hk),),
         qa, ka, qoa, koa, cos, sin, t, n_tblocks, hq, hk,
         *qa.stride(), *ka.stride(), *qoa.stride(), *koa.stride(),
         cs[0] if cos.shape[0] != 1 else 0, cs[1], cs[2],
         ss[0] if sin.shape[0] != 1 else 0, ss[1], ss[2],
-        HALF=half, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BACKWARD=backward,
-        num_warps=warps,
+        HALF=half, BLOCK_T=tiles.block_t, BLOCK_D=tiles.block_d, BLOCK_HQ=tiles.block_hq, BLOCK_HK=tiles.block_hk,
+        BACKWARD=backward, num_warps=tiles.warps,
     )  # fmt: skip
 
 
@@ -219,8 +319,32 @@ _Rope, _forward = rope_function(rope_launch)  # the autograd node, shared with t
 _lean_apply = lean_apply(_Rope)  # _Rope.apply without its Python wrapper (see _autograd.py)
 
 
+class _NativePlan:
+    """The C++ path's plan for one (device, T's next power of two, HQ, HK, D): the forward and
+    backward slots, the positions per program, and whether a program takes one head (rows)."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        _, hq, t, d = q.shape
+        tiles = _tiles(t, hq, k.shape[1], d // 2)
+        self.block_t, self.per_head = tiles.block_t, tiles.rows
+        meta = dict(
+            HALF=d // 2,
+            BLOCK_T=tiles.block_t,
+            BLOCK_D=tiles.block_d,
+            BLOCK_HQ=tiles.block_hq,
+            BLOCK_HK=tiles.block_hk,
+            num_warps=tiles.warps,
+        )
+        self.fwd = _native.slot(tiles.kernel, BACKWARD=False, **meta)
+        self.bwd = _native.slot(tiles.kernel, BACKWARD=True, **meta)
+
+
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered impl (arguments already validated by ``polykernel.rope``)."""
+    if _native.ENABLED:
+        out = _native.call("rope", (q, k, cos, sin), (q, k), _NativePlan)
+        if out is not None:
+            return out
     if (q.requires_grad or k.requires_grad or cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled():
         if cos.requires_grad or sin.requires_grad:
             # The dispatcher never picks this impl then (the op's predicate); refuse a direct call
