@@ -687,6 +687,7 @@ def _variants(op_name):
         ("deterministic", base, _deterministic_algorithms()),
         ("last dim 16", tuple(t(*a.shape[:-1], 16) if isinstance(a, torch.Tensor) else a for a in base), nullcontext()),
         ("a non-tensor", (base[0], [1.0] * 8, *base[2:]), nullcontext()),
+        ("one tensor twice", (base[0], base[0][0] if spec[1] == "shape" else base[0], *base[2:]), nullcontext()),
     ]
     for i in tensors:
         out += [
@@ -762,18 +763,23 @@ def test_the_guard_never_reuses_a_decision_for_another_class(op_name):
 
 def test_the_guard_is_optional(monkeypatch):
     # Without torch's C guards (another torch, or the private API moved) every call builds its
-    # argument class in Python: same decisions, same results.
+    # argument class in Python: same decisions, same results, same errors. Both for an op built
+    # while the guard was there and for one built without it (its dispatch skips the guard).
     from polykernel import hit_guard
+    from polykernel import op as op_mod
 
     monkeypatch.setattr(hit_guard, "_tensor_guards", lambda: None)
     op = registry.get_op("rms_norm")
     x, w = torch.randn(3, 8), torch.randn(8)
-    for _ in range(3):
-        torch.testing.assert_close(polykernel.rms_norm(x, w), reference(x, w))
-    assert not op._fast
-    assert [k[0] for k in op._memo] == [op.key(x, w)]
-    with pytest.raises(polykernel.errors.OpArgumentError, match="weight"):
-        polykernel.rms_norm(x, torch.randn(9))
+    for dispatch_fn in (op.dispatch, op_mod._hot_dispatch(op)):
+        polykernel.clear_caches()
+        for _ in range(3):
+            torch.testing.assert_close(dispatch_fn(None, x, w, 1e-6, 0.0, "fp32"), reference(x, w))
+            torch.testing.assert_close(dispatch_fn(None, x, w), reference(x, w))  # the defaults
+        assert not op._fast
+        assert [k[0] for k in op._memo] == [op.key(x, w)]
+        with pytest.raises(polykernel.errors.OpArgumentError, match="weight"):
+            dispatch_fn(None, x, torch.randn(9), 1e-6, 0.0, "fp32")
 
 
 def test_a_fault_drops_the_guarded_decision():

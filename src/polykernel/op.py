@@ -296,11 +296,14 @@ def _run_tail(args: str, plain: str) -> str:
 
 def _exec(op: Op, src: str, name: str) -> Callable[..., Any]:
     namespace: dict[str, Any] = {
+        "DEFAULTS": [p.default for p in inspect.signature(op.reference).parameters.values()],
         "NA": _NA,
         "P": _PLAIN,
         "op": op,
         "generic": op._generic_call,
         "slow": op._dispatch_slow,
+        "key": op.key,
+        "call": op.call,
         "compiling": _compiling,
         "dynamo_compiling": getattr(torch.compiler, "is_dynamo_compiling", None),
         "compiler_mod": torch.compiler,
@@ -342,8 +345,19 @@ def _hot_dispatch(op: Op) -> Callable[..., Any]:
     if len(spec) != len(params):
         raise ValueError(f"{op.id}: guard has {len(spec)} entries, the reference {len(params)} positional parameters")
     names = [f"a{i}" for i in range(len(params))]
-    sig = ", ".join(n if p.default is p.empty else f"{n}=NA" for n, p in zip(names, params))
+    # an argument left out takes the reference's default (the public functions pass them all)
+    sig = ", ".join(n if p.default is p.empty else f"{n}=DEFAULTS[{i}]" for i, (n, p) in enumerate(zip(names, params)))
     args = ", ".join(names)
+    if not hit_guard.available():  # no guard in this torch: the class in Python, then Op.call
+        src = (
+            f"def dispatch(impl, {sig}):\n"
+            f"    try:\n        argkey = key({args})\n"
+            f"    except Exception:  # not tensors, 0-d x: validate() names the problem\n        argkey = None\n"
+            f"    return call(impl, argkey, {args})\n"
+        )
+        fn = _exec(op, src, "dispatch")
+        fn.__doc__ = Op.dispatch.__doc__
+        return fn
     plain = " and ".join(f"type(a{i}) in P" for i in _tensor_positions(op.reference) if i < len(names)) or "True"
     tensors = ", ".join(names[i] for i in hit_guard.tensor_positions(spec))
     options = [names[i] for i, kind in enumerate(spec) if kind is None]
@@ -351,10 +365,8 @@ def _hot_dispatch(op: Op) -> Callable[..., Any]:
     test = f"(impl is f[2] or impl == f[2]) and scope is f[3] and dt is f[4] and gm is f[1] and f[0]({tensors})"
     test += "".join(f" and {names[i]}.shape == {names[j]}.shape" for i, j in hit_guard.relations(spec))
     test += "".join(f" and {name} == f[{6 + k}]" for k, name in enumerate(options))  # ~20 ns less than a tuple
-    partial = f"    if {names[-1]} is NA:  # fewer arguments than the reference takes\n        return slow(impl, tuple(a for a in ({args},) if a is not NA))\n"
     src = (
         f"def dispatch(impl, {sig}):\n"
-        f"{partial if params[-1].default is not params[-1].empty else ''}"
         f"    if {_COMPILING_EXPR}:\n"
         f"        return op.custom_op(impl, {args})\n"
         f"    scope = scope_get()\n"
