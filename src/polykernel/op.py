@@ -362,7 +362,9 @@ def _hot_dispatch(op: Op) -> Callable[..., Any]:
     tensors = ", ".join(names[i] for i in hit_guard.tensor_positions(spec))
     options = [names[i] for i, kind in enumerate(spec) if kind is None]
     # impl: identity first (None, a literal), == for an equal string built at run time
-    test = f"(impl is f[2] or impl == f[2]) and scope is f[3] and dt is f[4] and gm is f[1] and f[0]({tensors})"
+    # grad mode: None in a record whose tensors all have requires_grad False (the guard pins it),
+    # where the class does not depend on it: inference calls skip reading it
+    test = f"(impl is f[2] or impl == f[2]) and scope is f[3] and dt is f[4] and (f[1] is None or grad() is f[1]) and f[0]({tensors})"
     test += "".join(f" and {names[i]}.shape == {names[j]}.shape" for i, j in hit_guard.relations(spec))
     test += "".join(f" and {name} == f[{6 + k}]" for k, name in enumerate(options))  # ~20 ns less than a tuple
     src = (
@@ -371,7 +373,6 @@ def _hot_dispatch(op: Op) -> Callable[..., Any]:
         f"        return op.custom_op(impl, {args})\n"
         f"    scope = scope_get()\n"
         f"    dt = det()\n"
-        f"    gm = grad()\n"
         f"    for f in fast:\n"
         f"        try:\n"
         f"            if {test}:\n"
@@ -379,7 +380,7 @@ def _hot_dispatch(op: Op) -> Callable[..., Any]:
         f"        except Exception:  # an option that compares oddly (a tensor eps), a non-tensor\n"
         f"            pass\n"
         f"    else:\n"
-        f"        return slow(impl, ({args},), scope, dt, gm)\n"
+        f"        return slow(impl, ({args},), scope, dt, grad())\n"
         f"    try:\n"
         f"        if f is not fast[0]:  # a class that alternates with others: tried first from now on\n"
         f"            fast.remove(f)\n"
@@ -463,7 +464,7 @@ class Op:
         # repeated argument class (every layer's norm) skips hashing the key (~80 ns).
         self._last: list[tuple[Any, ...]] = [_NO_HIT]
         # The decisions :meth:`dispatch` recognises by their guards (see _hot_dispatch), most
-        # recent first: (check, grad mode, impl, scope, deterministic, decision, *options).
+        # recent first: (check, grad mode or None, impl, scope, deterministic, decision, *options).
         self._fast: list[tuple[Any, ...]] = []
         self._plain = plain_check(reference)
         self.call = _hot_call(self)  # type: ignore[method-assign]  # generated hot path (see _hot_call)
@@ -517,6 +518,8 @@ class Op:
         if check is None or not check(*self._guarded(args)):  # none yet, or it does not fit (dims, type)
             check = decision.check = hit_guard.build(self.guard, args)  # type: ignore[arg-type]
         if check is not None:
+            if not any(t is not None and t.requires_grad for t in self._guarded(args)):
+                grad = None  # the class does not depend on grad mode (see _hot_dispatch)
             fast = self._fast  # the generated code holds this list: changed in place
             fast.insert(0, (check, grad, impl, scope, det, decision, *self._options(args)))
             del fast[FAST_RECORDS:]
