@@ -418,7 +418,7 @@ class Op:
     argument class holds of it (:mod:`polykernel.hit_guard`: ``LAST``, ``SHAPE``, the index of a
     tensor whose shape it must equal, or None for an option). With it the public function calls
     :meth:`dispatch` with the arguments alone, ``key`` takes them positionally in the reference's
-    order, and a repeat of the last decision's class is recognised by one C call instead of
+    order, and a repeat of a recent decision's class is recognised by one C call instead of
     building the class.
     """
 
@@ -516,7 +516,9 @@ class Op:
             return self._unhashable(exc, impl, argkey, args)
         check = decision.check
         if check is None or not check(*self._guarded(args)):  # none yet, or it does not fit (dims, type)
-            check = decision.check = hit_guard.build(self.guard, args)  # type: ignore[arg-type]
+            check = hit_guard.build(self.guard, args)  # type: ignore[arg-type]
+            if check is not None:  # (a call no guard covers keeps the decision's last one)
+                decision.check = check
         if check is not None:
             if not any(t is not None and t.requires_grad for t in self._guarded(args)):
                 grad = None  # the class does not depend on grad mode (see _hot_dispatch)
