@@ -210,3 +210,42 @@ def test_scale_grads_applies_the_cotangent_in_place():
     kept = a.clone()
     scale_grads_(torch.tensor(1.0), a)
     assert torch.equal(a, kept)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("value", [1.0, 0.37])
+def test_fused_linear_ce_in_a_cuda_graph_scales_like_eager(impl, value):
+    """Under capture the cotangent cannot be read on the host, so the gradients (computed for
+    grad_output = 1) are multiplied by the 0-d device tensor g. For g == 1 the graph's gradients
+    are eager's bit for bit. For g != 1 they differ by the rounding of that multiply: eager
+    multiplies by g as a host number in fp32, while the graph's bf16 gradients get
+    TensorIterator's bf16 cast of g (a relative 2^-9 on g; notes/PERF.md, a known gap)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    h = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, 1000, (300,), device="cuda")
+    g = torch.full((), value, device="cuda")
+
+    def step():
+        loss = polykernel.fused_linear_cross_entropy(h, w, t, impl=impl)
+        return torch.autograd.grad(loss, (h, w), g)
+
+    want = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm up outside capture (compiles, plans)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(got, want):
+        if value == 1.0:
+            assert torch.equal(a, b)
+        else:  # one bf16 rounding of g and one of the product: within 2 ulp of bf16
+            torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=0)
