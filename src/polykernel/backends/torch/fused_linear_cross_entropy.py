@@ -80,13 +80,14 @@ def _walk(
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, bias, ignore_index, ls, reduction, chunk_fn):  # type: ignore[override]
+    def forward(ctx, hidden, weight, target, bias, ignore_index, ls, reduction, chunk_fn, scale_fn):  # type: ignore[override]
         h2 = hidden.reshape(-1, hidden.shape[-1])
         t = target.reshape(-1).long().contiguous()
         count = (t != ignore_index).sum()
         acc = torch.promote_types(hidden.dtype, torch.float32)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
         ctx.args = (ignore_index, ls, chunk_fn, needs, acc)
+        ctx.scale_fn = scale_fn
         ctx.reduction, ctx.shape = reduction, hidden.shape
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.grads = None
@@ -112,12 +113,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     "were computed in the forward and are consumed by the first backward (retain_graph is not supported)"
                 )
             (gh, gw, gb), ctx.grads = ctx.grads, None
-            scale_grads_(g, gh, gw, gb)
+            ctx.scale_fn(g, gh, gw, gb)
         return (
             None if gh is None else gh.view(ctx.shape),
             gw,
             None,
             None if gb is None else gb.to(ctx.bias_dtype),
+            None,
             None,
             None,
             None,
@@ -134,10 +136,12 @@ def run(
     label_smoothing: float,
     reduction: str,
     chunk_fn: ChunkFn,
+    scale_fn: Callable[..., None] = scale_grads_,
 ) -> torch.Tensor:
-    """The op on validated arguments, with ``chunk_fn`` as the per-chunk cross-entropy."""
+    """The op on validated arguments, with ``chunk_fn`` as the per-chunk cross-entropy and
+    ``scale_fn(g, *grads)`` multiplying the forward's gradients by the cotangent in backward."""
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias)):
-        return _FusedLinearCrossEntropy.apply(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_fn)
+        return _FusedLinearCrossEntropy.apply(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_fn, scale_fn)
     t = target.reshape(-1).long().contiguous()
     losses, *_ = _walk(hidden.reshape(-1, hidden.shape[-1]), weight, bias, t, ignore_index, label_smoothing, chunk_fn, None)
     return reduce_rows(losses, (t != ignore_index).sum(), reduction, target.shape)

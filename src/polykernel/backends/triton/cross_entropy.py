@@ -26,11 +26,12 @@ import triton.language as tl
 
 from ...ops.cross_entropy import reference  # noqa: F401  (semantics live in the op file)
 from ...spec import Split
-from ..torch.cross_entropy import grad_scale, reduce_rows, scale_grads_
+from ..torch.cross_entropy import grad_scale, reduce_rows
 from ._autograd import lean_apply
 from ._launch import launch
 from ._rows import as_rows as _as_rows
 from ._rows import next_pow2 as _next_pow2
+from ._scale import scale_grads_
 
 GRAD_IN_FORWARD = False  # see the module docstring
 MAX_BLOCK_BYTES = 32768  # one chunk of a row: 16K bf16 / 8K fp32 elements, 4 x 16-byte loads per thread

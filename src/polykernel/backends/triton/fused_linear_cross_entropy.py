@@ -3,7 +3,8 @@
 Per chunk the logits come from a torch matmul (cuBLAS); one launch of the cross-entropy kernel
 (FWD+GRAD) reads each row twice and writes the scaled dlogits over the logits in place, so the
 chunk buffer is the only N-proportional temporary. Gradient matmuls as in the driver
-(``polykernel.backends.torch.fused_linear_cross_entropy``).
+(``polykernel.backends.torch.fused_linear_cross_entropy``); the backward's cotangent multiply
+reads the cotangent on the device under CUDA-graph capture (``_scale``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from ...ops.fused_linear_cross_entropy import reference  # noqa: F401  (semantics live in the op file)
 from ..torch.fused_linear_cross_entropy import make_split, run
+from ._scale import scale_grads_
 from .cross_entropy import ce_forward
 
 
@@ -30,7 +32,7 @@ def fused_linear_cross_entropy(
     reduction: str,
 ) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.fused_linear_cross_entropy``)."""
-    return run(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, _chunk)
+    return run(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, _chunk, scale_grads_)
 
 
 fused_linear_cross_entropy.split = make_split(_chunk)  # type: ignore[attr-defined]  # compiled graphs: no recompute
