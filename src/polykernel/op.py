@@ -274,9 +274,7 @@ def _hot_call(op: Op) -> Callable[..., Any]:
         f"        last[0] = (argkey, impl, scope, dt, d)\n"
         f"{_run_tail(args, plain)}"
     )
-    fn = _exec(op, src, "call")
-    fn.__doc__ = Op.call.__doc__
-    return fn
+    return _exec(op, src, "call")
 
 
 def _run_tail(args: str, plain: str) -> str:
@@ -295,6 +293,7 @@ def _run_tail(args: str, plain: str) -> str:
 
 
 def _exec(op: Op, src: str, name: str) -> Callable[..., Any]:
+    """The function ``name`` defined by the generated ``src``, documented as the Op method it replaces."""
     namespace: dict[str, Any] = {
         "DEFAULTS": [p.default for p in inspect.signature(op.reference).parameters.values()],
         "NA": _NA,
@@ -316,7 +315,9 @@ def _exec(op: Op, src: str, name: str) -> Callable[..., Any]:
         "memo_get": op._memo.get,  # the memo dict lives as long as the op (cleared, never replaced)
     }
     exec(compile(src, f"<polykernel hot path of {op.id}>", "exec"), namespace)
-    return namespace[name]
+    fn = namespace[name]
+    fn.__doc__ = getattr(Op, name).__doc__
+    return fn
 
 
 def _picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
@@ -355,9 +356,7 @@ def _hot_dispatch(op: Op) -> Callable[..., Any]:
             f"    except Exception:  # not tensors, 0-d x: validate() names the problem\n        argkey = None\n"
             f"    return call(impl, argkey, {args})\n"
         )
-        fn = _exec(op, src, "dispatch")
-        fn.__doc__ = Op.dispatch.__doc__
-        return fn
+        return _exec(op, src, "dispatch")
     plain = " and ".join(f"type(a{i}) in P" for i in _tensor_positions(op.reference) if i < len(names)) or "True"
     tensors = ", ".join(names[i] for i in hit_guard.tensor_positions(spec))
     options = [names[i] for i, kind in enumerate(spec) if kind is None]
@@ -390,9 +389,7 @@ def _hot_dispatch(op: Op) -> Callable[..., Any]:
         f"    d = f[5]\n"
         f"{_run_tail(args, plain)}"
     )
-    fn = _exec(op, src, "dispatch")
-    fn.__doc__ = Op.dispatch.__doc__
-    return fn
+    return _exec(op, src, "dispatch")
 
 
 class Op:

@@ -391,24 +391,11 @@ struct PlanTable {
   }
 };
 
-PlanTable<RmsPlan>& rms_plans() {
-  static auto* t = new PlanTable<RmsPlan>();
-  return *t;
-}
-PlanTable<LnPlan>& ln_plans() {
-  static auto* t = new PlanTable<LnPlan>();
-  return *t;
-}
-PlanTable<AddRmsPlan>& add_rms_plans() {
-  static auto* t = new PlanTable<AddRmsPlan>();
-  return *t;
-}
-PlanTable<GluPlan>& glu_plans() {
-  static auto* t = new PlanTable<GluPlan>();
-  return *t;
-}
-PlanTable<RopePlan>& rope_plans() {
-  static auto* t = new PlanTable<RopePlan>();
+// The process's plan table of each plan type (one per op), never destroyed: a saved autograd
+// node may still point into it at exit.
+template <typename P>
+PlanTable<P>& plans() {
+  static auto* t = new PlanTable<P>();
   return *t;
 }
 
@@ -497,7 +484,7 @@ std::string rms_key(const Tensor& x, const Tensor& w, bool llama) {
 py::object rms_norm(const Tensor& x, const Tensor& w, double eps, double offset, bool llama) {
   if (!plain(x) || !plain(w) || x.dim() == 0 || x.numel() == 0) return py::none();
   std::shared_ptr<RmsPlan> p;
-  if (rms_plans().find(rms_key(x, w, llama), p) != 1) return py::none();
+  if (plans<RmsPlan>().find(rms_key(x, w, llama), p) != 1) return py::none();
   if (at::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad())) {
     return py::cast(RmsNormFn::apply(x, w, eps, offset, reinterpret_cast<int64_t>(p.get())));
   }
@@ -506,10 +493,10 @@ py::object rms_norm(const Tensor& x, const Tensor& w, double eps, double offset,
   return py::cast(y);
 }
 
-int rms_plan_state(const Tensor& x, const Tensor& w, bool llama) { return rms_plans().state(rms_key(x, w, llama)); }
+int rms_plan_state(const Tensor& x, const Tensor& w, bool llama) { return plans<RmsPlan>().state(rms_key(x, w, llama)); }
 
 void set_rms_plan(const Tensor& x, const Tensor& w, bool llama, py::object plan) {
-  rms_plans().store(rms_key(x, w, llama), plan, [&](RmsPlan& p) {
+  plans<RmsPlan>().store(rms_key(x, w, llama), plan, [&](RmsPlan& p) {
     p.fwd = slot_of(plan, "fwd");
     p.fwd_infer = slot_of(plan, "fwd_infer");
     p.bwd = slot_of(plan, "bwd");
@@ -591,7 +578,7 @@ py::object layer_norm(const Tensor& x, const c10::optional<Tensor>& w, const c10
   if (!plain(x) || x.dim() == 0 || x.numel() == 0) return py::none();
   if ((w.has_value() && !plain(*w)) || (b.has_value() && !plain(*b))) return py::none();
   std::shared_ptr<LnPlan> p;
-  if (ln_plans().find(ln_key(x, w, b), p) != 1) return py::none();
+  if (plans<LnPlan>().find(ln_key(x, w, b), p) != 1) return py::none();
   const bool grad = at::GradMode::is_enabled() &&
                     (x.requires_grad() || (w.has_value() && w->requires_grad()) || (b.has_value() && b->requires_grad()));
   if (grad) return py::cast(LayerNormFn::apply(x, w, b, eps, reinterpret_cast<int64_t>(p.get())));
@@ -601,11 +588,11 @@ py::object layer_norm(const Tensor& x, const c10::optional<Tensor>& w, const c10
 }
 
 int ln_plan_state(const Tensor& x, const c10::optional<Tensor>& w, const c10::optional<Tensor>& b) {
-  return ln_plans().state(ln_key(x, w, b));
+  return plans<LnPlan>().state(ln_key(x, w, b));
 }
 
 void set_ln_plan(const Tensor& x, const c10::optional<Tensor>& w, const c10::optional<Tensor>& b, py::object plan) {
-  ln_plans().store(ln_key(x, w, b), plan, [&](LnPlan& p) {
+  plans<LnPlan>().store(ln_key(x, w, b), plan, [&](LnPlan& p) {
     p.fwd = slot_of(plan, "fwd");
     p.fwd_infer = slot_of(plan, "fwd_infer");
     p.bwd = slot_of(plan, "bwd");
@@ -684,7 +671,7 @@ py::object fused_add_rms_norm(const Tensor& x, const Tensor& r, const Tensor& w,
     return py::none();
   }
   std::shared_ptr<AddRmsPlan> p;
-  if (add_rms_plans().find(add_rms_key(x, r, w), p) != 1) return py::none();
+  if (plans<AddRmsPlan>().find(add_rms_key(x, r, w), p) != 1) return py::none();
   if (at::GradMode::is_enabled() && (x.requires_grad() || r.requires_grad() || w.requires_grad())) {
     variable_list out = FusedAddRmsNormFn::apply(x, r, w, eps, offset, reinterpret_cast<int64_t>(p.get()));
     return py::make_tuple(out[0], out[1]);
@@ -696,11 +683,11 @@ py::object fused_add_rms_norm(const Tensor& x, const Tensor& r, const Tensor& w,
 }
 
 int add_rms_plan_state(const Tensor& x, const Tensor& r, const Tensor& w) {
-  return add_rms_plans().state(add_rms_key(x, r, w));
+  return plans<AddRmsPlan>().state(add_rms_key(x, r, w));
 }
 
 void set_add_rms_plan(const Tensor& x, const Tensor& r, const Tensor& w, py::object plan) {
-  add_rms_plans().store(add_rms_key(x, r, w), plan, [&](AddRmsPlan& p) {
+  plans<AddRmsPlan>().store(add_rms_key(x, r, w), plan, [&](AddRmsPlan& p) {
     p.fwd = slot_of(plan, "fwd");
     p.fwd_infer = slot_of(plan, "fwd_infer");
     p.bwd = slot_of(plan, "bwd");
@@ -752,7 +739,7 @@ std::string glu_key(const Tensor& g, const Tensor& u, int64_t act) {
 py::object glu(const Tensor& g, const Tensor& u, int64_t act) {
   if (!plain(g) || !plain(u) || g.numel() == 0 || !g.sizes().equals(u.sizes())) return py::none();
   std::shared_ptr<GluPlan> p;
-  if (glu_plans().find(glu_key(g, u, act), p) != 1) return py::none();
+  if (plans<GluPlan>().find(glu_key(g, u, act), p) != 1) return py::none();
   if (at::GradMode::is_enabled() && (g.requires_grad() || u.requires_grad())) {
     return py::cast(GluFn::apply(g, u, act, reinterpret_cast<int64_t>(p.get())));
   }
@@ -761,10 +748,10 @@ py::object glu(const Tensor& g, const Tensor& u, int64_t act) {
   return py::cast(y);
 }
 
-int glu_plan_state(const Tensor& g, const Tensor& u, int64_t act) { return glu_plans().state(glu_key(g, u, act)); }
+int glu_plan_state(const Tensor& g, const Tensor& u, int64_t act) { return plans<GluPlan>().state(glu_key(g, u, act)); }
 
 void set_glu_plan(const Tensor& g, const Tensor& u, int64_t act, py::object plan) {
-  glu_plans().store(glu_key(g, u, act), plan, [&](GluPlan& p) {
+  plans<GluPlan>().store(glu_key(g, u, act), plan, [&](GluPlan& p) {
     p.fwd = slot_of(plan, "fwd");
     p.bwd = slot_of(plan, "bwd");
     p.numel = g.numel();
@@ -855,7 +842,7 @@ py::object rope(const Tensor& q, const Tensor& k, const Tensor& cos, const Tenso
     return py::none();
   }
   std::shared_ptr<RopePlan> p;
-  if (rope_plans().find(rope_key(q, k), p) != 1) return py::none();
+  if (plans<RopePlan>().find(rope_key(q, k), p) != 1) return py::none();
   if (at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || cos.requires_grad() || sin.requires_grad())) {
     if (cos.requires_grad() || sin.requires_grad()) return py::none();  // Python's path refuses it by name
     variable_list out = RopeFn::apply(q, k, cos, sin, reinterpret_cast<int64_t>(p.get()));
@@ -866,10 +853,10 @@ py::object rope(const Tensor& q, const Tensor& k, const Tensor& cos, const Tenso
   return py::make_tuple(qo, ko);
 }
 
-int rope_plan_state(const Tensor& q, const Tensor& k) { return rope_plans().state(rope_key(q, k)); }
+int rope_plan_state(const Tensor& q, const Tensor& k) { return plans<RopePlan>().state(rope_key(q, k)); }
 
 void set_rope_plan(const Tensor& q, const Tensor& k, py::object plan) {
-  rope_plans().store(rope_key(q, k), plan, [&](RopePlan& p) {
+  plans<RopePlan>().store(rope_key(q, k), plan, [&](RopePlan& p) {
     p.fwd = slot_of(plan, "fwd");
     p.bwd = slot_of(plan, "bwd");
     p.block_t = plan.attr("block_t").cast<int64_t>();
@@ -923,11 +910,11 @@ py::bytes pack_for(const std::string& kinds, int scratch, py::args args) {
 }
 
 void clear_plans() {
-  rms_plans().clear();
-  ln_plans().clear();
-  add_rms_plans().clear();
-  glu_plans().clear();
-  rope_plans().clear();
+  plans<RmsPlan>().clear();
+  plans<LnPlan>().clear();
+  plans<AddRmsPlan>().clear();
+  plans<GluPlan>().clear();
+  plans<RopePlan>().clear();
 }
 
 }  // namespace

@@ -57,6 +57,24 @@ ROW_WARPS = 4
 
 
 @triton.jit
+def _cos_sin(c_row, s_row, d, m, sc_d, ss_d, HALF: tl.constexpr, BACKWARD: tl.constexpr):
+    """cos and sin of both halves for rows c_row/s_row ([BLOCK_T, 1]) at columns d ([1, BLOCK_D])
+    in fp32, as (c1, c2, sa, sb) with o1 = x1·c1 - x2·sa, o2 = x2·c2 + x1·sb: the backward's
+    transposed rotation swaps and negates the sines."""
+    c1 = tl.load(c_row + d * sc_d, mask=m, other=0.0).to(tl.float32)
+    c2 = tl.load(c_row + (d + HALF) * sc_d, mask=m, other=0.0).to(tl.float32)
+    s1 = tl.load(s_row + d * ss_d, mask=m, other=0.0).to(tl.float32)
+    s2 = tl.load(s_row + (d + HALF) * ss_d, mask=m, other=0.0).to(tl.float32)
+    if BACKWARD:
+        sa = -s2
+        sb = -s1
+    else:
+        sa = s1
+        sb = s2
+    return c1, c2, sa, sb
+
+
+@triton.jit
 def _rot_heads(
     X,
     OUT,
@@ -149,17 +167,8 @@ def _rope_kernel(
     for d0 in tl.static_range(0, HALF, BLOCK_D):
         d = (d0 + tl.arange(0, BLOCK_D)).to(tl.int64)
         d_ok = d < HALF
-        m = t_ok[:, None] & d_ok[None, :]
-        c1 = tl.load(c_row + d[None, :] * sc_d, mask=m, other=0.0).to(tl.float32)[:, None, :]
-        c2 = tl.load(c_row + (d[None, :] + HALF) * sc_d, mask=m, other=0.0).to(tl.float32)[:, None, :]
-        s1 = tl.load(s_row + d[None, :] * ss_d, mask=m, other=0.0).to(tl.float32)[:, None, :]
-        s2 = tl.load(s_row + (d[None, :] + HALF) * ss_d, mask=m, other=0.0).to(tl.float32)[:, None, :]
-        if BACKWARD:
-            sa = -s2
-            sb = -s1
-        else:
-            sa = s1
-            sb = s2
+        c1, c2, sa, sb = _cos_sin(c_row, s_row, d[None, :], t_ok[:, None] & d_ok[None, :], sc_d, ss_d, HALF, BACKWARD)
+        c1, c2, sa, sb = c1[:, None, :], c2[:, None, :], sa[:, None, :], sb[:, None, :]  # broadcast over heads
         _rot_heads(Q, QO, q_base, qo_base, HQ, sq_h, sq_d, sqo_h, sqo_d, t_ok, d, d_ok, c1, c2, sa, sb, HALF, BLOCK_HQ)
         _rot_heads(K, KO, k_base, ko_base, HK, sk_h, sk_d, sko_h, sko_d, t_ok, d, d_ok, c1, c2, sa, sb, HALF, BLOCK_HK)
 
@@ -179,16 +188,7 @@ def _rot_rows(
     for d0 in tl.static_range(0, HALF, BLOCK_D):
         d = (d0 + tl.arange(0, BLOCK_D)).to(tl.int64)[None, :]
         m = t_ok[:, None] & (d < HALF)
-        c1 = tl.load(c_row + d * sc_d, mask=m, other=0.0).to(tl.float32)
-        c2 = tl.load(c_row + (d + HALF) * sc_d, mask=m, other=0.0).to(tl.float32)
-        s1 = tl.load(s_row + d * ss_d, mask=m, other=0.0).to(tl.float32)
-        s2 = tl.load(s_row + (d + HALF) * ss_d, mask=m, other=0.0).to(tl.float32)
-        if BACKWARD:
-            sa = -s2
-            sb = -s1
-        else:
-            sa = s1
-            sb = s2
+        c1, c2, sa, sb = _cos_sin(c_row, s_row, d, m, sc_d, ss_d, HALF, BACKWARD)
         x1 = tl.load(x_row + d * sx_d, mask=m, other=0.0).to(tl.float32)
         x2 = tl.load(x_row + (d + HALF) * sx_d, mask=m, other=0.0).to(tl.float32)
         o1 = x1 * c1 - x2 * sa
