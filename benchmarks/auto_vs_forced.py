@@ -3,7 +3,7 @@ does not? The H200 sweep (benchmarks/sweep_tuning.py, 2026-11-30) timed the tune
 7-11% slower than the impl it chose at some points (rms_norm fwd 4K/8K, softmax 128K).
 
 For each case: CUDA-graph replay time of ``impl=<chosen>`` and of the automatic call (tuning off,
-then on with a fresh store), interleaved A/B/A/B with ``polykernel.bench.measure``, plus the
+then on with a fresh store), interleaved A/B/A/B with ``polykernel.tools.bench.measure``, plus the
 kernels each captured graph launches (``torch.profiler`` over replays). Writes JSON to --out.
 
     PYTHONPATH=src python benchmarks/auto_vs_forced.py --out DIR
@@ -32,7 +32,7 @@ def _kernels(step: Any) -> list[str]:
     """Names of the GPU kernels one replay of ``step``'s graph runs."""
     import torch
 
-    from polykernel.bench import capture_graph
+    from polykernel.tools.bench import capture_graph
 
     graph = capture_graph(step)
     torch.cuda.synchronize()
@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import polykernel
-    from polykernel import bench, registry
+    from polykernel.core import registry
+    from polykernel.tools import bench
 
     rows = []
     for op_name, m, n, backward in CASES:

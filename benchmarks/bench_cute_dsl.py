@@ -21,9 +21,9 @@ import time
 import torch
 
 import polykernel
-from polykernel import registry
-from polykernel.bench import copy_bandwidth, measure
+from polykernel.core import registry
 from polykernel.testing import refusal
+from polykernel.tools.bench import copy_bandwidth, measure
 
 # op -> [(shape, backward)]: rows of ~128 MiB of bf16 from N = 2K to 256K, and the points
 _NORM_N = (2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)

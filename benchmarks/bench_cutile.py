@@ -3,8 +3,8 @@
     source /opt/pk/env.sh   # after `bash ../shared/gpu/stage.sh cutile` (tileiras 13.4; unsets CUDA_HOME)
     PYTHONPATH=src python3 benchmarks/bench_cutile.py --out DIR [--op rms_norm ...] [--no-compile] [--graph]
 
-Timing and the copy reference are ``polykernel bench``'s own (:func:`polykernel.bench.measure`,
-:func:`polykernel.bench.copy_bandwidth`): ``triton.testing.do_bench`` medians, fwd+bwd as a forward
+Timing and the copy reference are ``polykernel bench``'s own (:func:`polykernel.tools.bench.measure`,
+:func:`polykernel.tools.bench.copy_bandwidth`): ``triton.testing.do_bench`` medians, fwd+bwd as a forward
 plus ``torch.autograd.grad`` with fixed random cotangents drawn before any timing; ``--graph``
 times CUDA-graph replays instead (captured on a side stream after a warm-up, as ``measure`` does).
 At these sizes (0.1-1 ms per step) the launch cost is noise, so the default needs no capture.
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 import polykernel
-from polykernel import registry
-from polykernel.bench import copy_bandwidth, measure
+from polykernel.core import registry
+from polykernel.tools.bench import copy_bandwidth, measure
 
 # (op, shape, kwargs, modes, target TB/s per mode): issue 9's table
 CASES: list[tuple[str, tuple[int, ...], dict[str, Any], dict[str, float]]] = [
@@ -67,7 +67,7 @@ def bench_case(
     graph: bool = False,
     device: str = "cuda",
 ) -> list[dict[str, Any]]:
-    """One row per (mode, contender): ms and TB/s from ``polykernel.bench.measure`` (``device``
+    """One row per (mode, contender): ms and TB/s from ``polykernel.tools.bench.measure`` (``device``
     other than CUDA only for a smoke test of the bookkeeping, with ``measure`` replaced)."""
     op = registry.get_op(op_name)
     rows = []
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="directory for bench_cutile.json / .csv")
     p.add_argument("--op", nargs="*", default=None, help="ops to run (default: all five)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its compile time)")
-    p.add_argument("--graph", action="store_true", help="time CUDA-graph replays (polykernel.bench.measure(graph=True))")
+    p.add_argument("--graph", action="store_true", help="time CUDA-graph replays (polykernel.tools.bench.measure(graph=True))")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_cutile needs a CUDA GPU", file=sys.stderr)

@@ -1,9 +1,9 @@
-"""Side-by-side GPU benchmark (the code lives in polykernel.bench; see ``polykernel bench --help``).
+"""Side-by-side GPU benchmark (the code lives in polykernel.tools.bench; see ``polykernel bench --help``).
 
 PYTHONPATH=src python benchmarks/bench_ops.py [--ops rms_norm,softmax] [--graph] [--out DIR]
 """
 
-from polykernel.bench import main
+from polykernel.tools.bench import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

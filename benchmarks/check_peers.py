@@ -16,7 +16,7 @@ import sys
 import torch
 
 import polykernel
-from polykernel import registry
+from polykernel.core import registry
 from polykernel.testing import _one, refusal
 
 PEERS = ("liger", "quack")

@@ -1,7 +1,7 @@
 """Training step of a Llama (1.x B, vocab 128256) with and without polykernel, eager and compiled.
 
 Reproduces issue 14's table on one GPU: a ``transformers`` Llama (hidden 2048, 16 layers, 32/8
-heads, vocab 128256, tied embeddings; ``polykernel.models.llama`` when transformers is absent),
+heads, vocab 128256, tied embeddings; ``polykernel.tools.models.llama`` when transformers is absent),
 bf16, fused AdamW, batch 4 x 2048, each variant in its own subprocess (fresh allocator, fresh
 compile caches). Per variant: tokens/s from the median step time of steps 4..N, peak memory, and
 the compile time (the first step's time; also the first three steps' sum).
@@ -89,7 +89,7 @@ def _build(args: argparse.Namespace, patch: str | None) -> tuple[Any, Any, str]:
 
             pk_patch(model, **PATCH_SWITCHES[patch])
         return model, lambda m, ids: m(input_ids=ids, labels=ids).loss, f"transformers {transformers.__version__}"
-    from polykernel.models import LlamaConfig, LlamaForCausalLM
+    from polykernel.tools.models import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
         vocab_size=128256,
@@ -104,7 +104,7 @@ def _build(args: argparse.Namespace, patch: str | None) -> tuple[Any, Any, str]:
     )
     model = LlamaForCausalLM(cfg, device="cuda").to(torch.bfloat16)
     model.use_polykernel = patch in ("all", "ops")  # no causal-mask question here: it calls SDPA with is_causal
-    return model, lambda m, ids: m(ids[:, :-1], targets=ids[:, 1:]), "polykernel.models.llama"
+    return model, lambda m, ids: m(ids[:, :-1], targets=ids[:, 1:]), "polykernel.tools.models.llama"
 
 
 # kernel-name patterns -> family, first match wins (for --profile's breakdown); Inductor's
@@ -317,7 +317,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--all-modes", action="store_true", help="also max-autotune-no-cudagraphs and reduce-overhead")
     parser.add_argument("--only", default="", help="comma-separated variant names")
-    parser.add_argument("--builtin", action="store_true", help="polykernel.models.llama even when transformers is installed")
+    parser.add_argument("--builtin", action="store_true", help="polykernel.tools.models.llama even when transformers is installed")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per variant")
     parser.add_argument("--profile", action="store_true", help="profile two steady steps per variant (GPU time by kernel family)")
     parser.add_argument("--memory", action="store_true", help="record one steady step's allocations: what is alive at its peak")

@@ -119,7 +119,7 @@ def _build(args: argparse.Namespace, patch: bool) -> Any:
 
         pk_patch(model)
         if os.environ.get("COMPILE_SAVED_OP_SCALE") == "1":
-            from polykernel import library
+            from polykernel.compile import library
 
             library.SAVED_GRADS.pop("loss.fused_linear_cross_entropy", None)  # read when the graph is traced
     model.train()

@@ -16,7 +16,7 @@ host_profile shapes) and variant:
 - Figures, µs per call: ``gpu`` (CUDA-graph replay), ``per call`` (median and min of 7 rounds of
   50 back-to-back calls), ``issue`` (the same rounds, time until the last call returned, before
   the final synchronize: the host's pace with the GPU running), ``host`` (the host's pace with the
-  GPU asleep, polykernel.bench.host_us_per_call). ``per call`` ≈ max(gpu, issue) means no
+  GPU asleep, polykernel.tools.bench.host_us_per_call). ``per call`` ≈ max(gpu, issue) means no
   serialisation; ``issue`` ≫ ``host`` means the host waits on the GPU (or is slowed by it).
 - ``gc``: collections per round by generation and ms spent in them (a full collection of a
   process holding torch and Triton costs tens of ms).
@@ -52,8 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # host_profile's helpe
 import host_profile as hp
 
 import polykernel
-from polykernel import registry
-from polykernel.bench import host_us_per_call
+from polykernel.core import registry
+from polykernel.tools.bench import host_us_per_call
 
 CASES = [
     ("rms_norm", "16384x4096", (16384, 4096)),

@@ -12,7 +12,7 @@ applies, called directly) — three figures:
 - ``gpu_us``: GPU time per call, from replays of a CUDA graph of 10 calls (no host in it);
 - ``per_call_us``: wall time per call of 100 back-to-back calls (what an eager user gets);
 - ``host_us``: CPU time to issue one call while the GPU is kept busy (``torch.cuda._sleep``), so
-  the GPU is never the bottleneck (polykernel.bench.host_us_per_call).
+  the GPU is never the bottleneck (polykernel.tools.bench.host_us_per_call).
 
 ``per_call_us / gpu_us`` above 1 means the call waits on the host. For the ``polykernel``
 contender the host time is also split by cProfile (200 calls) into dispatch (the dispatcher and
@@ -43,8 +43,8 @@ from typing import Any
 import torch
 
 import polykernel
-from polykernel import registry
-from polykernel.bench import capture_graph, host_us_per_call
+from polykernel.core import registry
+from polykernel.tools.bench import capture_graph, host_us_per_call
 
 # (op, label, example shape, modes). Decode shapes: forward only, inference.
 CASES: list[tuple[str, str, tuple[int, ...], tuple[str, ...]]] = [

@@ -31,11 +31,11 @@ import torch
 from host_profile import gpu_us, per_call_us  # benchmarks/ is the script's directory
 
 import polykernel
-from polykernel import registry
 from polykernel.backends.triton import fused_add_rms_norm as tfa
 from polykernel.backends.triton import rms_norm as trms
 from polykernel.backends.triton import rope as trope
-from polykernel.bench import capture_graph
+from polykernel.core import registry
+from polykernel.tools.bench import capture_graph
 
 # group -> (op, shape, modes, [(label, {module attribute or TUNE key: value})])
 GROUPS: dict[str, tuple[str, tuple[int, ...], tuple[str, ...], list[tuple[str, dict[str, Any]]]]] = {

@@ -80,7 +80,7 @@ COPY_BYTES = 2 * 2**31  # the 2 GiB copy: read + written
 @dataclass(frozen=True)
 class Case:
     """One profiled call: ``op`` (a polykernel op, or ``copy``), a shape label from
-    ``polykernel.bench.SHAPES``, ``fwd`` or ``fwd+bwd``, and an impl name (``impl=`` of the call)."""
+    ``polykernel.tools.bench.SHAPES``, ``fwd`` or ``fwd+bwd``, and an impl name (``impl=`` of the call)."""
 
     op: str
     label: str
@@ -150,8 +150,8 @@ def build_cases(only: Iterable[str] = (), patterns: Iterable[str] = (), quick: b
 
 
 def shape_of(op: str, label: str) -> tuple[int, ...]:
-    """The example shape behind a label of ``polykernel.bench.SHAPES`` (the README's shapes)."""
-    from polykernel.bench import SHAPES
+    """The example shape behind a label of ``polykernel.tools.bench.SHAPES`` (the README's shapes)."""
+    from polykernel.tools.bench import SHAPES
 
     for lab, shape in SHAPES[op]:
         if lab == label:
@@ -188,8 +188,8 @@ def _case_step(case: Case, device: str = "cuda") -> tuple[Callable[[], Any], int
         return (lambda: torch.mul(src, 1, out=dst)), COPY_BYTES
 
     import polykernel
-    from polykernel import registry
-    from polykernel.bench import _step
+    from polykernel.core import registry
+    from polykernel.tools.bench import _step
 
     op = registry.get_op(case.op)
     backward = case.mode == "fwd+bwd"
@@ -216,7 +216,7 @@ def run_child(manifest: Path, result: Path, calls: int, deadline: float, device:
     name = torch.cuda.get_device_name() if cuda else device
     meta: dict[str, Any] = {"device": name, "torch": torch.__version__, "triton": triton.__version__}
     try:  # the issues' copy figure: Tensor.copy_ (a cudaMemcpy) timed by events, outside ncu's ranges
-        from polykernel.bench import copy_bandwidth
+        from polykernel.tools.bench import copy_bandwidth
 
         meta["memcpy_TBps"] = copy_bandwidth() / 1e3 if cuda else None
     except Exception as exc:

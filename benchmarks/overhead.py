@@ -14,7 +14,7 @@ Two measurements:
   exactly the dispatcher's Python (the repeat test, the subclass/capture guard, call) with no
   kernel noise.
 
-It also says whether the hot path's C guard is active here (``polykernel.hit_guard``): without it
+It also says whether the hot path's C guard is active here (``polykernel.core.hit_guard``): without it
 every call builds its argument class in Python (~0.4 us more).
 """
 
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 import polykernel
-from polykernel import hit_guard, registry
 from polykernel.backends.torch.rms_norm import rms_norm as torch_impl
+from polykernel.core import hit_guard, registry
 
 
 def interleaved_best_us(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, float]:
@@ -99,7 +99,7 @@ def main() -> None:
 
     guard = hit_guard.available() and bool(op._fast)
     print(f"torch {torch.__version__}, 1x64 fp32 on CPU, interleaved, best of {args.rounds} rounds of {args.calls} calls, us per call")
-    print(f"  hot-path guard (polykernel.hit_guard): {'active' if guard else 'NOT active: argument classes built in Python'}")
+    print(f"  hot-path guard (polykernel.core.hit_guard): {'active' if guard else 'NOT active: argument classes built in Python'}")
     for table, base_name in ((real, "impl, called directly"), (alone, "no-op impl, called directly")):
         base = table[base_name]
         for name, t in table.items():

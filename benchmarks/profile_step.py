@@ -13,7 +13,7 @@ import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
 import polykernel
-from polykernel import registry
+from polykernel.core import registry
 
 SHAPES = {
     "rms_norm": (16384, 4096),

@@ -14,7 +14,7 @@ rows), forward and forward+backward:
   its first eager call measures and stores, the CUDA-graph capture then runs the stored graph
   choice, which is reported with its time.
 
-Times are GPU time of CUDA-graph replays (``polykernel.bench.measure(graph=True)``, as
+Times are GPU time of CUDA-graph replays (``polykernel.tools.bench.measure(graph=True)``, as
 ``polykernel bench --graph``), ``do_bench(warmup=5, rep=20)``; TB/s over each op's
 ``bytes_moved``. Writes DIR/sweep_tuning.json, .csv and .png (matplotlib if installed; one panel
 per op and mode, TB/s against N per impl, the tuned choice as black rings) and prints, per point,
@@ -63,7 +63,7 @@ def _time_cpu(step: Any, reps: int = 3) -> float:
 def _timer(device: str) -> Any:
     """ms of ``fn`` (forward) or ``fn`` + autograd.grad (backward): bench.measure's graph replays."""
     if device == "cuda":
-        from polykernel import bench
+        from polykernel.tools import bench
 
         return lambda fn, grads, backward: bench.measure(fn, grads, backward, graph=True, warmup=5, rep=20)[0]
 
@@ -91,7 +91,8 @@ def _tuned_graph_choice(op: Any, args: tuple[Any, ...]) -> str | None:
     """The impl the store holds for CUDA-graph capture of this key (eager choice on the CPU)."""
     import torch
 
-    from polykernel import tuning, tuning_key
+    from polykernel import tuning
+    from polykernel.tuning import key as tuning_key
 
     key = tuning_key.key(op, op.key(*args), [a for a in args if isinstance(a, torch.Tensor)], torch.are_deterministic_algorithms_enabled())
     entry = tuning.store().get(key)
@@ -104,7 +105,7 @@ def sweep(out: Path, smoke: bool, ops: list[str]) -> list[dict[str, Any]]:
     import torch
 
     import polykernel
-    from polykernel import registry
+    from polykernel.core import registry
 
     device = "cpu" if smoke else "cuda"
     dtype = torch.bfloat16

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import polykernel
-from polykernel import registry
-from polykernel.op import Case
+from polykernel.core import registry
+from polykernel.core.op import Case
 from polykernel.testing import check_parity, refusal
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

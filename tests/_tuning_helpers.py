@@ -9,7 +9,7 @@ import types
 
 
 class FakeClock:
-    """A ``time`` stand-in for ``polykernel.tuning_measure``: ``perf_counter`` advances only by the
+    """A ``time`` stand-in for ``polykernel.tuning.measure``: ``perf_counter`` advances only by the
     planted impls' delays, so measured differences are exact and no test depends on how busy the
     machine is (sleeps overshoot by milliseconds on a loaded 2-core CI box)."""
 
@@ -30,7 +30,7 @@ def use_fake_clock(monkeypatch) -> FakeClock:
     """Install a :class:`FakeClock` as ``tuning_measure``'s ``time`` for the rest of the test."""
     import sys
 
-    import polykernel.tuning_measure as tm
+    import polykernel.tuning.measure as tm
 
     clock = FakeClock()
     monkeypatch.setattr(tm, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
@@ -84,7 +84,7 @@ def plant(backend: str, rank: int, *, delay: float = 0.0, wrong: bool = False, f
 
 def only(*names: str) -> None:
     """Keep only these rms_norm impls registered (inside ``polykernel.testing.isolated()``)."""
-    from polykernel import registry
+    from polykernel.core import registry
 
     specs = registry.specs_for("rms_norm")  # imports the declared locations first
     table = registry._specs["norm.rms_norm"]
@@ -101,7 +101,7 @@ def store_worker(directory: str, worker: int, keys: int, rounds: int) -> None:
     """Put overlapping keys into one store, one entry at a time (a fresh Store each round)."""
     from pathlib import Path
 
-    from polykernel.tuning_store import Store
+    from polykernel.tuning.json_store import Store
 
     ident = {"schema": 1, "test": "concurrency"}
     for r in range(rounds):
@@ -119,7 +119,9 @@ def sync_worker(rank: int, world: int, init_file: str, base: str, out: str) -> N
     import torch.distributed as dist
 
     import polykernel
-    from polykernel import registry, tuning, tuning_key
+    from polykernel import tuning
+    from polykernel.core import registry
+    from polykernel.tuning import key as tuning_key
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:

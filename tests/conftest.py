@@ -4,8 +4,13 @@ GPU-only tests are marked ``gpu`` and skip without CUDA; ``-m gpu`` selects them
 """
 
 import os
+import sys
 
 import pytest
+
+# Tests live in subfolders by area; their shared helpers (_scripts.py, _tuning_helpers.py, ...)
+# stay here, importable from every folder.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 try:
     import torch

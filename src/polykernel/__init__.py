@@ -33,16 +33,16 @@ _LAZY: dict[str, str] = {
     "OpArgumentError": "errors:OpArgumentError",
     "OpTypeError": "errors:OpTypeError",
     # registry and dispatcher
-    "register_impl": "registry:register_impl",
-    "declare_op_locations": "registry:declare_op_locations",
-    "use_impl": "dispatch:use_impl",
-    "set_impl": "dispatch:set_impl",
-    "available_impls": "dispatch:available_impls",
-    "explain": "dispatch:explain",
-    "clear_caches": "dispatch:clear_caches",
-    "decisions": "dispatch:decisions",
+    "register_impl": "core.registry:register_impl",
+    "declare_op_locations": "core.registry:declare_op_locations",
+    "use_impl": "core.selection:use_impl",
+    "set_impl": "core.selection:set_impl",
+    "available_impls": "core.selection:available_impls",
+    "explain": "core.selection:explain",
+    "clear_caches": "core.selection:clear_caches",
+    "decisions": "core.selection:decisions",
     "sync_decisions": "tuning:sync_decisions",
-    "list_ops": "registry:all_op_ids",
+    "list_ops": "core.registry:all_op_ids",
     # ops
     "rms_norm": "ops.rms_norm:rms_norm",
     "fused_add_rms_norm": "ops.fused_add_rms_norm:fused_add_rms_norm",
@@ -56,19 +56,28 @@ _LAZY: dict[str, str] = {
 }
 _SUBMODULES = (
     "spec",
+    "errors",
     "nn",
     "testing",
     "integrations",
-    "dispatch",
-    "registry",
+    "core",
     "tuning",
-    "library",
+    "compile",
+    "distributed",
     "ops",
     "backends",
-    "models",
-    "demo",
-    "cli",
+    "tools",
 )
+# Names of modules before the packages by layer (issue 26): still reachable as attributes.
+_MOVED = {
+    "dispatch": "core.selection",
+    "registry": "core.registry",
+    "library": "compile.library",
+    "models": "tools.models",
+    "demo": "tools.demo",
+    "cli": "tools.cli",
+    "bench": "tools.bench",
+}
 
 __all__ = sorted([*_LAZY, *_SUBMODULES, "__version__"])
 
@@ -80,8 +89,8 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(f".{module_name}", __name__), attr)
         globals()[name] = value  # later lookups skip this function
         return value
-    if name in _SUBMODULES:
-        return importlib.import_module(f".{name}", __name__)
+    if name in _SUBMODULES or name in _MOVED:
+        return importlib.import_module(f".{_MOVED.get(name, name)}", __name__)
     raise AttributeError(f"module 'polykernel' has no attribute {name!r}")
 
 

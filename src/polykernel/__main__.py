@@ -1,5 +1,5 @@
 """python -m polykernel"""
 
-from .cli import main
+from .tools.cli import main
 
 raise SystemExit(main())

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import polykernel
-from polykernel.dispatch import _parse_names
+from polykernel.core.selection import _parse_names
 
 __all__ = [
     "GEGLU",

@@ -276,7 +276,7 @@ class Split:
     Attach it to the registered impl callable as its ``split`` attribute (one impl name per op;
     the dispatcher picks the impl, and with it the pair). Under ``torch.compile`` the op's
     training custom op calls ``forward``, keeps what it returns as ``saved`` and hands it to
-    ``backward`` (see :mod:`polykernel.library`); eager calls keep using the impl itself.
+    ``backward`` (see :mod:`polykernel.compile.library`); eager calls keep using the impl itself.
 
     - ``forward(*args, grad_mask) -> (outputs, saved)``: ``args`` are the impl's positional
       arguments, ``grad_mask`` one bool per argument (which ones need a gradient); ``outputs``
@@ -339,7 +339,7 @@ class KernelSpec:
 
     The loaded callable may carry a :class:`Split` as its ``split`` attribute: its forward and
     backward as separate functions, which compiled graphs use so the backward does not recompute
-    the forward (:mod:`polykernel.library`). Impls without one are recomputed there.
+    the forward (:mod:`polykernel.compile.library`). Impls without one are recomputed there.
 
     >>> spec = KernelSpec("norm.rms_norm", "triton", "polykernel.backends.triton.rms_norm:rms_norm")
     >>> spec.group, spec.name, spec.impl

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from . import dispatch, registry
-from .op import Case, Op
+from .core import registry
+from .core import selection as dispatch
+from .core.op import Case, Op
 
 __all__ = ["ParityResult", "assert_parity", "check_parity", "exact", "fresh", "isolated", "polykernel_reset", "runnable_impls"]
 
@@ -111,7 +112,7 @@ def check_parity(
     """Compare impls with the op's reference, forward and backward, on every case and dtype.
 
     The reference runs in float64 on the same input values: it stands for the exact result, and
-    each impl must be within the op's error model of it (:class:`~polykernel.op.ErrorModel`),
+    each impl must be within the op's error model of it (:class:`~polykernel.core.op.ErrorModel`),
     whatever order its sums run in. ``impls`` defaults to every impl runnable on ``device``;
     ``cases`` to the op's own (``large=True`` adds its full-size GPU cases). Inputs are drawn
     fresh per case and dtype from ``seed``.

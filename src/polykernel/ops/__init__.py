@@ -2,7 +2,17 @@
 
 Each op module is the single source of truth for its op: public function, argument validation,
 torch reference, per-dtype tolerances, parity cases and its table of impls.
+
+Importing this package also wires the core to the layers between it and the ops (the core never
+imports them): compiled calls to :mod:`polykernel.compile`, DTensor calls to
+:mod:`polykernel.distributed` (both imported lazily, on their first use).
 """
+
+from .. import compile as _compile
+from .. import distributed as _distributed
+from ..core.hooks import hooks as _hooks
+
+_hooks.install(compiled_call=_compile.custom_op_for, dtensor_route=_distributed.route, dtensor_explain=_distributed.explain_local)
 
 OP_MODULES: dict[str, str] = {
     "norm.rms_norm": "polykernel.ops.rms_norm",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..op import Case
+from ..core.op import Case
 from . import _checks as check
 
 

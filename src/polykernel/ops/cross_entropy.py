@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..backends.cute_dsl import _predicates as cute_predicates
 from ..backends.quack import _gates as quack_gates
-from ..op import Bounds, Case, ErrorModel, Op
+from ..core.op import Bounds, Case, ErrorModel, Op
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 
@@ -143,7 +143,7 @@ def cross_entropy(
     )
 
 
-# -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
+# -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
 # Per row, in fp32: lse = m + log Σ exp(x - m) (a positive sum over V: its relative error becomes
 # an absolute one through the log), minus x_target (cancels: ~u32 of max|x|), and with label
 # smoothing a mean of the logits (a cancelling sum over V). So each row's loss is off by a few u32

@@ -15,8 +15,8 @@ import torch
 
 from ..backends.liger import _gates as liger_gates
 from ..backends.quack import _gates as quack_gates
-from ..hit_guard import LAST, SHAPE
-from ..op import Bounds, Case, ErrorModel, Op, rows_and_len
+from ..core.hit_guard import LAST, SHAPE
+from ..core.op import Bounds, Case, ErrorModel, Op, rows_and_len
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 from .rms_norm import dx_terms
@@ -89,7 +89,7 @@ def fused_add_rms_norm(
     return _dispatch(impl, x, residual, weight, eps, offset)  # _op.dispatch; the class and validation: see _key
 
 
-# -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
+# -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
 # s = x + residual is one fp32 sum rounded once. y is rms_norm's model on s, with one more
 # rounding: the semantics normalize the rounded s, the exact result the exact one. Gradients: ds =
 # d(s_out) + rms_norm's dx (cancelling terms, magnitude max(1, rms_norm's)), where the rounding of

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..op import SUM_LAMBDA, TINY, Bounds, Case, ErrorModel, Op
+from ..core.op import SUM_LAMBDA, TINY, Bounds, Case, ErrorModel, Op
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 from .cross_entropy import reference as _ce_reference
@@ -137,7 +137,7 @@ def bytes_moved(hidden: torch.Tensor, weight: torch.Tensor, *_: object, backward
     return 2 * n if backward else n
 
 
-# -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
+# -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
 # The logits z = h·Wᵀ + b are a matmul in the inputs' dtype: rounded to it (u_d) after an fp32 sum
 # over H, so each is off by δ <= (u_d + λ·√H·u32)·Z, Z = max|z|. The loss then follows
 # cross_entropy's model on z (rows of size Z + 1) plus 2δ (lse moves by at most max δ, z_target by

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from ..backends.cutile import _gates as cutile_gates
 from ..backends.liger import _gates as liger_gates
-from ..hit_guard import LAST
-from ..op import Bounds, Case, ErrorModel, Op
+from ..core.hit_guard import LAST
+from ..core.op import Bounds, Case, ErrorModel, Op
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 from ._glu import bytes_moved, example, glu_cases, up_matches, validate_glu
@@ -56,7 +56,7 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *, im
     return _dispatch(impl, gate, up, approximate)  # _op.dispatch; the class and validation: see _key
 
 
-# -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
+# -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
 # Each value is one fp32 expression rounded once. gelu(g) = 0.5·g·(1 + tanh z) (or erf) cancels for
 # g << 0, where torch's fp32 form is off by ~u32 of 0.5·|g| while the exact value is ~0: an error
 # relative to max|g·up| (max|g| for d_up, cotangents |dy| <= 1). d_gate = dy·up·gelu'(g), where

@@ -13,8 +13,8 @@ import torch
 
 from ..backends.cute_dsl import _gates as cute_gates
 from ..backends.liger import _gates as liger_gates
-from ..hit_guard import LAST, SHAPE
-from ..op import SUM_LAMBDA, ArgClass, Bounds, Case, ErrorModel, Op, rows_and_len
+from ..core.hit_guard import LAST, SHAPE
+from ..core.op import SUM_LAMBDA, ArgClass, Bounds, Case, ErrorModel, Op, rows_and_len
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 
@@ -102,7 +102,7 @@ def layer_norm(
     return _dispatch(impl, x, weight, bias, eps)  # _op.dispatch; the class and validation: see _key
 
 
-# -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
+# -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
 # y = (x - μ)·rstd·w + b in fp32, rounded once. μ sums N terms of size up to max|x|, so x̂ is off by
 # up to (λ·√N + 2)·u32·k, where k = max |x|·rstd: the data's offset in units of its spread (~4 for
 # centred rows, ~45 for the "shifted" cases, whose one-pass E[x²] - E[x]² variance would be off by

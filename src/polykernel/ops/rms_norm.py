@@ -14,8 +14,8 @@ from ..backends.cute_dsl import _gates as cute_gates
 from ..backends.cutile import _gates as cutile_gates
 from ..backends.liger import _gates as liger_gates
 from ..backends.quack import _gates as quack_gates
-from ..hit_guard import LAST, SHAPE
-from ..op import ArgClass, Bounds, Case, ErrorModel, Op, rows_and_len
+from ..core.hit_guard import LAST, SHAPE
+from ..core.op import ArgClass, Bounds, Case, ErrorModel, Op, rows_and_len
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 
@@ -81,7 +81,7 @@ def rms_norm(
     return _dispatch(impl, x, weight, eps, offset, casting)  # _op.dispatch; the class and validation: see _key
 
 
-# -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
+# -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
 # Forward: y = x·rstd·(w + offset) in fp32, rounded once to x's dtype (twice with casting="llama",
 # which rounds x̂ first); rstd comes from a sum of N squares (positive terms: relative error
 # λ·√N·u32, halved by the square root). Backward: dx = rstd·(g - x̂·mean(g·x̂)) with g = dy·w

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..backends.cutile import _gates as cutile_gates
-from ..op import Bounds, Case, ErrorModel, Op
+from ..core.op import Bounds, Case, ErrorModel, Op
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 
@@ -127,7 +127,7 @@ def _valid(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         return False
 
 
-# -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
+# -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
 # Each output element is x·cos ± x'·sin in fp32, rounded once: the sum of two products may cancel,
 # so a kernel that fuses a multiply-add (one rounding fewer) differs by ~u32 of the terms'
 # magnitude, max|x|·max(|cos| + |sin|). The backward has the same form (dy·cos ∓ dy'·sin, |dy| <= 1);

@@ -12,7 +12,7 @@ import torch
 from ..backends.cute_dsl import _predicates as cute_predicates
 from ..backends.cutile import _gates as cutile_gates
 from ..backends.liger import _gates as liger_gates
-from ..op import Bounds, Case, ErrorModel, Op, rows_and_len
+from ..core.op import Bounds, Case, ErrorModel, Op, rows_and_len
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 
@@ -50,7 +50,7 @@ def softmax(x: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
     return _op.call(impl, (x.device, x.dtype, check.needs_grad(x), x.shape[-1]), x)
 
 
-# -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
+# -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
 # y = exp(x - m) / Σ exp(x - m): the sum of N positive terms (relative), an exp and a division. A
 # GPU exp evaluates exp2((x - m)·log2 e), whose rounded argument costs |x - m|·u32 of relative error:
 # |x - m|·exp(-|x - m|) <= 1/e of the row's largest y, so absolute. Backward dx = y·(dy - Σ dy·y):

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from ..backends.cutile import _gates as cutile_gates
 from ..backends.liger import _gates as liger_gates
-from ..hit_guard import LAST
-from ..op import Bounds, Case, ErrorModel, Op
+from ..core.hit_guard import LAST
+from ..core.op import Bounds, Case, ErrorModel, Op
 from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 from ._glu import bytes_moved, example, glu_cases, up_matches, validate_glu
@@ -53,7 +53,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str | None = None) -> 
     return _dispatch(impl, gate, up)  # _op.dispatch; the class and validation: see _key
 
 
-# -- error model (see polykernel.op.ErrorModel) --------------------------------------------------
+# -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
 # Each value is one fp32 expression rounded once. silu(g) = g·σ(g): an exp whose argument carries
 # |g|·u32 of relative error (GPUs evaluate exp as exp2(g·log2 e)), a few more roundings. d_gate =
 # dy·up·σ·(1 + g·(1 - σ)) cancels near g = -1.28: relative to its terms' magnitude, ~1.1·max|up|

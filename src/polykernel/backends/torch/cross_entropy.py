@@ -163,7 +163,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
     return reduce_rows(loss, (t != ignore_index).sum(), reduction, target.shape)
 
 
-# Forward and backward as separate functions, for compiled graphs (polykernel.library). This
+# Forward and backward as separate functions, for compiled graphs (polykernel.compile.library). This
 # split defines the op's saved layout, which every impl's split follows: the per-row LSE ([rows],
 # fp32; fp64 for fp64 logits) and the non-ignored count (0-d int64); the target is an argument.
 def _split_forward(logits, target, ignore_index, label_smoothing, reduction, grad_mask):

@@ -169,7 +169,7 @@ def fused_linear_cross_entropy(
     return run(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, _chunk)
 
 
-# Forward and backward as separate functions, for compiled graphs (polykernel.library). With
+# Forward and backward as separate functions, for compiled graphs (polykernel.compile.library). With
 # reduction "mean"/"sum" the forward computes the gradients for grad_output = 1, as the eager
 # path does, and saves them; the backward scales them. A compiled graph does that multiply itself,
 # in the saved buffers (library.SAVED_GRADS); this backward, out of place (a custom op's outputs

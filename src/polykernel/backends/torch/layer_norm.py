@@ -26,7 +26,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     return reference(x, weight, bias, eps)
 
 
-# Forward and backward as separate functions, for compiled graphs (polykernel.library). This
+# Forward and backward as separate functions, for compiled graphs (polykernel.compile.library). This
 # split defines the op's saved layout, which every impl's split follows: mean and rstd, [M] each
 # (one per row of x viewed as [M, N]), in the accumulation dtype (fp32; fp64 for fp64 x).
 def _split_forward(x, weight, bias, eps, grad_mask):

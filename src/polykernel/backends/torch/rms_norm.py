@@ -18,7 +18,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, c
     return reference(x, weight, eps, offset, casting)
 
 
-# Forward and backward as separate functions, for compiled graphs (polykernel.library). This
+# Forward and backward as separate functions, for compiled graphs (polykernel.compile.library). This
 # split defines the op's saved layout, which every impl's split follows: rstd, fp32, [M] (one per
 # row of x viewed as [M, N]).
 def _split_forward(x, weight, eps, offset, casting, grad_mask):

@@ -32,7 +32,7 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     return _Softmax.apply(x)
 
 
-# Forward and backward as separate functions, for compiled graphs (polykernel.library). This
+# Forward and backward as separate functions, for compiled graphs (polykernel.compile.library). This
 # split defines the op's saved layout, which every impl's split follows: each row's max and 1/sum
 # ([M] each, in the accumulation dtype: fp32, fp64 for fp64 x), from which the backward rebuilds
 # y in that dtype. Not y itself: in bf16 its rounding would leak into Σ dy·y (see above), and the

@@ -219,7 +219,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
     return reduce_rows(loss, (t != ignore_index).sum(), reduction, target.shape)
 
 
-# Forward and backward as separate functions, for compiled graphs (polykernel.library): the FWD
+# Forward and backward as separate functions, for compiled graphs (polykernel.compile.library): the FWD
 # pass in the forward, the GRAD pass on the saved LSE in the backward (GRAD_IN_FORWARD is for
 # eager calls only). Saved layout: the torch impl's (LSE fp32 [rows], count 0-d int64).
 def _split_forward(logits, target, ignore_index, label_smoothing, reduction, grad_mask):

@@ -358,7 +358,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     return _unrows(y, shape)
 
 
-# Forward and backward as separate functions, for compiled graphs (polykernel.library): the
+# Forward and backward as separate functions, for compiled graphs (polykernel.compile.library): the
 # backward runs on the saved statistics, no recompute. Saved layout: the torch impl's (mean and
 # rstd, fp32 [M]).
 def _split_forward(x, weight, bias, eps, grad_mask):

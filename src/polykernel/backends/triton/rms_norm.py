@@ -398,7 +398,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, c
     return _unrows(y, shape)
 
 
-# Forward and backward as separate functions, for compiled graphs (polykernel.library): the
+# Forward and backward as separate functions, for compiled graphs (polykernel.compile.library): the
 # backward runs on the saved rstd, no recompute. Saved layout: the torch impl's (rstd fp32 [M]).
 def _split_forward(x, weight, eps, offset, casting, grad_mask):
     y, rstd = rms_norm_forward(_as_rows(x, x.shape[-1]), weight.contiguous(), eps, offset, casting == "llama")

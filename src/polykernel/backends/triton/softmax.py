@@ -369,7 +369,7 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     return softmax_forward(_as_rows(x, x.shape[-1]), False)[0].view(x.shape)
 
 
-# Forward and backward as separate functions, for compiled graphs (polykernel.library): the
+# Forward and backward as separate functions, for compiled graphs (polykernel.compile.library): the
 # backward kernel runs on the saved row stats, no recompute of the forward. Saved layout: the
 # torch impl's (row max and 1/sum, fp32 [M]).
 def _split_forward(x, grad_mask):

@@ -1,0 +1,622 @@
+"""The :class:`Op` object: one op's identity, semantics hooks and its per-call hot path.
+
+An op module (``polykernel/ops/<name>.py``) builds one ``Op`` and a public function that validates
+its arguments, computes the op's *argument class* (the small tuple that decisions are memoized
+on) and calls :meth:`Op.call`. Everything slow (resolution order, explain records, fallbacks)
+lives in :mod:`polykernel.core.selection` and runs once per new key.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import torch
+
+from ..spec import KernelSpec
+from . import hit_guard, hooks, registry
+from . import selection as _dispatch
+
+
+@dataclass(frozen=True)
+class Tol:
+    """``|out - ref| <= atol + rtol * |ref|`` elementwise (``torch.testing.assert_close``)."""
+
+    atol: float
+    rtol: float
+
+
+# Unit roundoff u (half an ulp at 1) of each dtype: a correctly rounded result is within u·|exact|.
+UNIT_ROUNDOFF: dict[torch.dtype, float] = {
+    torch.float64: 2.0**-53,
+    torch.float32: 2.0**-24,
+    torch.bfloat16: 2.0**-8,
+    torch.float16: 2.0**-11,
+}
+# Half the smallest subnormal: the absolute floor of one rounding to the dtype.
+TINY: dict[torch.dtype, float] = {torch.float64: 2.0**-1075, torch.float32: 2.0**-150, torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25}
+
+# A sum of n terms rounded in any order (sequential, pairwise, blocked, tree, split across
+# programs) is within about λ·√n·u of the exact sum, relative to the magnitude of what is summed,
+# except with probability ≤ 2·exp(-λ²/2) per sum (Higham & Mary, "A new approach to probabilistic
+# rounding error analysis", SISC 2019). λ = 6: ~3e-8 per sum. The worst case, n·u, would be
+# 1.6% at n = 256K in fp32: too loose to catch a kernel that drops a block of a row.
+SUM_LAMBDA = 6.0
+
+
+@dataclass(frozen=True)
+class ErrorModel:
+    """How far one output (or gradient) may be from the exact result, in units of roundoff.
+
+    For a tensor of dtype ``d`` computed in ``c`` = fp32 (fp64 for fp64 inputs), whose longest
+    sum has ``n`` terms, against the exact (float64) result::
+
+        |out - exact| <= rel·|exact| + abs·scale      (scale: max |exact| over the tensor,
+        rel = rounds·u(d) + (ops + λ·√n·sum_rel)·u(c)  unless the op's model gives one)
+        abs = rounds_abs·u(inter) + (cancel + λ·√n·sum_abs)·u(c)
+
+    - ``rounds``: roundings to ``d`` on the way (1: the result; 2 when the semantics round an
+      intermediate too, e.g. ``casting="llama"``);
+    - ``ops``: roundings of the elementwise math in ``c`` (an approximate exp or rsqrt ~2 each);
+    - ``sum_rel``: sums whose error stays relative to each element (sums of positive terms: the
+      norms' mean of squares, softmax's sum of exps);
+    - ``cancel``, ``sum_abs``: errors relative to the magnitude of what is combined rather than to
+      each element, where terms cancel (dW = Σ dy·x̂ over rows, dx's mean(g·x̂), p - onehot);
+    - ``rounds_abs``: roundings of an intermediate whose error reaches the result through such a
+      combination (fused_add_rms_norm's rounded sum, the linear cross-entropy's logits), in
+      units of ``u(inter)``: the intermediate's dtype, ``d`` unless given.
+
+    Each rounding (``rounds``, ``rounds_abs``) is also off by up to half the smallest subnormal of
+    its dtype in absolute terms (fp16 x̂ below 6e-5, say); ``floor`` adds what the op's model
+    derives from that where such errors are summed (tiny fp16 logit gradients over many rows).
+
+    ``nonfinite_rows``: a row that holds a non-finite input may come back NaN at every position
+    (row statistics computed in one pass, e.g. Welford's, turn ``inf`` into ``inf - inf``), where
+    the exact result is NaN only where the input was. PyTorch's own CUDA RMSNorm and LayerNorm do
+    this, so the contract allows it for the norms; every other position must still match.
+    """
+
+    rounds: float = 1.0
+    ops: float = 4.0
+    sum_rel: float = 0.0
+    cancel: float = 0.0
+    sum_abs: float = 0.0
+    rounds_abs: float = 0.0
+    n: int = 1
+    scale: float | None = None
+    inter: torch.dtype | None = None
+    floor: float = 0.0
+    nonfinite_rows: bool = False
+
+    def tol(self, dtype: torch.dtype, scale: float, rounding: float = 1.0) -> Tol:
+        """Tolerance for one tensor of ``dtype``; ``scale`` = max |exact| unless the model has
+        its own. ``rounding`` = 2 where conversions to ``dtype`` truncate instead of rounding
+        to nearest (Triton's CPU interpreter does this for bf16): one ulp instead of half."""
+        u_d = UNIT_ROUNDOFF[dtype] * rounding
+        u_i = UNIT_ROUNDOFF[self.inter or dtype] * rounding
+        u_c = UNIT_ROUNDOFF[torch.promote_types(dtype, torch.float32)]
+        growth = SUM_LAMBDA * max(self.n, 1) ** 0.5
+        rel = self.rounds * u_d + (self.ops + growth * self.sum_rel) * u_c
+        abs_ = self.rounds_abs * u_i + (self.cancel + growth * self.sum_abs) * u_c
+        tiny = (max(self.rounds, 1.0) * TINY[dtype] + self.rounds_abs * TINY[self.inter or dtype]) * rounding
+        return Tol(atol=abs_ * (scale if self.scale is None else self.scale) + tiny + self.floor, rtol=rel)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """An op's error model for one call: one :class:`ErrorModel` per output (the last one
+    repeats) and one per positional argument that takes a gradient."""
+
+    outputs: tuple[ErrorModel, ...]
+    grads: dict[int, ErrorModel] = field(default_factory=dict)
+
+    def output(self, i: int) -> ErrorModel:
+        return self.outputs[min(i, len(self.outputs) - 1)]
+
+
+def rows_and_len(x: torch.Tensor) -> tuple[int, int]:
+    """(rows, n) of a tensor reduced over its last dim."""
+    n = x.shape[-1] if x.dim() else 1
+    return (x.numel() // n if n else 0), n
+
+
+@dataclass(frozen=True)
+class Case:
+    """One parity case: positional args, keyword args and a label for test ids."""
+
+    label: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class ArgClass:
+    """Named, read-only view of an argument-class tuple, handed to spec predicates."""
+
+    __slots__ = ("_fields", "_values")
+
+    def __init__(self, fields: Sequence[str], values: Sequence[Any]) -> None:
+        self._fields = tuple(fields)
+        self._values = tuple(values)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[self._fields.index(name)]
+        except ValueError:
+            raise AttributeError(name) from None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(zip(self._fields, self._values))
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v}" for k, v in self.as_dict().items())
+        return f"ArgClass({inner})"
+
+
+# The C function behind torch.are_deterministic_algorithms_enabled (its wrapper costs one more
+# Python frame, ~20 ns per call). Same bool: keys built with either are equal.
+_deterministic = getattr(torch._C, "_get_deterministic_algorithms", None) or torch.are_deterministic_algorithms_enabled
+_grad_enabled = torch.is_grad_enabled
+
+
+_compiling = torch.compiler.is_compiling
+# The generated hot path (see _hot_call) inlines `is_compiling` where this torch allows: Dynamo
+# constant-folds `is_dynamo_compiling()` to True while tracing, and non-strict export sets the
+# module flag that `is_compiling` reads (one Python frame instead of two, ~50 ns saved per call).
+_COMPILING_EXPR = (
+    "dynamo_compiling() or compiler_mod._is_compiling_flag"
+    if hasattr(torch.compiler, "is_dynamo_compiling") and hasattr(torch.compiler, "_is_compiling_flag")
+    else "compiling()"
+)
+# The C function behind torch.cuda.is_current_stream_capturing (its wrapper costs one more frame);
+# asked only for decisions on CUDA devices. CPU-only builds lack it and never have CUDA tensors.
+_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+
+
+# -- the tensor-subclass guard ---------------------------------------------------------------
+# An impl that reads raw memory (Triton, CuTe, peers) must never be handed a tensor subclass: a
+# DTensor has no storage of its own, a wrapper subclass's memory is not what it stands for. The
+# hot path asks, only when the memoized impl reads raw memory, whether every tensor argument is a
+# plain torch.Tensor or nn.Parameter; the op's tensor positions come from its reference's
+# signature, and the check is generated code (~25 ns per tensor; a loop or map costs ~3x more).
+
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter, type(None)})
+
+
+def _mentions_tensor(tp: Any) -> bool:
+    if isinstance(tp, type) and issubclass(tp, torch.Tensor):
+        return True
+    return any(_mentions_tensor(a) for a in typing.get_args(tp))
+
+
+def _tensor_positions(reference: Callable[..., Any]) -> tuple[int, ...]:
+    """Positional parameters of ``reference`` that may hold a tensor (annotated so, or not
+    annotated and without a non-None default)."""
+    try:
+        hints = typing.get_type_hints(reference)
+    except Exception:  # unresolvable annotations: every parameter without a scalar default
+        hints = {}
+    out = []
+    for i, p in enumerate(inspect.signature(reference).parameters.values()):
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        tp = hints.get(p.name)
+        if tp is not None:
+            if _mentions_tensor(tp):
+                out.append(i)
+        elif p.default is p.empty or p.default is None:
+            out.append(i)
+    return tuple(out)
+
+
+def plain_check(reference: Callable[..., Any]) -> Callable[[tuple[Any, ...]], bool]:
+    """``check(args)``: True when the arguments at the reference's tensor positions are plain
+    tensors (or None). False sends the call to the slow path, which looks at every argument
+    (:func:`polykernel.core.selection.subclass_name`), so a false alarm only costs time."""
+    positions = _tensor_positions(reference)
+    if not positions:
+        return lambda args: True
+    body = " and ".join(f"type(a[{i}]) in P" for i in positions)
+    namespace: dict[str, Any] = {"P": _PLAIN}
+    exec(f"def check(a):\n    try:\n        return {body}\n    except IndexError:\n        return False\n", namespace)
+    return namespace["check"]
+
+
+_NA = object()  # "not passed": a trailing optional argument the caller left out
+_NO_HIT = (_NA, _NA, _NA, _NA, None)  # an Op's last hit before any (equal to no argument class)
+# How many guarded decisions Op.dispatch tries per call, most recent first: a model may alternate
+# a few classes per op (DeepSeek-V3's norms of three widths, grad mode on and off); a class after
+# them costs its argument class in Python (the slow path) plus ~0.1 µs per failed guard.
+FAST_RECORDS = 4
+
+
+def _hot_call(op: Op) -> Callable[..., Any]:
+    """``op.call`` as code generated for the op's positional arity (the reference's).
+
+    Same logic as :meth:`Op.run` behind the compile check, minus what a fixed arity makes free:
+    the *args tuple and the star-call (~40 ns), the bound method (~30 ns), the call to the guard
+    (~80 ns: its type checks are inlined). A repeat of the last argument class skips hashing the
+    memo key; a CUDA graph capture and a tensor subclass each leave through a flag on the decision
+    (one read when neither applies: a torch impl on the CPU). Anything unusual (fewer arguments,
+    unhashable options, faults) goes to the generic methods.
+    """
+    params = [p for p in inspect.signature(op.reference).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = [f"a{i}" for i in range(len(params))]
+    if not names:
+        return op._generic_call
+    sig = ", ".join(n if p.default is p.empty else f"{n}=NA" for n, p in zip(names, params))
+    args = ", ".join(names)
+    plain = " and ".join(f"type(a{i}) in P" for i in _tensor_positions(op.reference) if i < len(names)) or "True"
+    partial = f"    if {names[-1]} is NA:  # fewer arguments than the reference takes\n        return generic(impl, argkey, *[a for a in ({args},) if a is not NA])\n"
+    src = (
+        f"def call(impl, argkey, {sig}):\n"
+        f"{partial if params[-1].default is not params[-1].empty else ''}"
+        f"    if {_COMPILING_EXPR}:\n"
+        f"        return op.custom_op(impl, {args})\n"
+        f"    scope = scope_get()\n"
+        f"    dt = det()\n"
+        f"    h = last[0]\n"
+        f"    try:\n"
+        f"        hit = argkey == h[0] and impl is h[1] and scope is h[2] and dt is h[3]\n"
+        f"    except Exception as exc:  # an option that compares oddly (a tensor eps)\n"
+        f"        return op._unhashable(exc, impl, argkey, ({args},))\n"
+        f"    if hit:\n"
+        f"        d = h[4]\n"
+        f"    else:\n"
+        f"        key = (argkey, impl, scope, dt, False)\n"
+        f"        try:\n"
+        f"            d = memo_get(key) or op._miss(key, ({args},))\n"
+        f"        except TypeError as exc:\n"
+        f"            return op._unhashable(exc, impl, argkey, ({args},))\n"
+        f"        last[0] = (argkey, impl, scope, dt, d)\n"
+        f"{_run_tail(args, plain)}"
+    )
+    return _exec(op, src, "call")
+
+
+def _run_tail(args: str, plain: str) -> str:
+    """The generated hot paths' end: the decision ``d``'s two rare guards, then the impl."""
+    return (
+        f"    if d.guarded:\n"
+        f"        if d.cuda and capturing():\n"
+        f"            d = op._captured(d.key, ({args},))\n"
+        f"        if d.raw and not ({plain}):\n"
+        f"            d = op._subclass(d.key, ({args},), d)\n"
+        f"    try:\n"
+        f"        return d.fn({args})\n"
+        f"    except Exception as exc:\n"
+        f"        return d.on_fault(exc, ({args},))\n"
+    )
+
+
+def _exec(op: Op, src: str, name: str) -> Callable[..., Any]:
+    """The function ``name`` defined by the generated ``src``, documented as the Op method it replaces."""
+    namespace: dict[str, Any] = {
+        "DEFAULTS": [p.default for p in inspect.signature(op.reference).parameters.values()],
+        "NA": _NA,
+        "P": _PLAIN,
+        "op": op,
+        "generic": op._generic_call,
+        "slow": op._dispatch_slow,
+        "key": op.key,
+        "call": op.call,
+        "compiling": _compiling,
+        "dynamo_compiling": getattr(torch.compiler, "is_dynamo_compiling", None),
+        "compiler_mod": torch.compiler,
+        "scope_get": _scope_get,
+        "det": _deterministic,
+        "grad": _grad_enabled,
+        "capturing": _stream_capturing,
+        "last": op._last,
+        "fast": op._fast,
+        "memo_get": op._memo.get,  # the memo dict lives as long as the op (cleared, never replaced)
+    }
+    exec(compile(src, f"<polykernel hot path of {op.id}>", "exec"), namespace)
+    fn = namespace[name]
+    fn.__doc__ = getattr(Op, name).__doc__
+    return fn
+
+
+def _picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """``pick(args)``: the tuple of ``args`` at ``positions`` (itemgetter: no Python frame)."""
+    if len(positions) >= 2:
+        return operator.itemgetter(*positions)
+    if positions:
+        (i,) = positions
+        return lambda args: (args[i],)
+    return lambda args: ()
+
+
+def _hot_dispatch(op: Op) -> Callable[..., Any]:
+    """``op.dispatch`` as code generated for the op's arity and guard spec (see
+    :mod:`polykernel.core.hit_guard`): the public function hands over the impl's arguments as they
+    came, and a call whose tensors pass the guard of one of the last few decisions (most recent
+    first, ``FAST_RECORDS``), with the same options, grad mode, impl, scope and deterministic
+    flag, runs that decision without building its argument class (~0.4 µs less than
+    :meth:`Op.call`). Any other call takes :meth:`Op._dispatch_slow`: the class from
+    ``op.key``, then ``Op.call``'s logic, and that decision's guard for the next calls.
+    """
+    spec = op.guard
+    params = [p for p in inspect.signature(op.reference).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if spec is None:
+        return op._dispatch_slow_star
+    if len(spec) != len(params):
+        raise ValueError(f"{op.id}: guard has {len(spec)} entries, the reference {len(params)} positional parameters")
+    names = [f"a{i}" for i in range(len(params))]
+    # an argument left out takes the reference's default (the public functions pass them all)
+    sig = ", ".join(n if p.default is p.empty else f"{n}=DEFAULTS[{i}]" for i, (n, p) in enumerate(zip(names, params)))
+    args = ", ".join(names)
+    if not hit_guard.available():  # no guard in this torch: the class in Python, then Op.call
+        src = (
+            f"def dispatch(impl, {sig}):\n"
+            f"    try:\n        argkey = key({args})\n"
+            f"    except Exception:  # not tensors, 0-d x: validate() names the problem\n        argkey = None\n"
+            f"    return call(impl, argkey, {args})\n"
+        )
+        return _exec(op, src, "dispatch")
+    plain = " and ".join(f"type(a{i}) in P" for i in _tensor_positions(op.reference) if i < len(names)) or "True"
+    tensors = ", ".join(names[i] for i in hit_guard.tensor_positions(spec))
+    options = [names[i] for i, kind in enumerate(spec) if kind is None]
+    # impl: identity first (None, a literal), == for an equal string built at run time
+    # grad mode: None in a record whose tensors all have requires_grad False (the guard pins it),
+    # where the class does not depend on it: inference calls skip reading it
+    test = f"(impl is f[2] or impl == f[2]) and scope is f[3] and dt is f[4] and (f[1] is None or grad() is f[1]) and f[0]({tensors})"
+    test += "".join(f" and {names[i]}.shape == {names[j]}.shape" for i, j in hit_guard.relations(spec))
+    test += "".join(f" and {name} == f[{6 + k}]" for k, name in enumerate(options))  # ~20 ns less than a tuple
+    src = (
+        f"def dispatch(impl, {sig}):\n"
+        f"    if {_COMPILING_EXPR}:\n"
+        f"        return op.custom_op(impl, {args})\n"
+        f"    scope = scope_get()\n"
+        f"    dt = det()\n"
+        f"    for f in fast:\n"
+        f"        try:\n"
+        f"            if {test}:\n"
+        f"                break\n"
+        f"        except Exception:  # an option that compares oddly (a tensor eps), a non-tensor\n"
+        f"            pass\n"
+        f"    else:\n"
+        f"        return slow(impl, ({args},), scope, dt, grad())\n"
+        f"    try:\n"
+        f"        if f is not fast[0]:  # a class that alternates with others: tried first from now on\n"
+        f"            fast.remove(f)\n"
+        f"            fast.insert(0, f)\n"
+        f"    except (ValueError, IndexError):  # another thread changed the list meanwhile\n"
+        f"        pass\n"
+        f"    d = f[5]\n"
+        f"{_run_tail(args, plain)}"
+    )
+    return _exec(op, src, "dispatch")
+
+
+class Op:
+    """An op: id, argument-class fields, reference, error model, examples and parity cases.
+
+    ``fields`` names the entries of the argument-class tuple; it always starts with
+    ``"device"``, ``"dtype"``, ``"needs_grad"``. ``default_key(device, dtype)`` builds a tuple
+    for ``explain``/``available_impls`` when no arguments are given (unknown sizes are None).
+
+    ``validate`` (optional) lets the public function skip validation on the hot path: when the
+    argument class holds everything validity depends on (dtypes, devices, the sizes that are
+    checked, scalar options), the op validates once per new class, on the memo miss, and a
+    public function may pass ``argkey=None`` when it could not even build the class (a non-tensor
+    argument, say) so that ``validate`` raises the proper error.
+
+    ``outputs`` (optional) gives, from the impl's positional arguments, the ``(shape, dtype)`` of
+    each output: the first call of each decision checks an impl's outputs against it
+    (:mod:`polykernel.core.first_call`). Without it, the reference runs on meta tensors, which imports
+    ``torch._dynamo`` (and with it ``torch.distributed.tensor``, ~1 s) on the first call: torch's
+    Python meta kernels sit behind ``torch._disable_dynamo``.
+
+    ``guard`` (optional, with ``validate``): per positional argument of the reference, what the
+    argument class holds of it (:mod:`polykernel.core.hit_guard`: ``LAST``, ``SHAPE``, the index of a
+    tensor whose shape it must equal, or None for an option). With it the public function calls
+    :meth:`dispatch` with the arguments alone, ``key`` takes them positionally in the reference's
+    order, and a repeat of a recent decision's class is recognised by one C call instead of
+    building the class.
+    """
+
+    def __init__(
+        self,
+        id: str,
+        *,
+        fields: Sequence[str],
+        key: Callable[..., tuple[Any, ...]],
+        default_key: Callable[[torch.device, torch.dtype], tuple[Any, ...]],
+        reference: Callable[..., Any],
+        error_model: Callable[..., Bounds],
+        dtypes: Sequence[torch.dtype],
+        cases: Callable[[torch.device, torch.dtype], list[Case]],
+        example: Callable[..., Case],
+        bytes_moved: Callable[..., int] | None = None,
+        impls: Sequence[KernelSpec] = (),
+        validate: Callable[..., None] | None = None,
+        outputs: Callable[..., Sequence[tuple[Sequence[int], torch.dtype]]] | None = None,
+        guard: hit_guard.GuardSpec | None = None,
+    ) -> None:
+        if tuple(fields[:3]) != ("device", "dtype", "needs_grad"):
+            raise ValueError("Op fields must start with device, dtype, needs_grad")
+        self.id = id
+        self.name = id.rpartition(".")[2]
+        self.fields = tuple(fields)
+        self.key = key
+        self.default_key = default_key
+        self.reference = reference
+        self.error_model = error_model
+        self.dtypes = tuple(dtypes)
+        self.cases = cases
+        self.example = example
+        self.bytes_moved = bytes_moved
+        self.validate = validate
+        self.outputs = outputs
+        self.guard = None if guard is None else tuple(guard)
+        if self.guard is not None:  # the slow path's views of a call: the guarded tensors, the options
+            self._guarded = _picker(hit_guard.tensor_positions(self.guard))
+            self._options = _picker(tuple(i for i, kind in enumerate(self.guard) if kind is None))
+        self._memo: dict[tuple[Any, ...], Any] = {}
+        # The last memo hit of the hot path, (argkey, impl, scope, deterministic, decision): a
+        # repeated argument class (every layer's norm) skips hashing the key (~80 ns).
+        self._last: list[tuple[Any, ...]] = [_NO_HIT]
+        # The decisions :meth:`dispatch` recognises by their guards (see _hot_dispatch), most
+        # recent first: (check, grad mode or None, impl, scope, deterministic, decision, *options).
+        self._fast: list[tuple[Any, ...]] = []
+        self._plain = plain_check(reference)
+        self.call = _hot_call(self)  # type: ignore[method-assign]  # generated hot path (see _hot_call)
+        self.dispatch = _hot_dispatch(self)  # type: ignore[method-assign]  # generated (see _hot_dispatch)
+        registry._add_op(self)
+        for spec in impls:
+            registry.register_impl(spec)
+
+    def __repr__(self) -> str:
+        return f"Op({self.id!r})"
+
+    # -- hot path -------------------------------------------------------------------------
+    # Kept to a few dict/attribute operations: the target is <= 1 us over calling the impl.
+    # `Op.__init__` replaces `call` on the instance by code generated for the op's arity (see
+    # `_hot_call`): no *args tuple, no bound method, the subclass guard inlined. This method is
+    # the same logic for any arity; the generated one falls back to it for other arities.
+    def call(self, impl: str | None, argkey: tuple[Any, ...] | None, *args: Any) -> Any:
+        """Run the impl chosen for ``argkey`` on ``args`` (positional, in the impl's order)."""
+        if _compiling():  # under torch.compile: the op's torch.library custom op (no graph break)
+            return self.custom_op(impl, *args)
+        return self.run(impl, argkey, *args)
+
+    _generic_call = call
+
+    def dispatch(self, impl: str | None, *args: Any) -> Any:
+        """Run the impl chosen for ``args`` (positional, in the impl's order): :meth:`call` with
+        the argument class computed here, by ``key`` when the guard does not recognise the call."""
+        return self._dispatch_slow_star(impl, *args)  # replaced per instance (see _hot_dispatch)
+
+    def _dispatch_slow_star(self, impl: str | None, *args: Any) -> Any:
+        return self._dispatch_slow(impl, args)
+
+    def _dispatch_slow(self, impl: str | None, args: tuple[Any, ...], scope: Any = None, det: Any = None, grad: Any = None) -> Any:
+        """:meth:`dispatch` for a call the guard did not recognise (``scope``, ``det``, ``grad``:
+        the state it read): the argument class from ``key``, the decision as :meth:`call` makes
+        it, and that decision's guard for the next calls (built ~1 µs on the decision's first
+        call, kept on the decision for when its class comes back). A call no guard can cover (a
+        subclass, a non-tensor) leaves the last one in place."""
+        try:
+            argkey = self.key(*args)
+        except Exception:  # not tensors, 0-d x, an unhashable option: validate() names the problem
+            argkey = None
+        if grad is None or len(args) != len(self.guard):  # type: ignore[arg-type]
+            return self.call(impl, argkey, *args)
+        key = (argkey, impl, scope, det, False)
+        try:
+            decision = self._memo.get(key) or self._miss(key, args)
+        except TypeError as exc:  # an unhashable option (eps=[1e-6]): validate names it
+            return self._unhashable(exc, impl, argkey, args)
+        check = decision.check
+        if check is None or not check(*self._guarded(args)):  # none yet, or it does not fit (dims, type)
+            check = hit_guard.build(self.guard, args)  # type: ignore[arg-type]
+            if check is not None:  # (a call no guard covers keeps the decision's last one)
+                decision.check = check
+        if check is not None:
+            if not any(t is not None and t.requires_grad for t in self._guarded(args)):
+                grad = None  # the class does not depend on grad mode (see _hot_dispatch)
+            fast = self._fast  # the generated code holds this list: changed in place
+            fast.insert(0, (check, grad, impl, scope, det, decision, *self._options(args)))
+            del fast[FAST_RECORDS:]
+        return self._finish(decision, key, args)
+
+    def run(self, impl: str | None, argkey: tuple[Any, ...] | None, *args: Any) -> Any:
+        """The eager path of :meth:`call` without its compile check: the custom op's real impl
+        runs this (a compile may be in progress around it, e.g. inductor constant folding)."""
+        key = (argkey, impl, _scope_get(), _deterministic(), False)
+        try:
+            decision = self._memo.get(key) or self._miss(key, args)
+        except TypeError as exc:  # an unhashable option (eps=[1e-6]): validate names it
+            return self._unhashable(exc, impl, argkey, args)
+        return self._finish(decision, key, args)
+
+    def _finish(self, decision: Any, key: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
+        if decision.cuda and _stream_capturing():  # CUDA-graph capture: its own decision
+            decision = self._captured(key, args)
+        if decision.raw and not self._plain(args):  # the impl reads raw memory: no subclasses
+            decision = self._subclass(decision.key, args, decision)
+        try:
+            return decision.fn(*args)
+        except Exception as exc:  # handed to the fault policy, which re-raises what is not its own
+            return decision.on_fault(exc, args)
+
+    def _unhashable(self, exc: TypeError, impl: Any, argkey: Any, args: tuple[Any, ...]) -> Any:
+        if isinstance(impl, list):  # impl=["triton", "torch"]: the same as a tuple
+            return self.run(tuple(impl), argkey, *args)
+        self._reject(args, exc)
+
+    def _captured(self, key: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
+        """The decision while a CUDA graph is captured: decided under the key with capturing
+        True (only graph-safe impls). Off the hot path: eager calls never come here."""
+        key = (*key[:4], True)
+        return self._memo.get(key) or self._miss(key, args)
+
+    def _miss(self, key: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
+        """First call for a key: validate once per argument class, then resolve and memoize."""
+        if key[0] is None:  # the public function could not build the class: validate says why
+            self._reject(args)
+        if self.validate is not None:
+            self.validate(*args)
+        subclass = _dispatch.subclass_name(args)
+        if subclass == "DTensor" and self._dtensor(key) is not None:  # tensor parallel: the plain
+            # decision (not measured on DTensors), which checks for subclasses, so the guard below
+            # hands the DTensors to the route (see _subclass)
+            return self._memo.get(key) or _dispatch.decide(self, key)
+        if subclass is not None:  # decided under its own key; the plain key stays unset
+            key = (*key, subclass)
+            return self._memo.get(key) or _dispatch.decide(self, key, args)
+        return _dispatch.decide(self, key, args)
+
+    def _subclass(self, key: tuple[Any, ...], args: tuple[Any, ...], decision: Any) -> Any:
+        """Slow path of the guard: the memoized impl reads raw memory and an argument may be a
+        tensor subclass. Such calls are decided under the key plus the subclass's type name,
+        where only impls with ``accepts_subclasses`` are eligible (or a strict choice raises)."""
+        subclass = _dispatch.subclass_name(args)
+        if subclass is None:  # a false alarm (e.g. a list argument): the plain decision stands
+            return decision
+        if subclass == "DTensor":
+            route = self._dtensor(key)
+            if route is not None:
+                return route
+        key = (*key, subclass)
+        return self._memo.get(key) or _dispatch.decide(self, key, args)
+
+    def _dtensor(self, key: tuple[Any, ...]) -> Any:
+        """DTensor arguments: per call, the op on the local shards, redistributed first where the
+        placements need it (:mod:`polykernel.distributed.dtensor`, imported only once a DTensor is seen).
+        None for an op without a row layout: DTensor's rules on the torch impl, as any subclass."""
+        return hooks.require("dtensor_route")(self, key)  # None for an op without a row layout
+
+    def _reject(self, args: tuple[Any, ...], exc: Exception | None = None) -> NoReturn:
+        """Raise validation's error for ``args``; else ``exc``, the error that brought us here."""
+        if self.validate is not None:
+            self.validate(*args)
+        if exc is not None:
+            raise exc
+        raise AssertionError(f"{self.id}: arguments rejected without a reason")
+
+    def custom_op(self, impl: str | None, *args: Any) -> Any:
+        """Call this op's ``torch.ops.polykernel.<name>`` custom op (built on first use)."""
+        return hooks.require("compiled_call")(self)(impl, *args)
+
+    def clear(self) -> None:
+        self._last[0] = _NO_HIT
+        self._fast.clear()
+        self._memo.clear()
+
+    def forget(self, key: tuple[Any, ...]) -> None:
+        """Drop one memoized decision (a runtime fault moved on from it)."""
+        self._last[0] = _NO_HIT
+        self._fast.clear()
+        self._memo.pop(key, None)
+
+    def arg_class(self, argkey: tuple[Any, ...]) -> ArgClass:
+        return ArgClass(self.fields, argkey)
+
+
+_scope = _dispatch._scope
+_scope_get = _scope.get

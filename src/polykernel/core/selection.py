@@ -1,0 +1,662 @@
+"""Selection: the resolution order, its memo, ``explain`` records and the runtime-fault policy.
+
+Resolution order for one call (first that applies wins):
+
+1. ``impl=`` argument of the call (strict);
+2. ``with use_impl(...)`` scope, innermost first (strict when it names an op, else a preference);
+3. env ``POLYKERNEL_IMPL_<OP>`` (strict), then env ``POLYKERNEL_IMPL`` (a preference list);
+4. ``set_impl(...)`` (strict when it names an op, else a preference);
+5. a tuned (measured) decision, when tuning holds one for this key;
+6. auto: the lowest rank among the runnable impls (a spec's ``rank_for`` may set the rank of
+   one argument class, from measurements; ``explain`` shows why);
+7. at run time, an impl chosen by 4-6 that raises falls back to the next runnable one.
+
+Strict means: unknown for the op, or not runnable here, raises :class:`ImplNotAvailableError`.
+A preference skips ops that lack the impl (logged once); ``POLYKERNEL_STRICT=1`` makes that skip,
+and every runtime fallback, an error. Environment variables are read when a decision is made
+for a new key; after changing them in-process, call :func:`clear_caches`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import warnings
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ImplNotAvailableError, UnknownImplError, shown
+from ..spec import KernelBackend, KernelSpec, PlatformInfo
+from . import first_call, hooks, registry
+
+if TYPE_CHECKING:
+    from .op import Op
+
+__all__ = [
+    "Decision",
+    "Explanation",
+    "available_impls",
+    "clear_caches",
+    "explain",
+    "get_impl_settings",
+    "set_impl",
+    "use_impl",
+]
+
+log = logging.getLogger("polykernel")
+
+# Scope entries, innermost last: (op id or None, impl names). A tuple, so it can be a memo key.
+_scope: ContextVar[tuple[tuple[str | None, tuple[str, ...]], ...]] = ContextVar("polykernel_scope", default=())
+_global: dict[str | None, tuple[str, ...]] = {}
+_broken: dict[tuple[str, tuple[Any, ...]], dict[str, str]] = {}
+_logged: set[tuple[Any, ...]] = set()
+_lock = threading.RLock()
+
+
+def _split_names(value: Any, where: str) -> tuple[str, ...]:
+    """``"triton"``, ``"triton,torch"``, a ``KernelBackend`` or a sequence -> names (unchecked).
+    Anything else, or no name at all (``""``, ``",,,"``), is a ``ValueError`` naming ``where``."""
+    if isinstance(value, KernelBackend):
+        return (value.value,)
+    if isinstance(value, str):
+        items = [v.strip() for v in value.split(",")]
+    elif isinstance(value, (list, tuple)):
+        items = [v.value if isinstance(v, KernelBackend) else v.strip() if isinstance(v, str) else v for v in value]
+    else:
+        raise ValueError(f"{where}: {shown(value)} is not an impl name (expected a name, 'a,b' or a list of names)")
+    names = tuple(v for v in items if v != "")
+    if not names:
+        raise ValueError(f"{where}: {shown(value)} is not an impl name (empty)")
+    for name in names:
+        if not isinstance(name, str):
+            raise ValueError(f"{where}: {shown(name)} is not an impl name (expected a string)")
+    return names
+
+
+def _parse_names(value: str | Sequence[str] | KernelBackend, where: str) -> tuple[str, ...]:
+    """Names for a global preference (any op): each must be a ``KernelBackend`` value, else a
+    ``ValueError`` that names ``where`` (the variable or function) and the impl names."""
+    names = _split_names(value, where)
+    valid = [b.value for b in KernelBackend]
+    for name in names:
+        if name not in valid:
+            raise ValueError(f"{where}: {shown(name)} is not an impl name; impl names are: {', '.join(valid)}")
+    return names
+
+
+def _parse_op_names(value: Any, where: str, op_id: str, runnable: Sequence[str] | None = None) -> tuple[str, ...]:
+    """Names asked of one op (``impl=``, ``op=``, ``POLYKERNEL_IMPL_<OP>``): a name that is not
+    a ``KernelBackend`` value, or a single name the op lacks, is an :class:`UnknownImplError`
+    listing the op's impls. (A list may name impls the op lacks: it is a preference.)"""
+    valid = sorted(registry.specs_for(op_id))
+    try:
+        names = _split_names(value, where)
+    except ValueError:
+        raise UnknownImplError(op_id, value, valid, where, runnable) from None
+    backends = {b.value for b in KernelBackend}
+    for name in names:
+        if name not in backends or (len(names) == 1 and name not in valid):
+            raise UnknownImplError(op_id, name, valid, where, runnable)
+    return names
+
+
+def _strict_mode() -> bool:
+    return os.environ.get("POLYKERNEL_STRICT", "0") not in ("", "0", "false", "False")
+
+
+# ------------------------------------------------------------------------------------------
+# Public controls
+
+
+@contextlib.contextmanager
+def use_impl(impl: str | Sequence[str], op: str | None = None) -> Iterator[None]:
+    """Scoped override for this thread/task (a ContextVar).
+
+    With ``op`` the choice is strict for that op; without, it is a preference list applied to
+    every op that has the impl (ops without it keep their normal choice)::
+
+        with polykernel.use_impl("torch"):
+            y = polykernel.rms_norm(x, w)        # torch impl
+        with polykernel.use_impl("triton", op="rms_norm"):
+            y = polykernel.rms_norm(x, w)        # triton or ImplNotAvailableError
+    """
+    op_id = registry.resolve_op_id(op) if op is not None else None
+    names = _parse_names(impl, "use_impl") if op_id is None else _parse_op_names(impl, "use_impl", op_id)
+    token = _scope.set((*_scope.get(), (op_id, names)))
+    try:
+        yield
+    finally:
+        _scope.reset(token)
+
+
+def set_impl(impl: str | Sequence[str] | None, op: str | None = None) -> None:
+    """Process-wide choice (step 4 of the order). ``set_impl(None)`` resets it.
+
+    ``set_impl("triton")`` prefers Triton wherever an op has it; ``set_impl("torch", op="softmax")``
+    forces one op (strict). ``set_impl(None, op="softmax")`` resets that op only.
+    """
+    op_id = registry.resolve_op_id(op) if op is not None else None
+    with _lock:
+        if impl is None:
+            if op_id is None:
+                _global.clear()
+            else:
+                _global.pop(op_id, None)
+        else:
+            names = _parse_names(impl, "set_impl") if op_id is None else _parse_op_names(impl, "set_impl", op_id)
+            _global[op_id] = names
+    _clear_memos()
+
+
+def get_impl_settings() -> dict[str | None, tuple[str, ...]]:
+    """The current ``set_impl`` settings (op id or None -> names)."""
+    return dict(_global)
+
+
+def clear_caches() -> None:
+    """Forget memoized decisions, runtime-fault marks and once-only log records."""
+    with _lock:
+        _broken.clear()
+        _logged.clear()
+        _record.clear()
+    _clear_memos()
+    try:
+        from .. import tuning
+
+        tuning.clear_cache()
+    except ImportError:
+        pass
+
+
+def _clear_memos(op_id: str | None = None) -> None:
+    """Drop memoized decisions: of ``op_id`` only (its impls changed), or of every op (None).
+    The record that :func:`decisions` reads is kept: it lists what ran since ``clear_caches``."""
+    if op_id is not None:
+        op = registry._ops.get(op_id)
+        if op is not None:
+            op.clear()
+        return
+    for op in list(registry._ops.values()):
+        op.clear()
+
+
+registry._listeners.append(_clear_memos)
+
+
+# ------------------------------------------------------------------------------------------
+# Decisions
+
+
+@dataclass
+class Verdict:
+    """One impl's standing for a key: runnable or not, and why."""
+
+    name: str
+    rank: int
+    reason: str | None  # None: runnable
+    rank_note: str | None = None  # why ``rank`` is not the spec's static rank (KernelSpec.rank_for)
+
+    @property
+    def runnable(self) -> bool:
+        return self.reason is None
+
+
+@dataclass
+class Decision:
+    """A memoized choice: the callable to run, where the choice came from, and its fallbacks."""
+
+    op: Op
+    key: tuple[Any, ...]
+    impl: str
+    fn: Any
+    source: str  # argument, scope, env, global, tuned, auto, fallback
+    may_fall_back: bool
+    verdicts: list[Verdict] = field(default_factory=list)
+    # The impl reads raw memory (``KernelSpec.accepts_subclasses`` is False): the hot path then
+    # checks that no argument is a tensor subclass before calling it (see Op.call).
+    raw: bool = True
+    # The argument class is on a CUDA device: the hot path then asks whether a CUDA graph is being
+    # captured (a capture is decided under its own key, graph-safe impls only).
+    cuda: bool = False
+    guarded: bool = True  # raw or cuda: one read on the hot path when neither applies
+    # The guard that recognises this decision's calls without their argument class (Op.dispatch,
+    # polykernel.core.hit_guard): built on the first call that takes it, kept for when it comes back.
+    check: Any = None
+
+    def on_fault(self, exc: Exception, args: tuple[Any, ...]) -> Any:
+        """Runtime-fault policy: fall back from an impl chosen by steps 4-6 that raised."""
+        import torch
+
+        if not self.may_fall_back or _strict_mode() or isinstance(exc, torch.OutOfMemoryError):
+            raise exc
+        if subclass_name(args) is not None:  # the next impl may read raw memory: never on a subclass
+            raise exc
+        argkey = self.key[0]
+        message = (
+            f"polykernel: {self.op.id}: impl {self.impl!r} failed at run time "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            f"falling back to the next impl for this argument class"
+        )
+        with _lock:
+            _broken.setdefault((self.op.id, argkey), {})[self.impl] = f"failed at run time: {type(exc).__name__}"
+            self.op.forget(self.key)
+        try:
+            nxt = decide(self.op, self.key)
+        except ImplNotAvailableError:
+            # Nothing else can run: the user's own error is the useful one, and the impl must not
+            # stay marked broken (it may be a transient failure or bad data, not a bad kernel).
+            with _lock:
+                _broken.get((self.op.id, argkey), {}).pop(self.impl, None)
+            raise exc from None
+        once = ("fault", self.op.id, self.impl, argkey)
+        if once not in _logged:
+            _logged.add(once)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            log.warning(message)
+        nxt.source = "fallback"
+        return nxt.fn(*args) if not nxt.may_fall_back else _call_guarded(nxt, args)
+
+
+def _call_guarded(decision: Decision, args: tuple[Any, ...]) -> Any:
+    try:
+        return decision.fn(*args)
+    except Exception as exc:  # the next fallback's fault goes through the same policy
+        return decision.on_fault(exc, args)
+
+
+def _verdicts(op: Op, argkey: tuple[Any, ...], deterministic: bool, capturing: bool, subclass: str | None = None) -> list[Verdict]:
+    """Every impl of ``op`` with why it can or cannot take this argument class, in rank order.
+    ``subclass``: the type name of a tensor-subclass argument (None: plain tensors only)."""
+    specs = registry.specs_for(op)
+    info = op.arg_class(argkey)
+    platform = PlatformInfo.detect(info.device)
+    broken = _broken.get((op.id, argkey), {})
+    rows = []
+    for name, spec in specs.items():
+        rank, note = spec.rank_here(info)  # on a memo miss only: the hot path never gets here
+        rows.append(Verdict(name, rank, _why_not(spec, info, platform, deterministic, capturing, broken, subclass), note))
+    rows.sort(key=lambda v: (v.rank, v.name))
+    return rows
+
+
+def _why_not(
+    spec: KernelSpec, info: Any, platform: PlatformInfo, det: bool, capturing: bool, broken: dict, subclass: str | None = None
+) -> str | None:
+    if spec.impl in broken:
+        return broken[spec.impl]
+    reason = spec.unavailable_reason(platform)
+    if reason:
+        return reason
+    if subclass is not None and not spec.accepts_subclasses:
+        return f"input is a tensor subclass ({subclass}); this impl reads raw memory"
+    if not spec.format_signature.supports_dtype(info.dtype):
+        return f"dtype {str(info.dtype).removeprefix('torch.')} not supported"
+    if info.needs_grad and not spec.format_signature.supports_backward:
+        return "has no backward (inputs require grad)"
+    if det and not spec.deterministic:
+        return "not deterministic (torch.use_deterministic_algorithms is on)"
+    if capturing and not spec.cuda_graph_safe:
+        return "not CUDA-graph safe (a graph is being captured)"
+    if spec.predicate is not None:
+        try:
+            reason = spec.predicate(info)
+        except Exception as exc:  # a broken predicate excludes its impl, visibly
+            reason = f"predicate raised {type(exc).__name__}: {exc}"
+        if reason:
+            return reason
+    return None
+
+
+def _load(op: Op, verdict: Verdict) -> Any:
+    """Import the impl (lazily, on first selection); an import failure makes it not runnable."""
+    spec = registry.specs_for(op)[verdict.name]
+    try:
+        return registry.load_impl(spec)
+    except Exception as exc:  # any import failure: not runnable, with the reason in explain
+        verdict.reason = f"import failed: {type(exc).__name__}: {exc}"
+        return None
+
+
+def _log_once(key: tuple[Any, ...], message: str) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        log.warning(message)
+
+
+def decide(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None) -> Decision:
+    """Resolve ``key`` = (argkey, impl, scope, deterministic, capturing) and memoize it.
+
+    ``args``: the call's real arguments (the op's miss path), which tuning may measure on."""
+    decision = _resolve(op, key, args, measure=args is not None)
+    decision.raw = not registry.specs_for(op)[decision.impl].accepts_subclasses or op.id in routed
+    decision.fn = first_call.checked(decision)  # outputs and backward checked on the first call
+    decision.cuda = getattr(key[0][0], "type", None) == "cuda"
+    decision.guarded = decision.raw or decision.cuda
+    op._memo[key] = decision
+    _record[(op.id, key)] = decision  # what `decisions()` lists; outlives the memo
+    return decision
+
+
+# Ops whose tensor-subclass arguments a layer above routes itself (polykernel.distributed.dtensor adds its ops
+# when a DTensor is first seen, then clears the memos): their decisions all take the subclass
+# check, so a DTensor never reaches even a torch impl directly. Empty, and free, until then.
+routed: set[str] = set()
+
+# Decisions made since the last clear_caches(), by (op id, memo key), in the order first made.
+# Separate from the ops' memos, which are dropped whenever an op's impls or settings change.
+_record: dict[tuple[str, tuple[Any, ...]], Decision] = {}
+
+
+def subclass_name(args: Sequence[Any]) -> str | None:
+    """The type name of the first tensor argument that is a tensor subclass, else None.
+
+    ``torch.Tensor`` and ``torch.nn.Parameter`` are plain; anything else that is a tensor (a
+    DTensor, a ``__torch_dispatch__`` wrapper, a ``__torch_function__`` subclass, and FakeTensor
+    or FunctionalTensor when a tracer hands them to the eager path) is a subclass. Tensors in
+    lists and tuples count too. Off the hot path: :meth:`Op.call` checks types cheaply first.
+    """
+    import torch
+
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if type(a) is not torch.Tensor and type(a) is not torch.nn.Parameter:
+                return type(a).__name__
+        elif isinstance(a, (list, tuple)):
+            inner = subclass_name(a)
+            if inner is not None:
+                return inner
+    return None
+
+
+def _resolve(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None, measure: bool = False) -> Decision:
+    argkey, impl, scope, det, capturing = key[:5]
+    subclass = key[5] if len(key) > 5 else None  # a tensor-subclass argument (see Op.call)
+    rows = _verdicts(op, argkey, det, capturing, subclass)
+    by_name = {v.name: v for v in rows}
+    strict_env = _strict_mode()
+
+    def runnable_names() -> list[str]:
+        return [v.name for v in rows if v.runnable]
+
+    def strict(name: str, source: str) -> Decision:
+        v = by_name.get(name)
+        if v is None:
+            raise UnknownImplError(op.id, name, sorted(by_name), "", runnable_names())
+        fn = _load(op, v) if v.runnable else None
+        if fn is None:
+            raise ImplNotAvailableError(op.id, name, v.reason or "not runnable", runnable_names())
+        return Decision(op, key, name, fn, source, False, rows)
+
+    def prefer(names: Sequence[str], source: str, may_fall_back: bool) -> Decision | None:
+        for name in names:
+            v = by_name.get(name)
+            if v is not None and v.runnable:
+                fn = _load(op, v)
+                if fn is not None:
+                    return Decision(op, key, name, fn, source, may_fall_back, rows)
+        why = ", ".join(f"{n}: {by_name[n].reason}" if n in by_name else f"{n}: not registered for this op" for n in names)
+        if strict_env:
+            raise ImplNotAvailableError(op.id, ",".join(names), f"preference ({source}) cannot be met: {why}", runnable_names())
+        _log_once(
+            ("skip", op.id, source, tuple(names), argkey), f"polykernel: {op.id}: {source} preference {','.join(names)} skipped ({why})"
+        )
+        return None
+
+    # 1. impl= argument
+    if impl is not None:
+        names = _parse_op_names(impl, f"{op.name}(impl=)", op.id, runnable_names())
+        if len(names) == 1:
+            return strict(names[0], "argument")
+        hit = prefer(names, "argument", False)
+        if hit is None:
+            raise ImplNotAvailableError(op.id, ",".join(names), "none of these impls can run here", runnable_names())
+        return hit
+    # 2. scopes, innermost first
+    for scope_op, names in reversed(scope):
+        if scope_op == op.id:
+            return strict(names[0], "scope") if len(names) == 1 else _required(prefer(names, "scope", False), op, names, runnable_names())
+        if scope_op is None:
+            hit = prefer(names, "scope", False)
+            if hit is not None:
+                return hit
+    # 3. environment
+    per_op = os.environ.get(f"POLYKERNEL_IMPL_{op.name.upper()}")
+    if per_op:
+        names = _parse_op_names(per_op, f"POLYKERNEL_IMPL_{op.name.upper()}", op.id, runnable_names())
+        return strict(names[0], "env") if len(names) == 1 else _required(prefer(names, "env", False), op, names, runnable_names())
+    everywhere = os.environ.get("POLYKERNEL_IMPL")
+    if everywhere:
+        hit = prefer(_parse_names(everywhere, "POLYKERNEL_IMPL"), "env", False)
+        if hit is not None:
+            return hit
+    # 4. set_impl
+    broken = _broken.get((op.id, argkey), {})
+    if op.id in _global and not all(n in broken for n in _global[op.id]):  # broken: step 7 moves on
+        names = _global[op.id]
+        if len(names) == 1:
+            chosen = strict(names[0], "global")
+            chosen.may_fall_back = True
+            return chosen
+        return _required(prefer(names, "global", True), op, names, runnable_names())
+    if None in _global:
+        hit = prefer(_global[None], "global", True)
+        if hit is not None:
+            return hit
+    # 5. tuned
+    tuned = _tuned(op, argkey, args, rows, capturing, measure, det)
+    if tuned is not None:
+        v = by_name.get(tuned)
+        if v is not None and v.runnable:
+            fn = _load(op, v)
+            if fn is not None:
+                return Decision(op, key, tuned, fn, "tuned", True, rows)
+    # 6. auto (the torch impl is eligible everywhere, so this finds one)
+    for v in rows:
+        if v.runnable:
+            fn = _load(op, v)
+            if fn is not None:
+                return Decision(op, key, v.name, fn, "auto", True, rows)
+    raise ImplNotAvailableError(op.id, "auto", "no registered impl can run for these arguments", [])
+
+
+def _required(hit: Decision | None, op: Op, names: Sequence[str], runnable: list[str]) -> Decision:
+    if hit is None:
+        raise ImplNotAvailableError(op.id, ",".join(names), "none of these impls can run here", runnable)
+    return hit
+
+
+def _tuned(
+    op: Op, argkey: tuple[Any, ...], args: tuple[Any, ...] | None, rows: list[Verdict], capturing: bool, measure: bool, det: bool
+) -> str | None:
+    """Step 5 hook: the measured-selection module answers (and, on a miss in mode ``on``, measures)."""
+    from .. import tuning
+
+    return tuning.lookup(op, argkey, args, rows, capturing, measure, det)
+
+
+# ------------------------------------------------------------------------------------------
+# Introspection
+
+
+@dataclass
+class Explanation:
+    """Why an impl was (or would be) chosen for one call. ``str()`` gives a readable table."""
+
+    op: str
+    platform: str
+    arg_class: dict[str, Any]
+    chosen: str | None
+    source: str | None
+    error: str | None
+    impls: list[dict[str, Any]]
+    import_errors: dict[str, str]
+    tuned: dict[str, Any] | None = None  # source "tuned": the store key, the choice and the measured times
+    route: str | None = None  # DTensor arguments: the path taken (local shards or DTensor's rules) and why
+
+    def __str__(self) -> str:
+        args = ", ".join(f"{k}={_short(v)}" for k, v in self.arg_class.items())
+        lines = [f"{self.op} on {self.platform}", f"  arguments: {args}"]
+        if self.route:
+            lines.append(f"  route: {self.route}")
+        if self.chosen:
+            lines.append(f"  chosen: {self.chosen} (source: {self.source})")
+        else:
+            lines.append(f"  chosen: none ({self.error})")
+        width = max([len(r["name"]) for r in self.impls] + [4])
+        for r in self.impls:
+            mark = "*" if r["name"] == self.chosen else " "
+            verdict = "runnable" if r["runnable"] else f"no: {r['reason']}"
+            lines.append(f"  {mark} {r['name']:<{width}}  rank {r['rank']:>3}  {verdict}")
+            if r.get("rank_reason"):
+                lines.append(f"    {'':<{width}}  rank {r['rank']} for these arguments: {r['rank_reason']}")
+        for module, err in self.import_errors.items():
+            lines.append(f"  ! module {module} failed to import: {err}")
+        if self.tuned:
+            lines.append(_tuned_lines(self.tuned))
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "op": self.op,
+            "platform": self.platform,
+            "arg_class": {k: _short(v) for k, v in self.arg_class.items()},
+            "chosen": self.chosen,
+            "source": self.source,
+            "error": self.error,
+            "impls": self.impls,
+            "import_errors": self.import_errors,
+            "tuned": self.tuned,
+            "route": self.route,
+        }
+
+
+def _tuned_times(op: Op, argkey: tuple[Any, ...]) -> dict[str, Any] | None:
+    from .. import tuning
+
+    return tuning.measured(op, argkey)
+
+
+def _tuned_lines(tuned: dict[str, Any]) -> str:
+    """``measured (ms): triton gpu 0.051 host 0.012; torch gpu 0.090 host 0.008`` (or an error)."""
+    cells = []
+    for name, t in tuned.get("times", {}).items():
+        if t.get("error"):
+            cells.append(f"{name} {t['error']}")
+        else:
+            gpu = "" if t.get("gpu_ms") is None else f" gpu {t['gpu_ms']:.4g}"
+            cells.append(f"{name}{gpu} {'host' if gpu else 'wall'} {t.get('host_ms', float('nan')):.4g}")
+    return "  measured (ms): " + ("; ".join(cells) or tuned.get("note", "no times"))
+
+
+def _short(v: Any) -> Any:
+    s = str(v)
+    return s.removeprefix("torch.") if s.startswith("torch.") else (v if isinstance(v, (int, float, bool, type(None))) else s)
+
+
+def _argkey_for(op: Op, args: tuple[Any, ...], kwargs: dict[str, Any], device: Any, dtype: Any) -> tuple[Any, ...]:
+    import torch
+
+    if args:
+        return op.key(*args, **kwargs)
+    if device is None:  # "here": the current CUDA device if there is one, else the CPU
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return op.default_key(dev, dtype if dtype is not None else torch.float32)
+
+
+def explain(op: str, *args: Any, device: Any = None, dtype: Any = None, impl: str | None = None, **kwargs: Any) -> Explanation:
+    """What would run for this call, and why: every impl with its verdict and reason.
+
+    Give the call's own arguments, or just ``device=``/``dtype=``::
+
+        >>> import polykernel, torch
+        >>> print(polykernel.explain("rms_norm", torch.randn(4, 8), torch.ones(8)))  # doctest: +SKIP
+        norm.rms_norm on cpu (cpu)
+          chosen: torch (source: auto)
+          ...
+    """
+    import torch
+
+    the_op = registry.get_op(op)
+    argkey = _argkey_for(the_op, args, kwargs, device, dtype)
+    capturing = argkey[0].type == "cuda" and torch.cuda.is_current_stream_capturing()
+    key = (argkey, impl, _scope.get(), torch.are_deterministic_algorithms_enabled(), capturing)
+    subclass = subclass_name((*args, *kwargs.values()))
+    route = None
+    if subclass == "DTensor":  # tensor parallel: the local shards' explanation, or why not
+        local, route = hooks.require("dtensor_explain")(
+            the_op, key, args, kwargs, lambda *a, **k: explain(op, *a, device=device, dtype=dtype, impl=impl, **k)
+        )
+        if local is not None:
+            return local
+    if subclass is not None:
+        key = (*key, subclass)
+    chosen = source = error = None
+    try:
+        tensors = (*args, *kwargs.values()) if args else None  # tuning keys on the call's tensors
+        d = _resolve(the_op, key, tensors)
+        chosen, source, rows = d.impl, d.source, d.verdicts
+    except ImplNotAvailableError as exc:
+        error = str(exc)
+        rows = _verdicts(the_op, argkey, key[3], capturing, subclass)
+    return Explanation(
+        op=the_op.id,
+        platform=str(PlatformInfo.detect(argkey[0])),
+        arg_class=the_op.arg_class(argkey).as_dict(),
+        chosen=chosen,
+        source=source,
+        error=error,
+        impls=[{"name": v.name, "rank": v.rank, "runnable": v.runnable, "reason": v.reason, "rank_reason": v.rank_note} for v in rows],
+        import_errors=registry.import_errors(the_op),
+        tuned=_tuned_times(the_op, argkey) if source == "tuned" else None,
+        route=route(chosen) if route is not None else None,
+    )
+
+
+def available_impls(op: str, device: Any = None, dtype: Any = None) -> list[str]:
+    """Names of the impls that can run for ``op`` on ``device``/``dtype``, in selection order.
+
+    >>> import polykernel
+    >>> polykernel.available_impls("rms_norm", device="cpu")[-1]
+    'torch'
+    """
+    import torch
+
+    the_op = registry.get_op(op)
+    argkey = _argkey_for(the_op, (), {}, device, dtype)
+    rows = _verdicts(the_op, argkey, torch.are_deterministic_algorithms_enabled(), False)
+    return [v.name for v in rows if v.runnable]
+
+
+def decisions(op: str | None = None) -> list[dict[str, Any]]:
+    """The decisions made since the last ``clear_caches()`` (what actually ran), one per key.
+
+    Each record: op id, the argument class, the impl, the source of the choice (argument, scope,
+    env, global, tuned, auto, fallback) and the better-ranked impls that did not run, with why::
+
+        >>> import polykernel, torch
+        >>> _ = polykernel.rms_norm(torch.randn(2, 8), torch.ones(8))
+        >>> polykernel.decisions("rms_norm")[-1]["impl"] in ("torch", "triton")
+        True
+    """
+    wanted = registry.get_op(op).id if op is not None else None
+    records = [(op_id, key, d) for (op_id, key), d in list(_record.items()) if wanted is None or op_id == wanted]
+    records.sort(key=lambda r: r[0])  # by op id; within an op, in the order the decisions were made
+    out = []
+    for op_id, key, d in records:
+        skipped = []
+        for v in d.verdicts:
+            if v.name == d.impl:
+                break
+            skipped.append((v.name, v.reason or "runnable, lower preference"))
+        record = {"op": op_id, "arg_class": d.op.arg_class(key[0]).as_dict(), "impl": d.impl, "source": d.source, "skipped": skipped}
+        if len(key) > 5:
+            record["subclass"] = key[5]
+        out.append(record)
+    return out

@@ -1,5 +1,0 @@
-"""``python -m polykernel.demo`` (the same as ``polykernel demo``)."""
-
-from .command import main
-
-raise SystemExit(main())

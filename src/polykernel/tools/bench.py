@@ -1,0 +1,461 @@
+"""``polykernel bench``: polykernel next to eager PyTorch and torch.compile, in one process and one
+run, on a CUDA GPU. The peers that are installed (Liger-Kernel, QuACK) are registered impls
+(``polykernel:liger``, ``polykernel:quack``) and are measured as such.
+
+    $ polykernel bench                                   # every op, README shapes, bf16, per call
+    $ polykernel bench rms_norm softmax --graph          # GPU time only (CUDA-graph replays)
+    $ polykernel bench --graph --sweep --plot --out benchmarks/results   # + sizes per op, a PNG
+    $ polykernel bench --load benchmarks/results/h200-2026-12-01-graph.json --plot out.png  # re-plot
+
+Rows, per case (op, shape, mode): ``impl="polykernel"`` is the automatic choice, as a user's call
+gets it, with the impl it chose in ``chosen``; then one row per registered impl forced with
+``impl=`` (``polykernel:triton``, ``polykernel:torch``, the peers' ``polykernel:liger`` ...), the op's
+reference in plain PyTorch (``eager reference``) and ``torch.compile`` of that reference.
+
+Timing: ``triton.testing.do_bench`` medians (it flushes L2 between runs). Forward times one call;
+"fwd+bwd" times a forward plus ``torch.autograd.grad`` of every output with a fixed random
+cotangent. GB/s counts the fewest bytes the op must move (each op file's ``bytes_moved``: state
+the formula there); the fused linear cross-entropy reports TFLOP/s from 2·N·H·V (forward) and
+6·N·H·V (forward+backward). "% copy" is against a 2 GiB device-to-device copy measured at the
+start of the same run (bytes read + written). Peak extra memory is reported for every row.
+"host µs" (per-call mode) is the CPU time to issue one step while the GPU is kept busy
+(:func:`host_us_per_call`): an eager call costs max(GPU time, host time).
+
+``--sweep`` adds, per op, sizes along the leading dimension (the README shape and three smaller
+ones, largest first). To keep a full sweep within a few minutes: the extra sizes are timed with
+``do_bench(warmup=10, rep=40)`` instead of (25, 100), and ``torch.compile`` keeps one compiled
+reference per op and row length, so a sweep costs one static and one dynamic-shape compile per
+mode (what ``torch.compile``'s default automatic dynamic shapes give a user) instead of one per size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from rich.console import Console
+
+# op -> list of (label, example shape): the README's tables.
+SHAPES: dict[str, list[tuple[str, tuple[int, ...]]]] = {
+    "rms_norm": [
+        ("16384x4096", (16384, 4096)),
+        ("4096x16384", (4096, 16384)),
+        ("2048x65536", (2048, 65536)),
+        ("512x262144", (512, 262144)),
+    ],
+    "fused_add_rms_norm": [("16384x4096", (16384, 4096))],
+    "layer_norm": [("16384x4096", (16384, 4096))],
+    "swiglu": [("16384x14336", (16384, 14336))],
+    "geglu": [("16384x14336", (16384, 14336))],
+    "softmax": [("8192x32768", (8192, 32768))],
+    "rope": [("q4x32x4096x128,k8", (4, 32, 4096, 128))],
+    "cross_entropy": [("8192x128256", (8192, 128256))],
+    "fused_linear_cross_entropy": [("N8192,H4096,V128256", (8192, 4096, 128256))],
+}
+
+# op -> (index of the dimension a sweep scales, how many smaller sizes): the README shape, then
+# the swept dimension divided by 4, 16, 64 (rope: the sequence length; the losses: the tokens).
+_SWEEP_DIM: dict[str, tuple[int, int]] = {"rope": (2, 3), "cross_entropy": (0, 2), "fused_linear_cross_entropy": (0, 1)}
+
+
+def sweep_shapes(op_name: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The op's first README shape and smaller sizes along one dimension, largest first.
+
+    >>> [label for label, _ in sweep_shapes("softmax")]
+    ['8192x32768', '2048x32768', '512x32768', '128x32768']
+    """
+    label, shape = SHAPES[op_name][0]
+    dim, steps = _SWEEP_DIM.get(op_name, (0, 3))
+    out = [(label, shape)]
+    for k in range(1, steps + 1):
+        s = list(shape)
+        s[dim] = max(1, shape[dim] // 4**k)
+        out.append((_label(op_name, tuple(s)), tuple(s)))
+    return out
+
+
+def _label(op_name: str, shape: tuple[int, ...]) -> str:
+    if op_name == "rope":
+        b, h, t, d = shape
+        return f"q{b}x{h}x{t}x{d},k{max(1, h // 4)}"
+    if op_name == "fused_linear_cross_entropy":
+        n, h, v = shape
+        return f"N{n},H{h},V{v}"
+    return "x".join(map(str, shape))
+
+
+def cases_for(op_name: str, sweep: bool) -> list[tuple[str, tuple[int, ...], bool]]:
+    """(label, shape, in the sweep series) for one op: the README shapes, plus the sweep's."""
+    series = sweep_shapes(op_name) if sweep else []
+    in_series = {s for _, s in series}
+    out = [(label, shape, shape in in_series) for label, shape in SHAPES[op_name]]
+    out += [(label, shape, True) for label, shape in series if shape not in {s for _, s in SHAPES[op_name]}]
+    return out
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 2 GiB device-to-device copy (bytes read + written)."""
+    import torch
+    import triton.testing
+
+    src = torch.randn(2**30, dtype=torch.bfloat16, device="cuda")  # 2 GiB
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
+    return 2 * 2**31 / (ms * 1e-3) / 1e9
+
+
+def _outputs(out: Any) -> list[torch.Tensor]:
+    import torch
+
+    return [o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, torch.Tensor) and o.requires_grad]
+
+
+def capture_graph(step: Callable[[], Any], calls: int = 1, warmup: int = 3) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` back-to-back ``step``s, captured after ``warmup`` calls on a side
+    stream (what capture needs: allocator pools, lazy inits and autotuning done first)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            step()
+    return graph
+
+
+def measure(
+    fn: Callable[[], Any], grad_inputs: list[torch.Tensor], backward: bool, graph: bool = False, warmup: int = 25, rep: int = 100
+) -> tuple[float, float]:
+    """(median ms, peak extra MiB) of fn (forward) or fn + autograd.grad (forward+backward).
+
+    ``graph=True`` captures the step in a CUDA graph and times its replays: GPU time alone, with
+    the host's launch cost (Python, autograd, Triton's launcher) taken out.
+    """
+    import torch
+    import triton.testing
+
+    if backward:
+        cots = [torch.randn_like(o) for o in _outputs(fn())]
+
+        def step() -> Any:
+            return torch.autograd.grad(_outputs(fn()), grad_inputs, cots)
+
+    else:
+
+        def step() -> Any:
+            with torch.no_grad():
+                return fn()
+
+    step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    if graph:
+        captured = capture_graph(step)
+        ms = triton.testing.do_bench(captured.replay, warmup=warmup, rep=rep, return_mode="median")
+    else:
+        ms = triton.testing.do_bench(step, warmup=warmup, rep=rep, return_mode="median")
+    return ms, peak
+
+
+def host_us_per_call(step: Callable[[], Any], calls: int = 20, rounds: int = 7) -> float:
+    """Host (CPU) microseconds to issue one ``step`` with the GPU never the bottleneck: a long
+    ``torch.cuda._sleep`` is queued first, so each call only enqueues its work; best round.
+
+    A step that synchronizes with the GPU (``.item()``, a host copy) waits out the sleep and shows
+    up as thousands of microseconds here: that is the point.
+    """
+    import torch
+
+    step()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        torch.cuda._sleep(50_000_000)  # ~25 ms on a ~2 GHz GPU: longer than the calls take to issue
+        t = time.perf_counter()
+        for _ in range(calls):
+            step()
+        best = min(best, (time.perf_counter() - t) / calls)
+        torch.cuda.synchronize()
+    return best * 1e6
+
+
+def _contenders(
+    op: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dtype: torch.dtype,
+    compiled: Callable[..., Any] | None,
+    device: str = "cuda",
+) -> dict[str, Callable[[], Any]]:
+    """Name -> a no-argument call of one contender on the same inputs."""
+    import polykernel
+
+    public = getattr(polykernel, op.name)
+    # The automatic choice first: as a user calls it (static ranks, or the tuning store's choice).
+    out: dict[str, Callable[[], Any]] = {"polykernel": lambda: public(*args, **kwargs)}
+    # Every registered impl runnable here, the peers included (impl="liger", impl="quack"): a peer
+    # is measured through its adapter, as polykernel runs it. An impl whose predicate refuses these
+    # arguments (Liger at N > 65536) raises ImplNotAvailableError: its row records the reason.
+    for impl in polykernel.available_impls(op.id, device=device, dtype=dtype):
+        out[f"polykernel:{impl}"] = lambda impl=impl: public(*args, impl=impl, **kwargs)
+    out["eager reference"] = lambda: op.reference(*args, **kwargs)
+    if compiled is not None:
+        out["torch.compile"] = lambda: compiled(*args, **kwargs)
+    return out
+
+
+def _step(fn: Callable[[], Any], grad_inputs: list[torch.Tensor], backward: bool) -> Callable[[], Any]:
+    """One call as ``measure`` times it: the forward under no_grad, or forward + autograd.grad."""
+    import torch
+
+    if not backward:
+        return lambda: torch.no_grad()(fn)()
+    cots = [torch.randn_like(o) for o in _outputs(fn())]
+    return lambda: torch.autograd.grad(_outputs(fn()), grad_inputs, cots)
+
+
+def _chosen(op_id: str, backward: bool) -> str:
+    """The impl(s) the dispatcher used for the automatic row (its decisions since the last clear;
+    under CUDA-graph capture the capture's own decision is among them)."""
+    import polykernel
+
+    used = {d["impl"] for d in polykernel.decisions(op_id) if bool(d["arg_class"].get("needs_grad")) == backward}
+    return "+".join(sorted(used))
+
+
+def _perf(row: dict[str, Any], op: Any, shape: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any], copy: float) -> None:
+    backward = row["mode"].startswith("fwd+bwd")
+    ms = row["ms"]
+    if op.name == "fused_linear_cross_entropy":
+        n, h, v = shape
+        row["size"] = 2 * n * h * v / 1e9  # GFLOP forward: the plot's x
+        row["TFLOP/s"] = (6 if backward else 2) * n * h * v / (ms * 1e-3) / 1e12
+    elif op.bytes_moved is not None:
+        row["size"] = op.bytes_moved(*args, backward=False, **kwargs) / 2**20  # MiB forward: the plot's x
+        gbs = op.bytes_moved(*args, backward=backward, **kwargs) / (ms * 1e-3) / 1e9
+        row["GB/s"], row["% copy"] = gbs, 100 * gbs / copy
+
+
+def run(
+    ops: list[str],
+    use_compile: bool,
+    dtype: torch.dtype,
+    graph: bool = False,
+    sweep: bool = False,
+    console: Console | None = None,
+    device: str = "cuda",
+) -> tuple[list[dict[str, Any]], float]:
+    """Measure every contender on every case of ``ops``; (rows, copy GB/s). ``device`` other than
+    CUDA is for tests of the bookkeeping (with ``measure`` replaced)."""
+    import torch
+
+    import polykernel
+    from polykernel.core import registry
+    from polykernel.tools.console import make_console, progress
+
+    con = console or make_console()
+    copy = copy_bandwidth()
+    name = torch.cuda.get_device_name() if device == "cuda" else device
+    con.print(f"# {name} | torch {torch.__version__} | copy 2 GiB: {copy:.0f} GB/s")
+    plan = [(registry.get_op(name), *case) for name in ops for case in cases_for(registry.get_op(name).name, sweep)]
+    readme = {(op, s) for op, cases in SHAPES.items() for _, s in cases}
+    rows: list[dict[str, Any]] = []
+    compiled: dict[tuple[str, int], Callable[..., Any]] = {}
+    with progress(con) as bar:
+        task = bar.add_task("bench", total=len(plan))
+        for op, label, shape, in_sweep in plan:
+            bar.update(task, description=f"{op.name} {label}")
+            case = op.example(shape, dtype, device, True)
+            args, kwargs = case.args, case.kwargs
+            grad_inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+            fn = None
+            if use_compile:  # one per op and row length: sizes along the leading dim share it
+                fn = compiled.setdefault((op.name, shape[-1]), torch.compile(op.reference))
+            timing = {"warmup": 25, "rep": 100} if (op.name, shape) in readme else {"warmup": 10, "rep": 40}
+            for who, call in _contenders(op, args, kwargs, dtype, fn, device).items():
+                for backward in (False, True):
+                    t0 = time.time()
+                    if who == "polykernel":
+                        polykernel.clear_caches()  # so decisions() holds this row's choice only
+                    host = float("nan")
+                    try:
+                        ms, peak = measure(call, grad_inputs, backward, graph, **timing)
+                        err = ""
+                        if device == "cuda" and not graph:  # host time to issue the step (see host_us_per_call)
+                            host = host_us_per_call(_step(call, grad_inputs, backward))
+                    except Exception as exc:
+                        ms, peak, err = float("nan"), float("nan"), f"{type(exc).__name__}: {str(exc)[:120]}"
+                    row: dict[str, Any] = {
+                        "op": op.name,
+                        "shape": label,
+                        "dtype": str(dtype).removeprefix("torch."),
+                        "mode": ("fwd+bwd" if backward else "fwd") + (" graph" if graph else ""),
+                        "impl": who,
+                        "chosen": _chosen(op.id, backward) if who == "polykernel" else "",
+                        "sweep": in_sweep,
+                        "ms": ms,
+                        "host_us": host,
+                        "peak_extra_MiB": peak,
+                        "error": err,
+                        "seconds": round(time.time() - t0, 2),
+                    }
+                    _perf(row, op, shape, args, kwargs, copy)
+                    rows.append(row)
+            bar.advance(task)
+            if bar.disable:  # plain output: a line per case instead of the bar
+                con.print(f"{op.name} {label}: done ({sum(r['shape'] == label and r['op'] == op.name for r in rows)} rows)")
+            del case, args, kwargs, grad_inputs
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows, copy
+
+
+def print_rows(rows: list[dict[str, Any]], console: Console) -> None:
+    """The rows as one table: ms, TB/s (or TFLOP/s), % of the copy, peak extra memory, errors."""
+    from polykernel.tools.console import table
+
+    t = table(console, "op", "shape", "mode", "impl", "chosen", "ms", "host µs", "TB/s | TFLOP/s", "% copy", "peak+ MiB", "error",
+              right=("ms", "host µs", "TB/s | TFLOP/s", "% copy", "peak+ MiB"))  # fmt: skip
+    for r in rows:
+        perf = f"{r['TFLOP/s']:.0f} TFLOP/s" if "TFLOP/s" in r else (f"{r['GB/s'] / 1e3:.2f}" if "GB/s" in r else "")
+        pct = f"{r['% copy']:.1f}" if "% copy" in r else ""
+        t.add_row(
+            r["op"],
+            r["shape"],
+            r["mode"],
+            r["impl"],
+            r["chosen"],
+            f"{r['ms']:.3f}",
+            _host(r),
+            perf,
+            pct,
+            f"{r['peak_extra_MiB']:.0f}",
+            r["error"],
+        )
+    console.print(t)
+
+
+def _host(row: dict[str, Any]) -> str:
+    host = row.get("host_us", float("nan"))  # rows loaded from older files lack it
+    return "" if host != host else f"{host:.1f}"
+
+
+def device_slug(name: str) -> str:
+    """A short file-name tag for a device: ``NVIDIA H200`` -> ``h200``, ``cpu`` -> ``cpu``.
+
+    >>> device_slug("NVIDIA H200"), device_slug("NVIDIA GeForce RTX 4090")
+    ('h200', 'rtx-4090')
+    """
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w and w not in ("nvidia", "geforce", "tesla")]
+    return "-".join(words[:2]) or "gpu"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("op", nargs="*", help="ops to measure (default: all)")
+    p.add_argument("--ops", default="", help="comma-separated ops (same as the positional list)")
+    p.add_argument(
+        "--out", default=os.environ.get("OUT", "results"), help="directory for <device>-<date>-<graph|call>.json/.csv (and .png)"
+    )
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--graph", action="store_true", help="time CUDA-graph replays (GPU time without host launch cost)")
+    p.add_argument("--sweep", action="store_true", help="add three smaller sizes per op (for the plot)")
+    p.add_argument(
+        "--plot",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="FILE.png",
+        help="draw one panel per op: TB/s (TFLOP/s) per provider over sizes, copy bandwidth as a line "
+        "(needs the 'plot' extra: matplotlib). Without FILE: next to the JSON in --out",
+    )
+    p.add_argument("--load", metavar="RESULTS.json", help="no measuring: read a results file (e.g. to --plot it on another machine)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON at the end (tables and progress go to stderr)")
+
+
+def run_cli(a: argparse.Namespace) -> int:
+    from polykernel.core import registry
+    from polykernel.tools.console import make_console
+
+    con = getattr(a, "console", None) or make_console(sys.stderr if a.json else None)
+    if a.plot is not None:
+        from polykernel.tools.plotting import require_matplotlib
+
+        require_matplotlib("polykernel bench --plot")  # before measuring, not after minutes of it
+    if a.load:
+        with open(a.load) as f:
+            result = json.load(f)
+        stem = os.path.splitext(a.load)[0]
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("polykernel bench needs a CUDA GPU (or --load RESULTS.json to plot saved results)", file=sys.stderr)
+            return 2
+        names = [*a.op, *(o for o in a.ops.split(",") if o)] or list(SHAPES)
+        ops = [registry.get_op(o).name for o in names]
+        unknown = [o for o in ops if o not in SHAPES]
+        if unknown:
+            raise ValueError(f"--ops: no bench shapes for {', '.join(unknown)}")
+        rows, copy = run(ops, not a.no_compile, getattr(torch, a.dtype), a.graph, a.sweep, con)
+        result = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "copy_GBps": copy,
+            "date": time.strftime("%Y-%m-%d"),
+            "mode": "graph" if a.graph else "call",
+            "rows": rows,
+        }
+        os.makedirs(a.out, exist_ok=True)
+        stem = os.path.join(a.out, f"{device_slug(result['device'])}-{result['date']}-{result['mode']}")
+        _write(result, stem)
+        con.print(f"wrote {stem}.json and {stem}.csv")
+    print_rows(result["rows"], con)
+    if a.plot is not None:
+        from polykernel.tools.plotting import plot_bench
+
+        path = a.plot or f"{stem}.png"
+        plot_bench(result, path)
+        con.print(f"wrote {path}")
+    if a.json:
+        print(json.dumps(result["rows"], indent=1))
+    return 0
+
+
+def _write(result: dict[str, Any], stem: str) -> None:
+    rows = result["rows"]
+    with open(f"{stem}.json", "w") as f:
+        json.dump(result, f, indent=1)
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(f"{stem}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run_cli(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

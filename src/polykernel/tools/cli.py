@@ -1,0 +1,286 @@
+"""Command line: ``polykernel list | explain OP | check [OP] | bench [OP] | tune OP... | env | demo`` (also ``python -m polykernel``).
+
+$ polykernel list                      # every op, its impls and their verdict here
+$ polykernel explain rms_norm --dtype bfloat16 --shape 4096x4096
+$ polykernel check rms_norm --json     # parity of every runnable impl with the reference
+$ polykernel env                       # versions, devices, settings
+$ polykernel tune rms_norm --shapes 4096x4096 --dtype bfloat16   # fill the tuning store ahead of time
+$ polykernel demo                      # the main job (see polykernel.tools.demo)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform as _platform
+import sys
+from typing import TYPE_CHECKING, Any
+
+from polykernel.tools.console import make_console, progress, table
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(d) for d in text.lower().replace(",", "x").split("x") if d)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shape {text!r}: expected sizes like 4096x4096") from None
+    if not dims or any(d < 0 for d in dims):
+        raise argparse.ArgumentTypeError(f"--shape {text!r}: expected sizes like 4096x4096")
+    return dims
+
+
+def _console(args: argparse.Namespace) -> Console:
+    """The console given to main(), else stdout's; with --json, stderr's (stdout is the JSON)."""
+    return getattr(args, "console", None) or make_console(sys.stderr if getattr(args, "json", False) else None)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    import polykernel
+
+    device = args.device or _default_device()
+    rows = []
+    for op_id in polykernel.list_ops():
+        e = polykernel.explain(op_id, device=device, dtype=_dtype(args.dtype))
+        rows.append(e.as_dict())
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    con = _console(args)
+    t = table(
+        con, "op", "chosen", "impls (why not runnable)", title=f"ops and impls on {rows[0]['platform'] if rows else device} ({args.dtype})"
+    )
+    for r in rows:
+        cells = [impl["name"] + ("" if impl["runnable"] else f" (no: {impl['reason']})") for impl in r["impls"]]
+        t.add_row(r["op"], r["chosen"] or f"none: {r['error']}", ", ".join(cells))
+    con.print(t)
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    import polykernel
+    from polykernel.core import registry
+
+    device = args.device or _default_device()
+    dtype = _dtype(args.dtype)
+    if args.shape:
+        case = registry.get_op(args.op).example(args.shape, dtype, device, args.grad)
+        e = polykernel.explain(args.op, *case.args, impl=args.impl, **case.kwargs)
+    else:
+        e = polykernel.explain(args.op, device=device, dtype=dtype, impl=args.impl)
+    if args.json:
+        print(json.dumps(e.as_dict(), indent=2))
+        return 0 if e.chosen else 1
+    d = e.as_dict()
+    con = _console(args)
+    con.print(f"{d['op']} on {d['platform']}")
+    con.print("  arguments: " + ", ".join(f"{k}={v}" for k, v in d["arg_class"].items()))
+    con.print(f"  chosen: {d['chosen']} (source: {d['source']})" if d["chosen"] else f"  chosen: none ({d['error']})")
+    t = table(con, "", "impl", "rank", "verdict", right=("rank",))
+    for r in d["impls"]:
+        t.add_row("*" if r["name"] == d["chosen"] else "", r["name"], str(r["rank"]), "runnable" if r["runnable"] else f"no: {r['reason']}")
+    con.print(t)
+    for module, err in d["import_errors"].items():
+        con.print(f"  ! module {module} failed to import: {err}")
+    if d["tuned"]:
+        t = table(con, "impl", "gpu ms", "host/wall ms", "error", title="measured (tuning)", right=("gpu ms", "host/wall ms"))
+        for name, tm in d["tuned"].get("times", {}).items():
+            gpu = tm.get("gpu_ms")
+            t.add_row(name, "" if gpu is None else f"{gpu:.4g}", f"{tm.get('host_ms', float('nan')):.4g}", tm.get("error") or "")
+        con.print(t)
+    return 0 if e.chosen else 1
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    import polykernel
+    from polykernel.testing import check_parity
+
+    device = args.device or _default_device()
+    ops = [args.op] if args.op else polykernel.list_ops()
+    dtypes = [_dtype(args.dtype)] if args.dtype else None
+    con = _console(args)
+    results = []
+    with progress(con, transient=True) as bar:
+        task = bar.add_task("parity", total=len(ops))
+        for op in ops:
+            bar.update(task, description=f"parity {op}")
+            results += check_parity(op, args.impl or None, device=device, dtypes=dtypes, large=args.large)
+            bar.advance(task)
+    failed = [r for r in results if not r.ok]
+    if args.json:
+        print(json.dumps([r.__dict__ for r in results], indent=2, default=str))
+        return 1 if failed else 0
+    shown = results if args.verbose else failed
+    if shown:
+        t = table(con, "", "op", "impl", "case", "dtype", "fwd err", "bwd err", "message", right=("fwd err", "bwd err"))
+        for r in shown:
+            t.add_row(
+                "ok" if r.ok else "FAIL", r.op, r.impl, r.case, r.dtype, f"{r.forward_error:.3g}", f"{r.backward_error:.3g}", r.message
+            )
+        con.print(t)
+        con.print("  errors are max |out - ref| / (atol + rtol |ref|) of the op's error model: <= 1 passes")
+    con.print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from polykernel.tools import bench
+
+    return bench.run_cli(args)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from polykernel.tools import tune_cmd
+
+    return tune_cmd.run_cli(args)
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    info: dict[str, Any] = {"python": sys.version.split()[0], "platform": _platform.platform()}
+    import polykernel
+
+    info["polykernel"] = polykernel.__version__
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["cuda"] = torch.version.cuda
+        info["devices"] = [
+            f"cuda:{i} {torch.cuda.get_device_name(i)} sm_{''.join(map(str, torch.cuda.get_device_capability(i)))}"
+            for i in range(torch.cuda.device_count())
+        ] or ["cpu only"]
+    except ImportError:
+        info["torch"] = "not installed"
+    for module in ("triton", "cutlass", "cuda.tile", "liger_kernel", "quack", "transformers"):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        info[module] = _version(module) if found else "not installed"
+    info["settings"] = {k: v for k, v in os.environ.items() if k.startswith("POLYKERNEL_") or k == "TRITON_INTERPRET"}
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    con = _console(args)
+    t = table(con, "", "", title="polykernel env", show_header=False)
+    for k, v in info.items():
+        t.add_row(
+            k,
+            ", ".join(v)
+            if isinstance(v, list)
+            else (" ".join(f"{a}={b}" for a, b in v.items()) or "(none)")
+            if isinstance(v, dict)
+            else str(v),
+        )
+    con.print(t)
+    return 0
+
+
+def _version(module: str) -> str:
+    from importlib import metadata
+
+    dist = {"cutlass": "nvidia-cutlass-dsl", "cuda.tile": "cuda-tile", "liger_kernel": "liger-kernel", "quack": "quack-kernels"}.get(
+        module, module
+    )
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "installed"
+
+
+def cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
+    from polykernel.tools import demo
+
+    return demo.main(rest, console=getattr(args, "console", None))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="polykernel", description="LLM kernels with per-call, per-device impl selection")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("list", help="every op with its impls and their verdict on this machine")
+    s.add_argument("--device")
+    s.add_argument("--dtype", default="bfloat16", choices=_DTYPES)
+    s.add_argument("--json", action="store_true")
+
+    s = sub.add_parser("explain", help="which impl would run for an op, and why")
+    s.add_argument("op")
+    s.add_argument("--device")
+    s.add_argument("--dtype", default="bfloat16", choices=_DTYPES)
+    s.add_argument("--shape", type=_shape, help="input shape, e.g. 4096x4096 (random inputs of that shape)")
+    s.add_argument("--grad", action="store_true", help="inputs require grad")
+    s.add_argument("--impl", help="explain a forced impl (as impl= would)")
+    s.add_argument("--json", action="store_true")
+
+    s = sub.add_parser("check", help="parity of every runnable impl with the op's reference, forward and backward")
+    s.add_argument("op", nargs="?")
+    s.add_argument("--impl", action="append", help="only this impl (repeatable)")
+    s.add_argument("--device")
+    s.add_argument("--dtype", choices=_DTYPES)
+    s.add_argument("--large", action="store_true", help="add the full-size cases (GPU)")
+    s.add_argument("--verbose", "-v", action="store_true")
+    s.add_argument("--json", action="store_true")
+
+    from polykernel.tools import bench as _bench  # argparse only; torch loads when a command runs
+
+    s = sub.add_parser("bench", help="impls next to eager PyTorch, torch.compile and installed peers (CUDA)")
+    _bench.add_arguments(s)
+
+    from polykernel.tools import tune_cmd as _tune  # argparse only
+
+    s = sub.add_parser("tune", help="measure impls for given ops and shapes and store the choices (the tuning store)")
+    _tune.add_arguments(s)
+
+    s = sub.add_parser("env", help="versions, devices and settings")
+    s.add_argument("--json", action="store_true")
+
+    sub.add_parser("demo", help="the main job: see 'polykernel demo --help'", add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None, *, console: Console | None = None) -> int:
+    """Run one command; its exit status. ``console``: where tables and progress go (default: a
+    rich console on stdout, plain when stdout is not a terminal); ``--json`` always prints to stdout.
+
+    >>> main(["list", "--device", "cpu", "--json"])  # doctest: +SKIP
+    0
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "demo":
+        return cmd_demo(argparse.Namespace(console=console), argv[1:])
+    args = build_parser().parse_args(argv)
+    args.console = console
+    handler = {"list": cmd_list, "explain": cmd_explain, "check": cmd_check, "bench": cmd_bench, "tune": cmd_tune, "env": cmd_env}[
+        args.command
+    ]
+    try:
+        return handler(args)
+    except Exception as exc:  # polykernel's own errors read well without a traceback
+        from polykernel.errors import PolykernelError
+
+        if isinstance(exc, (PolykernelError, ValueError)):
+            print(f"polykernel {args.command}: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,145 @@
+"""``polykernel tune OP... [--shapes 4096x4096,...] [--dtype bfloat16] [--grad]``: fill the tuning
+store ahead of time.
+
+For every op, shape and dtype it builds the op's example arguments (``Op.example``), measures
+every runnable impl on them (as ``POLYKERNEL_TUNE=on`` would on first sight) and stores the choice.
+Under ``torchrun`` every rank measures its own device, the times are gathered, and rank 0 stores
+the choice made from the slowest rank's times (so one slow GPU is not tuned for as if it were
+the fast one)::
+
+    $ polykernel tune rms_norm softmax --shapes 4096x4096,16384x4096 --dtype bfloat16
+    $ torchrun --nproc-per-node 8 -m polykernel tune rms_norm --grad
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from polykernel.tools.console import make_console, progress, table
+
+_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def _shapes(text: str) -> list[tuple[int, ...]]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        try:
+            dims = tuple(int(d) for d in part.split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--shapes {text!r}: expected sizes like 4096x4096,1024x8192") from None
+        if not dims or any(d <= 0 for d in dims):
+            raise argparse.ArgumentTypeError(f"--shapes {text!r}: sizes must be positive, like 4096x4096")
+        out.append(dims)
+    if not out:
+        raise argparse.ArgumentTypeError(f"--shapes {text!r}: expected sizes like 4096x4096,1024x8192")
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ops", nargs="+", metavar="OP", help="op ids or bare names (rms_norm softmax ...)")
+    p.add_argument("--shapes", type=_shapes, help="comma-separated example shapes (default: the bench shapes of each op)")
+    p.add_argument("--dtype", action="append", choices=_DTYPES, help="repeatable (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--grad", action="store_true", help="tune forward+backward (inputs require grad)")
+    p.add_argument("--device", help="default: cuda (this rank's GPU under torchrun), else cpu")
+    p.add_argument("--json", action="store_true", help="print the stored entries as JSON")
+
+
+def _init_distributed() -> tuple[Any, bool]:
+    """(torch.distributed or None, whether this call initialized it)."""
+    if int(os.environ.get("WORLD_SIZE", "1") or "1") <= 1:
+        return None, False
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist, False
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist, True
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    import torch
+
+    import polykernel
+    from polykernel import tuning
+    from polykernel.core import registry
+    from polykernel.core import selection as dispatch
+
+    dist, owned = _init_distributed()
+    try:
+        device = args.device or (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+        cuda = torch.device(device).type == "cuda"
+        dtypes = [getattr(torch, d) for d in (args.dtype or (["bfloat16"] if cuda else ["float32"]))]
+        ops = [registry.get_op(op) for op in args.ops]
+        unmeasured = []
+        con = getattr(args, "console", None) or make_console(sys.stderr if args.json else None)  # stdout: the JSON
+        cases = []
+        for op in ops:
+            if args.shapes:
+                shapes = args.shapes
+            else:
+                from polykernel.tools.bench import SHAPES
+
+                shapes = [s for _, s in SHAPES.get(op.name, [])]
+                if not shapes:
+                    raise ValueError(f"{op.id}: no default shapes; give --shapes")
+            cases += [(op, shape, dtype) for shape in shapes for dtype in dtypes]
+        with tuning.collecting() as records, progress(con) as bar:
+            task = bar.add_task("tuning", total=len(cases))
+            for op, shape, dtype in cases:
+                dispatch.clear_caches()  # every case must be a memo miss (that is where tuning measures)
+                case = op.example(shape, dtype, device, args.grad)
+                before = len(records)
+                bar.update(
+                    task, description=f"tuning {op.name} {case.label} {str(dtype).removeprefix('torch.')}{' +grad' if args.grad else ''}"
+                )
+                getattr(polykernel, op.name)(*case.args, **case.kwargs)
+                if len(records) == before:
+                    unmeasured.append(f"{op.id} {case.label}: not measured (an impl override or an already-seen key applies)")
+                bar.advance(task)
+        plain = [{**r, "times": {n: t.as_json() for n, t in r["times"].items()}} for r in records]
+        if dist is not None:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, plain)
+            plain = [r for rank_records in gathered for r in rank_records or []]
+        rank0 = dist is None or dist.get_rank() == 0
+        if rank0:
+            from polykernel.tuning.measure import Timing
+
+            restored = [{**r, "times": {n: Timing.from_json(t) for n, t in r["times"].items()}} for r in plain]
+            entries = tuning.decide_and_store(restored, persist=True)
+            where = tuning.store().path or "memory only"
+            if args.json:
+                print(json.dumps({"store": str(where), "entries": {k: v for k, v in entries.items()}}, indent=1))
+            else:
+                t = table(con, "key", "eager", "graph", "static", "times (ms)", title=f"{len(entries)} decisions stored in {where}")
+                for key, entry in entries.items():
+                    k = json.loads(key)
+                    times = "; ".join(f"{name} {tm.get('error') or _ms(tm)}" for name, tm in entry["times"].items())
+                    label = f"{k['op']} {' '.join(k['tensors'])}{' +grad' if k['class'].get('needs_grad') else ''}"
+                    t.add_row(label, entry["eager"], entry["graph"], entry["static"], times)
+                con.print(t)
+            for line in unmeasured:
+                print(line, file=sys.stderr)
+        if dist is not None:
+            dist.barrier()
+        return 0
+    finally:
+        if owned and dist is not None:
+            dist.destroy_process_group()
+
+
+def _ms(t: dict[str, Any]) -> str:
+    host = t.get("host_ms")
+    if t.get("gpu_ms") is None:
+        return f"wall {host:.4g} ms"
+    return f"gpu {t['gpu_ms']:.4g} ms, host {host:.4g} ms"

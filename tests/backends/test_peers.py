@@ -1,0 +1,253 @@
+"""Peer impls (Liger-Kernel, QuACK): gating, predicates, lazy imports; Liger adapters where
+Triton's CPU interpreter runs Liger's kernels. Their parity on the GPU is in each op's
+``test_parity_gpu_large`` (every runnable impl) and ``benchmarks/check_peers.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import polykernel
+from polykernel.core import registry
+
+PEER_OPS = {
+    "rms_norm": ("liger", "quack"),
+    "fused_add_rms_norm": ("liger", "quack"),
+    "layer_norm": ("liger",),
+    "swiglu": ("liger",),
+    "geglu": ("liger",),
+    "softmax": ("liger",),
+    "cross_entropy": ("liger", "quack"),
+    "fused_linear_cross_entropy": ("liger",),
+}
+
+
+def _impls(explanation) -> dict[str, dict]:
+    return {row["name"]: row for row in explanation.impls}
+
+
+@pytest.mark.parametrize("op", sorted(PEER_OPS))
+def test_registered_and_gated(op):
+    specs = registry.specs_for(op)
+    for peer in PEER_OPS[op]:
+        spec = specs[peer]
+        assert spec.backend.value == peer
+        assert spec.target.startswith(f"polykernel.backends.{peer}.")
+        if peer == "quack":
+            assert spec.requires_modules == ("quack", "cutlass")
+            assert {str(c) for c in spec.capabilities} == {"cuda[sm_90..]"}
+        else:
+            assert spec.requires_modules[0] == "liger_kernel"
+    rows = _impls(polykernel.explain(op, device="cpu", dtype=torch.bfloat16))
+    for peer in PEER_OPS[op]:
+        assert not rows[peer]["runnable"]
+        assert rows[peer]["reason"] in ("needs a CUDA device", f"module {'quack' if peer == 'quack' else 'liger_kernel'!r} not installed")
+
+
+def test_quack_flce_not_registered():
+    assert "quack" not in registry.specs_for("fused_linear_cross_entropy")
+
+
+_SCRIPT = r"""
+import json, sys, torch, polykernel
+x = torch.randn(4, 64, requires_grad=True); w = torch.ones(64, requires_grad=True); b = torch.zeros(64, requires_grad=True)
+t = torch.randint(0, 64, (4,))
+q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 3, 8)
+cos, sin = torch.ones(1, 3, 8), torch.zeros(1, 3, 8)
+outs = [
+    polykernel.rms_norm(x, w), polykernel.fused_add_rms_norm(x, x, w)[0], polykernel.layer_norm(x, w, b),
+    polykernel.swiglu(x, x), polykernel.geglu(x, x), polykernel.softmax(x), polykernel.rope(q, k, cos, sin)[0],
+    polykernel.cross_entropy(x, t), polykernel.fused_linear_cross_entropy(x, torch.randn(10, 64), t % 10),
+]
+sum(o.float().sum() for o in outs).backward()
+for op in polykernel.core.registry.all_op_ids():
+    str(polykernel.explain(op, device="cpu", dtype=torch.bfloat16))
+    polykernel.available_impls(op, device="cpu", dtype=torch.float32)
+print(json.dumps({"mods": sorted(m for m in sys.modules if m.split(".")[0] in ("liger_kernel", "quack", "cutlass"))}))
+"""
+
+
+@pytest.mark.parametrize("env", [{}, {"POLYKERNEL_IMPL": "liger"}, {"POLYKERNEL_IMPL": "quack"}, {"POLYKERNEL_IMPL": "quack,liger"}])
+def test_cpu_use_imports_no_peer(env):
+    """Ops, explain and a peer preference on CPU: every op runs (torch) and no peer is imported."""
+    full = {
+        **os.environ,
+        **env,
+        "PYTHONPATH": os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "..", "src"), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = subprocess.run([sys.executable, "-c", _SCRIPT], env=full, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["mods"] == []
+
+
+def test_forcing_a_peer_on_cpu_names_the_reason():
+    x, w = torch.randn(4, 64), torch.ones(64)
+    for peer in ("liger", "quack"):
+        with pytest.raises(polykernel.ImplNotAvailableError, match=r"needs a CUDA device|not installed"):
+            polykernel.rms_norm(x, w, impl=peer)
+
+
+# -- predicates: the argument class of real calls, read by each peer's gate --------------------
+
+
+def _why(op: str, peer: str, *args, **kwargs) -> str | None:
+    the_op = registry.get_op(op)
+    spec = registry.specs_for(op)[peer]
+    return spec.predicate(the_op.arg_class(the_op.key(*args, **kwargs))) if spec.predicate else None
+
+
+def t(*shape, dtype=torch.bfloat16, grad=False):
+    return torch.randn(shape, dtype=dtype).requires_grad_(grad)
+
+
+def test_predicates_rms_norm():
+    assert _why("rms_norm", "liger", t(2, 65536), t(65536)) is None
+    assert "65536" in _why("rms_norm", "liger", t(2, 65537), t(65537))
+    assert _why("rms_norm", "liger", t(2, 64), t(64), casting="llama", offset=1.0) is None
+    assert _why("rms_norm", "quack", t(2, 64), t(64, dtype=torch.float32), offset=1.0) is None
+    assert "casting" in _why("rms_norm", "quack", t(2, 64), t(64), casting="llama")
+    assert _why("rms_norm", "quack", t(2, 262144), t(262144)) is None  # bf16 backward fits
+    big = t(2, 262144, dtype=torch.float32, grad=True)
+    assert "131072" in _why("rms_norm", "quack", big, t(262144, dtype=torch.float32))
+    with torch.no_grad():
+        assert _why("rms_norm", "quack", big, t(262144, dtype=torch.float32)) is None  # forward only
+
+
+def test_predicates_other_norms():
+    assert "65536" in _why("fused_add_rms_norm", "liger", t(2, 70000), t(2, 70000), t(70000))
+    assert _why("fused_add_rms_norm", "quack", t(2, 70000), t(2, 70000), t(70000)) is None
+    # QuACK stages x and the residual in shared memory: fp32 at N = 262144 asks 262,408 bytes (H200)
+    f32 = dict(dtype=torch.float32)
+    assert "shared memory" in _why("fused_add_rms_norm", "quack", t(2, 262144, **f32), t(2, 262144, **f32), t(262144, **f32))
+    assert _why("fused_add_rms_norm", "quack", t(2, 16384, **f32), t(2, 16384, **f32), t(16384, **f32)) is None
+    assert _why("fused_add_rms_norm", "quack", t(2, 262144), t(2, 262144), t(262144)) is None  # bf16: half the bytes
+    assert _why("layer_norm", "liger", t(2, 64), t(64), t(64)) is None
+    assert "bias" in _why("layer_norm", "liger", t(2, 64), t(64))
+    assert "weight" in _why("layer_norm", "liger", t(2, 64))
+
+
+def test_predicates_activations_and_losses():
+    assert _why("geglu", "liger", t(2, 64), t(2, 64)) is None
+    assert "65536" in _why("geglu", "liger", t(2, 70000), t(2, 70000))  # one block per row
+    assert _why("swiglu", "liger", t(2, 64, dtype=torch.float32), t(2, 64, dtype=torch.float32)) is None
+    assert "65536" in _why("swiglu", "liger", t(2, 70000, dtype=torch.float32), t(2, 70000, dtype=torch.float32))
+    assert "tanh" in _why("geglu", "liger", t(2, 64), t(2, 64), "none")
+    assert "tanh" in _why("geglu", "liger", t(2, 64), t(2, 64), approximate="none")
+    assert "65536" in _why("softmax", "liger", t(2, 70000, dtype=torch.float32))
+    logits, target = t(3, 128), torch.zeros(3, dtype=torch.long)
+    assert _why("cross_entropy", "quack", logits, target) is None
+    assert "label_smoothing" in _why("cross_entropy", "quack", logits, target, label_smoothing=0.1)
+    assert "label_smoothing" in _why("cross_entropy", "quack", logits, target, -100, 0.1, "mean")  # the impl's order
+    assert _why("cross_entropy", "liger", logits, target, label_smoothing=0.1) is None
+
+
+def test_dropped_peers_not_registered():
+    # failed parity on the H200 (the reasons are next to the other registrations)
+    assert "quack" not in registry.specs_for("softmax")
+    assert "liger" not in registry.specs_for("rope")
+
+
+def test_quack_needs_16_byte_rows():
+    assert "divisible by 8" in _why("rms_norm", "quack", t(2, 70001), t(70001))
+    assert "divisible by 8" in _why("cross_entropy", "quack", t(3, 4999), torch.zeros(3, dtype=torch.long))
+    assert _why("rms_norm", "quack", t(2, 4096), t(4096)) is None
+
+
+def test_new_fields_keep_the_public_results():
+    """geglu's class now holds ``approximate`` and cross_entropy's ``label_smoothing``: two calls
+    that differ only there get their own decisions, and the results stay the reference's."""
+    g, u = torch.randn(3, 8), torch.randn(3, 8)
+    for approx in ("tanh", "none"):
+        torch.testing.assert_close(polykernel.geglu(g, u, approx), registry.get_op("geglu").reference(g, u, approx))
+    logits, target = torch.randn(4, 10), torch.tensor([1, 2, -100, 9])
+    for ls in (0.0, 0.2):
+        ref = registry.get_op("cross_entropy").reference(logits, target, label_smoothing=ls)
+        torch.testing.assert_close(polykernel.cross_entropy(logits, target, label_smoothing=ls), ref)
+    assert polykernel.explain("cross_entropy", logits, target, label_smoothing=0.2).arg_class["label_smoothing"] == 0.2
+    assert polykernel.explain("geglu", g, u, "none").arg_class["approximate"] == "none"
+
+
+# -- Liger's adapters on CPU tensors, through Triton's interpreter (where it runs Liger's kernels:
+# softmax, RoPE, cross-entropy, fused linear cross-entropy; its norms and GLUs use `eps.to(...)` on
+# Python floats, which the interpreter does not support) ------------------------------------------
+
+needs_liger = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0") or registry.specs_for("softmax")["liger"].missing_modules() != [],
+    reason="needs liger_kernel and TRITON_INTERPRET=1",
+)
+
+
+def _grads(out, inputs, cots):
+    return torch.autograd.grad(out, inputs, cots, allow_unused=True)
+
+
+@needs_liger
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ls", [0.0, 0.1])
+def test_liger_cross_entropy_adapter(reduction, ls):
+    impl = registry.specs_for("cross_entropy")["liger"].load()
+    ref = registry.get_op("cross_entropy").reference
+    torch.manual_seed(0)
+    x = (3 * torch.randn(2, 7, 3001)).requires_grad_()
+    target = torch.randint(0, 3001, (2, 7)).masked_fill(torch.rand(2, 7) < 0.3, -100)
+    x0 = x.detach().clone()
+    out = impl(x, target, -100, ls, reduction)
+    assert out.dtype == torch.float32 and out.shape == ref(x0, target, -100, ls, reduction).shape
+    cot = torch.randn_like(out)
+    xr = x0.clone().requires_grad_()
+    expect = ref(xr, target, -100, ls, reduction)
+    torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_grads(out, [x], [cot])[0], _grads(expect, [xr], [cot])[0], atol=1e-7, rtol=1e-5)
+    assert torch.equal(x.detach(), x0)  # the logits are not written to (Liger's own Function would)
+
+
+@needs_liger
+def test_liger_cross_entropy_adapter_edges():
+    impl = registry.specs_for("cross_entropy")["liger"].load()
+    x = torch.randn(5, 300, requires_grad=True)
+    out = impl(x, torch.full((5,), -100), -100, 0.0, "mean")
+    assert torch.isnan(out)  # PyTorch's mean over no target (Liger's own is 0)
+    (g,) = torch.autograd.grad(out, x)
+    assert torch.equal(g, torch.zeros_like(g))
+    with torch.no_grad():  # no gradient: Liger's kernel writes nothing, no copy is made
+        x2 = torch.randn(4, 50)
+        x2c = x2.clone()
+        impl(x2, torch.tensor([1, 2, 3, 4]), -100, 0.0, "sum")
+        assert torch.equal(x2, x2c)
+    empty = impl(torch.randn(0, 50, requires_grad=True), torch.zeros(0, dtype=torch.long), -100, 0.0, "mean")
+    assert torch.isnan(empty)
+
+
+@needs_liger
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_liger_flce_adapter(reduction):
+    impl = registry.specs_for("fused_linear_cross_entropy")["liger"].load()
+    ref = registry.get_op("fused_linear_cross_entropy").reference
+    torch.manual_seed(0)
+    h, w, b = torch.randn(2, 5, 32, requires_grad=True), torch.randn(300, 32, requires_grad=True), torch.randn(300, requires_grad=True)
+    target = torch.randint(0, 300, (2, 5))
+    target[0, 0] = -100
+    out = impl(h, w, target, b, -100, 0.1, reduction)
+    expect = ref(h, w, target, b, -100, 0.1, reduction)
+    torch.testing.assert_close(out, expect.float(), atol=1e-5, rtol=1e-5)
+    cot = torch.randn_like(out)
+    for a, r in zip(_grads(out, [h, w, b], [cot]), _grads(expect, [h, w, b], [cot])):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-4)
+    allign = impl(h, w, torch.full((2, 5), -100), b, -100, 0.0, "mean")
+    assert torch.isnan(allign)
+
+
+@needs_liger
+def test_liger_softmax_adapter():
+    impl = registry.specs_for("softmax")["liger"].load()
+    ref = registry.get_op("softmax").reference
+    x = torch.randn(3, 5, 200)[:, ::2].requires_grad_()
+    out = impl(x)
+    cot = torch.randn_like(out)
+    torch.testing.assert_close(out, ref(x), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(_grads(out, [x], [cot])[0], _grads(ref(x), [x], [cot])[0], atol=1e-6, rtol=1e-5)
