@@ -451,9 +451,10 @@ def test_sharded_ops_are_the_dtensor_layouts_and_compiling_does_not_route():
         "import sys, torch, polykernel\n"
         "f = torch.compile(lambda x, w: polykernel.rms_norm(x, w), fullgraph=True, backend='eager')\n"
         "f(torch.randn(4, 8), torch.ones(8))\n"
-        "from polykernel import dispatch, dtensor_sharding\n"
+        "from polykernel.core import selection as dispatch\n"
+        "from polykernel.compile import sharding as dtensor_sharding\n"
         "print(sorted(dispatch.routed), 'polykernel.distributed.dtensor' in sys.modules, sorted(dtensor_sharding._LAID_OUT))\n"
-        "from polykernel import dtensor\n"
+        "from polykernel.distributed import dtensor\n"
         "print(sorted(dtensor.LAYOUTS))\n"
     )
     out = subprocess.run(

@@ -58,7 +58,7 @@ def _log_once(msg: str) -> None:
 
 def build_dir() -> Path:
     """Where this torch/Python/source combination is built."""
-    from ...tuning.store import cache_dir
+    from ...tuning.json_store import cache_dir
 
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
     tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}-{digest}"
