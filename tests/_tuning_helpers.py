@@ -87,11 +87,9 @@ def only(*names: str) -> None:
     from polykernel.core import registry
 
     specs = registry.specs_for("rms_norm")  # imports the declared locations first
-    table = registry._specs["norm.rms_norm"]
     for name in list(specs):
         if name not in names:
-            del table[name]
-    registry._changed()
+            registry.unregister_impl("rms_norm", name)
 
 
 # -- spawned workers ----------------------------------------------------------------------------

@@ -244,32 +244,14 @@ def isolated() -> Iterator[None]:
 
     Impls registered and locations declared inside the block are removed again on exit.
     """
-    saved = dict(dispatch._global)
-    specs = {op: dict(table) for op, table in registry._specs.items()}
-    preloaded = dict(registry._preloaded)
-    locations = {op: list(mods) for op, mods in registry._locations.items()}
-    imported, import_errors = set(registry._imported), {op: dict(e) for op, e in registry._import_errors.items()}
-    dispatch._global.clear()
-    dispatch.clear_caches()
+    settings = dispatch.get_impl_settings()
+    registrations = registry.snapshot()
+    dispatch.restore_impl_settings({})
     try:
         yield
     finally:
-        dispatch._global.clear()
-        dispatch._global.update(saved)
-        with registry._lock:
-            for op, table in registry._specs.items():
-                if op in specs:  # ops first imported inside the block keep their built-in impls
-                    table.clear()
-                    table.update(specs[op])
-            registry._preloaded.clear()
-            registry._preloaded.update(preloaded)
-            registry._locations.clear()
-            registry._locations.update(locations)
-            registry._imported.clear()
-            registry._imported.update(imported)
-            registry._import_errors.clear()
-            registry._import_errors.update(import_errors)
-        dispatch.clear_caches()
+        registry.restore(registrations)
+        dispatch.restore_impl_settings(settings)
 
 
 try:

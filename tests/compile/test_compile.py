@@ -280,8 +280,8 @@ def recorded_impl(monkeypatch):
     """A ``cuda_jit`` impl of rms_norm (rank 1000: never picked by auto) that records its calls.
     The registry tables are restored after the test."""
     op = _op("norm.rms_norm")
-    monkeypatch.setitem(registry._specs, op.id, dict(registry.specs_for(op)))
-    monkeypatch.setattr(registry, "_preloaded", dict(registry._preloaded))
+    monkeypatch.setitem(registry.REGISTRY._specs, op.id, dict(registry.specs_for(op)))
+    monkeypatch.setattr(registry.REGISTRY, "_preloaded", dict(registry.REGISTRY._preloaded))
     calls = []
 
     def spy(x, weight, eps, offset, casting):
@@ -399,8 +399,8 @@ def test_user_defined_op_compiles(monkeypatch):
     from polykernel.core.op import Bounds, ErrorModel
     from polykernel.spec import KernelSpec
 
-    monkeypatch.setattr(registry, "_ops", dict(registry._ops))
-    monkeypatch.setattr(registry, "_specs", dict(registry._specs))
+    monkeypatch.setattr(registry.REGISTRY, "_ops", dict(registry.REGISTRY._ops))
+    monkeypatch.setattr(registry.REGISTRY, "_specs", dict(registry.REGISTRY._specs))
     op = Op(
         "test.pk_compile_user_op",
         fields=("device", "dtype", "needs_grad"),

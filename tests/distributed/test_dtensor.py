@@ -195,7 +195,7 @@ def _install_raw_spy(raw_seen):
                 raw_seen.append((_op, _name, [type(x).__name__ for x in a if isinstance(x, torch.Tensor)]))
                 return _fn(*a)
 
-            registry._preloaded[(op_id, name)] = spy
+            registry.REGISTRY._preloaded[(op_id, name)] = spy
     polykernel.clear_caches()
 
 

@@ -76,7 +76,6 @@ from typing import Any
 
 import torch
 
-from ..core import op as _op_mod
 from ..core import registry
 from ..core.op import Op
 from ..spec import KernelBackend, Split
@@ -187,9 +186,9 @@ def _report_decomposing(op_id: str, why: str) -> None:
     from ..core import selection as dispatch
     from ..errors import ImplNotAvailableError
 
-    if dispatch._strict_mode():
+    if dispatch.strict_mode():
         raise ImplNotAvailableError(op_id, "training custom ops on DTensors", f"{why} (POLYKERNEL_STRICT=1)")
-    dispatch._log_once(("compile-dtensor", op_id, why), f"polykernel: {op_id}: compiled training on DTensors decomposes the op ({why})")
+    dispatch.log_once(("compile-dtensor", op_id, why), f"polykernel: {op_id}: compiled training on DTensors decomposes the op ({why})")
 
 
 # Side effects of a compiled call that must really happen while Dynamo traces CompiledOp.call
@@ -235,6 +234,11 @@ def custom_op_for(op: Op | str) -> Callable[..., Any]:
             raise RuntimeError(f"polykernel: {the_op.id}: cannot build its torch.library custom op: {_errors[the_op.id]}")
         hit = _build(the_op)
     return hit.call
+
+
+def built() -> dict[str, CompiledOp]:
+    """Op id -> its custom ops, for the ops built so far."""
+    return dict(_built)
 
 
 def build_errors() -> dict[str, str]:
@@ -360,13 +364,7 @@ def _training_decision(op: Op, impl: str | None, args: Sequence[Any], names: Seq
     args = tuple(args)
     argkey = op.key(**dict(zip(names, args))) if names is not None else op.key(*args)
     argkey = (*argkey[:2], True, *argkey[3:])  # fields start (device, dtype, needs_grad)
-    key = (argkey, impl, _op_mod._scope.get(), _op_mod._deterministic(), False)
-    decision = op._memo.get(key) or op._miss(key, args)
-    if getattr(decision, "cuda", False) and _op_mod._stream_capturing():  # graph capture: graph-safe impls
-        decision = op._captured(key, args)
-    if decision.raw and not op._plain(args):
-        decision = op._subclass(decision.key, args, decision)
-    return decision
+    return op.decision_for(impl, argkey, args)
 
 
 def _split_of(fn: Any) -> Split | None:
@@ -404,7 +402,7 @@ def _impl_str(impl: Any) -> str:
 
 def _current(op_id: str) -> Op:
     """The op object registered under ``op_id`` now (a dict read; ``get_op`` on a miss)."""
-    op = registry._ops.get(op_id)
+    op = registry.loaded_op(op_id)
     return op if op is not None else registry.get_op(op_id)
 
 
@@ -813,7 +811,7 @@ def _build(op: Op) -> CompiledOp:
 def _build_registered(op_id: str | None = None) -> None:
     """Build the custom op of every registered op that lacks one (registry listener; ``op_id``,
     the op whose impls changed, is not needed: building is idempotent and cheap when done)."""
-    for op in list(registry._ops.values()):
+    for op in registry.loaded_ops():
         if getattr(op, _ATTR, None) is None and op.id not in _errors:
             try:
                 _build(op)
@@ -821,5 +819,5 @@ def _build_registered(op_id: str | None = None) -> None:
                 pass
 
 
-registry._listeners.append(_build_registered)
+registry.listen(_build_registered)
 _build_registered()

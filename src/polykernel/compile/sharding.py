@@ -269,5 +269,5 @@ def register_built() -> None:
     from ..core import registry
     from . import library
 
-    for op_id, compiled in list(library._built.items()):
+    for op_id, compiled in library.built().items():
         register(registry.get_op(op_id), compiled)

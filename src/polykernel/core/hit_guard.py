@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from . import codegen
+
 LAST = "last"
 SHAPE = "shape"
 
@@ -120,6 +122,5 @@ def _with_nones(n: int, missing: tuple[int, ...]) -> Callable[[Callable[..., boo
     names = [f"t{i}" for i in range(n)]
     nones = " and ".join(f"{names[i]} is None" for i in missing)
     rest = ", ".join(name for i, name in enumerate(names) if i not in missing)
-    namespace: dict[str, Any] = {}
-    exec(f"def make(guard):\n    def check({', '.join(names)}):\n        return {nones} and guard({rest})\n    return check\n", namespace)
-    return namespace["make"]
+    src = f"def make(guard):\n    def check({', '.join(names)}):\n        return {nones} and guard({rest})\n    return check\n"
+    return codegen.define(src, f"<polykernel guard: {n} tensors, {sorted(missing)} None>", "make", {})

@@ -17,9 +17,11 @@ from typing import Any, NoReturn
 
 import torch
 
+from ..errors import OpArgumentError
 from ..spec import KernelSpec
-from . import hit_guard, hooks, registry
+from . import codegen, hit_guard, hooks, memo_key, registry
 from . import selection as _dispatch
+from .memo_key import MemoKey
 
 
 @dataclass(frozen=True)
@@ -221,8 +223,8 @@ def plain_check(reference: Callable[..., Any]) -> Callable[[tuple[Any, ...]], bo
         return lambda args: True
     body = " and ".join(f"type(a[{i}]) in P" for i in positions)
     namespace: dict[str, Any] = {"P": _PLAIN}
-    exec(f"def check(a):\n    try:\n        return {body}\n    except IndexError:\n        return False\n", namespace)
-    return namespace["check"]
+    src = f"def check(a):\n    try:\n        return {body}\n    except IndexError:\n        return False\n"
+    return codegen.define(src, f"<polykernel subclass check: {reference.__module__}.{reference.__qualname__}>", "check", namespace)
 
 
 _NA = object()  # "not passed": a trailing optional argument the caller left out
@@ -266,7 +268,7 @@ def _hot_call(op: Op) -> Callable[..., Any]:
         f"    if hit:\n"
         f"        d = h[4]\n"
         f"    else:\n"
-        f"        key = (argkey, impl, scope, dt, False)\n"
+        f"        key = new_key((argkey, impl, scope, dt, False, None))\n"
         f"        try:\n"
         f"            d = memo_get(key) or op._miss(key, ({args},))\n"
         f"        except TypeError as exc:\n"
@@ -312,12 +314,41 @@ def _exec(op: Op, src: str, name: str) -> Callable[..., Any]:
         "capturing": _stream_capturing,
         "last": op._last,
         "fast": op._fast,
+        "new_key": memo_key.make,
         "memo_get": op._memo.get,  # the memo dict lives as long as the op (cleared, never replaced)
     }
-    exec(compile(src, f"<polykernel hot path of {op.id}>", "exec"), namespace)
-    fn = namespace[name]
+    fn = codegen.define(src, f"<polykernel hot path: {op.id}.{name}>", name, namespace)
     fn.__doc__ = getattr(Op, name).__doc__
     return fn
+
+
+# The exact types an option annotated so may have: an int is a float's value too, a bool never.
+_OPTION_TYPES: dict[Any, frozenset[type]] = {
+    float: frozenset({float, int}),
+    int: frozenset({int}),
+    str: frozenset({str}),
+    bool: frozenset({bool}),
+}
+
+
+def _option_types(reference: Callable[..., Any], positions: Sequence[int]) -> tuple[frozenset[type] | None, ...]:
+    """Per option position, the types its annotation in ``reference`` allows (None: unchecked)."""
+    try:
+        hints = typing.get_type_hints(reference)
+    except Exception:  # unresolvable annotations: options unchecked here (validate still runs)
+        hints = {}
+    params = list(inspect.signature(reference).parameters.values())
+    out: list[frozenset[type] | None] = []
+    for i in positions:
+        tp = hints.get(params[i].name) if i < len(params) else None
+        args = typing.get_args(tp)
+        if tp in _OPTION_TYPES:
+            out.append(_OPTION_TYPES[tp])
+        elif args and all(a in _OPTION_TYPES or a is type(None) for a in args):  # float | None
+            out.append(frozenset().union(*(_OPTION_TYPES.get(a, frozenset({a})) for a in args)))
+        else:
+            out.append(None)
+    return tuple(out)
 
 
 def _picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
@@ -365,7 +396,11 @@ def _hot_dispatch(op: Op) -> Callable[..., Any]:
     # where the class does not depend on it: inference calls skip reading it
     test = f"(impl is f[2] or impl == f[2]) and scope is f[3] and dt is f[4] and (f[1] is None or grad() is f[1]) and f[0]({tensors})"
     test += "".join(f" and {names[i]}.shape == {names[j]}.shape" for i, j in hit_guard.relations(spec))
-    test += "".join(f" and {name} == f[{6 + k}]" for k, name in enumerate(options))  # ~20 ns less than a tuple
+    # options: the same object (a default, a literal: one `is`), else the same type and equal, so
+    # that False never passes for 0.0, nor a tensor for a float (`tensor == 1e-6` is truthy)
+    test += "".join(
+        f" and ({name} is f[{6 + k}] or (type({name}) is type(f[{6 + k}]) and {name} == f[{6 + k}]))" for k, name in enumerate(options)
+    )
     src = (
         f"def dispatch(impl, {sig}):\n"
         f"    if {_COMPILING_EXPR}:\n"
@@ -455,7 +490,9 @@ class Op:
         self.guard = None if guard is None else tuple(guard)
         if self.guard is not None:  # the slow path's views of a call: the guarded tensors, the options
             self._guarded = _picker(hit_guard.tensor_positions(self.guard))
-            self._options = _picker(tuple(i for i, kind in enumerate(self.guard) if kind is None))
+            option_positions = tuple(i for i, kind in enumerate(self.guard) if kind is None)
+            self._options = _picker(option_positions)
+            self._option_types = _option_types(reference, option_positions)
         self._memo: dict[tuple[Any, ...], Any] = {}
         # The last memo hit of the hot path, (argkey, impl, scope, deterministic, decision): a
         # repeated argument class (every layer's norm) skips hashing the key (~80 ns).
@@ -466,7 +503,7 @@ class Op:
         self._plain = plain_check(reference)
         self.call = _hot_call(self)  # type: ignore[method-assign]  # generated hot path (see _hot_call)
         self.dispatch = _hot_dispatch(self)  # type: ignore[method-assign]  # generated (see _hot_dispatch)
-        registry._add_op(self)
+        registry.add_op(self)
         for spec in impls:
             registry.register_impl(spec)
 
@@ -500,13 +537,15 @@ class Op:
         it, and that decision's guard for the next calls (built ~1 µs on the decision's first
         call, kept on the decision for when its class comes back). A call no guard can cover (a
         subclass, a non-tensor) leaves the last one in place."""
+        if not self._typed_options(args):  # before the memo, whose keys hold False == 0.0 alike
+            self._reject(args, OpArgumentError(self.id, "options", f"an option of the wrong type in {args[len(self._guarded(args)) :]!r}"))
         try:
             argkey = self.key(*args)
         except Exception:  # not tensors, 0-d x, an unhashable option: validate() names the problem
             argkey = None
         if grad is None or len(args) != len(self.guard):  # type: ignore[arg-type]
             return self.call(impl, argkey, *args)
-        key = (argkey, impl, scope, det, False)
+        key = memo_key.make((argkey, impl, scope, det, False, None))
         try:
             decision = self._memo.get(key) or self._miss(key, args)
         except TypeError as exc:  # an unhashable option (eps=[1e-6]): validate names it
@@ -524,21 +563,42 @@ class Op:
             del fast[FAST_RECORDS:]
         return self._finish(decision, key, args)
 
+    def _typed_options(self, args: tuple[Any, ...]) -> bool:
+        """Whether each option has a type its annotation allows (bool is no float, a tensor no
+        number): the memo compares options with ``==``, under which ``False == 0.0``."""
+        try:
+            options = self._options(args)
+        except IndexError:  # fewer arguments: validate names what is missing
+            return True
+        return all(allowed is None or type(v) in allowed for v, allowed in zip(options, self._option_types))
+
     def run(self, impl: str | None, argkey: tuple[Any, ...] | None, *args: Any) -> Any:
         """The eager path of :meth:`call` without its compile check: the custom op's real impl
         runs this (a compile may be in progress around it, e.g. inductor constant folding)."""
-        key = (argkey, impl, _scope_get(), _deterministic(), False)
+        key = memo_key.make((argkey, impl, _scope_get(), _deterministic(), False, None))
         try:
             decision = self._memo.get(key) or self._miss(key, args)
         except TypeError as exc:  # an unhashable option (eps=[1e-6]): validate names it
             return self._unhashable(exc, impl, argkey, args)
         return self._finish(decision, key, args)
 
-    def _finish(self, decision: Any, key: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
+    def decision_for(self, impl: str | None, argkey: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
+        """The decision a call of this class would run, without running it (the compiled training
+        ops ask it in their forward and their backward, so that both pick the same impl)."""
+        key = memo_key.make((argkey, impl, _scope_get(), _deterministic(), False, None))
+        decision = self._memo.get(key) or self._miss(key, args)
+        return self._situated(decision, key, args)
+
+    def _situated(self, decision: Any, key: MemoKey, args: tuple[Any, ...]) -> Any:
+        """``decision``, or the one for this call's situation: a CUDA-graph capture, a subclass."""
         if decision.cuda and _stream_capturing():  # CUDA-graph capture: its own decision
             decision = self._captured(key, args)
         if decision.raw and not self._plain(args):  # the impl reads raw memory: no subclasses
             decision = self._subclass(decision.key, args, decision)
+        return decision
+
+    def _finish(self, decision: Any, key: MemoKey, args: tuple[Any, ...]) -> Any:
+        decision = self._situated(decision, key, args)
         try:
             return decision.fn(*args)
         except Exception as exc:  # handed to the fault policy, which re-raises what is not its own
@@ -552,12 +612,12 @@ class Op:
     def _captured(self, key: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
         """The decision while a CUDA graph is captured: decided under the key with capturing
         True (only graph-safe impls). Off the hot path: eager calls never come here."""
-        key = (*key[:4], True)
+        key = key._replace(capturing=True)
         return self._memo.get(key) or self._miss(key, args)
 
     def _miss(self, key: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
         """First call for a key: validate once per argument class, then resolve and memoize."""
-        if key[0] is None:  # the public function could not build the class: validate says why
+        if key.argclass is None:  # the public function could not build the class: validate says why
             self._reject(args)
         if self.validate is not None:
             self.validate(*args)
@@ -567,7 +627,7 @@ class Op:
             # hands the DTensors to the route (see _subclass)
             return self._memo.get(key) or _dispatch.decide(self, key)
         if subclass is not None:  # decided under its own key; the plain key stays unset
-            key = (*key, subclass)
+            key = key._replace(subclass=subclass)
             return self._memo.get(key) or _dispatch.decide(self, key, args)
         return _dispatch.decide(self, key, args)
 
@@ -582,7 +642,7 @@ class Op:
             route = self._dtensor(key)
             if route is not None:
                 return route
-        key = (*key, subclass)
+        key = key._replace(subclass=subclass)
         return self._memo.get(key) or _dispatch.decide(self, key, args)
 
     def _dtensor(self, key: tuple[Any, ...]) -> Any:
@@ -608,7 +668,15 @@ class Op:
         self._fast.clear()
         self._memo.clear()
 
-    def forget(self, key: tuple[Any, ...]) -> None:
+    def memoized(self, key: MemoKey) -> Any:
+        """The decision memoized under ``key``, or None."""
+        return self._memo.get(key)
+
+    def remember(self, key: MemoKey, decision: Any) -> None:
+        """Memoize ``decision`` under ``key`` (the selection layer does, once per new key)."""
+        self._memo[key] = decision
+
+    def forget(self, key: MemoKey) -> None:
         """Drop one memoized decision (a runtime fault moved on from it)."""
         self._last[0] = _NO_HIT
         self._fast.clear()
@@ -618,5 +686,5 @@ class Op:
         return ArgClass(self.fields, argkey)
 
 
-_scope = _dispatch._scope
+_scope = _dispatch.SCOPE
 _scope_get = _scope.get

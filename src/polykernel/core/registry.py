@@ -4,10 +4,19 @@ The built-in ops and their impl tables are listed in :mod:`polykernel.ops` and l
 of an op. Other modules (peer adapters, a user's own kernels) are named with
 :func:`declare_op_locations` and are imported only when their op is first used. A module that
 fails to import is recorded with its error (``explain`` shows it); it never raises here.
+
+All of it is one :class:`Registry` object, :data:`REGISTRY`; the module's functions are its
+methods. ``snapshot()``/``restore()`` save and put back its whole state (tests, a scoped
+experiment: :func:`polykernel.testing.isolated`)::
+
+    >>> from polykernel.core.registry import REGISTRY
+    >>> saved = REGISTRY.snapshot()
+    >>> REGISTRY.restore(saved)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import threading
 import traceback
@@ -20,73 +29,252 @@ from ..spec import KernelBackend, KernelSpec
 if TYPE_CHECKING:
     from .op import Op
 
-__all__ = ["all_op_ids", "declare_op_locations", "get_op", "register_impl", "resolve_op_id", "specs_for"]
-
-_lock = threading.RLock()
-_specs: dict[str, dict[str, KernelSpec]] = {}
-_ops: dict[str, Op] = {}
-_locations: dict[str, list[str]] = {}
-_imported: set[str] = set()
-_importing: set[str] = set()
-_import_errors: dict[str, dict[str, str]] = {}
-# Told when the set of impls changes, with the op id it changed for (None: any op may have).
-# This is how the layers above (the dispatcher's memo, the custom-op builder) hear of changes
-# without this module importing them.
-_listeners: list[Callable[[str | None], None]] = []
-
+__all__ = [
+    "REGISTRY",
+    "Registry",
+    "Snapshot",
+    "all_op_ids",
+    "declare_op_locations",
+    "get_op",
+    "load_catalog",
+    "register_impl",
+    "resolve_op_id",
+    "specs_for",
+]
 
 # The built-in op catalog: a module above this layer, found by name as plugins are (it also
 # wires the core's hooks to the compile and distributed layers: polykernel.core.hooks).
 CATALOG_MODULE = "polykernel.ops"
 
 
-def load_catalog() -> dict[str, str]:
-    """The built-in ops' ids -> their modules (imports the catalog package once)."""
-    return importlib.import_module(CATALOG_MODULE).OP_MODULES
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """A registry's state at one moment (copies: later registrations do not change it)."""
+
+    specs: dict[str, dict[str, KernelSpec]]
+    preloaded: dict[tuple[str, str], Callable[..., Any]]
+    locations: dict[str, list[str]]
+    imported: frozenset[str]
+    import_errors: dict[str, dict[str, str]]
 
 
-_catalog = load_catalog
+class Registry:
+    """Ops, their impl specs, declared impl locations and what importing them gave."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._specs: dict[str, dict[str, KernelSpec]] = {}
+        self._ops: dict[str, Op] = {}
+        self._locations: dict[str, list[str]] = {}
+        self._imported: set[str] = set()
+        self._importing: set[str] = set()
+        self._import_errors: dict[str, dict[str, str]] = {}
+        self._preloaded: dict[tuple[str, str], Callable[..., Any]] = {}
+        # Told when the set of impls changes, with the op id it changed for (None: any op may
+        # have). This is how the layers above (the dispatcher's memo, the custom-op builder)
+        # hear of changes without this module importing them.
+        self._listeners: list[Callable[[str | None], None]] = []
+
+    # -- ops ----------------------------------------------------------------------------------
+    def load_catalog(self) -> dict[str, str]:
+        """The built-in ops' ids -> their modules (imports the catalog package once)."""
+        return importlib.import_module(CATALOG_MODULE).OP_MODULES
+
+    def all_op_ids(self) -> list[str]:
+        """Every known op id, built-in and user-defined, sorted."""
+        return sorted(set(self.load_catalog()) | set(self._ops))
+
+    def resolve_op_id(self, op: str | Op) -> str:
+        """``"rms_norm"`` or ``"norm.rms_norm"`` -> ``"norm.rms_norm"``; unknown -> UnknownOpError."""
+        if not isinstance(op, str):
+            return op.id
+        known = self.all_op_ids()
+        if op in known:
+            return op
+        matches = [k for k in known if k.rpartition(".")[2] == op]
+        if len(matches) == 1:
+            return matches[0]
+        raise UnknownOpError(op, [k.rpartition(".")[2] for k in known])
+
+    def get_op(self, op: str | Op) -> Op:
+        """The :class:`~polykernel.core.op.Op` object for an id or bare name (imports its module once)."""
+        op_id = self.resolve_op_id(op)
+        hit = self._ops.get(op_id)
+        if hit is None:
+            importlib.import_module(self.load_catalog()[op_id])
+            hit = self._ops[op_id]
+        return hit
+
+    def loaded_op(self, op_id: str) -> Op | None:
+        """The op registered under ``op_id`` if its module has been imported (a dict read)."""
+        return self._ops.get(op_id)
+
+    def loaded_ops(self) -> list[Op]:
+        """The ops whose modules have been imported so far."""
+        return list(self._ops.values())
+
+    def add_op(self, op: Op) -> None:
+        """Register an :class:`~polykernel.core.op.Op` (its constructor does)."""
+        with self.lock:
+            self._ops[op.id] = op
+            self._specs.setdefault(op.id, {})
+        self.changed(op.id)
+
+    # -- change notification ------------------------------------------------------------------
+    def listen(self, fn: Callable[[str | None], None]) -> None:
+        """Call ``fn(op_id)`` whenever an op's impls (None: possibly any op's) change."""
+        self._listeners.append(fn)
+
+    def changed(self, op_id: str | None = None) -> None:
+        """Tell the listeners that ``op_id``'s impls (None: possibly every op's) have changed."""
+        for fn in self._listeners:
+            fn(op_id)
+
+    # -- impls --------------------------------------------------------------------------------
+    def register_impl(self, spec: KernelSpec | None = None, **fields: Any) -> Any:
+        """See the module-level :func:`register_impl`."""
+        if spec is not None:
+            self._store(spec)
+            return spec
+
+        def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+            target = f"{fn.__module__}:{fn.__qualname__}"
+            made = KernelSpec(target=target, **{**fields, "op": self.resolve_op_id(fields["op"])})
+            self._store(made, loaded=fn)
+            return fn
+
+        if "op" not in fields or "backend" not in fields:
+            raise TypeError("register_impl(...) as a decorator needs op= and backend=")
+        KernelBackend(fields["backend"])  # fail at registration, not at first call
+        return decorate
+
+    def _store(self, spec: KernelSpec, loaded: Callable[..., Any] | None = None) -> None:
+        op_id = self.resolve_op_id(spec.op)
+        if op_id != spec.op:
+            spec = dataclasses.replace(spec, op=op_id)
+        with self.lock:
+            self._specs.setdefault(op_id, {})[spec.impl] = spec
+            if loaded is not None:
+                self._preloaded[(op_id, spec.impl)] = loaded
+            else:
+                self._preloaded.pop((op_id, spec.impl), None)
+        self.changed(op_id)
+
+    def unregister_impl(self, op: str | Op, impl: str) -> None:
+        """Remove ``op``'s impl named ``impl`` (no error if it is not registered)."""
+        op_id = self.resolve_op_id(op)
+        with self.lock:
+            self._specs.get(op_id, {}).pop(impl, None)
+            self._preloaded.pop((op_id, impl), None)
+        self.changed(op_id)
+
+    def load_impl(self, spec: KernelSpec) -> Callable[..., Any]:
+        """The spec's callable: the decorated function itself, or ``spec.load()``."""
+        fn = self._preloaded.get((spec.op, spec.impl))
+        return fn if fn is not None else spec.load()
+
+    def declare_op_locations(self, op: str, *modules: str) -> None:
+        """Name modules that register impls of ``op``; they are imported on the op's first use."""
+        op_id = self.resolve_op_id(op)
+        with self.lock:
+            known = self._locations.setdefault(op_id, [])
+            for m in modules:
+                if m not in known:
+                    known.append(m)
+        self.changed(op_id)
+
+    def undeclare_op_location(self, op: str, module: str) -> None:
+        """Forget a declared location of ``op`` (what it registered stays)."""
+        op_id = self.resolve_op_id(op)
+        with self.lock:
+            if module in self._locations.get(op_id, ()):
+                self._locations[op_id].remove(module)
+            self._imported.discard(module)
+            self._import_errors.get(op_id, {}).pop(module, None)
+        self.changed(op_id)
+
+    def specs_for(self, op: str | Op) -> dict[str, KernelSpec]:
+        """Impl name -> spec for an op, after importing every declared location (once each)."""
+        the_op = self.get_op(op)
+        pending = [m for m in self._locations.get(the_op.id, ()) if m not in self._imported]
+        if pending:
+            # A module counts as imported only once its import has finished (under the lock), so
+            # a thread that finds nothing pending never sees an op without that module's impls.
+            with self.lock:
+                for module in pending:
+                    if module in self._imported or module in self._importing:  # done, or our own import re-entering
+                        continue
+                    self._importing.add(module)
+                    try:
+                        importlib.import_module(module)
+                    except Exception as exc:  # recorded and shown by explain, never raised here
+                        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+                        self._import_errors.setdefault(the_op.id, {})[module] = last
+                    finally:
+                        self._importing.discard(module)
+                        self._imported.add(module)
+        return dict(self._specs.get(the_op.id, {}))
+
+    def import_errors(self, op: str | Op) -> dict[str, str]:
+        """Declared modules of ``op`` that failed to import, with their error line."""
+        return dict(self._import_errors.get(self.resolve_op_id(op), {}))
+
+    # -- snapshot -----------------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        """The whole state, copied (see :meth:`restore`)."""
+        with self.lock:
+            return Snapshot(
+                specs={op: dict(table) for op, table in self._specs.items()},
+                preloaded=dict(self._preloaded),
+                locations={op: list(mods) for op, mods in self._locations.items()},
+                imported=frozenset(self._imported),
+                import_errors={op: dict(e) for op, e in self._import_errors.items()},
+            )
+
+    def restore(self, snap: Snapshot) -> None:
+        """Put back a :meth:`snapshot`'s registrations and locations. Ops first imported since
+        keep their built-in impls (an op module is imported once per process); ops defined
+        since outside the catalog are removed."""
+        catalog = self.load_catalog()
+        with self.lock:
+            for op_id in [o for o in self._ops if o not in snap.specs and o not in catalog]:
+                del self._ops[op_id]
+                self._specs.pop(op_id, None)
+            for op, table in self._specs.items():
+                if op in snap.specs:
+                    table.clear()
+                    table.update(snap.specs[op])
+            self._preloaded.clear()
+            self._preloaded.update(snap.preloaded)
+            self._locations.clear()
+            self._locations.update({op: list(mods) for op, mods in snap.locations.items()})
+            self._imported.clear()
+            self._imported.update(snap.imported)
+            self._import_errors.clear()
+            self._import_errors.update({op: dict(e) for op, e in snap.import_errors.items()})
+        self.changed(None)
 
 
-def all_op_ids() -> list[str]:
-    """Every known op id, built-in and user-defined, sorted."""
-    return sorted(set(_catalog()) | set(_ops))
+REGISTRY = Registry()
 
-
-def resolve_op_id(op: str | Op) -> str:
-    """``"rms_norm"`` or ``"norm.rms_norm"`` -> ``"norm.rms_norm"``; unknown -> UnknownOpError."""
-    if not isinstance(op, str):
-        return op.id
-    known = all_op_ids()
-    if op in known:
-        return op
-    matches = [k for k in known if k.rpartition(".")[2] == op]
-    if len(matches) == 1:
-        return matches[0]
-    raise UnknownOpError(op, [k.rpartition(".")[2] for k in known])
-
-
-def get_op(op: str | Op) -> Op:
-    """The :class:`~polykernel.core.op.Op` object for an id or bare name (imports its module once)."""
-    op_id = resolve_op_id(op)
-    hit = _ops.get(op_id)
-    if hit is None:
-        importlib.import_module(_catalog()[op_id])
-        hit = _ops[op_id]
-    return hit
-
-
-def _add_op(op: Op) -> None:
-    with _lock:
-        _ops[op.id] = op
-        _specs.setdefault(op.id, {})
-    _changed(op.id)
-
-
-def _changed(op_id: str | None = None) -> None:
-    """Tell the listeners that ``op_id``'s impls (None: possibly every op's) have changed."""
-    for fn in _listeners:
-        fn(op_id)
+# The module-level API: the one registry's methods.
+load_catalog = REGISTRY.load_catalog
+all_op_ids = REGISTRY.all_op_ids
+resolve_op_id = REGISTRY.resolve_op_id
+get_op = REGISTRY.get_op
+loaded_op = REGISTRY.loaded_op
+loaded_ops = REGISTRY.loaded_ops
+add_op = REGISTRY.add_op
+listen = REGISTRY.listen
+changed = REGISTRY.changed
+load_impl = REGISTRY.load_impl
+declare_op_locations = REGISTRY.declare_op_locations
+undeclare_op_location = REGISTRY.undeclare_op_location
+specs_for = REGISTRY.specs_for
+unregister_impl = REGISTRY.unregister_impl
+import_errors = REGISTRY.import_errors
+snapshot = REGISTRY.snapshot
+restore = REGISTRY.restore
 
 
 @overload
@@ -104,80 +292,4 @@ def register_impl(spec: KernelSpec | None = None, **fields: Any) -> Any:
     The decorated function becomes the target; ``op`` may be a bare name. Registering a second
     impl with the same backend name for an op replaces the first.
     """
-    if spec is not None:
-        _store(spec)
-        return spec
-
-    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        target = f"{fn.__module__}:{fn.__qualname__}"
-        made = KernelSpec(target=target, **{**fields, "op": resolve_op_id(fields["op"])})
-        _store(made, loaded=fn)
-        return fn
-
-    if "op" not in fields or "backend" not in fields:
-        raise TypeError("register_impl(...) as a decorator needs op= and backend=")
-    KernelBackend(fields["backend"])  # fail at registration, not at first call
-    return decorate
-
-
-_preloaded: dict[tuple[str, str], Callable[..., Any]] = {}
-
-
-def _store(spec: KernelSpec, loaded: Callable[..., Any] | None = None) -> None:
-    op_id = resolve_op_id(spec.op)
-    if op_id != spec.op:
-        import dataclasses
-
-        spec = dataclasses.replace(spec, op=op_id)
-    with _lock:
-        _specs.setdefault(op_id, {})[spec.impl] = spec
-        if loaded is not None:
-            _preloaded[(op_id, spec.impl)] = loaded
-        else:
-            _preloaded.pop((op_id, spec.impl), None)
-    _changed(op_id)
-
-
-def load_impl(spec: KernelSpec) -> Callable[..., Any]:
-    """The spec's callable: the decorated function itself, or ``spec.load()``."""
-    fn = _preloaded.get((spec.op, spec.impl))
-    return fn if fn is not None else spec.load()
-
-
-def declare_op_locations(op: str, *modules: str) -> None:
-    """Name modules that register impls of ``op``; they are imported on the op's first use."""
-    op_id = resolve_op_id(op)
-    with _lock:
-        known = _locations.setdefault(op_id, [])
-        for m in modules:
-            if m not in known:
-                known.append(m)
-    _changed(op_id)
-
-
-def specs_for(op: str | Op) -> dict[str, KernelSpec]:
-    """Impl name -> spec for an op, after importing every declared location (once each)."""
-    the_op = get_op(op)
-    pending = [m for m in _locations.get(the_op.id, ()) if m not in _imported]
-    if pending:
-        # A module counts as imported only once its import has finished (under the lock), so a
-        # thread that finds nothing pending never sees an op without that module's impls.
-        with _lock:
-            for module in pending:
-                if module in _imported or module in _importing:  # done, or our own import is re-entering
-                    continue
-                _importing.add(module)
-                try:
-                    importlib.import_module(module)
-                except Exception as exc:  # recorded and shown by explain, never raised here
-                    last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-                    _import_errors.setdefault(the_op.id, {})[module] = last
-                finally:
-                    _importing.discard(module)
-                    _imported.add(module)
-    return dict(_specs.get(the_op.id, {}))
-
-
-def import_errors(op: str | Op) -> dict[str, str]:
-    """Declared modules of ``op`` that failed to import, with their error line."""
-    return dict(_import_errors.get(resolve_op_id(op), {}))
+    return REGISTRY.register_impl(spec, **fields)

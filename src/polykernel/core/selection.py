@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ImplNotAvailableError, UnknownImplError, shown
 from ..spec import KernelBackend, KernelSpec, PlatformInfo
-from . import first_call, hooks, registry
+from . import first_call, hooks, memo_key, registry
 
 if TYPE_CHECKING:
     from .op import Op
@@ -51,6 +51,7 @@ log = logging.getLogger("polykernel")
 
 # Scope entries, innermost last: (op id or None, impl names). A tuple, so it can be a memo key.
 _scope: ContextVar[tuple[tuple[str | None, tuple[str, ...]], ...]] = ContextVar("polykernel_scope", default=())
+SCOPE = _scope  # the ContextVar itself: the hot path reads it (core.op)
 _global: dict[str | None, tuple[str, ...]] = {}
 _broken: dict[tuple[str, tuple[Any, ...]], dict[str, str]] = {}
 _logged: set[tuple[Any, ...]] = set()
@@ -104,7 +105,7 @@ def _parse_op_names(value: Any, where: str, op_id: str, runnable: Sequence[str] 
     return names
 
 
-def _strict_mode() -> bool:
+def strict_mode() -> bool:
     return os.environ.get("POLYKERNEL_STRICT", "0") not in ("", "0", "false", "False")
 
 
@@ -149,7 +150,15 @@ def set_impl(impl: str | Sequence[str] | None, op: str | None = None) -> None:
         else:
             names = _parse_names(impl, "set_impl") if op_id is None else _parse_op_names(impl, "set_impl", op_id)
             _global[op_id] = names
-    _clear_memos()
+    clear_memos()
+
+
+def restore_impl_settings(settings: dict[str | None, tuple[str, ...]]) -> None:
+    """Put back what :func:`get_impl_settings` returned (and clear the memo)."""
+    with _lock:
+        _global.clear()
+        _global.update(settings)
+    clear_caches()
 
 
 def get_impl_settings() -> dict[str | None, tuple[str, ...]]:
@@ -163,7 +172,7 @@ def clear_caches() -> None:
         _broken.clear()
         _logged.clear()
         _record.clear()
-    _clear_memos()
+    clear_memos()
     try:
         from .. import tuning
 
@@ -172,19 +181,19 @@ def clear_caches() -> None:
         pass
 
 
-def _clear_memos(op_id: str | None = None) -> None:
+def clear_memos(op_id: str | None = None) -> None:
     """Drop memoized decisions: of ``op_id`` only (its impls changed), or of every op (None).
     The record that :func:`decisions` reads is kept: it lists what ran since ``clear_caches``."""
     if op_id is not None:
-        op = registry._ops.get(op_id)
+        op = registry.loaded_op(op_id)
         if op is not None:
             op.clear()
         return
-    for op in list(registry._ops.values()):
+    for op in registry.loaded_ops():
         op.clear()
 
 
-registry._listeners.append(_clear_memos)
+registry.listen(clear_memos)
 
 
 # ------------------------------------------------------------------------------------------
@@ -231,11 +240,11 @@ class Decision:
         """Runtime-fault policy: fall back from an impl chosen by steps 4-6 that raised."""
         import torch
 
-        if not self.may_fall_back or _strict_mode() or isinstance(exc, torch.OutOfMemoryError):
+        if not self.may_fall_back or strict_mode() or isinstance(exc, torch.OutOfMemoryError):
             raise exc
         if subclass_name(args) is not None:  # the next impl may read raw memory: never on a subclass
             raise exc
-        argkey = self.key[0]
+        argkey = self.key.argclass
         message = (
             f"polykernel: {self.op.id}: impl {self.impl!r} failed at run time "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
@@ -252,13 +261,34 @@ class Decision:
             with _lock:
                 _broken.get((self.op.id, argkey), {}).pop(self.impl, None)
             raise exc from None
+        nxt.source = "fallback"
+        try:
+            out = nxt.fn(*args) if not nxt.may_fall_back else _call_guarded(nxt, args)
+        except Exception as again:
+            # The next impl fails on the same arguments too: the arguments (a tensor where a float
+            # belongs, an inference tensor that autograd must save, a value no kernel takes) are
+            # the cause, not this impl. A bad argument never marks an impl broken: undo, and
+            # raise the first error with a note.
+            with _lock:
+                _broken.get((self.op.id, argkey), {}).pop(self.impl, None)
+                self.op.forget(self.key)
+            _add_note(
+                exc,
+                f"polykernel: {self.op.id}: the next impl ({nxt.impl!r}) failed on the same arguments too "
+                f"({type(again).__name__}), so nothing was marked broken: check the arguments",
+            )
+            raise exc from None
         once = ("fault", self.op.id, self.impl, argkey)
         if once not in _logged:
             _logged.add(once)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
             log.warning(message)
-        nxt.source = "fallback"
-        return nxt.fn(*args) if not nxt.may_fall_back else _call_guarded(nxt, args)
+        return out
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):  # Python >= 3.11
+        exc.add_note(note)
 
 
 def _call_guarded(decision: Decision, args: tuple[Any, ...]) -> Any:
@@ -321,7 +351,7 @@ def _load(op: Op, verdict: Verdict) -> Any:
         return None
 
 
-def _log_once(key: tuple[Any, ...], message: str) -> None:
+def log_once(key: tuple[Any, ...], message: str) -> None:
     if key not in _logged:
         _logged.add(key)
         log.warning(message)
@@ -334,9 +364,9 @@ def decide(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None) ->
     decision = _resolve(op, key, args, measure=args is not None)
     decision.raw = not registry.specs_for(op)[decision.impl].accepts_subclasses or op.id in routed
     decision.fn = first_call.checked(decision)  # outputs and backward checked on the first call
-    decision.cuda = getattr(key[0][0], "type", None) == "cuda"
+    decision.cuda = getattr(key.argclass[0], "type", None) == "cuda"
     decision.guarded = decision.raw or decision.cuda
-    op._memo[key] = decision
+    op.remember(key, decision)
     _record[(op.id, key)] = decision  # what `decisions()` lists; outlives the memo
     return decision
 
@@ -373,11 +403,10 @@ def subclass_name(args: Sequence[Any]) -> str | None:
 
 
 def _resolve(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None, measure: bool = False) -> Decision:
-    argkey, impl, scope, det, capturing = key[:5]
-    subclass = key[5] if len(key) > 5 else None  # a tensor-subclass argument (see Op.call)
+    argkey, impl, scope, det, capturing, subclass = key  # subclass: a tensor-subclass argument's type (see Op.call)
     rows = _verdicts(op, argkey, det, capturing, subclass)
     by_name = {v.name: v for v in rows}
-    strict_env = _strict_mode()
+    strict_env = strict_mode()
 
     def runnable_names() -> list[str]:
         return [v.name for v in rows if v.runnable]
@@ -401,7 +430,7 @@ def _resolve(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None, 
         why = ", ".join(f"{n}: {by_name[n].reason}" if n in by_name else f"{n}: not registered for this op" for n in names)
         if strict_env:
             raise ImplNotAvailableError(op.id, ",".join(names), f"preference ({source}) cannot be met: {why}", runnable_names())
-        _log_once(
+        log_once(
             ("skip", op.id, source, tuple(names), argkey), f"polykernel: {op.id}: {source} preference {','.join(names)} skipped ({why})"
         )
         return None
@@ -586,7 +615,7 @@ def explain(op: str, *args: Any, device: Any = None, dtype: Any = None, impl: st
     the_op = registry.get_op(op)
     argkey = _argkey_for(the_op, args, kwargs, device, dtype)
     capturing = argkey[0].type == "cuda" and torch.cuda.is_current_stream_capturing()
-    key = (argkey, impl, _scope.get(), torch.are_deterministic_algorithms_enabled(), capturing)
+    key = memo_key.key(argkey, impl, _scope.get(), torch.are_deterministic_algorithms_enabled(), capturing)
     subclass = subclass_name((*args, *kwargs.values()))
     route = None
     if subclass == "DTensor":  # tensor parallel: the local shards' explanation, or why not
@@ -596,7 +625,7 @@ def explain(op: str, *args: Any, device: Any = None, dtype: Any = None, impl: st
         if local is not None:
             return local
     if subclass is not None:
-        key = (*key, subclass)
+        key = key._replace(subclass=subclass)
     chosen = source = error = None
     try:
         tensors = (*args, *kwargs.values()) if args else None  # tuning keys on the call's tensors
@@ -604,7 +633,7 @@ def explain(op: str, *args: Any, device: Any = None, dtype: Any = None, impl: st
         chosen, source, rows = d.impl, d.source, d.verdicts
     except ImplNotAvailableError as exc:
         error = str(exc)
-        rows = _verdicts(the_op, argkey, key[3], capturing, subclass)
+        rows = _verdicts(the_op, argkey, key.deterministic, capturing, subclass)
     return Explanation(
         op=the_op.id,
         platform=str(PlatformInfo.detect(argkey[0])),
@@ -655,8 +684,8 @@ def decisions(op: str | None = None) -> list[dict[str, Any]]:
             if v.name == d.impl:
                 break
             skipped.append((v.name, v.reason or "runnable, lower preference"))
-        record = {"op": op_id, "arg_class": d.op.arg_class(key[0]).as_dict(), "impl": d.impl, "source": d.source, "skipped": skipped}
-        if len(key) > 5:
-            record["subclass"] = key[5]
+        record = {"op": op_id, "arg_class": d.op.arg_class(key.argclass).as_dict(), "impl": d.impl, "source": d.source, "skipped": skipped}
+        if key.subclass is not None:
+            record["subclass"] = key.subclass
         out.append(record)
     return out

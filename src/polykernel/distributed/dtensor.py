@@ -123,7 +123,7 @@ LAYOUTS: dict[str, Layout] = {
 # tensor, in processes that use DTensors only), so that a DTensor reaches the route below even
 # where the torch impl is chosen (the torch impls of the losses cannot run on DTensors).
 dispatch.routed.update(LAYOUTS)
-dispatch._clear_memos()
+dispatch.clear_memos()
 
 # Where the loss ops keep their options (positional, in the impl's order).
 _LOSS_ARGS = {"loss.cross_entropy": (1, 2, 4), "loss.fused_linear_cross_entropy": (2, 4, 6)}  # target, ignore_index, reduction
@@ -371,7 +371,7 @@ class Route:
         p = plan(self.op, args)
         if p.moved:
             _redistributing(self.op, p)
-        return run(self.op, self.key[1], p, args)
+        return run(self.op, self.key.impl, p, args)
 
     def on_fault(self, exc: Exception, args: tuple[Any, ...]) -> Any:
         raise exc  # the local call has its own fault policy
@@ -388,9 +388,9 @@ def _redistributing(op: Op, p: Plan) -> None:
     """Placements that need cross-rank communication before the op can run on shards: logged
     once per op and reason; ``POLYKERNEL_STRICT=1`` makes it an error (before any collective)."""
     message = f"polykernel: {op.id}: {p.text}: redistributing {p.reason} before running on local shards"
-    if dispatch._strict_mode():
+    if dispatch.strict_mode():
         raise ImplNotAvailableError(op.id, "local shards", f"{p.text}: needs a redistribution: {p.reason}")
-    dispatch._log_once(("dtensor", op.id, p.text, p.reason), message)
+    dispatch.log_once(("dtensor", op.id, p.text, p.reason), message)
 
 
 # -- explain ---------------------------------------------------------------------------------
@@ -403,7 +403,7 @@ def explain_local(
     ``key``: the call's memo key): ``(explanation, None)`` when the call runs on local shards (the
     local call's explanation, with its route), else ``(None, route)``, where ``route(chosen)``
     words the path taken instead."""
-    memoized = op._memo.get(key)
+    memoized = op.memoized(key)
     if memoized is not None and not memoized.raw:  # Op.call runs that impl on the DTensors
         why = "the decision memoized for plain tensors of this argument class accepts DTensors"
         return None, lambda chosen: f"DTensor: {chosen} impl on the DTensors through DTensor's rules ({why})"

@@ -197,7 +197,7 @@ def _measure(
 def remember(op: Op, argkey: tuple[Any, ...], impl: str) -> None:
     """Record a decision for ``(op, argkey)`` in this process only; memoized decisions are dropped."""
     _pinned[(op.id, argkey)] = impl
-    registry._changed()
+    registry.changed()
 
 
 def measured(op: Op, argkey: tuple[Any, ...]) -> dict[str, Any] | None:
@@ -251,7 +251,7 @@ def decide_and_store(records: Sequence[dict[str, Any]], persist: bool = True) ->
         store().put(entries)
     with _lock:
         _seen.clear()
-    registry._changed()
+    registry.changed()
     return entries
 
 
@@ -280,5 +280,5 @@ def sync_decisions(group: Any = None) -> int:
         store().adopt(entries)
         with _lock:
             _seen.clear()
-        registry._changed()  # memoized decisions re-resolve against rank 0's entries
+        registry.changed()  # memoized decisions re-resolve against rank 0's entries
     return len(entries)

@@ -41,6 +41,8 @@ from typing import Any
 import torch
 import triton
 
+from ...core import codegen
+
 log = logging.getLogger("polykernel")
 
 _JIT = getattr(getattr(triton, "runtime", None), "jit", None)
@@ -102,9 +104,7 @@ def _arg_key_function(args: Sequence[Any]) -> Callable[..., tuple[Any, ...]]:
             parts.append(f"type(a{i})")
     names = ", ".join(f"a{i}" for i in range(len(args)))
     src = f"def key({names}):\n    return ({', '.join(parts)}{',' if len(parts) == 1 else ''})\n"
-    namespace: dict[str, Any] = {}
-    exec(compile(src, "<polykernel fast-launch key>", "exec"), namespace)
-    return namespace["key"]
+    return codegen.define(src, f"<polykernel fast-launch key: {len(args)} arguments>", "key", {})
 
 
 def _state(kernel: Any) -> _KernelState:
