@@ -15,12 +15,13 @@ Example::
 from __future__ import annotations
 
 import importlib
-import os
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
+
+from . import env
 
 __all__ = [
     "CapabilityRequirement",
@@ -430,8 +431,9 @@ class KernelSpec:
 
 
 def triton_interpret_allows(platform: PlatformInfo) -> bool:
-    """With ``TRITON_INTERPRET=1`` Triton kernels run on CPU tensors through the interpreter."""
-    return str(platform.device) == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """With ``TRITON_INTERPRET=1`` Triton kernels run on CPU tensors through the interpreter (only
+    the values Triton itself reads as true: :func:`polykernel.env.triton_interpret`)."""
+    return str(platform.device) == "cpu" and env.triton_interpret()
 
 
 _findable: dict[str, bool] = {}

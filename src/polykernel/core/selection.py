@@ -29,6 +29,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .. import env
 from ..errors import ImplNotAvailableError, UnknownImplError, shown
 from ..spec import KernelBackend, KernelSpec, PlatformInfo
 from . import first_call, hooks, memo_key, registry
@@ -106,7 +107,20 @@ def _parse_op_names(value: Any, where: str, op_id: str, runnable: Sequence[str] 
 
 
 def strict_mode() -> bool:
-    return os.environ.get("POLYKERNEL_STRICT", "0") not in ("", "0", "false", "False")
+    # Read on slow paths only (a new decision, a runtime fault): a bad value raises there.
+    return env.flag("POLYKERNEL_STRICT", False)
+
+
+_env_checked = False  # env.check ran since the last clear_caches (it warns of misspelt names)
+
+
+def _check_env() -> None:
+    global _env_checked
+    if not _env_checked:
+        with _lock:  # threads meeting their first decisions at once warn once
+            if not _env_checked:
+                env.check([op_id.rpartition(".")[2] for op_id in registry.all_op_ids()], strict_mode())
+                _env_checked = True  # not before: under strict mode every decision raises until fixed
 
 
 # ------------------------------------------------------------------------------------------
@@ -168,6 +182,9 @@ def get_impl_settings() -> dict[str | None, tuple[str, ...]]:
 
 def clear_caches() -> None:
     """Forget memoized decisions, runtime-fault marks and once-only log records."""
+    global _env_checked
+    _env_checked = False
+    env.reset_warnings()
     with _lock:
         _broken.clear()
         _logged.clear()
@@ -403,6 +420,7 @@ def subclass_name(args: Sequence[Any]) -> str | None:
 
 
 def _resolve(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None, measure: bool = False) -> Decision:
+    _check_env()
     argkey, impl, scope, det, capturing, subclass = key  # subclass: a tensor-subclass argument's type (see Op.call)
     rows = _verdicts(op, argkey, det, capturing, subclass)
     by_name = {v.name: v for v in rows}

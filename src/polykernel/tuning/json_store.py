@@ -9,10 +9,15 @@ One file per environment identity, ``tuning-<namespace>.json``::
                                                           "torch": {"error": "raised ..."}}}}}
 
 Writes are merged under a file lock (``filelock``) and land atomically (temp file + ``os.replace``),
-so processes tuning at once lose no entry. Reading never raises: a corrupt, truncated, non-JSON,
-wrong-schema, unreadable or foreign file is a miss with one warning; an unusable directory
-degrades to an in-memory store with one warning. Impl names in the file are only strings here:
-the dispatcher honours one only if it is a registered impl that is runnable for the call.
+so processes tuning at once lose no entry. Readers take no lock (a rename is atomic) and read the
+file once per store (per process, again after ``clear_caches``); a write re-reads it under the
+lock to merge. A writer waits for the lock at most ``LOCK_TIMEOUT_S``; then its entries stay in
+memory (one warning) and go to the file with a later write that finds the lock free. Reading never raises: a corrupt, truncated, non-JSON,
+wrong-schema, unreadable or foreign file is a miss with one warning, and so is a path that is not
+a regular file (a FIFO, a device: never opened) or one larger than ``MAX_FILE_BYTES``; an unusable
+directory degrades to an in-memory store with one warning. Impl names in the file are only
+strings here: the dispatcher honours one only if it is a registered impl that is runnable for
+the call.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import stat
 import tempfile
 import threading
 import warnings
@@ -32,7 +38,8 @@ from .key import SCHEMA, namespace
 log = logging.getLogger("polykernel")
 
 FORMAT = "polykernel-tuning"
-LOCK_TIMEOUT_S = 30.0
+LOCK_TIMEOUT_S = 2.0  # a writer (POLYKERNEL_TUNE=on in an op call, `polykernel tune`) waits this long at most
+MAX_FILE_BYTES = 64 << 20  # a store is kilobytes; a larger file is not one (or a runaway)
 _MAX_PATH = 4096
 _warned: set[tuple[str, str]] = set()
 
@@ -65,11 +72,15 @@ def cache_dir() -> Path | None:
         elif "\0" in raw:
             problem = "contains a NUL byte"
         else:
-            path = Path(raw.strip()).expanduser()
-            if not path.is_absolute():
-                path = Path.cwd() / path
-            if path == Path(path.anchor):
-                problem = "is the filesystem root (separators only?)"
+            try:
+                path = Path(raw.strip()).expanduser()
+                if not path.is_absolute():
+                    path = Path.cwd() / path
+            except (RuntimeError, OSError, KeyError) as exc:  # ~nosuchuser, no home, a deleted working directory
+                problem = f"cannot be resolved ({type(exc).__name__}: {exc})"
+            else:
+                if path == Path(path.anchor):
+                    problem = "is the filesystem root (separators only?)"
         if problem is not None:
             warn_once(
                 "POLYKERNEL_CACHE_DIR",
@@ -83,7 +94,36 @@ def cache_dir() -> Path | None:
 
         return Path(platformdirs.user_cache_dir("polykernel", appauthor=False))
     except Exception:  # platformdirs missing or unable to name a directory
+        pass
+    try:
         return Path.home() / ".cache" / "polykernel"
+    except (RuntimeError, OSError, KeyError) as exc:  # no home directory to be found
+        warn_once("cache_dir", "home", f"polykernel: no cache directory ({exc}); tuning decisions are kept in memory only")
+        return None
+
+
+class _Refused(Exception):
+    """The store's path is not something to read (the message says why)."""
+
+
+def _read_regular(path: Path) -> str:
+    """The text of ``path`` when it is a regular file of at most ``MAX_FILE_BYTES``, else
+    :class:`_Refused`. A FIFO or a device is never opened: opening a FIFO blocks until a writer
+    comes, and ``/dev/zero`` never ends."""
+    info = os.stat(path)  # follows a symlink: its target is what would be read
+    if not stat.S_ISREG(info.st_mode):
+        raise _Refused("not a regular file")
+    if info.st_size > MAX_FILE_BYTES:
+        raise _Refused(f"larger than {MAX_FILE_BYTES >> 20} MiB")
+    # O_NONBLOCK: should the path become a FIFO after the stat, opening it still returns at once.
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise _Refused("not a regular file")
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise _Refused(f"larger than {MAX_FILE_BYTES >> 20} MiB")
+    return data.decode("utf-8")
 
 
 def _valid_entry(value: Any) -> bool:
@@ -110,6 +150,8 @@ class Store:
         self._entries: dict[str, dict[str, Any]] = {}
         self._loaded = False
         self._lock = threading.RLock()
+        self._unwritten: dict[str, dict[str, Any]] = {}  # put while another process held the file lock
+        self._lock_busy = False  # the last put timed out on the file lock: the next only tries it
 
     # -- reading ---------------------------------------------------------------------------
     def _read_file(self) -> dict[str, dict[str, Any]]:
@@ -121,13 +163,16 @@ class Store:
             if self.directory is not None and self.directory.exists() and not self.directory.is_dir():
                 self._degrade("is not a directory")
                 return {}
-            text = path.read_text(encoding="utf-8")
+            text = _read_regular(path)
         except FileNotFoundError:
             return {}
         except NotADirectoryError:
             self._degrade("is not a directory")
             return {}
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
+        except _Refused as exc:
+            warn_once(str(path), "unreadable", f"polykernel: tuning store {path} is unreadable ({exc}); ignored")
+            return {}
+        except Exception as exc:  # OSError, UnicodeDecodeError, MemoryError...: a miss, never an op call's error
             warn_once(str(path), "unreadable", f"polykernel: tuning store {path} is unreadable ({type(exc).__name__}: {exc}); ignored")
             return {}
         try:
@@ -154,8 +199,10 @@ class Store:
         if not self._loaded:
             with self._lock:
                 if not self._loaded:
-                    self._entries = {**self._read_file(), **self._entries}
-                    self._loaded = True
+                    try:
+                        self._entries = {**self._read_file(), **self._entries}
+                    finally:  # read once, whatever happened: never again on every call
+                        self._loaded = True
 
     def get(self, key: str) -> dict[str, Any] | None:
         self._ensure_loaded()
@@ -177,23 +224,42 @@ class Store:
             self._entries.update({k: v for k, v in entries.items() if isinstance(k, str) and _valid_entry(v)})
 
     def put(self, entries: dict[str, dict[str, Any]]) -> None:
-        """Add entries in memory and merge them into the file (locked read-merge-atomic write)."""
+        """Add entries in memory and merge them into the file (locked read-merge-atomic write).
+
+        When another process holds the lock past ``LOCK_TIMEOUT_S``, the entries stay in memory
+        (one warning) and later puts only try the lock, without waiting; the first that gets it
+        writes them all."""
+        import filelock
+
         self._ensure_loaded()
         with self._lock:
             self._entries.update(entries)
             if self.path is None:
                 return
+            self._unwritten.update(entries)
             try:
-                self._merge_into_file(entries)
+                self._merge_into_file(self._unwritten, 0.0 if self._lock_busy else LOCK_TIMEOUT_S)
+            except filelock.Timeout:
+                self._lock_busy = True
+                warn_once(
+                    str(self.path),
+                    "locked",
+                    f"polykernel: tuning store {self.path} is locked by another process (waited {LOCK_TIMEOUT_S:g} s for "
+                    f"{self.path}.lock); new decisions are kept in memory, and written by a later one if the lock is free then",
+                )
+                return
             except Exception as exc:  # any I/O or lock failure: keep going in memory, visibly
                 self._degrade(f"cannot be written ({type(exc).__name__}: {exc})")
+                return
+            self._unwritten.clear()
+            self._lock_busy = False
 
-    def _merge_into_file(self, entries: dict[str, dict[str, Any]]) -> None:
+    def _merge_into_file(self, entries: dict[str, dict[str, Any]], timeout: float) -> None:
         import filelock
 
         assert self.path is not None and self.directory is not None
         self.directory.mkdir(parents=True, exist_ok=True)
-        with filelock.FileLock(str(self.path) + ".lock", timeout=LOCK_TIMEOUT_S):
+        with filelock.FileLock(str(self.path) + ".lock", timeout=timeout):
             merged = {**self._read_file(), **entries}
             data = {"format": FORMAT, "schema": SCHEMA, "identity": self.identity, "entries": merged}
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tuning-", suffix=".tmp")

@@ -20,8 +20,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 from typing import TYPE_CHECKING, Any
+
+from .. import env
 
 if TYPE_CHECKING:
     from ..core.op import Op
@@ -66,8 +67,7 @@ def _static_identity() -> dict[str, Any]:
 
 def identity() -> dict[str, Any]:
     """The environment identity: a decision measured under one never applies under another."""
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    return {**_static_identity(), "triton_interpret": interpret}
+    return {**_static_identity(), "triton_interpret": env.triton_interpret()}
 
 
 def namespace(ident: dict[str, Any]) -> str:

@@ -17,14 +17,15 @@ Example::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ... import env
+
 # Read per call (one global load): benchmarks/host_diag.py measures with the lean path off.
-ENABLED = os.environ.get("POLYKERNEL_LEAN_APPLY", "1") not in ("0", "false", "False", "off")
+ENABLED = env.flag("POLYKERNEL_LEAN_APPLY", True)
 
 
 def set_enabled(on: bool) -> bool:

@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import triton
 
+from ... import env
 from ...core import codegen
 
 log = logging.getLogger("polykernel")
@@ -54,13 +54,13 @@ _get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _enabled_by_env() -> bool:
-    return os.environ.get("POLYKERNEL_FAST_LAUNCH", "1") not in ("0", "false", "False", "off")
+    return env.flag("POLYKERNEL_FAST_LAUNCH", True)
 
 
 # Off: the interpreter (kernels are not JITFunctions then anyway), a CPU-only torch, a Triton
 # without the pieces used here, or the user's switch.
 _SUPPORTED = (
-    os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    not env.triton_interpret()
     and _JITFunction is not None
     and _runtime_knobs is not None
     and _get_device is not None
