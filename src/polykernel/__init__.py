@@ -32,6 +32,7 @@ _LAZY: dict[str, str] = {
     "UnknownOpError": "errors:UnknownOpError",
     "OpArgumentError": "errors:OpArgumentError",
     "OpTypeError": "errors:OpTypeError",
+    "ImplVerificationError": "errors:ImplVerificationError",
     # registry and dispatcher
     "register_impl": "core.registry:register_impl",
     "declare_op_locations": "core.registry:declare_op_locations",

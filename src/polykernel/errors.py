@@ -77,3 +77,34 @@ class UnknownImplError(ImplNotAvailableError, ValueError):
         if not getattr(self, "_runnable_known", True):
             return f"{self.op}: impl {self.impl!r} is not available: {self.reason}"
         return super().__str__()
+
+
+class ImplVerificationError(PolykernelError, RuntimeError):
+    """An impl's outputs or gradients on its first call for an argument class disagree with the
+    op's torch impl (its reference, for an op without one) beyond the op's error model
+    (``POLYKERNEL_VERIFY``, see :mod:`polykernel.core.verify`). ``what`` names the output or gradient; ``max_abs``,
+    ``max_rel``, ``ratio`` (worst error over its tolerance), ``atol`` and ``rtol`` are the
+    measured error and the tolerance, None where the mismatch is not numeric (shape, NaN)."""
+
+    def __init__(
+        self,
+        op: str,
+        impl: str,
+        what: str,
+        detail: str,
+        *,
+        max_abs: float | None = None,
+        max_rel: float | None = None,
+        ratio: float | None = None,
+        atol: float | None = None,
+        rtol: float | None = None,
+        against: str = "the torch impl",
+    ) -> None:
+        self.op = op
+        self.impl = impl
+        self.what = what
+        self.detail = detail
+        self.max_abs, self.max_rel, self.ratio, self.atol, self.rtol = max_abs, max_rel, ratio, atol, rtol
+        super().__init__(
+            f"{op}: impl {impl!r} disagrees with {against} on {what}: {detail} (checked once per argument class: POLYKERNEL_VERIFY)"
+        )

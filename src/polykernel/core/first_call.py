@@ -6,7 +6,9 @@ kernel): an impl that returns the wrong shape raises :class:`ImplOutputError`, w
 dispatcher's fault policy treats like any runtime fault (fall back with one warning, or raise
 under ``POLYKERNEL_STRICT=1`` and for a forced impl). It also tags the impl's autograd Function
 so that an exception raised later in its backward carries a note naming the op and the impl.
-Then the wrapper puts the impl itself back on the decision: later calls cost nothing extra.
+Before the impl's first call, ``POLYKERNEL_VERIFY`` (default ``first`` on CUDA) compares it once
+with the op's torch impl on copies of the inputs (:mod:`polykernel.core.verify`). Then the wrapper
+puts the impl itself back on the decision: later calls cost nothing extra.
 
     >>> import polykernel, torch
     >>> y = polykernel.softmax(torch.randn(2, 8))   # first call: outputs checked once
@@ -20,6 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PolykernelError
+from . import verify
 
 if TYPE_CHECKING:
     from .selection import Decision
@@ -34,16 +37,21 @@ class ImplOutputError(PolykernelError, RuntimeError):
 
 
 def checked(decision: Decision) -> Callable[..., Any]:
-    """The callable for a new decision: the impl, behind a check of its first outputs."""
+    """The callable for a new decision: the impl, behind a check of its first outputs (and,
+    with ``POLYKERNEL_VERIFY``, a comparison with the torch impl: :mod:`polykernel.core.verify`)."""
     raw = decision.fn
+    mode = verify.mode(decision)  # read once per decision; a bad value raises here, before any launch
 
     def first_call(*args: Any) -> Any:
+        if mode != "off":  # a mismatch raises ImplVerificationError: a fault, as below
+            verify.verify(decision, raw, args)
         out = raw(*args)
         why = _mismatch(decision.op, args, out)
         if why is not None:  # handed to Decision.on_fault by the op's call path
             raise ImplOutputError(f"{decision.op.id}: impl {decision.impl!r} returned {why}")
         _tag_backward(out, f"impl {decision.impl!r} of {decision.op.id}")
-        decision.fn = raw  # checked: later calls go straight to the impl
+        if mode != "always":
+            decision.fn = raw  # checked: later calls go straight to the impl
         return out
 
     functools.update_wrapper(first_call, raw)  # attributes callers read off an impl stay visible

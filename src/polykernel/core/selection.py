@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import env
-from ..errors import ImplNotAvailableError, UnknownImplError, shown
+from ..errors import ImplNotAvailableError, ImplVerificationError, UnknownImplError, shown
 from ..spec import KernelBackend, KernelSpec, PlatformInfo
 from . import first_call, hooks, memo_key, registry
 
@@ -262,13 +262,14 @@ class Decision:
         if subclass_name(args) is not None:  # the next impl may read raw memory: never on a subclass
             raise exc
         argkey = self.key.argclass
+        what = "failed verification" if isinstance(exc, ImplVerificationError) else "failed at run time"
         message = (
-            f"polykernel: {self.op.id}: impl {self.impl!r} failed at run time "
+            f"polykernel: {self.op.id}: impl {self.impl!r} {what} "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
             f"falling back to the next impl for this argument class"
         )
         with _lock:
-            _broken.setdefault((self.op.id, argkey), {})[self.impl] = f"failed at run time: {type(exc).__name__}"
+            _broken.setdefault((self.op.id, argkey), {})[self.impl] = f"{what}: {type(exc).__name__}"
             self.op.forget(self.key)
         try:
             nxt = decide(self.op, self.key)
