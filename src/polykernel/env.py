@@ -40,6 +40,8 @@ KNOWN: dict[str, str] = {
     "POLYKERNEL_FAST_LAUNCH": "boolean: the Triton impls' direct launch path",
     "POLYKERNEL_LEAN_APPLY": "boolean: the Triton impls' lean autograd apply",
     "POLYKERNEL_HYPOTHESIS_EXAMPLES": "the test suite's number of property-test examples",
+    "POLYKERNEL_VERIFY": "first|off|always: check a new decision's impl against the torch impl once (default first on CUDA)",
+    "POLYKERNEL_COMPAT_FALLBACKS": "boolean: use every private-API fallback (polykernel._compat; CI runs the suite so)",
 }
 # Per-op variables: the prefix, then the op's bare name upper-cased (POLYKERNEL_IMPL_RMS_NORM).
 PER_OP = ("POLYKERNEL_IMPL_", "POLYKERNEL_COMPILE_")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import polykernel
-from polykernel.core import registry, verify
+from polykernel.core import memo_key, registry, verify
 from polykernel.errors import ImplVerificationError, PolykernelError
 from polykernel.ops.rms_norm import reference
 from polykernel.spec import CapabilityRequirement
@@ -190,13 +190,13 @@ def test_default_is_off_on_the_cpu(monkeypatch):
     plant(scale=1.03)
     polykernel.rms_norm(*args())
     assert CALLS == ["liger"]
-    cuda = types.SimpleNamespace(impl="triton", key=((torch.device("cuda", 0), torch.float32, False),))
-    cpu = types.SimpleNamespace(impl="triton", key=((torch.device("cpu"), torch.float32, False),))
+    cuda = types.SimpleNamespace(impl="triton", key=memo_key.key((torch.device("cuda", 0), torch.float32, False), None, (), False))
+    cpu = types.SimpleNamespace(impl="triton", key=memo_key.key((torch.device("cpu"), torch.float32, False), None, (), False))
     assert (verify.mode(cuda), verify.mode(cpu)) == ("first", "off")
 
 
 def test_never_for_the_torch_impl():
-    torch_impl = types.SimpleNamespace(impl="torch", key=((torch.device("cuda", 0), torch.float32, False),))
+    torch_impl = types.SimpleNamespace(impl="torch", key=memo_key.key((torch.device("cuda", 0), torch.float32, False), None, (), False))
     assert verify.mode(torch_impl) == "off"
 
 
