@@ -13,7 +13,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 def load_benchmark(name: str) -> types.ModuleType:
     """``benchmarks/<name>.py`` imported as the module ``name`` (registered in sys.modules, so
     its own pickling and dataclasses resolve)."""
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    (path,) = BENCHMARKS.glob(f"*/{name}.py")  # benchmarks/<area>/<name>.py
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)

@@ -1,7 +1,7 @@
 """A tensor- and sequence-parallel plan for a Hugging Face Llama, as torchtitan shards its Llama.
 
 Shared by tests/test_tp_transformers.py (CPU, gloo), tests/test_tp_gpu2.py (NCCL) and
-benchmarks/tp_block.py. Per decoder layer:
+benchmarks/models/tp_block.py. Per decoder layer:
 
 - the norms: ``SequenceParallel`` (activations ``Shard(1)`` on the sequence, weights replicated);
   the norm receives a DTensor, so polykernel runs it on the local shard;

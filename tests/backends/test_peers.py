@@ -1,6 +1,6 @@
 """Peer impls (Liger-Kernel, QuACK): gating, predicates, lazy imports; Liger adapters where
 Triton's CPU interpreter runs Liger's kernels. Their parity on the GPU is in each op's
-``test_parity_gpu_large`` (every runnable impl) and ``benchmarks/check_peers.py``."""
+``test_parity_gpu_large`` (every runnable impl) and ``benchmarks/kernels/check_peers.py``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""benchmarks/compile_llama.py on the CPU: the ``--memory`` reading of an allocator trace."""
+"""benchmarks/models/compile_llama.py on the CPU: the ``--memory`` reading of an allocator trace."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from _scripts import load_benchmark
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # its `_child` import
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "models"))  # its `_child` import
 cl = load_benchmark("compile_llama")
 
 

@@ -3,7 +3,7 @@
 A transformers Llama (2 layers, hidden 1024, 16/8 heads, bf16) sharded over 2 ranks as
 torchtitan does it (tests/_tp_llama.py). One training step patched and unpatched: the same loss
 and gradients within bf16 tolerances, and polykernel ran its Triton impls on the shards (the
-norms through the DTensor route). Tokens/s: ``benchmarks/tp_block.py``.
+norms through the DTensor route). Tokens/s: ``benchmarks/models/tp_block.py``.
 
     PYTHONPATH=src python -m pytest -q -m gpu2 tests/test_tp_gpu2.py     # ~1 min on 2×H200
 """

@@ -1,4 +1,4 @@
-"""benchmarks/ncu_kernels.py on the CPU: ncu's raw CSV parsed, kernels attributed to cases by NVTX
+"""benchmarks/kernels/ncu_kernels.py on the CPU: ncu's raw CSV parsed, kernels attributed to cases by NVTX
 range, the report's arithmetic, the case list (no peer imported), and the parent's handling of ncu
 (missing, no counter access, an unknown metric, success) through a stand-in ``ncu`` script."""
 
@@ -15,7 +15,7 @@ import pytest
 
 from _scripts import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "ncu_kernels.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "ncu_kernels.py"
 
 
 def _load():

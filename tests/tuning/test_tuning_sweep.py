@@ -1,4 +1,4 @@
-"""benchmarks/sweep_tuning.py --smoke: the H200 sweep's script runs end to end on the CPU."""
+"""benchmarks/tuning/sweep_tuning.py --smoke: the H200 sweep's script runs end to end on the CPU."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import polykernel
 from _scripts import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sweep_tuning.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tuning" / "sweep_tuning.py"
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 

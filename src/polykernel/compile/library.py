@@ -88,7 +88,7 @@ NAMESPACE = "polykernel"
 # so the dispatcher's impl runs) or "decompose" (Dynamo traces the op's torch reference and
 # Inductor fuses it into its neighbours). Decided from measurements, H200, bf16 (README tables;
 # GPU time of CUDA-graph replays unless said), and to be re-checked with
-# benchmarks/compile_llama.py. Override per op with POLYKERNEL_COMPILE_<OP>=ours|decompose
+# benchmarks/models/compile_llama.py. Override per op with POLYKERNEL_COMPILE_<OP>=ours|decompose
 # (read when the op's custom op is built, i.e. at import).
 COMPILE_MODES: dict[str, str] = {
     # swiglu/geglu 16384x14336: compile 4.31/4.33 TB/s fwd+bwd vs our Triton 4.30/4.32 (per call):

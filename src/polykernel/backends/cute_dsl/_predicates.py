@@ -3,7 +3,7 @@
 any machine).
 
 The rank rules (``KernelSpec.rank_for``) put our kernel ahead of Triton (rank 10) where the H200
-measured it faster, and nowhere else: ``benchmarks/bench_cute_dsl.py``, bf16, CUDA-graph replays,
+measured it faster, and nowhere else: ``benchmarks/kernels/bench_cute_dsl.py``, bf16, CUDA-graph replays,
 2026-11-30. Only bf16 was measured; fp16 moves the same bytes, so the rules cover both, and fp32
 (unmeasured) keeps the static rank (behind Triton).
 """

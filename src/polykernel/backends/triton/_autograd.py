@@ -24,7 +24,7 @@ import torch
 
 from ... import env
 
-# Read per call (one global load): benchmarks/host_diag.py measures with the lean path off.
+# Read per call (one global load): benchmarks/host/host_diag.py measures with the lean path off.
 ENABLED = env.flag("POLYKERNEL_LEAN_APPLY", True)
 
 

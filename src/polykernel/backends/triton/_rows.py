@@ -38,7 +38,7 @@ def row_tile(n: int, elems: int, warps: int | None) -> tuple[int, int, int]:
     """(BLOCK_N, ROWS, num_warps) for rows that fit one block: about ``elems`` elements per program.
 
     Default warps by tile size: at 16384x4096 bf16 on the H200 this forward ran at 3.76 TB/s, within
-    1% of the best setting swept (benchmarks/sweep_rms_norm.py).
+    1% of the best setting swept (benchmarks/kernels/sweep_rms_norm.py).
     """
     block_n = next_pow2(max(n, 1))
     rows = max(1, min(32, elems // block_n))

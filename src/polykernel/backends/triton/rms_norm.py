@@ -35,7 +35,7 @@ MAX_FUSED_N = 16384  # one block per row up to here; beyond, a chunked two-pass 
 CHUNK_N = 4096
 LONG_BWD_BLOCK_C = 4096  # columns per program in the long-row backward
 # Forward kernel for rows up to MAX_FUSED_N: "tile" ([ROWS, BLOCK_N] per program) or "row" (one
-# row per program, 1-D). benchmarks/kernel_variants.py A/Bs them on the GPU.
+# row per program, 1-D). benchmarks/kernels/kernel_variants.py A/Bs them on the GPU.
 FWD_VARIANT = "tile"
 
 
@@ -240,7 +240,7 @@ def _rms_bwd_colblock_kernel(
 # Host launchers
 
 
-# Launch settings. benchmarks/sweep_rms_norm.py overrides these to measure alternatives.
+# Launch settings. benchmarks/kernels/sweep_rms_norm.py overrides these to measure alternatives.
 TUNE = {
     "fwd_tile_elems": 4096,  # elements per program for short rows (ROWS = this // BLOCK_N)
     "fwd_warps": None,  # None: by tile size (below)

@@ -41,7 +41,7 @@ from ._rows import next_pow2 as _next_pow2
 # fwd+bwd 3.72, against 3.40 / 3.40 at 2048 on up to 4 warps (H200, kernel_variants.py, 2026-11-30)
 ELEMS = 1024
 MAX_BLOCK_D = 128  # half dims up to 128 (D <= 256) in one chunk; longer ones are walked in chunks
-MAX_WARPS = 1  # benchmarks/kernel_variants.py A/Bs these (call _tiles.cache_clear() after a change)
+MAX_WARPS = 1  # benchmarks/kernels/kernel_variants.py A/Bs these (call _tiles.cache_clear() after a change)
 # The rows kernel from this many positions on (a power of two: the native path keys plans on T's
 # next power of two), with ROW_ELEMS elements (both halves) per program on ROW_WARPS warps. The
 # heads kernel's 1-warp programs cap occupancy at 50% (32 blocks per SM). q 4x32x4096x128 bf16:

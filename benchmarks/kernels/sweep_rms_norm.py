@@ -1,6 +1,6 @@
 """Sweep the Triton rms_norm launch settings on the GPU (forward and backward separately).
 
-    PYTHONPATH=src python benchmarks/sweep_rms_norm.py
+    PYTHONPATH=src python benchmarks/kernels/sweep_rms_norm.py
 
 Prints GB/s (forward: 2·M·N·2 bytes; backward alone: 3·M·N·2 bytes, reads x and dy, writes dx)
 for each setting, so the defaults in backends/triton/rms_norm.py's TUNE can be chosen from data.

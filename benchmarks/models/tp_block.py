@@ -7,8 +7,8 @@ and MLP), trained for a few steps (forward, backward, AdamW) unpatched, then pat
 ``tp_block.json`` to ``--out``: tokens/s (median step time of the timed steps), peak memory,
 the losses of both runs and what polykernel ran (``decisions()``)::
 
-    PYTHONPATH=src python benchmarks/tp_block.py --out results/tp        # 2 GPUs, NCCL, ~1 min
-    PYTHONPATH=src python benchmarks/tp_block.py --out /tmp/tp --smoke   # CPU, gloo, tiny (a check)
+    PYTHONPATH=src python benchmarks/models/tp_block.py --out results/tp        # 2 GPUs, NCCL, ~1 min
+    PYTHONPATH=src python benchmarks/models/tp_block.py --out /tmp/tp --smoke   # CPU, gloo, tiny (a check)
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 
 WORLD = 2
 FULL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=8)

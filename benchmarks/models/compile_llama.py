@@ -6,9 +6,9 @@ bf16, fused AdamW, batch 4 x 2048, each variant in its own subprocess (fresh all
 compile caches). Per variant: tokens/s from the median step time of steps 4..N, peak memory, and
 the compile time (the first step's time; also the first three steps' sum).
 
-    PYTHONPATH=src python benchmarks/compile_llama.py --out DIR              # 4 variants, ~4-5 min
-    PYTHONPATH=src python benchmarks/compile_llama.py --out DIR --all-modes  # + max-autotune-no-cudagraphs, reduce-overhead
-    PYTHONPATH=src python benchmarks/compile_llama.py --out DIR --only compile,compile[is_causal],polykernel[ops]+compile,polykernel+compile
+    PYTHONPATH=src python benchmarks/models/compile_llama.py --out DIR              # 4 variants, ~4-5 min
+    PYTHONPATH=src python benchmarks/models/compile_llama.py --out DIR --all-modes  # + max-autotune-no-cudagraphs, reduce-overhead
+    PYTHONPATH=src python benchmarks/models/compile_llama.py --out DIR --only compile,compile[is_causal],polykernel[ops]+compile,polykernel+compile
 
 The last isolates the causal mask: transformers materializes it under compile (5.17 always; 5.24
 with a torch before pytorch#176499) where eager skips it; ``patch``'s ``sdpa_is_causal`` switch skips it

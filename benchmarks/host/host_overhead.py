@@ -1,6 +1,6 @@
 """Host (CPU) time per call of GPU launches, without synchronizing: what limits small, fast steps.
 
-PYTHONPATH=src python benchmarks/host_overhead.py
+PYTHONPATH=src python benchmarks/host/host_overhead.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Measured selection on the GPU: is the tuned choice within 5% of the fastest impl at every size?
 
-    PYTHONPATH=src python benchmarks/sweep_tuning.py --out DIR          # the H200 sweep (~3-4 min)
-    PYTHONPATH=src python benchmarks/sweep_tuning.py --out DIR --smoke  # CPU, interpreter, seconds
+    PYTHONPATH=src python benchmarks/tuning/sweep_tuning.py --out DIR          # the H200 sweep (~3-4 min)
+    PYTHONPATH=src python benchmarks/tuning/sweep_tuning.py --out DIR --smoke  # CPU, interpreter, seconds
 
 For rms_norm, softmax and cross_entropy in bf16, N = 1K, 2K, ..., 256K (cross_entropy: V = N)
 with M = 2^27 / N rows, so that x (the logits) is 256 MiB at every N (1K: 131072 rows; 256K: 512

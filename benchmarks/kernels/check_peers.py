@@ -1,7 +1,7 @@
 """On a GPU: explain every op, then parity of the peer impls (Liger-Kernel, QuACK) with the reference.
 
     source /opt/pk/env.sh   # after ../shared/gpu/stage.sh cute (QuACK needs the CuTeDSL native lib)
-    PYTHONPATH=src python3 benchmarks/check_peers.py [--large] [--op rms_norm ...]
+    PYTHONPATH=src python3 benchmarks/kernels/check_peers.py [--large] [--op rms_norm ...]
 
 Prints each op's explain (bf16, default arguments), then one line per failing (op, impl, case,
 dtype), one line per case a peer refuses (its predicate's reason), and a summary. Exit status 1 if

@@ -1,6 +1,6 @@
 """A/B the Triton kernels that trail (issue 11) on a CUDA GPU, one variant setting at a time.
 
-    PYTHONPATH=src python benchmarks/kernel_variants.py --out DIR [--only rms_norm,rope,fused_add_rms_norm,flce]
+    PYTHONPATH=src python benchmarks/kernels/kernel_variants.py --out DIR [--only rms_norm,rope,fused_add_rms_norm,flce]
 
 Each variant sets module constants of a Triton backend file (the settings the kernels read at
 launch: ``rms_norm.FWD_VARIANT``, ``TUNE`` entries, ``rope.ROWS_MIN_T``/``ROW_ELEMS``/``ROW_WARPS``/``ELEMS``/``MAX_WARPS``), then times the

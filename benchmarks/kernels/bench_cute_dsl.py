@@ -1,6 +1,6 @@
 """cute_dsl against Triton and QuACK at issue 8's target shapes (H200, GPU time of CUDA-graph replays).
 
-    PYTHONPATH=src python3 benchmarks/bench_cute_dsl.py --ops rms_norm layer_norm --out DIR
+    PYTHONPATH=src python3 benchmarks/kernels/bench_cute_dsl.py --ops rms_norm layer_norm --out DIR
 
 Each row: op, shape, mode (fwd / fwd+bwd), impl, median ms, TB/s from the op's ``bytes_moved``
 (the fewest bytes the op must move) and the target where issue 8 sets one. Writes

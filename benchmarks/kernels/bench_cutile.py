@@ -1,7 +1,7 @@
 """On the H200: cuTile impls next to Triton and torch.compile at issue 9's target shapes.
 
     source /opt/pk/env.sh   # after `bash ../shared/gpu/stage.sh cutile` (tileiras 13.4; unsets CUDA_HOME)
-    PYTHONPATH=src python3 benchmarks/bench_cutile.py --out DIR [--op rms_norm ...] [--no-compile] [--graph]
+    PYTHONPATH=src python3 benchmarks/kernels/bench_cutile.py --out DIR [--op rms_norm ...] [--no-compile] [--graph]
 
 Timing and the copy reference are ``polykernel bench``'s own (:func:`polykernel.tools.bench.measure`,
 :func:`polykernel.tools.bench.copy_bandwidth`): ``triton.testing.do_bench`` medians, fwd+bwd as a forward

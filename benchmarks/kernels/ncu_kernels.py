@@ -1,6 +1,6 @@
 """Why kernels miss their GPU-time targets (issues 8 and 11), from Nsight Compute's hardware counters.
 
-    PYTHONPATH=src python3 benchmarks/ncu_kernels.py --out DIR [--only rms_norm,softmax] [--cases 'softmax/*/fwd/*'] [--quick]
+    PYTHONPATH=src python3 benchmarks/kernels/ncu_kernels.py --out DIR [--only rms_norm,softmax] [--cases 'softmax/*/fwd/*'] [--quick]
 
 One ``ncu`` run profiles every case (op, shape, fwd or fwd+bwd, impl; bf16) in one child process:
 the child builds each case's inputs, warms it up (Triton/CuTeDSL compiles) outside the profiled

@@ -1,6 +1,6 @@
 """Where the host time of an eager op call goes, per op, on a CUDA GPU (issue 11).
 
-    PYTHONPATH=src python benchmarks/host_profile.py --out DIR [--ops rms_norm,rope] [--quick]
+    PYTHONPATH=src python benchmarks/host/host_profile.py --out DIR [--ops rms_norm,rope] [--quick]
 
 For each case (op, shape, fwd or fwd+bwd; bf16; the issue's training and decode shapes) and each
 contender — ``polykernel`` (automatic choice), ``polykernel[py]`` (the same with the native

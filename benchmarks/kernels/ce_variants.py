@@ -1,6 +1,6 @@
 """Cross-entropy gradient strategies and the fused linear CE impls, forward+backward (H200).
 
-PYTHONPATH=src python benchmarks/ce_variants.py
+PYTHONPATH=src python benchmarks/kernels/ce_variants.py
 """
 
 import torch

@@ -1,6 +1,6 @@
 """Hot-path cost of the dispatcher: ``polykernel.rms_norm`` vs the selected impl called directly.
 
-    PYTHONPATH=src python benchmarks/overhead.py [--rounds 200] [--calls 200] [--json FILE]
+    PYTHONPATH=src python benchmarks/host/overhead.py [--rounds 200] [--calls 200] [--json FILE]
 
 A 1x64 fp32 CPU tensor, so the kernel itself is cheap and the Python around it shows. The
 candidates are timed interleaved (one batch of ``--calls`` calls each per round, in turn), and

@@ -13,8 +13,8 @@ tensor its graph name, op and module (``nn_module_stack``). Each variant runs in
 (``POLYKERNEL_COMPILE_*`` is read at import), with Inductor's caches off so that the partition
 runs.
 
-    PYTHONPATH=src python benchmarks/compile_saved.py --out DIR                  # CPU, small shape, ~1.5 min
-    PYTHONPATH=src python benchmarks/compile_saved.py --out DIR --device cuda \\
+    PYTHONPATH=src python benchmarks/models/compile_saved.py --out DIR                  # CPU, small shape, ~1.5 min
+    PYTHONPATH=src python benchmarks/models/compile_saved.py --out DIR --device cuda \\
         --hidden 2048 --intermediate 8192 --heads 32 --kv-heads 8 --layers 16 --vocab 128256 \\
         --batch 4 --seq 2048 --only polykernel,compile,polykernel+compile,polykernel+compile[ours]
 

@@ -1,7 +1,7 @@
 """Why an eager fwd+bwd call of our Triton norms takes longer than its GPU time (issue 11).
 
-    PYTHONPATH=src python benchmarks/host_diag.py --out DIR                 # CUDA GPU, ~40 s
-    TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/host_diag.py --out DIR --smoke   # CPU check
+    PYTHONPATH=src python benchmarks/host/host_diag.py --out DIR                 # CUDA GPU, ~40 s
+    TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/host/host_diag.py --out DIR --smoke   # CPU check
 
 host_profile.py found rms_norm 16384x4096 bf16 fwd+bwd at 595 µs per back-to-back call against
 192 µs of GPU time and 307 µs of host time: more than either, as if host and GPU took turns. This

@@ -1,7 +1,7 @@
 """Where does a forward+backward step's time go? Kernel times from the torch profiler next to
 the do_bench median of the whole step.
 
-    PYTHONPATH=src python benchmarks/profile_step.py [op] [impl]
+    PYTHONPATH=src python benchmarks/models/profile_step.py [op] [impl]
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Does the public call's automatic path cost GPU time that the same impl forced with ``impl=``
-does not? The H200 sweep (benchmarks/sweep_tuning.py, 2026-11-30) timed the tuned public call
+does not? The H200 sweep (benchmarks/tuning/sweep_tuning.py, 2026-11-30) timed the tuned public call
 7-11% slower than the impl it chose at some points (rms_norm fwd 4K/8K, softmax 128K).
 
 For each case: CUDA-graph replay time of ``impl=<chosen>`` and of the automatic call (tuning off,
 then on with a fresh store), interleaved A/B/A/B with ``polykernel.tools.bench.measure``, plus the
 kernels each captured graph launches (``torch.profiler`` over replays). Writes JSON to --out.
 
-    PYTHONPATH=src python benchmarks/auto_vs_forced.py --out DIR
+    PYTHONPATH=src python benchmarks/host/auto_vs_forced.py --out DIR
 """
 
 from __future__ import annotations

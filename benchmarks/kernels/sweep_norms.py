@@ -1,7 +1,7 @@
 """Sweep launch settings of the Triton layer_norm (backward) and softmax (row-length switches) on
 the GPU, and profile one layer_norm fwd+bwd step, so defaults are chosen from data.
 
-    PYTHONPATH=src python benchmarks/sweep_norms.py
+    PYTHONPATH=src python benchmarks/kernels/sweep_norms.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Side-by-side GPU benchmark (the code lives in polykernel.tools.bench; see ``polykernel bench --help``).
 
-PYTHONPATH=src python benchmarks/bench_ops.py [--ops rms_norm,softmax] [--graph] [--out DIR]
+PYTHONPATH=src python benchmarks/kernels/bench_ops.py [--ops rms_norm,softmax] [--graph] [--out DIR]
 """
 
 from polykernel.tools.bench import main
