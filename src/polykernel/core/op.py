@@ -546,6 +546,9 @@ class Op:
         if grad is None or len(args) != len(self.guard):  # type: ignore[arg-type]
             return self.call(impl, argkey, *args)
         key = memo_key.make((argkey, impl, scope, det, False, None))
+        if grad and _dispatch.saves_inference_tensor(self._guarded(args)):  # see selection.INFERENCE
+            key = key._replace(subclass=_dispatch.INFERENCE)
+            return self._finish(self._memo.get(key) or self._miss(key, args), key, args)
         try:
             decision = self._memo.get(key) or self._miss(key, args)
         except TypeError as exc:  # an unhashable option (eps=[1e-6]): validate names it

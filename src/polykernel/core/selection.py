@@ -339,7 +339,9 @@ def _why_not(
     reason = spec.unavailable_reason(platform)
     if reason:
         return reason
-    if subclass is not None and not spec.accepts_subclasses:
+    if subclass == INFERENCE and spec.impl != "torch":
+        return "an inference tensor that autograd must save: only the torch impl's autograd can"
+    if subclass is not None and subclass != INFERENCE and not spec.accepts_subclasses:
         return f"input is a tensor subclass ({subclass}); this impl reads raw memory"
     if not spec.format_signature.supports_dtype(info.dtype):
         return f"dtype {str(info.dtype).removeprefix('torch.')} not supported"
@@ -397,6 +399,22 @@ routed: set[str] = set()
 # Decisions made since the last clear_caches(), by (op id, memo key), in the order first made.
 # Separate from the ops' memos, which are dropped whenever an op's impls or settings change.
 _record: dict[tuple[str, tuple[Any, ...]], Decision] = {}
+
+
+# The pseudo subclass of a call whose autograd must save an inference tensor (made under
+# torch.inference_mode, with another argument needing a gradient): torch's own ops can, an
+# autograd.Function's save_for_backward cannot. Such calls are decided under their own key, where
+# only the torch impl is eligible, so that a kernel's refusal never marks it broken for the class.
+INFERENCE = "inference tensor"
+
+
+def saves_inference_tensor(tensors: Sequence[Any]) -> bool:
+    """Whether autograd must save one of ``tensors`` that is an inference tensor (grad mode on,
+    one of them requires grad, one is an inference tensor). Off the hot path."""
+    import torch
+
+    present = [t for t in tensors if isinstance(t, torch.Tensor)]
+    return torch.is_grad_enabled() and any(t.requires_grad for t in present) and any(t.is_inference() for t in present)
 
 
 def subclass_name(args: Sequence[Any]) -> str | None:
