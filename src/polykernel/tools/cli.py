@@ -65,9 +65,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     con = _console(args)
-    t = table(
-        con, "op", "chosen", "impls (why not runnable)", title=f"ops and impls on {rows[0]['platform'] if rows else device} ({args.dtype})"
-    )
+    title = f"ops and impls on {rows[0]['platform'] if rows else device} ({args.dtype})"
+    t = table(con, "op", "chosen", "impls (why not runnable)", title=title, keep=("op", "chosen"))
     for r in rows:
         cells = [impl["name"] + ("" if impl["runnable"] else f" (no: {impl['reason']})") for impl in r["impls"]]
         t.add_row(r["op"], r["chosen"] or f"none: {r['error']}", ", ".join(cells))
@@ -94,7 +93,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     con.print(f"{d['op']} on {d['platform']}")
     con.print("  arguments: " + ", ".join(f"{k}={v}" for k, v in d["arg_class"].items()))
     con.print(f"  chosen: {d['chosen']} (source: {d['source']})" if d["chosen"] else f"  chosen: none ({d['error']})")
-    t = table(con, "", "impl", "rank", "verdict", right=("rank",))
+    t = table(con, "", "impl", "rank", "verdict", right=("rank",), keep=("", "impl"))
     for r in d["impls"]:
         t.add_row("*" if r["name"] == d["chosen"] else "", r["name"], str(r["rank"]), "runnable" if r["runnable"] else f"no: {r['reason']}")
     con.print(t)
