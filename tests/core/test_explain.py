@@ -107,6 +107,32 @@ def test_bad_arguments_raise_what_the_real_call_raises():
         polykernel.explain("rms_norm", torch.randn(2, 8), torch.ones(8), casting="gemma")
 
 
+def _used_impls() -> set[str]:
+    registry.load_catalog()
+    return {impl for op_id in registry.all_op_ids() for impl in registry.specs_for(op_id)}
+
+
+def test_an_unknown_global_name_lists_the_impls_the_ops_have():
+    with pytest.raises(ValueError) as info:
+        with polykernel.use_impl("tritonn"):
+            pass
+    text = str(info.value)
+    listed = text.split("the ops' impls are: ")[1].split(" (")[0].split(";")[0]
+    assert set(listed.split(", ")) == _used_impls()
+    assert "did you mean 'triton'?" in text
+    reserved = sorted(b.value for b in polykernel.KernelBackend if b.value not in _used_impls())
+    if reserved:  # the backends no op has yet are named apart, as reserved
+        assert f"KernelBackend also reserves {', '.join(reserved)}, which no op has yet" in text
+
+
+def test_a_backend_no_op_has_is_still_a_preference():
+    unused = [b.value for b in polykernel.KernelBackend if b.value not in _used_impls()]
+    if not unused:
+        pytest.skip("every KernelBackend value has an impl")
+    polykernel.set_impl(unused[0])  # skips every op, as a preference does
+    assert polykernel.explain("rms_norm", torch.randn(2, 8), torch.ones(8)).source == "auto"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks about CUDA on a machine without it")
 def test_explain_for_cuda_answers_on_a_machine_without_cuda():
     e = polykernel.explain("rms_norm", device="cuda", dtype="bf16")  # was: a RuntimeError from the capture query

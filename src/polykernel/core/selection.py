@@ -81,14 +81,32 @@ def _split_names(value: Any, where: str) -> tuple[str, ...]:
 
 
 def _parse_names(value: str | Sequence[str] | KernelBackend, where: str) -> tuple[str, ...]:
-    """Names for a global preference (any op): each must be a ``KernelBackend`` value, else a
-    ``ValueError`` that names ``where`` (the variable or function) and the impl names."""
+    """Names for a global preference (any op): each must be a ``KernelBackend`` value (one that
+    no op has yet is accepted: it skips every op), else a ``ValueError`` that names ``where``
+    (the variable or function) and the impl names the registered ops have."""
     names = _split_names(value, where)
-    valid = [b.value for b in KernelBackend]
+    valid = {b.value for b in KernelBackend}
     for name in names:
         if name not in valid:
-            raise ValueError(f"{where}: {shown(name)} is not an impl name; impl names are: {', '.join(valid)}")
+            raise ValueError(f"{where}: {shown(name)} is not an impl name; {_impl_names_text(name)}")
     return names
+
+
+def _impl_names_text(name: str) -> str:
+    """The impl names some registered op has (the catalog loaded), a close match, and the
+    ``KernelBackend`` values reserved for impls no op has yet. Off the hot path: errors only."""
+    import difflib
+
+    registry.load_catalog()
+    used = sorted({impl for op_id in registry.all_op_ids() for impl in registry.specs_for(op_id)})
+    reserved = sorted(b.value for b in KernelBackend if b.value not in used)
+    close = difflib.get_close_matches(name, used + reserved, n=1) if len(name) <= 64 else []  # a typo, not a pasted blob
+    text = f"the ops' impls are: {', '.join(used)}"
+    if close:
+        text += f" (did you mean {close[0]!r}?)"
+    if reserved:
+        text += f"; KernelBackend also reserves {', '.join(reserved)}, which no op has yet"
+    return text
 
 
 def _parse_op_names(value: Any, where: str, op_id: str, runnable: Sequence[str] | None = None) -> tuple[str, ...]:
