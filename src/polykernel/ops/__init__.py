@@ -21,6 +21,7 @@ OP_MODULES: dict[str, str] = {
     "activation.swiglu": "polykernel.ops.swiglu",
     "activation.geglu": "polykernel.ops.geglu",
     "activation.softmax": "polykernel.ops.softmax",
+    "activation.relu_squared": "polykernel.ops.relu_squared",
     "embedding.rope": "polykernel.ops.rope",
     "loss.cross_entropy": "polykernel.ops.cross_entropy",
     "loss.fused_linear_cross_entropy": "polykernel.ops.fused_linear_cross_entropy",
