@@ -52,6 +52,7 @@ _LAZY: dict[str, str] = {
     "geglu": "ops.geglu:geglu",
     "softmax": "ops.softmax:softmax",
     "relu_squared": "ops.relu_squared:relu_squared",
+    "sparsemax": "ops.sparsemax:sparsemax",
     "rope": "ops.rope:rope",
     "cross_entropy": "ops.cross_entropy:cross_entropy",
     "fused_linear_cross_entropy": "ops.fused_linear_cross_entropy:fused_linear_cross_entropy",

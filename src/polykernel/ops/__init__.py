@@ -22,6 +22,7 @@ OP_MODULES: dict[str, str] = {
     "activation.geglu": "polykernel.ops.geglu",
     "activation.softmax": "polykernel.ops.softmax",
     "activation.relu_squared": "polykernel.ops.relu_squared",
+    "activation.sparsemax": "polykernel.ops.sparsemax",
     "embedding.rope": "polykernel.ops.rope",
     "loss.cross_entropy": "polykernel.ops.cross_entropy",
     "loss.fused_linear_cross_entropy": "polykernel.ops.fused_linear_cross_entropy",

@@ -41,3 +41,7 @@ def geglu(a: Any) -> str | None:
 
 def softmax(a: Any) -> str | None:
     return _row(a)  # liger_kernel/ops/softmax.py calls calculate_settings(n) before its multi-block path
+
+
+def sparsemax(a: Any) -> str | None:
+    return _row(a)  # liger_kernel/ops/sparsemax.py: calculate_settings(n_cols), one block per row
