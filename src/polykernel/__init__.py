@@ -48,6 +48,7 @@ _LAZY: dict[str, str] = {
     "rms_norm": "ops.rms_norm:rms_norm",
     "fused_add_rms_norm": "ops.fused_add_rms_norm:fused_add_rms_norm",
     "layer_norm": "ops.layer_norm:layer_norm",
+    "group_norm": "ops.group_norm:group_norm",
     "swiglu": "ops.swiglu:swiglu",
     "geglu": "ops.geglu:geglu",
     "softmax": "ops.softmax:softmax",

@@ -18,6 +18,7 @@ OP_MODULES: dict[str, str] = {
     "norm.rms_norm": "polykernel.ops.rms_norm",
     "norm.fused_add_rms_norm": "polykernel.ops.fused_add_rms_norm",
     "norm.layer_norm": "polykernel.ops.layer_norm",
+    "norm.group_norm": "polykernel.ops.group_norm",
     "activation.swiglu": "polykernel.ops.swiglu",
     "activation.geglu": "polykernel.ops.geglu",
     "activation.softmax": "polykernel.ops.softmax",

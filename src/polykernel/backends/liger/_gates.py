@@ -45,3 +45,11 @@ def softmax(a: Any) -> str | None:
 
 def sparsemax(a: Any) -> str | None:
     return _row(a)  # liger_kernel/ops/sparsemax.py: calculate_settings(n_cols), one block per row
+
+
+def group_norm(a: Any) -> str | None:
+    if a.weight is None or a.bias is None:
+        return "Liger's GroupNorm needs both weight and bias"
+    if a.weight[0] != a.dtype or a.bias[0] != a.dtype:
+        return "Liger's GroupNorm takes weight and bias in x's dtype"  # its dW/dB buffers and atomics
+    return None
