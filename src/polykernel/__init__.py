@@ -49,6 +49,7 @@ _LAZY: dict[str, str] = {
     "fused_add_rms_norm": "ops.fused_add_rms_norm:fused_add_rms_norm",
     "layer_norm": "ops.layer_norm:layer_norm",
     "group_norm": "ops.group_norm:group_norm",
+    "dyt": "ops.dyt:dyt",
     "swiglu": "ops.swiglu:swiglu",
     "geglu": "ops.geglu:geglu",
     "softmax": "ops.softmax:softmax",

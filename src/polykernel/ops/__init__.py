@@ -19,6 +19,7 @@ OP_MODULES: dict[str, str] = {
     "norm.fused_add_rms_norm": "polykernel.ops.fused_add_rms_norm",
     "norm.layer_norm": "polykernel.ops.layer_norm",
     "norm.group_norm": "polykernel.ops.group_norm",
+    "norm.dyt": "polykernel.ops.dyt",
     "activation.swiglu": "polykernel.ops.swiglu",
     "activation.geglu": "polykernel.ops.geglu",
     "activation.softmax": "polykernel.ops.softmax",

@@ -53,3 +53,10 @@ def group_norm(a: Any) -> str | None:
     if a.weight[0] != a.dtype or a.bias[0] != a.dtype:
         return "Liger's GroupNorm takes weight and bias in x's dtype"  # its dW/dB buffers and atomics
     return None
+
+
+def dyt(a: Any) -> str | None:
+    # liger_kernel/ops/dyt.py casts dalpha and dbias to x's dtype (then autograd to the parameters')
+    if any(p is not None and p[0] != a.dtype for p in (a.alpha, a.weight, a.bias)):
+        return "Liger's DyT takes alpha, weight and bias in x's dtype"
+    return None
