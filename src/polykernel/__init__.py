@@ -50,6 +50,7 @@ _LAZY: dict[str, str] = {
     "layer_norm": "ops.layer_norm:layer_norm",
     "group_norm": "ops.group_norm:group_norm",
     "dyt": "ops.dyt:dyt",
+    "poly_norm": "ops.poly_norm:poly_norm",
     "swiglu": "ops.swiglu:swiglu",
     "geglu": "ops.geglu:geglu",
     "softmax": "ops.softmax:softmax",

@@ -20,6 +20,7 @@ OP_MODULES: dict[str, str] = {
     "norm.layer_norm": "polykernel.ops.layer_norm",
     "norm.group_norm": "polykernel.ops.group_norm",
     "norm.dyt": "polykernel.ops.dyt",
+    "norm.poly_norm": "polykernel.ops.poly_norm",
     "activation.swiglu": "polykernel.ops.swiglu",
     "activation.geglu": "polykernel.ops.geglu",
     "activation.softmax": "polykernel.ops.softmax",

@@ -60,3 +60,10 @@ def dyt(a: Any) -> str | None:
     if any(p is not None and p[0] != a.dtype for p in (a.alpha, a.weight, a.bias)):
         return "Liger's DyT takes alpha, weight and bias in x's dtype"
     return None
+
+
+def poly_norm(a: Any) -> str | None:
+    # liger_kernel/ops/poly_norm.py casts dbias to weight's dtype (then autograd to bias's)
+    if a.weight[0] != a.dtype or a.bias[0] != a.dtype:
+        return "Liger's PolyNorm takes weight and bias in x's dtype"
+    return _row(a)
