@@ -29,7 +29,9 @@ def _row_grad(xf: torch.Tensor, t: torch.Tensor, valid: torch.Tensor, lse: torch
     p = (xf - lse[:, None]).exp_()
     if ls:
         p.sub_(ls / xf.shape[1])
-    hot = torch.where(valid, -(1.0 - ls), 0.0).to(p.dtype)
+    # In p's dtype from the start: torch.where of two Python scalars is fp32, so an fp64 one-hot
+    # weight -(1 - ε) would carry fp32 rounding into fp64 gradients.
+    hot = valid.to(p.dtype).mul_(ls - 1.0)
     p.scatter_add_(1, t[:, None], hot[:, None])
     return p.mul_(torch.where(valid, scale, 0.0).to(p.dtype)[:, None])
 
@@ -96,7 +98,9 @@ def reduce_rows(loss: torch.Tensor, count: torch.Tensor, reduction: str, shape: 
         return loss.sum() / count.to(loss.dtype)
     if reduction == "sum":
         return loss.sum()
-    return loss.view(shape)
+    # Not a view of the rows buffer: an autograd Function's output that is a view cannot be
+    # modified in place (``loss.mul_(2)``, ``loss[0] = 0``), and F.cross_entropy's can.
+    return loss.view(shape).detach()
 
 
 def grad_scale(g: torch.Tensor, count: torch.Tensor, reduction: str, dtype: torch.dtype) -> torch.Tensor:

@@ -14,6 +14,7 @@ impl: ``TEMP_BYTES`` fp32 rows at a time), besides the gradients themselves.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -22,6 +23,8 @@ import torch.nn.functional as F
 from ...ops.fused_linear_cross_entropy import reference  # noqa: F401  (semantics live in the op file)
 from ...spec import Split
 from .cross_entropy import grad_scale, loss_and_grad, reduce_rows, scale_grads_
+
+_any_autocast = torch._C._is_any_autocast_enabled
 
 CHUNK_BYTES = 256 << 20  # logits of one row chunk, in the logits' dtype (~1024 rows at V = 128K bf16)
 
@@ -32,6 +35,11 @@ def chunk_rows(v: int, elt: int) -> int:
     """Rows per chunk: logits within CHUNK_BYTES, a multiple of 128 when large (matmul tiles)."""
     rows = max(1, CHUNK_BYTES // (max(v, 1) * elt))
     return rows - rows % 128 if rows >= 256 else rows
+
+
+def _rows(hidden: torch.Tensor) -> torch.Tensor:
+    """hidden as [N, H] (not ``reshape(-1, H)``: ambiguous for H = 0, where the logits are the bias)."""
+    return hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])
 
 
 def _walk(
@@ -81,7 +89,7 @@ def _walk(
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, bias, ignore_index, ls, reduction, chunk_fn, scale_fn):  # type: ignore[override]
-        h2 = hidden.reshape(-1, hidden.shape[-1])
+        h2 = _rows(hidden)
         t = target.reshape(-1).long().contiguous()
         count = (t != ignore_index).sum()
         acc = torch.promote_types(hidden.dtype, torch.float32)
@@ -127,6 +135,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         )
 
 
+def _autocast_dtype(hidden: torch.Tensor) -> torch.dtype | None:
+    """The dtype F.linear would compute hidden @ weight.T in under autocast (None: no autocast)."""
+    device = hidden.device.type
+    if not torch.is_autocast_enabled(device) or hidden.dtype == torch.float64:  # autocast leaves fp64 as it is
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    return None if dtype == hidden.dtype else dtype
+
+
 def run(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -140,10 +157,17 @@ def run(
 ) -> torch.Tensor:
     """The op on validated arguments, with ``chunk_fn`` as the per-chunk cross-entropy and
     ``scale_fn(g, *grads)`` multiplying the forward's gradients by the cotangent in backward."""
+    if _any_autocast():
+        dtype = _autocast_dtype(hidden)
+        if dtype is not None:  # as F.linear: the matmuls in the autocast dtype, the casts differentiable
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+            with torch.autocast(hidden.device.type, enabled=False):
+                return run(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_fn, scale_fn)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias)):
         return _FusedLinearCrossEntropy.apply(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_fn, scale_fn)
     t = target.reshape(-1).long().contiguous()
-    losses, *_ = _walk(hidden.reshape(-1, hidden.shape[-1]), weight, bias, t, ignore_index, label_smoothing, chunk_fn, None)
+    losses, *_ = _walk(_rows(hidden), weight, bias, t, ignore_index, label_smoothing, chunk_fn, None)
     return reduce_rows(losses, (t != ignore_index).sum(), reduction, target.shape)
 
 
@@ -213,7 +237,7 @@ def make_split(chunk_fn: ChunkFn) -> Split:
     """The :class:`~polykernel.spec.Split` of an impl that runs this driver with ``chunk_fn``."""
 
     def forward(hidden, weight, target, bias, ignore_index, ls, reduction, grad_mask):
-        h2 = hidden.reshape(-1, hidden.shape[-1])
+        h2 = _rows(hidden)
         t = target.reshape(-1).long().contiguous()
         count = (t != ignore_index).sum()
         if reduction == "none":
@@ -229,9 +253,7 @@ def make_split(chunk_fn: ChunkFn) -> Split:
         if reduction == "none":
             acc = torch.promote_types(hidden.dtype, torch.float32)
             t = target.reshape(-1).long().contiguous()
-            _, gh, gw, gb = _walk(
-                hidden.reshape(-1, hidden.shape[-1]), weight, bias, t, ignore_index, ls, chunk_fn, g.reshape(-1).to(acc), needs
-            )
+            _, gh, gw, gb = _walk(_rows(hidden), weight, bias, t, ignore_index, ls, chunk_fn, g.reshape(-1).to(acc), needs)
         else:
             gh, gw, gb = (torch.mul(s, g) if need else None for s, need in zip(saved, needs))
         return [
