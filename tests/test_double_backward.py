@@ -281,3 +281,44 @@ def test_native_backward_glu_and_rope():
     v = torch.randn_like(dq)
     torch.testing.assert_close(torch.autograd.grad(dq, gq, v)[0], torch.autograd.grad(want[0], gq, v)[0])
     assert native_backward("rope", (cos, sin), (), (None, gk), (True, True))[0] is None
+
+
+# -- on the GPU: the Triton kernels on CUDA (the Python autograd path), and the native path -------
+
+
+def _cuda(ts):
+    return tuple(t.detach().cuda().requires_grad_(t.requires_grad) for t in ts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_second_order_matches_reference_cuda(name, monkeypatch):
+    from polykernel.backends.triton import _native
+
+    monkeypatch.setattr(_native, "ENABLED", False)  # the Python Functions (the C++ nodes: below)
+    make, f, ref = CASES[name]
+    tensors, fixed = make(torch.float32)
+    tensors, fixed = _cuda(tensors), _cuda(fixed)
+    got_g, got_2 = _second_order(lambda *ts: f("triton", *ts, *fixed), tensors)
+    want_g, want_2 = _second_order(lambda *ts: ref(*ts, *fixed), tensors)
+    for got, want in zip(got_g + got_2, want_g + want_2):
+        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="the native path's C++ nodes do not call native_backward yet (csrc)")
+@pytest.mark.parametrize("name", ["rms_norm-llama-2d", "layer_norm", "fused_add_rms_norm", "swiglu", "rope"])
+def test_second_order_matches_reference_cuda_native(name):
+    from polykernel.backends.triton import _native
+
+    if _native.module(wait=True) is None:
+        pytest.skip("the native path did not build here")
+    make, f, ref = CASES[name]
+    tensors, fixed = make(torch.float32)
+    # contiguous inputs of at least one row: the shapes the native path takes
+    tensors, fixed = _cuda(tensors), _cuda(fixed)
+    for _ in range(2):  # the first call of a class stores its plan; the native node runs from then on
+        got_g, got_2 = _second_order(lambda *ts: f("triton", *ts, *fixed), tensors)
+    want_g, want_2 = _second_order(lambda *ts: ref(*ts, *fixed), tensors)
+    for got, want in zip(got_g + got_2, want_g + want_2):
+        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-5)

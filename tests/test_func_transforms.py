@@ -160,3 +160,22 @@ def test_auto_selection_under_vmap_is_not_a_fault(name):
         torch.testing.assert_close(got, vmap(ref)(*args), rtol=1e-4, atol=1e-5)
         plain = op(None, *(a[0] for a in args))  # the plain call after it: no fault either
     torch.testing.assert_close(plain, ref(*(a[0] for a in args)), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_under_transforms_cuda(name, monkeypatch):
+    # On CUDA auto selection picks Triton (and the native path where built): under grad and vmap
+    # the call must reach the torch impl, and no fault may mark Triton broken.
+    for table in ("T6", "COS", "SIN"):  # the cases' fixed tensors, on the GPU
+        monkeypatch.setitem(globals(), table, globals()[table].cuda())
+    op, ref, example = CASES[name]
+    args = tuple(a.cuda() for a in example(torch.float32))
+    argnums = tuple(range(len(args)))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="polykernel")
+        for impl in ("triton", None):
+            got = vmap(grad(lambda *a, impl=impl: _sq(op(impl, *a)), argnums=argnums))(*args)
+            want = vmap(grad(lambda *a: _sq(ref(*a)), argnums=argnums))(*args)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
