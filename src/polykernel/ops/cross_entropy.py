@@ -62,8 +62,7 @@ def reference(
 
 def validate_options(op: str, ignore_index: int, label_smoothing: float, reduction: str) -> None:
     """Checks shared with ``loss.fused_linear_cross_entropy``."""
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise check.OpTypeError(op, "ignore_index", f"expected an int, got {ignore_index!r}")
+    check.int64(op, "ignore_index", ignore_index)
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
         raise check.OpArgumentError(op, "label_smoothing", f"expected a number in [0, 1], got {label_smoothing!r}")
     check.choice(op, "reduction", reduction, REDUCTIONS)

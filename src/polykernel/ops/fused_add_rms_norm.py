@@ -47,8 +47,7 @@ def validate(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps:
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise check.OpArgumentError(OP_ID, "weight", f"expected shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}")
     check.same_device(OP_ID, "weight", weight, "x", x)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise check.OpArgumentError(OP_ID, "eps", f"expected a number >= 0, got {eps!r}")
+    check.nonnegative_float(OP_ID, "eps", eps)
     check.finite_float(OP_ID, "offset", offset)
 
 

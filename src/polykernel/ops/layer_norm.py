@@ -49,8 +49,7 @@ def validate(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     check.floating(OP_ID, "x", x)
     _param(x, "weight", weight)
     _param(x, "bias", bias)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise check.OpArgumentError(OP_ID, "eps", f"expected a number >= 0, got {eps!r}")
+    check.nonnegative_float(OP_ID, "eps", eps)
 
 
 _grad_enabled = torch.is_grad_enabled

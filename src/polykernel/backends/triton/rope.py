@@ -29,9 +29,11 @@ import triton
 import triton.language as tl
 
 from ...ops.rope import reference  # noqa: F401  (semantics live in the op file)
+from ..torch import rope as _torch
 from ..torch._functions import rope_function
 from . import _native
 from ._autograd import lean_apply
+from ._autograd import transforms_active as _transforms_active
 from ._launch import launch
 from ._rows import cdiv as _cdiv
 from ._rows import next_pow2 as _next_pow2
@@ -345,6 +347,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
         out = _native.call("rope", (q, k, cos, sin), (q, k), _NativePlan)
         if out is not None:
             return out
+    if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
+        return _torch.rope(q, k, cos, sin)
     if (q.requires_grad or k.requires_grad or cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled():
         if cos.requires_grad or sin.requires_grad:
             # The dispatcher never picks this impl then (the op's predicate); refuse a direct call

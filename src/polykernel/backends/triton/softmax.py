@@ -28,8 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ...ops.softmax import reference
 from ...spec import Split
+from ..torch import softmax as _torch
+from ..torch._double_backward import graph_grads
 from ._autograd import lean_apply
+from ._autograd import transforms_active as _transforms_active
 from ._launch import launch
 from ._rows import as_rows as _as_rows
 from ._rows import cdiv as _cdiv
@@ -349,13 +353,20 @@ class _Softmax(torch.autograd.Function):
     def forward(ctx, x):  # type: ignore[override]
         x2 = _as_rows(x, x.shape[-1])
         y, rmax, rinv = softmax_forward(x2, True)
-        ctx.save_for_backward(x2, rmax, rinv)
+        # x itself as well where x2 is another tensor (made here, without a graph): a create_graph
+        # backward differentiates through it
+        if x2 is x:
+            ctx.save_for_backward(x2, rmax, rinv)
+        else:
+            ctx.save_for_backward(x2, rmax, rinv, x)
         ctx.shape = x.shape
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        x2, rmax, rinv = ctx.saved_tensors
+        x2, rmax, rinv, *inputs = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable gradient, by the reference
+            return graph_grads(reference, (inputs[0] if inputs else x2,), (dy,), (True,))[0]
         return softmax_backward(_as_rows(dy, x2.shape[1]), x2, rmax, rinv).view(ctx.shape)
 
 
@@ -364,6 +375,8 @@ _lean_apply = lean_apply(_Softmax)  # _Softmax.apply without its Python wrapper 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.softmax``)."""
+    if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
+        return _torch.softmax(x)
     if torch.is_grad_enabled() and x.requires_grad:
         return _lean_apply(x)
     return softmax_forward(_as_rows(x, x.shape[-1]), False)[0].view(x.shape)
