@@ -20,7 +20,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 
 # The native (C++) launch path of the norms: compiled once per torch/Python/source version into
 # the user cache (~30 s on 2 cores); the Python path runs where it cannot be built.
-$(VENV)/.native: $(VENV)/.installed src/polykernel/csrc/native.cpp
+CSRC := $(wildcard src/polykernel/csrc/*.cpp src/polykernel/csrc/*.h src/polykernel/csrc/ops/*.h)
+$(VENV)/.native: $(VENV)/.installed $(CSRC)
 	$(BIN)/python -m polykernel.backends.triton._native
 	touch $@
 

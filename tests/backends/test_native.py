@@ -1,4 +1,4 @@
-"""The native (C++) launch path of the norms: backends/triton/_native.py and csrc/native.cpp.
+"""The native (C++) launch path of the norms, GLUs and rope: backends/triton/_native.py and csrc/.
 
 On the CPU: the extension builds from the repository (the README's commands build it in
 ``make setup``), and its specialization keys, parameter packing and layout reading are checked
@@ -9,7 +9,10 @@ parameters, misaligned inputs, side streams and CUDA-graph capture, and it reall
 
 from __future__ import annotations
 
+import fnmatch
+import shutil
 import struct
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -549,3 +552,37 @@ def test_call_builds_a_plan_once_then_runs_natively(fresh_loader):
     assert made == ["a", "long rows"]  # one plan per key
     cpu = SimpleNamespace(key="cpu", is_cuda=False)
     assert _native.call("op", (cpu, 2), (cpu,), make_plan) is None and made == ["a", "long rows"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The build: keyed on every source file and on torch
+
+
+def test_build_dir_is_keyed_on_every_source_and_torch(tmp_path, monkeypatch):
+    csrc = tmp_path / "csrc"
+    shutil.copytree(_native.CSRC, csrc)
+    monkeypatch.setattr(_native, "CSRC", csrc)
+    monkeypatch.setenv("POLYKERNEL_CACHE_DIR", str(tmp_path / "cache"))
+    names = {p.relative_to(csrc).as_posix() for p in _native.sources()}
+    assert {"native.cpp", "slot.h", "driver.h", "plans.h", "ops/rms_norm.h", "ops/rope.h"} <= names
+    first = _native.build_dir()
+    assert first == _native.build_dir()  # stable
+    header = csrc / "ops" / "glu.h"
+    header.write_text(header.read_text() + "\n// changed\n")
+    second = _native.build_dir()
+    assert second != first  # an included header is part of the key, not only native.cpp
+    (csrc / "README.md").write_text("notes only")
+    assert _native.build_dir() == second  # what does not compile is not
+    monkeypatch.setattr(torch, "__version__", "9.9.9+test")
+    third = _native.build_dir()
+    assert third != second and third.name.startswith("torch9.9.9_test-py")
+
+
+def test_every_csrc_file_ships():
+    tomllib = pytest.importorskip("tomllib")
+    root = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["polykernel"]
+    package = _native.CSRC.parent
+    files = [p.relative_to(package).as_posix() for p in _native.CSRC.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    missing = [f for f in files if not any(fnmatch.fnmatchcase(f, g) for g in globs)]
+    assert files and not missing

@@ -1,4 +1,4 @@
-"""The native launch path: the norms' and GLUs' whole host path in C++ (``polykernel/csrc/native.cpp``).
+"""The native launch path: the norms', GLUs' and rope's whole host path in C++ (``polykernel/csrc/``).
 
 On the H200 host, Python around a Triton kernel costs more than the kernel (notes/PERF.md): a
 Python autograd node alone ~60 µs per fwd+bwd, Triton's launcher ~6.6 µs, a torch allocation
@@ -39,7 +39,9 @@ from . import _launch
 
 log = logging.getLogger("polykernel")
 
-SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "native.cpp"
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+SOURCE = CSRC / "native.cpp"  # the one translation unit: it includes the other csrc files
+CFLAGS = ["-O2", "-std=c++17"]
 _MODE = os.environ.get("POLYKERNEL_NATIVE", "auto").strip().lower()  # auto | 1 (required) | 0 (off)
 REQUIRED = _MODE in ("1", "on", "true", "required")
 ENABLED = _MODE not in ("0", "off", "false") and _launch.ENABLED  # the fast launch off: the old path
@@ -56,12 +58,22 @@ def _log_once(msg: str) -> None:
         log.warning(msg)
 
 
+def sources() -> list[Path]:
+    """Every file the extension is compiled from: native.cpp and the headers it includes."""
+    return sorted(p for p in CSRC.rglob("*") if p.suffix in (".cpp", ".h") and p.is_file())
+
+
 def build_dir() -> Path:
-    """Where this torch/Python/source combination is built."""
+    """Where this torch/Python/source combination is built: the name holds torch's and Python's
+    versions and a hash of every source file (its path and bytes) and of the flags."""
     from ...tuning.json_store import cache_dir
 
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}-{digest}"
+    h = hashlib.sha256(" ".join(CFLAGS).encode())
+    for path in sources():
+        data = path.read_bytes()
+        h.update(f"\0{path.relative_to(CSRC).as_posix()}\0{len(data)}\0".encode())
+        h.update(data)
+    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}-{h.hexdigest()[:12]}"
     return (cache_dir() or Path.home() / ".cache" / "polykernel") / "native" / tag
 
 
@@ -75,7 +87,7 @@ def build(verbose: bool = False) -> Any:
         name="polykernel_native",
         sources=[str(SOURCE)],
         build_directory=str(out),
-        extra_cflags=["-O2", "-std=c++17"],
+        extra_cflags=CFLAGS,
         verbose=verbose,
     )
 
