@@ -555,7 +555,12 @@ def test_call_builds_a_plan_once_then_runs_natively(fresh_loader):
 
 
 # ---------------------------------------------------------------------------------------------
-# The build: keyed on every source file and on torch
+# The build: torch picks the C++ standard, the build directory is keyed on every source
+
+
+def test_build_leaves_the_cxx_standard_to_torch():
+    # torch 2.14's headers need C++20; a -std of ours after torch's own would override it
+    assert not any(flag.startswith("-std") for flag in _native.CFLAGS)
 
 
 def test_build_dir_is_keyed_on_every_source_and_torch(tmp_path, monkeypatch):

@@ -41,7 +41,9 @@ log = logging.getLogger("polykernel")
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 SOURCE = CSRC / "native.cpp"  # the one translation unit: it includes the other csrc files
-CFLAGS = ["-O2", "-std=c++17"]
+# No -std: torch's cpp_extension passes the standard its headers need (2.14's refuse less than C++20);
+# one of ours after it would override it.
+CFLAGS = ["-O2"]
 _MODE = os.environ.get("POLYKERNEL_NATIVE", "auto").strip().lower()  # auto | 1 (required) | 0 (off)
 REQUIRED = _MODE in ("1", "on", "true", "required")
 ENABLED = _MODE not in ("0", "off", "false") and _launch.ENABLED  # the fast launch off: the old path
