@@ -462,7 +462,7 @@ def test_unbuilt_extension_builds_in_the_background(fresh_loader, tmp_path, capl
     def slow_build(verbose: bool = False):
         started.set()
         release.wait(10)
-        return SimpleNamespace(driver_error=lambda: "")
+        return SimpleNamespace(driver_error=lambda: "", accept_triton=lambda major, minor: "")
 
     fresh_loader.setattr(_native, "build", slow_build)
     fresh_loader.setattr(_native, "REQUIRED", False)
@@ -555,7 +555,8 @@ def test_call_builds_a_plan_once_then_runs_natively(fresh_loader):
 
 
 # ---------------------------------------------------------------------------------------------
-# The build: torch picks the C++ standard, the build directory is keyed on every source
+# The build: torch picks the C++ standard, the build directory is keyed on every source; the
+# launch layout is behind a check of the Triton release
 
 
 def test_build_leaves_the_cxx_standard_to_torch():
@@ -591,3 +592,40 @@ def test_every_csrc_file_ships():
     files = [p.relative_to(package).as_posix() for p in _native.CSRC.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
     missing = [f for f in files if not any(fnmatch.fnmatchcase(f, g) for g in globs)]
     assert files and not missing
+
+
+@pytest.mark.parametrize(("version", "expected"), [("3.6.0", (3, 6)), ("3.9.0", (3, 9)), ("3.10.1+git1a2b3c", (3, 10))])
+def test_triton_version_is_read_as_major_minor(monkeypatch, version, expected):
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", version)
+    assert _native.triton_version() == expected
+
+
+def test_launch_layout_accepts_only_the_triton_it_was_written_for(C):
+    try:
+        for ok in [(3, 6), (3, 7), (3, 8), (3, 9)]:  # 3.6: the H200's; 3.8: torch 2.14's; 3.9: CI's
+            assert C.accept_triton(*ok) == ""
+        for bad in [(3, 5), (3, 10), (4, 0), (2, 9)]:
+            why = C.accept_triton(*bad)
+            assert f"Triton {bad[0]}.{bad[1]} " in why and "3.6 to 3.9" in why
+    finally:
+        C.accept_triton(*_native.triton_version())
+
+
+def test_unknown_triton_takes_the_python_path(C, fresh_loader, caplog):
+    fresh_loader.setattr(_native, "build", lambda verbose=False: C)
+    fresh_loader.setattr(_native, "triton_version", lambda: (3, 99))
+    fresh_loader.setattr(_native, "REQUIRED", False)
+    try:
+        with caplog.at_level("WARNING", logger="polykernel"):
+            assert _native.module(wait=True) is None
+            assert _native.module(wait=True) is None
+        msgs = [r.getMessage() for r in caplog.records if "native launch path unavailable" in r.getMessage()]
+        assert len(msgs) == 1 and "Triton 3.99" in msgs[0]
+        fresh_loader.setattr(_native, "_state", "new")
+        fresh_loader.setattr(_native, "REQUIRED", True)
+        with pytest.raises(RuntimeError, match=r"Triton 3\.99.*POLYKERNEL_NATIVE=1"):
+            _native.module()
+    finally:
+        C.accept_triton(*_native.triton_version())

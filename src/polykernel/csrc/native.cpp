@@ -25,7 +25,8 @@
 // The parts, included into this one translation unit (csrc/README.md says what each op's host side
 // does):
 // - driver.h: the CUDA driver entry points, the current device, stream and context;
-// - slot.h: everything tied to Triton's launcher (keys, parameter packing, the Slot);
+// - slot.h: everything tied to Triton's launcher (keys, parameter packing, the Slot), behind a
+//   check of the Triton release;
 // - plans.h: the per-op plan tables;
 // - ops/*.h: one file per op: its plan, launches, autograd node and entry points;
 // - here: the Python module.
@@ -102,6 +103,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add", &Slot::add)
       .def("launches", &Slot::launches);
   m.def("driver_error", [] { return driver().error; });
+  m.def("accept_triton", &accept_triton, py::arg("major"), py::arg("minor"));
   m.def("current_stream", [](int device) {
     return reinterpret_cast<uint64_t>(
         cuda_guard()->getStream(c10::Device(c10::DeviceType::CUDA, device)).native_handle());

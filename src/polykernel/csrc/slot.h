@@ -1,11 +1,41 @@
 // Everything tied to Triton's launcher: the arguments of a launch, their specialization key, the
 // parameters packed as Triton's launcher packs them, and the Slot (one kernel's compiled
-// specializations, launched with cuLaunchKernel).
+// specializations, launched with cuLaunchKernel). Written against Triton's launcher of the
+// releases named below; on another release no specialization is accepted (the Python path runs).
 #pragma once
 
 #include "driver.h"
 
 namespace {
+
+// ---------------------------------------------------------------------------------------------
+// The Triton releases this layout was written for
+//
+// What it takes from Triton: a compiled kernel's parameters are its non-constexpr arguments in
+// order, then at most two scratch pointers (global, profile); a launch is one CTA per cluster of
+// 32 * num_warps threads with `shared` bytes of dynamic shared memory. Run on the H200 with Triton
+// 3.6; the launchers of 3.8 (torch 2.14's) and 3.9 (backends/nvidia/driver.c) pack the same way.
+// The driver check in Slot::add catches a change of parameter sizes, not of meaning: a release
+// outside this range is refused until someone reads its launcher and widens the range.
+constexpr int kTritonOldest[2] = {3, 6};
+constexpr int kTritonNewest[2] = {3, 9};
+
+std::atomic<bool>& triton_accepted() {
+  static std::atomic<bool> ok{false};
+  return ok;
+}
+
+// Python says which Triton compiles the kernels (at load). "" when this layout was written for it
+// (Slots then take its kernels), else why not (they take none: every launch stays in Python).
+std::string accept_triton(int major, int minor) {
+  const bool ok = (major > kTritonOldest[0] || (major == kTritonOldest[0] && minor >= kTritonOldest[1])) &&
+                  (major < kTritonNewest[0] || (major == kTritonNewest[0] && minor <= kTritonNewest[1]));
+  triton_accepted().store(ok);
+  if (ok) return "";
+  return "Triton " + std::to_string(major) + "." + std::to_string(minor) + " is not a release the launch layout was written for (" +
+         std::to_string(kTritonOldest[0]) + "." + std::to_string(kTritonOldest[1]) + " to " + std::to_string(kTritonNewest[0]) +
+         "." + std::to_string(kTritonNewest[1]) + ")";
+}
 
 // ---------------------------------------------------------------------------------------------
 // Arguments, keys and parameter packing
@@ -150,11 +180,12 @@ class Slot {
     launches_.fetch_add(1, std::memory_order_relaxed);
   }
 
-  // Python hands over a compiled specialization. Refused (false) when the driver's view of the
-  // function's parameters differs from the layout Triton's signature gives.
+  // Python hands over a compiled specialization. Refused (false) on a Triton release this layout
+  // was not written for, or when the driver's view of the function's parameters differs from the
+  // layout Triton's signature gives.
   bool add(const py::bytes& key, uint64_t fn, int num_warps, int shared, const std::string& kinds) {
     const Driver& d = driver();
-    if (!d.error.empty() || fn == 0) return false;
+    if (!triton_accepted().load(std::memory_order_relaxed) || !d.error.empty() || fn == 0) return false;
     CUfunction f = reinterpret_cast<CUfunction>(fn);
     size_t offset = 0, size = 0;
     size_t j = 0;

@@ -12,7 +12,9 @@ Build: the extension is compiled once per torch/Python/source version into the c
 commands) or ``python -m polykernel.backends.triton._native``; it needs a C++ compiler, no CUDA
 toolkit. Until it is built, or where it cannot be, the Python path runs: that is logged once, and
 with ``POLYKERNEL_NATIVE=1`` (require it) it is an error. A CUDA call that finds no built extension
-starts the build in the background and keeps using the Python path meanwhile.
+starts the build in the background and keeps using the Python path meanwhile. The launch layout
+is written for the Triton releases ``csrc/slot.h`` names; with another the Python path runs (the
+same way: logged once, an error when required).
 
 ``POLYKERNEL_NATIVE=0`` (or ``set_enabled(False)``) turns the path off; benchmarks A/B it.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable
@@ -79,6 +82,23 @@ def build_dir() -> Path:
     return (cache_dir() or Path.home() / ".cache" / "polykernel") / "native" / tag
 
 
+def triton_version() -> tuple[int, int]:
+    """The installed Triton's (major, minor), which the C++ launch layout checks."""
+    import triton
+
+    found = re.match(r"(\d+)\.(\d+)", triton.__version__)
+    if found is None:
+        raise RuntimeError(f"cannot read Triton's version from {triton.__version__!r}")
+    return int(found[1]), int(found[2])
+
+
+def unusable(mod: Any) -> str:
+    """Why the built extension cannot launch here ("" when it can): a Triton release its launch
+    layout was not written for, or (with CUDA) a driver it cannot use. Tells the extension which
+    Triton compiles its kernels."""
+    return mod.accept_triton(*triton_version()) or (mod.driver_error() if torch.cuda.is_available() else "")
+
+
 def build(verbose: bool = False) -> Any:
     """Compile (or load the already built) extension; raises on failure."""
     from torch.utils import cpp_extension
@@ -105,7 +125,7 @@ def _finish(wait: bool) -> None:
     global _module, _state
     try:
         mod = build()
-        error = mod.driver_error() if torch.cuda.is_available() else ""
+        error = unusable(mod)
         if error:
             raise RuntimeError(error)
         _module, _state = mod, "ready"
@@ -268,3 +288,8 @@ if __name__ == "__main__":  # python -m polykernel.backends.triton._native: buil
     logging.basicConfig(level=logging.INFO)
     mod = build(verbose="-v" in sys.argv)
     print(f"polykernel native launch path built: {mod.__file__}")
+    why = unusable(mod)
+    if why:  # built, but the Python path will run: an error where it is required (CI's newest-torch job)
+        print(f"polykernel native launch path not usable here: {why}", file=sys.stderr)
+        if REQUIRED:
+            sys.exit(1)
