@@ -10,8 +10,11 @@ parameters, misaligned inputs, side streams and CUDA-graph capture, and it reall
 from __future__ import annotations
 
 import fnmatch
+import os
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -629,3 +632,66 @@ def test_unknown_triton_takes_the_python_path(C, fresh_loader, caplog):
             _native.module()
     finally:
         C.accept_triton(*_native.triton_version())
+
+
+# ---------------------------------------------------------------------------------------------
+# POLYKERNEL_NATIVE: 0|1|auto and their spellings; anything else is an error where first consulted
+
+
+@pytest.fixture
+def unsettled(monkeypatch):
+    """_native as if POLYKERNEL_NATIVE had not been read yet (restored after)."""
+    for name in ("ENABLED", "REQUIRED"):
+        if name in vars(_native):
+            monkeypatch.delitem(vars(_native), name)
+    return monkeypatch
+
+
+@pytest.mark.parametrize(
+    ("value", "required", "off"),
+    [
+        ("1", True, False),
+        (" On ", True, False),
+        ("TRUE", True, False),
+        ("yes", True, False),
+        ("0", False, True),
+        ("off", False, True),
+        ("False", False, True),
+        ("NO\n", False, True),
+        ("auto", False, False),
+        (" AUTO", False, False),
+        ("", False, False),
+    ],
+)
+def test_native_setting_spellings(unsettled, value, required, off):
+    unsettled.setenv("POLYKERNEL_NATIVE", value)
+    assert _native.REQUIRED is required
+    assert _native.ENABLED is (not off and _native._launch.ENABLED)
+
+
+@pytest.mark.parametrize("value", ["garbage", "2", "required", "o n", "-1"])
+def test_bad_native_setting_is_an_error_where_consulted(unsettled, value):
+    unsettled.setenv("POLYKERNEL_NATIVE", value)
+    match = r"POLYKERNEL_NATIVE=.*use 1 \(or on, true, yes.*0 \(or off, false, no.*auto"
+    with pytest.raises(ValueError, match=match):
+        _native.ENABLED  # noqa: B018 - what the ops read first
+    with pytest.raises(ValueError, match=match):
+        _native.module()
+    with pytest.raises(ValueError, match=match):
+        _native.set_enabled(True)
+    assert "ENABLED" not in vars(_native)  # never settled on a guess: asked again, it raises again
+
+
+def test_bad_native_setting_does_not_break_import():
+    env = {**os.environ, "POLYKERNEL_NATIVE": "garbage"}
+    code = (
+        "import polykernel\n"
+        "from polykernel.backends.triton import _native, rms_norm\n"
+        "try:\n"
+        "    _native.ENABLED\n"
+        "except ValueError as exc:\n"
+        "    print('raised:', exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "raised: POLYKERNEL_NATIVE='garbage'" in out.stdout

@@ -16,7 +16,9 @@ starts the build in the background and keeps using the Python path meanwhile. Th
 is written for the Triton releases ``csrc/slot.h`` names; with another the Python path runs (the
 same way: logged once, an error when required).
 
-``POLYKERNEL_NATIVE=0`` (or ``set_enabled(False)``) turns the path off; benchmarks A/B it.
+``POLYKERNEL_NATIVE``: ``1`` (or ``on``/``true``/``yes``) requires the path, ``0`` (or
+``off``/``false``/``no``) turns it off (so does ``set_enabled(False)``; benchmarks A/B it), ``auto``
+(the default) uses it once built. Any other value is an error where the path is first consulted.
 
 Example::
 
@@ -47,14 +49,53 @@ SOURCE = CSRC / "native.cpp"  # the one translation unit: it includes the other 
 # No -std: torch's cpp_extension passes the standard its headers need (2.14's refuse less than C++20);
 # one of ours after it would override it.
 CFLAGS = ["-O2"]
-_MODE = os.environ.get("POLYKERNEL_NATIVE", "auto").strip().lower()  # auto | 1 (required) | 0 (off)
-REQUIRED = _MODE in ("1", "on", "true", "required")
-ENABLED = _MODE not in ("0", "off", "false") and _launch.ENABLED  # the fast launch off: the old path
+
+_MODES = {"auto": "auto", "1": "on", "on": "on", "true": "on", "yes": "on", "0": "off", "off": "off", "false": "off", "no": "off"}
+
+# Read from POLYKERNEL_NATIVE where first consulted (module __getattr__ below), then plain globals.
+ENABLED: bool  # the fast launch off: the old path
+REQUIRED: bool
 
 _module: Any = None
 _state = "new"  # new | building | ready | failed
 _lock = threading.Lock()
 _logged: set[str] = set()
+
+
+def mode() -> str:
+    """``POLYKERNEL_NATIVE`` as ``'auto'``, ``'on'`` (required) or ``'off'``; unset or empty is auto.
+    Raises ``ValueError`` naming the variable and the accepted values on any other value."""
+    raw = os.environ.get("POLYKERNEL_NATIVE", "")
+    found = _MODES.get(raw.strip().lower() or "auto")
+    if found is None:
+        raise ValueError(
+            f"POLYKERNEL_NATIVE={raw!r} is not a setting of polykernel's native launch path; use 1 (or on, true, "
+            "yes: required), 0 (or off, false, no: the Python path) or auto (the default: used once built); "
+            "case and surrounding spaces do not matter"
+        )
+    return found
+
+
+def _settle() -> None:
+    """ENABLED and REQUIRED from the environment, once (raises on a bad value, every time)."""
+    g = globals()
+    if "ENABLED" in g and "REQUIRED" in g:
+        return
+    m = mode()
+    g.setdefault("REQUIRED", m == "on")
+    g.setdefault("ENABLED", m != "off" and _launch.ENABLED)
+
+
+def _required() -> bool:
+    _settle()
+    return globals()["REQUIRED"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("ENABLED", "REQUIRED"):  # the first look: read the environment, then a plain global
+        _settle()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _log_once(msg: str) -> None:
@@ -132,7 +173,7 @@ def _finish(wait: bool) -> None:
     except Exception as exc:
         _state = "failed"
         msg = f"polykernel: native launch path unavailable ({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); the norms and GLUs launch from Python"
-        if REQUIRED and wait:
+        if _required() and wait:
             raise RuntimeError(msg + " (POLYKERNEL_NATIVE=1 requires it)") from exc
         _log_once(msg)
 
@@ -143,18 +184,19 @@ def module(wait: bool = False) -> Any:
     global _state
     if _state == "ready":
         return _module
+    _settle()
     if not ENABLED and not wait:
         return None
     with _lock:
         if _state == "new":
-            if wait or REQUIRED or _built():
+            if wait or _required() or _built():
                 _state = "building"
                 _finish(True)
             else:
                 _state = "building"
                 _log_once("polykernel: building the native launch path in the background (once per torch version)")
                 threading.Thread(target=_finish, args=(False,), name="polykernel-native-build", daemon=True).start()
-        elif _state == "failed" and REQUIRED:
+        elif _state == "failed" and _required():
             raise RuntimeError("polykernel: POLYKERNEL_NATIVE=1 but the native launch path failed to build (see the log)")
     return _module if _state == "ready" else None
 
@@ -162,6 +204,7 @@ def module(wait: bool = False) -> Any:
 def set_enabled(on: bool) -> bool:
     """Turn the native path on or off in this process; returns the old setting."""
     global ENABLED
+    _settle()
     old, ENABLED = ENABLED, bool(on)
     return old
 
@@ -286,10 +329,11 @@ def hooks_set() -> bool:
 
 if __name__ == "__main__":  # python -m polykernel.backends.triton._native: build now
     logging.basicConfig(level=logging.INFO)
+    _settle()  # a bad POLYKERNEL_NATIVE fails here too
     mod = build(verbose="-v" in sys.argv)
     print(f"polykernel native launch path built: {mod.__file__}")
     why = unusable(mod)
     if why:  # built, but the Python path will run: an error where it is required (CI's newest-torch job)
         print(f"polykernel native launch path not usable here: {why}", file=sys.stderr)
-        if REQUIRED:
+        if _required():
             sys.exit(1)
