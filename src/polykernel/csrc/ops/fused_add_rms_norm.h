@@ -35,6 +35,7 @@ struct FusedAddRmsNormFn : public torch::autograd::Function<FusedAddRmsNormFn> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    refuse_double_backward("fused_add_rms_norm");
     AddRmsPlan& p = *reinterpret_cast<AddRmsPlan*>(ctx->saved_data["plan"].toInt());
     const double offset = ctx->saved_data["offset"].toDouble();
     auto saved = ctx->get_saved_variables();

@@ -28,6 +28,7 @@ struct GluFn : public torch::autograd::Function<GluFn> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    refuse_double_backward("swiglu/geglu");
     GluPlan& p = *reinterpret_cast<GluPlan*>(ctx->saved_data["plan"].toInt());
     auto saved = ctx->get_saved_variables();
     const Tensor &g = saved[0], &u = saved[1];

@@ -38,6 +38,7 @@ struct LayerNormFn : public torch::autograd::Function<LayerNormFn> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    refuse_double_backward("layer_norm");
     LnPlan& p = *reinterpret_cast<LnPlan*>(ctx->saved_data["plan"].toInt());
     auto saved = ctx->get_saved_variables();
     const Tensor &x = saved[0], &w = saved[1], &mean = saved[2], &rstd = saved[3];

@@ -32,6 +32,7 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    refuse_double_backward("rms_norm");
     RmsPlan& p = *reinterpret_cast<RmsPlan*>(ctx->saved_data["plan"].toInt());
     const double offset = ctx->saved_data["offset"].toDouble();
     auto saved = ctx->get_saved_variables();

@@ -51,6 +51,7 @@ struct RopeFn : public torch::autograd::Function<RopeFn> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    refuse_double_backward("rope");
     RopePlan& p = *reinterpret_cast<RopePlan*>(ctx->saved_data["plan"].toInt());
     auto saved = ctx->get_saved_variables();
     const Tensor &cos = saved[0], &sin = saved[1];
