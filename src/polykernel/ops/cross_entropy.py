@@ -24,10 +24,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..backends.cute_dsl import CUTE_DSL
 from ..backends.cute_dsl import _predicates as cute_predicates
+from ..backends.declare import impls
+from ..backends.liger import LIGER
+from ..backends.quack import QUACK
 from ..backends.quack import _gates as quack_gates
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
 from ..core.op import Bounds, Case, ErrorModel, Op
-from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 
 OP_ID = "loss.cross_entropy"
@@ -221,42 +226,26 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
-
 # Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
 # predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
 # lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
-# Peers whose low-precision results fail the error model (see the comment at each).
-_FP32_ONLY = FormatSignature(supported_dtypes=("float32",))
+# Peers whose low-precision results fail the error model take fp32 only (see the comment at each).
+_FP32_ONLY = ("float32",)
 
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.cross_entropy:cross_entropy",
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(
         rank=100,
         description="row-chunked torch (fp32 temporaries O(chunk), not O(N·V)); backward recomputes softmax from the saved LSE",
     ),
-    KernelSpec(
-        OP_ID,
-        "triton",
-        "polykernel.backends.triton.cross_entropy:cross_entropy",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("triton",),
-        format_signature=_TRITON_DTYPES,
+    TRITON.impl(
         rank=10,
         description="one program per row, online softmax over V in chunks; backward re-reads the logits with the saved LSE",
     ),
     # Our CuTeDSL kernel (backends/cute_dsl/cross_entropy.py). H200 bf16 8192x128256 (bench_cute_dsl.py,
     # CUDA graph): fwd 0.487 ms vs triton 0.595 vs quack 0.600; fwd+bwd 1.512 vs 1.613 vs 1.665. So
     # rank 5 for V >= 32768 (rank_for; measured at V = 128256 only), static 40 (behind Triton) below.
-    KernelSpec(
-        OP_ID,
-        "cute_dsl",
-        "polykernel.backends.cute_dsl.cross_entropy:cross_entropy",
-        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=90)}),
-        requires_modules=("cutlass", "tvm_ffi"),
-        format_signature=_TRITON_DTYPES,
+    CUTE_DSL.impl(
         rank=40,
         description="one CTA per row, online softmax over V in 128-bit chunks; backward re-reads the logits with the saved LSE (dlogits rounded once)",
         predicate=cute_predicates.cross_entropy,
@@ -264,30 +253,15 @@ IMPLS = [
     ),
     # QuACK: 1.67 ms vs our 1.61 ms fwd+bwd at 8192x128256; Liger 2.34 ms and a host sync per call
     # (not CUDA-graph safe). Both behind Triton.
-    KernelSpec(
-        OP_ID,
-        "quack",
-        "polykernel.backends.quack.cross_entropy:cross_entropy",
-        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=90)}),
-        requires_modules=("quack", "cutlass"),
-        format_signature=_TRITON_DTYPES,
-        rank=50,
-        description="QuACK cross_entropy (CuTeDSL); no label smoothing",
-        predicate=quack_gates.cross_entropy,
-    ),
+    QUACK.impl(rank=50, description="QuACK cross_entropy (CuTeDSL); no label smoothing", predicate=quack_gates.cross_entropy),
     # H200 2026-11-30: bf16/fp16 gradients fail the error model (10-13 cases each). fp32 passes.
-    KernelSpec(
-        OP_ID,
-        "liger",
-        "polykernel.backends.liger.cross_entropy:cross_entropy",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("liger_kernel", "triton"),
-        format_signature=_FP32_ONLY,
+    LIGER.impl(
         rank=60,
-        cuda_graph_safe=False,
+        dtypes=_FP32_ONLY,
+        graph_safe=False,
         description="Liger's CE kernel with an fp32 loss and a private gradient buffer (the logits stay unwritten); host sync per call",
     ),
-]
+)
 
 
 def outputs(

@@ -22,8 +22,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..backends.declare import impls
+from ..backends.liger import LIGER
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
 from ..core.op import SUM_LAMBDA, TINY, Bounds, Case, ErrorModel, Op
-from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 from .cross_entropy import reference as _ce_reference
 from .cross_entropy import validate_options, validate_target
@@ -251,26 +254,13 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
-
 # Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
 # predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
 # lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.fused_linear_cross_entropy:fused_linear_cross_entropy",
-        rank=100,
-        description="row chunks: torch matmul + row-chunked torch cross-entropy, gradients during the forward",
-    ),
-    KernelSpec(
-        OP_ID,
-        "triton",
-        "polykernel.backends.triton.fused_linear_cross_entropy:fused_linear_cross_entropy",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("triton",),
-        format_signature=_TRITON_DTYPES,
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(rank=100, description="row chunks: torch matmul + row-chunked torch cross-entropy, gradients during the forward"),
+    TRITON.impl(
         rank=10,
         description="row chunks: torch matmul + the Triton cross-entropy kernel (loss and dlogits in one launch, in place)",
     ),
@@ -278,18 +268,12 @@ IMPLS = [
     # extra memory; a host sync per call (not CUDA-graph safe). Behind Triton.
     # QuACK's chunked linear cross-entropy (quack.linear_cross_entropy) is not registered: on the
     # H200 stack it fails with a CuTeDSL epilogue ContextVar error.
-    KernelSpec(
-        OP_ID,
-        "liger",
-        "polykernel.backends.liger.fused_linear_cross_entropy:fused_linear_cross_entropy",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("liger_kernel", "triton"),
-        format_signature=_TRITON_DTYPES,
+    LIGER.impl(
         rank=60,
-        cuda_graph_safe=False,
+        graph_safe=False,
         description="Liger LigerFusedLinearCrossEntropyFunction (grads in the forward, fp32 dW accumulation); host sync per call",
     ),
-]
+)
 
 
 def outputs(

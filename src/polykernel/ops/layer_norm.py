@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.cute_dsl import CUTE_DSL
 from ..backends.cute_dsl import _gates as cute_gates
+from ..backends.declare import impls
+from ..backends.liger import LIGER
 from ..backends.liger import _gates as liger_gates
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
 from ..core.hit_guard import LAST, SHAPE
 from ..core.op import SUM_LAMBDA, ArgClass, Bounds, Case, ErrorModel, Op, rows_and_len
-from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 
 OP_ID = "norm.layer_norm"
@@ -180,7 +184,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
 _HALF = ("torch.bfloat16", "torch.float16", "bfloat16", "float16")
 
 
@@ -205,52 +208,26 @@ def _cute_rank(a: ArgClass) -> tuple[int, str] | None:
 # Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
 # predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
 # lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.layer_norm:layer_norm",
-        rank=100,
-        description="F.layer_norm (PyTorch's fused kernel) where the parameter dtypes match x, else the reference",
-    ),
-    KernelSpec(
-        OP_ID,
-        "triton",
-        "polykernel.backends.triton.layer_norm:layer_norm",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("triton",),
-        format_signature=_TRITON_DTYPES,
-        rank=10,
-        description="one row per program (chunked for long rows); dW/dB from per-program partials (deterministic)",
-    ),
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(rank=100, description="F.layer_norm (PyTorch's fused kernel) where the parameter dtypes match x, else the reference"),
+    TRITON.impl(rank=10, description="one row per program (chunked for long rows); dW/dB from per-program partials (deterministic)"),
     # Liger: fwd 3.58 vs our 3.65, fwd+bwd 2.42 vs 3.07 at 16384x4096: behind Triton. (QuACK's
     # LayerNorm has no autograd wrapper and takes fp32 weight and bias only: not adapted.)
-    KernelSpec(
-        OP_ID,
-        "liger",
-        "polykernel.backends.liger.layer_norm:layer_norm",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("liger_kernel", "triton"),
-        format_signature=_TRITON_DTYPES,
+    LIGER.impl(
         rank=60,
         description="Liger LigerLayerNormFunction; weight and bias required; N <= 65536",
         predicate=liger_gates.layer_norm,
     ),
     # Our CuTeDSL kernels (backends/cute_dsl/layer_norm.py, issue 8): rank 40, behind Triton,
     # except where _cute_rank's measurements put them first (short-row forward, mid-row fwd+bwd).
-    KernelSpec(
-        OP_ID,
-        "cute_dsl",
-        "polykernel.backends.cute_dsl.layer_norm:layer_norm",
-        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=90)}),
-        requires_modules=("cutlass", "tvm_ffi"),
-        format_signature=_TRITON_DTYPES,
+    CUTE_DSL.impl(
         rank=40,
         description="as cute_dsl rms_norm, centred in registers (two-pass variance); dW/dB from per-CTA partials (deterministic)",
         predicate=cute_gates.layer_norm,
         rank_for=_cute_rank,
     ),
-]
+)
 
 
 def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:

@@ -15,9 +15,12 @@ from typing import Any
 
 import torch
 
+from ..backends.cutile import CUTILE
 from ..backends.cutile import _gates as cutile_gates
+from ..backends.declare import impls
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
 from ..core.op import Bounds, Case, ErrorModel, Op
-from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 
 OP_ID = "embedding.rope"
@@ -238,26 +241,13 @@ def _triton_predicate(info: Any) -> str | None:
     return None
 
 
-_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
-
 # Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
 # predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
 # lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.rope:rope",
-        rank=100,
-        description="fp32 rotate-half in eager torch (autograd gives every gradient, cos/sin included)",
-    ),
-    KernelSpec(
-        OP_ID,
-        "triton",
-        "polykernel.backends.triton.rope:rope",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("triton",),
-        format_signature=_TRITON_DTYPES,
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(rank=100, description="fp32 rotate-half in eager torch (autograd gives every gradient, cos/sin included)"),
+    TRITON.impl(
         rank=10,
         description="a tile of positions per program, all q and k heads, cos/sin loaded once; strided (no copies); "
         "backward is the same kernel rotating by -sin",
@@ -269,21 +259,12 @@ IMPLS = [
     # it is off by 1e5-1e7x the error model in fp32 with cos/sin halves that differ, strided
     # cos/sin, D = 272 and decode shapes, and 25-1e5x in bf16/fp16 (it reads only the first half
     # of each cos/sin row and computes in the tables' dtype); it also trailed (1.08 / 1.69 TB/s).
-    # cuTile (issue 9): not yet measured on the H200; ranked behind Triton until it is, so auto does
-    # not change. The predicate probes the tileiras compiler once per process and arch (explain
-    # shows why it cannot run: `tileiras not found`, `tileiras failed: ...`).
-    KernelSpec(
-        OP_ID,
-        "cutile",
-        "polykernel.backends.cutile.rope:rope",
-        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=cutile_gates.MIN_SM, max_sm=cutile_gates.MAX_SM)}),
-        requires_modules=cutile_gates.MODULES,
-        format_signature=_TRITON_DTYPES,
+    CUTILE.impl(
         rank=40,
         description="gathers by element index (any D, any q/k strides); cos/sin loaded once per position tile for all heads",
         predicate=cutile_gates.rope,
     ),
-]
+)
 
 
 def outputs(q: torch.Tensor, k: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
