@@ -417,6 +417,19 @@ class Op:
     :meth:`dispatch` with the arguments alone, ``key`` takes them positionally in the reference's
     order, and a repeat of a recent decision's class is recognised by one C call instead of
     building the class.
+
+    The op's facts for the layers above the core, which the core only stores:
+
+    - ``compile_mode``: under ``torch.compile``, ``"ours"`` (the op's custom ops run the
+      dispatcher's impl) or ``"decompose"`` (Inductor traces the reference and fuses it);
+      ``POLYKERNEL_COMPILE_<OP>`` overrides it (:mod:`polykernel.compile.library`);
+    - ``saved``: the kinds of the tensors its compiled training step saves for the backward, or
+      None to save nothing and recompute (:mod:`polykernel.compile.facts`);
+    - ``saved_grads``: a :class:`polykernel.compile.facts.SavedGrads` when those saved tensors are
+      the finished gradients for some calls, else None;
+    - ``dtensor_layout``: a :class:`polykernel.distributed.layout.Layout` saying how DTensor
+      arguments may be placed to run on their local shards, or None (DTensor's own rules on the
+      torch impl).
     """
 
     def __init__(
@@ -436,6 +449,10 @@ class Op:
         validate: Callable[..., None] | None = None,
         outputs: Callable[..., Sequence[tuple[Sequence[int], torch.dtype]]] | None = None,
         guard: hit_guard.GuardSpec | None = None,
+        compile_mode: str = "ours",
+        saved: Sequence[str] | None = None,
+        saved_grads: Any = None,
+        dtensor_layout: Any = None,
     ) -> None:
         if tuple(fields[:3]) != ("device", "dtype", "needs_grad"):
             raise ValueError("Op fields must start with device, dtype, needs_grad")
@@ -453,6 +470,11 @@ class Op:
         self.validate = validate
         self.outputs = outputs
         self.guard = None if guard is None else tuple(guard)
+        # The layers above read these; the core only keeps them (see the class docstring).
+        self.compile_mode = compile_mode
+        self.saved = None if saved is None else tuple(saved)
+        self.saved_grads = saved_grads
+        self.dtensor_layout = dtensor_layout
         if self.guard is not None:  # the slow path's views of a call: the guarded tensors, the options
             self._guarded = _picker(hit_guard.tensor_positions(self.guard))
             self._options = _picker(tuple(i for i, kind in enumerate(self.guard) if kind is None))

@@ -33,6 +33,7 @@ from ..backends.quack import _gates as quack_gates
 from ..backends.torch import TORCH
 from ..backends.triton import TRITON
 from ..core.op import Bounds, Case, ErrorModel, Op
+from ..distributed.layout import ROWS, Layout, rows_with
 from . import _checks as check
 
 OP_ID = "loss.cross_entropy"
@@ -285,4 +286,8 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    # torch.compile: our custom ops (8192x128256 fwd+bwd 1.61 vs Inductor's 5.81 ms); saves the
+    # LSE (one per row) and the non-ignored count (a sum over the rows)
+    saved=("rows", "sum"),
+    dtensor_layout=Layout(ROWS, rows_with(1), ("loss",), loss_args=(1, 2, 4)),  # target, ignore_index, reduction
 )

@@ -22,6 +22,7 @@ from ..backends.torch import TORCH
 from ..backends.triton import TRITON
 from ..core.hit_guard import LAST, SHAPE
 from ..core.op import Bounds, Case, ErrorModel, Op, rows_and_len
+from ..distributed.layout import ROWS, Layout, rows_with
 from . import _checks as check
 from .rms_norm import dx_terms
 from .rms_norm import reference as rms_norm_reference
@@ -198,5 +199,9 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    # torch.compile: Inductor's code is as fast (16384x4096 fwd+bwd: 3.52 vs our 3.36 TB/s, fwd
+    # 3.92 vs 3.95), so the op decomposes and Inductor fuses it with its neighbours
+    compile_mode="decompose",
+    dtensor_layout=Layout(ROWS, rows_with(1), (0, 0)),
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

@@ -26,7 +26,9 @@ from ..backends.declare import impls
 from ..backends.liger import LIGER
 from ..backends.torch import TORCH
 from ..backends.triton import TRITON
+from ..compile.facts import SavedGrads
 from ..core.op import SUM_LAMBDA, TINY, Bounds, Case, ErrorModel, Op
+from ..distributed.layout import ROWS, Layout, rows_with
 from . import _checks as check
 from .cross_entropy import reference as _ce_reference
 from .cross_entropy import validate_options, validate_target
@@ -304,4 +306,11 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    # torch.compile: our custom ops (compile can only run the op by materializing the [N, V]
+    # logits). Saves grad_hidden, grad_weight, grad_bias (fp32): computed in the forward for
+    # "sum"/"mean", each a placeholder where grad_mask does not ask for it, and all three for
+    # "none" (recomputed); for "sum"/"mean" they are the gradients (saved_grads).
+    saved=("lead", "sum", "sum"),
+    saved_grads=SavedGrads({"hidden": 0, "weight": 1, "bias": 2}, lambda a: a["reduction"] != "none"),
+    dtensor_layout=Layout(ROWS, rows_with(2), ("loss",), loss_args=(2, 4, 6)),  # target, ignore_index, reduction
 )

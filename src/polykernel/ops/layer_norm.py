@@ -20,6 +20,7 @@ from ..backends.torch import TORCH
 from ..backends.triton import TRITON
 from ..core.hit_guard import LAST, SHAPE
 from ..core.op import SUM_LAMBDA, ArgClass, Bounds, Case, ErrorModel, Op, rows_and_len
+from ..distributed.layout import ROWS, Layout, rows_with
 from . import _checks as check
 
 OP_ID = "norm.layer_norm"
@@ -250,5 +251,8 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    # torch.compile: our custom ops (fwd+bwd 3.07 vs Inductor's 2.60 TB/s); saves mean and rstd
+    saved=("rows", "rows"),
+    dtensor_layout=Layout(ROWS, rows_with(), (0,)),
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

@@ -23,6 +23,7 @@ from ..backends.torch import TORCH
 from ..backends.triton import TRITON
 from ..core.hit_guard import LAST, SHAPE
 from ..core.op import ArgClass, Bounds, Case, ErrorModel, Op, rows_and_len
+from ..distributed.layout import ROWS, Layout, rows_with
 from . import _checks as check
 
 OP_ID = "norm.rms_norm"
@@ -244,5 +245,9 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    # torch.compile: our custom ops (fwd+bwd 3.38 vs Inductor's 3.09 TB/s, 2.24 vs 2.00 at
+    # 512x262144); the training op saves rstd, one value per row
+    saved=("rows",),
+    dtensor_layout=Layout(ROWS, rows_with(), (0,)),
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

@@ -21,6 +21,7 @@ from ..backends.declare import impls
 from ..backends.torch import TORCH
 from ..backends.triton import TRITON
 from ..core.op import Bounds, Case, ErrorModel, Op
+from ..distributed.layout import Layout
 from . import _checks as check
 
 OP_ID = "embedding.rope"
@@ -267,6 +268,20 @@ IMPLS = impls(
 )
 
 
+def _dtensor_expect(args: tuple[Any, ...], d: int) -> dict[int, int | None]:
+    """DTensor placements (the layout's ``expect``) for q and k sharded on dim ``d``: cos/sin follow
+    q's batch (a batch-1 table is shared), are shared by every head, and follow the sequence on
+    their dim 1."""
+    q, _, cos, _ = args[:4]
+    if d == 0:  # batch: per-batch tables follow q, a batch-1 table is shared
+        table = 0 if cos.shape[0] == q.shape[0] and q.shape[0] != 1 else None
+    elif d == 1:  # heads: the tables are the same for every head
+        table = None
+    else:  # sequence: the tables' T dim is their dim 1
+        table = 1
+    return {0: d, 1: d, 2: table, 3: table}
+
+
 def outputs(q: torch.Tensor, k: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     """The reference's output shapes and dtypes, without running it (the first-call check)."""
     return ((q.shape, q.dtype), (k.shape, k.dtype))
@@ -285,4 +300,8 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    # torch.compile: q 4x32x4096x128 compiled 3.87/3.80 TB/s fwd/fwd+bwd vs our Triton 3.29/3.36:
+    # the op decomposes and Inductor fuses it
+    compile_mode="decompose",
+    dtensor_layout=Layout((0, 1, 2), _dtensor_expect, (0, 1), "it is the head dim D, which the rotation mixes"),
 )

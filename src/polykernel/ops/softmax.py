@@ -19,6 +19,7 @@ from ..backends.liger import _gates as liger_gates
 from ..backends.torch import TORCH
 from ..backends.triton import TRITON
 from ..core.op import Bounds, Case, ErrorModel, Op, rows_and_len
+from ..distributed.layout import ROWS, Layout, rows_with
 from . import _checks as check
 
 OP_ID = "activation.softmax"
@@ -191,4 +192,8 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    # torch.compile: our custom ops (fwd+bwd 3.51 vs Inductor's 2.48 TB/s); saves each row's max
+    # and 1/sum
+    saved=("rows", "rows"),
+    dtensor_layout=Layout(ROWS, rows_with(), (0,)),
 )

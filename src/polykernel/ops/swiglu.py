@@ -18,6 +18,7 @@ from ..backends.torch import TORCH
 from ..backends.triton import TRITON
 from ..core.hit_guard import LAST
 from ..core.op import Bounds, Case, ErrorModel, Op
+from ..distributed.layout import ANY, Layout, rows_with
 from . import _checks as check
 from ._glu import bytes_moved, example, glu_cases, up_matches, validate_glu
 
@@ -129,5 +130,9 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    # torch.compile: 16384x14336 fwd+bwd 4.31 TB/s compiled vs our Triton 4.30 (per call), both at
+    # copy speed, and Inductor can fuse the decomposed op into the next matmul's input
+    compile_mode="decompose",
+    dtensor_layout=Layout(ANY, rows_with(1), (0,)),
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

@@ -1,9 +1,14 @@
-"""The op files' impl declarations (``Backend.impl`` rows through ``impls``) give exactly the
-KernelSpec tables the op files spelled out before, field by field, in the same order.
+"""The op files' declarations give exactly the tables that were spelled out before.
 
-``EXPECTED`` is the table as it stood before the declarative form (copied from the op files'
-``IMPLS`` lists): a change to a backend's facts or to an op's declaration that moves any field
-of any spec fails here, so such a change is made on purpose (update the row with it).
+- Impls (``Backend.impl`` rows through ``impls``): ``EXPECTED`` is the KernelSpec table as it
+  stood before the declarative form (copied from the op files' ``IMPLS`` lists), field by field,
+  in the same order.
+- Per-op facts (``Op(compile_mode=, saved=, saved_grads=, dtensor_layout=)``): ``FACTS`` is what
+  ``compile/library.py`` (``COMPILE_MODES``, ``SAVED``, ``SAVED_GRADS``) and
+  ``distributed/dtensor.py`` (``LAYOUTS``, ``_LOSS_ARGS``) held.
+
+A change to a backend's facts or an op's declaration that moves any of these fails here, so such
+a change is made on purpose (update the row with it).
 """
 
 import importlib
@@ -784,3 +789,62 @@ def test_backend_declarations_import_without_torch():
     env = {**__import__("os").environ, "PYTHONPATH": src}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
+
+
+# op -> (compile mode, saved kinds, saved_grads slots, layout: lead dims, outputs, loss args)
+FACTS = {
+    "norm.rms_norm": ("ours", ("rows",), None, ("rows", (0,), None)),
+    "norm.fused_add_rms_norm": ("decompose", None, None, ("rows", (0, 0), None)),
+    "norm.layer_norm": ("ours", ("rows", "rows"), None, ("rows", (0,), None)),
+    "activation.softmax": ("ours", ("rows", "rows"), None, ("rows", (0,), None)),
+    "activation.swiglu": ("decompose", None, None, ("any", (0,), None)),
+    "activation.geglu": ("decompose", None, None, ("any", (0,), None)),
+    "embedding.rope": ("decompose", None, None, ((0, 1, 2), (0, 1), None)),
+    "loss.cross_entropy": ("ours", ("rows", "sum"), None, ("rows", ("loss",), (1, 2, 4))),
+    "loss.fused_linear_cross_entropy": (
+        "ours",
+        ("lead", "sum", "sum"),
+        {"hidden": 0, "weight": 1, "bias": 2},
+        ("rows", ("loss",), (2, 4, 6)),
+    ),
+}
+# the arguments that share the lead's shard dim (the rest are replicated), per row-wise op
+SAME = {
+    "norm.rms_norm": {0},
+    "norm.fused_add_rms_norm": {0, 1},
+    "norm.layer_norm": {0},
+    "activation.softmax": {0},
+    "activation.swiglu": {0, 1},
+    "activation.geglu": {0, 1},
+    "loss.cross_entropy": {0, 1},
+    "loss.fused_linear_cross_entropy": {0, 2},
+}
+
+
+@pytest.mark.parametrize("op_id", list(OP_MODULES))
+def test_per_op_facts_equal_the_former_tables(op_id):
+    import torch
+
+    from polykernel.core import registry
+
+    op = registry.get_op(op_id)
+    mode, saved, grads, (lead, outputs, loss) = FACTS[op_id]
+    assert (op.compile_mode, op.saved) == (mode, saved)
+    assert (op.saved_grads and op.saved_grads.slots) == grads
+    if grads is not None:
+        assert op.saved_grads.when({"reduction": "mean"}) and op.saved_grads.when({"reduction": "sum"})
+        assert not op.saved_grads.when({"reduction": "none"})
+    layout = op.dtensor_layout
+    assert (layout.lead_dims, layout.outputs, layout.loss_args) == (lead, outputs, loss)
+    if op_id == "embedding.rope":
+        assert layout.why_not == "it is the head dim D, which the rotation mixes"
+        q, k = torch.empty(2, 4, 3, 8), torch.empty(2, 2, 3, 8)
+        per_batch, shared = torch.empty(2, 3, 8), torch.empty(1, 3, 8)
+        assert layout.expect((q, k, per_batch, per_batch), 0) == {0: 0, 1: 0, 2: 0, 3: 0}
+        assert layout.expect((q, k, shared, shared), 0) == {0: 0, 1: 0, 2: None, 3: None}
+        assert layout.expect((q, k, per_batch, per_batch), 1) == {0: 1, 1: 1, 2: None, 3: None}
+        assert layout.expect((q, k, per_batch, per_batch), 2) == {0: 2, 1: 2, 2: 1, 3: 1}
+    else:
+        assert layout.why_not == "it is the dim the op reduces over, which needs a cross-rank reduction"
+        args = (*(torch.empty(2) for _ in range(4)), 1.0)
+        assert layout.expect(args, 1) == {i: (1 if i in SAME[op_id] else None) for i in range(4)}
