@@ -32,6 +32,7 @@ from ..backends.quack import QUACK
 from ..backends.quack import _gates as quack_gates
 from ..backends.torch import TORCH
 from ..backends.triton import TRITON
+from ..core.hit_guard import SHAPE
 from ..core.op import Bounds, Case, ErrorModel, Op
 from ..distributed.layout import ROWS, Layout, rows_with
 from . import _checks as check
@@ -109,14 +110,36 @@ def validate(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, labe
     validate_target(OP_ID, target, logits.shape[:-1], logits.shape[-1], ignore_index, "logits", logits)
 
 
-def _key(logits: torch.Tensor, *args: object, label_smoothing: object = 0.0, **__: object) -> tuple:
-    if len(args) >= 3:  # the impl's positional order: (logits, target, ignore_index, label_smoothing, ...)
-        label_smoothing = args[2]
-    # label_smoothing is in the class because an impl's eligibility depends on it (QuACK has none)
-    return (logits.device, logits.dtype, check.needs_grad(logits), logits.shape[-1], label_smoothing)
+def _key(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean"
+) -> tuple:
+    """The argument class. It holds everything validity depends on (the options, target's dtype,
+    and whether target's shape and device match the logits' rows as one flag), so `validate` runs
+    once per class (on the memo miss), except on the CPU: see `cross_entropy`. n_classes and
+    label_smoothing come first because impls' eligibility depends on them (QuACK has no
+    smoothing). The guard (``_op``'s ``guard``) recognises a repeat without building it: both
+    shapes whole (which the flag relates), so a repeat compares no shape in Python."""
+    matches = target.shape == logits.shape[:-1] and target.device == logits.device
+    return (
+        logits.device,
+        logits.dtype,
+        check.needs_grad(logits),
+        logits.shape[-1],
+        label_smoothing,
+        ignore_index,
+        reduction,
+        target.dtype,
+        matches,
+    )
 
 
-_op: Op  # defined below, after the public function it serves
+def as_smoothing(value: object) -> object:
+    """label_smoothing as the impls take it: an int as a float, anything else as given (for
+    validation to name it)."""
+    return float(value) if type(value) is int else value
+
+
+_op: Op  # defined below, after the public function it serves (with _dispatch, its dispatch)
 
 
 def cross_entropy(
@@ -137,16 +160,10 @@ def cross_entropy(
     >>> polykernel.cross_entropy(logits, target, reduction="none", label_smoothing=0.1).shape
     torch.Size([4])
     """
-    validate(logits, target, ignore_index, label_smoothing, reduction)
-    return _op.call(
-        impl,
-        (logits.device, logits.dtype, check.needs_grad(logits), logits.shape[-1], label_smoothing),
-        logits,
-        target,
-        ignore_index,
-        float(label_smoothing),
-        reduction,
-    )
+    ls = label_smoothing if type(label_smoothing) is float else as_smoothing(label_smoothing)
+    if not isinstance(target, torch.Tensor) or target.is_cpu:  # validity depends on target's values
+        validate(logits, target, ignore_index, ls, reduction)  # there (its range): every call
+    return _dispatch(impl, logits, target, ignore_index, ls, reduction)  # _op.dispatch; see _key
 
 
 # -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
@@ -275,9 +292,11 @@ def outputs(
 
 _op = Op(
     OP_ID,
-    fields=("device", "dtype", "needs_grad", "n_classes", "label_smoothing"),
+    fields=("device", "dtype", "needs_grad", "n_classes", "label_smoothing", "ignore_index", "reduction", "target_dtype", "target_matches"),
     key=_key,
-    default_key=lambda device, dtype: (device, dtype, False, None, 0.0),
+    guard=(SHAPE, SHAPE, None, None, None),
+    default_key=lambda device, dtype: (device, dtype, False, None, 0.0, -100, "mean", torch.int64, True),
+    validate=validate,
     reference=reference,
     outputs=outputs,
     error_model=error_model,
@@ -291,3 +310,4 @@ _op = Op(
     saved=("rows", "sum"),
     dtensor_layout=Layout(ROWS, rows_with(1), ("loss",), loss_args=(1, 2, 4)),  # target, ignore_index, reduction
 )
+_dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup
