@@ -245,8 +245,8 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
 
 
 # Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
-# predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
-# lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
+# predicates in backends/{liger,quack}/_gates.py. The comparisons below are from
+# benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file.
 # Peers whose low-precision results fail the error model take fp32 only (see the comment at each).
 _FP32_ONLY = ("float32",)
 
@@ -260,19 +260,19 @@ IMPLS = impls(
         rank=10,
         description="one program per row, online softmax over V in chunks; backward re-reads the logits with the saved LSE",
     ),
-    # Our CuTeDSL kernel (backends/cute_dsl/cross_entropy.py). H200 bf16 8192x128256 (bench_cute_dsl.py,
-    # CUDA graph): fwd 0.487 ms vs triton 0.595 vs quack 0.600; fwd+bwd 1.512 vs 1.613 vs 1.665. So
-    # rank 5 for V >= 32768 (rank_for; measured at V = 128256 only), static 40 (behind Triton) below.
+    # Our CuTeDSL kernel (backends/cute_dsl/cross_entropy.py): ahead of Triton and QuACK at
+    # 8192x128256 (benchmarks/results/h200-2026-11-30-cute-dsl.json). So rank 5 for V >= 32768
+    # (rank_for; measured at V = 128256 only), static 40 (behind Triton) below.
     CUTE_DSL.impl(
         rank=40,
         description="one CTA per row, online softmax over V in 128-bit chunks; backward re-reads the logits with the saved LSE (dlogits rounded once)",
         predicate=cute_predicates.cross_entropy,
         rank_for=cute_predicates.cross_entropy_rank,
     ),
-    # QuACK: 1.67 ms vs our 1.61 ms fwd+bwd at 8192x128256; Liger 2.34 ms and a host sync per call
-    # (not CUDA-graph safe). Both behind Triton.
+    # QuACK: trails Triton slightly; Liger trails more and syncs the host per call (not CUDA-graph
+    # safe; per call in benchmarks/results/h200-2026-11-29.json). Both behind Triton.
     QUACK.impl(rank=50, description="QuACK cross_entropy (CuTeDSL); no label smoothing", predicate=quack_gates.cross_entropy),
-    # H200 2026-11-30: bf16/fp16 gradients fail the error model (10-13 cases each). fp32 passes.
+    # bf16/fp16 gradients fail the error model (benchmarks/check_peers.py on the H200); fp32 passes.
     LIGER.impl(
         rank=60,
         dtypes=_FP32_ONLY,
@@ -305,8 +305,8 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
-    # torch.compile: our custom ops (8192x128256 fwd+bwd 1.61 vs Inductor's 5.81 ms); saves the
-    # LSE (one per row) and the non-ignored count (a sum over the rows)
+    # torch.compile: our custom ops, far faster than Inductor's code (its torch.compile rows in the
+    # results file above); saves the LSE (one per row) and the non-ignored count (a sum over rows)
     saved=("rows", "sum"),
     dtensor_layout=Layout(ROWS, rows_with(1), ("loss",), loss_args=(1, 2, 4)),  # target, ignore_index, reduction
 )

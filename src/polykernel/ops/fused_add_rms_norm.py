@@ -158,13 +158,13 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
 
 
 # Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
-# predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
-# lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
+# predicates in backends/{liger,quack}/_gates.py. The comparisons below are from
+# benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file.
 IMPLS = impls(
     OP_ID,
     TORCH.impl(rank=100, description="x + residual, then the torch rms_norm impl (F.rms_norm where it matches)"),
     TRITON.impl(rank=10, description="add + RMSNorm in one pass (chunked for long rows); dW from per-program partials (deterministic)"),
-    # Not measured on the H200 (the README's table has no peer figures for this op): behind Triton.
+    # Peers not compared with Triton for this op yet: behind it.
     QUACK.impl(
         rank=50,
         description="QuACK rmsnorm(residual=, prenorm=True); normalizes the unrounded fp32 sum",
@@ -199,8 +199,8 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
-    # torch.compile: Inductor's code is as fast (16384x4096 fwd+bwd: 3.52 vs our 3.36 TB/s, fwd
-    # 3.92 vs 3.95), so the op decomposes and Inductor fuses it with its neighbours
+    # torch.compile: Inductor's code is as fast (its torch.compile rows in the results file above),
+    # so the op decomposes and Inductor fuses it with its neighbours
     compile_mode="decompose",
     dtensor_layout=Layout(ROWS, rows_with(1), (0, 0)),
 )

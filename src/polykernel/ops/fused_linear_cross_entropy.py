@@ -280,8 +280,8 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
 
 
 # Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
-# predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
-# lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
+# predicates in backends/{liger,quack}/_gates.py. The comparisons below are from
+# benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file.
 IMPLS = impls(
     OP_ID,
     TORCH.impl(rank=100, description="row chunks: torch matmul + row-chunked torch cross-entropy, gradients during the forward"),
@@ -289,8 +289,8 @@ IMPLS = impls(
         rank=10,
         description="row chunks: torch matmul + the Triton cross-entropy kernel (loss and dlogits in one launch, in place)",
     ),
-    # Liger: 54.9 ms vs our 39.6 ms per call fwd+bwd (N=8192 H=4096 V=128256), 63 MiB vs 251 MiB
-    # extra memory; a host sync per call (not CUDA-graph safe). Behind Triton.
+    # Liger: slower per call, with less extra memory, and a host sync per call (not CUDA-graph safe;
+    # benchmarks/results/h200-2026-11-29.json). Behind Triton.
     # QuACK's chunked linear cross-entropy (quack.linear_cross_entropy) is not registered: on the
     # H200 stack it fails with a CuTeDSL epilogue ContextVar error.
     LIGER.impl(

@@ -86,8 +86,8 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
 
 
 # Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
-# predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
-# lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
+# predicates in backends/{liger,quack}/_gates.py. The comparisons below are from
+# benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file.
 # Peers whose low-precision results fail the error model take fp32 only (see the comment at each).
 _FP32_ONLY = ("float32",)
 
@@ -95,9 +95,9 @@ IMPLS = impls(
     OP_ID,
     TORCH.impl(rank=100, description="the reference's fp32 math; backward saves only gate and up"),
     TRITON.impl(rank=10, description="one elementwise pass each way (flat or row-strided, 16-byte accesses); backward recomputes gelu"),
-    # Liger: fwd 2.62 vs our 4.31, fwd+bwd 3.21 vs 4.32 at 16384x14336: behind Triton. It refuses
-    # N > 65536 at run time (the argument class has no N for a predicate).
-    # H200 2026-11-30: bf16/fp16 round gelu(gate) before the multiply: ~2x the one-rounding model. fp32 passes.
+    # Liger: trails Triton: behind it. Its predicate refuses N > 65536 (one block per row) and the
+    # exact erf form. bf16/fp16 round gelu(gate) before the multiply, outside the one-rounding
+    # error model (benchmarks/check_peers.py on the H200); fp32 passes.
     LIGER.impl(
         rank=60,
         dtypes=_FP32_ONLY,
@@ -132,8 +132,8 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
-    # torch.compile: 16384x14336 fwd+bwd 4.33 TB/s compiled vs our Triton 4.32 (per call), both at
-    # copy speed, and Inductor can fuse the decomposed op into the next matmul's input
+    # torch.compile: Inductor's code ties ours at copy speed (its torch.compile rows in the results
+    # file above), and it can fuse the decomposed op into the next matmul's input
     compile_mode="decompose",
     dtensor_layout=Layout(ANY, rows_with(1), (0,)),
 )

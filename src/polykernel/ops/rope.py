@@ -239,8 +239,8 @@ def _triton_predicate(info: Any) -> str | None:
 
 
 # Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
-# predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
-# lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
+# predicates in backends/{liger,quack}/_gates.py. The comparisons below are from
+# benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file.
 IMPLS = impls(
     OP_ID,
     TORCH.impl(rank=100, description="fp32 rotate-half in eager torch (autograd gives every gradient, cos/sin included)"),
@@ -250,12 +250,11 @@ IMPLS = impls(
         "backward is the same kernel rotating by -sin",
         predicate=_triton_predicate,
     ),
-    # Liger: fwd 1.08 vs our 3.31, fwd+bwd 1.69 vs 3.37 (q 4x32x4096x128, k 8 heads): behind
-    # Triton. (QuACK's rotary takes another layout, [B, T, H, D] with half-width cos/sin: not adapted.)
-    # Liger's RoPE (0.8.5) is not registered: on the H200 (2026-11-30, benchmarks/check_peers.py)
-    # it is off by 1e5-1e7x the error model in fp32 with cos/sin halves that differ, strided
-    # cos/sin, D = 272 and decode shapes, and 25-1e5x in bf16/fp16 (it reads only the first half
-    # of each cos/sin row and computes in the tables' dtype); it also trailed (1.08 / 1.69 TB/s).
+    # Liger's RoPE (0.8.5) is not registered: in the H200 parity run (benchmarks/check_peers.py)
+    # it failed the error model by orders of magnitude with cos/sin halves that differ, strided
+    # cos/sin, D = 272 and decode shapes (it reads only the first half of each cos/sin row and
+    # computes in the tables' dtype), and it trailed Triton (h200-2026-11-29-graph.json).
+    # (QuACK's rotary takes another layout, [B, T, H, D] with half-width cos/sin: not adapted.)
     CUTILE.impl(
         rank=40,
         description="gathers by element index (any D, any q/k strides); cos/sin loaded once per position tile for all heads",
@@ -298,8 +297,8 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
-    # torch.compile: q 4x32x4096x128 compiled 3.87/3.80 TB/s fwd/fwd+bwd vs our Triton 3.29/3.36:
-    # the op decomposes and Inductor fuses it
+    # torch.compile: Inductor's code is faster than ours here (its torch.compile rows in the
+    # results file above): the op decomposes and Inductor fuses it
     compile_mode="decompose",
     dtensor_layout=Layout((0, 1, 2), _dtensor_expect, (0, 1), "it is the head dim D, which the rotation mixes"),
 )

@@ -132,8 +132,8 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
 
 
 # Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
-# predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
-# lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
+# predicates in backends/{liger,quack}/_gates.py. The comparisons below are from
+# benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file.
 # Peers whose low-precision results fail the error model take fp32 only (see the comment at each).
 _FP32_ONLY = ("float32",)
 
@@ -144,25 +144,21 @@ IMPLS = impls(
         rank=10,
         description="one block per row up to 32K (one read, one write), online chunked beyond (rows split when few); backward recomputes fp32 y from x",
     ),
-    # Our CuTeDSL kernel (backends/cute_dsl/softmax.py). H200 bf16 (bench_cute_dsl.py, CUDA graph):
-    # 8192x32768 fwd 3.41 vs triton 3.23 TB/s, fwd+bwd 3.63 vs 3.53 (cute wins); 16384x4096 fwd 3.30
-    # vs 3.81, fwd+bwd 3.81 vs 4.03 (triton wins). So rank 5 for N >= 16384 (rank_for; measured at
-    # 32768 only), static 40 (behind Triton) below.
+    # Our CuTeDSL kernel (backends/cute_dsl/softmax.py): ahead of Triton on long rows, behind on
+    # short ones (benchmarks/results/h200-2026-11-30-cute-dsl.json). So rank 5 for N >= 16384
+    # (rank_for; measured at 32768 only), static 40 (behind Triton) below.
     CUTE_DSL.impl(
         rank=40,
         description="one CTA per row, the row in registers (N <= 32768, 16-byte rows); backward recomputes fp32 y from x",
         predicate=cute_predicates.softmax,
         rank_for=cute_predicates.softmax_rank,
     ),
-    # QuACK: fwd 4.09 vs our 3.22, fwd+bwd 3.97 vs 3.55 at 8192x32768: ahead of Triton where its
-    # predicate holds (N a multiple of 16 bytes). Liger: fwd 3.22 (a tie), fwd+bwd 3.81 vs 3.55,
-    # refuses N > 65536: behind Triton (only one shape measured).
-    # QuACK softmax (0.6.5) is not registered: on the H200 (2026-11-30, benchmarks/check_peers.py)
-    # it returned non-finite values where the reference has none on rows with a run of -inf
-    # logits (2x40000, every dtype), was 13.5x the fp32 error model on logits of scale 1e4 (it
-    # subtracts the max after scaling by log2 e), and its bf16/fp16 backward uses the rounded y
-    # (up to 10x the model). Its speed (fwd 4.09 vs our 3.22 TB/s at 8192x32768) is not worth that.
-    # H200 2026-11-30: bf16/fp16 backward from the rounded y: 1.1-124x the error model. fp32 passes.
+    # QuACK softmax (0.6.5) is faster than Triton at 8192x32768 but not registered: in the H200
+    # parity run (benchmarks/check_peers.py) it returned non-finite values where the reference has none
+    # on rows with a run of -inf logits, failed the fp32 error model on logits of scale 1e4 (it
+    # subtracts the max after scaling by log2 e), and its bf16/fp16 backward uses the rounded y.
+    # Liger: faster fwd+bwd at 8192x32768 (one shape measured) but refuses N > 65536, and its
+    # bf16/fp16 backward from the rounded y fails the error model (same run): fp32 only, behind Triton.
     LIGER.impl(
         rank=60,
         dtypes=_FP32_ONLY,
@@ -198,8 +194,8 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
-    # torch.compile: our custom ops (fwd+bwd 3.51 vs Inductor's 2.48 TB/s); saves each row's max
-    # and 1/sum
+    # torch.compile: our custom ops, faster than Inductor's code fwd+bwd (its torch.compile rows in
+    # the results file above); saves each row's max and 1/sum
     saved=("rows", "rows"),
     dtensor_layout=Layout(ROWS, rows_with(), (0,)),
 )

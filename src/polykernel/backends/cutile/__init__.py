@@ -16,9 +16,10 @@ from ...spec import CapabilityRequirement
 from ..declare import KERNEL_DTYPES, Backend
 from ._gates import MAX_SM, MIN_SM, MODULES
 
-# Not yet measured on the H200 (issue 9): rank 40, behind Triton until it is, so auto does not
-# change. Each op's predicate probes the tileiras compiler once per process and arch (explain shows
-# why it cannot run: `tileiras not found`, `tileiras failed: ...`).
+# Rank 40, behind Triton: it ties or trails Triton on every op measured
+# (benchmarks/results/h200-2026-11-30-cutile.json), so it runs by name. Each op's predicate probes
+# the tileiras compiler once per process and arch (explain shows why it cannot run: `tileiras not
+# found`, `tileiras failed: ...`).
 CUTILE = Backend(
     "cutile",
     modules=MODULES,

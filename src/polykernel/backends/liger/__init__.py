@@ -13,7 +13,7 @@ dY, q/k); the adapters hand it private copies where the caller's tensors would b
 from ...spec import CapabilityRequirement
 from ..declare import KERNEL_DTYPES, Backend
 
-# Rank 60: behind our Triton kernels, which tie or beat Liger on the H200 (per op, in the op files).
+# Rank 60: behind our Triton kernels, which tie or beat Liger (per op, in the op files).
 LIGER = Backend(
     "liger",
     modules=("liger_kernel", "triton"),
