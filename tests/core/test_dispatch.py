@@ -841,3 +841,19 @@ def test_alternating_classes_each_run_their_own_decision():
                 op.dispatch(None, *args)
                 assert ran == [op.key(*args)]
                 assert len(op._fast) <= op_mod.FAST_RECORDS
+
+
+def test_a_dims_guard_pins_only_the_sizes_it_names():
+    from polykernel.core import hit_guard
+
+    if not hit_guard.available():
+        pytest.skip("this torch has no TensorGuards")
+    a, b = torch.randn(2, 3, 4), torch.randn(5)
+    check = hit_guard.build((hit_guard.dims(0, 2), hit_guard.dims()), (a, b))
+    assert check(torch.randn(2, 7, 4), torch.randn(9))  # dim 1 and b's sizes are free
+    assert not check(torch.randn(3, 3, 4), b)  # dim 0 is pinned
+    assert not check(torch.randn(2, 3, 5), b)  # dim 2 is pinned
+    assert not check(torch.randn(2, 3, 4, 1), b)  # so is the number of dims
+    assert not check(a.double(), b)  # and the dtype
+    with pytest.raises(ValueError):
+        hit_guard.dims(-1)

@@ -20,8 +20,8 @@ An op says per positional argument what its class holds (``Op(guard=...)``):
 - ``i`` (an int): a tensor whose shape must equal argument ``i``'s (the class holds that it
   does, e.g. ``up_matches``); its dtype, device and requires_grad. The hot path compares the two
   shapes on every call (the guard leaves them free, so a new sequence length still hits);
-- :func:`dims` ``(d, ...)`` (a tuple): a tensor; its dtype, device, requires_grad and the sizes of
-  dims ``d, ...``; the other sizes stay free. For shapes related across arguments (rope's q and k
+- :func:`dims` ``(d, ...)`` (a tuple, maybe empty): a tensor; its dtype, device, requires_grad and
+  the sizes of dims ``d, ...``; the other sizes stay free. For shapes related across arguments (rope's q and k
   share B, T and D, their head counts are free): the class holds that the relations hold (one
   flag), and the guard pins every size a relation reads, so a repeat hits with no shape compared
   in Python; a new size (another T) takes the slow path once, which builds the class (a memo hit)
@@ -49,8 +49,9 @@ GuardSpec = Sequence["str | int | tuple[int, ...] | None"]
 
 def dims(*pinned: int) -> tuple[int, ...]:
     """The guard kind of a tensor whose sizes at dims ``pinned`` (non-negative) the class depends
-    on; its other sizes stay free (``dims(0, 2, 3)``: rope's q, whose head count may change)."""
-    if not pinned or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in pinned):
+    on; its other sizes stay free (``dims(0, 2, 3)``: rope's q, whose head count may change;
+    ``dims()``: an elementwise op's input, whose sizes the class does not hold)."""
+    if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in pinned):
         raise ValueError(f"dims: expected non-negative dims, got {pinned}")
     return tuple(pinned)
 
