@@ -1,9 +1,10 @@
 """The :class:`Op` object: one op's identity, semantics hooks and its per-call hot path.
 
-An op module (``polykernel/ops/<name>.py``) builds one ``Op`` and a public function that validates
-its arguments, computes the op's *argument class* (the small tuple that decisions are memoized
-on) and calls :meth:`Op.call`. Everything slow (resolution order, explain records, fallbacks)
-lives in :mod:`polykernel.core.selection` and runs once per new key.
+An op module (``polykernel/ops/<name>.py``) builds one ``Op`` and a public function that hands
+its arguments to :meth:`Op.dispatch`, which recognises a repeat of a recent *argument class* (the
+small tuple that decisions are memoized on) by its guard, and otherwise builds the class, validates
+the arguments once per new class and decides (see :class:`Op`). Everything slow (resolution order,
+explain records, fallbacks) lives in :mod:`polykernel.core.selection` and runs once per new key.
 """
 
 from __future__ import annotations
@@ -430,15 +431,30 @@ def _hot_dispatch(op: Op) -> Callable[..., Any]:
 class Op:
     """An op: id, argument-class fields, reference, error model, examples and parity cases.
 
-    ``fields`` names the entries of the argument-class tuple; it always starts with
-    ``"device"``, ``"dtype"``, ``"needs_grad"``. ``default_key(device, dtype)`` builds a tuple
-    for ``explain``/``available_impls`` when no arguments are given (unknown sizes are None).
+    Every op has one form (``polykernel/ops/rms_norm.py`` reads as the model):
 
-    ``validate`` (optional) lets the public function skip validation on the hot path: when the
-    argument class holds everything validity depends on (dtypes, devices, the sizes that are
-    checked, scalar options), the op validates once per new class, on the memo miss, and a
-    public function may pass ``argkey=None`` when it could not even build the class (a non-tensor
-    argument, say) so that ``validate`` raises the proper error.
+    - the public function passes its arguments, positionally in the reference's order, to
+      :meth:`dispatch` (``_dispatch = _op.dispatch``, bound once), and does nothing else on the
+      hot path;
+    - ``key(*args)`` builds the *argument class*: ``fields`` names its entries, which always start
+      with ``"device"``, ``"dtype"``, ``"needs_grad"``. It must hold everything validity depends on:
+      dtypes, devices, the sizes that are checked, the options, and relations between arguments
+      as flags (``up_matches``: up has gate's shape, dtype and device), so that two calls of one
+      class are both valid or both invalid. It may raise on arguments it cannot read (a
+      non-tensor, a 0-d tensor where rows are needed): ``validate`` then names the problem;
+    - ``validate(*args)`` runs once per new class, on the memo miss, and raises the error that
+      names the op and the argument (so a bad call is rejected on every repeat too: its class is
+      never memoized). Validity that depends on the data itself (the losses' target range on the
+      CPU) cannot be memoized: the public function validates every such call itself;
+    - ``guard``: per positional argument of the reference, what the class holds of it
+      (:mod:`polykernel.core.hit_guard`: ``LAST``, ``SHAPE``, ``dims(...)``, the index of a tensor
+      whose shape it must equal, or None for an option). A repeat of one of the last few decisions'
+      classes is recognised by one C call over the tensors' metadata instead of building the
+      class; anything else takes the slow path (``key``, the memo, ``validate`` on a miss).
+
+    ``default_key(device, dtype)`` builds a class for ``explain``/``available_impls`` when no
+    arguments are given (unknown sizes are None). :meth:`call` takes a class built by the caller
+    (the DTensor route and the compiled path use it).
 
     ``outputs`` (optional) gives, from the impl's positional arguments, the ``(shape, dtype)`` of
     each output: the first call of each decision checks an impl's outputs against it
@@ -446,12 +462,18 @@ class Op:
     ``torch._dynamo`` (and with it ``torch.distributed.tensor``, ~1 s) on the first call: torch's
     Python meta kernels sit behind ``torch._disable_dynamo``.
 
-    ``guard`` (optional, with ``validate``): per positional argument of the reference, what the
-    argument class holds of it (:mod:`polykernel.core.hit_guard`: ``LAST``, ``SHAPE``, the index of a
-    tensor whose shape it must equal, or None for an option). With it the public function calls
-    :meth:`dispatch` with the arguments alone, ``key`` takes them positionally in the reference's
-    order, and a repeat of a recent decision's class is recognised by one C call instead of
-    building the class.
+    The op's facts for the layers above the core, which the core only stores:
+
+    - ``compile_mode``: under ``torch.compile``, ``"ours"`` (the op's custom ops run the
+      dispatcher's impl) or ``"decompose"`` (Inductor traces the reference and fuses it);
+      ``POLYKERNEL_COMPILE_<OP>`` overrides it (:mod:`polykernel.compile.library`);
+    - ``saved``: the kinds of the tensors its compiled training step saves for the backward, or
+      None to save nothing and recompute (:mod:`polykernel.compile.facts`);
+    - ``saved_grads``: a :class:`polykernel.compile.facts.SavedGrads` when those saved tensors are
+      the finished gradients for some calls, else None;
+    - ``dtensor_layout``: a :class:`polykernel.distributed.layout.Layout` saying how DTensor
+      arguments may be placed to run on their local shards, or None (DTensor's own rules on the
+      torch impl).
     """
 
     def __init__(
@@ -471,6 +493,10 @@ class Op:
         validate: Callable[..., None] | None = None,
         outputs: Callable[..., Sequence[tuple[Sequence[int], torch.dtype]]] | None = None,
         guard: hit_guard.GuardSpec | None = None,
+        compile_mode: str = "ours",
+        saved: Sequence[str] | None = None,
+        saved_grads: Any = None,
+        dtensor_layout: Any = None,
     ) -> None:
         if tuple(fields[:3]) != ("device", "dtype", "needs_grad"):
             raise ValueError("Op fields must start with device, dtype, needs_grad")
@@ -488,6 +514,11 @@ class Op:
         self.validate = validate
         self.outputs = outputs
         self.guard = None if guard is None else tuple(guard)
+        # The layers above read these; the core only keeps them (see the class docstring).
+        self.compile_mode = compile_mode
+        self.saved = None if saved is None else tuple(saved)
+        self.saved_grads = saved_grads
+        self.dtensor_layout = dtensor_layout
         if self.guard is not None:  # the slow path's views of a call: the guarded tensors, the options
             self._guarded = _picker(hit_guard.tensor_positions(self.guard))
             option_positions = tuple(i for i, kind in enumerate(self.guard) if kind is None)
