@@ -166,7 +166,7 @@ _grad_enabled = torch.is_grad_enabled
 
 
 _compiling = torch.compiler.is_compiling
-# The generated hot path (see _hot_call) inlines `is_compiling` where this torch allows: Dynamo
+# The generated hot path (see _hot_dispatch) inlines `is_compiling` where this torch allows: Dynamo
 # constant-folds `is_dynamo_compiling()` to True while tracing, and non-strict export sets the
 # module flag that `is_compiling` reads (one Python frame instead of two, ~50 ns saved per call).
 _COMPILING_EXPR = (
@@ -228,56 +228,10 @@ def plain_check(reference: Callable[..., Any]) -> Callable[[tuple[Any, ...]], bo
     return codegen.define(src, f"<polykernel subclass check: {reference.__module__}.{reference.__qualname__}>", "check", namespace)
 
 
-_NA = object()  # "not passed": a trailing optional argument the caller left out
-_NO_HIT = (_NA, _NA, _NA, _NA, None)  # an Op's last hit before any (equal to no argument class)
 # How many guarded decisions Op.dispatch tries per call, most recent first: a model may alternate
 # a few classes per op (DeepSeek-V3's norms of three widths, grad mode on and off); a class after
 # them costs its argument class in Python (the slow path) plus ~0.1 µs per failed guard.
 FAST_RECORDS = 4
-
-
-def _hot_call(op: Op) -> Callable[..., Any]:
-    """``op.call`` as code generated for the op's positional arity (the reference's).
-
-    Same logic as :meth:`Op.run` behind the compile check, minus what a fixed arity makes free:
-    the *args tuple and the star-call (~40 ns), the bound method (~30 ns), the call to the guard
-    (~80 ns: its type checks are inlined). A repeat of the last argument class skips hashing the
-    memo key; a CUDA graph capture and a tensor subclass each leave through a flag on the decision
-    (one read when neither applies: a torch impl on the CPU). Anything unusual (fewer arguments,
-    unhashable options, faults) goes to the generic methods.
-    """
-    params = [p for p in inspect.signature(op.reference).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    names = [f"a{i}" for i in range(len(params))]
-    if not names:
-        return op._generic_call
-    sig = ", ".join(n if p.default is p.empty else f"{n}=NA" for n, p in zip(names, params))
-    args = ", ".join(names)
-    plain = " and ".join(f"type(a{i}) in P" for i in _tensor_positions(op.reference) if i < len(names)) or "True"
-    partial = f"    if {names[-1]} is NA:  # fewer arguments than the reference takes\n        return generic(impl, argkey, *[a for a in ({args},) if a is not NA])\n"
-    src = (
-        f"def call(impl, argkey, {sig}):\n"
-        f"{partial if params[-1].default is not params[-1].empty else ''}"
-        f"    if {_COMPILING_EXPR}:\n"
-        f"        return op.custom_op(impl, {args})\n"
-        f"    scope = scope_get()\n"
-        f"    dt = det()\n"
-        f"    h = last[0]\n"
-        f"    try:\n"
-        f"        hit = argkey == h[0] and impl is h[1] and scope is h[2] and dt is h[3]\n"
-        f"    except Exception as exc:  # an option that compares oddly (a tensor eps)\n"
-        f"        return op._unhashable(exc, impl, argkey, ({args},))\n"
-        f"    if hit:\n"
-        f"        d = h[4]\n"
-        f"    else:\n"
-        f"        key = new_key((argkey, impl, scope, dt, False, None))\n"
-        f"        try:\n"
-        f"            d = memo_get(key) or op._miss(key, ({args},))\n"
-        f"        except TypeError as exc:\n"
-        f"            return op._unhashable(exc, impl, argkey, ({args},))\n"
-        f"        last[0] = (argkey, impl, scope, dt, d)\n"
-        f"{_run_tail(args, plain)}"
-    )
-    return _exec(op, src, "call")
 
 
 def _run_tail(args: str, plain: str) -> str:
@@ -299,10 +253,8 @@ def _exec(op: Op, src: str, name: str) -> Callable[..., Any]:
     """The function ``name`` defined by the generated ``src``, documented as the Op method it replaces."""
     namespace: dict[str, Any] = {
         "DEFAULTS": [p.default for p in inspect.signature(op.reference).parameters.values()],
-        "NA": _NA,
         "P": _PLAIN,
         "op": op,
-        "generic": op._generic_call,
         "slow": op._dispatch_slow,
         "key": op.key,
         "call": op.call,
@@ -313,9 +265,7 @@ def _exec(op: Op, src: str, name: str) -> Callable[..., Any]:
         "det": _deterministic,
         "grad": _grad_enabled,
         "capturing": _stream_capturing,
-        "last": op._last,
         "fast": op._fast,
-        "new_key": memo_key.make,
         "memo_get": op._memo.get,  # the memo dict lives as long as the op (cleared, never replaced)
     }
     fn = codegen.define(src, f"<polykernel hot path: {op.id}.{name}>", name, namespace)
@@ -382,12 +332,7 @@ def _hot_dispatch(op: Op) -> Callable[..., Any]:
     sig = ", ".join(n if p.default is p.empty else f"{n}=DEFAULTS[{i}]" for i, (n, p) in enumerate(zip(names, params)))
     args = ", ".join(names)
     if not hit_guard.available():  # no guard in this torch: the class in Python, then Op.call
-        src = (
-            f"def dispatch(impl, {sig}):\n"
-            f"    try:\n        argkey = key({args})\n"
-            f"    except Exception:  # not tensors, 0-d x: validate() names the problem\n        argkey = None\n"
-            f"    return call(impl, argkey, {args})\n"
-        )
+        src = f"def dispatch(impl, {sig}):\n    return slow(impl, ({args},))\n"
         return _exec(op, src, "dispatch")
     plain = " and ".join(f"type(a{i}) in P" for i in _tensor_positions(op.reference) if i < len(names)) or "True"
     tensors = ", ".join(names[i] for i in hit_guard.tensor_positions(spec))
@@ -525,14 +470,10 @@ class Op:
             self._options = _picker(option_positions)
             self._option_types = _option_types(reference, option_positions)
         self._memo: dict[tuple[Any, ...], Any] = {}
-        # The last memo hit of the hot path, (argkey, impl, scope, deterministic, decision): a
-        # repeated argument class (every layer's norm) skips hashing the key (~80 ns).
-        self._last: list[tuple[Any, ...]] = [_NO_HIT]
         # The decisions :meth:`dispatch` recognises by their guards (see _hot_dispatch), most
         # recent first: (check, grad mode or None, impl, scope, deterministic, decision, *options).
         self._fast: list[tuple[Any, ...]] = []
         self._plain = plain_check(reference)
-        self.call = _hot_call(self)  # type: ignore[method-assign]  # generated hot path (see _hot_call)
         self.dispatch = _hot_dispatch(self)  # type: ignore[method-assign]  # generated (see _hot_dispatch)
         registry.add_op(self)
         for spec in impls:
@@ -542,17 +483,15 @@ class Op:
         return f"Op({self.id!r})"
 
     # -- hot path -------------------------------------------------------------------------
-    # Kept to a few dict/attribute operations: the target is <= 1 us over calling the impl.
-    # `Op.__init__` replaces `call` on the instance by code generated for the op's arity (see
-    # `_hot_call`): no *args tuple, no bound method, the subclass guard inlined. This method is
-    # the same logic for any arity; the generated one falls back to it for other arities.
+    # One template: `Op.__init__` replaces `dispatch` on the instance by code generated for the
+    # op's arity and guard (see `_hot_dispatch`, registered with linecache: tracebacks and pdb
+    # show it). A call its guards do not recognise takes `_dispatch_slow`, then `call`/`run`,
+    # the one slow path (also the compiled custom ops' and DTensor shards' entry).
     def call(self, impl: str | None, argkey: tuple[Any, ...] | None, *args: Any) -> Any:
         """Run the impl chosen for ``argkey`` on ``args`` (positional, in the impl's order)."""
         if _compiling():  # under torch.compile: the op's torch.library custom op (no graph break)
             return self.custom_op(impl, *args)
         return self.run(impl, argkey, *args)
-
-    _generic_call = call
 
     def dispatch(self, impl: str | None, *args: Any) -> Any:
         """Run the impl chosen for ``args`` (positional, in the impl's order): :meth:`call` with
@@ -569,7 +508,7 @@ class Op:
         call, kept on the decision for when its class comes back). A call no guard can cover (a
         subclass, a non-tensor) leaves the last one in place."""
         if not self._typed_options(args):  # before the memo, whose keys hold False == 0.0 alike
-            self._reject(args, OpArgumentError(self.id, "options", f"an option of the wrong type in {args[len(self._guarded(args)) :]!r}"))
+            self._reject(args, OpArgumentError(self.id, "options", f"an option of the wrong type in {self._options(args)!r}"))
         try:
             argkey = self.key(*args)
         except Exception:  # not tensors, 0-d x, an unhashable option: validate() names the problem
@@ -600,6 +539,8 @@ class Op:
     def _typed_options(self, args: tuple[Any, ...]) -> bool:
         """Whether each option has a type its annotation allows (bool is no float, a tensor no
         number): the memo compares options with ``==``, under which ``False == 0.0``."""
+        if self.guard is None:  # an op without a guard validates every call itself
+            return True
         try:
             options = self._options(args)
         except IndexError:  # fewer arguments: validate names what is missing
@@ -698,7 +639,6 @@ class Op:
         return hooks.require("compiled_call")(self)(impl, *args)
 
     def clear(self) -> None:
-        self._last[0] = _NO_HIT
         self._fast.clear()
         self._memo.clear()
 
@@ -712,7 +652,6 @@ class Op:
 
     def forget(self, key: MemoKey) -> None:
         """Drop one memoized decision (a runtime fault moved on from it)."""
-        self._last[0] = _NO_HIT
         self._fast.clear()
         self._memo.pop(key, None)
 
