@@ -887,6 +887,92 @@ def test_class_level_patch_more_families(family, torch_impls):
     assert pkt.patched(family) == {}
 
 
+# Qwen2-VL, Qwen2.5-VL: a 2-layer language model and a tiny vision tower; each row of the batch
+# holds one 1x4x4-patch image (4 tokens once merged 2x2), so M-RoPE's 3D positions differ from 1D
+IMAGE, VISION_START, VISION_END = VOCAB - 6, VOCAB - 5, VOCAB - 4
+VL_TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+)
+VL_PATCHES = dict(patch_size=2, spatial_merge_size=2, temporal_patch_size=2, in_channels=3, num_heads=2)
+VL = {
+    "qwen2_vl": (
+        "Qwen2VLConfig",
+        "Qwen2VLForConditionalGeneration",
+        dict(depth=1, embed_dim=32, hidden_size=64, mlp_ratio=2, **VL_PATCHES),
+    ),
+    "qwen2_5_vl": (
+        "Qwen2_5_VLConfig",
+        "Qwen2_5_VLForConditionalGeneration",
+        dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, window_size=8, fullatt_block_indexes=[1], **VL_PATCHES),
+    ),
+}
+
+
+def tiny_vl(family):
+    cfg_name, model_name, vision = VL[family]
+    ids = dict(image_token_id=IMAGE, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, video_token_id=VOCAB - 3)
+    config = getattr(transformers, cfg_name)(text_config=VL_TEXT, vision_config=vision, **ids)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def vl_batch(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, IMAGE, (B, T), generator=g)
+    ids[:, 2], ids[:, 3:7], ids[:, 7] = VISION_START, IMAGE, VISION_END
+    labels = ids.clone()
+    labels[0, :5] = -100
+    mm_token_type_ids = torch.zeros_like(ids)
+    mm_token_type_ids[:, 3:7] = 1
+    pixels = torch.randn(B * 16, 3 * 2 * 2 * 2, generator=g)  # 16 patches of 3 x 2 x 2 x 2 per image
+    grid = torch.tensor([[1, 4, 4]] * B)
+    return ids, labels, dict(pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=mm_token_type_ids)
+
+
+@pytest.mark.parametrize("family", VL)
+def test_vl_family_parity_fp32(family, calls, torch_impls):
+    # the language model (rotate-half on M-RoPE's merged tables) and the vision tower's rotary
+    # (2.5-VL: its RMSNorms and gated MLPs too), with an image in each row
+    ref = tiny_vl(family)
+    model = copy.deepcopy(ref)
+    pkt.patch(model)
+    kinds = pkt.patched(model)
+    vision_blocks = len(ref.model.visual.blocks)
+    assert sum(name.startswith("model.visual.") for name in kinds["rope"]) == vision_blocks
+    assert len(kinds["rope"]) == vision_blocks + 2 and len(kinds["loss"]) == 1
+    if family == "qwen2_vl":
+        assert kinds["vision_mlp"].startswith("left alone: Qwen2-VL's vision MLP is not gated")
+        assert not any(name.startswith("model.visual.") for name in kinds["rms_norm"] + kinds["swiglu"])
+    else:
+        assert sum(name.startswith("model.visual.") for name in kinds["swiglu"]) == vision_blocks
+        assert sum(name.startswith("model.visual.") for name in kinds["rms_norm"]) == 2 * vision_blocks + 1  # and the merger's
+    ids, labels, images = vl_batch()
+    calls.clear()
+    out, want = train_step(model, ids, labels, **images), train_step(ref, ids, labels, **images)
+    assert calls["rope"] == len(kinds["rope"])  # every patched attention ran polykernel.rope
+    torch.testing.assert_close(out.loss, want.loss, **FP32)
+    assert_grads_close(model, ref, **FP32_GRAD)
+    assert ops_ran() == expected_ops(family, "fused_linear_cross_entropy" if has_op("fused_linear_cross_entropy") else "cross_entropy")
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        out, want = model(ids, labels=labels, **images), ref(ids, labels=labels, **images)
+    torch.testing.assert_close(out.logits, want.logits, **FP32)
+    torch.testing.assert_close(out.loss, want.loss, **FP32)
+
+
 # -- GPU: bf16, real kernels --------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", list(ALL_FAMILIES))

@@ -22,7 +22,8 @@ What is swapped (families: :data:`SUPPORTED_MODEL_TYPES`):
   dense MLPs and shared experts (the routed experts stay). Any other activation is left alone.
 - ``rope``: the rotary function that ``<Family>Attention.forward`` calls ->
   :func:`polykernel.rope`: rotate-half, gpt-oss's half-width tables (``cat((cos, cos))``) and
-  DeepSeek-V3's interleaved pairs (rotate-half on ``[evens, odds]``, the layout it returns).
+  DeepSeek-V3's interleaved pairs (rotate-half on ``[evens, odds]``, the layout it returns),
+  Qwen2-VL's M-RoPE (its sections arrive merged into plain tables) and vision rotary.
   Cases it does not cover — ``unsqueeze_dim != 1``, partial rotary dims, mixed dtypes — go to
   the original function; NoPE layers call none.
 - ``cross_entropy``: the causal-LM loss when logits are computed (eval with labels, or
@@ -118,6 +119,7 @@ _LLAMA4_NORM = _Norm(offset=0.0, casting="llama", eps_attr="eps")  # x̂.type_as
 _ROTATE_HALF = "rotate_half"  # q·cos + rotate_half(q)·sin, the tables as they come
 _HALF_TABLES = "half_tables"  # gpt-oss: [B, T, D/2] tables applied to the halves (rotate-half math)
 _PAIRS = "interleaved_pairs"  # DeepSeek's pairs (x0, x1), (x2, x3)... out in rotate-half layout
+_VISION = "vision"  # Qwen2-VL's vision tower: q/k [S, H, D], tables [S, D], fp32 math
 
 _MOE_EXPERTS = "the experts run transformers' own code (polykernel has no moe_experts op yet)"
 
@@ -131,7 +133,7 @@ class _Family:
     roles: tuple[tuple[str, str | None], ...] = ()  # class name -> role, beyond (or instead of) the prefix names
     rope: tuple[tuple[str, str], ...] = (("apply_rotary_pos_emb", _ROTATE_HALF),)  # rotary function -> layout; () = left alone
     left_alone: tuple[tuple[str, str], ...] = ()  # kind -> why polykernel cannot express it (yet)
-    moe: bool = False  # the causal LM returns MoeCausalLMOutputWithPast (router logits, aux loss)
+    output: str = "CausalLMOutputWithPast"  # what the causal LM returns (transformers.modeling_outputs)
     logit_divisor: str = ""  # config attribute the logits are divided by (the fused loss divides the hidden states)
 
     @property
@@ -163,8 +165,8 @@ _FAMILIES: dict[str, _Family] = {
         _Family("olmo2", "Olmo2", _OLMO2_NORM),
         # (1 + w) norms, q/k norms included; Gemma3Model is the multimodal wrapper, not the text model
         _Family("gemma3_text", "Gemma3", _GEMMA_NORM, package="gemma3", roles=(("Gemma3TextModel", "base_model"), ("Gemma3Model", None))),
-        _Family("qwen3_moe", "Qwen3Moe", _LLAMA_NORM, left_alone=(("moe_experts", _MOE_EXPERTS),), moe=True),
-        _Family("mixtral", "Mixtral", _LLAMA_NORM, left_alone=(("moe_experts", _MOE_EXPERTS),), moe=True),
+        _Family("qwen3_moe", "Qwen3Moe", _LLAMA_NORM, left_alone=(("moe_experts", _MOE_EXPERTS),), output="MoeCausalLMOutputWithPast"),
+        _Family("mixtral", "Mixtral", _LLAMA_NORM, left_alone=(("moe_experts", _MOE_EXPERTS),), output="MoeCausalLMOutputWithPast"),
         _Family(
             "gpt_oss",
             "GptOss",
@@ -178,7 +180,7 @@ _FAMILIES: dict[str, _Family] = {
                     "which polykernel.swiglu cannot express; they run transformers' own code",
                 ),
             ),
-            moe=True,
+            output="MoeCausalLMOutputWithPast",
         ),
         _Family("phi3", "Phi3", _LLAMA_NORM),  # merged gate_up_proj; partial rotary: see _config_left_alone
         # embedding/residual/attention multipliers live in forwards the patch keeps as they are
@@ -200,7 +202,40 @@ _FAMILIES: dict[str, _Family] = {
             _LLAMA_NORM,  # the dense MLPs and each MoE layer's shared experts are DeepseekV3MLP
             rope=(("apply_rotary_pos_emb", _ROTATE_HALF), ("apply_rotary_pos_emb_interleave", _PAIRS)),
             left_alone=(("moe_experts", _MOE_EXPERTS),),
-            moe=True,
+            output="MoeCausalLMOutputWithPast",
+        ),
+        # The language model. M-RoPE's sections are merged into plain [B, T, D] tables by the rotary
+        # embedding module (transformers 5.24), so the attention's rotary is rotate-half. Vision
+        # tower: its rotary (and, Qwen2.5-VL, its RMSNorms and gated MLPs); 2-VL's LayerNorms and
+        # ungated MLPs are not ours
+        _Family(
+            "qwen2_vl",
+            "Qwen2VL",
+            _LLAMA_NORM,
+            roles=(
+                ("Qwen2MLP", "mlp"),
+                ("VisionAttention", "attention"),
+                ("Qwen2VLForConditionalGeneration", "causal_lm"),
+                ("Qwen2VLTextModel", "base_model"),
+                ("Qwen2VLModel", None),
+            ),
+            rope=(("apply_rotary_pos_emb", _ROTATE_HALF), ("apply_rotary_pos_emb_vision", _VISION)),
+            left_alone=(("vision_mlp", "Qwen2-VL's vision MLP is not gated (fc1, QuickGELU, fc2) and its norms are nn.LayerNorm"),),
+            output="MultimodalCausalLMOutputWithPast",
+        ),
+        _Family(
+            "qwen2_5_vl",
+            "Qwen2_5_VL",
+            _LLAMA_NORM,
+            roles=(
+                ("Qwen2MLP", "mlp"),
+                ("Qwen2_5_VLVisionAttention", "attention"),
+                ("Qwen2_5_VLForConditionalGeneration", "causal_lm"),
+                ("Qwen2_5_VLTextModel", "base_model"),
+                ("Qwen2_5_VLModel", None),
+            ),
+            rope=(("apply_rotary_pos_emb", _ROTATE_HALF), ("apply_rotary_pos_emb_vision", _VISION)),
+            output="MultimodalCausalLMOutputWithPast",
         ),
         _Family(
             "llama4_text",
@@ -217,7 +252,7 @@ _FAMILIES: dict[str, _Family] = {
                 ("l2_norm", "Llama4's q/k L2 norm has no weight: polykernel.rms_norm needs one"),
                 ("moe_experts", _MOE_EXPERTS),
             ),
-            moe=True,
+            output="MoeCausalLMOutputWithPast",
         ),
     )
 }
@@ -225,7 +260,7 @@ _FAMILY_BY_MODULE = {f.module: f for f in _FAMILIES.values()}
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 
 # a kind left alone -> the switch that would patch it (moe_experts has none: always reported)
-_LEFT_ALONE_SWITCH = {"rope": "rope", "l2_norm": "rms_norm", "swiglu": "swiglu"}
+_LEFT_ALONE_SWITCH = {"rope": "rope", "l2_norm": "rms_norm", "swiglu": "swiglu", "vision_mlp": "swiglu"}
 
 
 def _config_left_alone(family: _Family, config: Any) -> dict[str, str]:
@@ -372,6 +407,11 @@ def _rope_function(orig: Callable, layout: str = _ROTATE_HALF) -> Callable:
             extra.update(kwargs)
             if len(args) > len(extra_names) or extra.get("unsqueeze_dim", 1) != 1:
                 return orig(q, k, cos, sin, *args, **kwargs)
+        if layout == _VISION:  # [S, H, D] -> a [1, H, S, D] view, and back (the caller transposes it again)
+            if not _vision_rope_supported(q, k, cos, sin):
+                return orig(q, k, cos, sin, *args, **kwargs)
+            q, k = _pk.rope(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), cos.unsqueeze(0), sin.unsqueeze(0))
+            return q[0].transpose(0, 1), k[0].transpose(0, 1)
         tables = _rope_tables(q, k, cos, sin, layout)
         if tables is None:
             return orig(q, k, cos, sin, *args, **kwargs)
@@ -420,6 +460,26 @@ def _rope_tables(q: Any, k: Any, cos: Any, sin: Any, layout: str = _ROTATE_HALF)
         c, s = cos[..., : d // 2], sin[..., : d // 2]
         return torch.cat((c, c), dim=-1), torch.cat((s, s), dim=-1)
     return cos, sin
+
+
+def _vision_rope_supported(q: Any, k: Any, cos: Any, sin: Any) -> bool:
+    """Qwen2-VL's ``apply_rotary_pos_emb_vision``: q/k ``[S, H, D]``, cos/sin ``[S, D]``. It computes
+    in fp32 and casts back, as polykernel.rope does, so fp32 tables with other q/k are the same math."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)):
+        return False
+    if q.dim() != 3 or k.dim() != 3 or cos.dim() != 2 or sin.shape != cos.shape:
+        return False
+    s, _, d = q.shape
+    return (
+        k.shape[0] == s
+        and k.shape[2] == d
+        and tuple(cos.shape) == (s, d)
+        and d > 0
+        and d % 2 == 0
+        and q.dtype == k.dtype
+        and cos.dtype == sin.dtype
+        and cos.dtype in (q.dtype, torch.float32)
+    )
 
 
 class _CannotPatch(Exception):
@@ -713,11 +773,9 @@ _NOT_PASSED_ON = ("loss", "logits", "aux_loss")  # output fields the fused path 
 
 def _output_class(family: _Family | None) -> type:
     """What the family's causal LM returns (MoE: router logits and the auxiliary loss too)."""
-    if family is not None and family.moe:
-        from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+    import transformers.modeling_outputs as outputs
 
-        return MoeCausalLMOutputWithPast
-    return CausalLMOutputWithPast
+    return getattr(outputs, family.output, CausalLMOutputWithPast) if family is not None else CausalLMOutputWithPast
 
 
 def _causal_lm_forward(base: Callable, use_flce: bool, use_ce: bool, family: _Family | None = None) -> Callable:
@@ -873,7 +931,7 @@ def _patch_model(model: nn.Module, switches: dict[str, bool]) -> nn.Module:
     use_loss = on["fused_linear_cross_entropy"] or on["cross_entropy"]
     left: dict[str, str] = {}
     configured: dict[str, dict[str, str]] = {}  # model type -> what its configuration leaves alone
-    for _, module, (family, _, _) in found:
+    for _, module, (family, _role, _) in sorted(found, key=lambda f: f[2][1] != "base_model"):  # the text model's config first
         config = getattr(module, "config", None)
         if family.model_type not in configured and config is not None:
             configured[family.model_type] = _config_left_alone(family, config)
