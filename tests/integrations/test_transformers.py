@@ -8,6 +8,7 @@ Triton interpreter is slow on the CPU); one small test runs through the default 
 import collections
 import copy
 import functools
+import inspect
 import subprocess
 import sys
 
@@ -322,6 +323,31 @@ def test_parity_bf16(family, calls, torch_impls):
     out, want = train_step(model, ids, labels), train_step(ref, ids, labels)
     assert_bf16_close(model, ref, out, want)
     assert set(calls) >= expected_calls(family, dict.fromkeys(SWITCHES, True))
+
+
+@pytest.mark.parametrize("family", ["olmo2", "olmo3"])
+def test_olmo_rope_runs_on_its_fp32_tables_in_bf16(family, calls, torch_impls):
+    # Olmo's rotary embedding returns fp32 tables and its rotary function casts back to q's
+    # dtype: polykernel.rope's own math, so bf16 q/k with those tables run polykernel.rope
+    ref = tiny(family, torch.bfloat16, layers=1)
+    model = copy.deepcopy(ref)
+    pkt.patch(model, **switches_only("rope"))
+    ids, _ = batch()
+    ref.eval(), model.eval()
+    with torch.no_grad():
+        cos, sin = torch.randn(2, 1, T, 16).unbind(0)  # fp32, as the model makes them
+        q = torch.randn(B, 4, T, 16, dtype=torch.bfloat16)
+        k = torch.randn(B, 2, T, 16, dtype=torch.bfloat16)
+        want = sys.modules[type(ref).__module__].apply_rotary_pos_emb(q, k, cos, sin)
+        patched_forward = inspect.unwrap(model.model.layers[0].self_attn.forward.__func__)
+        got = patched_forward.__globals__["apply_rotary_pos_emb"](q, k, cos, sin)
+        assert calls["rope"] == 1
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype == torch.bfloat16
+            torch.testing.assert_close(g, w, atol=0, rtol=0)  # (fp32 math, one rounding: the same bits)
+        calls.clear()
+        a, b = model(ids).logits.float(), ref(ids).logits.float()
+    assert calls["rope"] == 1 and (a - b).abs().max() < 0.05 * b.abs().max()
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)

@@ -24,8 +24,9 @@ What is swapped (families: :data:`SUPPORTED_MODEL_TYPES`):
   :func:`polykernel.rope`: rotate-half, gpt-oss's half-width tables (``cat((cos, cos))``) and
   DeepSeek-V3's interleaved pairs (rotate-half on ``[evens, odds]``, the layout it returns),
   Qwen2-VL's M-RoPE (its sections arrive merged into plain tables) and vision rotary.
-  Cases it does not cover — ``unsqueeze_dim != 1``, partial rotary dims, mixed dtypes — go to
-  the original function; NoPE layers call none.
+  Cases it does not cover — ``unsqueeze_dim != 1``, partial rotary dims, mixed dtypes (but
+  Olmo's fp32 tables, whose function casts back to q's dtype) — go to the original function;
+  NoPE layers call none.
 - ``cross_entropy``: the causal-LM loss when logits are computed (eval with labels, or
   ``fused_linear_cross_entropy=False``) -> :func:`polykernel.cross_entropy`, with
   ``ForCausalLMLoss``'s shift, ``ignore_index`` and ``num_items_in_batch`` semantics.
@@ -117,6 +118,7 @@ _LLAMA4_NORM = _Norm(offset=0.0, casting="llama", eps_attr="eps")  # x̂.type_as
 
 # How a family's rotary function maps onto polykernel.rope (which takes [B, T, D] rotate-half tables):
 _ROTATE_HALF = "rotate_half"  # q·cos + rotate_half(q)·sin, the tables as they come
+_CAST_BACK = "rotate_half_cast_back"  # Olmo: the same in the promoted dtype, cast back to q's (fp32 tables)
 _HALF_TABLES = "half_tables"  # gpt-oss: [B, T, D/2] tables applied to the halves (rotate-half math)
 _PAIRS = "interleaved_pairs"  # DeepSeek's pairs (x0, x1), (x2, x3)... out in rotate-half layout
 _VISION = "vision"  # Qwen2-VL's vision tower: q/k [S, H, D], tables [S, D], fp32 math
@@ -162,7 +164,7 @@ _FAMILIES: dict[str, _Family] = {
         _Family("qwen3", "Qwen3", _LLAMA_NORM),
         _Family("gemma", "Gemma", _GEMMA_NORM),
         _Family("gemma2", "Gemma2", _GEMMA_NORM),  # final logit soft-capping: the fused loss steps aside
-        _Family("olmo2", "Olmo2", _OLMO2_NORM),
+        _Family("olmo2", "Olmo2", _OLMO2_NORM, rope=(("apply_rotary_pos_emb", _CAST_BACK),)),
         # (1 + w) norms, q/k norms included; Gemma3Model is the multimodal wrapper, not the text model
         _Family("gemma3_text", "Gemma3", _GEMMA_NORM, package="gemma3", roles=(("Gemma3TextModel", "base_model"), ("Gemma3Model", None))),
         _Family("qwen3_moe", "Qwen3Moe", _LLAMA_NORM, left_alone=(("moe_experts", _MOE_EXPERTS),), output="MoeCausalLMOutputWithPast"),
@@ -193,7 +195,7 @@ _FAMILIES: dict[str, _Family] = {
             left_alone=(("rope", "GLM's rotary is interleaved and partial (rotary_dim < head_dim): polykernel.rope has neither yet"),),
         ),
         _Family("smollm3", "SmolLM3", _LLAMA_NORM),  # NoPE layers: their attention calls no rotary function
-        _Family("olmo3", "Olmo3", _OLMO2_NORM),
+        _Family("olmo3", "Olmo3", _OLMO2_NORM, rope=(("apply_rotary_pos_emb", _CAST_BACK),)),
         _Family("ministral", "Ministral", _LLAMA_NORM),
         _Family("exaone4", "Exaone4", _LLAMA_NORM),
         _Family(
@@ -433,6 +435,8 @@ def _rope_tables(q: Any, k: Any, cos: Any, sin: Any, layout: str = _ROTATE_HALF)
     promotion otherwise) and, as the layout takes them, of the full rotary dim D:
 
     - ``rotate_half``: ``[B, T, D]``, as they come;
+    - ``rotate_half_cast_back`` (Olmo): the same, also fp32 tables with other q/k: the original
+      computes in the promoted dtype and casts back to q's, which is polykernel.rope's math;
     - ``half_tables`` (gpt-oss): ``[B, T, D/2]``, one angle per half-pair: ``cat((cos, cos))``;
     - ``interleaved_pairs`` (DeepSeek): ``[B, T, D]`` of which the original reads the first half.
     """
@@ -451,7 +455,9 @@ def _rope_tables(q: Any, k: Any, cos: Any, sin: Any, layout: str = _ROTATE_HALF)
         and cos.shape[2] == width
         and d > 0
         and d % 2 == 0
-        and q.dtype == k.dtype == cos.dtype == sin.dtype
+        and q.dtype == k.dtype
+        and cos.dtype == sin.dtype
+        and (cos.dtype == q.dtype or (layout == _CAST_BACK and cos.dtype == torch.float32))
     ):
         return None
     if layout == _HALF_TABLES:
