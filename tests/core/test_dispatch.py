@@ -671,6 +671,11 @@ def _variants(op_name):
         "rope": (t(2, 4, 3, 8), t(2, 2, 3, 8), t(1, 3, 8), t(1, 3, 8)),
         "cross_entropy": (t(4, 8), torch.randint(0, 8, (4,)), -100, 0.0, "mean"),
         "fused_linear_cross_entropy": (t(4, 8), t(10, 8), torch.randint(0, 10, (4,)), t(10), -100, 0.0, "mean"),
+        "group_norm": (t(4, 8, 3), 2, t(8), t(8), 1e-5),
+        "dyt": (t(4, 8), t(1), t(8), t(8)),
+        "poly_norm": (t(4, 8), t(3), t(), 1e-6),
+        "relu_squared": (t(4, 8),),
+        "sparsemax": (t(4, 8), -1),
     }[op_name]
     spec = registry.get_op(op_name).guard
     tensors = [i for i, kind in enumerate(spec) if kind is not None]
@@ -746,6 +751,11 @@ GUARDED = [
     "rope",
     "cross_entropy",
     "fused_linear_cross_entropy",
+    "group_norm",
+    "dyt",
+    "poly_norm",
+    "relu_squared",
+    "sparsemax",
 ]  # every op: one form
 
 

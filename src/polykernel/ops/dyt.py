@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.declare import impls
+from ..backends.liger import LIGER
 from ..backends.liger import _gates as liger_gates
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
 from ..core.hit_guard import LAST, SHAPE
 from ..core.op import SUM_LAMBDA, Bounds, Case, ErrorModel, Op, rows_and_len
-from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
+from ..distributed.layout import ROWS, Layout, rows_with
 from . import _checks as check
 
 OP_ID = "norm.dyt"
@@ -168,42 +172,23 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     )
 
 
-_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
-
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.dyt:dyt",
-        rank=100,
-        description="the reference's fp32 math; backward saves x and the parameters, recomputes tanh",
-    ),
-    KernelSpec(
-        OP_ID,
-        "triton",
-        "polykernel.backends.triton.dyt:dyt",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("triton",),
-        format_signature=_TRITON_DTYPES,
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(rank=100, description="the reference's fp32 math; backward saves x and the parameters, recomputes tanh"),
+    TRITON.impl(
         rank=10,
         description="one elementwise pass forward; backward over (rows, column blocks), dalpha/dW/dB from per-program partials (deterministic)",
     ),
     # Liger (0.8.5): autotuned kernels (a timing sweep on the first call of each N: not CUDA-graph
     # safe), weight required, and its dalpha and dbias are cast to x's dtype before autograd casts
     # them to the parameters': the parameters in x's dtype only. Behind Triton until measured.
-    KernelSpec(
-        OP_ID,
-        "liger",
-        "polykernel.backends.liger.dyt:dyt",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("liger_kernel", "triton"),
-        format_signature=_TRITON_DTYPES,
+    LIGER.impl(
         rank=60,
-        cuda_graph_safe=False,
+        graph_safe=False,
         description="Liger LigerDyTFunction (autotuned); parameters in x's dtype; dalpha/dW/dB from per-SM partials",
         predicate=liger_gates.dyt,
     ),
-]
+)
 
 
 def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
@@ -226,5 +211,6 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    dtensor_layout=Layout(ROWS, rows_with(), (0,)),  # rows are independent; the parameters replicated
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

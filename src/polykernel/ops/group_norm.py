@@ -17,10 +17,14 @@ import math
 
 import torch
 
+from ..backends.declare import impls
+from ..backends.liger import LIGER
 from ..backends.liger import _gates as liger_gates
-from ..core.hit_guard import SHAPE
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
+from ..core.hit_guard import SHAPE, dims
 from ..core.op import SUM_LAMBDA, Bounds, Case, ErrorModel, Op
-from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
+from ..distributed.layout import Layout, rows_with
 from . import _checks as check
 
 OP_ID = "norm.group_norm"
@@ -80,8 +84,8 @@ def _key(
 ) -> tuple:
     """The argument class. It holds everything validity depends on (x's dims and channels, the
     groups, the parameters' classes), so `validate` runs once per class (on the memo miss). The
-    guard (``_op``'s ``guard``) recognises a repeat of it without building it; it holds x's whole
-    shape (the channels are not its last dim)."""
+    guard (``_op``'s ``guard``) recognises a repeat of it without building it: of x it pins the
+    channels (dim 1; the batch and positions stay free) and the parameters' whole shapes."""
     needs_grad = (
         x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)
     ) and _grad_enabled()
@@ -210,43 +214,24 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
-_FP32_ONLY = FormatSignature(supported_dtypes=("float32",))
-
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.group_norm:group_norm",
-        rank=100,
-        description="F.group_norm (PyTorch's fused kernel) where the parameter dtypes match x, else the reference",
-    ),
-    KernelSpec(
-        OP_ID,
-        "triton",
-        "polykernel.backends.triton.group_norm:group_norm",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("triton",),
-        format_signature=_TRITON_DTYPES,
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(rank=100, description="F.group_norm (PyTorch's fused kernel) where the parameter dtypes match x, else the reference"),
+    TRITON.impl(
         rank=10,
         description="one (sample, group) per program as a [channels, positions] tile (chunked for large groups); dW/dB from per-program partials (deterministic)",
     ),
     # Liger (0.8.5): its variance is E[x²] - E[x]² (it cancels on offset data), its mean and rstd
     # are stored in x's dtype (bf16 statistics in the backward), and dW/dB use atomics: fp32 only,
     # not deterministic, weight and bias both given. Behind Triton until measured.
-    KernelSpec(
-        OP_ID,
-        "liger",
-        "polykernel.backends.liger.group_norm:group_norm",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("liger_kernel", "triton"),
-        format_signature=_FP32_ONLY,
+    LIGER.impl(
         rank=60,
+        dtypes=("float32",),
         deterministic=False,
         description="Liger LigerGroupNormFunction; weight and bias given, in x's dtype; dW/dB by atomics",
         predicate=liger_gates.group_norm,
     ),
-]
+)
 
 
 def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
@@ -258,7 +243,7 @@ _op = Op(
     OP_ID,
     fields=("device", "dtype", "needs_grad", "channels", "ndim", "num_groups", "weight", "bias", "eps"),
     key=_key,
-    guard=(SHAPE, None, SHAPE, SHAPE, None),
+    guard=(dims(1), None, SHAPE, SHAPE, None),
     default_key=lambda device, dtype: (device, dtype, False, None, None, 1, None, None, 1e-5),
     validate=validate,
     reference=reference,
@@ -269,5 +254,8 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    # DTensor: samples are independent, a group spans channels and positions: only dim 0 may be
+    # sharded (weight and bias replicated; their gradients come back partial)
+    dtensor_layout=Layout((0,), rows_with(), (0,)),
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

@@ -14,10 +14,14 @@ import math
 
 import torch
 
+from ..backends.declare import impls
+from ..backends.liger import LIGER
 from ..backends.liger import _gates as liger_gates
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
 from ..core.hit_guard import LAST, SHAPE
 from ..core.op import SUM_LAMBDA, Bounds, Case, ErrorModel, Op, rows_and_len
-from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
+from ..distributed.layout import ROWS, Layout, rows_with
 from . import _checks as check
 
 OP_ID = "norm.poly_norm"
@@ -177,42 +181,23 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
-_FP32_ONLY = FormatSignature(supported_dtypes=("float32",))
-
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.poly_norm:poly_norm",
-        rank=100,
-        description="the reference's fp32 math; backward saves x and the parameters, recomputes the three norms",
-    ),
-    KernelSpec(
-        OP_ID,
-        "triton",
-        "polykernel.backends.triton.poly_norm:poly_norm",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("triton",),
-        format_signature=_TRITON_DTYPES,
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(rank=100, description="the reference's fp32 math; backward saves x and the parameters, recomputes the three norms"),
+    TRITON.impl(
         rank=10,
         description="one row per program (chunked for long rows), the three rstd saved; dW/dB from per-program partials (deterministic)",
     ),
     # Liger (0.8.5): its forward computes x², x³ and their sums in x's dtype (bf16 powers): fp32
     # only; one block per row (N <= 65536). in_place=False (Liger's default writes dX into dY).
     # Behind Triton until measured.
-    KernelSpec(
-        OP_ID,
-        "liger",
-        "polykernel.backends.liger.poly_norm:poly_norm",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("liger_kernel", "triton"),
-        format_signature=_FP32_ONLY,
+    LIGER.impl(
         rank=60,
+        dtypes=("float32",),
         description="Liger LigerPolyNormFunction (in_place=False); N <= 65536",
         predicate=liger_gates.poly_norm,
     ),
-]
+)
 
 
 def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
@@ -235,5 +220,6 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    dtensor_layout=Layout(ROWS, rows_with(), (0,)),  # rows are independent; the parameters replicated
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

@@ -10,9 +10,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..core.hit_guard import LAST
+from ..backends.declare import impls
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
+from ..core.hit_guard import dims
 from ..core.op import Bounds, Case, ErrorModel, Op
-from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
+from ..distributed.layout import ANY, Layout, rows_with
 from . import _checks as check
 
 OP_ID = "activation.relu_squared"
@@ -30,9 +33,9 @@ def validate(x: torch.Tensor) -> None:
 
 
 def _key(x: torch.Tensor) -> tuple:
-    """The argument class: with it `validate` runs once per class (on the memo miss). n (the row
-    length) is in it because an impl's eligibility depends on it (Liger: N <= 65536)."""
-    return (x.device, x.dtype, check.needs_grad(x), x.shape[-1] if x.dim() else 1)
+    """The argument class: x's dtype (and device, grad) is all validity depends on; no size is
+    checked, so the guard pins none (``dims()``)."""
+    return (x.device, x.dtype, check.needs_grad(x))
 
 
 _op: Op  # defined below, after the public function it serves (with _dispatch, its dispatch)
@@ -97,31 +100,18 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
-
 # Liger-Kernel 0.8.5's LigerReLUSquaredFunction is not registered: its relu is tl.maximum(x, 0),
 # which turns a NaN into 0, forward and backward (checked on the CPU interpreter), where the
 # contract keeps NaN (torch's relu): a NaN hidden from the caller. It is also one block per row
 # (N <= 65536) compiled per N, for an elementwise pass that Triton already runs at copy speed.
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.relu_squared:relu_squared",
-        rank=100,
-        description="the reference's fp32 math; backward saves only x",
-    ),
-    KernelSpec(
-        OP_ID,
-        "triton",
-        "polykernel.backends.triton.relu_squared:relu_squared",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("triton",),
-        format_signature=_TRITON_DTYPES,
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(rank=100, description="the reference's fp32 math; backward saves only x"),
+    TRITON.impl(
         rank=10,
         description="one elementwise pass each way over x's dense layout (any other layout is copied first); backward recomputes relu(x)",
     ),
-]
+)
 
 
 def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
@@ -131,10 +121,10 @@ def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype]
 
 _op = Op(
     OP_ID,
-    fields=("device", "dtype", "needs_grad", "n"),
+    fields=("device", "dtype", "needs_grad"),
     key=_key,
-    guard=(LAST,),
-    default_key=lambda device, dtype: (device, dtype, False, None),
+    guard=(dims(),),
+    default_key=lambda device, dtype: (device, dtype, False),
     validate=validate,
     reference=reference,
     outputs=outputs,
@@ -144,5 +134,9 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    # torch.compile: an elementwise op, as swiglu and geglu are, where Inductor's own code moves the
+    # bytes ours does and fuses into its neighbours: decomposed (H200: benchmarks/results/moreops)
+    compile_mode="decompose",
+    dtensor_layout=Layout(ANY, rows_with(), (0,)),  # elementwise: x may be sharded on any dim
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

@@ -16,10 +16,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..backends.declare import impls
+from ..backends.liger import LIGER
 from ..backends.liger import _gates as liger_gates
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
 from ..core.hit_guard import SHAPE
 from ..core.op import Bounds, Case, ErrorModel, Op
-from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 
 OP_ID = "activation.sparsemax"
@@ -174,40 +177,20 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
-
-# Peers (Liger-Kernel 0.8.5): adapter in polykernel/backends/liger/sparsemax.py, predicate in
-# backends/liger/_gates.py. Ranked behind Triton until measured.
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.sparsemax:sparsemax",
-        rank=100,
-        description="sort-based threshold in fp32; backward recomputes the support from x and two fp32 numbers per row",
-    ),
-    KernelSpec(
-        OP_ID,
-        "triton",
-        "polykernel.backends.triton.sparsemax:sparsemax",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("triton",),
-        format_signature=_TRITON_DTYPES,
+# Liger (0.8.5): ranked behind Triton until measured.
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(rank=100, description="sort-based threshold in fp32; backward recomputes the support from x and two fp32 numbers per row"),
+    TRITON.impl(
         rank=10,
         description="no sort: Michelot's support refinement from τ = max - 1, in registers up to 16K (chunked passes beyond); backward recomputes the support",
     ),
-    KernelSpec(
-        OP_ID,
-        "liger",
-        "polykernel.backends.liger.sparsemax:sparsemax",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("liger_kernel", "triton"),
-        format_signature=_TRITON_DTYPES,
+    LIGER.impl(
         rank=60,
         description="Liger LigerSparsemaxFunction (torch.sort, then one block per row); N <= 65536; backward from the saved y",
         predicate=liger_gates.sparsemax,
     ),
-]
+)
 
 
 def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
@@ -230,5 +213,6 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    # no DTensor layout: the dim it reduces over is an argument (DTensor's rules on the torch impl)
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup
