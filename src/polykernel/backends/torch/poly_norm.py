@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 
 from ...ops.poly_norm import reference
+from ._double_backward import graph_grads
+
+_transforms_active = torch._C._are_functorch_transforms_active
 
 
 class _PolyNorm(torch.autograd.Function):
@@ -22,6 +25,8 @@ class _PolyNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
         x, weight, bias = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the reference's differentiable gradients
+            return (*graph_grads(reference, (x, weight, bias, ctx.eps), (dy,), (*ctx.needs_input_grad[:3], False)),)
         acc = torch.promote_types(x.dtype, torch.float32)
         xf, g, w = x.to(acc), dy.to(acc), weight.to(acc)
         dx = torch.zeros_like(xf)
@@ -45,6 +50,7 @@ class _PolyNorm(torch.autograd.Function):
 
 
 def poly_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
+    # Under functorch transforms (grad, vmap) the reference's plain torch ops, which they take.
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad) and not _transforms_active():
         return _PolyNorm.apply(x, weight, bias, eps)
     return reference(x, weight, bias, eps)

@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from ...ops.sparsemax import reference, threshold
+from ._double_backward import graph_grads
+
+_transforms_active = torch._C._are_functorch_transforms_active
 
 
 def _stats(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -39,6 +42,8 @@ class _Sparsemax(torch.autograd.Function):
     def backward(ctx, dy):  # type: ignore[override]
         x, m, tau = ctx.saved_tensors
         dim = ctx.dim
+        if torch.is_grad_enabled():  # create_graph=True: the reference's differentiable gradient
+            return graph_grads(reference, (x, dim), (dy,), (True, False))[0], None
         support = x.to(m.dtype).movedim(dim, -1) - m > tau
         g = torch.where(support, dy.to(m.dtype).movedim(dim, -1), 0.0)
         mean = g.sum(-1, keepdim=True) / support.sum(-1, keepdim=True).clamp_min(1)
@@ -46,7 +51,7 @@ class _Sparsemax(torch.autograd.Function):
 
 
 def sparsemax(x: torch.Tensor, dim: int) -> torch.Tensor:
-    if x.numel() == 0:
+    if x.numel() == 0 or _transforms_active():  # (functorch: the reference's plain torch ops, which it takes)
         return reference(x, dim)
     if torch.is_grad_enabled() and x.requires_grad:
         return _Sparsemax.apply(x, dim)

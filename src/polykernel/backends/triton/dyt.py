@@ -18,8 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ...ops.dyt import reference  # noqa: F401  (semantics live in the op file)
+from ...ops.dyt import reference
+from ..torch import dyt as _torch
+from ..torch._double_backward import graph_grads
 from ._autograd import lean_apply
+from ._autograd import transforms_active as _transforms_active
 from ._colsum import colsum as _colsum
 from ._launch import launch
 from ._rows import as_rows as _as_rows
@@ -185,15 +188,18 @@ class _DyT(torch.autograd.Function):
         x2 = _as_rows(x, shape[-1])
         w = _contig(weight)
         y = dyt_forward(x2, alpha, w, _contig(bias))
-        ctx.save_for_backward(x2, alpha, w)
-        ctx.bias_dtype = None if bias is None else bias.dtype
+        # the inputs themselves too (x2, w may be other tensors, made here without a graph): a
+        # create_graph backward differentiates through them
+        ctx.save_for_backward(x2, w, x, alpha, weight, bias)
         ctx.shape = shape
         return _unrows(y, shape)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        x2, alpha, w = ctx.saved_tensors
-        dx, da, dw, db = dyt_backward(_as_rows(dy, x2.shape[1]), x2, alpha, w, ctx.bias_dtype)
+        x2, w, x, alpha, weight, bias = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the reference's differentiable gradients
+            return tuple(graph_grads(reference, (x, alpha, weight, bias), (dy,), ctx.needs_input_grad))
+        dx, da, dw, db = dyt_backward(_as_rows(dy, x2.shape[1]), x2, alpha, w, None if bias is None else bias.dtype)
         need = ctx.needs_input_grad
         return (
             _unrows(dx, ctx.shape) if need[0] else None,
@@ -208,6 +214,8 @@ _lean_apply = lean_apply(_DyT)  # _DyT.apply without its Python wrapper (see _au
 
 def dyt(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.dyt``)."""
+    if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
+        return _torch.dyt(x, alpha, weight, bias)
     if (x.requires_grad or alpha.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)) and (
         torch.is_grad_enabled()
     ):

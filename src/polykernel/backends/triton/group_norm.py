@@ -23,8 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ...ops.group_norm import reference  # noqa: F401  (semantics live in the op file)
+from ...ops.group_norm import reference
+from ..torch import group_norm as _torch
+from ..torch._double_backward import graph_grads
 from ._autograd import lean_apply
+from ._autograd import transforms_active as _transforms_active
 from ._colsum import colsum as _colsum
 from ._launch import launch
 from ._rows import contig as _contig_t
@@ -365,15 +368,21 @@ class _GroupNorm(torch.autograd.Function):
         x2 = _group_rows(x, groups, length)
         w = _contig(weight)
         y, mean, rstd = group_norm_forward(x2, groups, cg, s, w, _contig(bias), eps)
-        ctx.save_for_backward(x2, w, mean, rstd)
+        # the inputs themselves too (x2, w are other tensors, made here without a graph): a
+        # create_graph backward differentiates through them
+        ctx.save_for_backward(x2, w, mean, rstd, x, weight, bias)
         ctx.layout = (x.shape, groups, cg, s)
+        ctx.eps = eps
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        x2, w, mean, rstd = ctx.saved_tensors
+        x2, w, mean, rstd, x, weight, bias = ctx.saved_tensors
         shape, groups, cg, s = ctx.layout
+        if torch.is_grad_enabled():  # create_graph=True: the reference's differentiable gradients
+            need = ctx.needs_input_grad
+            return (*graph_grads(reference, (x, groups, weight, bias, ctx.eps), (dy,), (need[0], False, need[2], need[3], False)),)
         dy2 = _group_rows(dy, groups, cg * s)
         dx, dw, db = group_norm_backward(dy2, x2, groups, cg, s, w, mean, rstd, ctx.bias_dtype)
         need = ctx.needs_input_grad
@@ -385,6 +394,8 @@ _lean_apply = lean_apply(_GroupNorm)  # _GroupNorm.apply without its Python wrap
 
 def group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.group_norm``)."""
+    if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
+        return _torch.group_norm(x, num_groups, weight, bias, eps)
     if (x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)) and (
         torch.is_grad_enabled()
     ):

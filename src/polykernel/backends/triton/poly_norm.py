@@ -15,8 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ...ops.poly_norm import reference  # noqa: F401  (semantics live in the op file)
+from ...ops.poly_norm import reference
+from ..torch import poly_norm as _torch
+from ..torch._double_backward import graph_grads
 from ._autograd import lean_apply
+from ._autograd import transforms_active as _transforms_active
 from ._colsum import colsum as _colsum
 from ._launch import launch
 from ._rows import as_rows as _as_rows
@@ -288,13 +291,17 @@ class _PolyNorm(torch.autograd.Function):
         x2 = _as_rows(x, shape[-1])
         w, b = _contig(weight), _contig(bias)
         y, rstd = poly_norm_forward(x2, w, b, eps)
-        ctx.save_for_backward(x2, w, b, rstd)
-        ctx.shape = shape
+        # the inputs themselves too (x2, w, b may be other tensors, made here without a graph): a
+        # create_graph backward differentiates through them
+        ctx.save_for_backward(x2, w, b, rstd, x, weight, bias)
+        ctx.shape, ctx.eps = shape, eps
         return _unrows(y, shape)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        x2, w, b, rstd = ctx.saved_tensors
+        x2, w, b, rstd, x, weight, bias = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the reference's differentiable gradients
+            return (*graph_grads(reference, (x, weight, bias, ctx.eps), (dy,), (*ctx.needs_input_grad[:3], False)),)
         dx, dw, db = poly_norm_backward(_as_rows(dy, x2.shape[1]), x2, w, b, rstd)
         need = ctx.needs_input_grad
         return (_unrows(dx, ctx.shape) if need[0] else None, dw if need[1] else None, db if need[2] else None, None)
@@ -305,6 +312,8 @@ _lean_apply = lean_apply(_PolyNorm)  # _PolyNorm.apply without its Python wrappe
 
 def poly_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.poly_norm``)."""
+    if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
+        return _torch.poly_norm(x, weight, bias, eps)
     if (x.requires_grad or weight.requires_grad or bias.requires_grad) and torch.is_grad_enabled():
         return _lean_apply(x, weight, bias, eps)
     shape = x.shape

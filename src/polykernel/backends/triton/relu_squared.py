@@ -13,7 +13,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ...ops.relu_squared import reference
+from ..torch import relu_squared as _torch
+from ..torch._double_backward import graph_grads
 from ._autograd import lean_apply
+from ._autograd import transforms_active as _transforms_active
 from ._launch import launch
 from ._rows import cdiv as _cdiv
 
@@ -98,6 +102,8 @@ class _ReLUSquared(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
         (x,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the reference's differentiable gradient
+            return graph_grads(reference, (x,), (dy,), (True,))[0]
         return relu_squared_backward(dy, x)
 
 
@@ -106,6 +112,8 @@ _lean_apply = lean_apply(_ReLUSquared)  # _ReLUSquared.apply without its Python 
 
 def relu_squared(x: torch.Tensor) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.relu_squared``)."""
+    if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
+        return _torch.relu_squared(x)
     if x.requires_grad and torch.is_grad_enabled():
         return _lean_apply(x)
     return relu_squared_forward(x)

@@ -9,7 +9,7 @@ practice) whatever the rounding.
 
 Rows that fit one block (N <= MAX_FUSED_N) are loaded once, ``ROWS`` rows per program, and the
 steps run on registers; longer rows are walked in chunks, one pass per step. The forward saves
-each row's max and τ (fp32, [M] each: NaN τ for the rows that come back NaN); the backward
+each row's max and τ (fp32, [M] each: 0 and NaN for the rows that come back NaN); the backward
 rebuilds the support ``{x - max > τ}`` from them (the forward's own test, bit for bit) and
 writes ``dx = dy - mean_S(dy)`` on it, 0 elsewhere. No atomics: deterministic.
 
@@ -22,7 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ...ops.sparsemax import reference
+from ..torch import sparsemax as _torch
+from ..torch._double_backward import graph_grads
 from ._autograd import lean_apply
+from ._autograd import transforms_active as _transforms_active
 from ._launch import launch
 from ._rows import as_rows as _as_rows
 from ._rows import cdiv as _cdiv
@@ -49,6 +53,7 @@ def _sparsemax_fwd_kernel(
     m = tl.max(x, axis=1)
     nans = tl.sum((x != x).to(tl.int32), axis=1)
     bad = (nans > 0) | (m == float("inf")) | (m == float("-inf")) | (rows >= M)
+    m = tl.where(bad, 0.0, m)  # (no inf - inf on those rows: their τ is NaN, their y NaN)
     z = x - m[:, None]  # masked lanes: -inf, never in the support
     tau = tl.full([ROWS], -1.0, tl.float32)
     k = tl.sum((z > tau[:, None]).to(tl.int32), axis=1)
@@ -100,6 +105,7 @@ def _sparsemax_fwd_chunked_kernel(
         nans += (x != x).to(tl.int32)
     m = tl.max(mx, axis=0)
     bad = (tl.sum(nans, axis=0) > 0) | (m == float("inf")) | (m == float("-inf"))
+    m = tl.where(bad, 0.0, m)  # (no inf - inf on that row: its τ is NaN, its y NaN)
     tau = tl.full((), -1.0, tl.float32)
     if bad:
         tau = tl.full((), float("nan"), tl.float32)
@@ -246,14 +252,16 @@ class _Sparsemax(torch.autograd.Function):
     def forward(ctx, x, dim):  # type: ignore[override]
         x2, shape = _last(x, dim)
         y, rmax, tau = sparsemax_forward(x2)
-        ctx.save_for_backward(x2, rmax, tau)
+        ctx.save_for_backward(x2, rmax, tau, x)  # x: a create_graph backward differentiates through it
         ctx.layout = (shape, dim)
         return _back(y, shape, dim)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        x2, rmax, tau = ctx.saved_tensors
+        x2, rmax, tau, x = ctx.saved_tensors
         shape, dim = ctx.layout
+        if torch.is_grad_enabled():  # create_graph=True: the reference's differentiable gradient
+            return graph_grads(reference, (x, dim), (dy,), (True, False))[0], None
         dy2, _ = _last(dy, dim)
         return _back(sparsemax_backward(dy2, x2, rmax, tau), shape, dim), None
 
@@ -263,6 +271,8 @@ _lean_apply = lean_apply(_Sparsemax)  # _Sparsemax.apply without its Python wrap
 
 def sparsemax(x: torch.Tensor, dim: int) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.sparsemax``)."""
+    if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
+        return _torch.sparsemax(x, dim)
     if x.requires_grad and torch.is_grad_enabled():
         return _lean_apply(x, dim)
     x2, shape = _last(x, dim)
