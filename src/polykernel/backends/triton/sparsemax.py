@@ -5,7 +5,9 @@ support refinement: from ``τ₀ = -1`` (a lower bound: the maximum alone gives 
 >= 1``), repeat ``S = {z > τ}``, ``τ = (Σ_S z - 1) / |S|``. Each step keeps τ below the exact
 threshold and shrinks S; when S stops shrinking, τ is exact (Michelot 1986). A row stops at the
 first step whose support does not shrink, so a row takes at most N steps (a handful in
-practice) whatever the rounding.
+practice) whatever the rounding. τ is divided with IEEE rounding (``div_rn``; Triton's ``/`` is
+approximate on the GPU): with 16-bit inputs a logit often sits exactly at τ (the sums of their
+differences hit 1 exactly), where it must stay outside the support, as in exact arithmetic.
 
 Rows that fit one block (N <= MAX_FUSED_N) are loaded once, ``ROWS`` rows per program, and the
 steps run on registers; longer rows are walked in chunks, one pass per step. The forward saves
@@ -59,7 +61,7 @@ def _sparsemax_fwd_kernel(
     k = tl.sum((z > tau[:, None]).to(tl.int32), axis=1)
     done = bad.to(tl.int32)
     while tl.sum(1 - done, axis=0) > 0:
-        new = (tl.sum(tl.where(z > tau[:, None], z, 0.0), axis=1) - 1.0) / tl.maximum(k, 1).to(tl.float32)
+        new = tl.div_rn(tl.sum(tl.where(z > tau[:, None], z, 0.0), axis=1) - 1.0, tl.maximum(k, 1).to(tl.float32))
         tau = tl.where(done != 0, tau, new)
         k_new = tl.sum((z > tau[:, None]).to(tl.int32), axis=1)
         done = done | (k_new >= k).to(tl.int32)  # S stopped shrinking: τ (from S) is the threshold
@@ -113,7 +115,7 @@ def _sparsemax_fwd_chunked_kernel(
         k, s = _support(x_row, N, m, tau, CHUNK)
         done = tl.zeros((), tl.int32)
         while done == 0:
-            tau = (s - 1.0) / k.to(tl.float32)  # k >= 1: the max is always in S
+            tau = tl.div_rn(s - 1.0, k.to(tl.float32))  # k >= 1: the max is always in S
             k_new, s = _support(x_row, N, m, tau, CHUNK)
             done = (k_new >= k).to(tl.int32)  # S stopped shrinking: τ (from S) is the threshold
             k = k_new
