@@ -733,7 +733,7 @@ EXPECTED = {
             True,
             None,
             None,
-            "F.group_norm (PyTorch's fused kernel) where the parameter dtypes match x, else the reference",
+            "F.group_norm (PyTorch's fused kernel) for fp32/fp64 with parameters in x's dtype, else the reference",
         ),
         Row(
             "triton",
@@ -952,7 +952,7 @@ EXPECTED = {
             "polykernel.backends.liger.sparsemax:sparsemax",
             (CUDA,),
             ("liger_kernel", "triton"),
-            ("float32", "bfloat16", "float16"),
+            ("float32",),
             True,
             False,
             "",

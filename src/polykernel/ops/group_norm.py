@@ -216,7 +216,9 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
 
 IMPLS = impls(
     OP_ID,
-    TORCH.impl(rank=100, description="F.group_norm (PyTorch's fused kernel) where the parameter dtypes match x, else the reference"),
+    TORCH.impl(
+        rank=100, description="F.group_norm (PyTorch's fused kernel) for fp32/fp64 with parameters in x's dtype, else the reference"
+    ),
     TRITON.impl(
         rank=10,
         description="one (sample, group) per program as a [channels, positions] tile (chunked for large groups); dW/dB from per-program partials (deterministic)",
