@@ -165,8 +165,8 @@ def test_predicates_new_ops():
     assert _why("sparsemax", "liger", t(2, 65536)) is None
     assert "65536" in _why("sparsemax", "liger", t(2, 70000))
     assert "65536" in _why("sparsemax", "liger", t(70000, 2), 0)  # the length along dim
-    # the dtypes Liger's kernels compute right: group_norm and poly_norm fp32 only
-    for op in ("group_norm", "poly_norm"):
+    # the dtypes Liger's kernels compute right: group_norm, poly_norm and sparsemax fp32 only
+    for op in ("group_norm", "poly_norm", "sparsemax"):
         assert registry.specs_for(op)["liger"].format_signature.supported_dtypes == ("float32",)
     assert not registry.specs_for("group_norm")["liger"].deterministic  # its dW, dB by atomics
     assert not registry.specs_for("dyt")["liger"].cuda_graph_safe  # autotuned on its first call

@@ -181,7 +181,8 @@ IMPLS = impls(
     ),
     # Liger (0.8.5): autotuned kernels (a timing sweep on the first call of each N: not CUDA-graph
     # safe), weight required, and its dalpha and dbias are cast to x's dtype before autograd casts
-    # them to the parameters': the parameters in x's dtype only. Behind Triton until measured.
+    # them to the parameters': the parameters in x's dtype only. Its forward edges ours, its
+    # backward trails ours far (benchmarks/results/h200-2026-12-01-moreops-call.json): behind Triton.
     LIGER.impl(
         rank=60,
         graph_safe=False,

@@ -134,8 +134,9 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
-    # torch.compile: an elementwise op, as swiglu and geglu are, where Inductor's own code moves the
-    # bytes ours does and fuses into its neighbours: decomposed (H200: benchmarks/results/moreops)
+    # torch.compile: an elementwise op, where Inductor's own code moves the bytes ours does (as fast
+    # or faster, benchmarks/results/h200-2026-12-01-moreops-call.json) and fuses into its
+    # neighbours: decomposed
     compile_mode="decompose",
     dtensor_layout=Layout(ANY, rows_with(), (0,)),  # elementwise: x may be sharded on any dim
 )

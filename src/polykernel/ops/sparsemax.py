@@ -177,7 +177,10 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-# Liger (0.8.5): ranked behind Triton until measured.
+# Liger (0.8.5): its backward rounds mean_S(dy) to x's dtype before the subtraction and reads the
+# support from the saved y: bf16/fp16 gradients 1.1-18x the error model (H200, 2026-12-01,
+# check_parity large=True): fp32 only. Its forward sorts each row with torch.sort: ~16x slower
+# than Triton in bf16 (benchmarks/results/h200-2026-12-01-moreops-call.json). Behind Triton.
 IMPLS = impls(
     OP_ID,
     TORCH.impl(rank=100, description="sort-based threshold in fp32; backward recomputes the support from x and two fp32 numbers per row"),
@@ -187,6 +190,7 @@ IMPLS = impls(
     ),
     LIGER.impl(
         rank=60,
+        dtypes=("float32",),
         description="Liger LigerSparsemaxFunction (torch.sort, then one block per row); N <= 65536; backward from the saved y",
         predicate=liger_gates.sparsemax,
     ),
