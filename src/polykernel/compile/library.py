@@ -76,6 +76,7 @@ from typing import Any
 
 import torch
 
+from .. import _compat
 from ..core import registry
 from ..core.op import Op
 from ..spec import KernelBackend, Split
@@ -145,15 +146,27 @@ _TRACE_TIME = {"register_rules": _register_rules, "report_decomposing": _report_
 def _at_trace_time(action: str, *args: str) -> None:
     """``_TRACE_TIME[action](*args)``, now: also while Dynamo traces the caller."""
     if torch.compiler.is_compiling():
-        from torch._dynamo.comptime import comptime
-
-        comptime(_from_trace)
+        comptime = _compat.comptime()
+        if comptime is not None:
+            comptime(_from_trace)
+        else:  # no comptime in this torch: the fake impl of a no-op custom op, run while tracing
+            _trace_time_op(action, list(args))
     else:
         _TRACE_TIME[action](*args)
 
 
 def _from_trace(ctx: Any) -> None:  # no free variables: comptime's rule
     _TRACE_TIME[ctx.get_local("action").as_python_constant()](*ctx.get_local("args").as_python_constant())
+
+
+def _trace_time_real(action: str, args: list[str]) -> None:
+    """The compiled graph's node does nothing when it runs: the action ran while tracing."""
+
+
+_trace_time_op = torch.library.custom_op(
+    f"{NAMESPACE}::trace_time_action", _trace_time_real, mutates_args=(), schema="(str action, str[] args) -> ()"
+)
+_trace_time_op.register_fake(lambda action, args: _TRACE_TIME[action](*args))
 
 
 def custom_op_for(op: Op | str) -> Callable[..., Any]:
@@ -352,7 +365,7 @@ def _current(op_id: str) -> Op:
 
 def _storage_id(t: torch.Tensor) -> int | None:
     try:
-        return t.untyped_storage()._cdata
+        return _compat.storage_id(t)
     except Exception:  # tensors without storage (some subclasses) cannot alias
         return None
 
@@ -381,21 +394,9 @@ def _as_tuple(out: Any) -> tuple[Any, ...]:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
-_AUTOGRAD_KEYS = (
-    torch._C.DispatchKey.AutogradFunctionality,
-    torch._C.DispatchKey.AutogradOther,
-    torch._C.DispatchKey.AutogradNestedTensor,
-    torch._C.DispatchKey.ADInplaceOrView,
-)
-
-
-def _autograd_on() -> Any:
-    """A guard that takes autograd's keys out of this thread's excluded dispatch keys: a custom
-    op's kernels run below autograd, and the backward recomputes the forward through autograd."""
-    keys = torch._C._dispatch_tls_local_exclude_set()
-    for k in _AUTOGRAD_KEYS:
-        keys = keys.remove(k)
-    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), keys)
+# A guard that takes autograd's keys out of this thread's excluded dispatch keys: a custom op's
+# kernels run below autograd (polykernel._compat: without the private guard, none).
+_autograd_on = _compat.autograd_keys_on
 
 
 class CompiledOp:
@@ -506,7 +507,7 @@ class CompiledOp:
         custom = torch.library.custom_op(self.qualname, real, mutates_args=(), schema=self.forward_schema)
         custom.register_fake(fake)
         custom.register_autograd(self._backward_formula, setup_context=self._setup_context)
-        return custom._opoverload
+        return _compat.custom_op_overload(custom, self.qualname)
 
     def _setup_context(self, ctx: Any, inputs: Sequence[Any], keyword_only_inputs: dict[str, Any], output: Any) -> None:
         tensors = set(self.tensor_args)
@@ -530,15 +531,17 @@ class CompiledOp:
         def real(grad_outputs: list[torch.Tensor | None], *rest: Any, impl: str | None = None) -> list[torch.Tensor]:
             *args, mask = rest
             op = _current(op_id)
-            with _autograd_on(), torch.enable_grad():
+
+            def recompute() -> tuple[Sequence[Any], list[Any]]:  # through autograd, which this kernel runs below
                 leaves = [a.detach().requires_grad_(bool(m)) if isinstance(a, torch.Tensor) else a for a, m in zip(args, mask)]
                 wanted = [leaf for leaf, m in zip(leaves, mask) if m]
                 outs = _as_tuple(_select_and_run(op, impl, leaves, names))
                 pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
                 if pairs and wanted:
-                    got = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-                else:
-                    got = (None,) * len(wanted)
+                    return torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True), wanted
+                return (None,) * len(wanted), wanted
+
+            got, wanted = _compat.with_autograd(recompute)
             grads = [g if g is not None else torch.zeros_like(w, memory_format=torch.contiguous_format) for g, w in zip(got, wanted)]
             return _fresh(grads, [*args, *grad_outputs])
 
@@ -549,7 +552,7 @@ class CompiledOp:
         custom = torch.library.custom_op(f"{self.qualname}_backward", real, mutates_args=(), schema=self.backward_schema)
         custom.register_fake(fake)
         self._recompute = real
-        return custom._opoverload
+        return _compat.custom_op_overload(custom, f"{self.qualname}_backward")
 
     # -- training: forward with saved activations, backward without recompute -------------------
     def _fit_saved(self, saved: Sequence[torch.Tensor], lead: torch.Tensor) -> list[torch.Tensor]:
@@ -611,7 +614,7 @@ class CompiledOp:
         custom = torch.library.custom_op(f"{self.qualname}_train", real, mutates_args=(), schema=self.train_schema)
         custom.register_fake(fake)
         custom.register_autograd(self._train_formula, setup_context=self._train_setup)
-        return custom._opoverload
+        return _compat.custom_op_overload(custom, f"{self.qualname}_train")
 
     def _train_setup(self, ctx: Any, inputs: Sequence[Any], keyword_only_inputs: dict[str, Any], output: Any) -> None:
         *args, _mask = inputs
@@ -703,7 +706,7 @@ class CompiledOp:
 
         custom = torch.library.custom_op(f"{self.qualname}_train_backward", real, mutates_args=(), schema=self.train_backward_schema)
         custom.register_fake(fake)
-        return custom._opoverload
+        return _compat.custom_op_overload(custom, f"{self.qualname}_train_backward")
 
 
 def _output_grads(op: Op, grads: Sequence[torch.Tensor | None], args: Sequence[Any]) -> list[torch.Tensor]:
