@@ -27,8 +27,8 @@ cuda_current_device            torch._C._cuda_getDevice                      tor
 cuda_raw_stream(device)        torch._C._cuda_getCurrentRawStream            torch.cuda.current_stream(device).cuda_stream
 triton_jit_function()          triton.runtime.jit.JITFunction (internals)    None: the fast launch path off
 triton_runtime_knobs()         triton.knobs.runtime (launch hooks)           None: the fast launch path off
-autograd_keys_on()             torch._C._ForceDispatchKeyGuard and the       no guard: the reference decomposes below
-                               dispatch TLS sets                             autograd (see the function)
+autograd_keys_on()             torch._C._ForceDispatchKeyGuard and the       no guard (fake impls then use each op's
+                               dispatch TLS sets                             declared ``outputs``)
 with_autograd(fn)              (the same guard)                              ``fn`` on a fresh thread (default TLS)
 comptime()                     torch._dynamo.comptime.comptime               None: the caller's fallback (a custom op)
 custom_op_overload(op, name)   torch.library.CustomOpDef._opoverload         ``torch.ops.<ns>.<name>.default``
@@ -355,11 +355,16 @@ def autograd_keys_on() -> contextlib.AbstractContextManager[Any]:
     """A guard that takes autograd's keys out of this thread's excluded dispatch keys (a custom op's
     kernels run below autograd), so that what runs inside dispatches as at the top of a trace.
 
-    Fallback: no guard. A fake impl then runs its reference below autograd, where FakeTensorMode
-    decomposes composite ops through their Python refs instead of their C++ kernels: the same
-    shapes, except where a ref is wrong (torch 2.13's nll_loss ref gives a [0]-shaped mean for an
-    empty input, which compile then reports as a shape mismatch)."""
+    Fallback: no guard (:func:`autograd_keys_guarded` says so). What runs inside then dispatches
+    below autograd, where FakeTensorMode decomposes composite ops through their Python refs, some
+    of them wrong: polykernel's fake impls take their outputs' shapes from each op's declared
+    ``outputs`` instead (polykernel.compile.library)."""
     return _autograd_guard() if _autograd_guard is not None else contextlib.nullcontext()
+
+
+def autograd_keys_guarded() -> bool:
+    """Whether :func:`autograd_keys_on` really guards (False: its fallback, no guard)."""
+    return _autograd_guard is not None
 
 
 def _on_fresh_thread(fn: Callable[[], T]) -> T:

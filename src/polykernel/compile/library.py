@@ -399,6 +399,22 @@ def _as_tuple(out: Any) -> tuple[Any, ...]:
 _autograd_on = _compat.autograd_keys_on
 
 
+def _reference_outputs(op: Op, args: Sequence[Any]) -> tuple[Any, ...]:
+    """The reference's outputs on fake (or meta) arguments, for their shapes and dtypes.
+
+    The reference runs as at the top of a trace, with the autograd keys on (a fake impl runs below
+    autograd): composite ops such as cross_entropy then decompose through their C++ kernels.
+    Below autograd, FakeTensorMode decomposes them through Python refs, some of which are wrong
+    (torch 2.13's nll_loss ref misreads ``reduction``: a [0]-shaped mean for empty inputs, a
+    scalar for "none"). Where this torch has no guard for that, the op's declared ``outputs``
+    (checked against the reference on each decision's first call) give them instead."""
+    if not _compat.autograd_keys_guarded() and op.outputs is not None:
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        return tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in op.outputs(*args))
+    with _autograd_on(), torch.no_grad():
+        return _as_tuple(op.reference(*args))
+
+
 class CompiledOp:
     """The custom ops of one :class:`Op`: ``forward`` and ``backward`` (``OpOverload`` s)."""
 
@@ -494,13 +510,7 @@ class CompiledOp:
 
         def fake(*args: Any, impl: str | None = None) -> Any:
             args = full(args)
-            # Run the reference as at the top of a trace, with the autograd keys on (a fake impl
-            # runs below autograd): composite ops such as cross_entropy then decompose through
-            # their C++ kernels. Below autograd, FakeTensorMode decomposes them through Python
-            # refs, some of which are wrong (torch 2.13's nll_loss ref misreads `reduction` and
-            # gives a [0]-shaped mean for empty inputs).
-            with _autograd_on(), torch.no_grad():
-                out = _as_tuple(_current(op_id).reference(*args))
+            out = _reference_outputs(_current(op_id), args)
             out = [torch.empty(o.shape, dtype=o.dtype, device=o.device) if isinstance(o, torch.Tensor) else o for o in out]
             return out[0] if single else tuple(out)
 
@@ -605,8 +615,8 @@ class CompiledOp:
             *args, mask = rest
             args = full(tuple(args))
             op = _current(op_id)
-            with _autograd_on(), torch.no_grad():  # see the forward's fake impl
-                outs = _as_tuple(op.reference(*args))
+            outs = _reference_outputs(op, args)
+            with _autograd_on(), torch.no_grad():  # see _reference_outputs
                 saved = saved_by_layout(op, args, mask, fake=True)
             out = [torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in (*outs, *fit(saved, args[0]))]
             return out[0] if len(out) == 1 else tuple(out)
@@ -715,8 +725,7 @@ def _output_grads(op: Op, grads: Sequence[torch.Tensor | None], args: Sequence[A
     if all(g is not None for g in grads):
         return list(grads)
     metas = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
-    with _autograd_on(), torch.no_grad():  # see the forward's fake impl
-        outs = _as_tuple(op.reference(*metas))
+    outs = _reference_outputs(op, metas)
     device = args[0].device
     return [g if g is not None else torch.zeros(o.shape, dtype=o.dtype, device=device) for g, o in zip(grads, outs)]
 
