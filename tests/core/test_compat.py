@@ -180,6 +180,22 @@ def test_guard_fallback_dispatches_as_the_guard(monkeypatch, op_name):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
+def test_guard_fallback_rejects_a_bad_option_after_a_valid_call(monkeypatch):
+    # Without the guard every call takes the slow path, with its option-type check: a tensor eps
+    # or a bool offset equal (==) to the last call's options is an error, not a memo hit.
+    from polykernel.errors import OpArgumentError
+
+    monkeypatch.setattr(hit_guard, "_tensor_guards", lambda: None)
+    op = registry.get_op("rms_norm")
+    dispatch = op_mod._hot_dispatch(op)
+    x, w = torch.randn(3, 8), torch.randn(8)
+    dispatch(None, x, w, 1.0, 0.0, "fp32")
+    for bad in ((torch.tensor(1.0), 0.0), (1.0, False)):
+        with pytest.raises(OpArgumentError):
+            dispatch(None, x, w, *bad, "fp32")
+    torch.testing.assert_close(dispatch(None, x, w, 1.0, 0.0, "fp32"), op.reference(x, w, 1.0, 0.0, "fp32"))
+
+
 # -- autograd ------------------------------------------------------------------------------------
 
 

@@ -376,12 +376,13 @@ def _hot_dispatch(op: Op) -> Callable[..., Any]:
     # an argument left out takes the reference's default (the public functions pass them all)
     sig = ", ".join(n if p.default is p.empty else f"{n}=DEFAULTS[{i}]" for i, (n, p) in enumerate(zip(names, params)))
     args = ", ".join(names)
-    if not hit_guard.available():  # no guard in this torch: the class in Python, then Op.call
+    if not hit_guard.available():  # no guard in this torch: every call takes the slow path, whose
+        # checks (option types, inference tensors) the guard's records otherwise stand for
         src = (
             f"def dispatch(impl, {sig}):\n"
-            f"    try:\n        argkey = key({args})\n"
-            f"    except Exception:  # not tensors, 0-d x: validate() names the problem\n        argkey = None\n"
-            f"    return call(impl, argkey, {args})\n"
+            f"    if {_COMPILING_EXPR}:\n"
+            f"        return op.custom_op(impl, {args})\n"
+            f"    return slow(impl, ({args},), scope_get(), det(), grad())\n"
         )
         return _exec(op, src, "dispatch")
     plain = " and ".join(f"type(a{i}) in P" for i in _tensor_positions(op.reference) if i < len(names)) or "True"
