@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from .. import _compat
 from ..errors import OpArgumentError
 from ..spec import KernelSpec
 from . import codegen, hit_guard, hooks, memo_key, registry
@@ -159,24 +160,18 @@ class ArgClass:
         return f"ArgClass({inner})"
 
 
-# The C function behind torch.are_deterministic_algorithms_enabled (its wrapper costs one more
-# Python frame, ~20 ns per call). Same bool: keys built with either are equal.
-_deterministic = getattr(torch._C, "_get_deterministic_algorithms", None) or torch.are_deterministic_algorithms_enabled
+# torch.are_deterministic_algorithms_enabled's C function where there is one (polykernel._compat).
+_deterministic = _compat.deterministic_enabled
 _grad_enabled = torch.is_grad_enabled
 
 
-_compiling = torch.compiler.is_compiling
-# The generated hot path (see _hot_dispatch) inlines `is_compiling` where this torch allows: Dynamo
-# constant-folds `is_dynamo_compiling()` to True while tracing, and non-strict export sets the
-# module flag that `is_compiling` reads (one Python frame instead of two, ~50 ns saved per call).
-_COMPILING_EXPR = (
-    "dynamo_compiling() or compiler_mod._is_compiling_flag"
-    if hasattr(torch.compiler, "is_dynamo_compiling") and hasattr(torch.compiler, "_is_compiling_flag")
-    else "compiling()"
-)
-# The C function behind torch.cuda.is_current_stream_capturing (its wrapper costs one more frame);
-# asked only for decisions on CUDA devices. CPU-only builds lack it and never have CUDA tensors.
-_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+_compiling = _compat.is_compiling
+# The generated hot path (see _hot_dispatch) inlines `is_compiling` where this torch allows (one Python
+# frame instead of two): the expression and the names it reads are polykernel._compat's.
+_COMPILING_EXPR = _compat.COMPILING_EXPR
+# torch.cuda.is_current_stream_capturing's C function where there is one; asked only for
+# decisions on CUDA devices.
+_stream_capturing = _compat.stream_capturing
 
 
 # -- the tensor-subclass guard ---------------------------------------------------------------
@@ -259,7 +254,7 @@ def _exec(op: Op, src: str, name: str) -> Callable[..., Any]:
         "key": op.key,
         "call": op.call,
         "compiling": _compiling,
-        "dynamo_compiling": getattr(torch.compiler, "is_dynamo_compiling", None),
+        "dynamo_compiling": _compat.dynamo_compiling,
         "compiler_mod": torch.compiler,
         "scope_get": _scope_get,
         "det": _deterministic,
@@ -331,8 +326,14 @@ def _hot_dispatch(op: Op) -> Callable[..., Any]:
     # an argument left out takes the reference's default (the public functions pass them all)
     sig = ", ".join(n if p.default is p.empty else f"{n}=DEFAULTS[{i}]" for i, (n, p) in enumerate(zip(names, params)))
     args = ", ".join(names)
-    if not hit_guard.available():  # no guard in this torch: the class in Python, then Op.call
-        src = f"def dispatch(impl, {sig}):\n    return slow(impl, ({args},))\n"
+    if not hit_guard.available():  # no guard in this torch: every call takes the slow path, whose
+        # checks (option types, inference tensors) the guard's records otherwise stand for
+        src = (
+            f"def dispatch(impl, {sig}):\n"
+            f"    if {_COMPILING_EXPR}:\n"
+            f"        return op.custom_op(impl, {args})\n"
+            f"    return slow(impl, ({args},), scope_get(), det(), grad())\n"
+        )
         return _exec(op, src, "dispatch")
     plain = " and ".join(f"type(a{i}) in P" for i in _tensor_positions(op.reference) if i < len(names)) or "True"
     tensors = ", ".join(names[i] for i in hit_guard.tensor_positions(spec))

@@ -144,7 +144,9 @@ def _skipped(args: tuple[Any, ...]) -> bool:
 
     if _paused.get() or torch.compiler.is_compiling():
         return True
-    if getattr(torch._C, "_are_functorch_transforms_active", bool)():  # vmap/grad wrappers: copies are not plain
+    from .. import _compat
+
+    if _compat.functorch_transforms_active():  # vmap/grad wrappers: copies are not plain
         return True
     plain = (torch.Tensor, torch.nn.Parameter)
     for a in args:

@@ -12,7 +12,7 @@ gets it, with the impl it chose in ``chosen``; then one row per registered impl 
 ``impl=`` (``polykernel:triton``, ``polykernel:torch``, the peers' ``polykernel:liger`` ...), the op's
 reference in plain PyTorch (``eager reference``) and ``torch.compile`` of that reference.
 
-Timing: ``triton.testing.do_bench`` medians (it flushes L2 between runs). Forward times one call;
+Timing (:mod:`polykernel.timing`): ``triton.testing.do_bench`` medians (it flushes L2 between runs). Forward times one call;
 "fwd+bwd" times a forward plus ``torch.autograd.grad`` of every output with a fixed random
 cotangent. GB/s counts the fewest bytes the op must move (each op file's ``bytes_moved``: state
 the formula there); the fused linear cross-entropy reports TFLOP/s from 2·N·H·V (forward) and
@@ -39,6 +39,9 @@ import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+# Shared with the tuner; bench's names for them (benchmarks/ import them from here).
+from ..timing import capture_graph, copy_bandwidth, do_bench, host_us_per_call
 
 if TYPE_CHECKING:
     import torch
@@ -102,39 +105,10 @@ def cases_for(op_name: str, sweep: bool) -> list[tuple[str, tuple[int, ...], boo
     return out
 
 
-def copy_bandwidth() -> float:
-    """GB/s of a 2 GiB device-to-device copy (bytes read + written)."""
-    import torch
-    import triton.testing
-
-    src = torch.randn(2**30, dtype=torch.bfloat16, device="cuda")  # 2 GiB
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
-    return 2 * 2**31 / (ms * 1e-3) / 1e9
-
-
 def _outputs(out: Any) -> list[torch.Tensor]:
     import torch
 
     return [o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, torch.Tensor) and o.requires_grad]
-
-
-def capture_graph(step: Callable[[], Any], calls: int = 1, warmup: int = 3) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``calls`` back-to-back ``step``s, captured after ``warmup`` calls on a side
-    stream (what capture needs: allocator pools, lazy inits and autotuning done first)."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            step()
-    return graph
 
 
 def measure(
@@ -146,7 +120,6 @@ def measure(
     the host's launch cost (Python, autograd, Triton's launcher) taken out.
     """
     import torch
-    import triton.testing
 
     if backward:
         cots = [torch.randn_like(o) for o in _outputs(fn())]
@@ -168,33 +141,10 @@ def measure(
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     if graph:
-        captured = capture_graph(step)
-        ms = triton.testing.do_bench(captured.replay, warmup=warmup, rep=rep, return_mode="median")
+        ms = do_bench(capture_graph(step).replay, warmup=warmup, rep=rep)
     else:
-        ms = triton.testing.do_bench(step, warmup=warmup, rep=rep, return_mode="median")
+        ms = do_bench(step, warmup=warmup, rep=rep)
     return ms, peak
-
-
-def host_us_per_call(step: Callable[[], Any], calls: int = 20, rounds: int = 7) -> float:
-    """Host (CPU) microseconds to issue one ``step`` with the GPU never the bottleneck: a long
-    ``torch.cuda._sleep`` is queued first, so each call only enqueues its work; best round.
-
-    A step that synchronizes with the GPU (``.item()``, a host copy) waits out the sleep and shows
-    up as thousands of microseconds here: that is the point.
-    """
-    import torch
-
-    step()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(rounds):
-        torch.cuda._sleep(50_000_000)  # ~25 ms on a ~2 GHz GPU: longer than the calls take to issue
-        t = time.perf_counter()
-        for _ in range(calls):
-            step()
-        best = min(best, (time.perf_counter() - t) / calls)
-        torch.cuda.synchronize()
-    return best * 1e6
 
 
 def _contenders(
