@@ -50,6 +50,13 @@ gradients themselves, for a unit grad_output (:data:`SAVED_GRADS`: the fused lin
 cross-entropy's "mean"/"sum"), the autograd formula multiplies them in the graph instead of
 calling the backward custom op, so that Inductor scales them in their own buffers.
 
+**Ops that write into given tensors** (``Op.writes``: the serving ops' ``out=``, in-place
+arguments, fp8 outputs) get one custom op instead, ``polykernel::silu_and_mul(Tensor x,
+Tensor(a!)? out=None, *, str? impl=None) -> ()``: the written arguments are marked mutable, the
+real impl dispatches under ``no_grad`` (the impl writes the destinations), the fake impl writes
+nothing, and the compiled call returns the destinations as the eager call does. No autograd, no
+training ops: those ops are inference only.
+
 **Per-op choice** (``COMPILE_MODES``, measured; ``POLYKERNEL_COMPILE_<OP>=ours|decompose``):
 ops where Inductor's own code is as fast as ours (swiglu, geglu, rope, fused_add_rms_norm)
 *decompose*: without ``impl=``, Dynamo traces the op's torch reference, so Inductor fuses it
@@ -471,6 +478,10 @@ class CompiledOp:
         # Python kernel; the kernels put them back from here.
         self.defaults = tuple(p.value for p in params)
         self.key_names = _key_names(op, [p.name for p in params])
+        self.writes = tuple(getattr(op, "writes", ()))
+        if self.writes:  # an op that writes into given tensors: one mutating custom op, no autograd
+            self._init_writing(op, params)
+            return
         self.forward_schema = _schema(params, returns, with_defaults=True)
         self.backward_schema = _schema(
             params, ["Tensor[]"], with_defaults=False, prefix="Tensor?[] grad_outputs", suffix="bool[] grad_mask"
@@ -530,6 +541,58 @@ class CompiledOp:
 
     def __repr__(self) -> str:
         return f"CompiledOp({self.qualname}{self.forward_schema})"
+
+    # -- ops that write into given tensors (Op.writes: the serving ops) -------------------------
+    def _init_writing(self, op: Op, params: Sequence[_Param]) -> None:
+        """``polykernel::<name>(..., Tensor(a!) out, ...) -> ()``: the real impl dispatches (the
+        impl writes its results into the destinations), the fake impl writes nothing, and the
+        compiled call returns the destinations, in the order of ``Op.writes``, as the eager call
+        does. Functionalization sees the mutation, so Inductor keeps it (auto_functionalized,
+        re-inplaced where it can). Inference only: no backward or training custom ops."""
+        names = [p.name for p in params]
+        written = tuple(names.index(w) for w in self.writes)  # in the order of Op.writes
+        marked = list(params)
+        for k, i in enumerate(sorted(written)):
+            p = params[i]
+            if p.type not in ("Tensor", "Tensor?"):
+                raise TypeError(f"polykernel: {op.id}: written parameter {p.name!r} must be a tensor (it is {p.type})")
+            marked[i] = p._replace(type=f"Tensor({chr(ord('a') + k)}!){'?' if p.type.endswith('?') else ''}")
+        self.forward_schema = _schema(marked, ["()"], with_defaults=True)
+        self.backward_schema = self.train_schema = self.train_backward_schema = None
+        self.saved_kinds, self.uses_split = (), False
+        self.backward = self.train = self.train_backward = None
+        mode = os.environ.get(f"POLYKERNEL_COMPILE_{self.name.upper()}") or COMPILE_MODES.get(op.id, "ours")
+        if mode not in ("ours", "decompose"):
+            raise ValueError(f"POLYKERNEL_COMPILE_{self.name.upper()}: {mode!r} is not 'ours' or 'decompose'")
+        self.mode = mode
+        op_id, full, key_names = self.op_id, self._full, self.key_names
+
+        def real(*args: Any, impl: str | None = None) -> None:
+            with torch.no_grad():
+                _select_and_run(_current(op_id), impl, full(args), key_names)
+
+        def fake(*args: Any, impl: str | None = None) -> None:
+            return None
+
+        custom = torch.library.custom_op(self.qualname, real, mutates_args=self.writes, schema=self.forward_schema)
+        custom.register_fake(fake)
+        self.forward = custom._opoverload
+        fwd, validate, reference, decompose = self.forward, getattr(op, "validate", None), op.reference, mode == "decompose"
+        single = len(written) == 1
+
+        def call(impl: Any, *args: Any) -> Any:
+            # Traced by Dynamo, like the functional ops' call (validation at trace time).
+            if validate is not None:
+                validate(*args)
+            if impl is not None and not isinstance(impl, str):  # a list or a KernelBackend
+                impl = _impl_str(impl)
+            if decompose and impl is None:  # the reference writes the destinations with torch ops
+                return reference(*args)
+            fwd(*args, impl=impl)
+            args = full(args)
+            return args[written[0]] if single else tuple(args[i] for i in written)
+
+        self.call = call
 
     # -- forward -------------------------------------------------------------------------------
     def _full(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
