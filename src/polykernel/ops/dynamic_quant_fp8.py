@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.declare import impls
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
 from ..core.op import Bounds, Case, ErrorModel, Op
-from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 from . import _serving as serving
 
@@ -137,28 +139,16 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-# fp8 e4m3 ("float8e4nv" in Triton) needs sm_89 (Ada) or newer on the GPU.
-_TRITON_CAPS = frozenset({CapabilityRequirement.cuda(min_sm=89)})
-
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.dynamic_quant_fp8:dynamic_quant_fp8",
-        rank=100,
-        description="the reference: amax, scale, clamp(x / scale) copied into q",
-    ),
-    KernelSpec(
-        OP_ID,
-        "triton",
-        "polykernel.backends.triton.dynamic_quant_fp8:dynamic_quant_fp8",
-        capabilities=_TRITON_CAPS,
-        requires_modules=("triton",),
-        format_signature=FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"), supports_backward=False),
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(rank=100, description="the reference: amax, scale, clamp(x / scale) copied into q"),
+    TRITON.impl(
         rank=10,
+        capabilities=serving.FP8_CAPS,
+        supports_backward=False,
         description="per token: one pass per row (amax, then quantise from registers; chunked past 16K); per tensor: a max kernel (integer atomics, deterministic) then the static quantiser",
     ),
-]
+)
 
 
 def outputs(x: torch.Tensor, per_token: bool = True, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
@@ -166,6 +156,8 @@ def outputs(x: torch.Tensor, per_token: bool = True, *_: object) -> tuple[tuple[
     return (serving.fp8_outputs(x), (torch.Size((*x.shape[:-1], 1) if per_token else (1,)), torch.float32))
 
 
+# No guard: the public function validates every call (the overlap checks read the tensors memory),
+# then hands over the argument class it built (Op.call).
 _op = Op(
     OP_ID,
     fields=("device", "dtype", "needs_grad", "n", "per_token"),

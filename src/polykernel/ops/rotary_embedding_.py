@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.declare import impls
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
 from ..core.op import Bounds, Case, ErrorModel, Op
-from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 from . import _serving as serving
 
@@ -291,25 +293,15 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.rotary_embedding_:rotary_embedding_",
-        rank=100,
-        description="the reference: index_select of the cache rows, fp32 rotation copied back",
-    ),
-    KernelSpec(
-        OP_ID,
-        "triton",
-        "polykernel.backends.triton.rotary_embedding_:rotary_embedding_",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("triton",),
-        format_signature=FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"), in_place=True, supports_backward=False),
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(rank=100, description="the reference: index_select of the cache rows, fp32 rotation copied back"),
+    TRITON.impl(
         rank=10,
+        supports_backward=False,
         description="one program per (token, block of heads of q or k): the token's cos/sin row gathered once, pairs rotated in place",
     ),
-]
+)
 
 
 def outputs(
@@ -319,6 +311,8 @@ def outputs(
     return ((query.shape, query.dtype), (key.shape, key.dtype) if key is not None else None)
 
 
+# No guard: the public function validates every call (the overlap checks read the tensors memory),
+# then hands over the argument class it built (Op.call).
 _op = Op(
     OP_ID,
     fields=("device", "dtype", "needs_grad", "head_size", "rotary_dim", "is_neox", "has_key"),

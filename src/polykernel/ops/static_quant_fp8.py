@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.declare import impls
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
 from ..core.op import Bounds, Case, ErrorModel, Op
-from ..spec import FormatSignature, KernelSpec
 from . import _checks as check
 from . import _serving as serving
-from .dynamic_quant_fp8 import _TRITON_CAPS, quant_inputs
+from .dynamic_quant_fp8 import quant_inputs
 
 OP_ID = "serving.static_quant_fp8"
 
@@ -89,31 +91,24 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.static_quant_fp8:static_quant_fp8",
-        rank=100,
-        description="the reference: clamp(x / scale) copied into q",
-    ),
-    KernelSpec(
-        OP_ID,
-        "triton",
-        "polykernel.backends.triton.static_quant_fp8:static_quant_fp8",
-        capabilities=_TRITON_CAPS,
-        requires_modules=("triton",),
-        format_signature=FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"), supports_backward=False),
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(rank=100, description="the reference: clamp(x / scale) copied into q"),
+    TRITON.impl(
         rank=10,
+        capabilities=serving.FP8_CAPS,
+        supports_backward=False,
         description="one elementwise pass ([ROWS, BLOCK] tiles, the scale read once per row)",
     ),
-]
+)
 
 
 def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     return (serving.fp8_outputs(x),)
 
 
+# No guard: the public function validates every call (the overlap checks read the tensors memory),
+# then hands over the argument class it built (Op.call).
 _op = Op(
     OP_ID,
     fields=("device", "dtype", "needs_grad", "n", "per_row"),
