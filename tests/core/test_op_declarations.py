@@ -1019,6 +1019,9 @@ def test_a_backend_declares_its_facts_once_and_an_impl_row_only_what_differs():
     )
     assert (odd.target, odd.rank, odd.deterministic, odd.cuda_graph_safe) == ("a.b:c", 7, False, True)
     assert odd.format_signature == FormatSignature(("float32",), supports_backward=False)
+    # an op's row may narrow where its backend runs (the serving fp8 kernels' sm_89 floor)
+    (narrow,) = impls("group.some_op", toy.impl(capabilities=CapabilityRequirement.cuda(min_sm=89)))
+    assert narrow.capabilities == frozenset({CapabilityRequirement.cuda(min_sm=89)}) and narrow.requires_modules == ("m",)
     with pytest.raises(ValueError, match="more than one impl of backend cuda_jit"):
         impls("group.some_op", toy.impl(), toy.impl(rank=1))
     with pytest.raises(ValueError):
