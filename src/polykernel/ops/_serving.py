@@ -103,6 +103,12 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     if s0 + sa.nbytes() <= t0 or t0 + sb.nbytes() <= s0:  # the usual case, in ~0.3 µs: disjoint allocations
         return False
     es = a.element_size()
+    if a.dim() == 2 and b.dim() == 2 and b.element_size() == es:  # the usual layouts: element arithmetic
+        (ta, wa), (sa0, sa1) = a.shape, a.stride()
+        (tb, wb), (sb0, sb1) = b.shape, b.stride()
+        delta, rem = divmod(b.data_ptr() - a.data_ptr(), es)
+        if not rem and sa1 == sb1 == 1 and sa0 == sb0 >= max(wa, wb):
+            return _rows_meet((ta, wa, sa0), (tb, wb, sb0), delta)
     if b.element_size() != es or (b.data_ptr() - a.data_ptr()) % es:
         return True
     ra = _rows(a)
@@ -129,7 +135,7 @@ def _rows_meet(ra: tuple[int, int, int], rb: tuple[int, int, int], delta: int) -
 
 
 def no_overlap(op: str, name: str, t: torch.Tensor | None, other_name: str, other: torch.Tensor | None) -> None:
-    if t is not None and other is not None and not compiling() and overlaps(t, other):
+    if t is not None and other is not None and not _compiling() and overlaps(t, other):
         raise check.OpArgumentError(op, name, f"overlaps {other_name!r} in memory: the op would read what it has already written")
 
 

@@ -127,15 +127,13 @@ def validate(
     for name, t in (("query", query), ("key", key), ("cos_sin_cache", cos_sin_cache)):
         if t is not None:
             check.same_device(OP_ID, name, t, "positions", positions)
-    serving.no_overlap(OP_ID, "key", key, "query", query)
-    serving.no_overlap(OP_ID, "cos_sin_cache", cos_sin_cache, "query", query)
-    serving.no_overlap(OP_ID, "cos_sin_cache", cos_sin_cache, "key", key)
+    serving.no_overlap(OP_ID, "key", key, "query", query)  # (the cache is read only; a cache inside q or k is not guarded against)
     # Positions' values: checked where it is cheap, CPU tensors (on CUDA it needs a device sync;
     # the impls write NaN for such a token there instead: see the module doc).
     if tokens and positions.device.type == "cpu" and not serving.compiling():
-        lo, hi = torch.aminmax(positions)
-        if lo.item() < 0 or hi.item() >= cos_sin_cache.shape[0]:
-            bad = lo.item() if lo.item() < 0 else hi.item()
+        lo, hi = (int(v) for v in torch.aminmax(positions))
+        if lo < 0 or hi >= cos_sin_cache.shape[0]:
+            bad = lo if lo < 0 else hi
             raise check.OpArgumentError(OP_ID, "positions", f"position {bad} is outside the cache's [0, {cos_sin_cache.shape[0]})")
 
 
