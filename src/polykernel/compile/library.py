@@ -85,6 +85,7 @@ import torch
 
 from ..core import registry
 from ..core.op import Op
+from ..errors import OpArgumentError
 from ..spec import KernelBackend, Split
 from .facts import MODES, SavedGrads
 
@@ -318,6 +319,17 @@ def _training_decision(op: Op, impl: str | None, args: Sequence[Any], names: Seq
     return op.decision_for(impl, argkey, args)
 
 
+def _valid(op: Op, args: Sequence[Any]) -> bool:
+    """Whether ``args`` pass the op's validation (True for an op without one)."""
+    if op.validate is None:
+        return True
+    try:
+        op.validate(*args)
+    except OpArgumentError:
+        return False
+    return True
+
+
 def _split_of(fn: Any) -> Split | None:
     split = getattr(fn, "split", None)
     return split if isinstance(split, Split) else None
@@ -458,10 +470,18 @@ class CompiledOp:
         decompose, single, op_id, n_out, full = mode == "decompose", self.single, op.id, len(returns), self._full
 
         def call(impl: Any, *args: Any) -> Any:
-            # Traced by Dynamo: validation happens at trace time, on the (fake) arguments, so a
-            # bad call fails while compiling, not inside the graph.
+            # Traced by Dynamo: validation runs at trace time, on the (fake) arguments. Dynamo
+            # cannot raise an exception out of a fullgraph trace (it reports `Unsupported`), so a
+            # call that fails validation is traced as the plain custom op, whose real impl
+            # validates again when the graph runs and raises the OpArgumentError itself.
             if validate is not None:
-                validate(*args)
+                try:
+                    validate(*args)
+                    valid = True
+                except OpArgumentError:
+                    valid = False
+                if not valid:
+                    return fwd(*args, impl=impl if impl is None or isinstance(impl, str) else _impl_str(impl))
             if impl is not None and not isinstance(impl, str):  # a list or a KernelBackend
                 impl = _impl_str(impl)
             dtensors = _has_dtensor(args)
@@ -563,8 +583,16 @@ class CompiledOp:
             # their C++ kernels. Below autograd, FakeTensorMode decomposes them through Python
             # refs, some of which are wrong (torch 2.13's nll_loss ref misreads `reduction` and
             # gives a [0]-shaped mean for empty inputs).
-            with _autograd_on(), torch.no_grad():
-                out = _as_tuple(_current(op_id).reference(*args))
+            op = _current(op_id)
+            try:
+                with _autograd_on(), torch.no_grad():
+                    out = _as_tuple(op.reference(*args))
+            except Exception:
+                # A call that fails validation is traced to raise at run time (see `call`); the
+                # reference may refuse it too (label_smoothing=2): the op's output shapes instead.
+                if op.outputs is None or _valid(op, args):
+                    raise
+                out = tuple(torch.empty(shape, dtype=dtype, device=args[0].device) for shape, dtype in op.outputs(*args))
             out = [torch.empty(o.shape, dtype=o.dtype, device=o.device) if isinstance(o, torch.Tensor) else o for o in out]
             return out[0] if single else tuple(out)
 

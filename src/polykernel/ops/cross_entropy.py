@@ -138,6 +138,7 @@ def as_smoothing(value: object) -> object:
     return float(value) if type(value) is int else value
 
 
+_compiling = torch.compiler.is_compiling
 _op: Op  # defined below, after the public function it serves (with _dispatch, its dispatch)
 
 
@@ -160,7 +161,9 @@ def cross_entropy(
     torch.Size([4])
     """
     ls = label_smoothing if type(label_smoothing) is float else as_smoothing(label_smoothing)
-    if not isinstance(target, torch.Tensor) or target.is_cpu:  # validity depends on target's values
+    if (
+        not isinstance(target, torch.Tensor) or target.is_cpu
+    ) and not _compiling():  # its values: every call (compiled: the custom op validates)
         validate(logits, target, ignore_index, ls, reduction)  # there (its range): every call
     return _dispatch(impl, logits, target, ignore_index, ls, reduction)  # _op.dispatch; see _key
 

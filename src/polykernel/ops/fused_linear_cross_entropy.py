@@ -121,6 +121,7 @@ def _key(
     )
 
 
+_compiling = torch.compiler.is_compiling
 _op: Op  # defined below, after the public function it serves (with _dispatch, its dispatch)
 
 
@@ -144,7 +145,9 @@ def fused_linear_cross_entropy(
     torch.Size([])
     """
     ls = label_smoothing if type(label_smoothing) is float else as_smoothing(label_smoothing)
-    if not isinstance(target, torch.Tensor) or target.is_cpu:  # validity depends on target's values
+    if (
+        not isinstance(target, torch.Tensor) or target.is_cpu
+    ) and not _compiling():  # its values: every call (compiled: the custom op validates)
         validate(hidden, weight, target, bias, ignore_index, ls, reduction)  # there (its range): every call
     return _dispatch(impl, hidden, weight, target, bias, ignore_index, ls, reduction)  # _op.dispatch; see _key
 
