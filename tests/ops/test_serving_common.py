@@ -128,6 +128,42 @@ def test_compiled_calls_write_the_callers_tensors():
     torch.testing.assert_close(got[1], want[1])
 
 
+def _bad_compiled_calls():
+    cache = rope_cache(8, 16)
+    buf = torch.randn(4, 32)
+
+    def fused(x, r):
+        return lambda: polykernel.fused_add_rms_norm_(x, r, torch.ones(16))
+
+    def rope(positions):
+        return lambda: polykernel.rotary_embedding_(positions, torch.randn(2, 32), None, 16, cache)
+
+    return [  # (label, bad call, a valid call of the same argument class or None, the argument named)
+        ("odd last dim", lambda: polykernel.silu_and_mul(torch.randn(4, 15)), None, "x"),
+        ("bad approximate", lambda: polykernel.gelu_and_mul(torch.randn(4, 16), approximate="erf"), None, "approximate"),
+        ("fp16 scale", lambda: polykernel.static_quant_fp8(torch.randn(2, 8), torch.ones(1, dtype=torch.float16)), None, "scale"),
+        # memory and data, which the trace's fake tensors lack: the custom op's real impl checks
+        # them on every call, also for a class already decided
+        ("residual inside x", fused(buf[:, :16], buf[:, 8:24]), fused(torch.randn(4, 16), torch.randn(4, 16)), "residual"),
+        ("position past the cache", rope(torch.tensor([0, 9])), rope(torch.tensor([0, 7])), "positions"),
+    ]
+
+
+@pytest.mark.parametrize("case", _bad_compiled_calls(), ids=lambda c: c[0])
+def test_bad_calls_under_fullgraph_compile_raise_the_eager_error(case):
+    from polykernel.errors import OpArgumentError
+
+    _, call, valid, arg = case
+    with pytest.raises(OpArgumentError) as eager:
+        call()
+    torch._dynamo.reset()
+    if valid is not None:  # the class decided (memoized) first, by a valid compiled call
+        torch.compile(valid, fullgraph=True, backend="eager")()
+    with pytest.raises(OpArgumentError) as compiled:
+        torch.compile(call, fullgraph=True, backend="eager")()
+    assert (compiled.value.op, compiled.value.arg) == (eager.value.op, arg)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_every_serving_op_replays_in_a_cuda_graph():

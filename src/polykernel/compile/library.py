@@ -536,8 +536,15 @@ class CompiledOp:
         op_id, full, key_names = self.op_id, self._full, self.key_names
 
         def real(*args: Any, impl: str | None = None) -> None:
+            # Every call validated on the real tensors: such ops check memory (overlaps) and data
+            # (positions) that the trace's fake tensors do not have, and a call that failed the
+            # trace's checks raises here (see `call`).
+            op = _current(op_id)
+            args = full(args)
+            if op.validate is not None:
+                op.validate(*args)
             with torch.no_grad():
-                _select_and_run(_current(op_id), impl, full(args), key_names)
+                _select_and_run(op, impl, args, key_names)
 
         def fake(*args: Any, impl: str | None = None) -> None:
             return None
@@ -549,12 +556,17 @@ class CompiledOp:
         single = len(written) == 1
 
         def call(impl: Any, *args: Any) -> Any:
-            # Traced by Dynamo, like the functional ops' call (validation at trace time).
+            # Traced by Dynamo, like the functional ops' call: a call that fails validation at
+            # trace time is traced as the custom op, whose real impl raises the OpArgumentError.
+            valid = True
             if validate is not None:
-                validate(*args)
+                try:
+                    validate(*args)
+                except OpArgumentError:
+                    valid = False
             if impl is not None and not isinstance(impl, str):  # a list or a KernelBackend
                 impl = _impl_str(impl)
-            if decompose and impl is None:  # the reference writes the destinations with torch ops
+            if decompose and impl is None and valid:  # the reference writes the destinations with torch ops
                 return reference(*args)
             fwd(*args, impl=impl)
             args = full(args)

@@ -82,7 +82,8 @@ def fused_add_rms_norm_(
     >>> y is x and r2 is r and torch.equal(r, s)
     True
     """
-    validate(x, residual, weight, eps, offset)  # every call, before anything is written
+    if not serving.compiling():  # every call, before anything is written (compiled: the custom op checks)
+        validate(x, residual, weight, eps, offset)
     return _op.call(impl, (x.device, x.dtype, False, x.shape[-1], weight.dtype, eps, offset), x, residual, weight, eps, offset)
 
 
