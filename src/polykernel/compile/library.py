@@ -50,6 +50,13 @@ gradients themselves, for a unit grad_output (the op's ``saved_grads``: the fuse
 cross-entropy's "mean"/"sum"), the autograd formula multiplies them in the graph instead of
 calling the backward custom op, so that Inductor scales them in their own buffers.
 
+**Ops that write into given tensors** (``Op.writes``: the serving ops' ``out=``, in-place
+arguments, fp8 outputs) get one custom op instead, ``polykernel::silu_and_mul(Tensor x,
+Tensor(a!)? out=None, *, str? impl=None) -> ()``: the written arguments are marked mutable, the
+real impl dispatches under ``no_grad`` (the impl writes the destinations), the fake impl writes
+nothing, and the compiled call returns the destinations as the eager call does. No autograd, no
+training ops: those ops are inference only.
+
 **Per-op choice** (the op's ``compile_mode``, measured; ``POLYKERNEL_COMPILE_<OP>=ours|decompose``):
 ops where Inductor's own code is as fast as ours (swiglu, geglu, rope, fused_add_rms_norm)
 *decompose*: without ``impl=``, Dynamo traces the op's torch reference, so Inductor fuses it
@@ -427,6 +434,16 @@ def _reference_outputs(op: Op, args: Sequence[Any]) -> tuple[Any, ...]:
         return _as_tuple(op.reference(*args))
 
 
+def _compile_mode(op: Op, name: str) -> str:
+    """``POLYKERNEL_COMPILE_<NAME>`` if set, else the op's ``compile_mode``; either must be a mode."""
+    env = f"POLYKERNEL_COMPILE_{name.upper()}"
+    mode = os.environ.get(env) or op.compile_mode
+    if mode not in MODES:
+        where = env if os.environ.get(env) else f"{op.id}: compile_mode"
+        raise ValueError(f"{where}: {mode!r} is not 'ours' or 'decompose'")
+    return mode
+
+
 class CompiledOp:
     """The custom ops of one :class:`Op`: ``forward`` and ``backward`` (``OpOverload`` s)."""
 
@@ -444,6 +461,10 @@ class CompiledOp:
         # Python kernel; the kernels put them back from here.
         self.defaults = tuple(p.value for p in params)
         self.key_names = _key_names(op, [p.name for p in params])
+        self.writes = tuple(getattr(op, "writes", ()))
+        if self.writes:  # an op that writes into given tensors: one mutating custom op, no autograd
+            self._init_writing(op, params)
+            return
         self.forward_schema = _schema(params, returns, with_defaults=True)
         self.backward_schema = _schema(
             params, ["Tensor[]"], with_defaults=False, prefix="Tensor?[] grad_outputs", suffix="bool[] grad_mask"
@@ -461,12 +482,7 @@ class CompiledOp:
         self.backward = self._define_backward()
         self.train_backward = self._define_train_backward()
         self.train = self._define_train()
-        env = f"POLYKERNEL_COMPILE_{name.upper()}"
-        mode = os.environ.get(env) or op.compile_mode
-        if mode not in MODES:
-            where = env if os.environ.get(env) else f"{op.id}: compile_mode"
-            raise ValueError(f"{where}: {mode!r} is not 'ours' or 'decompose'")
-        self.mode = mode
+        self.mode = mode = _compile_mode(op, name)
         fwd, train, validate, reference = self.forward, self.train, getattr(op, "validate", None), op.reference
         decompose, single, op_id, n_out, full = mode == "decompose", self.single, op.id, len(returns), self._full
 
@@ -513,6 +529,67 @@ class CompiledOp:
 
     def __repr__(self) -> str:
         return f"CompiledOp({self.qualname}{self.forward_schema})"
+
+    # -- ops that write into given tensors (Op.writes: the serving ops) -------------------------
+    def _init_writing(self, op: Op, params: Sequence[_Param]) -> None:
+        """``polykernel::<name>(..., Tensor(a!) out, ...) -> ()``: the real impl dispatches (the
+        impl writes its results into the destinations), the fake impl writes nothing, and the
+        compiled call returns the destinations, in the order of ``Op.writes``, as the eager call
+        does. Functionalization sees the mutation, so Inductor keeps it (auto_functionalized,
+        re-inplaced where it can). Inference only: no backward or training custom ops."""
+        names = [p.name for p in params]
+        written = tuple(names.index(w) for w in self.writes)  # in the order of Op.writes
+        marked = list(params)
+        for k, i in enumerate(sorted(written)):
+            p = params[i]
+            if p.type not in ("Tensor", "Tensor?"):
+                raise TypeError(f"polykernel: {op.id}: written parameter {p.name!r} must be a tensor (it is {p.type})")
+            marked[i] = p._replace(type=f"Tensor({chr(ord('a') + k)}!){'?' if p.type.endswith('?') else ''}")
+        self.forward_schema = _schema(marked, ["()"], with_defaults=True)
+        self.backward_schema = self.train_schema = self.train_backward_schema = None
+        self.saved_kinds, self.uses_split = (), False
+        self.backward = self.train = self.train_backward = None
+        self.mode = mode = _compile_mode(op, self.name)
+        op_id, full, key_names = self.op_id, self._full, self.key_names
+
+        def real(*args: Any, impl: str | None = None) -> None:
+            # Every call validated on the real tensors: such ops check memory (overlaps) and data
+            # (positions) that the trace's fake tensors do not have, and a call that failed the
+            # trace's checks raises here (see `call`).
+            op = _current(op_id)
+            args = full(args)
+            if op.validate is not None:
+                op.validate(*args)
+            with torch.no_grad():
+                _select_and_run(op, impl, args, key_names)
+
+        def fake(*args: Any, impl: str | None = None) -> None:
+            return None
+
+        custom = torch.library.custom_op(self.qualname, real, mutates_args=self.writes, schema=self.forward_schema)
+        custom.register_fake(fake)
+        self.forward = custom._opoverload
+        fwd, validate, reference, decompose = self.forward, getattr(op, "validate", None), op.reference, mode == "decompose"
+        single = len(written) == 1
+
+        def call(impl: Any, *args: Any) -> Any:
+            # Traced by Dynamo, like the functional ops' call: a call that fails validation at
+            # trace time is traced as the custom op, whose real impl raises the OpArgumentError.
+            valid = True
+            if validate is not None:
+                try:
+                    validate(*args)
+                except OpArgumentError:
+                    valid = False
+            if impl is not None and not isinstance(impl, str):  # a list or a KernelBackend
+                impl = _impl_str(impl)
+            if decompose and impl is None and valid:  # the reference writes the destinations with torch ops
+                return reference(*args)
+            fwd(*args, impl=impl)
+            args = full(args)
+            return args[written[0]] if single else tuple(args[i] for i in written)
+
+        self.call = call
 
     # -- forward -------------------------------------------------------------------------------
     def _full(self, args: tuple[Any, ...]) -> tuple[Any, ...]:

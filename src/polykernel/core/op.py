@@ -40,9 +40,25 @@ UNIT_ROUNDOFF: dict[torch.dtype, float] = {
     torch.float32: 2.0**-24,
     torch.bfloat16: 2.0**-8,
     torch.float16: 2.0**-11,
+    # fp8 e4m3 (the serving quantisation ops' output): 3 mantissa bits. Its values are computed
+    # in fp32 like bf16/fp16 ones (see compute_dtype: torch refuses to promote fp8 types).
+    torch.float8_e4m3fn: 2.0**-4,
 }
 # Half the smallest subnormal: the absolute floor of one rounding to the dtype.
-TINY: dict[torch.dtype, float] = {torch.float64: 2.0**-1075, torch.float32: 2.0**-150, torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25}
+TINY: dict[torch.dtype, float] = {
+    torch.float64: 2.0**-1075,
+    torch.float32: 2.0**-150,
+    torch.bfloat16: 2.0**-134,
+    torch.float16: 2.0**-25,
+    torch.float8_e4m3fn: 2.0**-10,  # smallest subnormal 2^-9
+}
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype an output of ``dtype`` is computed in: fp64 for fp64, else fp32 (the contract's
+    fp32 math). ``torch.promote_types(dtype, float32)`` for every dtype it accepts; it refuses fp8."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
 
 # A sum of n terms rounded in any order (sequential, pairwise, blocked, tree, split across
 # programs) is within about λ·√n·u of the exact sum, relative to the magnitude of what is summed,
@@ -102,7 +118,7 @@ class ErrorModel:
         to nearest (Triton's CPU interpreter does this for bf16): one ulp instead of half."""
         u_d = UNIT_ROUNDOFF[dtype] * rounding
         u_i = UNIT_ROUNDOFF[self.inter or dtype] * rounding
-        u_c = UNIT_ROUNDOFF[torch.promote_types(dtype, torch.float32)]
+        u_c = UNIT_ROUNDOFF[compute_dtype(dtype)]
         growth = SUM_LAMBDA * max(self.n, 1) ** 0.5
         rel = self.rounds * u_d + (self.ops + growth * self.sum_rel) * u_c
         abs_ = self.rounds_abs * u_i + (self.cancel + growth * self.sum_abs) * u_c
@@ -419,7 +435,13 @@ class Op:
       the finished gradients for some calls, else None;
     - ``dtensor_layout``: a :class:`polykernel.distributed.layout.Layout` saying how DTensor
       arguments may be placed to run on their local shards, or None (DTensor's own rules on the
-      torch impl).
+      torch impl);
+    - ``writes``: the names of the reference's parameters that the op writes into (its
+      destinations: the serving ops' ``out`` and in-place arguments, always tensors when the
+      impls run). The reference and every impl write their results into those tensors and return
+      them, in the order of ``writes``; such an op is inference only (no autograd). A compiled
+      call runs one mutating custom op (:mod:`polykernel.compile.library`), and first-use
+      verification gives each side its own copies of the arguments (:mod:`polykernel.core.verify`).
     """
 
     def __init__(
@@ -443,6 +465,7 @@ class Op:
         saved: Sequence[str] | None = None,
         saved_grads: Any = None,
         dtensor_layout: Any = None,
+        writes: Sequence[str] = (),
     ) -> None:
         if tuple(fields[:3]) != ("device", "dtype", "needs_grad"):
             raise ValueError("Op fields must start with device, dtype, needs_grad")
@@ -465,6 +488,10 @@ class Op:
         self.saved = None if saved is None else tuple(saved)
         self.saved_grads = saved_grads
         self.dtensor_layout = dtensor_layout
+        self.writes = tuple(writes)
+        unknown = set(self.writes) - set(inspect.signature(reference).parameters)
+        if unknown:
+            raise ValueError(f"{id}: writes names {sorted(unknown)}, which are not parameters of its reference")
         if self.guard is not None:  # the slow path's views of a call: the guarded tensors, the options
             self._guarded = _picker(hit_guard.tensor_positions(self.guard))
             option_positions = tuple(i for i, kind in enumerate(self.guard) if kind is None)

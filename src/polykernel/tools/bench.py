@@ -12,10 +12,11 @@ gets it, with the impl it chose in ``chosen``; then one row per registered impl 
 ``impl=`` (``polykernel:triton``, ``polykernel:torch``, the peers' ``polykernel:liger`` ...), the op's
 reference in plain PyTorch (``eager reference``) and ``torch.compile`` of that reference.
 
-Timing (:mod:`polykernel.timing`): ``triton.testing.do_bench`` medians (it flushes L2 between runs). Forward times one call;
-"fwd+bwd" times a forward plus ``torch.autograd.grad`` of every output with a fixed random
-cotangent. GB/s counts the fewest bytes the op must move (each op file's ``bytes_moved``: state
-the formula there); the fused linear cross-entropy reports TFLOP/s from 2·N·H·V (forward) and
+Timing (:mod:`polykernel.timing`): ``triton.testing.do_bench`` medians (it flushes L2 between runs). Forward times one call
+(the serving ops, inference only, have no other row; the in-place ones rewrite their inputs on
+every call, as an engine does); "fwd+bwd" times a forward plus ``torch.autograd.grad`` of every
+output with a fixed random cotangent. GB/s counts the fewest bytes the op must move (each op
+file's ``bytes_moved``: state the formula there); the fused linear cross-entropy reports TFLOP/s from 2·N·H·V (forward) and
 6·N·H·V (forward+backward). "% copy" is against a 2 GiB device-to-device copy measured at the
 start of the same run (bytes read + written). Peak extra memory is reported for every row.
 "host µs" (per-call mode) is the CPU time to issue one step while the GPU is kept busy
@@ -63,6 +64,14 @@ SHAPES: dict[str, list[tuple[str, tuple[int, ...]]]] = {
     "rope": [("q4x32x4096x128,k8", (4, 32, 4096, 128))],
     "cross_entropy": [("8192x128256", (8192, 128256))],
     "fused_linear_cross_entropy": [("N8192,H4096,V128256", (8192, 4096, 128256))],
+    # serving layouts (forward only): prefill (8192 tokens) first, the sweep's base, then decode (64)
+    "silu_and_mul": [("8192x28672", (8192, 28672)), ("64x28672", (64, 28672))],
+    "gelu_and_mul": [("8192x28672", (8192, 28672)), ("64x28672", (64, 28672))],
+    "fused_add_rms_norm_": [("8192x4096", (8192, 4096)), ("64x4096", (64, 4096))],
+    "rotary_embedding_": [("T8192,q32x128,k8", (8192, 4096)), ("T64,q32x128,k8", (64, 4096))],
+    "dynamic_quant_fp8": [("8192x4096", (8192, 4096)), ("64x4096", (64, 4096))],
+    "static_quant_fp8": [("8192x4096", (8192, 4096)), ("64x4096", (64, 4096))],
+    "rms_norm_quant_fp8": [("8192x4096", (8192, 4096)), ("64x4096", (64, 4096))],
 }
 
 # op -> (index of the dimension a sweep scales, how many smaller sizes): the README shape, then
@@ -93,6 +102,9 @@ def _label(op_name: str, shape: tuple[int, ...]) -> str:
     if op_name == "fused_linear_cross_entropy":
         n, h, v = shape
         return f"N{n},H{h},V{v}"
+    if op_name == "rotary_embedding_":  # [T, Hq·128] queries, Hq/4 key heads (ops/rotary_embedding_.py's example)
+        t, width = shape
+        return f"T{t},q{width // 128}x128,k{max(1, width // 512)}"
     return "x".join(map(str, shape))
 
 
@@ -240,8 +252,9 @@ def run(
             if use_compile:  # one per op and row length: sizes along the leading dim share it
                 fn = compiled.setdefault((op.name, shape[-1]), torch.compile(op.reference))
             timing = {"warmup": 25, "rep": 100} if (op.name, shape) in readme else {"warmup": 10, "rep": 40}
+            modes = (False,) if op.writes else (False, True)  # the serving ops (Op.writes) have no backward
             for who, call in _contenders(op, args, kwargs, dtype, fn, device).items():
-                for backward in (False, True):
+                for backward in modes:
                     t0 = time.time()
                     if who == "polykernel":
                         polykernel.clear_caches()  # so decisions() holds this row's choice only
