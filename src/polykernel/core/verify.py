@@ -38,6 +38,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ImplVerificationError, shown
+from .errormodel import compute_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -336,8 +337,6 @@ def _compare(fail: Callable[..., ImplVerificationError], what: str, o: Any, r: t
         if not torch.equal(o, r):
             raise fail(what, f"{int((o != r).sum())} of {r.numel()} values differ (exact dtype)")
         return
-    from .op import compute_dtype  # (op imports this module through selection: not at the top)
-
     acc = compute_dtype(r.dtype)  # |o - r| of two close values: exact enough
     n = r.shape[-1] if r.dim() and r.shape[-1] else 1
     o2, r2 = o.detach().reshape(-1, n), r.detach().reshape(-1, n)
