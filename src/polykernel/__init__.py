@@ -54,6 +54,8 @@ _LAZY: dict[str, str] = {
     "rope": "ops.rope:rope",
     "cross_entropy": "ops.cross_entropy:cross_entropy",
     "fused_linear_cross_entropy": "ops.fused_linear_cross_entropy:fused_linear_cross_entropy",
+    "moe_experts": "ops.moe_experts:moe_experts",
+    "moe_router": "ops.moe_router:moe_router",
 }
 _SUBMODULES = (
     "spec",

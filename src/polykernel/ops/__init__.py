@@ -24,4 +24,6 @@ OP_MODULES: dict[str, str] = {
     "embedding.rope": "polykernel.ops.rope",
     "loss.cross_entropy": "polykernel.ops.cross_entropy",
     "loss.fused_linear_cross_entropy": "polykernel.ops.fused_linear_cross_entropy",
+    "moe.moe_experts": "polykernel.ops.moe_experts",
+    "moe.moe_router": "polykernel.ops.moe_router",
 }

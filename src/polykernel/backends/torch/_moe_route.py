@@ -1,0 +1,39 @@
+"""The expert sort that the MoE impls share: token-expert pairs grouped by expert, once per call.
+
+``top_k_index [T, k]`` flattened is ``S = T·k`` pairs; pair ``p`` is token ``p // k``'s ``p % k``-th
+choice. :func:`sort_by_expert` returns the pairs' order sorted by expert (stable: within an
+expert, pairs keep their token order, so every run sums in the same order) and the offsets of
+each expert's group in it, without a host sync (no ``bincount``, whose output size is
+data-dependent): ``offsets[e] = #pairs with index < e``, by a binary search of the sorted ids.
+
+An index outside ``[0, E)`` never reaches a kernel unnoticed. On the CPU the public function has
+already rejected it (``polykernel.moe_experts`` reads the values). On other devices reading them
+would cost a host sync per call, so the check is on the device: ``offsets[0]`` counts the pairs
+below 0 and ``S - offsets[E]`` those at or above E, and ``torch._assert_async`` fails the
+stream (a device-side assert, raised at the next synchronization) unless both are 0. The
+kernels only visit pairs inside ``[offsets[0], offsets[E])``, so even then nothing is read out
+of bounds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sort_by_expert(top_k_index: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(perm, offsets)``: ``perm [S]`` (int64) lists the pairs by expert, ``offsets [E + 1]``
+    (int64) bounds each expert's group in it (``perm[offsets[e]:offsets[e + 1]]``)."""
+    flat = top_k_index.reshape(-1)
+    expert, perm = torch.sort(flat, stable=True)
+    bounds = torch.arange(n_experts + 1, device=flat.device, dtype=flat.dtype)
+    offsets = torch.searchsorted(expert, bounds)
+    if flat.device.type != "cpu" and flat.numel():
+        outside = offsets[0] + (flat.numel() - offsets[n_experts])
+        torch._assert_async(outside == 0, "polykernel.moe_experts: an expert index in 'top_k_index' is outside [0, E)")
+    return perm, offsets
+
+
+def inverse(perm: torch.Tensor) -> torch.Tensor:
+    """The inverse permutation: ``inverse(perm)[perm[i]] == i``."""
+    inv = torch.empty_like(perm)
+    return inv.scatter_(0, perm, torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype))
