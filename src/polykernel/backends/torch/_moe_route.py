@@ -20,14 +20,15 @@ from __future__ import annotations
 import torch
 
 
-def sort_by_expert(top_k_index: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_by_expert(top_k_index: torch.Tensor, n_experts: int, *, device_check: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(perm, offsets)``: ``perm [S]`` (int64) lists the pairs by expert, ``offsets [E + 1]``
-    (int64) bounds each expert's group in it (``perm[offsets[e]:offsets[e + 1]]``)."""
+    (int64) bounds each expert's group in it (``perm[offsets[e]:offsets[e + 1]]``).
+    ``device_check``: the range check on the device (default: off the CPU only)."""
     flat = top_k_index.reshape(-1)
     expert, perm = torch.sort(flat, stable=True)
     bounds = torch.arange(n_experts + 1, device=flat.device, dtype=flat.dtype)
     offsets = torch.searchsorted(expert, bounds)
-    if flat.device.type != "cpu" and flat.numel():
+    if (flat.device.type != "cpu" if device_check is None else device_check) and flat.numel():
         outside = offsets[0] + (flat.numel() - offsets[n_experts])
         torch._assert_async(outside == 0, "polykernel.moe_experts: an expert index in 'top_k_index' is outside [0, E)")
     return perm, offsets

@@ -17,7 +17,6 @@ sum: no atomics), one rounding at the end. autograd differentiates it all.
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import torch
@@ -29,17 +28,29 @@ from . import _moe_route as route
 _transforms_active = torch._C._are_functorch_transforms_active
 
 
-@functools.cache
+_probed: dict[tuple[torch.device, torch.dtype], str | None] = {}
+
+
 def _probe(device: torch.device, dtype: torch.dtype) -> str | None:
-    """None when ``torch._grouped_mm`` runs forward and backward here, else why not."""
-    try:
-        x = torch.randn(8, 16, device=device, dtype=dtype, requires_grad=True)
-        w = torch.randn(2, 16, 8, device=device, dtype=dtype, requires_grad=True)
-        y = torch._grouped_mm(x, w, offs=torch.tensor([3, 8], device=device, dtype=torch.int32))
-        torch.autograd.grad(y, (x, w), torch.randn_like(y))
-    except Exception as exc:  # no kernel for this device or dtype (CPU before torch 2.9, fp16 ...)
-        return f"torch._grouped_mm failed its probe on {device.type} {dtype}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-    return None
+    """None when ``torch._grouped_mm`` runs forward and backward here, else why not (once per
+    device and dtype)."""
+    key = (device, dtype)
+    if key not in _probed:
+        try:
+            x = torch.randn(8, 16, device=device, dtype=dtype, requires_grad=True)
+            w = torch.randn(2, 16, 8, device=device, dtype=dtype, requires_grad=True)
+            y = torch._grouped_mm(x, w, offs=torch.tensor([3, 8], device=device, dtype=torch.int32))
+            torch.autograd.grad(y, (x, w), torch.randn_like(y))
+            _probed[key] = None
+        except Exception as exc:  # no kernel for this device or dtype (CPU before torch 2.9, fp16 ...)
+            first = str(exc).splitlines()[0][:120] if str(exc) else ""
+            _probed[key] = f"torch._grouped_mm failed its probe on {device.type} {dtype}: {type(exc).__name__}: {first}"
+    return _probed[key]
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on ``t``'s device (no host sync possible)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def grouped_mm_refusal(hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> str | None:
@@ -55,7 +66,7 @@ def grouped_mm_refusal(hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_pr
         return "torch._grouped_mm needs H and I to be multiples of 16 bytes (its strides)"
     if not (gate_up_proj.is_contiguous() and down_proj.is_contiguous()) or (gate_up_proj.data_ptr() | down_proj.data_ptr()) % 16:
         return "torch._grouped_mm needs contiguous, 16-byte aligned projections"
-    if hidden.is_cuda and torch.cuda.is_current_stream_capturing() and not _probe.cache_info().currsize:
+    if capturing(hidden) and (hidden.device, hidden.dtype) not in _probed:
         return "not probed yet, and no probe may run during CUDA-graph capture"
     return _probe(hidden.device, hidden.dtype)
 
@@ -82,8 +93,7 @@ def moe_experts(
 ) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.moe_experts``)."""
     refusal = grouped_mm_refusal(hidden, gate_up_proj, down_proj)
-    capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
-    if _transforms_active() or (refusal is not None and capturing):  # functorch, or no host sync possible
+    if _transforms_active() or (refusal is not None and capturing(hidden)):  # functorch, or no host sync possible
         return reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
     gemm = _grouped if refusal is None else _looped
     t, h = hidden.shape
