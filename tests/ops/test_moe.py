@@ -441,3 +441,106 @@ def test_flops_and_bytes():
     fwd = op.bytes_moved(hidden, index, weights, gate_up, down)
     assert fwd == 2 * 4 * 8 * 4 + (3 * 12 * 8 + 3 * 8 * 6) * 4
     assert router_op.bytes_moved(torch.randn(4, 8), 2) == 4 * (8 * 4 + 2 * (4 + 8))
+
+
+# ---------------------------------------------------------------------------------------------
+# the hot path's guard: every tensor's whole shape is pinned, the class holds the rest
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def _guard_variants(name):
+    def f(*shape, grad=False, dtype=torch.float32):
+        return torch.randn(shape, dtype=dtype).requires_grad_(grad)
+
+    if name == "moe_router":
+        base = (f(4, 8), 2, True)
+        return base, [
+            ("same again", base),
+            ("more tokens", (f(6, 8), 2, True)),
+            ("3-d", (f(2, 3, 8), 2, True)),
+            ("k = 3", (base[0], 3, True)),
+            ("k = 9", (base[0], 9, True)),
+            ("raw", (base[0], 2, False)),
+            ("E = 16", (f(4, 16), 2, True)),
+            ("bf16", (f(4, 8, dtype=torch.bfloat16), 2, True)),
+            ("requires grad", (f(4, 8, grad=True), 2, True)),
+            ("a subclass", (base[0].as_subclass(_Sub), 2, True)),
+        ]
+    x, index, w, gu, d = _good()
+    base = (x, index, w, gu, d, "silu")
+
+    def with_(**kw):
+        names = ("hidden", "index", "weights", "gate_up", "down", "activation")
+        return tuple(kw.get(n, a) for n, a in zip(names, base))
+
+    six = torch.tensor([[0, 1], [2, 0], [1, 1], [2, 2], [0, 2], [1, 0]])
+    return base, [
+        ("same again", base),
+        ("more tokens", with_(hidden=f(6, 8), index=six, weights=torch.rand(6, 2))),
+        ("int32 index", with_(index=index.int())),
+        ("fp64 weights", with_(weights=w.double())),
+        ("weights T = 5", with_(weights=torch.rand(5, 2))),
+        ("hidden T = 5", with_(hidden=f(5, 8))),
+        ("k = 1", with_(index=index[:, :1].contiguous(), weights=torch.rand(4, 1))),
+        ("hidden requires grad", with_(hidden=f(4, 8, grad=True))),
+        ("down requires grad", with_(down=d.clone().requires_grad_())),
+        ("gelu", with_(activation="gelu")),
+        ("bad activation", with_(activation="relu")),
+        ("E = 4", with_(gate_up=f(4, 12, 8), down=f(4, 8, 6))),
+        ("I = 7", with_(gate_up=f(3, 14, 8), down=f(3, 8, 7))),
+        ("down I = 7 only", with_(down=f(3, 8, 7))),
+        ("H = 9 for hidden only", with_(hidden=f(4, 9))),
+        ("bf16", with_(hidden=x.bfloat16(), weights=w.bfloat16(), gate_up=gu.bfloat16(), down=d.bfloat16())),
+        ("gate_up bf16 only", with_(gate_up=gu.bfloat16())),
+        ("a subclass", with_(down=d.as_subclass(_Sub))),
+    ]
+
+
+@pytest.mark.parametrize("name", ["moe_experts", "moe_router"])
+def test_the_guard_never_reuses_a_decision_for_another_class(name):
+    from polykernel.core import memo_key, registry
+    from polykernel.core import selection as dispatch
+
+    the_op = registry.get_op(name)
+    base, variants = _guard_variants(name)
+    base_key = memo_key.key(the_op.key(*base), None, (), False)
+    for label, args in variants:
+        polykernel.clear_caches()
+        the_op.dispatch(None, *base)
+        the_op.dispatch(None, *base)
+        assert the_op._fast, "the base call installed a guard"
+        try:
+            expected = memo_key.key(the_op.key(*args), None, dispatch.SCOPE.get(), False)
+        except Exception:
+            expected = None
+        try:
+            the_op.dispatch(None, *args)
+        except (OpArgumentError, OpTypeError):
+            with pytest.raises((OpArgumentError, OpTypeError)):  # validation rejects it as well
+                the_op.validate(*args)
+            continue
+        assert {k._replace(subclass=None) for k in the_op._memo} == {base_key, expected}, label
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_torch_func_grad_and_vmap(impl):
+    # functorch transforms hand the call to the reference's torch ops (the kernels cannot read
+    # the transforms' wrapped tensors), with no runtime fault recorded
+    _need(impl)
+    import warnings
+
+    from torch.func import grad, vmap
+
+    hidden, index, weights, gate_up, down = (a.detach() for a in _case("13x24x40-E5-k2").args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        g = grad(lambda w: polykernel.moe_experts(hidden, index, w, gate_up, down, impl=impl).pow(2).sum())(weights)
+        batch = torch.stack([hidden, 2 * hidden])
+        ys = vmap(lambda x: polykernel.moe_experts(x, index, weights, gate_up, down, impl=impl))(batch)
+    w2 = weights.clone().requires_grad_()
+    (want,) = torch.autograd.grad(op.reference(hidden, index, w2, gate_up, down).pow(2).sum(), (w2,))
+    torch.testing.assert_close(g, want)
+    torch.testing.assert_close(ys[1], op.reference(2 * hidden, index, weights, gate_up, down))

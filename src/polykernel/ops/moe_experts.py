@@ -362,8 +362,9 @@ def _projections(n_experts: int, h: int, inter: int, device: torch.device | str,
 
 
 def example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, requires_grad: bool = False) -> Case:
-    """``shape`` = (T, H, I, E, k): random tokens, a softmax top-k routing, random experts."""
-    t, h, inter, n_experts, k = shape
+    """``shape`` = (T, H, I, E, k), trailing sizes optional (I = H, E = 4, k = 2): random tokens,
+    a softmax top-k routing, random experts."""
+    t, h, inter, n_experts, k = (*shape, *(shape[1], 4, 2)[len(shape) - 2 :])
     hidden = torch.randn(t, h, device=device).to(dtype)
     index, weights = _routing(t, k, n_experts, device, dtype)
     gate_up, down = _projections(n_experts, h, inter, device, dtype)

@@ -89,8 +89,9 @@ def error_model(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> B
 
 
 def example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, requires_grad: bool = False) -> Case:
-    """``shape`` = (T, E, k): router logits [T, E] (~unit variance), top-k of them."""
-    t, e, k = shape
+    """``shape`` = (T, E, k), k optional (2, or E if smaller): router logits [T, E] (~unit
+    variance), the top k of them."""
+    t, e, k = (*shape, min(2, shape[1]))[:3]
     logits = torch.randn(t, e, device=device).to(dtype).requires_grad_(requires_grad)
     return Case(f"T{t},E{e},k{k}", (logits, k))
 

@@ -8,7 +8,8 @@ The GEMMs over the sorted pairs run one of two ways, chosen per call:
   raised);
 - else one ``F.linear`` per non-empty expert, which reads the group offsets on the host (one sync
   per call). Under CUDA-graph capture, where a sync is impossible, the call runs the reference
-  (every expert on all tokens, masked: E/k times the work, but graph-safe).
+  (every expert on all tokens, masked: E/k times the work, but graph-safe), as it does for meta
+  tensors and under functorch transforms.
 
 Then ``act(gate)·up`` in fp32 (rounded to the dtype for the down GEMM), the down GEMM, the
 routing weights and the sum over each token's k pairs in fp32 (a gather back to token order and a
@@ -92,9 +93,12 @@ def moe_experts(
     activation: str,
 ) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.moe_experts``)."""
+    args = (hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
+    if _transforms_active() or hidden.is_meta:  # functorch transforms; meta tensors have no values to sort
+        return reference(*args)
     refusal = grouped_mm_refusal(hidden, gate_up_proj, down_proj)
-    if _transforms_active() or (refusal is not None and capturing(hidden)):  # functorch, or no host sync possible
-        return reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
+    if refusal is not None and capturing(hidden):  # the loop's host sync is impossible
+        return reference(*args)
     gemm = _grouped if refusal is None else _looped
     t, h = hidden.shape
     k = top_k_index.shape[1]
