@@ -5,7 +5,9 @@ activations and fp32 routing weights with 16-bit hidden states). It takes an int
 its tile count on the host (one sync per call: not CUDA-graph safe), rounds the pre-activations
 and each expert's output to the dtype, and sums the routing weights' gradient with atomics (not
 deterministic). Without token-expert pairs its kernels would launch empty grids: the torch impl
-takes those calls.
+takes those calls. Liger does not check the index range; the adapter asserts it on the device,
+as the sort of the other impls does (an index outside [0, E) would index its buffers out of
+bounds).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
 
+from ..torch import _moe_route as route
 from ..torch.moe_experts import moe_experts as _torch_moe_experts
 
 
@@ -26,4 +29,5 @@ def moe_experts(
 ) -> torch.Tensor:
     if top_k_index.numel() == 0:
         return _torch_moe_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
+    route.assert_in_range(top_k_index, gate_up_proj.shape[0])
     return LigerFusedMoEFunction.apply(hidden, gate_up_proj, down_proj, top_k_index.to(torch.int32), top_k_weights)

@@ -38,3 +38,10 @@ def inverse(perm: torch.Tensor) -> torch.Tensor:
     """The inverse permutation: ``inverse(perm)[perm[i]] == i``."""
     inv = torch.empty_like(perm)
     return inv.scatter_(0, perm, torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype))
+
+
+def assert_in_range(top_k_index: torch.Tensor, n_experts: int) -> None:
+    """The same device-side check without the sort (for impls that route on their own)."""
+    if top_k_index.device.type != "cpu" and top_k_index.numel():
+        lo, hi = torch.aminmax(top_k_index)
+        torch._assert_async((lo >= 0) & (hi < n_experts), "polykernel.moe_experts: an expert index in 'top_k_index' is outside [0, E)")
