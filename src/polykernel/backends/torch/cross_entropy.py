@@ -123,7 +123,8 @@ def scale_grads_(g: torch.Tensor, *grads: torch.Tensor | None) -> None:
     Outside CUDA-graph capture ``g`` is read on the host (one sync, which skipping the multiply
     for ``g == 1`` needs anyway) and applied as a Python number: a 0-d CUDA tensor operand makes
     TensorIterator broadcast it and take its non-vectorized path (the fused linear CE's 1 GiB bf16
-    grad_weight: 1.92 ms at 1.08 TB/s on the H200, ncu), a host scalar keeps the vectorized one.
+    grad_weight: a quarter of copy speed, benchmarks/results/h200-2026-11-30-ncu/ncu_flce.md), a
+    host scalar keeps the vectorized one.
     ``g / k`` from gradient accumulation or a loss scaler is the usual case of ``g != 1``.
     """
     capturing = g.device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -228,10 +228,10 @@ def fused_linear_cross_entropy(
 # Forward and backward as separate functions, for compiled graphs (polykernel.compile.library). With
 # reduction "mean"/"sum" the forward computes the gradients for grad_output = 1, as the eager
 # path does, and saves them; the backward scales them. A compiled graph does that multiply itself,
-# in the saved buffers (library.SAVED_GRADS); this backward, out of place (a custom op's outputs
+# in the saved buffers (the op's saved_grads); this backward, out of place (a custom op's outputs
 # are fresh tensors), runs only where that does not apply (DTensors). With "none" nothing is
 # computed ahead and the backward walks the chunks again.
-# This driver's split defines the op's saved layout (library.SAVED), three fixed slots whatever
+# This driver's split defines the op's saved layout (the op's saved), three fixed slots whatever
 # grad_mask and reduction ask for, so that each slot has one placement under DTensor:
 #   0: grad_hidden, shaped like hidden (sharded like its rows);
 #   1: grad_weight [V, H] (a sum over the rows);

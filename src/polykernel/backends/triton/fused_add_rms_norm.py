@@ -171,7 +171,7 @@ TUNE = {
     "fwd_tile_elems": 4096,  # elements per program for short rows (ROWS = this // BLOCK_N)
     "fwd_warps": None,  # None: by tile size (see _tile)
     "bwd_tile_elems": 4096,
-    "bwd_warps": 16,  # fwd+bwd 16384x4096 bf16: 3.66 TB/s vs 3.44 by tile size (H200, kernel_variants.py, 2026-11-30)
+    "bwd_warps": 16,  # faster fwd+bwd at 16384x4096 than warps by tile size (benchmarks/results/h200-2026-11-30-kernel-variants/)
     "bwd_programs_per_sm": 2,  # persistent grid of the backward
 }
 

@@ -42,7 +42,7 @@ from ._rows import sm_count as _sm_count
 
 # Tiling (sm_90, checked by compiling for it: no register spills, 16-byte accesses; not yet timed).
 MAX_FUSED_N = 32768  # forward: one block per row up to here (a 32K fp32 row: 32 registers/thread at 32 warps)
-MAX_FUSED_N_BWD = 32768  # backward one block up to here: at 8192x32768 bf16 on the H200 it gave 3.50 TB/s fwd+bwd vs 2.84 chunked (benchmarks/kernels/sweep_norms.py), spills and all
+MAX_FUSED_N_BWD = 32768  # backward one block up to here: faster than chunked, spills and all (notes/PERF.md, 2026-11-29)
 CHUNK_N = 8192  # chunk of the online (long-row) paths, 16 warps: 2 programs per SM
 CHUNK_WARPS = 16
 TILE = 4096  # elements per program for short rows
