@@ -717,6 +717,79 @@ EXPECTED = {
             "Liger LigerFusedLinearCrossEntropyFunction (grads in the forward, fp32 dW accumulation); host sync per call",
         ),
     ],
+    # added with the declarative form (issue 24): the table as declared then
+    "moe.moe_experts": [
+        Row(
+            "torch",
+            "polykernel.backends.torch.moe_experts:moe_experts",
+            (),
+            (),
+            (),
+            True,
+            False,
+            "",
+            100,
+            True,
+            True,
+            True,
+            None,
+            None,
+            "sort by expert once; torch._grouped_mm where it runs (probed per device and dtype), else one matmul per non-empty expert (one host sync)",
+        ),
+        Row(
+            "triton",
+            "polykernel.backends.triton.moe_experts:moe_experts",
+            (CUDA,),
+            ("triton",),
+            ("float32", "bfloat16", "float16"),
+            True,
+            False,
+            "",
+            10,
+            True,
+            True,
+            False,
+            None,
+            None,
+            "sort by expert once; grouped GEMMs with act(g)·u and routing weight + scatter fused in their epilogues; dW per expert, no atomics",
+        ),
+        Row(
+            "liger",
+            "polykernel.backends.liger.moe_experts:moe_experts",
+            (CUDA,),
+            ("liger_kernel", "triton"),
+            ("bfloat16", "float16"),
+            True,
+            False,
+            "",
+            60,
+            False,
+            False,
+            False,
+            "polykernel.backends.liger._gates:moe_experts",
+            None,
+            "Liger LigerFusedMoEFunction (SwiGLU only; pre-activations and expert outputs rounded to the dtype); host sync per call",
+        ),
+    ],
+    "moe.moe_router": [
+        Row(
+            "torch",
+            "polykernel.backends.torch.moe_router:moe_router",
+            (),
+            (),
+            (),
+            True,
+            False,
+            "",
+            100,
+            True,
+            True,
+            True,
+            None,
+            None,
+            "softmax, a stable descending sort of the logits, gather (and renormalize) in fp32",
+        ),
+    ],
 }
 
 
@@ -807,6 +880,8 @@ FACTS = {
         {"hidden": 0, "weight": 1, "bias": 2},
         ("rows", ("loss",), (2, 4, 6)),
     ),
+    "moe.moe_experts": ("ours", None, None, ("rows", (0,), None)),
+    "moe.moe_router": ("decompose", None, None, None),  # no layout: DTensor's own rules
 }
 # the arguments that share the lead's shard dim (the rest are replicated), per row-wise op
 SAME = {
@@ -818,6 +893,7 @@ SAME = {
     "activation.geglu": {0, 1},
     "loss.cross_entropy": {0, 1},
     "loss.fused_linear_cross_entropy": {0, 2},
+    "moe.moe_experts": {0, 1, 2},
 }
 
 
@@ -828,13 +904,17 @@ def test_per_op_facts_equal_the_former_tables(op_id):
     from polykernel.core import registry
 
     op = registry.get_op(op_id)
-    mode, saved, grads, (lead, outputs, loss) = FACTS[op_id]
+    mode, saved, grads, declared = FACTS[op_id]
     assert (op.compile_mode, op.saved) == (mode, saved)
     assert (op.saved_grads and op.saved_grads.slots) == grads
     if grads is not None:
         assert op.saved_grads.when({"reduction": "mean"}) and op.saved_grads.when({"reduction": "sum"})
         assert not op.saved_grads.when({"reduction": "none"})
     layout = op.dtensor_layout
+    if declared is None:
+        assert layout is None
+        return
+    lead, outputs, loss = declared
     assert (layout.lead_dims, layout.outputs, layout.loss_args) == (lead, outputs, loss)
     if op_id == "embedding.rope":
         assert layout.why_not == "it is the head dim D, which the rotation mixes"

@@ -176,6 +176,18 @@ def test_the_device_side_range_check_catches_every_bad_index():
     _moe_route.sort_by_expert(torch.tensor([[0, 4], [4, 0]]), 5, device_check=True)
 
 
+def test_the_sort_rejects_a_bad_index_on_the_cpu_for_calls_past_the_public_check():
+    # a DTensor's local shards and a compiled graph's custom op reach the impls without the
+    # public function's per-call check: on the CPU the sort reads the sorted ids' ends
+    for bad, shown in ((torch.tensor([[0, 5]]), "5"), (torch.tensor([[-2, 2]]), "-2")):
+        with pytest.raises(OpArgumentError, match=f"'top_k_index': expert index {shown} is out of range"):
+            _moe_route.sort_by_expert(bad, 5)
+    args = _good()
+    args[1] = torch.tensor([[0, 3], [1, 2], [0, 1], [2, 0]])
+    with pytest.raises(OpArgumentError, match=r"moe\.moe_experts"):  # the impl itself, called past validation
+        torch_moe.moe_experts(*args, "silu")
+
+
 def test_sort_is_stable_and_offsets_bound_each_expert():
     index = torch.tensor([[2, 0], [2, 1], [0, 2], [4, 1]])
     perm, offsets = _moe_route.sort_by_expert(index, 6)

@@ -27,15 +27,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..backends.declare import impls
+from ..backends.liger import LIGER
 from ..backends.liger import _gates as liger_gates
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
 from ..core.hit_guard import SHAPE
 from ..core.op import SUM_LAMBDA, TINY, UNIT_ROUNDOFF, Bounds, Case, ErrorModel, Op
-from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
+from ..distributed.layout import ROWS, Layout, rows_with
 from . import _checks as check
 
 OP_ID = "moe.moe_experts"
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 INDEX_DTYPES = (torch.int64, torch.int32)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def activate(g: torch.Tensor, activation: str) -> torch.Tensor:
@@ -126,10 +131,11 @@ def validate(
         raise check.OpTypeError(OP_ID, "top_k_weights", f"expected hidden's dtype {hidden.dtype} or float32, got {top_k_weights.dtype}")
     check.same_device(OP_ID, "top_k_weights", top_k_weights, "hidden", hidden)
     check.choice(OP_ID, "activation", activation, ACTIVATIONS)
-    # Not while torch.compile traces (fake tensors have no values); the custom op's real impl
-    # validates through the eager path. Off the CPU the values would cost a host sync per call:
-    # the impls check them on the device instead (polykernel.backends.torch._moe_route).
-    if top_k_index.device.type == "cpu" and top_k_index.numel() and not torch.compiler.is_compiling():
+    # The values: on the CPU, for plain tensors (a DTensor's would need a collective: its local
+    # shards are checked where they are sorted), not while torch.compile traces (fake tensors
+    # have none). Off the CPU they would cost a host sync per call: the impls check them on the
+    # device instead (polykernel.backends.torch._moe_route).
+    if type(top_k_index) in _PLAIN and top_k_index.is_cpu and top_k_index.numel() and not torch.compiler.is_compiling():
         lo, hi = torch.aminmax(top_k_index)
         if int(lo) < 0 or int(hi) >= n_experts:
             bad = int(lo) if int(lo) < 0 else int(hi)
@@ -428,45 +434,30 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
-
-# Ranks are static until measured selection lands: no H200 figures for these impls yet (the
-# issue 24 tables are still to be measured), so the order is by construction: Triton's grouped
-# GEMMs, then Liger's, then the torch impl.
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.moe_experts:moe_experts",
+# Ranks are static until measured selection lands: no H200 figures for these impls yet (issue
+# 24's tables are still to be measured), so the order is by construction: our grouped GEMMs,
+# then Liger's, then the torch impl.
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(
         rank=100,
         description="sort by expert once; torch._grouped_mm where it runs (probed per device and dtype), else one matmul per non-empty expert (one host sync)",
     ),
-    KernelSpec(
-        OP_ID,
-        "triton",
-        "polykernel.backends.triton.moe_experts:moe_experts",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("triton",),
-        format_signature=_TRITON_DTYPES,
+    TRITON.impl(
         rank=10,
         description="sort by expert once; grouped GEMMs with act(g)·u and routing weight + scatter fused in their epilogues; dW per expert, no atomics",
     ),
     # Liger 0.8.5's LigerFusedMoEFunction: SwiGLU experts only; one host sync per call (its tile
     # count), and its routing-weight gradient is summed with atomics.
-    KernelSpec(
-        OP_ID,
-        "liger",
-        "polykernel.backends.liger.moe_experts:moe_experts",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("liger_kernel", "triton"),
-        format_signature=FormatSignature(supported_dtypes=("bfloat16", "float16")),
+    LIGER.impl(
         rank=60,
+        dtypes=("bfloat16", "float16"),
         deterministic=False,
-        cuda_graph_safe=False,
+        graph_safe=False,
         description="Liger LigerFusedMoEFunction (SwiGLU only; pre-activations and expert outputs rounded to the dtype); host sync per call",
         predicate=liger_gates.moe_experts,
     ),
-]
+)
 
 
 def outputs(hidden: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
@@ -501,5 +492,11 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    # ours: the reference (what "decompose" would trace) runs every expert on every token, E/k
+    # times the routed work; the compiled backward recomputes the forward (no split yet)
+    compile_mode="ours",
+    # tokens are independent: hidden, the index and the weights sharded alike on the token dim,
+    # the projections replicated (their gradients are then partial sums over the shards)
+    dtensor_layout=Layout(ROWS, rows_with(1, 2), (0,)),
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.declare import impls
+from ..backends.torch import TORCH
 from ..core.hit_guard import LAST
 from ..core.op import Bounds, Case, ErrorModel, Op, rows_and_len
-from ..spec import KernelSpec
 from . import _checks as check
 
 OP_ID = "moe.moe_router"
@@ -132,15 +133,10 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.moe_router:moe_router",
-        rank=100,
-        description="softmax, a stable descending sort of the logits, gather (and renormalize) in fp32",
-    ),
-]
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(rank=100, description="softmax, a stable descending sort of the logits, gather (and renormalize) in fp32"),
+)
 
 
 def outputs(logits: torch.Tensor, top_k: int, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
@@ -164,5 +160,10 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    # decompose: its one impl is the reference's torch ops, which Inductor may fuse with the
+    # router's linear and softmax (not measured: nothing of ours to lose)
+    compile_mode="decompose",
+    # no DTensor layout: the outputs [..., k] are shaped like no argument (DTensor's own rules run
+    # the torch impl)
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

@@ -7,17 +7,22 @@ each expert's group in it, without a host sync (no ``bincount``, whose output si
 data-dependent): ``offsets[e] = #pairs with index < e``, by a binary search of the sorted ids.
 
 An index outside ``[0, E)`` never reaches a kernel unnoticed. On the CPU the public function has
-already rejected it (``polykernel.moe_experts`` reads the values). On other devices reading them
-would cost a host sync per call, so the check is on the device: ``offsets[0]`` counts the pairs
-below 0 and ``S - offsets[E]`` those at or above E, and ``torch._assert_async`` fails the
-stream (a device-side assert, raised at the next synchronization) unless both are 0. The
-kernels only visit pairs inside ``[offsets[0], offsets[E])``, so even then nothing is read out
-of bounds.
+already rejected it (``polykernel.moe_experts`` reads the values), and the sort checks again,
+for free (the sorted ids' first and last), for the calls that reach an impl without it (a
+DTensor's local shards, a compiled graph's custom op). On other devices reading the values would
+cost a host sync per call, so the check is on the device: ``offsets[0]`` counts the pairs below
+0 and ``S - offsets[E]`` those at or above E, and ``torch._assert_async`` fails the stream (a
+device-side assert, raised at the next synchronization) unless both are 0. The kernels only
+visit pairs inside ``[offsets[0], offsets[E])``, so even then nothing is read out of bounds.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ...errors import OpArgumentError
+
+OP_ID = "moe.moe_experts"
 
 
 def sort_by_expert(top_k_index: torch.Tensor, n_experts: int, *, device_check: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,9 +33,17 @@ def sort_by_expert(top_k_index: torch.Tensor, n_experts: int, *, device_check: b
     expert, perm = torch.sort(flat, stable=True)
     bounds = torch.arange(n_experts + 1, device=flat.device, dtype=flat.dtype)
     offsets = torch.searchsorted(expert, bounds)
-    if (flat.device.type != "cpu" if device_check is None else device_check) and flat.numel():
+    if not flat.numel():
+        return perm, offsets
+    if flat.device.type != "cpu" if device_check is None else device_check:
         outside = offsets[0] + (flat.numel() - offsets[n_experts])
         torch._assert_async(outside == 0, "polykernel.moe_experts: an expert index in 'top_k_index' is outside [0, E)")
+    elif not torch.compiler.is_compiling():
+        lo, hi = int(expert[0]), int(expert[-1])
+        if lo < 0 or hi >= n_experts:
+            raise OpArgumentError(
+                OP_ID, "top_k_index", f"expert index {lo if lo < 0 else hi} is out of range [0, {n_experts}) (E = gate_up_proj.shape[0])"
+            )
     return perm, offsets
 
 
