@@ -717,6 +717,260 @@ EXPECTED = {
             "Liger LigerFusedLinearCrossEntropyFunction (grads in the forward, fp32 dW accumulation); host sync per call",
         ),
     ],
+    # The serving layouts (issue 25): declared in the new form from the start, pinned here so that
+    # a change to them is made on purpose too.
+    "serving.silu_and_mul": [
+        Row(
+            "torch",
+            "polykernel.backends.torch.silu_and_mul:silu_and_mul",
+            (),
+            (),
+            (),
+            True,
+            False,
+            "",
+            100,
+            True,
+            True,
+            True,
+            None,
+            None,
+            "the reference's fp32 math, copied into out",
+        ),
+        Row(
+            "triton",
+            "polykernel.backends.triton.silu_and_mul:silu_and_mul",
+            (CUDA,),
+            ("triton",),
+            ("float32", "bfloat16", "float16"),
+            False,
+            False,
+            "",
+            10,
+            True,
+            True,
+            False,
+            None,
+            None,
+            "swiglu's elementwise kernel on x's two halves (row-strided views: no copy), writing out",
+        ),
+    ],
+    "serving.gelu_and_mul": [
+        Row(
+            "torch",
+            "polykernel.backends.torch.gelu_and_mul:gelu_and_mul",
+            (),
+            (),
+            (),
+            True,
+            False,
+            "",
+            100,
+            True,
+            True,
+            True,
+            None,
+            None,
+            "the reference's fp32 math, copied into out",
+        ),
+        Row(
+            "triton",
+            "polykernel.backends.triton.gelu_and_mul:gelu_and_mul",
+            (CUDA,),
+            ("triton",),
+            ("float32", "bfloat16", "float16"),
+            False,
+            False,
+            "",
+            10,
+            True,
+            True,
+            False,
+            None,
+            None,
+            "geglu's elementwise kernel (erf or tanh) on x's two halves (row-strided views: no copy), writing out",
+        ),
+    ],
+    "serving.fused_add_rms_norm_": [
+        Row(
+            "torch",
+            "polykernel.backends.torch.fused_add_rms_norm_:fused_add_rms_norm_",
+            (),
+            (),
+            (),
+            True,
+            False,
+            "",
+            100,
+            True,
+            True,
+            True,
+            None,
+            None,
+            "norm.fused_add_rms_norm's torch impl, copied over x and residual",
+        ),
+        Row(
+            "triton",
+            "polykernel.backends.triton.fused_add_rms_norm_:fused_add_rms_norm_",
+            (CUDA,),
+            ("triton",),
+            ("float32", "bfloat16", "float16"),
+            False,
+            False,
+            "",
+            10,
+            True,
+            True,
+            False,
+            None,
+            None,
+            "norm.fused_add_rms_norm's forward kernel writing y over x and s over residual (one launch, no allocation)",
+        ),
+    ],
+    "serving.rotary_embedding_": [
+        Row(
+            "torch",
+            "polykernel.backends.torch.rotary_embedding_:rotary_embedding_",
+            (),
+            (),
+            (),
+            True,
+            False,
+            "",
+            100,
+            True,
+            True,
+            True,
+            None,
+            None,
+            "the reference: index_select of the cache rows, fp32 rotation copied back",
+        ),
+        Row(
+            "triton",
+            "polykernel.backends.triton.rotary_embedding_:rotary_embedding_",
+            (CUDA,),
+            ("triton",),
+            ("float32", "bfloat16", "float16"),
+            False,
+            False,
+            "",
+            10,
+            True,
+            True,
+            False,
+            None,
+            None,
+            "one program per (token, block of heads of q or k): the token's cos/sin row gathered once, pairs rotated in place",
+        ),
+    ],
+    "serving.dynamic_quant_fp8": [
+        Row(
+            "torch",
+            "polykernel.backends.torch.dynamic_quant_fp8:dynamic_quant_fp8",
+            (),
+            (),
+            (),
+            True,
+            False,
+            "",
+            100,
+            True,
+            True,
+            True,
+            None,
+            None,
+            "the reference: amax, scale, clamp(x / scale) copied into q",
+        ),
+        Row(
+            "triton",
+            "polykernel.backends.triton.dynamic_quant_fp8:dynamic_quant_fp8",
+            (CapabilityRequirement.cuda(min_sm=89),),
+            ("triton",),
+            ("float32", "bfloat16", "float16"),
+            False,
+            False,
+            "",
+            10,
+            True,
+            True,
+            False,
+            None,
+            None,
+            "per token: one pass per row (amax, then quantise from registers; chunked past 16K); per tensor: a max kernel (integer atomics, deterministic) then the static quantiser",
+        ),
+    ],
+    "serving.static_quant_fp8": [
+        Row(
+            "torch",
+            "polykernel.backends.torch.static_quant_fp8:static_quant_fp8",
+            (),
+            (),
+            (),
+            True,
+            False,
+            "",
+            100,
+            True,
+            True,
+            True,
+            None,
+            None,
+            "the reference: clamp(x / scale) copied into q",
+        ),
+        Row(
+            "triton",
+            "polykernel.backends.triton.static_quant_fp8:static_quant_fp8",
+            (CapabilityRequirement.cuda(min_sm=89),),
+            ("triton",),
+            ("float32", "bfloat16", "float16"),
+            False,
+            False,
+            "",
+            10,
+            True,
+            True,
+            False,
+            None,
+            None,
+            "one elementwise pass ([ROWS, BLOCK] tiles, the scale read once per row)",
+        ),
+    ],
+    "serving.rms_norm_quant_fp8": [
+        Row(
+            "torch",
+            "polykernel.backends.torch.rms_norm_quant_fp8:rms_norm_quant_fp8",
+            (),
+            (),
+            (),
+            True,
+            False,
+            "",
+            100,
+            True,
+            True,
+            True,
+            None,
+            None,
+            "the reference: fp32 RMSNorm, clamp(y / scale) copied into q",
+        ),
+        Row(
+            "triton",
+            "polykernel.backends.triton.rms_norm_quant_fp8:rms_norm_quant_fp8",
+            (CapabilityRequirement.cuda(min_sm=89),),
+            ("triton",),
+            ("float32", "bfloat16", "float16"),
+            False,
+            False,
+            "",
+            10,
+            True,
+            True,
+            False,
+            None,
+            None,
+            "one pass per row block (normalise, weight, scale, e4m3 from registers; chunked past 16K)",
+        ),
+    ],
     # added with the declarative form (issue 24): the table as declared then
     "moe.moe_experts": [
         Row(
@@ -838,6 +1092,9 @@ def test_a_backend_declares_its_facts_once_and_an_impl_row_only_what_differs():
     )
     assert (odd.target, odd.rank, odd.deterministic, odd.cuda_graph_safe) == ("a.b:c", 7, False, True)
     assert odd.format_signature == FormatSignature(("float32",), supports_backward=False)
+    # an op's row may narrow where its backend runs (the serving fp8 kernels' sm_89 floor)
+    (narrow,) = impls("group.some_op", toy.impl(capabilities=CapabilityRequirement.cuda(min_sm=89)))
+    assert narrow.capabilities == frozenset({CapabilityRequirement.cuda(min_sm=89)}) and narrow.requires_modules == ("m",)
     with pytest.raises(ValueError, match="more than one impl of backend cuda_jit"):
         impls("group.some_op", toy.impl(), toy.impl(rank=1))
     with pytest.raises(ValueError):
@@ -880,6 +1137,9 @@ FACTS = {
         {"hidden": 0, "weight": 1, "bias": 2},
         ("rows", ("loss",), (2, 4, 6)),
     ),
+    # the serving ops: inference only, one mutating custom op each; no DTensor layout (DTensor's
+    # own rules on the torch impl)
+    **{op: ("ours", None, None, None) for op in OP_MODULES if op.startswith("serving.")},
     "moe.moe_experts": ("ours", None, None, ("rows", (0,), None)),
     "moe.moe_router": ("decompose", None, None, None),  # no layout: DTensor's own rules
 }
@@ -904,17 +1164,17 @@ def test_per_op_facts_equal_the_former_tables(op_id):
     from polykernel.core import registry
 
     op = registry.get_op(op_id)
-    mode, saved, grads, declared = FACTS[op_id]
+    mode, saved, grads, placed = FACTS[op_id]
     assert (op.compile_mode, op.saved) == (mode, saved)
     assert (op.saved_grads and op.saved_grads.slots) == grads
     if grads is not None:
         assert op.saved_grads.when({"reduction": "mean"}) and op.saved_grads.when({"reduction": "sum"})
         assert not op.saved_grads.when({"reduction": "none"})
     layout = op.dtensor_layout
-    if declared is None:
+    if placed is None:
         assert layout is None
         return
-    lead, outputs, loss = declared
+    lead, outputs, loss = placed
     assert (layout.lead_dims, layout.outputs, layout.loss_args) == (lead, outputs, loss)
     if op_id == "embedding.rope":
         assert layout.why_not == "it is the head dim D, which the rotation mixes"

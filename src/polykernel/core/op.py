@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from .. import _compat
 from ..errors import OpArgumentError
 from ..spec import KernelSpec
 from . import codegen, hit_guard, hooks, memo_key, registry
@@ -39,9 +40,25 @@ UNIT_ROUNDOFF: dict[torch.dtype, float] = {
     torch.float32: 2.0**-24,
     torch.bfloat16: 2.0**-8,
     torch.float16: 2.0**-11,
+    # fp8 e4m3 (the serving quantisation ops' output): 3 mantissa bits. Its values are computed
+    # in fp32 like bf16/fp16 ones (see compute_dtype: torch refuses to promote fp8 types).
+    torch.float8_e4m3fn: 2.0**-4,
 }
 # Half the smallest subnormal: the absolute floor of one rounding to the dtype.
-TINY: dict[torch.dtype, float] = {torch.float64: 2.0**-1075, torch.float32: 2.0**-150, torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25}
+TINY: dict[torch.dtype, float] = {
+    torch.float64: 2.0**-1075,
+    torch.float32: 2.0**-150,
+    torch.bfloat16: 2.0**-134,
+    torch.float16: 2.0**-25,
+    torch.float8_e4m3fn: 2.0**-10,  # smallest subnormal 2^-9
+}
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype an output of ``dtype`` is computed in: fp64 for fp64, else fp32 (the contract's
+    fp32 math). ``torch.promote_types(dtype, float32)`` for every dtype it accepts; it refuses fp8."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
 
 # A sum of n terms rounded in any order (sequential, pairwise, blocked, tree, split across
 # programs) is within about λ·√n·u of the exact sum, relative to the magnitude of what is summed,
@@ -101,7 +118,7 @@ class ErrorModel:
         to nearest (Triton's CPU interpreter does this for bf16): one ulp instead of half."""
         u_d = UNIT_ROUNDOFF[dtype] * rounding
         u_i = UNIT_ROUNDOFF[self.inter or dtype] * rounding
-        u_c = UNIT_ROUNDOFF[torch.promote_types(dtype, torch.float32)]
+        u_c = UNIT_ROUNDOFF[compute_dtype(dtype)]
         growth = SUM_LAMBDA * max(self.n, 1) ** 0.5
         rel = self.rounds * u_d + (self.ops + growth * self.sum_rel) * u_c
         abs_ = self.rounds_abs * u_i + (self.cancel + growth * self.sum_abs) * u_c
@@ -159,24 +176,18 @@ class ArgClass:
         return f"ArgClass({inner})"
 
 
-# The C function behind torch.are_deterministic_algorithms_enabled (its wrapper costs one more
-# Python frame, ~20 ns per call). Same bool: keys built with either are equal.
-_deterministic = getattr(torch._C, "_get_deterministic_algorithms", None) or torch.are_deterministic_algorithms_enabled
+# torch.are_deterministic_algorithms_enabled's C function where there is one (polykernel._compat).
+_deterministic = _compat.deterministic_enabled
 _grad_enabled = torch.is_grad_enabled
 
 
-_compiling = torch.compiler.is_compiling
-# The generated hot path (see _hot_dispatch) inlines `is_compiling` where this torch allows: Dynamo
-# constant-folds `is_dynamo_compiling()` to True while tracing, and non-strict export sets the
-# module flag that `is_compiling` reads (one Python frame instead of two, ~50 ns saved per call).
-_COMPILING_EXPR = (
-    "dynamo_compiling() or compiler_mod._is_compiling_flag"
-    if hasattr(torch.compiler, "is_dynamo_compiling") and hasattr(torch.compiler, "_is_compiling_flag")
-    else "compiling()"
-)
-# The C function behind torch.cuda.is_current_stream_capturing (its wrapper costs one more frame);
-# asked only for decisions on CUDA devices. CPU-only builds lack it and never have CUDA tensors.
-_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+_compiling = _compat.is_compiling
+# The generated hot path (see _hot_dispatch) inlines `is_compiling` where this torch allows (one Python
+# frame instead of two): the expression and the names it reads are polykernel._compat's.
+_COMPILING_EXPR = _compat.COMPILING_EXPR
+# torch.cuda.is_current_stream_capturing's C function where there is one; asked only for
+# decisions on CUDA devices.
+_stream_capturing = _compat.stream_capturing
 
 
 # -- the tensor-subclass guard ---------------------------------------------------------------
@@ -259,7 +270,7 @@ def _exec(op: Op, src: str, name: str) -> Callable[..., Any]:
         "key": op.key,
         "call": op.call,
         "compiling": _compiling,
-        "dynamo_compiling": getattr(torch.compiler, "is_dynamo_compiling", None),
+        "dynamo_compiling": _compat.dynamo_compiling,
         "compiler_mod": torch.compiler,
         "scope_get": _scope_get,
         "det": _deterministic,
@@ -331,8 +342,14 @@ def _hot_dispatch(op: Op) -> Callable[..., Any]:
     # an argument left out takes the reference's default (the public functions pass them all)
     sig = ", ".join(n if p.default is p.empty else f"{n}=DEFAULTS[{i}]" for i, (n, p) in enumerate(zip(names, params)))
     args = ", ".join(names)
-    if not hit_guard.available():  # no guard in this torch: the class in Python, then Op.call
-        src = f"def dispatch(impl, {sig}):\n    return slow(impl, ({args},))\n"
+    if not hit_guard.available():  # no guard in this torch: every call takes the slow path, whose
+        # checks (option types, inference tensors) the guard's records otherwise stand for
+        src = (
+            f"def dispatch(impl, {sig}):\n"
+            f"    if {_COMPILING_EXPR}:\n"
+            f"        return op.custom_op(impl, {args})\n"
+            f"    return slow(impl, ({args},), scope_get(), det(), grad())\n"
+        )
         return _exec(op, src, "dispatch")
     plain = " and ".join(f"type(a{i}) in P" for i in _tensor_positions(op.reference) if i < len(names)) or "True"
     tensors = ", ".join(names[i] for i in hit_guard.tensor_positions(spec))
@@ -418,7 +435,13 @@ class Op:
       the finished gradients for some calls, else None;
     - ``dtensor_layout``: a :class:`polykernel.distributed.layout.Layout` saying how DTensor
       arguments may be placed to run on their local shards, or None (DTensor's own rules on the
-      torch impl).
+      torch impl);
+    - ``writes``: the names of the reference's parameters that the op writes into (its
+      destinations: the serving ops' ``out`` and in-place arguments, always tensors when the
+      impls run). The reference and every impl write their results into those tensors and return
+      them, in the order of ``writes``; such an op is inference only (no autograd). A compiled
+      call runs one mutating custom op (:mod:`polykernel.compile.library`), and first-use
+      verification gives each side its own copies of the arguments (:mod:`polykernel.core.verify`).
     """
 
     def __init__(
@@ -442,6 +465,7 @@ class Op:
         saved: Sequence[str] | None = None,
         saved_grads: Any = None,
         dtensor_layout: Any = None,
+        writes: Sequence[str] = (),
     ) -> None:
         if tuple(fields[:3]) != ("device", "dtype", "needs_grad"):
             raise ValueError("Op fields must start with device, dtype, needs_grad")
@@ -464,6 +488,10 @@ class Op:
         self.saved = None if saved is None else tuple(saved)
         self.saved_grads = saved_grads
         self.dtensor_layout = dtensor_layout
+        self.writes = tuple(writes)
+        unknown = set(self.writes) - set(inspect.signature(reference).parameters)
+        if unknown:
+            raise ValueError(f"{id}: writes names {sorted(unknown)}, which are not parameters of its reference")
         if self.guard is not None:  # the slow path's views of a call: the guarded tensors, the options
             self._guarded = _picker(hit_guard.tensor_positions(self.guard))
             option_positions = tuple(i for i, kind in enumerate(self.guard) if kind is None)
