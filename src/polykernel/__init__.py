@@ -62,6 +62,9 @@ _LAZY: dict[str, str] = {
     "dynamic_quant_fp8": "ops.dynamic_quant_fp8:dynamic_quant_fp8",
     "static_quant_fp8": "ops.static_quant_fp8:static_quant_fp8",
     "rms_norm_quant_fp8": "ops.rms_norm_quant_fp8:rms_norm_quant_fp8",
+    # mixture of experts
+    "moe_experts": "ops.moe_experts:moe_experts",
+    "moe_router": "ops.moe_router:moe_router",
 }
 _SUBMODULES = (
     "spec",

@@ -671,6 +671,8 @@ def _variants(op_name):
         "rope": (t(2, 4, 3, 8), t(2, 2, 3, 8), t(1, 3, 8), t(1, 3, 8)),
         "cross_entropy": (t(4, 8), torch.randint(0, 8, (4,)), -100, 0.0, "mean"),
         "fused_linear_cross_entropy": (t(4, 8), t(10, 8), torch.randint(0, 10, (4,)), t(10), -100, 0.0, "mean"),
+        "moe_experts": (t(4, 8), torch.randint(0, 3, (4, 2)), t(4, 2), t(3, 12, 8), t(3, 8, 6), "silu"),
+        "moe_router": (t(4, 8), 2, True),
     }[op_name]
     spec = registry.get_op(op_name).guard
     tensors = [i for i, kind in enumerate(spec) if kind is not None]
@@ -712,7 +714,7 @@ def _variants(op_name):
         if i and spec[i] == "shape":
             out.append((f"arg {i} None", tuple(None if j == i else a for j, a in enumerate(base)), nullcontext()))
     for i in options:
-        other = {float: 1e-3, int: 7, str: "llama" if op_name == "rms_norm" else "none"}[type(base[i])]
+        other = {float: 1e-3, int: 7, bool: False, str: "llama" if op_name == "rms_norm" else "none"}[type(base[i])]
         out += [
             (f"option {i} changed", tuple(other if j == i else a for j, a in enumerate(base)), nullcontext()),
             (
@@ -746,6 +748,8 @@ GUARDED = [
     "rope",
     "cross_entropy",
     "fused_linear_cross_entropy",
+    "moe_experts",
+    "moe_router",
 ]  # every op: one form
 # Tests of the guarded path itself: without TensorGuards (POLYKERNEL_COMPAT_FALLBACKS=1, another
 # torch) no decision is guarded; test_the_guard_is_optional covers that path.

@@ -971,6 +971,79 @@ EXPECTED = {
             "one pass per row block (normalise, weight, scale, e4m3 from registers; chunked past 16K)",
         ),
     ],
+    # added with the declarative form (issue 24): the table as declared then
+    "moe.moe_experts": [
+        Row(
+            "torch",
+            "polykernel.backends.torch.moe_experts:moe_experts",
+            (),
+            (),
+            (),
+            True,
+            False,
+            "",
+            100,
+            True,
+            True,
+            True,
+            None,
+            None,
+            "sort by expert once; torch._grouped_mm where it runs (probed per device and dtype), else one matmul per non-empty expert (one host sync)",
+        ),
+        Row(
+            "triton",
+            "polykernel.backends.triton.moe_experts:moe_experts",
+            (CUDA,),
+            ("triton",),
+            ("float32", "bfloat16", "float16"),
+            True,
+            False,
+            "",
+            10,
+            True,
+            True,
+            False,
+            None,
+            None,
+            "sort by expert once; grouped GEMMs with act(g)·u and routing weight + scatter fused in their epilogues; dW per expert, no atomics",
+        ),
+        Row(
+            "liger",
+            "polykernel.backends.liger.moe_experts:moe_experts",
+            (CUDA,),
+            ("liger_kernel", "triton"),
+            ("bfloat16", "float16"),
+            True,
+            False,
+            "",
+            60,
+            False,
+            False,
+            False,
+            "polykernel.backends.liger._gates:moe_experts",
+            None,
+            "Liger LigerFusedMoEFunction (SwiGLU only; pre-activations and expert outputs rounded to the dtype); host sync per call",
+        ),
+    ],
+    "moe.moe_router": [
+        Row(
+            "torch",
+            "polykernel.backends.torch.moe_router:moe_router",
+            (),
+            (),
+            (),
+            True,
+            False,
+            "",
+            100,
+            True,
+            True,
+            True,
+            None,
+            None,
+            "softmax, a stable descending sort of the logits, gather (and renormalize) in fp32",
+        ),
+    ],
 }
 
 
@@ -1067,6 +1140,8 @@ FACTS = {
     # the serving ops: inference only, one mutating custom op each; no DTensor layout (DTensor's
     # own rules on the torch impl)
     **{op: ("ours", None, None, None) for op in OP_MODULES if op.startswith("serving.")},
+    "moe.moe_experts": ("ours", None, None, ("rows", (0,), None)),
+    "moe.moe_router": ("decompose", None, None, None),  # no layout: DTensor's own rules
 }
 # the arguments that share the lead's shard dim (the rest are replicated), per row-wise op
 SAME = {
@@ -1078,6 +1153,7 @@ SAME = {
     "activation.geglu": {0, 1},
     "loss.cross_entropy": {0, 1},
     "loss.fused_linear_cross_entropy": {0, 2},
+    "moe.moe_experts": {0, 1, 2},
 }
 
 

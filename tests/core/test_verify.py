@@ -292,6 +292,7 @@ _SHAPES = {
     "cross_entropy": (5, 37),
     "rope": (1, 4, 5, 8),
     "fused_linear_cross_entropy": (6, 16, 37),
+    "moe_experts": (13, 24, 40, 5, 2),
 }
 
 

@@ -32,4 +32,7 @@ OP_MODULES: dict[str, str] = {
     "serving.dynamic_quant_fp8": "polykernel.ops.dynamic_quant_fp8",
     "serving.static_quant_fp8": "polykernel.ops.static_quant_fp8",
     "serving.rms_norm_quant_fp8": "polykernel.ops.rms_norm_quant_fp8",
+    # mixture of experts (issue 24)
+    "moe.moe_experts": "polykernel.ops.moe_experts",
+    "moe.moe_router": "polykernel.ops.moe_router",
 }

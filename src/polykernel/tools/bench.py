@@ -17,7 +17,9 @@ Timing (:mod:`polykernel.timing`): ``triton.testing.do_bench`` medians (it flush
 every call, as an engine does); "fwd+bwd" times a forward plus ``torch.autograd.grad`` of every
 output with a fixed random cotangent. GB/s counts the fewest bytes the op must move (each op
 file's ``bytes_moved``: state the formula there); the fused linear cross-entropy reports TFLOP/s from 2·N·H·V (forward) and
-6·N·H·V (forward+backward). "% copy" is against a 2 GiB device-to-device copy measured at the
+6·N·H·V (forward+backward), the MoE experts from the routed work, 6·T·k·H·I (forward) and
+18·T·k·H·I (forward+backward), next to transformers' own experts (its ``grouped_mm``
+implementation and its eager loop over experts) where transformers is installed. "% copy" is against a 2 GiB device-to-device copy measured at the
 start of the same run (bytes read + written). Peak extra memory is reported for every row.
 "host µs" (per-call mode) is the CPU time to issue one step while the GPU is kept busy
 (:func:`host_us_per_call`): an eager call costs max(GPU time, host time).
@@ -64,6 +66,9 @@ SHAPES: dict[str, list[tuple[str, tuple[int, ...]]]] = {
     "rope": [("q4x32x4096x128,k8", (4, 32, 4096, 128))],
     "cross_entropy": [("8192x128256", (8192, 128256))],
     "fused_linear_cross_entropy": [("N8192,H4096,V128256", (8192, 4096, 128256))],
+    # (T, H, I, E, k): one experts layer of Qwen3-30B-A3B and of Mixtral 8x7B (issue 24)
+    "moe_experts": [("T8192,H2048,I768,E128,k8", (8192, 2048, 768, 128, 8)), ("T8192,H4096,I14336,E8,k2", (8192, 4096, 14336, 8, 2))],
+    "moe_router": [("T8192,E128,k8", (8192, 128, 8))],
     # serving layouts (forward only): prefill (8192 tokens) first, the sweep's base, then decode (64)
     "silu_and_mul": [("8192x28672", (8192, 28672)), ("64x28672", (64, 28672))],
     "gelu_and_mul": [("8192x28672", (8192, 28672)), ("64x28672", (64, 28672))],
@@ -102,6 +107,10 @@ def _label(op_name: str, shape: tuple[int, ...]) -> str:
     if op_name == "fused_linear_cross_entropy":
         n, h, v = shape
         return f"N{n},H{h},V{v}"
+    if op_name == "moe_experts":
+        return "T{},H{},I{},E{},k{}".format(*shape)
+    if op_name == "moe_router":
+        return "T{},E{},k{}".format(*shape)
     if op_name == "rotary_embedding_":  # [T, Hq·128] queries, Hq/4 key heads (ops/rotary_embedding_.py's example)
         t, width = shape
         return f"T{t},q{width // 128}x128,k{max(1, width // 512)}"
@@ -179,9 +188,43 @@ def _contenders(
     for impl in polykernel.available_impls(op.id, device=device, dtype=dtype):
         out[f"polykernel:{impl}"] = lambda impl=impl: public(*args, impl=impl, **kwargs)
     out["eager reference"] = lambda: op.reference(*args, **kwargs)
+    if op.name == "moe_experts":
+        out.update(transformers_experts(args, kwargs))
     if compiled is not None:
         out["torch.compile"] = lambda: compiled(*args, **kwargs)
     return out
+
+
+def transformers_experts(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    """transformers' experts on the same tensors (issue 24's baselines): its ``grouped_mm``
+    implementation and its eager loop (``Qwen3MoeExperts.forward``). Empty without transformers
+    or where its MoE integration differs from 5.x's."""
+    import types
+
+    try:
+        from transformers.activations import ACT2FN
+        from transformers.integrations import moe as hf_moe
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    except Exception:  # not installed, or another layout
+        return {}
+    hidden, index, weights, gate_up, down = args
+    act = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[kwargs.get("activation", "silu")]
+
+    def experts(implementation: str) -> Any:
+        # the attributes transformers' use_experts_implementation gives an Experts module
+        self = types.SimpleNamespace(
+            num_experts=gate_up.shape[0], gate_up_proj=gate_up, down_proj=down, act_fn=ACT2FN[act],
+            has_gate=True, has_bias=False, is_transposed=False, is_concatenated=True, has_post_expert_norm=False,
+            _is_expert_parallel=False, config=types.SimpleNamespace(_experts_implementation=implementation),
+        )  # fmt: skip
+        self._apply_gate = lambda gate_up_out: hf_moe._default_apply_gate(self, gate_up_out)
+        return self
+
+    grouped, eager = experts("grouped_mm"), experts("eager")
+    return {
+        "transformers grouped_mm": lambda: hf_moe.grouped_mm_experts_forward(grouped, hidden, index, weights),
+        "transformers eager": lambda: Qwen3MoeExperts.forward(eager, hidden, index, weights),
+    }
 
 
 def _step(fn: Callable[[], Any], grad_inputs: list[torch.Tensor], backward: bool) -> Callable[[], Any]:
@@ -210,6 +253,11 @@ def _perf(row: dict[str, Any], op: Any, shape: tuple[int, ...], args: tuple[Any,
         n, h, v = shape
         row["size"] = 2 * n * h * v / 1e9  # GFLOP forward: the plot's x
         row["TFLOP/s"] = (6 if backward else 2) * n * h * v / (ms * 1e-3) / 1e12
+    elif op.name == "moe_experts":
+        from polykernel.ops.moe_experts import flops
+
+        row["size"] = flops(*args, backward=False) / 1e9  # GFLOP forward: the plot's x
+        row["TFLOP/s"] = flops(*args, backward=backward) / (ms * 1e-3) / 1e12
     elif op.bytes_moved is not None:
         row["size"] = op.bytes_moved(*args, backward=False, **kwargs) / 2**20  # MiB forward: the plot's x
         gbs = op.bytes_moved(*args, backward=backward, **kwargs) / (ms * 1e-3) / 1e9

@@ -41,3 +41,13 @@ def geglu(a: Any) -> str | None:
 
 def softmax(a: Any) -> str | None:
     return _row(a)  # liger_kernel/ops/softmax.py calls calculate_settings(n) before its multi-block path
+
+
+def moe_experts(a: Any) -> str | None:
+    # LigerFusedMoEFunction: SwiGLU experts (its kernels hard-code silu); its backward returns the
+    # routing-weight gradient in hidden's dtype and sums it in that dtype's buffer
+    if a.activation != "silu":
+        return f"Liger's fused MoE is SwiGLU only (activation='silu'), not {a.activation!r}"
+    if a.weights_dtype is not None and a.weights_dtype != a.dtype:
+        return "Liger's fused MoE takes routing weights of hidden's dtype only"
+    return None
