@@ -54,6 +54,9 @@ _LAZY: dict[str, str] = {
     "rope": "ops.rope:rope",
     "cross_entropy": "ops.cross_entropy:cross_entropy",
     "fused_linear_cross_entropy": "ops.fused_linear_cross_entropy:fused_linear_cross_entropy",
+    "kl_div": "ops.kl_div:kl_div",
+    "jsd": "ops.jsd:jsd",
+    "tvd": "ops.tvd:tvd",
 }
 _SUBMODULES = (
     "spec",

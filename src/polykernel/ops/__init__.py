@@ -24,4 +24,7 @@ OP_MODULES: dict[str, str] = {
     "embedding.rope": "polykernel.ops.rope",
     "loss.cross_entropy": "polykernel.ops.cross_entropy",
     "loss.fused_linear_cross_entropy": "polykernel.ops.fused_linear_cross_entropy",
+    "loss.kl_div": "polykernel.ops.kl_div",
+    "loss.jsd": "polykernel.ops.jsd",
+    "loss.tvd": "polykernel.ops.tvd",
 }

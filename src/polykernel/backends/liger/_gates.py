@@ -41,3 +41,26 @@ def geglu(a: Any) -> str | None:
 
 def softmax(a: Any) -> str | None:
     return _row(a)  # liger_kernel/ops/softmax.py calls calculate_settings(n) before its multi-block path
+
+
+def _same_dtypes(a: Any, other: str) -> str | None:
+    if str(getattr(a, other)) != str(a.dtype):
+        return f"Liger's gradient takes the dtype of its second input: needs {other} = {a.dtype}, got {getattr(a, other)}"
+    return None
+
+
+def kl_div(a: Any) -> str | None:
+    if a.target_grad:
+        return "Liger's KL divergence has no gradient for target"
+    return _same_dtypes(a, "target_dtype")
+
+
+def jsd(a: Any) -> str | None:
+    return _same_dtypes(a, "teacher_dtype")
+
+
+def tvd(a: Any) -> str | None:
+    if a.q_grad:
+        return "Liger's TVD has no gradient for q"
+    return _same_dtypes(a, "q_dtype")
+
