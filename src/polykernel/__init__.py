@@ -57,6 +57,7 @@ _LAZY: dict[str, str] = {
     "kl_div": "ops.kl_div:kl_div",
     "jsd": "ops.jsd:jsd",
     "tvd": "ops.tvd:tvd",
+    "fused_linear_jsd": "ops.fused_linear_jsd:fused_linear_jsd",
 }
 _SUBMODULES = (
     "spec",

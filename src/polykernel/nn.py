@@ -28,6 +28,7 @@ __all__ = [
     "GEGLU",
     "CrossEntropyLoss",
     "FusedLinearCrossEntropyLoss",
+    "FusedLinearJSDLoss",
     "JSDLoss",
     "KLDivLoss",
     "LayerNorm",
@@ -509,3 +510,50 @@ class TVDLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return f"reduction={self.reduction!r}, ignore_index={self.ignore_index}" + _impl_repr(self.impl)
+
+
+class FusedLinearJSDLoss(nn.Module):
+    """``JSDLoss`` of the student's and the teacher's LM heads without materializing either
+    logits (Liger's ``LigerFusedLinearJSD``): ``forward(student_hidden [..., H], student_weight
+    [V, H], teacher_hidden [..., Ht], teacher_weight [V, Ht], labels=None)``. The heads' weights
+    are passed in (the module owns no parameters); only the student's receive gradients.
+
+    >>> import torch, polykernel.nn as pnn
+    >>> student, teacher = torch.nn.Linear(16, 50, bias=False), torch.nn.Linear(32, 50, bias=False)
+    >>> loss_fn = pnn.FusedLinearJSDLoss(beta=0.5, temperature=2.0)
+    >>> loss = loss_fn(torch.randn(2, 3, 16), student.weight, torch.randn(2, 3, 32), teacher.weight)
+    >>> loss.backward()  # gradients reach the student's head only
+    >>> student.weight.grad.shape, teacher.weight.grad
+    (torch.Size([50, 16]), None)
+    """
+
+    def __init__(self, beta: float = 0.5, ignore_index: int = -100, temperature: float = 1.0, *, impl: str | None = None) -> None:
+        super().__init__()
+        _check_distill_options(type(self).__name__, beta=beta, ignore_index=ignore_index, temperature=temperature)
+        self.beta = beta
+        self.ignore_index = ignore_index
+        self.temperature = temperature
+        self.impl = _check_impl(type(self).__name__, impl)
+
+    def forward(
+        self,
+        student_hidden: torch.Tensor,
+        student_weight: torch.Tensor,
+        teacher_hidden: torch.Tensor,
+        teacher_weight: torch.Tensor,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return polykernel.fused_linear_jsd(
+            student_hidden,
+            student_weight,
+            teacher_hidden,
+            teacher_weight,
+            labels,
+            beta=self.beta,
+            ignore_index=self.ignore_index,
+            temperature=self.temperature,
+            impl=self.impl,
+        )
+
+    def extra_repr(self) -> str:
+        return f"beta={self.beta}, ignore_index={self.ignore_index}, temperature={self.temperature}" + _impl_repr(self.impl)

@@ -27,4 +27,5 @@ OP_MODULES: dict[str, str] = {
     "loss.kl_div": "polykernel.ops.kl_div",
     "loss.jsd": "polykernel.ops.jsd",
     "loss.tvd": "polykernel.ops.tvd",
+    "loss.fused_linear_jsd": "polykernel.ops.fused_linear_jsd",
 }

@@ -64,3 +64,8 @@ def tvd(a: Any) -> str | None:
         return "Liger's TVD has no gradient for q"
     return _same_dtypes(a, "q_dtype")
 
+
+def fused_linear_jsd(a: Any) -> str | None:
+    if str(a.teacher_dtype) != str(a.dtype):
+        return f"Liger's fused linear JSD takes one dtype for student and teacher: {a.dtype} vs {a.teacher_dtype}"
+    return None
