@@ -616,7 +616,21 @@ def test_capability_requirement_accepts_int_arch():
 
 @pytest.mark.parametrize(
     "op_name",
-    ["rms_norm", "fused_add_rms_norm", "layer_norm", "swiglu", "geglu", "softmax", "rope", "cross_entropy", "fused_linear_cross_entropy"],
+    [
+        "rms_norm",
+        "fused_add_rms_norm",
+        "layer_norm",
+        "swiglu",
+        "geglu",
+        "softmax",
+        "rope",
+        "cross_entropy",
+        "fused_linear_cross_entropy",
+        "kl_div",
+        "jsd",
+        "tvd",
+        "fused_linear_jsd",
+    ],
 )
 def test_public_call_memo_key_is_the_ops_key(op_name):
     # several public functions build their argument class inline for speed (swiglu, geglu and
@@ -650,7 +664,7 @@ def _variants(op_name):
         x = out[i]
         if "device" in kw or "dtype" in kw:
             x = x.detach().to(device=kw.get("device", x.device), dtype=kw.get("dtype", x.dtype))
-        if "grad" in kw:
+        if "grad" in kw and x.is_floating_point():  # (labels stay integers without a gradient)
             x = x.detach().clone().requires_grad_(kw["grad"])
         out[i] = x
         return tuple(out)
@@ -667,6 +681,9 @@ def _variants(op_name):
         "fused_add_rms_norm": (t(4, 8), t(4, 8), t(8), 1e-6, 0.0),
         "swiglu": (t(4, 8), t(4, 8)),
         "geglu": (t(4, 8), t(4, 8), "tanh"),
+        "kl_div": (t(4, 8), t(4, 8), "batchmean", False),
+        "jsd": (t(4, 8), t(4, 8), torch.zeros(4, dtype=torch.long), 0.5, -100),
+        "tvd": (t(4, 8), t(4, 8), torch.zeros(4, dtype=torch.long), "batchmean", -100),
     }[op_name]
     spec = registry.get_op(op_name).guard
     tensors = [i for i, kind in enumerate(spec) if kind is not None]
@@ -705,7 +722,7 @@ def _variants(op_name):
         if i and spec[i] == "shape":
             out.append((f"arg {i} None", tuple(None if j == i else a for j, a in enumerate(base)), nullcontext()))
     for i in options:
-        other = {float: 1e-3, str: "llama" if op_name == "rms_norm" else "none"}[type(base[i])]
+        other = {float: 1e-3, str: "llama" if op_name == "rms_norm" else "none", int: 7, bool: True}[type(base[i])]
         out += [
             (f"option {i} changed", tuple(other if j == i else a for j, a in enumerate(base)), nullcontext()),
             (
@@ -729,7 +746,7 @@ class _deterministic_algorithms:
         torch.use_deterministic_algorithms(False)
 
 
-GUARDED = ["rms_norm", "layer_norm", "fused_add_rms_norm", "swiglu", "geglu"]
+GUARDED = ["rms_norm", "layer_norm", "fused_add_rms_norm", "swiglu", "geglu", "kl_div", "jsd", "tvd"]
 
 
 @pytest.mark.parametrize("op_name", GUARDED)
