@@ -7,7 +7,7 @@ TRITON ?= triton==3.9.0
 BIN    := $(VENV)/bin
 JOBS   ?= 2
 
-.PHONY: setup demo test test-simd test-gpu lint bench clean
+.PHONY: setup demo test test-simd test-gpu lint bench smoke-newest-torch clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 
 # The native (C++) launch path of the norms: compiled once per torch/Python/source version into
 # the user cache (~30 s on 2 cores); the Python path runs where it cannot be built.
-$(VENV)/.native: $(VENV)/.installed src/polykernel/csrc/native.cpp
+CSRC := $(wildcard src/polykernel/csrc/*.cpp src/polykernel/csrc/*.h src/polykernel/csrc/ops/*.h)
+$(VENV)/.native: $(VENV)/.installed $(CSRC)
 	$(BIN)/python -m polykernel.backends.triton._native
 	touch $@
 
@@ -51,5 +52,21 @@ lint: setup  ## style, formatting, and the core's one-way import layers ([tool.i
 bench:  ## on a CUDA machine: polykernel next to eager, torch.compile and installed peers
 	PYTHONPATH=src $(PYTHON) -m polykernel bench $(ARGS)
 
+# CI pins torch (TORCH above); users get the newest. A fresh venv with the newest torch pip
+# resolves (unpinned; this machine image caps it in /etc/xdg/pip), the Triton it pins, and the
+# test extras; then the native build, required to build and be usable with that Triton (CPU-only:
+# no driver check), and the parts of the suite a new torch breaks first (dispatch, an op through
+# Triton's interpreter, the native path's CPU tests, torch.compile). Under 6 min on 2 cores.
+NEWEST       ?= .venv-newest
+SMOKE_TESTS  ?= tests/core/test_spec.py tests/core/test_dispatch.py tests/ops/test_rms_norm.py tests/backends/test_native.py tests/compile/test_compile.py
+smoke-newest-torch:  ## the newest torch release in a second venv: install, the native build, a short subset of the suite
+	rm -rf $(NEWEST)
+	$(PYTHON) -m venv $(NEWEST)
+	$(NEWEST)/bin/python -m pip install -q --upgrade pip
+	$(NEWEST)/bin/python -m pip install -q torch triton numpy -e ".[test]"  # numpy: Triton's CPU interpreter
+	$(NEWEST)/bin/python -c "import torch, triton; print('newest torch', torch.__version__, 'triton', triton.__version__)"
+	POLYKERNEL_NATIVE=1 $(NEWEST)/bin/python -m polykernel.backends.triton._native
+	$(NEWEST)/bin/python -m pytest -q -n $(JOBS) --timeout=600 $(SMOKE_TESTS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(NEWEST) build *.egg-info src/*.egg-info .pytest_cache

@@ -20,18 +20,18 @@ runs.
 
 Variants (``--only``, or ``all``): plain/compile without polykernel; polykernel eager (on CPU it
 runs the Triton impls in the interpreter, ``--eager-impl``, so that it saves what the GPU's
-impls save); polykernel+compile with the default ``COMPILE_MODES``; ``[ours]`` with
+impls save); polykernel+compile with the ops' default ``compile_mode``; ``[ours]`` with
 ``POLYKERNEL_COMPILE_{SWIGLU,GEGLU,ROPE,FUSED_ADD_RMS_NORM}=ours`` (``[ours-rope]``,
 ``[ours-swiglu]``: one op); ``[mask]`` makes transformers materialize the causal mask while
 compiling, as it does with torch < 2.14 (see ``MASK_ENV``); ``[op-scale]`` drops the fused linear
-cross-entropy from ``library.SAVED_GRADS``, so that its backward custom op scales the saved
+cross-entropy's ``saved_grads`` (its op's fact), so that its backward custom op scales the saved
 gradients into fresh tensors (the behaviour before issue 14's fix; compare its peak on CUDA).
 
 Writes ``DIR/compile_saved.json``; prints saved bytes per layer and per token by variant, scaled to
 issue 14's run (``--target-tokens`` x ``--target-layers``, bf16, hidden 2048), and the tensors
 that one variant saves per layer and the other does not (matched by size and dtype), and per
 compiled variant what its backward graphs run of ours: the polykernel custom ops, and the saved
-tensors of our training ops that the graph multiplies itself (``SAVED_GRADS``). It also
+tensors of our training ops that the graph multiplies itself (the ops' ``saved_grads``). It also
 records the bytes live after the forward and the step's peak, over the step's start (CUDA: the
 allocator's counters; CPU: the profiler's allocation events), at the run's own shape.
 Bytes scale to the target shape by hidden size (all per-token activations here are multiples of
@@ -119,9 +119,9 @@ def _build(args: argparse.Namespace, patch: bool) -> Any:
 
         pk_patch(model)
         if os.environ.get("COMPILE_SAVED_OP_SCALE") == "1":
-            from polykernel.compile import library
+            from polykernel.core import registry
 
-            library.SAVED_GRADS.pop("loss.fused_linear_cross_entropy", None)  # read when the graph is traced
+            registry.get_op("loss.fused_linear_cross_entropy").saved_grads = None  # read when the graph is traced
     model.train()
     return model
 
@@ -182,7 +182,7 @@ class _Partitions:
     @staticmethod
     def _ours(fw: Any, bw: Any) -> dict[str, Any]:
         """The backward's polykernel custom ops, and the multiplies of a saved output of one of our
-        training ops (``library.SAVED_GRADS``: Inductor does them in the saved buffer)."""
+        training ops (the ops' ``saved_grads``: Inductor does them in the saved buffer)."""
         import torch
 
         by_name = {n.name: n for n in fw.graph.nodes}

@@ -42,12 +42,29 @@ class ImplNotAvailableError(PolykernelError, RuntimeError):
 
 
 class OpArgumentError(PolykernelError, ValueError):
-    """Bad input to an op, raised before any kernel launch. Names the op and the argument."""
+    """Bad input to an op, raised before any kernel launch. Names the op and the argument.
 
-    def __init__(self, op: str, arg: str, message: str) -> None:
-        self.op = op
-        self.arg = arg
-        super().__init__(f"{op}: argument {arg!r}: {message}")
+    ``OpArgumentError(op, arg, message)``; ``.op``, ``.arg`` and ``.message`` read them back.
+    It has no ``__init__`` of its own, so that Dynamo can construct and catch one while tracing
+    an op's validation under ``torch.compile(fullgraph=True)`` (see ``compile/library.py``).
+    """
+
+    @property
+    def op(self) -> str:
+        return self.args[0]
+
+    @property
+    def arg(self) -> str:
+        return self.args[1]
+
+    @property
+    def message(self) -> str:
+        return self.args[2] if len(self.args) > 2 else ""
+
+    def __str__(self) -> str:
+        if len(self.args) != 3:
+            return super().__str__()
+        return f"{self.args[0]}: argument {self.args[1]!r}: {self.args[2]}"
 
 
 class OpTypeError(OpArgumentError, TypeError):

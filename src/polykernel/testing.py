@@ -23,6 +23,7 @@ import torch
 from .core import registry
 from .core import selection as dispatch
 from .core.op import Case, Op
+from .errors import ImplNotAvailableError, UnknownImplError
 
 __all__ = ["ParityResult", "assert_parity", "check_parity", "exact", "fresh", "isolated", "polykernel_reset", "runnable_impls"]
 
@@ -37,8 +38,13 @@ class ParityResult:
     forward_error: float  # max |out - ref| / (atol + rtol |ref|): <= 1 passes
     backward_error: float
     message: str = ""
+    # Why the impl did not run this case at all (it cannot run here: no CUDA device, a module not
+    # installed, a dtype or a case its predicate refuses); ok is then False, nothing was compared.
+    skipped: str = ""
 
     def __str__(self) -> str:
+        if self.skipped:
+            return f"skip {self.op} [{self.impl}] {self.case} {self.dtype}: not available here: {self.skipped}"
         status = "ok" if self.ok else "FAIL"
         return (
             f"{status:4} {self.op} [{self.impl}] {self.case} {self.dtype}: "
@@ -116,8 +122,19 @@ def check_parity(
     whatever order its sums run in. ``impls`` defaults to every impl runnable on ``device``;
     ``cases`` to the op's own (``large=True`` adds its full-size GPU cases). Inputs are drawn
     fresh per case and dtype from ``seed``.
+
+    A named impl that cannot take a case here (no CUDA device, a module not installed, its dtype
+    or predicate) gives a result with ``skipped`` set to the reason, not a failure; a name the op
+    does not have raises :class:`~polykernel.errors.UnknownImplError` (listing the op's impls)
+    before anything runs. Unnamed impls are checked only on the cases they would be chosen for.
     """
     the_op = registry.get_op(op)
+    if impls is not None:
+        impls = [impls] if isinstance(impls, str) else list(impls)
+        known = registry.specs_for(the_op)
+        for name in impls:
+            if not isinstance(name, str) or name not in known:
+                raise UnknownImplError(the_op.id, name, sorted(known), "check_parity(impls=)")
     results: list[ParityResult] = []
     for dtype in dtypes or the_op.dtypes:
         names = list(impls) if impls is not None else runnable_impls(the_op, device, dtype)
@@ -151,6 +168,9 @@ def _one(op: Op, impl: str, case: Case, dtype: torch.dtype, backward: bool) -> P
     try:
         out = _as_tuple(public(*args_impl, impl=impl, **case.kwargs))
     except Exception as exc:
+        if isinstance(exc, ImplNotAvailableError) and not isinstance(exc, UnknownImplError) and (exc.op, exc.impl) == (op.id, impl):
+            # The dispatcher refused the impl before running it: not a parity failure
+            return ParityResult(**label, ok=False, forward_error=float("nan"), backward_error=float("nan"), skipped=exc.reason)
         return ParityResult(
             **label, ok=False, forward_error=float("inf"), backward_error=float("nan"), message=f"raised {type(exc).__name__}: {exc}"
         )
@@ -230,7 +250,7 @@ def _public_fn(op: Op) -> Any:
 def assert_parity(op: str | Op, impls: Sequence[str] | None = None, **kwargs: Any) -> list[ParityResult]:
     """``check_parity`` that raises ``AssertionError`` listing every failing case."""
     results = check_parity(op, impls, **kwargs)
-    failed = [r for r in results if not r.ok]
+    failed = [r for r in results if not r.ok]  # a case an impl could not run fails here too: it was asked for
     if failed:
         raise AssertionError(f"{len(failed)} of {len(results)} parity checks failed:\n" + "\n".join(map(str, failed)))
     if not results:

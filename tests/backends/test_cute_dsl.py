@@ -313,3 +313,12 @@ def test_wide_backward_more_rows_than_clusters(rows, n):
     x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (1 + 0.1 * torch.randn(n, device="cuda")).to(torch.bfloat16).requires_grad_()
     assert_parity("rms_norm", [Case(f"{rows}x{n}", (x, w))], torch.bfloat16)
+
+
+def test_the_gpu_parity_helper_skips_where_cute_dsl_cannot_run():
+    # On a GPU without CuTeDSL (or on no GPU) every case is refused: a skip, not "no case ran".
+    rows = {r["name"]: r for r in polykernel.explain("rms_norm", device="cuda", dtype=torch.bfloat16).impls}
+    if rows["cute_dsl"]["runnable"]:
+        pytest.skip("cute_dsl runs here: the parity tests run")
+    with pytest.raises(pytest.skip.Exception, match="cute_dsl cannot run here: "):
+        assert_parity("rms_norm", [], torch.bfloat16)  # what runnable() leaves of the cases then

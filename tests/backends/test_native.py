@@ -1,4 +1,4 @@
-"""The native (C++) launch path of the norms: backends/triton/_native.py and csrc/native.cpp.
+"""The native (C++) launch path of the norms, GLUs and rope: backends/triton/_native.py and csrc/.
 
 On the CPU: the extension builds from the repository (the README's commands build it in
 ``make setup``), and its specialization keys, parameter packing and layout reading are checked
@@ -9,7 +9,13 @@ parameters, misaligned inputs, side streams and CUDA-graph capture, and it reall
 
 from __future__ import annotations
 
+import fnmatch
+import os
+import shutil
 import struct
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -459,7 +465,7 @@ def test_unbuilt_extension_builds_in_the_background(fresh_loader, tmp_path, capl
     def slow_build(verbose: bool = False):
         started.set()
         release.wait(10)
-        return SimpleNamespace(driver_error=lambda: "")
+        return SimpleNamespace(driver_error=lambda: "", accept_triton=lambda major, minor: "")
 
     fresh_loader.setattr(_native, "build", slow_build)
     fresh_loader.setattr(_native, "REQUIRED", False)
@@ -549,3 +555,143 @@ def test_call_builds_a_plan_once_then_runs_natively(fresh_loader):
     assert made == ["a", "long rows"]  # one plan per key
     cpu = SimpleNamespace(key="cpu", is_cuda=False)
     assert _native.call("op", (cpu, 2), (cpu,), make_plan) is None and made == ["a", "long rows"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The build: torch picks the C++ standard, the build directory is keyed on every source; the
+# launch layout is behind a check of the Triton release
+
+
+def test_build_leaves_the_cxx_standard_to_torch():
+    # torch 2.14's headers need C++20; a -std of ours after torch's own would override it
+    assert not any(flag.startswith("-std") for flag in _native.CFLAGS)
+
+
+def test_build_dir_is_keyed_on_every_source_and_torch(tmp_path, monkeypatch):
+    csrc = tmp_path / "csrc"
+    shutil.copytree(_native.CSRC, csrc)
+    monkeypatch.setattr(_native, "CSRC", csrc)
+    monkeypatch.setenv("POLYKERNEL_CACHE_DIR", str(tmp_path / "cache"))
+    names = {p.relative_to(csrc).as_posix() for p in _native.sources()}
+    assert {"native.cpp", "slot.h", "driver.h", "plans.h", "ops/rms_norm.h", "ops/rope.h"} <= names
+    first = _native.build_dir()
+    assert first == _native.build_dir()  # stable
+    header = csrc / "ops" / "glu.h"
+    header.write_text(header.read_text() + "\n// changed\n")
+    second = _native.build_dir()
+    assert second != first  # an included header is part of the key, not only native.cpp
+    (csrc / "README.md").write_text("notes only")
+    assert _native.build_dir() == second  # what does not compile is not
+    monkeypatch.setattr(torch, "__version__", "9.9.9+test")
+    third = _native.build_dir()
+    assert third != second and third.name.startswith("torch9.9.9_test-py")
+
+
+def test_every_csrc_file_ships():
+    tomllib = pytest.importorskip("tomllib")
+    root = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["polykernel"]
+    package = _native.CSRC.parent
+    files = [p.relative_to(package).as_posix() for p in _native.CSRC.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    missing = [f for f in files if not any(fnmatch.fnmatchcase(f, g) for g in globs)]
+    assert files and not missing
+
+
+@pytest.mark.parametrize(("version", "expected"), [("3.6.0", (3, 6)), ("3.9.0", (3, 9)), ("3.10.1+git1a2b3c", (3, 10))])
+def test_triton_version_is_read_as_major_minor(monkeypatch, version, expected):
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", version)
+    assert _native.triton_version() == expected
+
+
+def test_launch_layout_accepts_only_the_triton_it_was_written_for(C):
+    try:
+        for ok in [(3, 6), (3, 7), (3, 8), (3, 9)]:  # 3.6: the H200's; 3.8: torch 2.14's; 3.9: CI's
+            assert C.accept_triton(*ok) == ""
+        for bad in [(3, 5), (3, 10), (4, 0), (2, 9)]:
+            why = C.accept_triton(*bad)
+            assert f"Triton {bad[0]}.{bad[1]} " in why and "3.6 to 3.9" in why
+    finally:
+        C.accept_triton(*_native.triton_version())
+
+
+def test_unknown_triton_takes_the_python_path(C, fresh_loader, caplog):
+    fresh_loader.setattr(_native, "build", lambda verbose=False: C)
+    fresh_loader.setattr(_native, "triton_version", lambda: (3, 99))
+    fresh_loader.setattr(_native, "REQUIRED", False)
+    try:
+        with caplog.at_level("WARNING", logger="polykernel"):
+            assert _native.module(wait=True) is None
+            assert _native.module(wait=True) is None
+        msgs = [r.getMessage() for r in caplog.records if "native launch path unavailable" in r.getMessage()]
+        assert len(msgs) == 1 and "Triton 3.99" in msgs[0]
+        fresh_loader.setattr(_native, "_state", "new")
+        fresh_loader.setattr(_native, "REQUIRED", True)
+        with pytest.raises(RuntimeError, match=r"Triton 3\.99.*POLYKERNEL_NATIVE=1"):
+            _native.module()
+    finally:
+        C.accept_triton(*_native.triton_version())
+
+
+# ---------------------------------------------------------------------------------------------
+# POLYKERNEL_NATIVE: 0|1|auto and their spellings; anything else is an error where first consulted
+
+
+@pytest.fixture
+def unsettled(monkeypatch):
+    """_native as if POLYKERNEL_NATIVE had not been read yet (restored after)."""
+    for name in ("ENABLED", "REQUIRED"):
+        if name in vars(_native):
+            monkeypatch.delitem(vars(_native), name)
+    return monkeypatch
+
+
+@pytest.mark.parametrize(
+    ("value", "required", "off"),
+    [
+        ("1", True, False),
+        (" On ", True, False),
+        ("TRUE", True, False),
+        ("yes", True, False),
+        ("0", False, True),
+        ("off", False, True),
+        ("False", False, True),
+        ("NO\n", False, True),
+        ("auto", False, False),
+        (" AUTO", False, False),
+        ("", False, False),
+    ],
+)
+def test_native_setting_spellings(unsettled, value, required, off):
+    unsettled.setenv("POLYKERNEL_NATIVE", value)
+    assert _native.REQUIRED is required
+    assert _native.ENABLED is (not off and _native._launch.ENABLED)
+
+
+@pytest.mark.parametrize("value", ["garbage", "2", "required", "o n", "-1"])
+def test_bad_native_setting_is_an_error_where_consulted(unsettled, value):
+    unsettled.setenv("POLYKERNEL_NATIVE", value)
+    match = r"POLYKERNEL_NATIVE=.*use 1 \(or on, true, yes.*0 \(or off, false, no.*auto"
+    with pytest.raises(ValueError, match=match):
+        _native.ENABLED  # noqa: B018 - what the ops read first
+    with pytest.raises(ValueError, match=match):
+        _native.module()
+    with pytest.raises(ValueError, match=match):
+        _native.set_enabled(True)
+    assert "ENABLED" not in vars(_native)  # never settled on a guess: asked again, it raises again
+
+
+def test_bad_native_setting_does_not_break_import():
+    env = {**os.environ, "POLYKERNEL_NATIVE": "garbage"}
+    code = (
+        "import polykernel\n"
+        "from polykernel.backends.triton import _native, rms_norm\n"
+        "try:\n"
+        "    _native.ENABLED\n"
+        "except ValueError as exc:\n"
+        "    print('raised:', exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "raised: POLYKERNEL_NATIVE='garbage'" in out.stdout

@@ -149,7 +149,7 @@ def test_custom_op_schema_follows_reference(op_id):
     assert [a.name for a in compiled.train._schema.arguments] == [*names, "grad_mask", "impl"]
     # Fixed arity (DTensor's register_sharding places each return): the outputs, then the op's
     # saved tensors; the backward takes them one by one and returns one tensor per tensor argument.
-    n_out, n_saved = len(fwd._schema.returns), len(library.SAVED.get(op_id, ()))
+    n_out, n_saved = len(fwd._schema.returns), len(op.saved or ())
     assert [str(r.type) for r in compiled.train._schema.returns] == ["Tensor"] * (n_out + n_saved)
     head = [f"grad_output_{i}" for i in range(n_out)] + [f"saved_{i}" for i in range(n_saved)]
     assert [a.name for a in compiled.train_backward._schema.arguments] == [*head, *names, "grad_mask", "impl"]

@@ -442,28 +442,30 @@ def test_dtensor_compiles_fullgraph_and_matches_eager(report, name):
 
 
 def test_sharded_ops_are_the_dtensor_layouts_and_compiling_does_not_route():
-    """dtensor_sharding lists the laid-out ops without importing polykernel.distributed.dtensor (whose import
-    routes the eager path's subclass checks): a process that compiles plain tensors keeps them off."""
+    """Compiling plain tensors imports neither the eager DTensor route nor its subclass checks
+    (importing polykernel.distributed.dtensor routes them); once it is imported, every op with a
+    layout (its own fact, Op.dtensor_layout) is routed, and the compiled sharding rules read the
+    same layouts."""
     import subprocess
     import sys
 
     code = (
         "import sys, torch, polykernel\n"
+        "from polykernel.core import registry, selection as dispatch\n"
         "f = torch.compile(lambda x, w: polykernel.rms_norm(x, w), fullgraph=True, backend='eager')\n"
         "f(torch.randn(4, 8), torch.ones(8))\n"
-        "from polykernel.core import selection as dispatch\n"
-        "from polykernel.compile import sharding as dtensor_sharding\n"
-        "print(sorted(dispatch.routed), 'polykernel.distributed.dtensor' in sys.modules, sorted(dtensor_sharding._LAID_OUT))\n"
+        "print(sorted(dispatch.routed), 'polykernel.distributed.dtensor' in sys.modules)\n"
         "from polykernel.distributed import dtensor\n"
-        "print(sorted(dtensor.LAYOUTS))\n"
+        "laid_out = sorted(i for i in registry.all_op_ids() if registry.get_op(i).dtensor_layout is not None)\n"
+        "print(sorted(dispatch.routed) == laid_out == sorted(dtensor.LAYOUTS), len(laid_out))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"}
     )
     assert out.returncode == 0, out.stderr
     first, second = out.stdout.strip().splitlines()[-2:]
-    assert first.startswith("[] False ")
-    assert first.removeprefix("[] False ") == second
+    assert first == "[] False"
+    assert second == "True 9"
 
 
 _DECOMPOSE_SCRIPT = """

@@ -664,7 +664,7 @@ def _variants(op_name):
         x = out[i]
         if "device" in kw or "dtype" in kw:
             x = x.detach().to(device=kw.get("device", x.device), dtype=kw.get("dtype", x.dtype))
-        if "grad" in kw and x.is_floating_point():  # (labels stay integers without a gradient)
+        if "grad" in kw and x.is_floating_point():  # (an int target takes no gradient)
             x = x.detach().clone().requires_grad_(kw["grad"])
         out[i] = x
         return tuple(out)
@@ -681,9 +681,14 @@ def _variants(op_name):
         "fused_add_rms_norm": (t(4, 8), t(4, 8), t(8), 1e-6, 0.0),
         "swiglu": (t(4, 8), t(4, 8)),
         "geglu": (t(4, 8), t(4, 8), "tanh"),
+        "softmax": (t(4, 8),),
+        "rope": (t(2, 4, 3, 8), t(2, 2, 3, 8), t(1, 3, 8), t(1, 3, 8)),
+        "cross_entropy": (t(4, 8), torch.randint(0, 8, (4,)), -100, 0.0, "mean"),
+        "fused_linear_cross_entropy": (t(4, 8), t(10, 8), torch.randint(0, 10, (4,)), t(10), -100, 0.0, "mean"),
         "kl_div": (t(4, 8), t(4, 8), "batchmean", False),
         "jsd": (t(4, 8), t(4, 8), torch.zeros(4, dtype=torch.long), 0.5, -100),
         "tvd": (t(4, 8), t(4, 8), torch.zeros(4, dtype=torch.long), "batchmean", -100),
+        "fused_linear_jsd": (t(4, 8), t(10, 8), t(4, 6), t(10, 6), torch.zeros(4, dtype=torch.long), 0.5, -100, 1.0),
     }[op_name]
     spec = registry.get_op(op_name).guard
     tensors = [i for i, kind in enumerate(spec) if kind is not None]
@@ -705,9 +710,12 @@ def _variants(op_name):
         ("scope", base, polykernel.use_impl("torch")),
         ("deterministic", base, _deterministic_algorithms()),
         ("last dim 16", tuple(t(*a.shape[:-1], 16) if isinstance(a, torch.Tensor) else a for a in base), nullcontext()),
-        ("a non-tensor", (base[0], [1.0] * 8, *base[2:]), nullcontext()),
-        ("one tensor twice", (base[0], base[0][0] if spec[1] == "shape" else base[0], *base[2:]), nullcontext()),
     ]
+    if len(base) > 1:
+        out += [
+            ("a non-tensor", (base[0], [1.0] * 8, *base[2:]), nullcontext()),
+            ("one tensor twice", (base[0], base[0][0] if spec[1] == "shape" else base[0], *base[2:]), nullcontext()),
+        ]
     for i in tensors:
         out += [
             (f"arg {i} requires grad", moved(base, i, grad=True), nullcontext()),
@@ -722,7 +730,7 @@ def _variants(op_name):
         if i and spec[i] == "shape":
             out.append((f"arg {i} None", tuple(None if j == i else a for j, a in enumerate(base)), nullcontext()))
     for i in options:
-        other = {float: 1e-3, str: "llama" if op_name == "rms_norm" else "none", int: 7, bool: True}[type(base[i])]
+        other = {float: 1e-3, int: 7, bool: True, str: "llama" if op_name == "rms_norm" else "none"}[type(base[i])]
         out += [
             (f"option {i} changed", tuple(other if j == i else a for j, a in enumerate(base)), nullcontext()),
             (
@@ -746,7 +754,21 @@ class _deterministic_algorithms:
         torch.use_deterministic_algorithms(False)
 
 
-GUARDED = ["rms_norm", "layer_norm", "fused_add_rms_norm", "swiglu", "geglu", "kl_div", "jsd", "tvd"]
+GUARDED = [
+    "rms_norm",
+    "layer_norm",
+    "fused_add_rms_norm",
+    "swiglu",
+    "geglu",
+    "softmax",
+    "rope",
+    "cross_entropy",
+    "fused_linear_cross_entropy",
+    "kl_div",
+    "jsd",
+    "tvd",
+    "fused_linear_jsd",
+]  # every op: one form
 
 
 @pytest.mark.parametrize("op_name", GUARDED)
@@ -771,7 +793,10 @@ def test_the_guard_never_reuses_a_decision_for_another_class(op_name):
             except (OpArgumentError, TypeError):
                 with pytest.raises((OpArgumentError, TypeError)):  # validation rejects it as well
                     op.validate(*args)
+                with pytest.raises((OpArgumentError, TypeError)):  # and so does a repeat
+                    op.dispatch(None, *args)
                 continue
+            op.validate(*args)  # what ran without validating is valid: its class holds validity
         base_key = memo_key.key(op.key(*base), None, (), False)
         # (a subclass's call is decided under its class plus the subclass's name when it is new)
         assert {k._replace(subclass=None) for k in op._memo} == {base_key, expected}, label
@@ -838,3 +863,19 @@ def test_alternating_classes_each_run_their_own_decision():
                 op.dispatch(None, *args)
                 assert ran == [op.key(*args)]
                 assert len(op._fast) <= op_mod.FAST_RECORDS
+
+
+def test_a_dims_guard_pins_only_the_sizes_it_names():
+    from polykernel.core import hit_guard
+
+    if not hit_guard.available():
+        pytest.skip("this torch has no TensorGuards")
+    a, b = torch.randn(2, 3, 4), torch.randn(5)
+    check = hit_guard.build((hit_guard.dims(0, 2), hit_guard.dims()), (a, b))
+    assert check(torch.randn(2, 7, 4), torch.randn(9))  # dim 1 and b's sizes are free
+    assert not check(torch.randn(3, 3, 4), b)  # dim 0 is pinned
+    assert not check(torch.randn(2, 3, 5), b)  # dim 2 is pinned
+    assert not check(torch.randn(2, 3, 4, 1), b)  # so is the number of dims
+    assert not check(a.double(), b)  # and the dtype
+    with pytest.raises(ValueError):
+        hit_guard.dims(-1)

@@ -330,3 +330,36 @@ def test_plain_decision_does_not_capture_dtensor_calls(report):
     r = report[("after-plain", "")]
     assert r["raw"] == ["triton", "triton"]  # the plain call, then the shards of the DTensor call
     assert r["placements"] == ["S(0)"] and r["types"] == ["Tensor", "DTensor"]
+
+
+def test_the_ops_with_a_layout_are_routed_and_an_op_added_later_too():
+    """Importing the DTensor route routes every op whose own facts hold a layout
+    (``Op.dtensor_layout``; see dispatch.routed), and an op created later with one; an op without
+    one stays off the subclass check. In a subprocess: the toy ops stay out of this one."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from polykernel.core import registry, selection as dispatch
+from polykernel.core.op import Op
+from polykernel.distributed import dtensor
+from polykernel.distributed.layout import ROWS, Layout, rows_with
+
+laid_out = sorted(i for i in registry.all_op_ids() if registry.get_op(i).dtensor_layout is not None)
+assert len(laid_out) == 9 and sorted(dispatch.routed) == laid_out == sorted(dtensor.LAYOUTS), laid_out
+
+def ref(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+common = dict(fields=("device", "dtype", "needs_grad"), key=lambda x: (x.device, x.dtype, False),
+              default_key=lambda device, dtype: (device, dtype, False), reference=ref, error_model=None,
+              dtypes=(torch.float32,), cases=lambda device, dtype: [], example=None)
+Op("toy.laid_out", dtensor_layout=Layout(ROWS, rows_with(), (0,)), **common)
+Op("toy.not_laid_out", **common)
+assert "toy.laid_out" in dispatch.routed and "toy.not_laid_out" not in dispatch.routed
+assert dtensor.LAYOUTS["toy.laid_out"].lead_dims == ROWS and "toy.not_laid_out" not in dtensor.LAYOUTS
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -1,5 +1,5 @@
 """Hugging Face integration: a patched tiny model gives the unpatched one's logits, loss and
-gradients, and really runs polykernel's ops (spies), for Llama, Mistral, Qwen2, Qwen3 and Gemma.
+gradients, and really runs polykernel's ops (spies, ``decisions()``), for every supported family.
 
 Tiny random models from configs (no downloads). The parity tests force the torch impls (the
 Triton interpreter is slow on the CPU); one small test runs through the default selection.
@@ -8,6 +8,7 @@ Triton interpreter is slow on the CPU); one small test runs through the default 
 import collections
 import copy
 import functools
+import inspect
 import subprocess
 import sys
 
@@ -34,9 +35,78 @@ FAMILIES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "query_pre_attn_scalar": 16}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
 }
-GELU_FAMILIES = ("gemma", "gemma2")
+GELU_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 # family -> (offset, casting) of its RMSNorm in polykernel.rms_norm's terms
-NORMS = {"gemma": (1.0, "fp32"), "gemma2": (1.0, "fp32"), "olmo2": (0.0, "fp32")}
+NORMS = {
+    "gemma": (1.0, "fp32"),
+    "gemma2": (1.0, "fp32"),
+    "olmo2": (0.0, "fp32"),
+    "gemma3_text": (1.0, "fp32"),
+    "gpt_oss": (0.0, "fp32"),
+    "olmo3": (0.0, "fp32"),
+}
+
+# The families of issue 23: family -> (config class, causal-LM class, config overrides). MoE: 4
+# experts, top-2; non-default settings where a family has its own semantics to keep (Granite's
+# multipliers, SmolLM3's NoPE layer, EXAONE 4's global NoPE layer, a dense and a sparse layer).
+MOE = dict(num_experts_per_tok=2, head_dim=16)
+MORE_FAMILIES = {
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {**MOE, "num_experts": 4, "moe_intermediate_size": 32, "mlp_only_layers": [0]},  # layer 0 dense, 1 sparse
+    ),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {**MOE, "num_local_experts": 4}),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {**MOE, "num_local_experts": 4, "intermediate_size": 32, "sliding_window": 8}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"eos_token_id": 1}),
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.1, "logits_scaling": 4.0},
+    ),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 16}),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layers": [1, 0], "bos_token_id": 1, "eos_token_id": 2}),
+    "olmo3": (
+        "Olmo3Config",
+        "Olmo3ForCausalLM",
+        {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"], "eos_token_id": 1},
+    ),
+    "ministral": ("MinistralConfig", "MinistralForCausalLM", {"head_dim": 16}),
+    "exaone4": (
+        "Exaone4Config",
+        "Exaone4ForCausalLM",
+        {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            "num_experts_per_tok": 2,
+            "n_routed_experts": 4,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 32,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+        },
+    ),
+    "llama4_text": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        {**MOE, "num_local_experts": 4, "intermediate_size": 32, "intermediate_size_mlp": 128, "interleave_moe_layer_step": 2},
+    ),
+}
+ALL_FAMILIES = {**FAMILIES, **MORE_FAMILIES}
 
 
 def has_op(name):
@@ -58,7 +128,7 @@ def switches_only(*names):
 
 
 def tiny(family, dtype=torch.float32, seed=0, layers=2, **overrides):
-    cfg_name, model_name, extra = FAMILIES[family]
+    cfg_name, model_name, extra = ALL_FAMILIES[family]
     kwargs = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -71,6 +141,9 @@ def tiny(family, dtype=torch.float32, seed=0, layers=2, **overrides):
     )
     kwargs.update(extra)
     kwargs.update(overrides)
+    for per_layer in ("layer_types", "no_rope_layers"):  # one entry per layer
+        if per_layer in kwargs:
+            kwargs[per_layer] = kwargs[per_layer][:layers]
     config = getattr(transformers, cfg_name)(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).to(dtype)
@@ -252,7 +325,32 @@ def test_parity_bf16(family, calls, torch_impls):
     assert set(calls) >= expected_calls(family, dict.fromkeys(SWITCHES, True))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["olmo2", "olmo3"])
+def test_olmo_rope_runs_on_its_fp32_tables_in_bf16(family, calls, torch_impls):
+    # Olmo's rotary embedding returns fp32 tables and its rotary function casts back to q's
+    # dtype: polykernel.rope's own math, so bf16 q/k with those tables run polykernel.rope
+    ref = tiny(family, torch.bfloat16, layers=1)
+    model = copy.deepcopy(ref)
+    pkt.patch(model, **switches_only("rope"))
+    ids, _ = batch()
+    ref.eval(), model.eval()
+    with torch.no_grad():
+        cos, sin = torch.randn(2, 1, T, 16).unbind(0)  # fp32, as the model makes them
+        q = torch.randn(B, 4, T, 16, dtype=torch.bfloat16)
+        k = torch.randn(B, 2, T, 16, dtype=torch.bfloat16)
+        want = sys.modules[type(ref).__module__].apply_rotary_pos_emb(q, k, cos, sin)
+        patched_forward = inspect.unwrap(model.model.layers[0].self_attn.forward.__func__)
+        got = patched_forward.__globals__["apply_rotary_pos_emb"](q, k, cos, sin)
+        assert calls["rope"] == 1
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype == torch.bfloat16
+            torch.testing.assert_close(g, w, atol=0, rtol=0)  # (fp32 math, one rounding: the same bits)
+        calls.clear()
+        a, b = model(ids).logits.float(), ref(ids).logits.float()
+    assert calls["rope"] == 1 and (a - b).abs().max() < 0.05 * b.abs().max()
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_norm_mapping_matches_installed_transformers(family, monkeypatch):
     # The (offset, casting) each family maps to reproduces the installed transformers' RMSNorm
     # bit for bit under the op's reference semantics (bf16, where the castings differ), and the
@@ -567,7 +665,7 @@ def test_unsupported_activation_is_left_alone(calls, torch_impls):
     ref = tiny("llama", hidden_act="relu")
     model = copy.deepcopy(ref)
     pkt.patch(model)
-    assert "swiglu" not in pkt.patched(model)
+    assert pkt.patched(model)["swiglu"] == "left alone: LlamaMLP: its activation ReLU is not SiLU or GELU"
     ids, labels = batch()
     torch.testing.assert_close(train_step(model, ids, labels).loss, train_step(ref, ids, labels).loss, **FP32)
     assert calls["swiglu"] == 0 and calls["geglu"] == 0
@@ -659,9 +757,251 @@ def test_default_selection_small(calls):
     assert set(calls) >= expected_calls("llama", dict.fromkeys(SWITCHES, True))
 
 
+# -- the families of issue 23 ----------------------------------------------------------------------
+OP_IDS = {
+    "rms_norm": "norm.rms_norm",
+    "swiglu": "activation.swiglu",
+    "geglu": "activation.geglu",
+    "rope": "embedding.rope",
+    "cross_entropy": "loss.cross_entropy",
+    "fused_linear_cross_entropy": "loss.fused_linear_cross_entropy",
+}
+# family -> the ops its patched model runs besides the loss (default: rms_norm, swiglu, rope)
+FAMILY_OPS = {
+    "gemma3_text": ("rms_norm", "geglu", "rope"),
+    "mixtral": ("rms_norm", "rope"),  # no dense MLP: the SwiGLU is in the experts
+    "gpt_oss": ("rms_norm", "rope"),  # its experts' clamped SwiGLU stays
+    "glm4": ("rms_norm", "swiglu"),  # interleaved partial rotary stays
+    "llama4_text": ("rms_norm", "swiglu"),  # complex-pair rotary stays
+}
+# family -> the kinds patched() reports as left alone
+LEFT_ALONE = {
+    "qwen3_moe": {"moe_experts"},
+    "mixtral": {"moe_experts"},
+    "gpt_oss": {"moe_experts"},
+    "glm4": {"rope"},
+    "deepseek_v3": {"moe_experts"},
+    "llama4_text": {"rope", "l2_norm", "moe_experts"},
+}
+# family -> patched gated MLPs of the 2 layers (MoE: dense layers and shared experts); patched
+# attentions calling the rotary function (NoPE layers call none); default 2
+MLPS = {"qwen3_moe": 1, "mixtral": 0, "gpt_oss": 0}
+ROPES = {"smollm3": 1, "exaone4": 1}
+FAMILY_CASES = [pytest.param(f, {}, id=f) for f in MORE_FAMILIES] + [
+    pytest.param("deepseek_v3", {"rope_interleave": False}, id="deepseek_v3-rotate-half")
+]
+
+
+def ops_ran():
+    return {d["op"] for d in polykernel.decisions()}
+
+
+def expected_ops(family, loss_op):
+    return {OP_IDS[op] for op in (*FAMILY_OPS.get(family, ("rms_norm", "swiglu", "rope")), loss_op) if has_op(op)}
+
+
+@pytest.mark.parametrize("family, overrides", FAMILY_CASES)
+def test_family_parity_fp32(family, overrides, torch_impls):
+    # one patched tiny model against the same weights unpatched: a training step (the fused loss)
+    # gives the loss and every gradient, an eval step with labels the logits and the loss
+    ref = tiny(family, **overrides)
+    model = copy.deepcopy(ref)
+    pkt.patch(model)
+    kinds = pkt.patched(model)
+    left = {kind for kind, v in kinds.items() if isinstance(v, str)}
+    assert left == LEFT_ALONE.get(family, set()), kinds
+    assert all(kinds[kind].startswith("left alone: ") for kind in left)
+    norms = [n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
+    if has_op("rms_norm"):
+        assert len(norms) >= 5 and sorted(kinds["rms_norm"]) == sorted(norms)
+    if has_op("swiglu"):
+        assert len(kinds.get("swiglu", [])) == MLPS.get(family, 2), kinds
+    if has_op("rope") and "rope" not in left:
+        assert len(kinds["rope"]) == ROPES.get(family, 2), kinds
+
+    ids, labels = batch()
+    out, want = train_step(model, ids, labels), train_step(ref, ids, labels)
+    torch.testing.assert_close(out.loss, want.loss, **FP32)
+    assert_grads_close(model, ref, **FP32_GRAD)
+    fused = has_op("fused_linear_cross_entropy")
+    assert (out.logits is None) == fused
+    assert ops_ran() == expected_ops(family, "fused_linear_cross_entropy" if fused else "cross_entropy")
+    offset, casting = NORMS.get(family, (0.0, "llama"))
+    assert {(d["arg_class"]["offset"], d["arg_class"]["casting"]) for d in polykernel.decisions("rms_norm")} <= {(offset, casting)}
+
+    polykernel.clear_caches()
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        out, want = model(ids, labels=labels), ref(ids, labels=labels)
+    torch.testing.assert_close(out.logits, want.logits, **FP32)
+    torch.testing.assert_close(out.loss, want.loss, **FP32)
+    assert ops_ran() == expected_ops(family, "cross_entropy")
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "phi3", "qwen3_moe"])
+def test_family_compiled_fullgraph(family, torch_impls):
+    # a training step of the patched model under torch.compile(fullgraph=True): no graph break,
+    # the unpatched eager loss and gradients. rms_norm and the fused loss run as polykernel's
+    # custom ops; swiglu/geglu/rope decompose under compile (Inductor fuses their torch reference)
+    ref = tiny(family)
+    model = copy.deepcopy(ref)
+    pkt.patch(model)
+    ids, labels = batch()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out, want = train_step(compiled, ids, labels), train_step(ref, ids, labels)
+    torch.testing.assert_close(out.loss, want.loss, **FP32)
+    assert_grads_close(model, ref, **FP32_GRAD)
+    assert ops_ran() >= {OP_IDS[op] for op in ("rms_norm", "fused_linear_cross_entropy") if has_op(op)}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_moe_router_aux_loss_is_kept(family, torch_impls):
+    # output_router_logits=True: the loss is the LM loss plus router_aux_loss_coef x the
+    # load-balancing loss, on the fused path (training) and the logits path (eval)
+    ref, model = pair(family)
+    ids, labels = batch()
+    out = train_step(model, ids, labels, output_router_logits=True)
+    want = train_step(ref, ids, labels, output_router_logits=True)
+    assert want.aux_loss is not None and len(out.router_logits) == len(want.router_logits) >= 1
+    torch.testing.assert_close(out.aux_loss, want.aux_loss, **FP32)
+    torch.testing.assert_close(out.loss, want.loss, **FP32)
+    assert_grads_close(model, ref, **FP32_GRAD)
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        out, want = model(ids, labels=labels, output_router_logits=True), ref(ids, labels=labels, output_router_logits=True)
+    torch.testing.assert_close(out.loss, want.loss, **FP32)
+    torch.testing.assert_close(out.logits, want.logits, **FP32)
+    assert ops_ran() >= expected_ops(family, "cross_entropy")
+
+
+def test_partial_rotary_is_left_alone(torch_impls):
+    # Phi-4-mini-style partial rotary: polykernel.rope has no rotary_dim, so the rotary stays
+    ref = tiny("phi3", partial_rotary_factor=0.5)
+    model = copy.deepcopy(ref)
+    pkt.patch(model)
+    why = "left alone: partial rotary (rotary_dim=8 of head_dim 16) is not expressible yet: polykernel.rope has no rotary_dim"
+    assert pkt.patched(model)["rope"] == why
+    ids, labels = batch()
+    out, want = train_step(model, ids, labels), train_step(ref, ids, labels)
+    torch.testing.assert_close(out.loss, want.loss, **FP32)
+    assert_grads_close(model, ref, **FP32_GRAD)
+    assert "embedding.rope" not in ops_ran()
+    pkt.patch(model, rope=False)  # switched off: nothing to explain
+    assert "rope" not in pkt.patched(model)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "deepseek_v3", "glm4"])
+def test_class_level_patch_more_families(family, torch_impls):
+    ref = tiny(family)
+    try:
+        pkt.patch(family)
+        kinds = pkt.patched(family)
+        if family == "glm4":
+            assert kinds["rope"].startswith("left alone: GLM's rotary is interleaved and partial")
+        else:  # DeepSeek: the rotate-half and the interleaved function
+            assert len(kinds["rope"]) == (2 if family == "deepseek_v3" else 1), kinds
+        model = tiny(family)  # built after: same seed, same weights as ref
+        ids, labels = batch()
+        out = train_step(model, ids, labels)
+        assert ops_ran() == expected_ops(family, "fused_linear_cross_entropy" if has_op("fused_linear_cross_entropy") else "cross_entropy")
+        pkt.unpatch(family)
+        torch.testing.assert_close(out.loss, train_step(ref, ids, labels).loss, **FP32)
+        assert_grads_close(model, ref, **FP32_GRAD)
+    finally:
+        pkt.unpatch(family)
+    assert pkt.patched(family) == {}
+
+
+# Qwen2-VL, Qwen2.5-VL: a 2-layer language model and a tiny vision tower; each row of the batch
+# holds one 1x4x4-patch image (4 tokens once merged 2x2), so M-RoPE's 3D positions differ from 1D
+IMAGE, VISION_START, VISION_END = VOCAB - 6, VOCAB - 5, VOCAB - 4
+VL_TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+)
+VL_PATCHES = dict(patch_size=2, spatial_merge_size=2, temporal_patch_size=2, in_channels=3, num_heads=2)
+VL = {
+    "qwen2_vl": (
+        "Qwen2VLConfig",
+        "Qwen2VLForConditionalGeneration",
+        dict(depth=1, embed_dim=32, hidden_size=64, mlp_ratio=2, **VL_PATCHES),
+    ),
+    "qwen2_5_vl": (
+        "Qwen2_5_VLConfig",
+        "Qwen2_5_VLForConditionalGeneration",
+        dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, window_size=8, fullatt_block_indexes=[1], **VL_PATCHES),
+    ),
+}
+
+
+def tiny_vl(family):
+    cfg_name, model_name, vision = VL[family]
+    ids = dict(image_token_id=IMAGE, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, video_token_id=VOCAB - 3)
+    config = getattr(transformers, cfg_name)(text_config=VL_TEXT, vision_config=vision, **ids)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def vl_batch(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, IMAGE, (B, T), generator=g)
+    ids[:, 2], ids[:, 3:7], ids[:, 7] = VISION_START, IMAGE, VISION_END
+    labels = ids.clone()
+    labels[0, :5] = -100
+    mm_token_type_ids = torch.zeros_like(ids)
+    mm_token_type_ids[:, 3:7] = 1
+    pixels = torch.randn(B * 16, 3 * 2 * 2 * 2, generator=g)  # 16 patches of 3 x 2 x 2 x 2 per image
+    grid = torch.tensor([[1, 4, 4]] * B)
+    return ids, labels, dict(pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=mm_token_type_ids)
+
+
+@pytest.mark.parametrize("family", VL)
+def test_vl_family_parity_fp32(family, calls, torch_impls):
+    # the language model (rotate-half on M-RoPE's merged tables) and the vision tower's rotary
+    # (2.5-VL: its RMSNorms and gated MLPs too), with an image in each row
+    ref = tiny_vl(family)
+    model = copy.deepcopy(ref)
+    pkt.patch(model)
+    kinds = pkt.patched(model)
+    vision_blocks = len(ref.model.visual.blocks)
+    assert sum(name.startswith("model.visual.") for name in kinds["rope"]) == vision_blocks
+    assert len(kinds["rope"]) == vision_blocks + 2 and len(kinds["loss"]) == 1
+    if family == "qwen2_vl":
+        assert kinds["vision_mlp"].startswith("left alone: Qwen2-VL's vision MLP is not gated")
+        assert not any(name.startswith("model.visual.") for name in kinds["rms_norm"] + kinds["swiglu"])
+    else:
+        assert sum(name.startswith("model.visual.") for name in kinds["swiglu"]) == vision_blocks
+        assert sum(name.startswith("model.visual.") for name in kinds["rms_norm"]) == 2 * vision_blocks + 1  # and the merger's
+    ids, labels, images = vl_batch()
+    calls.clear()
+    out, want = train_step(model, ids, labels, **images), train_step(ref, ids, labels, **images)
+    assert calls["rope"] == len(kinds["rope"])  # every patched attention ran polykernel.rope
+    torch.testing.assert_close(out.loss, want.loss, **FP32)
+    assert_grads_close(model, ref, **FP32_GRAD)
+    assert ops_ran() == expected_ops(family, "fused_linear_cross_entropy" if has_op("fused_linear_cross_entropy") else "cross_entropy")
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        out, want = model(ids, labels=labels, **images), ref(ids, labels=labels, **images)
+    torch.testing.assert_close(out.logits, want.logits, **FP32)
+    torch.testing.assert_close(out.loss, want.loss, **FP32)
+
+
 # -- GPU: bf16, real kernels --------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(ALL_FAMILIES))
 def test_gpu_bf16_real_kernels(family):
     kwargs = dict(
         vocab_size=32000,
@@ -672,9 +1012,9 @@ def test_gpu_bf16_real_kernels(family):
         num_key_value_heads=4,
         max_position_embeddings=512,
     )
-    if family in ("mistral", "qwen3", "gemma", "gemma2"):
+    cfg_name, model_name, extra = ALL_FAMILIES[family]
+    if family in ("mistral", "qwen3", "gemma", "gemma2") or "head_dim" in extra:
         kwargs["head_dim"] = 64
-    cfg_name, model_name, extra = FAMILIES[family]
     config = getattr(transformers, cfg_name)(**{**extra, **kwargs})
     torch.manual_seed(0)
     ref = getattr(transformers, model_name)(config).to("cuda", torch.bfloat16)

@@ -161,6 +161,42 @@ def test_bad_input_names_op_and_argument(args, kwargs, exc, words):
     assert "loss.cross_entropy" in str(info.value) and words in str(info.value)
 
 
+_M = {"device": "meta"}  # meta tensors stand in for a GPU: off the CPU validation is per class
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, exc, words",
+    [
+        ((_bad(4, 8, **_M).int(), torch.zeros(4, dtype=torch.long, **_M)), {}, OpTypeError, "'logits'"),
+        ((_bad(4, 8, **_M), torch.zeros(4, **_M)), {}, OpTypeError, "'target'"),
+        ((_bad(4, 8, **_M), torch.zeros(4, dtype=torch.int16, **_M)), {}, OpTypeError, "'target'"),
+        ((_bad(4, 8, **_M), torch.zeros(5, dtype=torch.long, **_M)), {}, OpArgumentError, "'target'"),
+        ((_bad(4, 8, **_M), torch.zeros(4, 1, dtype=torch.long, **_M)), {}, OpArgumentError, "'target'"),
+        ((_bad(4, 8, **_M), torch.zeros(4, dtype=torch.long, **_M)), {"reduction": "avg"}, OpArgumentError, "'reduction'"),
+        ((_bad(4, 8, **_M), torch.zeros(4, dtype=torch.long, **_M)), {"label_smoothing": 1.5}, OpArgumentError, "'label_smoothing'"),
+        ((_bad(4, 8, **_M), torch.zeros(4, dtype=torch.long, **_M)), {"label_smoothing": True}, OpArgumentError, "'label_smoothing'"),
+        ((_bad(4, 8, **_M), torch.zeros(4, dtype=torch.long, **_M)), {"ignore_index": 1.0}, OpArgumentError, "'ignore_index'"),
+    ],
+)
+def test_off_the_cpu_a_bad_call_after_good_ones_is_rejected_every_time(args, kwargs, exc, words):
+    good = (_bad(4, 8, **_M), torch.zeros(4, dtype=torch.long, **_M))
+    for _ in range(2):  # a decision and its guard for the valid class
+        polykernel.cross_entropy(*good)
+    for _ in range(2):
+        with pytest.raises(exc) as info:
+            polykernel.cross_entropy(*args, **kwargs)
+        assert "loss.cross_entropy" in str(info.value) and words in str(info.value)
+
+
+def test_on_the_cpu_the_target_range_is_checked_on_every_call():
+    x, good, bad = torch.randn(4, 8), torch.tensor([0, 1, 2, 3]), torch.tensor([0, 1, 8, 3])
+    for _ in range(2):
+        polykernel.cross_entropy(x, good)
+    for _ in range(2):  # same argument class as the good calls: the data decides
+        with pytest.raises(OpArgumentError, match="out of range"):
+            polykernel.cross_entropy(x, bad)
+
+
 def test_ignore_index_inside_range_is_accepted():
     x, t = torch.randn(3, 8), torch.tensor([3, 1, 3])
     torch.testing.assert_close(polykernel.cross_entropy(x, t, ignore_index=3), F.cross_entropy(x, t, ignore_index=3))

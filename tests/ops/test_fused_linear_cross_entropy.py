@@ -219,6 +219,36 @@ def test_bad_input_names_op_and_argument(args, kwargs, exc, words):
     assert "loss.fused_linear_cross_entropy" in str(info.value) and words in str(info.value)
 
 
+_M = {"device": "meta"}  # meta tensors stand in for a GPU: off the CPU validation is per class
+_TM = torch.zeros(4, dtype=torch.long, **_M)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, exc, words",
+    [
+        ((_h(4, 8, **_M), _h(10, 7, **_M), _TM), {}, OpArgumentError, "'weight'"),
+        ((_h(4, 8, **_M), _h(10, **_M), _TM), {}, OpArgumentError, "'weight'"),
+        ((_h(4, 8, **_M), _h(10, 8, dtype=torch.float64, **_M), _TM), {}, OpTypeError, "'weight'"),
+        ((_h(4, 8, **_M), _h(10, 8, **_M), _TM, _h(9, **_M)), {}, OpArgumentError, "'bias'"),
+        ((_h(4, 8, **_M), _h(10, 8, **_M), _TM, _h(10, dtype=torch.float16, **_M)), {}, OpTypeError, "'bias'"),
+        ((_h(4, 8, **_M), _h(10, 8, **_M), torch.zeros(3, dtype=torch.long, **_M)), {}, OpArgumentError, "'target'"),
+        ((_h(4, 8, **_M), _h(10, 8, **_M), torch.zeros(4, **_M)), {}, OpTypeError, "'target'"),
+        ((_h(4, 8, **_M), _h(10, 8, **_M), _TM), {"reduction": "batchmean"}, OpArgumentError, "'reduction'"),
+        ((_h(4, 8, **_M), _h(10, 8, **_M), _TM), {"label_smoothing": 2.0}, OpArgumentError, "'label_smoothing'"),
+        ((_h(4, 8, **_M), _h(10, 8, **_M), _TM), {"ignore_index": None}, OpArgumentError, "'ignore_index'"),
+    ],
+)
+def test_off_the_cpu_a_bad_call_after_good_ones_is_rejected_every_time(args, kwargs, exc, words):
+    good = (_h(4, 8, **_M), _h(10, 8, **_M), _TM, _h(10, **_M))
+    for _ in range(2):  # decisions and their guards for the valid classes, with and without bias
+        polykernel.fused_linear_cross_entropy(*good)
+        polykernel.fused_linear_cross_entropy(*good[:3])
+    for _ in range(2):
+        with pytest.raises(exc) as info:
+            polykernel.fused_linear_cross_entropy(*args, **kwargs)
+        assert "loss.fused_linear_cross_entropy" in str(info.value) and words in str(info.value)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_parity_gpu_large(dtype):

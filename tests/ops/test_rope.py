@@ -7,7 +7,7 @@ import torch
 import polykernel
 from polykernel.core.op import Case
 from polykernel.errors import ImplNotAvailableError, OpArgumentError, OpTypeError
-from polykernel.ops.rope import _rope_tables, _valid, bytes_moved, cases, example, reference, rotate_half
+from polykernel.ops.rope import _key, _rope_tables, bytes_moved, cases, example, reference, rotate_half
 from polykernel.testing import assert_parity, check_parity, runnable_impls
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -231,9 +231,9 @@ def test_example_and_bytes_moved():
     assert bytes_moved(*case.args, backward=True) == 2 * fwd
 
 
-def test_quick_check_accepts_every_case():
+def test_every_case_has_a_class_that_holds_its_shapes_valid():
     for case in cases("cpu", torch.float32):
-        assert _valid(*case.args), case.label
+        assert _key(*case.args)[-1] is True, case.label  # args_match
 
 
 _q, _k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
@@ -269,10 +269,13 @@ _c = torch.randn(1, 5, 8)
     ],
 )
 def test_bad_input_names_op_and_argument(args, exc, words):
-    assert not _valid(*args)  # the hot path's quick check sends it to `validate`
-    with pytest.raises(exc) as info:
-        polykernel.rope(*args)
-    assert "embedding.rope" in str(info.value) and words in str(info.value)
+    good = (_q, _k, _c, _c.clone())
+    for _ in range(2):  # a decision and its guard for the valid class of the same dtypes
+        polykernel.rope(*good)
+    for _ in range(2):  # rejected on a repeat too: the bad call's class is never memoized
+        with pytest.raises(exc) as info:
+            polykernel.rope(*args)
+        assert "embedding.rope" in str(info.value) and words in str(info.value)
 
 
 @pytest.mark.gpu

@@ -122,3 +122,62 @@ def test_json_output_is_exact_json(capsys):
     con = make_console(io.StringIO(), force_terminal=True)
     assert main(["explain", "rms_norm", "--device", "cpu", "--json"], console=con) == 0
     assert json.loads(capsys.readouterr().out)["op"] == "norm.rms_norm"
+
+
+# ------------------------------------------------------------------------------------------------
+# check: an impl that cannot run here, or a name the op lacks, is one line, not a FAIL per case
+
+
+def test_check_an_impl_that_cannot_run_here_is_one_line():
+    # CPU tensors: cute_dsl needs a CUDA device whatever is installed
+    rc, text = _run(["check", "rms_norm", "--device", "cpu", "--dtype", "float32", "--impl", "cute_dsl"], False)
+    assert rc == 1
+    assert "FAIL" not in text and "inf" not in text
+    (line,) = [ln for ln in text.splitlines() if "not available here" in ln]
+    assert line.startswith("norm.rms_norm: impl 'cute_dsl' is not available here: needs a CUDA device")
+    assert text.rstrip().splitlines()[-1].startswith("0 passed, 0 failed, ")
+
+
+def test_check_triton_without_the_interpreter_on_a_cpu_is_not_available():
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, "-m", "polykernel", "check", "rms_norm", "--impl", "triton", "--device", "cpu", "--dtype", "float32"],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": SRC},
+    )
+    assert out.returncode == 1, out.stderr
+    assert "FAIL" not in out.stdout
+    assert "norm.rms_norm: impl 'triton' is not available here: needs a CUDA device" in out.stdout
+
+
+def test_check_an_unknown_impl_is_one_line_listing_the_impls(capsys):
+    from polykernel.core import registry
+
+    assert main(["check", "rms_norm", "--device", "cpu", "--impl", "tritonn"]) == 2
+    captured = capsys.readouterr()
+    assert "FAIL" not in captured.out
+    assert captured.err.strip() == (
+        f"polykernel check: norm.rms_norm has no impl 'tritonn'; its impls are: {', '.join(sorted(registry.specs_for('rms_norm')))}"
+    )
+    assert main(["check", "--device", "cpu", "--impl", "tritonn"]) == 2  # no op given: no op has it
+    assert "no op has an impl 'tritonn'; the ops' impls are: " in capsys.readouterr().err
+
+
+def test_check_skips_the_ops_that_lack_a_named_impl(monkeypatch):
+    from polykernel import testing
+    from polykernel.core import registry
+
+    asked = []
+    monkeypatch.setattr(testing, "check_parity", lambda op, impls, **k: asked.append((op, impls)) or [])
+    rc, _ = _run(["check", "--device", "cpu", "--impl", "quack"], False)
+    assert rc == 0
+    assert asked == [(op, ["quack"]) for op in polykernel_ops() if "quack" in registry.specs_for(op)]
+
+
+def polykernel_ops():
+    import polykernel
+
+    return polykernel.list_ops()

@@ -261,6 +261,7 @@ def test_demo_output_on_a_terminal_and_plain(cpu_default, terminal, tmp_path):
     assert "━" in text if terminal else not any(c in text for c in "━─│")
     row = next(ln for ln in text.splitlines() if ln.lstrip().startswith("polykernel ") and "x" in ln)
     assert "MiB" in row and ("agree" in row)
+    assert text.rstrip().endswith("ok: polykernel trains to the same losses as plain PyTorch.")
 
 
 def test_demo_plot_and_load(cpu_default, tmp_path):
@@ -320,3 +321,93 @@ def test_demo_on_gpu_all_contenders(tmp_path):
     assert used["norm.rms_norm"] != "torch" and used["loss.fused_linear_cross_entropy"] != "torch", used
     # the fused loss never materializes the [B*T, V] logits (and their fp32 copies and gradients)
     assert runs["polykernel"]["peak_bytes"] < runs["torch"]["peak_bytes"], (runs["polykernel"]["peak_bytes"], runs["torch"]["peak_bytes"])
+
+
+# ------------------------------------------------------------------------------------------------
+# The report on an 80-column terminal, and what it says (no training: a made-up result)
+
+
+def _result(device: str, impl: str = "torch", labels=("torch", "polykernel", "liger", "compile", "polykernel+compile")):
+    from polykernel.tools.demo import runs
+
+    base_losses = [6.2 - 0.1 * i for i in range(20)]
+    used = [
+        {"op": op, "impl": impl, "source": "auto", "why": "auto: best-ranked impl that can run", "forward_only": False,
+         "skipped": [] if impl != "torch" else ["triton: needs a CUDA device", "cute_dsl: needs a CUDA device"]}
+        for op in ("norm.rms_norm", "loss.fused_linear_cross_entropy")
+    ]  # fmt: skip
+    made = [
+        runs.RunResult(
+            label, [x + 1.43e-6 * k for x in base_losses], [45.6 + k] + [0.0123 * (1 + k / 10)] * 19, 65536 * 256,
+            (12 - k) * 2**30 + 345 * 2**20, "torch.cuda.max_memory_allocated", used if label == "polykernel" else [],
+        )
+        for k, label in enumerate(labels)
+    ]  # fmt: skip
+    return runs.DemoResult(runs.SETUPS["tiny"], runs.model_shape("tiny"), "hf", device, "bfloat16", 1.309, made, 2e-3, 0.0)
+
+
+def _render(print_fn, *args) -> list[str]:
+    import re
+
+    from polykernel.tools.console import make_console
+
+    buf = io.StringIO()
+    print_fn(make_console(buf, force_terminal=True, width=80), *args)
+    return re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", buf.getvalue()).splitlines()
+
+
+def _on_one_line(value: str, lines: list[str]) -> bool:
+    return any(value in ln for ln in lines)
+
+
+def test_the_runs_tables_fit_80_columns_without_breaking_a_value():
+    from polykernel.tools.demo import report
+
+    res = _result("cuda:0")
+    lines = _render(report.print_result, res)
+    assert max(map(len, lines)) <= 80
+    base = res.baseline
+    for r in res.runs:
+        cells = [
+            report._RUN_NAMES[r.label],
+            f"{r.tokens_per_second:,.0f}",
+            f"{r.median_step_seconds * 1e3:,.1f} ms",
+            report._gib(r.peak_bytes),
+        ]
+        if r is not base:
+            cells += [f"{r.tokens_per_second / base.tokens_per_second:.2f}x", f"{res.max_abs_diff(r):.2e}", "agree"]
+        for cell in cells:
+            assert _on_one_line(cell, lines), (cell, lines)
+    assert _on_one_line("baseline", lines)
+    assert _on_one_line("max |loss - torch|", lines) and _on_one_line("tokens/s", lines)
+
+
+def test_the_op_table_fits_80_columns_without_breaking_a_name(cpu_default):
+    from polykernel.tools.demo import report
+
+    rows = report.op_table(torch.device("cpu"), torch.float32)
+    lines = _render(report.print_op_table, rows, torch.device("cpu"), torch.float32)
+    assert max(map(len, lines)) <= 80
+    for r in rows:
+        assert _on_one_line(r["op"], lines) and _on_one_line(f"{r['chosen']} ({r['source']})", lines)
+        for i in r["impls"]:
+            assert _on_one_line(i["name"] + ("*" if i["name"] == r["chosen"] else "" if i["runnable"] else " x"), lines)
+
+
+def test_the_report_says_why_polykernel_is_no_faster_when_only_torch_impls_ran():
+    from polykernel.tools.demo import report
+
+    text = " ".join(" ".join(_render(report.print_result, _result("cpu"))).split())
+    assert "on this CPU every op ran its torch impl (Triton and the GPU kernels need CUDA): expect about 1.0x" in text
+    assert "skipped triton, cute_dsl: needs a CUDA device" in text  # one reason, the impls it kept out named together
+    text = " ".join(_render(report.print_result, _result("cuda:0", impl="triton")))
+    assert "every op ran its torch impl" not in text
+
+
+def test_the_closing_line_reads_as_a_sentence():
+    from polykernel.tools.demo import report
+
+    assert report.ok_line(_result("cpu", labels=("torch", "polykernel"))) == "ok: polykernel trains to the same losses as plain PyTorch."
+    assert report.ok_line(_result("cpu", labels=("torch", "polykernel", "liger", "compile"))) == (
+        "ok: polykernel, the Liger-Kernel patch and torch.compile train to the same losses as plain PyTorch."
+    )

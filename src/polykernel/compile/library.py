@@ -35,8 +35,8 @@ so that DTensor's ``register_sharding`` can give each a placement)::
 
 The forward selects (at run time, with ``needs_grad`` in the key, as an eager training call
 does) and, if the impl carries a :class:`~polykernel.spec.Split`, runs its ``forward``, which
-returns the outputs and the tensors its backward needs (``saved``, a fixed set per op:
-:data:`SAVED`). The backward selects again (same state, same impl) and runs the split's
+returns the outputs and the tensors its backward needs (``saved``, a fixed set per op: the
+op's ``saved``, :mod:`polykernel.compile.facts`). The backward selects again (same state, same impl) and runs the split's
 ``backward`` on ``saved``: each forward kernel runs once per step. It returns one tensor per
 tensor argument: the gradient where ``grad_mask`` asks for one, else an empty placeholder
 (shape ``(0,) * ndim``, so that any placement of the argument is valid for it).
@@ -46,11 +46,11 @@ impl without a split (peers) runs its forward plainly, ``saved`` then comes from
 split, and its backward recomputes as above. On DTensors the training ops run on the local
 shards through the sharding rules of :mod:`polykernel.compile.sharding`; an op or a call those
 rules do not cover decomposes into torch ops (logged once). Where the saved tensors are the
-gradients themselves, for a unit grad_output (:data:`SAVED_GRADS`: the fused linear
+gradients themselves, for a unit grad_output (the op's ``saved_grads``: the fused linear
 cross-entropy's "mean"/"sum"), the autograd formula multiplies them in the graph instead of
 calling the backward custom op, so that Inductor scales them in their own buffers.
 
-**Per-op choice** (``COMPILE_MODES``, measured; ``POLYKERNEL_COMPILE_<OP>=ours|decompose``):
+**Per-op choice** (the op's ``compile_mode``, measured; ``POLYKERNEL_COMPILE_<OP>=ours|decompose``):
 ops where Inductor's own code is as fast as ours (swiglu, geglu, rope, fused_add_rms_norm)
 *decompose*: without ``impl=``, Dynamo traces the op's torch reference, so Inductor fuses it
 with its neighbours and the dispatcher is not involved. ``impl=`` still forces our impl.
@@ -78,31 +78,13 @@ import torch
 
 from ..core import registry
 from ..core.op import Op
+from ..errors import OpArgumentError
 from ..spec import KernelBackend, Split
+from .facts import MODES, SavedGrads
 
-__all__ = ["NAMESPACE", "CompiledOp", "build_errors", "custom_op_for"]
+__all__ = ["NAMESPACE", "CompiledOp", "SavedGrads", "build_errors", "custom_op_for"]
 
 NAMESPACE = "polykernel"
-
-# What a compiled graph runs per op, when the call gives no ``impl=``: "ours" (the custom ops,
-# so the dispatcher's impl runs) or "decompose" (Dynamo traces the op's torch reference and
-# Inductor fuses it into its neighbours). Decided from measurements, H200, bf16 (README tables;
-# GPU time of CUDA-graph replays unless said), and to be re-checked with
-# benchmarks/models/compile_llama.py. Override per op with POLYKERNEL_COMPILE_<OP>=ours|decompose
-# (read when the op's custom op is built, i.e. at import).
-COMPILE_MODES: dict[str, str] = {
-    # swiglu/geglu 16384x14336: compile 4.31/4.33 TB/s fwd+bwd vs our Triton 4.30/4.32 (per call):
-    # both at copy speed, and Inductor can fuse the decomposed op into the next matmul's input.
-    "activation.swiglu": "decompose",
-    "activation.geglu": "decompose",
-    # rope q4x32x4096x128: compile 3.87/3.80 TB/s fwd/fwd+bwd vs our Triton 3.29/3.36.
-    "embedding.rope": "decompose",
-    # fused_add_rms_norm 16384x4096 fwd+bwd: compile 3.52 vs our 3.36 (fwd 3.92 vs 3.95).
-    "norm.fused_add_rms_norm": "decompose",
-    # Ours where it wins: rms_norm fwd+bwd 3.38 vs 3.09 (2.24 vs 2.00 at 512x262144), layer_norm
-    # 3.07 vs 2.60, softmax 3.51 vs 2.48, cross_entropy 1.61 vs 5.81 ms, and the fused linear
-    # cross-entropy, which compile can only run by materializing the [N, V] logits.
-}
 
 _lock = threading.RLock()
 _built: dict[str, CompiledOp] = {}  # op id -> its custom ops (filled once per op, never replaced)
@@ -111,56 +93,19 @@ _taken: dict[str, str] = {}  # custom-op name -> op id
 _ATTR = "_polykernel_custom_op"  # set on each Op object: its CompiledOp.call
 
 
-# The tensors each op's training custom op saves for its backward: a fixed set per op (the schema
-# returns a fixed tuple, which DTensor's register_sharding needs: one placement per return). The
-# torch impl's split defines them and every impl's split follows it. Per tensor, its kind:
-# "rows": one value per row of the lead (first) argument: the split's [M], returned by the custom
-#         op shaped lead.shape[:-1], so that rows sharded on dim d shard it on dim d too (a
-#         flattened [M] would interleave ranks' rows on dim 0, and split unevenly otherwise);
-# "lead": shaped like the lead argument (a gradient of it), or an empty placeholder shaped like
-#         the lead with its last dim 0 (so that it shards wherever the lead's rows do: DTensor
-#         refuses Shard(d) of a dim smaller than the mesh): placed like the lead;
-# "sum":  a sum over the rows (the non-ignored count, a weight's gradient), or an empty
-#         placeholder of a fixed rank: Partial over sharded rows;
-# "any":  anything else: no sharding rule, so the op decomposes in compiled training on DTensors.
-# Every slot keeps one meaning whatever grad_mask and reduction ask for: a slot a call does not
-# compute holds an empty placeholder (no allocation), which the backward ignores. A split that
-# saves fewer gets empty 1-d tensors appended. An op with a split but no entry here saves
-# nothing, and its compiled backward recomputes the forward.
-SAVED: dict[str, tuple[str, ...]] = {
-    "norm.rms_norm": ("rows",),  # rstd
-    "norm.layer_norm": ("rows", "rows"),  # mean, rstd
-    "activation.softmax": ("rows", "rows"),  # each row's max and 1/sum
-    "loss.cross_entropy": ("rows", "sum"),  # LSE, the non-ignored count
-    # grad_hidden, grad_weight, grad_bias (fp32): computed in the forward for "sum"/"mean", each
-    # a placeholder where grad_mask does not ask for it, and all three for "none" (recomputed)
-    "loss.fused_linear_cross_entropy": ("lead", "sum", "sum"),
-}
-
-
-class SavedGrads(typing.NamedTuple):
-    """Calls whose saved tensors are the gradients themselves, computed for ``grad_output = 1``."""
-
-    slots: dict[str, int]  # argument name -> the saved slot holding its gradient
-    when: Callable[[dict[str, Any]], bool]  # on the call's arguments by name: whether it applies
-
-
-# Ops whose training forward saves, for some calls, the finished gradients for a unit scalar
-# grad_output (the fused linear cross-entropy with reduction "mean"/"sum": its walk computes them
-# with the loss). Their compiled backward is then ``saved * grad_output``, traced into the graph by
-# the autograd formula instead of run inside the opaque backward custom op: Inductor sees a
-# pointwise multiply whose input, a saved tensor aliased to nothing else, is a donated buffer
-# (torch._functorch.config.donated_buffer, on by default) at its last use, and writes the product
-# into that buffer, as eager scales in place. Inside the custom op the product had to be a fresh
-# tensor (custom-op outputs never alias inputs): a second grad_weight ([V, H], 0.5 GiB at Llama 3's
-# 128K vocab and H = 2048) alive with the first at the start of the backward, the step's peak
-# (issue 14). The multiply always runs (eager skips it at grad_output == 1, which needs a host
-# sync: none in compiled code, so CUDA graphs capture it). DTensors keep the custom op (its
-# sharding rules place the gradients); backends without Inductor (aot_eager) multiply out of place.
-# Read while tracing: dropping an entry brings the custom op back for the next compile.
-SAVED_GRADS: dict[str, SavedGrads] = {
-    "loss.fused_linear_cross_entropy": SavedGrads({"hidden": 0, "weight": 1, "bias": 2}, lambda a: a["reduction"] != "none"),
-}
+# Ops whose saved tensors are, for some calls, the gradients for a unit scalar grad_output
+# (``Op.saved_grads``: the fused linear cross-entropy with reduction "mean"/"sum"): their compiled
+# backward is ``saved * grad_output``, traced into the graph by the autograd formula instead of run
+# inside the opaque backward custom op. Inductor then sees a pointwise multiply whose input, a
+# saved tensor aliased to nothing else, is a donated buffer (torch._functorch.config.donated_buffer,
+# on by default) at its last use, and writes the product into that buffer, as eager scales in
+# place. Inside the custom op the product had to be a fresh tensor (custom-op outputs never alias
+# inputs): a second grad_weight ([V, H], 0.5 GiB at Llama 3's 128K vocab and H = 2048) alive with
+# the first at the start of the backward, the step's peak (issue 14). The multiply always runs
+# (eager skips it at grad_output == 1, which needs a host sync: none in compiled code, so CUDA
+# graphs capture it). DTensors keep the custom op (its sharding rules place the gradients);
+# backends without Inductor (aot_eager) multiply out of place. Read while tracing: setting the
+# op's saved_grads to None brings the custom op back for the next compile.
 
 
 def _has_dtensor(args: Sequence[Any]) -> bool:
@@ -172,8 +117,8 @@ def _has_dtensor(args: Sequence[Any]) -> bool:
 
 def _register_rules(op_id: str) -> None:
     """Register ``op_id``'s DTensor sharding rules (idempotent): a compiled call met a DTensor."""
-    # polykernel.distributed.dtensor too: the layouts that the rules and dtensor_sharding.trains read (the
-    # latter traced, where a first import is not possible).
+    # polykernel.distributed.dtensor too: a DTensor is in use, so eager calls take its route, and the
+    # traced mean_of_sum reads it (a first import is not possible while Dynamo traces).
     from ..distributed import dtensor  # noqa: F401
     from . import sharding as dtensor_sharding
 
@@ -367,6 +312,17 @@ def _training_decision(op: Op, impl: str | None, args: Sequence[Any], names: Seq
     return op.decision_for(impl, argkey, args)
 
 
+def _valid(op: Op, args: Sequence[Any]) -> bool:
+    """Whether ``args`` pass the op's validation (True for an op without one)."""
+    if op.validate is None:
+        return True
+    try:
+        op.validate(*args)
+    except OpArgumentError:
+        return False
+    return True
+
+
 def _split_of(fn: Any) -> Split | None:
     split = getattr(fn, "split", None)
     return split if isinstance(split, Split) else None
@@ -476,8 +432,8 @@ class CompiledOp:
             params, ["Tensor[]"], with_defaults=False, prefix="Tensor?[] grad_outputs", suffix="bool[] grad_mask"
         )
         # Training ops: fixed arity (see the module docstring), tensors one by one, not lists.
-        self.saved_kinds = SAVED.get(op.id, ())
-        self.uses_split = op.id in SAVED
+        self.saved_kinds = op.saved or ()
+        self.uses_split = op.saved is not None
         n_out, n_saved = len(returns), len(self.saved_kinds)
         self.train_schema = _schema(params, [*returns, *["Tensor"] * n_saved], with_defaults=False, suffix="bool[] grad_mask")
         head = [f"Tensor? grad_output_{i}" for i in range(n_out)] + [f"Tensor saved_{i}" for i in range(n_saved)]
@@ -488,18 +444,28 @@ class CompiledOp:
         self.backward = self._define_backward()
         self.train_backward = self._define_train_backward()
         self.train = self._define_train()
-        mode = os.environ.get(f"POLYKERNEL_COMPILE_{name.upper()}") or COMPILE_MODES.get(op.id, "ours")
-        if mode not in ("ours", "decompose"):
-            raise ValueError(f"POLYKERNEL_COMPILE_{name.upper()}: {mode!r} is not 'ours' or 'decompose'")
+        env = f"POLYKERNEL_COMPILE_{name.upper()}"
+        mode = os.environ.get(env) or op.compile_mode
+        if mode not in MODES:
+            where = env if os.environ.get(env) else f"{op.id}: compile_mode"
+            raise ValueError(f"{where}: {mode!r} is not 'ours' or 'decompose'")
         self.mode = mode
         fwd, train, validate, reference = self.forward, self.train, getattr(op, "validate", None), op.reference
         decompose, single, op_id, n_out, full = mode == "decompose", self.single, op.id, len(returns), self._full
 
         def call(impl: Any, *args: Any) -> Any:
-            # Traced by Dynamo: validation happens at trace time, on the (fake) arguments, so a
-            # bad call fails while compiling, not inside the graph.
+            # Traced by Dynamo: validation runs at trace time, on the (fake) arguments. Dynamo
+            # cannot raise an exception out of a fullgraph trace (it reports `Unsupported`), so a
+            # call that fails validation is traced as the plain custom op, whose real impl
+            # validates again when the graph runs and raises the OpArgumentError itself.
             if validate is not None:
-                validate(*args)
+                try:
+                    validate(*args)
+                    valid = True
+                except OpArgumentError:
+                    valid = False
+                if not valid:
+                    return fwd(*args, impl=impl if impl is None or isinstance(impl, str) else _impl_str(impl))
             if impl is not None and not isinstance(impl, str):  # a list or a KernelBackend
                 impl = _impl_str(impl)
             dtensors = _has_dtensor(args)
@@ -552,8 +518,16 @@ class CompiledOp:
             # their C++ kernels. Below autograd, FakeTensorMode decomposes them through Python
             # refs, some of which are wrong (torch 2.13's nll_loss ref misreads `reduction` and
             # gives a [0]-shaped mean for empty inputs).
-            with _autograd_on(), torch.no_grad():
-                out = _as_tuple(_current(op_id).reference(*args))
+            op = _current(op_id)
+            try:
+                with _autograd_on(), torch.no_grad():
+                    out = _as_tuple(op.reference(*args))
+            except Exception:
+                # A call that fails validation is traced to raise at run time (see `call`); the
+                # reference may refuse it too (label_smoothing=2): the op's output shapes instead.
+                if op.outputs is None or _valid(op, args):
+                    raise
+                out = tuple(torch.empty(shape, dtype=dtype, device=args[0].device) for shape, dtype in op.outputs(*args))
             out = [torch.empty(o.shape, dtype=o.dtype, device=o.device) if isinstance(o, torch.Tensor) else o for o in out]
             return out[0] if single else tuple(out)
 
@@ -608,7 +582,7 @@ class CompiledOp:
     # -- training: forward with saved activations, backward without recompute -------------------
     def _fit_saved(self, saved: Sequence[torch.Tensor], lead: torch.Tensor) -> list[torch.Tensor]:
         """A split's ``saved`` as the training op returns it: padded with empty tensors to the op's
-        count, and each "rows" tensor shaped ``lead.shape[:-1]`` (see :data:`SAVED`)."""
+        count, and each "rows" tensor shaped ``lead.shape[:-1]`` (see :mod:`.facts`)."""
         out = list(saved)
         out += [torch.empty((0,), dtype=torch.float32, device=lead.device) for _ in range(len(self.saved_kinds) - len(out))]
         rows = lead.shape[:-1]
@@ -694,10 +668,10 @@ class CompiledOp:
         return (*(by_arg[i] if m else None for i, m in enumerate(mask)), None)
 
     def _scaled_saved(self, grads: Sequence[Any], saved: Sequence[Any], args: Sequence[Any], mask: Sequence[bool]) -> list[Any] | None:
-        """The gradients as ``saved * grad_output`` (see :data:`SAVED_GRADS`), in torch ops that
+        """The gradients as ``saved * grad_output`` (see ``Op.saved_grads``), in torch ops that
         the compiled backward graph sees; None where that does not apply (the backward custom op
         runs). DTensors keep the custom op, whose sharding rules place the gradients."""
-        entry = SAVED_GRADS.get(self.op_id)  # read while tracing: a benchmark may drop an entry
+        entry: SavedGrads | None = _current(self.op_id).saved_grads  # read while tracing: a benchmark may drop it
         if entry is None or len(self.returns) != 1:
             return None
         names = [p.name for p in self.params]

@@ -4,7 +4,8 @@ Under ``torch.compile`` an op call is its custom op (:mod:`polykernel.compile.li
 route of :mod:`polykernel.distributed.dtensor`. DTensor needs a sharding strategy for each custom op it meets
 or the trace fails ("does not have a sharding strategy registered"). This module registers one
 per op with ``torch.distributed.tensor.experimental.register_sharding`` (torch >= 2.5; the same
-API in 2.11 and 2.13), built from the eager route's layouts (``dtensor.LAYOUTS``): for each dim
+API in 2.11 and 2.13), built from the op's layout (``Op.dtensor_layout``, which the eager route
+reads too): for each dim
 the lead argument may be sharded on, the placement of every tensor argument and output, plus
 all-``Replicate()``. DTensor then runs the custom op's real impl (the dispatcher's choice) on the
 local shards and redistributes anything else, as the eager route does.
@@ -55,28 +56,18 @@ import dataclasses
 import threading
 from typing import TYPE_CHECKING, Any
 
+from ..distributed.layout import ANY, ROWS, Layout
+from .facts import PLACED_KINDS
+
 if TYPE_CHECKING:
     from ..core.op import Op
 
 __all__ = ["mean_of_sum", "register", "register_built", "sharded_mean", "why_not"]
 
 _lock = threading.Lock()
-# The ops with a layout in polykernel.distributed.dtensor.LAYOUTS (kept equal by tests/test_dtensor_compile.py).
-_LAID_OUT = frozenset(
-    {
-        "norm.rms_norm",
-        "norm.fused_add_rms_norm",
-        "norm.layer_norm",
-        "activation.softmax",
-        "activation.swiglu",
-        "activation.geglu",
-        "embedding.rope",
-        "loss.cross_entropy",
-        "loss.fused_linear_cross_entropy",
-    }
-)
-# Saved-tensor kinds (library.SAVED) that have a placement here.
-_PLACED_KINDS = frozenset({"rows", "lead", "sum"})
+# The layouts of the ops whose rules were registered (``Op.dtensor_layout``), recorded by
+# register() for the functions that run while Dynamo traces (a dict read there).
+_layouts: dict[str, Layout] = {}
 _done: set[str] = set()
 _trained: set[str] = set()  # ops whose training ops got rules
 
@@ -88,15 +79,11 @@ def _is_spec(a: Any) -> bool:
 def _strategies(op_id: str, args: tuple[Any, ...]) -> list[tuple[int | None, list[Any], list[Any]]]:
     """``(d, outputs, inputs)`` per acceptable sharding of the forward op on ``args`` (its
     arguments; specs for tensors): ``d`` the lead's shard dim, None for all-``Replicate()``.
-    :mod:`polykernel.distributed.dtensor` is imported here, i.e. when a DTensor meets the op: importing it
-    routes the eager path's subclass checks (see its docstring), which a process that only
-    compiles plain tensors must not pay for."""
+    Runs once a DTensor met the op (after :func:`register`, which recorded the op's layout)."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
-    from ..distributed import dtensor
-
-    layout = dtensor.LAYOUTS[op_id]
-    loss = dtensor._LOSS_ARGS.get(op_id)
+    layout = _layouts[op_id]
+    loss = layout.loss_args
     ndim = len(args[0].shape)
     tensors = [i for i, a in enumerate(args) if _is_spec(a)]
     n_out = len(layout.outputs)
@@ -104,7 +91,7 @@ def _strategies(op_id: str, args: tuple[Any, ...]) -> list[tuple[int | None, lis
         (None, [Replicate()] * n_out, [Replicate() if i in tensors else None for i in range(len(args))])
     ]
     kinds = layout.lead_dims
-    dims = range(ndim - 1) if kinds == dtensor._ROWS else range(ndim) if kinds == dtensor._ANY else kinds
+    dims = range(ndim - 1) if kinds == ROWS else range(ndim) if kinds == ANY else kinds
     for d in dims:
         expect = layout.expect(tuple(args), d)
         if not isinstance(expect, dict):
@@ -203,17 +190,18 @@ def _key_on_every_argument(overload: Any) -> None:
 
 def _trainable(op_id: str, compiled: Any) -> bool:
     """Whether ``op_id``'s training ops can have rules (every saved tensor has a placement)."""
-    return op_id in _LAID_OUT and all(kind in _PLACED_KINDS for kind in compiled.saved_kinds)
+    return op_id in _layouts and all(kind in PLACED_KINDS for kind in compiled.saved_kinds)
 
 
 def register(op: Op, compiled: Any) -> None:
     """Register ``op``'s sharding rules on its custom ops (``compiled``: the library's
     ``CompiledOp``); once per op, and only for ops with a row layout."""
-    if op.id not in _LAID_OUT or op.id in _done:
+    if op.dtensor_layout is None or op.id in _done:
         return
     with _lock:
         if op.id in _done:
             return
+        _layouts[op.id] = op.dtensor_layout
         try:
             from torch.distributed.tensor.experimental import register_sharding
         except ImportError:  # a torch without it (< 2.5): DTensor's default, an error naming the op
@@ -234,16 +222,15 @@ def why_not(op_id: str, args: tuple[Any, ...]) -> str | None:
     sharded rows never gets here: :func:`sharded_mean` turns it into a ``"sum"`` call, which the
     rules cover, over the global count (:func:`mean_of_sum`)."""
     if op_id not in _trained:
-        return "the op has no row layout" if op_id not in _LAID_OUT else "its saved tensors have no placement"
+        return "the op has no row layout" if op_id not in _layouts else "its saved tensors have no placement"
     return None
 
 
 def sharded_mean(op_id: str, args: tuple[Any, ...]) -> bool:
     """Whether this call of ``op_id`` on DTensors is a ``reduction="mean"`` loss over sharded
     rows (``args``: the impl's positional arguments; an omitted reduction is the default, mean)."""
-    from ..distributed import dtensor
-
-    loss = dtensor._LOSS_ARGS.get(op_id)
+    layout = _layouts.get(op_id)
+    loss = None if layout is None else layout.loss_args
     if loss is None or _reduction(args, loss) != "mean":
         return False
     return not all(p.is_replicate() for p in getattr(args[0], "placements", ()))
@@ -259,7 +246,7 @@ def mean_of_sum(op_id: str, run: Any, args: tuple[Any, ...]) -> Any:
     sum over the non-ignored rows divided by their count (:func:`polykernel.distributed.dtensor.mean_of_scored`)."""
     from ..distributed import dtensor
 
-    target, ignore, reduction = dtensor._LOSS_ARGS[op_id]
+    target, ignore, reduction = _layouts[op_id].loss_args  # type: ignore[misc]
     total = run(*args[:reduction], "sum", *args[reduction + 1 :])
     return dtensor.mean_of_scored(total, (args[target] != args[ignore]).sum().to(total.dtype))
 

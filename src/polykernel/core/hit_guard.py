@@ -20,11 +20,17 @@ An op says per positional argument what its class holds (``Op(guard=...)``):
 - ``i`` (an int): a tensor whose shape must equal argument ``i``'s (the class holds that it
   does, e.g. ``up_matches``); its dtype, device and requires_grad. The hot path compares the two
   shapes on every call (the guard leaves them free, so a new sequence length still hits);
+- :func:`dims` ``(d, ...)`` (a tuple, maybe empty): a tensor; its dtype, device, requires_grad and
+  the sizes of dims ``d, ...``; the other sizes stay free. For shapes related across arguments (rope's q and k
+  share B, T and D, their head counts are free): the class holds that the relations hold (one
+  flag), and the guard pins every size a relation reads, so a repeat hits with no shape compared
+  in Python; a new size (another T) takes the slow path once, which builds the class (a memo hit)
+  and a guard for it;
 - ``None``: not a tensor: an option the class holds as is (the hot path compares it with ==).
 
 The guard pins more than the class (the exact type, the number of dims): a call it refuses only
 takes the slow path, which decides exactly as before. It must never accept a call whose class
-differs: ``tests/test_dispatch.py`` checks each field of each guarded op.
+differs: ``tests/core/test_dispatch.py`` checks each field of each op.
 """
 
 from __future__ import annotations
@@ -40,7 +46,17 @@ from . import codegen
 LAST = "last"
 SHAPE = "shape"
 
-GuardSpec = Sequence["str | int | None"]
+GuardSpec = Sequence["str | int | tuple[int, ...] | None"]
+
+
+def dims(*pinned: int) -> tuple[int, ...]:
+    """The guard kind of a tensor whose sizes at dims ``pinned`` (non-negative) the class depends
+    on; its other sizes stay free (``dims(0, 2, 3)``: rope's q, whose head count may change;
+    ``dims()``: an elementwise op's input, whose sizes the class does not hold)."""
+    if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in pinned):
+        raise ValueError(f"dims: expected non-negative dims, got {pinned}")
+    return tuple(pinned)
+
 
 # Only plain tensors are guarded: a subclass (DTensor, a wrapper) takes the slow path, where its
 # own key and routing live (Op._subclass); TensorGuards would also read a wrapper's outer metadata.
@@ -96,15 +112,17 @@ def build(spec: GuardSpec, args: Sequence[Any]) -> Callable[..., bool] | None:
                 continue
             if type(t) not in _PLAIN:
                 return None
-            dims = t.dim()
+            ndim = t.dim()
             if kind == LAST:
-                sizes.append([None] * (dims - 1) + [t.shape[-1]] if dims else [])
+                sizes.append([None] * (ndim - 1) + [t.shape[-1]] if ndim else [])
             elif kind == SHAPE:
                 sizes.append(list(t.shape))
+            elif isinstance(kind, tuple):  # dims(...): those sizes pinned, the others free
+                sizes.append([t.shape[d] if d in kind else None for d in range(ndim)])
             else:  # a shape relation: the sizes stay free, the hot path compares the two shapes
                 if t.shape != args[kind].shape:
                     return None
-                sizes.append([None] * dims)
+                sizes.append([None] * ndim)
             present.append(t)
         check = guards(*present, dynamic_dims_sizes=sizes, dynamic_dims_strides=[[None] * t.dim() for t in present]).check
     except Exception:  # a refusal of this private API (its signature moved): no guard, no harm

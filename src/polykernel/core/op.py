@@ -1,9 +1,10 @@
 """The :class:`Op` object: one op's identity, semantics hooks and its per-call hot path.
 
-An op module (``polykernel/ops/<name>.py``) builds one ``Op`` and a public function that validates
-its arguments, computes the op's *argument class* (the small tuple that decisions are memoized
-on) and calls :meth:`Op.call`. Everything slow (resolution order, explain records, fallbacks)
-lives in :mod:`polykernel.core.selection` and runs once per new key.
+An op module (``polykernel/ops/<name>.py``) builds one ``Op`` and a public function that hands
+its arguments to :meth:`Op.dispatch`, which recognises a repeat of a recent *argument class* (the
+small tuple that decisions are memoized on) by its guard, and otherwise builds the class, validates
+the arguments once per new class and decides (see :class:`Op`). Everything slow (resolution order,
+explain records, fallbacks) lives in :mod:`polykernel.core.selection` and runs once per new key.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ _grad_enabled = torch.is_grad_enabled
 
 
 _compiling = torch.compiler.is_compiling
-# The generated hot path (see _hot_call) inlines `is_compiling` where this torch allows: Dynamo
+# The generated hot path (see _hot_dispatch) inlines `is_compiling` where this torch allows: Dynamo
 # constant-folds `is_dynamo_compiling()` to True while tracing, and non-strict export sets the
 # module flag that `is_compiling` reads (one Python frame instead of two, ~50 ns saved per call).
 _COMPILING_EXPR = (
@@ -227,56 +228,10 @@ def plain_check(reference: Callable[..., Any]) -> Callable[[tuple[Any, ...]], bo
     return codegen.define(src, f"<polykernel subclass check: {reference.__module__}.{reference.__qualname__}>", "check", namespace)
 
 
-_NA = object()  # "not passed": a trailing optional argument the caller left out
-_NO_HIT = (_NA, _NA, _NA, _NA, None)  # an Op's last hit before any (equal to no argument class)
 # How many guarded decisions Op.dispatch tries per call, most recent first: a model may alternate
 # a few classes per op (DeepSeek-V3's norms of three widths, grad mode on and off); a class after
 # them costs its argument class in Python (the slow path) plus ~0.1 µs per failed guard.
 FAST_RECORDS = 4
-
-
-def _hot_call(op: Op) -> Callable[..., Any]:
-    """``op.call`` as code generated for the op's positional arity (the reference's).
-
-    Same logic as :meth:`Op.run` behind the compile check, minus what a fixed arity makes free:
-    the *args tuple and the star-call (~40 ns), the bound method (~30 ns), the call to the guard
-    (~80 ns: its type checks are inlined). A repeat of the last argument class skips hashing the
-    memo key; a CUDA graph capture and a tensor subclass each leave through a flag on the decision
-    (one read when neither applies: a torch impl on the CPU). Anything unusual (fewer arguments,
-    unhashable options, faults) goes to the generic methods.
-    """
-    params = [p for p in inspect.signature(op.reference).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    names = [f"a{i}" for i in range(len(params))]
-    if not names:
-        return op._generic_call
-    sig = ", ".join(n if p.default is p.empty else f"{n}=NA" for n, p in zip(names, params))
-    args = ", ".join(names)
-    plain = " and ".join(f"type(a{i}) in P" for i in _tensor_positions(op.reference) if i < len(names)) or "True"
-    partial = f"    if {names[-1]} is NA:  # fewer arguments than the reference takes\n        return generic(impl, argkey, *[a for a in ({args},) if a is not NA])\n"
-    src = (
-        f"def call(impl, argkey, {sig}):\n"
-        f"{partial if params[-1].default is not params[-1].empty else ''}"
-        f"    if {_COMPILING_EXPR}:\n"
-        f"        return op.custom_op(impl, {args})\n"
-        f"    scope = scope_get()\n"
-        f"    dt = det()\n"
-        f"    h = last[0]\n"
-        f"    try:\n"
-        f"        hit = argkey == h[0] and impl is h[1] and scope is h[2] and dt is h[3]\n"
-        f"    except Exception as exc:  # an option that compares oddly (a tensor eps)\n"
-        f"        return op._unhashable(exc, impl, argkey, ({args},))\n"
-        f"    if hit:\n"
-        f"        d = h[4]\n"
-        f"    else:\n"
-        f"        key = new_key((argkey, impl, scope, dt, False, None))\n"
-        f"        try:\n"
-        f"            d = memo_get(key) or op._miss(key, ({args},))\n"
-        f"        except TypeError as exc:\n"
-        f"            return op._unhashable(exc, impl, argkey, ({args},))\n"
-        f"        last[0] = (argkey, impl, scope, dt, d)\n"
-        f"{_run_tail(args, plain)}"
-    )
-    return _exec(op, src, "call")
 
 
 def _run_tail(args: str, plain: str) -> str:
@@ -298,10 +253,8 @@ def _exec(op: Op, src: str, name: str) -> Callable[..., Any]:
     """The function ``name`` defined by the generated ``src``, documented as the Op method it replaces."""
     namespace: dict[str, Any] = {
         "DEFAULTS": [p.default for p in inspect.signature(op.reference).parameters.values()],
-        "NA": _NA,
         "P": _PLAIN,
         "op": op,
-        "generic": op._generic_call,
         "slow": op._dispatch_slow,
         "key": op.key,
         "call": op.call,
@@ -312,9 +265,7 @@ def _exec(op: Op, src: str, name: str) -> Callable[..., Any]:
         "det": _deterministic,
         "grad": _grad_enabled,
         "capturing": _stream_capturing,
-        "last": op._last,
         "fast": op._fast,
-        "new_key": memo_key.make,
         "memo_get": op._memo.get,  # the memo dict lives as long as the op (cleared, never replaced)
     }
     fn = codegen.define(src, f"<polykernel hot path: {op.id}.{name}>", name, namespace)
@@ -381,12 +332,7 @@ def _hot_dispatch(op: Op) -> Callable[..., Any]:
     sig = ", ".join(n if p.default is p.empty else f"{n}=DEFAULTS[{i}]" for i, (n, p) in enumerate(zip(names, params)))
     args = ", ".join(names)
     if not hit_guard.available():  # no guard in this torch: the class in Python, then Op.call
-        src = (
-            f"def dispatch(impl, {sig}):\n"
-            f"    try:\n        argkey = key({args})\n"
-            f"    except Exception:  # not tensors, 0-d x: validate() names the problem\n        argkey = None\n"
-            f"    return call(impl, argkey, {args})\n"
-        )
+        src = f"def dispatch(impl, {sig}):\n    return slow(impl, ({args},))\n"
         return _exec(op, src, "dispatch")
     plain = " and ".join(f"type(a{i}) in P" for i in _tensor_positions(op.reference) if i < len(names)) or "True"
     tensors = ", ".join(names[i] for i in hit_guard.tensor_positions(spec))
@@ -430,15 +376,30 @@ def _hot_dispatch(op: Op) -> Callable[..., Any]:
 class Op:
     """An op: id, argument-class fields, reference, error model, examples and parity cases.
 
-    ``fields`` names the entries of the argument-class tuple; it always starts with
-    ``"device"``, ``"dtype"``, ``"needs_grad"``. ``default_key(device, dtype)`` builds a tuple
-    for ``explain``/``available_impls`` when no arguments are given (unknown sizes are None).
+    Every op has one form (``polykernel/ops/rms_norm.py`` reads as the model):
 
-    ``validate`` (optional) lets the public function skip validation on the hot path: when the
-    argument class holds everything validity depends on (dtypes, devices, the sizes that are
-    checked, scalar options), the op validates once per new class, on the memo miss, and a
-    public function may pass ``argkey=None`` when it could not even build the class (a non-tensor
-    argument, say) so that ``validate`` raises the proper error.
+    - the public function passes its arguments, positionally in the reference's order, to
+      :meth:`dispatch` (``_dispatch = _op.dispatch``, bound once), and does nothing else on the
+      hot path;
+    - ``key(*args)`` builds the *argument class*: ``fields`` names its entries, which always start
+      with ``"device"``, ``"dtype"``, ``"needs_grad"``. It must hold everything validity depends on:
+      dtypes, devices, the sizes that are checked, the options, and relations between arguments
+      as flags (``up_matches``: up has gate's shape, dtype and device), so that two calls of one
+      class are both valid or both invalid. It may raise on arguments it cannot read (a
+      non-tensor, a 0-d tensor where rows are needed): ``validate`` then names the problem;
+    - ``validate(*args)`` runs once per new class, on the memo miss, and raises the error that
+      names the op and the argument (so a bad call is rejected on every repeat too: its class is
+      never memoized). Validity that depends on the data itself (the losses' target range on the
+      CPU) cannot be memoized: the public function validates every such call itself;
+    - ``guard``: per positional argument of the reference, what the class holds of it
+      (:mod:`polykernel.core.hit_guard`: ``LAST``, ``SHAPE``, ``dims(...)``, the index of a tensor
+      whose shape it must equal, or None for an option). A repeat of one of the last few decisions'
+      classes is recognised by one C call over the tensors' metadata instead of building the
+      class; anything else takes the slow path (``key``, the memo, ``validate`` on a miss).
+
+    ``default_key(device, dtype)`` builds a class for ``explain``/``available_impls`` when no
+    arguments are given (unknown sizes are None). :meth:`call` takes a class built by the caller
+    (the DTensor route and the compiled path use it).
 
     ``outputs`` (optional) gives, from the impl's positional arguments, the ``(shape, dtype)`` of
     each output: the first call of each decision checks an impl's outputs against it
@@ -446,12 +407,18 @@ class Op:
     ``torch._dynamo`` (and with it ``torch.distributed.tensor``, ~1 s) on the first call: torch's
     Python meta kernels sit behind ``torch._disable_dynamo``.
 
-    ``guard`` (optional, with ``validate``): per positional argument of the reference, what the
-    argument class holds of it (:mod:`polykernel.core.hit_guard`: ``LAST``, ``SHAPE``, the index of a
-    tensor whose shape it must equal, or None for an option). With it the public function calls
-    :meth:`dispatch` with the arguments alone, ``key`` takes them positionally in the reference's
-    order, and a repeat of a recent decision's class is recognised by one C call instead of
-    building the class.
+    The op's facts for the layers above the core, which the core only stores:
+
+    - ``compile_mode``: under ``torch.compile``, ``"ours"`` (the op's custom ops run the
+      dispatcher's impl) or ``"decompose"`` (Inductor traces the reference and fuses it);
+      ``POLYKERNEL_COMPILE_<OP>`` overrides it (:mod:`polykernel.compile.library`);
+    - ``saved``: the kinds of the tensors its compiled training step saves for the backward, or
+      None to save nothing and recompute (:mod:`polykernel.compile.facts`);
+    - ``saved_grads``: a :class:`polykernel.compile.facts.SavedGrads` when those saved tensors are
+      the finished gradients for some calls, else None;
+    - ``dtensor_layout``: a :class:`polykernel.distributed.layout.Layout` saying how DTensor
+      arguments may be placed to run on their local shards, or None (DTensor's own rules on the
+      torch impl).
     """
 
     def __init__(
@@ -471,6 +438,10 @@ class Op:
         validate: Callable[..., None] | None = None,
         outputs: Callable[..., Sequence[tuple[Sequence[int], torch.dtype]]] | None = None,
         guard: hit_guard.GuardSpec | None = None,
+        compile_mode: str = "ours",
+        saved: Sequence[str] | None = None,
+        saved_grads: Any = None,
+        dtensor_layout: Any = None,
     ) -> None:
         if tuple(fields[:3]) != ("device", "dtype", "needs_grad"):
             raise ValueError("Op fields must start with device, dtype, needs_grad")
@@ -488,20 +459,21 @@ class Op:
         self.validate = validate
         self.outputs = outputs
         self.guard = None if guard is None else tuple(guard)
+        # The layers above read these; the core only keeps them (see the class docstring).
+        self.compile_mode = compile_mode
+        self.saved = None if saved is None else tuple(saved)
+        self.saved_grads = saved_grads
+        self.dtensor_layout = dtensor_layout
         if self.guard is not None:  # the slow path's views of a call: the guarded tensors, the options
             self._guarded = _picker(hit_guard.tensor_positions(self.guard))
             option_positions = tuple(i for i, kind in enumerate(self.guard) if kind is None)
             self._options = _picker(option_positions)
             self._option_types = _option_types(reference, option_positions)
         self._memo: dict[tuple[Any, ...], Any] = {}
-        # The last memo hit of the hot path, (argkey, impl, scope, deterministic, decision): a
-        # repeated argument class (every layer's norm) skips hashing the key (~80 ns).
-        self._last: list[tuple[Any, ...]] = [_NO_HIT]
         # The decisions :meth:`dispatch` recognises by their guards (see _hot_dispatch), most
         # recent first: (check, grad mode or None, impl, scope, deterministic, decision, *options).
         self._fast: list[tuple[Any, ...]] = []
         self._plain = plain_check(reference)
-        self.call = _hot_call(self)  # type: ignore[method-assign]  # generated hot path (see _hot_call)
         self.dispatch = _hot_dispatch(self)  # type: ignore[method-assign]  # generated (see _hot_dispatch)
         registry.add_op(self)
         for spec in impls:
@@ -511,17 +483,15 @@ class Op:
         return f"Op({self.id!r})"
 
     # -- hot path -------------------------------------------------------------------------
-    # Kept to a few dict/attribute operations: the target is <= 1 us over calling the impl.
-    # `Op.__init__` replaces `call` on the instance by code generated for the op's arity (see
-    # `_hot_call`): no *args tuple, no bound method, the subclass guard inlined. This method is
-    # the same logic for any arity; the generated one falls back to it for other arities.
+    # One template: `Op.__init__` replaces `dispatch` on the instance by code generated for the
+    # op's arity and guard (see `_hot_dispatch`, registered with linecache: tracebacks and pdb
+    # show it). A call its guards do not recognise takes `_dispatch_slow`, then `call`/`run`,
+    # the one slow path (also the compiled custom ops' and DTensor shards' entry).
     def call(self, impl: str | None, argkey: tuple[Any, ...] | None, *args: Any) -> Any:
         """Run the impl chosen for ``argkey`` on ``args`` (positional, in the impl's order)."""
         if _compiling():  # under torch.compile: the op's torch.library custom op (no graph break)
             return self.custom_op(impl, *args)
         return self.run(impl, argkey, *args)
-
-    _generic_call = call
 
     def dispatch(self, impl: str | None, *args: Any) -> Any:
         """Run the impl chosen for ``args`` (positional, in the impl's order): :meth:`call` with
@@ -538,7 +508,7 @@ class Op:
         call, kept on the decision for when its class comes back). A call no guard can cover (a
         subclass, a non-tensor) leaves the last one in place."""
         if not self._typed_options(args):  # before the memo, whose keys hold False == 0.0 alike
-            self._reject(args, OpArgumentError(self.id, "options", f"an option of the wrong type in {args[len(self._guarded(args)) :]!r}"))
+            self._reject(args, OpArgumentError(self.id, "options", f"an option of the wrong type in {self._options(args)!r}"))
         try:
             argkey = self.key(*args)
         except Exception:  # not tensors, 0-d x, an unhashable option: validate() names the problem
@@ -546,6 +516,9 @@ class Op:
         if grad is None or len(args) != len(self.guard):  # type: ignore[arg-type]
             return self.call(impl, argkey, *args)
         key = memo_key.make((argkey, impl, scope, det, False, None))
+        if grad and _dispatch.saves_inference_tensor(self._guarded(args)):  # see selection.INFERENCE
+            key = key._replace(subclass=_dispatch.INFERENCE)
+            return self._finish(self._memo.get(key) or self._miss(key, args), key, args)
         try:
             decision = self._memo.get(key) or self._miss(key, args)
         except TypeError as exc:  # an unhashable option (eps=[1e-6]): validate names it
@@ -566,6 +539,8 @@ class Op:
     def _typed_options(self, args: tuple[Any, ...]) -> bool:
         """Whether each option has a type its annotation allows (bool is no float, a tensor no
         number): the memo compares options with ``==``, under which ``False == 0.0``."""
+        if self.guard is None:  # an op without a guard validates every call itself
+            return True
         try:
             options = self._options(args)
         except IndexError:  # fewer arguments: validate names what is missing
@@ -664,7 +639,6 @@ class Op:
         return hooks.require("compiled_call")(self)(impl, *args)
 
     def clear(self) -> None:
-        self._last[0] = _NO_HIT
         self._fast.clear()
         self._memo.clear()
 
@@ -678,7 +652,6 @@ class Op:
 
     def forget(self, key: MemoKey) -> None:
         """Drop one memoized decision (a runtime fault moved on from it)."""
-        self._last[0] = _NO_HIT
         self._fast.clear()
         self._memo.pop(key, None)
 

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import env
-from ..errors import ImplNotAvailableError, ImplVerificationError, UnknownImplError, shown
+from ..errors import ImplNotAvailableError, ImplVerificationError, OpTypeError, UnknownImplError, shown
 from ..spec import KernelBackend, KernelSpec, PlatformInfo
 from . import first_call, hooks, memo_key, registry
+from .explain_args import call_args, device_arg, dtype_arg, rejection
 
 if TYPE_CHECKING:
     from .op import Op
@@ -80,14 +81,32 @@ def _split_names(value: Any, where: str) -> tuple[str, ...]:
 
 
 def _parse_names(value: str | Sequence[str] | KernelBackend, where: str) -> tuple[str, ...]:
-    """Names for a global preference (any op): each must be a ``KernelBackend`` value, else a
-    ``ValueError`` that names ``where`` (the variable or function) and the impl names."""
+    """Names for a global preference (any op): each must be a ``KernelBackend`` value (one that
+    no op has yet is accepted: it skips every op), else a ``ValueError`` that names ``where``
+    (the variable or function) and the impl names the registered ops have."""
     names = _split_names(value, where)
-    valid = [b.value for b in KernelBackend]
+    valid = {b.value for b in KernelBackend}
     for name in names:
         if name not in valid:
-            raise ValueError(f"{where}: {shown(name)} is not an impl name; impl names are: {', '.join(valid)}")
+            raise ValueError(f"{where}: {shown(name)} is not an impl name; {_impl_names_text(name)}")
     return names
+
+
+def _impl_names_text(name: str) -> str:
+    """The impl names some registered op has (the catalog loaded), a close match, and the
+    ``KernelBackend`` values reserved for impls no op has yet. Off the hot path: errors only."""
+    import difflib
+
+    registry.load_catalog()
+    used = sorted({impl for op_id in registry.all_op_ids() for impl in registry.specs_for(op_id)})
+    reserved = sorted(b.value for b in KernelBackend if b.value not in used)
+    close = difflib.get_close_matches(name, used + reserved, n=1) if len(name) <= 64 else []  # a typo, not a pasted blob
+    text = f"the ops' impls are: {', '.join(used)}"
+    if close:
+        text += f" (did you mean {close[0]!r}?)"
+    if reserved:
+        text += f"; KernelBackend also reserves {', '.join(reserved)}, which no op has yet"
+    return text
 
 
 def _parse_op_names(value: Any, where: str, op_id: str, runnable: Sequence[str] | None = None) -> tuple[str, ...]:
@@ -339,7 +358,9 @@ def _why_not(
     reason = spec.unavailable_reason(platform)
     if reason:
         return reason
-    if subclass is not None and not spec.accepts_subclasses:
+    if subclass == INFERENCE and spec.impl != "torch":
+        return "an inference tensor that autograd must save: only the torch impl's autograd can"
+    if subclass is not None and subclass != INFERENCE and not spec.accepts_subclasses:
         return f"input is a tensor subclass ({subclass}); this impl reads raw memory"
     if not spec.format_signature.supports_dtype(info.dtype):
         return f"dtype {str(info.dtype).removeprefix('torch.')} not supported"
@@ -397,6 +418,22 @@ routed: set[str] = set()
 # Decisions made since the last clear_caches(), by (op id, memo key), in the order first made.
 # Separate from the ops' memos, which are dropped whenever an op's impls or settings change.
 _record: dict[tuple[str, tuple[Any, ...]], Decision] = {}
+
+
+# The pseudo subclass of a call whose autograd must save an inference tensor (made under
+# torch.inference_mode, with another argument needing a gradient): torch's own ops can, an
+# autograd.Function's save_for_backward cannot. Such calls are decided under their own key, where
+# only the torch impl is eligible, so that a kernel's refusal never marks it broken for the class.
+INFERENCE = "inference tensor"
+
+
+def saves_inference_tensor(tensors: Sequence[Any]) -> bool:
+    """Whether autograd must save one of ``tensors`` that is an inference tensor (grad mode on,
+    one of them requires grad, one is an inference tensor). Off the hot path."""
+    import torch
+
+    present = [t for t in tensors if isinstance(t, torch.Tensor)]
+    return torch.is_grad_enabled() and any(t.requires_grad for t in present) and any(t.is_inference() for t in present)
 
 
 def subclass_name(args: Sequence[Any]) -> str | None:
@@ -610,18 +647,28 @@ def _argkey_for(op: Op, args: tuple[Any, ...], kwargs: dict[str, Any], device: A
 
     if args:
         return op.key(*args, **kwargs)
+    dtype = dtype_arg(op, dtype)
     if device is None:  # "here": the current CUDA device if there is one, else the CPU
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = device_arg(op, device)
     if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())
     return op.default_key(dev, dtype if dtype is not None else torch.float32)
 
 
+# True while explain asks about a DTensor call's local shards: the stand-ins it passes are empty
+# tensors of the shards' shapes (their values are not the call's), so validation does not run on
+# them (nor on the DTensors themselves, where a data check could need a collective).
+_shard_stand_ins: ContextVar[bool] = ContextVar("polykernel_shard_stand_ins", default=False)
+
+
 def explain(op: str, *args: Any, device: Any = None, dtype: Any = None, impl: str | None = None, **kwargs: Any) -> Explanation:
     """What would run for this call, and why: every impl with its verdict and reason.
 
-    Give the call's own arguments, or just ``device=``/``dtype=``::
+    Give the call's own arguments, or just ``device=``/``dtype=`` (a ``torch.dtype`` or its name:
+    ``"bf16"``, ``"float16"``...). The op's validation runs as in the call: bad arguments raise
+    its error (a missing one the call's ``TypeError``); a dtype the op rejects leaves no impl
+    chosen, with the op's error in ``error``::
 
         >>> import polykernel, torch
         >>> print(polykernel.explain("rms_norm", torch.randn(4, 8), torch.ones(8)))  # doctest: +SKIP
@@ -632,27 +679,41 @@ def explain(op: str, *args: Any, device: Any = None, dtype: Any = None, impl: st
     import torch
 
     the_op = registry.get_op(op)
-    argkey = _argkey_for(the_op, args, kwargs, device, dtype)
-    capturing = argkey[0].type == "cuda" and torch.cuda.is_current_stream_capturing()
-    key = memo_key.key(argkey, impl, _scope.get(), torch.are_deterministic_algorithms_enabled(), capturing)
+    call = call_args(the_op, args, kwargs) if args else None  # a missing argument raises, as in the call
     subclass = subclass_name((*args, *kwargs.values()))
+    if call is not None and subclass is None and not _shard_stand_ins.get():
+        rejection(the_op, call, None)  # a bad argument raises, as in the call
+    argkey = _argkey_for(the_op, args, kwargs, device, dtype)
+    # (a CPU-only torch has no capture query: explain(device="cuda") still answers there)
+    capturing = argkey[0].type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    key = memo_key.key(argkey, impl, _scope.get(), torch.are_deterministic_algorithms_enabled(), capturing)
     route = None
     if subclass == "DTensor":  # tensor parallel: the local shards' explanation, or why not
-        local, route = hooks.require("dtensor_explain")(
-            the_op, key, args, kwargs, lambda *a, **k: explain(op, *a, device=device, dtype=dtype, impl=impl, **k)
-        )
+        token = _shard_stand_ins.set(True)
+        try:
+            local, route = hooks.require("dtensor_explain")(
+                the_op, key, args, kwargs, lambda *a, **k: explain(op, *a, device=device, dtype=dtype, impl=impl, **k)
+            )
+        finally:
+            _shard_stand_ins.reset(token)
         if local is not None:
             return local
     if subclass is not None:
         key = key._replace(subclass=subclass)
     chosen = source = error = None
-    try:
-        tensors = (*args, *kwargs.values()) if args else None  # tuning keys on the call's tensors
-        d = _resolve(the_op, key, tensors)
-        chosen, source, rows = d.impl, d.source, d.verdicts
-    except ImplNotAvailableError as exc:
-        error = str(exc)
-        rows = _verdicts(the_op, argkey, key.deterministic, capturing, subclass)
+    rejected = None if args else rejection(the_op, None, argkey[1])
+    if rejected is not None:  # the call would raise this before choosing: no impl runs
+        error = str(rejected)
+        why = f"dtype {_short(argkey[1])} not supported" if isinstance(rejected, OpTypeError) else f"arguments rejected: {error}"
+        rows = [Verdict(v.name, v.rank, why, v.rank_note) for v in _verdicts(the_op, argkey, key.deterministic, capturing, subclass)]
+    else:
+        try:
+            tensors = (*args, *kwargs.values()) if args else None  # tuning keys on the call's tensors
+            d = _resolve(the_op, key, tensors)
+            chosen, source, rows = d.impl, d.source, d.verdicts
+        except ImplNotAvailableError as exc:
+            error = str(exc)
+            rows = _verdicts(the_op, argkey, key.deterministic, capturing, subclass)
     return Explanation(
         op=the_op.id,
         platform=str(PlatformInfo.detect(argkey[0])),

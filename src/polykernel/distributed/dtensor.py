@@ -27,12 +27,13 @@ Anything else (sharded on the normalized dim, a ``Partial`` input, a vocab-shard
 first redistributed to what the layout needs (``Replicate()`` on that mesh dim), then runs on the
 shards the same way: logged once per op and reason, an error under ``POLYKERNEL_STRICT=1``. A
 plain tensor among DTensors is an ``OpTypeError`` naming the op and the argument. An op without a
-layout here runs its torch impl through DTensor's own rules, as for any tensor subclass.
+layout (``Op.dtensor_layout``, in the op's own file) runs its torch impl through DTensor's own
+rules, as for any tensor subclass.
 ``polykernel.explain`` prints the route taken (``route: DTensor Shard(0) on mesh of 2: triton on
 local shards``). Torch's DTensor module is never imported by this one: it is loaded only after a
 DTensor was seen, so ``import polykernel`` stays free of it.
 
-Once this module is loaded, every decision of an op listed here takes the hot path's subclass
+Once this module is loaded, every decision of an op with a layout takes the hot path's subclass
 check (``dispatch.routed``): a DTensor must reach the route even where the torch impl is chosen,
 since the torch impls of the losses cannot run on DTensors. Processes that never see a DTensor
 pay nothing.
@@ -50,83 +51,66 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..core import registry
 from ..core import selection as dispatch
-from ..errors import ImplNotAvailableError
+from ..errors import ImplNotAvailableError, UnknownOpError
+from .layout import ANY, ROWS, Layout, rows_with
 
 if TYPE_CHECKING:
     from ..core.op import Op
 
-__all__ = ["LAYOUTS", "Plan", "Route", "plan", "route", "run"]
-
-_ROWS = "rows"  # any dim but the last (the normalized / class dim)
-_ANY = "any"
+__all__ = ["LAYOUTS", "Layout", "Plan", "Route", "plan", "route", "rows_with", "run"]
 
 
-@dataclass(frozen=True)
-class Layout:
-    """How an op's tensor arguments may be placed so that its rows stay independent.
+class _Layouts(Mapping[str, Layout]):
+    """Op id -> its layout (``Op.dtensor_layout``), for the ops that have one: a read-only view
+    of the ops' own facts (iterating it imports every op of the catalog)."""
 
-    ``lead_dims``: which dims of the first tensor argument may be sharded (``"rows"``: any dim but
-    the last; ``"any"``; or a tuple of dims). ``expect(args, d)`` gives, for the lead sharded on
-    dim ``d``, the placement every tensor argument must have on that mesh dim (a dim for
-    ``Shard``, None for ``Replicate``), or a string saying why ``d`` cannot be sharded.
-    ``outputs``: for each output, the index of the argument it is shaped and placed like, or
-    ``"loss"`` for a reduced loss (its placement follows ``reduction``).
-    """
+    def __getitem__(self, op_id: str) -> Layout:
+        try:
+            layout = registry.get_op(op_id).dtensor_layout
+        except UnknownOpError:
+            layout = None
+        if layout is None:
+            raise KeyError(op_id)
+        return layout
 
-    lead_dims: str | tuple[int, ...]
-    expect: Callable[[tuple[Any, ...], int], dict[int, int | None] | str]
-    outputs: tuple[int | str, ...]
-    why_not: str = "it is the dim the op reduces over, which needs a cross-rank reduction"
+    def __iter__(self) -> Iterator[str]:
+        return iter([op_id for op_id in registry.all_op_ids() if _layout_of(op_id) is not None])
 
-
-def _rows_with(*same: int) -> Callable[[tuple[Any, ...], int], dict[int, int | None]]:
-    """Expectations for a row-wise op: the lead and the ``same`` arguments share the shard dim,
-    every other tensor argument is replicated. (Also read by polykernel.compile.sharding, whose
-    arguments are DTensor specs: they have ``placements``.)"""
-
-    def expect(args: tuple[Any, ...], d: int) -> dict[int, int | None]:
-        return {i: (d if i == 0 or i in same else None) for i, a in enumerate(args) if _is_tensor(a) or hasattr(a, "placements")}
-
-    return expect
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
-def _rope_expect(args: tuple[Any, ...], d: int) -> dict[int, int | None] | str:
-    q, _, cos, _ = args[:4]
-    if d == 0:  # batch: per-batch tables follow q, a batch-1 table is shared
-        table = 0 if cos.shape[0] == q.shape[0] and q.shape[0] != 1 else None
-    elif d == 1:  # heads: the tables are the same for every head
-        table = None
-    else:  # sequence: the tables' T dim is their dim 1
-        table = 1
-    return {0: d, 1: d, 2: table, 3: table}
+def _layout_of(op_id: str) -> Layout | None:
+    try:
+        return registry.get_op(op_id).dtensor_layout
+    except Exception:  # an op whose module fails to import: its own calls say why
+        return None
 
 
-# Keyed by op id; an op without a layout always goes through DTensor's rules.
-LAYOUTS: dict[str, Layout] = {
-    "norm.rms_norm": Layout(_ROWS, _rows_with(), (0,)),
-    "norm.fused_add_rms_norm": Layout(_ROWS, _rows_with(1), (0, 0)),
-    "norm.layer_norm": Layout(_ROWS, _rows_with(), (0,)),
-    "activation.softmax": Layout(_ROWS, _rows_with(), (0,)),
-    "activation.swiglu": Layout(_ANY, _rows_with(1), (0,)),
-    "activation.geglu": Layout(_ANY, _rows_with(1), (0,)),
-    "embedding.rope": Layout((0, 1, 2), _rope_expect, (0, 1), "it is the head dim D, which the rotation mixes"),
-    "loss.cross_entropy": Layout(_ROWS, _rows_with(1), ("loss",)),
-    "loss.fused_linear_cross_entropy": Layout(_ROWS, _rows_with(2), ("loss",)),
-}
+LAYOUTS: Mapping[str, Layout] = _Layouts()
 
-# From now on every decision of these ops checks for tensor subclasses on the hot path (~25 ns a
-# tensor, in processes that use DTensors only), so that a DTensor reaches the route below even
-# where the torch impl is chosen (the torch impls of the losses cannot run on DTensors).
-dispatch.routed.update(LAYOUTS)
-dispatch.clear_memos()
 
-# Where the loss ops keep their options (positional, in the impl's order).
-_LOSS_ARGS = {"loss.cross_entropy": (1, 2, 4), "loss.fused_linear_cross_entropy": (2, 4, 6)}  # target, ignore_index, reduction
+def _route_laid_out(op_id: str | None = None) -> None:
+    """From now on every decision of an op with a layout checks for tensor subclasses on the hot
+    path (~25 ns a tensor, in processes that use DTensors only), so that a DTensor reaches the
+    route below even where the torch impl is chosen (the torch impls of the losses cannot run on
+    DTensors). Run for every known op when this module loads, then as a registry listener for
+    ops added later (``op_id``; None: nothing new to route)."""
+    ids = registry.all_op_ids() if op_id is None else [op_id]
+    new = {i for i in ids if i not in dispatch.routed and _layout_of(i) is not None}
+    if new:
+        dispatch.routed.update(new)
+        dispatch.clear_memos()
+
+
+_route_laid_out()
+registry.listen(lambda op_id: op_id is not None and _route_laid_out(op_id))
 
 
 def mean_of_scored(total: Any, count: Any) -> Any:
@@ -212,7 +196,7 @@ def plan(op: Op, args: Sequence[Any]) -> Plan:
             raise OpTypeError(op.id, names[i], f"is on another device mesh than {names[0]}")
     mesh = lead.device_mesh
     p = Plan(f"DTensor {', '.join(map(_placement, lead.placements))} on {_mesh_text(mesh)}", mesh)
-    layout = LAYOUTS.get(op.id)
+    layout = op.dtensor_layout
     targets: dict[int, list[Any]] = {i: [] for i, _ in tensors}
     grads: dict[int, list[Any]] = {i: [] for i, _ in tensors}
     outs: list[list[Any]] = [[] for _ in (layout.outputs if layout else (0,))]
@@ -225,7 +209,7 @@ def plan(op: Op, args: Sequence[Any]) -> Plan:
                 expect = "no row layout is known for this op"
             else:
                 kinds = layout.lead_dims
-                allowed = range(lead.dim() - 1) if kinds == _ROWS else range(lead.dim()) if kinds == _ANY else kinds
+                allowed = range(lead.dim() - 1) if kinds == ROWS else range(lead.dim()) if kinds == ANY else kinds
                 expect = layout.expect(tuple(args), d) if d in allowed else f"it is sharded on dim {d}: {layout.why_not}"
         elif lp.is_partial():
             expect = "a partial value needs its cross-rank reduction first"
@@ -289,14 +273,14 @@ def run(op: Op, impl: Any, p: Plan, args: tuple[Any, ...]) -> Any:
         if tuple(a.placements) != p.targets[i]:
             a = a.redistribute(p.mesh, p.targets[i])
         local[i] = _waited(a.to_local(grad_placements=gp))
-    loss = _LOSS_ARGS.get(op.id)
+    layout = op.dtensor_layout
+    loss = None if layout is None else layout.loss_args
     mean = loss is not None and args[loss[2]] == "mean"
     if mean:  # the local sum, divided below by the global count of scored rows
         local[loss[2]] = "sum"
     argkey = op.key(**dict(zip(_arg_names(op), local)))
     out = _WaitGrads.around(op.call(impl, argkey, *local))
-    layout = LAYOUTS.get(op.id)
-    if layout is not None and layout.outputs == ("loss",):
+    if loss is not None:
         if args[loss[2]] == "none":  # per-row losses: placed like the targets
             return _wrap(out, p, p.targets[loss[0]], args[loss[0]].shape)
         total = _wrap(out, p, p.out_placements[0], ())
@@ -381,7 +365,7 @@ def route(op: Op, key: tuple[Any, ...]) -> Route | None:
     """The route for a call whose arguments hold a DTensor (``key``: the call's memo key); None
     for an op without a row layout. Never memoized: Op.call reaches it through the subclass
     check, which every decision of a routed op takes (see ``dispatch.routed``)."""
-    return Route(op, key) if op.id in LAYOUTS else None
+    return Route(op, key) if op.dtensor_layout is not None else None
 
 
 def _redistributing(op: Op, p: Plan) -> None:

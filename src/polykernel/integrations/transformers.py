@@ -9,18 +9,24 @@ on polykernel's ops, in place, with the same results.
     >>> patched(model)                   # {"rms_norm": [...], "swiglu": [...], ...}  # doctest: +SKIP
     >>> unpatch(model)                                                      # doctest: +SKIP
 
-What is swapped (families: Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Olmo2):
+What is swapped (families: :data:`SUPPORTED_MODEL_TYPES`):
 
 - ``rms_norm``: ``<Family>RMSNorm.forward`` -> :func:`polykernel.rms_norm`; Llama-style norms
   (``weight * x̂.to(dtype)``) use ``casting="llama"``, Gemma's ``(x̂ · (1 + w)).to(dtype)`` uses
-  ``offset=1.0, casting="fp32"``, Olmo2's ``(w · x̂).to(dtype)`` ``casting="fp32"``. Qwen3's
-  and Olmo2's ``q_norm``/``k_norm`` are RMSNorms too.
+  ``offset=1.0, casting="fp32"`` (Gemma3 too), Olmo2's, Olmo3's and gpt-oss's
+  ``(w · x̂).to(dtype)`` ``casting="fp32"``. The ``q_norm``/``k_norm`` (Qwen3, Gemma3, Olmo,
+  EXAONE 4) and DeepSeek-V3's latent norms are RMSNorms too.
 - ``swiglu``: ``<Family>MLP.forward`` -> ``down(swiglu(gate(x), up(x)))`` when the MLP's
   activation is SiLU, ``down(geglu(gate(x), up(x), approximate))`` when it is GELU (tanh or
-  exact); any other activation is left alone (and logged).
-- ``rope``: the ``apply_rotary_pos_emb`` that ``<Family>Attention.forward`` calls ->
-  :func:`polykernel.rope` (cases it does not cover — ``unsqueeze_dim != 1``, partial rotary
-  dims, mixed dtypes — go to the original function).
+  exact); Phi3/GLM4's merged ``gate_up_proj`` gives the two halves' views. MoE families: the
+  dense MLPs and shared experts (the routed experts stay). Any other activation is left alone.
+- ``rope``: the rotary function that ``<Family>Attention.forward`` calls ->
+  :func:`polykernel.rope`: rotate-half, gpt-oss's half-width tables (``cat((cos, cos))``) and
+  DeepSeek-V3's interleaved pairs (rotate-half on ``[evens, odds]``, the layout it returns),
+  Qwen2-VL's M-RoPE (its sections arrive merged into plain tables) and vision rotary.
+  Cases it does not cover — ``unsqueeze_dim != 1``, partial rotary dims, mixed dtypes (but
+  Olmo's fp32 tables, whose function casts back to q's dtype) — go to the original function;
+  NoPE layers call none.
 - ``cross_entropy``: the causal-LM loss when logits are computed (eval with labels, or
   ``fused_linear_cross_entropy=False``) -> :func:`polykernel.cross_entropy`, with
   ``ForCausalLMLoss``'s shift, ``ignore_index`` and ``num_items_in_batch`` semantics.
@@ -28,6 +34,8 @@ What is swapped (families: Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Olmo2):
   ``labels`` -> hidden states from the base model, then
   :func:`polykernel.fused_linear_cross_entropy` with ``lm_head``'s weight (tied or not): the
   ``[tokens, vocab]`` logits are never materialized and ``output.logits`` is ``None``.
+  Granite's ``logits_scaling`` divides the hidden states instead of the logits; MoE models add
+  ``router_aux_loss_coef`` x the load-balancing loss as theirs do (``output_router_logits``).
   Without labels, in eval mode, with ``logits_to_keep != 0``, a custom ``loss_function``, final
   logit soft-capping or scaling, or an ``lm_head`` that is not a plain ``nn.Linear`` (quantized,
   hooked, offloaded, sharded), the model's own forward runs.
@@ -45,6 +53,11 @@ attention modules a copy of their ``forward`` whose globals see polykernel's
 instead swaps the class ``forward`` methods and the modeling module's ``apply_rotary_pos_emb``.
 Calling ``patch`` again re-applies it with the new switches (idempotent); ``unpatch`` restores
 the originals. A switch whose polykernel op is not in this build is skipped with a warning.
+
+What polykernel cannot express exactly stays transformers' code, and :func:`patched` says why
+(``{"rope": "left alone: ..."}``): GLM4's interleaved partial rotary, partial rotary dims (Phi-4
+mini), Llama4's complex-pair rotary and weightless q/k L2 norm, and every MoE family's routed
+experts (``moe_experts``; gpt-oss's clamped SwiGLU among them).
 
 Only this module imports ``transformers`` (an optional extra).
 """
@@ -101,6 +114,16 @@ class _Norm:
 _LLAMA_NORM = _Norm(offset=0.0, casting="llama", eps_attr="variance_epsilon")  # weight * x̂.to(dtype)
 _GEMMA_NORM = _Norm(offset=1.0, casting="fp32", eps_attr="eps")  # (x̂ * (1 + w.float())).type_as(x)
 _OLMO2_NORM = _Norm(offset=0.0, casting="fp32", eps_attr="variance_epsilon")  # (weight * x̂).to(dtype)
+_LLAMA4_NORM = _Norm(offset=0.0, casting="llama", eps_attr="eps")  # x̂.type_as(x) * weight
+
+# How a family's rotary function maps onto polykernel.rope (which takes [B, T, D] rotate-half tables):
+_ROTATE_HALF = "rotate_half"  # q·cos + rotate_half(q)·sin, the tables as they come
+_CAST_BACK = "rotate_half_cast_back"  # Olmo: the same in the promoted dtype, cast back to q's (fp32 tables)
+_HALF_TABLES = "half_tables"  # gpt-oss: [B, T, D/2] tables applied to the halves (rotate-half math)
+_PAIRS = "interleaved_pairs"  # DeepSeek's pairs (x0, x1), (x2, x3)... out in rotate-half layout
+_VISION = "vision"  # Qwen2-VL's vision tower: q/k [S, H, D], tables [S, D], fp32 math
+
+_MOE_EXPERTS = "the experts run transformers' own code (polykernel has no moe_experts op yet)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,19 +131,28 @@ class _Family:
     model_type: str  # config.model_type
     prefix: str  # class-name prefix in the modeling module
     norm: _Norm
+    package: str = ""  # transformers.models.<package>, where it is not the model type
+    roles: tuple[tuple[str, str | None], ...] = ()  # class name -> role, beyond (or instead of) the prefix names
+    rope: tuple[tuple[str, str], ...] = (("apply_rotary_pos_emb", _ROTATE_HALF),)  # rotary function -> layout; () = left alone
+    left_alone: tuple[tuple[str, str], ...] = ()  # kind -> why polykernel cannot express it (yet)
+    output: str = "CausalLMOutputWithPast"  # what the causal LM returns (transformers.modeling_outputs)
+    logit_divisor: str = ""  # config attribute the logits are divided by (the fused loss divides the hidden states)
 
     @property
     def module(self) -> str:
-        return f"transformers.models.{self.model_type}.modeling_{self.model_type}"
+        package = self.package or self.model_type
+        return f"transformers.models.{package}.modeling_{package}"
 
     def role(self, class_name: str) -> str | None:
-        return {
+        roles: dict[str, str | None] = {
             f"{self.prefix}RMSNorm": "rms_norm",
             f"{self.prefix}MLP": "mlp",
             f"{self.prefix}Attention": "attention",
             f"{self.prefix}ForCausalLM": "causal_lm",
             f"{self.prefix}Model": "base_model",
-        }.get(class_name)
+        }
+        roles.update(self.roles)
+        return roles.get(class_name)
 
 
 _FAMILIES: dict[str, _Family] = {
@@ -132,11 +164,120 @@ _FAMILIES: dict[str, _Family] = {
         _Family("qwen3", "Qwen3", _LLAMA_NORM),
         _Family("gemma", "Gemma", _GEMMA_NORM),
         _Family("gemma2", "Gemma2", _GEMMA_NORM),  # final logit soft-capping: the fused loss steps aside
-        _Family("olmo2", "Olmo2", _OLMO2_NORM),
+        _Family("olmo2", "Olmo2", _OLMO2_NORM, rope=(("apply_rotary_pos_emb", _CAST_BACK),)),
+        # (1 + w) norms, q/k norms included; Gemma3Model is the multimodal wrapper, not the text model
+        _Family("gemma3_text", "Gemma3", _GEMMA_NORM, package="gemma3", roles=(("Gemma3TextModel", "base_model"), ("Gemma3Model", None))),
+        _Family("qwen3_moe", "Qwen3Moe", _LLAMA_NORM, left_alone=(("moe_experts", _MOE_EXPERTS),), output="MoeCausalLMOutputWithPast"),
+        _Family("mixtral", "Mixtral", _LLAMA_NORM, left_alone=(("moe_experts", _MOE_EXPERTS),), output="MoeCausalLMOutputWithPast"),
+        _Family(
+            "gpt_oss",
+            "GptOss",
+            _OLMO2_NORM,
+            roles=(("GptOssMLP", None),),  # the router and experts, no dense MLP
+            rope=(("apply_rotary_pos_emb", _HALF_TABLES),),
+            left_alone=(
+                (
+                    "moe_experts",
+                    "gpt-oss's experts use a clamped SwiGLU ((up + 1) · gate·σ(α·gate), both clamped), "
+                    "which polykernel.swiglu cannot express; they run transformers' own code",
+                ),
+            ),
+            output="MoeCausalLMOutputWithPast",
+        ),
+        _Family("phi3", "Phi3", _LLAMA_NORM),  # merged gate_up_proj; partial rotary: see _config_left_alone
+        # embedding/residual/attention multipliers live in forwards the patch keeps as they are
+        _Family("granite", "Granite", _LLAMA_NORM, logit_divisor="logits_scaling"),
+        _Family(
+            "glm4",
+            "Glm4",
+            _LLAMA_NORM,
+            rope=(),
+            left_alone=(("rope", "GLM's rotary is interleaved and partial (rotary_dim < head_dim): polykernel.rope has neither yet"),),
+        ),
+        _Family("smollm3", "SmolLM3", _LLAMA_NORM),  # NoPE layers: their attention calls no rotary function
+        _Family("olmo3", "Olmo3", _OLMO2_NORM, rope=(("apply_rotary_pos_emb", _CAST_BACK),)),
+        _Family("ministral", "Ministral", _LLAMA_NORM),
+        _Family("exaone4", "Exaone4", _LLAMA_NORM),
+        _Family(
+            "deepseek_v3",
+            "DeepseekV3",
+            _LLAMA_NORM,  # the dense MLPs and each MoE layer's shared experts are DeepseekV3MLP
+            rope=(("apply_rotary_pos_emb", _ROTATE_HALF), ("apply_rotary_pos_emb_interleave", _PAIRS)),
+            left_alone=(("moe_experts", _MOE_EXPERTS),),
+            output="MoeCausalLMOutputWithPast",
+        ),
+        # The language model. M-RoPE's sections are merged into plain [B, T, D] tables by the rotary
+        # embedding module (transformers 5.24), so the attention's rotary is rotate-half. Vision
+        # tower: its rotary (and, Qwen2.5-VL, its RMSNorms and gated MLPs); 2-VL's LayerNorms and
+        # ungated MLPs are not ours
+        _Family(
+            "qwen2_vl",
+            "Qwen2VL",
+            _LLAMA_NORM,
+            roles=(
+                ("Qwen2MLP", "mlp"),
+                ("VisionAttention", "attention"),
+                ("Qwen2VLForConditionalGeneration", "causal_lm"),
+                ("Qwen2VLTextModel", "base_model"),
+                ("Qwen2VLModel", None),
+            ),
+            rope=(("apply_rotary_pos_emb", _ROTATE_HALF), ("apply_rotary_pos_emb_vision", _VISION)),
+            left_alone=(("vision_mlp", "Qwen2-VL's vision MLP is not gated (fc1, QuickGELU, fc2) and its norms are nn.LayerNorm"),),
+            output="MultimodalCausalLMOutputWithPast",
+        ),
+        _Family(
+            "qwen2_5_vl",
+            "Qwen2_5_VL",
+            _LLAMA_NORM,
+            roles=(
+                ("Qwen2MLP", "mlp"),
+                ("Qwen2_5_VLVisionAttention", "attention"),
+                ("Qwen2_5_VLForConditionalGeneration", "causal_lm"),
+                ("Qwen2_5_VLTextModel", "base_model"),
+                ("Qwen2_5_VLModel", None),
+            ),
+            rope=(("apply_rotary_pos_emb", _ROTATE_HALF), ("apply_rotary_pos_emb_vision", _VISION)),
+            output="MultimodalCausalLMOutputWithPast",
+        ),
+        _Family(
+            "llama4_text",
+            "Llama4Text",
+            _LLAMA4_NORM,
+            package="llama4",
+            roles=(("Llama4ForCausalLM", "causal_lm"),),  # Llama4TextMLP: the dense layers and shared experts
+            rope=(),
+            left_alone=(
+                (
+                    "rope",
+                    "Llama4's rotary multiplies complex pairs (interleaved layout in and out): polykernel.rope has no interleaved= yet",
+                ),
+                ("l2_norm", "Llama4's q/k L2 norm has no weight: polykernel.rms_norm needs one"),
+                ("moe_experts", _MOE_EXPERTS),
+            ),
+            output="MoeCausalLMOutputWithPast",
+        ),
     )
 }
 _FAMILY_BY_MODULE = {f.module: f for f in _FAMILIES.values()}
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
+
+# a kind left alone -> the switch that would patch it (moe_experts has none: always reported)
+_LEFT_ALONE_SWITCH = {"rope": "rope", "l2_norm": "rms_norm", "swiglu": "swiglu", "vision_mlp": "swiglu"}
+
+
+def _config_left_alone(family: _Family, config: Any) -> dict[str, str]:
+    """kind -> why: what this family, in this configuration, leaves to transformers."""
+    out = dict(family.left_alone)
+    params = getattr(config, "rope_parameters", None)
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    if factor is None:
+        factor = getattr(config, "partial_rotary_factor", 1.0)
+    if family.rope and isinstance(factor, (int, float)) and factor < 1:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        out["rope"] = (
+            f"partial rotary (rotary_dim={int(head_dim * factor)} of head_dim {head_dim}) is not expressible yet: polykernel.rope has no rotary_dim"
+        )
+    return out
 
 
 # -- op availability (ops land independently; a missing one skips its switch) ------------------
@@ -202,15 +343,34 @@ def _gated_activation(act: Any) -> tuple[str, str | None] | None:
     return None
 
 
+def _mlp_layout(module: nn.Module) -> tuple[str, Any] | None:
+    """``("split" | "merged", activation)``: ``gate_proj``/``up_proj`` or Phi3-style ``gate_up_proj``
+    (gate first, then up, chunked in two), with ``down_proj``; None for any other MLP."""
+    act = getattr(module, "act_fn", None)
+    if act is None:
+        act = getattr(module, "activation_fn", None)
+    if act is None or not hasattr(module, "down_proj"):
+        return None
+    if hasattr(module, "gate_proj") and hasattr(module, "up_proj"):
+        return "split", act
+    if hasattr(module, "gate_up_proj"):
+        return "merged", act
+    return None
+
+
 def _mlp_forward(base: Callable, ops: frozenset[str]) -> Callable:
     """``ops``: the gated activations available in this build (``swiglu``, ``geglu``)."""
 
     @functools.wraps(base)
     def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        kind = _gated_activation(getattr(self, "act_fn", None))
+        layout = _mlp_layout(self)
+        kind = _gated_activation(layout[1]) if layout is not None else None
         if args or kwargs or kind is None or kind[0] not in ops:
             return base(self, x, *args, **kwargs)
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        if layout[0] == "split":
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:  # views of the merged projection's two halves, as Phi3MLP.forward takes them
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         if kind[0] == "swiglu":
             return self.down_proj(_pk.swiglu(gate, up))
         return self.down_proj(_pk.geglu(gate, up, approximate=kind[1]))
@@ -221,20 +381,21 @@ def _mlp_forward(base: Callable, ops: frozenset[str]) -> Callable:
 
 def _mlp_supported(module: nn.Module) -> str | None:
     """Why this MLP cannot be patched, or None."""
-    for attr in ("gate_proj", "up_proj", "down_proj", "act_fn"):
-        if not hasattr(module, attr):
-            return f"it has no {attr}"
-    kind = _gated_activation(module.act_fn)
+    layout = _mlp_layout(module)
+    if layout is None:
+        return "it has no gate_proj/up_proj (or gate_up_proj), down_proj and act_fn"
+    kind = _gated_activation(layout[1])
     if kind is None:
-        return f"its activation {type(module.act_fn).__name__} is not SiLU or GELU"
+        return f"its activation {type(layout[1]).__name__} is not SiLU or GELU"
     if not _has_op(kind[0]):
         return f"polykernel.{kind[0]} is not available in this build"
     return None
 
 
 # -- RoPE --------------------------------------------------------------------------------------
-def _rope_function(orig: Callable) -> Callable:
-    """A drop-in ``apply_rotary_pos_emb`` that runs polykernel.rope where it has the same semantics."""
+def _rope_function(orig: Callable, layout: str = _ROTATE_HALF) -> Callable:
+    """A drop-in for a modeling module's rotary function (``layout``: how it maps onto
+    polykernel.rope) that runs polykernel.rope where it has the same semantics."""
     orig = getattr(orig, "_polykernel_orig", orig)
     try:
         extra_names = [p.name for p in inspect.signature(orig).parameters.values()][4:]
@@ -243,42 +404,102 @@ def _rope_function(orig: Callable) -> Callable:
 
     @functools.wraps(orig)
     def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *args: Any, **kwargs: Any):
-        if args or kwargs:
+        if args or kwargs:  # (DeepSeek's interleaved function takes position_ids too, and ignores them)
             extra = dict(zip(extra_names, args))
             extra.update(kwargs)
             if len(args) > len(extra_names) or extra.get("unsqueeze_dim", 1) != 1:
                 return orig(q, k, cos, sin, *args, **kwargs)
-        if not _rope_supported(q, k, cos, sin):
+        if layout == _VISION:  # [S, H, D] -> a [1, H, S, D] view, and back (the caller transposes it again)
+            if not _vision_rope_supported(q, k, cos, sin):
+                return orig(q, k, cos, sin, *args, **kwargs)
+            q, k = _pk.rope(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), cos.unsqueeze(0), sin.unsqueeze(0))
+            return q[0].transpose(0, 1), k[0].transpose(0, 1)
+        tables = _rope_tables(q, k, cos, sin, layout)
+        if tables is None:
             return orig(q, k, cos, sin, *args, **kwargs)
-        return _pk.rope(q, k, cos, sin)
+        if layout == _PAIRS:
+            # DeepSeek rotates the pairs (x0, x1), (x2, x3)... and returns [evens', odds']: that is
+            # rotate-half on [evens, odds] (the same products, a permutation of the input)
+            q = torch.cat((q[..., 0::2], q[..., 1::2]), dim=-1)
+            k = torch.cat((k[..., 0::2], k[..., 1::2]), dim=-1)
+        return _pk.rope(q, k, *tables)
 
     apply_rotary_pos_emb._polykernel = "rope"  # type: ignore[attr-defined]
     apply_rotary_pos_emb._polykernel_orig = orig  # type: ignore[attr-defined]
     return apply_rotary_pos_emb
 
 
-def _rope_supported(q: Any, k: Any, cos: Any, sin: Any) -> bool:
-    """q/k ``[B, H, T, D]``, cos/sin ``[B or 1, T, D]`` of one dtype (HF's output dtype follows
-    promotion otherwise), full rotary dim."""
+def _rope_tables(q: Any, k: Any, cos: Any, sin: Any, layout: str = _ROTATE_HALF) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """polykernel.rope's ``[B or 1, T, D]`` cos/sin for this call, or None where it does not have the
+    original's semantics. q/k ``[B, H, T, D]``; the tables of q's dtype (HF's output dtype follows
+    promotion otherwise) and, as the layout takes them, of the full rotary dim D:
+
+    - ``rotate_half``: ``[B, T, D]``, as they come;
+    - ``rotate_half_cast_back`` (Olmo): the same, also fp32 tables with other q/k: the original
+      computes in the promoted dtype and casts back to q's, which is polykernel.rope's math;
+    - ``half_tables`` (gpt-oss): ``[B, T, D/2]``, one angle per half-pair: ``cat((cos, cos))``;
+    - ``interleaved_pairs`` (DeepSeek): ``[B, T, D]`` of which the original reads the first half.
+    """
     if not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)):
-        return False
+        return None
     if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
-        return False
+        return None
     b, _, t, d = q.shape
-    return (
+    width = d // 2 if layout == _HALF_TABLES else d
+    if not (
         k.shape[0] == b
         and k.shape[2] == t
         and k.shape[3] == d
         and cos.shape[0] in (1, b)
         and cos.shape[1] == t
-        and cos.shape[2] == d
+        and cos.shape[2] == width
+        and d > 0
         and d % 2 == 0
-        and q.dtype == k.dtype == cos.dtype == sin.dtype
+        and q.dtype == k.dtype
+        and cos.dtype == sin.dtype
+        and (cos.dtype == q.dtype or (layout == _CAST_BACK and cos.dtype == torch.float32))
+    ):
+        return None
+    if layout == _HALF_TABLES:
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    if layout == _PAIRS:
+        c, s = cos[..., : d // 2], sin[..., : d // 2]
+        return torch.cat((c, c), dim=-1), torch.cat((s, s), dim=-1)
+    return cos, sin
+
+
+def _vision_rope_supported(q: Any, k: Any, cos: Any, sin: Any) -> bool:
+    """Qwen2-VL's ``apply_rotary_pos_emb_vision``: q/k ``[S, H, D]``, cos/sin ``[S, D]``. It computes
+    in fp32 and casts back, as polykernel.rope does, so fp32 tables with other q/k are the same math."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)):
+        return False
+    if q.dim() != 3 or k.dim() != 3 or cos.dim() != 2 or sin.shape != cos.shape:
+        return False
+    s, _, d = q.shape
+    return (
+        k.shape[0] == s
+        and k.shape[2] == d
+        and tuple(cos.shape) == (s, d)
+        and d > 0
+        and d % 2 == 0
+        and q.dtype == k.dtype
+        and cos.dtype == sin.dtype
+        and cos.dtype in (q.dtype, torch.float32)
     )
 
 
 class _CannotPatch(Exception):
     pass
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """The globals ``code`` may read, its nested functions' included (Llama4TextModel.forward
+    builds its masks in lambdas; they are made at run time with the copy's globals too)."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
 
 
 def _with_globals(fn: Callable, old: dict, new: dict, calls: tuple[str, ...] = ("apply_rotary_pos_emb",)) -> types.FunctionType:
@@ -310,7 +531,7 @@ def _with_globals(fn: Callable, old: dict, new: dict, calls: tuple[str, ...] = (
         closure = tuple(cells)
     elif fn.__globals__ is not old:
         raise _CannotPatch(f"{fn.__qualname__} is not defined in the modeling module")
-    elif not any(name in fn.__code__.co_names for name in calls):
+    elif not any(name in _global_names(fn.__code__) for name in calls):
         raise _CannotPatch(f"{fn.__qualname__} does not call {' or '.join(calls)}")
     out = types.FunctionType(fn.__code__, new if fn.__globals__ is old else fn.__globals__, fn.__name__, fn.__defaults__, closure)
     out.__kwdefaults__ = fn.__kwdefaults__
@@ -335,12 +556,14 @@ def _namespace(module_globals: dict, **overrides: Any) -> dict:
 _ROPE_NAMESPACES: dict[str, dict] = {}
 
 
-def _attention_forward(base: Callable, modeling: types.ModuleType) -> Callable:
+def _attention_forward(base: Callable, modeling: types.ModuleType, family: _Family) -> Callable:
+    names = tuple(name for name, _ in family.rope)
     ns = _ROPE_NAMESPACES.get(modeling.__name__)
     if ns is None:
-        ns = _namespace(modeling.__dict__, apply_rotary_pos_emb=_rope_function(modeling.apply_rotary_pos_emb))
+        swapped = {name: _rope_function(getattr(modeling, name), layout) for name, layout in family.rope if hasattr(modeling, name)}
+        ns = _namespace(modeling.__dict__, **swapped)
         _ROPE_NAMESPACES[modeling.__name__] = ns
-    forward = _with_globals(base, modeling.__dict__, ns)
+    forward = _with_globals(base, modeling.__dict__, ns, names)
     forward._polykernel = "rope"  # type: ignore[attr-defined]
     return forward
 
@@ -483,9 +706,16 @@ def _flce_loss(
     num_items_in_batch: Any = None,
     ignore_index: int = -100,
     shift_labels: torch.Tensor | None = None,
+    divisor: float | None = None,
 ) -> torch.Tensor:
+    """``divisor``: the logits are ``lm_head(hidden) / divisor`` (Granite's ``logits_scaling``);
+    ``(hidden / divisor) @ W^T`` is the same product, so the hidden states are divided instead."""
     weight, bias = head.weight, head.bias
     hidden = hidden.reshape(-1, hidden.shape[-1])
+    if divisor is not None:
+        if bias is not None:
+            bias = bias / divisor
+        hidden = hidden / divisor
     if hidden.dtype != weight.dtype and torch.is_autocast_enabled(hidden.device.type):
         dtype = torch.get_autocast_dtype(hidden.device.type)  # what lm_head's F.linear would run in
         hidden, weight = hidden.to(dtype), weight.to(dtype)
@@ -508,10 +738,19 @@ def _standard_loss(model: nn.Module) -> bool:
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logits_scaling", "logit_scale", "output_multiplier_scale")
 
 
-def _flce_head(model: nn.Module) -> nn.Linear | None:
+def _logit_divisor(model: nn.Module, family: _Family | None) -> float | None:
+    """What the family divides its logits by (a config attribute it names), or None."""
+    if family is None or not family.logit_divisor:
+        return None
+    value = getattr(getattr(model, "config", None), family.logit_divisor, None)
+    return None if value in (None, 1, 1.0) else value
+
+
+def _flce_head(model: nn.Module, family: _Family | None = None) -> nn.Linear | None:
     """lm_head when the fused loss computes exactly what it would, else None."""
     config = getattr(model, "config", None)
-    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS):
+    divides = family.logit_divisor if family is not None else ""
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS if name != divides):
         return None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else getattr(model, "lm_head", None)
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
@@ -525,16 +764,36 @@ def _flce_head(model: nn.Module) -> nn.Linear | None:
     return head
 
 
+def _decoder(model: nn.Module) -> nn.Module | None:
+    """The module whose first output is the hidden states lm_head reads (Llama4ForCausalLM names
+    ``language_model`` as its prefix but keeps the text model in ``model``)."""
+    inner = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    if not isinstance(inner, nn.Module) or inner is model:
+        inner = getattr(model, "model", None)
+    return inner if isinstance(inner, nn.Module) else None
+
+
 _KEEP_NAMES = ("logits_to_keep", "num_logits_to_keep")
-# the base model's outputs passed on (the cache field is `cache` or `past_key_values` by version)
-_OUTPUT_FIELDS = tuple(f.name for f in dataclasses.fields(CausalLMOutputWithPast) if f.name not in ("loss", "logits"))
+_NOT_PASSED_ON = ("loss", "logits", "aux_loss")  # output fields the fused path computes itself
 
 
-def _causal_lm_forward(base: Callable, use_flce: bool, use_ce: bool) -> Callable:
+def _output_class(family: _Family | None) -> type:
+    """What the family's causal LM returns (MoE: router logits and the auxiliary loss too)."""
+    import transformers.modeling_outputs as outputs
+
+    return getattr(outputs, family.output, CausalLMOutputWithPast) if family is not None else CausalLMOutputWithPast
+
+
+def _causal_lm_forward(base: Callable, use_flce: bool, use_ce: bool, family: _Family | None = None) -> Callable:
     sig = inspect.signature(base)  # follows __wrapped__ to the real parameters (self first)
     positional = [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
     takes_return_dict = "return_dict" in sig.parameters
     labels_at = positional.index("labels") if "labels" in positional else None
+    routed = "output_router_logits" in sig.parameters  # Mixtral, Qwen3-MoE, gpt-oss: an auxiliary loss
+    out_cls = _output_class(family)
+    passed_on = tuple(f.name for f in dataclasses.fields(out_cls) if f.name not in _NOT_PASSED_ON)
+    modeling = sys.modules.get(family.module) if family is not None else None
+    aux_loss_fn = getattr(modeling, "load_balancing_loss_func", None)
 
     @functools.wraps(base)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -555,19 +814,34 @@ def _causal_lm_forward(base: Callable, use_flce: bool, use_ce: bool) -> Callable
             return_dict = getattr(getattr(self, "config", None), "return_dict", True)
         loss_kwargs = {n: call[n] for n in ("num_items_in_batch", "ignore_index", "shift_labels") if n in call}
 
-        head = _flce_head(self) if (use_flce and self.training) else None
-        if head is not None:
+        head = _flce_head(self, family) if (use_flce and self.training) else None
+        decoder = _decoder(self) if head is not None else None
+        router_logits = False
+        if routed:
+            router_logits = call.get("output_router_logits")
+            if router_logits is None:
+                router_logits = getattr(self.config, "output_router_logits", False)
+        if decoder is not None and not (router_logits and aux_loss_fn is None):
             model_kwargs = {n: v for n, v in call.items() if n not in ("labels", *_KEEP_NAMES)}
-            outputs = getattr(self, self.base_model_prefix)(return_dict=True, **model_kwargs)
-            loss = _flce_loss(outputs[0], head, labels, **loss_kwargs)
-            extra = {name: getattr(outputs, name, None) for name in _OUTPUT_FIELDS}
-            out = CausalLMOutputWithPast(loss=loss, logits=None, **extra)
+            if routed:
+                model_kwargs["output_router_logits"] = router_logits
+            outputs = decoder(return_dict=True, **model_kwargs)
+            loss = _flce_loss(outputs[0], head, labels, **loss_kwargs, divisor=_logit_divisor(self, family))
+            extra = {name: getattr(outputs, name, None) for name in passed_on}
+            if router_logits:  # as the MoE causal LMs add it: coef * load-balancing loss of the routers
+                aux = aux_loss_fn(outputs.router_logits, self.num_experts, self.num_experts_per_tok, call.get("attention_mask"))
+                loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
+                extra["aux_loss"] = aux
+            out = out_cls(loss=loss, logits=None, **extra)
         elif use_ce:
             call["labels"] = None
             if takes_return_dict:
                 call["return_dict"] = True
             out = base(self, **call) if takes_return_dict else base(self, return_dict=True, **call)
             loss = _ce_loss(out.logits, labels, **loss_kwargs)
+            aux = getattr(out, "aux_loss", None)  # computed without labels too; added to the loss with them
+            if aux is not None:
+                loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
             out = type(out)(loss=loss, **{n: v for n, v in out.items() if n != "loss"})
         else:
             return base(self, *args, **kwargs)
@@ -634,6 +908,22 @@ def _kind(module: nn.Module) -> str | None:
     return getattr(getattr(fn, "__func__", None), "_polykernel", None)
 
 
+_LEFT_ALONE = "_polykernel_left_alone"  # the patched model's __dict__ entry: kind -> why
+
+
+def _calls_rope(attention: nn.Module) -> bool:
+    """False for NoPE layers, whose forward calls no rotary function: SmolLM3's ``use_rope``
+    layers and a hybrid EXAONE 4's global (non-sliding) layers."""
+    if not getattr(attention, "use_rope", True):
+        return False
+    return getattr(attention, "sliding_window", None) is None or getattr(attention, "is_sliding", True)
+
+
+def _requested(left: dict[str, str], on: dict[str, bool]) -> dict[str, str]:
+    """The reasons for the kinds whose switch is on (a switch turned off leaves nothing to explain)."""
+    return {kind: why for kind, why in left.items() if on.get(_LEFT_ALONE_SWITCH.get(kind, ""), True)}
+
+
 def _patch_model(model: nn.Module, switches: dict[str, bool]) -> nn.Module:
     found = [(name, m, c) for name, m in model.named_modules() if (c := _classify(m)) is not None]
     if not found:
@@ -645,7 +935,14 @@ def _patch_model(model: nn.Module, switches: dict[str, bool]) -> nn.Module:
     unpatch(model)
     on = _enabled(switches)
     use_loss = on["fused_linear_cross_entropy"] or on["cross_entropy"]
+    left: dict[str, str] = {}
+    configured: dict[str, dict[str, str]] = {}  # model type -> what its configuration leaves alone
+    for _, module, (family, _role, _) in sorted(found, key=lambda f: f[2][1] != "base_model"):  # the text model's config first
+        config = getattr(module, "config", None)
+        if family.model_type not in configured and config is not None:
+            configured[family.model_type] = _config_left_alone(family, config)
     for name, module, (family, role, _cls) in found:
+        family_left = configured.get(family.model_type, dict(family.left_alone))
         try:
             if role == "rms_norm" and on["rms_norm"]:
                 _install(module, lambda base, n=family.norm: _rms_norm_forward(base, n))
@@ -653,26 +950,33 @@ def _patch_model(model: nn.Module, switches: dict[str, bool]) -> nn.Module:
                 why = _mlp_supported(module)
                 if why is not None:
                     logger.info("polykernel: MLP %s left as is: %s", name, why)
+                    left.setdefault("swiglu", f"{type(module).__name__}: {why}")
                     continue
                 _install(module, lambda base: _mlp_forward(base, _gated_ops()))
-            elif role == "attention" and on["rope"]:
+            elif role == "attention" and on["rope"] and "rope" not in family_left and _calls_rope(module):
                 modeling = sys.modules[family.module]
-                _install(module, lambda base, m=modeling: _attention_forward(base, m))
+                _install(module, lambda base, m=modeling, f=family: _attention_forward(base, m, f))
             elif role == "base_model" and on["sdpa_is_causal"]:
                 modeling = sys.modules[family.module]
                 _install(module, lambda base, m=modeling: _base_model_forward(base, m))
             elif role == "causal_lm" and use_loss:
                 flce, ce = on["fused_linear_cross_entropy"], on["cross_entropy"]
-                _install(module, lambda base, f=flce, c=ce: _causal_lm_forward(base, f, c))
+                _install(module, lambda base, f=flce, c=ce, fam=family: _causal_lm_forward(base, f, c, fam))
         except _CannotPatch as exc:
             logger.warning("polykernel: %s (%s) left as is: %s", name or "<model>", role, exc)
-    counts = {kind: len(names) for kind, names in patched(model).items()}
-    logger.info("polykernel: patched %s: %s", type(model).__name__, counts or "nothing")
+    for family_left in configured.values():
+        left.update(family_left)
+    left = _requested(left, on)
+    if left:
+        model.__dict__[_LEFT_ALONE] = left
+    summary = {kind: len(names) if isinstance(names, list) else names for kind, names in patched(model).items()}
+    logger.info("polykernel: patched %s: %s", type(model).__name__, summary or "nothing")
     return model
 
 
 # -- class patching ----------------------------------------------------------------------------
 _CLASS_PATCHES: dict[str, list[tuple[Any, str, Any]]] = {}  # model_type -> [(owner, attr, original)]
+_CLASS_LEFT_ALONE: dict[str, dict[str, str]] = {}  # model_type -> kind -> why
 
 
 def _patch_classes(model_type: str, switches: dict[str, bool]) -> None:
@@ -692,23 +996,34 @@ def _patch_classes(model_type: str, switches: dict[str, bool]) -> None:
         setattr(owner, attr, make(original))
         done.append((owner, attr, original))
 
-    cls = functools.partial(getattr, modeling)
+    classes = {
+        role: [c for n, c in vars(modeling).items() if isinstance(c, type) and c.__module__ == modeling.__name__ and family.role(n) == role]
+        for role in ("rms_norm", "mlp", "causal_lm", "base_model")
+    }
     if on["rms_norm"]:
-        swap(cls(f"{family.prefix}RMSNorm"), "forward", lambda f: _rms_norm_forward(f, family.norm))
+        for c in classes["rms_norm"]:
+            swap(c, "forward", lambda f: _rms_norm_forward(f, family.norm))
     if on["swiglu"]:
-        swap(cls(f"{family.prefix}MLP"), "forward", lambda f: _mlp_forward(f, _gated_ops()))
-    if on["rope"]:
-        swap(modeling, "apply_rotary_pos_emb", _rope_function)
+        for c in classes["mlp"]:
+            swap(c, "forward", lambda f: _mlp_forward(f, _gated_ops()))
+    if on["rope"]:  # (partial rotary dims, per call: the original function runs)
+        for name, layout in family.rope:
+            if hasattr(modeling, name):
+                swap(modeling, name, lambda f, lay=layout: _rope_function(f, lay))
     if on["fused_linear_cross_entropy"] or on["cross_entropy"]:
         flce, ce = on["fused_linear_cross_entropy"], on["cross_entropy"]
-        swap(cls(f"{family.prefix}ForCausalLM"), "forward", lambda f: _causal_lm_forward(f, flce, ce))
+        for c in classes["causal_lm"]:
+            swap(c, "forward", lambda f: _causal_lm_forward(f, flce, ce, family))
     if on["sdpa_is_causal"]:
-        swap(cls(f"{family.prefix}Model"), "forward", lambda f: _base_model_forward(f, modeling))
+        for c in classes["base_model"]:
+            swap(c, "forward", lambda f: _base_model_forward(f, modeling))
     _CLASS_PATCHES[model_type] = done
+    _CLASS_LEFT_ALONE[model_type] = _requested(dict(family.left_alone), on)
     logger.info("polykernel: patched %s classes: %s", model_type, [f"{getattr(o, '__name__', o)}.{a}" for o, a, _ in done])
 
 
 def _unpatch_classes(model_type: str) -> None:
+    _CLASS_LEFT_ALONE.pop(model_type, None)
     for owner, attr, original in reversed(_CLASS_PATCHES.pop(model_type, [])):
         setattr(owner, attr, original)
 
@@ -759,24 +1074,32 @@ def unpatch(model: nn.Module | str) -> nn.Module | None:
     if isinstance(model, str):
         _unpatch_classes(model)
         return None
+    model.__dict__.pop(_LEFT_ALONE, None)
     for module in model.modules():
         _uninstall(module)
     return model
 
 
-def patched(model: nn.Module | str) -> dict[str, list[str]]:
-    """What polykernel runs in ``model``: kind (``rms_norm``, ``swiglu``, ``rope``, ``loss``) ->
-    the qualified names of the patched modules (a model type: the patched class attributes)."""
-    out: dict[str, list[str]] = {}
+def patched(model: nn.Module | str) -> dict[str, list[str] | str]:
+    """What polykernel runs in ``model``: kind (``rms_norm``, ``swiglu``, ``rope``, ``loss``,
+    ``sdpa_is_causal``) -> the qualified names of the patched modules (a model type: the patched
+    class attributes). A kind the model's family has but polykernel cannot express exactly maps to
+    ``"left alone: <why>"`` instead (e.g. ``{"rope": "left alone: GLM's rotary is interleaved ..."}``,
+    ``{"moe_experts": "left alone: ..."}``): that part runs transformers' own code."""
+    out: dict[str, list[str] | str] = {}
     if isinstance(model, str):
         for owner, attr, _ in _CLASS_PATCHES.get(model, []):
             value = getattr(owner, attr)
             kind = getattr(value, "_polykernel", None)
             if kind is not None:
-                out.setdefault(kind, []).append(f"{getattr(owner, '__name__', owner)}.{attr}")
-        return out
-    for name, module in model.named_modules():
-        kind = _kind(module)
-        if kind is not None:
-            out.setdefault(kind, []).append(name)
+                out.setdefault(kind, []).append(f"{getattr(owner, '__name__', owner)}.{attr}")  # type: ignore[union-attr]
+        left = _CLASS_LEFT_ALONE.get(model, {})
+    else:
+        for name, module in model.named_modules():
+            kind = _kind(module)
+            if kind is not None:
+                out.setdefault(kind, []).append(name)  # type: ignore[union-attr]
+        left = model.__dict__.get(_LEFT_ALONE, {})
+    for kind, why in left.items():
+        out.setdefault(kind, f"left alone: {why}")
     return out

@@ -3,11 +3,12 @@ the op and the argument."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-from ..errors import OpArgumentError, OpTypeError
+from ..errors import OpArgumentError, OpTypeError, shown
 
 FLOATING = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -30,14 +31,49 @@ def same_device(op: str, name: str, value: torch.Tensor, ref_name: str, ref: tor
         raise OpArgumentError(op, name, f"is on {value.device} but {ref_name!r} is on {ref.device}")
 
 
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def _float(value: Any) -> float | None:
+    """``value`` as a float; None for a bool, a non-number, or an int outside int64, which
+    torch's scalars (the reference's ``x + eps``) and Triton's integer arguments cannot take
+    (``10**30``: OverflowError at the launch otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
+        return None
+    return float(value)
+
+
+def _got(value: Any) -> str:
+    too_large = isinstance(value, int) and not isinstance(value, bool) and _float(value) is None
+    return f"got {shown(value)}" + (" (an int outside int64's range; pass a float)" if too_large else "")
+
+
 def positive_float(op: str, name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise OpArgumentError(op, name, f"expected a positive number, got {value!r}")
+    v = _float(value)
+    if v is None or not v > 0:
+        raise OpArgumentError(op, name, f"expected a positive number, {_got(value)}")
+
+
+def nonnegative_float(op: str, name: str, value: Any) -> None:
+    v = _float(value)
+    if v is None or not v >= 0:
+        raise OpArgumentError(op, name, f"expected a number >= 0, {_got(value)}")
 
 
 def finite_float(op: str, name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (float("inf"), float("-inf")):
-        raise OpArgumentError(op, name, f"expected a finite number, got {value!r}")
+    v = _float(value)
+    if v is None or not math.isfinite(v):
+        raise OpArgumentError(op, name, f"expected a finite number, {_got(value)}")
+
+
+def int64(op: str, name: str, value: Any) -> None:
+    """An int (not a bool) that fits int64: tensors compare with it, kernels take it as i64."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OpTypeError(op, name, f"expected an int, got {shown(value)}")
+    if not INT64[0] <= value <= INT64[1]:
+        raise OpArgumentError(op, name, f"expected an int in int64's range [-2**63, 2**63 - 1], got {shown(value)}")
 
 
 def choice(op: str, name: str, value: Any, allowed: tuple[str, ...]) -> None:

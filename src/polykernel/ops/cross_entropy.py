@@ -24,10 +24,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..backends.cute_dsl import CUTE_DSL
 from ..backends.cute_dsl import _predicates as cute_predicates
+from ..backends.declare import impls
+from ..backends.liger import LIGER
+from ..backends.quack import QUACK
 from ..backends.quack import _gates as quack_gates
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
+from ..core.hit_guard import SHAPE
 from ..core.op import Bounds, Case, ErrorModel, Op
-from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
+from ..distributed.layout import ROWS, Layout, rows_with
 from . import _checks as check
 
 OP_ID = "loss.cross_entropy"
@@ -62,8 +69,7 @@ def reference(
 
 def validate_options(op: str, ignore_index: int, label_smoothing: float, reduction: str) -> None:
     """Checks shared with ``loss.fused_linear_cross_entropy``."""
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise check.OpTypeError(op, "ignore_index", f"expected an int, got {ignore_index!r}")
+    check.int64(op, "ignore_index", ignore_index)
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
         raise check.OpArgumentError(op, "label_smoothing", f"expected a number in [0, 1], got {label_smoothing!r}")
     check.choice(op, "reduction", reduction, REDUCTIONS)
@@ -103,14 +109,37 @@ def validate(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, labe
     validate_target(OP_ID, target, logits.shape[:-1], logits.shape[-1], ignore_index, "logits", logits)
 
 
-def _key(logits: torch.Tensor, *args: object, label_smoothing: object = 0.0, **__: object) -> tuple:
-    if len(args) >= 3:  # the impl's positional order: (logits, target, ignore_index, label_smoothing, ...)
-        label_smoothing = args[2]
-    # label_smoothing is in the class because an impl's eligibility depends on it (QuACK has none)
-    return (logits.device, logits.dtype, check.needs_grad(logits), logits.shape[-1], label_smoothing)
+def _key(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean"
+) -> tuple:
+    """The argument class. It holds everything validity depends on (the options, target's dtype,
+    and whether target's shape and device match the logits' rows as one flag), so `validate` runs
+    once per class (on the memo miss), except on the CPU: see `cross_entropy`. n_classes and
+    label_smoothing come first because impls' eligibility depends on them (QuACK has no
+    smoothing). The guard (``_op``'s ``guard``) recognises a repeat without building it: both
+    shapes whole (which the flag relates), so a repeat compares no shape in Python."""
+    matches = target.shape == logits.shape[:-1] and target.device == logits.device
+    return (
+        logits.device,
+        logits.dtype,
+        check.needs_grad(logits),
+        logits.shape[-1],
+        label_smoothing,
+        ignore_index,
+        reduction,
+        target.dtype,
+        matches,
+    )
 
 
-_op: Op  # defined below, after the public function it serves
+def as_smoothing(value: object) -> object:
+    """label_smoothing as the impls take it: an int as a float, anything else as given (for
+    validation to name it)."""
+    return float(value) if type(value) is int else value
+
+
+_compiling = torch.compiler.is_compiling
+_op: Op  # defined below, after the public function it serves (with _dispatch, its dispatch)
 
 
 def cross_entropy(
@@ -131,16 +160,12 @@ def cross_entropy(
     >>> polykernel.cross_entropy(logits, target, reduction="none", label_smoothing=0.1).shape
     torch.Size([4])
     """
-    validate(logits, target, ignore_index, label_smoothing, reduction)
-    return _op.call(
-        impl,
-        (logits.device, logits.dtype, check.needs_grad(logits), logits.shape[-1], label_smoothing),
-        logits,
-        target,
-        ignore_index,
-        float(label_smoothing),
-        reduction,
-    )
+    ls = label_smoothing if type(label_smoothing) is float else as_smoothing(label_smoothing)
+    if (
+        not isinstance(target, torch.Tensor) or target.is_cpu
+    ) and not _compiling():  # its values: every call (compiled: the custom op validates)
+        validate(logits, target, ignore_index, ls, reduction)  # there (its range): every call
+    return _dispatch(impl, logits, target, ignore_index, ls, reduction)  # _op.dispatch; see _key
 
 
 # -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
@@ -221,73 +246,42 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
-
 # Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
-# predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
-# lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
-# Peers whose low-precision results fail the error model (see the comment at each).
-_FP32_ONLY = FormatSignature(supported_dtypes=("float32",))
+# predicates in backends/{liger,quack}/_gates.py. The comparisons below are from
+# benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file.
+# Peers whose low-precision results fail the error model take fp32 only (see the comment at each).
+_FP32_ONLY = ("float32",)
 
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.cross_entropy:cross_entropy",
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(
         rank=100,
         description="row-chunked torch (fp32 temporaries O(chunk), not O(N·V)); backward recomputes softmax from the saved LSE",
     ),
-    KernelSpec(
-        OP_ID,
-        "triton",
-        "polykernel.backends.triton.cross_entropy:cross_entropy",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("triton",),
-        format_signature=_TRITON_DTYPES,
+    TRITON.impl(
         rank=10,
         description="one program per row, online softmax over V in chunks; backward re-reads the logits with the saved LSE",
     ),
-    # Our CuTeDSL kernel (backends/cute_dsl/cross_entropy.py). H200 bf16 8192x128256 (bench_cute_dsl.py,
-    # CUDA graph): fwd 0.487 ms vs triton 0.595 vs quack 0.600; fwd+bwd 1.512 vs 1.613 vs 1.665. So
-    # rank 5 for V >= 32768 (rank_for; measured at V = 128256 only), static 40 (behind Triton) below.
-    KernelSpec(
-        OP_ID,
-        "cute_dsl",
-        "polykernel.backends.cute_dsl.cross_entropy:cross_entropy",
-        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=90)}),
-        requires_modules=("cutlass", "tvm_ffi"),
-        format_signature=_TRITON_DTYPES,
+    # Our CuTeDSL kernel (backends/cute_dsl/cross_entropy.py): ahead of Triton and QuACK at
+    # 8192x128256 (benchmarks/results/h200-2026-11-30-cute-dsl.json). So rank 5 for V >= 32768
+    # (rank_for; measured at V = 128256 only), static 40 (behind Triton) below.
+    CUTE_DSL.impl(
         rank=40,
         description="one CTA per row, online softmax over V in 128-bit chunks; backward re-reads the logits with the saved LSE (dlogits rounded once)",
         predicate=cute_predicates.cross_entropy,
         rank_for=cute_predicates.cross_entropy_rank,
     ),
-    # QuACK: 1.67 ms vs our 1.61 ms fwd+bwd at 8192x128256; Liger 2.34 ms and a host sync per call
-    # (not CUDA-graph safe). Both behind Triton.
-    KernelSpec(
-        OP_ID,
-        "quack",
-        "polykernel.backends.quack.cross_entropy:cross_entropy",
-        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=90)}),
-        requires_modules=("quack", "cutlass"),
-        format_signature=_TRITON_DTYPES,
-        rank=50,
-        description="QuACK cross_entropy (CuTeDSL); no label smoothing",
-        predicate=quack_gates.cross_entropy,
-    ),
-    # H200 2026-11-30: bf16/fp16 gradients fail the error model (10-13 cases each). fp32 passes.
-    KernelSpec(
-        OP_ID,
-        "liger",
-        "polykernel.backends.liger.cross_entropy:cross_entropy",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("liger_kernel", "triton"),
-        format_signature=_FP32_ONLY,
+    # QuACK: trails Triton slightly; Liger trails more and syncs the host per call (not CUDA-graph
+    # safe; per call in benchmarks/results/h200-2026-11-29.json). Both behind Triton.
+    QUACK.impl(rank=50, description="QuACK cross_entropy (CuTeDSL); no label smoothing", predicate=quack_gates.cross_entropy),
+    # bf16/fp16 gradients fail the error model (benchmarks/kernels/check_peers.py on the H200); fp32 passes.
+    LIGER.impl(
         rank=60,
-        cuda_graph_safe=False,
+        dtypes=_FP32_ONLY,
+        graph_safe=False,
         description="Liger's CE kernel with an fp32 loss and a private gradient buffer (the logits stay unwritten); host sync per call",
     ),
-]
+)
 
 
 def outputs(
@@ -300,9 +294,11 @@ def outputs(
 
 _op = Op(
     OP_ID,
-    fields=("device", "dtype", "needs_grad", "n_classes", "label_smoothing"),
+    fields=("device", "dtype", "needs_grad", "n_classes", "label_smoothing", "ignore_index", "reduction", "target_dtype", "target_matches"),
     key=_key,
-    default_key=lambda device, dtype: (device, dtype, False, None, 0.0),
+    guard=(SHAPE, SHAPE, None, None, None),
+    default_key=lambda device, dtype: (device, dtype, False, None, 0.0, -100, "mean", torch.int64, True),
+    validate=validate,
     reference=reference,
     outputs=outputs,
     error_model=error_model,
@@ -311,4 +307,9 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    # torch.compile: our custom ops, far faster than Inductor's code (its torch.compile rows in the
+    # results file above); saves the LSE (one per row) and the non-ignored count (a sum over rows)
+    saved=("rows", "sum"),
+    dtensor_layout=Layout(ROWS, rows_with(1), ("loss",), loss_args=(1, 2, 4)),  # target, ignore_index, reduction
 )
+_dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

@@ -22,11 +22,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..backends.declare import impls
+from ..backends.liger import LIGER
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
+from ..compile.facts import SavedGrads
+from ..core.hit_guard import SHAPE
 from ..core.op import SUM_LAMBDA, TINY, Bounds, Case, ErrorModel, Op
-from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
+from ..distributed.layout import ROWS, Layout, rows_with
 from . import _checks as check
+from .cross_entropy import as_smoothing, validate_options, validate_target
 from .cross_entropy import reference as _ce_reference
-from .cross_entropy import validate_options, validate_target
 
 OP_ID = "loss.fused_linear_cross_entropy"
 
@@ -80,12 +86,43 @@ def validate(
 
 
 def _key(
-    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None, *_: object, **__: object
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
 ) -> tuple:
-    return (hidden.device, hidden.dtype, check.needs_grad(hidden, weight, bias), hidden.shape[-1], weight.shape[0], bias is not None)
+    """The argument class. It holds everything validity depends on (the options, target's dtype,
+    and whether weight, bias and target agree with hidden in shape, dtype and device as one flag),
+    so `validate` runs once per class (on the memo miss), except on the CPU (see
+    `loss.cross_entropy`). The guard (``_op``'s ``guard``) recognises a repeat without building
+    it: every tensor's whole shape (which the flag relates), so a repeat compares no shape in
+    Python."""
+    v = weight.shape[0]
+    matches = (
+        weight.dim() == 2 and weight.shape[1] == hidden.shape[-1] and weight.dtype == hidden.dtype and weight.device == hidden.device
+        and (bias is None or (bias.shape == (v,) and bias.dtype == hidden.dtype and bias.device == hidden.device))
+        and target.shape == hidden.shape[:-1] and target.device == hidden.device
+    )  # fmt: skip
+    return (
+        hidden.device,
+        hidden.dtype,
+        check.needs_grad(hidden, weight, bias),
+        hidden.shape[-1],
+        v,
+        bias is not None,
+        ignore_index,
+        label_smoothing,
+        reduction,
+        target.dtype,
+        matches,
+    )
 
 
-_op: Op  # defined below, after the public function it serves
+_compiling = torch.compiler.is_compiling
+_op: Op  # defined below, after the public function it serves (with _dispatch, its dispatch)
 
 
 def fused_linear_cross_entropy(
@@ -107,18 +144,12 @@ def fused_linear_cross_entropy(
     >>> polykernel.fused_linear_cross_entropy(h, w, target).shape
     torch.Size([])
     """
-    validate(hidden, weight, target, bias, ignore_index, label_smoothing, reduction)
-    return _op.call(
-        impl,
-        (hidden.device, hidden.dtype, check.needs_grad(hidden, weight, bias), hidden.shape[-1], weight.shape[0], bias is not None),
-        hidden,
-        weight,
-        target,
-        bias,
-        ignore_index,
-        float(label_smoothing),
-        reduction,
-    )
+    ls = label_smoothing if type(label_smoothing) is float else as_smoothing(label_smoothing)
+    if (
+        not isinstance(target, torch.Tensor) or target.is_cpu
+    ) and not _compiling():  # its values: every call (compiled: the custom op validates)
+        validate(hidden, weight, target, bias, ignore_index, ls, reduction)  # there (its range): every call
+    return _dispatch(impl, hidden, weight, target, bias, ignore_index, ls, reduction)  # _op.dispatch; see _key
 
 
 def flops(hidden: torch.Tensor, weight: torch.Tensor, *_: object, backward: bool = False) -> int:
@@ -251,45 +282,26 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
-
 # Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
-# predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
-# lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.fused_linear_cross_entropy:fused_linear_cross_entropy",
-        rank=100,
-        description="row chunks: torch matmul + row-chunked torch cross-entropy, gradients during the forward",
-    ),
-    KernelSpec(
-        OP_ID,
-        "triton",
-        "polykernel.backends.triton.fused_linear_cross_entropy:fused_linear_cross_entropy",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("triton",),
-        format_signature=_TRITON_DTYPES,
+# predicates in backends/{liger,quack}/_gates.py. The comparisons below are from
+# benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file.
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(rank=100, description="row chunks: torch matmul + row-chunked torch cross-entropy, gradients during the forward"),
+    TRITON.impl(
         rank=10,
         description="row chunks: torch matmul + the Triton cross-entropy kernel (loss and dlogits in one launch, in place)",
     ),
-    # Liger: 54.9 ms vs our 39.6 ms per call fwd+bwd (N=8192 H=4096 V=128256), 63 MiB vs 251 MiB
-    # extra memory; a host sync per call (not CUDA-graph safe). Behind Triton.
+    # Liger: slower per call, with less extra memory, and a host sync per call (not CUDA-graph safe;
+    # benchmarks/results/h200-2026-11-29.json). Behind Triton.
     # QuACK's chunked linear cross-entropy (quack.linear_cross_entropy) is not registered: on the
     # H200 stack it fails with a CuTeDSL epilogue ContextVar error.
-    KernelSpec(
-        OP_ID,
-        "liger",
-        "polykernel.backends.liger.fused_linear_cross_entropy:fused_linear_cross_entropy",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("liger_kernel", "triton"),
-        format_signature=_TRITON_DTYPES,
+    LIGER.impl(
         rank=60,
-        cuda_graph_safe=False,
+        graph_safe=False,
         description="Liger LigerFusedLinearCrossEntropyFunction (grads in the forward, fp32 dW accumulation); host sync per call",
     ),
-]
+)
 
 
 def outputs(
@@ -309,9 +321,23 @@ def outputs(
 
 _op = Op(
     OP_ID,
-    fields=("device", "dtype", "needs_grad", "hidden_size", "n_classes", "has_bias"),
+    fields=(
+        "device",
+        "dtype",
+        "needs_grad",
+        "hidden_size",
+        "n_classes",
+        "has_bias",
+        "ignore_index",
+        "label_smoothing",
+        "reduction",
+        "target_dtype",
+        "args_match",
+    ),
     key=_key,
-    default_key=lambda device, dtype: (device, dtype, False, None, None, False),
+    guard=(SHAPE, SHAPE, SHAPE, SHAPE, None, None, None),
+    default_key=lambda device, dtype: (device, dtype, False, None, None, False, -100, 0.0, "mean", torch.int64, True),
+    validate=validate,
     reference=reference,
     outputs=outputs,
     error_model=error_model,
@@ -320,4 +346,12 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    # torch.compile: our custom ops (compile can only run the op by materializing the [N, V]
+    # logits). Saves grad_hidden, grad_weight, grad_bias (fp32): computed in the forward for
+    # "sum"/"mean", each a placeholder where grad_mask does not ask for it, and all three for
+    # "none" (recomputed); for "sum"/"mean" they are the gradients (saved_grads).
+    saved=("lead", "sum", "sum"),
+    saved_grads=SavedGrads({"hidden": 0, "weight": 1, "bias": 2}, lambda a: a["reduction"] != "none"),
+    dtensor_layout=Layout(ROWS, rows_with(2), ("loss",), loss_args=(2, 4, 6)),  # target, ignore_index, reduction
 )
+_dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

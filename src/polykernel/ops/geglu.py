@@ -10,11 +10,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..backends.cutile import CUTILE
 from ..backends.cutile import _gates as cutile_gates
+from ..backends.declare import impls
+from ..backends.liger import LIGER
 from ..backends.liger import _gates as liger_gates
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
 from ..core.hit_guard import LAST
 from ..core.op import Bounds, Case, ErrorModel, Op
-from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
+from ..distributed.layout import ANY, Layout, rows_with
 from . import _checks as check
 from ._glu import bytes_moved, example, glu_cases, up_matches, validate_glu
 
@@ -80,61 +85,31 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     ]
 
 
-_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
-
 # Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
-# predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
-# lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
-# Peers whose low-precision results fail the error model (see the comment at each).
-_FP32_ONLY = FormatSignature(supported_dtypes=("float32",))
+# predicates in backends/{liger,quack}/_gates.py. The comparisons below are from
+# benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file.
+# Peers whose low-precision results fail the error model take fp32 only (see the comment at each).
+_FP32_ONLY = ("float32",)
 
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.geglu:geglu",
-        rank=100,
-        description="the reference's fp32 math; backward saves only gate and up",
-    ),
-    KernelSpec(
-        OP_ID,
-        "triton",
-        "polykernel.backends.triton.geglu:geglu",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("triton",),
-        format_signature=_TRITON_DTYPES,
-        rank=10,
-        description="one elementwise pass each way (flat or row-strided, 16-byte accesses); backward recomputes gelu",
-    ),
-    # Liger: fwd 2.62 vs our 4.31, fwd+bwd 3.21 vs 4.32 at 16384x14336: behind Triton. It refuses
-    # N > 65536 at run time (the argument class has no N for a predicate).
-    # H200 2026-11-30: bf16/fp16 round gelu(gate) before the multiply: ~2x the one-rounding model. fp32 passes.
-    KernelSpec(
-        OP_ID,
-        "liger",
-        "polykernel.backends.liger.geglu:geglu",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("liger_kernel", "triton"),
-        format_signature=_FP32_ONLY,
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(rank=100, description="the reference's fp32 math; backward saves only gate and up"),
+    TRITON.impl(rank=10, description="one elementwise pass each way (flat or row-strided, 16-byte accesses); backward recomputes gelu"),
+    # Liger: trails Triton: behind it. Its predicate refuses N > 65536 (one block per row) and the
+    # exact erf form. bf16/fp16 round gelu(gate) before the multiply, outside the one-rounding
+    # error model (benchmarks/kernels/check_peers.py on the H200); fp32 passes.
+    LIGER.impl(
         rank=60,
+        dtypes=_FP32_ONLY,
         description="Liger LigerGELUMulFunction (tanh only); gate/up copied when grad is on",
         predicate=liger_gates.geglu,
     ),
-    # cuTile (issue 9): not yet measured on the H200; ranked behind Triton until it is, so auto does
-    # not change. The predicate probes the tileiras compiler once per process and arch (explain
-    # shows why it cannot run: `tileiras not found`, `tileiras failed: ...`).
-    KernelSpec(
-        OP_ID,
-        "cutile",
-        "polykernel.backends.cutile.geglu:geglu",
-        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=cutile_gates.MIN_SM, max_sm=cutile_gates.MAX_SM)}),
-        requires_modules=cutile_gates.MODULES,
-        format_signature=_TRITON_DTYPES,
+    CUTILE.impl(
         rank=40,
         description="one elementwise pass each way over [M, N] views (any strides); erf from an erfc fit (cuTile has no erf)",
         predicate=cutile_gates.geglu,
     ),
-]
+)
 
 
 def outputs(gate: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
@@ -157,5 +132,9 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    # torch.compile: Inductor's code ties ours at copy speed (its torch.compile rows in the results
+    # file above), and it can fuse the decomposed op into the next matmul's input
+    compile_mode="decompose",
+    dtensor_layout=Layout(ANY, rows_with(1), (0,)),
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.cute_dsl import CUTE_DSL
 from ..backends.cute_dsl import _gates as cute_gates
+from ..backends.declare import impls
+from ..backends.liger import LIGER
 from ..backends.liger import _gates as liger_gates
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
 from ..core.hit_guard import LAST, SHAPE
 from ..core.op import SUM_LAMBDA, ArgClass, Bounds, Case, ErrorModel, Op, rows_and_len
-from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
+from ..distributed.layout import ROWS, Layout, rows_with
 from . import _checks as check
 
 OP_ID = "norm.layer_norm"
@@ -49,8 +54,7 @@ def validate(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     check.floating(OP_ID, "x", x)
     _param(x, "weight", weight)
     _param(x, "bias", bias)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise check.OpArgumentError(OP_ID, "eps", f"expected a number >= 0, got {eps!r}")
+    check.nonnegative_float(OP_ID, "eps", eps)
 
 
 _grad_enabled = torch.is_grad_enabled
@@ -180,18 +184,16 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
 _HALF = ("torch.bfloat16", "torch.float16", "bfloat16", "float16")
 
 
 def _cute_rank(a: ArgClass) -> tuple[int, str] | None:
     """Measured rule (KernelSpec.rank_for): our CuTeDSL layer_norm first where it beat Triton.
 
-    H200, bf16, CUDA-graph replays, 2026-11-30 (benchmarks/bench_cute_dsl.py, ../h200/r2), TB/s,
-    cute_dsl vs triton: 16384x4096 fwd 3.79 vs 3.71 (a small win, 2%), fwd+bwd 2.87 vs 3.09;
-    4096x16384 fwd 2.44 vs 3.47, fwd+bwd 2.16 vs 1.77 (1.22x); 1024x65536 fwd 1.50 vs 2.20. So:
-    the forward only up to N = 8192, fwd+bwd for 8192 < N <= 16384; Triton elsewhere. fp16 moves
-    the bytes bf16 does; fp32 is unmeasured, so it keeps the static ranks.
+    Where it won (benchmarks/results/h200-2026-11-30-cute-dsl.json, bf16, CUDA-graph replays; the
+    reasons below give the figures): the forward only up to N = 8192, fwd+bwd for 8192 < N <=
+    16384; Triton elsewhere. fp16 moves the bytes bf16 does; fp32 is unmeasured, so it keeps the
+    static ranks.
     """
     if a.n is None or str(a.dtype) not in _HALF:
         return None
@@ -203,54 +205,28 @@ def _cute_rank(a: ArgClass) -> tuple[int, str] | None:
 
 
 # Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
-# predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
-# lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.layer_norm:layer_norm",
-        rank=100,
-        description="F.layer_norm (PyTorch's fused kernel) where the parameter dtypes match x, else the reference",
-    ),
-    KernelSpec(
-        OP_ID,
-        "triton",
-        "polykernel.backends.triton.layer_norm:layer_norm",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("triton",),
-        format_signature=_TRITON_DTYPES,
-        rank=10,
-        description="one row per program (chunked for long rows); dW/dB from per-program partials (deterministic)",
-    ),
-    # Liger: fwd 3.58 vs our 3.65, fwd+bwd 2.42 vs 3.07 at 16384x4096: behind Triton. (QuACK's
-    # LayerNorm has no autograd wrapper and takes fp32 weight and bias only: not adapted.)
-    KernelSpec(
-        OP_ID,
-        "liger",
-        "polykernel.backends.liger.layer_norm:layer_norm",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("liger_kernel", "triton"),
-        format_signature=_TRITON_DTYPES,
+# predicates in backends/{liger,quack}/_gates.py. The comparisons below are from
+# benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file.
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(rank=100, description="F.layer_norm (PyTorch's fused kernel) where the parameter dtypes match x, else the reference"),
+    TRITON.impl(rank=10, description="one row per program (chunked for long rows); dW/dB from per-program partials (deterministic)"),
+    # Liger: trails Triton, most with a backward: behind it. (QuACK's LayerNorm has no autograd
+    # wrapper and takes fp32 weight and bias only: not adapted.)
+    LIGER.impl(
         rank=60,
         description="Liger LigerLayerNormFunction; weight and bias required; N <= 65536",
         predicate=liger_gates.layer_norm,
     ),
     # Our CuTeDSL kernels (backends/cute_dsl/layer_norm.py, issue 8): rank 40, behind Triton,
     # except where _cute_rank's measurements put them first (short-row forward, mid-row fwd+bwd).
-    KernelSpec(
-        OP_ID,
-        "cute_dsl",
-        "polykernel.backends.cute_dsl.layer_norm:layer_norm",
-        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=90)}),
-        requires_modules=("cutlass", "tvm_ffi"),
-        format_signature=_TRITON_DTYPES,
+    CUTE_DSL.impl(
         rank=40,
         description="as cute_dsl rms_norm, centred in registers (two-pass variance); dW/dB from per-CTA partials (deterministic)",
         predicate=cute_gates.layer_norm,
         rank_for=_cute_rank,
     ),
-]
+)
 
 
 def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
@@ -273,5 +249,9 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    # torch.compile: our custom ops, faster than Inductor's code fwd+bwd (its torch.compile rows in
+    # the results file above); saves mean and rstd
+    saved=("rows", "rows"),
+    dtensor_layout=Layout(ROWS, rows_with(), (0,)),
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.cute_dsl import CUTE_DSL
 from ..backends.cute_dsl import _gates as cute_gates
+from ..backends.cutile import CUTILE
 from ..backends.cutile import _gates as cutile_gates
+from ..backends.declare import impls
+from ..backends.liger import LIGER
 from ..backends.liger import _gates as liger_gates
+from ..backends.quack import QUACK
 from ..backends.quack import _gates as quack_gates
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
 from ..core.hit_guard import LAST, SHAPE
 from ..core.op import ArgClass, Bounds, Case, ErrorModel, Op, rows_and_len
-from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
+from ..distributed.layout import ROWS, Layout, rows_with
 from . import _checks as check
 
 OP_ID = "norm.rms_norm"
@@ -41,8 +48,7 @@ def validate(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, c
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise check.OpArgumentError(OP_ID, "weight", f"expected shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}")
     check.same_device(OP_ID, "weight", weight, "x", x)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise check.OpArgumentError(OP_ID, "eps", f"expected a number >= 0, got {eps!r}")
+    check.nonnegative_float(OP_ID, "eps", eps)
     check.finite_float(OP_ID, "offset", offset)
     check.choice(OP_ID, "casting", casting, CASTINGS)
 
@@ -159,19 +165,16 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
 _HALF = ("torch.bfloat16", "torch.float16", "bfloat16", "float16")
 
 
 def _quack_rank(a: ArgClass) -> tuple[int, str] | None:
     """Measured rule (KernelSpec.rank_for): QuACK first for the forward only of long 16-bit rows.
 
-    H200, bf16, CUDA-graph replays, 2026-11-30 (benchmarks/bench_cute_dsl.py, ../h200/r2), TB/s,
-    forward (quack / triton / cute_dsl): 32K 3.71 / 2.84 / 3.03; 64K 3.67 / 2.52 / 2.84; 128K
-    3.64 / 2.50 / 2.75; 256K 3.75 / 2.61 / 2.36. At N <= 16K all three tie (3.66-3.78, within
-    1-3%): Triton stays first. With a backward Triton wins or ties at long N (fwd+bwd 64K 2.39 vs
-    quack 2.37, 128K 2.13 vs 1.83, 256K 2.24 vs 1.89): Triton. fp16 moves the bytes bf16 does;
-    fp32 is unmeasured, so it keeps the static ranks.
+    QuACK's forward leads from N = 32K on; at N <= 16K quack, triton and cute_dsl tie (Triton stays
+    first), and with a backward Triton wins or ties at long N (bf16, CUDA-graph replays:
+    benchmarks/results/h200-2026-11-30-cute-dsl.json; the reason below gives the figures). fp16
+    moves the bytes bf16 does; fp32 is unmeasured, so it keeps the static ranks.
     """
     if a.needs_grad or a.n is None or a.n < 32768 or str(a.dtype) not in _HALF:
         return None
@@ -179,85 +182,41 @@ def _quack_rank(a: ArgClass) -> tuple[int, str] | None:
 
 
 # Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
-# predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
-# lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.rms_norm:rms_norm",
-        rank=100,
-        description="F.rms_norm (PyTorch's fused kernel) for casting='fp32', else the reference",
-    ),
-    KernelSpec(
-        OP_ID,
-        "triton",
-        "polykernel.backends.triton.rms_norm:rms_norm",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("triton",),
-        format_signature=_TRITON_DTYPES,
-        rank=10,
-        description="one row per program (chunked for long rows); dW from per-program partials (deterministic)",
-    ),
-    # QuACK: fwd 3.77 vs our 3.75 at 16384x4096, 3.78 vs 3.64 at 4096x16384, 3.97 vs 2.64 at
-    # 2048x65536, 3.98 vs 2.58 at 512x262144; fwd+bwd 3.49 vs 3.39, 2.85 vs 3.30, 2.67 vs 2.51,
-    # 1.90 vs 2.23. Static rank behind Triton; _quack_rank puts it first where it was measured to
-    # win: the forward only at N >= 32768 (see there for the second run's figures).
-    KernelSpec(
-        OP_ID,
-        "quack",
-        "polykernel.backends.quack.rms_norm:rms_norm",
-        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=90)}),
-        requires_modules=("quack", "cutlass"),
-        format_signature=_TRITON_DTYPES,
+# predicates in backends/{liger,quack}/_gates.py. The comparisons below are from
+# benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file.
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(rank=100, description="F.rms_norm (PyTorch's fused kernel) for casting='fp32', else the reference"),
+    TRITON.impl(rank=10, description="one row per program (chunked for long rows); dW from per-program partials (deterministic)"),
+    # QuACK: ties the forward at N <= 16K, leads it on long rows; with a backward it trails at
+    # 4096x16384 and 512x262144. Static rank behind Triton; _quack_rank puts it first where it was
+    # measured to win: the forward only at N >= 32768.
+    QUACK.impl(
         rank=50,
         description="QuACK rmsnorm (CuTeDSL, cluster reductions); casting='fp32' only; one compile per N",
         predicate=quack_gates.rms_norm,
         rank_for=_quack_rank,
     ),
-    # Liger: fwd 3.86 vs our 3.75 at 16384x4096 but fwd+bwd 2.30 vs 3.38; 0.62 vs 2.51 fwd+bwd
-    # at 2048x65536; refuses N > 65536. Behind Triton.
-    KernelSpec(
-        OP_ID,
-        "liger",
-        "polykernel.backends.liger.rms_norm:rms_norm",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("liger_kernel", "triton"),
-        format_signature=_TRITON_DTYPES,
+    # Liger: ties the forward, trails far behind with a backward; refuses N > 65536. Behind Triton.
+    LIGER.impl(
         rank=60,
         description="Liger LigerRMSNormFunction (gemma/llama casting, in_place=False); N <= 65536",
         predicate=liger_gates.rms_norm,
     ),
-    # cuTile (issue 9): not yet measured on the H200; ranked behind Triton until it is, so auto does
-    # not change. The predicate probes the tileiras compiler once per process and arch (explain
-    # shows why it cannot run: `tileiras not found`, `tileiras failed: ...`).
-    KernelSpec(
-        OP_ID,
-        "cutile",
-        "polykernel.backends.cutile.rms_norm:rms_norm",
-        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=cutile_gates.MIN_SM, max_sm=cutile_gates.MAX_SM)}),
-        requires_modules=cutile_gates.MODULES,
-        format_signature=_TRITON_DTYPES,
+    CUTILE.impl(
         rank=40,
         description="one tile per row block (chunked beyond 8192); persistent backward, dW from per-block partials (deterministic)",
         predicate=cutile_gates.rms_norm,
     ),
     # Our CuTeDSL kernels (backends/cute_dsl/rms_norm.py, issue 8): rank 40, behind Triton, by
-    # measurement (H200 bf16, 2026-11-30, TB/s): the forward ties Triton and QuACK at N <= 16K
-    # (3.66-3.78) and trails QuACK beyond (32K 3.03 vs 3.71, 256K 2.36 vs 3.75); fwd+bwd loses to
-    # Triton from 4K on (4K 3.21 vs 3.39, 64K 1.67 vs 2.39, 256K 1.46 vs 2.24). Available by name.
-    KernelSpec(
-        OP_ID,
-        "cute_dsl",
-        "polykernel.backends.cute_dsl.rms_norm:rms_norm",
-        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=90)}),
-        requires_modules=("cutlass", "tvm_ffi"),
-        format_signature=_TRITON_DTYPES,
+    # measurement: the forward ties Triton and QuACK at N <= 16K and trails QuACK beyond; fwd+bwd
+    # loses to Triton from 4K on (benchmarks/results/h200-2026-11-30-cute-dsl.json). By name only.
+    CUTE_DSL.impl(
         rank=40,
         description="rows in registers, 128-bit vectors, warp/block/cluster sums (rows past 16K over a thread-block cluster, DSMEM); dW from per-CTA partials (deterministic)",
         predicate=cute_gates.rms_norm,
     ),
-]
+)
 
 
 def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
@@ -280,5 +239,9 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    # torch.compile: our custom ops, faster than Inductor's code fwd+bwd (its torch.compile rows in
+    # the results file above); the training op saves rstd, one value per row
+    saved=("rows",),
+    dtensor_layout=Layout(ROWS, rows_with(), (0,)),
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

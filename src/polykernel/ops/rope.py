@@ -15,9 +15,14 @@ from typing import Any
 
 import torch
 
+from ..backends.cutile import CUTILE
 from ..backends.cutile import _gates as cutile_gates
+from ..backends.declare import impls
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
+from ..core.hit_guard import SHAPE, dims
 from ..core.op import Bounds, Case, ErrorModel, Op
-from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
+from ..distributed.layout import Layout
 from . import _checks as check
 
 OP_ID = "embedding.rope"
@@ -70,18 +75,36 @@ def validate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     check.same_device(OP_ID, "sin", sin, "q", q)
 
 
-def _argkey(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
-    grad = torch.is_grad_enabled()
+_grad_enabled = torch.is_grad_enabled
+
+
+def _key(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+    """The argument class. It holds everything validity depends on: the four dtypes, and whether
+    the shapes agree and share a device as one flag (``args_match``), so that a new sequence length
+    needs no new decision; `validate` runs once per class (on the memo miss). The guard (``_op``'s
+    ``guard``) recognises a repeat without building it: it pins q's and k's B, T and D (the sizes
+    the shape checks relate; their head counts stay free) and the tables' whole shapes, so a
+    repeat compares no shape in Python. A new T (or B, D) takes the slow path once: the class in
+    Python (a memo hit) and a guard for that T, kept among the op's recent ones."""
+    grad = _grad_enabled()
     rot_grad = grad and (cos.requires_grad or sin.requires_grad)
     needs = rot_grad or (grad and (q.requires_grad or k.requires_grad))
-    return (q.device, q.dtype, needs, rot_grad, k.dtype)
+    return (q.device, q.dtype, needs, rot_grad, k.dtype, cos.dtype, sin.dtype, _args_match(q, k, cos, sin))
 
 
-def _key(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *_: object, **__: object) -> tuple:
-    return _argkey(q, k, cos, sin)
+def _args_match(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """q ``[B, Hq, T, D]``, k ``[B, Hk, T, D]``, cos and sin ``[B or 1, T, D]`` (D even, > 0),
+    all on one device: `validate`'s shape and device conditions, as one field of the class."""
+    qs, ks, cs = q.shape, k.shape, cos.shape
+    return (
+        len(qs) == 4 and len(ks) == 4 and len(cs) == 3
+        and ks[0] == qs[0] and ks[2] == qs[2] and ks[3] == qs[3] and qs[3] > 0 and qs[3] % 2 == 0
+        and (cs[0] == 1 or cs[0] == qs[0]) and cs[1] == qs[2] and cs[2] == qs[3] and sin.shape == cs
+        and q.device == k.device == cos.device == sin.device
+    )  # fmt: skip
 
 
-_op: Op  # defined below, after the public function it serves
+_op: Op  # defined below, after the public function it serves (with _dispatch, its dispatch)
 
 
 def rope(
@@ -101,30 +124,7 @@ def rope(
     >>> q_rot.shape, k_rot.shape
     (torch.Size([2, 8, 16, 64]), torch.Size([2, 2, 16, 64]))
     """
-    if not _valid(q, k, cos, sin):
-        validate(q, k, cos, sin)  # raises the error that names the argument
-    return _op.call(impl, _argkey(q, k, cos, sin), q, k, cos, sin)
-
-
-_FLOATING = frozenset(check.FLOATING)
-
-
-def _valid(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """The hot path's check: the same conditions as `validate` in a few µs less (shapes vary with
-    T on every call, so validation cannot be memoized on the argument class)."""
-    try:
-        qs, ks, cs = q.shape, k.shape, cos.shape
-        return (
-            len(qs) == 4 and len(ks) == 4 and len(cs) == 3
-            and ks[0] == qs[0] and ks[2] == qs[2] and ks[3] == qs[3] and qs[3] > 0 and qs[3] % 2 == 0
-            and (cs[0] == 1 or cs[0] == qs[0]) and cs[1] == qs[2] and cs[2] == qs[3] and sin.shape == cs
-            and q.dtype in _FLOATING and k.dtype in _FLOATING and cos.dtype in _FLOATING and sin.dtype in _FLOATING
-            and q.device == k.device == cos.device == sin.device
-            and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
-            and isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)
-        )  # fmt: skip
-    except Exception:  # not tensors: `validate` names the problem
-        return False
+    return _dispatch(impl, q, k, cos, sin)  # _op.dispatch; the class and validation: see _key
 
 
 # -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
@@ -238,52 +238,43 @@ def _triton_predicate(info: Any) -> str | None:
     return None
 
 
-_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
-
 # Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
-# predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
-# lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.rope:rope",
-        rank=100,
-        description="fp32 rotate-half in eager torch (autograd gives every gradient, cos/sin included)",
-    ),
-    KernelSpec(
-        OP_ID,
-        "triton",
-        "polykernel.backends.triton.rope:rope",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("triton",),
-        format_signature=_TRITON_DTYPES,
+# predicates in backends/{liger,quack}/_gates.py. The comparisons below are from
+# benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file.
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(rank=100, description="fp32 rotate-half in eager torch (autograd gives every gradient, cos/sin included)"),
+    TRITON.impl(
         rank=10,
         description="a tile of positions per program, all q and k heads, cos/sin loaded once; strided (no copies); "
         "backward is the same kernel rotating by -sin",
         predicate=_triton_predicate,
     ),
-    # Liger: fwd 1.08 vs our 3.31, fwd+bwd 1.69 vs 3.37 (q 4x32x4096x128, k 8 heads): behind
-    # Triton. (QuACK's rotary takes another layout, [B, T, H, D] with half-width cos/sin: not adapted.)
-    # Liger's RoPE (0.8.5) is not registered: on the H200 (2026-11-30, benchmarks/check_peers.py)
-    # it is off by 1e5-1e7x the error model in fp32 with cos/sin halves that differ, strided
-    # cos/sin, D = 272 and decode shapes, and 25-1e5x in bf16/fp16 (it reads only the first half
-    # of each cos/sin row and computes in the tables' dtype); it also trailed (1.08 / 1.69 TB/s).
-    # cuTile (issue 9): not yet measured on the H200; ranked behind Triton until it is, so auto does
-    # not change. The predicate probes the tileiras compiler once per process and arch (explain
-    # shows why it cannot run: `tileiras not found`, `tileiras failed: ...`).
-    KernelSpec(
-        OP_ID,
-        "cutile",
-        "polykernel.backends.cutile.rope:rope",
-        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=cutile_gates.MIN_SM, max_sm=cutile_gates.MAX_SM)}),
-        requires_modules=cutile_gates.MODULES,
-        format_signature=_TRITON_DTYPES,
+    # Liger's RoPE (0.8.5) is not registered: in the H200 parity run (benchmarks/kernels/check_peers.py)
+    # it failed the error model by orders of magnitude with cos/sin halves that differ, strided
+    # cos/sin, D = 272 and decode shapes (it reads only the first half of each cos/sin row and
+    # computes in the tables' dtype), and it trailed Triton (h200-2026-11-29-graph.json).
+    # (QuACK's rotary takes another layout, [B, T, H, D] with half-width cos/sin: not adapted.)
+    CUTILE.impl(
         rank=40,
         description="gathers by element index (any D, any q/k strides); cos/sin loaded once per position tile for all heads",
         predicate=cutile_gates.rope,
     ),
-]
+)
+
+
+def _dtensor_expect(args: tuple[Any, ...], d: int) -> dict[int, int | None]:
+    """DTensor placements (the layout's ``expect``) for q and k sharded on dim ``d``: cos/sin follow
+    q's batch (a batch-1 table is shared), are shared by every head, and follow the sequence on
+    their dim 1."""
+    q, _, cos, _ = args[:4]
+    if d == 0:  # batch: per-batch tables follow q, a batch-1 table is shared
+        table = 0 if cos.shape[0] == q.shape[0] and q.shape[0] != 1 else None
+    elif d == 1:  # heads: the tables are the same for every head
+        table = None
+    else:  # sequence: the tables' T dim is their dim 1
+        table = 1
+    return {0: d, 1: d, 2: table, 3: table}
 
 
 def outputs(q: torch.Tensor, k: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
@@ -293,9 +284,11 @@ def outputs(q: torch.Tensor, k: torch.Tensor, *_: object) -> tuple[tuple[torch.S
 
 _op = Op(
     OP_ID,
-    fields=("device", "dtype", "needs_grad", "rot_grad", "k_dtype"),
+    fields=("device", "dtype", "needs_grad", "rot_grad", "k_dtype", "cos_dtype", "sin_dtype", "args_match"),
     key=_key,
-    default_key=lambda device, dtype: (device, dtype, False, False, dtype),
+    guard=(dims(0, 2, 3), dims(0, 2, 3), SHAPE, SHAPE),
+    default_key=lambda device, dtype: (device, dtype, False, False, dtype, dtype, dtype, True),
+    validate=validate,
     reference=reference,
     outputs=outputs,
     error_model=error_model,
@@ -304,4 +297,9 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    # torch.compile: Inductor's code is faster than ours here (its torch.compile rows in the
+    # results file above): the op decomposes and Inductor fuses it
+    compile_mode="decompose",
+    dtensor_layout=Layout((0, 1, 2), _dtensor_expect, (0, 1), "it is the head dim D, which the rotation mixes"),
 )
+_dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

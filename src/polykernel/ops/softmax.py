@@ -9,11 +9,18 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.cute_dsl import CUTE_DSL
 from ..backends.cute_dsl import _predicates as cute_predicates
+from ..backends.cutile import CUTILE
 from ..backends.cutile import _gates as cutile_gates
+from ..backends.declare import impls
+from ..backends.liger import LIGER
 from ..backends.liger import _gates as liger_gates
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
+from ..core.hit_guard import LAST
 from ..core.op import Bounds, Case, ErrorModel, Op, rows_and_len
-from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
+from ..distributed.layout import ROWS, Layout, rows_with
 from . import _checks as check
 
 OP_ID = "activation.softmax"
@@ -30,11 +37,15 @@ def validate(x: torch.Tensor) -> None:
     check.floating(OP_ID, "x", x)
 
 
-def _key(x: torch.Tensor, *_: object, **__: object) -> tuple:
+def _key(x: torch.Tensor) -> tuple:
+    """The argument class. It holds everything validity depends on (x's dtype; a 0-d x has no
+    class), so `validate` runs once per class (on the memo miss). n (the row length) is in it
+    because an impl's eligibility depends on it. The guard (``_op``'s ``guard``) recognises a
+    repeat without building it: x's last dim."""
     return (x.device, x.dtype, check.needs_grad(x), x.shape[-1])
 
 
-_op: Op  # defined below, after the public function it serves
+_op: Op  # defined below, after the public function it serves (with _dispatch, its dispatch)
 
 
 def softmax(x: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
@@ -46,8 +57,7 @@ def softmax(x: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
     True
     >>> y = polykernel.softmax(torch.randn(4, 8), impl="torch")  # forced impl
     """
-    validate(x)
-    return _op.call(impl, (x.device, x.dtype, check.needs_grad(x), x.shape[-1]), x)
+    return _dispatch(impl, x)  # _op.dispatch; the class and validation: see _key
 
 
 # -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
@@ -121,85 +131,47 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
-
 # Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
-# predicates in backends/{liger,quack}/_gates.py. Ranks are static until measured selection
-# lands; the figures are ../shared/gpu/README.md's (H200, bf16, CUDA-graph replays, TB/s).
-# Peers whose low-precision results fail the error model (see the comment at each).
-_FP32_ONLY = FormatSignature(supported_dtypes=("float32",))
+# predicates in backends/{liger,quack}/_gates.py. The comparisons below are from
+# benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file.
+# Peers whose low-precision results fail the error model take fp32 only (see the comment at each).
+_FP32_ONLY = ("float32",)
 
-_CUTILE_FWD = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"), supports_backward=False)
-
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.softmax:softmax",
-        rank=100,
-        description="torch.softmax (fp32 accumulation, x's dtype out); bf16/fp16 backward recomputes fp32 y from x",
-    ),
-    KernelSpec(
-        OP_ID,
-        "triton",
-        "polykernel.backends.triton.softmax:softmax",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("triton",),
-        format_signature=_TRITON_DTYPES,
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(rank=100, description="torch.softmax (fp32 accumulation, x's dtype out); bf16/fp16 backward recomputes fp32 y from x"),
+    TRITON.impl(
         rank=10,
         description="one block per row up to 32K (one read, one write), online chunked beyond (rows split when few); backward recomputes fp32 y from x",
     ),
-    # Our CuTeDSL kernel (backends/cute_dsl/softmax.py). H200 bf16 (bench_cute_dsl.py, CUDA graph):
-    # 8192x32768 fwd 3.41 vs triton 3.23 TB/s, fwd+bwd 3.63 vs 3.53 (cute wins); 16384x4096 fwd 3.30
-    # vs 3.81, fwd+bwd 3.81 vs 4.03 (triton wins). So rank 5 for N >= 16384 (rank_for; measured at
-    # 32768 only), static 40 (behind Triton) below.
-    KernelSpec(
-        OP_ID,
-        "cute_dsl",
-        "polykernel.backends.cute_dsl.softmax:softmax",
-        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=90)}),
-        requires_modules=("cutlass", "tvm_ffi"),
-        format_signature=_TRITON_DTYPES,
+    # Our CuTeDSL kernel (backends/cute_dsl/softmax.py): ahead of Triton on long rows, behind on
+    # short ones (benchmarks/results/h200-2026-11-30-cute-dsl.json). So rank 5 for N >= 16384
+    # (rank_for; measured at 32768 only), static 40 (behind Triton) below.
+    CUTE_DSL.impl(
         rank=40,
         description="one CTA per row, the row in registers (N <= 32768, 16-byte rows); backward recomputes fp32 y from x",
         predicate=cute_predicates.softmax,
         rank_for=cute_predicates.softmax_rank,
     ),
-    # QuACK: fwd 4.09 vs our 3.22, fwd+bwd 3.97 vs 3.55 at 8192x32768: ahead of Triton where its
-    # predicate holds (N a multiple of 16 bytes). Liger: fwd 3.22 (a tie), fwd+bwd 3.81 vs 3.55,
-    # refuses N > 65536: behind Triton (only one shape measured).
-    # QuACK softmax (0.6.5) is not registered: on the H200 (2026-11-30, benchmarks/check_peers.py)
-    # it returned non-finite values where the reference has none on rows with a run of -inf
-    # logits (2x40000, every dtype), was 13.5x the fp32 error model on logits of scale 1e4 (it
-    # subtracts the max after scaling by log2 e), and its bf16/fp16 backward uses the rounded y
-    # (up to 10x the model). Its speed (fwd 4.09 vs our 3.22 TB/s at 8192x32768) is not worth that.
-    # H200 2026-11-30: bf16/fp16 backward from the rounded y: 1.1-124x the error model. fp32 passes.
-    KernelSpec(
-        OP_ID,
-        "liger",
-        "polykernel.backends.liger.softmax:softmax",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("liger_kernel", "triton"),
-        format_signature=_FP32_ONLY,
+    # QuACK softmax (0.6.5) is faster than Triton at 8192x32768 but not registered: in the H200
+    # parity run (benchmarks/kernels/check_peers.py) it returned non-finite values where the reference has none
+    # on rows with a run of -inf logits, failed the fp32 error model on logits of scale 1e4 (it
+    # subtracts the max after scaling by log2 e), and its bf16/fp16 backward uses the rounded y.
+    # Liger: faster fwd+bwd at 8192x32768 (one shape measured) but refuses N > 65536, and its
+    # bf16/fp16 backward from the rounded y fails the error model (same run): fp32 only, behind Triton.
+    LIGER.impl(
         rank=60,
+        dtypes=_FP32_ONLY,
         description="Liger LigerSoftmaxFunction; N <= 65536; backward from the saved y",
         predicate=liger_gates.softmax,
     ),
-    # cuTile (issue 9): not yet measured on the H200; ranked behind Triton until it is, so auto does
-    # not change. The predicate probes the tileiras compiler once per process and arch (explain
-    # shows why it cannot run: `tileiras not found`, `tileiras failed: ...`).
-    KernelSpec(
-        OP_ID,
-        "cutile",
-        "polykernel.backends.cutile.softmax:softmax",
-        capabilities=frozenset({CapabilityRequirement.cuda(min_sm=cutile_gates.MIN_SM, max_sm=cutile_gates.MAX_SM)}),
-        requires_modules=cutile_gates.MODULES,
-        format_signature=_CUTILE_FWD,
+    CUTILE.impl(
         rank=40,
+        supports_backward=False,
         description="forward only: one tile per row block (chunked online max/sum beyond 8192)",
         predicate=cutile_gates.softmax,
     ),
-]
+)
 
 
 def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
@@ -211,7 +183,9 @@ _op = Op(
     OP_ID,
     fields=("device", "dtype", "needs_grad", "n"),
     key=_key,
+    guard=(LAST,),
     default_key=lambda device, dtype: (device, dtype, False, None),
+    validate=validate,
     reference=reference,
     outputs=outputs,
     error_model=error_model,
@@ -220,4 +194,9 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    # torch.compile: our custom ops, faster than Inductor's code fwd+bwd (its torch.compile rows in
+    # the results file above); saves each row's max and 1/sum
+    saved=("rows", "rows"),
+    dtensor_layout=Layout(ROWS, rows_with(), (0,)),
 )
+_dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

@@ -65,9 +65,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     con = _console(args)
-    t = table(
-        con, "op", "chosen", "impls (why not runnable)", title=f"ops and impls on {rows[0]['platform'] if rows else device} ({args.dtype})"
-    )
+    title = f"ops and impls on {rows[0]['platform'] if rows else device} ({args.dtype})"
+    t = table(con, "op", "chosen", "impls (why not runnable)", title=title, keep=("op", "chosen"))
     for r in rows:
         cells = [impl["name"] + ("" if impl["runnable"] else f" (no: {impl['reason']})") for impl in r["impls"]]
         t.add_row(r["op"], r["chosen"] or f"none: {r['error']}", ", ".join(cells))
@@ -94,7 +93,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     con.print(f"{d['op']} on {d['platform']}")
     con.print("  arguments: " + ", ".join(f"{k}={v}" for k, v in d["arg_class"].items()))
     con.print(f"  chosen: {d['chosen']} (source: {d['source']})" if d["chosen"] else f"  chosen: none ({d['error']})")
-    t = table(con, "", "impl", "rank", "verdict", right=("rank",))
+    t = table(con, "", "impl", "rank", "verdict", right=("rank",), keep=("", "impl"))
     for r in d["impls"]:
         t.add_row("*" if r["name"] == d["chosen"] else "", r["name"], str(r["rank"]), "runnable" if r["runnable"] else f"no: {r['reason']}")
     con.print(t)
@@ -110,35 +109,92 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    import polykernel
     from polykernel.testing import check_parity
 
     device = args.device or _default_device()
-    ops = [args.op] if args.op else polykernel.list_ops()
     dtypes = [_dtype(args.dtype)] if args.dtype else None
     con = _console(args)
+    plan = _check_plan(args.op, args.impl)
+    if isinstance(plan, str):  # a name no op (or not the op asked for) has: one line, nothing runs
+        print(f"polykernel check: {plan}", file=sys.stderr)
+        return 2
     results = []
     with progress(con, transient=True) as bar:
-        task = bar.add_task("parity", total=len(ops))
-        for op in ops:
+        task = bar.add_task("parity", total=len(plan))
+        for op, names in plan.items():
             bar.update(task, description=f"parity {op}")
-            results += check_parity(op, args.impl or None, device=device, dtypes=dtypes, large=args.large)
+            results += check_parity(op, names, device=device, dtypes=dtypes, large=args.large)
             bar.advance(task)
-    failed = [r for r in results if not r.ok]
+    skipped = [r for r in results if r.skipped]
+    failed = [r for r in results if not r.ok and not r.skipped]
+    # An impl asked for that could run none of its cases is an error; one that its predicate
+    # kept off some cases (as auto selection would) is reported, not failed.
+    ran = {(r.op, r.impl) for r in results if not r.skipped}
+    unavailable = {(r.op, r.impl) for r in skipped} - ran
+    status = 1 if failed or unavailable else 0
     if args.json:
         print(json.dumps([r.__dict__ for r in results], indent=2, default=str))
-        return 1 if failed else 0
-    shown = results if args.verbose else failed
+        return status
+    shown = [r for r in results if not r.skipped] if args.verbose else failed
     if shown:
-        t = table(con, "", "op", "impl", "case", "dtype", "fwd err", "bwd err", "message", right=("fwd err", "bwd err"))
+        t = table(
+            con, "", "op", "impl", "case", "dtype", "fwd err", "bwd err", "message",
+            right=("fwd err", "bwd err"), keep=("", "op", "impl", "dtype"),
+        )  # fmt: skip
         for r in shown:
             t.add_row(
                 "ok" if r.ok else "FAIL", r.op, r.impl, r.case, r.dtype, f"{r.forward_error:.3g}", f"{r.backward_error:.3g}", r.message
             )
         con.print(t)
         con.print("  errors are max |out - ref| / (atol + rtol |ref|) of the op's error model: <= 1 passes")
-    con.print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed else 0
+    for line in _not_run_lines(skipped, results, unavailable):
+        con.print(line)
+    passed = len(results) - len(failed) - len(skipped)
+    con.print(f"{passed} passed, {len(failed)} failed" + (f", {len(skipped)} not run" if skipped else ""))
+    return status
+
+
+def _check_plan(op: str | None, impls: list[str] | None) -> dict[str, list[str] | None] | str:
+    """Op id -> the impls to check (None: every runnable one), or the error line for a name that
+    the op (or, without an op, every op) lacks. Without an op, ops that lack a name skip it."""
+    import polykernel
+    from polykernel.core import registry
+
+    if op is not None:
+        the_op = registry.get_op(op)
+        valid = sorted(registry.specs_for(the_op))
+        unknown = [n for n in impls or () if n not in valid]
+        if unknown:
+            return f"{the_op.id} has no impl {unknown[0]!r}; its impls are: {', '.join(valid)}"
+        return {the_op.id: impls or None}
+    plan: dict[str, list[str] | None] = {}
+    union: set[str] = set()
+    for op_id in polykernel.list_ops():
+        valid = registry.specs_for(op_id)
+        union.update(valid)
+        names = [n for n in impls or () if n in valid]
+        if names or not impls:
+            plan[op_id] = names or None
+    unknown = [n for n in impls or () if n not in union]
+    if unknown:
+        return f"no op has an impl {unknown[0]!r}; the ops' impls are: {', '.join(sorted(union))}"
+    return plan
+
+
+def _not_run_lines(skipped: list[Any], results: list[Any], unavailable: set[tuple[str, str]]) -> list[str]:
+    """One line per (op, impl) that did not run some cases, with the reasons (not a failure row each)."""
+    groups: dict[tuple[str, str], list[Any]] = {}
+    for r in skipped:
+        groups.setdefault((r.op, r.impl), []).append(r)
+    lines = []
+    for (op, impl), rows in groups.items():
+        reasons = "; ".join(dict.fromkeys(r.skipped for r in rows))
+        total = sum(1 for r in results if (r.op, r.impl) == (op, impl))
+        if (op, impl) in unavailable:
+            lines.append(f"{op}: impl {impl!r} is not available here: {reasons} ({total} cases not run)")
+        else:
+            lines.append(f"{op}: impl {impl!r} did not run {len(rows)} of {total} cases: {reasons}")
+    return lines
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -20,11 +20,13 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 from rich import box
-from rich.console import Console
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
-__all__ = ["make_console", "progress", "table"]
+__all__ = ["fits", "make_console", "progress", "table"]
 
 # Wide enough that no table or line of ours is ever wrapped when the output is not a terminal.
 _PLAIN_WIDTH = 100_000
@@ -55,23 +57,52 @@ def make_console(file: IO[str] | None = None, *, force_terminal: bool | None = N
     )
 
 
-def table(console: Console, *columns: str, title: str | None = None, right: tuple[str, ...] = (), show_header: bool = True) -> Table:
+class _Table(Table):
+    """A rich Table whose title is a line of its own above it, wrapped at the console's width
+    (rich wraps a title to the table's width: a narrow table would stack it word by word)."""
+
+    heading: Text | None = None
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        if self.heading is not None:
+            yield self.heading
+        yield from super().__rich_console__(console, options)
+
+
+def table(
+    console: Console,
+    *columns: str,
+    title: str | None = None,
+    right: tuple[str, ...] = (),
+    show_header: bool = True,
+    keep: tuple[str, ...] = (),
+) -> Table:
     """A table with ``columns`` (those named in ``right`` right-aligned, for numbers), boxed on a
-    terminal and as space-separated columns under a header line otherwise."""
+    terminal and as space-separated columns under a header line otherwise.
+
+    On a narrow terminal the other columns wrap between words so that the numbers (``right``)
+    and the columns named in ``keep`` (names, ids) are not broken as long as the rest can give
+    way; :func:`fits` says whether a table prints with nothing wrapped.
+    """
     terminal = console.is_terminal
-    t = Table(
-        title=title,
-        title_justify="left",
+    t = _Table(
         box=box.SIMPLE_HEAD if terminal else _PLAIN_BOX,
         show_edge=False,
         pad_edge=False,
         header_style="bold" if terminal else "",
-        title_style="bold" if terminal else "",
         show_header=show_header,
     )
+    if title:
+        t.heading = Text(title, style="bold" if terminal else "")
     for name in columns:
-        t.add_column(name, justify="right" if name in right else "left", overflow="fold", no_wrap=not terminal)
+        no_wrap = not terminal or name in right or name in keep
+        t.add_column(name, justify="right" if name in right else "left", overflow="fold", no_wrap=no_wrap)
     return t
+
+
+def fits(console: Console, t: Table) -> bool:
+    """Whether ``t`` prints on ``console`` with no cell wrapped or cut (its natural width fits)."""
+    return Measurement.get(console, console.options.update_width(_PLAIN_WIDTH), t).maximum <= console.width
 
 
 @contextlib.contextmanager

@@ -1,8 +1,9 @@
 """Per-call predicates of the ``cute_dsl`` impls (torch- and CuTeDSL-free: they read the op's
 argument class, so an op file can import them on a machine without ``cutlass``).
 
-Device, arch (sm_90+) and the ``cutlass`` / ``tvm_ffi`` modules are gated by each KernelSpec's
-capabilities and requires_modules; these predicates say which argument classes our kernels take.
+Device, arch (sm_90+) and the ``cutlass`` / ``tvm_ffi`` modules are gated by the backend's
+declaration (``CUTE_DSL`` in this package's ``__init__``); these predicates say which argument
+classes our kernels take.
 """
 
 from __future__ import annotations

@@ -229,9 +229,9 @@ class NormBwd:
         thr = copy_x.get_slice(tidx)
 
         # The weight slice is the same for every row: load it once. (A variant that re-reads it per
-        # row on the wide path cut ptxas' spill from 144 B to 12 B and measured faster on the H200,
-        # 2026-11-30: 2.39 vs 2.16 TB/s layer_norm 4096x16384 fwd+bwd; it was reverted because its
-        # parity was never run on the GPU. Re-apply it with a parity run: commit b25e13a.)
+        # row on the wide path cut ptxas' spill from 144 B to 12 B and measured faster for
+        # layer_norm 4096x16384 fwd+bwd; it was reverted because its parity was never run on the
+        # GPU. Re-apply it with a parity run: commit b25e13a.)
         tWrW = None
         if const_expr(mW is not None):
             tWgW = thr.partition_S(cute.local_tile(_rows_view(mW, m, n), tiler, (0, cidx)))

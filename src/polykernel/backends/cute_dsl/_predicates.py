@@ -3,9 +3,10 @@
 any machine).
 
 The rank rules (``KernelSpec.rank_for``) put our kernel ahead of Triton (rank 10) where the H200
-measured it faster, and nowhere else: ``benchmarks/kernels/bench_cute_dsl.py``, bf16, CUDA-graph replays,
-2026-11-30. Only bf16 was measured; fp16 moves the same bytes, so the rules cover both, and fp32
-(unmeasured) keeps the static rank (behind Triton).
+measured it faster, and nowhere else (``benchmarks/kernels/bench_cute_dsl.py``, bf16, CUDA-graph replays:
+``benchmarks/results/h200-2026-11-30-cute-dsl.json``; each rule's reason gives its figures). Only
+bf16 was measured; fp16 moves the same bytes, so the rules cover both, and fp32 (unmeasured) keeps
+the static rank (behind Triton).
 """
 
 from __future__ import annotations
@@ -52,9 +53,8 @@ def cross_entropy(a: Any) -> str | None:
 def softmax_rank(a: Any) -> tuple[int, str] | None:
     """Preferred for long 16-bit rows, N >= 16384 (and the predicate's N <= 32768).
 
-    Measured at N = 32768 only: 8192x32768 fwd 3.41 vs triton 3.23 TB/s, fwd+bwd 3.63 vs 3.53;
-    at 16384x4096 Triton wins (fwd 3.81 vs 3.30, fwd+bwd 4.03 vs 3.81), so short rows keep the
-    static rank. The 16384 threshold between the two points is a guess.
+    Measured faster at N = 32768 only; at N = 4096 Triton wins, so short rows keep the static
+    rank. The 16384 threshold between the two points is a guess.
 
     >>> from types import SimpleNamespace as A
     >>> softmax_rank(A(dtype="bfloat16", n=32768))[0], softmax_rank(A(dtype="bfloat16", n=4096))
@@ -74,8 +74,8 @@ def softmax_rank(a: Any) -> tuple[int, str] | None:
 def cross_entropy_rank(a: Any) -> tuple[int, str] | None:
     """Preferred for large vocabularies of 16-bit logits, V >= 32768.
 
-    Measured at V = 128256 only (8192 rows): fwd 0.487 ms vs triton 0.595 vs quack 0.600; fwd+bwd
-    1.512 ms vs triton 1.613 vs quack 1.665. Smaller V is unmeasured: static rank (behind Triton).
+    Measured faster (than Triton and QuACK) at V = 128256 only; smaller V is unmeasured: static
+    rank (behind Triton).
 
     >>> from types import SimpleNamespace as A
     >>> cross_entropy_rank(A(dtype="bfloat16", n_classes=128256))[0], cross_entropy_rank(A(dtype="bfloat16", n_classes=4096))

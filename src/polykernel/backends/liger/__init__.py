@@ -9,3 +9,16 @@ Each adapter calls Liger's default Triton path (``liger_kernel.ops.<op>`` submod
 Liger's memory tricks would break it: Liger writes gradients into its inputs (logits, gate/up,
 dY, q/k); the adapters hand it private copies where the caller's tensors would be overwritten.
 """
+
+from ...spec import CapabilityRequirement
+from ..declare import KERNEL_DTYPES, Backend
+
+# Rank 60: behind our Triton kernels, which tie or beat Liger (per op, in the op files).
+LIGER = Backend(
+    "liger",
+    modules=("liger_kernel", "triton"),
+    capabilities=CapabilityRequirement.CUDA,
+    dtypes=KERNEL_DTYPES,
+    rank=60,
+    description="Liger-Kernel 0.8.5 (Triton) through thin adapters that keep the op's contract",
+)

@@ -80,8 +80,8 @@ class _LigerCrossEntropy(torch.autograd.Function):
         loss, dx, count = loss_rows(logits.reshape(-1, v), target.reshape(-1), ignore_index, label_smoothing, reduction, grad)
         ctx.save_for_backward(dx)
         ctx.shape, ctx.reduction = logits.shape, reduction
-        if reduction == "none":
-            return loss.view(target.shape)
+        if reduction == "none":  # not a view: a Function's view output cannot be edited in place
+            return loss.view(target.shape).detach()
         out = loss.sum()
         if reduction == "mean" and count == 0:
             out = out + float("nan")  # PyTorch: a mean over no target is NaN (the gradient stays 0)

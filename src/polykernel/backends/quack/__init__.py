@@ -10,3 +10,16 @@ H200 stack (torch 2.11, CuTeDSL 4.x) with a CuTeDSL epilogue ContextVar error; i
 embedding (``apply_rotary_emb``: [B, T, H, D] layout, half-width cos/sin) are not adapted yet.
 Its softmax failed parity on the H200 and is not registered either (why: ``ops/softmax.py``).
 """
+
+from ...spec import CapabilityRequirement
+from ..declare import KERNEL_DTYPES, Backend
+
+# Rank 50: behind Triton, ahead of Liger; an op's measured rank_for rule may put it first.
+QUACK = Backend(
+    "quack",
+    modules=("quack", "cutlass"),
+    capabilities=CapabilityRequirement.cuda(min_sm=90),
+    dtypes=KERNEL_DTYPES,
+    rank=50,
+    description="QuACK 0.6.5 (CuTeDSL kernels, sm_90+) through thin adapters",
+)

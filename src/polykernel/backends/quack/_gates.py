@@ -12,8 +12,8 @@ def _bytes(dtype: Any) -> int:
 
 
 def _vectors(a: Any) -> str | None:
-    # H200, 2026-11-30 (benchmarks/kernels/check_peers.py): N = 1, 7, 33 and 70001 in bf16/fp16 fail to
-    # compile ("could not build valid IR"): QuACK's row kernels load 16 bytes at a time
+    # N = 1, 7, 33 and 70001 in bf16/fp16 fail to compile ("could not build valid IR"; the H200
+    # parity run, benchmarks/kernels/check_peers.py): QuACK's row kernels load 16 bytes at a time
     vec, n = 16 // _bytes(a.dtype), getattr(a, "n", None) or getattr(a, "n_classes", None)
     if n is not None and n % vec:
         return f"QuACK needs N divisible by {vec} (16-byte loads); N = {n}"

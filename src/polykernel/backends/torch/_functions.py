@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from ._double_backward import glu_grads, rope_grads
+
 
 def rope_function(rope_launch: Callable[..., None]) -> tuple[type[torch.autograd.Function], Callable]:
     """(the RoPE autograd Function, its forward) around ``rope_launch(q, k, cos, sin, qo, ko,
@@ -35,6 +37,8 @@ def rope_function(rope_launch: Callable[..., None]) -> tuple[type[torch.autograd
         @staticmethod
         def backward(ctx, gq, gk):  # type: ignore[override]
             cos, sin = ctx.saved_tensors
+            if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, by the torch formula
+                return (*rope_grads(cos, sin, gq, gk, ctx.needs_input_grad), None, None)
             (q_shape, q_stride), (k_shape, k_stride) = ctx.layouts
             gq = gq if ctx.needs_input_grad[0] else None
             gk = gk if ctx.needs_input_grad[1] else None
@@ -62,6 +66,8 @@ def glu_function(glu_forward: Callable[..., torch.Tensor], glu_backward: Callabl
         @staticmethod
         def backward(ctx, dy):  # type: ignore[override]
             gate, up = ctx.saved_tensors
+            if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, by the torch formula
+                return (*glu_grads(gate, up, ctx.act, dy, ctx.needs_input_grad), None)
             dg, du = glu_backward(dy, gate, up, ctx.act)
             return (dg if ctx.needs_input_grad[0] else None, du if ctx.needs_input_grad[1] else None, None)
 

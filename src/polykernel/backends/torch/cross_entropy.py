@@ -9,9 +9,13 @@ scaled per row. The helpers here (``loss_and_grad``, ``grad_from_lse``, ``reduce
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ...ops.cross_entropy import reference  # noqa: F401  (semantics live in the op file)
 from ...spec import Split
+from ._double_backward import graph_grads
+
+_transforms_active = torch._C._are_functorch_transforms_active
 
 TEMP_BYTES = 64 << 20  # fp32 bytes of one chunk of upcast rows (a few such temporaries live at once)
 
@@ -29,7 +33,9 @@ def _row_grad(xf: torch.Tensor, t: torch.Tensor, valid: torch.Tensor, lse: torch
     p = (xf - lse[:, None]).exp_()
     if ls:
         p.sub_(ls / xf.shape[1])
-    hot = torch.where(valid, -(1.0 - ls), 0.0).to(p.dtype)
+    # In p's dtype from the start: torch.where of two Python scalars is fp32, so an fp64 one-hot
+    # weight -(1 - ε) would carry fp32 rounding into fp64 gradients.
+    hot = valid.to(p.dtype).mul_(ls - 1.0)
     p.scatter_add_(1, t[:, None], hot[:, None])
     return p.mul_(torch.where(valid, scale, 0.0).to(p.dtype)[:, None])
 
@@ -96,7 +102,9 @@ def reduce_rows(loss: torch.Tensor, count: torch.Tensor, reduction: str, shape: 
         return loss.sum() / count.to(loss.dtype)
     if reduction == "sum":
         return loss.sum()
-    return loss.view(shape)
+    # Not a view of the rows buffer: an autograd Function's output that is a view cannot be
+    # modified in place (``loss.mul_(2)``, ``loss[0] = 0``), and F.cross_entropy's can.
+    return loss.view(shape).detach()
 
 
 def grad_scale(g: torch.Tensor, count: torch.Tensor, reduction: str, dtype: torch.dtype) -> torch.Tensor:
@@ -115,7 +123,8 @@ def scale_grads_(g: torch.Tensor, *grads: torch.Tensor | None) -> None:
     Outside CUDA-graph capture ``g`` is read on the host (one sync, which skipping the multiply
     for ``g == 1`` needs anyway) and applied as a Python number: a 0-d CUDA tensor operand makes
     TensorIterator broadcast it and take its non-vectorized path (the fused linear CE's 1 GiB bf16
-    grad_weight: 1.92 ms at 1.08 TB/s on the H200, ncu), a host scalar keeps the vectorized one.
+    grad_weight: a quarter of copy speed, benchmarks/results/h200-2026-11-30-ncu/ncu_flce.md), a
+    host scalar keeps the vectorized one.
     ``g / k`` from gradient accumulation or a loss scaler is the usual case of ``g != 1``.
     """
     capturing = g.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -133,28 +142,47 @@ def scale_grads_(g: torch.Tensor, *grads: torch.Tensor | None) -> None:
 # Registered impl
 
 
+def differentiable(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, ls: float, reduction: str) -> torch.Tensor:
+    """The op in differentiable torch ops (``F.cross_entropy`` in the accumulation dtype, fp64 for
+    fp64 logits): the path under functorch transforms and of a create_graph backward."""
+    v = logits.shape[-1]
+    out = F.cross_entropy(
+        logits.reshape(-1, v).to(_acc(logits.dtype)),
+        target.reshape(-1).long(),
+        ignore_index=ignore_index,
+        label_smoothing=ls,
+        reduction=reduction,
+    )
+    return out.reshape(target.shape) if reduction == "none" else out
+
+
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index, ls, reduction):  # type: ignore[override]
         v = logits.shape[-1]
-        x2 = logits.reshape(-1, v)
         t = target.reshape(-1).long()
-        loss, lse = loss_and_grad(x2, t, ignore_index, ls)
+        loss, lse = loss_and_grad(logits.reshape(-1, v), t, ignore_index, ls)
         count = (t != ignore_index).sum()
-        ctx.save_for_backward(x2, t, lse, count)
-        ctx.ignore_index, ctx.ls, ctx.reduction, ctx.shape = ignore_index, ls, reduction, logits.shape
+        # logits itself (not its [rows, V] view made here): a create_graph backward needs its graph
+        ctx.save_for_backward(logits, target, t, lse, count)
+        ctx.ignore_index, ctx.ls, ctx.reduction = ignore_index, ls, reduction
         return reduce_rows(loss, count, reduction, target.shape)
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        x2, t, lse, count = ctx.saved_tensors
+        logits, target, t, lse, count = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable gradient
+            args = (logits, target, ctx.ignore_index, ctx.ls, ctx.reduction)
+            return graph_grads(differentiable, args, (g,), (True, False, False, False, False))[0], None, None, None, None
         scale = grad_scale(g, count, ctx.reduction, lse.dtype)
-        dx = grad_from_lse(x2, t, lse, scale, ctx.ignore_index, ctx.ls)
-        return dx.view(ctx.shape), None, None, None, None
+        dx = grad_from_lse(logits.reshape(-1, logits.shape[-1]), t, lse, scale, ctx.ignore_index, ctx.ls)
+        return dx.view(logits.shape), None, None, None, None
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.cross_entropy``)."""
+    if _transforms_active():  # functorch (grad, vmap): plain torch ops, which its transforms take
+        return differentiable(logits, target, ignore_index, label_smoothing, reduction)
     if torch.is_grad_enabled() and logits.requires_grad:
         return _CrossEntropy.apply(logits, target, ignore_index, label_smoothing, reduction)
     v = logits.shape[-1]

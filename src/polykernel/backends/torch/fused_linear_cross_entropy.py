@@ -14,14 +14,20 @@ impl: ``TEMP_BYTES`` fp32 rows at a time), besides the gradients themselves.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from ...ops.fused_linear_cross_entropy import reference  # noqa: F401  (semantics live in the op file)
+from ...ops.fused_linear_cross_entropy import OP_ID, reference  # noqa: F401  (reference: semantics live in the op file)
 from ...spec import Split
+from . import cross_entropy as _ce
+from ._double_backward import anchor, refuse
 from .cross_entropy import grad_scale, loss_and_grad, reduce_rows, scale_grads_
+
+_transforms_active = torch._C._are_functorch_transforms_active
+_any_autocast = torch._C._is_any_autocast_enabled
 
 CHUNK_BYTES = 256 << 20  # logits of one row chunk, in the logits' dtype (~1024 rows at V = 128K bf16)
 
@@ -32,6 +38,11 @@ def chunk_rows(v: int, elt: int) -> int:
     """Rows per chunk: logits within CHUNK_BYTES, a multiple of 128 when large (matmul tiles)."""
     rows = max(1, CHUNK_BYTES // (max(v, 1) * elt))
     return rows - rows % 128 if rows >= 256 else rows
+
+
+def _rows(hidden: torch.Tensor) -> torch.Tensor:
+    """hidden as [N, H] (not ``reshape(-1, H)``: ambiguous for H = 0, where the logits are the bias)."""
+    return hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])
 
 
 def _walk(
@@ -80,31 +91,41 @@ def _walk(
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, bias, ignore_index, ls, reduction, chunk_fn, scale_fn):  # type: ignore[override]
-        h2 = hidden.reshape(-1, hidden.shape[-1])
+    def forward(ctx, hidden, weight, target, bias, ignore_index, ls, reduction, chunk_fn, scale_fn, impl):  # type: ignore[override]
+        h2 = _rows(hidden)
         t = target.reshape(-1).long().contiguous()
         count = (t != ignore_index).sum()
         acc = torch.promote_types(hidden.dtype, torch.float32)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
         ctx.args = (ignore_index, ls, chunk_fn, needs, acc)
-        ctx.scale_fn = scale_fn
+        ctx.scale_fn, ctx.impl = scale_fn, impl
         ctx.reduction, ctx.shape = reduction, hidden.shape
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.grads = None
         if reduction == "none":  # per-row grad_output: the backward recomputes the logits
             losses, *_ = _walk(h2, weight, bias, t, ignore_index, ls, chunk_fn, None)
-            ctx.save_for_backward(h2, weight, bias, t)
+            ctx.save_for_backward(h2, weight, bias, t, hidden)  # the inputs: refuse()'s anchors
         else:
             scale = grad_scale(torch.ones((), dtype=acc, device=h2.device), count, reduction, acc)
             losses, *grads = _walk(h2, weight, bias, t, ignore_index, ls, chunk_fn, scale, needs)
             ctx.grads = grads
+            with torch.enable_grad():  # handles on the inputs' graph, for refuse()
+                ctx.save_for_backward(anchor(hidden), anchor(weight), anchor(bias))
         return reduce_rows(losses, count, reduction, target.shape)
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph=True: the gradients are made in buffers, without a graph
+            with torch.no_grad():
+                gh, gw, _, gb, *rest = _FusedLinearCrossEntropy.backward(ctx, g)
+            why = "its gradients are computed chunk by chunk, in place; for higher derivatives use F.linear and polykernel.cross_entropy"
+            saved = ctx.saved_tensors
+            anchors = (saved[4], saved[1], saved[2]) if ctx.reduction == "none" else saved
+            gh, gw, gb = refuse(OP_ID, ctx.impl, why, anchors, gh, gw, gb)
+            return (gh, gw, None, gb, *rest)
         ignore_index, ls, chunk_fn, needs, acc = ctx.args
         if ctx.reduction == "none":
-            h2, weight, bias, t = ctx.saved_tensors
+            h2, weight, bias, t, _ = ctx.saved_tensors
             _, gh, gw, gb = _walk(h2, weight, bias, t, ignore_index, ls, chunk_fn, g.reshape(-1).to(acc), needs)
         else:
             if ctx.grads is None:
@@ -124,7 +145,30 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
+
+
+def differentiable(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+) -> torch.Tensor:
+    """The op in differentiable torch ops (materializes the [N, V] logits): under functorch transforms."""
+    return _ce.differentiable(F.linear(hidden, weight, bias), target, ignore_index, label_smoothing, reduction)
+
+
+def _autocast_dtype(hidden: torch.Tensor) -> torch.dtype | None:
+    """The dtype F.linear would compute hidden @ weight.T in under autocast (None: no autocast)."""
+    device = hidden.device.type
+    if not torch.is_autocast_enabled(device) or hidden.dtype == torch.float64:  # autocast leaves fp64 as it is
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    return None if dtype == hidden.dtype else dtype
 
 
 def run(
@@ -137,13 +181,25 @@ def run(
     reduction: str,
     chunk_fn: ChunkFn,
     scale_fn: Callable[..., None] = scale_grads_,
+    impl: str = "torch",
 ) -> torch.Tensor:
     """The op on validated arguments, with ``chunk_fn`` as the per-chunk cross-entropy and
-    ``scale_fn(g, *grads)`` multiplying the forward's gradients by the cotangent in backward."""
+    ``scale_fn(g, *grads)`` multiplying the forward's gradients by the cotangent in backward
+    (``impl``: the calling impl's name, for error messages)."""
+    if _transforms_active():  # functorch (grad, vmap): plain torch ops, which its transforms take
+        return differentiable(hidden, weight, target, bias, ignore_index, label_smoothing, reduction)
+    if _any_autocast():
+        dtype = _autocast_dtype(hidden)
+        if dtype is not None:  # as F.linear: the matmuls in the autocast dtype, the casts differentiable
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+            with torch.autocast(hidden.device.type, enabled=False):
+                return run(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_fn, scale_fn, impl)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias)):
-        return _FusedLinearCrossEntropy.apply(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_fn, scale_fn)
+        args = (hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_fn, scale_fn, impl)
+        return _FusedLinearCrossEntropy.apply(*args)
     t = target.reshape(-1).long().contiguous()
-    losses, *_ = _walk(hidden.reshape(-1, hidden.shape[-1]), weight, bias, t, ignore_index, label_smoothing, chunk_fn, None)
+    losses, *_ = _walk(_rows(hidden), weight, bias, t, ignore_index, label_smoothing, chunk_fn, None)
     return reduce_rows(losses, (t != ignore_index).sum(), reduction, target.shape)
 
 
@@ -172,10 +228,10 @@ def fused_linear_cross_entropy(
 # Forward and backward as separate functions, for compiled graphs (polykernel.compile.library). With
 # reduction "mean"/"sum" the forward computes the gradients for grad_output = 1, as the eager
 # path does, and saves them; the backward scales them. A compiled graph does that multiply itself,
-# in the saved buffers (library.SAVED_GRADS); this backward, out of place (a custom op's outputs
+# in the saved buffers (the op's saved_grads); this backward, out of place (a custom op's outputs
 # are fresh tensors), runs only where that does not apply (DTensors). With "none" nothing is
 # computed ahead and the backward walks the chunks again.
-# This driver's split defines the op's saved layout (library.SAVED), three fixed slots whatever
+# This driver's split defines the op's saved layout (the op's saved), three fixed slots whatever
 # grad_mask and reduction ask for, so that each slot has one placement under DTensor:
 #   0: grad_hidden, shaped like hidden (sharded like its rows);
 #   1: grad_weight [V, H] (a sum over the rows);
@@ -213,7 +269,7 @@ def make_split(chunk_fn: ChunkFn) -> Split:
     """The :class:`~polykernel.spec.Split` of an impl that runs this driver with ``chunk_fn``."""
 
     def forward(hidden, weight, target, bias, ignore_index, ls, reduction, grad_mask):
-        h2 = hidden.reshape(-1, hidden.shape[-1])
+        h2 = _rows(hidden)
         t = target.reshape(-1).long().contiguous()
         count = (t != ignore_index).sum()
         if reduction == "none":
@@ -229,9 +285,7 @@ def make_split(chunk_fn: ChunkFn) -> Split:
         if reduction == "none":
             acc = torch.promote_types(hidden.dtype, torch.float32)
             t = target.reshape(-1).long().contiguous()
-            _, gh, gw, gb = _walk(
-                hidden.reshape(-1, hidden.shape[-1]), weight, bias, t, ignore_index, ls, chunk_fn, g.reshape(-1).to(acc), needs
-            )
+            _, gh, gw, gb = _walk(_rows(hidden), weight, bias, t, ignore_index, ls, chunk_fn, g.reshape(-1).to(acc), needs)
         else:
             gh, gw, gb = (torch.mul(s, g) if need else None for s, need in zip(saved, needs))
         return [

@@ -11,6 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from ...ops.geglu import reference
+from ._double_backward import graph_grads
+
+_transforms_active = torch._C._are_functorch_transforms_active
 
 
 class _GeGLU(torch.autograd.Function):
@@ -23,6 +26,9 @@ class _GeGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
         gate, up = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the reference's differentiable gradients
+            args = (gate, up, ctx.approximate)
+            return tuple(graph_grads(reference, args, (dy,), ctx.needs_input_grad))
         acc = torch.promote_types(gate.dtype, torch.float32)
         g, dyf = gate.to(acc), dy.to(acc)
         dgate = dup = None
@@ -34,6 +40,7 @@ class _GeGLU(torch.autograd.Function):
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> torch.Tensor:
-    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+    # Under functorch transforms (grad, vmap) the reference's plain torch ops, which they take.
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad) and not _transforms_active():
         return _GeGLU.apply(gate, up, approximate)
     return reference(gate, up, approximate)

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from ...ops.softmax import reference
 from ...spec import Split
+from ._double_backward import graph_grads
+
+_transforms_active = torch._C._are_functorch_transforms_active
 
 
 class _Softmax(torch.autograd.Function):
@@ -22,6 +26,8 @@ class _Softmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
         (x,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the reference's differentiable gradient
+            return graph_grads(reference, (x,), (dy,), (True,))[0]
         y = torch.softmax(x.float(), dim=-1)
         return torch._softmax_backward_data(dy.float(), y, -1, torch.float32).to(x.dtype)
 
@@ -29,6 +35,8 @@ class _Softmax(torch.autograd.Function):
 def softmax(x: torch.Tensor) -> torch.Tensor:
     if x.dtype in (torch.float32, torch.float64) or not (torch.is_grad_enabled() and x.requires_grad):
         return torch.softmax(x, dim=-1)
+    if _transforms_active():  # functorch (grad, vmap): the reference's plain torch ops, which they take
+        return reference(x)
     return _Softmax.apply(x)
 
 

@@ -11,6 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from ...ops.swiglu import reference
+from ._double_backward import graph_grads
+
+_transforms_active = torch._C._are_functorch_transforms_active
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -22,6 +25,8 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
         gate, up = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: silu_backward has no derivative; the reference's
+            return tuple(graph_grads(reference, (gate, up), (dy,), ctx.needs_input_grad))
         acc = torch.promote_types(gate.dtype, torch.float32)
         g, dyf = gate.to(acc), dy.to(acc)
         dgate = torch.ops.aten.silu_backward(dyf * up.to(acc), g).to(gate.dtype) if ctx.needs_input_grad[0] else None
@@ -30,6 +35,7 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+    # Under functorch transforms (grad, vmap) the reference's plain torch ops, which they take.
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad) and not _transforms_active():
         return _SwiGLU.apply(gate, up)
     return reference(gate, up)

@@ -27,6 +27,10 @@ from ... import env
 # Read per call (one global load): benchmarks/host/host_diag.py measures with the lean path off.
 ENABLED = env.flag("POLYKERNEL_LEAN_APPLY", True)
 
+# functorch transforms (vmap, grad) active: the impls then hand the call to their torch impl, since
+# kernels cannot read the transforms' wrapped tensors (one thread-local read, ~20 ns).
+transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
+
 
 def set_enabled(on: bool) -> bool:
     """Turn the lean path on or off in this process; returns the old setting.

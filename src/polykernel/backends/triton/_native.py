@@ -1,4 +1,4 @@
-"""The native launch path: the norms' and GLUs' whole host path in C++ (``polykernel/csrc/native.cpp``).
+"""The native launch path: the norms', GLUs' and rope's whole host path in C++ (``polykernel/csrc/``).
 
 On the H200 host, Python around a Triton kernel costs more than the kernel (notes/PERF.md): a
 Python autograd node alone ~60 µs per fwd+bwd, Triton's launcher ~6.6 µs, a torch allocation
@@ -12,9 +12,13 @@ Build: the extension is compiled once per torch/Python/source version into the c
 commands) or ``python -m polykernel.backends.triton._native``; it needs a C++ compiler, no CUDA
 toolkit. Until it is built, or where it cannot be, the Python path runs: that is logged once, and
 with ``POLYKERNEL_NATIVE=1`` (require it) it is an error. A CUDA call that finds no built extension
-starts the build in the background and keeps using the Python path meanwhile.
+starts the build in the background and keeps using the Python path meanwhile. The launch layout
+is written for the Triton releases ``csrc/slot.h`` names; with another the Python path runs (the
+same way: logged once, an error when required).
 
-``POLYKERNEL_NATIVE=0`` (or ``set_enabled(False)``) turns the path off; benchmarks A/B it.
+``POLYKERNEL_NATIVE``: ``1`` (or ``on``/``true``/``yes``) requires the path, ``0`` (or
+``off``/``false``/``no``) turns it off (so does ``set_enabled(False)``; benchmarks A/B it), ``auto``
+(the default) uses it once built. Any other value is an error where the path is first consulted.
 
 Example::
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable
@@ -39,15 +44,58 @@ from . import _launch
 
 log = logging.getLogger("polykernel")
 
-SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "native.cpp"
-_MODE = os.environ.get("POLYKERNEL_NATIVE", "auto").strip().lower()  # auto | 1 (required) | 0 (off)
-REQUIRED = _MODE in ("1", "on", "true", "required")
-ENABLED = _MODE not in ("0", "off", "false") and _launch.ENABLED  # the fast launch off: the old path
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+SOURCE = CSRC / "native.cpp"  # the one translation unit: it includes the other csrc files
+# No -std: torch's cpp_extension passes the standard its headers need (2.14's refuse less than C++20);
+# one of ours after it would override it.
+CFLAGS = ["-O2"]
+
+_MODES = {"auto": "auto", "1": "on", "on": "on", "true": "on", "yes": "on", "0": "off", "off": "off", "false": "off", "no": "off"}
+
+# Read from POLYKERNEL_NATIVE where first consulted (module __getattr__ below), then plain globals.
+ENABLED: bool  # the fast launch off: the old path
+REQUIRED: bool
 
 _module: Any = None
 _state = "new"  # new | building | ready | failed
 _lock = threading.Lock()
 _logged: set[str] = set()
+
+
+def mode() -> str:
+    """``POLYKERNEL_NATIVE`` as ``'auto'``, ``'on'`` (required) or ``'off'``; unset or empty is auto.
+    Raises ``ValueError`` naming the variable and the accepted values on any other value."""
+    raw = os.environ.get("POLYKERNEL_NATIVE", "")
+    found = _MODES.get(raw.strip().lower() or "auto")
+    if found is None:
+        raise ValueError(
+            f"POLYKERNEL_NATIVE={raw!r} is not a setting of polykernel's native launch path; use 1 (or on, true, "
+            "yes: required), 0 (or off, false, no: the Python path) or auto (the default: used once built); "
+            "case and surrounding spaces do not matter"
+        )
+    return found
+
+
+def _settle() -> None:
+    """ENABLED and REQUIRED from the environment, once (raises on a bad value, every time)."""
+    g = globals()
+    if "ENABLED" in g and "REQUIRED" in g:
+        return
+    m = mode()
+    g.setdefault("REQUIRED", m == "on")
+    g.setdefault("ENABLED", m != "off" and _launch.ENABLED)
+
+
+def _required() -> bool:
+    _settle()
+    return globals()["REQUIRED"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("ENABLED", "REQUIRED"):  # the first look: read the environment, then a plain global
+        _settle()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _log_once(msg: str) -> None:
@@ -56,13 +104,40 @@ def _log_once(msg: str) -> None:
         log.warning(msg)
 
 
+def sources() -> list[Path]:
+    """Every file the extension is compiled from: native.cpp and the headers it includes."""
+    return sorted(p for p in CSRC.rglob("*") if p.suffix in (".cpp", ".h") and p.is_file())
+
+
 def build_dir() -> Path:
-    """Where this torch/Python/source combination is built."""
+    """Where this torch/Python/source combination is built: the name holds torch's and Python's
+    versions and a hash of every source file (its path and bytes) and of the flags."""
     from ...tuning.json_store import cache_dir
 
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}-{digest}"
+    h = hashlib.sha256(" ".join(CFLAGS).encode())
+    for path in sources():
+        data = path.read_bytes()
+        h.update(f"\0{path.relative_to(CSRC).as_posix()}\0{len(data)}\0".encode())
+        h.update(data)
+    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}-{h.hexdigest()[:12]}"
     return (cache_dir() or Path.home() / ".cache" / "polykernel") / "native" / tag
+
+
+def triton_version() -> tuple[int, int]:
+    """The installed Triton's (major, minor), which the C++ launch layout checks."""
+    import triton
+
+    found = re.match(r"(\d+)\.(\d+)", triton.__version__)
+    if found is None:
+        raise RuntimeError(f"cannot read Triton's version from {triton.__version__!r}")
+    return int(found[1]), int(found[2])
+
+
+def unusable(mod: Any) -> str:
+    """Why the built extension cannot launch here ("" when it can): a Triton release its launch
+    layout was not written for, or (with CUDA) a driver it cannot use. Tells the extension which
+    Triton compiles its kernels."""
+    return mod.accept_triton(*triton_version()) or (mod.driver_error() if torch.cuda.is_available() else "")
 
 
 def build(verbose: bool = False) -> Any:
@@ -75,7 +150,7 @@ def build(verbose: bool = False) -> Any:
         name="polykernel_native",
         sources=[str(SOURCE)],
         build_directory=str(out),
-        extra_cflags=["-O2", "-std=c++17"],
+        extra_cflags=CFLAGS,
         verbose=verbose,
     )
 
@@ -91,14 +166,14 @@ def _finish(wait: bool) -> None:
     global _module, _state
     try:
         mod = build()
-        error = mod.driver_error() if torch.cuda.is_available() else ""
+        error = unusable(mod)
         if error:
             raise RuntimeError(error)
         _module, _state = mod, "ready"
     except Exception as exc:
         _state = "failed"
         msg = f"polykernel: native launch path unavailable ({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); the norms and GLUs launch from Python"
-        if REQUIRED and wait:
+        if _required() and wait:
             raise RuntimeError(msg + " (POLYKERNEL_NATIVE=1 requires it)") from exc
         _log_once(msg)
 
@@ -109,18 +184,19 @@ def module(wait: bool = False) -> Any:
     global _state
     if _state == "ready":
         return _module
+    _settle()
     if not ENABLED and not wait:
         return None
     with _lock:
         if _state == "new":
-            if wait or REQUIRED or _built():
+            if wait or _required() or _built():
                 _state = "building"
                 _finish(True)
             else:
                 _state = "building"
                 _log_once("polykernel: building the native launch path in the background (once per torch version)")
                 threading.Thread(target=_finish, args=(False,), name="polykernel-native-build", daemon=True).start()
-        elif _state == "failed" and REQUIRED:
+        elif _state == "failed" and _required():
             raise RuntimeError("polykernel: POLYKERNEL_NATIVE=1 but the native launch path failed to build (see the log)")
     return _module if _state == "ready" else None
 
@@ -128,6 +204,7 @@ def module(wait: bool = False) -> Any:
 def set_enabled(on: bool) -> bool:
     """Turn the native path on or off in this process; returns the old setting."""
     global ENABLED
+    _settle()
     old, ENABLED = ENABLED, bool(on)
     return old
 
@@ -252,5 +329,11 @@ def hooks_set() -> bool:
 
 if __name__ == "__main__":  # python -m polykernel.backends.triton._native: build now
     logging.basicConfig(level=logging.INFO)
+    _settle()  # a bad POLYKERNEL_NATIVE fails here too
     mod = build(verbose="-v" in sys.argv)
     print(f"polykernel native launch path built: {mod.__file__}")
+    why = unusable(mod)
+    if why:  # built, but the Python path will run: an error where it is required (CI's newest-torch job)
+        print(f"polykernel native launch path not usable here: {why}", file=sys.stderr)
+        if _required():
+            sys.exit(1)

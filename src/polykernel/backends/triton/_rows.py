@@ -37,8 +37,8 @@ def next_pow2(n: int) -> int:
 def row_tile(n: int, elems: int, warps: int | None) -> tuple[int, int, int]:
     """(BLOCK_N, ROWS, num_warps) for rows that fit one block: about ``elems`` elements per program.
 
-    Default warps by tile size: at 16384x4096 bf16 on the H200 this forward ran at 3.76 TB/s, within
-    1% of the best setting swept (benchmarks/kernels/sweep_rms_norm.py).
+    Default warps by tile size: within 1% of the best setting swept at 16384x4096
+    (benchmarks/kernels/sweep_rms_norm.py; notes/PERF.md, 2026-11-29).
     """
     block_n = next_pow2(max(n, 1))
     rows = max(1, min(32, elems // block_n))

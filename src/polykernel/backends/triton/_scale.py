@@ -6,7 +6,8 @@ the host: the multiply is skipped when ``g == 1`` and otherwise takes a host num
 fp32. Under capture ``g`` stays a 0-d device tensor, and torch's ``t.mul_(g)`` then (1) casts ``g``
 to a bf16 gradient's dtype first (the graph's gradients differed from eager's by that rounding)
 and (2) takes TensorIterator's non-vectorized broadcast path (the fused linear CE's 1 GiB bf16
-grad_weight: 2.46 ms in a graph on the H200; this kernel 0.55 ms, kernel_variants.py). It multiplies in fp32
+grad_weight: this kernel is 4x faster in a graph, notes/PERF.md "Fused linear cross-entropy: why
+the graph was slower"). It multiplies in fp32
 by ``g`` as stored, one read and one write, so a graph's gradients equal eager's bit for bit.
 
 Example::

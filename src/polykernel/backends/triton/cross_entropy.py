@@ -24,10 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ...ops.cross_entropy import reference  # noqa: F401  (semantics live in the op file)
+from ...ops.cross_entropy import OP_ID, reference  # noqa: F401  (reference: semantics live in the op file)
 from ...spec import Split
+from ..torch import cross_entropy as _torch
+from ..torch._double_backward import anchor, graph_grads, refuse
 from ..torch.cross_entropy import grad_scale, reduce_rows
 from ._autograd import lean_apply
+from ._autograd import transforms_active as _transforms_active
 from ._launch import launch
 from ._rows import as_rows as _as_rows
 from ._rows import next_pow2 as _next_pow2
@@ -188,9 +191,16 @@ class _CrossEntropy(torch.autograd.Function):
             dx = torch.empty(x2.shape, dtype=x2.dtype, device=x2.device)
             loss, _ = ce_forward(x2, t, ignore_index, ls, dx, grad_scale(one, count, reduction, torch.float32))
             ctx.dx = dx
-        else:
-            loss, lse = ce_forward(x2, t, ignore_index, ls)
+            with torch.enable_grad():  # a handle on the input's graph, for refuse()
+                ctx.save_for_backward(anchor(logits))
+            return reduce_rows(loss, count, reduction, target.shape)
+        loss, lse = ce_forward(x2, t, ignore_index, ls)
+        # logits itself as well where x2 is another tensor (made here, without a graph): a
+        # create_graph backward differentiates through it
+        if x2 is logits:
             ctx.save_for_backward(x2, t, lse, count)
+        else:
+            ctx.save_for_backward(x2, t, lse, count, logits)
         return reduce_rows(loss, count, reduction, target.shape)
 
     @staticmethod
@@ -200,8 +210,15 @@ class _CrossEntropy(torch.autograd.Function):
             if dx is None:
                 raise RuntimeError("polykernel cross_entropy (triton, GRAD_IN_FORWARD): backward ran twice; the gradient was consumed")
             scale_grads_(g, dx)
+            if torch.is_grad_enabled():  # create_graph=True: this gradient carries no graph
+                why = 'the gradient is computed in the forward (GRAD_IN_FORWARD); use impl="torch"'
+                (dx,) = refuse(OP_ID, "triton", why, ctx.saved_tensors, dx)
         else:
-            x2, t, lse, count = ctx.saved_tensors
+            x2, t, lse, count, *inputs = ctx.saved_tensors
+            if torch.is_grad_enabled():  # create_graph=True: a differentiable gradient, by the torch formula
+                target = t.view(g.shape) if ctx.reduction == "none" else t
+                args = (inputs[0] if inputs else x2, target, ctx.ignore_index, ctx.ls, ctx.reduction)
+                return graph_grads(_torch.differentiable, args, (g,), (True, False, False, False, False))[0], None, None, None, None
             dx = ce_backward(x2, t, lse, grad_scale(g, count, ctx.reduction, torch.float32), ctx.ignore_index, ctx.ls)
         return dx.view(ctx.shape), None, None, None, None
 
@@ -211,6 +228,8 @@ _lean_apply = lean_apply(_CrossEntropy)  # _CrossEntropy.apply without its Pytho
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.cross_entropy``)."""
+    if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
+        return _torch.cross_entropy(logits, target, ignore_index, label_smoothing, reduction)
     if torch.is_grad_enabled() and logits.requires_grad:
         return _lean_apply(logits, target, ignore_index, label_smoothing, reduction)
     v = logits.shape[-1]

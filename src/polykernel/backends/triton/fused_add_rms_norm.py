@@ -17,8 +17,11 @@ import triton
 import triton.language as tl
 
 from ...ops.fused_add_rms_norm import reference  # noqa: F401  (semantics live in the op file)
+from ..torch import fused_add_rms_norm as _torch
+from ..torch._double_backward import fused_add_rms_norm_grads
 from . import _native
 from ._autograd import lean_apply
+from ._autograd import transforms_active as _transforms_active
 from ._colsum import BLOCK_C as _COLSUM_BLOCK
 from ._colsum import colsum as _colsum
 from ._launch import launch
@@ -168,7 +171,7 @@ TUNE = {
     "fwd_tile_elems": 4096,  # elements per program for short rows (ROWS = this // BLOCK_N)
     "fwd_warps": None,  # None: by tile size (see _tile)
     "bwd_tile_elems": 4096,
-    "bwd_warps": 16,  # fwd+bwd 16384x4096 bf16: 3.66 TB/s vs 3.44 by tile size (H200, kernel_variants.py, 2026-11-30)
+    "bwd_warps": 16,  # faster fwd+bwd at 16384x4096 than warps by tile size (benchmarks/results/h200-2026-11-30-kernel-variants/)
     "bwd_programs_per_sm": 2,  # persistent grid of the backward
 }
 
@@ -248,14 +251,24 @@ class _FusedAddRMSNorm(torch.autograd.Function):
         n = shape[-1]
         w = _contig(weight)
         y, s, rstd = fused_add_rms_norm_forward(_as_rows(x, n), _as_rows(residual, n), w, eps, offset)
-        ctx.save_for_backward(s, w, rstd)
-        ctx.offset, ctx.shape = offset, shape
+        s_out = _unrows(s, shape)
+        # The output s_out and weight themselves as well where they differ from s / w: a
+        # create_graph backward differentiates through them (s_out, an output, carries the graph
+        # back to x and residual through this node).
+        if s_out is s and w is weight:
+            ctx.save_for_backward(s, w, rstd)
+        else:
+            ctx.save_for_backward(s, w, rstd, s_out, weight)
+        ctx.eps, ctx.offset, ctx.shape = eps, offset, shape
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros read
-        return _unrows(y, shape), _unrows(s, shape)
+        return _unrows(y, shape), s_out
 
     @staticmethod
     def backward(ctx, dy, ds_out):  # type: ignore[override]
-        s2, w, rstd = ctx.saved_tensors
+        s2, w, rstd, *outputs = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, by the torch formula
+            s, weight = outputs or (s2, w)
+            return (*fused_add_rms_norm_grads(s, weight, ctx.eps, ctx.offset, dy, ds_out, ctx.needs_input_grad), None, None)
         n = s2.shape[1]
         if dy is None:  # only the new residual was used: y contributes nothing
             ds, dw = ds_out, None
@@ -298,6 +311,8 @@ def fused_add_rms_norm(
         out = _native.call("fused_add_rms_norm", (x, residual, weight, eps, offset), (x, residual, weight), _native_plan)
         if out is not None:
             return out
+    if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
+        return _torch.fused_add_rms_norm(x, residual, weight, eps, offset)
     if (x.requires_grad or residual.requires_grad or weight.requires_grad) and torch.is_grad_enabled():
         return _lean_apply(x, residual, weight, eps, offset)
     shape = x.shape

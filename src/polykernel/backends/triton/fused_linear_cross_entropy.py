@@ -32,7 +32,7 @@ def fused_linear_cross_entropy(
     reduction: str,
 ) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.fused_linear_cross_entropy``)."""
-    return run(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, _chunk, scale_grads_)
+    return run(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, _chunk, scale_grads_, "triton")
 
 
 fused_linear_cross_entropy.split = make_split(_chunk)  # type: ignore[attr-defined]  # compiled graphs: no recompute

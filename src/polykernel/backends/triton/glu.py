@@ -27,9 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..torch import geglu as _torch_geglu
+from ..torch import swiglu as _torch_swiglu
 from ..torch._functions import glu_function
 from . import _native
 from ._autograd import lean_apply
+from ._autograd import transforms_active as _transforms_active
 from ._launch import launch
 from ._rows import cdiv as _cdiv
 from ._rows import next_pow2 as _next_pow2
@@ -230,6 +233,13 @@ GLUFunction = glu_function(glu_forward, glu_backward)  # the autograd node, shar
 _lean_apply = lean_apply(GLUFunction)  # GLUFunction.apply without its Python wrapper (see _autograd.py)
 
 
+def _torch_glu(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
+    """The torch impl of the op that ``act`` stands for."""
+    if act == SILU:
+        return _torch_swiglu.swiglu(gate, up)
+    return _torch_geglu.geglu(gate, up, "tanh" if act == GELU_TANH else "none")
+
+
 class _NativePlan:
     """The C++ path's plan for contiguous inputs of one size (the flat walk): slots and block."""
 
@@ -249,6 +259,8 @@ def glu(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
         y = _native.call("glu", (gate, up, act), (gate, up, act), _native_plan)
         if y is not None:
             return y
+    if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
+        return _torch_glu(gate, up, act)
     if (gate.requires_grad or up.requires_grad) and torch.is_grad_enabled():
         return _lean_apply(gate, up, act)
     return glu_forward(gate, up, act)

@@ -18,8 +18,11 @@ import triton.language as tl
 
 from ...ops.layer_norm import reference  # noqa: F401  (semantics live in the op file)
 from ...spec import Split
+from ..torch import layer_norm as _torch
+from ..torch._double_backward import layer_norm_grads
 from . import _native
 from ._autograd import lean_apply
+from ._autograd import transforms_active as _transforms_active
 from ._colsum import BLOCK_C as _COLSUM_BLOCK
 from ._colsum import colsum as _colsum
 from ._launch import launch
@@ -305,14 +308,22 @@ class _LayerNorm(torch.autograd.Function):
         x2 = _as_rows(x, shape[-1])
         w = _contig(weight)
         y, mean, rstd = layer_norm_forward(x2, w, _contig(bias), eps)
-        ctx.save_for_backward(x2, w, mean, rstd)
+        # the inputs themselves as well where x2 / w are other tensors (made here, without a graph),
+        # and bias: a create_graph backward differentiates through them
+        if x2 is x and w is weight and bias is None:
+            ctx.save_for_backward(x2, w, mean, rstd)
+        else:
+            ctx.save_for_backward(x2, w, mean, rstd, x, weight, bias)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.shape = shape
+        ctx.shape, ctx.eps = shape, eps
         return _unrows(y, shape)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        x2, w, mean, rstd = ctx.saved_tensors
+        x2, w, mean, rstd, *inputs = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, by the torch formula
+            x, weight, bias = inputs or (x2, w, None)
+            return (*layer_norm_grads(x, weight, bias, ctx.eps, dy, ctx.needs_input_grad), None)
         dx, dw, db = layer_norm_backward(_as_rows(dy, x2.shape[1]), x2, w, mean, rstd, ctx.bias_dtype)
         need = ctx.needs_input_grad
         return (_unrows(dx, ctx.shape) if need[0] else None, dw if need[1] else None, db if need[2] else None, None)
@@ -349,6 +360,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
         y = _native.call("layer_norm", (x, weight, bias, eps), (x, weight, bias), _native_plan)
         if y is not None:
             return y
+    if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
+        return _torch.layer_norm(x, weight, bias, eps)
     if (x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)) and (
         torch.is_grad_enabled()
     ):

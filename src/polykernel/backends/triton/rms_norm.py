@@ -17,8 +17,11 @@ import triton.language as tl
 
 from ...ops.rms_norm import reference  # noqa: F401  (semantics live in the op file)
 from ...spec import Split
+from ..torch import rms_norm as _torch
+from ..torch._double_backward import rms_norm_grads
 from . import _native
 from ._autograd import lean_apply
+from ._autograd import transforms_active as _transforms_active
 from ._colsum import BLOCK_C as _COLSUM_BLOCK
 from ._colsum import colsum as _colsum
 from ._launch import launch
@@ -339,13 +342,21 @@ class _RMSNorm(torch.autograd.Function):
         w = _contig(weight)
         llama = casting == "llama"
         y, rstd = rms_norm_forward(x2, w, eps, offset, llama)
-        ctx.save_for_backward(x2, w, rstd)
-        ctx.offset, ctx.llama, ctx.shape = offset, llama, shape
+        # x and weight themselves as well where x2 / w are other tensors (made here, without a
+        # graph): a create_graph backward differentiates through the inputs
+        if x2 is x and w is weight:
+            ctx.save_for_backward(x2, w, rstd)
+        else:
+            ctx.save_for_backward(x2, w, rstd, x, weight)
+        ctx.eps, ctx.offset, ctx.casting, ctx.llama, ctx.shape = eps, offset, casting, llama, shape
         return _unrows(y, shape)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        x2, w, rstd = ctx.saved_tensors
+        x2, w, rstd, *inputs = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, by the torch formula
+            x, weight = inputs or (x2, w)
+            return (*rms_norm_grads(x, weight, ctx.eps, ctx.offset, ctx.casting, dy, ctx.needs_input_grad), None, None, None)
         dx, dw = rms_norm_backward(_as_rows(dy, x2.shape[1]), x2, w, rstd, ctx.offset, ctx.llama)
         need = ctx.needs_input_grad
         return (
@@ -391,6 +402,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, c
         y = _native.call("rms_norm", (x, weight, eps, offset, llama), (x, weight, llama), _native_plan)
         if y is not None:
             return y
+    if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
+        return _torch.rms_norm(x, weight, eps, offset, casting)
     if (x.requires_grad or weight.requires_grad) and torch.is_grad_enabled():
         return _lean_apply(x, weight, eps, offset, casting)
     shape = x.shape

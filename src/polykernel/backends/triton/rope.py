@@ -29,24 +29,26 @@ import triton
 import triton.language as tl
 
 from ...ops.rope import reference  # noqa: F401  (semantics live in the op file)
+from ..torch import rope as _torch
 from ..torch._functions import rope_function
 from . import _native
 from ._autograd import lean_apply
+from ._autograd import transforms_active as _transforms_active
 from ._launch import launch
 from ._rows import cdiv as _cdiv
 from ._rows import next_pow2 as _next_pow2
 
 # The heads kernel: elements per half-tile [BLOCK_T, BLOCK_H, BLOCK_D] (two halves per head row),
-# and the warps that share one. 1024 elements on 1 warp: q 4x32x4096x128 bf16 fwd 3.73 TB/s,
-# fwd+bwd 3.72, against 3.40 / 3.40 at 2048 on up to 4 warps (H200, kernel_variants.py, 2026-11-30)
+# and the warps that share one. 1024 elements on 1 warp beat 2048 on up to 4 warps at q
+# 4x32x4096x128 (benchmarks/results/h200-2026-11-30-kernel-variants/)
 ELEMS = 1024
 MAX_BLOCK_D = 128  # half dims up to 128 (D <= 256) in one chunk; longer ones are walked in chunks
 MAX_WARPS = 1  # benchmarks/kernels/kernel_variants.py A/Bs these (call _tiles.cache_clear() after a change)
 # The rows kernel from this many positions on (a power of two: the native path keys plans on T's
 # next power of two), with ROW_ELEMS elements (both halves) per program on ROW_WARPS warps. The
-# heads kernel's 1-warp programs cap occupancy at 50% (32 blocks per SM). q 4x32x4096x128 bf16:
-# rows 2048/4 warps fwd 3.94, fwd+bwd 4.00 TB/s; heads 3.73 / 3.74; rows 1024/2 the same within
-# noise; rows 1024/4 and 2048/8 3.4-3.6 (H200, kernel_variants.py, 2026-11-30 late).
+# heads kernel's 1-warp programs cap occupancy at 50% (32 blocks per SM). At q 4x32x4096x128 rows
+# of 2048 on 4 warps beat the heads kernel, and 1024/4 or 2048/8 (rows 1024/2 ties):
+# benchmarks/results/h200-2026-11-30-kernel-variants-late/.
 ROWS_MIN_T = 64
 ROW_ELEMS = 2048
 ROW_WARPS = 4
@@ -345,6 +347,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
         out = _native.call("rope", (q, k, cos, sin), (q, k), _NativePlan)
         if out is not None:
             return out
+    if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
+        return _torch.rope(q, k, cos, sin)
     if (q.requires_grad or k.requires_grad or cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled():
         if cos.requires_grad or sin.requires_grad:
             # The dispatcher never picks this impl then (the op's predicate); refuse a direct call

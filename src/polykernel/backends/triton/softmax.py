@@ -28,8 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ...ops.softmax import reference
 from ...spec import Split
+from ..torch import softmax as _torch
+from ..torch._double_backward import graph_grads
 from ._autograd import lean_apply
+from ._autograd import transforms_active as _transforms_active
 from ._launch import launch
 from ._rows import as_rows as _as_rows
 from ._rows import cdiv as _cdiv
@@ -38,7 +42,7 @@ from ._rows import sm_count as _sm_count
 
 # Tiling (sm_90, checked by compiling for it: no register spills, 16-byte accesses; not yet timed).
 MAX_FUSED_N = 32768  # forward: one block per row up to here (a 32K fp32 row: 32 registers/thread at 32 warps)
-MAX_FUSED_N_BWD = 32768  # backward one block up to here: at 8192x32768 bf16 on the H200 it gave 3.50 TB/s fwd+bwd vs 2.84 chunked (benchmarks/kernels/sweep_norms.py), spills and all
+MAX_FUSED_N_BWD = 32768  # backward one block up to here: faster than chunked, spills and all (notes/PERF.md, 2026-11-29)
 CHUNK_N = 8192  # chunk of the online (long-row) paths, 16 warps: 2 programs per SM
 CHUNK_WARPS = 16
 TILE = 4096  # elements per program for short rows
@@ -349,13 +353,20 @@ class _Softmax(torch.autograd.Function):
     def forward(ctx, x):  # type: ignore[override]
         x2 = _as_rows(x, x.shape[-1])
         y, rmax, rinv = softmax_forward(x2, True)
-        ctx.save_for_backward(x2, rmax, rinv)
+        # x itself as well where x2 is another tensor (made here, without a graph): a create_graph
+        # backward differentiates through it
+        if x2 is x:
+            ctx.save_for_backward(x2, rmax, rinv)
+        else:
+            ctx.save_for_backward(x2, rmax, rinv, x)
         ctx.shape = x.shape
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        x2, rmax, rinv = ctx.saved_tensors
+        x2, rmax, rinv, *inputs = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable gradient, by the reference
+            return graph_grads(reference, (inputs[0] if inputs else x2,), (dy,), (True,))[0]
         return softmax_backward(_as_rows(dy, x2.shape[1]), x2, rmax, rinv).view(ctx.shape)
 
 
@@ -364,6 +375,8 @@ _lean_apply = lean_apply(_Softmax)  # _Softmax.apply without its Python wrapper 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.softmax``)."""
+    if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
+        return _torch.softmax(x)
     if torch.is_grad_enabled() and x.requires_grad:
         return _lean_apply(x)
     return softmax_forward(_as_rows(x, x.shape[-1]), False)[0].view(x.shape)

@@ -13,7 +13,7 @@ from polykernel.tools.console import make_console, progress
 
 from .data import SETUPS
 from .models import VARIANTS, model_kind, parse_compare
-from .report import op_table, print_op_table, print_platform, print_result
+from .report import ok_line, op_table, print_op_table, print_platform, print_result
 from .runs import model_shape, run_demo, run_worker
 
 if TYPE_CHECKING:
@@ -189,7 +189,7 @@ def _main(
     if problems:
         con.print("\nPROBLEM: " + "; ".join(problems))
         return 1
-    con.print(f"\nok: {', '.join(r.label for r in res.runs[1:])} train to the same losses as plain PyTorch.")
+    con.print("\n" + ok_line(res))
     return 0
 
 

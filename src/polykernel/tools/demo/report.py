@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from polykernel.tools.console import table
+from polykernel.tools.console import fits, table
 
 from .runs import TIMED_STEPS
 
@@ -19,14 +19,14 @@ if TYPE_CHECKING:
 
     from .runs import DemoResult
 
-__all__ = ["op_table", "print_op_table", "print_platform", "print_result"]
+__all__ = ["ok_line", "op_table", "print_op_table", "print_platform", "print_result"]
 
 _RUN_NAMES = {
     "torch": "plain PyTorch",
     "polykernel": "polykernel",
     "liger": "Liger-Kernel patch",
     "compile": "torch.compile",
-    "polykernel+compile": "polykernel + torch.compile",
+    "polykernel+compile": "polykernel + compile",  # short: the runs tables fit 80 columns
 }
 
 
@@ -72,7 +72,10 @@ def op_table(device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
 
 def print_op_table(con: Console, rows: list[dict[str, Any]], device: torch.device, dtype: torch.dtype) -> None:
     title = f"ops on {device} for {str(dtype).removeprefix('torch.')} (* = the dispatcher's choice; x = cannot run here: why)"
-    t = table(con, "op", "chosen", "impls", title=title)
+    t = table(con, "op", "chosen", "impls", title=title, keep=("op", "chosen"))
+    # On a terminal one impl per line (a long reason wraps within its line); plain text keeps
+    # each op on one line for grep.
+    sep = "\n" if con.is_terminal else "; "
     for r in rows:
         if not r["impls"]:
             t.add_row(r["op"], "-", r["missing"] or "no impl")
@@ -81,7 +84,7 @@ def print_op_table(con: Console, rows: list[dict[str, Any]], device: torch.devic
         for i in r["impls"]:
             mark = "*" if i["name"] == r["chosen"] else ("" if i["runnable"] else " x")
             impls.append(f"{i['name']}{mark}" + (f" ({i['reason']})" if not i["runnable"] else ""))
-        t.add_row(r["op"], f"{r['chosen']} ({r['source']})" if r["chosen"] else f"none: {r['missing']}", "; ".join(impls))
+        t.add_row(r["op"], f"{r['chosen']} ({r['source']})" if r["chosen"] else f"none: {r['missing']}", sep.join(impls))
     con.print(t)
 
 
@@ -95,9 +98,7 @@ def print_result(con: Console, res: DemoResult) -> None:
     base = res.baseline
     n = len(base.losses)
     every = 1 if n <= 40 else math.ceil(n / 30)
-    title = (
-        f"losses per step (entropy floor of the data: {res.floor:.3f} nats; start ~ ln(vocab) = {math.log(res.shape['vocab_size']):.3f})"
-    )
+    title = f"losses per step (start ~ ln(vocab) = {math.log(res.shape['vocab_size']):.3f} nats; the data's entropy: {res.floor:.3f})"
     t = table(con, "step", *[r.label for r in res.runs], title=title, right=("step", *[r.label for r in res.runs]))
     for i in range(n):
         if i % every == 0 or i == n - 1:
@@ -105,25 +106,9 @@ def print_result(con: Console, res: DemoResult) -> None:
     con.print(t)
 
     lo, hi = (TIMED_STEPS.start + 1, TIMED_STEPS.stop) if n > TIMED_STEPS.start else (2, n)
-    t = table(
-        con, "run", "tokens/s", "vs torch", "median step", "1st step", "peak memory", "vs torch", "max |loss - torch|", "losses",
-        title=f"runs ({'each in its own process' if res.isolated else 'one process'}; tokens/s from the median step time of steps {lo}-{min(hi, n)})",
-        right=("tokens/s", "vs torch", "median step", "1st step", "peak memory", "vs torch", "max |loss - torch|"),
-    )  # fmt: skip
-    for r in res.runs:
-        same = r is base
-        t.add_row(
-            _RUN_NAMES.get(r.label, r.label),
-            f"{r.tokens_per_second:,.0f}",
-            "" if same else f"{r.tokens_per_second / max(base.tokens_per_second, 1e-9):.2f}x",
-            f"{r.median_step_seconds * 1e3:,.1f} ms",
-            f"{r.step_seconds[0]:,.1f} s" if r.step_seconds else "",  # includes torch.compile's compile
-            _gib(r.peak_bytes),
-            "" if same or not base.peak_bytes else f"{r.peak_bytes / base.peak_bytes:.2f}x",
-            "" if same else f"{res.max_abs_diff(r):.2e}",
-            "baseline" if same else ("agree" if res.agrees(r) else "DIFFER"),
-        )
-    con.print(t)
+    title = f"runs ({'each in its own process' if res.isolated else 'one process'}; tokens/s from the median step time of steps {lo}-{min(hi, n)})"
+    for t in _runs_tables(con, res, title):
+        con.print(t)
     con.print(f"  losses agree when within {res.tolerance_text} per step ({res.dtype}); memory: {base.memory_kind}")
     for name, why in res.failed.items():
         con.print(f"  FAILED: the {_RUN_NAMES.get(name, name)} run: {why.strip().splitlines()[-1] if why.strip() else '?'}")
@@ -131,11 +116,91 @@ def print_result(con: Console, res: DemoResult) -> None:
     pk = res.run("polykernel")
     if pk is None:
         return
-    t = table(con, "op", "impl", "why", title="impls polykernel used in training (polykernel.decisions())")
+    t = table(con, "op", "impl", "why", title="impls polykernel used in training (polykernel.decisions())", keep=("op", "impl"))
     for r in pk.impls:
-        why = r["why"] + (f"; skipped {', '.join(r['skipped'])}" if r["skipped"] else "")
+        why = r["why"] + (f"; skipped {_skipped_text(r['skipped'])}" if r["skipped"] else "")
         t.add_row(r["op"], r["impl"] + (" (no-grad calls)" if r["forward_only"] else ""), why)
     if pk.impls:
         con.print(t)
     else:
         con.print("impls polykernel used: none recorded")
+    if pk.impls and all(r["impl"] == "torch" for r in pk.impls):
+        # Nothing but the torch impls ran: polykernel then runs what plain PyTorch runs, and its
+        # tokens/s above measure only that (and the dispatch), not its kernels.
+        where = (
+            "on this CPU every op ran its torch impl (Triton and the GPU kernels need CUDA)"
+            if res.device.startswith("cpu")
+            else "every op ran its torch impl here (see why above)"
+        )
+        con.print(f"  note: {where}: expect about 1.0x plain PyTorch; run on a GPU for the speedup")
+
+
+def _skipped_text(skipped: list[str]) -> str:
+    """``["triton: needs a CUDA device", "liger: needs a CUDA device"]`` -> ``triton, liger: needs
+    a CUDA device`` (the impls with one reason named together, in rank order)."""
+    by_reason: dict[str, list[str]] = {}
+    for entry in skipped:
+        name, _, reason = entry.partition(": ")
+        by_reason.setdefault(reason, []).append(name)
+    return "; ".join(f"{', '.join(names)}: {reason}" if reason else ", ".join(names) for reason, names in by_reason.items())
+
+
+def ok_line(res: DemoResult) -> str:
+    """The closing line when every run agrees: ``polykernel trains to ...`` (``train`` for several)."""
+    names = [_PROSE_NAMES.get(r.label, _RUN_NAMES.get(r.label, r.label)) for r in res.runs[1:]]
+    if not names:
+        return "ok: plain PyTorch trained (no other run to compare)."
+    listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+    return f"ok: {listed} {'trains' if len(names) == 1 else 'train'} to the same losses as plain PyTorch."
+
+
+_PROSE_NAMES = {"liger": "the Liger-Kernel patch"}
+
+
+# The runs table's columns: header, right-aligned (a number), and which half it goes to when the
+# whole table is too wide for the terminal (0: speed, 1: memory and losses).
+_RUN_COLUMNS = (
+    ("run", False, 0),
+    ("tokens/s", True, 0),
+    ("vs torch", True, 0),
+    ("median step", True, 0),
+    ("1st step", True, 0),
+    ("peak memory", True, 1),
+    ("vs torch", True, 1),  # the memory ratio
+    ("max |loss - torch|", True, 1),
+    ("losses", False, 1),
+)
+
+
+def _run_cells(res: DemoResult, r: Any) -> list[str]:
+    base = res.baseline
+    same = r is base
+    return [
+        _RUN_NAMES.get(r.label, r.label),
+        f"{r.tokens_per_second:,.0f}",
+        "" if same else f"{r.tokens_per_second / max(base.tokens_per_second, 1e-9):.2f}x",
+        f"{r.median_step_seconds * 1e3:,.1f} ms",
+        f"{r.step_seconds[0]:,.1f} s" if r.step_seconds else "",  # includes torch.compile's compile
+        _gib(r.peak_bytes),
+        "" if same or not base.peak_bytes else f"{r.peak_bytes / base.peak_bytes:.2f}x",
+        "" if same else f"{res.max_abs_diff(r):.2e}",
+        "baseline" if same else ("agree" if res.agrees(r) else "DIFFER"),
+    ]
+
+
+def _runs_tables(con: Console, res: DemoResult, title: str) -> list[Any]:
+    """The runs side by side: one table, or two halves (speed; memory and losses) under one
+    title when one table would not fit the terminal without breaking a name or a number."""
+
+    def build(part: int | None, heading: str | None) -> Any:
+        cols = [(i, h, num) for i, (h, num, half) in enumerate(_RUN_COLUMNS) if part is None or half == part or i == 0]
+        t = table(con, *[h for _, h, _ in cols], title=heading, right=tuple(h for _, h, num in cols if num), keep=("losses",))
+        for r in res.runs:
+            cells = _run_cells(res, r)
+            t.add_row(*[cells[i] for i, _, _ in cols])
+        return t
+
+    whole = build(None, title)
+    if fits(con, whole):
+        return [whole]
+    return [build(0, title), build(1, None)]

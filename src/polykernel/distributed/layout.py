@@ -1,0 +1,60 @@
+"""How an op's arguments may be placed on a device mesh so that its rows stay independent: the
+type of the op's own fact ``Op(dtensor_layout=...)``, read by :mod:`polykernel.distributed.dtensor`
+(eager DTensor calls) and :mod:`polykernel.compile.sharding` (compiled ones).
+
+Free of side effects and of torch at import, so that an op file can import it without routing
+anything (importing :mod:`polykernel.distributed.dtensor` does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ANY", "ROWS", "Layout", "rows_with"]
+
+ROWS = "rows"  # any dim but the last (the normalized / class dim)
+ANY = "any"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How an op's tensor arguments may be placed so that its rows stay independent.
+
+    ``lead_dims``: which dims of the first tensor argument may be sharded (:data:`ROWS`: any dim
+    but the last; :data:`ANY`; or a tuple of dims). ``expect(args, d)`` gives, for the lead sharded
+    on dim ``d``, the placement every tensor argument must have on that mesh dim (a dim for
+    ``Shard``, None for ``Replicate``), or a string saying why ``d`` cannot be sharded.
+    ``outputs``: for each output, the index of the argument it is shaped and placed like, or
+    ``"loss"`` for a reduced loss (its placement follows ``reduction``). A loss also gives
+    ``loss_args``: the positions of its ``target``, ``ignore_index`` and ``reduction`` arguments
+    (positional, in the impl's order).
+    """
+
+    lead_dims: str | tuple[int, ...]
+    expect: Callable[[tuple[Any, ...], int], dict[int, int | None] | str]
+    outputs: tuple[int | str, ...]
+    why_not: str = "it is the dim the op reduces over, which needs a cross-rank reduction"
+    loss_args: tuple[int, int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if ("loss" in self.outputs) != (self.loss_args is not None):
+            raise ValueError("Layout: a 'loss' output and loss_args (target, ignore_index, reduction) go together")
+
+
+def _is_tensor(a: Any) -> bool:
+    import torch
+
+    return isinstance(a, torch.Tensor)
+
+
+def rows_with(*same: int) -> Callable[[tuple[Any, ...], int], dict[int, int | None]]:
+    """Expectations for a row-wise op: the lead and the ``same`` arguments share the shard dim,
+    every other tensor argument is replicated. (Also read by polykernel.compile.sharding, whose
+    arguments are DTensor specs: they have ``placements``.)"""
+
+    def expect(args: tuple[Any, ...], d: int) -> dict[int, int | None]:
+        return {i: (d if i == 0 or i in same else None) for i, a in enumerate(args) if _is_tensor(a) or hasattr(a, "placements")}
+
+    return expect
