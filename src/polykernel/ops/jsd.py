@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.declare import impls
+from ..backends.liger import LIGER
 from ..backends.liger import _gates as liger_gates
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
 from ..core.hit_guard import SHAPE
 from ..core.op import Bounds, Case, ErrorModel, Op
-from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _distill as distill
 
 OP_ID = "loss.jsd"
@@ -187,53 +190,41 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
         Case("7x64-colstrided", (lp(7, 128)[:, ::2], lp(7, 128, grad=False)[:, ::2]), {"beta": 0.9}),
         Case("3x40000-long", (*pair(3, 40000), lab(40000, 3, ignored=0.3)), {"beta": 0.5}),
     ]
-    if large:
+    if large:  # (the float64 reference's temporaries: ~15 copies of the inputs)
         out += [
-            Case("8192x128256", (*pair(8192, 128256), lab(128256, 8192, ignored=0.05))),
-            Case("8192x128256-beta0", (*pair(8192, 128256), lab(128256, 8192, ignored=0.05)), {"beta": 0.0}),
-            Case("4096x128256-beta1", pair(4096, 128256), {"beta": 1.0}),
+            Case("2048x128256", (*pair(2048, 128256), lab(128256, 2048, ignored=0.05))),
+            Case("2048x128256-beta0", (*pair(2048, 128256), lab(128256, 2048, ignored=0.05)), {"beta": 0.0}),
+            Case("1024x128256-beta1", pair(1024, 128256), {"beta": 1.0}),
             Case("1031x50257-odd", (*pair(1031, 50257), lab(50257, 1031, ignored=0.1)), {"beta": 0.25}),
             Case("64x262144-long", pair(64, 262144, scale=4.0)),
         ]
     return out
 
 
-_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
+# The fp32-math kernels take no float64 teacher (fp64 math is the torch impl's).
+fp32_math = distill.fp64_free("teacher_dtype")
 
 # Liger-Kernel 0.8.5: adapter in polykernel/backends/liger/jsd.py, predicate in
-# backends/liger/_gates.py. Ranked behind Triton until measured on the H200.
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.jsd:jsd",
+# backends/liger/_gates.py. Ranked behind Triton (the backend's rank 60) until
+# measured on the H200.
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(
         rank=100,
         description="row-chunked torch (fp32 temporaries O(chunk)); the gradient in closed form, written in the forward",
     ),
-    KernelSpec(
-        OP_ID,
-        "triton",
-        "polykernel.backends.triton.jsd:jsd",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("triton",),
-        format_signature=_TRITON_DTYPES,
+    TRITON.impl(
         rank=10,
         description="one program per row, one pass over V in chunks: loss and gradient together (no host sync); backward scales by the cotangent",
-        predicate=distill.fp64_free("teacher_dtype"),
+        predicate=fp32_math,
     ),
-    KernelSpec(
-        OP_ID,
-        "liger",
-        "polykernel.backends.liger.jsd:jsd",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("liger_kernel", "triton"),
-        format_signature=_TRITON_DTYPES,
+    LIGER.impl(
         rank=60,
-        cuda_graph_safe=False,
+        graph_safe=False,
         description="Liger's _jsd_kernel (an fp32 [N, V] loss buffer; NaN where a probability is 0); host sync per call",
         predicate=liger_gates.jsd,
     ),
-]
+)
 
 
 def outputs(student_logp: torch.Tensor, teacher_logp: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
@@ -256,5 +247,8 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    # torch.compile: our custom ops (not yet measured against Inductor's code for the reference,
+    # which holds fp32 copies of the inputs); nothing saved: a compiled backward recomputes the forward
+    compile_mode="ours",
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.declare import impls
+from ..backends.liger import LIGER
 from ..backends.liger import _gates as liger_gates
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
 from ..core.hit_guard import SHAPE
 from ..core.op import Bounds, Case, ErrorModel, Op
-from ..spec import CapabilityRequirement, FormatSignature, KernelSpec
 from . import _checks as check
 from . import _distill as distill
 
@@ -177,51 +180,39 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
         Case("7x64-colstrided", (dist(7, 128)[:, ::2], dist(7, 128, grad=False)[:, ::2]), {"reduction": "mean"}),
         Case("3x40000-long", (dist(3, 40000), dist(3, 40000, grad=False), lab(40000, 3, ignored=0.3))),
     ]
-    if large:
+    if large:  # (the float64 reference of 8192 x 128256 would need ~100 GB: half of it)
         out += [
-            Case("8192x128256", (dist(8192, 128256), dist(8192, 128256, grad=False), lab(128256, 8192, ignored=0.05))),
+            Case("4096x128256", (dist(4096, 128256), dist(4096, 128256, grad=False), lab(128256, 4096, ignored=0.05))),
             Case("1031x50257-none", (dist(1031, 50257), dist(1031, 50257, grad=False)), {"reduction": "none"}),
             Case("64x262144-mean", (dist(64, 262144), dist(64, 262144, grad=False)), {"reduction": "mean"}),
         ]
     return out
 
 
-_TRITON_DTYPES = FormatSignature(supported_dtypes=("float32", "bfloat16", "float16"))
+# The fp32-math kernels take no float64 q (fp64 math is the torch impl's).
+fp32_math = distill.fp64_free("q_dtype")
 
 # Liger-Kernel 0.8.5: adapter in polykernel/backends/liger/tvd.py, predicate in
-# backends/liger/_gates.py. Ranked behind Triton until measured on the H200.
-IMPLS = [
-    KernelSpec(
-        OP_ID,
-        "torch",
-        "polykernel.backends.torch.tvd:tvd",
+# backends/liger/_gates.py. Ranked behind Triton (the backend's rank 60) until
+# measured on the H200.
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(
         rank=100,
         description="row-chunked torch (fp32 temporaries O(chunk)); gradients written in the forward for scalar reductions",
     ),
-    KernelSpec(
-        OP_ID,
-        "triton",
-        "polykernel.backends.triton.tvd:tvd",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("triton",),
-        format_signature=_TRITON_DTYPES,
+    TRITON.impl(
         rank=10,
         description="one program per row, one pass over V in chunks: loss and gradients together (no host sync); backward scales by the cotangent",
-        predicate=distill.fp64_free("q_dtype"),
+        predicate=fp32_math,
     ),
-    KernelSpec(
-        OP_ID,
-        "liger",
-        "polykernel.backends.liger.tvd:tvd",
-        capabilities=frozenset({CapabilityRequirement.CUDA}),
-        requires_modules=("liger_kernel", "triton"),
-        format_signature=_TRITON_DTYPES,
+    LIGER.impl(
         rank=60,
-        cuda_graph_safe=False,
+        graph_safe=False,
         description="Liger LigerTVDLossFunction (gradient for p only); host sync per call",
         predicate=liger_gates.tvd,
     ),
-]
+)
 
 
 def outputs(
@@ -246,5 +237,8 @@ _op = Op(
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
+    # torch.compile: our custom ops (not yet measured against Inductor's code for the reference,
+    # which holds fp32 copies of the inputs); nothing saved: a compiled backward recomputes the forward
+    compile_mode="ours",
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup
