@@ -39,14 +39,19 @@ def chunk_rows(v: int, elt: int, n: int, budget: int = CHUNK_BYTES) -> int:
     return max(1, min(rows, n))
 
 
+# torch.mm(..., out_dtype=) (aten::mm.dtype): torch >= 2.8, CUDA only
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+
+
 def projector(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """``h -> h @ weight.T`` as an fp32 (fp64 for fp64) result of the inputs' values: one matmul
     with an fp32 output on CUDA (the products of 16-bit values are exact in fp32 and the GEMM
-    accumulates in fp32), an fp32 copy of the weight made once elsewhere (the CPU)."""
+    accumulates in fp32), an fp32 copy of the weight made once elsewhere (the CPU, an older
+    torch)."""
     acc = acc_dtype(weight)
     if weight.dtype == acc:
         return lambda h: torch.mm(h, weight.t())
-    if weight.device.type == "cuda":
+    if weight.device.type == "cuda" and _MM_OUT_DTYPE:
         return lambda h: torch.mm(h, weight.t(), out_dtype=acc)
     w_acc = weight.to(acc)
     return lambda h: torch.mm(h.to(acc), w_acc.t())
