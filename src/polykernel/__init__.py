@@ -65,6 +65,10 @@ _LAZY: dict[str, str] = {
     # mixture of experts
     "moe_experts": "ops.moe_experts:moe_experts",
     "moe_router": "ops.moe_router:moe_router",
+    "kl_div": "ops.kl_div:kl_div",
+    "jsd": "ops.jsd:jsd",
+    "tvd": "ops.tvd:tvd",
+    "fused_linear_jsd": "ops.fused_linear_jsd:fused_linear_jsd",
 }
 _SUBMODULES = (
     "spec",

@@ -616,7 +616,21 @@ def test_capability_requirement_accepts_int_arch():
 
 @pytest.mark.parametrize(
     "op_name",
-    ["rms_norm", "fused_add_rms_norm", "layer_norm", "swiglu", "geglu", "softmax", "rope", "cross_entropy", "fused_linear_cross_entropy"],
+    [
+        "rms_norm",
+        "fused_add_rms_norm",
+        "layer_norm",
+        "swiglu",
+        "geglu",
+        "softmax",
+        "rope",
+        "cross_entropy",
+        "fused_linear_cross_entropy",
+        "kl_div",
+        "jsd",
+        "tvd",
+        "fused_linear_jsd",
+    ],
 )
 def test_public_call_memo_key_is_the_ops_key(op_name):
     # several public functions build their argument class inline for speed (swiglu, geglu and
@@ -673,6 +687,10 @@ def _variants(op_name):
         "fused_linear_cross_entropy": (t(4, 8), t(10, 8), torch.randint(0, 10, (4,)), t(10), -100, 0.0, "mean"),
         "moe_experts": (t(4, 8), torch.randint(0, 3, (4, 2)), t(4, 2), t(3, 12, 8), t(3, 8, 6), "silu"),
         "moe_router": (t(4, 8), 2, True),
+        "kl_div": (t(4, 8), t(4, 8), "batchmean", False),
+        "jsd": (t(4, 8), t(4, 8), torch.zeros(4, dtype=torch.long), 0.5, -100),
+        "tvd": (t(4, 8), t(4, 8), torch.zeros(4, dtype=torch.long), "batchmean", -100),
+        "fused_linear_jsd": (t(4, 8), t(10, 8), t(4, 6), t(10, 6), torch.zeros(4, dtype=torch.long), 0.5, -100, 1.0),
     }[op_name]
     spec = registry.get_op(op_name).guard
     tensors = [i for i, kind in enumerate(spec) if kind is not None]
@@ -714,7 +732,11 @@ def _variants(op_name):
         if i and spec[i] == "shape":
             out.append((f"arg {i} None", tuple(None if j == i else a for j, a in enumerate(base)), nullcontext()))
     for i in options:
-        other = {float: 1e-3, int: 7, bool: False, str: "llama" if op_name == "rms_norm" else "none"}[type(base[i])]
+        other = (
+            (not base[i])
+            if type(base[i]) is bool
+            else {float: 1e-3, int: 7, str: "llama" if op_name == "rms_norm" else "none"}[type(base[i])]
+        )
         out += [
             (f"option {i} changed", tuple(other if j == i else a for j, a in enumerate(base)), nullcontext()),
             (
@@ -750,6 +772,10 @@ GUARDED = [
     "fused_linear_cross_entropy",
     "moe_experts",
     "moe_router",
+    "kl_div",
+    "jsd",
+    "tvd",
+    "fused_linear_jsd",
 ]  # every op: one form
 # Tests of the guarded path itself: without TensorGuards (POLYKERNEL_COMPAT_FALLBACKS=1, another
 # torch) no decision is guarded; test_the_guard_is_optional covers that path.

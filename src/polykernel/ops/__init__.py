@@ -35,4 +35,8 @@ OP_MODULES: dict[str, str] = {
     # mixture of experts (issue 24)
     "moe.moe_experts": "polykernel.ops.moe_experts",
     "moe.moe_router": "polykernel.ops.moe_router",
+    "loss.kl_div": "polykernel.ops.kl_div",
+    "loss.jsd": "polykernel.ops.jsd",
+    "loss.tvd": "polykernel.ops.tvd",
+    "loss.fused_linear_jsd": "polykernel.ops.fused_linear_jsd",
 }

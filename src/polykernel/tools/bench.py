@@ -77,11 +77,29 @@ SHAPES: dict[str, list[tuple[str, tuple[int, ...]]]] = {
     "dynamic_quant_fp8": [("8192x4096", (8192, 4096)), ("64x4096", (64, 4096))],
     "static_quant_fp8": [("8192x4096", (8192, 4096)), ("64x4096", (64, 4096))],
     "rms_norm_quant_fp8": [("8192x4096", (8192, 4096)), ("64x4096", (64, 4096))],
+    "kl_div": [("8192x128256", (8192, 128256))],
+    "jsd": [("8192x128256", (8192, 128256))],
+    "tvd": [("8192x128256", (8192, 128256))],
+    "fused_linear_jsd": [("N8192,H4096,V128256", (8192, 4096, 128256))],
 }
 
 # op -> (index of the dimension a sweep scales, how many smaller sizes): the README shape, then
 # the swept dimension divided by 4, 16, 64 (rope: the sequence length; the losses: the tokens).
-_SWEEP_DIM: dict[str, tuple[int, int]] = {"rope": (2, 3), "cross_entropy": (0, 2), "fused_linear_cross_entropy": (0, 1)}
+_SWEEP_DIM: dict[str, tuple[int, int]] = {
+    "rope": (2, 3),
+    "cross_entropy": (0, 2),
+    "fused_linear_cross_entropy": (0, 1),
+    "kl_div": (0, 2),
+    "jsd": (0, 2),
+    "tvd": (0, 2),
+    "fused_linear_jsd": (0, 1),
+}
+# Matmul-bound ops, rated in TFLOP/s: op -> FLOPs of (N, H, V) forward / forward+backward
+# (each op file's ``flops``: the fused linear JSD runs two heads forward, the student's backward).
+_FLOPS: dict[str, Callable[[int, int, int, bool], int]] = {
+    "fused_linear_cross_entropy": lambda n, h, v, bwd: (6 if bwd else 2) * n * h * v,
+    "fused_linear_jsd": lambda n, h, v, bwd: (8 if bwd else 4) * n * h * v,
+}
 
 
 def sweep_shapes(op_name: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -104,7 +122,7 @@ def _label(op_name: str, shape: tuple[int, ...]) -> str:
     if op_name == "rope":
         b, h, t, d = shape
         return f"q{b}x{h}x{t}x{d},k{max(1, h // 4)}"
-    if op_name == "fused_linear_cross_entropy":
+    if op_name in _FLOPS:
         n, h, v = shape
         return f"N{n},H{h},V{v}"
     if op_name == "moe_experts":
@@ -249,10 +267,10 @@ def _chosen(op_id: str, backward: bool) -> str:
 def _perf(row: dict[str, Any], op: Any, shape: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any], copy: float) -> None:
     backward = row["mode"].startswith("fwd+bwd")
     ms = row["ms"]
-    if op.name == "fused_linear_cross_entropy":
+    if op.name in _FLOPS:
         n, h, v = shape
-        row["size"] = 2 * n * h * v / 1e9  # GFLOP forward: the plot's x
-        row["TFLOP/s"] = (6 if backward else 2) * n * h * v / (ms * 1e-3) / 1e12
+        row["size"] = _FLOPS[op.name](n, h, v, False) / 1e9  # GFLOP forward: the plot's x
+        row["TFLOP/s"] = _FLOPS[op.name](n, h, v, backward) / (ms * 1e-3) / 1e12
     elif op.name == "moe_experts":
         from polykernel.ops.moe_experts import flops
 
