@@ -38,6 +38,8 @@ is_async_collective(t)         torch.distributed._functional_collectives     the
 dtensor_schema_infos()         DTensor._op_dispatcher...op_to_schema_info    None: no custom sharding rules
 fully_shard()                  torch.distributed._composable.fsdp            (public first; the private one on torch < 2.6)
 module_has_hooks(m)            nn.Module._forward_hooks/_forward_pre_hooks   True: the module is left alone
+assert_async(cond, message)    torch._assert_async (a device-side assert)    a host check (a sync; no graph capture)
+grouped_mm                     torch._grouped_mm                             None: one matmul per expert
 =============================  ============================================  ===========================================
 
 Example::
@@ -518,3 +520,20 @@ def module_has_hooks(m: torch.nn.Module) -> bool:
     if not _hooks_readable:
         return True
     return any(getattr(m, n, None) for n in _HOOK_DICTS)
+
+
+# -- mixture of experts (polykernel.backends.torch._moe_route, .moe_experts) ---------------------
+
+
+def _assert_on_host(cond: torch.Tensor, message: str) -> None:
+    if not bool(cond):  # reads the value: a host sync, impossible under CUDA-graph capture
+        raise RuntimeError(message)
+
+
+# Fails the stream unless ``cond`` (a one-element tensor) is nonzero, without a host sync: the MoE
+# impls' check of the expert indices off the CPU. Fallback: the same check on the host.
+assert_async: Callable[[torch.Tensor, str], None] = _probe("assert_async", lambda: torch._assert_async, _assert_on_host)
+
+# One GEMM per group of rows (the MoE experts' projections); None: the torch impl loops over the
+# experts (where it exists, the impl still probes it per device and dtype before use).
+grouped_mm: Callable[..., torch.Tensor] | None = _probe("grouped_mm", lambda: getattr(torch, "_grouped_mm", None), None)

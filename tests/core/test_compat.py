@@ -106,6 +106,8 @@ def test_forced_switch_takes_every_fallback():
         "is_async_collective",
         "dtensor_schema_infos",
         "module_has_hooks",
+        "assert_async",
+        "grouped_mm",
     ):
         assert name in r["fallbacks"], name
 

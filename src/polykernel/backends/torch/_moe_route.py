@@ -11,7 +11,7 @@ already rejected it (``polykernel.moe_experts`` reads the values), and the sort 
 for free (the sorted ids' first and last), for the calls that reach an impl without it (a
 DTensor's local shards, a compiled graph's custom op). On other devices reading the values would
 cost a host sync per call, so the check is on the device: ``offsets[0]`` counts the pairs below
-0 and ``S - offsets[E]`` those at or above E, and ``torch._assert_async`` fails the stream (a
+0 and ``S - offsets[E]`` those at or above E, and ``torch._assert_async`` (:data:`polykernel._compat.assert_async`) fails the stream (a
 device-side assert, raised at the next synchronization) unless both are 0. The kernels only
 visit pairs inside ``[offsets[0], offsets[E])``, so even then nothing is read out of bounds.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ... import _compat
 from ...errors import OpArgumentError
 
 OP_ID = "moe.moe_experts"
@@ -37,7 +38,7 @@ def sort_by_expert(top_k_index: torch.Tensor, n_experts: int, *, device_check: b
         return perm, offsets
     if flat.device.type != "cpu" if device_check is None else device_check:
         outside = offsets[0] + (flat.numel() - offsets[n_experts])
-        torch._assert_async(outside == 0, "polykernel.moe_experts: an expert index in 'top_k_index' is outside [0, E)")
+        _compat.assert_async(outside == 0, "polykernel.moe_experts: an expert index in 'top_k_index' is outside [0, E)")
     elif not torch.compiler.is_compiling():
         lo, hi = int(expert[0]), int(expert[-1])
         if lo < 0 or hi >= n_experts:
@@ -57,4 +58,4 @@ def assert_in_range(top_k_index: torch.Tensor, n_experts: int) -> None:
     """The same device-side check without the sort (for impls that route on their own)."""
     if top_k_index.device.type != "cpu" and top_k_index.numel():
         lo, hi = torch.aminmax(top_k_index)
-        torch._assert_async((lo >= 0) & (hi < n_experts), "polykernel.moe_experts: an expert index in 'top_k_index' is outside [0, E)")
+        _compat.assert_async((lo >= 0) & (hi < n_experts), "polykernel.moe_experts: an expert index in 'top_k_index' is outside [0, E)")

@@ -9,7 +9,7 @@ The GEMMs over the sorted pairs run one of two ways, chosen per call:
 - else one ``F.linear`` per non-empty expert, which reads the group offsets on the host (one sync
   per call). Under CUDA-graph capture, where a sync is impossible, the call runs the reference
   (every expert on all tokens, masked: E/k times the work, but graph-safe), as it does for meta
-  tensors and under functorch transforms.
+  tensors, tensor subclasses and under functorch transforms.
 
 Then ``act(gate)·up`` in fp32 (rounded to the dtype for the down GEMM), the down GEMM, the
 routing weights and the sum over each token's k pairs in fp32 (a gather back to token order and a
@@ -23,10 +23,12 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from ... import _compat
 from ...ops.moe_experts import activate, reference
 from . import _moe_route as route
 
-_transforms_active = torch._C._are_functorch_transforms_active
+_transforms_active = _compat.functorch_transforms_active
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 _probed: dict[tuple[torch.device, torch.dtype], str | None] = {}
@@ -40,7 +42,7 @@ def _probe(device: torch.device, dtype: torch.dtype) -> str | None:
         try:
             x = torch.randn(8, 16, device=device, dtype=dtype, requires_grad=True)
             w = torch.randn(2, 16, 8, device=device, dtype=dtype, requires_grad=True)
-            y = torch._grouped_mm(x, w, offs=torch.tensor([3, 8], device=device, dtype=torch.int32))
+            y = _compat.grouped_mm(x, w, offs=torch.tensor([3, 8], device=device, dtype=torch.int32))
             torch.autograd.grad(y, (x, w), torch.randn_like(y))
             _probed[key] = None
         except Exception as exc:  # no kernel for this device or dtype (CPU before torch 2.9, fp16 ...)
@@ -56,8 +58,8 @@ def capturing(t: torch.Tensor) -> bool:
 
 def grouped_mm_refusal(hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> str | None:
     """Why this call's GEMMs cannot use ``torch._grouped_mm`` (None: they do)."""
-    if not hasattr(torch, "_grouped_mm"):
-        return f"torch {torch.__version__} has no torch._grouped_mm"
+    if _compat.grouped_mm is None:
+        return f"no torch._grouped_mm here ({_compat.fallbacks().get('grouped_mm', 'missing')})"
     if hidden.dtype == torch.float64:
         return "torch._grouped_mm takes fp32/bf16/fp16 only"
     if torch.are_deterministic_algorithms_enabled():
@@ -74,7 +76,7 @@ def grouped_mm_refusal(hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_pr
 
 def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``x[rows of e] @ weight[e].T`` for each expert's rows, through ``torch._grouped_mm``."""
-    return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets[1:].to(torch.int32))
+    return _compat.grouped_mm(x, weight.transpose(-2, -1), offs=offsets[1:].to(torch.int32))
 
 
 def _looped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -94,7 +96,9 @@ def moe_experts(
 ) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.moe_experts``)."""
     args = (hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
-    if _transforms_active() or hidden.is_meta:  # functorch transforms; meta tensors have no values to sort
+    # functorch transforms; meta tensors (no values to sort); tensor subclasses, whose values a
+    # host read (the loop's offsets) may not reach: the reference's plain torch ops take them all
+    if _transforms_active() or hidden.is_meta or not all(type(a) in _PLAIN for a in args[:5]):
         return reference(*args)
     refusal = grouped_mm_refusal(hidden, gate_up_proj, down_proj)
     if refusal is not None and capturing(hidden):  # the loop's host sync is impossible
