@@ -27,15 +27,20 @@ from polykernel.core.selection import _parse_names
 __all__ = [
     "GEGLU",
     "CrossEntropyLoss",
+    "DyT",
     "FusedLinearCrossEntropyLoss",
     "FusedLinearJSDLoss",
+    "GroupNorm",
     "JSDLoss",
     "KLDivLoss",
     "LayerNorm",
     "MoEExperts",
+    "PolyNorm",
     "RMSNorm",
+    "ReLUSquared",
     "RotaryEmbedding",
     "Softmax",
+    "Sparsemax",
     "SwiGLU",
     "TVDLoss",
 ]
@@ -158,6 +163,134 @@ class LayerNorm(nn.Module):
             f"({self.hidden_size},), eps={self.eps}, elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}"
             + _impl_repr(self.impl)
         )
+
+
+class GroupNorm(nn.Module):
+    """GroupNorm of ``x [N, C, *]``, like ``torch.nn.GroupNorm(num_groups, num_channels)`` (fp32
+    math); ``affine=False`` has no weight or bias.
+
+    >>> import torch, polykernel.nn as pnn
+    >>> gn = pnn.GroupNorm(4, 32)
+    >>> gn(torch.randn(2, 32, 8, 8)).shape
+    torch.Size([2, 32, 8, 8])
+    """
+
+    def __init__(
+        self,
+        num_groups: int,
+        num_channels: int,
+        eps: float = 1e-5,
+        affine: bool = True,
+        *,
+        impl: str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if num_channels % num_groups:
+            raise ValueError(f"GroupNorm: num_groups {num_groups} must divide num_channels {num_channels}")
+        self.num_groups = int(num_groups)
+        self.num_channels = int(num_channels)
+        self.eps = eps
+        self.affine = affine
+        self.impl = _check_impl(type(self).__name__, impl)
+        if affine:
+            self.weight = nn.Parameter(torch.empty(self.num_channels, device=device, dtype=dtype))
+            self.bias = nn.Parameter(torch.empty(self.num_channels, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.affine:
+            nn.init.ones_(self.weight)
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return polykernel.group_norm(x, self.num_groups, self.weight, self.bias, self.eps, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}" + _impl_repr(self.impl)
+
+
+class DyT(nn.Module):
+    """Dynamic Tanh over the last dim, ``weight·tanh(alpha·x) + bias`` (a LayerNorm replacement):
+    ``alpha`` is one learnable number (initialized to ``init_alpha``), ``weight`` ones and
+    ``bias`` zeros (``bias=False``: none).
+
+    >>> import torch, polykernel.nn as pnn
+    >>> dyt = pnn.DyT(16)
+    >>> dyt(torch.randn(3, 16)).shape
+    torch.Size([3, 16])
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        init_alpha: float = 0.5,
+        bias: bool = True,
+        *,
+        impl: str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.hidden_size = int(hidden_size)
+        self.init_alpha = float(init_alpha)
+        self.impl = _check_impl(type(self).__name__, impl)
+        self.alpha = nn.Parameter(torch.empty(1, device=device, dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(self.hidden_size, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(self.hidden_size, device=device, dtype=dtype)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.alpha, self.init_alpha)
+        nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return polykernel.dyt(x, self.alpha, self.weight, self.bias, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        return f"({self.hidden_size},), init_alpha={self.init_alpha}, bias={self.bias is not None}" + _impl_repr(self.impl)
+
+
+class PolyNorm(nn.Module):
+    """PolyNorm over the last dim, ``w0·norm(x³) + w1·norm(x²) + w2·norm(x) + b`` (norm: RMS
+    normalisation); ``weight`` (3 elements) starts at 1/3 each and ``bias`` (one number) at 1, as
+    in the PolyCom reference.
+
+    >>> import torch, polykernel.nn as pnn
+    >>> pnn.PolyNorm()(torch.randn(3, 16)).shape
+    torch.Size([3, 16])
+    """
+
+    def __init__(
+        self,
+        eps: float = 1e-6,
+        *,
+        impl: str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.impl = _check_impl(type(self).__name__, impl)
+        self.weight = nn.Parameter(torch.empty(3, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty((), device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.weight, 1.0 / 3.0)
+        nn.init.constant_(self.bias, 1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return polykernel.poly_norm(x, self.weight, self.bias, self.eps, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}" + _impl_repr(self.impl)
 
 
 class _GatedMLP(nn.Module):
@@ -334,6 +467,45 @@ class Softmax(nn.Module):
 
     def extra_repr(self) -> str:
         return _impl_repr(self.impl).removeprefix(", ")
+
+
+class ReLUSquared(nn.Module):
+    """``relu(x)²``, elementwise (fp32 math, output in the input dtype).
+
+    >>> import torch, polykernel.nn as pnn
+    >>> pnn.ReLUSquared()(torch.tensor([-1.0, 0.5, 2.0]))
+    tensor([0.0000, 0.2500, 4.0000])
+    """
+
+    def __init__(self, *, impl: str | None = None) -> None:
+        super().__init__()
+        self.impl = _check_impl(type(self).__name__, impl)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return polykernel.relu_squared(x, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        return _impl_repr(self.impl).removeprefix(", ")
+
+
+class Sparsemax(nn.Module):
+    """Sparsemax along ``dim``: a probability vector per row, with exact zeros (fp32 math).
+
+    >>> import torch, polykernel.nn as pnn
+    >>> pnn.Sparsemax()(torch.tensor([[1.0, 0.8, -1.0]]))
+    tensor([[0.6000, 0.4000, 0.0000]])
+    """
+
+    def __init__(self, dim: int = -1, *, impl: str | None = None) -> None:
+        super().__init__()
+        self.dim = int(dim)
+        self.impl = _check_impl(type(self).__name__, impl)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return polykernel.sparsemax(x, self.dim, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}" + _impl_repr(self.impl)
 
 
 class RotaryEmbedding(nn.Module):

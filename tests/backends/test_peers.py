@@ -25,6 +25,10 @@ PEER_OPS = {
     "cross_entropy": ("liger", "quack"),
     "fused_linear_cross_entropy": ("liger",),
     "moe_experts": ("liger",),
+    "group_norm": ("liger",),
+    "dyt": ("liger",),
+    "poly_norm": ("liger",),
+    "sparsemax": ("liger",),
 }
 
 
@@ -159,10 +163,33 @@ def test_predicates_moe_experts():
     assert not spec.deterministic and not spec.cuda_graph_safe  # atomics in its backward, a host sync per call
 
 
+def test_predicates_new_ops():
+    f32 = dict(dtype=torch.float32)
+    x4 = t(2, 6, 5, **f32)
+    assert _why("group_norm", "liger", x4, 3, t(6, **f32), t(6, **f32)) is None
+    assert "both weight and bias" in _why("group_norm", "liger", x4, 3, t(6, **f32))
+    assert "x's dtype" in _why("group_norm", "liger", x4, 3, t(6), t(6, **f32))  # bf16 weight, fp32 x
+    assert _why("dyt", "liger", t(2, 64), t(1), t(64), t(64)) is None
+    assert _why("dyt", "liger", t(2, 64), t(1), t(64)) is None  # no bias
+    assert "x's dtype" in _why("dyt", "liger", t(2, 64), t(1, **f32), t(64), None)  # fp32 alpha: dalpha would round twice
+    assert _why("poly_norm", "liger", t(2, 64, **f32), t(3, **f32), t(**f32)) is None
+    assert "x's dtype" in _why("poly_norm", "liger", t(2, 64, **f32), t(3, **f32), t())
+    assert "65536" in _why("poly_norm", "liger", t(2, 70000, **f32), t(3, **f32), t(**f32))
+    assert _why("sparsemax", "liger", t(2, 65536)) is None
+    assert "65536" in _why("sparsemax", "liger", t(2, 70000))
+    assert "65536" in _why("sparsemax", "liger", t(70000, 2), 0)  # the length along dim
+    # the dtypes Liger's kernels compute right: group_norm and poly_norm fp32 only
+    for op in ("group_norm", "poly_norm"):
+        assert registry.specs_for(op)["liger"].format_signature.supported_dtypes == ("float32",)
+    assert not registry.specs_for("group_norm")["liger"].deterministic  # its dW, dB by atomics
+    assert not registry.specs_for("dyt")["liger"].cuda_graph_safe  # autotuned on its first call
+
+
 def test_dropped_peers_not_registered():
     # failed parity on the H200 (the reasons are next to the other registrations)
     assert "quack" not in registry.specs_for("softmax")
     assert "liger" not in registry.specs_for("rope")
+    assert "liger" not in registry.specs_for("relu_squared")  # turns NaN into 0 (ops/relu_squared.py)
 
 
 def test_quack_needs_16_byte_rows():
@@ -264,3 +291,28 @@ def test_liger_softmax_adapter():
     cot = torch.randn_like(out)
     torch.testing.assert_close(out, ref(x), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(_grads(out, [x], [cot])[0], _grads(ref(x), [x], [cot])[0], atol=1e-6, rtol=1e-5)
+
+
+@needs_liger
+@pytest.mark.parametrize("dim", [-1, 0])
+def test_liger_sparsemax_adapter(dim):
+    impl = registry.specs_for("sparsemax")["liger"].load()
+    ref = registry.get_op("sparsemax").reference
+    x = torch.randn(5, 3, 200)[:, :, ::2].requires_grad_()
+    out = impl(x, dim)
+    cot = torch.randn_like(out)
+    torch.testing.assert_close(out, ref(x, dim), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(_grads(out, [x], [cot])[0], _grads(ref(x, dim), [x], [cot])[0], atol=1e-6, rtol=1e-5)
+
+
+@needs_liger
+def test_liger_sparsemax_adapter_rows_without_a_finite_max():
+    # Liger gives zeros for an all -inf row and no probability vector for one with +inf; the
+    # adapter gives the contract's NaN row, and a zero gradient there
+    impl = registry.specs_for("sparsemax")["liger"].load()
+    inf = float("inf")
+    x = torch.tensor([[-inf, -inf, -inf], [1.0, inf, 0.0], [float("nan"), 0.0, 1.0], [0.0, -inf, 1.0]], requires_grad=True)
+    out = impl(x, -1)
+    assert torch.isnan(out[:3]).all() and torch.equal(out[3].detach(), torch.tensor([0.0, 0.0, 1.0]))
+    (g,) = torch.autograd.grad(out, x, torch.ones_like(out))
+    assert torch.equal(g, torch.zeros_like(g))

@@ -691,6 +691,11 @@ def _variants(op_name):
         "jsd": (t(4, 8), t(4, 8), torch.zeros(4, dtype=torch.long), 0.5, -100),
         "tvd": (t(4, 8), t(4, 8), torch.zeros(4, dtype=torch.long), "batchmean", -100),
         "fused_linear_jsd": (t(4, 8), t(10, 8), t(4, 6), t(10, 6), torch.zeros(4, dtype=torch.long), 0.5, -100, 1.0),
+        "group_norm": (t(4, 8, 3), 2, t(8), t(8), 1e-5),
+        "dyt": (t(4, 8), t(1), t(8), t(8)),
+        "poly_norm": (t(4, 8), t(3), t(), 1e-6),
+        "relu_squared": (t(4, 8),),
+        "sparsemax": (t(4, 8), -1),
     }[op_name]
     spec = registry.get_op(op_name).guard
     tensors = [i for i, kind in enumerate(spec) if kind is not None]
@@ -776,6 +781,11 @@ GUARDED = [
     "jsd",
     "tvd",
     "fused_linear_jsd",
+    "group_norm",
+    "dyt",
+    "poly_norm",
+    "relu_squared",
+    "sparsemax",
 ]  # every op: one form
 # Tests of the guarded path itself: without TensorGuards (POLYKERNEL_COMPAT_FALLBACKS=1, another
 # torch) no decision is guarded; test_the_guard_is_optional covers that path.

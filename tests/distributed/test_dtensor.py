@@ -106,6 +106,18 @@ def _cases() -> list[tuple[str, str, Any]]:
         ("fused_linear_cross_entropy-S0", "fused_linear_cross_entropy", flce()),
         ("fused_linear_cross_entropy-none-scored", "fused_linear_cross_entropy", flce(scored=False)),
         ("moe_experts-S0", "moe_experts", moe),
+        (
+            "group_norm-S0",
+            "group_norm",
+            lambda: ((torch.randn(4, 6, 5), 3, 1 + 0.1 * torch.randn(6), torch.randn(6)), {}, (S(0), R, R)),
+        ),
+        (
+            "dyt-S1-of-3d",
+            "dyt",
+            lambda: ((torch.randn(2, 6, 16), torch.full((1,), 0.6), 1 + 0.1 * torch.randn(16), torch.randn(16)), {}, (S(1), R, R, R)),
+        ),
+        ("poly_norm-S0", "poly_norm", lambda: ((torch.randn(6, 16), torch.randn(3), torch.tensor(0.2)), {}, (S(0), R, R))),
+        ("relu_squared-S-last", "relu_squared", lambda: ((torch.randn(6, 16),), {}, (S(1),))),
     ]
     moved = [
         ("rms_norm-S-last", "rms_norm", rn((4, 16), 1)),
@@ -114,6 +126,8 @@ def _cases() -> list[tuple[str, str, Any]]:
         ("swiglu-mixed-shards", "swiglu", lambda: ((torch.randn(6, 16), torch.randn(6, 16)), {}, (S(0), S(1)))),
         ("cross_entropy-S-last", "cross_entropy", ce((6, 10), 1, "mean", target=R)),
         ("rms_norm-weight-sharded", "rms_norm", lambda: ((torch.randn(6, 16), torch.randn(16)), {}, (S(0), S(0)))),
+        ("group_norm-S-channels", "group_norm", lambda: ((torch.randn(4, 6, 5), 3, torch.randn(6), torch.randn(6)), {}, (S(1), R, R))),
+        ("poly_norm-S-last", "poly_norm", lambda: ((torch.randn(6, 16), torch.randn(3), torch.tensor(0.2)), {}, (S(1), R, R))),
     ]
     return [(n, op, b, "local") for n, op, b in local] + [(n, op, b, "moved") for n, op, b in moved]
 
@@ -354,7 +368,7 @@ from polykernel.distributed import dtensor
 from polykernel.distributed.layout import ROWS, Layout, rows_with
 
 laid_out = sorted(i for i in registry.all_op_ids() if registry.get_op(i).dtensor_layout is not None)
-assert len(laid_out) == 10 and sorted(dispatch.routed) == laid_out == sorted(dtensor.LAYOUTS), laid_out
+assert len(laid_out) == 14 and sorted(dispatch.routed) == laid_out == sorted(dtensor.LAYOUTS), laid_out
 
 def ref(x: torch.Tensor) -> torch.Tensor:
     return x * 2

@@ -241,6 +241,96 @@ def test_softmax_matches_torch(impl):
     assert_close_all(grads_of(ya, [xa]), grads_of(yb, [xb]), torch.float32)
 
 
+# ------------------------------------------------------------------------------------------------
+# GroupNorm, DyT, PolyNorm, ReLUSquared, Sparsemax
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_groupnorm_matches_torch_nn_groupnorm(impl, affine):
+    skip_unless_runnable("group_norm", impl)
+    torch.manual_seed(0)
+    ours = pnn.GroupNorm(4, 12, eps=1e-5, affine=affine, impl=impl)
+    theirs = torch.nn.GroupNorm(4, 12, eps=1e-5, affine=affine)
+    if affine:
+        with torch.no_grad():
+            ours.weight.copy_(1 + 0.1 * torch.randn(12))
+            ours.bias.copy_(0.1 * torch.randn(12))
+    theirs.load_state_dict(ours.state_dict())  # same parameter names
+    x = torch.randn(3, 12, 5, 4)
+    xa, xb = leaf(x), leaf(x)
+    ya, yb = ours(xa), theirs(xb)
+    torch.testing.assert_close(ya, yb, **TOL[torch.float32])
+    params_a, params_b = ([ours.weight, ours.bias], [theirs.weight, theirs.bias]) if affine else ([], [])
+    assert_close_all(grads_of(ya, [xa, *params_a]), grads_of(yb, [xb, *params_b]), torch.float32, scale=2)
+
+
+def test_groupnorm_repr_reset_and_errors():
+    gn = pnn.GroupNorm(2, 6, impl="torch")
+    assert repr(gn) == "GroupNorm(2, 6, eps=1e-05, affine=True, impl='torch')"
+    with torch.no_grad():
+        gn.weight.fill_(3.0)
+    gn.reset_parameters()
+    assert torch.equal(gn.weight, torch.ones(6)) and torch.equal(gn.bias, torch.zeros(6))
+    with pytest.raises(ValueError, match="divide"):
+        pnn.GroupNorm(4, 6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dyt_module_is_weight_tanh_alpha_x_plus_bias(impl):
+    skip_unless_runnable("dyt", impl)
+    m = pnn.DyT(16, init_alpha=0.7, impl=impl)
+    assert m.alpha.shape == (1,) and torch.equal(m.alpha, torch.tensor([0.7]))
+    with torch.no_grad():
+        m.weight.copy_(1 + 0.1 * torch.randn(16))
+        m.bias.copy_(0.1 * torch.randn(16))
+    x = leaf(torch.randn(3, 5, 16))
+    y = m(x)
+    want = m.weight * torch.tanh(m.alpha * x) + m.bias
+    torch.testing.assert_close(y, want, **TOL[torch.float32])
+    assert_close_all(grads_of(y, [x, m.alpha, m.weight, m.bias]), grads_of(want, [x, m.alpha, m.weight, m.bias]), torch.float32)
+    assert pnn.DyT(8, bias=False).bias is None
+    assert repr(pnn.DyT(8, bias=False)) == "DyT((8,), init_alpha=0.5, bias=False)"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_polynorm_module_starts_at_the_polycom_initialization(impl):
+    skip_unless_runnable("poly_norm", impl)
+    m = pnn.PolyNorm(impl=impl)
+    assert torch.equal(m.weight, torch.full((3,), 1 / 3)) and torch.equal(m.bias, torch.tensor(1.0))
+    x = leaf(torch.randn(4, 24))
+    y = m(x)
+
+    def norm(u):
+        return u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    w, b = m.weight, m.bias  # 1/3 each and 1
+    want = w[0] * norm(x**3) + w[1] * norm(x**2) + w[2] * norm(x) + b
+    torch.testing.assert_close(want, (norm(x**3) + norm(x**2) + norm(x)) / 3 + 1)
+    torch.testing.assert_close(y, want, **TOL[torch.float32])
+    assert_close_all(grads_of(y, [x, m.weight, m.bias]), grads_of(want, [x, m.weight, m.bias]), torch.float32, scale=2)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_relu_squared_and_sparsemax_modules(impl):
+    skip_unless_runnable("relu_squared", impl)
+    skip_unless_runnable("sparsemax", impl)
+    x = torch.randn(3, 4, 10)
+    xa, xb = leaf(x), leaf(x)
+    ya, yb = pnn.ReLUSquared(impl=impl)(xa), torch.relu(xb) ** 2
+    torch.testing.assert_close(ya, yb)
+    assert_close_all(grads_of(ya, [xa]), grads_of(yb, [xb]), torch.float32)
+    from polykernel.ops.sparsemax import reference
+
+    sm = pnn.Sparsemax(dim=1, impl=impl)
+    assert repr(sm) == f"Sparsemax(dim=1{'' if impl is None else f', impl={impl!r}'})"
+    xa, xb = leaf(x), leaf(x)
+    ya, yb = sm(xa), reference(xb, 1)
+    torch.testing.assert_close(ya, yb, **TOL[torch.float32])
+    torch.testing.assert_close(ya.sum(1), torch.ones(3, 10))
+    assert_close_all(grads_of(ya, [xa]), grads_of(yb, [xb]), torch.float32)
+
+
 def _hf_rope(q, k, cos, sin):
     def rot(x):
         h = x.shape[-1] // 2
@@ -408,6 +498,11 @@ def _module_calls():
         ("swiglu", lambda impl: pnn.SwiGLU(8, 12, impl=impl), lambda m: m(torch.randn(3, 8))),
         ("geglu", lambda impl: pnn.GEGLU(8, 12, impl=impl), lambda m: m(torch.randn(3, 8))),
         ("softmax", lambda impl: pnn.Softmax(impl=impl), lambda m: m(torch.randn(3, 8))),
+        ("group_norm", lambda impl: pnn.GroupNorm(2, 8, impl=impl), lambda m: m(torch.randn(3, 8, 5))),
+        ("dyt", lambda impl: pnn.DyT(8, impl=impl), lambda m: m(torch.randn(3, 8))),
+        ("poly_norm", lambda impl: pnn.PolyNorm(impl=impl), lambda m: m(torch.randn(3, 8))),
+        ("relu_squared", lambda impl: pnn.ReLUSquared(impl=impl), lambda m: m(torch.randn(3, 8))),
+        ("sparsemax", lambda impl: pnn.Sparsemax(impl=impl), lambda m: m(torch.randn(3, 8))),
         ("rope", lambda impl: pnn.RotaryEmbedding(8, impl=impl), lambda m: m(q, k)),
         ("cross_entropy", lambda impl: pnn.CrossEntropyLoss(impl=impl), lambda m: m(torch.randn(3, 8), torch.tensor([1, 2, 3]))),
         (
@@ -464,6 +559,11 @@ def test_impl_none_follows_the_dispatchers_auto_choice(ran):
         lambda: pnn.SwiGLU(8, 12, impl="triton,cuda"),
         lambda: pnn.GEGLU(8, 12, impl="fast"),
         lambda: pnn.Softmax(impl="x"),
+        lambda: pnn.GroupNorm(2, 8, impl="tritonn"),
+        lambda: pnn.DyT(8, impl="fast"),
+        lambda: pnn.PolyNorm(impl="Liger"),
+        lambda: pnn.ReLUSquared(impl="x"),
+        lambda: pnn.Sparsemax(impl=""),
         lambda: pnn.RotaryEmbedding(8, impl="tri ton"),
         lambda: pnn.CrossEntropyLoss(impl="liger-kernel"),
         lambda: pnn.FusedLinearCrossEntropyLoss(impl="Torch"),

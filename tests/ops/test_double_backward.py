@@ -12,12 +12,17 @@ import torch.nn.functional as F
 
 import polykernel as pk
 from polykernel.backends.torch._double_backward import native_backward
+from polykernel.ops import dyt as dyt_op
 from polykernel.ops import fused_add_rms_norm as add_rms_op
 from polykernel.ops import geglu as geglu_op
+from polykernel.ops import group_norm as gn_op
 from polykernel.ops import layer_norm as ln_op
+from polykernel.ops import poly_norm as poly_op
+from polykernel.ops import relu_squared as relu2_op
 from polykernel.ops import rms_norm as rms_op
 from polykernel.ops import rope as rope_op
 from polykernel.ops import softmax as softmax_op
+from polykernel.ops import sparsemax as sparsemax_op
 from polykernel.ops import swiglu as swiglu_op
 from polykernel.ops.cross_entropy import reference as ce_reference
 from polykernel.testing import runnable_impls
@@ -114,6 +119,44 @@ def _cases():
             lambda impl, x, t: pk.cross_entropy(x, t, label_smoothing=0.1, reduction="none", impl=impl),
             lambda x, t: ce_reference(x, t, label_smoothing=0.1, reduction="none"),
         ),
+        "group_norm": (
+            lambda dt: ((_rows(2, 6, 5, dtype=dt), (1 + 0.2 * torch.randn(6, dtype=dt)).requires_grad_(), _rows(6, dtype=dt)), ()),
+            lambda impl, x, w, b: pk.group_norm(x, 3, w, b, impl=impl),
+            lambda x, w, b: gn_op.reference(x, 3, w, b),
+        ),
+        "group_norm-noaffine-4d": (
+            lambda dt: ((_rows(2, 4, 3, 2, dtype=dt),), ()),
+            lambda impl, x: pk.group_norm(x, 2, impl=impl),
+            lambda x: gn_op.reference(x, 2),
+        ),
+        "dyt": (
+            lambda dt: (
+                (_rows(2, 3, 8, dtype=dt), torch.full((1,), 0.7, dtype=dt, requires_grad=True), _rows(8, dtype=dt), _rows(8, dtype=dt)),
+                (),
+            ),
+            lambda impl, x, a, w, b: pk.dyt(x, a, w, b, impl=impl),
+            lambda x, a, w, b: dyt_op.reference(x, a, w, b),
+        ),
+        "poly_norm": (
+            lambda dt: ((_rows(2, 3, 8, dtype=dt), _rows(3, dtype=dt), torch.full((), 0.3, dtype=dt, requires_grad=True)), ()),
+            lambda impl, x, w, b: pk.poly_norm(x, w, b, impl=impl),
+            lambda x, w, b: poly_op.reference(x, w, b),
+        ),
+        "relu_squared": (
+            lambda dt: ((_rows(3, 8, dtype=dt),), ()),
+            lambda impl, x: pk.relu_squared(x, impl=impl),
+            lambda x: relu2_op.reference(x),
+        ),
+        "sparsemax": (
+            lambda dt: ((_rows(2, 3, 7, dtype=dt, scale=0.3),), ()),  # a wide support
+            lambda impl, x: pk.sparsemax(x, impl=impl),
+            lambda x: sparsemax_op.reference(x),
+        ),
+        "sparsemax-dim0": (
+            lambda dt: ((_rows(7, 3, dtype=dt, scale=0.3),), ()),
+            lambda impl, x: pk.sparsemax(x, 0, impl=impl),
+            lambda x: sparsemax_op.reference(x, 0),
+        ),
     }
 
 
@@ -157,7 +200,8 @@ def test_second_order_matches_reference(impl, name):
     want_g, want_2 = _second_order(lambda *ts: ref(*ts, *fixed), tensors)
     for got, want in zip(got_g + got_2, want_g + want_2):
         torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-5)
-    assert any(bool(s.abs().sum() > 0) for s in got_2[: len(tensors)]) or _op_of(name) == "rope"  # not all zeros
+    # not all zeros, but where the op is (piecewise) linear in its inputs: rope, sparsemax
+    assert any(bool(s.abs().sum() > 0) for s in got_2[: len(tensors)]) or _op_of(name) in ("rope", "sparsemax")
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])

@@ -14,13 +14,18 @@ import torch
 from torch.func import grad, hessian, vmap
 
 import polykernel as pk
+from polykernel.ops import dyt as dyt_op
 from polykernel.ops import fused_add_rms_norm as add_rms_op
 from polykernel.ops import fused_linear_cross_entropy as flce_op
 from polykernel.ops import geglu as geglu_op
+from polykernel.ops import group_norm as gn_op
 from polykernel.ops import layer_norm as ln_op
+from polykernel.ops import poly_norm as poly_op
+from polykernel.ops import relu_squared as relu2_op
 from polykernel.ops import rms_norm as rms_op
 from polykernel.ops import rope as rope_op
 from polykernel.ops import softmax as softmax_op
+from polykernel.ops import sparsemax as sparsemax_op
 from polykernel.ops import swiglu as swiglu_op
 from polykernel.ops.cross_entropy import reference as ce_reference
 from polykernel.testing import runnable_impls
@@ -93,6 +98,36 @@ CASES = {
         lambda impl, h, w: pk.fused_linear_cross_entropy(h, w, T6, impl=impl),
         lambda h, w: flce_op.reference(h, w, T6),
         lambda dt: (torch.randn(2, 6, 8, dtype=dt), torch.randn(2, 9, 8, dtype=dt)),
+    ),
+    "group_norm": (
+        lambda impl, x, w, b: pk.group_norm(x, 2, w, b, impl=impl),
+        lambda x, w, b: gn_op.reference(x, 2, w, b),
+        lambda dt: (torch.randn(4, 3, 6, 5, dtype=dt), torch.randn(4, 6, dtype=dt), torch.randn(4, 6, dtype=dt)),
+    ),
+    "dyt": (
+        lambda impl, x, a, w, b: pk.dyt(x, a, w, b, impl=impl),
+        lambda x, a, w, b: dyt_op.reference(x, a, w, b),
+        lambda dt: (
+            torch.randn(4, 3, 16, dtype=dt),
+            torch.rand(4, 1, dtype=dt),
+            torch.randn(4, 16, dtype=dt),
+            torch.randn(4, 16, dtype=dt),
+        ),
+    ),
+    "poly_norm": (
+        lambda impl, x, w, b: pk.poly_norm(x, w, b, impl=impl),
+        lambda x, w, b: poly_op.reference(x, w, b),
+        lambda dt: (torch.randn(4, 3, 16, dtype=dt), torch.randn(4, 3, dtype=dt), torch.randn(4, dtype=dt)),
+    ),
+    "relu_squared": (
+        lambda impl, x: pk.relu_squared(x, impl=impl),
+        relu2_op.reference,
+        lambda dt: (torch.randn(4, 3, 16, dtype=dt),),
+    ),
+    "sparsemax": (
+        lambda impl, x: pk.sparsemax(x, impl=impl),
+        sparsemax_op.reference,
+        lambda dt: (torch.randn(4, 3, 16, dtype=dt),),
     ),
 }
 

@@ -26,6 +26,7 @@ def test_sweep_shapes_scale_one_dim_largest_first():
     rope = bench.sweep_shapes("rope")
     assert rope[0] == bench.SHAPES["rope"][0] and rope[1] == ("q4x32x1024x128,k8", (4, 32, 1024, 128))
     assert [s for _, s in bench.sweep_shapes("fused_linear_cross_entropy")] == [(8192, 4096, 128256), (2048, 4096, 128256)]
+    assert [s[2] for _, s in bench.sweep_shapes("group_norm")] == [64, 16, 4, 1]  # the image height, not the batch of 16
     # README shapes stay, the sweep adds the smaller sizes; only the series is flagged for the plot
     cases = bench.cases_for("rms_norm", sweep=True)
     assert [c[0] for c in cases][:4] == [label for label, _ in bench.SHAPES["rms_norm"]]

@@ -60,9 +60,14 @@ SHAPES: dict[str, list[tuple[str, tuple[int, ...]]]] = {
     ],
     "fused_add_rms_norm": [("16384x4096", (16384, 4096))],
     "layer_norm": [("16384x4096", (16384, 4096))],
+    "group_norm": [("16x512x64x64", (16, 512, 64, 64))],  # 32 groups (a Stable Diffusion VAE block)
+    "dyt": [("16384x4096", (16384, 4096))],
+    "poly_norm": [("16384x4096", (16384, 4096))],
     "swiglu": [("16384x14336", (16384, 14336))],
     "geglu": [("16384x14336", (16384, 14336))],
+    "relu_squared": [("16384x14336", (16384, 14336))],
     "softmax": [("8192x32768", (8192, 32768))],
+    "sparsemax": [("16384x4096", (16384, 4096)), ("2048x32768", (2048, 32768))],
     "rope": [("q4x32x4096x128,k8", (4, 32, 4096, 128))],
     "cross_entropy": [("8192x128256", (8192, 128256))],
     "fused_linear_cross_entropy": [("N8192,H4096,V128256", (8192, 4096, 128256))],
@@ -93,6 +98,7 @@ _SWEEP_DIM: dict[str, tuple[int, int]] = {
     "jsd": (0, 2),
     "tvd": (0, 2),
     "fused_linear_jsd": (0, 1),
+    "group_norm": (2, 3),  # the image height (the batch of 16 is too short to divide)
 }
 # Matmul-bound ops, rated in TFLOP/s: op -> FLOPs of (N, H, V) forward / forward+backward
 # (each op file's ``flops``: the fused linear JSD runs two heads forward, the student's backward).

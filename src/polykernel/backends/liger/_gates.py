@@ -78,3 +78,29 @@ def fused_linear_jsd(a: Any) -> str | None:
     if str(a.teacher_dtype) != str(a.dtype):
         return f"Liger's fused linear JSD takes one dtype for student and teacher: {a.dtype} vs {a.teacher_dtype}"
     return None
+
+
+def sparsemax(a: Any) -> str | None:
+    return _row(a)  # liger_kernel/ops/sparsemax.py: calculate_settings(n_cols), one block per row
+
+
+def group_norm(a: Any) -> str | None:
+    if a.weight is None or a.bias is None:
+        return "Liger's GroupNorm needs both weight and bias"
+    if a.weight[0] != a.dtype or a.bias[0] != a.dtype:
+        return "Liger's GroupNorm takes weight and bias in x's dtype"  # its dW/dB buffers and atomics
+    return None
+
+
+def dyt(a: Any) -> str | None:
+    # liger_kernel/ops/dyt.py casts dalpha and dbias to x's dtype (then autograd to the parameters')
+    if any(p is not None and p[0] != a.dtype for p in (a.alpha, a.weight, a.bias)):
+        return "Liger's DyT takes alpha, weight and bias in x's dtype"
+    return None
+
+
+def poly_norm(a: Any) -> str | None:
+    # liger_kernel/ops/poly_norm.py casts dbias to weight's dtype (then autograd to bias's)
+    if a.weight[0] != a.dtype or a.bias[0] != a.dtype:
+        return "Liger's PolyNorm takes weight and bias in x's dtype"
+    return _row(a)

@@ -1,0 +1,17 @@
+"""Liger-Kernel PolyNorm (``LigerPolyNormFunction``) on ``norm.poly_norm``'s signature (fp32, weight
+and bias in x's dtype: the predicate and the dtype gate exclude the rest). ``in_place=False``:
+Liger's default writes dX into the incoming gradient dY. Liger's backward returns dbias 0-dim: a
+``[1]`` bias goes in reshaped to ``[]`` (a view, so its gradient comes back ``[1]``)."""
+
+from __future__ import annotations
+
+import torch
+from liger_kernel.ops.poly_norm import LigerPolyNormFunction
+
+from ..torch.poly_norm import poly_norm as _torch_poly_norm
+
+
+def poly_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.numel() == 0:  # Liger's x.view(-1, dim) fails on empty rows
+        return _torch_poly_norm(x, weight, bias, eps)
+    return LigerPolyNormFunction.apply(x, weight, bias.reshape(()), eps, False)
