@@ -1354,6 +1354,12 @@ FACTS = {
     **{op: ("ours", None, None, None) for op in OP_MODULES if op.startswith("serving.")},
     "moe.moe_experts": ("ours", None, None, ("rows", (0,), None)),
     "moe.moe_router": ("decompose", None, None, None),  # no layout: DTensor's own rules
+    # no DTensor layout (a DTensor runs DTensor's own rules on the torch impl): their reductions
+    # divide by global counts (batchmean by size(0), the scored rows)
+    "loss.kl_div": ("ours", None, None, None),
+    "loss.jsd": ("ours", None, None, None),
+    "loss.tvd": ("ours", None, None, None),
+    "loss.fused_linear_jsd": ("ours", None, None, None),
 }
 # the arguments that share the lead's shard dim (the rest are replicated), per row-wise op
 SAME = {
