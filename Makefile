@@ -42,6 +42,10 @@ test-simd: setup  ## the parity tests again with the AVX-512, then the AVX2 path
 	ATEN_CPU_CAPABILITY=avx2 NPY_DISABLE_CPU_FEATURES="$(NPY_NO_AVX512)" $(BIN)/python -m pytest -q -n $(JOBS) -k parity tests
 	ATEN_CPU_CAPABILITY=default NPY_DISABLE_CPU_FEATURES="$(NPY_NO_AVX2)" $(BIN)/python -m pytest -q -n $(JOBS) -k parity tests
 
+.PHONY: test-fallbacks
+test-fallbacks: setup  ## the CPU suite again with every private-API fallback forced (polykernel/_compat.py)
+	POLYKERNEL_COMPAT_FALLBACKS=1 $(BIN)/python -m pytest -q -n $(JOBS) --timeout=900 tests
+
 test-gpu:  ## on a CUDA machine with torch and triton installed
 	PYTHONPATH=src $(PYTHON) -m pytest -q -m "gpu or gpu2" tests
 

@@ -9,7 +9,7 @@ import types
 
 
 class FakeClock:
-    """A ``time`` stand-in for ``polykernel.tuning.measure``: ``perf_counter`` advances only by the
+    """A ``time`` stand-in for ``polykernel.timing`` (the tuner's clock): ``perf_counter`` advances only by the
     planted impls' delays, so measured differences are exact and no test depends on how busy the
     machine is (sleeps overshoot by milliseconds on a loaded 2-core CI box)."""
 
@@ -27,13 +27,13 @@ _clock: FakeClock | None = None  # set by use_fake_clock(); planted delays advan
 
 
 def use_fake_clock(monkeypatch) -> FakeClock:
-    """Install a :class:`FakeClock` as ``tuning_measure``'s ``time`` for the rest of the test."""
+    """Install a :class:`FakeClock` as ``polykernel.timing``'s ``time`` for the rest of the test."""
     import sys
 
-    import polykernel.tuning.measure as tm
+    from polykernel import timing
 
     clock = FakeClock()
-    monkeypatch.setattr(tm, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
     monkeypatch.setattr(sys.modules[__name__], "_clock", clock)  # undone at the test's end
     return clock
 

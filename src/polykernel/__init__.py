@@ -59,6 +59,21 @@ _LAZY: dict[str, str] = {
     "rope": "ops.rope:rope",
     "cross_entropy": "ops.cross_entropy:cross_entropy",
     "fused_linear_cross_entropy": "ops.fused_linear_cross_entropy:fused_linear_cross_entropy",
+    # serving layouts (inference only)
+    "silu_and_mul": "ops.silu_and_mul:silu_and_mul",
+    "gelu_and_mul": "ops.gelu_and_mul:gelu_and_mul",
+    "fused_add_rms_norm_": "ops.fused_add_rms_norm_:fused_add_rms_norm_",
+    "rotary_embedding_": "ops.rotary_embedding_:rotary_embedding_",
+    "dynamic_quant_fp8": "ops.dynamic_quant_fp8:dynamic_quant_fp8",
+    "static_quant_fp8": "ops.static_quant_fp8:static_quant_fp8",
+    "rms_norm_quant_fp8": "ops.rms_norm_quant_fp8:rms_norm_quant_fp8",
+    # mixture of experts
+    "moe_experts": "ops.moe_experts:moe_experts",
+    "moe_router": "ops.moe_router:moe_router",
+    "kl_div": "ops.kl_div:kl_div",
+    "jsd": "ops.jsd:jsd",
+    "tvd": "ops.tvd:tvd",
+    "fused_linear_jsd": "ops.fused_linear_jsd:fused_linear_jsd",
 }
 _SUBMODULES = (
     "spec",

@@ -45,7 +45,7 @@ KNOWN: dict[str, str] = {
 }
 # Per-op variables: the prefix, then the op's bare name upper-cased (POLYKERNEL_IMPL_RMS_NORM).
 PER_OP = ("POLYKERNEL_IMPL_", "POLYKERNEL_COMPILE_")
-BOOLEANS = ("POLYKERNEL_STRICT", "POLYKERNEL_FAST_LAUNCH", "POLYKERNEL_LEAN_APPLY")
+BOOLEANS = ("POLYKERNEL_STRICT", "POLYKERNEL_FAST_LAUNCH", "POLYKERNEL_LEAN_APPLY", "POLYKERNEL_COMPAT_FALLBACKS")
 
 # TRITON_INTERPRET as Triton reads it (triton.knobs' env_bool, C++ getenv_bool): these values,
 # lower-cased and not stripped, are true; any other value Triton reads as false.

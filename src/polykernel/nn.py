@@ -29,8 +29,12 @@ __all__ = [
     "CrossEntropyLoss",
     "DyT",
     "FusedLinearCrossEntropyLoss",
+    "FusedLinearJSDLoss",
     "GroupNorm",
+    "JSDLoss",
+    "KLDivLoss",
     "LayerNorm",
+    "MoEExperts",
     "PolyNorm",
     "RMSNorm",
     "ReLUSquared",
@@ -38,6 +42,7 @@ __all__ = [
     "Softmax",
     "Sparsemax",
     "SwiGLU",
+    "TVDLoss",
 ]
 
 
@@ -376,6 +381,74 @@ class GEGLU(_GatedMLP):
         return super().extra_repr() + f", approximate={self.approximate!r}"
 
 
+class MoEExperts(nn.Module):
+    """A mixture-of-experts layer's routed experts, through ``polykernel.moe_experts``.
+
+    transformers' ``Experts`` layout and names (``Qwen3MoeExperts``, ``MixtralExperts``):
+    ``gate_up_proj [E, 2I, H]`` (gate rows first), ``down_proj [E, H, I]``, so state dicts load
+    across. ``forward(hidden_states, top_k_index, top_k_weights)`` takes ``[..., H]`` tokens and
+    ``[..., k]`` routing (e.g. from ``polykernel.moe_router``) and returns ``[..., H]``.
+    Parameters start like ``nn.Linear``'s weights (uniform, bound ``1/√fan_in``).
+
+    >>> import torch, polykernel, polykernel.nn as pnn
+    >>> experts = pnn.MoEExperts(num_experts=4, hidden_size=16, intermediate_size=24)
+    >>> x = torch.randn(2, 5, 16)
+    >>> weights, index = polykernel.moe_router(torch.randn(2, 5, 4), 2)
+    >>> experts(x, index, weights).shape
+    torch.Size([2, 5, 16])
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str = "silu",
+        *,
+        impl: str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        from polykernel.ops.moe_experts import ACTIVATIONS
+
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"MoEExperts: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
+        self.num_experts = int(num_experts)
+        self.hidden_size = int(hidden_size)
+        self.intermediate_size = int(intermediate_size)
+        self.activation = activation
+        self.impl = _check_impl(type(self).__name__, impl)
+        kw = {"device": device, "dtype": dtype}
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_size, self.hidden_size, **kw))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_size, self.intermediate_size, **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.gate_up_proj.uniform_(-(self.hidden_size**-0.5), self.hidden_size**-0.5)
+            self.down_proj.uniform_(-(self.intermediate_size**-0.5), self.intermediate_size**-0.5)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        out = polykernel.moe_experts(
+            hidden_states.reshape(-1, shape[-1]),
+            top_k_index.reshape(-1, top_k_index.shape[-1]),
+            top_k_weights.reshape(-1, top_k_weights.shape[-1]),
+            self.gate_up_proj,
+            self.down_proj,
+            activation=self.activation,
+            impl=self.impl,
+        )
+        return out.view(shape)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+            f"activation={self.activation!r}" + _impl_repr(self.impl)
+        )
+
+
 class Softmax(nn.Module):
     """Softmax over the last dim (fp32 math, output in the input dtype).
 
@@ -583,3 +656,145 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         return f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, reduction={self.reduction!r}" + _impl_repr(
             self.impl
         )
+
+
+# -- distillation losses ---------------------------------------------------------------------------
+
+
+def _check_distill_options(cls: str, **options: object) -> None:
+    """The distillation losses' option checks, at construction (errors name the module)."""
+    from .ops import _checks, _distill
+
+    if "reduction" in options:
+        _checks.choice(cls, "reduction", options["reduction"], ("batchmean", "sum", "mean", "none"))
+    if "log_target" in options and not isinstance(options["log_target"], bool):
+        raise _checks.OpTypeError(cls, "log_target", f"expected a bool, got {options['log_target']!r}")
+    if "beta" in options:
+        _distill.validate_beta(cls, options["beta"])
+    if "ignore_index" in options:
+        _distill.validate_ignore_index(cls, options["ignore_index"])
+    if "temperature" in options:
+        _checks.positive_float(cls, "temperature", options["temperature"])
+        _checks.finite_float(cls, "temperature", options["temperature"])
+
+
+class KLDivLoss(nn.Module):
+    """``torch.nn.KLDivLoss`` (``input``: log-probs) with an fp32 result; ``reduction`` defaults
+    to ``"batchmean"`` (the mathematically right one; Liger's default too).
+
+    >>> import torch, polykernel.nn as pnn
+    >>> loss_fn = pnn.KLDivLoss(log_target=True)
+    >>> s, t = torch.randn(3, 7).log_softmax(-1), torch.randn(3, 7).log_softmax(-1)
+    >>> loss_fn(s, t).shape
+    torch.Size([])
+    """
+
+    def __init__(self, reduction: str = "batchmean", log_target: bool = False, *, impl: str | None = None) -> None:
+        super().__init__()
+        _check_distill_options(type(self).__name__, reduction=reduction, log_target=log_target)
+        self.reduction = reduction
+        self.log_target = log_target
+        self.impl = _check_impl(type(self).__name__, impl)
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return polykernel.kl_div(input, target, log_target=self.log_target, reduction=self.reduction, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        return f"reduction={self.reduction!r}, log_target={self.log_target}" + _impl_repr(self.impl)
+
+
+class JSDLoss(nn.Module):
+    """Generalized Jensen-Shannon divergence between student and teacher log-probs ``[..., V]``
+    (Liger's ``LigerJSD``): ``beta`` 0 is forward KL(teacher‖student), 1 reverse KL; rows whose
+    ``labels`` entry is ``ignore_index`` are skipped.
+
+    >>> import torch, polykernel.nn as pnn
+    >>> loss_fn = pnn.JSDLoss(beta=0.5)
+    >>> s, t = torch.randn(2, 4, 9).log_softmax(-1), torch.randn(2, 4, 9).log_softmax(-1)
+    >>> loss_fn(s, t, torch.tensor([[1, 2, -100, 3], [0, 1, 2, 3]])).shape
+    torch.Size([])
+    """
+
+    def __init__(self, beta: float = 0.5, ignore_index: int = -100, *, impl: str | None = None) -> None:
+        super().__init__()
+        _check_distill_options(type(self).__name__, beta=beta, ignore_index=ignore_index)
+        self.beta = beta
+        self.ignore_index = ignore_index
+        self.impl = _check_impl(type(self).__name__, impl)
+
+    def forward(self, student_logp: torch.Tensor, teacher_logp: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return polykernel.jsd(student_logp, teacher_logp, labels, beta=self.beta, ignore_index=self.ignore_index, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        return f"beta={self.beta}, ignore_index={self.ignore_index}" + _impl_repr(self.impl)
+
+
+class TVDLoss(nn.Module):
+    """Total variation distance ``0.5·Σ|p - q|`` between distributions ``[..., V]`` (Liger's
+    ``LigerTVDLoss``); rows whose ``labels`` entry is ``ignore_index`` are skipped.
+
+    >>> import torch, polykernel.nn as pnn
+    >>> p, q = torch.randn(3, 7).softmax(-1), torch.randn(3, 7).softmax(-1)
+    >>> pnn.TVDLoss()(p, q).shape
+    torch.Size([])
+    """
+
+    def __init__(self, reduction: str = "batchmean", ignore_index: int = -100, *, impl: str | None = None) -> None:
+        super().__init__()
+        _check_distill_options(type(self).__name__, reduction=reduction, ignore_index=ignore_index)
+        self.reduction = reduction
+        self.ignore_index = ignore_index
+        self.impl = _check_impl(type(self).__name__, impl)
+
+    def forward(self, p: torch.Tensor, q: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return polykernel.tvd(p, q, labels, reduction=self.reduction, ignore_index=self.ignore_index, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        return f"reduction={self.reduction!r}, ignore_index={self.ignore_index}" + _impl_repr(self.impl)
+
+
+class FusedLinearJSDLoss(nn.Module):
+    """``JSDLoss`` of the student's and the teacher's LM heads without materializing either
+    logits (Liger's ``LigerFusedLinearJSD``): ``forward(student_hidden [..., H], student_weight
+    [V, H], teacher_hidden [..., Ht], teacher_weight [V, Ht], labels=None)``. The heads' weights
+    are passed in (the module owns no parameters); only the student's receive gradients.
+
+    >>> import torch, polykernel.nn as pnn
+    >>> student, teacher = torch.nn.Linear(16, 50, bias=False), torch.nn.Linear(32, 50, bias=False)
+    >>> loss_fn = pnn.FusedLinearJSDLoss(beta=0.5, temperature=2.0)
+    >>> loss = loss_fn(torch.randn(2, 3, 16), student.weight, torch.randn(2, 3, 32), teacher.weight)
+    >>> loss.backward()  # gradients reach the student's head only
+    >>> student.weight.grad.shape, teacher.weight.grad
+    (torch.Size([50, 16]), None)
+    """
+
+    def __init__(self, beta: float = 0.5, ignore_index: int = -100, temperature: float = 1.0, *, impl: str | None = None) -> None:
+        super().__init__()
+        _check_distill_options(type(self).__name__, beta=beta, ignore_index=ignore_index, temperature=temperature)
+        self.beta = beta
+        self.ignore_index = ignore_index
+        self.temperature = temperature
+        self.impl = _check_impl(type(self).__name__, impl)
+
+    def forward(
+        self,
+        student_hidden: torch.Tensor,
+        student_weight: torch.Tensor,
+        teacher_hidden: torch.Tensor,
+        teacher_weight: torch.Tensor,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return polykernel.fused_linear_jsd(
+            student_hidden,
+            student_weight,
+            teacher_hidden,
+            teacher_weight,
+            labels,
+            beta=self.beta,
+            ignore_index=self.ignore_index,
+            temperature=self.temperature,
+            impl=self.impl,
+        )
+
+    def extra_repr(self) -> str:
+        return f"beta={self.beta}, ignore_index={self.ignore_index}, temperature={self.temperature}" + _impl_repr(self.impl)

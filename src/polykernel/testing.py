@@ -84,12 +84,18 @@ def _ratio(out: torch.Tensor, want: torch.Tensor, ref: torch.Tensor, tol_of: Any
         return float("inf"), f"dtype {out.dtype} != reference {want.dtype}"
     if out.numel() == 0:
         return 0.0, ""
+    if not out.dtype.is_floating_point:  # integer outputs (a router's expert index) are exact
+        return (0.0, "") if torch.equal(out, ref) else (float("inf"), "integer values differ from the reference")
     o, r = out.detach().double(), ref.detach().double()
+
+    def rounded(r: torch.Tensor) -> torch.Tensor:  # the reference rounded to the output dtype, as float64 (fp8 has no isfinite)
+        return r.to(out.dtype).double()
+
     if nonfinite_rows and o.dim():
-        spread = (~torch.isfinite(r.to(out.dtype))).any(-1, keepdim=True) & torch.isnan(o)
+        spread = (~torch.isfinite(rounded(r))).any(-1, keepdim=True) & torch.isnan(o)
         o, r = o.masked_fill(spread, 0.0), r.masked_fill(spread, 0.0)
-    o_bad, r_bad = ~torch.isfinite(o), ~torch.isfinite(r.to(out.dtype))
-    if not torch.equal(o_bad, r_bad) or not torch.equal(o[o_bad].nan_to_num(), r.to(out.dtype).double()[r_bad].nan_to_num()):
+    o_bad, r_bad = ~torch.isfinite(o), ~torch.isfinite(rounded(r))
+    if not torch.equal(o_bad, r_bad) or not torch.equal(o[o_bad].nan_to_num(), rounded(r)[r_bad].nan_to_num()):
         return float("inf"), "non-finite values differ from the reference"
     ok = ~r_bad
     if not ok.any():

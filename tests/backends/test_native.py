@@ -542,6 +542,7 @@ def test_call_builds_a_plan_once_then_runs_natively(fresh_loader):
     fresh_loader.setattr(_native, "_module", fake)
     fresh_loader.setattr(_native, "_state", "ready")
     fresh_loader.setattr(_native, "hooks_set", lambda: False)
+    fresh_loader.setattr(_native, "transforms_active", lambda: False)  # the protocol, whatever this torch says
 
     def make_plan(x):
         made.append(x.key)

@@ -24,6 +24,7 @@ PEER_OPS = {
     "softmax": ("liger",),
     "cross_entropy": ("liger", "quack"),
     "fused_linear_cross_entropy": ("liger",),
+    "moe_experts": ("liger",),
     "group_norm": ("liger",),
     "dyt": ("liger",),
     "poly_norm": ("liger",),
@@ -148,6 +149,18 @@ def test_predicates_activations_and_losses():
     assert "label_smoothing" in _why("cross_entropy", "quack", logits, target, label_smoothing=0.1)
     assert "label_smoothing" in _why("cross_entropy", "quack", logits, target, -100, 0.1, "mean")  # the impl's order
     assert _why("cross_entropy", "liger", logits, target, label_smoothing=0.1) is None
+
+
+def test_predicates_moe_experts():
+    def args(weights_dtype=torch.bfloat16, activation="silu"):
+        index = torch.zeros(4, 2, dtype=torch.long)
+        return (t(4, 16), index, t(4, 2, dtype=weights_dtype), t(3, 48, 16), t(3, 16, 24), activation)
+
+    assert _why("moe_experts", "liger", *args()) is None
+    assert "SwiGLU" in _why("moe_experts", "liger", *args(activation="gelu"))
+    assert "hidden's dtype" in _why("moe_experts", "liger", *args(weights_dtype=torch.float32))
+    spec = registry.specs_for("moe_experts")["liger"]
+    assert not spec.deterministic and not spec.cuda_graph_safe  # atomics in its backward, a host sync per call
 
 
 def test_predicates_new_ops():

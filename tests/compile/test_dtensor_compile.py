@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from _tp_llama import finish_worker, spawn_report
+from polykernel import _compat
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="torch.distributed with gloo is not available"
@@ -359,6 +360,13 @@ def report() -> dict[str, Any]:
     return spawn_report(_worker, WORLD)
 
 
+# The sharding rules need DTensor's private schema infos (polykernel._compat.dtensor_schema_infos):
+# without them (POLYKERNEL_COMPAT_FALLBACKS=1) no rule is registered, compiled DTensor calls of our
+# ops fail with DTensor's error and training decomposes (the last test here checks that).
+_NO_RULES = _compat.dtensor_schema_infos() is None
+needs_rules = pytest.mark.skipif(_NO_RULES, reason="no DTensor schema infos here: no sharding rules")
+
+
 # case -> the output placements expected: sharded inputs stay sharded (no gather), a summed loss
 # is Partial, a mean over sharded rows is replicated (the local sums and counts, all-reduced)
 EXPECTED = {
@@ -410,6 +418,7 @@ TRAIN = {
 }
 
 
+@needs_rules
 @pytest.mark.parametrize("name", list(TRAIN))
 def test_compiled_training_on_dtensors_runs_our_ops_and_matches_eager(report, name):
     r = report["train:" + name]
@@ -423,6 +432,7 @@ def test_compiled_training_on_dtensors_runs_our_ops_and_matches_eager(report, na
         assert r["grad_placements"] == placements
 
 
+@needs_rules
 def test_compiled_tp_block_trains_through_our_ops(report):
     """Sequence-parallel norm + column/row-parallel SwiGLU MLP, compiled fwd+bwd (fullgraph)."""
     r = report["block"]
@@ -432,6 +442,7 @@ def test_compiled_tp_block_trains_through_our_ops(report):
     assert max(r["diffs"].values()) <= 1e-5, r["diffs"]
 
 
+@needs_rules
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_dtensor_compiles_fullgraph_and_matches_eager(report, name):
     r = report[name]
@@ -465,7 +476,7 @@ def test_sharded_ops_are_the_dtensor_layouts_and_compiling_does_not_route():
     assert out.returncode == 0, out.stderr
     first, second = out.stdout.strip().splitlines()[-2:]
     assert first == "[] False"
-    assert second == "True 9"
+    assert second == "True 14"  # the ops with a DTensor layout: 9 built-in, moe_experts, group_norm, dyt, poly_norm, relu_squared
 
 
 _DECOMPOSE_SCRIPT = """
@@ -510,5 +521,8 @@ def test_compiled_training_without_rules_decomposes_logged_or_strict(tmp_path):
     script = tmp_path / "decompose.py"
     script.write_text(_DECOMPOSE_SCRIPT)
     out = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True, env=env, timeout=300)
-    assert "LOGGED [('activation.swiglu', 'its saved tensors have no placement')]" in out.stdout, out.stderr[-2000:]
+    from polykernel.compile import sharding
+
+    why = sharding._NO_RULES if _NO_RULES else "its saved tensors have no placement"
+    assert f"LOGGED [('activation.swiglu', {why!r})]" in out.stdout, out.stderr[-2000:]
     assert "STRICT True" in out.stdout, out.stderr[-2000:]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import polykernel
-from polykernel import tuning
+from polykernel import _compat, tuning
 from polykernel.core import memo_key, registry
 from polykernel.core import selection as dispatch
 from polykernel.errors import ImplNotAvailableError, UnknownImplError, UnknownOpError
@@ -616,7 +616,21 @@ def test_capability_requirement_accepts_int_arch():
 
 @pytest.mark.parametrize(
     "op_name",
-    ["rms_norm", "fused_add_rms_norm", "layer_norm", "swiglu", "geglu", "softmax", "rope", "cross_entropy", "fused_linear_cross_entropy"],
+    [
+        "rms_norm",
+        "fused_add_rms_norm",
+        "layer_norm",
+        "swiglu",
+        "geglu",
+        "softmax",
+        "rope",
+        "cross_entropy",
+        "fused_linear_cross_entropy",
+        "kl_div",
+        "jsd",
+        "tvd",
+        "fused_linear_jsd",
+    ],
 )
 def test_public_call_memo_key_is_the_ops_key(op_name):
     # several public functions build their argument class inline for speed (swiglu, geglu and
@@ -671,6 +685,12 @@ def _variants(op_name):
         "rope": (t(2, 4, 3, 8), t(2, 2, 3, 8), t(1, 3, 8), t(1, 3, 8)),
         "cross_entropy": (t(4, 8), torch.randint(0, 8, (4,)), -100, 0.0, "mean"),
         "fused_linear_cross_entropy": (t(4, 8), t(10, 8), torch.randint(0, 10, (4,)), t(10), -100, 0.0, "mean"),
+        "moe_experts": (t(4, 8), torch.randint(0, 3, (4, 2)), t(4, 2), t(3, 12, 8), t(3, 8, 6), "silu"),
+        "moe_router": (t(4, 8), 2, True),
+        "kl_div": (t(4, 8), t(4, 8), "batchmean", False),
+        "jsd": (t(4, 8), t(4, 8), torch.zeros(4, dtype=torch.long), 0.5, -100),
+        "tvd": (t(4, 8), t(4, 8), torch.zeros(4, dtype=torch.long), "batchmean", -100),
+        "fused_linear_jsd": (t(4, 8), t(10, 8), t(4, 6), t(10, 6), torch.zeros(4, dtype=torch.long), 0.5, -100, 1.0),
         "group_norm": (t(4, 8, 3), 2, t(8), t(8), 1e-5),
         "dyt": (t(4, 8), t(1), t(8), t(8)),
         "poly_norm": (t(4, 8), t(3), t(), 1e-6),
@@ -717,7 +737,11 @@ def _variants(op_name):
         if i and spec[i] == "shape":
             out.append((f"arg {i} None", tuple(None if j == i else a for j, a in enumerate(base)), nullcontext()))
     for i in options:
-        other = {float: 1e-3, int: 7, str: "llama" if op_name == "rms_norm" else "none"}[type(base[i])]
+        other = (
+            (not base[i])
+            if type(base[i]) is bool
+            else {float: 1e-3, int: 7, str: "llama" if op_name == "rms_norm" else "none"}[type(base[i])]
+        )
         out += [
             (f"option {i} changed", tuple(other if j == i else a for j, a in enumerate(base)), nullcontext()),
             (
@@ -751,14 +775,24 @@ GUARDED = [
     "rope",
     "cross_entropy",
     "fused_linear_cross_entropy",
+    "moe_experts",
+    "moe_router",
+    "kl_div",
+    "jsd",
+    "tvd",
+    "fused_linear_jsd",
     "group_norm",
     "dyt",
     "poly_norm",
     "relu_squared",
     "sparsemax",
 ]  # every op: one form
+# Tests of the guarded path itself: without TensorGuards (POLYKERNEL_COMPAT_FALLBACKS=1, another
+# torch) no decision is guarded; test_the_guard_is_optional covers that path.
+needs_guard = pytest.mark.skipif(_compat.tensor_guards() is None, reason="no TensorGuards here: no guarded decisions")
 
 
+@needs_guard
 @pytest.mark.parametrize("op_name", GUARDED)
 def test_the_guard_never_reuses_a_decision_for_another_class(op_name):
     from polykernel.errors import OpArgumentError
@@ -814,6 +848,7 @@ def test_the_guard_is_optional(monkeypatch):
             dispatch_fn(None, x, torch.randn(9), 1e-6, 0.0, "fp32")
 
 
+@needs_guard
 def test_a_fault_drops_the_guarded_decision():
     # A decision that faulted and was forgotten must not stay reachable through the guard.
     op = registry.get_op("rms_norm")

@@ -89,6 +89,15 @@ def _op(op_id: str) -> Op:
     return registry.get_op(op_id)
 
 
+def _raw_op(op_id: str) -> Op:
+    """``_op``, for the tests whose premise is a Triton impl: an op with only torch impls (the
+    MoE router) has nothing that reads raw memory, so nothing for the guard to keep away."""
+    op = _op(op_id)
+    if "triton" not in registry.specs_for(op):
+        pytest.skip(f"{op_id} has no Triton impl")
+    return op
+
+
 def _case(op: Op) -> Case:
     """The smallest non-empty fp32 parity case, its tensors detached (forward only)."""
     cases = [c for c in op.cases("cpu", torch.float32) if all(a.numel() > 0 for a in c.args if isinstance(a, torch.Tensor))]
@@ -97,7 +106,8 @@ def _case(op: Op) -> Case:
 
 
 def _outputs(out):
-    return [_plain(o) for o in (out if isinstance(out, tuple) else (out,))]
+    # fp8 values (the serving quantisers) compared as fp32: torch compares no fp8 with a tolerance
+    return [o.float() if o.dtype == torch.float8_e4m3fn else o for o in map(_plain, out if isinstance(out, tuple) else (out,))]
 
 
 @pytest.fixture
@@ -142,7 +152,7 @@ def test_torch_impls_accept_subclasses_and_others_do_not():
 @pytest.mark.parametrize("op_id", OP_IDS)
 def test_subclass_never_reaches_a_raw_memory_impl(op_id, kind, raw_calls):
     install, calls = raw_calls
-    op = _op(op_id)
+    op = _raw_op(op_id)
     install(op)
     public = getattr(polykernel, op.name)
     case = _case(op)
@@ -180,7 +190,7 @@ def test_subclass_never_reaches_a_raw_memory_impl(op_id, kind, raw_calls):
 
 @pytest.mark.parametrize("op_id", OP_IDS)
 def test_strict_raw_impl_on_a_subclass_raises_with_the_reason(op_id):
-    op = _op(op_id)
+    op = _raw_op(op_id)
     case = _case(op)
     public = getattr(polykernel, op.name)
     public(*case.args, impl="triton", **case.kwargs)  # memoize the plain strict decision first
@@ -197,7 +207,7 @@ def test_strict_raw_impl_on_a_subclass_raises_with_the_reason(op_id):
 
 @pytest.mark.parametrize("op_id", OP_IDS)
 def test_explain_names_the_subclass(op_id):
-    op = _op(op_id)
+    op = _raw_op(op_id)
     case = _case(op)
     e = polykernel.explain(op_id, *(_wrap(a) for a in case.args), **case.kwargs)
     assert e.chosen == "torch"

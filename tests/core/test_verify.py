@@ -292,6 +292,11 @@ _SHAPES = {
     "cross_entropy": (5, 37),
     "rope": (1, 4, 5, 8),
     "fused_linear_cross_entropy": (6, 16, 37),
+    "moe_experts": (13, 24, 40, 5, 2),
+    "kl_div": (3, 40),
+    "jsd": (5, 37),
+    "tvd": (5, 37),
+    "fused_linear_jsd": (6, 16, 37),
 }
 
 

@@ -68,6 +68,12 @@ def _cases() -> list[tuple[str, str, Any]]:
 
         return build
 
+    def moe():
+        # tokens sharded with their routing, the experts replicated (dW: partial sums over ranks)
+        index = torch.stack([torch.randperm(3)[:2] for _ in range(6)])
+        weights = torch.rand(6, 2)
+        return (torch.randn(6, 16), index, weights, torch.randn(3, 24, 16) / 4, torch.randn(3, 16, 12) / 4), {}, (S(0), S(0), S(0), R, R)
+
     def glu(shape, dim, **kw):
         return lambda: ((torch.randn(shape), torch.randn(shape)), kw, (S(dim), S(dim)))
 
@@ -99,6 +105,7 @@ def _cases() -> list[tuple[str, str, Any]]:
         ("cross_entropy-mean-smoothing-S1", "cross_entropy", ce((2, 5, 10), 1, "mean", label_smoothing=0.1)),
         ("fused_linear_cross_entropy-S0", "fused_linear_cross_entropy", flce()),
         ("fused_linear_cross_entropy-none-scored", "fused_linear_cross_entropy", flce(scored=False)),
+        ("moe_experts-S0", "moe_experts", moe),
         (
             "group_norm-S0",
             "group_norm",
@@ -361,7 +368,7 @@ from polykernel.distributed import dtensor
 from polykernel.distributed.layout import ROWS, Layout, rows_with
 
 laid_out = sorted(i for i in registry.all_op_ids() if registry.get_op(i).dtensor_layout is not None)
-assert len(laid_out) == 13 and sorted(dispatch.routed) == laid_out == sorted(dtensor.LAYOUTS), laid_out
+assert len(laid_out) == 14 and sorted(dispatch.routed) == laid_out == sorted(dtensor.LAYOUTS), laid_out
 
 def ref(x: torch.Tensor) -> torch.Tensor:
     return x * 2

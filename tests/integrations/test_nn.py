@@ -510,6 +510,11 @@ def _module_calls():
             lambda impl: pnn.FusedLinearCrossEntropyLoss(impl=impl),
             lambda m: m(torch.randn(3, 8), torch.randn(5, 8), torch.tensor([1, 2, 3])),
         ),
+        (
+            "moe_experts",
+            lambda impl: pnn.MoEExperts(3, 8, 12, impl=impl),
+            lambda m: m(torch.randn(2, 3, 8), torch.tensor([[[0, 2], [1, 0], [2, 1]]] * 2), torch.rand(2, 3, 2)),
+        ),
     ]
 
 
@@ -562,6 +567,7 @@ def test_impl_none_follows_the_dispatchers_auto_choice(ran):
         lambda: pnn.RotaryEmbedding(8, impl="tri ton"),
         lambda: pnn.CrossEntropyLoss(impl="liger-kernel"),
         lambda: pnn.FusedLinearCrossEntropyLoss(impl="Torch"),
+        lambda: pnn.MoEExperts(3, 8, 12, impl="grouped_mm"),
     ],
 )
 def test_unknown_impl_name_fails_at_construction(make):

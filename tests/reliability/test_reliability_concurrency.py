@@ -28,6 +28,7 @@ pytestmark = [
 EXAMPLE_SHAPES = {
     "rope": (1, 2, 3, 8),
     "fused_linear_cross_entropy": (5, 16, 40),
+    "fused_linear_jsd": (5, 16, 40),
 }
 
 # A lazily discovered location (declare_op_locations) that counts how often it is imported.

@@ -81,9 +81,11 @@ class Backend:
         deterministic: bool | None = None,
         graph_safe: bool | None = None,
         accepts_subclasses: bool | None = None,
+        capabilities: CapabilityRequirement | Iterable[CapabilityRequirement] | None = None,
     ) -> Impl:
         """One op's impl on this backend: the op's own facts, and what differs from the
-        backend's (None: the backend's). See :func:`impls`."""
+        backend's (None: the backend's; ``capabilities`` narrows where it runs, e.g. an arch
+        floor for one op's kernels). See :func:`impls`."""
         return Impl(
             self,
             rank=self.rank if rank is None else rank,
@@ -96,6 +98,7 @@ class Backend:
             deterministic=self.deterministic if deterministic is None else deterministic,
             graph_safe=self.graph_safe if graph_safe is None else graph_safe,
             accepts_subclasses=accepts_subclasses,
+            capabilities=None if capabilities is None else _caps(capabilities),
         )
 
 
@@ -114,6 +117,7 @@ class Impl:
     deterministic: bool = True
     graph_safe: bool = True
     accepts_subclasses: bool | None = None
+    capabilities: frozenset[CapabilityRequirement] | None = None  # None: the backend's
 
     def spec(self, op_id: str) -> KernelSpec:
         """The :class:`KernelSpec` of this impl for ``op_id``."""
@@ -123,7 +127,7 @@ class Impl:
             op_id,
             b.name,
             self.target or f"{b.package}.{name}:{name}",
-            capabilities=b.capabilities,  # type: ignore[arg-type]
+            capabilities=b.capabilities if self.capabilities is None else self.capabilities,  # type: ignore[arg-type]
             requires_modules=b.modules,
             format_signature=FormatSignature(self.dtypes, supports_backward=self.supports_backward),
             rank=self.rank,

@@ -50,6 +50,13 @@ gradients themselves, for a unit grad_output (the op's ``saved_grads``: the fuse
 cross-entropy's "mean"/"sum"), the autograd formula multiplies them in the graph instead of
 calling the backward custom op, so that Inductor scales them in their own buffers.
 
+**Ops that write into given tensors** (``Op.writes``: the serving ops' ``out=``, in-place
+arguments, fp8 outputs) get one custom op instead, ``polykernel::silu_and_mul(Tensor x,
+Tensor(a!)? out=None, *, str? impl=None) -> ()``: the written arguments are marked mutable, the
+real impl dispatches under ``no_grad`` (the impl writes the destinations), the fake impl writes
+nothing, and the compiled call returns the destinations as the eager call does. No autograd, no
+training ops: those ops are inference only.
+
 **Per-op choice** (the op's ``compile_mode``, measured; ``POLYKERNEL_COMPILE_<OP>=ours|decompose``):
 ops where Inductor's own code is as fast as ours (swiglu, geglu, rope, fused_add_rms_norm)
 *decompose*: without ``impl=``, Dynamo traces the op's torch reference, so Inductor fuses it
@@ -76,6 +83,7 @@ from typing import Any
 
 import torch
 
+from .. import _compat
 from ..core import registry
 from ..core.op import Op
 from ..errors import OpArgumentError
@@ -146,15 +154,27 @@ _TRACE_TIME = {"register_rules": _register_rules, "report_decomposing": _report_
 def _at_trace_time(action: str, *args: str) -> None:
     """``_TRACE_TIME[action](*args)``, now: also while Dynamo traces the caller."""
     if torch.compiler.is_compiling():
-        from torch._dynamo.comptime import comptime
-
-        comptime(_from_trace)
+        comptime = _compat.comptime()
+        if comptime is not None:
+            comptime(_from_trace)
+        else:  # no comptime in this torch: the fake impl of a no-op custom op, run while tracing
+            _trace_time_op(action, list(args))
     else:
         _TRACE_TIME[action](*args)
 
 
 def _from_trace(ctx: Any) -> None:  # no free variables: comptime's rule
     _TRACE_TIME[ctx.get_local("action").as_python_constant()](*ctx.get_local("args").as_python_constant())
+
+
+def _trace_time_real(action: str, args: list[str]) -> None:
+    """The compiled graph's node does nothing when it runs: the action ran while tracing."""
+
+
+_trace_time_op = torch.library.custom_op(
+    f"{NAMESPACE}::trace_time_action", _trace_time_real, mutates_args=(), schema="(str action, str[] args) -> ()"
+)
+_trace_time_op.register_fake(lambda action, args: _TRACE_TIME[action](*args))
 
 
 def custom_op_for(op: Op | str) -> Callable[..., Any]:
@@ -364,7 +384,7 @@ def _current(op_id: str) -> Op:
 
 def _storage_id(t: torch.Tensor) -> int | None:
     try:
-        return t.untyped_storage()._cdata
+        return _compat.storage_id(t)
     except Exception:  # tensors without storage (some subclasses) cannot alias
         return None
 
@@ -393,21 +413,35 @@ def _as_tuple(out: Any) -> tuple[Any, ...]:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
-_AUTOGRAD_KEYS = (
-    torch._C.DispatchKey.AutogradFunctionality,
-    torch._C.DispatchKey.AutogradOther,
-    torch._C.DispatchKey.AutogradNestedTensor,
-    torch._C.DispatchKey.ADInplaceOrView,
-)
+# A guard that takes autograd's keys out of this thread's excluded dispatch keys: a custom op's
+# kernels run below autograd (polykernel._compat: without the private guard, none).
+_autograd_on = _compat.autograd_keys_on
 
 
-def _autograd_on() -> Any:
-    """A guard that takes autograd's keys out of this thread's excluded dispatch keys: a custom
-    op's kernels run below autograd, and the backward recomputes the forward through autograd."""
-    keys = torch._C._dispatch_tls_local_exclude_set()
-    for k in _AUTOGRAD_KEYS:
-        keys = keys.remove(k)
-    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), keys)
+def _reference_outputs(op: Op, args: Sequence[Any]) -> tuple[Any, ...]:
+    """The reference's outputs on fake (or meta) arguments, for their shapes and dtypes.
+
+    The reference runs as at the top of a trace, with the autograd keys on (a fake impl runs below
+    autograd): composite ops such as cross_entropy then decompose through their C++ kernels.
+    Below autograd, FakeTensorMode decomposes them through Python refs, some of which are wrong
+    (torch 2.13's nll_loss ref misreads ``reduction``: a [0]-shaped mean for empty inputs, a
+    scalar for "none"). Where this torch has no guard for that, the op's declared ``outputs``
+    (checked against the reference on each decision's first call) give them instead."""
+    if not _compat.autograd_keys_guarded() and op.outputs is not None:
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        return tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in op.outputs(*args))
+    with _autograd_on(), torch.no_grad():
+        return _as_tuple(op.reference(*args))
+
+
+def _compile_mode(op: Op, name: str) -> str:
+    """``POLYKERNEL_COMPILE_<NAME>`` if set, else the op's ``compile_mode``; either must be a mode."""
+    env = f"POLYKERNEL_COMPILE_{name.upper()}"
+    mode = os.environ.get(env) or op.compile_mode
+    if mode not in MODES:
+        where = env if os.environ.get(env) else f"{op.id}: compile_mode"
+        raise ValueError(f"{where}: {mode!r} is not 'ours' or 'decompose'")
+    return mode
 
 
 class CompiledOp:
@@ -427,6 +461,10 @@ class CompiledOp:
         # Python kernel; the kernels put them back from here.
         self.defaults = tuple(p.value for p in params)
         self.key_names = _key_names(op, [p.name for p in params])
+        self.writes = tuple(getattr(op, "writes", ()))
+        if self.writes:  # an op that writes into given tensors: one mutating custom op, no autograd
+            self._init_writing(op, params)
+            return
         self.forward_schema = _schema(params, returns, with_defaults=True)
         self.backward_schema = _schema(
             params, ["Tensor[]"], with_defaults=False, prefix="Tensor?[] grad_outputs", suffix="bool[] grad_mask"
@@ -444,12 +482,7 @@ class CompiledOp:
         self.backward = self._define_backward()
         self.train_backward = self._define_train_backward()
         self.train = self._define_train()
-        env = f"POLYKERNEL_COMPILE_{name.upper()}"
-        mode = os.environ.get(env) or op.compile_mode
-        if mode not in MODES:
-            where = env if os.environ.get(env) else f"{op.id}: compile_mode"
-            raise ValueError(f"{where}: {mode!r} is not 'ours' or 'decompose'")
-        self.mode = mode
+        self.mode = mode = _compile_mode(op, name)
         fwd, train, validate, reference = self.forward, self.train, getattr(op, "validate", None), op.reference
         decompose, single, op_id, n_out, full = mode == "decompose", self.single, op.id, len(returns), self._full
 
@@ -497,6 +530,67 @@ class CompiledOp:
     def __repr__(self) -> str:
         return f"CompiledOp({self.qualname}{self.forward_schema})"
 
+    # -- ops that write into given tensors (Op.writes: the serving ops) -------------------------
+    def _init_writing(self, op: Op, params: Sequence[_Param]) -> None:
+        """``polykernel::<name>(..., Tensor(a!) out, ...) -> ()``: the real impl dispatches (the
+        impl writes its results into the destinations), the fake impl writes nothing, and the
+        compiled call returns the destinations, in the order of ``Op.writes``, as the eager call
+        does. Functionalization sees the mutation, so Inductor keeps it (auto_functionalized,
+        re-inplaced where it can). Inference only: no backward or training custom ops."""
+        names = [p.name for p in params]
+        written = tuple(names.index(w) for w in self.writes)  # in the order of Op.writes
+        marked = list(params)
+        for k, i in enumerate(sorted(written)):
+            p = params[i]
+            if p.type not in ("Tensor", "Tensor?"):
+                raise TypeError(f"polykernel: {op.id}: written parameter {p.name!r} must be a tensor (it is {p.type})")
+            marked[i] = p._replace(type=f"Tensor({chr(ord('a') + k)}!){'?' if p.type.endswith('?') else ''}")
+        self.forward_schema = _schema(marked, ["()"], with_defaults=True)
+        self.backward_schema = self.train_schema = self.train_backward_schema = None
+        self.saved_kinds, self.uses_split = (), False
+        self.backward = self.train = self.train_backward = None
+        self.mode = mode = _compile_mode(op, self.name)
+        op_id, full, key_names = self.op_id, self._full, self.key_names
+
+        def real(*args: Any, impl: str | None = None) -> None:
+            # Every call validated on the real tensors: such ops check memory (overlaps) and data
+            # (positions) that the trace's fake tensors do not have, and a call that failed the
+            # trace's checks raises here (see `call`).
+            op = _current(op_id)
+            args = full(args)
+            if op.validate is not None:
+                op.validate(*args)
+            with torch.no_grad():
+                _select_and_run(op, impl, args, key_names)
+
+        def fake(*args: Any, impl: str | None = None) -> None:
+            return None
+
+        custom = torch.library.custom_op(self.qualname, real, mutates_args=self.writes, schema=self.forward_schema)
+        custom.register_fake(fake)
+        self.forward = custom._opoverload
+        fwd, validate, reference, decompose = self.forward, getattr(op, "validate", None), op.reference, mode == "decompose"
+        single = len(written) == 1
+
+        def call(impl: Any, *args: Any) -> Any:
+            # Traced by Dynamo, like the functional ops' call: a call that fails validation at
+            # trace time is traced as the custom op, whose real impl raises the OpArgumentError.
+            valid = True
+            if validate is not None:
+                try:
+                    validate(*args)
+                except OpArgumentError:
+                    valid = False
+            if impl is not None and not isinstance(impl, str):  # a list or a KernelBackend
+                impl = _impl_str(impl)
+            if decompose and impl is None and valid:  # the reference writes the destinations with torch ops
+                return reference(*args)
+            fwd(*args, impl=impl)
+            args = full(args)
+            return args[written[0]] if single else tuple(args[i] for i in written)
+
+        self.call = call
+
     # -- forward -------------------------------------------------------------------------------
     def _full(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         return args if len(args) == self.n_args else (*args, *self.defaults[len(args) :])
@@ -513,15 +607,9 @@ class CompiledOp:
 
         def fake(*args: Any, impl: str | None = None) -> Any:
             args = full(args)
-            # Run the reference as at the top of a trace, with the autograd keys on (a fake impl
-            # runs below autograd): composite ops such as cross_entropy then decompose through
-            # their C++ kernels. Below autograd, FakeTensorMode decomposes them through Python
-            # refs, some of which are wrong (torch 2.13's nll_loss ref misreads `reduction` and
-            # gives a [0]-shaped mean for empty inputs).
             op = _current(op_id)
             try:
-                with _autograd_on(), torch.no_grad():
-                    out = _as_tuple(op.reference(*args))
+                out = _reference_outputs(op, args)
             except Exception:
                 # A call that fails validation is traced to raise at run time (see `call`); the
                 # reference may refuse it too (label_smoothing=2): the op's output shapes instead.
@@ -534,7 +622,7 @@ class CompiledOp:
         custom = torch.library.custom_op(self.qualname, real, mutates_args=(), schema=self.forward_schema)
         custom.register_fake(fake)
         custom.register_autograd(self._backward_formula, setup_context=self._setup_context)
-        return custom._opoverload
+        return _compat.custom_op_overload(custom, self.qualname)
 
     def _setup_context(self, ctx: Any, inputs: Sequence[Any], keyword_only_inputs: dict[str, Any], output: Any) -> None:
         tensors = set(self.tensor_args)
@@ -558,15 +646,17 @@ class CompiledOp:
         def real(grad_outputs: list[torch.Tensor | None], *rest: Any, impl: str | None = None) -> list[torch.Tensor]:
             *args, mask = rest
             op = _current(op_id)
-            with _autograd_on(), torch.enable_grad():
+
+            def recompute() -> tuple[Sequence[Any], list[Any]]:  # through autograd, which this kernel runs below
                 leaves = [a.detach().requires_grad_(bool(m)) if isinstance(a, torch.Tensor) else a for a, m in zip(args, mask)]
                 wanted = [leaf for leaf, m in zip(leaves, mask) if m]
                 outs = _as_tuple(_select_and_run(op, impl, leaves, names))
                 pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
                 if pairs and wanted:
-                    got = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-                else:
-                    got = (None,) * len(wanted)
+                    return torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True), wanted
+                return (None,) * len(wanted), wanted
+
+            got, wanted = _compat.with_autograd(recompute)
             grads = [g if g is not None else torch.zeros_like(w, memory_format=torch.contiguous_format) for g, w in zip(got, wanted)]
             return _fresh(grads, [*args, *grad_outputs])
 
@@ -577,7 +667,7 @@ class CompiledOp:
         custom = torch.library.custom_op(f"{self.qualname}_backward", real, mutates_args=(), schema=self.backward_schema)
         custom.register_fake(fake)
         self._recompute = real
-        return custom._opoverload
+        return _compat.custom_op_overload(custom, f"{self.qualname}_backward")
 
     # -- training: forward with saved activations, backward without recompute -------------------
     def _fit_saved(self, saved: Sequence[torch.Tensor], lead: torch.Tensor) -> list[torch.Tensor]:
@@ -630,8 +720,8 @@ class CompiledOp:
             *args, mask = rest
             args = full(tuple(args))
             op = _current(op_id)
-            with _autograd_on(), torch.no_grad():  # see the forward's fake impl
-                outs = _as_tuple(op.reference(*args))
+            outs = _reference_outputs(op, args)
+            with _autograd_on(), torch.no_grad():  # see _reference_outputs
                 saved = saved_by_layout(op, args, mask, fake=True)
             out = [torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in (*outs, *fit(saved, args[0]))]
             return out[0] if len(out) == 1 else tuple(out)
@@ -639,7 +729,7 @@ class CompiledOp:
         custom = torch.library.custom_op(f"{self.qualname}_train", real, mutates_args=(), schema=self.train_schema)
         custom.register_fake(fake)
         custom.register_autograd(self._train_formula, setup_context=self._train_setup)
-        return custom._opoverload
+        return _compat.custom_op_overload(custom, f"{self.qualname}_train")
 
     def _train_setup(self, ctx: Any, inputs: Sequence[Any], keyword_only_inputs: dict[str, Any], output: Any) -> None:
         *args, _mask = inputs
@@ -731,7 +821,7 @@ class CompiledOp:
 
         custom = torch.library.custom_op(f"{self.qualname}_train_backward", real, mutates_args=(), schema=self.train_backward_schema)
         custom.register_fake(fake)
-        return custom._opoverload
+        return _compat.custom_op_overload(custom, f"{self.qualname}_train_backward")
 
 
 def _output_grads(op: Op, grads: Sequence[torch.Tensor | None], args: Sequence[Any]) -> list[torch.Tensor]:
@@ -740,8 +830,7 @@ def _output_grads(op: Op, grads: Sequence[torch.Tensor | None], args: Sequence[A
     if all(g is not None for g in grads):
         return list(grads)
     metas = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
-    with _autograd_on(), torch.no_grad():  # see the forward's fake impl
-        outs = _as_tuple(op.reference(*metas))
+    outs = _reference_outputs(op, metas)
     device = args[0].device
     return [g if g is not None else torch.zeros(o.shape, dtype=o.dtype, device=device) for g, o in zip(grads, outs)]
 

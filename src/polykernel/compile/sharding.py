@@ -56,6 +56,7 @@ import dataclasses
 import threading
 from typing import TYPE_CHECKING, Any
 
+from .. import _compat
 from ..distributed.layout import ANY, ROWS, Layout
 from .facts import PLACED_KINDS
 
@@ -70,6 +71,8 @@ _lock = threading.Lock()
 _layouts: dict[str, Layout] = {}
 _done: set[str] = set()
 _trained: set[str] = set()  # ops whose training ops got rules
+_NO_RULES = "no sharding rules in this torch (DTensor's strategy cache cannot be made to key on every argument)"
+_rules_off = False  # set by register() when that is so (read at trace time, by why_not)
 
 
 def _is_spec(a: Any) -> bool:
@@ -175,10 +178,9 @@ def _key_on_every_argument(overload: Any) -> None:
     calls that differ in a float, str or bool[] argument would share one cached strategy and its
     output shapes (found by trying: a second ``grad_mask`` got the first one's gradient shapes).
     The schema info it registered is private API (a dataclass with ``static_argnum``, torch
-    2.5 through 2.13); where it is not found, the rules stay registered as they are."""
-    from torch.distributed.tensor import DTensor
-
-    infos = getattr(getattr(DTensor._op_dispatcher, "sharding_propagator", None), "op_to_schema_info", None)
+    2.5 through 2.13; :func:`polykernel._compat.dtensor_schema_infos`): where it is not found,
+    :func:`register` registers no rule at all."""
+    infos = _compat.dtensor_schema_infos()
     info = infos.get(overload) if isinstance(infos, dict) else None
     if info is None or not dataclasses.is_dataclass(info) or not hasattr(info, "static_argnum"):
         return
@@ -196,12 +198,17 @@ def _trainable(op_id: str, compiled: Any) -> bool:
 def register(op: Op, compiled: Any) -> None:
     """Register ``op``'s sharding rules on its custom ops (``compiled``: the library's
     ``CompiledOp``); once per op, and only for ops with a row layout."""
+    global _rules_off
     if op.dtensor_layout is None or op.id in _done:
         return
     with _lock:
         if op.id in _done:
             return
         _layouts[op.id] = op.dtensor_layout
+        if _compat.dtensor_schema_infos() is None:  # rules would share a strategy across options
+            _rules_off = True
+            _done.add(op.id)
+            return
         try:
             from torch.distributed.tensor.experimental import register_sharding
         except ImportError:  # a torch without it (< 2.5): DTensor's default, an error naming the op
@@ -222,6 +229,8 @@ def why_not(op_id: str, args: tuple[Any, ...]) -> str | None:
     sharded rows never gets here: :func:`sharded_mean` turns it into a ``"sum"`` call, which the
     rules cover, over the global count (:func:`mean_of_sum`)."""
     if op_id not in _trained:
+        if _rules_off and op_id in _layouts:
+            return _NO_RULES
         return "the op has no row layout" if op_id not in _layouts else "its saved tensors have no placement"
     return None
 

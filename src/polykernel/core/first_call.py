@@ -92,7 +92,7 @@ def _expected(op: Any, args: tuple[Any, ...]) -> list[tuple[tuple[int, ...], Any
     outputs = getattr(op, "outputs", None)
     try:
         if outputs is not None:
-            return [(tuple(shape), dtype) for shape, dtype in outputs(*args)]
+            return [None if w is None else (tuple(w[0]), w[1]) for w in outputs(*args)]  # None: not a tensor (rope's absent key)
         with torch.no_grad():
             meta = tuple(torch.empty_like(a, device="meta") if isinstance(a, torch.Tensor) else a for a in args)
             want = op.reference(*meta)

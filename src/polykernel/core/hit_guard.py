@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from .. import _compat
 from . import codegen
 
 LAST = "last"
@@ -63,19 +64,8 @@ def dims(*pinned: int) -> tuple[int, ...]:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-@functools.cache
-def _tensor_guards() -> Any:
-    """TensorGuards, once it has passed a probe of the way we call it; else None."""
-    try:
-        from torch._C._dynamo.guards import TensorGuards
-
-        t = torch.zeros(2)
-        probe = TensorGuards(t, dynamic_dims_sizes=[[None]], dynamic_dims_strides=[[None]])
-        if probe.check(torch.ones(3)) and not probe.check(t.double()) and not probe.check(t[None]):
-            return TensorGuards
-    except Exception:  # a torch without Dynamo's C guards, or they moved
-        pass
-    return None
+# TensorGuards, once it has passed a probe of the way we call it; else None (polykernel._compat).
+_tensor_guards = _compat.tensor_guards
 
 
 def available() -> bool:

@@ -18,107 +18,13 @@ from typing import Any, NoReturn
 
 import torch
 
+from .. import _compat
 from ..errors import OpArgumentError
 from ..spec import KernelSpec
 from . import codegen, hit_guard, hooks, memo_key, registry
 from . import selection as _dispatch
+from .errormodel import SUM_LAMBDA, TINY, UNIT_ROUNDOFF, Bounds, ErrorModel, Tol, compute_dtype  # noqa: F401 (re-exported)
 from .memo_key import MemoKey
-
-
-@dataclass(frozen=True)
-class Tol:
-    """``|out - ref| <= atol + rtol * |ref|`` elementwise (``torch.testing.assert_close``)."""
-
-    atol: float
-    rtol: float
-
-
-# Unit roundoff u (half an ulp at 1) of each dtype: a correctly rounded result is within u·|exact|.
-UNIT_ROUNDOFF: dict[torch.dtype, float] = {
-    torch.float64: 2.0**-53,
-    torch.float32: 2.0**-24,
-    torch.bfloat16: 2.0**-8,
-    torch.float16: 2.0**-11,
-}
-# Half the smallest subnormal: the absolute floor of one rounding to the dtype.
-TINY: dict[torch.dtype, float] = {torch.float64: 2.0**-1075, torch.float32: 2.0**-150, torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25}
-
-# A sum of n terms rounded in any order (sequential, pairwise, blocked, tree, split across
-# programs) is within about λ·√n·u of the exact sum, relative to the magnitude of what is summed,
-# except with probability ≤ 2·exp(-λ²/2) per sum (Higham & Mary, "A new approach to probabilistic
-# rounding error analysis", SISC 2019). λ = 6: ~3e-8 per sum. The worst case, n·u, would be
-# 1.6% at n = 256K in fp32: too loose to catch a kernel that drops a block of a row.
-SUM_LAMBDA = 6.0
-
-
-@dataclass(frozen=True)
-class ErrorModel:
-    """How far one output (or gradient) may be from the exact result, in units of roundoff.
-
-    For a tensor of dtype ``d`` computed in ``c`` = fp32 (fp64 for fp64 inputs), whose longest
-    sum has ``n`` terms, against the exact (float64) result::
-
-        |out - exact| <= rel·|exact| + abs·scale      (scale: max |exact| over the tensor,
-        rel = rounds·u(d) + (ops + λ·√n·sum_rel)·u(c)  unless the op's model gives one)
-        abs = rounds_abs·u(inter) + (cancel + λ·√n·sum_abs)·u(c)
-
-    - ``rounds``: roundings to ``d`` on the way (1: the result; 2 when the semantics round an
-      intermediate too, e.g. ``casting="llama"``);
-    - ``ops``: roundings of the elementwise math in ``c`` (an approximate exp or rsqrt ~2 each);
-    - ``sum_rel``: sums whose error stays relative to each element (sums of positive terms: the
-      norms' mean of squares, softmax's sum of exps);
-    - ``cancel``, ``sum_abs``: errors relative to the magnitude of what is combined rather than to
-      each element, where terms cancel (dW = Σ dy·x̂ over rows, dx's mean(g·x̂), p - onehot);
-    - ``rounds_abs``: roundings of an intermediate whose error reaches the result through such a
-      combination (fused_add_rms_norm's rounded sum, the linear cross-entropy's logits), in
-      units of ``u(inter)``: the intermediate's dtype, ``d`` unless given.
-
-    Each rounding (``rounds``, ``rounds_abs``) is also off by up to half the smallest subnormal of
-    its dtype in absolute terms (fp16 x̂ below 6e-5, say); ``floor`` adds what the op's model
-    derives from that where such errors are summed (tiny fp16 logit gradients over many rows).
-
-    ``nonfinite_rows``: a row that holds a non-finite input may come back NaN at every position
-    (row statistics computed in one pass, e.g. Welford's, turn ``inf`` into ``inf - inf``), where
-    the exact result is NaN only where the input was. PyTorch's own CUDA RMSNorm and LayerNorm do
-    this, so the contract allows it for the norms; every other position must still match.
-    """
-
-    rounds: float = 1.0
-    ops: float = 4.0
-    sum_rel: float = 0.0
-    cancel: float = 0.0
-    sum_abs: float = 0.0
-    rounds_abs: float = 0.0
-    n: int = 1
-    scale: float | None = None
-    inter: torch.dtype | None = None
-    floor: float = 0.0
-    nonfinite_rows: bool = False
-
-    def tol(self, dtype: torch.dtype, scale: float, rounding: float = 1.0) -> Tol:
-        """Tolerance for one tensor of ``dtype``; ``scale`` = max |exact| unless the model has
-        its own. ``rounding`` = 2 where conversions to ``dtype`` truncate instead of rounding
-        to nearest (Triton's CPU interpreter does this for bf16): one ulp instead of half."""
-        u_d = UNIT_ROUNDOFF[dtype] * rounding
-        u_i = UNIT_ROUNDOFF[self.inter or dtype] * rounding
-        u_c = UNIT_ROUNDOFF[torch.promote_types(dtype, torch.float32)]
-        growth = SUM_LAMBDA * max(self.n, 1) ** 0.5
-        rel = self.rounds * u_d + (self.ops + growth * self.sum_rel) * u_c
-        abs_ = self.rounds_abs * u_i + (self.cancel + growth * self.sum_abs) * u_c
-        tiny = (max(self.rounds, 1.0) * TINY[dtype] + self.rounds_abs * TINY[self.inter or dtype]) * rounding
-        return Tol(atol=abs_ * (scale if self.scale is None else self.scale) + tiny + self.floor, rtol=rel)
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """An op's error model for one call: one :class:`ErrorModel` per output (the last one
-    repeats) and one per positional argument that takes a gradient."""
-
-    outputs: tuple[ErrorModel, ...]
-    grads: dict[int, ErrorModel] = field(default_factory=dict)
-
-    def output(self, i: int) -> ErrorModel:
-        return self.outputs[min(i, len(self.outputs) - 1)]
 
 
 def rows_and_len(x: torch.Tensor) -> tuple[int, int]:
@@ -159,24 +65,18 @@ class ArgClass:
         return f"ArgClass({inner})"
 
 
-# The C function behind torch.are_deterministic_algorithms_enabled (its wrapper costs one more
-# Python frame, ~20 ns per call). Same bool: keys built with either are equal.
-_deterministic = getattr(torch._C, "_get_deterministic_algorithms", None) or torch.are_deterministic_algorithms_enabled
+# torch.are_deterministic_algorithms_enabled's C function where there is one (polykernel._compat).
+_deterministic = _compat.deterministic_enabled
 _grad_enabled = torch.is_grad_enabled
 
 
-_compiling = torch.compiler.is_compiling
-# The generated hot path (see _hot_dispatch) inlines `is_compiling` where this torch allows: Dynamo
-# constant-folds `is_dynamo_compiling()` to True while tracing, and non-strict export sets the
-# module flag that `is_compiling` reads (one Python frame instead of two, ~50 ns saved per call).
-_COMPILING_EXPR = (
-    "dynamo_compiling() or compiler_mod._is_compiling_flag"
-    if hasattr(torch.compiler, "is_dynamo_compiling") and hasattr(torch.compiler, "_is_compiling_flag")
-    else "compiling()"
-)
-# The C function behind torch.cuda.is_current_stream_capturing (its wrapper costs one more frame);
-# asked only for decisions on CUDA devices. CPU-only builds lack it and never have CUDA tensors.
-_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+_compiling = _compat.is_compiling
+# The generated hot path (see _hot_dispatch) inlines `is_compiling` where this torch allows (one Python
+# frame instead of two): the expression and the names it reads are polykernel._compat's.
+_COMPILING_EXPR = _compat.COMPILING_EXPR
+# torch.cuda.is_current_stream_capturing's C function where there is one; asked only for
+# decisions on CUDA devices.
+_stream_capturing = _compat.stream_capturing
 
 
 # -- the tensor-subclass guard ---------------------------------------------------------------
@@ -259,7 +159,7 @@ def _exec(op: Op, src: str, name: str) -> Callable[..., Any]:
         "key": op.key,
         "call": op.call,
         "compiling": _compiling,
-        "dynamo_compiling": getattr(torch.compiler, "is_dynamo_compiling", None),
+        "dynamo_compiling": _compat.dynamo_compiling,
         "compiler_mod": torch.compiler,
         "scope_get": _scope_get,
         "det": _deterministic,
@@ -331,8 +231,14 @@ def _hot_dispatch(op: Op) -> Callable[..., Any]:
     # an argument left out takes the reference's default (the public functions pass them all)
     sig = ", ".join(n if p.default is p.empty else f"{n}=DEFAULTS[{i}]" for i, (n, p) in enumerate(zip(names, params)))
     args = ", ".join(names)
-    if not hit_guard.available():  # no guard in this torch: the class in Python, then Op.call
-        src = f"def dispatch(impl, {sig}):\n    return slow(impl, ({args},))\n"
+    if not hit_guard.available():  # no guard in this torch: every call takes the slow path, whose
+        # checks (option types, inference tensors) the guard's records otherwise stand for
+        src = (
+            f"def dispatch(impl, {sig}):\n"
+            f"    if {_COMPILING_EXPR}:\n"
+            f"        return op.custom_op(impl, {args})\n"
+            f"    return slow(impl, ({args},), scope_get(), det(), grad())\n"
+        )
         return _exec(op, src, "dispatch")
     plain = " and ".join(f"type(a{i}) in P" for i in _tensor_positions(op.reference) if i < len(names)) or "True"
     tensors = ", ".join(names[i] for i in hit_guard.tensor_positions(spec))
@@ -418,7 +324,13 @@ class Op:
       the finished gradients for some calls, else None;
     - ``dtensor_layout``: a :class:`polykernel.distributed.layout.Layout` saying how DTensor
       arguments may be placed to run on their local shards, or None (DTensor's own rules on the
-      torch impl).
+      torch impl);
+    - ``writes``: the names of the reference's parameters that the op writes into (its
+      destinations: the serving ops' ``out`` and in-place arguments, always tensors when the
+      impls run). The reference and every impl write their results into those tensors and return
+      them, in the order of ``writes``; such an op is inference only (no autograd). A compiled
+      call runs one mutating custom op (:mod:`polykernel.compile.library`), and first-use
+      verification gives each side its own copies of the arguments (:mod:`polykernel.core.verify`).
     """
 
     def __init__(
@@ -442,6 +354,7 @@ class Op:
         saved: Sequence[str] | None = None,
         saved_grads: Any = None,
         dtensor_layout: Any = None,
+        writes: Sequence[str] = (),
     ) -> None:
         if tuple(fields[:3]) != ("device", "dtype", "needs_grad"):
             raise ValueError("Op fields must start with device, dtype, needs_grad")
@@ -464,6 +377,10 @@ class Op:
         self.saved = None if saved is None else tuple(saved)
         self.saved_grads = saved_grads
         self.dtensor_layout = dtensor_layout
+        self.writes = tuple(writes)
+        unknown = set(self.writes) - set(inspect.signature(reference).parameters)
+        if unknown:
+            raise ValueError(f"{id}: writes names {sorted(unknown)}, which are not parameters of its reference")
         if self.guard is not None:  # the slow path's views of a call: the guarded tensors, the options
             self._guarded = _picker(hit_guard.tensor_positions(self.guard))
             option_positions = tuple(i for i, kind in enumerate(self.guard) if kind is None)

@@ -38,6 +38,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ImplVerificationError, shown
+from .errormodel import compute_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +54,8 @@ MODES = ("first", "off", "always")
 
 # Cost rule. The check holds one copy of the call's tensors (the impl and the torch impl run on
 # the same leaf copies, the torch impl first, so an impl that writes its inputs cannot change the
-# reference), both sides' outputs and gradients, and the comparison's temporaries, which are
+# reference; an op that writes its arguments, ``Op.writes``, gives each side its own copy), both
+# sides' outputs and gradients, and the comparison's temporaries, which are
 # bounded by comparing in row blocks of CHUNK_ELEMENTS. The comparison is against the torch impl
 # in the call's own dtypes, never a float64 reference: that would be a float64 [N, V] logits for the
 # fused linear CE at N = 8192, V = 128256 (8 GB; the torch impl is chunked). On CUDA, a check whose
@@ -61,7 +63,8 @@ MODES = ("first", "off", "always")
 # is skipped, with one log line, and so is one that runs out of memory: the user's step must not
 # fail for a check. Time: one forward (and backward) of each side, once per decision.
 CHUNK_ELEMENTS = 1 << 24
-MEMORY_FACTOR = {False: 4, True: 6}  # by needs_grad: copies, 2 x outputs (and 2 x grads), slack
+# by needs_grad: copies, 2 x outputs (and 2 x grads), slack; +1 for an op that writes its arguments (a second copy)
+MEMORY_FACTOR = {False: 4, True: 6}
 
 _paused: ContextVar[bool] = ContextVar("polykernel_verify_paused", default=False)
 _noted: set[tuple[Any, ...]] = set()
@@ -110,7 +113,7 @@ def verify(decision: Decision, fn: Callable[..., Any], args: tuple[Any, ...]) ->
     if device is None or device.type == "meta":  # no values to compare
         return
     needs_grad = bool(decision.key.argclass[2])
-    too_big = _over_budget(args, needs_grad, device)
+    too_big = _over_budget(args, needs_grad, device, bool(op.writes))
     if too_big is not None:
         _note(op.id, decision.impl, f"not verified: {too_big}")
         return
@@ -144,7 +147,9 @@ def _skipped(args: tuple[Any, ...]) -> bool:
 
     if _paused.get() or torch.compiler.is_compiling():
         return True
-    if getattr(torch._C, "_are_functorch_transforms_active", bool)():  # vmap/grad wrappers: copies are not plain
+    from .. import _compat
+
+    if _compat.functorch_transforms_active():  # vmap/grad wrappers: copies are not plain
         return True
     plain = (torch.Tensor, torch.nn.Parameter)
     for a in args:
@@ -160,12 +165,12 @@ def _skipped(args: tuple[Any, ...]) -> bool:
     return False
 
 
-def _over_budget(args: tuple[Any, ...], needs_grad: bool, device: torch.device) -> str | None:
+def _over_budget(args: tuple[Any, ...], needs_grad: bool, device: torch.device, writes: bool = False) -> str | None:
     import torch
 
     if device.type != "cuda":
         return None
-    need = MEMORY_FACTOR[needs_grad] * sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+    need = (MEMORY_FACTOR[needs_grad] + writes) * sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
     free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     if need <= free // 2:
         return None
@@ -271,8 +276,11 @@ def _check(decision: Decision, fn: Callable[..., Any], args: tuple[Any, ...], ne
             raise
         except Exception as exc:  # not the impl's fault: nothing to hold it to
             raise _ReferenceFailed(f"the torch impl or the error model raised {type(exc).__name__}: {exc}") from exc
+        # An op that writes its arguments (Op.writes) has written the torch impl's results into
+        # the leaves: the impl gets copies of its own, made from the caller's untouched args.
+        impl_leaves = tuple(_copy(a, needs_grad) for a in args) if op.writes else leaves
         try:
-            outs = _outputs(fn(*leaves))
+            outs = _outputs(fn(*impl_leaves))
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # propagates (verify): a runtime fault of the impl
@@ -286,7 +294,7 @@ def _check(decision: Decision, fn: Callable[..., Any], args: tuple[Any, ...], ne
                 if c is not None and not (isinstance(o, torch.Tensor) and o.requires_grad):
                     raise fail("the output" if single else f"output {k}", "no autograd graph, where its inputs require grad")
             try:
-                grads = _grads(outs, leaves, positions, cotangents)
+                grads = _grads(outs, impl_leaves, positions, cotangents)
             except torch.OutOfMemoryError:
                 raise
             except Exception as exc:
@@ -329,7 +337,7 @@ def _compare(fail: Callable[..., ImplVerificationError], what: str, o: Any, r: t
         if not torch.equal(o, r):
             raise fail(what, f"{int((o != r).sum())} of {r.numel()} values differ (exact dtype)")
         return
-    acc = torch.promote_types(r.dtype, torch.float32)  # |o - r| of two close values: exact enough
+    acc = compute_dtype(r.dtype)  # |o - r| of two close values: exact enough
     n = r.shape[-1] if r.dim() and r.shape[-1] else 1
     o2, r2 = o.detach().reshape(-1, n), r.detach().reshape(-1, n)
     step = max(1, CHUNK_ELEMENTS // n)

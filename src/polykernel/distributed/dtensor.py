@@ -55,6 +55,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .. import _compat
 from ..core import registry
 from ..core import selection as dispatch
 from ..errors import ImplNotAvailableError, UnknownOpError
@@ -298,9 +299,7 @@ def _waited(t: Any) -> Any:
     """``t`` as a plain tensor: a redistribution's result may be an ``AsyncCollectiveTensor``
     (functional collectives' wrapper subclass, whose storage is not its data until waited on),
     which no raw-memory kernel may read."""
-    fc = sys.modules.get("torch.distributed._functional_collectives")
-    act = getattr(fc, "AsyncCollectiveTensor", None)
-    return t.wait() if act is not None and type(t) is act else t
+    return t.wait() if _compat.is_async_collective(t) else t
 
 
 def _grad_wait_fn() -> Any:

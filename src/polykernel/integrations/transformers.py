@@ -85,6 +85,7 @@ except ImportError:  # transformers too old to route losses: its CausalLMs use p
     LOSS_MAPPING = None
 
 import polykernel as _pk
+from polykernel import _compat
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "patch", "patched", "unpatch"]
 
@@ -755,7 +756,7 @@ def _flce_head(model: nn.Module, family: _Family | None = None) -> nn.Linear | N
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else getattr(model, "lm_head", None)
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
         return None  # quantized / LoRA / custom heads
-    if head._forward_hooks or head._forward_pre_hooks or hasattr(head, "_hf_hook"):
+    if _compat.module_has_hooks(head) or hasattr(head, "_hf_hook"):
         return None  # hooks (accelerate offload, user hooks) must see the lm_head call
     if not head.weight.is_floating_point() or head.weight.device.type == "meta":
         return None

@@ -29,4 +29,19 @@ OP_MODULES: dict[str, str] = {
     "embedding.rope": "polykernel.ops.rope",
     "loss.cross_entropy": "polykernel.ops.cross_entropy",
     "loss.fused_linear_cross_entropy": "polykernel.ops.fused_linear_cross_entropy",
+    # serving layouts (issue 25): inference only, writing into given or in-place tensors
+    "serving.silu_and_mul": "polykernel.ops.silu_and_mul",
+    "serving.gelu_and_mul": "polykernel.ops.gelu_and_mul",
+    "serving.fused_add_rms_norm_": "polykernel.ops.fused_add_rms_norm_",
+    "serving.rotary_embedding_": "polykernel.ops.rotary_embedding_",
+    "serving.dynamic_quant_fp8": "polykernel.ops.dynamic_quant_fp8",
+    "serving.static_quant_fp8": "polykernel.ops.static_quant_fp8",
+    "serving.rms_norm_quant_fp8": "polykernel.ops.rms_norm_quant_fp8",
+    # mixture of experts (issue 24)
+    "moe.moe_experts": "polykernel.ops.moe_experts",
+    "moe.moe_router": "polykernel.ops.moe_router",
+    "loss.kl_div": "polykernel.ops.kl_div",
+    "loss.jsd": "polykernel.ops.jsd",
+    "loss.tvd": "polykernel.ops.tvd",
+    "loss.fused_linear_jsd": "polykernel.ops.fused_linear_jsd",
 }

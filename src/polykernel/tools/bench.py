@@ -12,11 +12,14 @@ gets it, with the impl it chose in ``chosen``; then one row per registered impl 
 ``impl=`` (``polykernel:triton``, ``polykernel:torch``, the peers' ``polykernel:liger`` ...), the op's
 reference in plain PyTorch (``eager reference``) and ``torch.compile`` of that reference.
 
-Timing: ``triton.testing.do_bench`` medians (it flushes L2 between runs). Forward times one call;
-"fwd+bwd" times a forward plus ``torch.autograd.grad`` of every output with a fixed random
-cotangent. GB/s counts the fewest bytes the op must move (each op file's ``bytes_moved``: state
-the formula there); the fused linear cross-entropy reports TFLOP/s from 2·N·H·V (forward) and
-6·N·H·V (forward+backward). "% copy" is against a 2 GiB device-to-device copy measured at the
+Timing (:mod:`polykernel.timing`): ``triton.testing.do_bench`` medians (it flushes L2 between runs). Forward times one call
+(the serving ops, inference only, have no other row; the in-place ones rewrite their inputs on
+every call, as an engine does); "fwd+bwd" times a forward plus ``torch.autograd.grad`` of every
+output with a fixed random cotangent. GB/s counts the fewest bytes the op must move (each op
+file's ``bytes_moved``: state the formula there); the fused linear cross-entropy reports TFLOP/s from 2·N·H·V (forward) and
+6·N·H·V (forward+backward), the MoE experts from the routed work, 6·T·k·H·I (forward) and
+18·T·k·H·I (forward+backward), next to transformers' own experts (its ``grouped_mm``
+implementation and its eager loop over experts) where transformers is installed. "% copy" is against a 2 GiB device-to-device copy measured at the
 start of the same run (bytes read + written). Peak extra memory is reported for every row.
 "host µs" (per-call mode) is the CPU time to issue one step while the GPU is kept busy
 (:func:`host_us_per_call`): an eager call costs max(GPU time, host time).
@@ -39,6 +42,9 @@ import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+# Shared with the tuner; bench's names for them (benchmarks/ import them from here).
+from ..timing import capture_graph, copy_bandwidth, do_bench, host_us_per_call
 
 if TYPE_CHECKING:
     import torch
@@ -65,6 +71,21 @@ SHAPES: dict[str, list[tuple[str, tuple[int, ...]]]] = {
     "rope": [("q4x32x4096x128,k8", (4, 32, 4096, 128))],
     "cross_entropy": [("8192x128256", (8192, 128256))],
     "fused_linear_cross_entropy": [("N8192,H4096,V128256", (8192, 4096, 128256))],
+    # (T, H, I, E, k): one experts layer of Qwen3-30B-A3B and of Mixtral 8x7B (issue 24)
+    "moe_experts": [("T8192,H2048,I768,E128,k8", (8192, 2048, 768, 128, 8)), ("T8192,H4096,I14336,E8,k2", (8192, 4096, 14336, 8, 2))],
+    "moe_router": [("T8192,E128,k8", (8192, 128, 8))],
+    # serving layouts (forward only): prefill (8192 tokens) first, the sweep's base, then decode (64)
+    "silu_and_mul": [("8192x28672", (8192, 28672)), ("64x28672", (64, 28672))],
+    "gelu_and_mul": [("8192x28672", (8192, 28672)), ("64x28672", (64, 28672))],
+    "fused_add_rms_norm_": [("8192x4096", (8192, 4096)), ("64x4096", (64, 4096))],
+    "rotary_embedding_": [("T8192,q32x128,k8", (8192, 4096)), ("T64,q32x128,k8", (64, 4096))],
+    "dynamic_quant_fp8": [("8192x4096", (8192, 4096)), ("64x4096", (64, 4096))],
+    "static_quant_fp8": [("8192x4096", (8192, 4096)), ("64x4096", (64, 4096))],
+    "rms_norm_quant_fp8": [("8192x4096", (8192, 4096)), ("64x4096", (64, 4096))],
+    "kl_div": [("8192x128256", (8192, 128256))],
+    "jsd": [("8192x128256", (8192, 128256))],
+    "tvd": [("8192x128256", (8192, 128256))],
+    "fused_linear_jsd": [("N8192,H4096,V128256", (8192, 4096, 128256))],
 }
 
 # op -> (index of the dimension a sweep scales, how many smaller sizes): the README shape, then
@@ -73,7 +94,17 @@ _SWEEP_DIM: dict[str, tuple[int, int]] = {
     "rope": (2, 3),
     "cross_entropy": (0, 2),
     "fused_linear_cross_entropy": (0, 1),
+    "kl_div": (0, 2),
+    "jsd": (0, 2),
+    "tvd": (0, 2),
+    "fused_linear_jsd": (0, 1),
     "group_norm": (2, 3),  # the image height (the batch of 16 is too short to divide)
+}
+# Matmul-bound ops, rated in TFLOP/s: op -> FLOPs of (N, H, V) forward / forward+backward
+# (each op file's ``flops``: the fused linear JSD runs two heads forward, the student's backward).
+_FLOPS: dict[str, Callable[[int, int, int, bool], int]] = {
+    "fused_linear_cross_entropy": lambda n, h, v, bwd: (6 if bwd else 2) * n * h * v,
+    "fused_linear_jsd": lambda n, h, v, bwd: (8 if bwd else 4) * n * h * v,
 }
 
 
@@ -97,9 +128,16 @@ def _label(op_name: str, shape: tuple[int, ...]) -> str:
     if op_name == "rope":
         b, h, t, d = shape
         return f"q{b}x{h}x{t}x{d},k{max(1, h // 4)}"
-    if op_name == "fused_linear_cross_entropy":
+    if op_name in _FLOPS:
         n, h, v = shape
         return f"N{n},H{h},V{v}"
+    if op_name == "moe_experts":
+        return "T{},H{},I{},E{},k{}".format(*shape)
+    if op_name == "moe_router":
+        return "T{},E{},k{}".format(*shape)
+    if op_name == "rotary_embedding_":  # [T, Hq·128] queries, Hq/4 key heads (ops/rotary_embedding_.py's example)
+        t, width = shape
+        return f"T{t},q{width // 128}x128,k{max(1, width // 512)}"
     return "x".join(map(str, shape))
 
 
@@ -112,39 +150,10 @@ def cases_for(op_name: str, sweep: bool) -> list[tuple[str, tuple[int, ...], boo
     return out
 
 
-def copy_bandwidth() -> float:
-    """GB/s of a 2 GiB device-to-device copy (bytes read + written)."""
-    import torch
-    import triton.testing
-
-    src = torch.randn(2**30, dtype=torch.bfloat16, device="cuda")  # 2 GiB
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
-    return 2 * 2**31 / (ms * 1e-3) / 1e9
-
-
 def _outputs(out: Any) -> list[torch.Tensor]:
     import torch
 
     return [o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, torch.Tensor) and o.requires_grad]
-
-
-def capture_graph(step: Callable[[], Any], calls: int = 1, warmup: int = 3) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``calls`` back-to-back ``step``s, captured after ``warmup`` calls on a side
-    stream (what capture needs: allocator pools, lazy inits and autotuning done first)."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            step()
-    return graph
 
 
 def measure(
@@ -156,7 +165,6 @@ def measure(
     the host's launch cost (Python, autograd, Triton's launcher) taken out.
     """
     import torch
-    import triton.testing
 
     if backward:
         cots = [torch.randn_like(o) for o in _outputs(fn())]
@@ -178,33 +186,10 @@ def measure(
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     if graph:
-        captured = capture_graph(step)
-        ms = triton.testing.do_bench(captured.replay, warmup=warmup, rep=rep, return_mode="median")
+        ms = do_bench(capture_graph(step).replay, warmup=warmup, rep=rep)
     else:
-        ms = triton.testing.do_bench(step, warmup=warmup, rep=rep, return_mode="median")
+        ms = do_bench(step, warmup=warmup, rep=rep)
     return ms, peak
-
-
-def host_us_per_call(step: Callable[[], Any], calls: int = 20, rounds: int = 7) -> float:
-    """Host (CPU) microseconds to issue one ``step`` with the GPU never the bottleneck: a long
-    ``torch.cuda._sleep`` is queued first, so each call only enqueues its work; best round.
-
-    A step that synchronizes with the GPU (``.item()``, a host copy) waits out the sleep and shows
-    up as thousands of microseconds here: that is the point.
-    """
-    import torch
-
-    step()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(rounds):
-        torch.cuda._sleep(50_000_000)  # ~25 ms on a ~2 GHz GPU: longer than the calls take to issue
-        t = time.perf_counter()
-        for _ in range(calls):
-            step()
-        best = min(best, (time.perf_counter() - t) / calls)
-        torch.cuda.synchronize()
-    return best * 1e6
 
 
 def _contenders(
@@ -227,9 +212,43 @@ def _contenders(
     for impl in polykernel.available_impls(op.id, device=device, dtype=dtype):
         out[f"polykernel:{impl}"] = lambda impl=impl: public(*args, impl=impl, **kwargs)
     out["eager reference"] = lambda: op.reference(*args, **kwargs)
+    if op.name == "moe_experts":
+        out.update(transformers_experts(args, kwargs))
     if compiled is not None:
         out["torch.compile"] = lambda: compiled(*args, **kwargs)
     return out
+
+
+def transformers_experts(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    """transformers' experts on the same tensors (issue 24's baselines): its ``grouped_mm``
+    implementation and its eager loop (``Qwen3MoeExperts.forward``). Empty without transformers
+    or where its MoE integration differs from 5.x's."""
+    import types
+
+    try:
+        from transformers.activations import ACT2FN
+        from transformers.integrations import moe as hf_moe
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    except Exception:  # not installed, or another layout
+        return {}
+    hidden, index, weights, gate_up, down = args
+    act = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[kwargs.get("activation", "silu")]
+
+    def experts(implementation: str) -> Any:
+        # the attributes transformers' use_experts_implementation gives an Experts module
+        self = types.SimpleNamespace(
+            num_experts=gate_up.shape[0], gate_up_proj=gate_up, down_proj=down, act_fn=ACT2FN[act],
+            has_gate=True, has_bias=False, is_transposed=False, is_concatenated=True, has_post_expert_norm=False,
+            _is_expert_parallel=False, config=types.SimpleNamespace(_experts_implementation=implementation),
+        )  # fmt: skip
+        self._apply_gate = lambda gate_up_out: hf_moe._default_apply_gate(self, gate_up_out)
+        return self
+
+    grouped, eager = experts("grouped_mm"), experts("eager")
+    return {
+        "transformers grouped_mm": lambda: hf_moe.grouped_mm_experts_forward(grouped, hidden, index, weights),
+        "transformers eager": lambda: Qwen3MoeExperts.forward(eager, hidden, index, weights),
+    }
 
 
 def _step(fn: Callable[[], Any], grad_inputs: list[torch.Tensor], backward: bool) -> Callable[[], Any]:
@@ -254,10 +273,15 @@ def _chosen(op_id: str, backward: bool) -> str:
 def _perf(row: dict[str, Any], op: Any, shape: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any], copy: float) -> None:
     backward = row["mode"].startswith("fwd+bwd")
     ms = row["ms"]
-    if op.name == "fused_linear_cross_entropy":
+    if op.name in _FLOPS:
         n, h, v = shape
-        row["size"] = 2 * n * h * v / 1e9  # GFLOP forward: the plot's x
-        row["TFLOP/s"] = (6 if backward else 2) * n * h * v / (ms * 1e-3) / 1e12
+        row["size"] = _FLOPS[op.name](n, h, v, False) / 1e9  # GFLOP forward: the plot's x
+        row["TFLOP/s"] = _FLOPS[op.name](n, h, v, backward) / (ms * 1e-3) / 1e12
+    elif op.name == "moe_experts":
+        from polykernel.ops.moe_experts import flops
+
+        row["size"] = flops(*args, backward=False) / 1e9  # GFLOP forward: the plot's x
+        row["TFLOP/s"] = flops(*args, backward=backward) / (ms * 1e-3) / 1e12
     elif op.bytes_moved is not None:
         row["size"] = op.bytes_moved(*args, backward=False, **kwargs) / 2**20  # MiB forward: the plot's x
         gbs = op.bytes_moved(*args, backward=backward, **kwargs) / (ms * 1e-3) / 1e9
@@ -300,8 +324,9 @@ def run(
             if use_compile:  # one per op and row length: sizes along the leading dim share it
                 fn = compiled.setdefault((op.name, shape[-1]), torch.compile(op.reference))
             timing = {"warmup": 25, "rep": 100} if (op.name, shape) in readme else {"warmup": 10, "rep": 40}
+            modes = (False,) if op.writes else (False, True)  # the serving ops (Op.writes) have no backward
             for who, call in _contenders(op, args, kwargs, dtype, fn, device).items():
-                for backward in (False, True):
+                for backward in modes:
                     t0 = time.time()
                     if who == "polykernel":
                         polykernel.clear_caches()  # so decisions() holds this row's choice only

@@ -3,10 +3,11 @@
 :func:`measure` runs every candidate on fresh clones of the real arguments (an impl may write its
 inputs): parity with the op's float64 reference first, within the op's error model (the bounds
 ``polykernel.testing`` holds every impl to; a wrong impl gets no time, so it never wins), then
-timing. On CUDA: CUDA events around each call with L2 flushed before it and the GPU held busy
-(``torch.cuda._sleep``) while the host issues the call, so the events time the GPU work alone and
-not the host's launch gaps; candidates interleaved round by round, the median of each, plus the
-host time per call (``perf_counter`` around the launch). On the CPU: wall time, interleaved, median. An impl that
+timing (:class:`polykernel.timing.Timer`). On CUDA: CUDA events around each call with L2 flushed
+before it and the GPU held busy while the host issues the call, so the events time the GPU work
+alone and not the host's launch gaps; candidates interleaved round by round, the median of each,
+plus the host time per call (``perf_counter`` around the launch). On the CPU: wall time,
+interleaved, median. An impl that
 raises (or runs out of memory) at any point costs infinity. With ``needs_grad`` the time is of
 forward plus backward (``torch.autograd.grad`` of every output with a fixed cotangent).
 
@@ -19,8 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import spec as spec_mod
+from .. import timing
 from ..core import registry
 
 if TYPE_CHECKING:
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 REPS = {"cuda": 25, "cpu": 7}
 MIN_REPS = 3
 BUDGET_S = {"cuda": 1.0, "cpu": 0.4}
-L2_FLUSH_BYTES = 256 << 20
 # GPU cycles to spin before each timed call, so that the whole call is queued before the start
 # event runs (~1 ms at H200 clocks: more than any op's host time per call in benchmarks/
 # host_profile.py). Without it the events also count the GPU's idle gaps while the host
@@ -47,13 +46,6 @@ L2_FLUSH_BYTES = 256 << 20
 # (QuACK vs cute_dsl/Triton at small rows). With it, the next sweep held 54 of 54 points within
 # 5% of the fastest (benchmarks/results/h200-2026-11-30-sweep-tuning.json).
 HOLD_CYCLES = 2_000_000
-
-
-def _hold_gpu() -> None:
-    """Keep the GPU busy for HOLD_CYCLES (a no-op where torch lacks the private helper)."""
-    sleep = getattr(torch.cuda, "_sleep", None)
-    if sleep is not None:
-        sleep(HOLD_CYCLES)
 
 
 @dataclass
@@ -327,30 +319,17 @@ def measure(op: Op, candidates: dict[str, Callable[..., Any]], args: tuple[Any, 
     if cuda:
         torch.cuda.synchronize(device)
 
-    samples: dict[str, list[tuple[float, Any]]] = {n: [] for n in live}
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device) if cuda else None
+    samples: dict[str, list[timing.Sample]] = {n: [] for n in live}
+    timer = timing.Timer(device, hold_cycles=HOLD_CYCLES)
     kind = "cuda" if cuda else "cpu"
-    rounds, started = REPS[kind] + 1, time.perf_counter()
+    rounds, started = REPS[kind] + 1, timing.now()
     r = 0
     while r < rounds and live:
         order = live[r % len(live) :] + live[: r % len(live)]  # interleaved, rotating who goes first
         for name in order:
             a = runner.prepare()
             try:
-                if flush is not None:
-                    flush.zero_()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    _hold_gpu()
-                    start.record()
-                    t0 = time.perf_counter()
-                    runner(candidates[name], a)
-                    t1 = time.perf_counter()
-                    end.record()
-                    samples[name].append(((t1 - t0) * 1e3, (start, end)))
-                else:
-                    t0 = time.perf_counter()
-                    runner(candidates[name], a)
-                    samples[name].append(((time.perf_counter() - t0) * 1e3, None))
+                samples[name].append(timer.time(runner, candidates[name], a))
             except Exception as exc:
                 times[name] = Timing(error=_error(exc))
                 live.remove(name)
@@ -361,13 +340,14 @@ def measure(op: Op, candidates: dict[str, Callable[..., Any]], args: tuple[Any, 
         if cuda:
             torch.cuda.synchronize(device)
         if r == 0:  # round 0 is a warm-up; it sizes the number of timed rounds
-            per_round = max(time.perf_counter() - started, 1e-9)
+            per_round = max(timing.now() - started, 1e-9)
             rounds = 1 + max(MIN_REPS, min(REPS[kind], int(BUDGET_S[kind] / per_round)))
             for name in live:
                 samples[name].clear()
         r += 1
+    del timer  # the L2 flush buffer
     for name in live:
-        host = statistics.median(s[0] for s in samples[name])
-        gpu = statistics.median(s[1][0].elapsed_time(s[1][1]) for s in samples[name]) if cuda else None
+        host = timing.median(s.host_ms for s in samples[name])
+        gpu = timing.median(s.gpu_ms() for s in samples[name]) if cuda else None
         times[name] = Timing(gpu_ms=gpu, host_ms=host)
     return times

@@ -43,6 +43,43 @@ def softmax(a: Any) -> str | None:
     return _row(a)  # liger_kernel/ops/softmax.py calls calculate_settings(n) before its multi-block path
 
 
+def moe_experts(a: Any) -> str | None:
+    # LigerFusedMoEFunction: SwiGLU experts (its kernels hard-code silu); its backward returns the
+    # routing-weight gradient in hidden's dtype and sums it in that dtype's buffer
+    if a.activation != "silu":
+        return f"Liger's fused MoE is SwiGLU only (activation='silu'), not {a.activation!r}"
+    if a.weights_dtype is not None and a.weights_dtype != a.dtype:
+        return "Liger's fused MoE takes routing weights of hidden's dtype only"
+
+
+def _same_dtypes(a: Any, other: str) -> str | None:
+    if str(getattr(a, other)) != str(a.dtype):
+        return f"Liger's gradient takes the dtype of its second input: needs {other} = {a.dtype}, got {getattr(a, other)}"
+    return None
+
+
+def kl_div(a: Any) -> str | None:
+    if a.target_grad:
+        return "Liger's KL divergence has no gradient for target"
+    return _same_dtypes(a, "target_dtype")
+
+
+def jsd(a: Any) -> str | None:
+    return _same_dtypes(a, "teacher_dtype")
+
+
+def tvd(a: Any) -> str | None:
+    if a.q_grad:
+        return "Liger's TVD has no gradient for q"
+    return _same_dtypes(a, "q_dtype")
+
+
+def fused_linear_jsd(a: Any) -> str | None:
+    if str(a.teacher_dtype) != str(a.dtype):
+        return f"Liger's fused linear JSD takes one dtype for student and teacher: {a.dtype} vs {a.teacher_dtype}"
+    return None
+
+
 def sparsemax(a: Any) -> str | None:
     return _row(a)  # liger_kernel/ops/sparsemax.py: calculate_settings(n_cols), one block per row
 

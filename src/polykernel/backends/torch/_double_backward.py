@@ -26,7 +26,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch._C import _functions as _C_functions
+
+from ... import _compat
 
 Grads = list["torch.Tensor | None"]
 
@@ -77,7 +78,7 @@ def refuse(
     if not torch.is_grad_enabled() or all(g is None for g in grads):
         return grads
     message = f"{op} [{impl}]: double backward (create_graph=True) is not supported: {why}"
-    err = _C_functions.DelayedError(message, len(grads) + len(anchors))
+    err = _compat.delayed_error(message, len(grads) + len(anchors))
     out = err(*[None if g is None else g.detach().requires_grad_() for g in grads], *anchors)
     return tuple(out[: len(grads)])
 

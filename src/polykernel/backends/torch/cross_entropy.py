@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ... import _compat
 from ...ops.cross_entropy import reference  # noqa: F401  (semantics live in the op file)
 from ...spec import Split
 from ._double_backward import graph_grads
 
-_transforms_active = torch._C._are_functorch_transforms_active
+_transforms_active = _compat.functorch_transforms_active
 
 TEMP_BYTES = 64 << 20  # fp32 bytes of one chunk of upcast rows (a few such temporaries live at once)
 

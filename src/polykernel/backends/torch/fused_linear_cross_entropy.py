@@ -20,14 +20,15 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ... import _compat
 from ...ops.fused_linear_cross_entropy import OP_ID, reference  # noqa: F401  (reference: semantics live in the op file)
 from ...spec import Split
 from . import cross_entropy as _ce
 from ._double_backward import anchor, refuse
 from .cross_entropy import grad_scale, loss_and_grad, reduce_rows, scale_grads_
 
-_transforms_active = torch._C._are_functorch_transforms_active
-_any_autocast = torch._C._is_any_autocast_enabled
+_transforms_active = _compat.functorch_transforms_active
+_any_autocast = _compat.any_autocast_enabled
 
 CHUNK_BYTES = 256 << 20  # logits of one row chunk, in the logits' dtype (~1024 rows at V = 128K bf16)
 

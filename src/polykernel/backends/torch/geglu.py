@@ -10,10 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ... import _compat
 from ...ops.geglu import reference
 from ._double_backward import graph_grads
 
-_transforms_active = torch._C._are_functorch_transforms_active
+_transforms_active = _compat.functorch_transforms_active
 
 
 class _GeGLU(torch.autograd.Function):

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from ... import _compat
 from ...ops.softmax import reference
 from ...spec import Split
 from ._double_backward import graph_grads
 
-_transforms_active = torch._C._are_functorch_transforms_active
+_transforms_active = _compat.functorch_transforms_active
 
 
 class _Softmax(torch.autograd.Function):
@@ -29,7 +30,7 @@ class _Softmax(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: the reference's differentiable gradient
             return graph_grads(reference, (x,), (dy,), (True,))[0]
         y = torch.softmax(x.float(), dim=-1)
-        return torch._softmax_backward_data(dy.float(), y, -1, torch.float32).to(x.dtype)
+        return _compat.softmax_backward_data(dy.float(), y, -1, torch.float32).to(x.dtype)
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:

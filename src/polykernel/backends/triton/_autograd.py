@@ -22,14 +22,14 @@ from typing import Any
 
 import torch
 
-from ... import env
+from ... import _compat, env
 
 # Read per call (one global load): benchmarks/host/host_diag.py measures with the lean path off.
 ENABLED = env.flag("POLYKERNEL_LEAN_APPLY", True)
 
 # functorch transforms (vmap, grad) active: the impls then hand the call to their torch impl, since
-# kernels cannot read the transforms' wrapped tensors (one thread-local read, ~20 ns).
-transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
+# kernels cannot read the transforms' wrapped tensors (one thread-local read, ~20 ns; polykernel._compat).
+transforms_active: Callable[[], bool] = _compat.functorch_transforms_active
 
 
 def set_enabled(on: bool) -> bool:
@@ -45,10 +45,9 @@ def set_enabled(on: bool) -> bool:
 
 def lean_apply(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
     """``cls.apply`` without its Python wrapper where that wrapper is a no-op (see module doc)."""
-    try:
-        c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, cls)
-        transforms_active = torch._C._are_functorch_transforms_active
-    except (AttributeError, KeyError, TypeError):  # another torch: the public path
+    c_apply = _compat.function_apply(cls)
+    transforms_active = _compat.functorch_transforms_active
+    if c_apply is None:  # another torch: the public path
         return cls.apply
     if cls.setup_context is not torch.autograd.Function.setup_context:  # defaults must be bound
         return cls.apply

@@ -38,19 +38,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import triton
 
-from ... import env
+from ... import _compat, env
 from ...core import codegen
 
 log = logging.getLogger("polykernel")
 
-_JIT = getattr(getattr(triton, "runtime", None), "jit", None)
-_JITFunction: type | None = getattr(_JIT, "JITFunction", None)
-_knobs = getattr(triton, "knobs", None)
-_runtime_knobs = getattr(_knobs, "runtime", None)
-_get_device = getattr(torch._C, "_cuda_getDevice", None)
-_get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_JITFunction: type | None = _compat.triton_jit_function()
+_runtime_knobs = _compat.triton_runtime_knobs()
+_get_device = _compat.cuda_current_device
+_get_stream = _compat.cuda_raw_stream
 
 
 def _enabled_by_env() -> bool:

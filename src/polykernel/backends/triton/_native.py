@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from ... import _compat
 from . import _launch
 
 log = logging.getLogger("polykernel")
@@ -318,7 +319,7 @@ def colsum_slot() -> Any:
 
 def transforms_active() -> bool:
     """functorch transforms (vmap, grad) need the Python autograd path."""
-    return torch._C._are_functorch_transforms_active()
+    return _compat.functorch_transforms_active()
 
 
 def hooks_set() -> bool:

@@ -67,7 +67,7 @@ def _add_rms_fwd_chunked_kernel(
     X, R, W, Y, S, RSTD,
     N, stride_x, stride_r, stride_y, stride_s,
     eps, offset,
-    CHUNK: tl.constexpr, STORE_RSTD: tl.constexpr,
+    CHUNK: tl.constexpr, STORE_RSTD: tl.constexpr, S_IS_R: tl.constexpr = False,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
@@ -87,11 +87,16 @@ def _add_rms_fwd_chunked_kernel(
     rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
     if STORE_RSTD:
         tl.store(RSTD + row, rstd)
+    if S_IS_R:  # in place (residual <- s): R holds s now, so s is read back (after every thread's store)
+        tl.debug_barrier()
     for start in range(0, N, CHUNK):
         m = start + cols < N
-        x = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
-        r = tl.load(r_row + start + cols, mask=m, other=0.0).to(tl.float32)
-        sf = (x + r).to(S.dtype.element_ty).to(tl.float32)
+        if S_IS_R:
+            sf = tl.load(s_row + start + cols, mask=m, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
+            r = tl.load(r_row + start + cols, mask=m, other=0.0).to(tl.float32)
+            sf = (x + r).to(S.dtype.element_ty).to(tl.float32)
         w = tl.load(W + start + cols, mask=m, other=0.0).to(tl.float32) + offset
         tl.store(y_row + start + cols, (sf * rstd * w).to(Y.dtype.element_ty), mask=m)
 
@@ -190,23 +195,47 @@ def fused_add_rms_norm_forward(
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     s = torch.empty((m, n), dtype=x2.dtype, device=x2.device)  # its own storage: saved for backward alone
     rstd = torch.empty(m, dtype=torch.float32, device=x2.device) if need_rstd else None
+    forward_into(x2, r2, weight, y, s, rstd, eps, offset)
+    return y, s, rstd
+
+
+def forward_into(
+    x2: torch.Tensor,
+    r2: torch.Tensor,
+    weight: torch.Tensor,
+    y2: torch.Tensor,
+    s2: torch.Tensor,
+    rstd: torch.Tensor | None,
+    eps: float,
+    offset: float,
+) -> None:
+    """Write s = x + residual into s2 and rms_norm(s) into y2 (all [M, N], unit column stride,
+    each with its own row stride); rstd [M] fp32 too unless None. One launch. ``y2`` may be
+    ``x2`` and ``s2`` may be ``r2`` (in place: the serving layout's fused_add_rms_norm_): each
+    program reads its rows before it writes them, and the chunked walk then reads s back."""
+    m, n = x2.shape
     if m == 0 or n == 0:
-        return y, s, rstd
-    r = y if rstd is None else rstd  # never written without STORE_RSTD
+        return
+    r = y2 if rstd is None else rstd  # never written without STORE_RSTD
     if n <= MAX_FUSED_N:
         block_n, rows, warps = _tile(n, TUNE["fwd_tile_elems"], TUNE["fwd_warps"])
         launch(
             _add_rms_fwd_kernel, (_cdiv(m, rows),),
-            x2, r2, weight, y, s, r, m, n, x2.stride(0), r2.stride(0), n, n, eps, offset,
-            BLOCK_N=block_n, ROWS=rows, STORE_RSTD=need_rstd, num_warps=warps,
+            x2, r2, weight, y2, s2, r, m, n, x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0), eps, offset,
+            BLOCK_N=block_n, ROWS=rows, STORE_RSTD=rstd is not None, num_warps=warps,
+        )  # fmt: skip
+    elif s2.data_ptr() == r2.data_ptr():
+        launch(
+            _add_rms_fwd_chunked_kernel, (m,),
+            x2, r2, weight, y2, s2, r, n, x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0), eps, offset,
+            CHUNK=CHUNK_N, STORE_RSTD=rstd is not None, S_IS_R=True, num_warps=16,
         )  # fmt: skip
     else:
         launch(
             _add_rms_fwd_chunked_kernel, (m,),
-            x2, r2, weight, y, s, r, n, x2.stride(0), r2.stride(0), n, n, eps, offset,
-            CHUNK=CHUNK_N, STORE_RSTD=need_rstd, num_warps=16,
+            x2, r2, weight, y2, s2, r, n, x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0), eps, offset,
+            CHUNK=CHUNK_N, STORE_RSTD=rstd is not None, num_warps=16,
         )  # fmt: skip
-    return y, s, rstd
 
 
 def fused_add_rms_norm_backward(

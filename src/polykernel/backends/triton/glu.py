@@ -14,6 +14,10 @@ Layouts, chosen per call (:func:`_same_dense`):
   stride (e.g. the two halves of a fused ``[M, 2N]`` projection, or an ``expand``-ed input with
   row stride 0) — a copy happens only when no such view exists (column stride != 1).
 
+The serving layout (``silu_and_mul``/``gelu_and_mul``: gate and up as the two halves of one
+``[..., 2d]`` row) runs the same forward kernel on row-strided views of the halves, writing a
+given output (:func:`glu_and_mul`).
+
 Each program handles a ``[ROWS, BLOCK]`` tile (ROWS > 1 only for short rows), with an int64
 scalar base offset and int32 in-tile offsets, so 16-byte vector accesses stay possible and
 tensors of more than 2^31 elements are addressed correctly.
@@ -225,6 +229,37 @@ def glu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: in
     n = _n(gate)
     _launch(_glu_bwd_kernel, [_rows(gate), _rows(up), _rows(dy), dg.view(-1, n), du.view(-1, n)], False, act)
     return dg, du
+
+
+def _row_view(t: torch.Tensor, n: int) -> torch.Tensor | None:
+    """``t`` as a ``[M, n]`` view with unit column stride (no copy), or None if there is none."""
+    try:
+        v = t.view(-1, n)
+    except RuntimeError:  # leading dims that do not collapse into one row stride
+        return None
+    return v if v.stride(1) == 1 or n == 1 else None
+
+
+def glu_and_mul(x: torch.Tensor, out: torch.Tensor | None, act: int) -> torch.Tensor:
+    """The serving layout: ``act(x[..., :d]) * x[..., d:]`` written into ``out`` ``[..., d]``.
+
+    The forward kernel's rows path on views of the two halves of each ``[M, 2d]`` row (row
+    stride 2d, or x's own): x is copied only when its last dim is strided. ``out`` is written
+    through its own row stride; one that has none (e.g. a transposed view) gets the result
+    through a temporary and a copy."""
+    n = x.shape[-1]
+    d = n // 2
+    if out is None:
+        out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    x2 = _rows(x)
+    o2 = _row_view(out, d)
+    target = o2 if o2 is not None else torch.empty((x2.shape[0], d), dtype=out.dtype, device=out.device)
+    _launch(_glu_fwd_kernel, [x2[:, :d], x2[:, d:], target], False, act)
+    if o2 is None:
+        out.copy_(target.view(out.shape))
+    return out
 
 
 GLUFunction = glu_function(glu_forward, glu_backward)  # the autograd node, shared with the other kernel backends

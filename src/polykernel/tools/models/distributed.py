@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ... import _compat
 from .llama import LlamaConfig, LlamaForCausalLM
 
 __all__ = ["MODES", "SAFE_ENV", "TOLERANCES", "StepReport", "problems", "run_worker", "spawn"]
@@ -95,11 +96,7 @@ def problems(r: StepReport | dict[str, Any]) -> list[str]:
 
 
 def _fully_shard() -> Any:
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:  # torch < 2.6
-        from torch.distributed._composable.fsdp import fully_shard
-    return fully_shard
+    return _compat.fully_shard()
 
 
 def _wrap(model: torch.nn.Module, mode: str, device: torch.device) -> torch.nn.Module:

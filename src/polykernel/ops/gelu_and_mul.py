@@ -1,0 +1,105 @@
+"""``serving.gelu_and_mul``: x ``[..., 2d]`` -> ``gelu(x[..., :d], approximate) · x[..., d:]``.
+
+The serving layout of geglu (vLLM's ``gelu_and_mul`` / ``gelu_tanh_and_mul``): one fused gate/up
+projection's output, gate first. ``approximate="none"`` (the default, as vLLM's) is the exact erf
+GELU, ``"tanh"`` its tanh approximation. Math in fp32 (fp64 stays fp64), the result in x's dtype;
+``out=`` writes into a given tensor and returns it. Inference only; CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..backends.declare import impls
+from ..backends.torch import TORCH
+from ..backends.triton import TRITON
+from ..core.op import Bounds, Case, Op
+from . import _and_mul
+from . import _checks as check
+from . import _serving as serving
+from .geglu import APPROXIMATIONS
+from .geglu import error_model as geglu_error_model
+
+OP_ID = "serving.gelu_and_mul"
+
+
+def reference(x: torch.Tensor, approximate: str = "none", out: torch.Tensor | None = None) -> torch.Tensor:
+    """The semantics, in plain torch (fp32 math; fp64 stays fp64); writes into ``out`` if given."""
+    gate, up = _and_mul.halves(x)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    y = F.gelu(gate.to(acc), approximate=approximate) * up.to(acc)
+    return y.to(x.dtype) if out is None else out.copy_(y)
+
+
+def validate(x: torch.Tensor, approximate: str = "none", out: torch.Tensor | None = None) -> None:
+    _and_mul.validate_and_mul(OP_ID, x, out)
+    check.choice(OP_ID, "approximate", approximate, APPROXIMATIONS)
+
+
+def _key(x: torch.Tensor, approximate: str = "none", *_: object, **__: object) -> tuple:
+    return (x.device, x.dtype, False, x.shape[-1], approximate)
+
+
+_op: Op  # defined below, after the public function it serves
+
+
+def gelu_and_mul(x: torch.Tensor, *, approximate: str = "none", out: torch.Tensor | None = None, impl: str | None = None) -> torch.Tensor:
+    """``gelu(x[..., :d], approximate) * x[..., d:]`` for x ``[..., 2d]`` (into ``out`` if given).
+
+    >>> import torch, polykernel
+    >>> x = torch.randn(4, 16)
+    >>> polykernel.gelu_and_mul(x, approximate="tanh").shape
+    torch.Size([4, 8])
+    """
+    if not serving.compiling():  # every call: out's shape and memory are not in the argument class (compiled: the custom op checks)
+        validate(x, approximate, out)
+    return _op.call(impl, (x.device, x.dtype, False, x.shape[-1], approximate), x, approximate, _and_mul.allocate(x, out))
+
+
+# -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
+# geglu's, on the two halves (see ops/geglu.py).
+def error_model(x: torch.Tensor, approximate: str = "none", out: torch.Tensor | None = None) -> Bounds:
+    return geglu_error_model(*_and_mul.halves(x), approximate)
+
+
+def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -> list[Case]:
+    """Awkward shapes and layouts for both approximations, sized for the CPU interpreter unless ``large``."""
+    out = _and_mul.and_mul_cases(device, dtype, large)
+    tanh = [Case(f"{c.label}-tanh", c.args, {"approximate": "tanh"}) for c in _and_mul.and_mul_cases(device, dtype, False)[:6]]
+    return out + tanh
+
+
+IMPLS = impls(
+    OP_ID,
+    TORCH.impl(rank=100, description="the reference's fp32 math, copied into out"),
+    TRITON.impl(
+        rank=10,
+        supports_backward=False,
+        description="geglu's elementwise kernel (erf or tanh) on x's two halves (row-strided views: no copy), writing out",
+    ),
+)
+
+
+def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
+    return _and_mul.outputs(x)
+
+
+# No guard: the public function validates every call (the overlap checks read the tensors memory),
+# then hands over the argument class it built (Op.call).
+_op = Op(
+    OP_ID,
+    fields=("device", "dtype", "needs_grad", "n", "approximate"),
+    key=_key,
+    default_key=lambda device, dtype: (device, dtype, False, None, "none"),
+    validate=validate,
+    reference=reference,
+    outputs=outputs,
+    error_model=error_model,
+    dtypes=(torch.float32, torch.bfloat16, torch.float16),
+    cases=cases,
+    example=_and_mul.example,
+    bytes_moved=_and_mul.bytes_moved,
+    impls=IMPLS,
+    writes=("out",),
+)
