@@ -39,21 +39,26 @@ def reference(
 
 
 def validate(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> None:
-    check.tensor(OP_ID, "x", x)
-    check.floating(OP_ID, "x", x)
-    check.tensor(OP_ID, "residual", residual)
+    check_arguments(OP_ID, x, residual, weight, eps, offset)
+
+
+def check_arguments(op_id: str, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> None:
+    """The checks of this op's arguments, naming ``op_id`` (the serving op in place shares them)."""
+    check.tensor(op_id, "x", x)
+    check.floating(op_id, "x", x)
+    check.tensor(op_id, "residual", residual)
     if residual.dtype != x.dtype:
-        raise check.OpTypeError(OP_ID, "residual", f"expected x's dtype {x.dtype}, got {residual.dtype}")
+        raise check.OpTypeError(op_id, "residual", f"expected x's dtype {x.dtype}, got {residual.dtype}")
     if residual.shape != x.shape:
-        raise check.OpArgumentError(OP_ID, "residual", f"expected x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
-    check.same_device(OP_ID, "residual", residual, "x", x)
-    check.tensor(OP_ID, "weight", weight)
-    check.floating(OP_ID, "weight", weight)
+        raise check.OpArgumentError(op_id, "residual", f"expected x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    check.same_device(op_id, "residual", residual, "x", x)
+    check.tensor(op_id, "weight", weight)
+    check.floating(op_id, "weight", weight)
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise check.OpArgumentError(OP_ID, "weight", f"expected shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}")
-    check.same_device(OP_ID, "weight", weight, "x", x)
-    check.nonnegative_float(OP_ID, "eps", eps)
-    check.finite_float(OP_ID, "offset", offset)
+        raise check.OpArgumentError(op_id, "weight", f"expected shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}")
+    check.same_device(op_id, "weight", weight, "x", x)
+    check.nonnegative_float(op_id, "eps", eps)
+    check.finite_float(op_id, "offset", offset)
 
 
 _grad_enabled = torch.is_grad_enabled

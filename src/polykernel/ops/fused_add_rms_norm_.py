@@ -18,8 +18,8 @@ from ..backends.declare import impls
 from ..backends.torch import TORCH
 from ..backends.triton import TRITON
 from ..core.op import Bounds, Case, ErrorModel, Op, rows_and_len
-from . import _checks as check
 from . import _serving as serving
+from . import fused_add_rms_norm as fused
 from .fused_add_rms_norm import reference as fused_reference
 
 OP_ID = "serving.fused_add_rms_norm_"
@@ -36,22 +36,7 @@ def reference(
 
 
 def validate(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0) -> None:
-    check.tensor(OP_ID, "x", x)
-    check.floating(OP_ID, "x", x)
-    check.tensor(OP_ID, "residual", residual)
-    if residual.dtype != x.dtype:
-        raise check.OpTypeError(OP_ID, "residual", f"expected x's dtype {x.dtype}, got {residual.dtype}")
-    if residual.shape != x.shape:
-        raise check.OpArgumentError(OP_ID, "residual", f"expected x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
-    check.same_device(OP_ID, "residual", residual, "x", x)
-    check.tensor(OP_ID, "weight", weight)
-    check.floating(OP_ID, "weight", weight)
-    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise check.OpArgumentError(OP_ID, "weight", f"expected shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}")
-    check.same_device(OP_ID, "weight", weight, "x", x)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise check.OpArgumentError(OP_ID, "eps", f"expected a number >= 0, got {eps!r}")
-    check.finite_float(OP_ID, "offset", offset)
+    fused.check_arguments(OP_ID, x, residual, weight, eps, offset)
     for name, t in (("x", x), ("residual", residual), ("weight", weight)):
         serving.inference_only(OP_ID, name, t)
     serving.no_overlap(OP_ID, "residual", residual, "x", x)  # (the weight is read only; a weight inside x is not guarded against)
