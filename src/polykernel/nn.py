@@ -449,7 +449,18 @@ class MoEExperts(nn.Module):
         )
 
 
-class Softmax(nn.Module):
+class _Parameterless(nn.Module):
+    """A module with no parameters: only the op's ``impl=`` (Softmax, ReLUSquared)."""
+
+    def __init__(self, *, impl: str | None = None) -> None:
+        super().__init__()
+        self.impl = _check_impl(type(self).__name__, impl)
+
+    def extra_repr(self) -> str:
+        return _impl_repr(self.impl).removeprefix(", ")
+
+
+class Softmax(_Parameterless):
     """Softmax over the last dim (fp32 math, output in the input dtype).
 
     >>> import torch, polykernel.nn as pnn
@@ -458,18 +469,11 @@ class Softmax(nn.Module):
             [0.2500, 0.2500, 0.2500, 0.2500]])
     """
 
-    def __init__(self, *, impl: str | None = None) -> None:
-        super().__init__()
-        self.impl = _check_impl(type(self).__name__, impl)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return polykernel.softmax(x, impl=self.impl)
 
-    def extra_repr(self) -> str:
-        return _impl_repr(self.impl).removeprefix(", ")
 
-
-class ReLUSquared(nn.Module):
+class ReLUSquared(_Parameterless):
     """``relu(x)²``, elementwise (fp32 math, output in the input dtype).
 
     >>> import torch, polykernel.nn as pnn
@@ -477,15 +481,8 @@ class ReLUSquared(nn.Module):
     tensor([0.0000, 0.2500, 4.0000])
     """
 
-    def __init__(self, *, impl: str | None = None) -> None:
-        super().__init__()
-        self.impl = _check_impl(type(self).__name__, impl)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return polykernel.relu_squared(x, impl=self.impl)
-
-    def extra_repr(self) -> str:
-        return _impl_repr(self.impl).removeprefix(", ")
 
 
 class Sparsemax(nn.Module):
