@@ -20,9 +20,12 @@ from _cute_helpers import (
     cute,
     runnable,
 )
+from _gpu_gates import gpu_tests_need
 from polykernel.backends.cute_dsl import _gates as gates
 from polykernel.core import registry
 from polykernel.core.op import Case
+
+_needs_cute_dsl = gpu_tests_need("cute_dsl", "rms_norm")  # its GPU tests skip where cute_dsl is not staged
 
 OPS = ("rms_norm", "layer_norm")
 

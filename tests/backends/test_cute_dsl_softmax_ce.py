@@ -19,9 +19,12 @@ from _cute_helpers import (
     cute,
     runnable,
 )
+from _gpu_gates import gpu_tests_need
 from polykernel.backends.cute_dsl import _predicates as pred
 from polykernel.core import registry
 from polykernel.core.op import Case
+
+_needs_cute_dsl = gpu_tests_need("cute_dsl", "softmax")  # its GPU tests skip where cute_dsl is not staged
 
 OPS = ("softmax", "cross_entropy")
 
