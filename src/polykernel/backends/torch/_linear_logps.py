@@ -7,7 +7,7 @@ before any logit is computed. So the walk takes whole units per chunk and, per c
 
     z    = (hidden[c] @ W.T + b) / temperature          (fp32 result of the inputs' values)
     logp = z[t] − lse(z)                                 (the primitive: torch or Triton)
-    part = contrib(logp, aux[c])                         (the loss's own torch code, tiny [r, T])
+    part = contrib(logp, aux[c])                         (the loss's own torch code, tiny [r, T], float64)
     d    = ∂ part.sum() / ∂ logp                         (autograd over the [r, T] log-probs only)
     dz   = −d/temperature · (softmax(z) − onehot(t))     (the primitive, into the inputs' dtype)
     grad_hidden[c] = dz @ W;  grad_weight += dz.T @ hidden[c];  grad_bias += Σ dz
@@ -110,8 +110,8 @@ def walk(
         if contrib is None:
             continue
         args = [None if a is None else _take(a, rows) for a in aux]
-        with torch.enable_grad():
-            x = lp.detach().requires_grad_(grads)
+        with torch.enable_grad():  # in float64: tiny [r, T], and a saturated sigmoid's slope keeps its digits
+            x = lp.detach().to(torch.float64).requires_grad_(grads)
             part = contrib(x, *args).sum()
         loss += part.detach()
         if not grads:
