@@ -156,9 +156,10 @@ def primitive(op: str, impl: str | None, hidden: torch.Tensor) -> ModuleType:
     return importlib.import_module("polykernel.backends.torch._token_logps")
 
 
-def liger_available(op: str) -> None:
+def liger(op: str) -> ModuleType:
+    """The Liger adapters' module (``polykernel.backends.liger.preference``), imported on first use."""
     try:
-        importlib.import_module("liger_kernel.chunked_loss")
+        return importlib.import_module("polykernel.backends.liger.preference")
     except ImportError as exc:
         raise ImplNotAvailableError(op, "liger", f"liger_kernel is not importable ({exc})", ["torch", "triton"]) from None
 

@@ -88,9 +88,9 @@ def fused_linear_cpo_loss(
     check.finite_float(OP_ID, "alpha", alpha)
     pref.validate_smoothing(OP_ID, label_smoothing)
     if impl == "liger":
-        from ..backends.liger import preference as liger  # (imports liger_kernel: only when asked for)
-
-        return liger.cpo(hidden, weight, target, bias, float(beta), float(alpha), float(label_smoothing), ignore_index, average_log_prob)
+        return pref.liger(OP_ID).cpo(
+            hidden, weight, target, bias, float(beta), float(alpha), float(label_smoothing), ignore_index, average_log_prob
+        )
     mask, fn = _setup(target, beta, alpha, label_smoothing, ignore_index, average_log_prob)
     loss, logps = pref.run(OP_ID, impl, hidden, weight, bias, target, ignore_index, True, fn, (mask,))
     return _stats(loss, logps, mask, float(beta), average_log_prob)

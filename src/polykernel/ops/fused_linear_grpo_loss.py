@@ -179,10 +179,7 @@ def fused_linear_grpo_loss(
     _validate(hidden, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps, old_per_token_logps, beta,
               epsilon_low, epsilon_high, loss_type, importance_sampling_level, temperature, max_completion_length)  # fmt: skip
     if impl == "liger":
-        from ..backends.liger import fused_linear_grpo_loss as liger  # (imports liger_kernel: only when asked for)
-
-        pref.liger_available(OP_ID)
-        return liger.run(hidden, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps,
+        return pref.liger(OP_ID).grpo(hidden, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps,
                          old_per_token_logps, float(beta), float(epsilon_low), float(epsilon_high), loss_type,
                          importance_sampling_level, float(temperature), max_completion_length)  # fmt: skip
     prim = pref.primitive(OP_ID, impl, hidden)

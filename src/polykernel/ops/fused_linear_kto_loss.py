@@ -13,7 +13,8 @@ given constant (TRL's batch KL estimate, default 0)::
 
 ``chosen_logps``/``rejected_logps`` are the desirable/undesirable rows' log-probs (as TRL's
 ``KTOTrainer`` splits them), ``chosen_rewards``/``rejected_rewards`` their ``β·logr``. Impls and
-chunking as ``polykernel.fused_linear_dpo_loss``'s (a chunk holds whole sequences).
+chunking as ``polykernel.fused_linear_dpo_loss``'s (a chunk holds whole sequences); no
+Liger adapter (Liger's KTO reports batch sums, not these per-sequence statistics).
 """
 
 from __future__ import annotations
@@ -119,11 +120,8 @@ def fused_linear_kto_loss(
     (torch.Size([2]), torch.Size([3, 5, 16]))
     """
     _validate(hidden, weight, target, preference_labels, bias, ref_hidden, ref_weight, ref_bias, ref_logps, kl, beta, ignore_index)
-    if impl == "liger":
-        from ..backends.liger import preference as liger  # (imports liger_kernel: only when asked for)
-
-        return liger.kto(hidden, weight, target, preference_labels, bias, ref_hidden, ref_weight, ref_bias, ref_logps, kl, float(beta),
-                         ignore_index, average_log_prob)  # fmt: skip
+    if impl == "liger":  # Liger's KTO returns batch sums, not KTOOutput's per-sequence statistics
+        raise pref.ImplNotAvailableError(OP_ID, "liger", "Liger's KTO reports batch sums, not per-sequence statistics", ["torch", "triton"])
     acc = torch.promote_types(hidden.dtype, torch.float32)
     ref = _ref(hidden, target, ref_hidden, ref_weight, ref_bias, ref_logps, ignore_index, average_log_prob, impl, False)
     mask, labels, fn, ref = _setup(target, preference_labels, ref, kl, beta, ignore_index, average_log_prob, acc)

@@ -85,9 +85,7 @@ def fused_linear_orpo_loss(
     """
     pref.validate_pairwise(OP_ID, hidden, weight, target, bias, beta, ignore_index)
     if impl == "liger":
-        from ..backends.liger import preference as liger  # (imports liger_kernel: only when asked for)
-
-        return liger.orpo(hidden, weight, target, bias, float(beta), ignore_index, compute_nll_loss)
+        return pref.liger(OP_ID).orpo(hidden, weight, target, bias, float(beta), ignore_index, compute_nll_loss)
     mask, fn = _setup(target, beta, ignore_index, compute_nll_loss)
     loss, logps = pref.run(OP_ID, impl, hidden, weight, bias, target, ignore_index, True, fn, (mask,))
     return _stats(loss, logps, mask, float(beta))

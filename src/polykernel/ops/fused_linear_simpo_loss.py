@@ -76,9 +76,7 @@ def fused_linear_simpo_loss(
     check.finite_float(OP_ID, "gamma", gamma)
     pref.validate_smoothing(OP_ID, label_smoothing)
     if impl == "liger":
-        from ..backends.liger import preference as liger  # (imports liger_kernel: only when asked for)
-
-        return liger.simpo(hidden, weight, target, bias, float(beta), float(gamma), float(label_smoothing), ignore_index)
+        return pref.liger(OP_ID).simpo(hidden, weight, target, bias, float(beta), float(gamma), float(label_smoothing), ignore_index)
     mask, fn = _setup(target, beta, gamma, label_smoothing, ignore_index)
     loss, logps = pref.run(OP_ID, impl, hidden, weight, bias, target, ignore_index, True, fn, (mask,))
     return _stats(loss, logps, mask, float(beta))
