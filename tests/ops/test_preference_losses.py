@@ -526,3 +526,106 @@ def test_kto_nn_module():
     torch.testing.assert_close(
         m(hid, w, t, labels, b, kl=0.1).loss, polykernel.fused_linear_kto_loss(hid, w, t, labels, b, kl=0.1, beta=0.3).loss
     )
+
+
+# -- the driver: memory, layouts, autograd ---------------------------------------------------------
+
+
+def test_no_chunk_holds_more_than_its_budget_of_logits(monkeypatch):
+    """Never the [N, V] logits: every logits chunk the driver makes holds whole units within the
+    budget (one pair here), and the result does not depend on the chunking."""
+    from polykernel.backends.torch import fused_linear_jsd
+
+    seen = []
+    real = fused_linear_jsd.projector
+
+    def spy(weight):
+        proj = real(weight)
+        return lambda h: seen.append(h.shape[0]) or proj(h)
+
+    monkeypatch.setattr(_linear_logps, "projector", spy)
+    hid, w, b = head(8, 5, 8, 300)
+    t = targets(8, 5, 300)
+    monkeypatch.setattr(_linear_logps, "CHUNK_BYTES", 2 * 5 * 300 * 6)  # one pair of 5-token rows
+    small = polykernel.fused_linear_dpo_loss(hid, w, t, b, impl="torch")
+    assert seen == [10] * 4  # 4 pairs, 2 rows x 5 tokens each
+    seen.clear()
+    monkeypatch.setattr(_linear_logps, "CHUNK_BYTES", 1 << 30)
+    whole = polykernel.fused_linear_dpo_loss(hid, w, t, b, impl="torch")
+    assert seen == [40]
+    torch.testing.assert_close(small.loss, whole.loss)
+    torch.testing.assert_close(small.chosen_logps, whole.chosen_logps)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_strided_inputs_and_partial_requires_grad(impl):
+    hid = torch.randn(4, 5, 16)[:, :, ::2].requires_grad_()  # non-contiguous hidden
+    w = torch.randn(20, 8)
+    t = targets(4, 5, 20).t().contiguous().t()  # [4, 5] view of a transposed buffer
+    wt = torch.randn(8, 20).t().requires_grad_(False)
+    out = polykernel.fused_linear_dpo_loss(hid, wt, t, impl=impl)
+    want = dpo_formula(hid, wt, None, t)
+    torch.testing.assert_close(out.loss.double(), want[0].detach(), rtol=2e-5, atol=2e-5)
+    (g,) = torch.autograd.grad(out.loss, hid)
+    (gw,) = torch.autograd.grad(want[0], hid)
+    torch.testing.assert_close(g.double(), gw.double(), rtol=1e-4, atol=1e-6)
+    w.requires_grad_()  # weight only
+    out = polykernel.fused_linear_dpo_loss(hid.detach(), w, t, impl=impl)
+    out.loss.backward()
+    assert w.grad is not None and w.grad.shape == w.shape
+
+
+def test_double_backward_is_refused():
+    hid, w, b = head(2, 3, 8, 20)
+    out = polykernel.fused_linear_dpo_loss(hid, w, targets(2, 3, 20), b)
+    with pytest.raises(RuntimeError, match="create_graph"):
+        torch.autograd.grad(out.loss, hid, create_graph=True)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("t_len", [0, 1])
+def test_empty_and_single_token_sequences(impl, t_len):
+    hid, w, b = head(4, t_len, 8, 20)
+    t = targets(4, t_len, 20, ignored=0.0)
+    out = polykernel.fused_linear_dpo_loss(hid, w, t, b, impl=impl)
+    want = dpo_formula(hid, w, b, t)
+    torch.testing.assert_close(out.loss.double(), want[0].detach(), rtol=2e-5, atol=2e-5)
+    out.loss.backward()
+    assert hid.grad.shape == hid.shape and torch.isfinite(w.grad).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("v", [1, 2, 1025])
+def test_awkward_vocabularies(impl, v):
+    hid, w, b = head(3, 4, 8, v)
+    ids, mask, adv = torch.randint(0, v, (3, 4)), torch.ones(3, 4), torch.randn(3)
+    out = polykernel.fused_linear_grpo_loss(hid, w, ids, mask, adv, b, beta=0.0, impl=impl)
+    want = grpo_formula(hid, w, b, ids, mask, adv, beta=0.0)
+    torch.testing.assert_close(out.loss.double(), want.detach(), rtol=2e-5, atol=2e-6)
+    assert_grads(out.loss, want, (hid, w, b), torch.float32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", ["fused_linear_orpo_loss", "fused_linear_cpo_loss", "fused_linear_simpo_loss"])
+def test_pairwise_bf16(impl, name):
+    hid, w, b = head(4, 5, 32, 300, dtype=torch.bfloat16)
+    t = targets(4, 5, 300)
+    formula = {"fused_linear_orpo_loss": orpo_formula, "fused_linear_cpo_loss": cpo_formula, "fused_linear_simpo_loss": simpo_formula}[name]
+    out = getattr(polykernel, name)(hid, w, t, b, impl=impl)
+    want = formula(hid, w, b, t)
+    torch.testing.assert_close(out.loss.double(), want[0].detach(), rtol=1e-4, atol=1e-4)
+    assert_grads(out.loss, want[0], (hid, w, b), torch.bfloat16)
+
+
+def test_grpo_masked_padding_ids_are_not_checked():
+    hid, w, b = head(2, 4, 8, 30)
+    ids = torch.randint(0, 30, (2, 4))
+    mask = torch.ones(2, 4)
+    mask[:, -1] = 0
+    ids[:, -1] = -100  # padding under the mask
+    out = polykernel.fused_linear_grpo_loss(hid, w, ids, mask, torch.randn(2), b, beta=0.0)
+    assert torch.isfinite(out.loss)
+    ids[0, 0] = 30  # a scored id out of range
+    with pytest.raises(OpArgumentError) as info:
+        polykernel.fused_linear_grpo_loss(hid, w, ids, mask, torch.randn(2), b, beta=0.0)
+    assert info.value.arg == "selected_token_ids"

@@ -115,7 +115,8 @@ def _validate(hidden, weight, ids, mask, adv, bias, ref, old, beta, eps_low, eps
         check.int64(OP_ID, "max_completion_length", max_len)
         if max_len <= 0:
             raise pref.OpArgumentError(OP_ID, "max_completion_length", f"expected a positive int, got {max_len}")
-    pref.validate_targets(OP_ID, "selected_token_ids", ids, weight.shape[0], None)
+    # only the scored ids: a masked position may hold padding (TRL's pad id, or -100)
+    pref.validate_targets(OP_ID, "selected_token_ids", torch.where(mask != 0, ids, 0), weight.shape[0], None)
 
 
 def _setup(ids, mask, adv, ref, old, beta, eps_low, eps_high, loss_type, level, max_len, acc):

@@ -96,12 +96,13 @@ def walk(
     inv_t = 1.0 / temperature
     budget = CHUNK_BYTES if budget is None else budget  # read per call: tests shrink it
     step = units_per_chunk(r // 2 if pairs else r, 2 if pairs else 1, t, v, hidden.element_size(), budget)
-    for rows in _chunks(r, pairs, step) if t else []:
+    for rows in _chunks(r, pairs, step):
+        nr = sum(s.stop - s.start for s in rows)
         hc = _take(hidden, rows).reshape(-1, h)
         tc = _take(target, rows).reshape(-1)
         z = _logits(proj, hc, bias, inv_t)
         lp, lse = prim.token_logps(z, tc, ignore_index)
-        lp = lp.view(-1, t)
+        lp = lp.view(nr, t)  # (not view(-1, t): ambiguous for T = 0)
         at = 0
         for s in rows:
             k = s.stop - s.start
@@ -121,7 +122,7 @@ def walk(
         prim.token_grad_(z, tc, lse, (d.reshape(-1) * -inv_t).to(acc).contiguous(), dz, ignore_index)
         del z
         if gh is not None:
-            g = torch.mm(dz, weight).view(-1, t, h)
+            g = torch.mm(dz, weight).view(nr, t, h)
             at = 0
             for s in rows:
                 k = s.stop - s.start
@@ -167,6 +168,11 @@ class _Fused(torch.autograd.Function):
                 "computed in the forward and are consumed by the first backward (retain_graph is not supported)"
             )
         (gh, gw, gb), ctx.grads = ctx.grads, None
+        if torch.is_grad_enabled():  # create_graph=True: these gradients carry no graph, a second order would be silently 0
+            raise RuntimeError(
+                "polykernel fused preference/RL loss: create_graph=True (double backward) is not supported; its gradients "
+                "are computed in the forward without a graph"
+            )
         ctx.prim.scale_grads_(g, gh, gw, gb)
         return gh, gw, gb, None, None, None
 
