@@ -629,3 +629,35 @@ def test_grpo_masked_padding_ids_are_not_checked():
     with pytest.raises(OpArgumentError) as info:
         polykernel.fused_linear_grpo_loss(hid, w, ids, mask, torch.randn(2), b, beta=0.0)
     assert info.value.arg == "selected_token_ids"
+
+
+# -- on the GPU (H200: -m gpu) --------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "torch", "liger"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_dpo_and_grpo_match_the_float64_formulas(impl, dtype, monkeypatch):
+    monkeypatch.setattr(_linear_logps, "CHUNK_BYTES", 256 << 20)  # several chunks at this size
+    r, t, h, v = 8, 256, 512, 32000
+    hid = torch.randn(r, t, h, device="cuda").to(dtype).requires_grad_()
+    w = (torch.randn(v, h, device="cuda") * 2 / h**0.5).to(dtype).requires_grad_()
+    tg = torch.randint(0, v, (r, t), device="cuda").masked_fill(torch.rand(r, t, device="cuda") < 0.1, -100)
+    out = polykernel.fused_linear_dpo_loss(hid, w, tg, impl=impl, compute_nll_loss=True)
+    want = dpo_formula(hid, w, None, tg, nll=True)
+    # liger rounds its logits to bf16 before the log-softmax; ours are fp32 GEMM outputs
+    rtol = 2e-2 if (impl == "liger" and dtype == torch.bfloat16) else 1e-4
+    torch.testing.assert_close(out.loss.double(), want[0].detach(), rtol=rtol, atol=rtol)
+    assert_grads(out.loss, want[0], (hid, w), torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    ids, mask, adv = (
+        torch.randint(0, v, (r, t), device="cuda"),
+        (torch.rand(r, t, device="cuda") > 0.1).long(),
+        torch.randn(r, device="cuda"),
+    )
+    with torch.no_grad():
+        lp, _ = token_logps(hid, w, None, ids, ignore=-(10**9))
+    old, ref = (lp + 0.1 * torch.randn_like(lp)).float(), (lp + 0.1 * torch.randn_like(lp)).float()
+    out = polykernel.fused_linear_grpo_loss(hid, w, ids, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old, impl=impl)
+    want = grpo_formula(hid, w, None, ids, mask, adv, ref=ref, old=old)
+    torch.testing.assert_close(out.loss.double(), want.detach(), rtol=rtol, atol=rtol)
+    assert_grads(out.loss, want, (hid, w), torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
