@@ -532,8 +532,9 @@ def test_kto_nn_module():
 
 
 def test_no_chunk_holds_more_than_its_budget_of_logits(monkeypatch):
-    """Never the [N, V] logits: every logits chunk the driver makes holds whole units within the
-    budget (one pair here), and the result does not depend on the chunking."""
+    """Never the [N, V] logits: every logits chunk the driver makes stays within the budget
+    (whole pairs when one fits, else token chunks in two passes), and the result does not
+    depend on the chunking."""
     from polykernel.backends.torch import fused_linear_jsd
 
     seen = []
@@ -546,15 +547,48 @@ def test_no_chunk_holds_more_than_its_budget_of_logits(monkeypatch):
     monkeypatch.setattr(_linear_logps, "projector", spy)
     hid, w, b = head(8, 5, 8, 300)
     t = targets(8, 5, 300)
-    monkeypatch.setattr(_linear_logps, "CHUNK_BYTES", 2 * 5 * 300 * 6)  # one pair of 5-token rows
-    small = polykernel.fused_linear_dpo_loss(hid, w, t, b, impl="torch")
-    assert seen == [10] * 4  # 4 pairs, 2 rows x 5 tokens each
-    seen.clear()
-    monkeypatch.setattr(_linear_logps, "CHUNK_BYTES", 1 << 30)
-    whole = polykernel.fused_linear_dpo_loss(hid, w, t, b, impl="torch")
-    assert seen == [40]
-    torch.testing.assert_close(small.loss, whole.loss)
-    torch.testing.assert_close(small.chosen_logps, whole.chosen_logps)
+    results = []
+    for budget, chunks in [
+        (2 * 5 * 300 * 8, [10] * 4),  # one pair (2 rows x 5 tokens, fp32 logits + dlogits) per chunk
+        (5 * 300 * 8, [5] * 8 * 2),  # one row's worth: token chunks of 5, both passes
+        (1 << 30, [40]),  # everything at once
+    ]:
+        seen.clear()
+        monkeypatch.setattr(_linear_logps, "CHUNK_BYTES", budget)
+        out = polykernel.fused_linear_dpo_loss(hid, w, t, b, impl="torch")
+        assert seen == chunks
+        results.append((out.loss, *torch.autograd.grad(out.loss, (hid, w, b))))
+    for other in results[1:]:
+        for a, c in zip(results[0], other):
+            torch.testing.assert_close(a, c)
+
+
+LOSS_CALLS = {
+    "dpo": lambda h, w, b, t, impl: polykernel.fused_linear_dpo_loss(h, w, t, b, compute_nll_loss=True, impl=impl),
+    "orpo": lambda h, w, b, t, impl: polykernel.fused_linear_orpo_loss(h, w, t, b, impl=impl),
+    "cpo": lambda h, w, b, t, impl: polykernel.fused_linear_cpo_loss(h, w, t, b, impl=impl),
+    "simpo": lambda h, w, b, t, impl: polykernel.fused_linear_simpo_loss(h, w, t, b, impl=impl),
+    "kto": lambda h, w, b, t, impl: polykernel.fused_linear_kto_loss(h, w, t, torch.tensor([True, False, True, False]), b, kl=0.2, impl=impl),
+    "grpo-seq": lambda h, w, b, t, impl: polykernel.fused_linear_grpo_loss(
+        h, w, t.clamp(min=0), (t >= 0).long(), torch.tensor([1.0, -0.5, 0.3, 2.0]), b, beta=0.0,
+        old_per_token_logps=-torch.ones(t.shape), importance_sampling_level="sequence", impl=impl,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("loss", list(LOSS_CALLS))
+def test_one_pass_and_two_pass_walks_agree(monkeypatch, impl, loss):
+    """Whole units per chunk and token chunks (two passes) give the same loss and gradients."""
+    hid, w, b = head(4, 6, 8, 50)
+    t = targets(4, 6, 50)
+    got = []
+    for budget in (2 * 6 * 50 * 8, 5 * 50 * 8):  # a pair (two sequences) per chunk; 5 tokens per chunk
+        monkeypatch.setattr(_linear_logps, "CHUNK_BYTES", budget)
+        out = LOSS_CALLS[loss](hid, w, b, t, impl)
+        got.append((out.loss, *torch.autograd.grad(out.loss, (hid, w, b))))
+    for a, c in zip(*got):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

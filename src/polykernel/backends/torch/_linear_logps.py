@@ -16,7 +16,9 @@ No per-sequence statistic couples two chunks: a chunk holds whole pairs (both ro
 or whole sequences (GRPO's sequence-level importance ratio is a statistic of one sequence).
 The forward stores the gradients for a unit cotangent; the backward scales them by it, so the
 graph can be back-propagated once. Peak extra memory: one chunk's fp32 logits and its dlogits
-(``CHUNK_BYTES``, at least one unit: a pair of T-token rows), besides the gradients.
+(``CHUNK_BYTES``), besides the gradients. When a single unit is too long for that budget, the walk
+takes token chunks in two passes instead (log-probs first, then the formula on all of them, then
+the logits again for the gradients: one more GEMM, the same bound on memory).
 """
 
 from __future__ import annotations
@@ -64,6 +66,52 @@ def _logits(proj, hc: torch.Tensor, bias: torch.Tensor | None, inv_t: float) -> 
     return z
 
 
+def token_rows(v: int, elt: int, budget: int) -> int:
+    """Token rows per chunk of the two-pass walk: fp32 logits and dlogits within ``budget``, a
+    multiple of 128 when large (matmul tiles), at least one."""
+    rows = max(1, budget // (max(v, 1) * (4 + elt)))
+    return rows - rows % 128 if rows >= 256 else rows
+
+
+class _Grads:
+    """The gradients being accumulated, and the push of one chunk's dlogits into them."""
+
+    def __init__(self, hidden, weight, bias, needs, acc) -> None:
+        r, t, h = hidden.shape
+        v, dev = weight.shape[0], hidden.device
+        self.h = torch.zeros((r, t, h), dtype=hidden.dtype, device=dev) if needs[0] else None
+        self.w = torch.zeros((v, h), dtype=weight.dtype, device=dev) if needs[1] else None
+        self.b = torch.zeros(v, dtype=acc, device=dev) if needs[2] and bias is not None else None
+        self.weight, self.dtype, self.acc, self.bias_dtype = weight, hidden.dtype, acc, None if bias is None else bias.dtype
+
+    def push(self, prim, z, tc, lse, scale, hc, ignore_index) -> torch.Tensor | None:
+        """``dz = scale · (softmax − onehot)`` over the chunk's logits ``z`` (overwritten), then
+        ``dW += dzᵀ hc``, ``db += Σ dz``; returns ``dz @ W`` (the chunk's rows of dH) if wanted."""
+        dz = z if z.dtype == self.dtype else torch.empty(z.shape, dtype=self.dtype, device=z.device)
+        prim.token_grad_(z, tc, lse, scale, dz, ignore_index)
+        del z
+        if self.w is not None:
+            self.w.addmm_(dz.t(), hc)
+        if self.b is not None:
+            self.b += dz.sum(0, dtype=self.acc)
+        return None if self.h is None else torch.mm(dz, self.weight)
+
+    def result(self):
+        return self.h, self.w, None if self.b is None else self.b.to(self.bias_dtype)
+
+
+def _slope(contrib, lp, args, grads):
+    """``(sum of contrib's terms, ∂ sum / ∂ lp or None)``, in float64: the formula runs on a tiny
+    ``[r, T]``, and a saturated sigmoid's slope keeps its digits."""
+    with torch.enable_grad():
+        x = lp.detach().to(torch.float64).requires_grad_(grads)
+        part = contrib(x, *args).sum()
+    if not grads:
+        return part.detach(), None
+    (d,) = torch.autograd.grad(part, x, allow_unused=True, materialize_grads=True)
+    return part.detach(), d
+
+
 def walk(
     prim: ModuleType,
     hidden: torch.Tensor,
@@ -81,20 +129,24 @@ def walk(
     """One walk: ``(loss, logps [R, T], grad_hidden, grad_weight, grad_bias)`` with ``loss`` the
     sum of ``contrib``'s per-unit terms (0 without ``contrib``) and the gradients that ``needs``
     asks for (hidden, weight, bias), for a unit cotangent. ``aux``: per-row tensors ``[R, ...]``
-    that ``contrib`` takes after the chunk's log-probs, sliced like them."""
+    that ``contrib`` takes after the chunk's log-probs, sliced like them.
+
+    Whole units per chunk when one unit's logits fit ``budget`` (one pass); otherwise token
+    chunks in two passes (:func:`_walk_tokens`)."""
     r, t, h = hidden.shape
     v = weight.shape[0]
+    budget = CHUNK_BYTES if budget is None else budget  # read per call: tests shrink it
+    per_unit = (2 if pairs else 1) * t * v * (4 + hidden.element_size())
+    if per_unit > budget and r:
+        return _walk_tokens(prim, hidden, weight, bias, target, ignore_index, temperature, contrib, aux, needs, budget)
     dev = hidden.device
     acc = torch.promote_types(hidden.dtype, torch.float32)
     logps = torch.zeros((r, t), dtype=acc, device=dev)
     loss = torch.zeros((), dtype=acc, device=dev)
     grads = contrib is not None and any(needs)
-    gh = torch.zeros((r, t, h), dtype=hidden.dtype, device=dev) if grads and needs[0] else None
-    gw = torch.zeros((v, h), dtype=weight.dtype, device=dev) if grads and needs[1] else None
-    gb = torch.zeros(v, dtype=acc, device=dev) if grads and needs[2] and bias is not None else None
+    acc_grads = _Grads(hidden, weight, bias, needs if grads else (False, False, False), acc)
     proj = projector(weight)
     inv_t = 1.0 / temperature
-    budget = CHUNK_BYTES if budget is None else budget  # read per call: tests shrink it
     step = units_per_chunk(r // 2 if pairs else r, 2 if pairs else 1, t, v, hidden.element_size(), budget)
     for rows in _chunks(r, pairs, step):
         nr = sum(s.stop - s.start for s in rows)
@@ -110,29 +162,55 @@ def walk(
             at += k
         if contrib is None:
             continue
-        args = [None if a is None else _take(a, rows) for a in aux]
-        with torch.enable_grad():  # in float64: tiny [r, T], and a saturated sigmoid's slope keeps its digits
-            x = lp.detach().to(torch.float64).requires_grad_(grads)
-            part = contrib(x, *args).sum()
-        loss += part.detach()
-        if not grads:
+        part, d = _slope(contrib, lp, [None if a is None else _take(a, rows) for a in aux], grads)
+        loss += part
+        if d is None:
             continue
-        (d,) = torch.autograd.grad(part, x, allow_unused=True, materialize_grads=True)
-        dz = z if z.dtype == hidden.dtype else torch.empty(z.shape, dtype=hidden.dtype, device=dev)
-        prim.token_grad_(z, tc, lse, (d.reshape(-1) * -inv_t).to(acc).contiguous(), dz, ignore_index)
+        g = acc_grads.push(prim, z, tc, lse, (d.reshape(-1) * -inv_t).to(acc).contiguous(), hc, ignore_index)
         del z
-        if gh is not None:
-            g = torch.mm(dz, weight).view(nr, t, h)
+        if g is not None:
+            g = g.view(nr, t, h)
             at = 0
             for s in rows:
                 k = s.stop - s.start
-                gh[s] = g[at : at + k]
+                acc_grads.h[s] = g[at : at + k]
                 at += k
-        if gw is not None:
-            gw.addmm_(dz.t(), hc)
-        if gb is not None:
-            gb += dz.sum(0, dtype=acc)
-    return loss, logps, gh, gw, None if gb is None else gb.to(bias.dtype)
+    return (loss, logps, *acc_grads.result())
+
+
+def _walk_tokens(prim, hidden, weight, bias, target, ignore_index, temperature, contrib, aux, needs, budget):
+    """The walk when one unit (a pair, a sequence) is too long for ``budget``: pass 1 takes token
+    chunks to the log-probs and LSEs of every token, the formula then runs once on the whole
+    ``[R, T]`` log-probs, pass 2 recomputes each chunk's logits and pushes its gradient (one
+    more logits GEMM than the one-pass walk; memory stays within ``budget``)."""
+    r, t, h = hidden.shape
+    n, v, dev = r * t, weight.shape[0], hidden.device
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    h2, t2 = hidden.reshape(n, h), target.reshape(n)
+    proj = projector(weight)
+    inv_t = 1.0 / temperature
+    step = token_rows(v, hidden.element_size(), budget)
+    lp_all = torch.empty(n, dtype=acc, device=dev)
+    lse_all = torch.empty(n, dtype=acc, device=dev)
+    for s in range(0, n, step):
+        lp, lse = prim.token_logps(_logits(proj, h2[s : s + step], bias, inv_t), t2[s : s + step], ignore_index)
+        lp_all[s : s + step], lse_all[s : s + step] = lp, lse
+    logps = lp_all.view(r, t)
+    grads = contrib is not None and any(needs)
+    acc_grads = _Grads(hidden, weight, bias, needs if grads else (False, False, False), acc)
+    if contrib is None:
+        return (torch.zeros((), dtype=acc, device=dev), logps, *acc_grads.result())
+    part, d = _slope(contrib, logps, list(aux), grads)
+    if d is not None:
+        scale = (d.reshape(-1) * -inv_t).to(acc).contiguous()
+        for s in range(0, n, step):
+            hc = h2[s : s + step]
+            z = _logits(proj, hc, bias, inv_t)
+            g = acc_grads.push(prim, z, t2[s : s + step], lse_all[s : s + step], scale[s : s + step], hc, ignore_index)
+            del z
+            if g is not None:
+                acc_grads.h.view(n, h)[s : s + step] = g
+    return (part.to(acc), logps, *acc_grads.result())
 
 
 def logps_only(
