@@ -603,6 +603,11 @@ def test_strided_inputs_and_partial_requires_grad(impl):
     (g,) = torch.autograd.grad(out.loss, hid)
     (gw,) = torch.autograd.grad(want[0], hid)
     torch.testing.assert_close(g.double(), gw.double(), rtol=1e-4, atol=1e-6)
+    t_strided = targets(4, 10, 20)[:, ::2]  # flattens to a stride-2 view
+    labels = torch.tensor([True, False, True, False])
+    for ids in (t_strided, t_strided.to(torch.int32)):  # KTO: one slice of rows per chunk, so a view of target
+        out = polykernel.fused_linear_kto_loss(hid, wt, ids, labels, impl=impl)
+        torch.testing.assert_close(out.loss.double(), kto_formula(hid, wt, None, t_strided, labels)[0].detach(), rtol=2e-5, atol=2e-5)
     w.requires_grad_()  # weight only
     out = polykernel.fused_linear_dpo_loss(hid.detach(), w, t, impl=impl)
     out.loss.backward()

@@ -18,7 +18,8 @@ their ratios may overflow). ``metrics``: the masked means TRL logs (KL when Î² â
 fractions; NaN for an all-masked batch). Gradients reach hidden, weight and bias through
 ``loss`` only. Impls: ``torch``, ``triton`` (the chunked driver,
 ``polykernel.backends.torch._linear_logps``; a chunk holds whole sequences, so the
-sequence-level ratio never couples chunks), ``liger``.
+sequence-level ratio never couples chunks, or, when one sequence exceeds the chunk budget, all
+log-probs are computed first), ``liger``.
 """
 
 from __future__ import annotations

@@ -135,6 +135,7 @@ def walk(
     chunks in two passes (:func:`_walk_tokens`)."""
     r, t, h = hidden.shape
     v = weight.shape[0]
+    target = target.long()  # (gather and scatter take int64 indices)
     budget = CHUNK_BYTES if budget is None else budget  # read per call: tests shrink it
     per_unit = (2 if pairs else 1) * t * v * (4 + hidden.element_size())
     if per_unit > budget and r:
@@ -151,7 +152,7 @@ def walk(
     for rows in _chunks(r, pairs, step):
         nr = sum(s.stop - s.start for s in rows)
         hc = _take(hidden, rows).reshape(-1, h)
-        tc = _take(target, rows).reshape(-1)
+        tc = _take(target, rows).reshape(-1).contiguous()  # the kernel reads ids at unit stride
         z = _logits(proj, hc, bias, inv_t)
         lp, lse = prim.token_logps(z, tc, ignore_index)
         lp = lp.view(nr, t)  # (not view(-1, t): ambiguous for T = 0)
@@ -186,7 +187,7 @@ def _walk_tokens(prim, hidden, weight, bias, target, ignore_index, temperature, 
     r, t, h = hidden.shape
     n, v, dev = r * t, weight.shape[0], hidden.device
     acc = torch.promote_types(hidden.dtype, torch.float32)
-    h2, t2 = hidden.reshape(n, h), target.reshape(n)
+    h2, t2 = hidden.reshape(n, h), target.reshape(n).contiguous()
     proj = projector(weight)
     inv_t = 1.0 / temperature
     step = token_rows(v, hidden.element_size(), budget)
