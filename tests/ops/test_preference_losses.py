@@ -700,3 +700,25 @@ def test_gpu_dpo_and_grpo_match_the_float64_formulas(impl, dtype, monkeypatch):
     want = grpo_formula(hid, w, None, ids, mask, adv, ref=ref, old=old)
     torch.testing.assert_close(out.loss.double(), want.detach(), rtol=rtol, atol=rtol)
     assert_grads(out.loss, want, (hid, w), torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    b=st.integers(1, 3), t=st.integers(1, 8), v=st.integers(2, 60), impl=st.sampled_from(IMPLS),  # (V = 1: ORPO log1p(-1))
+    name=st.sampled_from(["orpo", "cpo", "simpo", "kto"]), ignored=st.sampled_from([0.0, 0.3]),
+)  # fmt: skip
+def test_pairwise_and_kto_hypothesis_shapes(b, t, v, impl, name, ignored):
+    hid, w, bias = head(2 * b, t, 8, v)
+    tg = targets(2 * b, t, v, ignored=ignored)
+    tg[:, 0] = torch.randint(0, v, (2 * b,))  # every row scores a token: the average log-probs stay finite
+    if name == "kto":
+        labels = torch.rand(2 * b) > 0.5
+        out = polykernel.fused_linear_kto_loss(hid, w, tg, labels, bias, kl=0.1, impl=impl)
+        want = kto_formula(hid, w, bias, tg, labels, kl=0.1)[0]
+    else:
+        fn, formula = {"orpo": ("fused_linear_orpo_loss", orpo_formula), "cpo": ("fused_linear_cpo_loss", cpo_formula),
+                       "simpo": ("fused_linear_simpo_loss", simpo_formula)}[name]  # fmt: skip
+        out = getattr(polykernel, fn)(hid, w, tg, bias, impl=impl)
+        want = formula(hid, w, bias, tg)[0]
+    torch.testing.assert_close(out.loss.double(), want.detach(), rtol=2e-5, atol=2e-5)
+    assert_grads(out.loss, want, (hid, w, bias), torch.float32)
