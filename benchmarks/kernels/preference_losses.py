@@ -8,6 +8,7 @@ Issue 22's shape (H200, bf16): DPO over 4 pairs of 1024 tokens and GRPO over 8 s
 
     PYTHONPATH=src python benchmarks/kernels/preference_losses.py --json out.json          # H200
     PYTHONPATH=src python benchmarks/kernels/preference_losses.py --tiny --json out.json   # CPU smoke
+    ... --chunk-mib 512 --only triton    # a smaller budget: below one pair, the two-pass token walk
 """
 
 from __future__ import annotations
@@ -97,7 +98,12 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="CPU-sized shapes (a smoke test)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--only", default="", help="comma-separated candidate names to run (default: all)")
+    ap.add_argument("--chunk-mib", type=int, help="polykernel's chunk budget (default: _linear_logps.CHUNK_BYTES, 1 GiB)")
     args = ap.parse_args()
+    if args.chunk_mib:
+        from polykernel.backends.torch import _linear_logps
+
+        _linear_logps.CHUNK_BYTES = args.chunk_mib << 20
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     pairs, t, h, v = (2, 16, 32, 1000) if args.tiny else (4, 1024, 2048, 128256)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -49,10 +49,11 @@ def sequence_logps(logp: torch.Tensor, mask: torch.Tensor, average: bool) -> tor
 # -- argument checks ------------------------------------------------------------------------------
 
 
-def validate_head(op: str, hidden: Any, weight: Any, bias: Any, target: Any, *, names: tuple[str, ...] = ("hidden", "weight", "bias", "target"),
-                  target_dtypes: str = "integer") -> None:  # fmt: skip
+def validate_head(
+    op: str, hidden: Any, weight: Any, bias: Any, target: Any, *, names: tuple[str, ...] = ("hidden", "weight", "bias", "target")
+) -> None:
     """hidden ``[R, T, H]`` floating, weight ``[V, H]`` (hidden's dtype and device), bias ``[V]``
-    or None, target ``[R, T]`` integer; every scored target in ``[0, V)`` (one host sync)."""
+    or None, target ``[R, T]`` integer (the ids' range: :func:`validate_targets`)."""
     hn, wn, bn, tn = names
     check.tensor(op, hn, hidden)
     check.floating(op, hn, hidden)
