@@ -84,10 +84,11 @@ def validate_head(
 
 def validate_targets(op: str, name: str, target: torch.Tensor, v: int, ignore_index: int | None) -> None:
     """Every scored id in [0, V) (a host sync: a clear error, never an out-of-bounds read)."""
-    scored = target if ignore_index is None else target[target != ignore_index]
-    if scored.numel() and bool(((scored < 0) | (scored >= v)).any()):
-        bad = scored[(scored < 0) | (scored >= v)][0].item()
-        raise OpArgumentError(op, name, f"expected token ids in [0, {v}) or ignore_index, got {bad}")
+    bad = (target < 0) | (target >= v)
+    if ignore_index is not None:
+        bad &= target != ignore_index
+    if target.numel() and bool(bad.any()):  # the one sync; the message's lookup only on error
+        raise OpArgumentError(op, name, f"expected token ids in [0, {v}) or ignore_index, got {target[bad][0].item()}")
 
 
 def validate_pairs(op: str, name: str, hidden: torch.Tensor) -> None:
