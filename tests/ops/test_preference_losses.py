@@ -366,6 +366,7 @@ def test_chunk_size_comes_from_the_problem():
     assert _linear_logps.units_per_chunk(4, 2, 1024, 128256, 2, 1 << 30) == 1  # one pair of 1024-token rows
     assert _linear_logps.units_per_chunk(64, 1, 16, 1000, 2, 1 << 30) == 64  # all of a small batch
     assert _linear_logps.units_per_chunk(8, 1, 1024, 32000, 4, 1 << 30) == 4
+    assert _linear_logps.units_per_chunk(8192, 1, 1, 128256, 2, 1 << 30) == 1280  # GRPO tokens: 1395 -> a multiple of 128
 
 
 # -- ORPO, CPO, SimPO -----------------------------------------------------------------------------
@@ -569,6 +570,10 @@ LOSS_CALLS = {
     "cpo": lambda h, w, b, t, impl: polykernel.fused_linear_cpo_loss(h, w, t, b, impl=impl),
     "simpo": lambda h, w, b, t, impl: polykernel.fused_linear_simpo_loss(h, w, t, b, impl=impl),
     "kto": lambda h, w, b, t, impl: polykernel.fused_linear_kto_loss(h, w, t, torch.tensor([True, False, True, False]), b, kl=0.2, impl=impl),
+    "grpo-token": lambda h, w, b, t, impl: polykernel.fused_linear_grpo_loss(
+        h, w, t.clamp(min=0), (t >= 0).long(), torch.tensor([1.0, -0.5, 0.3, 2.0]), b, ref_per_token_logps=-torch.ones(t.shape),
+        old_per_token_logps=-torch.ones(t.shape), impl=impl,
+    ),
     "grpo-seq": lambda h, w, b, t, impl: polykernel.fused_linear_grpo_loss(
         h, w, t.clamp(min=0), (t >= 0).long(), torch.tensor([1.0, -0.5, 0.3, 2.0]), b, beta=0.0,
         old_per_token_logps=-torch.ones(t.shape), importance_sampling_level="sequence", impl=impl,

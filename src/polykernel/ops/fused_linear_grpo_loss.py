@@ -17,9 +17,10 @@ count (clamped to 1, so an all-masked batch gives 0), ``"dr_grpo"`` the masked s
 their ratios may overflow). ``metrics``: the masked means TRL logs (KL when β ≠ 0, the clipped
 fractions; NaN for an all-masked batch). Gradients reach hidden, weight and bias through
 ``loss`` only. Impls: ``torch``, ``triton`` (the chunked driver,
-``polykernel.backends.torch._linear_logps``; a chunk holds whole sequences, so the
-sequence-level ratio never couples chunks, or, when one sequence exceeds the chunk budget, all
-log-probs are computed first), ``liger``.
+``polykernel.backends.torch._linear_logps``: with token-level importance sampling every token is
+its own unit, so chunks are token rows and one pass serves any completion length; with
+sequence-level a chunk holds whole sequences, so the sequence's ratio never couples chunks, or,
+when one sequence exceeds the chunk budget, all log-probs are computed first), ``liger``.
 """
 
 from __future__ import annotations
@@ -71,13 +72,10 @@ def per_token_loss(logp, mask, adv, old, ref, *, beta, eps_low, eps_high, level)
     return torch.where(mask, loss, 0.0), coef_1
 
 
-def contrib(logp, mask, adv, old, ref, *, beta, eps_low, eps_high, level, loss_type, n_seqs, denom):
-    """Per-sequence terms of the loss (their sum is the loss)."""
+def contrib(logp, mask, adv, old, ref, denom, *, beta, eps_low, eps_high, level):
+    """Per-row terms of the loss (their sum is the loss); ``denom [r]``: each row's normaliser."""
     ptl, _ = per_token_loss(logp, mask, adv, old, ref, beta=beta, eps_low=eps_low, eps_high=eps_high, level=level)
-    rows = ptl.sum(-1)
-    if loss_type == "grpo":
-        return rows / mask.sum(-1).clamp(min=1) / n_seqs
-    return rows / denom
+    return ptl.sum(-1) / denom
 
 
 def _validate(hidden, weight, ids, mask, adv, bias, ref, old, beta, eps_low, eps_high, loss_type, level, temperature, max_len):
@@ -124,15 +122,31 @@ def _setup(ids, mask, adv, ref, old, beta, eps_low, eps_high, loss_type, level, 
     b, t = ids.shape
     m = mask != 0
     target = torch.where(m, ids, _IGNORE)
-    denom = m.sum().clamp(min=1) if loss_type in ("bnpo", "dapo") else b * (t if max_len is None else max_len)
+    if loss_type == "grpo":  # each sequence's masked mean, then the mean over sequences
+        denom = b * m.sum(-1).clamp(min=1).to(acc)
+    else:  # bnpo, dapo: the masked count; dr_grpo: B · max_completion_length
+        total = m.sum().clamp(min=1) if loss_type in ("bnpo", "dapo") else b * (t if max_len is None else max_len)
+        denom = torch.full((b,), 1.0, dtype=acc, device=ids.device) * total
     opts = dict(beta=float(beta), eps_low=float(eps_low), eps_high=float(eps_high), level=level)
-    fn = partial(contrib, **opts, loss_type=loss_type, n_seqs=b, denom=denom)
-    aux = (m, adv.detach().to(acc), None if old is None else old.detach().to(acc), None if ref is None else ref.detach().to(acc))
-    return target, fn, aux, opts
+    aux = (m, adv.detach().to(acc), None if old is None else old.detach().to(acc), None if ref is None else ref.detach().to(acc), denom)
+    return target, partial(contrib, **opts), aux, opts
+
+
+def _per_token(hidden, target, aux):
+    """Token-level importance sampling couples no two tokens: each token is its own unit, so the
+    driver's chunks need not hold whole sequences (one pass even for very long completions)."""
+    b, t, h = hidden.shape
+    m, adv, old, ref, denom = aux
+
+    def col(x):
+        return None if x is None else x.reshape(b * t, 1)
+
+    per_row = (col(m), adv[:, None].expand(b, t).reshape(b * t), col(old), col(ref), denom[:, None].expand(b, t).reshape(b * t))
+    return hidden.reshape(b * t, 1, h), target.reshape(b * t, 1), per_row
 
 
 def _metrics(logps, aux, opts) -> GRPOMetrics:
-    m, adv, old, ref = aux
+    m, adv, old, ref, _ = aux
     with torch.no_grad():
         _, coef_1 = per_token_loss(logps, m, adv, old, ref, **opts)
         n = m.sum()
@@ -188,7 +202,12 @@ def fused_linear_grpo_loss(
     acc = torch.promote_types(hidden.dtype, torch.float32)
     target, fn, aux, opts = _setup(selected_token_ids, attention_mask, advantages, ref_per_token_logps, old_per_token_logps, beta,
                                    epsilon_low, epsilon_high, loss_type, importance_sampling_level, max_completion_length, acc)  # fmt: skip
-    loss, logps = walker.run(prim, hidden, weight, bias, target, _IGNORE, float(temperature), False, fn, aux)
+    if importance_sampling_level == "token":
+        h1, t1, aux1 = _per_token(hidden, target, aux)
+        loss, logps = walker.run(prim, h1, weight, bias, t1, _IGNORE, float(temperature), False, fn, aux1)
+        logps = logps.view(target.shape)
+    else:
+        loss, logps = walker.run(prim, hidden, weight, bias, target, _IGNORE, float(temperature), False, fn, aux)
     return GRPOOutput(loss, _metrics(logps, aux, opts))
 
 

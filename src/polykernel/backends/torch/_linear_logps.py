@@ -39,7 +39,10 @@ def units_per_chunk(n_units: int, rows_per_unit: int, t: int, v: int, elt: int, 
     """Whole units per chunk: their fp32 logits and dlogits (``elt`` bytes) within ``budget``,
     at least one unit, at most all of them."""
     per_unit = max(1, rows_per_unit * t * v * (4 + elt))
-    return max(1, min(n_units, budget // per_unit))
+    n = max(1, min(n_units, budget // per_unit))
+    if rows_per_unit * t == 1 and 256 <= n < n_units:  # one-token units: a multiple of 128 rows (matmul tiles)
+        n -= n % 128
+    return n
 
 
 def _chunks(n_rows: int, pairs: bool, step: int) -> list[list[slice]]:
