@@ -21,6 +21,7 @@ IMPLS = ["torch", "triton"]
 def small_chunks(monkeypatch):
     """About one unit per chunk at these sizes, so the walk takes several chunks."""
     monkeypatch.setattr(_linear_logps, "CHUNK_BYTES", 2 * 7 * 97 * 6)
+    monkeypatch.setattr(_linear_logps, "UNIT_BYTES", 0)  # a unit over the chunk budget: the two-pass walk
 
 
 def token_logps(h, w, b, t, ignore=-100, temperature=1.0):
@@ -553,8 +554,12 @@ def test_no_chunk_holds_more_than_its_budget_of_logits(monkeypatch):
         (2 * 5 * 300 * 8, [10] * 4),  # one pair (2 rows x 5 tokens, fp32 logits + dlogits) per chunk
         (5 * 300 * 8, [5] * 8 * 2),  # one row's worth: token chunks of 5, both passes
         (1 << 30, [40]),  # everything at once
+        ("unit", [10] * 4),  # a budget below one pair, but the pair within UNIT_BYTES: one pass, a pair per chunk
     ]:
         seen.clear()
+        if budget == "unit":
+            budget = 1
+            monkeypatch.setattr(_linear_logps, "UNIT_BYTES", 1 << 20)
         monkeypatch.setattr(_linear_logps, "CHUNK_BYTES", budget)
         out = polykernel.fused_linear_dpo_loss(hid, w, t, b, impl="torch")
         assert seen == chunks

@@ -16,9 +16,10 @@ No per-sequence statistic couples two chunks: a chunk holds whole pairs (both ro
 or whole sequences (GRPO's sequence-level importance ratio is a statistic of one sequence).
 The forward stores the gradients for a unit cotangent; the backward scales them by it, so the
 graph can be back-propagated once. Peak extra memory: one chunk's fp32 logits and its dlogits
-(``CHUNK_BYTES``), besides the gradients. When a single unit is too long for that budget, the walk
-takes token chunks in two passes instead (log-probs first, then the formula on all of them, then
-the logits again for the gradients: one more GEMM, the same bound on memory).
+(``CHUNK_BYTES``, or one unit up to ``UNIT_BYTES``), besides the gradients. When a single unit is
+larger than ``UNIT_BYTES``, the walk takes token chunks in two passes instead (log-probs first,
+then the formula on all of them, then the logits again for the gradients: one more GEMM, memory
+within ``CHUNK_BYTES``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ import torch
 
 from .fused_linear_jsd import projector
 
-CHUNK_BYTES = 1 << 30  # one chunk's fp32 logits plus its dlogits (two pairs of 1024 tokens at V = 128K, bf16)
+CHUNK_BYTES = 1 << 30  # whole units per chunk up to this: fp32 logits plus dlogits (~1280 token rows at V = 128K, bf16)
+# One unit larger than CHUNK_BYTES still goes in one pass up to this size (a pair of 1024-token rows
+# at V = 128K in bf16 is 1.5 GiB: one pass, 3 GEMMs), and the two-pass token walk past it (4 GEMMs,
+# memory within CHUNK_BYTES).
+UNIT_BYTES = 4 << 30
 
 Contrib = Callable[..., torch.Tensor]
 
@@ -141,7 +146,7 @@ def walk(
     target = target.long()  # (gather and scatter take int64 indices)
     budget = CHUNK_BYTES if budget is None else budget  # read per call: tests shrink it
     per_unit = (2 if pairs else 1) * t * v * (4 + hidden.element_size())
-    if per_unit > budget and r:
+    if per_unit > max(budget, UNIT_BYTES) and r:
         return _walk_tokens(prim, hidden, weight, bias, target, ignore_index, temperature, contrib, aux, needs, budget)
     dev = hidden.device
     acc = torch.promote_types(hidden.dtype, torch.float32)
