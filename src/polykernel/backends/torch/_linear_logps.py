@@ -249,17 +249,17 @@ class _Fused(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g, _):  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph=True: these gradients carry no graph, a second order would be silently 0
+            raise RuntimeError(
+                "polykernel fused preference/RL loss: create_graph=True (double backward) is not supported; its gradients "
+                "are computed in the forward without a graph"
+            )
         if ctx.grads is None:
             raise RuntimeError(
                 "polykernel fused preference/RL loss: backward ran twice through the same graph; its gradients were "
                 "computed in the forward and are consumed by the first backward (retain_graph is not supported)"
             )
         (gh, gw, gb), ctx.grads = ctx.grads, None
-        if torch.is_grad_enabled():  # create_graph=True: these gradients carry no graph, a second order would be silently 0
-            raise RuntimeError(
-                "polykernel fused preference/RL loss: create_graph=True (double backward) is not supported; its gradients "
-                "are computed in the forward without a graph"
-            )
         ctx.prim.scale_grads_(g, gh, gw, gb)
         return gh, gw, gb, None, None, None
 
