@@ -85,7 +85,7 @@ def dpo_pair(tmp_path, tokenizer, *, precompute=False, **config):
     """TRL's trainer and ours on copies of one model (and reference)."""
     model = tiny_llama()
     ref = copy.deepcopy(model).eval()
-    args = trl.DPOConfig(per_device_train_batch_size=4, precompute_ref_log_probs=precompute, **config, **common_args(tmp_path))
+    args = trl.DPOConfig(per_device_train_batch_size=4, precompute_ref_log_probs=precompute, **{**common_args(tmp_path), **config})
     data = preference_data()
     theirs = trl.DPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(ref), args=copy.deepcopy(args), train_dataset=data,
                             processing_class=tokenizer)  # fmt: skip
@@ -144,6 +144,27 @@ def test_dpo_default_selection_runs(tmp_path, tokenizer):
     loss = ours.compute_loss(ours.model, inputs)
     loss.backward()
     assert torch.isfinite(loss) and ours.model.lm_head.weight.grad is not None
+
+
+def test_dpo_mixed_precision_projects_in_the_autocast_dtype(tmp_path, tokenizer, monkeypatch):
+    """With bf16 (TRL's default) and fp32 weights, TRL's head projects in bf16 under autocast; so
+    does ours (the policy's head and the reference's), and the loss stays within bf16 of TRL's."""
+    theirs, ours = dpo_pair(tmp_path, tokenizer, bf16=True)
+    seen = []
+    real = pktrl._pk.fused_linear_dpo_loss
+
+    def spy(hidden, weight, target, bias=None, **kwargs):
+        seen.append((hidden.dtype, weight.dtype, kwargs["ref_hidden"].dtype, kwargs["ref_weight"].dtype))
+        return real(hidden, weight, target, bias, **kwargs)
+
+    monkeypatch.setattr(pktrl._pk, "fused_linear_dpo_loss", spy)
+    batch = next(iter(theirs.get_train_dataloader()))
+    losses = []
+    for trainer in (theirs, ours):
+        with trainer.compute_loss_context_manager():
+            losses.append(trainer.compute_loss(trainer.model, trainer._prepare_inputs(copy.deepcopy(batch))).detach())
+    assert seen == [(torch.bfloat16,) * 4]
+    torch.testing.assert_close(losses[1], losses[0], rtol=2e-2, atol=2e-3)
 
 
 @pytest.mark.parametrize(

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 import trl  # noqa: F401  (the optional extra: fail here, with its own ImportError)
 from accelerate.utils import is_peft_model
+from torch.distributed.tensor import DTensor
 from trl import DPOTrainer, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
@@ -136,14 +137,34 @@ def _add_hidden_states_forward(model: Any) -> None:
     model.forward = types.MethodType(forward, model)
 
 
+_MIXED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def _head(model: Any, accelerator: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     lm_head = accelerator.unwrap_model(model).get_output_embeddings()
-    return lm_head.weight, lm_head.bias
+    weight, bias = lm_head.weight, lm_head.bias
+    if isinstance(weight, DTensor):  # FSDP2 shards the head; TRL's fused head gathers it too
+        weight = weight.full_tensor()
+        bias = None if bias is None else bias.full_tensor()
+    return weight, bias
 
 
-def _to_head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # device_map can end the backbone on another device; cast_lm_head_to_fp32 makes the head fp32
-    return hidden.to(device=weight.device, dtype=weight.dtype)
+def _head_inputs(
+    accelerator: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, fp32: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The fused loss's inputs in the dtype TRL's own LM head projects in: the autocast dtype
+    under mixed precision (fp32 master weights included, as ``F.linear`` under autocast), fp32
+    with ``cast_lm_head_to_fp32``, else the weight's; on the head's device (``device_map`` can
+    end the backbone elsewhere). The loss's math is fp32 whatever its inputs' dtype."""
+    device = weight.device.type
+    if fp32:
+        dtype = torch.float32
+    elif torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = _MIXED_PRECISION.get(str(accelerator.mixed_precision), weight.dtype)
+    hidden = hidden.to(device=weight.device, dtype=dtype)
+    return hidden, weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
 class PolykernelDPOMixin:
@@ -206,10 +227,12 @@ class PolykernelDPOMixin:
                     ref_head = _head(ref_model, self.accelerator)
                 with adapter, self.accelerator.autocast():
                     ref_hidden = ref_model(**model_kwargs, **{_HIDDEN_FLAG: True}).last_hidden_state[:, -seq_len:-1]
-            ref = {"ref_hidden": _to_head(ref_hidden, ref_head[0]), "ref_weight": ref_head[0], "ref_bias": ref_head[1]}
+                ref_hidden, ref_weight, ref_bias = _head_inputs(self.accelerator, ref_hidden, *ref_head)
+            ref = {"ref_hidden": ref_hidden, "ref_weight": ref_weight, "ref_bias": ref_bias}
 
+        hidden, weight, bias = _head_inputs(self.accelerator, hidden, weight, bias)
         out = _pk.fused_linear_dpo_loss(
-            _to_head(hidden, weight),
+            hidden,
             weight,
             labels.to(weight.device),
             bias,
@@ -299,9 +322,9 @@ class PolykernelGRPOMixin:
         with self.accelerator.autocast():
             out = model(input_ids=input_ids, attention_mask=attention_mask, **{_HIDDEN_FLAG: True})
         hidden = out.last_hidden_state[:, -k - 1 : -1]  # the positions that predict the completion tokens
-        weight, bias = _head(model, self.accelerator)
+        hidden, weight, bias = _head_inputs(self.accelerator, hidden, *_head(model, self.accelerator), fp32=self.args.cast_lm_head_to_fp32)
         loss, stats = _pk.fused_linear_grpo_loss(
-            _to_head(hidden, weight),
+            hidden,
             weight,
             completion_ids.to(weight.device),
             mask.to(weight.device),
