@@ -93,6 +93,14 @@ def dpo_pair(tmp_path, tokenizer, *, precompute=False, **config):
     return theirs, ours
 
 
+def perturb(*trainers):
+    """The same change to each policy: it then differs from its reference, so rewards are not 0."""
+    with torch.no_grad():
+        for trainer in trainers:
+            for p in trainer.model.parameters():
+                p.add_(0.05 * torch.sin(torch.arange(p.numel(), dtype=p.dtype)).view_as(p))
+
+
 @pytest.mark.parametrize(
     "config",
     [
@@ -104,11 +112,7 @@ def dpo_pair(tmp_path, tokenizer, *, precompute=False, **config):
 )
 def test_dpo_loss_metrics_and_grads_match_trl(tmp_path, tokenizer, config):
     theirs, ours = dpo_pair(tmp_path, tokenizer, **config)
-    # One batch through both: the reference differs from the policy so that rewards are not 0
-    with torch.no_grad():
-        for trainer in (theirs, ours):
-            for p in trainer.model.parameters():
-                p.add_(0.05 * torch.sin(torch.arange(p.numel(), dtype=p.dtype)).view_as(p))
+    perturb(theirs, ours)
     batch = next(iter(theirs.get_train_dataloader()))
     results = []
     for trainer in (theirs, ours):
@@ -134,6 +138,25 @@ def test_dpo_trains_two_steps(tmp_path, tokenizer):
     assert len(steps) == 2 and all(torch.isfinite(torch.tensor(log["loss"])) for log in steps)
     assert all("rewards/margins" in log and "logps/chosen" in log for log in steps)
     assert any(not torch.equal(before[n], p) for n, p in ours.model.named_parameters())
+
+
+def test_dpo_evaluate_matches_trl(tmp_path, tokenizer):
+    """Evaluation: TRL's prediction_step asks compute_loss for outputs (the logits, from one more
+    forward); the eval loss and metrics are TRL's."""
+    theirs, ours = dpo_pair(tmp_path, tokenizer, beta=0.1, per_device_eval_batch_size=4)
+    perturb(theirs, ours)
+    data = preference_data(4)
+    results = [trainer.evaluate(eval_dataset=data) for trainer in (theirs, ours)]
+    assert results[0]["eval_rewards/margins"] != 0.0 and "eval_rewards/margins" in results[1]
+    for key in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected"):
+        assert results[1][key] == pytest.approx(results[0][key], rel=1e-5, abs=1e-6), key
+
+
+def test_untested_trl_version_warns(monkeypatch, caplog):
+    monkeypatch.setattr(pktrl.importlib.metadata, "version", lambda name: "1.99.0")
+    with caplog.at_level("WARNING", logger=pktrl.__name__):
+        pktrl._warn_untested_trl.__wrapped__()
+    assert "TRL 1.99.0 is installed" in caplog.text
 
 
 def test_dpo_default_selection_runs(tmp_path, tokenizer):
