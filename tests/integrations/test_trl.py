@@ -42,6 +42,16 @@ def tiny_llama(**overrides):
     return transformers.LlamaForCausalLM(config)
 
 
+def tiny_mixtral():
+    """An MoE model: TRL adds its router load-balancing loss (router_aux_loss_coef) to the loss."""
+    config = transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.05,
+        pad_token_id=0, eos_token_id=1, bos_token_id=None,
+    )  # fmt: skip
+    return transformers.MixtralForCausalLM(config)
+
+
 def words(rng, lo, hi):
     return " ".join(f"w{rng.randrange(WORDS)}" for _ in range(rng.randint(lo, hi)))
 
@@ -81,9 +91,9 @@ def last_metrics(trainer):
 
 
 # -- DPO ---------------------------------------------------------------------------------------
-def dpo_pair(tmp_path, tokenizer, *, precompute=False, **config):
+def dpo_pair(tmp_path, tokenizer, *, precompute=False, moe=False, **config):
     """TRL's trainer and ours on copies of one model (and reference)."""
-    model = tiny_llama()
+    model = tiny_mixtral() if moe else tiny_llama()
     ref = copy.deepcopy(model).eval()
     args = trl.DPOConfig(per_device_train_batch_size=4, precompute_ref_log_probs=precompute, **{**common_args(tmp_path), **config})
     data = preference_data()
@@ -107,8 +117,9 @@ def perturb(*trainers):
         dict(beta=0.1),
         dict(beta=0.5, loss_type=["sigmoid", "sft"], loss_weights=[0.5, 0.5]),
         dict(beta=0.1, precompute=True),
+        dict(beta=0.1, moe=True),
     ],
-    ids=["sigmoid", "sigmoid+sft", "precomputed-ref"],
+    ids=["sigmoid", "sigmoid+sft", "precomputed-ref", "moe-aux-loss"],
 )
 def test_dpo_loss_metrics_and_grads_match_trl(tmp_path, tokenizer, config):
     theirs, ours = dpo_pair(tmp_path, tokenizer, **config)
@@ -124,6 +135,7 @@ def test_dpo_loss_metrics_and_grads_match_trl(tmp_path, tokenizer, config):
     torch.testing.assert_close(loss_o, loss_t, rtol=1e-5, atol=1e-6)
     assert_same_grads(grads_o, grads_t)
     logged = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected", "num_tokens"]
+    logged += ["aux_loss"] if config.get("moe") else []
     assert set(logged) <= metrics_o.keys() <= metrics_t.keys()
     for key in logged:
         assert metrics_o[key] == pytest.approx(metrics_t[key], rel=1e-5, abs=1e-6), key
@@ -219,10 +231,10 @@ def test_dpo_softcapped_model_raises(tmp_path, tokenizer):
 
 
 # -- GRPO --------------------------------------------------------------------------------------
-def grpo_pair(tmp_path, tokenizer, **config):
+def grpo_pair(tmp_path, tokenizer, *, moe=False, **config):
     """TRL's trainer and ours on the same saved model (GRPO builds its reference from the path)."""
     path = tmp_path / "model"
-    tiny_llama().save_pretrained(path)
+    (tiny_mixtral() if moe else tiny_llama()).save_pretrained(path)
     tokenizer.save_pretrained(path)
     config.setdefault("beta", 0.0)
     if config["beta"] != 0.0:
@@ -241,6 +253,7 @@ GRPO_CASES = [
     dict(loss_type="dapo", beta=0.04, temperature=0.7),
     dict(loss_type="dapo", importance_sampling_level="sequence", off_policy=True),
     dict(loss_type="grpo", beta=0.04, epsilon=0.1, epsilon_high=0.3, off_policy=True),
+    dict(loss_type="bnpo", moe=True),
 ]
 
 
@@ -273,6 +286,7 @@ def test_grpo_loss_metrics_and_grads_match_trl(tmp_path, tokenizer, config):
     logged = ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
     logged += ["kl"] if config.get("beta", 0.0) else []
     logged += [] if off_policy else ["clip_ratio/low_min", "clip_ratio/high_max"]
+    logged += ["aux_loss"] if config.get("moe") else []
     assert set(logged) <= metrics_o.keys() <= metrics_t.keys()
     for key in logged:
         assert metrics_o[key] == pytest.approx(metrics_t[key], rel=1e-5, abs=1e-6), key

@@ -38,8 +38,8 @@ config — use TRL's own trainer for those):
   default True multiplies the KL by the importance ratio, which the fused loss does not);
   ``delta=None``, ``top_entropy_quantile=1.0``, no entropy bonus, ``off_policy_mask_threshold=None``,
   no vLLM importance-sampling correction, one advantage per sequence, text-only inputs.
-- Both: no MoE router auxiliary loss, and a plain LM head (no ``final_logit_softcapping`` or logit
-  scaling in the config).
+- Both: a plain LM head (no ``final_logit_softcapping`` or logit scaling in the config). MoE
+  models add TRL's router load-balancing loss (``router_aux_loss_coef``, metric ``aux_loss``).
 
 Written against TRL 1.16 (the ``trl`` extra pins it): the replaced method is private in TRL, so a
 TRL outside the tested range logs one warning when a trainer is built.
@@ -109,12 +109,20 @@ def _require(trainer: str, ok: bool, option: str, message: str) -> None:
         raise UnsupportedTRLConfig(trainer, option, message)
 
 
-def _check_model(trainer: str, model: Any, aux_loss_enabled: bool) -> None:
-    _require(trainer, not aux_loss_enabled, "router_aux_loss_coef", "the MoE router auxiliary loss is not supported (set it to 0)")
+def _check_model(trainer: str, model: Any) -> None:
     text_config = model.config.get_text_config()
     for attr in _LOGIT_TRANSFORMS:
         value = getattr(text_config, attr, None)
         _require(trainer, value is None or value == 1.0, f"config.{attr}", f"is {value!r}: the fused loss takes plain hidden @ W.T logits")
+
+
+def _router_aux_loss(model: Any, accelerator: Any, backbone_output: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The MoE load-balancing loss as TRL's fused head computes it (Mixtral's, which every MoE
+    family reuses), from the router logits the backbone returned."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func  # MoE models only: imported on use
+
+    text_config = accelerator.unwrap_model(model).config.get_text_config()
+    return load_balancing_loss_func(backbone_output.router_logits, text_config.num_experts, text_config.num_experts_per_tok, attention_mask)
 
 
 def _add_hidden_states_forward(model: Any) -> None:
@@ -180,7 +188,7 @@ class PolykernelDPOMixin:
         if config is None:  # TRL built its default DPOConfig
             self._polykernel_check_config(name, self.args)
         self._polykernel_impl = impl
-        _check_model(name, self.model, self.aux_loss_enabled)
+        _check_model(name, self.model)
         _add_hidden_states_forward(self.model.get_base_model() if is_peft_model(self.model) else self.model)
         if self.ref_model is not None:
             _add_hidden_states_forward(self.accelerator.unwrap_model(self.ref_model))
@@ -202,6 +210,9 @@ class PolykernelDPOMixin:
     def _compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool) -> Any:
         mode = "train" if self.model.training else "eval"
         model_kwargs = {k: v for k, v in inputs.items() if k not in _NON_MODEL_KEYS}
+        ref_kwargs = dict(model_kwargs)  # the reference needs no router logits (TRL drops them too)
+        if self.aux_loss_enabled:
+            model_kwargs["output_router_logits"] = True
         seq_len = inputs["input_ids"].size(1)
         labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)[:, 1:]
         loss_types = self.loss_types
@@ -210,7 +221,8 @@ class PolykernelDPOMixin:
         # The autocast is the one accelerate wraps a prepared model's forward in (TRL's own path
         # through the reference model runs under it; the hidden-state call steps past that wrapper).
         with self.accelerator.autocast():
-            hidden = model(**model_kwargs, **{_HIDDEN_FLAG: True}).last_hidden_state[:, -seq_len:-1]
+            backbone = model(**model_kwargs, **{_HIDDEN_FLAG: True})
+        hidden = backbone.last_hidden_state[:, -seq_len:-1]
         weight, bias = _head(model, self.accelerator)
         ref: dict[str, Any] = {}
         if self.precompute_ref_logps:
@@ -226,7 +238,7 @@ class PolykernelDPOMixin:
                     adapter, ref_model = contextlib.nullcontext(), self.ref_model
                     ref_head = _head(ref_model, self.accelerator)
                 with adapter, self.accelerator.autocast():
-                    ref_hidden = ref_model(**model_kwargs, **{_HIDDEN_FLAG: True}).last_hidden_state[:, -seq_len:-1]
+                    ref_hidden = ref_model(**ref_kwargs, **{_HIDDEN_FLAG: True}).last_hidden_state[:, -seq_len:-1]
                 ref_hidden, ref_weight, ref_bias = _head_inputs(self.accelerator, ref_hidden, *ref_head)
             ref = {"ref_hidden": ref_hidden, "ref_weight": ref_weight, "ref_bias": ref_bias}
 
@@ -242,6 +254,10 @@ class PolykernelDPOMixin:
             impl=self._polykernel_impl,
         )
         loss = out.loss * self.loss_weights[0]
+        if self.aux_loss_enabled:
+            aux_loss = _router_aux_loss(model, self.accelerator, backbone, inputs.get("attention_mask"))
+            loss = loss + self.router_aux_loss_coef * aux_loss
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
         self._polykernel_log_dpo(mode, inputs, out)
         if return_outputs:  # TRL's behaviour: the logits for compute_metrics come from one more forward
             with torch.no_grad():
@@ -277,7 +293,7 @@ class PolykernelGRPOMixin:
         if config is None:
             self._polykernel_check_config(name, self.args)
         self._polykernel_impl = impl
-        _check_model(name, self.model, self.aux_loss_enabled)
+        _check_model(name, self.model)
         _add_hidden_states_forward(self.model.get_base_model() if is_peft_model(self.model) else self.model)
 
     @staticmethod
@@ -319,9 +335,10 @@ class PolykernelGRPOMixin:
         mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
         k = completion_ids.size(1)
 
+        router = {"output_router_logits": True} if self.aux_loss_enabled else {}
         with self.accelerator.autocast():
-            out = model(input_ids=input_ids, attention_mask=attention_mask, **{_HIDDEN_FLAG: True})
-        hidden = out.last_hidden_state[:, -k - 1 : -1]  # the positions that predict the completion tokens
+            backbone = model(input_ids=input_ids, attention_mask=attention_mask, **router, **{_HIDDEN_FLAG: True})
+        hidden = backbone.last_hidden_state[:, -k - 1 : -1]  # the positions that predict the completion tokens
         hidden, weight, bias = _head_inputs(self.accelerator, hidden, *_head(model, self.accelerator), fp32=self.args.cast_lm_head_to_fp32)
         loss, stats = _pk.fused_linear_grpo_loss(
             hidden,
@@ -352,6 +369,10 @@ class PolykernelGRPOMixin:
             loss = loss * mask.sum().clamp(min=1.0) / normalizer
         elif mode == "train":
             loss = loss / self.current_gradient_accumulation_steps
+        if self.aux_loss_enabled:  # scaled for accumulation like the policy loss, as TRL does
+            aux_loss = _router_aux_loss(model, self.accelerator, backbone, attention_mask)
+            loss = loss + self.router_aux_loss_coef * aux_loss / (self.current_gradient_accumulation_steps if mode == "train" else 1.0)
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
         self._polykernel_log_grpo(mode, stats, on_policy=inputs.get("old_per_token_logps") is None)
         return loss
 
