@@ -321,6 +321,14 @@ def test_grpo_unsupported_config_raises(tmp_path, tokenizer, config, option):
     assert info.value.option == option
 
 
+def test_multimodal_batch_raises_before_the_model_runs(tmp_path, tokenizer):
+    _, ours = dpo_pair(tmp_path, tokenizer)
+    inputs = ours._prepare_inputs(next(iter(ours.get_train_dataloader())))
+    inputs["pixel_values"] = torch.zeros(1, 3, 4, 4)
+    with pytest.raises(pktrl.UnsupportedTRLConfig, match="pixel_values"):
+        ours.compute_loss(ours.model, inputs)
+
+
 def test_importing_integrations_does_not_import_trl():
     import subprocess
     import sys

@@ -37,9 +37,11 @@ config — use TRL's own trainer for those):
   ``epsilon_high``, ``temperature``; with ``beta != 0``, ``use_bias_correction_kl=False`` (TRL's
   default True multiplies the KL by the importance ratio, which the fused loss does not);
   ``delta=None``, ``top_entropy_quantile=1.0``, no entropy bonus, ``off_policy_mask_threshold=None``,
-  no vLLM importance-sampling correction, one advantage per sequence, text-only inputs.
-- Both: a plain LM head (no ``final_logit_softcapping`` or logit scaling in the config). MoE
-  models add TRL's router load-balancing loss (``router_aux_loss_coef``, metric ``aux_loss``).
+  no vLLM importance-sampling correction, one advantage per sequence.
+- Both: text-only batches (``pixel_values`` and the like raise: vision-language models are
+  untested), a plain LM head (no ``final_logit_softcapping`` or logit scaling in the config).
+  MoE models add TRL's router load-balancing loss (``router_aux_loss_coef``, metric
+  ``aux_loss``).
 
 Written against TRL 1.16 (the ``trl`` extra pins it): the replaced method is private in TRL, so a
 TRL outside the tested range logs one warning when a trainer is built.
@@ -114,6 +116,12 @@ def _check_model(trainer: str, model: Any) -> None:
     for attr in _LOGIT_TRANSFORMS:
         value = getattr(text_config, attr, None)
         _require(trainer, value is None or value == 1.0, f"config.{attr}", f"is {value!r}: the fused loss takes plain hidden @ W.T logits")
+
+
+def _check_text_only(trainer: str, inputs: dict[str, Any]) -> None:
+    # vision-language models' batches: untested here (their backbones, image token layouts)
+    for key in _MULTIMODAL_KEYS:
+        _require(trainer, inputs.get(key) is None, key, "multimodal inputs are not supported")
 
 
 def _router_aux_loss(model: Any, accelerator: Any, backbone_output: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -208,6 +216,7 @@ class PolykernelDPOMixin:
         _require(name, not config.use_weighting, "use_weighting", "WPO weighting is not supported")
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool) -> Any:
+        _check_text_only(type(self).__name__, inputs)
         mode = "train" if self.model.training else "eval"
         model_kwargs = {k: v for k, v in inputs.items() if k not in _NON_MODEL_KEYS}
         ref_kwargs = dict(model_kwargs)  # the reference needs no router logits (TRL drops them too)
@@ -325,8 +334,7 @@ class PolykernelGRPOMixin:
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         name = type(self).__name__
-        for key in _MULTIMODAL_KEYS:
-            _require(name, inputs.get(key) is None, key, "multimodal inputs are not supported")
+        _check_text_only(name, inputs)
         advantages = inputs["advantages"]
         _require(name, advantages.dim() == 1, "advantages", f"shape {tuple(advantages.shape)}: one advantage per sequence")
         completion_ids = inputs["completion_ids"]
