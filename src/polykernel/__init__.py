@@ -77,6 +77,10 @@ _LAZY: dict[str, str] = {
     # preference and RL losses fused with the LM head (plain functions, not catalog ops)
     "fused_linear_dpo_loss": "ops.fused_linear_dpo_loss:fused_linear_dpo_loss",
     "fused_linear_grpo_loss": "ops.fused_linear_grpo_loss:fused_linear_grpo_loss",
+    "fused_linear_orpo_loss": "ops.fused_linear_orpo_loss:fused_linear_orpo_loss",
+    "fused_linear_cpo_loss": "ops.fused_linear_cpo_loss:fused_linear_cpo_loss",
+    "fused_linear_simpo_loss": "ops.fused_linear_simpo_loss:fused_linear_simpo_loss",
+    "fused_linear_kto_loss": "ops.fused_linear_kto_loss:fused_linear_kto_loss",
 }
 _SUBMODULES = (
     "spec",

@@ -30,10 +30,14 @@ __all__ = [
     "GEGLU",
     "CrossEntropyLoss",
     "DyT",
+    "FusedLinearCPOLoss",
     "FusedLinearCrossEntropyLoss",
     "FusedLinearDPOLoss",
     "FusedLinearGRPOLoss",
     "FusedLinearJSDLoss",
+    "FusedLinearKTOLoss",
+    "FusedLinearORPOLoss",
+    "FusedLinearSimPOLoss",
     "GroupNorm",
     "JSDLoss",
     "KLDivLoss",
@@ -862,3 +866,44 @@ class FusedLinearGRPOLoss(_FusedLinearPreferenceLoss):
         "beta": 0.04, "epsilon_low": 0.2, "epsilon_high": 0.2, "loss_type": "grpo", "importance_sampling_level": "token",
         "temperature": 1.0, "max_completion_length": None,
     }  # fmt: skip
+
+
+class FusedLinearORPOLoss(_FusedLinearPreferenceLoss):
+    """``polykernel.fused_linear_orpo_loss`` as a module (Liger's ``LigerFusedLinearORPOLoss``):
+    ``forward(hidden [2B, T, H], weight [V, H], target [2B, T], bias=None)`` returns ``ORPOOutput``.
+
+    >>> import torch, polykernel.nn as pnn
+    >>> out = pnn.FusedLinearORPOLoss(beta=0.1)(torch.randn(4, 5, 16), torch.randn(50, 16), torch.randint(0, 50, (4, 5)))
+    >>> out._fields[:3]
+    ('loss', 'chosen_logps', 'rejected_logps')
+    """
+
+    _fn = "fused_linear_orpo_loss"
+    _options: ClassVar[dict[str, object]] = {"beta": 0.1, "ignore_index": -100, "compute_nll_loss": True}
+
+
+class FusedLinearCPOLoss(_FusedLinearPreferenceLoss):
+    """``polykernel.fused_linear_cpo_loss`` as a module (Liger's ``LigerFusedLinearCPOLoss``):
+    ``forward(hidden [2B, T, H], weight [V, H], target [2B, T], bias=None)`` returns ``CPOOutput``."""
+
+    _fn = "fused_linear_cpo_loss"
+    _options: ClassVar[dict[str, object]] = {
+        "beta": 0.1, "alpha": 1.0, "label_smoothing": 0.0, "ignore_index": -100, "average_log_prob": False,
+    }  # fmt: skip
+
+
+class FusedLinearSimPOLoss(_FusedLinearPreferenceLoss):
+    """``polykernel.fused_linear_simpo_loss`` as a module (Liger's ``LigerFusedLinearSimPOLoss``):
+    ``forward(hidden [2B, T, H], weight [V, H], target [2B, T], bias=None)`` returns ``SimPOOutput``."""
+
+    _fn = "fused_linear_simpo_loss"
+    _options: ClassVar[dict[str, object]] = {"beta": 2.0, "gamma": 0.5, "label_smoothing": 0.0, "ignore_index": -100}
+
+
+class FusedLinearKTOLoss(_FusedLinearPreferenceLoss):
+    """``polykernel.fused_linear_kto_loss`` as a module (Liger's ``LigerFusedLinearKTOLoss``):
+    ``forward(hidden [B, T, H], weight [V, H], target [B, T], preference_labels [B], bias=None, *,
+    ref_hidden=None, ref_weight=None, ref_bias=None, ref_logps=None, kl=None)`` returns ``KTOOutput``."""
+
+    _fn = "fused_linear_kto_loss"
+    _options: ClassVar[dict[str, object]] = {"beta": 0.1, "ignore_index": -100, "average_log_prob": False}

@@ -366,3 +366,298 @@ def test_chunk_size_comes_from_the_problem():
     assert _linear_logps.units_per_chunk(4, 2, 1024, 128256, 2, 1 << 30) == 1  # one pair of 1024-token rows
     assert _linear_logps.units_per_chunk(64, 1, 16, 1000, 2, 1 << 30) == 64  # all of a small batch
     assert _linear_logps.units_per_chunk(8, 1, 1024, 32000, 4, 1 << 30) == 4
+
+
+# -- ORPO, CPO, SimPO -----------------------------------------------------------------------------
+
+
+def pair_seq(h, w, b, t, average):
+    lp, valid = token_logps(h, w, b, t)
+    seq = lp.sum(-1) / (valid.sum(-1) if average else 1)
+    k = h.shape[0] // 2
+    return seq[:k], seq[k:], -lp[:k].sum() / valid[:k].sum()
+
+
+def orpo_formula(h, w, b, t, beta=0.1, nll=True):
+    c, r, nll_loss = pair_seq(h, w, b, t, True)
+    lo = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
+    loss = -beta * F.logsigmoid(lo).mean() + (nll_loss if nll else 0.0)
+    return loss, c, r, beta * c, beta * r, nll_loss, F.logsigmoid(lo).mean(), lo.mean()
+
+
+def cpo_formula(h, w, b, t, beta=0.1, alpha=1.0, eps=0.0, average=False):
+    c, r, nll_loss = pair_seq(h, w, b, t, average)
+    z = beta * (c - r)
+    loss = (-(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)).mean() + alpha * nll_loss
+    return loss, c, r, beta * c, beta * r, nll_loss
+
+
+def simpo_formula(h, w, b, t, beta=2.0, gamma=0.5, eps=0.0):
+    c, r, _ = pair_seq(h, w, b, t, True)
+    z = beta * (c - r) - gamma
+    return (-(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)).mean(), c, r, beta * c, beta * r
+
+
+PAIRWISE = [
+    ("fused_linear_orpo_loss", orpo_formula, {}, {}),
+    ("fused_linear_orpo_loss", orpo_formula, {"beta": 0.5, "compute_nll_loss": False}, {"beta": 0.5, "nll": False}),
+    ("fused_linear_cpo_loss", cpo_formula, {}, {}),
+    ("fused_linear_cpo_loss", cpo_formula, {"beta": 0.3, "alpha": 0.0, "label_smoothing": 0.1}, {"beta": 0.3, "alpha": 0.0, "eps": 0.1}),
+    ("fused_linear_cpo_loss", cpo_formula, {"alpha": 0.5, "average_log_prob": True}, {"alpha": 0.5, "average": True}),
+    ("fused_linear_simpo_loss", simpo_formula, {}, {}),
+    (
+        "fused_linear_simpo_loss",
+        simpo_formula,
+        {"beta": 1.0, "gamma": 1.5, "label_smoothing": 0.2},
+        {"beta": 1.0, "gamma": 1.5, "eps": 0.2},
+    ),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(("name", "formula", "kw", "fkw"), PAIRWISE, ids=lambda x: x if isinstance(x, str) else "")
+def test_pairwise_losses_match_formula(impl, name, formula, kw, fkw):
+    hid, w, b = head(6, 7, 16, 97)
+    t = targets(6, 7, 97)
+    out = getattr(polykernel, name)(hid, w, t, b, impl=impl, **kw)
+    want = formula(hid, w, b, t, **fkw)
+    assert len(out) == len(want) and out._fields[:3] == ("loss", "chosen_logps", "rejected_logps")
+    for got, exp in zip(out, want):
+        torch.testing.assert_close(got.double(), exp.detach().double(), rtol=2e-5, atol=2e-5)
+    assert_grads(out.loss, want[0], (hid, w, b), torch.float32)
+
+
+@pytest.mark.parametrize("name", ["fused_linear_orpo_loss", "fused_linear_cpo_loss", "fused_linear_simpo_loss"])
+def test_pairwise_bad_input(name):
+    hid, w, b = head(3, 3, 8, 20)
+    with pytest.raises(OpArgumentError) as info:
+        getattr(polykernel, name)(hid, w, targets(3, 3, 20), b)
+    assert info.value.arg == "hidden" and "2B" in str(info.value)
+    hid, w, b = head(4, 3, 8, 20)
+    with pytest.raises(OpArgumentError) as info:
+        getattr(polykernel, name)(hid, w, targets(4, 3, 20), b, beta=-1.0)
+    assert info.value.arg == "beta"
+    if name != "fused_linear_orpo_loss":
+        with pytest.raises(OpArgumentError) as info:
+            getattr(polykernel, name)(hid, w, targets(4, 3, 20), b, label_smoothing=0.7)
+        assert info.value.arg == "label_smoothing"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_simpo_all_ignored_is_nan_like_its_formula(impl):
+    hid, w, b = head(4, 3, 8, 20)
+    t = torch.full((4, 3), -100)
+    out = polykernel.fused_linear_simpo_loss(hid, w, t, b, impl=impl)
+    assert torch.isnan(out.loss) and torch.isnan(simpo_formula(hid, w, b, t)[0])
+    out = polykernel.fused_linear_cpo_loss(hid, w, t, b, impl=impl, alpha=0.0)  # sums: 0, so log 2
+    torch.testing.assert_close(out.loss.double(), torch.tensor(2.0, dtype=torch.float64).log())
+
+
+# -- KTO ------------------------------------------------------------------------------------------
+
+
+def kto_formula(h, w, b, t, labels, ref=None, kl=0.0, beta=0.1, average=False):
+    lp, valid = token_logps(h, w, b, t)
+    seq = lp.sum(-1) / (valid.sum(-1) if average else 1)
+    logr = seq - (0.0 if ref is None else ref)
+    loss = torch.where(labels, 1 - torch.sigmoid(beta * (logr - kl)), 1 - torch.sigmoid(beta * (kl - logr))).mean()
+    return loss, seq[labels], seq[~labels], beta * logr[labels], beta * logr[~labels]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("ref_mode", [None, "logps", "head"])
+@pytest.mark.parametrize("average", [False, True])
+def test_kto_matches_formula(impl, ref_mode, average):
+    hid, w, b = head(5, 7, 16, 97)
+    t = targets(5, 7, 97)
+    labels = torch.tensor([True, False, True, True, False])
+    kw, ref = {"kl": torch.tensor(0.3), "beta": 0.2, "average_log_prob": average}, None
+    if ref_mode == "logps":
+        ref = torch.randn(5) * 3
+        kw["ref_logps"] = ref
+    elif ref_mode == "head":
+        rh, rw, rb = head(5, 7, 16, 97)
+        kw.update(ref_hidden=rh.detach(), ref_weight=rw.detach(), ref_bias=rb.detach())
+        lp, valid = token_logps(rh, rw, rb, t)
+        ref = (lp.sum(-1) / (valid.sum(-1) if average else 1)).detach()
+    out = polykernel.fused_linear_kto_loss(hid, w, t, labels, b, impl=impl, **kw)
+    want = kto_formula(hid, w, b, t, labels, ref=ref, kl=0.3, beta=0.2, average=average)
+    for got, exp in zip(out, want):
+        torch.testing.assert_close(got.double(), exp.detach().double(), rtol=2e-5, atol=2e-5)
+    assert_grads(out.loss, want[0], (hid, w, b), torch.float32)
+
+
+def test_kto_bad_input():
+    hid, w, b = head(3, 3, 8, 20)
+    t = targets(3, 3, 20)
+    for kw, arg in [
+        ({"preference_labels": torch.ones(2, dtype=torch.bool)}, "preference_labels"),
+        ({"preference_labels": torch.ones(3)}, "preference_labels"),
+        ({"kl": torch.zeros(2)}, "kl"),
+        ({"beta": -0.5}, "beta"),
+        ({"ref_logps": torch.zeros(3, 3)}, "ref_logps"),
+    ]:
+        args = {"preference_labels": torch.ones(3, dtype=torch.bool), **kw}
+        labels = args.pop("preference_labels")
+        with pytest.raises(OpArgumentError) as info:
+            polykernel.fused_linear_kto_loss(hid, w, t, labels, b, **args)
+        assert info.value.op == "loss.fused_linear_kto_loss" and info.value.arg == arg
+
+
+@pytest.mark.parametrize(
+    ("module", "fn", "args"),
+    [
+        ("FusedLinearORPOLoss", "fused_linear_orpo_loss", {"beta": 0.3}),
+        ("FusedLinearCPOLoss", "fused_linear_cpo_loss", {"alpha": 0.5}),
+        ("FusedLinearSimPOLoss", "fused_linear_simpo_loss", {"gamma": 1.0}),
+    ],
+)
+def test_pairwise_nn_modules(module, fn, args):
+    hid, w, b = head(4, 3, 8, 20)
+    t = targets(4, 3, 20)
+    m = getattr(polykernel.nn, module)(**args)
+    torch.testing.assert_close(m(hid, w, t, b).loss, getattr(polykernel, fn)(hid, w, t, b, **args).loss)
+
+
+def test_kto_nn_module():
+    hid, w, b = head(3, 3, 8, 20)
+    t, labels = targets(3, 3, 20), torch.tensor([True, False, False])
+    m = polykernel.nn.FusedLinearKTOLoss(beta=0.3)
+    torch.testing.assert_close(
+        m(hid, w, t, labels, b, kl=0.1).loss, polykernel.fused_linear_kto_loss(hid, w, t, labels, b, kl=0.1, beta=0.3).loss
+    )
+
+
+# -- the driver: memory, layouts, autograd ---------------------------------------------------------
+
+
+def test_no_chunk_holds_more_than_its_budget_of_logits(monkeypatch):
+    """Never the [N, V] logits: every logits chunk the driver makes holds whole units within the
+    budget (one pair here), and the result does not depend on the chunking."""
+    from polykernel.backends.torch import fused_linear_jsd
+
+    seen = []
+    real = fused_linear_jsd.projector
+
+    def spy(weight):
+        proj = real(weight)
+        return lambda h: seen.append(h.shape[0]) or proj(h)
+
+    monkeypatch.setattr(_linear_logps, "projector", spy)
+    hid, w, b = head(8, 5, 8, 300)
+    t = targets(8, 5, 300)
+    monkeypatch.setattr(_linear_logps, "CHUNK_BYTES", 2 * 5 * 300 * 6)  # one pair of 5-token rows
+    small = polykernel.fused_linear_dpo_loss(hid, w, t, b, impl="torch")
+    assert seen == [10] * 4  # 4 pairs, 2 rows x 5 tokens each
+    seen.clear()
+    monkeypatch.setattr(_linear_logps, "CHUNK_BYTES", 1 << 30)
+    whole = polykernel.fused_linear_dpo_loss(hid, w, t, b, impl="torch")
+    assert seen == [40]
+    torch.testing.assert_close(small.loss, whole.loss)
+    torch.testing.assert_close(small.chosen_logps, whole.chosen_logps)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_strided_inputs_and_partial_requires_grad(impl):
+    hid = torch.randn(4, 5, 16)[:, :, ::2].requires_grad_()  # non-contiguous hidden
+    w = torch.randn(20, 8)
+    t = targets(4, 5, 20).t().contiguous().t()  # [4, 5] view of a transposed buffer
+    wt = torch.randn(8, 20).t().requires_grad_(False)
+    out = polykernel.fused_linear_dpo_loss(hid, wt, t, impl=impl)
+    want = dpo_formula(hid, wt, None, t)
+    torch.testing.assert_close(out.loss.double(), want[0].detach(), rtol=2e-5, atol=2e-5)
+    (g,) = torch.autograd.grad(out.loss, hid)
+    (gw,) = torch.autograd.grad(want[0], hid)
+    torch.testing.assert_close(g.double(), gw.double(), rtol=1e-4, atol=1e-6)
+    w.requires_grad_()  # weight only
+    out = polykernel.fused_linear_dpo_loss(hid.detach(), w, t, impl=impl)
+    out.loss.backward()
+    assert w.grad is not None and w.grad.shape == w.shape
+
+
+def test_double_backward_is_refused():
+    hid, w, b = head(2, 3, 8, 20)
+    out = polykernel.fused_linear_dpo_loss(hid, w, targets(2, 3, 20), b)
+    with pytest.raises(RuntimeError, match="create_graph"):
+        torch.autograd.grad(out.loss, hid, create_graph=True)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("t_len", [0, 1])
+def test_empty_and_single_token_sequences(impl, t_len):
+    hid, w, b = head(4, t_len, 8, 20)
+    t = targets(4, t_len, 20, ignored=0.0)
+    out = polykernel.fused_linear_dpo_loss(hid, w, t, b, impl=impl)
+    want = dpo_formula(hid, w, b, t)
+    torch.testing.assert_close(out.loss.double(), want[0].detach(), rtol=2e-5, atol=2e-5)
+    out.loss.backward()
+    assert hid.grad.shape == hid.shape and torch.isfinite(w.grad).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("v", [1, 2, 1025])
+def test_awkward_vocabularies(impl, v):
+    hid, w, b = head(3, 4, 8, v)
+    ids, mask, adv = torch.randint(0, v, (3, 4)), torch.ones(3, 4), torch.randn(3)
+    out = polykernel.fused_linear_grpo_loss(hid, w, ids, mask, adv, b, beta=0.0, impl=impl)
+    want = grpo_formula(hid, w, b, ids, mask, adv, beta=0.0)
+    torch.testing.assert_close(out.loss.double(), want.detach(), rtol=2e-5, atol=2e-6)
+    assert_grads(out.loss, want, (hid, w, b), torch.float32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", ["fused_linear_orpo_loss", "fused_linear_cpo_loss", "fused_linear_simpo_loss"])
+def test_pairwise_bf16(impl, name):
+    hid, w, b = head(4, 5, 32, 300, dtype=torch.bfloat16)
+    t = targets(4, 5, 300)
+    formula = {"fused_linear_orpo_loss": orpo_formula, "fused_linear_cpo_loss": cpo_formula, "fused_linear_simpo_loss": simpo_formula}[name]
+    out = getattr(polykernel, name)(hid, w, t, b, impl=impl)
+    want = formula(hid, w, b, t)
+    torch.testing.assert_close(out.loss.double(), want[0].detach(), rtol=1e-4, atol=1e-4)
+    assert_grads(out.loss, want[0], (hid, w, b), torch.bfloat16)
+
+
+def test_grpo_masked_padding_ids_are_not_checked():
+    hid, w, b = head(2, 4, 8, 30)
+    ids = torch.randint(0, 30, (2, 4))
+    mask = torch.ones(2, 4)
+    mask[:, -1] = 0
+    ids[:, -1] = -100  # padding under the mask
+    out = polykernel.fused_linear_grpo_loss(hid, w, ids, mask, torch.randn(2), b, beta=0.0)
+    assert torch.isfinite(out.loss)
+    ids[0, 0] = 30  # a scored id out of range
+    with pytest.raises(OpArgumentError) as info:
+        polykernel.fused_linear_grpo_loss(hid, w, ids, mask, torch.randn(2), b, beta=0.0)
+    assert info.value.arg == "selected_token_ids"
+
+
+# -- on the GPU (H200: -m gpu) --------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "torch", "liger"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_dpo_and_grpo_match_the_float64_formulas(impl, dtype, monkeypatch):
+    monkeypatch.setattr(_linear_logps, "CHUNK_BYTES", 256 << 20)  # several chunks at this size
+    r, t, h, v = 8, 256, 512, 32000
+    hid = torch.randn(r, t, h, device="cuda").to(dtype).requires_grad_()
+    w = (torch.randn(v, h, device="cuda") * 2 / h**0.5).to(dtype).requires_grad_()
+    tg = torch.randint(0, v, (r, t), device="cuda").masked_fill(torch.rand(r, t, device="cuda") < 0.1, -100)
+    out = polykernel.fused_linear_dpo_loss(hid, w, tg, impl=impl, compute_nll_loss=True)
+    want = dpo_formula(hid, w, None, tg, nll=True)
+    # liger rounds its logits to bf16 before the log-softmax; ours are fp32 GEMM outputs
+    rtol = 2e-2 if (impl == "liger" and dtype == torch.bfloat16) else 1e-4
+    torch.testing.assert_close(out.loss.double(), want[0].detach(), rtol=rtol, atol=rtol)
+    assert_grads(out.loss, want[0], (hid, w), torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    ids, mask, adv = (
+        torch.randint(0, v, (r, t), device="cuda"),
+        (torch.rand(r, t, device="cuda") > 0.1).long(),
+        torch.randn(r, device="cuda"),
+    )
+    with torch.no_grad():
+        lp, _ = token_logps(hid, w, None, ids, ignore=-(10**9))
+    old, ref = (lp + 0.1 * torch.randn_like(lp)).float(), (lp + 0.1 * torch.randn_like(lp)).float()
+    out = polykernel.fused_linear_grpo_loss(hid, w, ids, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old, impl=impl)
+    want = grpo_formula(hid, w, None, ids, mask, adv, ref=ref, old=old)
+    torch.testing.assert_close(out.loss.double(), want.detach(), rtol=rtol, atol=rtol)
+    assert_grads(out.loss, want, (hid, w), torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)

@@ -156,8 +156,53 @@ def primitive(op: str, impl: str | None, hidden: torch.Tensor) -> ModuleType:
     return importlib.import_module("polykernel.backends.torch._token_logps")
 
 
-def liger_available(op: str) -> None:
+def liger(op: str) -> ModuleType:
+    """The Liger adapters' module (``polykernel.backends.liger.preference``), imported on first use."""
     try:
-        importlib.import_module("liger_kernel.chunked_loss")
+        return importlib.import_module("polykernel.backends.liger.preference")
     except ImportError as exc:
         raise ImplNotAvailableError(op, "liger", f"liger_kernel is not importable ({exc})", ["torch", "triton"]) from None
+
+
+# -- running a loss -------------------------------------------------------------------------------
+
+
+def run(op: str, impl: str | None, hidden, weight, bias, target, ignore_index: int, pairs: bool, fn, aux, temperature: float = 1.0):
+    """``(loss, logps [R, T])`` through the chunked driver with ``impl``'s primitive."""
+    from ..backends.torch import _linear_logps as walker  # (the driver: backends sit beside ops)
+
+    return walker.run(primitive(op, impl, hidden), hidden, weight, bias, target, ignore_index, temperature, pairs, fn, aux)
+
+
+def reference_run(hidden, weight, bias, target, ignore_index: int, fn, aux, temperature: float = 1.0):
+    """``(loss, logps)`` of the same formula on the float64 full logits (differentiable loss)."""
+    logps = reference_token_logps(hidden, weight, bias, target, ignore_index, temperature)
+    return fn(logps, *aux).sum(), logps.detach()
+
+
+def ref_sequence_logps(op: str, impl: str | None, ref_hidden, ref_weight, ref_bias, target, ignore_index: int, average: bool,
+                       *, exact: bool = False) -> torch.Tensor:  # fmt: skip
+    """A reference head's per-sequence log-probs (no gradient), chunked (or float64 with ``exact``)."""
+    mask = target != ignore_index
+    with torch.no_grad():
+        if exact:
+            tok = reference_token_logps(ref_hidden, ref_weight, ref_bias, target, ignore_index)
+        else:
+            from ..backends.torch import _linear_logps as walker
+
+            prim = primitive(op, "torch" if impl == "liger" else impl, ref_hidden)
+            tok = walker.logps_only(prim, ref_hidden, ref_weight, ref_bias, target, ignore_index)
+        return sequence_logps(tok, mask, average)
+
+
+def nll_terms(logp: torch.Tensor, n_tokens: torch.Tensor) -> torch.Tensor:
+    """Per-pair terms of the chosen rows' token-mean NLL (rows ``[chosen k; rejected k]``)."""
+    return -logp[: logp.shape[0] // 2].sum(-1) / n_tokens
+
+
+def validate_pairwise(op: str, hidden, weight, target, bias, beta, ignore_index) -> None:
+    validate_head(op, hidden, weight, bias, target)
+    validate_pairs(op, "hidden", hidden)
+    validate_beta(op, beta)
+    validate_ignore_index(op, ignore_index)
+    validate_targets(op, "target", target, weight.shape[0], ignore_index)

@@ -107,10 +107,7 @@ def fused_linear_dpo_loss(
     """
     _validate(hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_chosen_logps, ref_rejected_logps, beta, ignore_index)
     if impl == "liger":
-        from ..backends.liger import fused_linear_dpo_loss as liger  # (imports liger_kernel: only when asked for)
-
-        pref.liger_available(OP_ID)
-        return liger.run(hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_chosen_logps, ref_rejected_logps,
+        return pref.liger(OP_ID).dpo(hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_chosen_logps, ref_rejected_logps,
                          float(beta), ignore_index, average_log_prob, compute_nll_loss)  # fmt: skip
     prim = pref.primitive(OP_ID, impl, hidden)
     b = hidden.shape[0] // 2

@@ -115,7 +115,8 @@ def _validate(hidden, weight, ids, mask, adv, bias, ref, old, beta, eps_low, eps
         check.int64(OP_ID, "max_completion_length", max_len)
         if max_len <= 0:
             raise pref.OpArgumentError(OP_ID, "max_completion_length", f"expected a positive int, got {max_len}")
-    pref.validate_targets(OP_ID, "selected_token_ids", ids, weight.shape[0], None)
+    # only the scored ids: a masked position may hold padding (TRL's pad id, or -100)
+    pref.validate_targets(OP_ID, "selected_token_ids", torch.where(mask != 0, ids, 0), weight.shape[0], None)
 
 
 def _setup(ids, mask, adv, ref, old, beta, eps_low, eps_high, loss_type, level, max_len, acc):
@@ -179,10 +180,7 @@ def fused_linear_grpo_loss(
     _validate(hidden, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps, old_per_token_logps, beta,
               epsilon_low, epsilon_high, loss_type, importance_sampling_level, temperature, max_completion_length)  # fmt: skip
     if impl == "liger":
-        from ..backends.liger import fused_linear_grpo_loss as liger  # (imports liger_kernel: only when asked for)
-
-        pref.liger_available(OP_ID)
-        return liger.run(hidden, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps,
+        return pref.liger(OP_ID).grpo(hidden, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps,
                          old_per_token_logps, float(beta), float(epsilon_low), float(epsilon_high), loss_type,
                          importance_sampling_level, float(temperature), max_completion_length)  # fmt: skip
     prim = pref.primitive(OP_ID, impl, hidden)

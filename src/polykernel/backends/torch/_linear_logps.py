@@ -7,7 +7,7 @@ before any logit is computed. So the walk takes whole units per chunk and, per c
 
     z    = (hidden[c] @ W.T + b) / temperature          (fp32 result of the inputs' values)
     logp = z[t] − lse(z)                                 (the primitive: torch or Triton)
-    part = contrib(logp, aux[c])                         (the loss's own torch code, tiny [r, T])
+    part = contrib(logp, aux[c])                         (the loss's own torch code, tiny [r, T], float64)
     d    = ∂ part.sum() / ∂ logp                         (autograd over the [r, T] log-probs only)
     dz   = −d/temperature · (softmax(z) − onehot(t))     (the primitive, into the inputs' dtype)
     grad_hidden[c] = dz @ W;  grad_weight += dz.T @ hidden[c];  grad_bias += Σ dz
@@ -96,12 +96,13 @@ def walk(
     inv_t = 1.0 / temperature
     budget = CHUNK_BYTES if budget is None else budget  # read per call: tests shrink it
     step = units_per_chunk(r // 2 if pairs else r, 2 if pairs else 1, t, v, hidden.element_size(), budget)
-    for rows in _chunks(r, pairs, step) if t else []:
+    for rows in _chunks(r, pairs, step):
+        nr = sum(s.stop - s.start for s in rows)
         hc = _take(hidden, rows).reshape(-1, h)
         tc = _take(target, rows).reshape(-1)
         z = _logits(proj, hc, bias, inv_t)
         lp, lse = prim.token_logps(z, tc, ignore_index)
-        lp = lp.view(-1, t)
+        lp = lp.view(nr, t)  # (not view(-1, t): ambiguous for T = 0)
         at = 0
         for s in rows:
             k = s.stop - s.start
@@ -110,8 +111,8 @@ def walk(
         if contrib is None:
             continue
         args = [None if a is None else _take(a, rows) for a in aux]
-        with torch.enable_grad():
-            x = lp.detach().requires_grad_(grads)
+        with torch.enable_grad():  # in float64: tiny [r, T], and a saturated sigmoid's slope keeps its digits
+            x = lp.detach().to(torch.float64).requires_grad_(grads)
             part = contrib(x, *args).sum()
         loss += part.detach()
         if not grads:
@@ -121,7 +122,7 @@ def walk(
         prim.token_grad_(z, tc, lse, (d.reshape(-1) * -inv_t).to(acc).contiguous(), dz, ignore_index)
         del z
         if gh is not None:
-            g = torch.mm(dz, weight).view(-1, t, h)
+            g = torch.mm(dz, weight).view(nr, t, h)
             at = 0
             for s in rows:
                 k = s.stop - s.start
@@ -167,6 +168,11 @@ class _Fused(torch.autograd.Function):
                 "computed in the forward and are consumed by the first backward (retain_graph is not supported)"
             )
         (gh, gw, gb), ctx.grads = ctx.grads, None
+        if torch.is_grad_enabled():  # create_graph=True: these gradients carry no graph, a second order would be silently 0
+            raise RuntimeError(
+                "polykernel fused preference/RL loss: create_graph=True (double backward) is not supported; its gradients "
+                "are computed in the forward without a graph"
+            )
         ctx.prim.scale_grads_(g, gh, gw, gb)
         return gh, gw, gb, None, None, None
 

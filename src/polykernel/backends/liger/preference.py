@@ -1,0 +1,88 @@
+"""Liger-Kernel's chunked preference and RL losses (``liger_kernel.chunked_loss``, 0.8.5) on the
+signatures of ``polykernel.fused_linear_{dpo,orpo,cpo,simpo,grpo}_loss``.
+
+Liger computes the same losses (checked against our float64 references in
+``tests/backends/test_liger_preference.py``), with these differences, which the adapters keep
+visible rather than paper over:
+
+- its logits are the inputs' dtype (``input @ weight.T``) upcast to fp32 for the log-softmax,
+  ours are fp32 GEMM outputs: in bf16 its log-probs carry the logits' bf16 rounding;
+- it returns the NLL only when it adds it to the loss: ``nll_loss`` is NaN otherwise (DPO without
+  ``compute_nll_loss``, CPO with ``alpha = 0``);
+- DPO: no precomputed reference log-probs (``ref_chosen_logps``) — refused;
+- GRPO: it reports the region clip ratio only (``clip_ratio_low``/``_high`` are NaN), token-weighted
+  also for sequence-level importance sampling (TRL averages that one over sequences);
+  ``"dapo"`` normalises by the mask sum over all ranks when torch.distributed is initialised;
+- KTO: its statistics are batch sums, not KTOOutput's per-sequence values — no adapter.
+
+``compiled=`` (Liger's torch.compile of its per-chunk function) is on for CUDA inputs, as Liger's
+default, and off elsewhere. Liger processes one pair (one sequence for GRPO) per chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+from liger_kernel.chunked_loss.cpo_loss import LigerFusedLinearCPOFunction
+from liger_kernel.chunked_loss.dpo_loss import LigerFusedLinearDPOFunction
+from liger_kernel.chunked_loss.grpo_loss import LigerFusedLinearGRPOFunction
+from liger_kernel.chunked_loss.orpo_loss import LigerFusedLinearORPOFunction
+from liger_kernel.chunked_loss.simpo_loss import LigerFusedLinearSimPOFunction
+
+from ...errors import ImplNotAvailableError
+from ...ops.fused_linear_cpo_loss import CPOOutput
+from ...ops.fused_linear_dpo_loss import DPOOutput
+from ...ops.fused_linear_grpo_loss import GRPOMetrics, GRPOOutput
+from ...ops.fused_linear_orpo_loss import ORPOOutput
+from ...ops.fused_linear_simpo_loss import SimPOOutput
+
+
+def _nan(like: torch.Tensor) -> torch.Tensor:
+    return torch.full((), float("nan"), dtype=torch.float32, device=like.device)
+
+
+def dpo(hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_chosen_logps, ref_rejected_logps, beta, ignore_index,
+        average_log_prob, compute_nll_loss) -> DPOOutput:  # fmt: skip
+    if ref_chosen_logps is not None:
+        raise ImplNotAvailableError(
+            "loss.fused_linear_dpo_loss", "liger", "Liger's DPO takes no precomputed reference log-probs", ["torch", "triton"]
+        )
+    use_ref = ref_hidden is not None
+    loss, (c, r, _, _, nll, cr, rr) = LigerFusedLinearDPOFunction.apply(
+        hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ignore_index, beta, compute_nll_loss, hidden.is_cuda,
+        use_ref, average_log_prob, 1, "sigmoid", 0.0, 0.05, 1.0,
+    )  # fmt: skip
+    return DPOOutput(loss, c, r, cr, rr, nll if compute_nll_loss else _nan(loss))
+
+
+def orpo(hidden, weight, target, bias, beta, ignore_index, compute_nll_loss) -> ORPOOutput:
+    loss, (c, r, _, _, nll, cr, rr, lor, loc) = LigerFusedLinearORPOFunction.apply(
+        hidden, weight, target, bias, ignore_index, beta, compute_nll_loss, None, hidden.is_cuda, 1
+    )
+    return ORPOOutput(loss, c, r, cr, rr, nll if compute_nll_loss else _nan(loss), lor, loc)
+
+
+def cpo(hidden, weight, target, bias, beta, alpha, label_smoothing, ignore_index, average_log_prob) -> CPOOutput:
+    nll_on = alpha != 0.0
+    loss, (c, r, _, _, nll, cr, rr) = LigerFusedLinearCPOFunction.apply(
+        hidden, weight, target, bias, ignore_index, beta, alpha, label_smoothing, nll_on, hidden.is_cuda, average_log_prob, 1
+    )
+    return CPOOutput(loss, c, r, cr, rr, nll if nll_on else _nan(loss))
+
+
+def simpo(hidden, weight, target, bias, beta, gamma, label_smoothing, ignore_index) -> SimPOOutput:
+    loss, (c, r, _, _, _, cr, rr) = LigerFusedLinearSimPOFunction.apply(
+        hidden, weight, target, bias, ignore_index, beta, 1.0, label_smoothing, False, hidden.is_cuda, gamma, 1
+    )
+    return SimPOOutput(loss, c, r, cr, rr)
+
+
+def grpo(hidden, weight, ids, mask, advantages, bias, ref, old, beta, eps_low, eps_high, loss_type, level, temperature,
+         max_completion_length) -> GRPOOutput:  # fmt: skip
+    m = (mask != 0).to(torch.float32)
+    max_len = ids.shape[1] if max_completion_length is None else max_completion_length
+    loss, metrics = LigerFusedLinearGRPOFunction.apply(
+        hidden, weight, ids, m, advantages, bias, ref, old, None, None, None, beta, eps_low, eps_high, loss_type, max_len, level,
+        1.0, 1.05, temperature, hidden.is_cuda, ref is not None, 1,  # use_ref_model: Liger reads ref only then
+    )  # fmt: skip
+    kl, clip = (metrics[0], metrics[1]) if beta != 0.0 else (None, metrics[0])
+    return GRPOOutput(loss, GRPOMetrics(kl, _nan(loss), _nan(loss), clip))

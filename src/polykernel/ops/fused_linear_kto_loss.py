@@ -1,0 +1,138 @@
+"""``loss.fused_linear_kto_loss``: KTO's loss fused with the LM head (Liger's
+``LigerFusedLinearKTOLoss``, TRL's ``KTOTrainer``), the ``[N, V]`` logits never held for the
+whole batch.
+
+``hidden [B, T, H]``, ``target [B, T]``, ``preference_labels [B]`` (True: desirable). With
+``logp`` a sequence's log-prob (sum over scored tokens, or mean with ``average_log_prob``),
+``logp_ref`` the reference's (``ref_logps [B]``, else a reference head ``ref_hidden``/
+``ref_weight``/``ref_bias`` without gradient, else 0), ``logr = logp − logp_ref`` and ``kl`` a
+given constant (TRL's batch KL estimate, default 0)::
+
+    desirable:   1 − σ(β·(logr − kl))        undesirable:   1 − σ(β·(kl − logr))
+    loss = mean over the batch
+
+``chosen_logps``/``rejected_logps`` are the desirable/undesirable rows' log-probs (as TRL's
+``KTOTrainer`` splits them), ``chosen_rewards``/``rejected_rewards`` their ``β·logr``. Impls and
+chunking as ``polykernel.fused_linear_dpo_loss``'s (a chunk holds whole sequences); no
+Liger adapter (Liger's KTO reports batch sums, not these per-sequence statistics).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import torch
+
+from . import _checks as check
+from . import _preference as pref
+
+OP_ID = "loss.fused_linear_kto_loss"
+
+
+class KTOOutput(NamedTuple):
+    loss: torch.Tensor
+    chosen_logps: torch.Tensor  # [n desirable]
+    rejected_logps: torch.Tensor  # [n undesirable]
+    chosen_rewards: torch.Tensor  # β·logr of the desirable rows
+    rejected_rewards: torch.Tensor
+
+
+def contrib(logp, mask, labels, ref, *, beta: float, kl, average: bool, n: int) -> torch.Tensor:
+    logr = pref.sequence_logps(logp, mask, average) - ref
+    sign = torch.where(labels, 1.0, -1.0).to(logr.dtype)
+    return (1 - torch.sigmoid(beta * (logr - kl) * sign)) / n
+
+
+def _validate(hidden, weight, target, labels, bias, ref_hidden, ref_weight, ref_bias, ref_logps, kl, beta, ignore_index):
+    pref.validate_head(OP_ID, hidden, weight, bias, target)
+    b = hidden.shape[0]
+    if b == 0:
+        raise pref.OpArgumentError(OP_ID, "hidden", "expected at least one sequence, got an empty batch")
+    check.tensor(OP_ID, "preference_labels", labels)
+    if tuple(labels.shape) != (b,):
+        raise pref.OpArgumentError(OP_ID, "preference_labels", f"expected shape ({b},) (one per sequence), got {tuple(labels.shape)}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex:
+        raise pref.OpTypeError(OP_ID, "preference_labels", f"expected a bool (or 0/1 integer) tensor, got {labels.dtype}")
+    check.same_device(OP_ID, "preference_labels", labels, "hidden", hidden)
+    if ref_logps is not None:
+        pref.validate_vector(OP_ID, "ref_logps", ref_logps, b, hidden)
+        if ref_hidden is not None:
+            raise pref.OpArgumentError(OP_ID, "ref_hidden", "give either ref_logps or a reference head, not both")
+    pref.validate_ref_head(OP_ID, hidden, weight, target, ref_hidden, ref_weight, ref_bias)
+    if isinstance(kl, torch.Tensor):
+        if kl.numel() != 1 or not kl.dtype.is_floating_point:
+            raise pref.OpArgumentError(
+                OP_ID, "kl", f"expected a number or a 1-element floating tensor, got shape {tuple(kl.shape)} {kl.dtype}"
+            )
+    elif kl is not None:
+        check.finite_float(OP_ID, "kl", kl)
+    pref.validate_beta(OP_ID, beta)
+    pref.validate_ignore_index(OP_ID, ignore_index)
+    pref.validate_targets(OP_ID, "target", target, weight.shape[0], ignore_index)
+
+
+def _setup(target, labels, ref, kl, beta, ignore_index, average, acc):
+    mask = target != ignore_index
+    kl = 0.0 if kl is None else (kl.detach().reshape(()).to(acc) if isinstance(kl, torch.Tensor) else float(kl))
+    return mask, labels.bool(), partial(contrib, beta=float(beta), kl=kl, average=average, n=target.shape[0]), ref.detach().to(acc)
+
+
+def _stats(loss, logps, mask, labels, ref, beta, average) -> KTOOutput:
+    with torch.no_grad():
+        seq = pref.sequence_logps(logps, mask, average)
+        rewards = beta * (seq - ref)
+        return KTOOutput(loss, seq[labels], seq[~labels], rewards[labels], rewards[~labels])
+
+
+def _ref(hidden, target, ref_hidden, ref_weight, ref_bias, ref_logps, ignore_index, average, impl, exact):
+    if ref_logps is not None:
+        return ref_logps
+    if ref_hidden is not None:
+        return pref.ref_sequence_logps(OP_ID, impl, ref_hidden, ref_weight, ref_bias, target, ignore_index, average, exact=exact)
+    return torch.zeros(hidden.shape[0], device=hidden.device)
+
+
+def fused_linear_kto_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    preference_labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ref_hidden: torch.Tensor | None = None,
+    ref_weight: torch.Tensor | None = None,
+    ref_bias: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    kl: torch.Tensor | float | None = None,
+    beta: float = 0.1,
+    ignore_index: int = -100,
+    average_log_prob: bool = False,
+    impl: str | None = None,
+) -> KTOOutput:
+    """KTO loss of an LM head over desirable/undesirable sequences, without ``[N, V]`` logits.
+
+    >>> import torch, polykernel
+    >>> h, w = torch.randn(3, 5, 16, requires_grad=True), torch.randn(50, 16)
+    >>> labels = torch.tensor([True, False, True])
+    >>> out = polykernel.fused_linear_kto_loss(h, w, torch.randint(0, 50, (3, 5)), labels, kl=0.1)
+    >>> out.loss.backward(); out.chosen_logps.shape, h.grad.shape
+    (torch.Size([2]), torch.Size([3, 5, 16]))
+    """
+    _validate(hidden, weight, target, preference_labels, bias, ref_hidden, ref_weight, ref_bias, ref_logps, kl, beta, ignore_index)
+    if impl == "liger":  # Liger's KTO returns batch sums, not KTOOutput's per-sequence statistics
+        raise pref.ImplNotAvailableError(OP_ID, "liger", "Liger's KTO reports batch sums, not per-sequence statistics", ["torch", "triton"])
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    ref = _ref(hidden, target, ref_hidden, ref_weight, ref_bias, ref_logps, ignore_index, average_log_prob, impl, False)
+    mask, labels, fn, ref = _setup(target, preference_labels, ref, kl, beta, ignore_index, average_log_prob, acc)
+    loss, logps = pref.run(OP_ID, impl, hidden, weight, bias, target, ignore_index, False, fn, (mask, labels, ref))
+    return _stats(loss, logps, mask, labels, ref, float(beta), average_log_prob)
+
+
+def reference(hidden, weight, target, preference_labels, bias=None, *, ref_hidden=None, ref_weight=None, ref_bias=None,
+              ref_logps=None, kl=None, beta=0.1, ignore_index=-100, average_log_prob=False) -> KTOOutput:  # fmt: skip
+    """The semantics in float64 from the full ``[B, T, V]`` logits (differentiable)."""
+    ref = _ref(hidden, target, ref_hidden, ref_weight, ref_bias, ref_logps, ignore_index, average_log_prob, None, True)
+    mask, labels, fn, ref = _setup(target, preference_labels, ref, kl, beta, ignore_index, average_log_prob, torch.float64)
+    loss, logps = pref.reference_run(hidden, weight, bias, target, ignore_index, fn, (mask, labels, ref))
+    return _stats(loss, logps, mask, labels, ref, float(beta), average_log_prob)

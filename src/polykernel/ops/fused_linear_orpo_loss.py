@@ -1,0 +1,98 @@
+"""``loss.fused_linear_orpo_loss``: ORPO's loss fused with the LM head (Liger's
+``LigerFusedLinearORPOLoss``, TRL's ``ORPOTrainer``), the ``[N, V]`` logits never held for the
+whole batch.
+
+``hidden [2B, T, H]``, ``target [2B, T]``: B chosen rows, then B rejected. With ``c, r`` the
+sequences' average log-probs (mean over scored tokens)::
+
+    log_odds = (c − r) − (log1p(−e^c) − log1p(−e^r))
+    loss     = NLL(chosen) − β · mean over pairs of logσ(log_odds)     (NLL with compute_nll_loss)
+
+``nll_loss``: the chosen rows' token-mean NLL. Rewards ``β·c``, ``β·r``; ``log_odds_ratio`` the
+mean of logσ(log_odds), ``log_odds_chosen`` the mean of log_odds. Impls and chunking as
+``polykernel.fused_linear_dpo_loss``'s.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from . import _preference as pref
+
+OP_ID = "loss.fused_linear_orpo_loss"
+
+
+class ORPOOutput(NamedTuple):
+    loss: torch.Tensor
+    chosen_logps: torch.Tensor  # [B], average log-probs
+    rejected_logps: torch.Tensor
+    chosen_rewards: torch.Tensor  # [B], β·c
+    rejected_rewards: torch.Tensor
+    nll_loss: torch.Tensor  # 0-d
+    log_odds_ratio: torch.Tensor  # 0-d, mean of logσ(log_odds)
+    log_odds_chosen: torch.Tensor  # 0-d, mean of log_odds
+
+
+def log_odds(c: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    return (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
+
+
+def contrib(logp, mask, *, beta: float, n_pairs: int, nll_tokens) -> torch.Tensor:
+    k = logp.shape[0] // 2
+    seq = pref.sequence_logps(logp, mask, True)
+    terms = -beta * F.logsigmoid(log_odds(seq[:k], seq[k:])) / n_pairs
+    return terms if nll_tokens is None else terms + pref.nll_terms(logp, nll_tokens)
+
+
+def _setup(target, beta, ignore_index, compute_nll_loss):
+    b = target.shape[0] // 2
+    mask = target != ignore_index
+    return mask, partial(contrib, beta=float(beta), n_pairs=b, nll_tokens=mask[:b].sum() if compute_nll_loss else None)
+
+
+def _stats(loss, logps, mask, beta) -> ORPOOutput:
+    with torch.no_grad():
+        b = mask.shape[0] // 2
+        seq = pref.sequence_logps(logps, mask, True)
+        c, r = seq[:b], seq[b:]
+        lo = log_odds(c, r)
+        nll = -logps[:b].sum() / mask[:b].sum()
+        return ORPOOutput(loss, c, r, beta * c, beta * r, nll, F.logsigmoid(lo).mean(), lo.mean())
+
+
+def fused_linear_orpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    beta: float = 0.1,
+    ignore_index: int = -100,
+    compute_nll_loss: bool = True,
+    impl: str | None = None,
+) -> ORPOOutput:
+    """ORPO loss of an LM head over ``[chosen; rejected]`` sequences, without ``[N, V]`` logits.
+
+    >>> import torch, polykernel
+    >>> h, w = torch.randn(4, 5, 16, requires_grad=True), torch.randn(50, 16)
+    >>> out = polykernel.fused_linear_orpo_loss(h, w, torch.randint(0, 50, (4, 5)))
+    >>> out.loss.backward(); h.grad.shape
+    torch.Size([4, 5, 16])
+    """
+    pref.validate_pairwise(OP_ID, hidden, weight, target, bias, beta, ignore_index)
+    if impl == "liger":
+        return pref.liger(OP_ID).orpo(hidden, weight, target, bias, float(beta), ignore_index, compute_nll_loss)
+    mask, fn = _setup(target, beta, ignore_index, compute_nll_loss)
+    loss, logps = pref.run(OP_ID, impl, hidden, weight, bias, target, ignore_index, True, fn, (mask,))
+    return _stats(loss, logps, mask, float(beta))
+
+
+def reference(hidden, weight, target, bias=None, *, beta=0.1, ignore_index=-100, compute_nll_loss=True) -> ORPOOutput:
+    """The semantics in float64 from the full ``[2B, T, V]`` logits (differentiable)."""
+    mask, fn = _setup(target, beta, ignore_index, compute_nll_loss)
+    loss, logps = pref.reference_run(hidden, weight, bias, target, ignore_index, fn, (mask,))
+    return _stats(loss, logps, mask, float(beta))

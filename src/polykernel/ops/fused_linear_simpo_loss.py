@@ -1,0 +1,89 @@
+"""``loss.fused_linear_simpo_loss``: SimPO's loss fused with the LM head (Liger's
+``LigerFusedLinearSimPOLoss``, TRL's ``CPOTrainer`` ``loss_type="simpo"``), the ``[N, V]``
+logits never held for the whole batch.
+
+``hidden [2B, T, H]``, ``target [2B, T]``: B chosen rows, then B rejected. With ``c, r`` the
+sequences' average log-probs and ε = ``label_smoothing``::
+
+    loss = mean over pairs of −(1−ε)·logσ(β(c − r) − γ) − ε·logσ(−(β(c − r) − γ))
+
+Rewards ``β·c``, ``β·r``. A sequence with no scored token has a NaN mean, so a NaN loss.
+Impls and chunking as ``polykernel.fused_linear_dpo_loss``'s.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import torch
+
+from . import _checks as check
+from . import _preference as pref
+from .fused_linear_cpo_loss import sigmoid_terms
+
+OP_ID = "loss.fused_linear_simpo_loss"
+
+
+class SimPOOutput(NamedTuple):
+    loss: torch.Tensor
+    chosen_logps: torch.Tensor  # [B], average log-probs
+    rejected_logps: torch.Tensor
+    chosen_rewards: torch.Tensor  # [B], β·c
+    rejected_rewards: torch.Tensor
+
+
+def contrib(logp, mask, *, beta: float, gamma: float, eps: float, n_pairs: int) -> torch.Tensor:
+    k = logp.shape[0] // 2
+    seq = pref.sequence_logps(logp, mask, True)
+    return sigmoid_terms(beta * (seq[:k] - seq[k:]) - gamma, eps) / n_pairs
+
+
+def _setup(target, beta, gamma, label_smoothing, ignore_index):
+    mask = target != ignore_index
+    return mask, partial(contrib, beta=float(beta), gamma=float(gamma), eps=float(label_smoothing), n_pairs=target.shape[0] // 2)
+
+
+def _stats(loss, logps, mask, beta) -> SimPOOutput:
+    with torch.no_grad():
+        b = mask.shape[0] // 2
+        seq = pref.sequence_logps(logps, mask, True)
+        c, r = seq[:b], seq[b:]
+        return SimPOOutput(loss, c, r, beta * c, beta * r)
+
+
+def fused_linear_simpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    beta: float = 2.0,
+    gamma: float = 0.5,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    impl: str | None = None,
+) -> SimPOOutput:
+    """SimPO loss of an LM head over ``[chosen; rejected]`` sequences, without ``[N, V]`` logits.
+
+    >>> import torch, polykernel
+    >>> h, w = torch.randn(4, 5, 16, requires_grad=True), torch.randn(50, 16)
+    >>> out = polykernel.fused_linear_simpo_loss(h, w, torch.randint(0, 50, (4, 5)), gamma=0.3)
+    >>> out.loss.backward(); h.grad.shape
+    torch.Size([4, 5, 16])
+    """
+    pref.validate_pairwise(OP_ID, hidden, weight, target, bias, beta, ignore_index)
+    check.finite_float(OP_ID, "gamma", gamma)
+    pref.validate_smoothing(OP_ID, label_smoothing)
+    if impl == "liger":
+        return pref.liger(OP_ID).simpo(hidden, weight, target, bias, float(beta), float(gamma), float(label_smoothing), ignore_index)
+    mask, fn = _setup(target, beta, gamma, label_smoothing, ignore_index)
+    loss, logps = pref.run(OP_ID, impl, hidden, weight, bias, target, ignore_index, True, fn, (mask,))
+    return _stats(loss, logps, mask, float(beta))
+
+
+def reference(hidden, weight, target, bias=None, *, beta=2.0, gamma=0.5, label_smoothing=0.0, ignore_index=-100) -> SimPOOutput:
+    """The semantics in float64 from the full ``[2B, T, V]`` logits (differentiable)."""
+    mask, fn = _setup(target, beta, gamma, label_smoothing, ignore_index)
+    loss, logps = pref.reference_run(hidden, weight, bias, target, ignore_index, fn, (mask,))
+    return _stats(loss, logps, mask, float(beta))

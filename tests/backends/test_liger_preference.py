@@ -1,0 +1,123 @@
+"""The Liger adapters of the fused preference/RL losses against the ops' float64 references, on
+the CPU (Liger's eager path; its torch.compile is for CUDA inputs)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import polykernel
+from polykernel.errors import ImplNotAvailableError
+from polykernel.ops import (
+    fused_linear_cpo_loss,
+    fused_linear_dpo_loss,
+    fused_linear_grpo_loss,
+    fused_linear_orpo_loss,
+    fused_linear_simpo_loss,
+)
+
+pytest.importorskip("liger_kernel.chunked_loss")
+
+
+def head(r, t, h, v):
+    hid = torch.randn(r, t, h, requires_grad=True)
+    w = (torch.randn(v, h) * 2 / h**0.5).requires_grad_()
+    b = (torch.randn(v) * 0.1).requires_grad_()
+    return hid, w, b
+
+
+def targets(r, t, v):
+    return torch.randint(0, v, (r, t)).masked_fill(torch.rand(r, t) < 0.2, -100)
+
+
+def compare(out, want, params, skip=()):
+    for name, got, exp in zip(out._fields, out, want):
+        if name in skip or got is None:
+            continue
+        torch.testing.assert_close(got.double(), exp.detach().double(), rtol=1e-5, atol=1e-5, msg=name)
+    g1 = torch.autograd.grad(out.loss, params)
+    g2 = torch.autograd.grad(want.loss, params)
+    for a, b in zip(g1, g2):
+        s = b.abs().max()
+        torch.testing.assert_close(a.double() / s, b.double() / s, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kw", [{}, {"compute_nll_loss": True, "average_log_prob": True, "beta": 0.3}, {"ref": True}])
+def test_liger_dpo(kw):
+    kw = dict(kw)
+    hid, w, b = head(4, 6, 16, 80)
+    t = targets(4, 6, 80)
+    if kw.pop("ref", False):
+        rh, rw, rb = head(4, 6, 16, 80)
+        kw.update(ref_hidden=rh.detach(), ref_weight=rw.detach(), ref_bias=rb.detach())
+    out = polykernel.fused_linear_dpo_loss(hid, w, t, b, impl="liger", **kw)
+    want = fused_linear_dpo_loss.reference(hid, w, t, b, **kw)
+    compare(out, want, (hid, w, b), skip=() if kw.get("compute_nll_loss") else ("nll_loss",))
+    assert kw.get("compute_nll_loss") or math.isnan(out.nll_loss)
+
+
+def test_liger_dpo_refuses_precomputed_reference_logps():
+    hid, w, b = head(4, 6, 16, 80)
+    with pytest.raises(ImplNotAvailableError, match="precomputed"):
+        polykernel.fused_linear_dpo_loss(
+            hid, w, targets(4, 6, 80), b, ref_chosen_logps=torch.zeros(2), ref_rejected_logps=torch.zeros(2), impl="liger"
+        )
+
+
+@pytest.mark.parametrize(
+    ("mod", "kw"),
+    [
+        (fused_linear_orpo_loss, {"beta": 0.2}),
+        (fused_linear_cpo_loss, {"alpha": 0.5, "label_smoothing": 0.1}),
+        (fused_linear_cpo_loss, {"average_log_prob": True}),
+        (fused_linear_simpo_loss, {"gamma": 0.8, "label_smoothing": 0.1}),
+    ],
+    ids=["orpo", "cpo", "cpo-avg", "simpo"],
+)
+def test_liger_pairwise(mod, kw):
+    hid, w, b = head(4, 6, 16, 80)
+    t = targets(4, 6, 80)
+    name = mod.__name__.rpartition(".")[2]
+    out = getattr(polykernel, name)(hid, w, t, b, impl="liger", **kw)
+    compare(out, mod.reference(hid, w, t, b, **kw), (hid, w, b))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"beta": 0.0, "loss_type": "grpo"},
+        {"beta": 0.1, "loss_type": "bnpo", "temperature": 0.8},
+        {"beta": 0.0, "loss_type": "dr_grpo", "max_completion_length": 8},
+        {"beta": 0.1, "loss_type": "dapo", "epsilon_high": 0.28},
+    ],
+)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_liger_grpo(kw, level):
+    hid, w, b = head(3, 6, 16, 80)
+    ids, mask, adv = torch.randint(0, 80, (3, 6)), (torch.rand(3, 6) > 0.3).long(), torch.randn(3)
+    mask[:, 0] = 1
+    with torch.no_grad():
+        lp = fused_linear_grpo_loss.pref.reference_token_logps(hid, w, b, ids, -100, kw.get("temperature", 1.0))
+    old = (lp + 0.3 * torch.randn(3, 6)).float()
+    ref = (lp + 0.3 * torch.randn(3, 6)).float() if kw["beta"] else None
+    args = dict(kw, ref_per_token_logps=ref, old_per_token_logps=old, importance_sampling_level=level)
+    out = polykernel.fused_linear_grpo_loss(hid, w, ids, mask, adv, b, impl="liger", **args)
+    want = fused_linear_grpo_loss.reference(hid, w, ids, mask, adv, b, **args)
+    torch.testing.assert_close(out.loss.double(), want.loss.detach(), rtol=1e-5, atol=1e-6)
+    if kw["beta"]:
+        torch.testing.assert_close(out.metrics.kl.double(), want.metrics.kl.double(), rtol=1e-5, atol=1e-6)
+    if level == "token":
+        torch.testing.assert_close(out.metrics.clip_ratio_region.double(), want.metrics.clip_ratio_region.double())
+    assert math.isnan(out.metrics.clip_ratio_low)
+    g1, g2 = torch.autograd.grad(out.loss, (hid, w, b)), torch.autograd.grad(want.loss, (hid, w, b))
+    for a, c in zip(g1, g2):
+        s = c.abs().max()
+        torch.testing.assert_close(a.double() / s, c.double() / s, rtol=1e-4, atol=1e-4)
+
+
+def test_liger_kto_is_refused_with_the_reason():
+    hid, w, b = head(3, 6, 16, 80)
+    with pytest.raises(ImplNotAvailableError, match="batch sums"):
+        polykernel.fused_linear_kto_loss(hid, w, targets(3, 6, 80), torch.tensor([True, False, True]), b, impl="liger")
