@@ -3,9 +3,11 @@
 - :mod:`polykernel.integrations.transformers` — patch Hugging Face ``transformers`` models
   (Llama, Mistral, Qwen2, Qwen3, Gemma) to use polykernel's RMSNorm, gated MLP activations, RoPE
   and (fused linear) cross-entropy.
+- :mod:`polykernel.integrations.trl` — TRL's ``DPOTrainer`` and ``GRPOTrainer`` with their loss
+  on polykernel's fused LM-head losses (``PolykernelDPOTrainer``, ``PolykernelGRPOTrainer``).
 
 Each integration imports its library only when it is imported itself: ``import polykernel`` and
-``import polykernel.integrations`` never import ``transformers``.
+``import polykernel.integrations`` never import ``transformers`` or ``trl``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_SUBMODULES = ("transformers",)
+_SUBMODULES = ("transformers", "trl")
 
 __all__ = list(_SUBMODULES)
 

@@ -1,0 +1,200 @@
+"""TRL ``GRPOTrainer`` on a Llama-1B-shaped model: polykernel's fused GRPO loss vs Liger vs plain TRL.
+
+The GRPO half of issue 22's real-client row, beside ``trl_dpo.py`` (same model, tokenizer and
+variants: ``plain``, ``liger`` = ``use_liger_kernel=True``, ``polykernel``, ``polykernel+patch``).
+Generation is TRL's own (``transformers.generate``, no vLLM) with a reward function in Python
+(a hash of the completion's text: varied rewards), so it runs offline. It is timed apart: it is the
+same in every variant and would hide the loss's share of the step. Per variant: the step time,
+the generation time, their difference (the training part: forwards, loss, backward, optimizer),
+the completion tokens per second of that part, CUDA peak memory, per-step losses and metrics.
+
+    PYTHONPATH=src python benchmarks/models/trl_grpo.py --json trl_grpo.json              # H200
+    PYTHONPATH=src python benchmarks/models/trl_grpo.py --json /tmp/trl_grpo.json --tiny  # CPU smoke run
+
+``--loss-type`` (default ``dapo``, TRL's), ``--beta`` (default 0.04: a reference model, so
+``use_bias_correction_kl=False``), ``--prompts``/``--generations`` (per step), ``--prompt-len``,
+``--completion-len``, ``--steps``, ``--layers``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+from _child import emit, last_error_line, run_child
+from trl_dpo import VARIANTS, WORDS, _model, _tokenizer
+
+_PASSED = ("steps", "prompts", "generations", "prompt_len", "completion_len", "layers", "hidden", "intermediate", "heads",
+           "kv_heads", "vocab", "seed", "loss_type", "beta")  # fmt: skip
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    import datasets
+    import torch
+    import transformers
+    import trl
+
+    variant = args.child
+    cuda = torch.cuda.is_available() and not args.tiny
+    dtype = torch.bfloat16 if cuda else torch.float32
+    path = Path(tempfile.mkdtemp(prefix="trl_grpo_")) / "model"  # GRPO builds its reference from a path
+    _model(args, "cpu", dtype).save_pretrained(path)  # the trainer loads the policy and the reference from it
+    tokenizer = _tokenizer()
+    rng = random.Random(args.seed)
+    prompts = [
+        {"prompt": " ".join(f"w{rng.randrange(WORDS - 3)}" for _ in range(args.prompt_len))} for _ in range(args.prompts * args.steps)
+    ]
+
+    def reward_crc(completions: list[str], **kwargs: Any) -> list[float]:
+        # a random model rarely ends early or repeats itself: length or diversity would give equal
+        # rewards, so zero advantages and a zero loss; a hash of the text varies (nothing to learn)
+        return [zlib.crc32(c.encode()) % 1000 / 1000 for c in completions]
+
+    step_times: list[float] = []
+    gen_times: list[float] = []
+
+    class Timer(transformers.TrainerCallback):
+        def on_step_begin(self, *a: Any, **k: Any) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+            step_times.append(time.perf_counter() - self.t0)
+
+    config = trl.GRPOConfig(
+        output_dir=str(path.parent),
+        per_device_train_batch_size=args.prompts * args.generations,
+        num_generations=args.generations,
+        max_completion_length=args.completion_len,
+        max_steps=args.steps,
+        learning_rate=1e-6,
+        loss_type=args.loss_type,
+        beta=args.beta,
+        use_bias_correction_kl=False,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        bf16=cuda,
+        use_cpu=not cuda,
+        use_liger_kernel=variant == "liger",
+        model_init_kwargs={"dtype": dtype},
+        seed=args.seed,
+    )
+    kwargs = dict(model=str(path), reward_funcs=reward_crc, args=config, train_dataset=datasets.Dataset.from_list(prompts),
+                  processing_class=tokenizer, callbacks=[Timer()])  # fmt: skip
+    if variant.startswith("polykernel"):
+        from polykernel.integrations.trl import PolykernelGRPOTrainer
+
+        trainer = PolykernelGRPOTrainer(**kwargs)
+        if variant == "polykernel+patch":  # our norms, MLPs and RoPE too (the loss is the trainer's)
+            from polykernel.integrations.transformers import patch
+
+            for m in (trainer.model, trainer.ref_model):
+                if m is not None:
+                    patch(trainer.accelerator.unwrap_model(m), cross_entropy=False, fused_linear_cross_entropy=False)
+    else:
+        trainer = trl.GRPOTrainer(**kwargs)
+    generate = trainer._generate_and_score_completions
+    completion_tokens: list[int] = []
+
+    def timed_generate(*a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        out = generate(*a, **k)
+        if cuda:
+            torch.cuda.synchronize()
+        gen_times.append(time.perf_counter() - t0)
+        completion_tokens.append(int(out["completion_mask"].sum()))
+        return out
+
+    trainer._generate_and_score_completions = timed_generate
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    train_s = [s - g for s, g in zip(step_times, gen_times)]
+    steady = train_s[1:] or train_s
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    keep = ("loss", "reward", "kl", "clip_ratio/region_mean", "completions/mean_length")
+    return {
+        "variant": variant,
+        "step_s": step_times,
+        "generate_s": gen_times,
+        "train_s": train_s,
+        "train_s_median": statistics.median(steady),
+        "completion_tokens_per_train_s": statistics.median(completion_tokens) / statistics.median(steady),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "steps": [{k: log.get(k) for k in keep} for log in logs],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the records here")
+    parser.add_argument("--only", default=",".join(VARIANTS), help="comma-separated variants")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per step")
+    parser.add_argument("--generations", type=int, default=4, help="completions per prompt")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--completion-len", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--loss-type", default="dapo")
+    parser.add_argument("--beta", type=float, default=0.04)
+    parser.add_argument("--tiny", action="store_true", help="a CPU-sized model (smoke run)")
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per variant")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.seq = args.prompt_len + args.completion_len  # for _model's position table
+    if args.tiny:
+        args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads = 2, 64, 128, 4, 2
+        args.vocab, args.prompt_len, args.completion_len, args.steps = 4096, 8, 8, min(args.steps, 2)
+        args.seq = 16
+    if args.child:
+        emit(child(args))
+        return
+    if args.json is None:
+        parser.error("--json PATH is required")
+    argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in _PASSED] + ["--tiny"] * args.tiny
+    records = []
+    for variant in args.only.split(","):
+        record = run_child(__file__, variant, argv, args.timeout)
+        records.append(record)
+        if "error" in record:
+            print(f"{variant:18} error: {last_error_line(record)}", flush=True)
+        else:
+            peak = "-" if record["peak_gib"] is None else f"{record['peak_gib']:.2f} GiB"
+            losses = " ".join(f"{s['loss']:.4g}" for s in record["steps"])
+            print(f"{variant:18} train {record['train_s_median']:.3f} s/step  peak {peak:>10}  losses {losses}", flush=True)
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "argv": sys.argv[1:]}
+    for name in ("transformers", "trl", "accelerate", "liger-kernel"):
+        try:
+            env[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            env[name] = None
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name()
+    args.json.write_text(json.dumps({"env": env, "records": records}, indent=1))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

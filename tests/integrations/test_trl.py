@@ -1,0 +1,337 @@
+"""TRL integration: ``PolykernelDPOTrainer``/``PolykernelGRPOTrainer`` give TRL's own loss,
+metrics and gradients on the same batch, train a few steps, and refuse what they do not compute.
+
+Real TRL on a tiny random Llama in fp32 with a word-level tokenizer built in memory: nothing is
+downloaded (GRPO's reference model is loaded from a directory the test saves). GRPO's generation
+runs on the CPU with ``transformers``' ``generate`` and a reward function in Python. The losses
+run their torch impl (the Triton interpreter is slow on the CPU); one test runs the default
+selection.
+"""
+
+import copy
+import random
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+from polykernel.integrations import trl as pktrl  # noqa: E402
+
+VOCAB, WORDS = 64, 61
+IMPL = "torch"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(WORDS)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+
+
+def tiny_llama(**overrides):
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=None, **overrides,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def tiny_mixtral():
+    """An MoE model: TRL adds its router load-balancing loss (router_aux_loss_coef) to the loss."""
+    config = transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.05,
+        pad_token_id=0, eos_token_id=1, bos_token_id=None,
+    )  # fmt: skip
+    return transformers.MixtralForCausalLM(config)
+
+
+def words(rng, lo, hi):
+    return " ".join(f"w{rng.randrange(WORDS)}" for _ in range(rng.randint(lo, hi)))
+
+
+def preference_data(n=8):
+    rng = random.Random(0)
+    rows = [{"prompt": words(rng, 2, 5), "chosen": " " + words(rng, 1, 4), "rejected": " " + words(rng, 1, 4)} for _ in range(n)]
+    return datasets.Dataset.from_list(rows)
+
+
+def prompt_data(n=8):
+    rng = random.Random(1)
+    return datasets.Dataset.from_list([{"prompt": words(rng, 2, 4)} for _ in range(n)])
+
+
+def reward_len(completions, **kwargs):
+    return [len(c) / 10.0 for c in completions]
+
+
+def common_args(tmp_path):
+    # fp32 (TRL's configs default to bf16 autocast), CPU, nothing written but the output dir
+    return dict(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, save_strategy="no", logging_steps=1, seed=0)
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_grads(ours, theirs):
+    assert ours.keys() == theirs.keys() and ours
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def last_metrics(trainer):
+    return {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+
+# -- DPO ---------------------------------------------------------------------------------------
+def dpo_pair(tmp_path, tokenizer, *, precompute=False, moe=False, **config):
+    """TRL's trainer and ours on copies of one model (and reference)."""
+    model = tiny_mixtral() if moe else tiny_llama()
+    ref = copy.deepcopy(model).eval()
+    args = trl.DPOConfig(per_device_train_batch_size=4, precompute_ref_log_probs=precompute, **{**common_args(tmp_path), **config})
+    data = preference_data()
+    theirs = trl.DPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(ref), args=copy.deepcopy(args), train_dataset=data,
+                            processing_class=tokenizer)  # fmt: skip
+    ours = pktrl.PolykernelDPOTrainer(model=model, ref_model=ref, args=args, train_dataset=data, processing_class=tokenizer, impl=IMPL)
+    return theirs, ours
+
+
+def perturb(*trainers):
+    """The same change to each policy: it then differs from its reference, so rewards are not 0."""
+    with torch.no_grad():
+        for trainer in trainers:
+            for p in trainer.model.parameters():
+                p.add_(0.05 * torch.sin(torch.arange(p.numel(), dtype=p.dtype)).view_as(p))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(beta=0.1),
+        dict(beta=0.5, loss_type=["sigmoid", "sft"], loss_weights=[0.5, 0.5]),
+        dict(beta=0.1, precompute=True),
+        dict(beta=0.1, moe=True),
+    ],
+    ids=["sigmoid", "sigmoid+sft", "precomputed-ref", "moe-aux-loss"],
+)
+def test_dpo_loss_metrics_and_grads_match_trl(tmp_path, tokenizer, config):
+    theirs, ours = dpo_pair(tmp_path, tokenizer, **config)
+    perturb(theirs, ours)
+    batch = next(iter(theirs.get_train_dataloader()))
+    results = []
+    for trainer in (theirs, ours):
+        inputs = trainer._prepare_inputs(copy.deepcopy(batch))
+        loss = trainer.compute_loss(trainer.model, inputs)
+        loss.backward()
+        results.append((loss.detach(), last_metrics(trainer), grads(trainer.model)))
+    (loss_t, metrics_t, grads_t), (loss_o, metrics_o, grads_o) = results
+    torch.testing.assert_close(loss_o, loss_t, rtol=1e-5, atol=1e-6)
+    assert_same_grads(grads_o, grads_t)
+    logged = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected", "num_tokens"]
+    logged += ["aux_loss"] if config.get("moe") else []
+    assert set(logged) <= metrics_o.keys() <= metrics_t.keys()
+    for key in logged:
+        assert metrics_o[key] == pytest.approx(metrics_t[key], rel=1e-5, abs=1e-6), key
+    assert metrics_t["rewards/margins"] != 0.0  # the comparison saw real rewards
+
+
+def test_dpo_trains_two_steps(tmp_path, tokenizer):
+    _, ours = dpo_pair(tmp_path, tokenizer, beta=0.1, max_steps=2, learning_rate=1e-3)
+    before = {n: p.detach().clone() for n, p in ours.model.named_parameters()}
+    ours.train()
+    steps = [log for log in ours.state.log_history if "loss" in log]
+    assert len(steps) == 2 and all(torch.isfinite(torch.tensor(log["loss"])) for log in steps)
+    assert all("rewards/margins" in log and "logps/chosen" in log for log in steps)
+    assert any(not torch.equal(before[n], p) for n, p in ours.model.named_parameters())
+
+
+def test_dpo_evaluate_matches_trl(tmp_path, tokenizer):
+    """Evaluation: TRL's prediction_step asks compute_loss for outputs (the logits, from one more
+    forward); the eval loss and metrics are TRL's."""
+    theirs, ours = dpo_pair(tmp_path, tokenizer, beta=0.1, per_device_eval_batch_size=4)
+    perturb(theirs, ours)
+    data = preference_data(4)
+    results = [trainer.evaluate(eval_dataset=data) for trainer in (theirs, ours)]
+    assert results[0]["eval_rewards/margins"] != 0.0 and "eval_rewards/margins" in results[1]
+    for key in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected"):
+        assert results[1][key] == pytest.approx(results[0][key], rel=1e-5, abs=1e-6), key
+
+
+def test_untested_trl_version_warns(monkeypatch, caplog):
+    monkeypatch.setattr(pktrl.importlib.metadata, "version", lambda name: "1.99.0")
+    with caplog.at_level("WARNING", logger=pktrl.__name__):
+        pktrl._warn_untested_trl.__wrapped__()
+    assert "TRL 1.99.0 is installed" in caplog.text
+
+
+def test_dpo_default_selection_runs(tmp_path, tokenizer):
+    """No impl=: polykernel's own selection picks the loss's impl."""
+    _, ours = dpo_pair(tmp_path, tokenizer)
+    ours._polykernel_impl = None
+    inputs = ours._prepare_inputs(next(iter(ours.get_train_dataloader())))
+    loss = ours.compute_loss(ours.model, inputs)
+    loss.backward()
+    assert torch.isfinite(loss) and ours.model.lm_head.weight.grad is not None
+
+
+def test_dpo_mixed_precision_projects_in_the_autocast_dtype(tmp_path, tokenizer, monkeypatch):
+    """With bf16 (TRL's default) and fp32 weights, TRL's head projects in bf16 under autocast; so
+    does ours (the policy's head and the reference's), and the loss stays within bf16 of TRL's."""
+    theirs, ours = dpo_pair(tmp_path, tokenizer, bf16=True)
+    seen = []
+    real = pktrl._pk.fused_linear_dpo_loss
+
+    def spy(hidden, weight, target, bias=None, **kwargs):
+        seen.append((hidden.dtype, weight.dtype, kwargs["ref_hidden"].dtype, kwargs["ref_weight"].dtype))
+        return real(hidden, weight, target, bias, **kwargs)
+
+    monkeypatch.setattr(pktrl._pk, "fused_linear_dpo_loss", spy)
+    batch = next(iter(theirs.get_train_dataloader()))
+    losses = []
+    for trainer in (theirs, ours):
+        with trainer.compute_loss_context_manager():
+            losses.append(trainer.compute_loss(trainer.model, trainer._prepare_inputs(copy.deepcopy(batch))).detach())
+    assert seen == [(torch.bfloat16,) * 4]
+    torch.testing.assert_close(losses[1], losses[0], rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize(
+    ("config", "option"),
+    [
+        (dict(loss_type=["hinge"]), "loss_type"),
+        (dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5]), "loss_type"),
+        (dict(f_divergence_type="js_divergence"), "f_divergence_type"),
+        (dict(ld_alpha=0.5), "ld_alpha"),
+        (dict(use_weighting=True), "use_weighting"),
+    ],
+)
+def test_dpo_unsupported_config_raises_before_data(tmp_path, tokenizer, config, option):
+    args = trl.DPOConfig(**config, **common_args(tmp_path))
+    never_read = datasets.Dataset.from_list([{"unexpected": 1}])  # TRL would fail on it: the check comes first
+    with pytest.raises(pktrl.UnsupportedTRLConfig, match=option) as info:
+        pktrl.PolykernelDPOTrainer(model=tiny_llama(), ref_model=tiny_llama(), args=args, train_dataset=never_read,
+                                   processing_class=tokenizer)  # fmt: skip
+    assert info.value.option == option
+
+
+def test_dpo_softcapped_model_raises(tmp_path, tokenizer):
+    model = tiny_llama()
+    model.config.final_logit_softcapping = 30.0
+    args = trl.DPOConfig(**common_args(tmp_path))
+    with pytest.raises(pktrl.UnsupportedTRLConfig, match="final_logit_softcapping"):
+        pktrl.PolykernelDPOTrainer(model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=preference_data(),
+                                   processing_class=tokenizer)  # fmt: skip
+
+
+# -- GRPO --------------------------------------------------------------------------------------
+def grpo_pair(tmp_path, tokenizer, *, moe=False, **config):
+    """TRL's trainer and ours on the same saved model (GRPO builds its reference from the path)."""
+    path = tmp_path / "model"
+    (tiny_mixtral() if moe else tiny_llama()).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    config.setdefault("beta", 0.0)
+    if config["beta"] != 0.0:
+        config.setdefault("use_bias_correction_kl", False)
+    args = trl.GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=6, **config, **common_args(tmp_path))
+    kwargs = dict(reward_funcs=reward_len, train_dataset=prompt_data(), processing_class=tokenizer)
+    theirs = trl.GRPOTrainer(model=str(path), args=copy.deepcopy(args), **kwargs)
+    ours = pktrl.PolykernelGRPOTrainer(model=str(path), args=args, impl=IMPL, **kwargs)
+    return theirs, ours
+
+
+GRPO_CASES = [
+    dict(loss_type="grpo"),
+    dict(loss_type="bnpo", beta=0.04),
+    dict(loss_type="dr_grpo", importance_sampling_level="sequence"),
+    dict(loss_type="dapo", beta=0.04, temperature=0.7),
+    dict(loss_type="dapo", importance_sampling_level="sequence", off_policy=True),
+    dict(loss_type="grpo", beta=0.04, epsilon=0.1, epsilon_high=0.3, off_policy=True),
+    dict(loss_type="bnpo", moe=True),
+]
+
+
+@pytest.mark.parametrize("config", GRPO_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_grpo_loss_metrics_and_grads_match_trl(tmp_path, tokenizer, config):
+    config = dict(config)
+    off_policy = config.pop("off_policy", False)
+    theirs, ours = grpo_pair(tmp_path, tokenizer, **config)
+    batch = next(iter(theirs.get_train_dataloader()))
+    inputs = theirs._generate_and_score_completions(batch)  # one generated batch, fed to both
+    assert inputs["completion_mask"].sum() > 0
+    if off_policy:  # an older policy's log-probs, far enough off for the ratios to clip
+        noise = torch.randn(inputs["completion_ids"].shape, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            logps, _, _ = theirs._get_per_token_logps_and_entropies(
+                theirs.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+                torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), inputs["completion_ids"].size(1),
+            )  # fmt: skip
+        inputs["old_per_token_logps"] = logps + noise
+    results = []
+    for trainer in (theirs, ours):
+        trainer.model.train()  # as in training (from_pretrained gives an eval-mode model)
+        trainer.current_gradient_accumulation_steps = 2  # TRL scales the loss for gradient accumulation
+        loss = trainer.compute_loss(trainer.model, copy.deepcopy(inputs))
+        loss.backward()
+        results.append((loss.detach(), last_metrics(trainer), grads(trainer.model)))
+    (loss_t, metrics_t, grads_t), (loss_o, metrics_o, grads_o) = results
+    torch.testing.assert_close(loss_o, loss_t, rtol=1e-5, atol=1e-6)
+    assert_same_grads(grads_o, grads_t)
+    logged = ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
+    logged += ["kl"] if config.get("beta", 0.0) else []
+    logged += [] if off_policy else ["clip_ratio/low_min", "clip_ratio/high_max"]
+    logged += ["aux_loss"] if config.get("moe") else []
+    assert set(logged) <= metrics_o.keys() <= metrics_t.keys()
+    for key in logged:
+        assert metrics_o[key] == pytest.approx(metrics_t[key], rel=1e-5, abs=1e-6), key
+    if off_policy:
+        assert metrics_t["clip_ratio/region_mean"] > 0  # the comparison saw clipped tokens
+
+
+def test_grpo_trains_two_steps(tmp_path, tokenizer):
+    _, ours = grpo_pair(tmp_path, tokenizer, loss_type="dapo", beta=0.04, max_steps=2, learning_rate=1e-3)
+    ours.train()
+    steps = [log for log in ours.state.log_history if "loss" in log]
+    assert len(steps) == 2 and all(torch.isfinite(torch.tensor(log["loss"])) for log in steps)
+    assert all("kl" in log and "clip_ratio/region_mean" in log and "reward" in log for log in steps)
+
+
+@pytest.mark.parametrize(
+    ("config", "option"),
+    [
+        (dict(loss_type="cispo"), "loss_type"),
+        (dict(beta=0.04), "use_bias_correction_kl"),  # TRL's default: the importance-weighted KL
+        (dict(delta=1.5), "delta"),
+        (dict(top_entropy_quantile=0.5), "top_entropy_quantile"),
+        (dict(entropy_coef=0.01), "entropy_coef"),
+        (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
+    ],
+)
+def test_grpo_unsupported_config_raises(tmp_path, tokenizer, config, option):
+    args = trl.GRPOConfig(per_device_train_batch_size=4, num_generations=4, **config, **common_args(tmp_path))
+    with pytest.raises(pktrl.UnsupportedTRLConfig, match=option) as info:
+        pktrl.PolykernelGRPOTrainer(model=tiny_llama(), reward_funcs=reward_len, args=args, train_dataset=prompt_data(),
+                                    processing_class=tokenizer)  # fmt: skip
+    assert info.value.option == option
+
+
+def test_multimodal_batch_raises_before_the_model_runs(tmp_path, tokenizer):
+    _, ours = dpo_pair(tmp_path, tokenizer)
+    inputs = ours._prepare_inputs(next(iter(ours.get_train_dataloader())))
+    inputs["pixel_values"] = torch.zeros(1, 3, 4, 4)
+    with pytest.raises(pktrl.UnsupportedTRLConfig, match="pixel_values"):
+        ours.compute_loss(ours.model, inputs)
+
+
+def test_importing_integrations_does_not_import_trl():
+    import subprocess
+    import sys
+
+    code = "import polykernel, polykernel.integrations, sys; assert 'trl' not in sys.modules, 'trl imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
