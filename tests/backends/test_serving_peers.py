@@ -187,6 +187,12 @@ def fake_flashinfer(monkeypatch):
     fi = types.ModuleType("flashinfer")
     norm, activation, rope_mod = (types.ModuleType(f"flashinfer.{n}") for n in ("norm", "activation", "rope"))
     norm.rmsnorm, norm.gemma_rmsnorm = rec("rmsnorm", rmsnorm(0.0)), rec("gemma_rmsnorm", rmsnorm(1.0))
+
+    def rmsnorm_quant(out, input, weight, scale, eps=1e-6, enable_pdl=None):
+        assert out.dtype == torch.float8_e4m3fn and scale.shape == (1,) and scale.dtype == torch.float32
+        out.copy_((_norm(input, weight, eps, 0.0) * (1.0 / scale)).clamp(-448.0, 448.0))
+
+    norm.rmsnorm_quant = rec("rmsnorm_quant", rmsnorm_quant)
     norm.fused_add_rmsnorm, norm.gemma_fused_add_rmsnorm = rec("fused_add_rmsnorm", fused(0.0)), rec("gemma_fused_add_rmsnorm", fused(1.0))
     activation.silu_and_mul = rec("silu_and_mul", act(torch.nn.functional.silu))
     activation.gelu_and_mul = rec("gelu_and_mul", act(torch.nn.functional.gelu))
@@ -279,6 +285,19 @@ def test_flashinfer_rope_adapter(fake_flashinfer, cache_dtype):
     else:
         ((_, args, _),) = fake_flashinfer
         assert args[1] is q and args[2] is k and args[3] == 64 and args[4].dtype == torch.float32 and args[5] is False
+
+
+def test_flashinfer_rms_norm_quant_fp8_adapter(fake_flashinfer):
+    x, w, scale = t(2, 3, 64), t(64), torch.tensor([0.01])
+    q = torch.empty(2, 3, 64, dtype=torch.float8_e4m3fn)
+    assert _adapter("flashinfer", "rms_norm_quant_fp8")(x, w, scale, 1e-6, q) is q
+    ((name, args, _),) = fake_flashinfer
+    assert name == "rmsnorm_quant" and args[0].shape == (6, 64) and args[1].shape == (6, 64) and args[4] == 1e-6
+    want = polykernel.rms_norm_quant_fp8(x, w, scale, impl="torch")
+    assert (q.float() - want.float()).abs().max() <= 0.0625 * want.float().abs().max()  # within an fp8 rounding
+    assert _why("rms_norm_quant_fp8", "flashinfer", x, w, scale) is None
+    assert "per tensor" in _why("rms_norm_quant_fp8", "flashinfer", x, w, torch.full((2, 3, 1), 0.01))
+    assert "weight" in _why("rms_norm_quant_fp8", "flashinfer", x, t(64, dtype=torch.float32), scale)
 
 
 # -- fake sgl-kernel: its library's schemas, defined through torch.library ----------------------
@@ -412,9 +431,11 @@ def test_sgl_rope_adapter(fake_sgl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", (*OPS, "serving.rms_norm_quant_fp8"))
 @pytest.mark.parametrize("peer", PEERS)
 def test_parity_gpu(op, peer):
+    if peer not in registry.specs_for(op):
+        pytest.skip(f"{peer} has no {op}")
     pytest.importorskip(peer)
     results = polykernel.testing.check_parity(op, [peer], device="cuda", dtypes=[torch.bfloat16, torch.float16, torch.float32], large=True)
     ran = [r for r in results if not r.skipped]

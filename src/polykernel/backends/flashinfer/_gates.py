@@ -27,3 +27,11 @@ def rotary_embedding_(a: Any) -> str | None:
     if a.rotary_dim % step:
         return f"FlashInfer rotates whole vectors: rotary_dim a multiple of {step} at head_size {a.head_size}, got {a.rotary_dim}"
     return None
+
+
+def rms_norm_quant_fp8(a: Any) -> str | None:
+    if a.per_row:
+        return "FlashInfer's rmsnorm_quant takes one scale per tensor, not one per row"
+    if a.weight_dtype != a.dtype:
+        return f"FlashInfer reads the weight as x's dtype: needs weight in {a.dtype}, got {a.weight_dtype}"
+    return None
