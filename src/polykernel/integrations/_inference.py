@@ -71,6 +71,13 @@ def base_model_forward(base: Callable, stream: _Stream) -> Callable:
     return forward
 
 
+def _closed(hidden_states: torch.Tensor, stream: _Stream) -> torch.Tensor:
+    """The stream itself, for a module that runs its own forward: a pending residual (the previous
+    layer carried it) added to the MLP output the previous layer returned."""
+    residual, stream.residual = stream.residual, None
+    return hidden_states if residual is None else residual + hidden_states
+
+
 def decoder_layer_forward(base: Callable, stream: _Stream, first: bool) -> Callable:
     """A decoder layer that takes the previous layer's MLP output (``first``: the embeddings) and
     hands its own MLP output on, the stream carried in ``stream``."""
@@ -78,7 +85,7 @@ def decoder_layer_forward(base: Callable, stream: _Stream, first: bool) -> Calla
     @functools.wraps(base)
     def forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not stream.active or args or (not first and stream.residual is None):
-            return base(self, hidden_states, *args, **kwargs)
+            return base(self, _closed(hidden_states, stream), *args, **kwargs)
         w, eps = _norm_args(self.input_layernorm)
         if first:  # the stream starts as a copy of the embeddings (the caller's inputs_embeds stay as they are)
             residual = hidden_states.clone()
@@ -102,7 +109,7 @@ def final_norm_forward(base: Callable, stream: _Stream) -> Callable:
     def forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         residual = stream.residual
         if not stream.active or residual is None or args or kwargs:
-            return base(self, hidden_states, *args, **kwargs)
+            return base(self, _closed(hidden_states, stream), *args, **kwargs)
         stream.residual = None
         return _pk.fused_add_rms_norm_(hidden_states, residual, self.weight, self.variance_epsilon)[0]
 
