@@ -5,6 +5,7 @@ they are called and compute the peers' documented math on the CPU. Real-peer par
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -201,9 +202,25 @@ def fake_flashinfer(monkeypatch):
     fi.norm, fi.activation, fi.rope = norm, activation, rope_mod
     for name, mod in (("flashinfer", fi), ("flashinfer.norm", norm), ("flashinfer.activation", activation), ("flashinfer.rope", rope_mod)):
         monkeypatch.setitem(sys.modules, name, mod)
-    for name in [m for m in sys.modules if m.startswith("polykernel.backends.flashinfer.")]:
-        monkeypatch.delitem(sys.modules, name)
-    return calls
+    with _fresh_adapters("flashinfer", monkeypatch):
+        yield calls
+
+
+@contextlib.contextmanager
+def _fresh_adapters(peer: str, monkeypatch):
+    """Adapters imported inside the block bind the fake peer: none of them may outlive it (a
+    later test, on a machine with the real peer, would load the fake-bound module)."""
+
+    def adapters() -> list[str]:
+        return [m for m in sys.modules if m.startswith(f"polykernel.backends.{peer}.") and not m.endswith("._gates")]
+
+    for name in adapters():
+        monkeypatch.delitem(sys.modules, name)  # (put back when the test ends)
+    try:
+        yield
+    finally:
+        for name in adapters():
+            del sys.modules[name]
 
 
 def _adapter(peer: str, op: str):
@@ -285,6 +302,15 @@ def test_flashinfer_rope_adapter(fake_flashinfer, cache_dtype):
     else:
         ((_, args, _),) = fake_flashinfer
         assert args[1] is q and args[2] is k and args[3] == 64 and args[4].dtype == torch.float32 and args[5] is False
+
+
+def test_fake_bound_adapters_do_not_outlive_their_test(fake_flashinfer):
+    _adapter("flashinfer", "silu_and_mul")
+    assert "polykernel.backends.flashinfer.silu_and_mul" in sys.modules
+
+
+def test_fake_bound_adapters_are_gone():  # (runs after the one above: file order)
+    assert "polykernel.backends.flashinfer.silu_and_mul" not in sys.modules or "flashinfer" in sys.modules
 
 
 def test_flashinfer_rms_norm_quant_fp8_adapter(fake_flashinfer):
@@ -378,10 +404,9 @@ def _sgl_library():
 @pytest.fixture
 def fake_sgl(_sgl_library, monkeypatch):
     monkeypatch.setitem(sys.modules, "sgl_kernel", types.ModuleType("sgl_kernel"))
-    for name in [m for m in sys.modules if m.startswith("polykernel.backends.sgl_kernel.") and not m.endswith("_gates")]:
-        monkeypatch.delitem(sys.modules, name)
     _sgl_calls.clear()
-    return _sgl_calls
+    with _fresh_adapters("sgl_kernel", monkeypatch):
+        yield _sgl_calls
 
 
 @pytest.mark.parametrize("offset", [0.0, 1.0])
