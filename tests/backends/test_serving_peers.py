@@ -468,3 +468,16 @@ def test_parity_gpu(op, peer):
     assert ran, f"{peer} ran no case of {op}"
     failed = [r for r in ran if not r.ok]
     assert not failed, "\n".join(map(str, failed))
+
+
+def test_their_versions_name_the_tuning_namespace():
+    """A decision measured with one FlashInfer or sgl-kernel never applies under another (read
+    from the distributions' metadata: nothing is imported)."""
+    from polykernel.tuning import key
+
+    key._static_identity.cache_clear()
+    identity = key.identity
+
+    before = {m for m in ("flashinfer", "sgl_kernel") if m in sys.modules}
+    assert {"flashinfer-python", "sglang-kernel"} <= set(identity()["backends"])
+    assert {m for m in ("flashinfer", "sgl_kernel") if m in sys.modules} == before
