@@ -165,3 +165,14 @@ def test_inference_mode_errors():
     )
     with pytest.raises(ValueError, match="supports llama, not 'gemma'"):
         patch(gemma, mode="inference")
+
+
+def test_patched_under_inference_mode_the_weights_stay_normal_tensors():
+    """The merge happens at patch time; a model first run under inference_mode still trains."""
+    _, model = pair(layers=1)
+    with torch.inference_mode():
+        model(prompt())
+    mlp = model.model.layers[0].mlp
+    assert not mlp.gate_proj.weight.is_inference() and not mlp.__dict__["_polykernel_gate_up_weight"].is_inference()
+    model(prompt()).logits.sum().backward()
+    assert mlp.up_proj.weight.grad is not None

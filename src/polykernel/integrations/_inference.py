@@ -126,11 +126,17 @@ def _merged(mlp: nn.Module, name: str) -> torch.Tensor | None:
     merged = mlp.__dict__.get(f"_polykernel_gate_up_{name}")
     if merged is not None and gate.data_ptr() == merged.data_ptr() and up.data_ptr() == merged[gate.shape[0] :].data_ptr():
         return merged
-    with torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():  # parameters stay normal tensors, even if first merged under inference_mode
         merged = torch.cat((gate.detach(), up.detach()), 0)
         gate.data, up.data = merged[: gate.shape[0]], merged[gate.shape[0] :]
     mlp.__dict__[f"_polykernel_gate_up_{name}"] = merged
     return merged
+
+
+def merge_gate_up(mlp: nn.Module) -> None:
+    """Merge the MLP's gate and up projections now (at patch time, outside any inference mode)."""
+    _merged(mlp, "weight")
+    _merged(mlp, "bias")
 
 
 def mlp_forward(base: Callable, activation: tuple[str, str | None]) -> Callable:

@@ -1003,6 +1003,7 @@ def _patch_inference(model: nn.Module, rope: bool) -> nn.Module:
             activation = _gated_activation(layer.mlp.act_fn) if _mlp_supported(layer.mlp) is None else None
             if activation is not None:
                 _install(layer.mlp, lambda b, a=activation: _inference.mlp_forward(b, a))
+                _inference.merge_gate_up(layer.mlp)
             if rope and _calls_rope(layer.self_attn):
                 _install(layer.self_attn, lambda b, m=modeling, f=family: _attention_forward(b, m, f))
     logger.info("polykernel: patched %s for inference: %s", type(model).__name__, {k: len(v) for k, v in patched(model).items()})
