@@ -47,6 +47,8 @@ class KernelBackend(str, Enum):
     CUDA_JIT = "cuda_jit"
     LIGER = "liger"
     QUACK = "quack"
+    FLASHINFER = "flashinfer"
+    SGL_KERNEL = "sgl_kernel"
 
     def __str__(self) -> str:  # "triton", not "KernelBackend.TRITON", in messages
         return self.value

@@ -975,6 +975,41 @@ def _patch_model(model: nn.Module, switches: dict[str, bool]) -> nn.Module:
     return model
 
 
+# -- inference mode (polykernel.integrations._inference) ---------------------------------------
+MODES = ("default", "inference")
+
+
+def _patch_inference(model: nn.Module, rope: bool) -> nn.Module:
+    """``patch(model, mode="inference")``: the decoder on the serving ops (see ``_inference``)."""
+    from . import _inference
+
+    bases = [(n, m, c[0]) for n, m in model.named_modules() if (c := _classify(m)) is not None and c[1] == "base_model"]
+    if not bases or any(f.model_type not in _inference.FAMILIES for _, _, f in bases):
+        kind = bases[0][2].model_type if bases else getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise ValueError(
+            f"polykernel.integrations.transformers.patch: mode='inference' supports {', '.join(_inference.FAMILIES)}, not {kind!r}"
+        )
+    unpatch(model)
+    for name, base_model, family in bases:
+        layers = _inference.decoder_layers(base_model)
+        if isinstance(layers, str):
+            raise ValueError(f"polykernel.integrations.transformers.patch: mode='inference': {name or '<model>'}: {layers}")
+        stream = _inference._Stream()
+        _install(base_model, lambda b, s=stream: _inference.base_model_forward(b, s))
+        _install(base_model.norm, lambda b, s=stream: _inference.final_norm_forward(b, s))
+        modeling = sys.modules[family.module]
+        for i, layer in enumerate(layers):
+            _install(layer, lambda b, s=stream, first=i == 0: _inference.decoder_layer_forward(b, s, first))
+            activation = _gated_activation(layer.mlp.act_fn) if _mlp_supported(layer.mlp) is None else None
+            if activation is not None:
+                _install(layer.mlp, lambda b, a=activation: _inference.mlp_forward(b, a))
+                _inference.merge_gate_up(layer.mlp)
+            if rope and _calls_rope(layer.self_attn):
+                _install(layer.self_attn, lambda b, m=modeling, f=family: _attention_forward(b, m, f))
+    logger.info("polykernel: patched %s for inference: %s", type(model).__name__, {k: len(v) for k, v in patched(model).items()})
+    return model
+
+
 # -- class patching ----------------------------------------------------------------------------
 _CLASS_PATCHES: dict[str, list[tuple[Any, str, Any]]] = {}  # model_type -> [(owner, attr, original)]
 _CLASS_LEFT_ALONE: dict[str, dict[str, str]] = {}  # model_type -> kind -> why
@@ -1039,6 +1074,7 @@ def patch(
     cross_entropy: bool = True,
     fused_linear_cross_entropy: bool = True,
     sdpa_is_causal: bool = True,
+    mode: str = "default",
 ) -> nn.Module | None:
     """Run a Hugging Face model's norms, MLP activations, RoPE and loss on polykernel's ops.
 
@@ -1050,8 +1086,17 @@ def patch(
     transformers does outside compile (same result; keeps SDPA's flash/GQA path). Patching again
     re-applies with the new switches.
 
+    ``mode="inference"`` (a built Llama): the decoder as a serving engine runs it, on the serving
+    ops: the residual stream carried between layers through ``fused_add_rms_norm_``, one merged
+    gate/up matmul and ``silu_and_mul``, RoPE as ``rope=`` says; the other switches do not apply
+    (see :mod:`polykernel.integrations._inference`). Its norms round once (the serving op's), so
+    16-bit logits differ from transformers' at that dtype's roundoff.
+
     >>> patch(model, rope=False)        # doctest: +SKIP
+    >>> patch(model, mode="inference")  # doctest: +SKIP
     """
+    if mode not in MODES:
+        raise ValueError(f"polykernel.integrations.transformers.patch: mode must be one of {MODES}, got {mode!r}")
     switches = {
         "rms_norm": rms_norm,
         "swiglu": swiglu,
@@ -1061,12 +1106,16 @@ def patch(
         "sdpa_is_causal": sdpa_is_causal,
     }
     if isinstance(model, str):
+        if mode != "default":
+            raise ValueError("polykernel.integrations.transformers.patch: mode='inference' patches a built model, not a model type")
         _patch_classes(model, switches)
         return None
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"polykernel.integrations.transformers.patch: expected a torch.nn.Module or a model type string, got {type(model).__name__}"
         )
+    if mode == "inference":
+        return _patch_inference(model, rope)
     return _patch_model(model, switches)
 
 

@@ -15,6 +15,10 @@ from __future__ import annotations
 import torch
 
 from ..backends.declare import impls
+from ..backends.flashinfer import FLASHINFER
+from ..backends.flashinfer import _gates as flashinfer_gates
+from ..backends.sgl_kernel import SGL_KERNEL
+from ..backends.sgl_kernel import _gates as sgl_gates
 from ..backends.torch import TORCH
 from ..backends.triton import TRITON
 from ..core.op import Bounds, Case, ErrorModel, Op, rows_and_len
@@ -134,6 +138,20 @@ IMPLS = impls(
         rank=10,
         supports_backward=False,
         description="norm.fused_add_rms_norm's forward kernel writing y over x and s over residual (one launch, no allocation)",
+    ),
+    # Serving peers (FlashInfer's FusedAddRMSNorm, also inside sgl-kernel): they normalise the fp32
+    # sum before rounding it, within the error model above; unmeasured, so behind Triton.
+    FLASHINFER.impl(
+        rank=70,
+        supports_backward=False,
+        description="FlashInfer fused_add_rmsnorm / gemma_fused_add_rmsnorm in place (offset 0 or 1, weight of x's dtype); other layouts: torch",
+        predicate=flashinfer_gates.fused_add_rms_norm_,
+    ),
+    SGL_KERNEL.impl(
+        rank=75,
+        supports_backward=False,
+        description="sgl-kernel fused_add_rmsnorm / gemma_fused_add_rmsnorm in place (offset 0 or 1, weight of x's dtype); other layouts: torch",
+        predicate=sgl_gates.fused_add_rms_norm_,
     ),
 )
 

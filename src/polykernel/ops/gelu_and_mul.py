@@ -12,6 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from ..backends.declare import impls
+from ..backends.flashinfer import FLASHINFER
+from ..backends.sgl_kernel import SGL_KERNEL
+from ..backends.sgl_kernel import _gates as sgl_gates
 from ..backends.torch import TORCH
 from ..backends.triton import TRITON
 from ..core.op import Bounds, Case, Op
@@ -77,6 +80,16 @@ IMPLS = impls(
         rank=10,
         supports_backward=False,
         description="geglu's elementwise kernel (erf or tanh) on x's two halves (row-strided views: no copy), writing out",
+    ),
+    # Serving peers, unmeasured: behind Triton
+    FLASHINFER.impl(
+        rank=70, supports_backward=False, description="FlashInfer gelu_and_mul / gelu_tanh_and_mul (dense x and out, else copies)"
+    ),
+    SGL_KERNEL.impl(
+        rank=75,
+        supports_backward=False,
+        description="sgl-kernel gelu_and_mul / gelu_tanh_and_mul (rows in multiples of 16 bytes; dense x and out, else copies)",
+        predicate=sgl_gates.gelu_and_mul,
     ),
 )
 

@@ -15,10 +15,14 @@ from ..backends.cute_dsl import _gates as cute_gates
 from ..backends.cutile import CUTILE
 from ..backends.cutile import _gates as cutile_gates
 from ..backends.declare import impls
+from ..backends.flashinfer import FLASHINFER
+from ..backends.flashinfer import _gates as flashinfer_gates
 from ..backends.liger import LIGER
 from ..backends.liger import _gates as liger_gates
 from ..backends.quack import QUACK
 from ..backends.quack import _gates as quack_gates
+from ..backends.sgl_kernel import SGL_KERNEL
+from ..backends.sgl_kernel import _gates as sgl_gates
 from ..backends.torch import TORCH
 from ..backends.triton import TRITON
 from ..core.hit_guard import LAST, SHAPE
@@ -215,6 +219,20 @@ IMPLS = impls(
         rank=40,
         description="rows in registers, 128-bit vectors, warp/block/cluster sums (rows past 16K over a thread-block cluster, DSMEM); dW from per-CTA partials (deterministic)",
         predicate=cute_gates.rms_norm,
+    ),
+    # Serving peers, forward only (no backward: passed by when a gradient is wanted); unmeasured,
+    # so behind every other impl: they run by name or when measured selection picks them.
+    FLASHINFER.impl(
+        rank=70,
+        supports_backward=False,
+        description="FlashInfer rmsnorm / gemma_rmsnorm (offset 0 or 1), forward only; casting='fp32', weight of x's dtype",
+        predicate=flashinfer_gates.rms_norm,
+    ),
+    SGL_KERNEL.impl(
+        rank=75,
+        supports_backward=False,
+        description="sgl-kernel rmsnorm / gemma_rmsnorm (offset 0 or 1), forward only; casting='fp32', weight of x's dtype",
+        predicate=sgl_gates.rms_norm,
     ),
 )
 

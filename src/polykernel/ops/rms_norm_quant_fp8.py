@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..backends.declare import impls
+from ..backends.flashinfer import FLASHINFER
+from ..backends.flashinfer import _gates as flashinfer_gates
 from ..backends.torch import TORCH
 from ..backends.triton import TRITON
 from ..core.op import Bounds, Case, ErrorModel, Op, rows_and_len
@@ -132,6 +134,14 @@ IMPLS = impls(
         capabilities=serving.FP8_CAPS,
         supports_backward=False,
         description="one pass per row block (normalise, weight, scale, e4m3 from registers; chunked past 16K)",
+    ),
+    # FlashInfer's fused RMSNorm + fp8 quantisation, unmeasured: behind Triton
+    FLASHINFER.impl(
+        rank=70,
+        capabilities=serving.FP8_CAPS,
+        supports_backward=False,
+        description="FlashInfer rmsnorm_quant (one scale per tensor, weight of x's dtype; x times 1/scale)",
+        predicate=flashinfer_gates.rms_norm_quant_fp8,
     ),
 )
 

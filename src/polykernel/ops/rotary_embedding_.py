@@ -25,6 +25,10 @@ from __future__ import annotations
 import torch
 
 from ..backends.declare import impls
+from ..backends.flashinfer import FLASHINFER
+from ..backends.flashinfer import _gates as flashinfer_gates
+from ..backends.sgl_kernel import SGL_KERNEL
+from ..backends.sgl_kernel import _gates as sgl_gates
 from ..backends.torch import TORCH
 from ..backends.triton import TRITON
 from ..core.op import Bounds, Case, ErrorModel, Op
@@ -299,6 +303,21 @@ IMPLS = impls(
         rank=10,
         supports_backward=False,
         description="one program per (token, block of heads of q or k): the token's cos/sin row gathered once, pairs rotated in place",
+    ),
+    # Serving peers, unmeasured: behind Triton. Neither guards positions outside the cache (they
+    # read the row named; ours write NaN), so they run by name or when measured selection picks them.
+    FLASHINFER.impl(
+        rank=70,
+        supports_backward=False,
+        description="FlashInfer apply_rope_with_cos_sin_cache_inplace (with a key; head 64/128/256/512; fp32 cache, 16-bit widened)",
+        predicate=flashinfer_gates.rotary_embedding_,
+    ),
+    SGL_KERNEL.impl(
+        rank=75,
+        supports_backward=False,
+        dtypes=("float32", "bfloat16", "float16"),
+        description="sgl-kernel rotary_embedding (vLLM's kernel), float32 only: it computes in the tensors' dtype",
+        predicate=sgl_gates.rotary_embedding_,
     ),
 )
 

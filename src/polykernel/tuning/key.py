@@ -31,7 +31,7 @@ SCHEMA = 1
 # Names the timing method in the identity: times taken another way never mix with these.
 TIMING_METHOD = "cuda: events, L2 flushed, interleaved, median + host perf_counter per call; cpu: wall, interleaved, median"
 # Distributions whose version changes what an impl does (None when not installed).
-BACKEND_DISTS = ("triton", "nvidia-cutlass-dsl", "cuda-tile", "liger-kernel", "quack-kernels")
+BACKEND_DISTS = ("triton", "nvidia-cutlass-dsl", "cuda-tile", "liger-kernel", "quack-kernels", "flashinfer-python", "sglang-kernel")
 
 
 def _version(dist: str) -> str | None:

@@ -1,0 +1,249 @@
+"""Decode loop of a Llama-1B-shaped model as a serving engine runs it (issue 25's client).
+
+A ``transformers`` Llama (hidden 2048, 16 layers, 32/8 heads, intermediate 8192, vocab 128256,
+tied embeddings; random weights), bf16, a ``StaticCache``; a prompt is prefilled (not timed),
+then greedy decode steps of one token per sequence, at batch 1 and 32. Variants:
+
+- ``plain``: transformers' model as it is; ``polykernel``: ``patch(model, mode="inference")``
+  (residual stream through ``fused_add_rms_norm_``, merged gate/up + ``silu_and_mul``, rope);
+  ``polykernel[flashinfer]`` / ``polykernel[sgl_kernel]``: the same with that provider preferred
+  (``polykernel.set_impl``) wherever its gates take the call;
+- each of those eager (``[eager]``: one Python-driven step, what launch overhead costs) and with the
+  step captured in one CUDA graph (``[graph]``: the step, the next token fed back and the position
+  advanced, all inside the graph; one replay per token);
+- ``compile[reduce-overhead]``: the unpatched model's forward under
+  ``torch.compile(mode="reduce-overhead")`` (Inductor + CUDA graphs).
+
+Reported per variant and batch: ms per decode step (= per token of each sequence; median of
+``--repeats`` timed runs of ``--steps`` steps, CUDA events), tokens/s (batch / step time), and how
+far the first step's logits are from ``plain[eager]``'s (max |diff|) and whether the greedy tokens
+agree. A variant that fails records its error and the rest go on.
+
+    PYTHONPATH=src python benchmarks/models/decode_loop.py --json OUT.json            # H200, ~3-5 min
+    PYTHONPATH=src python benchmarks/models/decode_loop.py --tiny --json OUT.json     # CPU: tiny, eager only
+
+``--variants`` picks a comma-separated subset; ``--batches`` (default 1,32), ``--prompt`` (128),
+``--steps`` (64), ``--repeats`` (5); ``--layers``/``--hidden``/... shrink the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EAGER = ("plain[eager]", "polykernel[eager]", "polykernel[flashinfer][eager]", "polykernel[sgl_kernel][eager]")
+GRAPH = ("plain[graph]", "polykernel[graph]", "polykernel[flashinfer][graph]", "polykernel[sgl_kernel][graph]")
+COMPILED = ("compile[reduce-overhead]",)
+ALL = EAGER + GRAPH + COMPILED
+
+
+def build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Any:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))  # norm weights off their init
+    return model.to(dtype).eval()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timer:
+    """Elapsed ms of a block: CUDA events on the GPU, perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self, fn: Any) -> float:
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+
+def run_variant(name: str, base: Any, args: argparse.Namespace, batch: int, device: torch.device) -> dict[str, Any]:
+    import transformers
+
+    import polykernel
+    from polykernel.integrations.transformers import patch, patched
+
+    model = copy.deepcopy(base)
+    provider = next((p for p in ("flashinfer", "sgl_kernel") if f"[{p}]" in name), None)
+    polykernel.set_impl(provider)  # None: the default choice
+    if name.startswith("polykernel"):
+        patch(model, mode="inference")
+    record: dict[str, Any] = {"variant": name, "batch": batch}
+    if name.startswith("polykernel"):
+        record["patched"] = {k: len(v) if isinstance(v, list) else v for k, v in patched(model).items()}
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    prompt = torch.randint(1, args.vocab, (batch, args.prompt), generator=gen).to(device)
+    max_len = args.prompt + 8 + args.steps * (args.repeats + 1) + 8
+    cache = transformers.StaticCache(config=model.config, max_cache_len=max_len)
+    forward = model.forward
+    if name.startswith("compile"):
+        forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
+    tok = torch.empty(batch, 1, dtype=torch.long, device=device)
+    pos = torch.empty(1, dtype=torch.long, device=device)
+    first_logits: list[torch.Tensor] = []
+    tokens: list[torch.Tensor] = []
+
+    def step() -> None:
+        out = forward(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos)
+        logits = out.logits[:, -1]
+        if len(first_logits) == 0:
+            first_logits.append(logits.float().clone())
+        tok.copy_(logits.argmax(-1, keepdim=True))
+        pos.add_(1)
+
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = model(input_ids=prompt, past_key_values=cache, use_cache=True, cache_position=torch.arange(args.prompt, device=device))
+        tok.copy_(out.logits[:, -1:].argmax(-1))
+        pos.fill_(args.prompt)
+        run = step
+        graph = None
+        if name.endswith("[graph]"):
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(3):  # warm-up: first calls choose impls, JIT-compile peers, fill caches
+                    step()
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            run = graph.replay
+        else:
+            for _ in range(3 if not name.startswith("compile") else 6):  # (compile: the graphs are recorded on warm-up)
+                step()
+        _sync(device)
+        record["setup_s"] = round(time.perf_counter() - t0, 2)
+        tokens.append(tok.clone())
+        timer = Timer(device)
+
+        def steps() -> None:
+            for _ in range(args.steps):
+                run()
+
+        times = [timer(steps) / args.steps for _ in range(args.repeats)]
+    record["ms_per_step"] = round(statistics.median(times), 4)
+    record["ms_per_step_all"] = [round(t, 4) for t in times]
+    record["tokens_per_s"] = round(batch * 1e3 / record["ms_per_step"], 1)
+    record["_first_logits"] = first_logits[0] if first_logits else None
+    record["_tokens"] = tokens[0]
+    polykernel.set_impl(None)
+    return record
+
+
+def env(device: torch.device) -> dict[str, Any]:
+    import transformers
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+    if device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(device)
+        out["cuda"] = torch.version.cuda
+    for mod in ("triton", "flashinfer", "sgl_kernel"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception as exc:  # absent or failing: say which
+            out[mod] = f"unavailable: {type(exc).__name__}: {str(exc)[:120]}"
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, help="write the records here")
+    parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on the CPU, eager variants only")
+    parser.add_argument("--variants", default="", help=f"comma-separated subset of {', '.join(ALL)}")
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=128256)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda" if cuda else "cpu")
+    if args.tiny:
+        args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab = 2, 64, 128, 4, 2, 256
+        args.prompt, args.steps, args.repeats = min(args.prompt, 8), min(args.steps, 4), min(args.repeats, 2)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    variants = [v for v in (args.variants.split(",") if args.variants else ALL) if v]
+    unknown = sorted(set(variants) - set(ALL))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; known: {', '.join(ALL)}")
+    if not cuda:  # no CUDA graphs, no reduce-overhead on the CPU
+        variants = [v for v in variants if v in EAGER]
+    base = build(args, device, dtype)
+    records: list[dict[str, Any]] = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        ref: dict[str, Any] | None = None
+        for name in variants:
+            try:
+                rec = run_variant(name, base, args, batch, device)
+            except Exception as exc:  # one failing variant never stops the others
+                rec = {"variant": name, "batch": batch, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+                traceback.print_exc(file=sys.stderr)
+            first, toks = rec.pop("_first_logits", None), rec.pop("_tokens", None)
+            if name == "plain[eager]" and first is not None:
+                ref = {"logits": first, "tokens": toks}
+            elif ref is not None and first is not None:
+                rec["first_logits_max_abs_diff"] = float((first - ref["logits"]).abs().max())
+                rec["first_token_agrees"] = float((toks == ref["tokens"]).float().mean())
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    result = {"env": env(device), "config": {k: v for k, v in vars(args).items() if k != "json"}, "records": records}
+    print(f"\n{'variant':34} {'batch':>5} {'ms/step':>9} {'tok/s':>9}  note")
+    for r in records:
+        note = r.get("error", "")[:60] or (f"max|dlogit| {r['first_logits_max_abs_diff']:.3g}" if "first_logits_max_abs_diff" in r else "")
+        print(
+            f"{r['variant']:34} {r['batch']:>5} {r.get('ms_per_step', float('nan')):>9.4f} {r.get('tokens_per_s', float('nan')):>9.1f}  {note}"
+        )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""Predicates the serving peers (FlashInfer, sgl-kernel) share, torch-free: both run FlashInfer's
+norm kernels (``flashinfer/norm.cuh``; sgl-kernel compiles them in), so where they compute
+something else than polykernel's norms is one fact, stated once here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# FusedAddRMSNorm stages the row's fp32 sum in shared memory: (32 + N)·4 bytes per block, and
+# sm_90 gives a block at most 232448 bytes.
+SMEM_BYTES = 232448
+MAX_FUSED_N = SMEM_BYTES // 4 - 32
+
+
+def norm(peer: str, a: Any) -> str | None:
+    """rms_norm / fused_add_rms_norm_ arguments the peer's kernels compute as the op does."""
+    if getattr(a, "casting", "fp32") != "fp32":
+        return f"{peer} normalises in fp32 and rounds once (casting='fp32' only)"
+    if a.offset not in (0.0, 1.0):
+        return f"{peer} has weight + 0 (rmsnorm) and weight + 1 (gemma_rmsnorm) only, not offset={a.offset}"
+    if a.weight_dtype != a.dtype:
+        return f"{peer} reads the weight as x's dtype: needs weight in {a.dtype}, got {a.weight_dtype}"
+    return None
+
+
+def fused_norm(peer: str, a: Any) -> str | None:
+    reason = norm(peer, a)
+    if reason is None and a.n is not None and a.n > MAX_FUSED_N:
+        return f"{peer}'s fused add + RMSNorm stages the row in shared memory: N <= {MAX_FUSED_N}, got {a.n}"
+    return reason

@@ -1,0 +1,24 @@
+"""FlashInfer RMSNorm (``flashinfer.norm.rmsnorm`` / ``gemma_rmsnorm``) on ``norm.rms_norm``'s
+signature, forward only (its row has no backward: with a gradient wanted the dispatcher passes it by).
+
+FlashInfer normalises in fp32 and rounds once (casting="fp32"); ``gemma_rmsnorm`` is offset=1.
+The gate (``_gates.rms_norm``) refuses other castings, offsets and a weight of another dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from flashinfer.norm import gemma_rmsnorm, rmsnorm
+
+from .._dense import readable
+from ..torch.rms_norm import rms_norm as _torch_rms_norm
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str) -> torch.Tensor:
+    n = x.shape[-1]
+    if x.numel() == 0:
+        return _torch_rms_norm(x, weight, eps, offset, casting)
+    x2 = readable(x).view(-1, n)
+    out = torch.empty_like(x2)
+    (gemma_rmsnorm if offset == 1.0 else rmsnorm)(x2, readable(weight), eps, out=out)
+    return out.view(x.shape)

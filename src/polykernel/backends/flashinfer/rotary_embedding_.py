@@ -1,0 +1,37 @@
+"""FlashInfer ``flashinfer.rope.apply_rope_with_cos_sin_cache_inplace`` on
+``serving.rotary_embedding_``'s signature (vLLM's layout, which FlashInfer's function mirrors).
+
+FlashInfer reads the cache in fp32 (a 16-bit cache is widened: exact; a float64 one goes to the
+torch impl, whose fp64 rows FlashInfer cannot read), rotates in fp32 and rounds once, through q's and
+k's own row and head strides (last dim contiguous). Positions outside the cache are not guarded:
+FlashInfer reads the row they name (ours write NaN); call it with checked positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from flashinfer.rope import apply_rope_with_cos_sin_cache_inplace
+
+from ..torch.rotary_embedding_ import rotary_embedding_ as _torch_rotary_embedding_
+
+
+def rotary_embedding_(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+    rotary_dim: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if (
+        key is None  # (the gate refuses it; forced by name, the torch impl keeps the contract)
+        or positions.shape[0] == 0
+        or cos_sin_cache.dtype == torch.float64
+        or query.stride(-1) != 1
+        or key.stride(-1) != 1
+    ):
+        return _torch_rotary_embedding_(positions, query, key, head_size, cos_sin_cache, is_neox, rotary_dim)
+    cache = cos_sin_cache if cos_sin_cache.dtype == torch.float32 else cos_sin_cache.float()
+    apply_rope_with_cos_sin_cache_inplace(positions.contiguous(), query, key, head_size, cache.contiguous(), is_neox)
+    return query, key

@@ -1,0 +1,41 @@
+"""Per-call predicates of the sgl-kernel impls (torch-free: they read the op's argument class)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _serving_gates as shared
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def rms_norm(a: Any) -> str | None:
+    return shared.norm("sgl-kernel", a)
+
+
+def fused_add_rms_norm_(a: Any) -> str | None:
+    return shared.fused_norm("sgl-kernel", a)
+
+
+def _and_mul(a: Any) -> str | None:
+    # sgl_kernel/elementwise.py: "The pointers must be multiple of 16 bytes." (x's row, in bytes)
+    width = _BYTES.get(str(a.dtype).removeprefix("torch."), 4)
+    if a.n is not None and a.n * width % 16:
+        return f"sgl-kernel's activations need x's rows in multiples of 16 bytes: 2d = {a.n} in {str(a.dtype).removeprefix('torch.')}"
+    return None
+
+
+def silu_and_mul(a: Any) -> str | None:
+    return _and_mul(a)
+
+
+def gelu_and_mul(a: Any) -> str | None:
+    return _and_mul(a)
+
+
+def rotary_embedding_(a: Any) -> str | None:
+    # csrc/elementwise/pos_enc.cu (vLLM's kernel): x·cos - y·sin in the tensors' own dtype, each
+    # product rounded to it; the op computes in fp32 and rounds once
+    if str(a.dtype).removeprefix("torch.") != "float32":
+        return f"sgl-kernel's rotary_embedding computes in the tensors' dtype (each product rounded): float32 only, got {str(a.dtype).removeprefix('torch.')}"
+    return None

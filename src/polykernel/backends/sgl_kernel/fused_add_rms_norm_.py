@@ -1,0 +1,27 @@
+"""sgl-kernel fused add + RMSNorm (``torch.ops.sgl_kernel.fused_add_rmsnorm`` /
+``gemma_fused_add_rmsnorm``) on ``serving.fused_add_rms_norm_``'s signature, in place.
+
+FlashInfer's FusedAddRMSNorm compiled into sgl-kernel: ``residual <- x + residual`` rounded, the
+fp32 sum normalised before that rounding (one rounding of s from the op's semantics, inside its
+error model). Its kernels take contiguous tensors only: x or residual in another layout goes to the
+torch impl.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._dense import readable, rows
+from ..torch.fused_add_rms_norm_ import fused_add_rms_norm_ as _torch_fused_add_rms_norm_
+from ._ops import ops, pdl
+
+
+def fused_add_rms_norm_(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n = x.shape[-1]
+    x2, r2 = rows(x, n), rows(residual, n)
+    if x.numel() == 0 or x2 is None or r2 is None:
+        return _torch_fused_add_rms_norm_(x, residual, weight, eps, offset)
+    (ops.gemma_fused_add_rmsnorm if offset == 1.0 else ops.fused_add_rmsnorm).default(x2, r2, readable(weight), eps, pdl(x))
+    return x, residual

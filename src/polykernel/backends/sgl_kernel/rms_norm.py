@@ -1,0 +1,24 @@
+"""sgl-kernel RMSNorm (``torch.ops.sgl_kernel.rmsnorm`` / ``gemma_rmsnorm``) on ``norm.rms_norm``'s
+signature, forward only (its row has no backward).
+
+FlashInfer's norm kernel compiled into sgl-kernel: fp32, one rounding (casting="fp32"); gemma is
+offset=1. The gate refuses other castings, offsets and a weight of another dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._dense import readable
+from ..torch.rms_norm import rms_norm as _torch_rms_norm
+from ._ops import ops, pdl
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str) -> torch.Tensor:
+    n = x.shape[-1]
+    if x.numel() == 0:
+        return _torch_rms_norm(x, weight, eps, offset, casting)
+    x2 = readable(x).view(-1, n)
+    out = torch.empty_like(x2)
+    (ops.gemma_rmsnorm if offset == 1.0 else ops.rmsnorm).default(out, x2, readable(weight), eps, pdl(x))
+    return out.view(x.shape)

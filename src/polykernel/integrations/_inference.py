@@ -1,0 +1,167 @@
+"""``patch(model, mode="inference")``: a transformers Llama's decoder on the serving ops, as an
+engine runs it (vLLM's and SGLang's decoder layers).
+
+- **Residual stream, carried** (``fused_add_rms_norm_``): each decoder layer returns its MLP's
+  output and leaves the residual stream to the next, whose input norm adds and normalises in one
+  in-place call; the post-attention norm does the same within the layer, and the model's final
+  norm closes the stream. Three residual adds and three norms per layer become two launches.
+- **Merged gate/up** (``silu_and_mul`` / ``gelu_and_mul``): the MLP's gate and up weights are
+  concatenated once into one ``[2I, H]`` weight (the two projections' weights become views of it,
+  so no memory is added), one matmul, then the merged-layout activation.
+- **RoPE**: the attention's ``apply_rotary_pos_emb`` runs ``polykernel.rope`` (as ``patch``'s
+  default mode does).
+
+The KV cache, masks and attention stay transformers' code: a ``StaticCache`` makes the decode
+step CUDA-graph capturable (nothing here allocates outside the caching allocator or syncs).
+
+Semantics: the norms are the serving op's (sum rounded to the model's dtype as transformers rounds
+``residual + hidden``, then normalised in fp32 and rounded once); Llama's own norm rounds x̂ to the
+dtype before the weight multiply, so in 16-bit the logits differ at that dtype's roundoff (in fp32
+they agree to fp32 roundoff). Inference only: with gradients wanted, or when the caller asks for
+the hidden states of every layer (``output_hidden_states``: the carried layers return the MLP's
+output, not the stream), the model's own forwards run.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import polykernel as _pk
+
+# The families whose decoder layer is Llama's (input norm, attention, post-attention norm, MLP;
+# residual adds around both), by model type. Only the tested one.
+FAMILIES = ("llama",)
+
+
+class _Stream:
+    """The residual stream between a patched model's layers during one forward."""
+
+    __slots__ = ("active", "residual")
+
+    def __init__(self) -> None:
+        self.active = False
+        self.residual: torch.Tensor | None = None
+
+
+def _norm_args(norm: nn.Module) -> tuple[torch.Tensor, float]:
+    return norm.weight, norm.variance_epsilon
+
+
+def base_model_forward(base: Callable, stream: _Stream) -> Callable:
+    """The base model's forward: carries the stream when nothing asks for per-layer outputs."""
+
+    @functools.wraps(base)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        wants_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.embed_tokens.parameters())
+        hidden = kwargs.get("output_hidden_states")
+        per_layer = hidden if hidden is not None else getattr(self.config, "output_hidden_states", False)
+        stream.active, stream.residual = not (wants_grad or per_layer), None
+        try:
+            return base(self, *args, **kwargs)
+        finally:
+            stream.active, stream.residual = False, None
+
+    forward._polykernel = "decode_stream"  # type: ignore[attr-defined]
+    return forward
+
+
+def _closed(hidden_states: torch.Tensor, stream: _Stream) -> torch.Tensor:
+    """The stream itself, for a module that runs its own forward: a pending residual (the previous
+    layer carried it) added to the MLP output the previous layer returned."""
+    residual, stream.residual = stream.residual, None
+    return hidden_states if residual is None else residual + hidden_states
+
+
+def decoder_layer_forward(base: Callable, stream: _Stream, first: bool) -> Callable:
+    """A decoder layer that takes the previous layer's MLP output (``first``: the embeddings) and
+    hands its own MLP output on, the stream carried in ``stream``."""
+
+    @functools.wraps(base)
+    def forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not stream.active or args or (not first and stream.residual is None):
+            return base(self, _closed(hidden_states, stream), *args, **kwargs)
+        w, eps = _norm_args(self.input_layernorm)
+        if first:  # the stream starts as a copy of the embeddings (the caller's inputs_embeds stay as they are)
+            residual = hidden_states.clone()
+            x = _pk.rms_norm(hidden_states, w, eps)
+        else:
+            x, residual = _pk.fused_add_rms_norm_(hidden_states, stream.residual, w, eps)
+        attn, _ = self.self_attn(hidden_states=x, **kwargs)
+        w, eps = _norm_args(self.post_attention_layernorm)
+        x, residual = _pk.fused_add_rms_norm_(attn, residual, w, eps)
+        stream.residual = residual
+        return self.mlp(x)
+
+    forward._polykernel = "fused_add_rms_norm_"  # type: ignore[attr-defined]
+    return forward
+
+
+def final_norm_forward(base: Callable, stream: _Stream) -> Callable:
+    """The model's last norm: closes the stream (adds the last MLP output, normalises)."""
+
+    @functools.wraps(base)
+    def forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        residual = stream.residual
+        if not stream.active or residual is None or args or kwargs:
+            return base(self, _closed(hidden_states, stream), *args, **kwargs)
+        stream.residual = None
+        return _pk.fused_add_rms_norm_(hidden_states, residual, self.weight, self.variance_epsilon)[0]
+
+    forward._polykernel = "fused_add_rms_norm_"  # type: ignore[attr-defined]
+    return forward
+
+
+def _merged(mlp: nn.Module, name: str) -> torch.Tensor | None:
+    """The MLP's gate and up ``name`` ("weight" or "bias") as one ``[2I, ...]`` tensor whose two
+    halves the projections' parameters view; merged again after the parameters moved (``.to()``)."""
+    gate, up = getattr(mlp.gate_proj, name), getattr(mlp.up_proj, name)
+    if gate is None:
+        return None
+    merged = mlp.__dict__.get(f"_polykernel_gate_up_{name}")
+    if merged is not None and gate.data_ptr() == merged.data_ptr() and up.data_ptr() == merged[gate.shape[0] :].data_ptr():
+        return merged
+    with torch.inference_mode(False), torch.no_grad():  # parameters stay normal tensors, even if first merged under inference_mode
+        merged = torch.cat((gate.detach(), up.detach()), 0)
+        gate.data, up.data = merged[: gate.shape[0]], merged[gate.shape[0] :]
+    mlp.__dict__[f"_polykernel_gate_up_{name}"] = merged
+    return merged
+
+
+def merge_gate_up(mlp: nn.Module) -> None:
+    """Merge the MLP's gate and up projections now (at patch time, outside any inference mode)."""
+    _merged(mlp, "weight")
+    _merged(mlp, "bias")
+
+
+def mlp_forward(base: Callable, activation: tuple[str, str | None]) -> Callable:
+    """The MLP as one gate/up matmul, the merged-layout activation, the down projection."""
+
+    @functools.wraps(base)
+    def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or kwargs or (torch.is_grad_enabled() and (x.requires_grad or self.gate_proj.weight.requires_grad)):
+            return base(self, x, *args, **kwargs)
+        gate_up = F.linear(x, _merged(self, "weight"), _merged(self, "bias"))
+        if activation[0] == "swiglu":
+            return self.down_proj(_pk.silu_and_mul(gate_up))
+        return self.down_proj(_pk.gelu_and_mul(gate_up, approximate=activation[1]))
+
+    forward._polykernel = "silu_and_mul" if activation[0] == "swiglu" else "gelu_and_mul"  # type: ignore[attr-defined]
+    return forward
+
+
+def decoder_layers(base_model: nn.Module) -> list[nn.Module] | str:
+    """The base model's decoder layers if they are Llama's, else why not."""
+    layers = getattr(base_model, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers) or not hasattr(base_model, "norm"):
+        return "it has no decoder layers (.layers) and final norm (.norm)"
+    for layer in layers:
+        missing = [a for a in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp") if not hasattr(layer, a)]
+        if missing or not all(hasattr(layer.mlp, a) for a in ("gate_proj", "up_proj", "down_proj")):
+            return f"{type(layer).__name__} is not Llama's decoder layer (needs input_layernorm, self_attn, post_attention_layernorm, mlp.gate_proj/up_proj/down_proj)"
+    return list(layers)

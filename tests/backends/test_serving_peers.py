@@ -1,0 +1,483 @@
+"""Serving peers (FlashInfer, sgl-kernel): registration, gating with the modules absent, lazy
+imports, predicates, and the adapters against fake peers (``flashinfer`` modules injected into
+``sys.modules``; sgl-kernel's library schemas defined through ``torch.library``) that record how
+they are called and compute the peers' documented math on the CPU. Real-peer parity: ``-m gpu``."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import polykernel
+from polykernel import spec as spec_mod
+from polykernel.core import registry, selection
+from polykernel.ops.rotary_embedding_ import reference as rope_reference
+from polykernel.ops.rotary_embedding_ import rope_cache
+from polykernel.spec import PlatformInfo
+
+H200 = PlatformInfo("cuda", 0, (9, 0), "NVIDIA H200")
+PEERS = ("flashinfer", "sgl_kernel")
+OPS = ("norm.rms_norm", "serving.fused_add_rms_norm_", "serving.silu_and_mul", "serving.gelu_and_mul", "serving.rotary_embedding_")
+
+
+def _why(op: str, peer: str, *args, **kwargs) -> str | None:
+    the_op = registry.get_op(op)
+    spec = registry.specs_for(op)[peer]
+    return spec.predicate(the_op.arg_class(the_op.key(*args, **kwargs))) if spec.predicate else None
+
+
+def t(*shape, dtype=torch.bfloat16, grad=False):
+    return torch.randn(shape, dtype=dtype).requires_grad_(grad)
+
+
+# -- registration and gating -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("peer", PEERS)
+def test_registered_forward_only_and_gated_by_module(op, peer, monkeypatch):
+    spec = registry.specs_for(op)[peer]
+    assert spec.backend.value == peer
+    assert spec.target.startswith(f"polykernel.backends.{peer}.")
+    assert spec.requires_modules == (peer,)
+    assert not spec.format_signature.supports_backward  # inference impls: never with a gradient
+    assert spec.rank > registry.specs_for(op)["triton"].rank  # unmeasured: behind our kernels
+    monkeypatch.setitem(spec_mod._findable, peer, False)
+    assert spec.unavailable_reason(H200) == f"module {peer!r} not installed"
+    assert spec.unavailable_reason(PlatformInfo()) == "needs a CUDA device"
+    assert spec.unavailable_reason(PlatformInfo("cuda", 0, (7, 5), "T4")) is not None  # sm_80 floor
+
+
+def test_rms_norm_peers_pass_when_a_gradient_is_wanted(monkeypatch):
+    """rms_norm is a training op: the peers' rows have no backward, so a call that needs a
+    gradient never reaches them; without one they are eligible."""
+    op = registry.get_op("rms_norm")
+    for peer in PEERS:
+        monkeypatch.setitem(spec_mod._findable, peer, True)
+        spec = registry.specs_for(op)[peer]
+        grad = op.arg_class(op.key(t(2, 64, grad=True), t(64)))
+        nograd = op.arg_class(op.key(t(2, 64), t(64)))
+        assert selection._why_not(spec, grad, H200, False, False, {}) == "has no backward (inputs require grad)"
+        assert selection._why_not(spec, nograd, H200, False, False, {}) is None
+
+
+_SCRIPT = r"""
+import json, sys, torch, polykernel
+from polykernel.ops.rotary_embedding_ import rope_cache
+x = torch.randn(4, 64); r = torch.randn(4, 64); w = torch.ones(64)
+polykernel.rms_norm(x, w); polykernel.fused_add_rms_norm_(x, r, w)
+polykernel.silu_and_mul(x); polykernel.gelu_and_mul(x, approximate="tanh")
+polykernel.rotary_embedding_(torch.tensor([0, 1, 2, 3]), torch.randn(4, 128), torch.randn(4, 64), 64, rope_cache(8, 64))
+for op in polykernel.core.registry.all_op_ids():
+    str(polykernel.explain(op, device="cpu", dtype=torch.bfloat16))
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("flashinfer", "sgl_kernel"))))
+"""
+
+
+@pytest.mark.parametrize("env", [{}, {"POLYKERNEL_IMPL": "flashinfer,sgl_kernel"}])
+def test_cpu_use_imports_no_serving_peer(env):
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    full = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", _SCRIPT], env=full, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_forcing_a_serving_peer_on_cpu_names_the_reason():
+    x = torch.randn(4, 64)
+    for peer in PEERS:
+        with pytest.raises(polykernel.ImplNotAvailableError, match=r"needs a CUDA device"):
+            polykernel.silu_and_mul(x, impl=peer)
+
+
+# -- predicates --------------------------------------------------------------------------------
+
+
+def test_norm_predicates():
+    for peer in PEERS:
+        assert _why("rms_norm", peer, t(2, 64), t(64)) is None
+        assert _why("rms_norm", peer, t(2, 64), t(64), offset=1.0) is None
+        assert "casting" in _why("rms_norm", peer, t(2, 64), t(64), casting="llama")
+        assert "offset=0.5" in _why("rms_norm", peer, t(2, 64), t(64), offset=0.5)
+        assert "weight" in _why("rms_norm", peer, t(2, 64), t(64, dtype=torch.float32))
+        fused = "serving.fused_add_rms_norm_"
+        assert _why(fused, peer, t(2, 64), t(2, 64), t(64), 1e-6, offset=1.0) is None
+        assert "weight" in _why(fused, peer, t(2, 64), t(2, 64), t(64, dtype=torch.float32))
+        assert "shared memory" in _why(fused, peer, t(1, 65536), t(1, 65536), t(65536))
+        assert _why(fused, peer, t(1, 32768), t(1, 32768), t(32768)) is None
+
+
+def test_activation_and_rope_predicates():
+    assert _why("silu_and_mul", "sgl_kernel", t(2, 16)) is None  # 32 bytes per row
+    assert "16 bytes" in _why("silu_and_mul", "sgl_kernel", t(2, 12))
+    assert "16 bytes" in _why("gelu_and_mul", "sgl_kernel", t(2, 12), approximate="tanh")
+    assert _why("silu_and_mul", "flashinfer", t(2, 12)) is None
+    pos = torch.arange(3)
+    fi = lambda q, k, hs, rd, **kw: _why("rotary_embedding_", "flashinfer", pos, q, k, hs, rope_cache(8, rd), **kw)
+    assert fi(t(3, 256), t(3, 128), 128, 128) is None
+    assert fi(t(3, 512), t(3, 256), 256, 64, is_neox=False) is None
+    assert "key" in fi(t(3, 256), None, 128, 128)
+    assert "head sizes" in fi(t(3, 96), t(3, 96), 96, 96)
+    assert "multiple of 16" in fi(t(3, 128), t(3, 128), 128, 40)
+    sgl = lambda q, k: _why("rotary_embedding_", "sgl_kernel", pos, q, k, 16, rope_cache(8, 16))
+    assert sgl(t(3, 32, dtype=torch.float32), t(3, 16, dtype=torch.float32)) is None
+    assert "float32 only" in sgl(t(3, 32), t(3, 16))
+
+
+# -- fake FlashInfer: the adapters' calls ----------------------------------------------------
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor, eps: float, bias: float) -> torch.Tensor:
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (w.float() + bias)
+
+
+def _dense(*ts: torch.Tensor) -> bool:
+    return all(u.is_contiguous() and u.data_ptr() % 16 == 0 for u in ts)
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    """``flashinfer.norm``, ``.activation``, ``.rope`` with FlashInfer's signatures and documented
+    math; each call is recorded with whether its tensors were dense."""
+    calls: list[tuple[str, tuple]] = []
+
+    def rec(name, fn):
+        def call(*args, **kwargs):
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            assert _dense(*tensors[:2]) or name.startswith("apply_rope"), f"{name}: non-dense tensor handed over"
+            calls.append((name, args, kwargs))
+            return fn(*args, **kwargs)
+
+        return call
+
+    def rmsnorm(bias):
+        def f(input, weight, eps=1e-6, out=None, enable_pdl=None):
+            assert input.dim() == 2 and weight.dtype == input.dtype
+            return out.copy_(_norm(input, weight, eps, bias))
+
+        return f
+
+    def fused(bias):
+        def f(input, residual, weight, eps=1e-6, enable_pdl=None):
+            s = input.float() + residual.float()  # FlashInfer normalises the unrounded sum
+            residual.copy_(s)
+            input.copy_(_norm(s, weight, eps, bias))
+
+        return f
+
+    def act(fn):
+        def f(input, out=None, enable_pdl=None):
+            d = input.shape[-1] // 2
+            return out.copy_(fn(input[..., :d].float()) * input[..., d:].float())
+
+        return f
+
+    def rope(positions, query, key, head_size, cos_sin_cache, is_neox=True):
+        assert cos_sin_cache.dtype == torch.float32 and key is not None
+        rope_reference(positions, query, key, head_size, cos_sin_cache, is_neox)
+
+    fi = types.ModuleType("flashinfer")
+    norm, activation, rope_mod = (types.ModuleType(f"flashinfer.{n}") for n in ("norm", "activation", "rope"))
+    norm.rmsnorm, norm.gemma_rmsnorm = rec("rmsnorm", rmsnorm(0.0)), rec("gemma_rmsnorm", rmsnorm(1.0))
+
+    def rmsnorm_quant(out, input, weight, scale, eps=1e-6, enable_pdl=None):
+        assert out.dtype == torch.float8_e4m3fn and scale.shape == (1,) and scale.dtype == torch.float32
+        out.copy_((_norm(input, weight, eps, 0.0) * (1.0 / scale)).clamp(-448.0, 448.0))
+
+    norm.rmsnorm_quant = rec("rmsnorm_quant", rmsnorm_quant)
+    norm.fused_add_rmsnorm, norm.gemma_fused_add_rmsnorm = rec("fused_add_rmsnorm", fused(0.0)), rec("gemma_fused_add_rmsnorm", fused(1.0))
+    activation.silu_and_mul = rec("silu_and_mul", act(torch.nn.functional.silu))
+    activation.gelu_and_mul = rec("gelu_and_mul", act(torch.nn.functional.gelu))
+    activation.gelu_tanh_and_mul = rec("gelu_tanh_and_mul", act(lambda v: torch.nn.functional.gelu(v, approximate="tanh")))
+    rope_mod.apply_rope_with_cos_sin_cache_inplace = rec("apply_rope_with_cos_sin_cache_inplace", rope)
+    fi.norm, fi.activation, fi.rope = norm, activation, rope_mod
+    for name, mod in (("flashinfer", fi), ("flashinfer.norm", norm), ("flashinfer.activation", activation), ("flashinfer.rope", rope_mod)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    with _fresh_adapters("flashinfer", monkeypatch):
+        yield calls
+
+
+@contextlib.contextmanager
+def _fresh_adapters(peer: str, monkeypatch):
+    """Adapters imported inside the block bind the fake peer: none of them may outlive it (a
+    later test, on a machine with the real peer, would load the fake-bound module)."""
+
+    def adapters() -> list[str]:
+        return [m for m in sys.modules if m.startswith(f"polykernel.backends.{peer}.") and not m.endswith("._gates")]
+
+    for name in adapters():
+        monkeypatch.delitem(sys.modules, name)  # (put back when the test ends)
+    try:
+        yield
+    finally:
+        for name in adapters():
+            del sys.modules[name]
+
+
+def _adapter(peer: str, op: str):
+    return getattr(importlib.import_module(f"polykernel.backends.{peer}.{op}"), op)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_flashinfer_rms_norm_adapter(fake_flashinfer, offset):
+    x, w = t(3, 5, 64), t(64)
+    y = _adapter("flashinfer", "rms_norm")(x, w, 1e-5, offset, "fp32")
+    ((name, args, kwargs),) = fake_flashinfer
+    assert name == ("gemma_rmsnorm" if offset else "rmsnorm")
+    assert args[0].shape == (15, 64) and args[2] == 1e-5 and kwargs["out"].shape == (15, 64)
+    torch.testing.assert_close(y, polykernel.rms_norm(x, w, 1e-5, offset=offset, impl="torch"), rtol=0, atol=0)
+    strided = t(4, 128)[:, ::2]  # a non-dense x: handed over as a dense copy
+    _adapter("flashinfer", "rms_norm")(strided, w, 1e-6, offset, "fp32")
+    assert fake_flashinfer[-1][1][0].is_contiguous()
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_flashinfer_fused_add_adapter_writes_in_place(fake_flashinfer, offset):
+    x, r, w = t(4, 64), t(4, 64), t(64)
+    x0, r0 = x.clone(), r.clone()
+    y, s = _adapter("flashinfer", "fused_add_rms_norm_")(x, r, w, 1e-6, offset)
+    assert y is x and s is r
+    ((name, args, _),) = fake_flashinfer
+    assert name == ("gemma_fused_add_rmsnorm" if offset else "fused_add_rmsnorm")
+    assert args[0].data_ptr() == x.data_ptr() and args[1].data_ptr() == r.data_ptr()  # the caller's memory
+    ey, er = polykernel.fused_add_rms_norm_(x0, r0, w, offset=offset, impl="torch")
+    torch.testing.assert_close(r, er, rtol=0, atol=0)
+    torch.testing.assert_close(y, ey, rtol=0.02, atol=0.02)  # one rounding of s apart
+
+
+def test_flashinfer_fused_add_other_layouts_go_to_torch(fake_flashinfer):
+    x, r, w = t(8, 64)[::2], t(4, 64), t(64)  # x: every other row of a buffer
+    x0, r0 = x.clone(), r.clone()
+    _adapter("flashinfer", "fused_add_rms_norm_")(x, r, w, 1e-6, 0.0)
+    assert fake_flashinfer == []
+    ey, er = polykernel.fused_add_rms_norm_(x0, r0, w, impl="torch")
+    assert torch.equal(x, ey) and torch.equal(r, er)
+
+
+@pytest.mark.parametrize("approximate", [None, "none", "tanh"])
+def test_flashinfer_and_mul_adapters(fake_flashinfer, approximate):
+    x = t(3, 64)
+    op = "silu_and_mul" if approximate is None else "gelu_and_mul"
+    kw = {} if approximate is None else {"approximate": approximate}
+    out = torch.empty(3, 32, dtype=torch.bfloat16)
+    fn = _adapter("flashinfer", op)
+    got = fn(x, out=out, **kw) if approximate is None else fn(x, approximate, out)
+    assert got is out
+    name = fake_flashinfer[-1][0]
+    assert name == {None: "silu_and_mul", "none": "gelu_and_mul", "tanh": "gelu_tanh_and_mul"}[approximate]
+    want = getattr(polykernel, op)(x, impl="torch", **kw)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    # a strided out: written through a dense buffer, then copied back into the caller's view
+    big = torch.zeros(3, 64, dtype=torch.bfloat16)
+    view = big[:, 16:48]
+    fn(x, out=view, **kw) if approximate is None else fn(x, approximate, view)
+    assert fake_flashinfer[-1][2]["out"].data_ptr() != view.data_ptr()
+    torch.testing.assert_close(view, want, rtol=0, atol=0)
+    assert not big[:, :16].any() and not big[:, 48:].any()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_flashinfer_rope_adapter(fake_flashinfer, cache_dtype):
+    pos = torch.tensor([3, 0, 7])
+    fused = t(3, (4 + 2 * 2) * 64)
+    q, k = fused[:, : 4 * 64], fused[:, 4 * 64 : 6 * 64]  # slices of one qkv projection, in place
+    cache = rope_cache(8, 64, dtype=cache_dtype)
+    q0, k0 = q.clone(), k.clone()
+    got = _adapter("flashinfer", "rotary_embedding_")(pos, q, k, 64, cache, False, 64)
+    assert got[0] is q and got[1] is k
+    rope_reference(pos, q0, k0, 64, cache, False)
+    torch.testing.assert_close(q, q0, rtol=0, atol=0)
+    torch.testing.assert_close(k, k0, rtol=0, atol=0)
+    if cache_dtype == torch.float64:
+        assert fake_flashinfer == []  # FlashInfer reads an fp32 cache: fp64 goes to the torch impl
+    else:
+        ((_, args, _),) = fake_flashinfer
+        assert args[1] is q and args[2] is k and args[3] == 64 and args[4].dtype == torch.float32 and args[5] is False
+
+
+def test_fake_bound_adapters_do_not_outlive_their_test(fake_flashinfer):
+    _adapter("flashinfer", "silu_and_mul")
+    assert "polykernel.backends.flashinfer.silu_and_mul" in sys.modules
+
+
+def test_fake_bound_adapters_are_gone():  # (runs after the one above: file order)
+    assert "polykernel.backends.flashinfer.silu_and_mul" not in sys.modules or "flashinfer" in sys.modules
+
+
+def test_flashinfer_rms_norm_quant_fp8_adapter(fake_flashinfer):
+    x, w, scale = t(2, 3, 64), t(64), torch.tensor([0.01])
+    q = torch.empty(2, 3, 64, dtype=torch.float8_e4m3fn)
+    assert _adapter("flashinfer", "rms_norm_quant_fp8")(x, w, scale, 1e-6, q) is q
+    ((name, args, _),) = fake_flashinfer
+    assert name == "rmsnorm_quant" and args[0].shape == (6, 64) and args[1].shape == (6, 64) and args[4] == 1e-6
+    want = polykernel.rms_norm_quant_fp8(x, w, scale, impl="torch")
+    assert (q.float() - want.float()).abs().max() <= 0.0625 * want.float().abs().max()  # within an fp8 rounding
+    assert _why("rms_norm_quant_fp8", "flashinfer", x, w, scale) is None
+    assert "per tensor" in _why("rms_norm_quant_fp8", "flashinfer", x, w, torch.full((2, 3, 1), 0.01))
+    assert "weight" in _why("rms_norm_quant_fp8", "flashinfer", x, t(64, dtype=torch.float32), scale)
+
+
+# -- fake sgl-kernel: its library's schemas, defined through torch.library ----------------------
+
+# The schemas of sglang-kernel 0.4.6's sm90/common_ops.abi3.so (read from the library).
+SGL_SCHEMAS = {
+    "rmsnorm": "rmsnorm(Tensor! output, Tensor input, Tensor weight, float eps, bool enable_pdl) -> ()",
+    "gemma_rmsnorm": "gemma_rmsnorm(Tensor! output, Tensor input, Tensor weight, float eps, bool enable_pdl) -> ()",
+    "fused_add_rmsnorm": "fused_add_rmsnorm(Tensor! input, Tensor! residual, Tensor weight, float eps, bool enable_pdl) -> ()",
+    "gemma_fused_add_rmsnorm": "gemma_fused_add_rmsnorm(Tensor! input, Tensor! residual, Tensor weight, float eps, bool enable_pdl) -> ()",
+    "silu_and_mul": "silu_and_mul(Tensor! out, Tensor input) -> ()",
+    "gelu_and_mul": "gelu_and_mul(Tensor! out, Tensor input) -> ()",
+    "gelu_tanh_and_mul": "gelu_tanh_and_mul(Tensor! out, Tensor input) -> ()",
+    "rotary_embedding": "rotary_embedding(Tensor positions, Tensor! query, Tensor!? key, int head_size, Tensor cos_sin_cache, bool is_neox) -> ()",
+}
+_sgl_calls: list[tuple[str, tuple]] = []
+
+
+def _sgl_impls() -> dict:
+    def norm(bias):
+        def f(out, input, weight, eps, pdl):
+            assert _dense(out, input, weight) and isinstance(pdl, bool)
+            out.copy_(_norm(input, weight, eps, bias))
+
+        return f
+
+    def fused(bias):
+        def f(input, residual, weight, eps, pdl):
+            assert _dense(input, residual, weight)
+            s = input.float() + residual.float()
+            residual.copy_(s)
+            input.copy_(_norm(s, weight, eps, bias))
+
+        return f
+
+    def act(fn):
+        def f(out, input):
+            assert _dense(out, input)
+            d = input.shape[-1] // 2
+            out.copy_(fn(input[..., :d].float()) * input[..., d:].float())
+
+        return f
+
+    def rope(positions, query, key, head_size, cache, is_neox):
+        assert positions.dtype == torch.int64 and cache.dtype == query.dtype
+        rope_reference(positions, query, key, head_size, cache, is_neox)
+
+    F = torch.nn.functional
+    return {
+        "rmsnorm": norm(0.0),
+        "gemma_rmsnorm": norm(1.0),
+        "fused_add_rmsnorm": fused(0.0),
+        "gemma_fused_add_rmsnorm": fused(1.0),
+        "silu_and_mul": act(F.silu),
+        "gelu_and_mul": act(F.gelu),
+        "gelu_tanh_and_mul": act(lambda v: F.gelu(v, approximate="tanh")),
+        "rotary_embedding": rope,
+    }
+
+
+@pytest.fixture(scope="module")
+def _sgl_library():
+    if importlib.util.find_spec("sgl_kernel") is not None:
+        pytest.skip("the real sgl_kernel is installed: its library owns the namespace")
+    lib = torch.library.Library("sgl_kernel", "DEF")
+    for name, fn in _sgl_impls().items():
+        lib.define(SGL_SCHEMAS[name])
+
+        def record(*args, _name=name, _fn=fn):
+            _sgl_calls.append((_name, args))
+            _fn(*args)
+
+        lib.impl(name, record, "CPU")
+    yield
+    lib._destroy()
+
+
+@pytest.fixture
+def fake_sgl(_sgl_library, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sgl_kernel", types.ModuleType("sgl_kernel"))
+    _sgl_calls.clear()
+    with _fresh_adapters("sgl_kernel", monkeypatch):
+        yield _sgl_calls
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_sgl_norm_adapters(fake_sgl, offset):
+    x, w = t(2, 3, 64), t(64)
+    y = _adapter("sgl_kernel", "rms_norm")(x, w, 1e-5, offset, "fp32")
+    name, args = fake_sgl[-1]
+    assert name == ("gemma_rmsnorm" if offset else "rmsnorm") and args[3] == 1e-5 and args[4] is False  # no PDL off sm_90
+    torch.testing.assert_close(y, polykernel.rms_norm(x, w, 1e-5, offset=offset, impl="torch"), rtol=0, atol=0)
+    x, r = t(4, 64), t(4, 64)
+    r0 = r.clone()
+    got = _adapter("sgl_kernel", "fused_add_rms_norm_")(x, r, w, 1e-6, offset)
+    name, args = fake_sgl[-1]
+    assert name == ("gemma_fused_add_rmsnorm" if offset else "fused_add_rmsnorm")
+    assert got[0] is x and got[1] is r and args[0].data_ptr() == x.data_ptr() and args[1].data_ptr() == r.data_ptr()
+    assert not torch.equal(r, r0)
+
+
+def test_sgl_and_mul_adapters(fake_sgl):
+    x = t(5, 64)
+    for op, kw, lib_name in (("silu_and_mul", {}, "silu_and_mul"), ("gelu_and_mul", {"approximate": "tanh"}, "gelu_tanh_and_mul")):
+        out = torch.empty(5, 32, dtype=torch.bfloat16)
+        fn = _adapter("sgl_kernel", op)
+        assert (fn(x, out=out) if not kw else fn(x, "tanh", out)) is out
+        assert fake_sgl[-1][0] == lib_name and fake_sgl[-1][1][0] is out
+        torch.testing.assert_close(out, getattr(polykernel, op)(x, impl="torch", **kw), rtol=0, atol=0)
+
+
+def test_sgl_rope_adapter(fake_sgl):
+    pos = torch.tensor([1, 4], dtype=torch.int32)
+    q, k = t(2, 4 * 16, dtype=torch.float32), t(2, 2 * 16, dtype=torch.float32)
+    cache = rope_cache(8, 16)
+    q0, k0 = q.clone(), k.clone()
+    _adapter("sgl_kernel", "rotary_embedding_")(pos, q, k, 16, cache, True, 16)
+    name, args = fake_sgl[-1]
+    assert name == "rotary_embedding" and args[0].dtype == torch.int64 and args[1] is q and args[2] is k
+    rope_reference(pos, q0, k0, 16, cache, True)
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+    # 3 query heads on 2 key heads: the kernel needs whole groups, the torch impl takes it
+    fake_sgl.clear()
+    q3 = t(2, 3 * 16, dtype=torch.float32)
+    _adapter("sgl_kernel", "rotary_embedding_")(pos, q3, k, 16, cache, True, 16)
+    assert fake_sgl == []
+
+
+# -- the real peers, on the GPU ------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", (*OPS, "serving.rms_norm_quant_fp8"))
+@pytest.mark.parametrize("peer", PEERS)
+def test_parity_gpu(op, peer):
+    if peer not in registry.specs_for(op):
+        pytest.skip(f"{peer} has no {op}")
+    pytest.importorskip(peer)
+    dtypes = [torch.bfloat16, torch.float16, torch.float32]
+    results = polykernel.testing.check_parity(op, [peer], device="cuda", dtypes=dtypes, large=True, backward=False)
+    ran = [r for r in results if not r.skipped]
+    assert ran, f"{peer} ran no case of {op}"
+    failed = [r for r in ran if not r.ok]
+    assert not failed, "\n".join(map(str, failed))
+
+
+def test_their_versions_name_the_tuning_namespace():
+    """A decision measured with one FlashInfer or sgl-kernel never applies under another (read
+    from the distributions' metadata: nothing is imported)."""
+    from polykernel.tuning import key
+
+    key._static_identity.cache_clear()
+    identity = key.identity
+
+    before = {m for m in ("flashinfer", "sgl_kernel") if m in sys.modules}
+    assert {"flashinfer-python", "sglang-kernel"} <= set(identity()["backends"])
+    assert {m for m in ("flashinfer", "sgl_kernel") if m in sys.modules} == before
