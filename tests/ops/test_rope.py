@@ -400,10 +400,10 @@ def test_options_compile_fullgraph():
 def test_cutile_is_excluded_for_the_options():
     from types import SimpleNamespace
 
-    from polykernel.ops.rope import _cutile_predicate
+    from polykernel.backends.cutile._gates import rope as cutile_predicate
 
-    assert "partial rotary" in _cutile_predicate(SimpleNamespace(partial=True, interleaved=False))
-    assert "interleaved" in _cutile_predicate(SimpleNamespace(partial=False, interleaved=True))
+    assert "partial rotary" in cutile_predicate(SimpleNamespace(partial=True, interleaved=False))
+    assert "interleaved" in cutile_predicate(SimpleNamespace(partial=False, interleaved=True))
 
 
 def test_cutile_impl_called_directly_refuses_the_options():

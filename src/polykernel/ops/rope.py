@@ -309,26 +309,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-def _defaults_only(backend: str) -> Any:
-    """A predicate part for impls without the options: they rotate the whole head, rotate-half."""
-
-    def refuse(info: Any) -> str | None:
-        if info.partial:
-            return f"partial rotary (rotary_dim < head dim): the {backend} kernel rotates the whole head"
-        if info.interleaved:
-            return f"interleaved=True: the {backend} kernel pairs rotate-half only"
-        return None
-
-    return refuse
-
-
-_cutile_options = _defaults_only("cuTile")
-
-
-def _cutile_predicate(info: Any) -> str | None:
-    return _cutile_options(info) or cutile_gates.rope(info)
-
-
 def _triton_predicate(info: Any) -> str | None:
     if info.rot_grad:
         return "cos/sin require grad (the Triton kernel computes only the q and k gradients)"
@@ -357,7 +337,7 @@ IMPLS = impls(
     CUTILE.impl(
         rank=40,
         description="gathers by element index (any D, any q/k strides); cos/sin loaded once per position tile for all heads",
-        predicate=_cutile_predicate,
+        predicate=cutile_gates.rope,  # (it refuses the options too)
     ),
 )
 
