@@ -395,7 +395,9 @@ def rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int | None = None, interleaved: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered impl (arguments already validated by ``polykernel.rope``)."""
-    if interleaved or cos.shape[-1] != q.shape[-1]:
+    if interleaved or cos.size(-1) != q.size(-1):  # (size(-1): no torch.Size built on the hot path)
+        # the options: the Python path (the C++ plans know the default kernel only, and read
+        # cos/sin as wide as the head)
         return _rope_options(q, k, cos, sin, interleaved)
     if _native.ENABLED:
         out = _native.call("rope", (q, k, cos, sin), (q, k), _NativePlan)
