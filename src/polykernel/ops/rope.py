@@ -9,9 +9,11 @@ Options: ``rotary_dim`` (R, default ``cos.shape[-1]``, which it must equal) rota
 R features of each head; features R.. pass through unchanged (partial rotary: Phi, GLM, NeoX).
 ``interleaved=True`` pairs features (2i, 2i+1) (GPT-J, GLM) instead of (i, i + R/2):
 ``rotate_interleaved(x)[2i] = -x[2i+1]``, ``[2i+1] = x[2i]``, and the tables are laid out like the
-features (``cos[2i]`` multiplies feature 2i: GPT-J tables repeat each angle twice). Math in fp32; each result has its input's dtype. The gradient
-of q (and k) is the transposed rotation: ``dq = g · cos - rotate_half(g · sin)``. Gradients of
-cos/sin (rarely wanted: they are usually buffers) come from autograd in the torch impl; impls
+features (``cos[2i]`` multiplies feature 2i: GPT-J tables repeat each angle twice).
+
+Math in fp32; each result has its input's dtype. The gradient of q (and k) is the transposed
+rotation: ``dq = g · cos - rotate_half(g · sin)`` (pass-through features: ``g`` itself). Gradients
+of cos/sin (rarely wanted: they are usually buffers) come from autograd in the torch impl; impls
 that do not compute them are excluded by a predicate on the ``rot_grad`` field.
 """
 
@@ -294,6 +296,7 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
             {"rotary_dim": 32, "interleaved": True},
         ),
         Case("1x2x3x10-odd-pass-interleaved", (t(1, 2, 3, 10), t(1, 2, 3, 10), *rand_tables(1, 3, 6)), {"interleaved": True}),
+        Case("2x3x5x9-odd-D-partial8", (t(2, 3, 5, 9), t(2, 1, 5, 9), *rand_tables(1, 5, 8))),
         Case("2x2x4x272-partial256", (t(2, 2, 4, 272), t(2, 1, 4, 272), *rand_tables(2, 4, 256)), {"rotary_dim": 256}),
     ]
     if large:
