@@ -851,7 +851,7 @@ def test_family_parity_fp32(family, overrides, torch_impls):
     assert ops_ran() == expected_ops(family, "cross_entropy")
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "phi3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["gemma3_text", "phi3", "qwen3_moe", "glm4", "llama4_text"])  # glm4, llama4: rope with its options
 def test_family_compiled_fullgraph(family, torch_impls):
     # a training step of the patched model under torch.compile(fullgraph=True): no graph break,
     # the unpatched eager loss and gradients. rms_norm and the fused loss run as polykernel's
