@@ -119,6 +119,7 @@ FAMILIES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "q_lora_rank": 768,
             "kv_lora_rank": 256,
             "qk_rope_head_dim": 64,
+            "head_dim": 64,  # the rotary part's width (the config's head_dim is what its rotary embedding uses)
             "qk_nope_head_dim": 128,
             "v_head_dim": 128,
         },
@@ -133,6 +134,7 @@ FAMILIES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "q_lora_rank": 32,
             "kv_lora_rank": 32,
             "qk_rope_head_dim": 8,
+            "head_dim": 8,
             "qk_nope_head_dim": 8,
             "v_head_dim": 16,
         },
@@ -169,8 +171,9 @@ def _build(family: str, variant: str, tiny: bool, device: Any, dtype: Any) -> An
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config_for(family, tiny)).to(device=device, dtype=dtype)
+    torch.manual_seed(0)  # (CUDA's generator too: every variant starts from the same weights)
+    with torch.device(device):  # initialised on the device: a CPU init of ~2B parameters takes longer than the run
+        model = AutoModelForCausalLM.from_config(config_for(family, tiny), dtype=dtype)
     model.train()
     if variant == "polykernel":
         from polykernel.integrations.transformers import patch
