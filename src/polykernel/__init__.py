@@ -57,6 +57,7 @@ _LAZY: dict[str, str] = {
     "relu_squared": "ops.relu_squared:relu_squared",
     "sparsemax": "ops.sparsemax:sparsemax",
     "rope": "ops.rope:rope",
+    "mrope": "ops.mrope:mrope",
     "cross_entropy": "ops.cross_entropy:cross_entropy",
     "fused_linear_cross_entropy": "ops.fused_linear_cross_entropy:fused_linear_cross_entropy",
     # serving layouts (inference only)

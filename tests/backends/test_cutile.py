@@ -151,7 +151,9 @@ def test_predicates_carry_the_probe_reason(monkeypatch):
 
     calls = _fake_probe(monkeypatch, missing)
     monkeypatch.setattr(gates, "_sm", lambda device: 90)
-    a = types.SimpleNamespace(device="cuda:0", rot_grad=False, k_dtype=torch.bfloat16, dtype=torch.bfloat16)
+    a = types.SimpleNamespace(
+        device="cuda:0", rot_grad=False, k_dtype=torch.bfloat16, dtype=torch.bfloat16, partial=False, interleaved=False
+    )
     for op in OPS:
         assert getattr(gates, op)(a) == "tileiras not found"
     assert calls == [90]  # one probe for every op
@@ -159,10 +161,19 @@ def test_predicates_carry_the_probe_reason(monkeypatch):
 
 def test_rope_predicate_refuses_rotation_grads_before_probing(monkeypatch):
     calls = _fake_probe(monkeypatch, lambda sm: 1)
-    a = types.SimpleNamespace(device="cuda:0", rot_grad=True, k_dtype=torch.bfloat16, dtype=torch.bfloat16)
+    opts = dict(partial=False, interleaved=False)
+    a = types.SimpleNamespace(device="cuda:0", rot_grad=True, k_dtype=torch.bfloat16, dtype=torch.bfloat16, **opts)
     assert "cos/sin require grad" in gates.rope(a)
-    a = types.SimpleNamespace(device="cuda:0", rot_grad=False, k_dtype=torch.float64, dtype=torch.bfloat16)
+    a = types.SimpleNamespace(device="cuda:0", rot_grad=False, k_dtype=torch.float64, dtype=torch.bfloat16, **opts)
     assert gates.rope(a) == "k dtype float64 not supported"
+    a = types.SimpleNamespace(
+        device="cuda:0", rot_grad=False, k_dtype=torch.bfloat16, dtype=torch.bfloat16, partial=True, interleaved=False
+    )
+    assert "partial rotary" in gates.rope(a)  # rope's options: the kernel has neither
+    a = types.SimpleNamespace(
+        device="cuda:0", rot_grad=False, k_dtype=torch.bfloat16, dtype=torch.bfloat16, partial=False, interleaved=True
+    )
+    assert "interleaved" in gates.rope(a)
     assert calls == []
 
 

@@ -682,7 +682,7 @@ def _variants(op_name):
         "swiglu": (t(4, 8), t(4, 8)),
         "geglu": (t(4, 8), t(4, 8), "tanh"),
         "softmax": (t(4, 8),),
-        "rope": (t(2, 4, 3, 8), t(2, 2, 3, 8), t(1, 3, 8), t(1, 3, 8)),
+        "rope": (t(2, 4, 3, 8), t(2, 2, 3, 8), t(1, 3, 8), t(1, 3, 8), 8, False),  # rotary_dim, interleaved
         "cross_entropy": (t(4, 8), torch.randint(0, 8, (4,)), -100, 0.0, "mean"),
         "fused_linear_cross_entropy": (t(4, 8), t(10, 8), torch.randint(0, 10, (4,)), t(10), -100, 0.0, "mean"),
         "moe_experts": (t(4, 8), torch.randint(0, 3, (4, 2)), t(4, 2), t(3, 12, 8), t(3, 8, 6), "silu"),

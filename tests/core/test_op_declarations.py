@@ -558,6 +558,42 @@ EXPECTED = {
             "forward only: one tile per row block (chunked online max/sum beyond 8192)",
         ),
     ],
+    "embedding.mrope": [
+        Row(
+            "torch",
+            "polykernel.backends.torch.mrope:mrope",
+            (),
+            (),
+            (),
+            True,
+            False,
+            "",
+            100,
+            True,
+            True,
+            True,
+            None,
+            None,
+            "merges the three tables in torch, then rope's reference (autograd gives every gradient)",
+        ),
+        Row(
+            "triton",
+            "polykernel.backends.triton.mrope:mrope",
+            (CUDA,),
+            ("triton",),
+            ("float32", "bfloat16", "float16"),
+            True,
+            False,
+            "",
+            10,
+            True,
+            True,
+            False,
+            "polykernel.ops.mrope:_triton_predicate",
+            None,
+            "merges the tables in torch ([B, T, D], a small copy), then rope's Triton kernels, forward and backward",
+        ),
+    ],
     "embedding.rope": [
         Row(
             "torch",
@@ -1777,6 +1813,7 @@ FACTS = {
     "activation.swiglu": ("decompose", None, None, ("any", (0,), None)),
     "activation.geglu": ("decompose", None, None, ("any", (0,), None)),
     "embedding.rope": ("decompose", None, None, ((0, 1, 2), (0, 1), None)),
+    "embedding.mrope": ("decompose", None, None, ((0, 1, 2), (0, 1), None)),
     "loss.cross_entropy": ("ours", ("rows", "sum"), None, ("rows", ("loss",), (1, 2, 4))),
     "loss.fused_linear_cross_entropy": (
         "ours",
@@ -1837,7 +1874,15 @@ def test_per_op_facts_equal_the_former_tables(op_id):
         return
     lead, outputs, loss = placed
     assert (layout.lead_dims, layout.outputs, layout.loss_args) == (lead, outputs, loss)
-    if op_id == "embedding.rope":
+    if op_id == "embedding.mrope":
+        assert layout.why_not == "it is the head dim D, which the rotation mixes"
+        q, k = torch.empty(2, 4, 3, 8), torch.empty(2, 2, 3, 8)
+        per_batch, shared = torch.empty(3, 2, 3, 8), torch.empty(3, 1, 3, 8)
+        assert layout.expect((q, k, per_batch, per_batch), 0) == {0: 0, 1: 0, 2: 1, 3: 1}
+        assert layout.expect((q, k, shared, shared), 0) == {0: 0, 1: 0, 2: None, 3: None}
+        assert layout.expect((q, k, per_batch, per_batch), 1) == {0: 1, 1: 1, 2: None, 3: None}
+        assert layout.expect((q, k, per_batch, per_batch), 2) == {0: 2, 1: 2, 2: 2, 3: 2}
+    elif op_id == "embedding.rope":
         assert layout.why_not == "it is the head dim D, which the rotation mixes"
         q, k = torch.empty(2, 4, 3, 8), torch.empty(2, 2, 3, 8)
         per_batch, shared = torch.empty(2, 3, 8), torch.empty(1, 3, 8)

@@ -48,12 +48,21 @@ def _cases() -> list[tuple[str, str, Any]]:
 
         return build
 
-    def rope(dim, table_b=1, table=None, no_table_grad=True):
+    def rope(dim, table_b=1, table=None, no_table_grad=True, rd=8, **kw):
         def build():
             q, k = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8)
-            cos, sin = torch.randn(table_b, 6, 8), torch.randn(table_b, 6, 8)
+            cos, sin = torch.randn(table_b, 6, rd), torch.randn(table_b, 6, rd)
             tp = table if table is not None else R
-            return (q, k, cos, sin), {}, (S(dim), S(dim), tp, tp), {2, 3} if no_table_grad else set()
+            return (q, k, cos, sin), kw, (S(dim), S(dim), tp, tp), {2, 3} if no_table_grad else set()
+
+        return build
+
+    def mrope(dim, table_b=1, table=None):
+        def build():
+            q, k = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8)
+            cos, sin = torch.randn(3, table_b, 6, 8), torch.randn(3, table_b, 6, 8)
+            tp = table if table is not None else R
+            return (q, k, cos, sin, [1, 2, 1]), {}, (S(dim), S(dim), tp, tp), {2, 3}
 
         return build
 
@@ -98,6 +107,10 @@ def _cases() -> list[tuple[str, str, Any]]:
         ("rope-batch-tables", "rope", rope(0, table_b=2, table=S(0))),
         ("rope-heads", "rope", rope(1)),
         ("rope-seq", "rope", rope(2, table=S(1))),
+        ("rope-heads-partial-interleaved", "rope", rope(1, rd=4, interleaved=True)),
+        ("rope-seq-partial", "rope", rope(2, table=S(1), rd=6, rotary_dim=6)),
+        ("mrope-batch-tables", "mrope", mrope(0, table_b=2, table=S(1))),
+        ("mrope-seq", "mrope", mrope(2, table=S(2))),
         ("rope-heads-table-grads", "rope", rope(1, no_table_grad=False)),
         ("cross_entropy-mean", "cross_entropy", ce((6, 10), 0, "mean")),
         ("cross_entropy-sum", "cross_entropy", ce((6, 10), 0, "sum")),
@@ -368,7 +381,7 @@ from polykernel.distributed import dtensor
 from polykernel.distributed.layout import ROWS, Layout, rows_with
 
 laid_out = sorted(i for i in registry.all_op_ids() if registry.get_op(i).dtensor_layout is not None)
-assert len(laid_out) == 14 and sorted(dispatch.routed) == laid_out == sorted(dtensor.LAYOUTS), laid_out
+assert len(laid_out) == 15 and sorted(dispatch.routed) == laid_out == sorted(dtensor.LAYOUTS), laid_out
 
 def ref(x: torch.Tensor) -> torch.Tensor:
     return x * 2

@@ -11,6 +11,7 @@ import functools
 import inspect
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 import polykernel  # noqa: E402
 from polykernel import _compat  # noqa: E402
 from polykernel.integrations import transformers as pkt  # noqa: E402
+from polykernel.testing import runnable_impls  # noqa: E402
 
 OPS = ("rms_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy")
 SWITCHES = ("rms_norm", "swiglu", "rope", "cross_entropy", "fused_linear_cross_entropy")  # the ops' switches
@@ -340,7 +342,7 @@ def test_olmo_rope_runs_on_its_fp32_tables_in_bf16(family, calls, torch_impls):
     # dtype: polykernel.rope's own math, so bf16 q/k with those tables run polykernel.rope
     ref = tiny(family, torch.bfloat16, layers=1)
     model = copy.deepcopy(ref)
-    pkt.patch(model, **switches_only("rope"))
+    pkt.patch(model, **switches_only("rope"))  # (the other ops as transformers has them)
     ids, _ = batch()
     ref.eval(), model.eval()
     with torch.no_grad():
@@ -780,21 +782,21 @@ FAMILY_OPS = {
     "gemma3_text": ("rms_norm", "geglu", "rope"),
     "mixtral": ("rms_norm", "rope"),  # no dense MLP: the SwiGLU is in the experts
     "gpt_oss": ("rms_norm", "rope"),  # its experts' clamped SwiGLU stays
-    "glm4": ("rms_norm", "swiglu"),  # interleaved partial rotary stays
-    "llama4_text": ("rms_norm", "swiglu"),  # complex-pair rotary stays
 }
 # family -> the kinds patched() reports as left alone
 LEFT_ALONE = {
     "qwen3_moe": {"moe_experts"},
     "mixtral": {"moe_experts"},
     "gpt_oss": {"moe_experts"},
-    "glm4": {"rope"},
     "deepseek_v3": {"moe_experts"},
-    "llama4_text": {"rope", "l2_norm", "moe_experts"},
+    "llama4_text": {"l2_norm", "moe_experts"},
 }
 # family -> patched gated MLPs of the 2 layers (MoE: dense layers and shared experts); patched
 # attentions calling the rotary function (NoPE layers call none); default 2
 MLPS = {"qwen3_moe": 1, "mixtral": 0, "gpt_oss": 0}
+# family -> (partial, interleaved) of its rope calls: GLM4 rotates GPT-J pairs over half of each
+# head (partial_rotary_factor 0.5), Llama4's complex pairs are GPT-J pairs over the whole head
+ROPE_OPTIONS = {"glm4": (True, True), "llama4_text": (False, True), "phi3": (False, False)}
 ROPES = {"smollm3": 1, "exaone4": 1}
 FAMILY_CASES = [pytest.param(f, {}, id=f) for f in MORE_FAMILIES] + [
     pytest.param("deepseek_v3", {"rope_interleave": False}, id="deepseek_v3-rotate-half")
@@ -837,6 +839,8 @@ def test_family_parity_fp32(family, overrides, torch_impls):
     assert ops_ran() == expected_ops(family, "fused_linear_cross_entropy" if fused else "cross_entropy")
     offset, casting = NORMS.get(family, (0.0, "llama"))
     assert {(d["arg_class"]["offset"], d["arg_class"]["casting"]) for d in polykernel.decisions("rms_norm")} <= {(offset, casting)}
+    if family in ROPE_OPTIONS and has_op("rope"):  # the rotary ran with the family's options
+        assert {(d["arg_class"]["partial"], d["arg_class"]["interleaved"]) for d in polykernel.decisions("rope")} == {ROPE_OPTIONS[family]}
 
     polykernel.clear_caches()
     model.eval(), ref.eval()
@@ -847,7 +851,7 @@ def test_family_parity_fp32(family, overrides, torch_impls):
     assert ops_ran() == expected_ops(family, "cross_entropy")
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "phi3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["gemma3_text", "phi3", "qwen3_moe", "glm4", "llama4_text"])  # glm4, llama4: rope with its options
 def test_family_compiled_fullgraph(family, torch_impls):
     # a training step of the patched model under torch.compile(fullgraph=True): no graph break,
     # the unpatched eager loss and gradients. rms_norm and the fused loss run as polykernel's
@@ -884,20 +888,32 @@ def test_moe_router_aux_loss_is_kept(family, torch_impls):
     assert ops_ran() >= expected_ops(family, "cross_entropy")
 
 
-def test_partial_rotary_is_left_alone(torch_impls):
-    # Phi-4-mini-style partial rotary: polykernel.rope has no rotary_dim, so the rotary stays
+def test_partial_rotary_runs_rope(torch_impls):
+    # Phi-4-mini-style partial rotary: polykernel.rope's rotary_dim (the tables' width) covers it
     ref = tiny("phi3", partial_rotary_factor=0.5)
     model = copy.deepcopy(ref)
     pkt.patch(model)
-    why = "left alone: partial rotary (rotary_dim=8 of head_dim 16) is not expressible yet: polykernel.rope has no rotary_dim"
-    assert pkt.patched(model)["rope"] == why
+    assert len(pkt.patched(model)["rope"]) == 2
     ids, labels = batch()
     out, want = train_step(model, ids, labels), train_step(ref, ids, labels)
     torch.testing.assert_close(out.loss, want.loss, **FP32)
     assert_grads_close(model, ref, **FP32_GRAD)
-    assert "embedding.rope" not in ops_ran()
-    pkt.patch(model, rope=False)  # switched off: nothing to explain
-    assert "rope" not in pkt.patched(model)
+    ropes = polykernel.decisions("rope")
+    assert ropes and all(d["arg_class"]["partial"] and not d["arg_class"]["interleaved"] for d in ropes)
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, **FP32)
+
+
+def test_partial_rotary_left_alone_where_the_function_has_none(torch_impls):
+    # a family whose rotary function rotates the whole head (Llama's) with a partial config: it
+    # cannot run as configured anyway; patched() still says why rather than patch it
+    from polykernel.integrations.transformers import _FAMILIES, _config_left_alone
+
+    config = types.SimpleNamespace(rope_parameters={"partial_rotary_factor": 0.5}, head_dim=16, hidden_size=64, num_attention_heads=4)
+    assert "partial rotary (rotary_dim=8 of head_dim 16)" in _config_left_alone(_FAMILIES["llama"], config)["rope"]
+    assert "rope" not in _config_left_alone(_FAMILIES["phi3"], config)
+    assert "rope" not in _config_left_alone(_FAMILIES["glm4"], config)
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "deepseek_v3", "glm4"])
@@ -906,10 +922,8 @@ def test_class_level_patch_more_families(family, torch_impls):
     try:
         pkt.patch(family)
         kinds = pkt.patched(family)
-        if family == "glm4":
-            assert kinds["rope"].startswith("left alone: GLM's rotary is interleaved and partial")
-        else:  # DeepSeek: the rotate-half and the interleaved function
-            assert len(kinds["rope"]) == (2 if family == "deepseek_v3" else 1), kinds
+        # DeepSeek: the rotate-half and the interleaved function
+        assert len(kinds["rope"]) == (2 if family == "deepseek_v3" else 1), kinds
         model = tiny(family)  # built after: same seed, same weights as ref
         ids, labels = batch()
         out = train_step(model, ids, labels)
@@ -1079,3 +1093,23 @@ def test_gpu_flce_saves_the_logits_memory():
     # the fused loss must save at least the bf16 logits' size.
     assert p_peak + 2 * bsz * seq * vocab <= r_peak, (p_peak, r_peak)
     assert abs(p_loss - r_loss) < 1e-2 * abs(r_loss)
+
+
+@pytest.mark.parametrize("family, overrides", [("glm4", {}), ("llama4_text", {}), ("phi3", {"partial_rotary_factor": 0.5})])
+def test_rope_options_families_on_triton(family, overrides):
+    # the families that need rope's options, with the Triton rope (the interpreter on CPU) and
+    # torch elsewhere: loss and every gradient as unpatched
+    need("rope")
+    if "triton" not in runnable_impls("rope", "cpu", torch.float32):
+        pytest.skip("Triton not runnable on the CPU here")
+    ref = tiny(family, **overrides)
+    model = copy.deepcopy(ref)
+    pkt.patch(model, **switches_only("rope"))  # (the other ops as transformers has them)
+    ids, labels = batch()
+    with polykernel.use_impl("triton", op="rope"):
+        out = train_step(model, ids, labels)
+    want = train_step(ref, ids, labels)
+    torch.testing.assert_close(out.loss, want.loss, **FP32)
+    assert_grads_close(model, ref, **FP32_GRAD)
+    ropes = polykernel.decisions("rope")
+    assert ropes and {d["impl"] for d in ropes} == {"triton"}, ropes

@@ -3,8 +3,11 @@ and argument errors."""
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import polykernel
+from _property import check_case, draw_dtype, property_settings
 from polykernel.core.op import Case
 from polykernel.errors import ImplNotAvailableError, OpArgumentError, OpTypeError
 from polykernel.ops.rope import _key, _rope_tables, bytes_moved, cases, example, reference, rotate_half
@@ -253,7 +256,9 @@ _c = torch.randn(1, 5, 8)
         ((_q, _k, torch.randn(5, 8), _c), OpArgumentError, "'cos'"),
         ((_q, _k, torch.randn(3, 5, 8), torch.randn(3, 5, 8)), OpArgumentError, "'cos'"),
         ((_q, _k, torch.randn(1, 4, 8), _c), OpArgumentError, "'cos'"),
-        ((_q, _k, torch.randn(1, 5, 6), _c), OpArgumentError, "'cos'"),
+        ((_q, _k, torch.randn(1, 5, 10), torch.randn(1, 5, 10)), OpArgumentError, "'cos'"),  # wider than the head
+        ((_q, _k, torch.randn(1, 5, 5), torch.randn(1, 5, 5)), OpArgumentError, "'cos'"),  # odd rotary dim
+        ((_q, _k, torch.randn(1, 5, 6), _c), OpArgumentError, "'sin'"),  # partial cos, full sin
         ((_q, _k, _c, torch.randn(1, 5, 6)), OpArgumentError, "'sin'"),
         ((_q, _k, _c, torch.randn(2, 5, 8)), OpArgumentError, "'sin'"),
         ((_q.int(), _k, _c, _c), OpTypeError, "'q'"),
@@ -300,3 +305,163 @@ def test_triton_gpu_hf_layout_and_cos_grad_fallback():
     )
     assert all(r.ok for r in results), results
     assert polykernel.explain("rope", q, k, cos, sin).chosen == "torch"
+
+
+# -- the options: rotary_dim (partial rotary) and interleaved (GPT-J pairs) ---------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_matches_transformers_glm4_partial_interleaved(impl):
+    """GLM4's rotary: interleaved pairs over the first half of each head (HF turns its
+    cat(freqs, freqs) tables into repeat_interleave ones; polykernel takes those tables)."""
+    _need(impl)
+    glm4 = pytest.importorskip("transformers.models.glm4.modeling_glm4")
+    torch.manual_seed(3)
+    q = torch.randn(2, 4, 7, 32, requires_grad=True)
+    k = torch.randn(2, 2, 7, 32, requires_grad=True)
+    cos, sin = _rope_tables(2, 7, 16, torch.float32, "cpu")
+    want_q, want_k = glm4.apply_rotary_pos_emb(q, k, cos, sin)
+    ci, si = (x[..., :8].repeat_interleave(2, dim=-1) for x in (cos, sin))
+    got_q, got_k = polykernel.rope(q, k, ci, si, rotary_dim=16, interleaved=True, impl=impl)
+    torch.testing.assert_close(got_q, want_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_k, want_k, atol=1e-6, rtol=1e-6)
+    g = torch.randn_like(q), torch.randn_like(k)
+    got = torch.autograd.grad((got_q, got_k), (q, k), g)
+    want = torch.autograd.grad((want_q, want_k), (q, k), g)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_partial_rotary_passes_the_tail_through_exactly(impl):
+    _need(impl)
+    q = torch.randn(1, 3, 5, 24, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 1, 5, 24, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = _rope_tables(1, 5, 8, torch.bfloat16, "cpu")
+    q_rot, k_rot = polykernel.rope(q, k, cos, sin, impl=impl)
+    assert torch.equal(q_rot[..., 8:], q[..., 8:]) and torch.equal(k_rot[..., 8:], k[..., 8:])
+    assert not torch.equal(q_rot[..., 1:8], q[..., 1:8])  # the rotary part did rotate
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    dq, dk = torch.autograd.grad((q_rot, k_rot), (q, k), (gq, gk))
+    assert torch.equal(dq[..., 8:], gq[..., 8:]) and torch.equal(dk[..., 8:], gk[..., 8:])
+
+
+def test_interleaved_reference_pairs_neighbours():
+    # GPT-J: pairs (x0, x1), (x2, x3); with cos 0 and sin 1 each pair turns by 90 degrees
+    q = torch.tensor([[[[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]]]])
+    cos = torch.zeros(1, 1, 4)
+    sin = torch.ones(1, 1, 4)
+    q_rot, _ = reference(q, q, cos, sin, 4, True)
+    assert torch.equal(q_rot, torch.tensor([[[[-2.0, 1.0, -4.0, 3.0, 5.0, 6.0]]]]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_interleaved_backward_is_rotation_by_minus_sin(impl):
+    _need(impl)
+    q = torch.randn(2, 4, 6, 16, requires_grad=True)
+    k = torch.randn(2, 2, 6, 16, requires_grad=True)
+    cos, sin = (x[..., :6].repeat_interleave(2, -1) for x in _rope_tables(1, 6, 12, torch.float32, "cpu"))
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    dq, dk = torch.autograd.grad(polykernel.rope(q, k, cos, sin, interleaved=True, impl=impl), (q, k), (gq, gk))
+    with torch.no_grad():
+        want_q, want_k = polykernel.rope(gq, gk, cos, -sin, interleaved=True, impl="torch")
+    torch.testing.assert_close(dq, want_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(dk, want_k, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_options_double_backward(impl):
+    """create_graph=True through the options (the Triton node differentiates the reference)."""
+    _need(impl)
+    q = torch.randn(1, 2, 3, 12, dtype=torch.float64 if impl == "torch" else torch.float32, requires_grad=True)
+    k = torch.randn(1, 1, 3, 12, dtype=q.dtype, requires_grad=True)
+    cos, sin = (torch.rand(1, 3, 8, dtype=q.dtype) for _ in range(2))
+    out = polykernel.rope(q, k, cos, sin, rotary_dim=8, interleaved=True, impl=impl)
+    (dq,) = torch.autograd.grad(out[0].pow(2).sum() + out[1].sum(), (q,), create_graph=True)
+    (ddq,) = torch.autograd.grad(dq.sum(), (q,))
+    want = reference(q, k, cos, sin, 8, True)
+    (wq,) = torch.autograd.grad(want[0].pow(2).sum() + want[1].sum(), (q,), create_graph=True)
+    (wdq,) = torch.autograd.grad(wq.sum(), (q,))
+    torch.testing.assert_close(ddq, wdq, atol=1e-5, rtol=1e-5)
+
+
+def test_options_compile_fullgraph():
+    q = torch.randn(2, 4, 5, 16, requires_grad=True)
+    k = torch.randn(2, 2, 5, 16, requires_grad=True)
+    cos, sin = (torch.rand(1, 5, 8) for _ in range(2))
+    f = torch.compile(lambda *a: polykernel.rope(*a, rotary_dim=8, interleaved=True), fullgraph=True, backend="aot_eager")
+    got = f(q, k, cos, sin)
+    want = reference(q, k, cos, sin, 8, True)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    g = torch.autograd.grad(got[0].sum() + (2 * got[1]).sum(), (q, k))
+    w = torch.autograd.grad(want[0].sum() + (2 * want[1]).sum(), (q, k))
+    torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
+
+
+def test_cutile_is_excluded_for_the_options():
+    from types import SimpleNamespace
+
+    from polykernel.backends.cutile._gates import rope as cutile_predicate
+
+    assert "partial rotary" in cutile_predicate(SimpleNamespace(partial=True, interleaved=False))
+    assert "interleaved" in cutile_predicate(SimpleNamespace(partial=False, interleaved=True))
+
+
+def test_cutile_impl_called_directly_refuses_the_options():
+    cutile_rope = pytest.importorskip("polykernel.backends.cutile.rope")
+    q = torch.randn(1, 1, 2, 8)
+    with pytest.raises(NotImplementedError, match="whole head"):
+        cutile_rope.rope(q, q, torch.ones(1, 2, 4), torch.ones(1, 2, 4))
+    with pytest.raises(NotImplementedError, match="whole head"):
+        cutile_rope.rope(q, q, torch.ones(1, 2, 8), torch.ones(1, 2, 8), None, True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, cos_dim, exc, words",
+    [
+        ({"rotary_dim": 6}, 8, OpArgumentError, "'rotary_dim'"),  # not cos's width
+        ({"rotary_dim": 10}, 8, OpArgumentError, "'rotary_dim'"),  # wider than the head
+        ({"rotary_dim": 3}, 8, OpArgumentError, "'rotary_dim'"),
+        ({"rotary_dim": 0}, 8, OpArgumentError, "'rotary_dim'"),
+        ({"rotary_dim": True}, 8, OpTypeError, "'rotary_dim'"),
+        ({"rotary_dim": 4.0}, 4, OpTypeError, "'rotary_dim'"),
+        ({"interleaved": 1}, 8, OpTypeError, "'interleaved'"),
+        ({"interleaved": "yes"}, 8, OpTypeError, "'interleaved'"),
+    ],
+)
+def test_bad_options_name_op_and_argument(kwargs, cos_dim, exc, words):
+    c = torch.randn(1, 5, cos_dim)
+    for _ in range(2):  # rejected on a repeat too
+        with pytest.raises(exc) as info:
+            polykernel.rope(_q, _k, c, c.clone(), **kwargs)
+        assert "embedding.rope" in str(info.value) and words in str(info.value)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_property_parity_options(impl):
+    """Drawn shapes with the options: odd T, rotary_dim < D, GQA, a batch-1 or per-batch table,
+    HF's transposed layout, forward and backward, against the float64 reference."""
+    _need(impl)
+
+    @property_settings(10 if impl != "torch" else 20)
+    @given(st.data())
+    def run(data):
+        dtype = draw_dtype(data)
+        b = data.draw(st.sampled_from([1, 2]), label="B")
+        t = data.draw(st.sampled_from([1, 3, 8, 13]), label="T")
+        hq, hk = data.draw(st.sampled_from([(1, 1), (4, 2), (6, 1), (3, 3)]), label="heads")
+        d = data.draw(st.sampled_from([2, 8, 12, 34, 64]), label="D")
+        rd = data.draw(st.sampled_from([r for r in range(2, d + 1, 2)]), label="rotary_dim")
+        interleaved = data.draw(st.booleans(), label="interleaved")
+        tb = data.draw(st.sampled_from([1, b]), label="table batch")
+        grad = data.draw(st.booleans(), label="grad")
+        hf = data.draw(st.booleans(), label="hf layout")
+
+        def x(h):
+            v = torch.randn(b, t, h, d).to(dtype).transpose(1, 2) if hf else torch.randn(b, h, t, d).to(dtype)
+            return v.requires_grad_(grad)
+
+        cos, sin = ((torch.rand(tb, t, rd) * 2 - 1).to(dtype) for _ in range(2))
+        kwargs = {"interleaved": interleaved} | ({"rotary_dim": rd} if data.draw(st.booleans(), label="explicit") else {})
+        check_case("rope", impl, Case("drawn", (x(hq), x(hk), cos, sin), kwargs), dtype, grad)
+
+    run()

@@ -193,8 +193,11 @@ def _option_types(reference: Callable[..., Any], positions: Sequence[int]) -> tu
     for i in positions:
         tp = hints.get(params[i].name) if i < len(params) else None
         args = typing.get_args(tp)
+        origin = typing.get_origin(tp)
         if tp in _OPTION_TYPES:
             out.append(_OPTION_TYPES[tp])
+        elif isinstance(origin, type) and issubclass(origin, Sequence):  # list[int]: a list or tuple
+            out.append(frozenset({list, tuple}))
         elif args and all(a in _OPTION_TYPES or a is type(None) for a in args):  # float | None
             out.append(frozenset().union(*(_OPTION_TYPES.get(a, frozenset({a})) for a in args)))
         else:

@@ -23,8 +23,11 @@ What is swapped (families: :data:`SUPPORTED_MODEL_TYPES`):
 - ``rope``: the rotary function that ``<Family>Attention.forward`` calls ->
   :func:`polykernel.rope`: rotate-half, gpt-oss's half-width tables (``cat((cos, cos))``) and
   DeepSeek-V3's interleaved pairs (rotate-half on ``[evens, odds]``, the layout it returns),
-  Qwen2-VL's M-RoPE (its sections arrive merged into plain tables) and vision rotary.
-  Cases it does not cover — ``unsqueeze_dim != 1``, partial rotary dims, mixed dtypes (but
+  Phi3's partial rotary (``rotary_dim`` = the tables' width), GLM4's partial GPT-J pairs
+  (``interleaved=True``, tables as HF converts them), Llama4's complex pairs (``interleaved=True``
+  with the real and imaginary parts as cos/sin), Qwen2-VL's M-RoPE (its sections arrive merged
+  into plain tables) and vision rotary.
+  Cases it does not cover — ``unsqueeze_dim != 1``, partial tables for a whole-head function, mixed dtypes (but
   Olmo's fp32 tables, whose function casts back to q's dtype) — go to the original function;
   NoPE layers call none.
 - ``cross_entropy``: the causal-LM loss when logits are computed (eval with labels, or
@@ -55,9 +58,9 @@ Calling ``patch`` again re-applies it with the new switches (idempotent); ``unpa
 the originals. A switch whose polykernel op is not in this build is skipped with a warning.
 
 What polykernel cannot express exactly stays transformers' code, and :func:`patched` says why
-(``{"rope": "left alone: ..."}``): GLM4's interleaved partial rotary, partial rotary dims (Phi-4
-mini), Llama4's complex-pair rotary and weightless q/k L2 norm, and every MoE family's routed
-experts (``moe_experts``; gpt-oss's clamped SwiGLU among them).
+(``{"l2_norm": "left alone: ..."}``): Llama4's weightless q/k L2 norm, a partial-rotary config of a
+family whose rotary function rotates the whole head, and every MoE family's routed experts
+(``moe_experts``; gpt-oss's clamped SwiGLU among them).
 
 Only this module imports ``transformers`` (an optional extra).
 """
@@ -122,6 +125,10 @@ _ROTATE_HALF = "rotate_half"  # q·cos + rotate_half(q)·sin, the tables as they
 _CAST_BACK = "rotate_half_cast_back"  # Olmo: the same in the promoted dtype, cast back to q's (fp32 tables)
 _HALF_TABLES = "half_tables"  # gpt-oss: [B, T, D/2] tables applied to the halves (rotate-half math)
 _PAIRS = "interleaved_pairs"  # DeepSeek's pairs (x0, x1), (x2, x3)... out in rotate-half layout
+_PARTIAL = "rotate_half_partial"  # Phi3: [B, T, R] tables rotate the first R features, the rest pass
+_GLM = "interleaved_partial"  # GLM4: GPT-J pairs over the first R features, angles from the tables' first half
+_COMPLEX = "complex_pairs"  # Llama4: q/k [B, T, H, D] as complex pairs times freqs_cis [B, T, D/2]
+_PARTIAL_OK = frozenset({_PARTIAL, _GLM})  # layouts whose functions take partial rotary tables
 _VISION = "vision"  # Qwen2-VL's vision tower: q/k [S, H, D], tables [S, D], fp32 math
 
 _MOE_EXPERTS = "the experts run transformers' own code (polykernel has no moe_experts op yet)"
@@ -185,15 +192,14 @@ _FAMILIES: dict[str, _Family] = {
             ),
             output="MoeCausalLMOutputWithPast",
         ),
-        _Family("phi3", "Phi3", _LLAMA_NORM),  # merged gate_up_proj; partial rotary: see _config_left_alone
+        _Family("phi3", "Phi3", _LLAMA_NORM, rope=(("apply_rotary_pos_emb", _PARTIAL),)),  # merged gate_up_proj; partial rotary
         # embedding/residual/attention multipliers live in forwards the patch keeps as they are
         _Family("granite", "Granite", _LLAMA_NORM, logit_divisor="logits_scaling"),
         _Family(
             "glm4",
             "Glm4",
             _LLAMA_NORM,
-            rope=(),
-            left_alone=(("rope", "GLM's rotary is interleaved and partial (rotary_dim < head_dim): polykernel.rope has neither yet"),),
+            rope=(("apply_rotary_pos_emb", _GLM),),  # interleaved and partial (partial_rotary_factor 0.5)
         ),
         _Family("smollm3", "SmolLM3", _LLAMA_NORM),  # NoPE layers: their attention calls no rotary function
         _Family("olmo3", "Olmo3", _OLMO2_NORM, rope=(("apply_rotary_pos_emb", _CAST_BACK),)),
@@ -246,12 +252,8 @@ _FAMILIES: dict[str, _Family] = {
             _LLAMA4_NORM,
             package="llama4",
             roles=(("Llama4ForCausalLM", "causal_lm"),),  # Llama4TextMLP: the dense layers and shared experts
-            rope=(),
+            rope=(("apply_rotary_emb", _COMPLEX),),  # complex pairs: interleaved rope, q/k [B, T, H, D]
             left_alone=(
-                (
-                    "rope",
-                    "Llama4's rotary multiplies complex pairs (interleaved layout in and out): polykernel.rope has no interleaved= yet",
-                ),
                 ("l2_norm", "Llama4's q/k L2 norm has no weight: polykernel.rms_norm needs one"),
                 ("moe_experts", _MOE_EXPERTS),
             ),
@@ -273,10 +275,12 @@ def _config_left_alone(family: _Family, config: Any) -> dict[str, str]:
     factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
     if factor is None:
         factor = getattr(config, "partial_rotary_factor", 1.0)
-    if family.rope and isinstance(factor, (int, float)) and factor < 1:
+    partial_ok = all(layout in _PARTIAL_OK for _, layout in family.rope)
+    if family.rope and not partial_ok and isinstance(factor, (int, float)) and factor < 1:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         out["rope"] = (
-            f"partial rotary (rotary_dim={int(head_dim * factor)} of head_dim {head_dim}) is not expressible yet: polykernel.rope has no rotary_dim"
+            f"partial rotary (rotary_dim={int(head_dim * factor)} of head_dim {head_dim}): this family's rotary function "
+            "rotates the whole head, so its own code runs"
         )
     return out
 
@@ -403,6 +407,9 @@ def _rope_function(orig: Callable, layout: str = _ROTATE_HALF) -> Callable:
     except (TypeError, ValueError):
         extra_names = ["unsqueeze_dim"]
 
+    if layout == _COMPLEX:
+        return _complex_rope_function(orig)
+
     @functools.wraps(orig)
     def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *args: Any, **kwargs: Any):
         if args or kwargs:  # (DeepSeek's interleaved function takes position_ids too, and ignores them)
@@ -423,7 +430,7 @@ def _rope_function(orig: Callable, layout: str = _ROTATE_HALF) -> Callable:
             # rotate-half on [evens, odds] (the same products, a permutation of the input)
             q = torch.cat((q[..., 0::2], q[..., 1::2]), dim=-1)
             k = torch.cat((k[..., 0::2], k[..., 1::2]), dim=-1)
-        return _pk.rope(q, k, *tables)
+        return _pk.rope(q, k, *tables, interleaved=layout == _GLM)
 
     apply_rotary_pos_emb._polykernel = "rope"  # type: ignore[attr-defined]
     apply_rotary_pos_emb._polykernel_orig = orig  # type: ignore[attr-defined]
@@ -447,6 +454,8 @@ def _rope_tables(q: Any, k: Any, cos: Any, sin: Any, layout: str = _ROTATE_HALF)
         return None
     b, _, t, d = q.shape
     width = d // 2 if layout == _HALF_TABLES else d
+    if layout in _PARTIAL_OK and 0 < cos.shape[2] <= d and cos.shape[2] % 2 == 0:
+        width = cos.shape[2]  # partial rotary: R features rotate, the rest pass through
     if not (
         k.shape[0] == b
         and k.shape[2] == t
@@ -466,7 +475,50 @@ def _rope_tables(q: Any, k: Any, cos: Any, sin: Any, layout: str = _ROTATE_HALF)
     if layout == _PAIRS:
         c, s = cos[..., : d // 2], sin[..., : d // 2]
         return torch.cat((c, c), dim=-1), torch.cat((s, s), dim=-1)
+    if layout == _GLM:  # HF's own conversion: the first R/2 angles, each repeated for its pair
+        half = width // 2
+        return cos[..., :half].repeat_interleave(2, dim=-1), sin[..., :half].repeat_interleave(2, dim=-1)
     return cos, sin
+
+
+def _complex_rope_function(orig: Callable) -> Callable:
+    """Llama4's ``apply_rotary_emb(xq, xk, freqs_cis)``: q/k ``[B, T, H, D]`` read as complex pairs
+    (x[2i], x[2i+1]) times ``freqs_cis [B, T, D/2]``, in fp32, cast back to q's dtype. That is
+    polykernel.rope with ``interleaved=True`` and the real/imaginary parts, each repeated for its
+    pair, as cos/sin (q/k viewed ``[B, H, T, D]``: no copy)."""
+
+    @functools.wraps(orig)
+    def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor, *args: Any, **kwargs: Any):
+        if args or kwargs or not _complex_rope_supported(xq, xk, freqs_cis):
+            return orig(xq, xk, freqs_cis, *args, **kwargs)
+        cos = freqs_cis.real.repeat_interleave(2, dim=-1)
+        sin = freqs_cis.imag.repeat_interleave(2, dim=-1)
+        q, k = _pk.rope(xq.transpose(1, 2), xk.transpose(1, 2), cos, sin, interleaved=True)
+        return q.transpose(1, 2), k.transpose(1, 2)
+
+    apply_rotary_emb._polykernel = "rope"  # type: ignore[attr-defined]
+    apply_rotary_emb._polykernel_orig = orig  # type: ignore[attr-defined]
+    return apply_rotary_emb
+
+
+def _complex_rope_supported(xq: Any, xk: Any, freqs_cis: Any) -> bool:
+    if not all(isinstance(t, torch.Tensor) for t in (xq, xk, freqs_cis)):
+        return False
+    if xq.dim() != 4 or xk.dim() != 4 or freqs_cis.dim() != 3 or freqs_cis.dtype != torch.complex64:
+        return False
+    b, t, _, d = xq.shape
+    return (
+        xk.shape[0] == b
+        and xk.shape[1] == t
+        and xk.shape[3] == d
+        and d > 0
+        and d % 2 == 0
+        and xq.dtype == xk.dtype
+        and xq.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and freqs_cis.shape[0] in (1, b)
+        and freqs_cis.shape[1] == t
+        and freqs_cis.shape[2] == d // 2
+    )
 
 
 def _vision_rope_supported(q: Any, k: Any, cos: Any, sin: Any) -> bool:
@@ -1134,7 +1186,7 @@ def patched(model: nn.Module | str) -> dict[str, list[str] | str]:
     """What polykernel runs in ``model``: kind (``rms_norm``, ``swiglu``, ``rope``, ``loss``,
     ``sdpa_is_causal``) -> the qualified names of the patched modules (a model type: the patched
     class attributes). A kind the model's family has but polykernel cannot express exactly maps to
-    ``"left alone: <why>"`` instead (e.g. ``{"rope": "left alone: GLM's rotary is interleaved ..."}``,
+    ``"left alone: <why>"`` instead (e.g. ``{"l2_norm": "left alone: Llama4's q/k L2 norm has no weight ..."}``,
     ``{"moe_experts": "left alone: ..."}``): that part runs transformers' own code."""
     out: dict[str, list[str] | str] = {}
     if isinstance(model, str):

@@ -27,6 +27,7 @@ OP_MODULES: dict[str, str] = {
     "activation.relu_squared": "polykernel.ops.relu_squared",
     "activation.sparsemax": "polykernel.ops.sparsemax",
     "embedding.rope": "polykernel.ops.rope",
+    "embedding.mrope": "polykernel.ops.mrope",
     "loss.cross_entropy": "polykernel.ops.cross_entropy",
     "loss.fused_linear_cross_entropy": "polykernel.ops.fused_linear_cross_entropy",
     # serving layouts (issue 25): inference only, writing into given or in-place tensors

@@ -2,10 +2,18 @@
 
 ``q_rot = q · cos + rotate_half(q) · sin`` (same for k), where ``rotate_half(x) =
 cat(-x[..., D/2:], x[..., :D/2])``. q is ``[B, Hq, T, D]``, k is ``[B, Hk, T, D]`` (grouped-query
-attention: ``Hq != Hk`` is fine), cos/sin are ``[B or 1, T, D]`` and broadcast over the heads (a
-batch of 1 also broadcasts over B). Math in fp32; each result has its input's dtype. The gradient
-of q (and k) is the transposed rotation: ``dq = g · cos - rotate_half(g · sin)``. Gradients of
-cos/sin (rarely wanted: they are usually buffers) come from autograd in the torch impl; impls
+attention: ``Hq != Hk`` is fine), cos/sin are ``[B or 1, T, R]`` and broadcast over the heads (a
+batch of 1 also broadcasts over B).
+
+Options: ``rotary_dim`` (R, default ``cos.shape[-1]``, which it must equal) rotates only the first
+R features of each head; features R.. pass through unchanged (partial rotary: Phi, GLM, NeoX).
+``interleaved=True`` pairs features (2i, 2i+1) (GPT-J, GLM) instead of (i, i + R/2):
+``rotate_interleaved(x)[2i] = -x[2i+1]``, ``[2i+1] = x[2i]``, and the tables are laid out like the
+features (``cos[2i]`` multiplies feature 2i: GPT-J tables repeat each angle twice).
+
+Math in fp32; each result has its input's dtype. The gradient of q (and k) is the transposed
+rotation: ``dq = g · cos - rotate_half(g · sin)`` (pass-through features: ``g`` itself). Gradients
+of cos/sin (rarely wanted: they are usually buffers) come from autograd in the torch impl; impls
 that do not compute them are excluded by a predicate on the ``rot_grad`` field.
 """
 
@@ -34,25 +42,50 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
+    """Pairs (2i, 2i+1) -> (-x[2i+1], x[2i]) (GPT-J's ``rotate_every_two``)."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotary_dim: int | None = None,
+    interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The semantics, in plain torch (fp32 math; fp64 stays fp64).
 
     cos/sin are converted once and shared by q and k, so their gradients (when they require
-    grad) are summed over both in fp32 and rounded once."""
+    grad) are summed over both in fp32 and rounded once. Pass-through features are copied as
+    they are (no rounding)."""
     tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+    rd = cos.shape[-1]
+    turn = rotate_interleaved if interleaved else rotate_half
 
     def rot(x: torch.Tensor) -> torch.Tensor:
         acc = torch.promote_types(x.dtype, torch.float32)
         if acc not in tables:
             tables[acc] = (cos.unsqueeze(1).to(acc), sin.unsqueeze(1).to(acc))
         c, s = tables[acc]
-        xf = x.to(acc)
-        return (xf * c + rotate_half(xf) * s).to(x.dtype)
+        if rd == x.shape[-1]:
+            xf = x.to(acc)
+            return (xf * c + turn(xf) * s).to(x.dtype)
+        xf = x[..., :rd].to(acc)
+        return torch.cat(((xf * c + turn(xf) * s).to(x.dtype), x[..., rd:]), dim=-1)
 
     return rot(q), rot(k)
 
 
-def validate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def validate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotary_dim: int | None = None,
+    interleaved: bool = False,
+) -> None:
     for name, t in (("q", q), ("k", k)):
         check.tensor(OP_ID, name, t)
         check.floating(OP_ID, name, t)
@@ -61,13 +94,26 @@ def validate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     b, _, t_len, d = q.shape
     if k.shape[0] != b or k.shape[2] != t_len or k.shape[3] != d:
         raise check.OpArgumentError(OP_ID, "k", f"expected shape [{b}, Hk, {t_len}, {d}] (q's B, T and D), got {tuple(k.shape)}")
-    if d == 0 or d % 2:
-        raise check.OpArgumentError(OP_ID, "q", f"expected a positive even head dim D, got D={d} (shape {tuple(q.shape)})")
+    if not isinstance(interleaved, bool):
+        raise check.OpTypeError(OP_ID, "interleaved", f"expected a bool, got {interleaved!r}")
+    if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int)):
+        raise check.OpTypeError(OP_ID, "rotary_dim", f"expected an int or None, got {rotary_dim!r}")
+    if rotary_dim is not None and (rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > d):
+        raise check.OpArgumentError(OP_ID, "rotary_dim", f"expected a positive even int <= the head dim D={d}, got {rotary_dim}")
     for name, t in (("cos", cos), ("sin", sin)):
         check.tensor(OP_ID, name, t)
         check.floating(OP_ID, name, t)
-        if t.dim() != 3 or t.shape[0] not in (1, b) or t.shape[1] != t_len or t.shape[2] != d:
-            raise check.OpArgumentError(OP_ID, name, f"expected shape [{b} or 1, {t_len}, {d}] ([B or 1, T, D] of q), got {tuple(t.shape)}")
+        if t.dim() != 3 or t.shape[0] not in (1, b) or t.shape[1] != t_len:
+            raise check.OpArgumentError(OP_ID, name, f"expected shape [{b} or 1, {t_len}, R] ([B or 1, T] of q), got {tuple(t.shape)}")
+    rd = cos.shape[2]
+    if rotary_dim is not None and rotary_dim != rd:
+        raise check.OpArgumentError(OP_ID, "rotary_dim", f"expected cos's last dim {rd} (or None), got {rotary_dim}")
+    if rd == d and (d == 0 or d % 2):  # full rotary: the head dim itself is what cannot pair up
+        raise check.OpArgumentError(OP_ID, "q", f"expected a positive even head dim D, got D={d} (shape {tuple(q.shape)})")
+    if rd == 0 or rd % 2 or rd > d:
+        raise check.OpArgumentError(
+            OP_ID, "cos", f"expected a positive even last dim R <= the head dim D={d} (the rotary dim), got shape {tuple(cos.shape)}"
+        )
     if sin.shape != cos.shape:
         raise check.OpArgumentError(OP_ID, "sin", f"expected cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
     check.same_device(OP_ID, "k", k, "q", q)
@@ -78,28 +124,43 @@ def validate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 _grad_enabled = torch.is_grad_enabled
 
 
-def _key(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+def _key(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotary_dim: int | None = None,
+    interleaved: bool = False,
+) -> tuple:
     """The argument class. It holds everything validity depends on: the four dtypes, and whether
     the shapes agree and share a device as one flag (``args_match``), so that a new sequence length
     needs no new decision; `validate` runs once per class (on the memo miss). The guard (``_op``'s
     ``guard``) recognises a repeat without building it: it pins q's and k's B, T and D (the sizes
     the shape checks relate; their head counts stay free) and the tables' whole shapes, so a
     repeat compares no shape in Python. A new T (or B, D) takes the slow path once: the class in
-    Python (a memo hit) and a guard for that T, kept among the op's recent ones."""
+    Python (a memo hit) and a guard for that T, kept among the op's recent ones. The options are
+    held as given; ``partial`` (the tables narrower than the head) is what impls without
+    pass-through features need to know, and the guard's pinned sizes fix it."""
     grad = _grad_enabled()
     rot_grad = grad and (cos.requires_grad or sin.requires_grad)
     needs = rot_grad or (grad and (q.requires_grad or k.requires_grad))
-    return (q.device, q.dtype, needs, rot_grad, k.dtype, cos.dtype, sin.dtype, _args_match(q, k, cos, sin))
+    partial = cos.dim() == 3 and q.dim() == 4 and cos.shape[2] != q.shape[3]
+    return (
+        q.device, q.dtype, needs, rot_grad, k.dtype, cos.dtype, sin.dtype, rotary_dim, interleaved, partial,
+        _args_match(q, k, cos, sin, rotary_dim),
+    )  # fmt: skip
 
 
-def _args_match(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """q ``[B, Hq, T, D]``, k ``[B, Hk, T, D]``, cos and sin ``[B or 1, T, D]`` (D even, > 0),
-    all on one device: `validate`'s shape and device conditions, as one field of the class."""
+def _args_match(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int | None = None) -> bool:
+    """q ``[B, Hq, T, D]``, k ``[B, Hk, T, D]``, cos and sin ``[B or 1, T, R]`` (R even, 0 < R <= D,
+    ``rotary_dim`` None or R), all on one device: `validate`'s shape and device conditions, as one
+    field of the class (the option types are the class's own fields, checked there)."""
     qs, ks, cs = q.shape, k.shape, cos.shape
     return (
         len(qs) == 4 and len(ks) == 4 and len(cs) == 3
-        and ks[0] == qs[0] and ks[2] == qs[2] and ks[3] == qs[3] and qs[3] > 0 and qs[3] % 2 == 0
-        and (cs[0] == 1 or cs[0] == qs[0]) and cs[1] == qs[2] and cs[2] == qs[3] and sin.shape == cs
+        and ks[0] == qs[0] and ks[2] == qs[2] and ks[3] == qs[3]
+        and (cs[0] == 1 or cs[0] == qs[0]) and cs[1] == qs[2] and 0 < cs[2] <= qs[3] and cs[2] % 2 == 0 and sin.shape == cs
+        and (rotary_dim is None or rotary_dim == cs[2])
         and q.device == k.device == cos.device == sin.device
     )  # fmt: skip
 
@@ -113,9 +174,14 @@ def rope(
     cos: torch.Tensor,
     sin: torch.Tensor,
     *,
+    rotary_dim: int | None = None,
+    interleaved: bool = False,
     impl: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply rotary position embedding to ``q`` and ``k``; returns ``(q_rot, k_rot)``.
+
+    ``rotary_dim`` (default ``cos.shape[-1]``) rotates only the first features of each head (the
+    rest pass through); ``interleaved`` pairs features (2i, 2i+1) (GPT-J) instead of rotate-half.
 
     >>> import torch, polykernel
     >>> q, k = torch.randn(2, 8, 16, 64), torch.randn(2, 2, 16, 64)  # 8 query heads, 2 kv heads
@@ -123,8 +189,9 @@ def rope(
     >>> q_rot, k_rot = polykernel.rope(q, k, cos, sin)
     >>> q_rot.shape, k_rot.shape
     (torch.Size([2, 8, 16, 64]), torch.Size([2, 2, 16, 64]))
+    >>> q_rot, k_rot = polykernel.rope(q, k, cos[..., :32], sin[..., :32], interleaved=True)  # GPT-J, half the dims
     """
-    return _dispatch(impl, q, k, cos, sin)  # _op.dispatch; the class and validation: see _key
+    return _dispatch(impl, q, k, cos, sin, rotary_dim, interleaved)  # _op.dispatch; the class and validation: see _key
 
 
 # -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
@@ -132,7 +199,8 @@ def rope(
 # so a kernel that fuses a multiply-add (one rounding fewer) differs by ~u32 of the terms'
 # magnitude, max|x|·max(|cos| + |sin|). The backward has the same form (dy·cos ∓ dy'·sin, |dy| <= 1);
 # cos/sin gradients sum dy·x over the heads of q and k (and over B when cos/sin are shared).
-def error_model(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Bounds:
+# Pass-through features are copied exactly, so the bounds hold for partial rotary as they are.
+def error_model(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *_: object, **__: object) -> Bounds:
     def amax(t: torch.Tensor) -> float:
         return t.detach().abs().max().item() if t.numel() else 0.0
 
@@ -218,6 +286,18 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
         Case("2x3x4x8-no-k-heads", (t(2, 3, 4, 8), t(2, 0, 4, 8), *tables(2, 4, 8))),
         Case("1x40x3x256-many-heads", (t(1, 40, 3, 256), t(1, 5, 3, 256), *tables(1, 3, 256))),
         Case("1x2x3x272-long-D", (t(1, 2, 3, 272), t(1, 3, 3, 272), *rand_tables(1, 3, 272))),
+        # the options: partial rotary (the tail passes through), GPT-J pairs, both, awkward shapes
+        Case("2x4x7x32-partial16", (t(2, 4, 7, 32), t(2, 2, 7, 32), *tables(1, 7, 16)), {"rotary_dim": 16}),
+        Case("1x3x5x24-partial8-randtables", (t(1, 3, 5, 24), t(1, 1, 5, 24), *rand_tables(1, 5, 8))),
+        Case("2x6x9x20-interleaved", (t(2, 6, 9, 20), t(2, 2, 9, 20), *rand_tables(2, 9, 20)), {"interleaved": True}),
+        Case(
+            "2x4x11x64-interleaved-partial32-hf",
+            (hf(2, 11, 4, 64), hf(2, 11, 1, 64), *rand_tables(1, 11, 32)),
+            {"rotary_dim": 32, "interleaved": True},
+        ),
+        Case("1x2x3x10-odd-pass-interleaved", (t(1, 2, 3, 10), t(1, 2, 3, 10), *rand_tables(1, 3, 6)), {"interleaved": True}),
+        Case("2x3x5x9-odd-D-partial8", (t(2, 3, 5, 9), t(2, 1, 5, 9), *rand_tables(1, 5, 8))),
+        Case("2x2x4x272-partial256", (t(2, 2, 4, 272), t(2, 1, 4, 272), *rand_tables(2, 4, 256)), {"rotary_dim": 256}),
     ]
     if large:
         out += [
@@ -226,6 +306,8 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
             Case("1x40x1000x80-k8-odd", (t(1, 40, 1000, 80), t(1, 8, 1000, 80), *tables(1, 1000, 80))),
             Case("64x32x1x128-decode", (t(64, 32, 1, 128), t(64, 8, 1, 128), *tables(64, 1, 128))),
             Case("2x12x777x256-randtables", (t(2, 12, 777, 256), t(2, 4, 777, 256), *rand_tables(2, 777, 256))),
+            Case("2x32x2048x128-partial64-hf", (hf(2, 2048, 32, 128), hf(2, 2048, 2, 128), *tables(1, 2048, 64)), {"rotary_dim": 64}),
+            Case("2x32x1000x128-interleaved", (t(2, 32, 1000, 128), t(2, 8, 1000, 128), *rand_tables(1, 1000, 128)), {"interleaved": True}),
         ]
     return out
 
@@ -258,7 +340,7 @@ IMPLS = impls(
     CUTILE.impl(
         rank=40,
         description="gathers by element index (any D, any q/k strides); cos/sin loaded once per position tile for all heads",
-        predicate=cutile_gates.rope,
+        predicate=cutile_gates.rope,  # (it refuses the options too)
     ),
 )
 
@@ -284,10 +366,22 @@ def outputs(q: torch.Tensor, k: torch.Tensor, *_: object) -> tuple[tuple[torch.S
 
 _op = Op(
     OP_ID,
-    fields=("device", "dtype", "needs_grad", "rot_grad", "k_dtype", "cos_dtype", "sin_dtype", "args_match"),
+    fields=(
+        "device",
+        "dtype",
+        "needs_grad",
+        "rot_grad",
+        "k_dtype",
+        "cos_dtype",
+        "sin_dtype",
+        "rotary_dim",
+        "interleaved",
+        "partial",
+        "args_match",
+    ),
     key=_key,
-    guard=(dims(0, 2, 3), dims(0, 2, 3), SHAPE, SHAPE),
-    default_key=lambda device, dtype: (device, dtype, False, False, dtype, dtype, dtype, True),
+    guard=(dims(0, 2, 3), dims(0, 2, 3), SHAPE, SHAPE, None, None),
+    default_key=lambda device, dtype: (device, dtype, False, False, dtype, dtype, dtype, None, False, False, True),
     validate=validate,
     reference=reference,
     outputs=outputs,

@@ -69,6 +69,7 @@ SHAPES: dict[str, list[tuple[str, tuple[int, ...]]]] = {
     "softmax": [("8192x32768", (8192, 32768))],
     "sparsemax": [("16384x4096", (16384, 4096)), ("2048x32768", (2048, 32768))],
     "rope": [("q4x32x4096x128,k8", (4, 32, 4096, 128))],
+    "mrope": [("q2x28x4096x128,k7", (2, 28, 4096, 128))],  # Qwen2-VL-7B's width (k: the example's Hq // 4)
     "cross_entropy": [("8192x128256", (8192, 128256))],
     "fused_linear_cross_entropy": [("N8192,H4096,V128256", (8192, 4096, 128256))],
     # (T, H, I, E, k): one experts layer of Qwen3-30B-A3B and of Mixtral 8x7B (issue 24)
@@ -92,6 +93,7 @@ SHAPES: dict[str, list[tuple[str, tuple[int, ...]]]] = {
 # the swept dimension divided by 4, 16, 64 (rope: the sequence length; the losses: the tokens).
 _SWEEP_DIM: dict[str, tuple[int, int]] = {
     "rope": (2, 3),
+    "mrope": (2, 3),
     "cross_entropy": (0, 2),
     "fused_linear_cross_entropy": (0, 1),
     "kl_div": (0, 2),
@@ -125,7 +127,7 @@ def sweep_shapes(op_name: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _label(op_name: str, shape: tuple[int, ...]) -> str:
-    if op_name == "rope":
+    if op_name in ("rope", "mrope"):
         b, h, t, d = shape
         return f"q{b}x{h}x{t}x{d},k{max(1, h // 4)}"
     if op_name in _FLOPS:

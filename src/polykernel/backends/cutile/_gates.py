@@ -99,6 +99,10 @@ def softmax(a: Any) -> str | None:
 
 
 def rope(a: Any) -> str | None:
+    if a.partial:
+        return "partial rotary (rotary_dim < head dim): the cuTile kernel rotates the whole head"
+    if a.interleaved:
+        return "interleaved=True: the cuTile kernel pairs rotate-half only"
     if a.rot_grad:
         return "cos/sin require grad (the cuTile kernel computes only the q and k gradients)"
     if str(a.k_dtype).removeprefix("torch.") not in ("float32", "bfloat16", "float16"):

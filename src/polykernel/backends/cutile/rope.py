@@ -153,8 +153,13 @@ def rope_launch(
 _Rope, _forward = rope_function(rope_launch)  # the autograd node, shared with the other kernel backends
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int | None = None, interleaved: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered impl (arguments already validated by ``polykernel.rope``)."""
+    if interleaved or cos.shape[-1] != q.shape[-1]:
+        # the op's predicate keeps the dispatcher from picking this impl then; refuse a direct call
+        raise NotImplementedError("embedding.rope [cutile]: rotate-half over the whole head only; use impl='triton' or 'torch'")
     if torch.is_grad_enabled():
         if cos.requires_grad or sin.requires_grad:
             raise NotImplementedError("embedding.rope [cutile]: no cos/sin gradients; use impl='torch'")

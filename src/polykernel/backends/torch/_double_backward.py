@@ -132,9 +132,10 @@ def glu_grads(gate, up, act: int, dy, needs: Sequence[bool]) -> Grads:
     return graph_grads(glu_reference, (gate, up, act), (dy,), (needs[0], needs[1], False))[:2]
 
 
-def rope_grads(cos, sin, gq, gk, needs: Sequence[bool]) -> Grads:
+def rope_grads(cos, sin, gq, gk, needs: Sequence[bool], interleaved: bool = False) -> Grads:
     """(dq, dk) of ``embedding.rope`` without cos/sin gradients. The map is linear in q and k, so
-    its gradients depend on the cotangents alone: the reference is differentiated at zeros."""
+    its gradients depend on the cotangents alone: the reference is differentiated at zeros
+    (partial rotary follows from the tables' width; ``interleaved`` is the op's option)."""
     from ...ops.rope import reference
 
     use_q, use_k = gq is not None and needs[0], gk is not None and needs[1]
@@ -142,7 +143,8 @@ def rope_grads(cos, sin, gq, gk, needs: Sequence[bool]) -> Grads:
         return [None, None]
     q = torch.zeros_like(gq if use_q else gk).requires_grad_(use_q)
     k = torch.zeros_like(gk if use_k else gq).requires_grad_(use_k)
-    return graph_grads(reference, (q, k, cos, sin), (gq if use_q else None, gk if use_k else None), (use_q, use_k, False, False))[:2]
+    args = (q, k, cos, sin, None, interleaved)
+    return graph_grads(reference, args, (gq if use_q else None, gk if use_k else None), (use_q, use_k, False, False, False, False))[:2]
 
 
 def native_backward(op: str, tensors: Sequence[Any], options: Sequence[Any], grads: Sequence[Any], needs: Sequence[bool]) -> Grads:

@@ -9,5 +9,7 @@ import torch
 from ...ops.rope import reference
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return reference(q, k, cos, sin)
+def rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int | None = None, interleaved: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference(q, k, cos, sin, rotary_dim, interleaved)

@@ -12,6 +12,11 @@ Each head row is read as its two halves x1 = x[:D/2], x2 = x[D/2:]:
     forward:  o1 = x1·c1 - x2·s1      o2 = x2·c2 + x1·s2
     backward: o1 = g1·c1 + g2·s2      o2 = g2·c2 - g1·s1   (the transposed rotation, by -sin)
 
+Options (constexprs, so the default kernel is the same code as without them): ``INTERLEAVED``
+pairs x1 = x[2i], x2 = x[2i+1] (GPT-J) instead of the halves, and the tables are read at the same
+feature indices; ``PASS`` = D - R features after the R rotary ones (partial rotary, R = the
+tables' width, HALF = R/2) are copied through unchanged (the backward copies the gradient).
+
 Every tensor is addressed through its own strides (q/k/outputs as [B, H, T, D], cos/sin as
 [B, T, D] with batch stride 0 when broadcast), so HF's transposed views [B, T, H, D].transpose(1, 2)
 and slices of a fused QKV projection run without a copy; outputs keep q's/k's dense layout
@@ -59,14 +64,24 @@ ROW_WARPS = 4
 
 
 @triton.jit
-def _cos_sin(c_row, s_row, d, m, sc_d, ss_d, HALF: tl.constexpr, BACKWARD: tl.constexpr):
-    """cos and sin of both halves for rows c_row/s_row ([BLOCK_T, 1]) at columns d ([1, BLOCK_D])
+def _pair(d, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Feature indices of pair d's two members: (d, d + HALF) rotate-half, (2d, 2d + 1) GPT-J."""
+    if INTERLEAVED:
+        return 2 * d, 2 * d + 1
+    else:
+        return d, d + HALF
+
+
+@triton.jit
+def _cos_sin(c_row, s_row, d, m, sc_d, ss_d, HALF: tl.constexpr, BACKWARD: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """cos and sin of both pair members for rows c_row/s_row ([BLOCK_T, 1]) at pairs d ([1, BLOCK_D])
     in fp32, as (c1, c2, sa, sb) with o1 = x1·c1 - x2·sa, o2 = x2·c2 + x1·sb: the backward's
     transposed rotation swaps and negates the sines."""
-    c1 = tl.load(c_row + d * sc_d, mask=m, other=0.0).to(tl.float32)
-    c2 = tl.load(c_row + (d + HALF) * sc_d, mask=m, other=0.0).to(tl.float32)
-    s1 = tl.load(s_row + d * ss_d, mask=m, other=0.0).to(tl.float32)
-    s2 = tl.load(s_row + (d + HALF) * ss_d, mask=m, other=0.0).to(tl.float32)
+    i1, i2 = _pair(d, HALF, INTERLEAVED)
+    c1 = tl.load(c_row + i1 * sc_d, mask=m, other=0.0).to(tl.float32)
+    c2 = tl.load(c_row + i2 * sc_d, mask=m, other=0.0).to(tl.float32)
+    s1 = tl.load(s_row + i1 * ss_d, mask=m, other=0.0).to(tl.float32)
+    s2 = tl.load(s_row + i2 * ss_d, mask=m, other=0.0).to(tl.float32)
     if BACKWARD:
         sa = -s2
         sb = -s1
@@ -96,22 +111,41 @@ def _rot_heads(
     sb,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):
     """Rotate heads [0, H) of the rows at x_base ([BLOCK_T, 1, 1] offsets) for the d chunk."""
-    d3 = d[None, None, :]
+    i1, i2 = _pair(d[None, None, :], HALF, INTERLEAVED)
     td_ok = t_ok[:, None, None] & d_ok[None, None, :]
     for h0 in range(0, H, BLOCK_H):
         h = tl.cast(h0, tl.int64) + tl.arange(0, BLOCK_H).to(tl.int64)
         h3 = h[None, :, None]
         mask = td_ok & (h < H)[None, :, None]
         px = X + x_base + h3 * sx_h
-        x1 = tl.load(px + d3 * sx_d, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(px + (d3 + HALF) * sx_d, mask=mask, other=0.0).to(tl.float32)
+        x1 = tl.load(px + i1 * sx_d, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(px + i2 * sx_d, mask=mask, other=0.0).to(tl.float32)
         o1 = x1 * c1 - x2 * sa
         o2 = x2 * c2 + x1 * sb
         po = OUT + o_base + h3 * so_h
-        tl.store(po + d3 * so_d, o1.to(OUT.dtype.element_ty), mask=mask)
-        tl.store(po + (d3 + HALF) * so_d, o2.to(OUT.dtype.element_ty), mask=mask)
+        tl.store(po + i1 * so_d, o1.to(OUT.dtype.element_ty), mask=mask)
+        tl.store(po + i2 * so_d, o2.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _pass_heads(
+    X, OUT, x_base, o_base, H, sx_h, sx_d, so_h, so_d, t_ok,
+    ROT: tl.constexpr, PASS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Copy features [ROT, ROT + PASS) of heads [0, H) unchanged (partial rotary's tail)."""
+    for p0 in tl.static_range(0, PASS, BLOCK_D):
+        e = (ROT + p0 + tl.arange(0, BLOCK_D)).to(tl.int64)
+        e3 = e[None, None, :]
+        te_ok = t_ok[:, None, None] & (e < ROT + PASS)[None, None, :]
+        for h0 in range(0, H, BLOCK_H):
+            h = tl.cast(h0, tl.int64) + tl.arange(0, BLOCK_H).to(tl.int64)
+            h3 = h[None, :, None]
+            mask = te_ok & (h < H)[None, :, None]
+            x = tl.load(X + x_base + h3 * sx_h + e3 * sx_d, mask=mask, other=0.0)
+            tl.store(OUT + o_base + h3 * so_h + e3 * so_d, x.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -154,6 +188,8 @@ def _rope_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BACKWARD: tl.constexpr,
+    INTERLEAVED: tl.constexpr = False,
+    PASS: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     b = tl.cast(pid // n_tblocks, tl.int64)
@@ -169,19 +205,22 @@ def _rope_kernel(
     for d0 in tl.static_range(0, HALF, BLOCK_D):
         d = (d0 + tl.arange(0, BLOCK_D)).to(tl.int64)
         d_ok = d < HALF
-        c1, c2, sa, sb = _cos_sin(c_row, s_row, d[None, :], t_ok[:, None] & d_ok[None, :], sc_d, ss_d, HALF, BACKWARD)
+        c1, c2, sa, sb = _cos_sin(c_row, s_row, d[None, :], t_ok[:, None] & d_ok[None, :], sc_d, ss_d, HALF, BACKWARD, INTERLEAVED)
         c1, c2, sa, sb = c1[:, None, :], c2[:, None, :], sa[:, None, :], sb[:, None, :]  # broadcast over heads
-        _rot_heads(Q, QO, q_base, qo_base, HQ, sq_h, sq_d, sqo_h, sqo_d, t_ok, d, d_ok, c1, c2, sa, sb, HALF, BLOCK_HQ)
-        _rot_heads(K, KO, k_base, ko_base, HK, sk_h, sk_d, sko_h, sko_d, t_ok, d, d_ok, c1, c2, sa, sb, HALF, BLOCK_HK)
+        _rot_heads(Q, QO, q_base, qo_base, HQ, sq_h, sq_d, sqo_h, sqo_d, t_ok, d, d_ok, c1, c2, sa, sb, HALF, BLOCK_HQ, INTERLEAVED)
+        _rot_heads(K, KO, k_base, ko_base, HK, sk_h, sk_d, sko_h, sko_d, t_ok, d, d_ok, c1, c2, sa, sb, HALF, BLOCK_HK, INTERLEAVED)
+    if PASS > 0:
+        _pass_heads(Q, QO, q_base, qo_base, HQ, sq_h, sq_d, sqo_h, sqo_d, t_ok, 2 * HALF, PASS, BLOCK_D, BLOCK_HQ)
+        _pass_heads(K, KO, k_base, ko_base, HK, sk_h, sk_d, sko_h, sko_d, t_ok, 2 * HALF, PASS, BLOCK_D, BLOCK_HK)
 
 
 @triton.jit
 def _rot_rows(
     X, OUT, COS, SIN, b, h, t, T,
     sx_b, sx_h, sx_t, sx_d, so_b, so_h, so_t, so_d, sc_b, sc_t, sc_d, ss_b, ss_t, ss_d,
-    HALF: tl.constexpr, BLOCK_D: tl.constexpr, BACKWARD: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_D: tl.constexpr, BACKWARD: tl.constexpr, INTERLEAVED: tl.constexpr, PASS: tl.constexpr,
 ):  # fmt: skip
-    """Rotate positions t ([BLOCK_T], int64) of head h of batch row b."""
+    """Rotate positions t ([BLOCK_T], int64) of head h of batch row b (and copy its PASS tail)."""
     t_ok = t < T
     x_row = X + b * sx_b + h * sx_h + t[:, None] * sx_t
     o_row = OUT + b * so_b + h * so_h + t[:, None] * so_t
@@ -190,13 +229,19 @@ def _rot_rows(
     for d0 in tl.static_range(0, HALF, BLOCK_D):
         d = (d0 + tl.arange(0, BLOCK_D)).to(tl.int64)[None, :]
         m = t_ok[:, None] & (d < HALF)
-        c1, c2, sa, sb = _cos_sin(c_row, s_row, d, m, sc_d, ss_d, HALF, BACKWARD)
-        x1 = tl.load(x_row + d * sx_d, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(x_row + (d + HALF) * sx_d, mask=m, other=0.0).to(tl.float32)
+        c1, c2, sa, sb = _cos_sin(c_row, s_row, d, m, sc_d, ss_d, HALF, BACKWARD, INTERLEAVED)
+        i1, i2 = _pair(d, HALF, INTERLEAVED)
+        x1 = tl.load(x_row + i1 * sx_d, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(x_row + i2 * sx_d, mask=m, other=0.0).to(tl.float32)
         o1 = x1 * c1 - x2 * sa
         o2 = x2 * c2 + x1 * sb
-        tl.store(o_row + d * so_d, o1.to(OUT.dtype.element_ty), mask=m)
-        tl.store(o_row + (d + HALF) * so_d, o2.to(OUT.dtype.element_ty), mask=m)
+        tl.store(o_row + i1 * so_d, o1.to(OUT.dtype.element_ty), mask=m)
+        tl.store(o_row + i2 * so_d, o2.to(OUT.dtype.element_ty), mask=m)
+    for p0 in tl.static_range(0, PASS, BLOCK_D):
+        e = (2 * HALF + p0 + tl.arange(0, BLOCK_D)).to(tl.int64)[None, :]
+        m = t_ok[:, None] & (e < 2 * HALF + PASS)
+        x = tl.load(x_row + e * sx_d, mask=m, other=0.0)
+        tl.store(o_row + e * so_d, x.to(OUT.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -207,6 +252,7 @@ def _rope_rows_kernel(
     sc_b, sc_t, sc_d, ss_b, ss_t, ss_d,
     HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BACKWARD: tl.constexpr,
+    INTERLEAVED: tl.constexpr = False, PASS: tl.constexpr = 0,
 ):  # fmt: skip
     """The rows layout: program (b, head of q then of k, block of positions); the heads kernel's
     arguments (BLOCK_HQ/BLOCK_HK unused), so one host path launches either."""
@@ -219,13 +265,13 @@ def _rope_rows_kernel(
         _rot_rows(
             Q, QO, COS, SIN, b, tl.cast(h, tl.int64), t, T,
             sq_b, sq_h, sq_t, sq_d, sqo_b, sqo_h, sqo_t, sqo_d, sc_b, sc_t, sc_d, ss_b, ss_t, ss_d,
-            HALF, BLOCK_D, BACKWARD,
+            HALF, BLOCK_D, BACKWARD, INTERLEAVED, PASS,
         )  # fmt: skip
     else:
         _rot_rows(
             K, KO, COS, SIN, b, tl.cast(h - HQ, tl.int64), t, T,
             sk_b, sk_h, sk_t, sk_d, sko_b, sko_h, sko_t, sko_d, sc_b, sc_t, sc_d, ss_b, ss_t, ss_d,
-            HALF, BLOCK_D, BACKWARD,
+            HALF, BLOCK_D, BACKWARD, INTERLEAVED, PASS,
         )  # fmt: skip
 
 
@@ -282,9 +328,11 @@ def rope_launch(
     qo: torch.Tensor | None,
     ko: torch.Tensor | None,
     backward: bool,
+    interleaved: bool = False,
 ) -> None:
     """Write rot(q) into qo and rot(k) into ko (either pair may be None); ``backward`` rotates by
-    -sin (the gradient). All tensors as [B, H, T, D] / [B or 1, T, D], any strides."""
+    -sin (the gradient). All tensors as [B, H, T, D] / [B or 1, T, R], any strides; R < D rotates
+    the first R features and copies the rest; ``interleaved`` pairs (2i, 2i+1)."""
     ref = q if q is not None else k
     if ref is None:
         return
@@ -293,7 +341,8 @@ def rope_launch(
     hk = k.shape[1] if k is not None else 0
     if b * t == 0 or hq + hk == 0:
         return
-    half = d // 2
+    rot = cos.shape[-1]
+    half = rot // 2
     tiles = _tiles(t, hq, hk, half)
     n_tblocks = _cdiv(t, tiles.block_t)
     qa, qoa = (q, qo) if q is not None else (k, ko)  # placeholders when absent (HQ = 0: never read)
@@ -308,6 +357,7 @@ def rope_launch(
         ss[0] if sin.shape[0] != 1 else 0, ss[1], ss[2],
         HALF=half, BLOCK_T=tiles.block_t, BLOCK_D=tiles.block_d, BLOCK_HQ=tiles.block_hq, BLOCK_HK=tiles.block_hk,
         BACKWARD=backward, num_warps=tiles.warps,
+        **({} if rot == d and not interleaved else {"INTERLEAVED": interleaved, "PASS": d - rot}),
     )  # fmt: skip
 
 
@@ -341,8 +391,14 @@ class _NativePlan:
         self.bwd = _native.slot(tiles.kernel, BACKWARD=True, **meta)
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int | None = None, interleaved: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered impl (arguments already validated by ``polykernel.rope``)."""
+    if interleaved or cos.size(-1) != q.size(-1):  # (size(-1): no torch.Size built on the hot path)
+        # the options: the Python path (the C++ plans know the default kernel only, and read
+        # cos/sin as wide as the head)
+        return _rope_options(q, k, cos, sin, interleaved)
     if _native.ENABLED:
         out = _native.call("rope", (q, k, cos, sin), (q, k), _NativePlan)
         if out is not None:
@@ -357,3 +413,16 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
         if q.requires_grad or k.requires_grad:
             return _lean_apply(q, k, cos, sin)
     return _forward(q, k, cos, sin)
+
+
+def _rope_options(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial or interleaved rotary: the Python path (the C++ plans know the default kernel only)."""
+    if _transforms_active():
+        return _torch.rope(q, k, cos, sin, None, interleaved)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad or sin.requires_grad):
+        if cos.requires_grad or sin.requires_grad:
+            raise NotImplementedError("embedding.rope [triton]: no cos/sin gradients; use impl='torch'")
+        return _lean_apply(q, k, cos, sin, interleaved)
+    return _forward(q, k, cos, sin, interleaved)
