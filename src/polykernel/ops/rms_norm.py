@@ -20,6 +20,8 @@ from ..backends.liger import _gates as liger_gates
 from ..backends.quack import QUACK
 from ..backends.quack import _gates as quack_gates
 from ..backends.torch import TORCH
+from ..backends.torch_compile import TORCH_COMPILE
+from ..backends.torch_compile import _gates as compile_gates
 from ..backends.triton import TRITON
 from ..core.hit_guard import LAST, SHAPE
 from ..core.op import ArgClass, Bounds, Case, ErrorModel, Op, rows_and_len
@@ -215,6 +217,12 @@ IMPLS = impls(
         rank=40,
         description="rows in registers, 128-bit vectors, warp/block/cluster sums (rows past 16K over a thread-block cluster, DSMEM); dW from per-CTA partials (deterministic)",
         predicate=cute_gates.rms_norm,
+    ),
+    # torch.compile: rank 110 (the backend's), behind torch: auto never pays its compile; measured
+    # selection charges the compile (tuning/measure.py), impl="torch_compile" forces it.
+    TORCH_COMPILE.impl(
+        description="the reference under torch.compile(dynamic=True) (Inductor fuses it; autograd through AOTAutograd); compiles on a class's first call",
+        predicate=compile_gates.rms_norm,
     ),
 )
 

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 
 from ..backends.declare import impls
 from ..backends.torch import TORCH
+from ..backends.torch_compile import TORCH_COMPILE
+from ..backends.torch_compile import _gates as compile_gates
 from ..backends.triton import TRITON
 from ..core.op import Bounds, Case, Op
 from . import _and_mul
@@ -71,6 +73,12 @@ IMPLS = impls(
         rank=10,
         supports_backward=False,
         description="swiglu's elementwise kernel on x's two halves (row-strided views: no copy), writing out",
+    ),
+    # torch.compile: rank 110 (the backend's), behind torch: auto never pays its compile; measured
+    # selection charges the compile (tuning/measure.py), impl="torch_compile" forces it.
+    TORCH_COMPILE.impl(
+        description="the reference under torch.compile(dynamic=True), Inductor writing into out; compiles on a class's first call",
+        predicate=compile_gates.silu_and_mul,
     ),
 )
 
