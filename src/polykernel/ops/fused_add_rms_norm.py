@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.cuda_jit import CUDA_JIT
+from ..backends.cuda_jit import _gates as jit_gates
 from ..backends.declare import impls
 from ..backends.liger import LIGER
 from ..backends.liger import _gates as liger_gates
@@ -186,6 +188,12 @@ IMPLS = impls(
     TORCH_COMPILE.impl(
         description="the reference (add, then rms_norm) under torch.compile(dynamic=True), one fused Inductor kernel; compiles on a class's first call",
         predicate=compile_gates.fused_add_rms_norm,
+    ),
+    CUDA_JIT.impl(
+        rank=45,
+        supports_backward=False,
+        description="CUDA C++ (load_inline): add and norm in one pass, 128-bit vectors; forward only; N % (16 bytes) == 0",
+        predicate=jit_gates.fused_add_rms_norm,
     ),
 )
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.cuda_jit import CUDA_JIT
+from ..backends.cuda_jit import _gates as jit_gates
 from ..backends.declare import impls
 from ..backends.torch import TORCH
 from ..backends.triton import TRITON
@@ -134,6 +136,12 @@ IMPLS = impls(
         rank=10,
         supports_backward=False,
         description="norm.fused_add_rms_norm's forward kernel writing y over x and s over residual (one launch, no allocation)",
+    ),
+    CUDA_JIT.impl(
+        rank=45,
+        supports_backward=False,
+        description="CUDA C++ (load_inline): add and norm in one pass, 128-bit vectors, y over x and s over residual; N % (16 bytes) == 0",
+        predicate=jit_gates.fused_add_rms_norm_,
     ),
 )
 

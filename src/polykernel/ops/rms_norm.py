@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.cuda_jit import CUDA_JIT
+from ..backends.cuda_jit import _gates as jit_gates
 from ..backends.cute_dsl import CUTE_DSL
 from ..backends.cute_dsl import _gates as cute_gates
 from ..backends.cutile import CUTILE
@@ -223,6 +225,14 @@ IMPLS = impls(
     TORCH_COMPILE.impl(
         description="the reference under torch.compile(dynamic=True) (Inductor fuses it; autograd through AOTAutograd); compiles on a class's first call",
         predicate=compile_gates.rms_norm,
+    ),
+    # Our CUDA C++ kernel (backends/cuda_jit, issue 25): forward only, rank 45 until measured on
+    # the H200 (benchmarks/kernels/providers.py); by name or measured selection.
+    CUDA_JIT.impl(
+        rank=45,
+        supports_backward=False,
+        description="CUDA C++ (load_inline): one block per row, 128-bit vectors, warp-shuffle sums; forward only; N % (16 bytes) == 0",
+        predicate=jit_gates.rms_norm,
     ),
 )
 
