@@ -189,3 +189,18 @@ def test_serving_out_is_the_callers_tensor():
 def test_gpu_parity(op, dtype):
     results = check_parity(op, ["torch_compile"], device="cuda", dtypes=[dtype], large=True)
     assert results and all(r.ok for r in results), "\n".join(str(r) for r in results if not r.ok)
+
+
+def test_a_failing_torch_impl_never_falls_back_to_a_compile(monkeypatch):
+    """torch_compile ranks behind the fallback of last resort: a torch impl's error surfaces
+    instead of a compile running the same reference (selection step 6 stops at torch)."""
+    import polykernel.backends.torch.rms_norm as torch_impl
+
+    def broken(*args):
+        raise ValueError("bad data in this batch")
+
+    monkeypatch.setattr(torch_impl, "rms_norm", broken)
+    polykernel.clear_caches()
+    with pytest.raises(ValueError, match="bad data"):
+        polykernel.rms_norm(torch.randn(2, 8), torch.ones(8))
+    assert not _compiled._ops  # nothing was compiled

@@ -12,7 +12,7 @@ no Triton, an outer ``torch.compile`` trace, a CUDA-graph capture of a class not
 """
 
 from ...spec import CapabilityRequirement
-from ..declare import Backend
+from ..declare import KERNEL_DTYPES, Backend
 from ._gates import MODULES
 
 # Rank 110, behind the torch impl (100): a one-off call never pays a compile unless asked to.
@@ -20,6 +20,7 @@ TORCH_COMPILE = Backend(
     "torch_compile",
     modules=MODULES,
     capabilities=(CapabilityRequirement.CUDA, CapabilityRequirement.CPU),
+    dtypes=KERNEL_DTYPES,  # float64 stays with the torch impl: nothing to gain from a compile
     rank=110,
     description="the op's torch reference under torch.compile(dynamic=True), compiled once per process and argument class",
 )
