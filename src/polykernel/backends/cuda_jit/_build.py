@@ -18,7 +18,8 @@ from typing import Any
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("rms_norm.cuh", "binding.cu")
-CUDA_FLAGS = ["-O3", "-std=c++17"]
+# No -std: torch passes the standard its headers need (C++17 or later; one of ours would override it).
+CUDA_FLAGS = ["-O3"]
 DECLARATION = (
     "void rms_norm_fwd(at::Tensor x, at::Tensor residual, at::Tensor weight, at::Tensor out, at::Tensor res_out, "
     "double eps, double offset, bool add, bool llama);"

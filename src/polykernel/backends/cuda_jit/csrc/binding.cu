@@ -2,9 +2,9 @@
 // (CUDA-graph safe: no allocation, no synchronization). The Python host
 // (polykernel/backends/cuda_jit/_host.py) hands over [M, n] views it has checked: unit inner
 // stride, 16-byte aligned rows, n a multiple of the vector width; the checks below repeat that.
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include "rms_norm.cuh"
 
@@ -35,7 +35,7 @@ void run(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weig
          double eps, double offset, bool add, bool llama) {
   using T = typename Cuda<A>::type;
   using W = typename Cuda<WA>::type;
-  const auto stream = at::cuda::getCurrentCUDAStream(x.get_device());
+  const auto stream = c10::cuda::getCurrentCUDAStream(x.get_device());
   const T* xp = reinterpret_cast<const T*>(x.data_ptr<A>());
   T* op = reinterpret_cast<T*>(out.data_ptr<A>());
   const W* wp = reinterpret_cast<const W*>(weight.data_ptr<WA>());
