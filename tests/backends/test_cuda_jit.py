@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import polykernel
+from _gpu_gates import gpu_tests_need
 from polykernel.backends.cuda_jit import _build, _host
 from polykernel.backends.cuda_jit import _gates as gates
 from polykernel.core import registry
@@ -22,6 +23,8 @@ from polykernel.ops.fused_add_rms_norm import reference as fused_reference
 from polykernel.ops.rms_norm import reference as rms_reference
 from polykernel.spec import PlatformInfo
 from polykernel.testing import check_parity
+
+_needs_cuda_jit = gpu_tests_need("cuda_jit", "rms_norm")  # its GPU tests skip where cuda_jit cannot run (no toolchain)
 
 OPS = ("rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_")
 H200 = PlatformInfo("cuda", 0, (9, 0), "NVIDIA H200")
