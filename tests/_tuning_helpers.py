@@ -44,13 +44,25 @@ def isolate_tuning(tmp_path, monkeypatch) -> None:
     import polykernel
 
     monkeypatch.setenv("POLYKERNEL_CACHE_DIR", str(tmp_path / "cache"))
-    for name in ("POLYKERNEL_TUNE", "POLYKERNEL_TUNE_MARGIN"):
+    for name in ("POLYKERNEL_TUNE", "POLYKERNEL_TUNE_MARGIN", "POLYKERNEL_TUNE_CALLS"):
         monkeypatch.delenv(name, raising=False)
     polykernel.clear_caches()
 
 
-def plant(backend: str, rank: int, *, delay: float = 0.0, wrong: bool = False, fail: bool = False, wrong_grad: bool = False) -> list[int]:
-    """Register an rms_norm impl named ``backend``; returns the list its calls append to."""
+def plant(
+    backend: str,
+    rank: int,
+    *,
+    delay: float = 0.0,
+    wrong: bool = False,
+    fail: bool = False,
+    wrong_grad: bool = False,
+    first_delay: float = 0.0,
+    reports_ms: float | None = None,
+) -> list[int]:
+    """Register an rms_norm impl named ``backend``; returns the list its calls append to.
+    ``first_delay``: extra time its first call takes (a compile); ``reports_ms``: the compile
+    time it reports having paid (``impl.compile_ms``, as the torch_compile impls do)."""
     import torch
 
     import polykernel
@@ -72,6 +84,8 @@ def plant(backend: str, rank: int, *, delay: float = 0.0, wrong: bool = False, f
         calls.append(1)
         if fail:
             raise RuntimeError("planted failure")
+        if first_delay and len(calls) == 1:
+            (_clock or time).sleep(first_delay)
         if delay:
             (_clock or time).sleep(delay)
         y = reference(x, weight, eps, offset, casting)
@@ -79,6 +93,8 @@ def plant(backend: str, rank: int, *, delay: float = 0.0, wrong: bool = False, f
             return _WrongGrad.apply(y)
         return y * 2 if wrong else y
 
+    if reports_ms is not None:
+        impl.compile_ms = lambda *args: reports_ms
     return calls
 
 

@@ -35,6 +35,7 @@ KNOWN: dict[str, str] = {
     "POLYKERNEL_STRICT": "boolean: a skipped preference or a runtime fallback is an error",
     "POLYKERNEL_TUNE": "off|cached|on: measured selection",
     "POLYKERNEL_TUNE_MARGIN": "how much faster than the static choice a measured winner must be",
+    "POLYKERNEL_TUNE_CALLS": "calls per process a measured per-process compile (torch_compile) is spread over",
     "POLYKERNEL_CACHE_DIR": "directory of the tuning store and the native builds",
     "POLYKERNEL_NATIVE": "0|1|auto: the native launch path of the Triton impls",
     "POLYKERNEL_FAST_LAUNCH": "boolean: the Triton impls' direct launch path",

@@ -139,8 +139,8 @@ def test_impl_argument_strict_errors():
     err = info.value
     assert (err.op, err.impl, err.reason) == ("norm.rms_norm", "quack", "needs a CUDA device")
     assert "torch" in err.runnable and "would run here: " in str(err)
-    with pytest.raises(ImplNotAvailableError, match="no 'cuda_jit' impl is registered"):
-        run(impl="cuda_jit")
+    with pytest.raises(ImplNotAvailableError, match="no 'cuda_jit' impl is registered"):  # a backend the op lacks
+        polykernel.swiglu(torch.randn(2, 8), torch.randn(2, 8), impl="cuda_jit")
     for typo in ("cuda", "tritonn", "Torch"):  # not an impl of the op: the op's impls are listed
         with pytest.raises(ImplNotAvailableError, match=f"no '{typo}' impl is registered for this op; its impls are: ") as info:
             run(impl=typo)
@@ -159,12 +159,13 @@ def test_hostile_impl_values_are_clear_errors(bad):
 
 @pytest.mark.parametrize("bad", ["tritonn", ",,,", "x" * 100_000, "cuda_jit"])
 def test_scoped_and_set_impl_for_an_op_list_the_valid_names(bad):
+    # swiglu: an op without a cuda_jit impl (rms_norm has every backend)
     with pytest.raises(UnknownImplError, match="its impls are: ") as info:
-        with polykernel.use_impl(bad, op="rms_norm"):
+        with polykernel.use_impl(bad, op="swiglu"):
             pass
     assert len(str(info.value)) < 600 and "use_impl" in str(info.value)
     with pytest.raises(UnknownImplError, match="its impls are: ") as info:
-        polykernel.set_impl(bad, op="rms_norm")
+        polykernel.set_impl(bad, op="swiglu")
     assert len(str(info.value)) < 600 and "set_impl" in str(info.value)
     assert dispatch.get_impl_settings() == {}
 
@@ -227,9 +228,9 @@ def test_scope_for_op_is_strict_and_nested_innermost_wins():
 
 
 def test_scope_for_op_unknown_impl_raises_at_entry():
-    for name in ("cuda_jit", "tritonn"):  # an impl the op lacks, a typo
+    for name in ("cuda_jit", "tritonn"):  # an impl the op lacks (swiglu has no cuda_jit), a typo
         with pytest.raises(ImplNotAvailableError, match="its impls are: "):
-            with polykernel.use_impl(name, op="rms_norm"):
+            with polykernel.use_impl(name, op="swiglu"):
                 pass
 
 
@@ -337,7 +338,7 @@ def test_set_impl_validates_names():
     with pytest.raises(ValueError, match="not an impl name"):
         polykernel.set_impl("fast")
     with pytest.raises(ImplNotAvailableError):
-        polykernel.set_impl("cuda_jit", op="rms_norm")  # an impl rms_norm lacks (quack and cute_dsl are registered now)
+        polykernel.set_impl("cuda_jit", op="swiglu")  # an impl swiglu lacks (rms_norm has every backend now)
     with pytest.raises(ImplNotAvailableError, match="its impls are: "):
         polykernel.set_impl("tritonn", op="rms_norm")
     with pytest.raises(UnknownOpError, match="known ops"):

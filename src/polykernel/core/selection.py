@@ -8,8 +8,10 @@ Resolution order for one call (first that applies wins):
 4. ``set_impl(...)`` (strict when it names an op, else a preference);
 5. a tuned (measured) decision, when tuning holds one for this key;
 6. auto: the lowest rank among the runnable impls (a spec's ``rank_for`` may set the rank of
-   one argument class, from measurements; ``explain`` shows why);
-7. at run time, an impl chosen by 4-6 that raises falls back to the next runnable one.
+   one argument class, from measurements; ``explain`` shows why), never one ranked behind the
+   torch impl (those run by name or by measurement);
+7. at run time, an impl chosen by 4-6 that raises falls back to the next runnable one (up to the
+   torch impl, as in 6).
 
 Strict means: unknown for the op, or not runnable here, raises :class:`ImplNotAvailableError`.
 A preference skips ops that lack the impl (logged once); ``POLYKERNEL_STRICT=1`` makes that skip,
@@ -539,8 +541,14 @@ def _resolve(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None, 
             fn = _load(op, v)
             if fn is not None:
                 return Decision(op, key, tuned, fn, "tuned", True, rows)
-    # 6. auto (the torch impl is eligible everywhere, so this finds one)
+    # 6. auto (the torch impl is eligible everywhere, so this finds one). It never goes past the
+    # torch impl, the fallback of last resort: an impl ranked behind it (torch_compile, whose first
+    # call compiles) runs by name or by measurement, so a failing torch impl's error surfaces
+    # instead of a compile that hides it.
+    last = by_name.get("torch")
     for v in rows:
+        if last is not None and v.rank > last.rank:
+            break
         if v.runnable:
             fn = _load(op, v)
             if fn is not None:

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.cuda_jit import CUDA_JIT
+from ..backends.cuda_jit import _gates as jit_gates
 from ..backends.declare import impls
 from ..backends.liger import LIGER
 from ..backends.liger import _gates as liger_gates
 from ..backends.quack import QUACK
 from ..backends.quack import _gates as quack_gates
 from ..backends.torch import TORCH
+from ..backends.torch_compile import TORCH_COMPILE
+from ..backends.torch_compile import _gates as compile_gates
 from ..backends.triton import TRITON
 from ..core.hit_guard import LAST, SHAPE
 from ..core.op import Bounds, Case, ErrorModel, Op, rows_and_len
@@ -178,6 +182,18 @@ IMPLS = impls(
         rank=60,
         description="Liger LigerFusedAddRMSNormFunction (gemma casting); N <= 65536",
         predicate=liger_gates.fused_add_rms_norm,
+    ),
+    # torch.compile: rank 110 (the backend's), behind torch: auto never pays its compile; measured
+    # selection charges the compile (tuning/measure.py), impl="torch_compile" forces it.
+    TORCH_COMPILE.impl(
+        description="the reference (add, then rms_norm) under torch.compile(dynamic=True), one fused Inductor kernel; compiles on a class's first call",
+        predicate=compile_gates.fused_add_rms_norm,
+    ),
+    CUDA_JIT.impl(
+        rank=45,
+        supports_backward=False,
+        description="CUDA C++ (load_inline): add and norm in one pass, 128-bit vectors; forward only; N % (16 bytes) == 0",
+        predicate=jit_gates.fused_add_rms_norm,
     ),
 )
 

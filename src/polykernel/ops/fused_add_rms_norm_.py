@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.cuda_jit import CUDA_JIT
+from ..backends.cuda_jit import _gates as jit_gates
 from ..backends.declare import impls
 from ..backends.flashinfer import FLASHINFER
 from ..backends.flashinfer import _gates as flashinfer_gates
@@ -152,6 +154,12 @@ IMPLS = impls(
         supports_backward=False,
         description="sgl-kernel fused_add_rmsnorm / gemma_fused_add_rmsnorm in place (offset 0 or 1, weight of x's dtype); other layouts: torch",
         predicate=sgl_gates.fused_add_rms_norm_,
+    ),
+    CUDA_JIT.impl(
+        rank=45,
+        supports_backward=False,
+        description="CUDA C++ (load_inline): add and norm in one pass, 128-bit vectors, y over x and s over residual; N % (16 bytes) == 0",
+        predicate=jit_gates.fused_add_rms_norm_,
     ),
 )
 

@@ -17,6 +17,8 @@ from ..backends.declare import impls
 from ..backends.liger import LIGER
 from ..backends.liger import _gates as liger_gates
 from ..backends.torch import TORCH
+from ..backends.torch_compile import TORCH_COMPILE
+from ..backends.torch_compile import _gates as compile_gates
 from ..backends.triton import TRITON
 from ..core.hit_guard import LAST, SHAPE
 from ..core.op import SUM_LAMBDA, ArgClass, Bounds, Case, ErrorModel, Op, rows_and_len
@@ -225,6 +227,12 @@ IMPLS = impls(
         description="as cute_dsl rms_norm, centred in registers (two-pass variance); dW/dB from per-CTA partials (deterministic)",
         predicate=cute_gates.layer_norm,
         rank_for=_cute_rank,
+    ),
+    # torch.compile: rank 110 (the backend's), behind torch: auto never pays its compile; measured
+    # selection charges the compile (tuning/measure.py), impl="torch_compile" forces it.
+    TORCH_COMPILE.impl(
+        description="the reference under torch.compile(dynamic=True) (Inductor fuses it; autograd through AOTAutograd); compiles on a class's first call",
+        predicate=compile_gates.layer_norm,
     ),
 )
 

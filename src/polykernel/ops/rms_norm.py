@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.cuda_jit import CUDA_JIT
+from ..backends.cuda_jit import _gates as jit_gates
 from ..backends.cute_dsl import CUTE_DSL
 from ..backends.cute_dsl import _gates as cute_gates
 from ..backends.cutile import CUTILE
@@ -24,6 +26,8 @@ from ..backends.quack import _gates as quack_gates
 from ..backends.sgl_kernel import SGL_KERNEL
 from ..backends.sgl_kernel import _gates as sgl_gates
 from ..backends.torch import TORCH
+from ..backends.torch_compile import TORCH_COMPILE
+from ..backends.torch_compile import _gates as compile_gates
 from ..backends.triton import TRITON
 from ..core.hit_guard import LAST, SHAPE
 from ..core.op import ArgClass, Bounds, Case, ErrorModel, Op, rows_and_len
@@ -233,6 +237,20 @@ IMPLS = impls(
         supports_backward=False,
         description="sgl-kernel rmsnorm / gemma_rmsnorm (offset 0 or 1), forward only; casting='fp32', weight of x's dtype",
         predicate=sgl_gates.rms_norm,
+    ),
+    # torch.compile: rank 110 (the backend's), behind torch: auto never pays its compile; measured
+    # selection charges the compile (tuning/measure.py), impl="torch_compile" forces it.
+    TORCH_COMPILE.impl(
+        description="the reference under torch.compile(dynamic=True) (Inductor fuses it; autograd through AOTAutograd); compiles on a class's first call",
+        predicate=compile_gates.rms_norm,
+    ),
+    # Our CUDA C++ kernel (backends/cuda_jit, issue 25): forward only, rank 45 until measured on
+    # the H200 (benchmarks/kernels/providers.py); by name or measured selection.
+    CUDA_JIT.impl(
+        rank=45,
+        supports_backward=False,
+        description="CUDA C++ (load_inline): one block per row, 128-bit vectors, warp-shuffle sums; forward only; N % (16 bytes) == 0",
+        predicate=jit_gates.rms_norm,
     ),
 )
 

@@ -27,6 +27,8 @@ from ..backends.cutile import CUTILE
 from ..backends.cutile import _gates as cutile_gates
 from ..backends.declare import impls
 from ..backends.torch import TORCH
+from ..backends.torch_compile import TORCH_COMPILE
+from ..backends.torch_compile import _gates as compile_gates
 from ..backends.triton import TRITON
 from ..core.hit_guard import SHAPE, dims
 from ..core.op import Bounds, Case, ErrorModel, Op
@@ -341,6 +343,12 @@ IMPLS = impls(
         rank=40,
         description="gathers by element index (any D, any q/k strides); cos/sin loaded once per position tile for all heads",
         predicate=cutile_gates.rope,  # (it refuses the options too)
+    ),
+    # torch.compile: rank 110 (the backend's), behind torch: auto never pays its compile; measured
+    # selection charges the compile (tuning/measure.py), impl="torch_compile" forces it.
+    TORCH_COMPILE.impl(
+        description="the reference under torch.compile(dynamic=True): q and k in one Inductor graph; compiles on a class's first call",
+        predicate=compile_gates.rope,
     ),
 )
 

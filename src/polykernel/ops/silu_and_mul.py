@@ -16,6 +16,8 @@ from ..backends.flashinfer import FLASHINFER
 from ..backends.sgl_kernel import SGL_KERNEL
 from ..backends.sgl_kernel import _gates as sgl_gates
 from ..backends.torch import TORCH
+from ..backends.torch_compile import TORCH_COMPILE
+from ..backends.torch_compile import _gates as compile_gates
 from ..backends.triton import TRITON
 from ..core.op import Bounds, Case, Op
 from . import _and_mul
@@ -82,6 +84,12 @@ IMPLS = impls(
         supports_backward=False,
         description="sgl-kernel silu_and_mul (rows in multiples of 16 bytes; dense x and out, else copies)",
         predicate=sgl_gates.silu_and_mul,
+    ),
+    # torch.compile: rank 110 (the backend's), behind torch: auto never pays its compile; measured
+    # selection charges the compile (tuning/measure.py), impl="torch_compile" forces it.
+    TORCH_COMPILE.impl(
+        description="the reference under torch.compile(dynamic=True), Inductor writing into out; compiles on a class's first call",
+        predicate=compile_gates.silu_and_mul,
     ),
 )
 

@@ -15,6 +15,8 @@ from ..backends.declare import impls
 from ..backends.liger import LIGER
 from ..backends.liger import _gates as liger_gates
 from ..backends.torch import TORCH
+from ..backends.torch_compile import TORCH_COMPILE
+from ..backends.torch_compile import _gates as compile_gates
 from ..backends.triton import TRITON
 from ..core.hit_guard import LAST
 from ..core.op import Bounds, Case, ErrorModel, Op
@@ -106,6 +108,12 @@ IMPLS = impls(
         rank=40,
         description="one elementwise pass each way over [M, N] views (any strides); backward recomputes silu",
         predicate=cutile_gates.swiglu,
+    ),
+    # torch.compile: rank 110 (the backend's), behind torch: auto never pays its compile; measured
+    # selection charges the compile (tuning/measure.py), impl="torch_compile" forces it.
+    TORCH_COMPILE.impl(
+        description="the reference under torch.compile(dynamic=True): one Inductor kernel each way; compiles on a class's first call",
+        predicate=compile_gates.swiglu,
     ),
 )
 

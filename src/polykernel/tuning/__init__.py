@@ -32,12 +32,15 @@ if TYPE_CHECKING:
     from ..core.op import Op
     from .json_store import Store
 
-__all__ = ["clear_cache", "lookup", "margin", "measured", "mode", "remember", "store", "sync_decisions"]
+__all__ = ["calls", "clear_cache", "lookup", "margin", "measured", "mode", "remember", "store", "sync_decisions"]
 
 log = logging.getLogger("polykernel")
 
 _MODES = ("off", "cached", "on")
 DEFAULT_MARGIN = 0.03
+# A per-process compile (torch_compile, seconds) is charged as if spread over this many calls of
+# the key: 0.1 ms per call for a 10 s compile, so it wins only by more than that (POLYKERNEL_TUNE_CALLS).
+DEFAULT_CALLS = 100_000
 _lock = threading.RLock()
 _store: Store | None = None
 _pinned: dict[tuple[str, tuple[Any, ...]], str] = {}  # remember(): in-process, no measurement
@@ -74,6 +77,21 @@ def margin() -> float:
         value = float("nan")
     if not 0.0 <= value < 1.0:
         raise ValueError(f"POLYKERNEL_TUNE_MARGIN={_shown(raw)}: expected a fraction in [0, 1), e.g. 0.03")
+    return value
+
+
+def calls() -> float:
+    """``POLYKERNEL_TUNE_CALLS``: over how many calls of a key measured selection spreads an
+    impl's per-process compile (100000); a process that calls a key once should say 1."""
+    raw = os.environ.get("POLYKERNEL_TUNE_CALLS")
+    if raw is None or not raw.strip():
+        return float(DEFAULT_CALLS)
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = float("nan")
+    if not value >= 1.0:  # NaN too
+        raise ValueError(f"POLYKERNEL_TUNE_CALLS={_shown(raw)}: expected a number of calls >= 1, e.g. 100000")
     return value
 
 
@@ -186,7 +204,7 @@ def _measure(
     finally:
         _busy.active = False
     graph_safe = [n for n in names if specs[n].cuda_graph_safe]
-    entry = tm.choose(times, names, graph_safe, margin())
+    entry = tm.choose(times, names, graph_safe, margin(), calls())
     if collect is not None:
         collect.append({"key": key, "op": op.id, "order": names, "graph_safe": graph_safe, "times": times})
     else:
@@ -247,7 +265,7 @@ def decide_and_store(records: Sequence[dict[str, Any]], persist: bool = True) ->
     entries = {}
     for key, recs in by_key.items():
         times = tm.slowest([r["times"] for r in recs])
-        entries[key] = tm.choose(times, recs[0]["order"], recs[0]["graph_safe"], margin())
+        entries[key] = tm.choose(times, recs[0]["order"], recs[0]["graph_safe"], margin(), calls())
     if persist and entries:
         store().put(entries)
     with _lock:

@@ -14,6 +14,12 @@ forward plus backward (``torch.autograd.grad`` of every output with a fixed cota
 :func:`choose` applies the cost model: under CUDA-graph capture only GPU time counts (the host
 work is replayed for free); eagerly the call costs ``max(GPU time, host time)``. A winner must be
 cheaper than the best static (rank-order) choice by ``margin``, else the static choice stays.
+
+An impl that compiles once per process (``torch_compile``: :data:`PER_PROCESS_COMPILE`) has its
+compile measured too (``compile_ms``: its first call's time beyond a steady call, or what the impl
+itself reports having paid, the larger) and charged per call as if spread over ``calls`` calls of
+the key (``POLYKERNEL_TUNE_CALLS``): a key called once never picks it; a long-running process that
+calls it often may. Impls whose builds are cached on disk (Triton, ``cuda_jit``) are not charged.
 """
 
 from __future__ import annotations
@@ -46,27 +52,38 @@ BUDGET_S = {"cuda": 1.0, "cpu": 0.4}
 # (QuACK vs cute_dsl/Triton at small rows). With it, the next sweep held 54 of 54 points within
 # 5% of the fastest (benchmarks/results/h200-2026-11-30-sweep-tuning.json).
 HOLD_CYCLES = 2_000_000
+# Backends that compile again in every process (Dynamo traces, Inductor generates): their
+# measured compile time is part of their cost (see the module doc).
+PER_PROCESS_COMPILE = frozenset({spec_mod.KernelBackend.TORCH_COMPILE})
 
 
 @dataclass
 class Timing:
-    """One impl's measurement for a key (milliseconds); ``error`` set means infinitely slow."""
+    """One impl's measurement for a key (milliseconds); ``error`` set means infinitely slow.
+    ``compile_ms``: what its per-process compile costs (None: it has none)."""
 
     gpu_ms: float | None = None
     host_ms: float | None = None
     error: str | None = None
+    compile_ms: float | None = None
 
-    def cost(self, graph: bool) -> float:
+    def cost(self, graph: bool, calls: float = math.inf) -> float:
+        """Per call: the steady time (see the module doc), plus the compile spread over ``calls``."""
         if self.error is not None or self.host_ms is None:
             return math.inf
         if self.gpu_ms is None:  # CPU: wall time is all there is
-            return self.host_ms
-        return self.gpu_ms if graph else max(self.gpu_ms, self.host_ms)
+            steady = self.host_ms
+        else:
+            steady = self.gpu_ms if graph else max(self.gpu_ms, self.host_ms)
+        return steady + (self.compile_ms / calls if self.compile_ms else 0.0)
 
     def as_json(self) -> dict[str, Any]:
         if self.error is not None:
             return {"error": self.error}
-        return {"gpu_ms": self.gpu_ms, "host_ms": self.host_ms}
+        out = {"gpu_ms": self.gpu_ms, "host_ms": self.host_ms}
+        if self.compile_ms is not None:
+            out["compile_ms"] = self.compile_ms
+        return out
 
     @staticmethod
     def from_json(value: Any) -> Timing:
@@ -76,7 +93,7 @@ class Timing:
         def num(x: Any) -> float | None:
             return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
 
-        return Timing(num(value.get("gpu_ms")), num(value.get("host_ms")))
+        return Timing(num(value.get("gpu_ms")), num(value.get("host_ms")), compile_ms=num(value.get("compile_ms")))
 
 
 class ReferenceFailed(Exception):
@@ -87,13 +104,13 @@ class ReferenceFailed(Exception):
 # -- choosing ----------------------------------------------------------------------------------
 
 
-def _pick(times: dict[str, Timing], names: Sequence[str], graph: bool, margin: float) -> str | None:
+def _pick(times: dict[str, Timing], names: Sequence[str], graph: bool, margin: float, calls: float) -> str | None:
     if not names:
         return None
     static = names[0]
-    best = min(names, key=lambda n: (times[n].cost(graph) if n in times else math.inf, names.index(n)))
-    best_cost = times[best].cost(graph) if best in times else math.inf
-    static_cost = times[static].cost(graph) if static in times else math.inf
+    best = min(names, key=lambda n: (times[n].cost(graph, calls) if n in times else math.inf, names.index(n)))
+    best_cost = times[best].cost(graph, calls) if best in times else math.inf
+    static_cost = times[static].cost(graph, calls) if static in times else math.inf
     if math.isinf(best_cost) or best == static:
         return static
     if math.isinf(static_cost) or best_cost < static_cost * (1.0 - margin):
@@ -101,20 +118,26 @@ def _pick(times: dict[str, Timing], names: Sequence[str], graph: bool, margin: f
     return static
 
 
-def choose(times: dict[str, Timing], order: Sequence[str], graph_safe: Sequence[str], margin: float) -> dict[str, Any]:
+def choose(
+    times: dict[str, Timing], order: Sequence[str], graph_safe: Sequence[str], margin: float, calls: float = math.inf
+) -> dict[str, Any]:
     """The store entry for a measured key: the eager and the graph choice, with every time.
 
     ``order`` is the static (rank) order of the candidates: its first is the static choice.
+    ``calls``: how many calls a per-process compile is spread over (see the module doc).
     """
     order = list(order)
     graph_names = [n for n in order if n in set(graph_safe)]
-    return {
-        "eager": _pick(times, order, False, margin),
-        "graph": _pick(times, graph_names, True, margin),
+    entry = {
+        "eager": _pick(times, order, False, margin, calls),
+        "graph": _pick(times, graph_names, True, margin, calls),
         "static": order[0] if order else None,
         "margin": margin,
         "times": {n: times[n].as_json() for n in order if n in times},
     }
+    if any(times[n].compile_ms for n in order if n in times):
+        entry["calls"] = calls
+    return entry
 
 
 def slowest(measurements: Sequence[dict[str, Timing]]) -> dict[str, Timing]:
@@ -124,14 +147,15 @@ def slowest(measurements: Sequence[dict[str, Timing]]) -> dict[str, Timing]:
         for name, t in times.items():
             prev = out.get(name)
             if prev is None:
-                out[name] = Timing(t.gpu_ms, t.host_ms, t.error)
+                out[name] = Timing(t.gpu_ms, t.host_ms, t.error, t.compile_ms)
             elif prev.error is None:
                 if t.error is not None:
                     out[name] = Timing(error=t.error)
                 else:
                     gpu = None if prev.gpu_ms is None or t.gpu_ms is None else max(prev.gpu_ms, t.gpu_ms)
                     host = None if prev.host_ms is None or t.host_ms is None else max(prev.host_ms, t.host_ms)
-                    out[name] = Timing(gpu, host)
+                    compiles = [c for c in (prev.compile_ms, t.compile_ms) if c is not None]
+                    out[name] = Timing(gpu, host, compile_ms=max(compiles) if compiles else None)
     return out
 
 
@@ -306,11 +330,16 @@ def measure(op: Op, candidates: dict[str, Callable[..., Any]], args: tuple[Any, 
 
     times: dict[str, Timing] = {}
     live: list[str] = []
+    specs = registry.specs_for(op)
+    first_ms: dict[str, float] = {}  # per-process compilers: their first call, which compiles
     for name, fn in candidates.items():  # parity first (this also warms each candidate up)
+        t0 = timing.now()
         try:
             why = _parity(runner, name, fn, ref, bounds)
         except Exception as exc:
             why = _error(exc)
+        if name in specs and specs[name].backend in PER_PROCESS_COMPILE:
+            first_ms[name] = (timing.now() - t0) * 1e3
         if why is not None:
             times[name] = Timing(error=why if why.startswith(("raised", "out of")) else f"parity: {why}")
         else:
@@ -349,5 +378,19 @@ def measure(op: Op, candidates: dict[str, Callable[..., Any]], args: tuple[Any, 
     for name in live:
         host = timing.median(s.host_ms for s in samples[name])
         gpu = timing.median(s.gpu_ms() for s in samples[name]) if cuda else None
-        times[name] = Timing(gpu_ms=gpu, host_ms=host)
+        times[name] = Timing(gpu_ms=gpu, host_ms=host, compile_ms=_compile_ms(candidates[name], args, first_ms.get(name), host))
     return times
+
+
+def _compile_ms(fn: Callable[..., Any], args: tuple[Any, ...], first: float | None, steady: float) -> float | None:
+    """A per-process compiler's cost: its first call beyond a steady one, or what the impl
+    reports having paid (``fn.compile_ms(*args)``: it may have compiled before this measurement,
+    for another key), the larger. None for every other impl."""
+    if first is None:
+        return None
+    reported = getattr(fn, "compile_ms", None)
+    try:
+        paid = reported(*args) if callable(reported) else None
+    except Exception:  # a report is a hint; the first call's time stands
+        paid = None
+    return max(first - steady, paid or 0.0, 0.0)
