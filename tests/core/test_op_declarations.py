@@ -1485,6 +1485,25 @@ EXPECTED = {
             "Liger LigerFusedMoEFunction (SwiGLU only; pre-activations and expert outputs rounded to the dtype); host sync per call",
         ),
     ],
+    "moe.moe_experts_gpt_oss": [
+        Row(
+            "torch",
+            "polykernel.backends.torch.moe_experts_gpt_oss:moe_experts_gpt_oss",
+            (),
+            (),
+            (),
+            True,
+            False,
+            "",
+            100,
+            True,
+            True,
+            True,
+            None,
+            None,
+            "sort by expert once; torch._grouped_mm where it runs (probed per device and dtype), else one matmul per non-empty expert (one host sync); biases gathered per pair",
+        ),
+    ],
     "moe.moe_router": [
         Row(
             "torch",
@@ -1602,6 +1621,7 @@ FACTS = {
     **{op: ("ours", None, None, None) for op in OP_MODULES if op.startswith("serving.")},
     "moe.moe_experts": ("ours", None, None, ("rows", (0,), None)),
     "moe.moe_router": ("decompose", None, None, None),  # no layout: DTensor's own rules
+    "moe.moe_experts_gpt_oss": ("ours", None, None, ("rows", (0,), None)),
     # the distillation losses: no DTensor layout yet (DTensor's own rules on the torch impl)
     "loss.kl_div": ("ours", None, None, None),
     "loss.jsd": ("ours", None, None, None),
@@ -1624,6 +1644,7 @@ SAME = {
     "loss.cross_entropy": {0, 1},
     "loss.fused_linear_cross_entropy": {0, 2},
     "moe.moe_experts": {0, 1, 2},
+    "moe.moe_experts_gpt_oss": {0, 1, 2},
     "norm.group_norm": {0},
     "norm.dyt": {0},
     "norm.poly_norm": {0},
