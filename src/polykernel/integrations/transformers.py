@@ -19,7 +19,12 @@ What is swapped (families: :data:`SUPPORTED_MODEL_TYPES`):
 - ``swiglu``: ``<Family>MLP.forward`` -> ``down(swiglu(gate(x), up(x)))`` when the MLP's
   activation is SiLU, ``down(geglu(gate(x), up(x), approximate))`` when it is GELU (tanh or
   exact); Phi3/GLM4's merged ``gate_up_proj`` gives the two halves' views. MoE families: the
-  dense MLPs and shared experts (the routed experts stay). Any other activation is left alone.
+  dense MLPs and shared experts. Any other activation is left alone.
+- ``moe_experts``: the routed ``<Family>Experts.forward`` (given the router's top-k index and
+  weights; the router stays transformers') -> :func:`polykernel.moe_experts` for transformers'
+  layout (Qwen3-MoE, Mixtral, DeepSeek-V3, whose fp32 routing weights it takes as they are),
+  :func:`polykernel.moe_experts_gpt_oss` for gpt-oss's (interleaved, transposed, biased, clamped
+  SwiGLU). Under autocast, or with mixed dtypes, the original runs.
 - ``rope``: the rotary function that ``<Family>Attention.forward`` calls ->
   :func:`polykernel.rope`: rotate-half, gpt-oss's half-width tables (``cat((cos, cos))``) and
   DeepSeek-V3's interleaved pairs (rotate-half on ``[evens, odds]``, the layout it returns),
@@ -56,8 +61,7 @@ the originals. A switch whose polykernel op is not in this build is skipped with
 
 What polykernel cannot express exactly stays transformers' code, and :func:`patched` says why
 (``{"rope": "left alone: ..."}``): GLM4's interleaved partial rotary, partial rotary dims (Phi-4
-mini), Llama4's complex-pair rotary and weightless q/k L2 norm, and every MoE family's routed
-experts (``moe_experts``; gpt-oss's clamped SwiGLU among them).
+mini), Llama4's complex-pair rotary, weightless q/k L2 norm and input-scaled routed experts.
 
 Only this module imports ``transformers`` (an optional extra).
 """
@@ -99,6 +103,7 @@ _SWITCH_OPS = {
     "cross_entropy": ("cross_entropy",),
     "fused_linear_cross_entropy": ("fused_linear_cross_entropy",),
     "sdpa_is_causal": (),  # no polykernel op: how transformers hands the causal mask to SDPA
+    "moe_experts": ("moe_experts", "moe_experts_gpt_oss"),  # transformers' Experts layout, gpt-oss's
 }
 
 
@@ -124,7 +129,14 @@ _HALF_TABLES = "half_tables"  # gpt-oss: [B, T, D/2] tables applied to the halve
 _PAIRS = "interleaved_pairs"  # DeepSeek's pairs (x0, x1), (x2, x3)... out in rotate-half layout
 _VISION = "vision"  # Qwen2-VL's vision tower: q/k [S, H, D], tables [S, D], fp32 math
 
-_MOE_EXPERTS = "the experts run transformers' own code (polykernel has no moe_experts op yet)"
+# How a family's routed experts map onto polykernel (the ``*Experts`` module's forward, given the
+# router's top-k index and weights; the router itself stays transformers'):
+_HF_EXPERTS = "hf"  # gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]: moe_experts
+_GPT_OSS_EXPERTS = "gpt_oss"  # interleaved, transposed, biased, clamped SwiGLU: moe_experts_gpt_oss
+_LLAMA4_EXPERTS = (
+    "Llama4's routed experts scale each token's input by its sigmoid router score (not the experts' outputs) "
+    "and run every expert on every token in one bmm: not moe_experts' output-weighted semantics"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +150,7 @@ class _Family:
     left_alone: tuple[tuple[str, str], ...] = ()  # kind -> why polykernel cannot express it (yet)
     output: str = "CausalLMOutputWithPast"  # what the causal LM returns (transformers.modeling_outputs)
     logit_divisor: str = ""  # config attribute the logits are divided by (the fused loss divides the hidden states)
+    experts: str = ""  # the <prefix>Experts module's layout (_HF_EXPERTS, _GPT_OSS_EXPERTS); "" = none patched
 
     @property
     def module(self) -> str:
@@ -152,6 +165,8 @@ class _Family:
             f"{self.prefix}ForCausalLM": "causal_lm",
             f"{self.prefix}Model": "base_model",
         }
+        if self.experts:
+            roles[f"{self.prefix}Experts"] = "moe_experts"
         roles.update(self.roles)
         return roles.get(class_name)
 
@@ -168,21 +183,15 @@ _FAMILIES: dict[str, _Family] = {
         _Family("olmo2", "Olmo2", _OLMO2_NORM, rope=(("apply_rotary_pos_emb", _CAST_BACK),)),
         # (1 + w) norms, q/k norms included; Gemma3Model is the multimodal wrapper, not the text model
         _Family("gemma3_text", "Gemma3", _GEMMA_NORM, package="gemma3", roles=(("Gemma3TextModel", "base_model"), ("Gemma3Model", None))),
-        _Family("qwen3_moe", "Qwen3Moe", _LLAMA_NORM, left_alone=(("moe_experts", _MOE_EXPERTS),), output="MoeCausalLMOutputWithPast"),
-        _Family("mixtral", "Mixtral", _LLAMA_NORM, left_alone=(("moe_experts", _MOE_EXPERTS),), output="MoeCausalLMOutputWithPast"),
+        _Family("qwen3_moe", "Qwen3Moe", _LLAMA_NORM, experts=_HF_EXPERTS, output="MoeCausalLMOutputWithPast"),
+        _Family("mixtral", "Mixtral", _LLAMA_NORM, experts=_HF_EXPERTS, output="MoeCausalLMOutputWithPast"),
         _Family(
             "gpt_oss",
             "GptOss",
             _OLMO2_NORM,
             roles=(("GptOssMLP", None),),  # the router and experts, no dense MLP
             rope=(("apply_rotary_pos_emb", _HALF_TABLES),),
-            left_alone=(
-                (
-                    "moe_experts",
-                    "gpt-oss's experts use a clamped SwiGLU ((up + 1) · gate·σ(α·gate), both clamped), "
-                    "which polykernel.swiglu cannot express; they run transformers' own code",
-                ),
-            ),
+            experts=_GPT_OSS_EXPERTS,
             output="MoeCausalLMOutputWithPast",
         ),
         _Family("phi3", "Phi3", _LLAMA_NORM),  # merged gate_up_proj; partial rotary: see _config_left_alone
@@ -204,7 +213,7 @@ _FAMILIES: dict[str, _Family] = {
             "DeepseekV3",
             _LLAMA_NORM,  # the dense MLPs and each MoE layer's shared experts are DeepseekV3MLP
             rope=(("apply_rotary_pos_emb", _ROTATE_HALF), ("apply_rotary_pos_emb_interleave", _PAIRS)),
-            left_alone=(("moe_experts", _MOE_EXPERTS),),
+            experts=_HF_EXPERTS,  # fp32 routing weights (its sigmoid router, scaled): moe_experts takes them
             output="MoeCausalLMOutputWithPast",
         ),
         # The language model. M-RoPE's sections are merged into plain [B, T, D] tables by the rotary
@@ -253,7 +262,7 @@ _FAMILIES: dict[str, _Family] = {
                     "Llama4's rotary multiplies complex pairs (interleaved layout in and out): polykernel.rope has no interleaved= yet",
                 ),
                 ("l2_norm", "Llama4's q/k L2 norm has no weight: polykernel.rms_norm needs one"),
-                ("moe_experts", _MOE_EXPERTS),
+                ("moe_experts", _LLAMA4_EXPERTS),
             ),
             output="MoeCausalLMOutputWithPast",
         ),
@@ -262,8 +271,8 @@ _FAMILIES: dict[str, _Family] = {
 _FAMILY_BY_MODULE = {f.module: f for f in _FAMILIES.values()}
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 
-# a kind left alone -> the switch that would patch it (moe_experts has none: always reported)
-_LEFT_ALONE_SWITCH = {"rope": "rope", "l2_norm": "rms_norm", "swiglu": "swiglu", "vision_mlp": "swiglu"}
+# a kind left alone -> the switch that would patch it
+_LEFT_ALONE_SWITCH = {"rope": "rope", "l2_norm": "rms_norm", "swiglu": "swiglu", "vision_mlp": "swiglu", "moe_experts": "moe_experts"}
 
 
 def _config_left_alone(family: _Family, config: Any) -> dict[str, str]:
@@ -390,6 +399,72 @@ def _mlp_supported(module: nn.Module) -> str | None:
         return f"its activation {type(layout[1]).__name__} is not SiLU or GELU"
     if not _has_op(kind[0]):
         return f"polykernel.{kind[0]} is not available in this build"
+    return None
+
+
+# -- MoE experts -------------------------------------------------------------------------------
+# The ``*Experts`` module gets the router's (top_k_index, top_k_weights) and returns
+# Σ_j w[t, j]·expert_e(x[t]): exactly polykernel.moe_experts (transformers' layout) or
+# moe_experts_gpt_oss. Their sum is in fp32 and rounded once (transformers rounds each expert's
+# weighted output), the same math.
+_EXPERTS_ACTIVATION = {("swiglu", None): "silu", ("geglu", "none"): "gelu", ("geglu", "tanh"): "gelu_tanh"}
+
+
+def _experts_activation(module: nn.Module) -> str | None:
+    kind = _gated_activation(getattr(module, "act_fn", None))
+    return _EXPERTS_ACTIVATION.get(kind) if kind is not None else None
+
+
+def _experts_params(module: nn.Module, layout: str) -> tuple[Any, ...]:
+    if layout == _GPT_OSS_EXPERTS:
+        names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    else:
+        names = ("gate_up_proj", "down_proj")
+    return tuple(getattr(module, n, None) for n in names)
+
+
+def _experts_call_ok(hidden: Any, index: Any, weights: Any, params: tuple[Any, ...]) -> bool:
+    """The call is one the op takes with the module's semantics: [T, H] tensors of one dtype (the
+    routing weights may be fp32), no autocast (the module's matmuls would run in its dtype)."""
+    if not all(isinstance(t, torch.Tensor) for t in (hidden, index, weights, *params)):
+        return False
+    if hidden.dim() != 2 or not hidden.is_floating_point() or torch.is_autocast_enabled(hidden.device.type):
+        return False
+    return all(p.dtype == hidden.dtype for p in params) and weights.dtype in (hidden.dtype, torch.float32)
+
+
+def _experts_forward(base: Callable, layout: str) -> Callable:
+    @functools.wraps(base)
+    def forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        params = _experts_params(self, layout)
+        if kwargs or len(args) != 2 or not _experts_call_ok(hidden_states, args[0], args[1], params):
+            return base(self, hidden_states, *args, **kwargs)
+        index, weights = args
+        if layout == _GPT_OSS_EXPERTS:
+            return _pk.moe_experts_gpt_oss(hidden_states, index, weights, *params, alpha=self.alpha, limit=self.limit)
+        activation = _experts_activation(self)
+        if activation is None:
+            return base(self, hidden_states, *args, **kwargs)
+        return _pk.moe_experts(hidden_states, index, weights, *params, activation=activation)
+
+    forward._polykernel = "moe_experts"  # type: ignore[attr-defined]
+    return forward
+
+
+def _experts_supported(module: nn.Module, layout: str) -> str | None:
+    """Why this experts module cannot be patched, or None."""
+    op = "moe_experts_gpt_oss" if layout == _GPT_OSS_EXPERTS else "moe_experts"
+    if not _has_op(op):
+        return f"polykernel.{op} is not available in this build"
+    params = _experts_params(module, layout)
+    if not all(isinstance(p, torch.Tensor) and p.dim() == (3 if i % 2 == 0 or layout == _HF_EXPERTS else 2) for i, p in enumerate(params)):
+        return "its projections are not the 3D expert tensors of transformers' layout"
+    if layout == _GPT_OSS_EXPERTS:
+        if not all(isinstance(getattr(module, a, None), (int, float)) for a in ("alpha", "limit")):
+            return "it has no numeric alpha and limit"
+        return None
+    if _experts_activation(module) is None:
+        return f"its activation {type(getattr(module, 'act_fn', None)).__name__} is not SiLU or GELU"
     return None
 
 
@@ -954,6 +1029,13 @@ def _patch_model(model: nn.Module, switches: dict[str, bool]) -> nn.Module:
                     left.setdefault("swiglu", f"{type(module).__name__}: {why}")
                     continue
                 _install(module, lambda base: _mlp_forward(base, _gated_ops()))
+            elif role == "moe_experts" and on["moe_experts"]:
+                why = _experts_supported(module, family.experts)
+                if why is not None:
+                    logger.info("polykernel: experts %s left as is: %s", name, why)
+                    left.setdefault("moe_experts", f"{type(module).__name__}: {why}")
+                    continue
+                _install(module, lambda base, lay=family.experts: _experts_forward(base, lay))
             elif role == "attention" and on["rope"] and "rope" not in family_left and _calls_rope(module):
                 modeling = sys.modules[family.module]
                 _install(module, lambda base, m=modeling, f=family: _attention_forward(base, m, f))
@@ -999,7 +1081,7 @@ def _patch_classes(model_type: str, switches: dict[str, bool]) -> None:
 
     classes = {
         role: [c for n, c in vars(modeling).items() if isinstance(c, type) and c.__module__ == modeling.__name__ and family.role(n) == role]
-        for role in ("rms_norm", "mlp", "causal_lm", "base_model")
+        for role in ("rms_norm", "mlp", "causal_lm", "base_model", "moe_experts")
     }
     if on["rms_norm"]:
         for c in classes["rms_norm"]:
@@ -1007,6 +1089,9 @@ def _patch_classes(model_type: str, switches: dict[str, bool]) -> None:
     if on["swiglu"]:
         for c in classes["mlp"]:
             swap(c, "forward", lambda f: _mlp_forward(f, _gated_ops()))
+    if on["moe_experts"]:  # (an unsupported call, e.g. another activation: the original runs)
+        for c in classes["moe_experts"]:
+            swap(c, "forward", lambda f: _experts_forward(f, family.experts))
     if on["rope"]:  # (partial rotary dims, per call: the original function runs)
         for name, layout in family.rope:
             if hasattr(modeling, name):
@@ -1039,6 +1124,7 @@ def patch(
     cross_entropy: bool = True,
     fused_linear_cross_entropy: bool = True,
     sdpa_is_causal: bool = True,
+    moe_experts: bool = True,
 ) -> nn.Module | None:
     """Run a Hugging Face model's norms, MLP activations, RoPE and loss on polykernel's ops.
 
@@ -1047,8 +1133,10 @@ def patch(
     after, uses polykernel; returns None). ``swiglu`` covers the gated MLP activation (SwiGLU or
     GeGLU, whichever the model uses). ``sdpa_is_causal``: under ``torch.compile``, where nothing
     is padded, SDPA gets ``is_causal=True`` instead of a materialized ``[B, 1, S, S]`` mask, as
-    transformers does outside compile (same result; keeps SDPA's flash/GQA path). Patching again
-    re-applies with the new switches.
+    transformers does outside compile (same result; keeps SDPA's flash/GQA path). ``moe_experts``:
+    the routed ``*Experts`` modules (qwen3_moe, mixtral, deepseek_v3: :func:`polykernel.moe_experts`;
+    gpt_oss: :func:`polykernel.moe_experts_gpt_oss`); their routers stay transformers'. Patching
+    again re-applies with the new switches.
 
     >>> patch(model, rope=False)        # doctest: +SKIP
     """
@@ -1059,6 +1147,7 @@ def patch(
         "cross_entropy": cross_entropy,
         "fused_linear_cross_entropy": fused_linear_cross_entropy,
         "sdpa_is_causal": sdpa_is_causal,
+        "moe_experts": moe_experts,
     }
     if isinstance(model, str):
         _patch_classes(model, switches)
@@ -1083,7 +1172,7 @@ def unpatch(model: nn.Module | str) -> nn.Module | None:
 
 def patched(model: nn.Module | str) -> dict[str, list[str] | str]:
     """What polykernel runs in ``model``: kind (``rms_norm``, ``swiglu``, ``rope``, ``loss``,
-    ``sdpa_is_causal``) -> the qualified names of the patched modules (a model type: the patched
+    ``sdpa_is_causal``, ``moe_experts``) -> the qualified names of the patched modules (a model type: the patched
     class attributes). A kind the model's family has but polykernel cannot express exactly maps to
     ``"left alone: <why>"`` instead (e.g. ``{"rope": "left alone: GLM's rotary is interleaved ..."}``,
     ``{"moe_experts": "left alone: ..."}``): that part runs transformers' own code."""
