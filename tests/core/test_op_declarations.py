@@ -1503,6 +1503,23 @@ EXPECTED = {
             None,
             "sort by expert once; torch._grouped_mm where it runs (probed per device and dtype), else one matmul per non-empty expert (one host sync); biases gathered per pair",
         ),
+        Row(
+            "triton",
+            "polykernel.backends.triton.moe_experts_gpt_oss:moe_experts_gpt_oss",
+            (CUDA,),
+            ("triton",),
+            ("float32", "bfloat16", "float16"),
+            True,
+            False,
+            "",
+            10,
+            True,
+            True,
+            False,
+            None,
+            None,
+            "moe_experts' grouped GEMMs in gpt-oss's layout: strided weights, interleaved columns, biases and the clamped SwiGLU in the epilogues; no atomics",
+        ),
     ],
     "moe.moe_router": [
         Row(

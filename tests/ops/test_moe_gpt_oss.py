@@ -1,6 +1,7 @@
 """moe_experts_gpt_oss: parity of every runnable impl with the reference, the reference against a
 per-token loop and against transformers' own ``GptOssExperts`` (output and every gradient, with
-many values clamped), awkward routings, argument errors, torch.compile."""
+many values clamped), awkward routings, argument errors, torch.compile. The Triton impl runs
+through the CPU interpreter at tiny shapes."""
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from polykernel.ops import moe_experts_gpt_oss as op
 from polykernel.testing import assert_parity, runnable_impls
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-IMPLS = ["torch"]
+IMPLS = ["torch", "triton"]
 GRAD_ARGS = (0, 2, 3, 4, 5, 6)
 
 
@@ -102,16 +103,20 @@ def test_every_gradient_against_the_per_token_formula(impl, label):
         close(g, r, bounds.grads[i])
 
 
-def test_unused_experts_get_exactly_zero_gradients():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_unused_experts_get_exactly_zero_gradients(impl):
+    _need(impl)
     case = _case("12x24x40-E8-k2-empty-experts")
-    out = polykernel.moe_experts_gpt_oss(*case.args)
+    out = polykernel.moe_experts_gpt_oss(*case.args, impl=impl)
     grads = torch.autograd.grad(out, case.args[3:], torch.randn_like(out))
     unused = [e for e in range(8) if e not in (1, 6)]
     for g in grads:
         assert g[unused].count_nonzero() == 0 and g[[1, 6]].count_nonzero() > 0
 
 
-def test_matches_transformers_gpt_oss_experts_output_and_every_gradient():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_matches_transformers_gpt_oss_experts_output_and_every_gradient(impl):
+    _need(impl)
     transformers = pytest.importorskip("transformers")
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
@@ -129,7 +134,8 @@ def test_matches_transformers_gpt_oss_experts_output_and_every_gradient():
     want = theirs(x, index, weights)
     dy = torch.randn_like(want)
     want_grads = torch.autograd.grad(want, [x, weights, *params], dy)
-    got = polykernel.moe_experts_gpt_oss(x, index, weights, *params, alpha=theirs.alpha, limit=theirs.limit)
+    polykernel.clear_caches()
+    got = polykernel.moe_experts_gpt_oss(x, index, weights, *params, alpha=theirs.alpha, limit=theirs.limit, impl=impl)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     for name, a, b in zip(
         ("hidden", "weights", "gate_up", "gate_up_bias", "down", "down_bias"),
@@ -137,7 +143,24 @@ def test_matches_transformers_gpt_oss_experts_output_and_every_gradient():
         want_grads,
     ):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=name)
-    assert {d["impl"] for d in polykernel.decisions("moe_experts_gpt_oss")} == {"torch"}
+    assert {d["impl"] for d in polykernel.decisions("moe_experts_gpt_oss")} == {impl}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_deterministic_mode_gives_the_same_bits_twice(impl):
+    _need(impl)
+    case = _case("20x24x40-E5-k1-skew90")
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = []
+        for _ in range(2):
+            out = polykernel.moe_experts_gpt_oss(*case.args, impl=impl)
+            runs.append((out, *torch.autograd.grad(out, [case.args[i] for i in GRAD_ARGS], torch.ones_like(out))))
+    finally:
+        torch.use_deterministic_algorithms(old)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 def test_float64_matches_the_reference():

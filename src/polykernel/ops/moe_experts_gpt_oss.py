@@ -31,6 +31,7 @@ import torch
 
 from ..backends.declare import impls
 from ..backends.torch import TORCH
+from ..backends.triton import TRITON
 from ..core.hit_guard import SHAPE
 from ..core.op import SUM_LAMBDA, TINY, UNIT_ROUNDOFF, Bounds, Case, ErrorModel, Op
 from ..distributed.layout import ROWS, Layout, rows_with
@@ -451,6 +452,10 @@ IMPLS = impls(
     TORCH.impl(
         rank=100,
         description="sort by expert once; torch._grouped_mm where it runs (probed per device and dtype), else one matmul per non-empty expert (one host sync); biases gathered per pair",
+    ),
+    TRITON.impl(
+        rank=10,
+        description="moe_experts' grouped GEMMs in gpt-oss's layout: strided weights, interleaved columns, biases and the clamped SwiGLU in the epilogues; no atomics",
     ),
 )
 
