@@ -785,12 +785,12 @@ FAMILY_OPS = {
     "gpt_oss": ("rms_norm", "rope", "moe_experts_gpt_oss"),  # its experts' clamped SwiGLU, biases
     "deepseek_v3": ("rms_norm", "swiglu", "rope", "moe_experts"),
     "glm4": ("rms_norm", "swiglu"),  # interleaved partial rotary stays
-    "llama4_text": ("rms_norm", "swiglu"),  # complex-pair rotary stays
+    "llama4_text": ("rms_norm", "swiglu", "moe_experts"),  # complex-pair rotary stays
 }
 # family -> the kinds patched() reports as left alone
 LEFT_ALONE = {
     "glm4": {"rope"},
-    "llama4_text": {"rope", "l2_norm", "moe_experts"},
+    "llama4_text": {"rope", "l2_norm"},
 }
 # family -> patched gated MLPs of the 2 layers (MoE: dense layers and shared experts); patched
 # attentions calling the rotary function (NoPE layers call none); default 2
@@ -885,7 +885,13 @@ def test_moe_router_aux_loss_is_kept(family, torch_impls):
 
 
 # family -> the experts op its patched MoE layers run
-EXPERTS_OP = {"qwen3_moe": "moe_experts", "mixtral": "moe_experts", "deepseek_v3": "moe_experts", "gpt_oss": "moe_experts_gpt_oss"}
+EXPERTS_OP = {
+    "qwen3_moe": "moe_experts",
+    "mixtral": "moe_experts",
+    "deepseek_v3": "moe_experts",
+    "gpt_oss": "moe_experts_gpt_oss",
+    "llama4_text": "moe_experts",  # its whole Llama4TextMoe block
+}
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
@@ -907,7 +913,8 @@ def test_moe_family_compiled_fullgraph_runs_the_experts_op(family, torch_impls):
 def test_moe_experts_patched_modules_and_switch(family, torch_impls):
     need(EXPERTS_OP[family])
     ref, model = pair(family)
-    experts = [n for n, m in model.named_modules() if type(m).__name__.endswith("Experts")]
+    experts = [n for n, m in model.named_modules() if type(m).__name__.endswith("Experts") or type(m).__name__ == "Llama4TextMoe"]
+    experts = [n for n in experts if not any(n.startswith(f"{o}.") for o in experts)]  # Llama 4: the block, not its experts
     assert experts and sorted(pkt.patched(model)["moe_experts"]) == sorted(experts)
     pkt.patch(model, moe_experts=False)  # switched off: transformers' experts, nothing to explain
     assert "moe_experts" not in pkt.patched(model)
@@ -945,9 +952,28 @@ def test_moe_experts_with_another_activation_are_left_alone(torch_impls):
     assert "moe.moe_experts" not in ops_ran()
 
 
-def test_llama4_experts_stay_with_the_reason():
-    kinds = pkt.patched(pkt.patch(tiny("llama4_text")))
-    assert kinds["moe_experts"].startswith("left alone: Llama4's routed experts scale each token's input")
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_llama4_moe_block_matches_transformers_with_each_impl(impl):
+    # the input-scaled experts as moe_experts on the k scaled copies of each token: the block's
+    # output, router logits and every gradient (router, experts, shared expert), through either impl
+    need("moe_experts")
+    ref, model = pair("llama4_text")
+    block = next(m for m in model.modules() if type(m).__name__ == "Llama4TextMoe")
+    theirs = next(m for m in ref.modules() if type(m).__name__ == "Llama4TextMoe")
+    x = torch.randn(2, 5, 64)
+    polykernel.clear_caches()
+    with polykernel.use_impl(impl):
+        out, logits = block(x)
+    want, want_logits = theirs(x)
+    torch.testing.assert_close(out, want, **FP32)
+    torch.testing.assert_close(logits, want_logits)
+    dy = torch.randn_like(out)
+    (out * dy).sum().backward()
+    (want * dy).sum().backward()
+    got = {n: p.grad for n, p in block.named_parameters()}
+    for n, p in theirs.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, msg=n, **FP32_GRAD)
+    assert {d["impl"] for d in polykernel.decisions("moe_experts")} == {impl}
 
 
 def test_partial_rotary_is_left_alone(torch_impls):

@@ -24,7 +24,9 @@ What is swapped (families: :data:`SUPPORTED_MODEL_TYPES`):
   weights; the router stays transformers') -> :func:`polykernel.moe_experts` for transformers'
   layout (Qwen3-MoE, Mixtral, DeepSeek-V3, whose fp32 routing weights it takes as they are),
   :func:`polykernel.moe_experts_gpt_oss` for gpt-oss's (interleaved, transposed, biased, clamped
-  SwiGLU). Under autocast, or with mixed dtypes, the original runs.
+  SwiGLU). Llama 4's ``Llama4TextMoe.forward`` (its experts take each token scaled by its router
+  score) -> the shared expert plus moe_experts on the k scaled copies of each token. Under
+  autocast, or with mixed dtypes, the original runs.
 - ``rope``: the rotary function that ``<Family>Attention.forward`` calls ->
   :func:`polykernel.rope`: rotate-half, gpt-oss's half-width tables (``cat((cos, cos))``) and
   DeepSeek-V3's interleaved pairs (rotate-half on ``[evens, odds]``, the layout it returns),
@@ -61,7 +63,7 @@ the originals. A switch whose polykernel op is not in this build is skipped with
 
 What polykernel cannot express exactly stays transformers' code, and :func:`patched` says why
 (``{"rope": "left alone: ..."}``): GLM4's interleaved partial rotary, partial rotary dims (Phi-4
-mini), Llama4's complex-pair rotary, weightless q/k L2 norm and input-scaled routed experts.
+mini), Llama4's complex-pair rotary and weightless q/k L2 norm.
 
 Only this module imports ``transformers`` (an optional extra).
 """
@@ -133,10 +135,9 @@ _VISION = "vision"  # Qwen2-VL's vision tower: q/k [S, H, D], tables [S, D], fp3
 # router's top-k index and weights; the router itself stays transformers'):
 _HF_EXPERTS = "hf"  # gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]: moe_experts
 _GPT_OSS_EXPERTS = "gpt_oss"  # interleaved, transposed, biased, clamped SwiGLU: moe_experts_gpt_oss
-_LLAMA4_EXPERTS = (
-    "Llama4's routed experts scale each token's input by its sigmoid router score (not the experts' outputs) "
-    "and run every expert on every token in one bmm: not moe_experts' output-weighted semantics"
-)
+# Llama 4: the whole <prefix>Moe block (router, experts, shared expert) is patched, since its
+# experts take every token scaled by its router score (see _llama4_moe_forward)
+_LLAMA4_EXPERTS = "llama4"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +166,9 @@ class _Family:
             f"{self.prefix}ForCausalLM": "causal_lm",
             f"{self.prefix}Model": "base_model",
         }
-        if self.experts:
+        if self.experts == _LLAMA4_EXPERTS:
+            roles[f"{self.prefix}Moe"] = "moe_experts"
+        elif self.experts:
             roles[f"{self.prefix}Experts"] = "moe_experts"
         roles.update(self.roles)
         return roles.get(class_name)
@@ -262,8 +265,8 @@ _FAMILIES: dict[str, _Family] = {
                     "Llama4's rotary multiplies complex pairs (interleaved layout in and out): polykernel.rope has no interleaved= yet",
                 ),
                 ("l2_norm", "Llama4's q/k L2 norm has no weight: polykernel.rms_norm needs one"),
-                ("moe_experts", _LLAMA4_EXPERTS),
             ),
+            experts=_LLAMA4_EXPERTS,
             output="MoeCausalLMOutputWithPast",
         ),
     )
@@ -433,6 +436,13 @@ def _experts_call_ok(hidden: Any, index: Any, weights: Any, params: tuple[Any, .
     return all(p.dtype == hidden.dtype for p in params) and weights.dtype in (hidden.dtype, torch.float32)
 
 
+def _experts_factory(layout: str) -> Callable[[Callable], Callable]:
+    """The forward maker for a family's experts layout (Llama 4: its whole MoE block)."""
+    if layout == _LLAMA4_EXPERTS:
+        return _llama4_moe_forward
+    return lambda base: _experts_forward(base, layout)
+
+
 def _experts_forward(base: Callable, layout: str) -> Callable:
     @functools.wraps(base)
     def forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -451,13 +461,48 @@ def _experts_forward(base: Callable, layout: str) -> Callable:
     return forward
 
 
+def _llama4_moe_forward(base: Callable) -> Callable:
+    """``Llama4TextMoe.forward``: every expert runs on every token scaled by its router score,
+    ``σ(logit)`` for the top k and ``σ(-inf) = 0`` for the rest, whose expert output is then
+    exactly 0 (act(0)·0 = 0, and so is its gradient). So the block is ``shared(x) + Σ_j
+    expert_{e_j}(s_j·x)``: moe_experts on the k scaled copies of each token (one pair per row,
+    weight 1), its weights' transposed views in transformers' layout, summed over k."""
+
+    @functools.wraps(base)
+    def forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        experts = self.experts
+        params = (experts.gate_up_proj, experts.down_proj)
+        activation = _experts_activation(experts)
+        x = hidden_states.reshape(-1, self.hidden_dim)
+        # (the routing is not made yet: x stands in for it, checking x and the weights)
+        if args or kwargs or activation is None or not _experts_call_ok(x, x, x, params):
+            return base(self, hidden_states, *args, **kwargs)
+        router_scores, router_logits = self.router(x)
+        index = torch.topk(router_logits, self.top_k, dim=1).indices  # the router's own call: its choice
+        scores = router_scores.gather(1, index)  # σ(top logits), in the logits' dtype
+        t, k, h = x.shape[0], index.shape[1], x.shape[1]
+        routed = (x[:, None, :] * scores[..., None]).reshape(t * k, h)  # the block's routed_in rows that are not 0
+        ones = torch.ones(t * k, 1, dtype=x.dtype, device=x.device)
+        out = _pk.moe_experts(routed, index.reshape(t * k, 1), ones, params[0].mT, params[1].mT, activation=activation)
+        return self.shared_expert(x) + out.view(t, k, h).sum(1), router_logits
+
+    forward._polykernel = "moe_experts"  # type: ignore[attr-defined]
+    return forward
+
+
 def _experts_supported(module: nn.Module, layout: str) -> str | None:
     """Why this experts module cannot be patched, or None."""
+    if layout == _LLAMA4_EXPERTS:
+        if not all(hasattr(module, a) for a in ("experts", "router", "shared_expert", "top_k", "hidden_dim")):
+            return "it is not the router, experts and shared expert of transformers' Llama4TextMoe"
+        module = module.experts
     op = "moe_experts_gpt_oss" if layout == _GPT_OSS_EXPERTS else "moe_experts"
     if not _has_op(op):
         return f"polykernel.{op} is not available in this build"
     params = _experts_params(module, layout)
-    if not all(isinstance(p, torch.Tensor) and p.dim() == (3 if i % 2 == 0 or layout == _HF_EXPERTS else 2) for i, p in enumerate(params)):
+    if not all(
+        isinstance(p, torch.Tensor) and p.dim() == (3 if i % 2 == 0 or layout != _GPT_OSS_EXPERTS else 2) for i, p in enumerate(params)
+    ):
         return "its projections are not the 3D expert tensors of transformers' layout"
     if layout == _GPT_OSS_EXPERTS:
         if not all(isinstance(getattr(module, a, None), (int, float)) for a in ("alpha", "limit")):
@@ -1035,7 +1080,7 @@ def _patch_model(model: nn.Module, switches: dict[str, bool]) -> nn.Module:
                     logger.info("polykernel: experts %s left as is: %s", name, why)
                     left.setdefault("moe_experts", f"{type(module).__name__}: {why}")
                     continue
-                _install(module, lambda base, lay=family.experts: _experts_forward(base, lay))
+                _install(module, lambda base, lay=family.experts: _experts_factory(lay)(base))
             elif role == "attention" and on["rope"] and "rope" not in family_left and _calls_rope(module):
                 modeling = sys.modules[family.module]
                 _install(module, lambda base, m=modeling, f=family: _attention_forward(base, m, f))
@@ -1091,7 +1136,7 @@ def _patch_classes(model_type: str, switches: dict[str, bool]) -> None:
             swap(c, "forward", lambda f: _mlp_forward(f, _gated_ops()))
     if on["moe_experts"]:  # (an unsupported call, e.g. another activation: the original runs)
         for c in classes["moe_experts"]:
-            swap(c, "forward", lambda f: _experts_forward(f, family.experts))
+            swap(c, "forward", _experts_factory(family.experts))
     if on["rope"]:  # (partial rotary dims, per call: the original function runs)
         for name, layout in family.rope:
             if hasattr(modeling, name):
