@@ -26,7 +26,6 @@ import json
 import platform
 import statistics
 import time
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -86,26 +85,10 @@ def hf_experts(args: tuple[torch.Tensor, ...]) -> dict[str, Callable[[], torch.T
 
 
 def hf_gpt_oss(args: tuple[torch.Tensor, ...]) -> dict[str, Callable[[], torch.Tensor]]:
-    """transformers' GptOssExperts on the same tensors: its eager loop and its grouped_mm experts
-    implementation (the attributes its use_experts_implementation gives the module)."""
-    try:
-        from transformers.integrations import moe as hf_moe
-        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
-    except Exception:
-        return {}
-    hidden, index, weights, gate_up, gate_up_bias, down, down_bias = args
-    self = types.SimpleNamespace(
-        num_experts=gate_up.shape[0], gate_up_proj=gate_up, gate_up_proj_bias=gate_up_bias, down_proj=down,
-        down_proj_bias=down_bias, alpha=oss_op.ALPHA, limit=oss_op.LIMIT, has_gate=True, has_bias=True,
-        is_transposed=True, is_concatenated=False, has_post_expert_norm=False, _is_expert_parallel=False,
-        config=types.SimpleNamespace(_experts_implementation="grouped_mm"),
-    )  # fmt: skip
-    self._apply_gate = lambda gu: GptOssExperts._apply_gate(self, gu)
-    eager = getattr(GptOssExperts.forward, "__wrapped__", GptOssExperts.forward)  # the loop itself
-    out = {"transformers eager": lambda: eager(self, hidden, index, weights)}
-    if hasattr(hf_moe, "grouped_mm_experts_forward"):
-        out["transformers grouped_mm"] = lambda: hf_moe.grouped_mm_experts_forward(self, hidden, index, weights)
-    return out
+    """transformers' GptOssExperts (eager loop, grouped_mm) on the same tensors."""
+    from polykernel.tools.bench import transformers_gpt_oss_experts
+
+    return transformers_gpt_oss_experts(args, {})
 
 
 def rows_for(
