@@ -924,6 +924,24 @@ def test_moe_experts_patched_modules_and_switch(family, torch_impls):
     assert OP_IDS[EXPERTS_OP[family]] not in ops_ran()
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "llama4_text"])
+def test_class_level_patch_runs_the_experts_op(family, torch_impls):
+    need(EXPERTS_OP[family])
+    ref = tiny(family)
+    try:
+        pkt.patch(family)
+        assert len(pkt.patched(family)["moe_experts"]) == 1  # the one class (GptOssExperts, Llama4TextMoe)
+        model = tiny(family)  # built after: same seed, same weights as ref
+        ids, labels = batch()
+        out = train_step(model, ids, labels)
+        assert OP_IDS[EXPERTS_OP[family]] in ops_ran()
+        pkt.unpatch(family)
+        torch.testing.assert_close(out.loss, train_step(ref, ids, labels).loss, **FP32)
+        assert_grads_close(model, ref, **FP32_GRAD)
+    finally:
+        pkt.unpatch(family)
+
+
 def test_moe_experts_calls_the_op_cannot_take_run_transformers_code(torch_impls):
     need("moe_experts")
     ref, model = pair("qwen3_moe")
@@ -935,7 +953,11 @@ def test_moe_experts_calls_the_op_cannot_take_run_transformers_code(torch_impls)
     torch.testing.assert_close(module(x, index, weights), theirs(x, index, weights))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the module's matmuls would run in bf16
         torch.testing.assert_close(module(x, index, weights.float()), theirs(x, index, weights.float()))
+    module._is_expert_parallel = theirs._is_expert_parallel = True  # index E: a slot on another rank
+    sentinel = torch.tensor([[0, 4]] * 5)
+    torch.testing.assert_close(module(x, sentinel, weights.float()), theirs(x, sentinel, weights.float()))
     assert "moe.moe_experts" not in ops_ran()
+    module._is_expert_parallel = False
     module(x, index, weights.float())
     assert "moe.moe_experts" in ops_ran()
 

@@ -447,7 +447,10 @@ def _experts_forward(base: Callable, layout: str) -> Callable:
     @functools.wraps(base)
     def forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         params = _experts_params(self, layout)
-        if kwargs or len(args) != 2 or not _experts_call_ok(hidden_states, args[0], args[1], params):
+        # expert parallel (transformers.distributed.expert_parallel): an index equal to E marks a
+        # slot routed to another rank, which transformers' code skips and moe_experts rejects
+        expert_parallel = getattr(self, "_is_expert_parallel", False)
+        if kwargs or len(args) != 2 or expert_parallel or not _experts_call_ok(hidden_states, args[0], args[1], params):
             return base(self, hidden_states, *args, **kwargs)
         index, weights = args
         if layout == _GPT_OSS_EXPERTS:
