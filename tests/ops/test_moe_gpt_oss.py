@@ -273,3 +273,61 @@ def test_compile_fullgraph_forward_and_backward():
         torch.testing.assert_close(a, b)
     assert any(d["op"] == "moe.moe_experts_gpt_oss" for d in polykernel.decisions())
     torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_parity_gpu_large(dtype):
+    assert_parity("moe_experts_gpt_oss", device="cuda", dtypes=[dtype], large=True)
+
+
+_BAD_INDEX_SCRIPT = """
+import sys, torch, polykernel
+x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+index = torch.tensor([[0, 1]] * 7 + [[1, {bad}]], device="cuda")
+weights = torch.rand(8, 2, device="cuda", dtype=torch.bfloat16)
+params = [torch.randn(*s, device="cuda", dtype=torch.bfloat16) for s in ((4, 64, 128), (4, 128), (4, 64, 64), (4, 64))]
+try:
+    y = polykernel.moe_experts_gpt_oss(x, index, weights, *params, impl=sys.argv[1])
+    torch.cuda.synchronize()
+except Exception as exc:
+    print("raised", type(exc).__name__, str(exc)[:200])
+    sys.exit(0)
+print("passed silently", y.float().abs().sum().item())
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bad", [4, -1])
+def test_an_index_outside_the_experts_never_passes_silently_on_the_gpu(impl, bad):
+    # a device-side assert poisons the CUDA context: each run gets its own process
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _BAD_INDEX_SCRIPT.format(bad=bad), impl], capture_output=True, text=True, timeout=300)
+    assert "raised" in out.stdout or out.returncode != 0, out.stdout + out.stderr[-2000:]
+    assert "passed silently" not in out.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cuda_graph_replay_matches_eager(impl):
+    case = op.example((64, 128, 96, 8, 2), torch.bfloat16, "cuda")
+    args = [a.detach() for a in case.args]
+    want = polykernel.moe_experts_gpt_oss(*args, impl=impl)
+    out = torch.empty_like(want)
+    from polykernel.tools.bench import capture_graph
+
+    graph = capture_graph(lambda: out.copy_(polykernel.moe_experts_gpt_oss(*args, impl=impl)))
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    if impl == "triton":  # the same kernels, no host decision depends on the data
+        assert torch.equal(out, want)
+    else:  # the torch impl captures grouped_mm, or the reference where grouped_mm cannot run
+        torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
