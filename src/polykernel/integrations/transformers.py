@@ -151,7 +151,7 @@ class _Family:
     left_alone: tuple[tuple[str, str], ...] = ()  # kind -> why polykernel cannot express it (yet)
     output: str = "CausalLMOutputWithPast"  # what the causal LM returns (transformers.modeling_outputs)
     logit_divisor: str = ""  # config attribute the logits are divided by (the fused loss divides the hidden states)
-    experts: str = ""  # the <prefix>Experts module's layout (_HF_EXPERTS, _GPT_OSS_EXPERTS); "" = none patched
+    experts: str = ""  # the <prefix>Experts layout (_HF_EXPERTS, _GPT_OSS_EXPERTS; _LLAMA4_EXPERTS: <prefix>Moe); "" = none
 
     @property
     def module(self) -> str:
@@ -1183,8 +1183,9 @@ def patch(
     is padded, SDPA gets ``is_causal=True`` instead of a materialized ``[B, 1, S, S]`` mask, as
     transformers does outside compile (same result; keeps SDPA's flash/GQA path). ``moe_experts``:
     the routed ``*Experts`` modules (qwen3_moe, mixtral, deepseek_v3: :func:`polykernel.moe_experts`;
-    gpt_oss: :func:`polykernel.moe_experts_gpt_oss`); their routers stay transformers'. Patching
-    again re-applies with the new switches.
+    gpt_oss: :func:`polykernel.moe_experts_gpt_oss`; llama4_text: its ``Llama4TextMoe`` block
+    through moe_experts); their routers stay transformers'. Patching again re-applies with the
+    new switches.
 
     >>> patch(model, rope=False)        # doctest: +SKIP
     """
