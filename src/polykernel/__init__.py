@@ -71,6 +71,7 @@ _LAZY: dict[str, str] = {
     # mixture of experts
     "moe_experts": "ops.moe_experts:moe_experts",
     "moe_router": "ops.moe_router:moe_router",
+    "moe_experts_gpt_oss": "ops.moe_experts_gpt_oss:moe_experts_gpt_oss",
     "kl_div": "ops.kl_div:kl_div",
     "jsd": "ops.jsd:jsd",
     "tvd": "ops.tvd:tvd",

@@ -83,6 +83,12 @@ def _cases() -> list[tuple[str, str, Any]]:
         weights = torch.rand(6, 2)
         return (torch.randn(6, 16), index, weights, torch.randn(3, 24, 16) / 4, torch.randn(3, 16, 12) / 4), {}, (S(0), S(0), S(0), R, R)
 
+    def moe_gpt_oss():
+        # gpt-oss's layout: the same placements, the biases replicated too
+        index = torch.stack([torch.randperm(3)[:2] for _ in range(6)])
+        params = (torch.randn(3, 16, 24) / 4, torch.randn(3, 24), torch.randn(3, 12, 16) / 4, torch.randn(3, 16))
+        return (torch.randn(6, 16), index, torch.rand(6, 2), *params), {"limit": 1.0}, (S(0), S(0), S(0), R, R, R, R)
+
     def glu(shape, dim, **kw):
         return lambda: ((torch.randn(shape), torch.randn(shape)), kw, (S(dim), S(dim)))
 
@@ -119,6 +125,7 @@ def _cases() -> list[tuple[str, str, Any]]:
         ("fused_linear_cross_entropy-S0", "fused_linear_cross_entropy", flce()),
         ("fused_linear_cross_entropy-none-scored", "fused_linear_cross_entropy", flce(scored=False)),
         ("moe_experts-S0", "moe_experts", moe),
+        ("moe_experts_gpt_oss-S0", "moe_experts_gpt_oss", moe_gpt_oss),
         (
             "group_norm-S0",
             "group_norm",

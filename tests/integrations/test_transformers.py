@@ -776,20 +776,21 @@ OP_IDS = {
     "rope": "embedding.rope",
     "cross_entropy": "loss.cross_entropy",
     "fused_linear_cross_entropy": "loss.fused_linear_cross_entropy",
+    "moe_experts": "moe.moe_experts",
+    "moe_experts_gpt_oss": "moe.moe_experts_gpt_oss",
 }
 # family -> the ops its patched model runs besides the loss (default: rms_norm, swiglu, rope)
 FAMILY_OPS = {
     "gemma3_text": ("rms_norm", "geglu", "rope"),
-    "mixtral": ("rms_norm", "rope"),  # no dense MLP: the SwiGLU is in the experts
-    "gpt_oss": ("rms_norm", "rope"),  # its experts' clamped SwiGLU stays
+    "qwen3_moe": ("rms_norm", "swiglu", "rope", "moe_experts"),
+    "mixtral": ("rms_norm", "rope", "moe_experts"),  # no dense MLP: the SwiGLU is in the experts
+    "gpt_oss": ("rms_norm", "rope", "moe_experts_gpt_oss"),  # its experts' clamped SwiGLU, biases
+    "deepseek_v3": ("rms_norm", "swiglu", "rope", "moe_experts"),
+    "llama4_text": ("rms_norm", "swiglu", "rope", "moe_experts"),
 }
 # family -> the kinds patched() reports as left alone
 LEFT_ALONE = {
-    "qwen3_moe": {"moe_experts"},
-    "mixtral": {"moe_experts"},
-    "gpt_oss": {"moe_experts"},
-    "deepseek_v3": {"moe_experts"},
-    "llama4_text": {"l2_norm", "moe_experts"},
+    "llama4_text": {"l2_norm"},
 }
 # family -> patched gated MLPs of the 2 layers (MoE: dense layers and shared experts); patched
 # attentions calling the rotary function (NoPE layers call none); default 2
@@ -886,6 +887,120 @@ def test_moe_router_aux_loss_is_kept(family, torch_impls):
     torch.testing.assert_close(out.loss, want.loss, **FP32)
     torch.testing.assert_close(out.logits, want.logits, **FP32)
     assert ops_ran() >= expected_ops(family, "cross_entropy")
+
+
+# family -> the experts op its patched MoE layers run
+EXPERTS_OP = {
+    "qwen3_moe": "moe_experts",
+    "mixtral": "moe_experts",
+    "deepseek_v3": "moe_experts",
+    "gpt_oss": "moe_experts_gpt_oss",
+    "llama4_text": "moe_experts",  # its whole Llama4TextMoe block
+}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_moe_family_compiled_fullgraph_runs_the_experts_op(family, torch_impls):
+    # the experts op is a custom op under compile: no graph break, the eager loss and gradients
+    need(EXPERTS_OP[family])
+    ref, model = pair(family)
+    ids, labels = batch()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out, want = train_step(compiled, ids, labels), train_step(ref, ids, labels)
+    torch.testing.assert_close(out.loss, want.loss, **FP32)
+    assert_grads_close(model, ref, **FP32_GRAD)
+    assert OP_IDS[EXPERTS_OP[family]] in ops_ran()
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("family", list(EXPERTS_OP))
+def test_moe_experts_patched_modules_and_switch(family, torch_impls):
+    need(EXPERTS_OP[family])
+    ref, model = pair(family)
+    experts = [n for n, m in model.named_modules() if type(m).__name__.endswith("Experts") or type(m).__name__ == "Llama4TextMoe"]
+    experts = [n for n in experts if not any(n.startswith(f"{o}.") for o in experts)]  # Llama 4: the block, not its experts
+    assert experts and sorted(pkt.patched(model)["moe_experts"]) == sorted(experts)
+    pkt.patch(model, moe_experts=False)  # switched off: transformers' experts, nothing to explain
+    assert "moe_experts" not in pkt.patched(model)
+    ids, labels = batch()
+    out, want = train_step(model, ids, labels), train_step(ref, ids, labels)
+    torch.testing.assert_close(out.loss, want.loss, **FP32)
+    assert OP_IDS[EXPERTS_OP[family]] not in ops_ran()
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "llama4_text"])
+def test_class_level_patch_runs_the_experts_op(family, torch_impls):
+    need(EXPERTS_OP[family])
+    ref = tiny(family)
+    try:
+        pkt.patch(family)
+        assert len(pkt.patched(family)["moe_experts"]) == 1  # the one class (GptOssExperts, Llama4TextMoe)
+        model = tiny(family)  # built after: same seed, same weights as ref
+        ids, labels = batch()
+        out = train_step(model, ids, labels)
+        assert OP_IDS[EXPERTS_OP[family]] in ops_ran()
+        pkt.unpatch(family)
+        torch.testing.assert_close(out.loss, train_step(ref, ids, labels).loss, **FP32)
+        assert_grads_close(model, ref, **FP32_GRAD)
+    finally:
+        pkt.unpatch(family)
+
+
+def test_moe_experts_calls_the_op_cannot_take_run_transformers_code(torch_impls):
+    need("moe_experts")
+    ref, model = pair("qwen3_moe")
+    module = next(m for m in model.modules() if type(m).__name__ == "Qwen3MoeExperts")
+    theirs = next(m for m in ref.modules() if type(m).__name__ == "Qwen3MoeExperts")
+    x = torch.randn(5, 64)
+    index, weights = torch.tensor([[0, 1]] * 5), torch.full((5, 2), 0.5, dtype=torch.bfloat16)  # bf16 weights, fp32 hidden
+    polykernel.clear_caches()
+    torch.testing.assert_close(module(x, index, weights), theirs(x, index, weights))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the module's matmuls would run in bf16
+        torch.testing.assert_close(module(x, index, weights.float()), theirs(x, index, weights.float()))
+    module._is_expert_parallel = theirs._is_expert_parallel = True  # index E: a slot on another rank
+    sentinel = torch.tensor([[0, 4]] * 5)
+    torch.testing.assert_close(module(x, sentinel, weights.float()), theirs(x, sentinel, weights.float()))
+    assert "moe.moe_experts" not in ops_ran()
+    module._is_expert_parallel = False
+    module(x, index, weights.float())
+    assert "moe.moe_experts" in ops_ran()
+
+
+def test_moe_experts_with_another_activation_are_left_alone(torch_impls):
+    ref = tiny("qwen3_moe", hidden_act="relu")
+    model = copy.deepcopy(ref)
+    pkt.patch(model)
+    assert pkt.patched(model)["moe_experts"] == "left alone: Qwen3MoeExperts: its activation ReLU is not SiLU or GELU"
+    ids, labels = batch()
+    out, want = train_step(model, ids, labels), train_step(ref, ids, labels)
+    torch.testing.assert_close(out.loss, want.loss, **FP32)
+    assert_grads_close(model, ref, **FP32_GRAD)
+    assert "moe.moe_experts" not in ops_ran()
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_llama4_moe_block_matches_transformers_with_each_impl(impl):
+    # the input-scaled experts as moe_experts on the k scaled copies of each token: the block's
+    # output, router logits and every gradient (router, experts, shared expert), through either impl
+    need("moe_experts")
+    ref, model = pair("llama4_text")
+    block = next(m for m in model.modules() if type(m).__name__ == "Llama4TextMoe")
+    theirs = next(m for m in ref.modules() if type(m).__name__ == "Llama4TextMoe")
+    x = torch.randn(2, 5, 64)
+    polykernel.clear_caches()
+    with polykernel.use_impl(impl):
+        out, logits = block(x)
+    want, want_logits = theirs(x)
+    torch.testing.assert_close(out, want, **FP32)
+    torch.testing.assert_close(logits, want_logits)
+    dy = torch.randn_like(out)
+    (out * dy).sum().backward()
+    (want * dy).sum().backward()
+    got = {n: p.grad for n, p in block.named_parameters()}
+    for n, p in theirs.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, msg=n, **FP32_GRAD)
+    assert {d["impl"] for d in polykernel.decisions("moe_experts")} == {impl}
 
 
 def test_partial_rotary_runs_rope(torch_impls):

@@ -203,3 +203,26 @@ def test_moe_experts_rows_report_tflops_next_to_transformers_experts(monkeypatch
     bwd = next(r for r in rows if r["impl"] == "polykernel:torch" and r["mode"] == "fwd+bwd")
     assert math.isclose(fwd["TFLOP/s"], 6 * 12 * 16 * 16 / 0.5e-3 / 1e12) and math.isclose(bwd["TFLOP/s"], 3 * fwd["TFLOP/s"])
     assert all(r["error"] == "" for r in rows), [r["error"] for r in rows if r["error"]]
+
+
+def test_moe_experts_gpt_oss_rows_report_tflops_next_to_transformers_experts(monkeypatch):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+
+    def fake_measure(fn, grad_inputs, backward, graph=False, warmup=25, rep=100):
+        out = fn()
+        if backward:
+            torch.autograd.grad(bench._outputs(out), grad_inputs, [torch.ones_like(o) for o in bench._outputs(out)])
+        return 0.5, 1.0
+
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4000.0)
+    monkeypatch.setattr(bench, "SHAPES", {"moe_experts_gpt_oss": [("T6,H16,I16,E4,k2", (6, 16, 16, 4, 2))]})
+    monkeypatch.setenv("POLYKERNEL_IMPL", "torch")
+    rows, _ = bench.run(
+        ["moe_experts_gpt_oss"], False, torch.float32, device="cpu", console=make_console(io.StringIO(), force_terminal=False)
+    )
+    assert {"transformers grouped_mm", "transformers eager", "eager reference", "polykernel:torch"} <= {r["impl"] for r in rows}
+    fwd = next(r for r in rows if r["impl"] == "transformers eager" and r["mode"] == "fwd")
+    assert math.isclose(fwd["TFLOP/s"], 6 * 12 * 16 * 16 / 0.5e-3 / 1e12)
+    assert all(r["error"] == "" for r in rows), [r["error"] for r in rows if r["error"]]

@@ -19,7 +19,14 @@ What is swapped (families: :data:`SUPPORTED_MODEL_TYPES`):
 - ``swiglu``: ``<Family>MLP.forward`` -> ``down(swiglu(gate(x), up(x)))`` when the MLP's
   activation is SiLU, ``down(geglu(gate(x), up(x), approximate))`` when it is GELU (tanh or
   exact); Phi3/GLM4's merged ``gate_up_proj`` gives the two halves' views. MoE families: the
-  dense MLPs and shared experts (the routed experts stay). Any other activation is left alone.
+  dense MLPs and shared experts. Any other activation is left alone.
+- ``moe_experts``: the routed ``<Family>Experts.forward`` (given the router's top-k index and
+  weights; the router stays transformers') -> :func:`polykernel.moe_experts` for transformers'
+  layout (Qwen3-MoE, Mixtral, DeepSeek-V3, whose fp32 routing weights it takes as they are),
+  :func:`polykernel.moe_experts_gpt_oss` for gpt-oss's (interleaved, transposed, biased, clamped
+  SwiGLU). Llama 4's ``Llama4TextMoe.forward`` (its experts take each token scaled by its router
+  score) -> the shared expert plus moe_experts on the k scaled copies of each token. Under
+  autocast, or with mixed dtypes, the original runs.
 - ``rope``: the rotary function that ``<Family>Attention.forward`` calls ->
   :func:`polykernel.rope`: rotate-half, gpt-oss's half-width tables (``cat((cos, cos))``) and
   DeepSeek-V3's interleaved pairs (rotate-half on ``[evens, odds]``, the layout it returns),
@@ -59,8 +66,8 @@ the originals. A switch whose polykernel op is not in this build is skipped with
 
 What polykernel cannot express exactly stays transformers' code, and :func:`patched` says why
 (``{"l2_norm": "left alone: ..."}``): Llama4's weightless q/k L2 norm, a partial-rotary config of a
-family whose rotary function rotates the whole head, and every MoE family's routed experts
-(``moe_experts``; gpt-oss's clamped SwiGLU among them).
+family whose rotary function rotates the whole head, and routed experts whose activation is not
+SiLU or GELU (``moe_experts``).
 
 Only this module imports ``transformers`` (an optional extra).
 """
@@ -102,6 +109,7 @@ _SWITCH_OPS = {
     "cross_entropy": ("cross_entropy",),
     "fused_linear_cross_entropy": ("fused_linear_cross_entropy",),
     "sdpa_is_causal": (),  # no polykernel op: how transformers hands the causal mask to SDPA
+    "moe_experts": ("moe_experts", "moe_experts_gpt_oss"),  # transformers' Experts layout, gpt-oss's
 }
 
 
@@ -131,7 +139,13 @@ _COMPLEX = "complex_pairs"  # Llama4: q/k [B, T, H, D] as complex pairs times fr
 _PARTIAL_OK = frozenset({_PARTIAL, _GLM})  # layouts whose functions take partial rotary tables
 _VISION = "vision"  # Qwen2-VL's vision tower: q/k [S, H, D], tables [S, D], fp32 math
 
-_MOE_EXPERTS = "the experts run transformers' own code (polykernel has no moe_experts op yet)"
+# How a family's routed experts map onto polykernel (the ``*Experts`` module's forward, given the
+# router's top-k index and weights; the router itself stays transformers'):
+_HF_EXPERTS = "hf"  # gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]: moe_experts
+_GPT_OSS_EXPERTS = "gpt_oss"  # interleaved, transposed, biased, clamped SwiGLU: moe_experts_gpt_oss
+# Llama 4: the whole <prefix>Moe block (router, experts, shared expert) is patched, since its
+# experts take every token scaled by its router score (see _llama4_moe_forward)
+_LLAMA4_EXPERTS = "llama4"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +159,7 @@ class _Family:
     left_alone: tuple[tuple[str, str], ...] = ()  # kind -> why polykernel cannot express it (yet)
     output: str = "CausalLMOutputWithPast"  # what the causal LM returns (transformers.modeling_outputs)
     logit_divisor: str = ""  # config attribute the logits are divided by (the fused loss divides the hidden states)
+    experts: str = ""  # the <prefix>Experts layout (_HF_EXPERTS, _GPT_OSS_EXPERTS; _LLAMA4_EXPERTS: <prefix>Moe); "" = none
 
     @property
     def module(self) -> str:
@@ -159,6 +174,10 @@ class _Family:
             f"{self.prefix}ForCausalLM": "causal_lm",
             f"{self.prefix}Model": "base_model",
         }
+        if self.experts == _LLAMA4_EXPERTS:
+            roles[f"{self.prefix}Moe"] = "moe_experts"
+        elif self.experts:
+            roles[f"{self.prefix}Experts"] = "moe_experts"
         roles.update(self.roles)
         return roles.get(class_name)
 
@@ -175,21 +194,15 @@ _FAMILIES: dict[str, _Family] = {
         _Family("olmo2", "Olmo2", _OLMO2_NORM, rope=(("apply_rotary_pos_emb", _CAST_BACK),)),
         # (1 + w) norms, q/k norms included; Gemma3Model is the multimodal wrapper, not the text model
         _Family("gemma3_text", "Gemma3", _GEMMA_NORM, package="gemma3", roles=(("Gemma3TextModel", "base_model"), ("Gemma3Model", None))),
-        _Family("qwen3_moe", "Qwen3Moe", _LLAMA_NORM, left_alone=(("moe_experts", _MOE_EXPERTS),), output="MoeCausalLMOutputWithPast"),
-        _Family("mixtral", "Mixtral", _LLAMA_NORM, left_alone=(("moe_experts", _MOE_EXPERTS),), output="MoeCausalLMOutputWithPast"),
+        _Family("qwen3_moe", "Qwen3Moe", _LLAMA_NORM, experts=_HF_EXPERTS, output="MoeCausalLMOutputWithPast"),
+        _Family("mixtral", "Mixtral", _LLAMA_NORM, experts=_HF_EXPERTS, output="MoeCausalLMOutputWithPast"),
         _Family(
             "gpt_oss",
             "GptOss",
             _OLMO2_NORM,
             roles=(("GptOssMLP", None),),  # the router and experts, no dense MLP
             rope=(("apply_rotary_pos_emb", _HALF_TABLES),),
-            left_alone=(
-                (
-                    "moe_experts",
-                    "gpt-oss's experts use a clamped SwiGLU ((up + 1) · gate·σ(α·gate), both clamped), "
-                    "which polykernel.swiglu cannot express; they run transformers' own code",
-                ),
-            ),
+            experts=_GPT_OSS_EXPERTS,
             output="MoeCausalLMOutputWithPast",
         ),
         _Family("phi3", "Phi3", _LLAMA_NORM, rope=(("apply_rotary_pos_emb", _PARTIAL),)),  # merged gate_up_proj; partial rotary
@@ -210,7 +223,7 @@ _FAMILIES: dict[str, _Family] = {
             "DeepseekV3",
             _LLAMA_NORM,  # the dense MLPs and each MoE layer's shared experts are DeepseekV3MLP
             rope=(("apply_rotary_pos_emb", _ROTATE_HALF), ("apply_rotary_pos_emb_interleave", _PAIRS)),
-            left_alone=(("moe_experts", _MOE_EXPERTS),),
+            experts=_HF_EXPERTS,  # fp32 routing weights (its sigmoid router, scaled): moe_experts takes them
             output="MoeCausalLMOutputWithPast",
         ),
         # The language model. M-RoPE's sections are merged into plain [B, T, D] tables by the rotary
@@ -255,8 +268,8 @@ _FAMILIES: dict[str, _Family] = {
             rope=(("apply_rotary_emb", _COMPLEX),),  # complex pairs: interleaved rope, q/k [B, T, H, D]
             left_alone=(
                 ("l2_norm", "Llama4's q/k L2 norm has no weight: polykernel.rms_norm needs one"),
-                ("moe_experts", _MOE_EXPERTS),
             ),
+            experts=_LLAMA4_EXPERTS,
             output="MoeCausalLMOutputWithPast",
         ),
     )
@@ -264,8 +277,8 @@ _FAMILIES: dict[str, _Family] = {
 _FAMILY_BY_MODULE = {f.module: f for f in _FAMILIES.values()}
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 
-# a kind left alone -> the switch that would patch it (moe_experts has none: always reported)
-_LEFT_ALONE_SWITCH = {"rope": "rope", "l2_norm": "rms_norm", "swiglu": "swiglu", "vision_mlp": "swiglu"}
+# a kind left alone -> the switch that would patch it
+_LEFT_ALONE_SWITCH = {"rope": "rope", "l2_norm": "rms_norm", "swiglu": "swiglu", "vision_mlp": "swiglu", "moe_experts": "moe_experts"}
 
 
 def _config_left_alone(family: _Family, config: Any) -> dict[str, str]:
@@ -394,6 +407,117 @@ def _mlp_supported(module: nn.Module) -> str | None:
         return f"its activation {type(layout[1]).__name__} is not SiLU or GELU"
     if not _has_op(kind[0]):
         return f"polykernel.{kind[0]} is not available in this build"
+    return None
+
+
+# -- MoE experts -------------------------------------------------------------------------------
+# The ``*Experts`` module gets the router's (top_k_index, top_k_weights) and returns
+# Σ_j w[t, j]·expert_e(x[t]): exactly polykernel.moe_experts (transformers' layout) or
+# moe_experts_gpt_oss. Their sum is in fp32 and rounded once (transformers rounds each expert's
+# weighted output), the same math.
+_EXPERTS_ACTIVATION = {("swiglu", None): "silu", ("geglu", "none"): "gelu", ("geglu", "tanh"): "gelu_tanh"}
+
+
+def _experts_activation(module: nn.Module) -> str | None:
+    kind = _gated_activation(getattr(module, "act_fn", None))
+    return _EXPERTS_ACTIVATION.get(kind) if kind is not None else None
+
+
+def _experts_params(module: nn.Module, layout: str) -> tuple[Any, ...]:
+    if layout == _GPT_OSS_EXPERTS:
+        names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    else:
+        names = ("gate_up_proj", "down_proj")
+    return tuple(getattr(module, n, None) for n in names)
+
+
+def _experts_call_ok(hidden: Any, index: Any, weights: Any, params: tuple[Any, ...]) -> bool:
+    """The call is one the op takes with the module's semantics: [T, H] tensors of one dtype (the
+    routing weights may be fp32), no autocast (the module's matmuls would run in its dtype)."""
+    if not all(isinstance(t, torch.Tensor) for t in (hidden, index, weights, *params)):
+        return False
+    if hidden.dim() != 2 or not hidden.is_floating_point() or torch.is_autocast_enabled(hidden.device.type):
+        return False
+    return all(p.dtype == hidden.dtype for p in params) and weights.dtype in (hidden.dtype, torch.float32)
+
+
+def _experts_factory(layout: str) -> Callable[[Callable], Callable]:
+    """The forward maker for a family's experts layout (Llama 4: its whole MoE block)."""
+    if layout == _LLAMA4_EXPERTS:
+        return _llama4_moe_forward
+    return lambda base: _experts_forward(base, layout)
+
+
+def _experts_forward(base: Callable, layout: str) -> Callable:
+    @functools.wraps(base)
+    def forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        params = _experts_params(self, layout)
+        # expert parallel (transformers.distributed.expert_parallel): an index equal to E marks a
+        # slot routed to another rank, which transformers' code skips and moe_experts rejects
+        expert_parallel = getattr(self, "_is_expert_parallel", False)
+        if kwargs or len(args) != 2 or expert_parallel or not _experts_call_ok(hidden_states, args[0], args[1], params):
+            return base(self, hidden_states, *args, **kwargs)
+        index, weights = args
+        if layout == _GPT_OSS_EXPERTS:
+            return _pk.moe_experts_gpt_oss(hidden_states, index, weights, *params, alpha=self.alpha, limit=self.limit)
+        activation = _experts_activation(self)
+        if activation is None:
+            return base(self, hidden_states, *args, **kwargs)
+        return _pk.moe_experts(hidden_states, index, weights, *params, activation=activation)
+
+    forward._polykernel = "moe_experts"  # type: ignore[attr-defined]
+    return forward
+
+
+def _llama4_moe_forward(base: Callable) -> Callable:
+    """``Llama4TextMoe.forward``: every expert runs on every token scaled by its router score,
+    ``σ(logit)`` for the top k and ``σ(-inf) = 0`` for the rest, whose expert output is then
+    exactly 0 (act(0)·0 = 0, and so is its gradient). So the block is ``shared(x) + Σ_j
+    expert_{e_j}(s_j·x)``: moe_experts on the k scaled copies of each token (one pair per row,
+    weight 1), its weights' transposed views in transformers' layout, summed over k."""
+
+    @functools.wraps(base)
+    def forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        experts = self.experts
+        params = (experts.gate_up_proj, experts.down_proj)
+        activation = _experts_activation(experts)
+        x = hidden_states.reshape(-1, self.hidden_dim)
+        # (the routing is not made yet: x stands in for it, checking x and the weights)
+        if args or kwargs or activation is None or not _experts_call_ok(x, x, x, params):
+            return base(self, hidden_states, *args, **kwargs)
+        router_scores, router_logits = self.router(x)
+        index = torch.topk(router_logits, self.top_k, dim=1).indices  # the router's own call: its choice
+        scores = router_scores.gather(1, index)  # σ(top logits), in the logits' dtype
+        t, k, h = x.shape[0], index.shape[1], x.shape[1]
+        routed = (x[:, None, :] * scores[..., None]).reshape(t * k, h)  # the block's routed_in rows that are not 0
+        ones = torch.ones(t * k, 1, dtype=x.dtype, device=x.device)
+        out = _pk.moe_experts(routed, index.reshape(t * k, 1), ones, params[0].mT, params[1].mT, activation=activation)
+        return self.shared_expert(x) + out.view(t, k, h).sum(1), router_logits
+
+    forward._polykernel = "moe_experts"  # type: ignore[attr-defined]
+    return forward
+
+
+def _experts_supported(module: nn.Module, layout: str) -> str | None:
+    """Why this experts module cannot be patched, or None."""
+    if layout == _LLAMA4_EXPERTS:
+        if not all(hasattr(module, a) for a in ("experts", "router", "shared_expert", "top_k", "hidden_dim")):
+            return "it is not the router, experts and shared expert of transformers' Llama4TextMoe"
+        module = module.experts
+    op = "moe_experts_gpt_oss" if layout == _GPT_OSS_EXPERTS else "moe_experts"
+    if not _has_op(op):
+        return f"polykernel.{op} is not available in this build"
+    params = _experts_params(module, layout)
+    if not all(
+        isinstance(p, torch.Tensor) and p.dim() == (3 if i % 2 == 0 or layout != _GPT_OSS_EXPERTS else 2) for i, p in enumerate(params)
+    ):
+        return "its projections are not the 3D expert tensors of transformers' layout"
+    if layout == _GPT_OSS_EXPERTS:
+        if not all(isinstance(getattr(module, a, None), (int, float)) for a in ("alpha", "limit")):
+            return "it has no numeric alpha and limit"
+        return None
+    if _experts_activation(module) is None:
+        return f"its activation {type(getattr(module, 'act_fn', None)).__name__} is not SiLU or GELU"
     return None
 
 
@@ -1006,6 +1130,13 @@ def _patch_model(model: nn.Module, switches: dict[str, bool]) -> nn.Module:
                     left.setdefault("swiglu", f"{type(module).__name__}: {why}")
                     continue
                 _install(module, lambda base: _mlp_forward(base, _gated_ops()))
+            elif role == "moe_experts" and on["moe_experts"]:
+                why = _experts_supported(module, family.experts)
+                if why is not None:
+                    logger.info("polykernel: experts %s left as is: %s", name, why)
+                    left.setdefault("moe_experts", f"{type(module).__name__}: {why}")
+                    continue
+                _install(module, lambda base, lay=family.experts: _experts_factory(lay)(base))
             elif role == "attention" and on["rope"] and "rope" not in family_left and _calls_rope(module):
                 modeling = sys.modules[family.module]
                 _install(module, lambda base, m=modeling, f=family: _attention_forward(base, m, f))
@@ -1086,7 +1217,7 @@ def _patch_classes(model_type: str, switches: dict[str, bool]) -> None:
 
     classes = {
         role: [c for n, c in vars(modeling).items() if isinstance(c, type) and c.__module__ == modeling.__name__ and family.role(n) == role]
-        for role in ("rms_norm", "mlp", "causal_lm", "base_model")
+        for role in ("rms_norm", "mlp", "causal_lm", "base_model", "moe_experts")
     }
     if on["rms_norm"]:
         for c in classes["rms_norm"]:
@@ -1094,6 +1225,9 @@ def _patch_classes(model_type: str, switches: dict[str, bool]) -> None:
     if on["swiglu"]:
         for c in classes["mlp"]:
             swap(c, "forward", lambda f: _mlp_forward(f, _gated_ops()))
+    if on["moe_experts"]:  # (an unsupported call, e.g. another activation: the original runs)
+        for c in classes["moe_experts"]:
+            swap(c, "forward", _experts_factory(family.experts))
     if on["rope"]:  # (partial rotary dims, per call: the original function runs)
         for name, layout in family.rope:
             if hasattr(modeling, name):
@@ -1126,6 +1260,7 @@ def patch(
     cross_entropy: bool = True,
     fused_linear_cross_entropy: bool = True,
     sdpa_is_causal: bool = True,
+    moe_experts: bool = True,
     mode: str = "default",
 ) -> nn.Module | None:
     """Run a Hugging Face model's norms, MLP activations, RoPE and loss on polykernel's ops.
@@ -1135,8 +1270,11 @@ def patch(
     after, uses polykernel; returns None). ``swiglu`` covers the gated MLP activation (SwiGLU or
     GeGLU, whichever the model uses). ``sdpa_is_causal``: under ``torch.compile``, where nothing
     is padded, SDPA gets ``is_causal=True`` instead of a materialized ``[B, 1, S, S]`` mask, as
-    transformers does outside compile (same result; keeps SDPA's flash/GQA path). Patching again
-    re-applies with the new switches.
+    transformers does outside compile (same result; keeps SDPA's flash/GQA path). ``moe_experts``:
+    the routed ``*Experts`` modules (qwen3_moe, mixtral, deepseek_v3: :func:`polykernel.moe_experts`;
+    gpt_oss: :func:`polykernel.moe_experts_gpt_oss`; llama4_text: its ``Llama4TextMoe`` block
+    through moe_experts); their routers stay transformers'. Patching again re-applies with the
+    new switches.
 
     ``mode="inference"`` (a built Llama): the decoder as a serving engine runs it, on the serving
     ops: the residual stream carried between layers through ``fused_add_rms_norm_``, one merged
@@ -1156,6 +1294,7 @@ def patch(
         "cross_entropy": cross_entropy,
         "fused_linear_cross_entropy": fused_linear_cross_entropy,
         "sdpa_is_causal": sdpa_is_causal,
+        "moe_experts": moe_experts,
     }
     if isinstance(model, str):
         if mode != "default":
@@ -1184,7 +1323,7 @@ def unpatch(model: nn.Module | str) -> nn.Module | None:
 
 def patched(model: nn.Module | str) -> dict[str, list[str] | str]:
     """What polykernel runs in ``model``: kind (``rms_norm``, ``swiglu``, ``rope``, ``loss``,
-    ``sdpa_is_causal``) -> the qualified names of the patched modules (a model type: the patched
+    ``sdpa_is_causal``, ``moe_experts``) -> the qualified names of the patched modules (a model type: the patched
     class attributes). A kind the model's family has but polykernel cannot express exactly maps to
     ``"left alone: <why>"`` instead (e.g. ``{"l2_norm": "left alone: Llama4's q/k L2 norm has no weight ..."}``,
     ``{"moe_experts": "left alone: ..."}``): that part runs transformers' own code."""

@@ -41,6 +41,7 @@ OP_MODULES: dict[str, str] = {
     # mixture of experts (issue 24)
     "moe.moe_experts": "polykernel.ops.moe_experts",
     "moe.moe_router": "polykernel.ops.moe_router",
+    "moe.moe_experts_gpt_oss": "polykernel.ops.moe_experts_gpt_oss",
     "loss.kl_div": "polykernel.ops.kl_div",
     "loss.jsd": "polykernel.ops.jsd",
     "loss.tvd": "polykernel.ops.tvd",

@@ -92,7 +92,7 @@ def validate(
     check.floating(OP_ID, "hidden", hidden)
     if hidden.dim() != 2:
         raise check.OpArgumentError(OP_ID, "hidden", f"expected [T, H] (tokens, hidden size), got shape {tuple(hidden.shape)}")
-    t, h = hidden.shape
+    h = hidden.shape[1]
     check.tensor(OP_ID, "gate_up_proj", gate_up_proj)
     check.floating(OP_ID, "gate_up_proj", gate_up_proj)
     if gate_up_proj.dim() != 3 or gate_up_proj.shape[2] != h or gate_up_proj.shape[1] % 2 or 0 in gate_up_proj.shape[:2]:
@@ -113,24 +113,31 @@ def validate(
         if proj.dtype != hidden.dtype:
             raise check.OpTypeError(OP_ID, name, f"expected hidden's dtype {hidden.dtype}, got {proj.dtype}")
         check.same_device(OP_ID, name, proj, "hidden", hidden)
-    check.tensor(OP_ID, "top_k_index", top_k_index)
+    check_routing(OP_ID, hidden, top_k_index, top_k_weights, n_experts)
+    check.choice(OP_ID, "activation", activation, ACTIVATIONS)
+
+
+def check_routing(op_id: str, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n_experts: int) -> None:
+    """The routing's checks (shared with ``moe_experts_gpt_oss``): index and weights ``[T, k]``
+    of hidden's T, their dtypes and device; on the CPU also the index values."""
+    t = hidden.shape[0]
+    check.tensor(op_id, "top_k_index", top_k_index)
     if top_k_index.dtype not in INDEX_DTYPES:
-        raise check.OpTypeError(OP_ID, "top_k_index", f"expected an int64 or int32 tensor of expert indices, got {top_k_index.dtype}")
+        raise check.OpTypeError(op_id, "top_k_index", f"expected an int64 or int32 tensor of expert indices, got {top_k_index.dtype}")
     if top_k_index.dim() != 2 or top_k_index.shape[0] != t or top_k_index.shape[1] == 0:
         raise check.OpArgumentError(
-            OP_ID, "top_k_index", f"expected [T, k] with T = {t} (hidden's rows) and k >= 1, got {tuple(top_k_index.shape)}"
+            op_id, "top_k_index", f"expected [T, k] with T = {t} (hidden's rows) and k >= 1, got {tuple(top_k_index.shape)}"
         )
-    check.same_device(OP_ID, "top_k_index", top_k_index, "hidden", hidden)
-    check.tensor(OP_ID, "top_k_weights", top_k_weights)
-    check.floating(OP_ID, "top_k_weights", top_k_weights)
+    check.same_device(op_id, "top_k_index", top_k_index, "hidden", hidden)
+    check.tensor(op_id, "top_k_weights", top_k_weights)
+    check.floating(op_id, "top_k_weights", top_k_weights)
     if top_k_weights.shape != top_k_index.shape:
         raise check.OpArgumentError(
-            OP_ID, "top_k_weights", f"expected top_k_index's shape {tuple(top_k_index.shape)}, got {tuple(top_k_weights.shape)}"
+            op_id, "top_k_weights", f"expected top_k_index's shape {tuple(top_k_index.shape)}, got {tuple(top_k_weights.shape)}"
         )
     if top_k_weights.dtype not in (hidden.dtype, torch.promote_types(hidden.dtype, torch.float32)):
-        raise check.OpTypeError(OP_ID, "top_k_weights", f"expected hidden's dtype {hidden.dtype} or float32, got {top_k_weights.dtype}")
-    check.same_device(OP_ID, "top_k_weights", top_k_weights, "hidden", hidden)
-    check.choice(OP_ID, "activation", activation, ACTIVATIONS)
+        raise check.OpTypeError(op_id, "top_k_weights", f"expected hidden's dtype {hidden.dtype} or float32, got {top_k_weights.dtype}")
+    check.same_device(op_id, "top_k_weights", top_k_weights, "hidden", hidden)
     # The values: on the CPU, for plain tensors (a DTensor's would need a collective: its local
     # shards are checked where they are sorted), not while torch.compile traces (fake tensors
     # have none). Off the CPU they would cost a host sync per call: the impls check them on the
@@ -140,7 +147,7 @@ def validate(
         if int(lo) < 0 or int(hi) >= n_experts:
             bad = int(lo) if int(lo) < 0 else int(hi)
             raise check.OpArgumentError(
-                OP_ID, "top_k_index", f"expert index {bad} is out of range [0, {n_experts}) (E = gate_up_proj.shape[0])"
+                op_id, "top_k_index", f"expert index {bad} is out of range [0, {n_experts}) (E = gate_up_proj.shape[0])"
             )
 
 

@@ -75,6 +75,7 @@ SHAPES: dict[str, list[tuple[str, tuple[int, ...]]]] = {
     # (T, H, I, E, k): one experts layer of Qwen3-30B-A3B and of Mixtral 8x7B (issue 24)
     "moe_experts": [("T8192,H2048,I768,E128,k8", (8192, 2048, 768, 128, 8)), ("T8192,H4096,I14336,E8,k2", (8192, 4096, 14336, 8, 2))],
     "moe_router": [("T8192,E128,k8", (8192, 128, 8))],
+    "moe_experts_gpt_oss": [("T8192,H2880,I2880,E32,k4", (8192, 2880, 2880, 32, 4))],  # gpt-oss-20b's experts
     # serving layouts (forward only): prefill (8192 tokens) first, the sweep's base, then decode (64)
     "silu_and_mul": [("8192x28672", (8192, 28672)), ("64x28672", (64, 28672))],
     "gelu_and_mul": [("8192x28672", (8192, 28672)), ("64x28672", (64, 28672))],
@@ -133,7 +134,7 @@ def _label(op_name: str, shape: tuple[int, ...]) -> str:
     if op_name in _FLOPS:
         n, h, v = shape
         return f"N{n},H{h},V{v}"
-    if op_name == "moe_experts":
+    if op_name in ("moe_experts", "moe_experts_gpt_oss"):
         return "T{},H{},I{},E{},k{}".format(*shape)
     if op_name == "moe_router":
         return "T{},E{},k{}".format(*shape)
@@ -216,6 +217,8 @@ def _contenders(
     out["eager reference"] = lambda: op.reference(*args, **kwargs)
     if op.name == "moe_experts":
         out.update(transformers_experts(args, kwargs))
+    if op.name == "moe_experts_gpt_oss":
+        out.update(transformers_gpt_oss_experts(args, kwargs))
     if compiled is not None:
         out["torch.compile"] = lambda: compiled(*args, **kwargs)
     return out
@@ -253,6 +256,31 @@ def transformers_experts(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[
     }
 
 
+def transformers_gpt_oss_experts(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    """transformers' ``GptOssExperts`` on the same tensors: its eager loop and its ``grouped_mm``
+    experts implementation. Empty without transformers or where its MoE integration differs."""
+    import types
+
+    try:
+        from transformers.integrations import moe as hf_moe
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    except Exception:  # not installed, or another layout
+        return {}
+    hidden, index, weights, gate_up, gate_up_bias, down, down_bias = args[:7]
+    self = types.SimpleNamespace(
+        num_experts=gate_up.shape[0], gate_up_proj=gate_up, gate_up_proj_bias=gate_up_bias, down_proj=down,
+        down_proj_bias=down_bias, alpha=kwargs.get("alpha", 1.702), limit=kwargs.get("limit", 7.0), has_gate=True,
+        has_bias=True, is_transposed=True, is_concatenated=False, has_post_expert_norm=False, _is_expert_parallel=False,
+        config=types.SimpleNamespace(_experts_implementation="grouped_mm"),
+    )  # fmt: skip
+    self._apply_gate = lambda gate_up_out: GptOssExperts._apply_gate(self, gate_up_out)
+    eager = getattr(GptOssExperts.forward, "__wrapped__", GptOssExperts.forward)  # the loop, not the dispatching wrapper
+    out = {"transformers eager": lambda: eager(self, hidden, index, weights)}
+    if hasattr(hf_moe, "grouped_mm_experts_forward"):
+        out["transformers grouped_mm"] = lambda: hf_moe.grouped_mm_experts_forward(self, hidden, index, weights)
+    return out
+
+
 def _step(fn: Callable[[], Any], grad_inputs: list[torch.Tensor], backward: bool) -> Callable[[], Any]:
     """One call as ``measure`` times it: the forward under no_grad, or forward + autograd.grad."""
     import torch
@@ -279,9 +307,10 @@ def _perf(row: dict[str, Any], op: Any, shape: tuple[int, ...], args: tuple[Any,
         n, h, v = shape
         row["size"] = _FLOPS[op.name](n, h, v, False) / 1e9  # GFLOP forward: the plot's x
         row["TFLOP/s"] = _FLOPS[op.name](n, h, v, backward) / (ms * 1e-3) / 1e12
-    elif op.name == "moe_experts":
-        from polykernel.ops.moe_experts import flops
+    elif op.name in ("moe_experts", "moe_experts_gpt_oss"):
+        from polykernel.ops import moe_experts, moe_experts_gpt_oss
 
+        flops = (moe_experts if op.name == "moe_experts" else moe_experts_gpt_oss).flops
         row["size"] = flops(*args, backward=False) / 1e9  # GFLOP forward: the plot's x
         row["TFLOP/s"] = flops(*args, backward=backward) / (ms * 1e-3) / 1e12
     elif op.bytes_moved is not None:

@@ -26,10 +26,13 @@ from ...errors import OpArgumentError
 OP_ID = "moe.moe_experts"
 
 
-def sort_by_expert(top_k_index: torch.Tensor, n_experts: int, *, device_check: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_by_expert(
+    top_k_index: torch.Tensor, n_experts: int, *, device_check: bool | None = None, op_id: str = OP_ID
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(perm, offsets)``: ``perm [S]`` (int64) lists the pairs by expert, ``offsets [E + 1]``
     (int64) bounds each expert's group in it (``perm[offsets[e]:offsets[e + 1]]``).
-    ``device_check``: the range check on the device (default: off the CPU only)."""
+    ``device_check``: the range check on the device (default: off the CPU only); ``op_id``: the
+    op its errors name."""
     flat = top_k_index.reshape(-1)
     expert, perm = torch.sort(flat, stable=True)
     bounds = torch.arange(n_experts + 1, device=flat.device, dtype=flat.dtype)
@@ -38,12 +41,12 @@ def sort_by_expert(top_k_index: torch.Tensor, n_experts: int, *, device_check: b
         return perm, offsets
     if flat.device.type != "cpu" if device_check is None else device_check:
         outside = offsets[0] + (flat.numel() - offsets[n_experts])
-        _compat.assert_async(outside == 0, "polykernel.moe_experts: an expert index in 'top_k_index' is outside [0, E)")
+        _compat.assert_async(outside == 0, f"polykernel.{op_id.rpartition('.')[2]}: an expert index in 'top_k_index' is outside [0, E)")
     elif not torch.compiler.is_compiling():
         lo, hi = int(expert[0]), int(expert[-1])
         if lo < 0 or hi >= n_experts:
             raise OpArgumentError(
-                OP_ID, "top_k_index", f"expert index {lo if lo < 0 else hi} is out of range [0, {n_experts}) (E = gate_up_proj.shape[0])"
+                op_id, "top_k_index", f"expert index {lo if lo < 0 else hi} is out of range [0, {n_experts}) (E = gate_up_proj.shape[0])"
             )
     return perm, offsets
 
