@@ -8,7 +8,18 @@ is fp32 (fp64 for fp64 logits): a scalar for ``"mean"``/``"sum"``, ``target``'s 
     dloss/dx = softmax(x) - (1 - ε)·onehot(t) - ε/V
 
 ``"mean"`` divides the sum by the number of non-ignored targets, so an empty or all-ignored
-batch gives NaN with zero gradients, exactly as PyTorch does. The gradient has the logits' dtype;
+batch gives NaN with zero gradients, exactly as PyTorch does.
+
+Options (all off by default; each costs nothing when off):
+
+- ``weight`` (``[V]`` floating, no grad): class weights with ``F.cross_entropy``'s semantics,
+  label smoothing included: ``loss = (1-ε)·w[t]·(lse - x[t]) + ε/V·Σ_c w[c]·(lse - x[c])``,
+  and ``"mean"`` divides by the summed ``w[t]`` of the scored targets.
+- ``softcap`` (> 0): the logits become ``softcap·tanh(x/softcap)`` before everything else
+  (Gemma 2/3); the gradient carries ``1 - tanh²``.
+- ``z_loss`` (>= 0): adds ``z_loss·w[t]·lse²`` per scored row (PaLM; ``lse`` of the soft-capped
+  logits, ``w[t] = 1`` without weights), so it is reduced exactly like the loss (one
+  denominator). Liger's z-loss is unweighted over a weighted mean: same without ``weight``. The gradient has the logits' dtype;
 the logits are never written to.
 
 Out-of-range targets (neither in ``[0, V)`` nor ``ignore_index``): on the CPU the public function
@@ -21,6 +32,8 @@ computed from an out-of-range target.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +41,7 @@ from ..backends.cute_dsl import CUTE_DSL
 from ..backends.cute_dsl import _predicates as cute_predicates
 from ..backends.declare import impls
 from ..backends.liger import LIGER
+from ..backends.liger import _gates as liger_gates
 from ..backends.quack import QUACK
 from ..backends.quack import _gates as quack_gates
 from ..backends.torch import TORCH
@@ -48,23 +62,42 @@ def reference(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
+    weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
 ) -> torch.Tensor:
     """The semantics, in plain torch: ``F.cross_entropy`` on the upcast ``[rows, V]`` logits.
 
     The upcast values are evaluated in fp64 and the loss rounded to fp32 (fp64 stays fp64): the
     same function as fp32 ``F.cross_entropy``, without its rounding errors (~1e-5 of the gradient's
     scale at V = 40K with label smoothing), so parity tests can hold the impls to fp32 accuracy.
+    With options: softcap first, then ``F.cross_entropy(weight=...)`` per row plus the z-loss
+    term, reduced over the summed weights of the scored rows (see the module docstring).
     """
     out_dtype = torch.promote_types(logits.dtype, torch.float32)
     v = logits.shape[-1]
-    out = F.cross_entropy(
-        logits.reshape(-1, v).to(torch.float64),
-        target.reshape(-1).long(),
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        reduction=reduction,
-    ).to(out_dtype)
-    return out.reshape(target.shape) if reduction == "none" else out
+    x = logits.reshape(-1, v).to(torch.float64)
+    t = target.reshape(-1).long()
+    if weight is None and softcap is None and not z_loss:
+        out = F.cross_entropy(x, t, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
+        out = out.to(out_dtype)
+        return out.reshape(target.shape) if reduction == "none" else out
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    w = None if weight is None else weight.detach().to(device=x.device, dtype=torch.float64)
+    rows = F.cross_entropy(x, t, weight=w, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none")
+    valid = t != ignore_index
+    wt = valid.to(torch.float64) if w is None else torch.where(valid, w[torch.where(valid, t, 0)], 0.0)
+    if z_loss:
+        rows = rows + z_loss * wt * torch.logsumexp(x, -1).square()
+    if reduction == "none":
+        return rows.to(out_dtype).reshape(target.shape)
+    total = rows.sum()
+    if reduction == "sum":
+        return total.to(out_dtype)
+    denom = wt.sum()
+    # 0/0 = NaN as PyTorch, with zero gradients (not inf·0)
+    return torch.where(denom != 0, total / torch.where(denom != 0, denom, 1.0), torch.nan).to(out_dtype)
 
 
 def validate_options(op: str, ignore_index: int, label_smoothing: float, reduction: str) -> None:
@@ -73,6 +106,45 @@ def validate_options(op: str, ignore_index: int, label_smoothing: float, reducti
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
         raise check.OpArgumentError(op, "label_smoothing", f"expected a number in [0, 1], got {label_smoothing!r}")
     check.choice(op, "reduction", reduction, REDUCTIONS)
+
+
+def validate_extras(
+    op: str,
+    weight: torch.Tensor | None,
+    softcap: float | None,
+    z_loss: float,
+    n_classes: int,
+    ref_name: str,
+    ref: torch.Tensor,
+    weight_name: str = "weight",
+) -> None:
+    """The class weights, softcap and z_loss (shared with ``loss.fused_linear_cross_entropy``,
+    whose class weights are ``ce_weight``)."""
+    if weight is not None:
+        check.tensor(op, weight_name, weight)
+        check.floating(op, weight_name, weight)
+        if weight.shape != (n_classes,):
+            raise check.OpArgumentError(op, weight_name, f"expected shape ({n_classes},) (one weight per class), got {tuple(weight.shape)}")
+        check.same_device(op, weight_name, weight, ref_name, ref)
+        if weight.requires_grad:  # F.cross_entropy has no gradient for its weights either
+            raise check.OpArgumentError(op, weight_name, "class weights take no gradient; pass weight.detach()")
+    if softcap is not None:
+        check.positive_float(op, "softcap", softcap)
+        check.finite_float(op, "softcap", softcap)
+    check.nonnegative_float(op, "z_loss", z_loss)
+    check.finite_float(op, "z_loss", z_loss)
+
+
+def weight_matches(weight: torch.Tensor | None, n_classes: int, device: torch.device) -> bool:
+    """Whether ``weight`` passes `validate_extras` (for the argument classes' one flag)."""
+    return weight is None or (
+        weight.shape == (n_classes,) and weight.is_floating_point() and weight.device == device and not weight.requires_grad
+    )
+
+
+def as_softcap(value: object) -> object:
+    """softcap as the impls take it: None, or a number as a float (anything else as given)."""
+    return float(value) if type(value) is int else value
 
 
 def validate_target(
@@ -100,17 +172,34 @@ def validate_target(
             )
 
 
-def validate(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str) -> None:
+def validate(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+) -> None:
     check.tensor(OP_ID, "logits", logits)
     check.floating(OP_ID, "logits", logits)
     if logits.shape[-1] == 0:
         raise check.OpArgumentError(OP_ID, "logits", f"expected at least one class (last dim), got shape {tuple(logits.shape)}")
     validate_options(OP_ID, ignore_index, label_smoothing, reduction)
     validate_target(OP_ID, target, logits.shape[:-1], logits.shape[-1], ignore_index, "logits", logits)
+    validate_extras(OP_ID, weight, softcap, z_loss, logits.shape[-1], "logits", logits)
 
 
 def _key(
-    logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean"
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
 ) -> tuple:
     """The argument class. It holds everything validity depends on (the options, target's dtype,
     and whether target's shape and device match the logits' rows as one flag), so `validate` runs
@@ -118,7 +207,10 @@ def _key(
     label_smoothing come first because impls' eligibility depends on them (QuACK has no
     smoothing). The guard (``_op``'s ``guard``) recognises a repeat without building it: both
     shapes whole (which the flag relates), so a repeat compares no shape in Python."""
-    matches = target.shape == logits.shape[:-1] and target.device == logits.device
+    matches = (
+        target.shape == logits.shape[:-1] and target.device == logits.device
+        and weight_matches(weight, logits.shape[-1], logits.device)
+    )  # fmt: skip
     return (
         logits.device,
         logits.dtype,
@@ -129,6 +221,9 @@ def _key(
         reduction,
         target.dtype,
         matches,
+        weight is not None,
+        softcap,
+        z_loss,
     )
 
 
@@ -149,9 +244,14 @@ def cross_entropy(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
+    weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
     impl: str | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``logits [..., V]`` against class indices ``target [...]`` (fp32 result).
+
+    ``weight`` (class weights), ``softcap`` and ``z_loss``: see the module docstring.
 
     >>> import torch, polykernel
     >>> logits, target = torch.randn(4, 10), torch.tensor([1, 2, -100, 9])
@@ -159,13 +259,17 @@ def cross_entropy(
     torch.Size([])
     >>> polykernel.cross_entropy(logits, target, reduction="none", label_smoothing=0.1).shape
     torch.Size([4])
+    >>> polykernel.cross_entropy(logits, target, softcap=30.0, z_loss=1e-4).shape
+    torch.Size([])
     """
     ls = label_smoothing if type(label_smoothing) is float else as_smoothing(label_smoothing)
+    cap = softcap if softcap is None or type(softcap) is float else as_softcap(softcap)
+    z = z_loss if type(z_loss) is float else as_smoothing(z_loss)
     if (
         not isinstance(target, torch.Tensor) or target.is_cpu
     ) and not _compiling():  # its values: every call (compiled: the custom op validates)
-        validate(logits, target, ignore_index, ls, reduction)  # there (its range): every call
-    return _dispatch(impl, logits, target, ignore_index, ls, reduction)  # _op.dispatch; see _key
+        validate(logits, target, ignore_index, ls, reduction, weight, cap, z)  # there (its range): every call
+    return _dispatch(impl, logits, target, ignore_index, ls, reduction, weight, cap, z)  # _op.dispatch; see _key
 
 
 # -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
@@ -176,15 +280,43 @@ def cross_entropy(
 # (independent rows); the loss is fp32 for every logits dtype. Backward: dlogits = c·(p - onehot
 # - ε/V) with c = dy / (valid rows) for "mean" and dy for "sum"/"none" (|dy| <= 1): p is off by
 # (|x - lse|·u32)·p <= u32/e (exp's argument), plus lse's error; then rounded to the logits' dtype.
+# Options: softcap bounds the logits by softcap (|x| <= min(max|x|, softcap)) at the price of
+# tanh's few u32 per logit (ops); z_loss adds z·lse², whose error is 2·z·|lse| times lse's, and
+# multiplies p by 1 + 2·z·lse in the gradient; class weights scale a row's loss and gradient by
+# w[t] (its smoothing term by max|w|): a weighted mean keeps the per-row bound, sums and the
+# gradient grow by max|w| (the mean's c becomes 1 / Σ w[t]).
 def error_model(
-    logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean"
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
 ) -> Bounds:
     v = logits.shape[-1] if logits.dim() else 1
-    valid = max(1, int((target != ignore_index).sum()))
+    scored = target != ignore_index
+    valid = max(1, int(scored.sum()))
     x_max = logits.detach().abs().max().item() if logits.numel() else 0.0
+    if softcap is not None:
+        x_max = min(x_max, softcap)
     row = x_max + 1.0
-    loss = ErrorModel(ops=4, sum_rel=1, cancel=6, sum_abs=2, n=max(v, valid), scale=row * (valid**0.5 if reduction == "sum" else 1.0))
-    dlogits = ErrorModel(ops=4, cancel=4, sum_abs=1, n=v, scale=1.0 / valid if reduction == "mean" else 1.0)
+    lse_max = x_max + math.log(max(v, 1))
+    zf = 1.0 + 2.0 * z_loss * lse_max  # lse's error reaches the loss and p (1 + 2·z·lse) this much more
+    w_max, w_sum = 1.0, float(valid)
+    if weight is not None:
+        w = weight.detach().to(torch.float64)
+        w_max = max(w.abs().max().item() if w.numel() else 1.0, 1e-30)
+        wt = torch.where(scored.reshape(-1), w[torch.where(scored, target, 0).reshape(-1).long()], 0.0) if v else w[:0]
+        w_sum = abs(wt.sum().item()) or 1.0
+    ops = 4 + (4 if softcap is not None else 0)
+    loss_scale = row * zf * (valid**0.5 * w_max if reduction == "sum" else w_max if reduction == "none" else 1.0)
+    if reduction == "mean" and weight is not None:
+        loss_scale = row * zf * w_max * valid / w_sum  # Σ w·loss / Σ w: |Σ w| can be far below Σ |w|
+    loss = ErrorModel(ops=ops, sum_rel=1, cancel=6, sum_abs=2, n=max(v, valid), scale=loss_scale)
+    c = (w_max / w_sum if weight is not None else 1.0 / valid) if reduction == "mean" else w_max
+    dlogits = ErrorModel(ops=ops, cancel=4 + 4 * (zf - 1), sum_abs=1, n=v, scale=c * zf)
     return Bounds(outputs=(loss,), grads={0: dlogits})
 
 
@@ -215,6 +347,10 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
         out = torch.randint(0, v, shape, device=device)
         return out.masked_fill(torch.rand(shape, device=device) < ignored, -100)
 
+    def cw(v: int) -> torch.Tensor:  # class weights in [0, 2), a fifth of them 0
+        w = 2 * torch.rand(v, device=device)
+        return w.masked_fill(torch.rand(v, device=device) < 0.2, 0.0)
+
     out = [
         Case("1x1", (x(1, 1), t(1, 1))),
         Case("1x1000", (x(1, 1000), t(1000, 1))),
@@ -235,6 +371,21 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
         Case("5x1200-colstrided", (x(5, 2400)[:, ::2], t(1200, 5)), {"label_smoothing": 0.05}),
         Case("4x1000-int32", (x(4, 1000), t(1000, 4).int())),
         Case("3x40000-long", (x(3, 40000, scale=5.0), t(40000, 3)), {"label_smoothing": 0.1}),
+        # the options (module docstring), alone and together; weights with zeros
+        Case("9x1000-weight", (x(9, 1000), t(1000, 9, ignored=0.2)), {"weight": cw(1000)}),
+        Case(
+            "9x1000-weight-smooth-sum",
+            (x(9, 1000), t(1000, 9, ignored=0.2)),
+            {"weight": cw(1000), "label_smoothing": 0.2, "reduction": "sum"},
+        ),
+        Case("8x3001-softcap", (x(8, 3001, scale=20.0), t(3001, 8, ignored=0.2)), {"softcap": 15.0}),
+        Case("8x1000-zloss-none", (x(8, 1000), t(1000, 8, ignored=0.2)), {"z_loss": 1e-2, "reduction": "none"}),
+        Case(
+            "10x1500-all-options",
+            (x(10, 1500, scale=10.0), t(1500, 10, ignored=0.2)),
+            {"weight": cw(1500), "softcap": 8.0, "z_loss": 1e-3, "label_smoothing": 0.1},
+        ),
+        Case("6x1000-allignored-options", (x(6, 1000), t(1000, 6, ignored=1.0)), {"weight": cw(1000), "softcap": 5.0, "z_loss": 1e-3}),
     ]
     if large:
         out += [
@@ -242,6 +393,7 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
             Case("4096x256000-smooth", (x(4096, 256000), t(256000, 4096, ignored=0.05)), {"label_smoothing": 0.1}),
             Case("1031x128256-none", (x(1031, 128256), t(128256, 1031, ignored=0.05)), {"reduction": "none"}),
             Case("64x262144-sum", (x(64, 262144, scale=10.0), t(262144, 64)), {"reduction": "sum"}),
+            Case("8192x256000-softcap", (x(8192, 256000, scale=10.0), t(256000, 8192, ignored=0.05)), {"softcap": 30.0}),
         ]
     return out
 
@@ -273,19 +425,31 @@ IMPLS = impls(
     ),
     # QuACK: trails Triton slightly; Liger trails more and syncs the host per call (not CUDA-graph
     # safe; per call in benchmarks/results/h200-2026-11-29.json). Both behind Triton.
-    QUACK.impl(rank=50, description="QuACK cross_entropy (CuTeDSL); no label smoothing", predicate=quack_gates.cross_entropy),
+    QUACK.impl(
+        rank=50,
+        description="QuACK cross_entropy (CuTeDSL); no label smoothing, weight, softcap or z_loss",
+        predicate=quack_gates.cross_entropy,
+    ),
     # bf16/fp16 gradients fail the error model (benchmarks/kernels/check_peers.py on the H200); fp32 passes.
     LIGER.impl(
         rank=60,
         dtypes=_FP32_ONLY,
         graph_safe=False,
         description="Liger's CE kernel with an fp32 loss and a private gradient buffer (the logits stay unwritten); host sync per call",
+        predicate=liger_gates.cross_entropy,
     ),
 )
 
 
 def outputs(
-    logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean"
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
 ) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     """The reference's output shape and dtype, without running it (the first-call check)."""
     shape = target.shape if reduction == "none" else torch.Size()
@@ -294,10 +458,23 @@ def outputs(
 
 _op = Op(
     OP_ID,
-    fields=("device", "dtype", "needs_grad", "n_classes", "label_smoothing", "ignore_index", "reduction", "target_dtype", "target_matches"),
+    fields=(
+        "device",
+        "dtype",
+        "needs_grad",
+        "n_classes",
+        "label_smoothing",
+        "ignore_index",
+        "reduction",
+        "target_dtype",
+        "target_matches",
+        "has_weight",
+        "softcap",
+        "z_loss",
+    ),
     key=_key,
-    guard=(SHAPE, SHAPE, None, None, None),
-    default_key=lambda device, dtype: (device, dtype, False, None, 0.0, -100, "mean", torch.int64, True),
+    guard=(SHAPE, SHAPE, None, None, None, SHAPE, None, None),
+    default_key=lambda device, dtype: (device, dtype, False, None, 0.0, -100, "mean", torch.int64, True, False, None, 0.0),
     validate=validate,
     reference=reference,
     outputs=outputs,

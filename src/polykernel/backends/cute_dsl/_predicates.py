@@ -47,6 +47,8 @@ def softmax(a: Any) -> str | None:
 
 
 def cross_entropy(a: Any) -> str | None:
+    if getattr(a, "has_weight", False) or getattr(a, "softcap", None) is not None or getattr(a, "z_loss", 0.0):
+        return "cute_dsl cross_entropy has no class weights, softcap or z_loss (triton and torch have them)"
     return _row_length("cross_entropy", "V", a.dtype, a.n_classes, CE_MAX_V, "")
 
 

@@ -16,6 +16,7 @@ from types import ModuleType
 
 import torch
 
+from ..torch.cross_entropy import cross_entropy as _torch_cross_entropy
 from ..torch.cross_entropy import grad_scale, reduce_rows
 from .softmax import _rows16  # the same row-major, 16-byte aligned rows
 
@@ -74,12 +75,23 @@ class _CrossEntropy(torch.autograd.Function):
         return dx.view(ctx.shape), None, None, None, None
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str) -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+) -> torch.Tensor:
     """The registered impl (arguments validated by ``polykernel.cross_entropy``; V admitted by
-    the predicate).
+    the predicate, which excludes the options weight, softcap and z_loss).
 
     >>> loss = cross_entropy(torch.randn(8, 128256, device="cuda"), torch.zeros(8, dtype=torch.long, device="cuda"), -100, 0.0, "mean")  # doctest: +SKIP
     """
+    if weight is not None or softcap is not None or z_loss:  # never ignore an option: a direct call gets torch's
+        return _torch_cross_entropy(logits, target, ignore_index, label_smoothing, reduction, weight, softcap, z_loss)
     if torch.is_grad_enabled() and logits.requires_grad:
         return _CrossEntropy.apply(logits, target, ignore_index, label_smoothing, reduction)
     t = target.reshape(-1).contiguous()

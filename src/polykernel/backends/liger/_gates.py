@@ -80,6 +80,18 @@ def fused_linear_jsd(a: Any) -> str | None:
     return None
 
 
+def cross_entropy(a: Any) -> str | None:
+    # Liger's z-loss is unweighted and its weighted mean divides it by the count, not the summed
+    # weights (polykernel/ops/cross_entropy.py: one divisor for both)
+    if getattr(a, "has_weight", False) and getattr(a, "z_loss", 0.0):
+        return "Liger's z_loss is not weighted by the class weights: weight with z_loss differs from the op's"
+    return None
+
+
+def fused_linear_cross_entropy(a: Any) -> str | None:
+    return cross_entropy(a)
+
+
 def sparsemax(a: Any) -> str | None:
     return _row(a)  # liger_kernel/ops/sparsemax.py: calculate_settings(n_cols), one block per row
 

@@ -7,6 +7,10 @@ computation) with an fp32 loss buffer and a private copy of the logits to hold t
 the copy made only when a gradient is needed (without one, Liger's kernel writes nothing).
 Like Liger, it syncs with the host once per call (the count of non-ignored targets): not
 capturable in a CUDA graph. A "mean" over no target is NaN, as in PyTorch (Liger's is 0).
+Class weights, softcap and z_loss go to Liger's kernel (``HAS_WEIGHT``, ``HAS_SOFTCAPPING``,
+``lse_square_scale``); Liger's z-loss is not weighted by ``w[t]`` and a weighted mean divides it
+by the count rather than the summed weights, so the predicate (``_gates.cross_entropy``) excludes
+weight and z_loss together.
 """
 
 from __future__ import annotations
@@ -30,20 +34,36 @@ def _num_warps(x: torch.Tensor) -> int:
     return 8 if (x.element_size() == 2 and blackwell) else 32
 
 
-def loss_rows(x: torch.Tensor, t: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str, grad: bool):
-    """Per-row fp32 losses (divided by the count for "mean") and, when ``grad``, dloss/dx in a
-    new tensor (the gradient of the reduced loss w.r.t. x for an upstream gradient of 1)."""
+def loss_rows(
+    x: torch.Tensor,
+    t: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    grad: bool,
+    weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+):
+    """Per-row fp32 losses (divided by the count, or the summed weights, for "mean") and, when
+    ``grad``, dloss/dx in a new tensor (the gradient of the reduced loss w.r.t. x for an upstream
+    gradient of 1). Returns (losses, dx, the mean's divisor)."""
     rows, v = x.shape
     work = x.clone(memory_format=torch.contiguous_format) if grad else (x if x.stride(-1) == 1 else x.contiguous())
     t = t.contiguous()
     count = int((t != ignore_index).sum().item())
+    wsum, w_total = float(count), 0.0
+    if weight is not None:
+        weight = weight.to(torch.float32).contiguous()
+        wsum = float(weight[t[t != ignore_index].long()].sum().item())
+        w_total = float(weight.sum().item())
     loss = torch.zeros(rows, dtype=torch.float32, device=x.device)
     liger_cross_entropy_kernel[(rows,)](
         X_ptr=work,
         X_stride=work.stride(-2),
         Y_ptr=t,
         Y_stride=t.stride(-1),
-        weight_ptr=None,
+        weight_ptr=weight,
         loss_ptr=loss,
         z_loss_ptr=None,
         loss_stride=loss.stride(-1),
@@ -53,31 +73,32 @@ def loss_rows(x: torch.Tensor, t: torch.Tensor, ignore_index: int, label_smoothi
         predicted_tokens_stride=0,
         n_cols=v,
         n_non_ignore=count,
-        sum_non_ignore_weight=count,
-        weight_sum=0.0,
+        sum_non_ignore_weight=wsum,
+        weight_sum=w_total,
         ignore_index=ignore_index,
-        lse_square_scale=0.0,
+        lse_square_scale=float(z_loss),
         label_smoothing=label_smoothing,
         reduction=reduction,
-        softcap=None,
+        softcap=softcap,
         RETURN_Z_LOSS=False,
         RETURN_TOKEN_ACCURACY=False,
         RETURN_PREDICTED_TOKENS=False,
         BLOCK_SIZE=min(MAX_FUSED_SIZE, triton.next_power_of_2(v)),
-        HAS_WEIGHT=False,
-        HAS_SOFTCAPPING=False,
+        HAS_WEIGHT=weight is not None,
+        HAS_SOFTCAPPING=softcap is not None,
         HAS_GRADIENTS=grad,
         num_warps=_num_warps(x),
     )
-    return loss, (work if grad else None), count
+    return loss, (work if grad else None), wsum
 
 
 class _LigerCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, label_smoothing, reduction):  # type: ignore[override]
+    def forward(ctx, logits, target, ignore_index, label_smoothing, reduction, weight, softcap, z_loss):  # type: ignore[override]
         v = logits.shape[-1]
         grad = ctx.needs_input_grad[0]
-        loss, dx, count = loss_rows(logits.reshape(-1, v), target.reshape(-1), ignore_index, label_smoothing, reduction, grad)
+        args = (ignore_index, label_smoothing, reduction, grad, weight, softcap, z_loss)
+        loss, dx, count = loss_rows(logits.reshape(-1, v), target.reshape(-1), *args)
         ctx.save_for_backward(dx)
         ctx.shape, ctx.reduction = logits.shape, reduction
         if reduction == "none":  # not a view: a Function's view output cannot be edited in place
@@ -95,10 +116,27 @@ class _LigerCrossEntropy(torch.autograd.Function):
             dx.mul_(g.reshape(-1, 1))
         else:
             scale_grads_(g, dx)
-        return dx.view(ctx.shape), None, None, None, None
+        return dx.view(ctx.shape), None, None, None, None, None, None, None
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str) -> torch.Tensor:
-    if logits.numel() == 0:
-        return _torch_cross_entropy(logits, target, ignore_index, label_smoothing, reduction)
-    return _LigerCrossEntropy.apply(logits, target, ignore_index, float(label_smoothing), reduction)
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+) -> torch.Tensor:
+    # weighted mean over weights summing to 0: Liger's gradient would be 0/0 (PyTorch's NaN loss
+    # has zero gradients); and weight with z_loss differs (module docstring): torch's then
+    zero_wsum = weight is not None and reduction == "mean" and not bool(_scored_weight(weight, target, ignore_index))
+    if logits.numel() == 0 or zero_wsum or (weight is not None and z_loss):
+        return _torch_cross_entropy(logits, target, ignore_index, label_smoothing, reduction, weight, softcap, z_loss)
+    return _LigerCrossEntropy.apply(logits, target, ignore_index, float(label_smoothing), reduction, weight, softcap, float(z_loss))
+
+
+def _scored_weight(weight: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    t = target.reshape(-1)
+    return weight[t[t != ignore_index].long()].sum()

@@ -61,4 +61,15 @@ def cross_entropy(a: Any) -> str | None:
         return _vectors(a)
     if a.label_smoothing:
         return "QuACK's cross-entropy has no label_smoothing"
+    return _ce_options(a, "QuACK's cross-entropy")
+
+
+def _ce_options(a: Any, who: str) -> str | None:
+    """The cross-entropy options QuACK lacks (class weights, softcap, z_loss)."""
+    if getattr(a, "has_weight", False):
+        return f"{who} has no class weights (weight)"
+    if getattr(a, "softcap", None) is not None:
+        return f"{who} has no softcap"
+    if getattr(a, "z_loss", 0.0):
+        return f"{who} has no z_loss"
     return None

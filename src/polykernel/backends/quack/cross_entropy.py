@@ -14,9 +14,19 @@ from ..torch.cross_entropy import cross_entropy as _torch_cross_entropy
 from ._rows import rows
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str) -> torch.Tensor:
-    if logits.numel() == 0 or label_smoothing:
-        return _torch_cross_entropy(logits, target, ignore_index, label_smoothing, reduction)
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+) -> torch.Tensor:
+    # the predicate excludes the options; a direct call with one still gets the right answer
+    if logits.numel() == 0 or label_smoothing or weight is not None or softcap is not None or z_loss:
+        return _torch_cross_entropy(logits, target, ignore_index, label_smoothing, reduction, weight, softcap, z_loss)
     v = logits.shape[-1]
     loss = _quack_cross_entropy(rows(logits, v), target.reshape(-1), ignore_index=ignore_index, reduction=reduction)
     return loss.view(target.shape) if reduction == "none" else loss

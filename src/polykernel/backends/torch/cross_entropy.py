@@ -8,6 +8,8 @@ scaled per row. The helpers here (``loss_and_grad``, ``grad_from_lse``, ``reduce
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +31,107 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+class Extras(NamedTuple):
+    """The cross-entropy options beyond smoothing (``polykernel.ops.cross_entropy``'s docstring):
+    class weights ``[V]`` (or None), softcap (or None), z_loss (0: off)."""
+
+    weight: torch.Tensor | None = None
+    softcap: float | None = None
+    z_loss: float = 0.0
+
+    @property
+    def any(self) -> bool:
+        return self.weight is not None or self.softcap is not None or bool(self.z_loss)
+
+
+NO_EXTRAS = Extras()
+
+
+def extras(weight: torch.Tensor | None, softcap: float | None, z_loss: float) -> Extras:
+    """The options as one value (the shared ``NO_EXTRAS`` when all are off: the hot path's test)."""
+    if weight is None and softcap is None and not z_loss:
+        return NO_EXTRAS
+    return Extras(weight, softcap, float(z_loss))
+
+
+def denominator(t: torch.Tensor, ignore_index: int, weight: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A mean's divisor: the count of scored targets (0-d int64), or with class weights their
+    summed weights (0-d ``dtype``; out-of-range targets read a clamped index: their rows are
+    flagged by the kernels, never read out of bounds here)."""
+    valid = t != ignore_index
+    if weight is None:
+        return valid.sum()
+    v = weight.shape[0]
+    w = weight.to(dtype)[torch.where(valid, t, 0).clamp_(0, max(v - 1, 0))]
+    return torch.where(valid, w, 0.0).sum()
+
+
+def _target_weight(ex: Extras, t: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w[t] per row (1 without weights), 0 on ignored rows; ``t`` already 0 there."""
+    if ex.weight is None:
+        return valid.to(dtype)
+    return torch.where(valid, ex.weight.to(dtype)[t], 0.0)
+
+
+def _capped(xf: torch.Tensor, ex: Extras) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits after the softcap, tanh of them over softcap or None)."""
+    if ex.softcap is None:
+        return xf, None
+    th = torch.tanh(xf / ex.softcap)
+    return th * ex.softcap, th
+
+
+def _rows_ex(xf: torch.Tensor, t: torch.Tensor, valid: torch.Tensor, ls: float, ex: Extras):
+    """Per-row (loss, lse, softcapped logits, tanh or None, w[t]) for one chunk with options."""
+    z, th = _capped(xf, ex)
+    lse = torch.logsumexp(z, -1)
+    lse = torch.where(torch.isposinf(lse), torch.nan, lse)  # as in loss_and_grad
+    wt = _target_weight(ex, t, valid, z.dtype)
+    r = (1.0 - ls) * wt * (lse - z.gather(1, t[:, None]).squeeze(1))
+    if ls:
+        v = z.shape[1]
+        if ex.weight is None:
+            r = r + ls * (lse - z.mean(-1))
+        else:
+            w = ex.weight.to(z.dtype)
+            r = r + (ls / v) * (lse * w.sum() - z @ w)
+    if ex.z_loss:
+        r = r + ex.z_loss * wt * lse.square()
+    return torch.where(valid, r, 0.0), lse, z, th, wt
+
+
+def _row_grad_ex(
+    z: torch.Tensor,
+    th: torch.Tensor | None,
+    t: torch.Tensor,
+    valid: torch.Tensor,
+    lse: torch.Tensor,
+    wt: torch.Tensor,
+    scale: torch.Tensor,
+    ls: float,
+    ex: Extras,
+) -> torch.Tensor:
+    """The scaled gradient w.r.t. the raw logits of one chunk with options (a new fp32 tensor):
+    ``p·a - (1-ε)·w[t]·onehot - ε/V·w``, ``a = (1-ε)·w[t] + ε/V·Σw + 2·z_loss·w[t]·lse``,
+    times ``1 - tanh²`` under a softcap."""
+    v = z.shape[1]
+    p = (z - lse[:, None]).exp_()
+    wsum = float(v) if ex.weight is None else ex.weight.to(z.dtype).sum()
+    a = (1.0 - ls) * wt + (ls / v) * wsum
+    if ex.z_loss:
+        a = a + (2.0 * ex.z_loss) * wt * lse
+    p.mul_(a[:, None])
+    if ls:
+        if ex.weight is None:
+            p.sub_(ls / v)
+        else:
+            p.sub_((ls / v) * ex.weight.to(z.dtype)[None, :])
+    p.scatter_add_(1, t[:, None], ((ls - 1.0) * wt)[:, None])
+    if th is not None:
+        p.mul_(1.0 - th.square())
+    return p.mul_(torch.where(valid, scale, 0.0).to(p.dtype)[:, None])
+
+
 def _row_grad(xf: torch.Tensor, t: torch.Tensor, valid: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor, ls: float) -> torch.Tensor:
     """``(softmax - (1-ε)·onehot - ε/V) · scale`` for one chunk, in fp32 (a new tensor)."""
     p = (xf - lse[:, None]).exp_()
@@ -48,11 +151,12 @@ def loss_and_grad(
     ls: float,
     scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    ex: Extras = NO_EXTRAS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss and LSE of ``x [n, V]`` (fp32, fp64 for fp64 x); ``target [n]`` int64.
 
     With ``out`` (``[n, V]`` in x's dtype; it may be ``x`` itself), also writes the gradient
-    scaled by ``scale`` (a 0-d or ``[n]`` tensor; ignored rows get 0).
+    scaled by ``scale`` (a 0-d or ``[n]`` tensor; ignored rows get 0). ``ex``: the options.
     """
     n, v = x.shape
     acc = _acc(x.dtype)
@@ -66,6 +170,12 @@ def loss_and_grad(
     for s in range(0, n, step):
         e = min(n, s + step)
         xf = x[s:e].to(acc)
+        if ex.any:
+            r, lse_c, z, th, wt = _rows_ex(xf, t[s:e], valid[s:e], ls, ex)
+            loss[s:e], lse[s:e] = r, lse_c
+            if out is not None:
+                out[s:e].copy_(_row_grad_ex(z, th, t[s:e], valid[s:e], lse_c, wt, scale[s:e], ls, ex))  # type: ignore[index]
+            continue
         # A +inf logit: logsumexp gives +inf (and the loss +inf), the reference's log_softmax NaN
         # (inf - inf); the reference's answer is the op's, so make it NaN here too.
         lse_c = torch.logsumexp(xf, -1)
@@ -81,7 +191,7 @@ def loss_and_grad(
 
 
 def grad_from_lse(
-    x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor, ignore_index: int, ls: float
+    x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor, ignore_index: int, ls: float, ex: Extras = NO_EXTRAS
 ) -> torch.Tensor:
     """The scaled gradient ``[n, V]`` in x's dtype, recomputed from x and the saved LSE."""
     n, v = x.shape
@@ -93,6 +203,11 @@ def grad_from_lse(
     step = _step(v)
     for s in range(0, n, step):
         e = min(n, s + step)
+        if ex.any:
+            z, th = _capped(x[s:e].to(acc), ex)
+            wt = _target_weight(ex, t[s:e], valid[s:e], acc)
+            out[s:e].copy_(_row_grad_ex(z, th, t[s:e], valid[s:e], lse[s:e], wt, scale[s:e], ls, ex))
+            continue
         out[s:e].copy_(_row_grad(x[s:e].to(acc), t[s:e], valid[s:e], lse[s:e], scale[s:e], ls))
     return out
 
@@ -143,73 +258,111 @@ def scale_grads_(g: torch.Tensor, *grads: torch.Tensor | None) -> None:
 # Registered impl
 
 
-def differentiable(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, ls: float, reduction: str) -> torch.Tensor:
+def differentiable(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    ls: float,
+    reduction: str,
+    weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+) -> torch.Tensor:
     """The op in differentiable torch ops (``F.cross_entropy`` in the accumulation dtype, fp64 for
     fp64 logits): the path under functorch transforms and of a create_graph backward."""
     v = logits.shape[-1]
-    out = F.cross_entropy(
-        logits.reshape(-1, v).to(_acc(logits.dtype)),
-        target.reshape(-1).long(),
-        ignore_index=ignore_index,
-        label_smoothing=ls,
-        reduction=reduction,
-    )
-    return out.reshape(target.shape) if reduction == "none" else out
+    acc = _acc(logits.dtype)
+    x = logits.reshape(-1, v).to(acc)
+    t = target.reshape(-1).long()
+    if weight is None and softcap is None and not z_loss:
+        out = F.cross_entropy(x, t, ignore_index=ignore_index, label_smoothing=ls, reduction=reduction)
+        return out.reshape(target.shape) if reduction == "none" else out
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    w = None if weight is None else weight.to(acc)
+    rows = F.cross_entropy(x, t, weight=w, ignore_index=ignore_index, label_smoothing=ls, reduction="none")
+    valid = t != ignore_index
+    wt = valid.to(acc) if w is None else torch.where(valid, w[torch.where(valid, t, 0)], 0.0)
+    if z_loss:
+        rows = rows + z_loss * wt * torch.logsumexp(x, -1).square()
+    if reduction == "none":
+        return rows.reshape(target.shape)
+    if reduction == "sum":
+        return rows.sum()
+    den = wt.sum()
+    return torch.where(den != 0, rows.sum() / torch.where(den != 0, den, 1.0), torch.nan)
 
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, ls, reduction):  # type: ignore[override]
+    def forward(ctx, logits, target, ignore_index, ls, reduction, ex):  # type: ignore[override]
         v = logits.shape[-1]
         t = target.reshape(-1).long()
-        loss, lse = loss_and_grad(logits.reshape(-1, v), t, ignore_index, ls)
-        count = (t != ignore_index).sum()
+        loss, lse = loss_and_grad(logits.reshape(-1, v), t, ignore_index, ls, ex=ex)
+        count = denominator(t, ignore_index, ex.weight, lse.dtype)
         # logits itself (not its [rows, V] view made here): a create_graph backward needs its graph
         ctx.save_for_backward(logits, target, t, lse, count)
-        ctx.ignore_index, ctx.ls, ctx.reduction = ignore_index, ls, reduction
+        ctx.ignore_index, ctx.ls, ctx.reduction, ctx.ex = ignore_index, ls, reduction, ex
         return reduce_rows(loss, count, reduction, target.shape)
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
         logits, target, t, lse, count = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: a differentiable gradient
-            args = (logits, target, ctx.ignore_index, ctx.ls, ctx.reduction)
-            return graph_grads(differentiable, args, (g,), (True, False, False, False, False))[0], None, None, None, None
+            args = (logits, target, ctx.ignore_index, ctx.ls, ctx.reduction, *ctx.ex)
+            return graph_grads(differentiable, args, (g,), (True,) + (False,) * 7)[0], None, None, None, None, None
         scale = grad_scale(g, count, ctx.reduction, lse.dtype)
-        dx = grad_from_lse(logits.reshape(-1, logits.shape[-1]), t, lse, scale, ctx.ignore_index, ctx.ls)
-        return dx.view(logits.shape), None, None, None, None
+        dx = grad_from_lse(logits.reshape(-1, logits.shape[-1]), t, lse, scale, ctx.ignore_index, ctx.ls, ctx.ex)
+        return dx.view(logits.shape), None, None, None, None, None
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str) -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.cross_entropy``)."""
     if _transforms_active():  # functorch (grad, vmap): plain torch ops, which its transforms take
-        return differentiable(logits, target, ignore_index, label_smoothing, reduction)
+        return differentiable(logits, target, ignore_index, label_smoothing, reduction, weight, softcap, z_loss)
+    ex = extras(weight, softcap, z_loss)
     if torch.is_grad_enabled() and logits.requires_grad:
-        return _CrossEntropy.apply(logits, target, ignore_index, label_smoothing, reduction)
+        return _CrossEntropy.apply(logits, target, ignore_index, label_smoothing, reduction, ex)
     v = logits.shape[-1]
     t = target.reshape(-1).long()
-    loss, _ = loss_and_grad(logits.reshape(-1, v), t, ignore_index, label_smoothing)
-    return reduce_rows(loss, (t != ignore_index).sum(), reduction, target.shape)
+    loss, lse = loss_and_grad(logits.reshape(-1, v), t, ignore_index, label_smoothing, ex=ex)
+    return reduce_rows(loss, denominator(t, ignore_index, weight, lse.dtype), reduction, target.shape)
 
 
 # Forward and backward as separate functions, for compiled graphs (polykernel.compile.library). This
 # split defines the op's saved layout, which every impl's split follows: the per-row LSE ([rows],
 # fp32; fp64 for fp64 logits) and the non-ignored count (0-d int64); the target is an argument.
-def _split_forward(logits, target, ignore_index, label_smoothing, reduction, grad_mask):
+# With class weights a mean's divisor is their sum over the scored targets, recomputed from the
+# arguments where needed (O(rows)), so the layout stays the same.
+def _split_forward(logits, target, ignore_index, label_smoothing, reduction, weight, softcap, z_loss, grad_mask):
     t = target.reshape(-1).long()
-    loss, lse = loss_and_grad(logits.reshape(-1, logits.shape[-1]), t, ignore_index, label_smoothing)
+    ex = extras(weight, softcap, z_loss)
+    loss, lse = loss_and_grad(logits.reshape(-1, logits.shape[-1]), t, ignore_index, label_smoothing, ex=ex)
     count = (t != ignore_index).sum()
-    return (reduce_rows(loss, count, reduction, target.shape),), (lse, count)
+    den = count if weight is None else denominator(t, ignore_index, weight, lse.dtype)
+    return (reduce_rows(loss, den, reduction, target.shape),), (lse, count)
 
 
-def _split_backward(grads, saved, logits, target, ignore_index, label_smoothing, reduction, grad_mask):
+def _split_backward(grads, saved, logits, target, ignore_index, label_smoothing, reduction, weight, softcap, z_loss, grad_mask):
     lse, count = saved
-    scale = grad_scale(grads[0], count, reduction, lse.dtype)
-    dx = grad_from_lse(logits.reshape(-1, logits.shape[-1]), target.reshape(-1).long(), lse, scale, ignore_index, label_smoothing)
-    return [dx.view(logits.shape), None, None, None, None]
+    t = target.reshape(-1).long()
+    den = count if weight is None else denominator(t, ignore_index, weight, lse.dtype)
+    scale = grad_scale(grads[0], den, reduction, lse.dtype)
+    ex = extras(weight, softcap, z_loss)
+    dx = grad_from_lse(logits.reshape(-1, logits.shape[-1]), t, lse, scale, ignore_index, label_smoothing, ex)
+    return [dx.view(logits.shape), None, None, None, None, None, None, None]
 
 
-def _split_layout(logits, target, ignore_index, label_smoothing, reduction, grad_mask):
+def _split_layout(logits, target, ignore_index, label_smoothing, reduction, weight, softcap, z_loss, grad_mask):
     # For fake tensors: the forward's row loop would branch on the (symbolic) row count.
     rows = target.numel()
     return (torch.empty(rows, dtype=_acc(logits.dtype), device=logits.device), torch.empty((), dtype=torch.int64, device=logits.device))
