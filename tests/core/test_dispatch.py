@@ -670,10 +670,14 @@ def _variants(op_name):
         out[i] = x
         return tuple(out)
 
+    # tensors that never take a gradient, like an int target: the losses' class weights (the op
+    # refuses one that requires grad while grad mode is on, as F.cross_entropy does)
+    no_grad = {"cross_entropy": {5}, "fused_linear_cross_entropy": {7}}.get(op_name, set())
+
     def everywhere(args, **kw):
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
-                args = moved(args, i, **kw)
+                args = moved(args, i, **({k: v for k, v in kw.items() if k != "grad"} if i in no_grad else kw))
         return args
 
     base = {
@@ -684,8 +688,8 @@ def _variants(op_name):
         "geglu": (t(4, 8), t(4, 8), "tanh"),
         "softmax": (t(4, 8),),
         "rope": (t(2, 4, 3, 8), t(2, 2, 3, 8), t(1, 3, 8), t(1, 3, 8), 8, False),  # rotary_dim, interleaved
-        "cross_entropy": (t(4, 8), torch.randint(0, 8, (4,)), -100, 0.0, "mean"),
-        "fused_linear_cross_entropy": (t(4, 8), t(10, 8), torch.randint(0, 10, (4,)), t(10), -100, 0.0, "mean"),
+        "cross_entropy": (t(4, 8), torch.randint(0, 8, (4,)), -100, 0.0, "mean", t(8), 2.0, 0.0),
+        "fused_linear_cross_entropy": (t(4, 8), t(10, 8), torch.randint(0, 10, (4,)), t(10), -100, 0.0, "mean", t(10), 2.0, 0.0),
         "moe_experts": (t(4, 8), torch.randint(0, 3, (4, 2)), t(4, 2), t(3, 12, 8), t(3, 8, 6), "silu"),
         "moe_router": (t(4, 8), 2, True),
         "kl_div": (t(4, 8), t(4, 8), "batchmean", False),

@@ -129,8 +129,8 @@ def test_split_saves_fixed_slots(impl):
     empty = {0: (2, 3, 0), 1: (0, 0), 2: (0,)}
     for reduction in ("mean", "sum", "none"):
         for needs in ((True, True, True), (True, False, False), (False, True, True), (True, True, False)):
-            mask = [needs[0], needs[1], False, needs[2], False, False, False]
-            args = (h, w, t, b, -100, 0.1, reduction)
+            mask = [needs[0], needs[1], False, needs[2], False, False, False, False, False, False]
+            args = (h, w, t, b, -100, 0.1, reduction, None, None, 0.0)  # no ce_weight, softcap, z_loss
             (loss,), saved = split.forward(*args, mask)
             assert len(saved) == 3 and [s.dim() for s in saved] == [3, 2, 1]
             computed = needs if reduction != "none" else (False, False, False)

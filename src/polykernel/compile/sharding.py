@@ -57,7 +57,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from .. import _compat
-from ..distributed.layout import ANY, ROWS, Layout
+from ..distributed.layout import ANY, ROWS, Layout, scored
 from .facts import PLACED_KINDS
 
 if TYPE_CHECKING:
@@ -255,9 +255,10 @@ def mean_of_sum(op_id: str, run: Any, args: tuple[Any, ...]) -> Any:
     sum over the non-ignored rows divided by their count (:func:`polykernel.distributed.dtensor.mean_of_scored`)."""
     from ..distributed import dtensor
 
-    target, ignore, reduction = _layouts[op_id].loss_args  # type: ignore[misc]
+    layout = _layouts[op_id]
+    target, _, reduction = layout.loss_args  # type: ignore[misc]
     total = run(*args[:reduction], "sum", *args[reduction + 1 :])
-    return dtensor.mean_of_scored(total, (args[target] != args[ignore]).sum().to(total.dtype))
+    return dtensor.mean_of_scored(total, scored(layout, args[target], args).to(total.dtype))
 
 
 def register_built() -> None:

@@ -59,7 +59,7 @@ from .. import _compat
 from ..core import registry
 from ..core import selection as dispatch
 from ..errors import ImplNotAvailableError, UnknownOpError
-from .layout import ANY, ROWS, Layout, rows_with
+from .layout import ANY, ROWS, Layout, rows_with, scored
 
 if TYPE_CHECKING:
     from ..core.op import Op
@@ -287,7 +287,7 @@ def run(op: Op, impl: Any, p: Plan, args: tuple[Any, ...]) -> Any:
         total = _wrap(out, p, p.out_placements[0], ())
         if not mean:
             return total
-        count = (local[loss[0]] != args[loss[1]]).sum().to(out.dtype)
+        count = scored(layout, local[loss[0]], tuple(local)).to(out.dtype)  # type: ignore[arg-type]
         return mean_of_scored(total, _wrap(count, p, p.out_placements[0], ()))
     outputs = layout.outputs if layout is not None else (0,)
     outs = out if isinstance(out, tuple) else (out,)

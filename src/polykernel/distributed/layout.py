@@ -29,7 +29,8 @@ class Layout:
     ``outputs``: for each output, the index of the argument it is shaped and placed like, or
     ``"loss"`` for a reduced loss (its placement follows ``reduction``). A loss also gives
     ``loss_args``: the positions of its ``target``, ``ignore_index`` and ``reduction`` arguments
-    (positional, in the impl's order).
+    (positional, in the impl's order); ``loss_weight``: the position of its class weights (a
+    weighted mean divides by their sum over the scored targets, not by the count), if it has any.
     """
 
     lead_dims: str | tuple[int, ...]
@@ -37,10 +38,27 @@ class Layout:
     outputs: tuple[int | str, ...]
     why_not: str = "it is the dim the op reduces over, which needs a cross-rank reduction"
     loss_args: tuple[int, int, int] | None = None
+    loss_weight: int | None = None
 
     def __post_init__(self) -> None:
         if ("loss" in self.outputs) != (self.loss_args is not None):
             raise ValueError("Layout: a 'loss' output and loss_args (target, ignore_index, reduction) go together")
+
+
+def scored(layout: Layout, target: Any, args: tuple[Any, ...]) -> Any:
+    """A mean loss's divisor over ``target`` (local or DTensor): the count of scored targets, or
+    with class weights (``layout.loss_weight``, given) their summed weights. The weights are read
+    through ``embedding``, which DTensor shards like its indices with the table replicated."""
+    ignore = args[layout.loss_args[1]]  # type: ignore[index]
+    valid = target != ignore
+    w = args[layout.loss_weight] if layout.loss_weight is not None and layout.loss_weight < len(args) else None
+    if w is None:
+        return valid.sum()
+    import torch
+
+    idx = torch.where(valid, target, 0).clamp(0, w.shape[0] - 1)
+    per = torch.nn.functional.embedding(idx, w.detach().reshape(-1, 1)).squeeze(-1)
+    return torch.where(valid, per, 0.0).sum()
 
 
 def _is_tensor(a: Any) -> bool:

@@ -4,7 +4,13 @@ ever holding the ``[N, V]`` logits.
 ``hidden`` is ``[..., H]``, ``weight`` ``[V, H]`` (the LM head), ``bias`` ``[V]`` or None, all of
 one floating dtype; ``target`` ``[...]`` int64/int32. The logits are computed in ``hidden``'s
 dtype (what ``F.linear`` gives), then the loss follows ``loss.cross_entropy`` exactly (fp32,
-``ignore_index``, ``label_smoothing``, ``reduction``; see that op for out-of-range targets).
+``ignore_index``, ``label_smoothing``, ``reduction``, and its options: class weights, here
+``ce_weight`` since ``weight`` is the LM head (Liger's name), ``softcap`` and ``z_loss``; see that
+op, also for out-of-range targets). ``return_token_accuracy=True`` returns ``(loss, accuracy)``:
+the share of scored targets that are their row's argmax logit (the first maximum; the softcap is
+monotonic, so it does not change it), a 0-dim fp32 tensor without grad, NaN when no target is
+scored. It is a second, no-grad pass over the row chunks (one more ``N·H·V`` matmul): correct
+with every impl, since it never touches the loss.
 
 Impls walk the rows in chunks whose logits stay small (``CHUNK_BYTES`` in
 ``polykernel.backends.torch.fused_linear_cross_entropy``, 256 MiB by default), and, when inputs
@@ -19,11 +25,14 @@ per-row grad_output is only known in the backward, which recomputes the chunk lo
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from ..backends.declare import impls
 from ..backends.liger import LIGER
+from ..backends.liger import _gates as liger_gates
 from ..backends.torch import TORCH
 from ..backends.triton import TRITON
 from ..compile.facts import SavedGrads
@@ -31,7 +40,7 @@ from ..core.hit_guard import SHAPE
 from ..core.op import SUM_LAMBDA, TINY, Bounds, Case, ErrorModel, Op
 from ..distributed.layout import ROWS, Layout, rows_with
 from . import _checks as check
-from .cross_entropy import as_smoothing, validate_options, validate_target
+from .cross_entropy import as_smoothing, as_softcap, validate_extras, validate_options, validate_target, weight_matches
 from .cross_entropy import reference as _ce_reference
 
 OP_ID = "loss.fused_linear_cross_entropy"
@@ -45,9 +54,12 @@ def reference(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
+    ce_weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
 ) -> torch.Tensor:
     """The semantics, in plain torch (materializes the ``[N, V]`` logits)."""
-    return _ce_reference(F.linear(hidden, weight, bias), target, ignore_index, label_smoothing, reduction)
+    return _ce_reference(F.linear(hidden, weight, bias), target, ignore_index, label_smoothing, reduction, ce_weight, softcap, z_loss)
 
 
 def validate(
@@ -58,6 +70,9 @@ def validate(
     ignore_index: int,
     label_smoothing: float,
     reduction: str,
+    ce_weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
 ) -> None:
     check.tensor(OP_ID, "hidden", hidden)
     check.floating(OP_ID, "hidden", hidden)
@@ -83,6 +98,7 @@ def validate(
         check.same_device(OP_ID, "bias", bias, "hidden", hidden)
     validate_options(OP_ID, ignore_index, label_smoothing, reduction)
     validate_target(OP_ID, target, hidden.shape[:-1], weight.shape[0], ignore_index, "hidden", hidden)
+    validate_extras(OP_ID, ce_weight, softcap, z_loss, weight.shape[0], "hidden", hidden, weight_name="ce_weight")
 
 
 def _key(
@@ -93,6 +109,9 @@ def _key(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
+    ce_weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
 ) -> tuple:
     """The argument class. It holds everything validity depends on (the options, target's dtype,
     and whether weight, bias and target agree with hidden in shape, dtype and device as one flag),
@@ -105,6 +124,7 @@ def _key(
         weight.dim() == 2 and weight.shape[1] == hidden.shape[-1] and weight.dtype == hidden.dtype and weight.device == hidden.device
         and (bias is None or (bias.shape == (v,) and bias.dtype == hidden.dtype and bias.device == hidden.device))
         and target.shape == hidden.shape[:-1] and target.device == hidden.device
+        and weight_matches(ce_weight, v, hidden.device)
     )  # fmt: skip
     return (
         hidden.device,
@@ -118,6 +138,9 @@ def _key(
         reduction,
         target.dtype,
         matches,
+        ce_weight is not None,
+        softcap,
+        z_loss,
     )
 
 
@@ -134,22 +157,64 @@ def fused_linear_cross_entropy(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
+    ce_weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+    return_token_accuracy: bool = False,
     impl: str | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of ``hidden @ weight.T + bias`` against ``target``, logits never materialized.
+
+    ``ce_weight`` (class weights), ``softcap``, ``z_loss`` and ``return_token_accuracy``: see the
+    module docstring.
 
     >>> import torch, polykernel
     >>> h, w = torch.randn(6, 16), torch.randn(100, 16)
     >>> target = torch.tensor([1, 5, -100, 99, 0, 3])
     >>> polykernel.fused_linear_cross_entropy(h, w, target).shape
     torch.Size([])
+    >>> loss, acc = polykernel.fused_linear_cross_entropy(h, w, target, softcap=30.0, return_token_accuracy=True)
+    >>> acc.shape, acc.dtype
+    (torch.Size([]), torch.float32)
     """
     ls = label_smoothing if type(label_smoothing) is float else as_smoothing(label_smoothing)
+    cap = softcap if softcap is None or type(softcap) is float else as_softcap(softcap)
+    z = z_loss if type(z_loss) is float else as_smoothing(z_loss)
+    if return_token_accuracy is not False and return_token_accuracy is not True:
+        raise check.OpTypeError(OP_ID, "return_token_accuracy", f"expected a bool, got {type(return_token_accuracy).__name__}")
     if (
         not isinstance(target, torch.Tensor) or target.is_cpu
     ) and not _compiling():  # its values: every call (compiled: the custom op validates)
-        validate(hidden, weight, target, bias, ignore_index, ls, reduction)  # there (its range): every call
-    return _dispatch(impl, hidden, weight, target, bias, ignore_index, ls, reduction)  # _op.dispatch; see _key
+        validate(hidden, weight, target, bias, ignore_index, ls, reduction, ce_weight, cap, z)  # there (its range): every call
+    loss = _dispatch(impl, hidden, weight, target, bias, ignore_index, ls, reduction, ce_weight, cap, z)  # _op.dispatch; see _key
+    if return_token_accuracy:
+        return loss, token_accuracy(hidden, weight, target, bias, ignore_index)
+    return loss
+
+
+ACCURACY_CHUNK_BYTES = 256 << 20  # logits of one row chunk of the accuracy pass
+
+
+def token_accuracy(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None, ignore_index: int = -100
+) -> torch.Tensor:
+    """Share of scored targets (``!= ignore_index``) that are their row's argmax of ``hidden @
+    weight.T + bias`` (first maximum), as a 0-dim fp32 tensor without grad (NaN: none scored).
+    Row chunks of ``ACCURACY_CHUNK_BYTES`` logits, never the ``[N, V]`` logits."""
+    h = hidden.shape[-1]
+    h2 = hidden.detach().reshape(-1, h) if h else hidden.detach().reshape(target.numel(), 0)
+    t = target.reshape(-1)
+    v = weight.shape[0]
+    step = max(1, ACCURACY_CHUNK_BYTES // (max(v, 1) * hidden.element_size()))
+    w, b = weight.detach(), None if bias is None else bias.detach()
+    correct = torch.zeros((), dtype=torch.int64, device=hidden.device)
+    with torch.no_grad():
+        for s in range(0, h2.shape[0], step):
+            tc = t[s : s + step]
+            pred = F.linear(h2[s : s + step], w, b).argmax(-1)
+            correct += ((pred == tc) & (tc != ignore_index)).sum()
+        scored = (t != ignore_index).sum()
+    return (correct.to(torch.float32) / scored.to(torch.float32)).reshape(())
 
 
 def flops(hidden: torch.Tensor, weight: torch.Tensor, *_: object, backward: bool = False) -> int:
@@ -183,6 +248,9 @@ def error_model(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
+    ce_weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
 ) -> Bounds:
     (v, h), n = weight.shape, hidden.numel() // max(1, hidden.shape[-1])
     valid = max(1, int((target != ignore_index).sum()))
@@ -192,23 +260,37 @@ def error_model(
         z_max = max(z_max, z.abs().max().item() if z.numel() else 0.0)
     w_max = weight.detach().abs().max().item() if weight.numel() else 0.0
     big = max(v, h, n)
+    # the options (loss.cross_entropy's model): softcap bounds z (tanh's ops), z_loss multiplies
+    # lse's error by 1 + 2·z·|lse|, class weights scale sums and gradients by max|w| (a weighted
+    # mean by max|w|·rows / |Σ w[t]|)
+    zc = min(z_max, softcap) if softcap is not None else z_max
+    zf = 1.0 + 2.0 * z_loss * (zc + math.log(max(v, 1)))
+    wf = 1.0
+    if ce_weight is not None:
+        cw = ce_weight.detach().to(torch.float64)
+        wf = max(cw.abs().max().item() if cw.numel() else 1.0, 1e-30)
+        scored = target.reshape(-1) != ignore_index
+        wt = torch.where(scored, cw[torch.where(scored, target.reshape(-1), 0).long()], 0.0) if v else cw[:0]
+        if reduction == "mean":
+            wf *= valid / (abs(wt.sum().item()) or 1.0)
+    extra_ops = 4 if softcap is not None else 0
     loss = ErrorModel(
-        ops=4,
+        ops=4 + extra_ops,
         sum_rel=1,
         rounds_abs=2,
         cancel=6,
         sum_abs=2,
         n=big,
-        scale=(z_max + 1) * (valid**0.5 if reduction == "sum" else 1.0),
+        scale=(z_max + 1) * zf * wf * (valid**0.5 if reduction == "sum" else 1.0),
         inter=hidden.dtype,
     )
-    c = 1.0 / valid if reduction == "mean" else 1.0
+    c = (1.0 / valid if reduction == "mean" else 1.0) * zf * wf
     # dz rounded to the inputs' dtype is off by up to TINY absolute where it is subnormal (fp16:
     # c·p ~ 1e-9 at N = 8K, V = 128K), summed with random signs over V (dH) or N rows (dW)
     h_max = hidden.detach().abs().max().item() if hidden.numel() else 0.0
     tiny = TINY[hidden.dtype] if hidden.dtype in TINY else 0.0
     d_hidden = ErrorModel(
-        ops=4,
+        ops=4 + extra_ops,
         rounds_abs=2 * (z_max + 1),
         cancel=8,
         sum_abs=1 + 2 * z_max,
@@ -222,7 +304,7 @@ def error_model(
     chunks = max(1, -(-n * v * hidden.element_size() // (256 << 20)))
     d_weight = ErrorModel(
         rounds=chunks,
-        ops=4,
+        ops=4 + extra_ops,
         rounds_abs=2 * (z_max + 1),
         cancel=8,
         sum_abs=1 + 2 * z_max,
@@ -258,6 +340,10 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
         out = torch.randint(0, v, shape, device=device)
         return out.masked_fill(torch.rand(shape, device=device) < ignored, -100)
 
+    def cw(v: int) -> torch.Tensor:  # class weights in [0, 2), a fifth of them 0
+        out = 2 * torch.rand(v, device=device)
+        return out.masked_fill(torch.rand(v, device=device) < 0.2, 0.0)
+
     out = [
         Case("1x8x1000", (hid(1, 8), w(1000, 8), t(1000, 1))),
         Case("0x8x1000", (hid(0, 8), w(1000, 8), t(1000, 0))),
@@ -271,6 +357,25 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
         Case("2x3x16x800-3d", (hid(2, 3, 16), w(800, 16), t(800, 2, 3))),
         Case("7x16x1000-strided", (hid(7, 32)[:, ::2], w(1000, 32)[:, ::2], t(1000, 7))),
         Case("6x8x20000-longV", (hid(6, 8), w(20000, 8), t(20000, 6)), {"label_smoothing": 0.05}),
+        # the options (loss.cross_entropy), alone and together; class weights with zeros
+        Case("9x16x1000-weight", (hid(9, 16), w(1000, 16), t(1000, 9, ignored=0.2)), {"ce_weight": cw(1000)}),
+        Case("8x16x3001-softcap", (hid(8, 16), w(3001, 16, 8.0), t(3001, 8, ignored=0.2)), {"softcap": 6.0}),
+        Case("8x16x1000-zloss-sum", (hid(8, 16), w(1000, 16), t(1000, 8)), {"z_loss": 1e-2, "reduction": "sum"}),
+        Case(
+            "10x16x1500-all-options-none",
+            (hid(10, 16), w(1500, 16, 6.0), t(1500, 10, ignored=0.2), b(1500)),
+            {"ce_weight": cw(1500), "softcap": 5.0, "z_loss": 1e-3, "label_smoothing": 0.1, "reduction": "none"},
+        ),
+        Case(
+            "12x24x1000-all-options",
+            (hid(12, 24), w(1000, 24, 6.0), t(1000, 12, ignored=0.2), b(1000)),
+            {"ce_weight": cw(1000), "softcap": 5.0, "z_loss": 1e-3, "label_smoothing": 0.1},
+        ),
+        Case(
+            "9x16x2000-allignored-options",
+            (hid(9, 16), w(2000, 16), t(2000, 9, ignored=1.0)),
+            {"softcap": 5.0, "z_loss": 1e-3, "ce_weight": cw(2000)},
+        ),
     ]
     if large:
         out += [
@@ -278,6 +383,12 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
             Case("4096x4096x256000-smooth", (hid(4096, 4096), w(256000, 4096), t(256000, 4096, ignored=0.05)), {"label_smoothing": 0.1}),
             Case("2050x2048x128256-bias-sum", (hid(2050, 2048), w(128256, 2048), t(128256, 2050), b(128256)), {"reduction": "sum"}),
             Case("1031x2048x32000-none", (hid(1031, 2048), w(32000, 2048), t(32000, 1031, ignored=0.1)), {"reduction": "none"}),
+            # Gemma 2's head: final_logit_softcapping = 30, plus a PaLM z-loss
+            Case(
+                "8192x2304x256000-softcap-zloss",
+                (hid(8192, 2304), w(256000, 2304), t(256000, 8192, ignored=0.05)),
+                {"softcap": 30.0, "z_loss": 1e-4},
+            ),
         ]
     return out
 
@@ -300,6 +411,7 @@ IMPLS = impls(
         rank=60,
         graph_safe=False,
         description="Liger LigerFusedLinearCrossEntropyFunction (grads in the forward, fp32 dW accumulation); host sync per call",
+        predicate=liger_gates.fused_linear_cross_entropy,
     ),
 )
 
@@ -312,6 +424,9 @@ def outputs(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
+    ce_weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
 ) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     """The reference's output shape and dtype, without running it (the first-call check)."""
     logits = torch.promote_types(hidden.dtype, weight.dtype)
@@ -333,10 +448,13 @@ _op = Op(
         "reduction",
         "target_dtype",
         "args_match",
+        "has_weight",
+        "softcap",
+        "z_loss",
     ),
     key=_key,
-    guard=(SHAPE, SHAPE, SHAPE, SHAPE, None, None, None),
-    default_key=lambda device, dtype: (device, dtype, False, None, None, False, -100, 0.0, "mean", torch.int64, True),
+    guard=(SHAPE, SHAPE, SHAPE, SHAPE, None, None, None, SHAPE, None, None),
+    default_key=lambda device, dtype: (device, dtype, False, None, None, False, -100, 0.0, "mean", torch.int64, True, False, None, 0.0),
     validate=validate,
     reference=reference,
     outputs=outputs,
@@ -352,6 +470,6 @@ _op = Op(
     # "none" (recomputed); for "sum"/"mean" they are the gradients (saved_grads).
     saved=("lead", "sum", "sum"),
     saved_grads=SavedGrads({"hidden": 0, "weight": 1, "bias": 2}, lambda a: a["reduction"] != "none"),
-    dtensor_layout=Layout(ROWS, rows_with(2), ("loss",), loss_args=(2, 4, 6)),  # target, ignore_index, reduction
+    dtensor_layout=Layout(ROWS, rows_with(2), ("loss",), loss_args=(2, 4, 6), loss_weight=7),  # target, ignore_index, reduction; ce_weight
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

@@ -25,14 +25,14 @@ from ...ops.fused_linear_cross_entropy import OP_ID, reference  # noqa: F401  (r
 from ...spec import Split
 from . import cross_entropy as _ce
 from ._double_backward import anchor, refuse
-from .cross_entropy import grad_scale, loss_and_grad, reduce_rows, scale_grads_
+from .cross_entropy import NO_EXTRAS, Extras, denominator, extras, grad_scale, loss_and_grad, reduce_rows, scale_grads_
 
 _transforms_active = _compat.functorch_transforms_active
 _any_autocast = _compat.any_autocast_enabled
 
 CHUNK_BYTES = 256 << 20  # logits of one row chunk, in the logits' dtype (~1024 rows at V = 128K bf16)
 
-ChunkFn = Callable[[torch.Tensor, torch.Tensor, int, float, "torch.Tensor | None"], torch.Tensor]
+ChunkFn = Callable[[torch.Tensor, torch.Tensor, int, float, "torch.Tensor | None", Extras], torch.Tensor]
 
 
 def chunk_rows(v: int, elt: int) -> int:
@@ -56,9 +56,10 @@ def _walk(
     chunk_fn: ChunkFn,
     scale: torch.Tensor | None,
     needs: tuple[bool, bool, bool] = (False, False, False),
+    ex: Extras = NO_EXTRAS,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """One walk over the row chunks: losses, and with ``scale`` the scaled gradients
-    (hidden, weight, bias) that ``needs`` asks for."""
+    (hidden, weight, bias) that ``needs`` asks for (``ex``: the cross-entropy options)."""
     n, h = h2.shape
     v = weight.shape[0]
     acc = torch.promote_types(h2.dtype, torch.float32)
@@ -76,7 +77,7 @@ def _walk(
         hc = h2[s:e]
         logits = F.linear(hc, weight, bias)
         sc = None if scale is None else scale if scale.dim() == 0 else scale[s:e]
-        losses[s:e] = chunk_fn(logits, t[s:e], ignore_index, ls, sc)
+        losses[s:e] = chunk_fn(logits, t[s:e], ignore_index, ls, sc, ex)
         if gh is not None:
             torch.mm(logits, weight, out=gh[s:e])
         if gw is not None:
@@ -92,23 +93,23 @@ def _walk(
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, bias, ignore_index, ls, reduction, chunk_fn, scale_fn, impl):  # type: ignore[override]
+    def forward(ctx, hidden, weight, target, bias, ignore_index, ls, reduction, chunk_fn, scale_fn, impl, ex):  # type: ignore[override]
         h2 = _rows(hidden)
         t = target.reshape(-1).long().contiguous()
-        count = (t != ignore_index).sum()
         acc = torch.promote_types(hidden.dtype, torch.float32)
+        count = denominator(t, ignore_index, ex.weight, acc)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
-        ctx.args = (ignore_index, ls, chunk_fn, needs, acc)
+        ctx.args = (ignore_index, ls, chunk_fn, needs, acc, ex)
         ctx.scale_fn, ctx.impl = scale_fn, impl
         ctx.reduction, ctx.shape = reduction, hidden.shape
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.grads = None
         if reduction == "none":  # per-row grad_output: the backward recomputes the logits
-            losses, *_ = _walk(h2, weight, bias, t, ignore_index, ls, chunk_fn, None)
+            losses, *_ = _walk(h2, weight, bias, t, ignore_index, ls, chunk_fn, None, ex=ex)
             ctx.save_for_backward(h2, weight, bias, t, hidden)  # the inputs: refuse()'s anchors
         else:
             scale = grad_scale(torch.ones((), dtype=acc, device=h2.device), count, reduction, acc)
-            losses, *grads = _walk(h2, weight, bias, t, ignore_index, ls, chunk_fn, scale, needs)
+            losses, *grads = _walk(h2, weight, bias, t, ignore_index, ls, chunk_fn, scale, needs, ex)
             ctx.grads = grads
             with torch.enable_grad():  # handles on the inputs' graph, for refuse()
                 ctx.save_for_backward(anchor(hidden), anchor(weight), anchor(bias))
@@ -124,10 +125,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             anchors = (saved[4], saved[1], saved[2]) if ctx.reduction == "none" else saved
             gh, gw, gb = refuse(OP_ID, ctx.impl, why, anchors, gh, gw, gb)
             return (gh, gw, None, gb, *rest)
-        ignore_index, ls, chunk_fn, needs, acc = ctx.args
+        ignore_index, ls, chunk_fn, needs, acc, ex = ctx.args
         if ctx.reduction == "none":
             h2, weight, bias, t, _ = ctx.saved_tensors
-            _, gh, gw, gb = _walk(h2, weight, bias, t, ignore_index, ls, chunk_fn, g.reshape(-1).to(acc), needs)
+            _, gh, gw, gb = _walk(h2, weight, bias, t, ignore_index, ls, chunk_fn, g.reshape(-1).to(acc), needs, ex)
         else:
             if ctx.grads is None:
                 raise RuntimeError(
@@ -147,6 +148,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -158,9 +160,10 @@ def differentiable(
     ignore_index: int,
     label_smoothing: float,
     reduction: str,
+    ex: Extras = NO_EXTRAS,
 ) -> torch.Tensor:
     """The op in differentiable torch ops (materializes the [N, V] logits): under functorch transforms."""
-    return _ce.differentiable(F.linear(hidden, weight, bias), target, ignore_index, label_smoothing, reduction)
+    return _ce.differentiable(F.linear(hidden, weight, bias), target, ignore_index, label_smoothing, reduction, *ex)
 
 
 def _autocast_dtype(hidden: torch.Tensor) -> torch.dtype | None:
@@ -183,33 +186,34 @@ def run(
     chunk_fn: ChunkFn,
     scale_fn: Callable[..., None] = scale_grads_,
     impl: str = "torch",
+    ex: Extras = NO_EXTRAS,
 ) -> torch.Tensor:
     """The op on validated arguments, with ``chunk_fn`` as the per-chunk cross-entropy and
     ``scale_fn(g, *grads)`` multiplying the forward's gradients by the cotangent in backward
-    (``impl``: the calling impl's name, for error messages)."""
+    (``impl``: the calling impl's name, for error messages; ``ex``: the options)."""
     if _transforms_active():  # functorch (grad, vmap): plain torch ops, which its transforms take
-        return differentiable(hidden, weight, target, bias, ignore_index, label_smoothing, reduction)
+        return differentiable(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, ex)
     if _any_autocast():
         dtype = _autocast_dtype(hidden)
         if dtype is not None:  # as F.linear: the matmuls in the autocast dtype, the casts differentiable
             hidden, weight = hidden.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
             with torch.autocast(hidden.device.type, enabled=False):
-                return run(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_fn, scale_fn, impl)
+                return run(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_fn, scale_fn, impl, ex)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias)):
-        args = (hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_fn, scale_fn, impl)
+        args = (hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_fn, scale_fn, impl, ex)
         return _FusedLinearCrossEntropy.apply(*args)
     t = target.reshape(-1).long().contiguous()
-    losses, *_ = _walk(_rows(hidden), weight, bias, t, ignore_index, label_smoothing, chunk_fn, None)
-    return reduce_rows(losses, (t != ignore_index).sum(), reduction, target.shape)
+    losses, *_ = _walk(_rows(hidden), weight, bias, t, ignore_index, label_smoothing, chunk_fn, None, ex=ex)
+    return reduce_rows(losses, denominator(t, ignore_index, ex.weight, losses.dtype), reduction, target.shape)
 
 
 # ---------------------------------------------------------------------------------------------
 # Registered impl
 
 
-def _chunk(x: torch.Tensor, t: torch.Tensor, ignore_index: int, ls: float, scale: torch.Tensor | None) -> torch.Tensor:
-    loss, _ = loss_and_grad(x, t, ignore_index, ls, scale, out=None if scale is None else x)
+def _chunk(x: torch.Tensor, t: torch.Tensor, ignore_index: int, ls: float, scale: torch.Tensor | None, ex: Extras) -> torch.Tensor:
+    loss, _ = loss_and_grad(x, t, ignore_index, ls, scale, out=None if scale is None else x, ex=ex)
     return loss
 
 
@@ -221,9 +225,13 @@ def fused_linear_cross_entropy(
     ignore_index: int,
     label_smoothing: float,
     reduction: str,
+    ce_weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
 ) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.fused_linear_cross_entropy``)."""
-    return run(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, _chunk)
+    ex = extras(ce_weight, softcap, z_loss)
+    return run(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, _chunk, ex=ex)
 
 
 # Forward and backward as separate functions, for compiled graphs (polykernel.compile.library). With
@@ -269,24 +277,26 @@ def _saved(grads, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Ten
 def make_split(chunk_fn: ChunkFn) -> Split:
     """The :class:`~polykernel.spec.Split` of an impl that runs this driver with ``chunk_fn``."""
 
-    def forward(hidden, weight, target, bias, ignore_index, ls, reduction, grad_mask):
+    def forward(hidden, weight, target, bias, ignore_index, ls, reduction, ce_weight, softcap, z_loss, grad_mask):
         h2 = _rows(hidden)
         t = target.reshape(-1).long().contiguous()
-        count = (t != ignore_index).sum()
-        if reduction == "none":
-            losses, *_ = _walk(h2, weight, bias, t, ignore_index, ls, chunk_fn, None)
-            return (reduce_rows(losses, count, reduction, target.shape),), _saved((None, None, None), hidden, weight)
+        ex = extras(ce_weight, softcap, z_loss)
         acc = torch.promote_types(hidden.dtype, torch.float32)
+        count = denominator(t, ignore_index, ce_weight, acc)
+        if reduction == "none":
+            losses, *_ = _walk(h2, weight, bias, t, ignore_index, ls, chunk_fn, None, ex=ex)
+            return (reduce_rows(losses, count, reduction, target.shape),), _saved((None, None, None), hidden, weight)
         scale = grad_scale(torch.ones((), dtype=acc, device=h2.device), count, reduction, acc)
-        losses, *grads = _walk(h2, weight, bias, t, ignore_index, ls, chunk_fn, scale, _needs(bias, grad_mask))
+        losses, *grads = _walk(h2, weight, bias, t, ignore_index, ls, chunk_fn, scale, _needs(bias, grad_mask), ex)
         return (reduce_rows(losses, count, reduction, target.shape),), _saved(grads, hidden, weight)
 
-    def backward(grads, saved, hidden, weight, target, bias, ignore_index, ls, reduction, grad_mask):
+    def backward(grads, saved, hidden, weight, target, bias, ignore_index, ls, reduction, ce_weight, softcap, z_loss, grad_mask):
         g, needs = grads[0], _needs(bias, grad_mask)
         if reduction == "none":
             acc = torch.promote_types(hidden.dtype, torch.float32)
             t = target.reshape(-1).long().contiguous()
-            _, gh, gw, gb = _walk(_rows(hidden), weight, bias, t, ignore_index, ls, chunk_fn, g.reshape(-1).to(acc), needs)
+            ex = extras(ce_weight, softcap, z_loss)
+            _, gh, gw, gb = _walk(_rows(hidden), weight, bias, t, ignore_index, ls, chunk_fn, g.reshape(-1).to(acc), needs, ex)
         else:
             gh, gw, gb = (torch.mul(s, g) if need else None for s, need in zip(saved, needs))
         return [
@@ -297,9 +307,12 @@ def make_split(chunk_fn: ChunkFn) -> Split:
             None,
             None,
             None,
+            None,
+            None,
+            None,
         ]
 
-    def layout(hidden, weight, target, bias, ignore_index, ls, reduction, grad_mask):
+    def layout(hidden, weight, target, bias, ignore_index, ls, reduction, ce_weight, softcap, z_loss, grad_mask):
         needs = (False, False, False) if reduction == "none" else _needs(bias, grad_mask)
         return tuple(
             torch.empty(shape, dtype=dtype, device=hidden.device) if need else _placeholder(i, shape, dtype, hidden.device)
