@@ -228,10 +228,6 @@ def train_step(model, ids, labels, **kwargs):
     return out
 
 
-def softcapped(family):
-    return family == "gemma2"  # final_logit_softcapping=30 by default: the fused loss steps aside
-
-
 def expected_calls(family, on):
     """Which ops a forward+backward with labels in training mode must call."""
     out = set()
@@ -241,7 +237,7 @@ def expected_calls(family, on):
         out.add("geglu" if family in GELU_FAMILIES else "swiglu")
     if on.get("rope"):
         out.add("rope")
-    if on.get("fused_linear_cross_entropy") and has_op("fused_linear_cross_entropy") and not softcapped(family):
+    if on.get("fused_linear_cross_entropy") and has_op("fused_linear_cross_entropy"):
         out.add("fused_linear_cross_entropy")
     elif on.get("cross_entropy"):
         out.add("cross_entropy")
@@ -276,7 +272,31 @@ def test_parity_fp32_all_switches(family, calls, torch_impls):
     assert_grads_close(model, ref, **FP32_GRAD)
     assert set(calls) >= expected_calls(family, dict.fromkeys(SWITCHES, True)), calls
     if has_op("fused_linear_cross_entropy"):
-        assert (out.logits is None) != softcapped(family)
+        assert out.logits is None  # Gemma 2's soft-capped logits too: the fused loss's softcap
+
+
+# -- soft-capped logits (Gemma 2/3): the fused loss keeps running, with its softcap ---------------
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_softcapped_family_keeps_the_fused_loss(family, torch_impls):
+    # final_logit_softcapping small enough to bite (the tiny model's logits reach ~±3): patched
+    # and unpatched losses and gradients agree, and the fused loss ran with the model's softcap
+    need("fused_linear_cross_entropy")
+    on = switches_only("fused_linear_cross_entropy")
+    ref = tiny(family, layers=1, final_logit_softcapping=0.5)
+    model = copy.deepcopy(ref)
+    pkt.patch(model, **on)
+    assert "loss" in pkt.patched(model)
+    ids, labels = batch()
+    polykernel.clear_caches()
+    out, want = train_step(model, ids, labels), train_step(ref, ids, labels)
+    assert out.logits is None  # the fused path ran
+    torch.testing.assert_close(out.loss, want.loss, **FP32)
+    assert_grads_close(model, ref, **FP32_GRAD)
+    (rec,) = [d for d in polykernel.decisions() if d["op"] == "loss.fused_linear_cross_entropy"]
+    assert rec["arg_class"]["softcap"] == 0.5
+    # without the softcap the loss differs: the test above can fail
+    nocap = tiny(family, layers=1, final_logit_softcapping=None)
+    assert not torch.allclose(train_step(nocap, ids, labels).loss, want.loss, atol=1e-3)
 
 
 # -- each switch alone, against the unpatched model ---------------------------------------------
@@ -293,8 +313,6 @@ SWITCH_OPS = {
 @pytest.mark.parametrize("family", FAMILIES)
 def test_one_switch(family, switch, calls, torch_impls):
     ops = SWITCH_OPS[switch] if not (family in GELU_FAMILIES and switch == "swiglu") else ("geglu",)
-    if switch == "fused_linear_cross_entropy" and softcapped(family):
-        ops = ()  # soft-capped logits: the model's own loss runs
     need(*ops)
     on = switches_only(switch)
     ref, model = pair(family, layers=1, **on)
@@ -1168,7 +1186,7 @@ def test_gpu_bf16_real_kernels(family):
     out, want = train_step(model, ids, labels), train_step(ref, ids, labels)
     assert_bf16_close(model, ref, out, want)
     if has_op("fused_linear_cross_entropy"):
-        assert (out.logits is None) != softcapped(family)
+        assert out.logits is None  # Gemma 2's soft-capped logits too: the fused loss's softcap
     ref.eval(), model.eval()
     with torch.no_grad():
         a, b = model(ids).logits.float(), ref(ids).logits.float()

@@ -44,10 +44,11 @@ What is swapped (families: :data:`SUPPORTED_MODEL_TYPES`):
   ``labels`` -> hidden states from the base model, then
   :func:`polykernel.fused_linear_cross_entropy` with ``lm_head``'s weight (tied or not): the
   ``[tokens, vocab]`` logits are never materialized and ``output.logits`` is ``None``.
-  Granite's ``logits_scaling`` divides the hidden states instead of the logits; MoE models add
+  Granite's ``logits_scaling`` divides the hidden states instead of the logits; Gemma 2/3's
+  ``final_logit_softcapping`` is the fused loss's ``softcap``; MoE models add
   ``router_aux_loss_coef`` x the load-balancing loss as theirs do (``output_router_logits``).
-  Without labels, in eval mode, with ``logits_to_keep != 0``, a custom ``loss_function``, final
-  logit soft-capping or scaling, or an ``lm_head`` that is not a plain ``nn.Linear`` (quantized,
+  Without labels, in eval mode, with ``logits_to_keep != 0``, a custom ``loss_function``, another
+  family's logit soft-capping or scaling, or an ``lm_head`` that is not a plain ``nn.Linear`` (quantized,
   hooked, offloaded, sharded), the model's own forward runs.
 - ``sdpa_is_causal`` (no op of ours): ``<Family>Model.forward`` builds its attention masks so
   that, under ``torch.compile``, SDPA gets ``is_causal=True`` and no mask wherever transformers
@@ -79,6 +80,7 @@ import functools
 import importlib
 import inspect
 import logging
+import math
 import sys
 import types
 from collections.abc import Callable
@@ -160,6 +162,7 @@ class _Family:
     output: str = "CausalLMOutputWithPast"  # what the causal LM returns (transformers.modeling_outputs)
     logit_divisor: str = ""  # config attribute the logits are divided by (the fused loss divides the hidden states)
     experts: str = ""  # the <prefix>Experts layout (_HF_EXPERTS, _GPT_OSS_EXPERTS; _LLAMA4_EXPERTS: <prefix>Moe); "" = none
+    logit_softcap: str = ""  # config attribute of cap·tanh(logits / cap) on the logits (the fused loss's softcap)
 
     @property
     def module(self) -> str:
@@ -190,10 +193,17 @@ _FAMILIES: dict[str, _Family] = {
         _Family("qwen2", "Qwen2", _LLAMA_NORM),
         _Family("qwen3", "Qwen3", _LLAMA_NORM),
         _Family("gemma", "Gemma", _GEMMA_NORM),
-        _Family("gemma2", "Gemma2", _GEMMA_NORM),  # final logit soft-capping: the fused loss steps aside
+        _Family("gemma2", "Gemma2", _GEMMA_NORM, logit_softcap="final_logit_softcapping"),  # the fused loss's softcap
         _Family("olmo2", "Olmo2", _OLMO2_NORM, rope=(("apply_rotary_pos_emb", _CAST_BACK),)),
         # (1 + w) norms, q/k norms included; Gemma3Model is the multimodal wrapper, not the text model
-        _Family("gemma3_text", "Gemma3", _GEMMA_NORM, package="gemma3", roles=(("Gemma3TextModel", "base_model"), ("Gemma3Model", None))),
+        _Family(
+            "gemma3_text",
+            "Gemma3",
+            _GEMMA_NORM,
+            package="gemma3",
+            roles=(("Gemma3TextModel", "base_model"), ("Gemma3Model", None)),
+            logit_softcap="final_logit_softcapping",
+        ),
         _Family("qwen3_moe", "Qwen3Moe", _LLAMA_NORM, experts=_HF_EXPERTS, output="MoeCausalLMOutputWithPast"),
         _Family("mixtral", "Mixtral", _LLAMA_NORM, experts=_HF_EXPERTS, output="MoeCausalLMOutputWithPast"),
         _Family(
@@ -884,9 +894,12 @@ def _flce_loss(
     ignore_index: int = -100,
     shift_labels: torch.Tensor | None = None,
     divisor: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``divisor``: the logits are ``lm_head(hidden) / divisor`` (Granite's ``logits_scaling``);
-    ``(hidden / divisor) @ W^T`` is the same product, so the hidden states are divided instead."""
+    ``(hidden / divisor) @ W^T`` is the same product, so the hidden states are divided instead.
+    ``softcap``: the logits are then ``softcap·tanh(logits / softcap)`` (Gemma 2/3's
+    ``final_logit_softcapping``), the fused loss's own option."""
     weight, bias = head.weight, head.bias
     hidden = hidden.reshape(-1, hidden.shape[-1])
     if divisor is not None:
@@ -899,7 +912,7 @@ def _flce_loss(
         bias = bias.to(dtype) if bias is not None else None
     target = _shifted_targets(labels, ignore_index, shift_labels).to(hidden.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = _pk.fused_linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index, reduction=reduction)
+    loss = _pk.fused_linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index, reduction=reduction, softcap=softcap)
     return _reduce(loss, num_items_in_batch)
 
 
@@ -923,12 +936,23 @@ def _logit_divisor(model: nn.Module, family: _Family | None) -> float | None:
     return None if value in (None, 1, 1.0) else value
 
 
+def _logit_softcap(model: nn.Module, family: _Family | None) -> float | None:
+    """The family's final logit softcap (a config attribute it names), or None."""
+    if family is None or not family.logit_softcap:
+        return None
+    value = getattr(getattr(model, "config", None), family.logit_softcap, None)
+    return None if value is None else float(value)
+
+
 def _flce_head(model: nn.Module, family: _Family | None = None) -> nn.Linear | None:
     """lm_head when the fused loss computes exactly what it would, else None."""
     config = getattr(model, "config", None)
-    divides = family.logit_divisor if family is not None else ""
-    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS if name != divides):
+    handled = (family.logit_divisor, family.logit_softcap) if family is not None else ()
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS if name not in handled):
         return None
+    cap = _logit_softcap(model, family)
+    if cap is not None and not (cap > 0 and math.isfinite(cap)):
+        return None  # not a softcap the op takes: the model's own loss
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else getattr(model, "lm_head", None)
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
         return None  # quantized / LoRA / custom heads
@@ -1003,7 +1027,8 @@ def _causal_lm_forward(base: Callable, use_flce: bool, use_ce: bool, family: _Fa
             if routed:
                 model_kwargs["output_router_logits"] = router_logits
             outputs = decoder(return_dict=True, **model_kwargs)
-            loss = _flce_loss(outputs[0], head, labels, **loss_kwargs, divisor=_logit_divisor(self, family))
+            divisor, cap = _logit_divisor(self, family), _logit_softcap(self, family)
+            loss = _flce_loss(outputs[0], head, labels, **loss_kwargs, divisor=divisor, softcap=cap)
             extra = {name: getattr(outputs, name, None) for name in passed_on}
             if router_logits:  # as the MoE causal LMs add it: coef * load-balancing loss of the routers
                 aux = aux_loss_fn(outputs.router_logits, self.num_experts, self.num_experts_per_tok, call.get("attention_mask"))
