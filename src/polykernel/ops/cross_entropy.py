@@ -95,9 +95,10 @@ def reference(
     total = rows.sum()
     if reduction == "sum":
         return total.to(out_dtype)
-    denom = wt.sum()
-    # 0/0 = NaN as PyTorch, with zero gradients (not inf·0)
-    return torch.where(denom != 0, total / torch.where(denom != 0, denom, 1.0), torch.nan).to(out_dtype)
+    # as F.cross_entropy: nothing scored is NaN with zero gradients (not inf·0); scored targets
+    # whose weights sum to 0 are 0/0, NaN gradients included
+    scored = valid.any()
+    return torch.where(scored, total / torch.where(scored, wt.sum(), 1.0), torch.nan).to(out_dtype)
 
 
 def validate_options(op: str, ignore_index: int, label_smoothing: float, reduction: str) -> None:

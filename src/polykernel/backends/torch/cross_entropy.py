@@ -289,8 +289,8 @@ def differentiable(
         return rows.reshape(target.shape)
     if reduction == "sum":
         return rows.sum()
-    den = wt.sum()
-    return torch.where(den != 0, rows.sum() / torch.where(den != 0, den, 1.0), torch.nan)
+    scored = valid.any()  # as the reference: NaN with zero gradients when nothing is scored
+    return torch.where(scored, rows.sum() / torch.where(scored, wt.sum(), 1.0), torch.nan)
 
 
 class _CrossEntropy(torch.autograd.Function):
