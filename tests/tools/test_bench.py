@@ -226,3 +226,26 @@ def test_moe_experts_gpt_oss_rows_report_tflops_next_to_transformers_experts(mon
     fwd = next(r for r in rows if r["impl"] == "transformers eager" and r["mode"] == "fwd")
     assert math.isclose(fwd["TFLOP/s"], 6 * 12 * 16 * 16 / 0.5e-3 / 1e12)
     assert all(r["error"] == "" for r in rows), [r["error"] for r in rows if r["error"]]
+
+
+def test_option_rows_pass_their_options(monkeypatch):
+    # a row named in bench.OPTIONS (CE with softcap) calls every contender with those options
+    torch = pytest.importorskip("torch")
+    import polykernel
+
+    seen = []
+    real = polykernel.cross_entropy
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("softcap"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(polykernel, "cross_entropy", spy)
+    monkeypatch.setattr(bench, "measure", lambda fn, *a, **kw: (fn(), (0.5, 1.0))[1])
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4000.0)
+    monkeypatch.setattr(bench, "SHAPES", {"cross_entropy": [("8x64,softcap30", (8, 64))]})
+    monkeypatch.setitem(bench.OPTIONS, ("cross_entropy", "8x64,softcap30"), {"softcap": 30.0})
+    rows, _ = bench.run(["cross_entropy"], False, torch.float32, device="cpu", console=make_console(io.StringIO(), force_terminal=False))
+    assert rows and seen and set(seen) == {30.0}
+    assert "softcap" in bench.OPTIONS[("cross_entropy", "8192x256000,softcap30")]
+    assert ("fused_linear_cross_entropy", "N8192,H2304,V256000,softcap30,z1e-4") in bench.OPTIONS

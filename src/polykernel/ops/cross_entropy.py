@@ -330,7 +330,7 @@ def example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | s
     return Case(f"{'x'.join(map(str, shape))}", (logits, target))
 
 
-def bytes_moved(logits: torch.Tensor, target: torch.Tensor, *_: object, backward: bool = False) -> int:
+def bytes_moved(logits: torch.Tensor, target: torch.Tensor, *_: object, backward: bool = False, **__: object) -> int:
     """Fewest bytes: forward reads the logits once; backward reads them again and writes dlogits.
 
     (Targets and per-row statistics are O(N) and ignored.) fwd+bwd = 3·N·V·elt.

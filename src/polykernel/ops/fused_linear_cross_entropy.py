@@ -217,7 +217,7 @@ def token_accuracy(
     return (correct.to(torch.float32) / scored.to(torch.float32)).reshape(())
 
 
-def flops(hidden: torch.Tensor, weight: torch.Tensor, *_: object, backward: bool = False) -> int:
+def flops(hidden: torch.Tensor, weight: torch.Tensor, *_: object, backward: bool = False, **__: object) -> int:
     """Matmul FLOPs: 2·N·H·V forward (the logits); fwd+bwd 6·N·H·V (+ dH and dW).
 
     (The impls' ``reduction="none"`` backward recomputes the logits: 8·N·H·V actually run.)
@@ -226,7 +226,7 @@ def flops(hidden: torch.Tensor, weight: torch.Tensor, *_: object, backward: bool
     return (6 if backward else 2) * n * hidden.shape[-1] * weight.shape[0]
 
 
-def bytes_moved(hidden: torch.Tensor, weight: torch.Tensor, *_: object, backward: bool = False) -> int:
+def bytes_moved(hidden: torch.Tensor, weight: torch.Tensor, *_: object, backward: bool = False, **__: object) -> int:
     """Fewest bytes: read hidden and weight (+ write dH and dW in the backward). The op is
     matmul-bound: rate it by ``flops`` (6·N·H·V for fwd+bwd), not by these bytes."""
     n = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()

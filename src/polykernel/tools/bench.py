@@ -70,8 +70,11 @@ SHAPES: dict[str, list[tuple[str, tuple[int, ...]]]] = {
     "sparsemax": [("16384x4096", (16384, 4096)), ("2048x32768", (2048, 32768))],
     "rope": [("q4x32x4096x128,k8", (4, 32, 4096, 128))],
     "mrope": [("q2x28x4096x128,k7", (2, 28, 4096, 128))],  # Qwen2-VL-7B's width (k: the example's Hq // 4)
-    "cross_entropy": [("8192x128256", (8192, 128256))],
-    "fused_linear_cross_entropy": [("N8192,H4096,V128256", (8192, 4096, 128256))],
+    "cross_entropy": [("8192x128256", (8192, 128256)), ("8192x256000,softcap30", (8192, 256000))],
+    "fused_linear_cross_entropy": [
+        ("N8192,H4096,V128256", (8192, 4096, 128256)),
+        ("N8192,H2304,V256000,softcap30,z1e-4", (8192, 2304, 256000)),  # Gemma 2's head, a PaLM z-loss
+    ],
     # (T, H, I, E, k): one experts layer of Qwen3-30B-A3B and of Mixtral 8x7B (issue 24)
     "moe_experts": [("T8192,H2048,I768,E128,k8", (8192, 2048, 768, 128, 8)), ("T8192,H4096,I14336,E8,k2", (8192, 4096, 14336, 8, 2))],
     "moe_router": [("T8192,E128,k8", (8192, 128, 8))],
@@ -88,6 +91,12 @@ SHAPES: dict[str, list[tuple[str, tuple[int, ...]]]] = {
     "jsd": [("8192x128256", (8192, 128256))],
     "tvd": [("8192x128256", (8192, 128256))],
     "fused_linear_jsd": [("N8192,H4096,V128256", (8192, 4096, 128256))],
+}
+
+# (op, label) -> the op's options for that row (the rows above whose labels name them)
+OPTIONS: dict[tuple[str, str], dict[str, Any]] = {
+    ("cross_entropy", "8192x256000,softcap30"): {"softcap": 30.0},
+    ("fused_linear_cross_entropy", "N8192,H2304,V256000,softcap30,z1e-4"): {"softcap": 30.0, "z_loss": 1e-4},
 }
 
 # op -> (index of the dimension a sweep scales, how many smaller sizes): the README shape, then
@@ -349,7 +358,7 @@ def run(
         for op, label, shape, in_sweep in plan:
             bar.update(task, description=f"{op.name} {label}")
             case = op.example(shape, dtype, device, True)
-            args, kwargs = case.args, case.kwargs
+            args, kwargs = case.args, {**case.kwargs, **OPTIONS.get((op.name, label), {})}
             grad_inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
             fn = None
             if use_compile:  # one per op and row length: sizes along the leading dim share it
