@@ -30,6 +30,9 @@ pytestmark = pytest.mark.skipif(
 WORLD = 2
 
 
+CW = (torch.arange(10) % 3).float()  # class weights for the option cases: 0, 1, 2, 0, ...
+
+
 def _cases() -> list[tuple[str, str, Any]]:
     """(name, op, builder): builder(mesh) -> (args, kwargs, placements per positional tensor, expected route)."""
     from torch.distributed.tensor import Replicate, Shard
@@ -66,14 +69,14 @@ def _cases() -> list[tuple[str, str, Any]]:
 
         return build
 
-    def flce(scored=True):
+    def flce(scored=True, **kw):
         def build():
             h, w, b = torch.randn(6, 8), torch.randn(10, 8), torch.randn(10)
             t = torch.randint(0, 10, (6,))
             t[1] = -100
             if not scored:  # no row scored on any rank: NaN loss, zero gradients (the reference's)
                 t[:] = -100
-            return (h, w, t, b), {}, (S(0), R, S(0), R)
+            return (h, w, t, b), dict(kw), (S(0), R, S(0), R)
 
         return build
 
@@ -124,6 +127,10 @@ def _cases() -> list[tuple[str, str, Any]]:
         ("cross_entropy-mean-smoothing-S1", "cross_entropy", ce((2, 5, 10), 1, "mean", label_smoothing=0.1)),
         ("fused_linear_cross_entropy-S0", "fused_linear_cross_entropy", flce()),
         ("fused_linear_cross_entropy-none-scored", "fused_linear_cross_entropy", flce(scored=False)),
+        # class weights (some 0; the same on every rank): a weighted mean divides by their sum
+        # over the scored targets of all ranks; softcap and z_loss are per row
+        ("cross_entropy-mean-weight-softcap-zloss", "cross_entropy", ce((6, 10), 0, "mean", weight=CW, softcap=3.0, z_loss=0.01)),
+        ("fused_linear_cross_entropy-weight-softcap", "fused_linear_cross_entropy", flce(ce_weight=CW, softcap=2.0, z_loss=0.01)),
         ("moe_experts-S0", "moe_experts", moe),
         ("moe_experts_gpt_oss-S0", "moe_experts_gpt_oss", moe_gpt_oss),
         (
@@ -165,7 +172,7 @@ def _outputs(out: Any) -> tuple[Any, ...]:
 
 
 def _run_case(mesh, name, op_name, build, mode, raw_seen):
-    from torch.distributed.tensor import DTensor, Partial, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 
     import polykernel
 
@@ -189,8 +196,10 @@ def _run_case(mesh, name, op_name, build, mode, raw_seen):
             dargs.append(d.requires_grad_() if a.is_floating_point() and i not in nograd else d)
         else:
             dargs.append(a)
+    # tensor options (class weights): replicated, no gradient
+    dkwargs = {k: distribute_tensor(v, mesh, [Replicate()]) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     n_raw = len(raw_seen)
-    got = _outputs(fn(*dargs, **kwargs))
+    got = _outputs(fn(*dargs, **dkwargs))
     assert all(isinstance(o, DTensor) for o in got), [type(o) for o in got]
     loss = sum(((o * (distribute_tensor(c, mesh, o.placements) if o.dim() else c)).sum() for o, c in zip(got, cots)))
     loss.backward()
@@ -212,7 +221,7 @@ def _run_case(mesh, name, op_name, build, mode, raw_seen):
     report["out_placements"] = [str(p) for o in got for p in o.placements]
     report["raw_on_dtensor"] = [c for c in raw_seen[n_raw:] if "DTensor" in c[2]]
     report["raw_impls"] = sorted({c[1] for c in raw_seen[n_raw:]})
-    report["explain"] = str(polykernel.explain(op_name, *dargs, **kwargs))
+    report["explain"] = str(polykernel.explain(op_name, *dargs, **dkwargs))
     report["decisions"] = [(d["op"], d["impl"], d.get("subclass")) for d in polykernel.decisions()]
     return report
 
