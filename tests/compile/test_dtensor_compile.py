@@ -100,6 +100,16 @@ def _train_cases() -> list[tuple[str, Any, Any]]:
             lambda: ((torch.randn(8, 10), torch.tensor([-100, 2, -100, -100, 4, 5, 6, 7])), (Shard(0), Shard(0))),
         ),
         (
+            # a weighted mean over uneven shards: the divisor is the global sum of the scored
+            # targets' weights (some 0), softcap and z_loss per row
+            "cross_entropy-mean-S0-uneven-options-classweights",
+            lambda x, t, w: pk.cross_entropy(x, t, weight=w, softcap=3.0, z_loss=0.01),
+            lambda: (
+                (torch.randn(8, 10), torch.tensor([-100, 2, -100, -100, 4, 5, 6, 7]), (torch.arange(10) % 3).float()),
+                (Shard(0), Shard(0), R),
+            ),
+        ),
+        (
             "swiglu-forced-S1",
             lambda g, u: pk.swiglu(g, u, impl="triton"),
             lambda: ((torch.randn(4, 16), torch.randn(4, 16)), (Shard(1), Shard(1))),
@@ -170,6 +180,8 @@ def _grad_args(name: str, args: list) -> set[int]:
         return {0, 1}
     if name.endswith("-weight-only"):
         return {1}
+    if name.endswith("-classweights"):  # class weights take no gradient
+        return {0}
     return {i for i, a in enumerate(args) if a.is_floating_point()}
 
 
@@ -405,6 +417,7 @@ TRAIN = {
     "rope-heads-qk": (_trained("rope"), [["Shard(1)"], ["Shard(1)"]]),
     "cross_entropy-mean-S0": (_trained("cross_entropy"), [["Shard(0)"]]),
     "cross_entropy-mean-S0-uneven-smoothed": (_trained("cross_entropy"), [["Shard(0)"]]),
+    "cross_entropy-mean-S0-uneven-options-classweights": (_trained("cross_entropy"), [["Shard(0)"]]),
     # The fused linear cross-entropy: grad_hidden like hidden, the LM head's gradients Partial
     "flce-sum-S0": (_trained("fused_linear_cross_entropy"), [["Shard(0)"], ["Partial(sum)"]]),
     "flce-none-S0": (_trained("fused_linear_cross_entropy"), [["Shard(0)"], ["Partial(sum)"]]),
