@@ -29,7 +29,9 @@ class Layout:
     ``outputs``: for each output, the index of the argument it is shaped and placed like, or
     ``"loss"`` for a reduced loss (its placement follows ``reduction``). A loss also gives
     ``loss_args``: the positions of its ``target``, ``ignore_index`` and ``reduction`` arguments
-    (positional, in the impl's order).
+    (positional, in the impl's order). ``vocab``: the loss can run vocab-parallel
+    (:mod:`polykernel.distributed.vocab`) when its ``"logits"`` are sharded on the class dim or
+    its LM head ``"weight"`` on the vocabulary (dim 0); None: such a call is gathered first.
     """
 
     lead_dims: str | tuple[int, ...]
@@ -37,6 +39,7 @@ class Layout:
     outputs: tuple[int | str, ...]
     why_not: str = "it is the dim the op reduces over, which needs a cross-rank reduction"
     loss_args: tuple[int, int, int] | None = None
+    vocab: str | None = None
 
     def __post_init__(self) -> None:
         if ("loss" in self.outputs) != (self.loss_args is not None):

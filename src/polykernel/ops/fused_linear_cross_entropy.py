@@ -352,6 +352,7 @@ _op = Op(
     # "none" (recomputed); for "sum"/"mean" they are the gradients (saved_grads).
     saved=("lead", "sum", "sum"),
     saved_grads=SavedGrads({"hidden": 0, "weight": 1, "bias": 2}, lambda a: a["reduction"] != "none"),
-    dtensor_layout=Layout(ROWS, rows_with(2), ("loss",), loss_args=(2, 4, 6)),  # target, ignore_index, reduction
+    # target, ignore_index, reduction; weight Shard(0): vocab-parallel (polykernel.distributed.vocab)
+    dtensor_layout=Layout(ROWS, rows_with(2), ("loss",), loss_args=(2, 4, 6), vocab="weight"),
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup
