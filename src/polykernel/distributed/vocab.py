@@ -49,7 +49,7 @@ from ..errors import OpArgumentError, OpTypeError
 
 __all__ = ["VocabPlan", "loss_stats", "run", "vocab_plan"]
 
-CHUNK_BYTES = 256 << 20  # FLCE: logits of one row chunk (as the single-device op)
+CHUNK_BYTES = 128 << 20  # FLCE: logits of one row chunk (its fp32 copy and dz: 2 x 2x that at bf16)
 TEMP_BYTES = 64 << 20  # fp32 temporaries of one row chunk of given logits
 N_STATS = 4  # max, sum-exp, target logit, Σ w·z
 
@@ -102,7 +102,7 @@ def local_stats(z: torch.Tensor, t: torch.Tensor, lo: int, w_local: torch.Tensor
         return out
     m = z.amax(-1)
     out[:, 0] = m
-    out[:, 1] = torch.exp(z - m[:, None]).sum(-1)
+    out[:, 1] = (z - m[:, None]).exp_().sum(-1)  # one [rows, V_local] temporary
     owned = (t >= lo) & (t < lo + vl)
     idx = (t - lo).clamp(0, vl - 1)
     out[:, 2] = torch.where(owned, z.gather(1, idx[:, None]).squeeze(1), 0.0)
@@ -169,15 +169,15 @@ def grad_logits(
         p_scale = p_scale + (eps / v) * (float(v) if cw is None else cw.to(x.dtype).sum())
     if o.z_loss:
         p_scale = p_scale + 2 * o.z_loss * lse
-    dz = torch.exp(z - lse[:, None]) * (c * p_scale)[:, None]
+    dz = (z - lse[:, None]).exp_().mul_((c * p_scale)[:, None])  # in place: one [rows, V_local] temporary
     owned = (t >= lo) & (t < lo + vl)
     idx = (t - lo).clamp(0, vl - 1)
     dz.scatter_add_(1, idx[:, None], torch.where(owned, -(1 - eps) * wt * c, 0.0)[:, None])
     if eps:
         w_local = torch.ones(vl, dtype=x.dtype, device=x.device) if cw is None else cw[lo : lo + vl].to(x.dtype)
-        dz -= (eps / v) * c[:, None] * w_local[None, :]
+        dz.addr_(c, w_local, alpha=-eps / v)
     if o.softcap:
-        dz *= 1 - (z / o.softcap) ** 2
+        dz.mul_(1 - (z / o.softcap) ** 2)
     return dz
 
 
@@ -274,7 +274,7 @@ class _VocabFLCE(torch.autograd.Function):
         # the backward); "none": the backward recomputes the logits with the saved lse
         coef = _coef(torch.ones((), device=h.device), o.reduction, den, n, acc) if grads_now else None
         gh = torch.zeros_like(h) if grads_now and needs[0] else None
-        gw = torch.zeros(w.shape, dtype=acc, device=w.device) if grads_now and needs[1] else None
+        gw = torch.zeros_like(w) if grads_now and needs[1] else None
         gb = torch.zeros(vl, dtype=acc, device=w.device) if grads_now and needs[2] else None
         losses = torch.empty(n, dtype=acc, device=h.device)
         lses = torch.empty(n, dtype=acc, device=h.device)
@@ -299,32 +299,32 @@ class _VocabFLCE(torch.autograd.Function):
         if ctx.grads is not None:
             (gh, gw, gb), ctx.grads = ctx.grads, None
             g = g.to(acc)
-            gh = None if gh is None else (gh * g).to(h.dtype)
-            gw = None if gw is None else (gw * g).to(w.dtype)
+            gh = None if gh is None else gh.mul_(g)  # in place: no second [N, H] / [V_local, H] buffer
+            gw = None if gw is None else gw.mul_(g)
             gb = None if gb is None else (gb * g).to(b.dtype)
         else:
             n = h.shape[0]
             coef = _coef(g, o.reduction, den, n, acc)
             gh = torch.zeros_like(h) if needs[0] else None
-            gw = torch.zeros(w.shape, dtype=acc, device=w.device) if needs[1] else None
+            gw = torch.zeros_like(w) if needs[1] else None
             gb = torch.zeros(w.shape[0], dtype=acc, device=w.device) if needs[2] else None
             for s in range(0, n, step):
                 e = min(n, s + step)
                 x = torch.nn.functional.linear(h[s:e], w, b).to(acc)
                 _accumulate(grad_logits(x, lses[s:e], t[s:e], lo, coef[s:e], o, v, cw), h, w, s, e, gh, gw, gb)
-            gw = None if gw is None else gw.to(w.dtype)
             gb = None if gb is None else gb.to(b.dtype)
         return gh, gw, gb, None, None, None, None, None, None
 
 
 def _accumulate(dz: torch.Tensor, h: torch.Tensor, w: torch.Tensor, s: int, e: int, gh: Any, gw: Any, gb: Any) -> None:
-    """A chunk's ``dz [rows, V_local]`` into the partial grad_hidden, grad_weight and grad_bias
-    (matmuls in the inputs' dtype, sums in fp32)."""
+    """A chunk's ``dz [rows, V_local]`` into the partial grad_hidden, grad_weight and grad_bias:
+    matmuls in the inputs' dtype (fp32 accumulation inside), grad_weight accumulated in the
+    weight's dtype over the chunks as the single-device op does (no fp32 [V_local, H] copy)."""
     d = dz.to(h.dtype)
     if gh is not None:
-        gh[s:e] = d @ w
+        torch.mm(d, w, out=gh[s:e])
     if gw is not None:
-        gw += (d.t() @ h[s:e]).to(gw.dtype)
+        gw.addmm_(d.t(), h[s:e])
     if gb is not None:
         gb += dz.sum(0)
 
