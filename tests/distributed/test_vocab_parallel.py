@@ -230,6 +230,35 @@ def _mismatch(mesh: Any, rank: int, kind: str) -> str:
         return f"{type(exc).__name__}: {exc}"
 
 
+def _fallbacks(mesh: Any, world: int) -> dict[str, Any]:
+    """What takes the gather path: an argument the vocab-parallel path does not know (an option
+    added to the op later) and, with 4 ranks, a 2-D mesh (still the right loss, gathered)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import polykernel
+    from polykernel.distributed import vocab
+    from polykernel.ops import cross_entropy as ce
+
+    x, t = torch.randn(8, 12), _targets(8, 12)
+    dx, dt = distribute_tensor(x, mesh, [Shard(1)]), distribute_tensor(t, mesh, [Replicate()])
+    names = ("logits", "target", "ignore_index", "label_smoothing", "reduction")
+    values = (dx, dt, -100, 0.0, "mean")
+    out = {
+        "known": vocab.vocab_plan(CE, "logits", names, values) is not None,
+        "unknown-set": vocab.vocab_plan(CE, "logits", (*names, "mystery"), (*values, 1.5)) is not None,
+        "unknown-off": vocab.vocab_plan(CE, "logits", (*names, "mystery"), (*values, None)) is not None,
+    }
+    if world == 4:
+        mesh2 = init_device_mesh("cpu", (2, 2))
+        d2 = distribute_tensor(x, mesh2, [Shard(0), Shard(1)]).requires_grad_()
+        t2 = distribute_tensor(t, mesh2, [Shard(0), Replicate()])
+        got = polykernel.cross_entropy(d2, t2)
+        out["2d-fwd"] = _max_diff(got.full_tensor(), ce.reference(x, t))
+        out["2d-route"] = polykernel.explain("cross_entropy", d2, t2).route
+    return out
+
+
 def _llama(mesh: Any) -> dict[str, Any]:
     """Patched and unpatched TP Llama (colwise lm_head) against the unsharded model."""
     from test_tp_transformers import _model, _step
@@ -306,6 +335,7 @@ def _worker(world: int, rank: int, init_file: str, out_file: str, device: str = 
                 for reduction in ("mean", "none"):
                     jobs.append((f"opt-{kind}-{name}-{reduction}", lambda k=kind, o=opts, r=reduction: _run_options(mesh, k, o, r)))
             jobs.append((f"mismatch-{kind}", lambda k=kind: {"error_text": _mismatch(mesh, rank, k)}))
+        jobs.append(("fallbacks", lambda: _fallbacks(mesh, world)))
         if world == 2 and device == "cpu" and _has_transformers():
             jobs.append(("llama", lambda: _llama(mesh)))
         for i, (name, job) in enumerate(jobs):
@@ -396,6 +426,15 @@ def test_ranks_with_different_shapes_get_a_named_error(report, kind):
     assert text.startswith("OpArgumentError") and op in text and arg in text and "same shapes" in text, text
 
 
+def test_what_the_vocab_parallel_path_does_not_know_takes_the_gather_path(report):
+    r = report["fallbacks"]
+    assert "error" not in r, r.get("tb")
+    assert r["known"] and r["unknown-off"] and not r["unknown-set"]
+    if "2d-fwd" in r:  # 4 ranks: a 2x2 mesh
+        assert r["2d-fwd"] <= 1e-5
+        assert "vocab-parallel" not in r["2d-route"] and "redistributed (" in r["2d-route"], r["2d-route"]
+
+
 def test_patched_tp_llama_keeps_the_fused_loss_vocab_parallel(report):
     if "llama" not in report:
         pytest.skip("2 ranks with transformers only")
@@ -421,6 +460,8 @@ def test_every_case_on_two_gpus_with_nccl():
     data = spawn_report(_worker_nccl2, 2)
     assert "error" not in data, data["error"]
     for name, r in data.items():
+        if name == "fallbacks":
+            continue
         if name.startswith("mismatch-"):
             assert r["error_text"].startswith("OpArgumentError") and "same shapes" in r["error_text"], r
             continue
