@@ -148,7 +148,8 @@ def _run_flce(mesh: Any, kw: dict[str, Any], opts: dict[str, Any]) -> dict[str, 
 
 def _formula(z: torch.Tensor, t: torch.Tensor, *, cw, softcap, z_loss, eps, reduction, ignore_index=-100) -> torch.Tensor:
     """The options' semantics in plain torch (fp64): softcap before the lse, PyTorch's class
-    weights and smoothing, z_loss·lse² per scored row; "mean" over Σ w[t]."""
+    weights and smoothing, z_loss·w[t]·lse² per scored row; "mean" over Σ w[t] (the single-device
+    ops' semantics)."""
     z = z.double()
     if softcap:
         z = softcap * torch.tanh(z / softcap)
@@ -156,13 +157,13 @@ def _formula(z: torch.Tensor, t: torch.Tensor, *, cw, softcap, z_loss, eps, redu
         z, t, weight=None if cw is None else cw.double(), ignore_index=ignore_index, label_smoothing=eps, reduction="none"
     )
     valid = t != ignore_index
-    per = per + z_loss * torch.logsumexp(z, -1) ** 2 * valid
+    wt = valid.double() if cw is None else torch.where(valid, cw.double()[t.clamp(min=0)], 0.0)
+    per = per + z_loss * wt * torch.logsumexp(z, -1) ** 2
     if reduction == "none":
         return per
     if reduction == "sum":
         return per.sum()
-    den = valid.double().sum() if cw is None else torch.where(valid, cw.double()[t.clamp(min=0)], 0.0).sum()
-    return per.sum() / den
+    return per.sum() / wt.sum()
 
 
 OPTION_CASES = [
@@ -202,7 +203,7 @@ def _run_options(mesh: Any, kind: str, opts: dict[str, Any], reduction: str) -> 
         dh = distribute_tensor(h, mesh, [Replicate()]).requires_grad_()
         dw = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
         db = distribute_tensor(b, mesh, [Shard(0)]).requires_grad_()
-        args = {"hidden": dh, "weight": dw, "bias": db, **common, "class_weight": dcw}
+        args = {"hidden": dh, "weight": dw, "bias": db, **common, "ce_weight": dcw}
         pairs = [("hidden", dh, leaves[0]), ("weight", dw, leaves[1]), ("bias", db, leaves[2])]
     op_id = CE if kind == "logits" else FLCE
     vp = vocab.vocab_plan(op_id, kind, tuple(args), tuple(args.values()))

@@ -28,9 +28,10 @@ shape already checked skip the check, so a mismatch that first appears then is n
 
 The options are pure math on the local slices: ``label_smoothing`` (the Σ w·z statistic),
 ``ignore_index``, ``reduction``; and, for the options being added to the single-device ops,
-``softcap`` (elementwise ``cap·tanh(z/cap)`` before the lse), ``z_loss`` (``z·lse²`` per scored
-row, from the global lse) and class ``weight`` (``w[t]`` is known from the replicated target; the
-mean divides by ``Σ w[t]`` as PyTorch does). A call with an option this module does not know
+``softcap`` (elementwise ``cap·tanh(z/cap)`` before the lse), ``z_loss`` (``z·w[t]·lse²`` per
+scored row, from the global lse) and class weights (``weight``; the fused loss's ``ce_weight``:
+``w[t]`` is known from the replicated target; the mean divides by ``Σ w[t]`` as PyTorch does), with
+the semantics of the single-device ops' reference. A call with an option this module does not know
 takes the gather path instead (:func:`vocab_plan` returns None).
 """
 
@@ -58,7 +59,7 @@ N_STATS = 4  # max, sum-exp, target logit, Σ w·z
 _KNOWN = {
     "loss.cross_entropy": {"logits", "target", "ignore_index", "label_smoothing", "reduction", "softcap", "z_loss", "weight"},
     "loss.fused_linear_cross_entropy": {
-        "hidden", "weight", "target", "bias", "ignore_index", "label_smoothing", "reduction", "softcap", "z_loss", "class_weight",
+        "hidden", "weight", "target", "bias", "ignore_index", "label_smoothing", "reduction", "softcap", "z_loss", "ce_weight",
     },
 }  # fmt: skip
 _OFF = (None, 0, 0.0, False)
@@ -143,13 +144,14 @@ def row_losses(
         wsum = float(v) if cw is None else cw.to(lse.dtype).sum()
         loss = loss + (eps / v) * (wsum * lse - sz) * valid
     if o.z_loss:
-        loss = loss + o.z_loss * lse * lse * valid
+        loss = loss + o.z_loss * wt * lse * lse  # weighted like the loss: one denominator
     return torch.where(bad, torch.nan, torch.where(valid > 0, loss, 0.0))
 
 
 def divisor(t: torch.Tensor, o: Options, v: int, cw: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """What ``"mean"`` divides the sum by: the count of scored rows (Σ w[t] with class weights)."""
-    return _row_weights(t, o, v, cw, dtype)[0].sum()
+    """``[what "mean" divides the sum by (Σ w[t] over the scored rows: their count without class
+    weights), the count of scored rows]``."""
+    return torch.stack([_row_weights(t, o, v, cw, dtype)[0].sum(), (t != o.ignore_index).sum().to(dtype)])
 
 
 def grad_logits(
@@ -168,7 +170,7 @@ def grad_logits(
     if eps:
         p_scale = p_scale + (eps / v) * (float(v) if cw is None else cw.to(x.dtype).sum())
     if o.z_loss:
-        p_scale = p_scale + 2 * o.z_loss * lse
+        p_scale = p_scale + 2 * o.z_loss * wt * lse
     dz = (z - lse[:, None]).exp_().mul_((c * p_scale)[:, None])  # in place: one [rows, V_local] temporary
     owned = (t >= lo) & (t < lo + vl)
     idx = (t - lo).clamp(0, vl - 1)
@@ -187,7 +189,8 @@ def reduce(losses: torch.Tensor, den: torch.Tensor, reduction: str, shape: Seque
     total = losses.sum()
     if reduction == "sum":
         return total
-    return total / den  # 0 / 0: NaN, as the reference
+    scored = den[1] > 0  # nothing scored: NaN (scored rows whose weights sum to 0: total / 0), as the reference
+    return torch.where(scored, total / torch.where(scored, den[0], 1.0), torch.nan)
 
 
 def loss_stats(group: Any, stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -216,8 +219,9 @@ def _coef(g: torch.Tensor, reduction: str, den: torch.Tensor, rows: int, acc: to
     g = g.to(acc)
     if reduction == "none":
         return g.reshape(-1)
-    if reduction == "mean":
-        g = torch.where(den > 0, g / torch.where(den > 0, den, 1.0), 0.0)
+    if reduction == "mean":  # nothing scored: zero gradients (the loss is NaN), as the reference
+        scored = den[1] > 0
+        g = torch.where(scored, g / torch.where(scored, den[0], 1.0), 0.0)
     return g.expand(rows)
 
 
@@ -451,7 +455,7 @@ def run(op_id: str, vp: VocabPlan) -> Any:
     target = _to(a["target"], mesh, [Replicate()])
     t_shape = tuple(target.shape)
     t = _waited(target.to_local() if _is_dtensor(target) else target).reshape(-1).long()
-    cw = _full(a.get("weight" if vp.kind == "logits" else "class_weight"))
+    cw = _full(a.get("weight" if vp.kind == "logits" else "ce_weight"))
     if vp.kind == "logits":
         logits = a["logits"]
         v = logits.shape[-1]
