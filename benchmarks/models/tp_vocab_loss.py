@@ -7,7 +7,7 @@ column/row-parallel attention and MLP, ``lm_head`` ``ColwiseParallel``), patched
 AdamW), same seed, weights and data, three ways:
 
 - ``vocab_parallel``: the fused linear cross-entropy on each rank's vocabulary slice
-  (polykernel.distributed.vocab: one all_gather of [N, 4] statistics per row chunk);
+  (polykernel.distributed.vocab: one all_gather of [N, 3] statistics per row chunk);
 - ``gather_weight``: the fused loss with the LM head's weight gathered to every rank first (the
   DTensor route before vocab-parallel: V·H per step, and each rank computes all V);
 - ``gather_logits``: the model's own forward (``lm_head`` gathers its ``[tokens, V]`` logits,

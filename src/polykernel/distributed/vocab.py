@@ -4,10 +4,10 @@ A column-parallel LM head (``ColwiseParallel``: weight ``Shard(0)``) leaves each
 the vocabulary. The loss needs each row's log-sum-exp over the whole vocabulary, but not the
 ``[N, V]`` logits: per row, each rank computes on its slice
 
-    m = max z,  s = Σ exp(z - m),  z_t (the target's logit where the rank owns the target, else 0),
+    lse_r = log Σ exp(z),  z_t (the target's logit where the rank owns the target, else 0),
     Σ w·z (the class-weighted sum of logits, only with label smoothing)
 
-and ONE ``all_gather`` of that ``[N, 4]`` table gives every rank the global ``lse = M + log Σ s·e^(m-M)``
+and ONE ``all_gather`` of that ``[N, 3]`` table gives every rank the global ``lse = logsumexp_r lse_r``
 (the log-sum-exp trick: exact, no overflow, no second collective), the target logit and the sums.
 Every rank then holds the same loss (``Replicate()``). The backward is local: the gradient of a
 rank's logits is ``c·(p - (1-ε)·w_t·onehot - ε/V·w)`` on its own slice, ``p = exp(z - lse)``.
@@ -52,7 +52,7 @@ __all__ = ["VocabPlan", "loss_stats", "run", "vocab_plan"]
 
 CHUNK_BYTES = 128 << 20  # FLCE: logits of one row chunk (its fp32 copy and dz: 2 x 2x that at bf16)
 TEMP_BYTES = 64 << 20  # fp32 temporaries of one row chunk of given logits
-N_STATS = 4  # max, sum-exp, target logit, Σ w·z
+N_STATS = 3  # the slice's lse, target logit, Σ w·z
 
 # Arguments the vocab-parallel path understands, per op (the reference's names) with the values
 # that mean "off"; a call with any other argument set takes the gather path.
@@ -101,23 +101,19 @@ def local_stats(z: torch.Tensor, t: torch.Tensor, lo: int, w_local: torch.Tensor
     if vl == 0:  # an empty slice (V < world size): contributes nothing
         out[:, 0] = -torch.inf
         return out
-    m = z.amax(-1)
-    out[:, 0] = m
-    out[:, 1] = (z - m[:, None]).exp_().sum(-1)  # one [rows, V_local] temporary
+    out[:, 0] = torch.logsumexp(z, -1)  # the slice's lse (one fused pass; no [rows, V_local] temporary)
     owned = (t >= lo) & (t < lo + vl)
     idx = (t - lo).clamp(0, vl - 1)
-    out[:, 2] = torch.where(owned, z.gather(1, idx[:, None]).squeeze(1), 0.0)
+    out[:, 1] = torch.where(owned, z.gather(1, idx[:, None]).squeeze(1), 0.0)
     if smoothing:
-        out[:, 3] = z.sum(-1) if w_local is None else z @ w_local.to(z.dtype)
+        out[:, 2] = z.sum(-1) if w_local is None else z @ w_local.to(z.dtype)
     return out
 
 
 def combine(gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """From the ranks' ``[W, rows, N_STATS]`` statistics: the global lse, target logit and Σ w·z."""
-    m, s = gathered[..., 0], gathered[..., 1]
-    big = m.amax(0)
-    lse = big + torch.log((s * torch.exp(m - big)).sum(0))
-    return lse, gathered[..., 2].sum(0), gathered[..., 3].sum(0)
+    # the log-sum-exp of the slices' lse's (exact: logsumexp subtracts their max; -inf for an empty slice)
+    return torch.logsumexp(gathered[..., 0], 0), gathered[..., 1].sum(0), gathered[..., 2].sum(0)
 
 
 def _row_weights(t: torch.Tensor, o: Options, v: int, cw: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,13 +151,25 @@ def divisor(t: torch.Tensor, o: Options, v: int, cw: torch.Tensor | None, dtype:
 
 
 def grad_logits(
-    x: torch.Tensor, lse: torch.Tensor, t: torch.Tensor, lo: int, coef: torch.Tensor, o: Options, v: int, cw: torch.Tensor | None
+    x: torch.Tensor,
+    lse: torch.Tensor,
+    t: torch.Tensor,
+    lo: int,
+    coef: torch.Tensor,
+    o: Options,
+    v: int,
+    cw: torch.Tensor | None,
+    inplace: bool = False,
 ) -> torch.Tensor:
-    """d(Σ coef·loss)/dx on a slice: ``x [rows, V_local]`` the raw local logits (fp32), ``coef`` per row."""
+    """d(Σ coef·loss)/dx on a slice: ``x [rows, V_local]`` the raw local logits (fp32), ``coef``
+    per row. ``inplace``: ``x`` is a scratch buffer of the caller's, overwritten with the result
+    (no [rows, V_local] temporary)."""
     vl = x.shape[1]
     if vl == 0:
         return x.clone()
     z = _capped(x, o.softcap)
+    chain = 1 - (z / o.softcap) ** 2 if o.softcap else None
+    buf = z if (inplace or o.softcap) else z.clone()  # a soft-capped z is this function's own
     eps = o.label_smoothing
     wt, bad = _row_weights(t, o, v, cw, x.dtype)
     valid = (t != o.ignore_index).to(x.dtype)
@@ -171,15 +179,15 @@ def grad_logits(
         p_scale = p_scale + (eps / v) * (float(v) if cw is None else cw.to(x.dtype).sum())
     if o.z_loss:
         p_scale = p_scale + 2 * o.z_loss * wt * lse
-    dz = (z - lse[:, None]).exp_().mul_((c * p_scale)[:, None])  # in place: one [rows, V_local] temporary
+    dz = buf.sub_(lse[:, None]).exp_().mul_((c * p_scale)[:, None])  # p·scale, in place
     owned = (t >= lo) & (t < lo + vl)
     idx = (t - lo).clamp(0, vl - 1)
     dz.scatter_add_(1, idx[:, None], torch.where(owned, -(1 - eps) * wt * c, 0.0)[:, None])
     if eps:
         w_local = torch.ones(vl, dtype=x.dtype, device=x.device) if cw is None else cw[lo : lo + vl].to(x.dtype)
         dz.addr_(c, w_local, alpha=-eps / v)
-    if o.softcap:
-        dz.mul_(1 - (z / o.softcap) ** 2)
+    if chain is not None:
+        dz.mul_(chain)
     return dz
 
 
@@ -254,7 +262,8 @@ class _VocabCE(torch.autograd.Function):
         dx = torch.empty_like(x)
         for s in range(0, n, step):
             e = min(n, s + step)
-            dx[s:e] = grad_logits(x[s:e].to(acc), lse[s:e], t[s:e], lo, coef[s:e], o, v, cw)
+            xs = x[s:e]  # upcast: a fresh buffer to work in; fp32 logits are the caller's (not written)
+            dx[s:e] = grad_logits(xs.to(acc), lse[s:e], t[s:e], lo, coef[s:e], o, v, cw, inplace=xs.dtype != acc)
         return dx, None, None, None, None, None, None
 
 
@@ -290,7 +299,7 @@ class _VocabFLCE(torch.autograd.Function):
             lse, zt, sz = loss_stats(group, local_stats(_capped(x, o.softcap), t[s:e], lo, w_local, bool(o.label_smoothing)))
             losses[s:e], lses[s:e] = row_losses(lse, zt, sz, t[s:e], o, v, cw), lse
             if coef is not None:
-                _accumulate(grad_logits(x, lse, t[s:e], lo, coef[s:e], o, v, cw), h, w, s, e, gh, gw, gb)
+                _accumulate(grad_logits(x, lse, t[s:e], lo, coef[s:e], o, v, cw, inplace=True), h, w, s, e, gh, gw, gb)
         ctx.grads = (gh, gw, gb) if grads_now else None
         ctx.save_for_backward(h, w, b, t, lses, den, cw)
         ctx.args = (lo, v, o, needs, acc, step)
@@ -315,7 +324,7 @@ class _VocabFLCE(torch.autograd.Function):
             for s in range(0, n, step):
                 e = min(n, s + step)
                 x = torch.nn.functional.linear(h[s:e], w, b).to(acc)
-                _accumulate(grad_logits(x, lses[s:e], t[s:e], lo, coef[s:e], o, v, cw), h, w, s, e, gh, gw, gb)
+                _accumulate(grad_logits(x, lses[s:e], t[s:e], lo, coef[s:e], o, v, cw, inplace=True), h, w, s, e, gh, gw, gb)
             gb = None if gb is None else gb.to(b.dtype)
         return gh, gw, gb, None, None, None, None, None, None
 
