@@ -15,8 +15,9 @@ transformers' own RoPE and attention would mix DTensors with its plain cos/sin a
 then sees ``Shard(2)`` DTensors (polykernel's route) instead of plain local tensors. The embedding output is sharded on the sequence before
 the first layer (positions and the causal mask are made from the full sequence); the final norm
 is sequence parallel and ``lm_head`` column-parallel with its logits gathered (transformers'
-own ``colwise_gather_output``), so the loss sees plain, replicated logits (polykernel's
-cross_entropy; the fused linear cross-entropy steps aside for a sharded or hooked ``lm_head``).
+own ``colwise_gather_output``), so the unpatched loss sees plain, replicated logits; patched,
+the fused linear cross-entropy runs vocab-parallel on the colwise ``lm_head``'s shards
+(polykernel.distributed.vocab) and no logits are made.
 
 Also the spawn/report plumbing of the multi-process tests (tests/test_dtensor*.py, test_tp_*.py):
 ``spawn_report`` runs a worker on every rank and reads back the JSON report that rank 0 wrote with

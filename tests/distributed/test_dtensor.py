@@ -146,12 +146,12 @@ def _cases() -> list[tuple[str, str, Any]]:
         ("poly_norm-S0", "poly_norm", lambda: ((torch.randn(6, 16), torch.randn(3), torch.tensor(0.2)), {}, (S(0), R, R))),
         ("relu_squared-S-last", "relu_squared", lambda: ((torch.randn(6, 16),), {}, (S(1),))),
     ]
+    # (cross_entropy on logits sharded on the class dim runs vocab-parallel: tests/distributed/test_vocab_parallel.py)
     moved = [
         ("rms_norm-S-last", "rms_norm", rn((4, 16), 1)),
         ("softmax-S-last", "softmax", lambda: ((torch.randn(4, 16),), {}, (S(1),))),
         ("rope-S-headdim", "rope", rope(3, table=S(2))),
         ("swiglu-mixed-shards", "swiglu", lambda: ((torch.randn(6, 16), torch.randn(6, 16)), {}, (S(0), S(1)))),
-        ("cross_entropy-S-last", "cross_entropy", ce((6, 10), 1, "mean", target=R)),
         ("rms_norm-weight-sharded", "rms_norm", lambda: ((torch.randn(6, 16), torch.randn(16)), {}, (S(0), S(0)))),
         ("group_norm-S-channels", "group_norm", lambda: ((torch.randn(4, 6, 5), 3, torch.randn(6), torch.randn(6)), {}, (S(1), R, R))),
         ("poly_norm-S-last", "poly_norm", lambda: ((torch.randn(6, 16), torch.randn(3), torch.tensor(0.2)), {}, (S(1), R, R))),

@@ -140,7 +140,14 @@ def test_patched_ops_ran_triton_on_local_shards(report, variant):
     assert r["patched"] == {"rms_norm": 5, "swiglu": 2, "rope": 2, "loss": 1, "sdpa_is_causal": 1}
     ran = {op: impl for op, impl, _ in r["decisions"]}
     # the default selection with the interpreter on: Triton on every op that ran
-    assert ran == {"norm.rms_norm": "triton", "activation.swiglu": "triton", "embedding.rope": "triton", "loss.cross_entropy": "triton"}
+    # the loss: the fused one on the colwise lm_head (vocab-parallel; its record is the decision for
+    # its argument class, the route then runs its own math on the vocabulary slices), no logits' CE
+    assert ran == {
+        "norm.rms_norm": "triton",
+        "activation.swiglu": "triton",
+        "embedding.rope": "triton",
+        "loss.fused_linear_cross_entropy": "triton",
+    }
     assert all(sub is None for _, _, sub in r["decisions"]), "a decision was made on subclass arguments"
     routed = dict(r["routed"])
     assert routed.get("norm.rms_norm") == "DTensor Shard(1) on mesh of 2"  # the sequence-parallel norms

@@ -23,7 +23,9 @@ Supported placements, per mesh dim (``Replicate()`` everywhere always is):
 - rope: q and k on ``Shard`` of the batch, heads or sequence dim; cos/sin ``Shard(0)`` (per-batch
   tables) or ``Replicate()`` (batch 1) for batch, ``Replicate()`` for heads, ``Shard(1)`` for sequence.
 
-Anything else (sharded on the normalized dim, a ``Partial`` input, a vocab-sharded weight) is
+The losses on logits sharded on the class dim or an LM head sharded on the vocabulary run
+vocab-parallel instead (:mod:`.vocab`: one collective of per-row statistics inside the loss).
+Anything else (sharded on the normalized dim, a ``Partial`` input) is
 first redistributed to what the layout needs (``Replicate()`` on that mesh dim), then runs on the
 shards the same way: logged once per op and reason, an error under ``POLYKERNEL_STRICT=1``. A
 plain tensor among DTensors is an ``OpTypeError`` naming the op and the argument. An op without a
@@ -351,6 +353,15 @@ class Route:
         self.op, self.key = op, key
 
     def fn(self, *args: Any) -> Any:
+        layout = self.op.dtensor_layout
+        if layout is not None and layout.vocab is not None:  # a loss sharded over the vocabulary
+            from . import vocab
+
+            vp = vocab.vocab_plan(self.op.id, layout.vocab, _arg_names(self.op), args)
+            if vp is not None:
+                if vp.moved:
+                    _redistributing(self.op, Plan(vp.text, vp.mesh, moved=vp.moved))
+                return vocab.run(self.op.id, vp)
         p = plan(self.op, args)
         if p.moved:
             _redistributing(self.op, p)
@@ -396,6 +407,9 @@ def explain_local(
         return None, None
     bound.apply_defaults()
     values = tuple(bound.arguments.values())
+    vocab_route = _explain_vocab(op, bound.arguments, args, kwargs, explain_plain)
+    if vocab_route is not None:
+        return vocab_route, None
     p = plan(op, values)
     # Stand-ins shaped like the shards the call would run on (no collective: explain may be
     # called on one rank only).
@@ -420,3 +434,31 @@ def _shard_like(a: Any, targets: tuple[Any, ...]) -> Any:
             shape[t.dim] = -(-shape[t.dim] // n)
     out = torch.empty(shape, dtype=a.dtype, device=a.device)
     return out.requires_grad_() if a.requires_grad else out
+
+
+def _explain_vocab(
+    op: Op, arguments: Mapping[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any], explain_plain: Callable[..., Any]
+) -> Any:
+    """``explain`` for a vocab-parallel loss call (see :mod:`.vocab`), or None when it is not one:
+    the local slices' explanation, with the route and the torch math it runs."""
+    layout = op.dtensor_layout
+    if layout is None or layout.vocab is None:
+        return None
+    from torch.distributed.tensor import Replicate
+
+    from . import vocab
+
+    vp = vocab.vocab_plan(op.id, layout.vocab, tuple(arguments), tuple(arguments.values()))
+    if vp is None:
+        return None
+    lead = "logits" if vp.kind == "logits" else "weight"
+    shards = {
+        name: _shard_like(a, tuple(a.placements) if name in (lead, "bias") else (Replicate(),))
+        for name, a in arguments.items()
+        if _is_tensor(a)
+    }
+    names = list(arguments)
+    local = explain_plain(*(shards.get(names[i], a) for i, a in enumerate(args)), **{k: shards.get(k, v) for k, v in kwargs.items()})
+    local.route = vocab.explain_text(vp)
+    local.chosen, local.source = "torch", "vocab-parallel route"
+    return local

@@ -30,7 +30,9 @@ class Layout:
     ``"loss"`` for a reduced loss (its placement follows ``reduction``). A loss also gives
     ``loss_args``: the positions of its ``target``, ``ignore_index`` and ``reduction`` arguments
     (positional, in the impl's order); ``loss_weight``: the position of its class weights (a
-    weighted mean divides by their sum over the scored targets, not by the count), if it has any.
+    weighted mean divides by their sum over the scored targets, not by the count), if it has any. ``vocab``: the loss can run vocab-parallel
+    (:mod:`polykernel.distributed.vocab`) when its ``"logits"`` are sharded on the class dim or
+    its LM head ``"weight"`` on the vocabulary (dim 0); None: such a call is gathered first.
     """
 
     lead_dims: str | tuple[int, ...]
@@ -39,6 +41,7 @@ class Layout:
     why_not: str = "it is the dim the op reduces over, which needs a cross-rank reduction"
     loss_args: tuple[int, int, int] | None = None
     loss_weight: int | None = None
+    vocab: str | None = None
 
     def __post_init__(self) -> None:
         if ("loss" in self.outputs) != (self.loss_args is not None):

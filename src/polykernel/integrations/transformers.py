@@ -49,7 +49,9 @@ What is swapped (families: :data:`SUPPORTED_MODEL_TYPES`):
   ``router_aux_loss_coef`` x the load-balancing loss as theirs do (``output_router_logits``).
   Without labels, in eval mode, with ``logits_to_keep != 0``, a custom ``loss_function``, another
   family's logit soft-capping or scaling, or an ``lm_head`` that is not a plain ``nn.Linear`` (quantized,
-  hooked, offloaded, sharded), the model's own forward runs.
+  hooked, offloaded, sharded otherwise than below), the model's own forward runs. A
+  ``ColwiseParallel`` ``lm_head`` (``parallelize_module``, vocabulary-sharded) keeps the fused
+  loss: it runs vocab-parallel on the weight's shards (docs/tensor-parallel.md).
 - ``sdpa_is_causal`` (no op of ours): ``<Family>Model.forward`` builds its attention masks so
   that, under ``torch.compile``, SDPA gets ``is_causal=True`` and no mask wherever transformers
   itself skips the mask outside compile (nothing padded, plain causal, positions the model made
@@ -901,6 +903,9 @@ def _flce_loss(
     ``softcap``: the logits are then ``softcap·tanh(logits / softcap)`` (Gemma 2/3's
     ``final_logit_softcapping``), the fused loss's own option."""
     weight, bias = head.weight, head.bias
+    colwise = _colwise_input(head)
+    if colwise is not None:  # vocab-parallel: hidden replicated (as the head's forward makes it)
+        hidden = colwise(head, (hidden,))
     hidden = hidden.reshape(-1, hidden.shape[-1])
     if divisor is not None:
         if bias is not None:
@@ -912,7 +917,13 @@ def _flce_loss(
         bias = bias.to(dtype) if bias is not None else None
     target = _shifted_targets(labels, ignore_index, shift_labels).to(hidden.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
+    if colwise is not None:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        target = DTensor.from_local(target, weight.device_mesh, [Replicate()], run_check=False)
     loss = _pk.fused_linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index, reduction=reduction, softcap=softcap)
+    if colwise is not None:
+        loss = loss.to_local()  # the same on every rank (Replicate()), as the gathered logits' loss
     return _reduce(loss, num_items_in_batch)
 
 
@@ -956,13 +967,47 @@ def _flce_head(model: nn.Module, family: _Family | None = None) -> nn.Linear | N
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else getattr(model, "lm_head", None)
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
         return None  # quantized / LoRA / custom heads
-    if _compat.module_has_hooks(head) or hasattr(head, "_hf_hook"):
+    colwise = _colwise_input(head) is not None  # tensor parallel: the fused loss runs vocab-parallel
+    if (_compat.module_has_hooks(head) and not colwise) or hasattr(head, "_hf_hook"):
         return None  # hooks (accelerate offload, user hooks) must see the lm_head call
     if not head.weight.is_floating_point() or head.weight.device.type == "meta":
         return None
-    if type(head.weight.data).__name__ == "DTensor":
-        return None  # tensor-parallel lm_head: leave it to the sharded path
+    if type(head.weight).__name__ == "DTensor" and not colwise:
+        return None  # another tensor-parallel lm_head: leave it to its own forward
     return head
+
+
+def _colwise_input(head: nn.Module) -> Callable | None:
+    """The input hook of a ``ColwiseParallel`` lm_head (``parallelize_module``; weight and bias
+    ``Shard(0)`` on a 1-D mesh) whose only hooks are that style's, else None. The fused loss then
+    runs vocab-parallel on the weight's shards (polykernel.distributed.vocab) with the hidden
+    states this hook makes (``Replicate()``: the all-gather the head's forward would do), instead
+    of the head's forward and its gathered ``[tokens, vocab]`` logits."""
+    weight = head.weight
+    if type(weight).__name__ != "DTensor" or weight.device_mesh.ndim != 1 or weight.placements[0] != _shard0():
+        return None
+    try:
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        pre, post = list(head._forward_pre_hooks.values()), list(head._forward_hooks.values())
+        if head._forward_pre_hooks_with_kwargs or head._forward_hooks_with_kwargs or len(pre) != 1 or len(post) != 1:
+            return None
+        # distribute_module's hooks are lambdas around partials of the style's static methods
+        wraps = [
+            {getattr(c.cell_contents, "func", None) for c in (h.__closure__ or ()) if isinstance(c.cell_contents, functools.partial)}
+            for h in (pre[0], post[0])
+        ]
+    except Exception:  # another torch's internals: the head's own forward runs
+        return None
+    if ColwiseParallel._prepare_input_fn in wraps[0] and ColwiseParallel._prepare_output_fn in wraps[1]:
+        return pre[0]
+    return None
+
+
+def _shard0() -> Any:
+    from torch.distributed.tensor import Shard
+
+    return Shard(0)
 
 
 def _decoder(model: nn.Module) -> nn.Module | None:

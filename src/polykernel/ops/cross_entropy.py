@@ -489,6 +489,7 @@ _op = Op(
     # torch.compile: our custom ops, far faster than Inductor's code (its torch.compile rows in the
     # results file above); saves the LSE (one per row) and the non-ignored count (a sum over rows)
     saved=("rows", "sum"),
-    dtensor_layout=Layout(ROWS, rows_with(1), ("loss",), loss_args=(1, 2, 4), loss_weight=5),  # target, ignore_index, reduction; weight
+    # target, ignore_index, reduction; weight; logits Shard(-1): vocab-parallel (polykernel.distributed.vocab)
+    dtensor_layout=Layout(ROWS, rows_with(1), ("loss",), loss_args=(1, 2, 4), loss_weight=5, vocab="logits"),
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

@@ -470,6 +470,7 @@ _op = Op(
     # "none" (recomputed); for "sum"/"mean" they are the gradients (saved_grads).
     saved=("lead", "sum", "sum"),
     saved_grads=SavedGrads({"hidden": 0, "weight": 1, "bias": 2}, lambda a: a["reduction"] != "none"),
-    dtensor_layout=Layout(ROWS, rows_with(2), ("loss",), loss_args=(2, 4, 6), loss_weight=7),  # target, ignore_index, reduction; ce_weight
+    # target, ignore_index, reduction; ce_weight; weight Shard(0): vocab-parallel (polykernel.distributed.vocab)
+    dtensor_layout=Layout(ROWS, rows_with(2), ("loss",), loss_args=(2, 4, 6), loss_weight=7, vocab="weight"),
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

@@ -1,0 +1,183 @@
+"""Vocab-parallel loss on a column-parallel LM head, 2 GPUs: ours against the gather paths.
+
+A transformers Llama (2 layers, hidden 2048, 32/8 heads, intermediate 8192, V = 128256, bf16)
+sharded over the ranks as torchtitan does it (tests/_tp_llama.py: sequence-parallel norms,
+column/row-parallel attention and MLP, ``lm_head`` ``ColwiseParallel``), patched
+(``polykernel.integrations.transformers.patch``), trained for a few steps (forward, backward,
+AdamW), same seed, weights and data, three ways:
+
+- ``vocab_parallel``: the fused linear cross-entropy on each rank's vocabulary slice
+  (polykernel.distributed.vocab: one all_gather of [N, 3] statistics per row chunk);
+- ``gather_weight``: the fused loss with the LM head's weight gathered to every rank first (the
+  DTensor route before vocab-parallel: V·H per step, and each rank computes all V);
+- ``gather_logits``: the model's own forward (``lm_head`` gathers its ``[tokens, V]`` logits,
+  then polykernel.cross_entropy; what ``patch`` did for a colwise head before).
+
+Rank 0 writes JSON to ``--json``: per path tokens/s (median step of the timed ones), peak memory
+per rank (max over the ranks), the losses; and the ratios against ``gather_weight`` and
+``gather_logits``::
+
+    torchrun --nproc-per-node 2 benchmarks/models/tp_vocab_loss.py --json results/tp-vocab.json           # 2 GPUs, NCCL
+    torchrun --nproc-per-node 2 benchmarks/models/tp_vocab_loss.py --json /tmp/tp-vocab.json --smoke      # CPU, gloo, tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
+
+FULL = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8)
+SMOKE = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+PATHS = ("vocab_parallel", "gather_weight", "gather_logits")
+
+
+def build(config: dict[str, Any], device: str, dtype: torch.dtype) -> Any:
+    import transformers
+
+    cfg = transformers.LlamaConfig(max_position_embeddings=8192, pad_token_id=0, **config)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
+
+
+def use_path(path: str) -> None:
+    """Switch the loss path (module attributes; restored by the next call)."""
+    from polykernel.distributed import vocab
+    from polykernel.integrations import transformers as pkt
+
+    vocab.vocab_plan = _ORIGINAL["plan"] if path != "gather_weight" else (lambda *a, **k: None)
+    pkt._colwise_input = _ORIGINAL["colwise"] if path != "gather_logits" else (lambda head: None)
+
+
+_ORIGINAL: dict[str, Any] = {}
+
+
+def run(model: Any, ids: torch.Tensor, steps: int, warmup: int, device: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)  # DTensor and plain parameters mixed
+    model.train()
+    times, losses = [], []
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    logits_none = None
+    for i in range(warmup + steps):
+        sync()
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(out.loss.detach()))
+        logits_none = out.logits is None
+        del out
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    step = statistics.median(times)
+    return {
+        "tokens_per_s": ids.numel() / step,
+        "median_step_ms": 1e3 * step,
+        "peak_mem_gib_max_rank": float(peak) if device == "cuda" else None,
+        "losses": losses,
+        "fused_loss": logits_none,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", required=True, help="output JSON path (rank 0 writes it)")
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {PATHS}")
+    parser.add_argument("--smoke", action="store_true", help="CPU, gloo, a tiny model, Triton through its interpreter")
+    args = parser.parse_args(argv)
+    defaults = dict(batch=2, seq=32, steps=2, warmup=1) if args.smoke else dict(batch=8, seq=2048, steps=10, warmup=3)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import polykernel
+    from _tp_llama import parallelize_llama
+    from polykernel.distributed import vocab
+    from polykernel.integrations import transformers as pkt
+
+    _ORIGINAL.update(plan=vocab.vocab_plan, colwise=pkt._colwise_input)
+    device = "cpu" if args.smoke else "cuda"
+    dist.init_process_group("gloo" if args.smoke else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    try:
+        mesh = init_device_mesh(device, (world,))
+        dtype = torch.float32 if args.smoke else torch.bfloat16
+        base = build(SMOKE if args.smoke else FULL, device, dtype)
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(1, base.config.vocab_size, (args.batch, args.seq), generator=g).to(device)
+        results: dict[str, Any] = {}
+        for path in args.paths.split(","):
+            use_path(path)
+            model = pkt.patch(parallelize_llama(copy.deepcopy(base), mesh))
+            polykernel.clear_caches()
+            try:
+                results[path] = run(model, ids, args.steps, args.warmup, device)
+            except torch.OutOfMemoryError as exc:
+                results[path] = {"error": f"OutOfMemoryError: {exc}"}
+            del model
+        use_path("vocab_parallel")
+        if rank == 0:
+            out: dict[str, Any] = {
+                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                "world": world,
+                "config": SMOKE if args.smoke else FULL,
+                "dtype": str(dtype),
+                "batch": args.batch,
+                "seq": args.seq,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "torch": torch.__version__,
+                "results": results,
+            }
+            ours = results.get("vocab_parallel", {})
+            for other in ("gather_weight", "gather_logits"):
+                theirs = results.get(other, {})
+                if "tokens_per_s" in ours and "tokens_per_s" in theirs:
+                    out[f"vs_{other}"] = {
+                        "tokens_per_s_ratio": ours["tokens_per_s"] / theirs["tokens_per_s"],
+                        "peak_mem_ratio": (ours["peak_mem_gib_max_rank"] / theirs["peak_mem_gib_max_rank"]) if device == "cuda" else None,
+                        "max_loss_diff": max(abs(x - y) for x, y in zip(ours["losses"], theirs["losses"])),
+                    }
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+            for path, r in results.items():
+                print(path, {k: v for k, v in r.items() if k != "losses"})
+            print({k: v for k, v in out.items() if k.startswith("vs_")})
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
