@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import polykernel
 from polykernel.backends.torch import _linear_logps
-from polykernel.errors import OpArgumentError
+from polykernel.errors import OpArgumentError, UnknownImplError
 
 IMPLS = ["torch", "triton"]
 
@@ -320,7 +320,6 @@ def _dpo_args():
         (lambda a, k: k.update(ref_chosen_logps=torch.zeros(3), ref_rejected_logps=torch.zeros(3)), "ref_chosen_logps"),
         (lambda a, k: k.update(ref_hidden=torch.randn(4, 3, 8)), "ref_weight"),
         (lambda a, k: k.update(ref_hidden=torch.randn(4, 3, 8), ref_weight=torch.randn(21, 8)), "ref_weight"),
-        (lambda a, k: k.update(impl="cuda"), "impl"),
     ],
 )
 def test_dpo_bad_input_names_the_argument(mutate, arg):
@@ -329,6 +328,12 @@ def test_dpo_bad_input_names_the_argument(mutate, arg):
     with pytest.raises(OpArgumentError) as info:
         polykernel.fused_linear_dpo_loss(*args, **kw)
     assert info.value.op == "loss.fused_linear_dpo_loss" and info.value.arg == arg
+
+
+def test_unknown_impl_is_the_dispatchers_error():
+    with pytest.raises(UnknownImplError) as info:
+        polykernel.fused_linear_dpo_loss(*_dpo_args(), impl="cuda")
+    assert info.value.op == "loss.fused_linear_dpo_loss" and "torch" in str(info.value)
 
 
 def _grpo_args():

@@ -440,7 +440,7 @@ def _compile_mode(op: Op, name: str) -> str:
     mode = os.environ.get(env) or op.compile_mode
     if mode not in MODES:
         where = env if os.environ.get(env) else f"{op.id}: compile_mode"
-        raise ValueError(f"{where}: {mode!r} is not 'ours' or 'decompose'")
+        raise ValueError(f"{where}: {mode!r} is not 'ours', 'decompose' or 'eager'")
     return mode
 
 
@@ -451,6 +451,16 @@ class CompiledOp:
         self.op_id = op.id
         self.name = name
         self.qualname = f"{NAMESPACE}::{name}"
+        if op.compile_mode == "eager":  # no custom op: Dynamo breaks the graph around the eager call
+            self.mode, self.writes = "eager", ()
+            slow = op._dispatch_slow
+
+            @torch.compiler.disable
+            def eager(impl: Any, *args: Any) -> Any:
+                return slow(impl, args)
+
+            self.call = eager
+            return
         params, returns = _params(op)
         self.params = params
         self.returns = returns

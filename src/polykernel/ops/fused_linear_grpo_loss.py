@@ -32,12 +32,16 @@ import torch
 
 from ..backends.torch import _linear_logps as walker
 from . import _checks as check
+from ..core.op import Case, Op
 from . import _preference as pref
 
 OP_ID = "loss.fused_linear_grpo_loss"
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IS_LEVELS = ("token", "sequence")
 _IGNORE = -100  # the driver's marker of a masked token (token ids are >= 0)
+
+
+_op: Op  # defined below, after the public function it serves (with _dispatch, its dispatch)
 
 
 class GRPOMetrics(NamedTuple):
@@ -192,12 +196,15 @@ def fused_linear_grpo_loss(
     >>> out.loss.backward(); h.grad.shape
     torch.Size([2, 5, 16])
     """
-    _validate(hidden, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps, old_per_token_logps, beta,
-              epsilon_low, epsilon_high, loss_type, importance_sampling_level, temperature, max_completion_length)  # fmt: skip
-    if impl == "liger":
-        return pref.liger(OP_ID).grpo(hidden, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps,
-                         old_per_token_logps, float(beta), float(epsilon_low), float(epsilon_high), loss_type,
-                         importance_sampling_level, float(temperature), max_completion_length)  # fmt: skip
+    args = (hidden, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps, old_per_token_logps, beta,
+            epsilon_low, epsilon_high, loss_type, importance_sampling_level, temperature, max_completion_length)  # fmt: skip
+    _validate(*args)  # every call: the token ids' range is data
+    return _dispatch(impl, *args)
+
+
+def chunked(impl: str, hidden, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps, old_per_token_logps,
+            beta, epsilon_low, epsilon_high, loss_type, importance_sampling_level, temperature, max_completion_length) -> GRPOOutput:  # fmt: skip
+    """The torch and Triton impls: the chunked driver with ``impl``'s per-token primitive."""
     prim = pref.primitive(OP_ID, impl, hidden)
     acc = torch.promote_types(hidden.dtype, torch.float32)
     target, fn, aux, opts = _setup(selected_token_ids, attention_mask, advantages, ref_per_token_logps, old_per_token_logps, beta,
@@ -218,7 +225,6 @@ def reference(
     attention_mask: torch.Tensor,
     advantages: torch.Tensor,
     bias: torch.Tensor | None = None,
-    *,
     ref_per_token_logps: torch.Tensor | None = None,
     old_per_token_logps: torch.Tensor | None = None,
     beta: float = 0.04,
@@ -235,4 +241,91 @@ def reference(
                                    torch.float64)  # fmt: skip
     logps = pref.reference_token_logps(hidden, weight, bias, target, _IGNORE, temperature)
     loss = fn(logps, *aux).sum()
-    return GRPOOutput(loss, _metrics(logps.detach(), aux, opts))
+    return pref.contract(GRPOOutput(loss, _metrics(logps.detach(), aux, opts)), hidden)
+
+
+error_model = pref.error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 5})
+
+
+def outputs(hidden, *_: object) -> tuple:
+    """The loss's shape and dtype (the metrics: a NamedTuple)."""
+    return ((torch.Size(), pref.acc_dtype(hidden)), None)
+
+
+def _completions(h, w, ids, bias, device, masked: float = 0.3, old: float = 0.3, ref: bool = True, temperature: float = 1.0):
+    """Completions with a random mask (the first token always scored), advantages, and old/ref
+    log-probs near the policy's (ratios of a few tenths off 1: some clipped)."""
+    b, t = ids.shape
+    mask = (torch.rand(b, t, device=device) > masked).long()
+    mask[:, 0] = 1
+    with torch.no_grad():
+        lp = pref.reference_token_logps(h.detach(), w.detach(), None if bias is None else bias.detach(), ids, -100, temperature).float()
+    kw = {"old_per_token_logps": lp + old * torch.randn(b, t, device=device)}
+    if ref:
+        kw["ref_per_token_logps"] = lp + 0.3 * torch.randn(b, t, device=device)
+    return (h, w, ids, mask, torch.randn(b, device=device), bias), kw
+
+
+def example(shape, dtype, device, requires_grad: bool = False) -> Case:
+    """``shape`` = (B, T, H, V): B completions of T tokens, ~70% scored, β = 0.04."""
+    h, w, ids = pref.example_head(shape, dtype, device, requires_grad)
+    b, t = ids.shape
+    mask = (torch.rand(b, t, device=device) > 0.3).long()
+    kw = {"old_per_token_logps": -torch.rand(b, t, device=device) * 10, "ref_per_token_logps": -torch.rand(b, t, device=device) * 10}
+    return Case("x".join(map(str, shape)), (h, w, ids.clamp(min=0), mask, torch.randn(b, device=device)), kw)
+
+
+def cases(device, dtype, large: bool = False) -> list[Case]:
+    """Every loss type and importance-sampling level, sized for the CPU interpreter unless ``large``."""
+    head = partial(pref.case_head, device=device, dtype=dtype, ignored=0.0)
+    out = []
+    for i, (loss_type, level, opts) in enumerate([
+        ("grpo", "token", {}),
+        ("bnpo", "token", {"temperature": 0.8}),
+        ("dr_grpo", "sequence", {"max_completion_length": 8, "beta": 0.0}),
+        ("dapo", "sequence", {"epsilon_high": 0.28}),
+        ("grpo", "sequence", {"beta": 0.0}),
+    ]):  # fmt: skip
+        h, w, ids, bias = head(3, 6, 16, 97)
+        args, kw = _completions(h, w, ids, bias if i % 2 == 0 else None, device, ref=opts.get("beta", 0.04) != 0.0,
+                                temperature=opts.get("temperature", 1.0))  # fmt: skip
+        kw.update(opts, loss_type=loss_type, importance_sampling_level=level)
+        out.append(Case(f"3x6x16x97-{loss_type}-{level}", args, kw))
+    h, w, ids, _ = head(2, 4, 8, 50)
+    args, kw = _completions(h, w, ids, None, device, ref=False)
+    args[3].zero_()  # all masked: the loss is 0
+    out.append(Case("2x4x8x50-allmasked", args, dict(kw, beta=0.0)))
+    h, w, ids, bias = head(4, 5, 24, 300)
+    out.append(Case("4x5x24x300-no-old", _completions(h, w, ids, bias, device)[0], {"beta": 0.0}))
+    if large:  # the issue's 1B-model shape: 8 completions of 1024 tokens, H = 2048, V = 128256
+        out.append(example((8, 1024, 2048, 128256), dtype, device, True))
+    return out
+
+
+flops = pref.flops
+bytes_moved = pref.bytes_moved
+
+IMPLS = pref.impl_rows(
+    OP_ID, "token rows (sequences for sequence-level ratios)",
+    "Liger LigerFusedLinearGRPOFunction (region clip ratio only, the others NaN; logits in the inputs' dtype)",
+)
+
+_op = Op(
+    OP_ID,
+    fields=pref.fields(reference),
+    key=pref.arg_key,
+    default_key=pref.default_key(15),
+    validate=_validate,
+    reference=reference,
+    outputs=outputs,
+    error_model=error_model,
+    dtypes=(torch.float32, torch.bfloat16, torch.float16),
+    cases=cases,
+    example=example,
+    bytes_moved=bytes_moved,
+    impls=IMPLS,
+    # torch.compile: a graph break around the eager dispatcher (the metrics NamedTuple, with kl
+    # None when beta = 0, has no custom-op schema; the reference would hold the [N, V] logits)
+    compile_mode="eager",
+)
+_dispatch = _op.dispatch  # bound once
