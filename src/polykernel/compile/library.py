@@ -453,10 +453,12 @@ class CompiledOp:
         self.qualname = f"{NAMESPACE}::{name}"
         if op.compile_mode == "eager":  # no custom op: Dynamo breaks the graph around the eager call
             self.mode, self.writes = "eager", ()
-            slow = op._dispatch_slow
+            slow, validate = op._dispatch_slow, op.validate
 
             @torch.compiler.disable
             def eager(impl: Any, *args: Any) -> Any:
+                if validate is not None:  # every call: such ops' validity may depend on data (token ids)
+                    validate(*args)
                 return slow(impl, args)
 
             self.call = eager

@@ -86,7 +86,11 @@ def validate_head(
 
 
 def validate_targets(op: str, name: str, target: torch.Tensor, v: int, ignore_index: int | None) -> None:
-    """Every scored id in [0, V) (a host sync: a clear error, never an out-of-bounds read)."""
+    """Every scored id in [0, V) (a host sync: a clear error, never an out-of-bounds read).
+    Under torch.compile the eager call behind the graph break checks them (``compile_mode``
+    "eager" validates every call), not the trace."""
+    if torch.compiler.is_compiling():
+        return
     bad = (target < 0) | (target >= v)
     if ignore_index is not None:
         bad &= target != ignore_index
@@ -250,6 +254,23 @@ def arg_key(*args: Any) -> tuple:
     hidden = args[0]
     floats = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
     return (hidden.device, hidden.dtype, check.needs_grad(*floats), *map(_describe, args))
+
+
+def key_for(reference: Any) -> Any:
+    """``Op(key=)``: :func:`arg_key` on the arguments bound to the reference's parameters
+    (``explain`` passes the options by name), defaults filled in."""
+    import inspect
+
+    sig = inspect.signature(reference)
+
+    def key(*args: Any, **kwargs: Any) -> tuple:
+        if kwargs or len(args) != len(sig.parameters):
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            args = tuple(bound.arguments.values())
+        return arg_key(*args)
+
+    return key
 
 
 def default_key(n_args: int):

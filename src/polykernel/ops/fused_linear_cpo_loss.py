@@ -152,7 +152,7 @@ IMPLS = pref.impl_rows(OP_ID, "pairs", "Liger LigerFusedLinearCPOFunction (logit
 _op = Op(
     OP_ID,
     fields=pref.fields(reference),
-    key=pref.arg_key,
+    key=pref.key_for(reference),
     default_key=pref.default_key(9),
     validate=_validate,
     reference=reference,

@@ -313,7 +313,7 @@ IMPLS = pref.impl_rows(
 _op = Op(
     OP_ID,
     fields=pref.fields(reference),
-    key=pref.arg_key,
+    key=pref.key_for(reference),
     default_key=pref.default_key(15),
     validate=_validate,
     reference=reference,

@@ -190,7 +190,7 @@ IMPLS = pref.impl_rows(OP_ID, "sequences", None)  # no Liger: its KTO reports ba
 _op = Op(
     OP_ID,
     fields=pref.fields(reference),
-    key=pref.arg_key,
+    key=pref.key_for(reference),
     default_key=pref.default_key(13),
     validate=_validate,
     reference=reference,
