@@ -296,7 +296,8 @@ def cases(device, dtype, large: bool = False) -> list[Case]:
     args[3].zero_()  # all masked: the loss is 0
     out.append(Case("2x4x8x50-allmasked", args, dict(kw, beta=0.0)))
     h, w, ids, bias = head(4, 5, 24, 300)
-    out.append(Case("4x5x24x300-no-old", _completions(h, w, ids, bias, device)[0], {"beta": 0.0}))
+    args, kw = _completions(h, w, ids, bias, device)
+    out.append(Case("4x5x24x300-no-old", args, {"ref_per_token_logps": kw["ref_per_token_logps"]}))  # ratio 1: old = the policy's own
     if large:  # the 1B-model shape: 8 completions of 1024 tokens, H = 2048, V = 128256
         out.append(example((8, 1024, 2048, 128256), dtype, device, True))
     return out
