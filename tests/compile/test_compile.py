@@ -820,7 +820,7 @@ def test_eager_mode_under_fullgraph_is_a_clear_graph_break():
     case = _small_cases(op)[0]
     public, kwargs = _public(op), dict(case.kwargs)
     compiled = torch.compile(lambda *a: public(*a, **kwargs).loss, fullgraph=True, backend="aot_eager")
-    with pytest.raises(torch._dynamo.exc.Unsupported, match="(?i)skip|disable"):
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"(?i)skip|disable"):
         compiled(*[fresh(a) for a in case.args])
 
 

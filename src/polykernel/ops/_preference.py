@@ -338,12 +338,14 @@ def error_bounds(reference: Any, args: tuple, kwargs: dict, *, grads: dict[str, 
         gz, gl = torch.autograd.grad(loss, [z, lp], allow_unused=True, materialize_grads=True)
         zs = z.detach() / temperature
         lse = zs.logsumexp(-1)
-        eps = 2 * delta / temperature + 4 * u32 * ((zs.abs().amax().item() if zs.numel() else 0.0) + (lse.abs().max().item() if lse.numel() else 0.0))
+        eps = 2 * delta / temperature + 4 * u32 * (
+            (zs.abs().amax().item() if zs.numel() else 0.0) + (lse.abs().max().item() if lse.numel() else 0.0)
+        )
         g = gl.detach()
         lpd = lp.detach()
         g_abs = g.abs().sum().item()
         a_mag = (g.abs() * (lpd.abs() + 1)).sum().item()
-        tok = (lpd.abs().amax().item() if lpd.numel() else 0.0)
+        tok = lpd.abs().amax().item() if lpd.numel() else 0.0
         dz = gz.detach().abs().reshape(-1, gz.shape[-1])
         dz_row = dz.sum(-1).max().item() if dz.numel() else 0.0
         dz_col = dz.sum(0)

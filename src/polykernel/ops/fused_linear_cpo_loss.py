@@ -19,8 +19,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import _checks as check
 from ..core.op import Case, Op
+from . import _checks as check
 from . import _preference as pref
 
 OP_ID = "loss.fused_linear_cpo_loss"

@@ -207,7 +207,9 @@ bytes_moved = pref.bytes_moved
 # Liger's DPO takes no precomputed reference log-probs: refused by the class (never a fault)
 liger_predicate = pref.liger_gate("ref_chosen_logps")
 IMPLS = pref.impl_rows(
-    OP_ID, "pairs", "Liger LigerFusedLinearDPOFunction (logits in the inputs' dtype; nll_loss NaN unless compute_nll_loss)",
+    OP_ID,
+    "pairs",
+    "Liger LigerFusedLinearDPOFunction (logits in the inputs' dtype; nll_loss NaN unless compute_nll_loss)",
     liger_predicate,
 )
 

@@ -31,8 +31,8 @@ from typing import NamedTuple
 import torch
 
 from ..backends.torch import _linear_logps as walker
-from . import _checks as check
 from ..core.op import Case, Op
+from . import _checks as check
 from . import _preference as pref
 
 OP_ID = "loss.fused_linear_grpo_loss"
@@ -307,7 +307,8 @@ flops = pref.flops
 bytes_moved = pref.bytes_moved
 
 IMPLS = pref.impl_rows(
-    OP_ID, "token rows (sequences for sequence-level ratios)",
+    OP_ID,
+    "token rows (sequences for sequence-level ratios)",
     "Liger LigerFusedLinearGRPOFunction (region clip ratio only, the others NaN; logits in the inputs' dtype)",
 )
 

@@ -24,8 +24,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import _checks as check
 from ..core.op import Case, Op
+from . import _checks as check
 from . import _preference as pref
 
 OP_ID = "loss.fused_linear_kto_loss"

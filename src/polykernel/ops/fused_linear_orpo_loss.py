@@ -141,7 +141,9 @@ def cases(device, dtype, large: bool = False) -> list[Case]:
 flops = pref.flops
 bytes_moved = pref.bytes_moved
 
-IMPLS = pref.impl_rows(OP_ID, "pairs", "Liger LigerFusedLinearORPOFunction (logits in the inputs' dtype; nll_loss NaN unless compute_nll_loss)")
+IMPLS = pref.impl_rows(
+    OP_ID, "pairs", "Liger LigerFusedLinearORPOFunction (logits in the inputs' dtype; nll_loss NaN unless compute_nll_loss)"
+)
 
 _op = Op(
     OP_ID,

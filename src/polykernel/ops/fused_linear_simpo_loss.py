@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import _checks as check
 from ..core.op import Case, Op
+from . import _checks as check
 from . import _preference as pref
 from .fused_linear_cpo_loss import sigmoid_terms
 

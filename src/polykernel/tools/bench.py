@@ -88,7 +88,10 @@ SHAPES: dict[str, list[tuple[str, tuple[int, ...]]]] = {
     "fused_linear_jsd": [("N8192,H4096,V128256", (8192, 4096, 128256))],
     # the fused preference/RL losses at the issue's 1B-model shape: 2×4 sequences of 1024 tokens
     # (R, T, H, V), H = 2048, V = 128256 (issue 22)
-    **{f"fused_linear_{n}_loss": [("R8,T1024,H2048,V128256", (8, 1024, 2048, 128256))] for n in ("dpo", "orpo", "cpo", "simpo", "kto", "grpo")},
+    **{
+        f"fused_linear_{n}_loss": [("R8,T1024,H2048,V128256", (8, 1024, 2048, 128256))]
+        for n in ("dpo", "orpo", "cpo", "simpo", "kto", "grpo")
+    },
 }
 
 # op -> (index of the dimension a sweep scales, how many smaller sizes): the README shape, then
