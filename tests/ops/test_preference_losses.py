@@ -12,7 +12,12 @@ from hypothesis import strategies as st
 
 import polykernel
 from polykernel.backends.torch import _linear_logps
+from polykernel.core import registry
+from polykernel.core.op import Case
 from polykernel.errors import OpArgumentError, UnknownImplError
+from polykernel.ops import _preference as pref
+from polykernel.ops import fused_linear_grpo_loss as grpo_op
+from polykernel.testing import check_parity
 
 IMPLS = ["torch", "triton"]
 
@@ -737,3 +742,86 @@ def test_pairwise_and_kto_hypothesis_shapes(b, t, v, impl, name, ignored):
         want = formula(hid, w, bias, tg)[0]
     torch.testing.assert_close(out.loss.double(), want.detach(), rtol=2e-5, atol=2e-5)
     assert_grads(out.loss, want, (hid, w, bias), torch.float32)
+
+
+# -- the parity harness (each op's error model, against its float64 reference) ---------------------
+
+OPS = [f"fused_linear_{n}_loss" for n in ("dpo", "orpo", "cpo", "simpo", "kto", "grpo")]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", OPS)
+def test_parity_on_the_op_cases(name, impl):
+    results = check_parity(name, [impl], dtypes=[torch.float32, torch.bfloat16, torch.float16])
+    assert results and all(r.ok for r in results), "\n".join(str(r) for r in results if not r.ok)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    r=st.integers(1, 3), t=st.integers(1, 7), h=st.integers(1, 24), v=st.integers(1, 120), ignored=st.sampled_from([0.0, 0.3, 1.0]),
+    impl=st.sampled_from(IMPLS), dtype=st.sampled_from([torch.float32, torch.bfloat16]), beta=st.sampled_from([0.0, 0.1, 2.0]),
+)  # fmt: skip
+def test_dpo_parity_hypothesis(r, t, h, v, ignored, impl, dtype, beta):
+    args = pref.case_head(2 * r, t, h, v, device="cpu", dtype=dtype, ignored=ignored)
+    (result,) = check_parity("fused_linear_dpo_loss", [impl], dtypes=[dtype], cases=[Case("drawn", args, {"beta": beta})])
+    assert result.ok, str(result)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    b=st.integers(1, 4), t=st.integers(1, 7), v=st.integers(1, 120), impl=st.sampled_from(IMPLS),
+    level=st.sampled_from(["token", "sequence"]), loss_type=st.sampled_from(["grpo", "bnpo", "dr_grpo", "dapo"]),
+)  # fmt: skip
+def test_grpo_parity_hypothesis(b, t, v, impl, level, loss_type):
+    h, w, ids, bias = pref.case_head(b, t, 16, v, device="cpu", dtype=torch.float32, ignored=0.0)
+    args, kw = grpo_op._completions(h, w, ids, bias, "cpu")
+    case = Case("drawn", args, dict(kw, loss_type=loss_type, importance_sampling_level=level))
+    (result,) = check_parity("fused_linear_grpo_loss", [impl], dtypes=[torch.float32], cases=[case])
+    assert result.ok, str(result)
+
+
+@pytest.mark.parametrize(("where", "factor"), [("loss", 1 + 1e-4), ("grad", 1 + 5e-2)])
+def test_the_error_model_catches_a_small_error(monkeypatch, where, factor):
+    # fp32: the model's bound is well below these relative errors, so a kernel that makes them fails
+    from polykernel.backends.torch import _token_logps
+
+    if where == "loss":
+        real = _linear_logps.walk
+
+        def walk(*a, **k):
+            loss, *rest = real(*a, **k)
+            return (loss * factor, *rest)
+
+        monkeypatch.setattr(_linear_logps, "walk", walk)
+    else:
+        real = _token_logps.token_grad_
+
+        def token_grad_(z, tc, lse, scale, dz, ignore_index):
+            return real(z, tc, lse, scale * factor, dz, ignore_index)
+
+        monkeypatch.setattr(_token_logps, "token_grad_", token_grad_)
+    case = next(c for c in registry.get_op("fused_linear_dpo_loss").cases("cpu", torch.float32) if c.label == "4x6x16x97")
+    (result,) = check_parity("fused_linear_dpo_loss", ["torch"], dtypes=[torch.float32], cases=[case])
+    assert not result.ok and (result.forward_error if where == "loss" else result.backward_error) > 1
+
+
+def test_dispatcher_resolution_order_and_explain():
+    hid, w, b = head(4, 3, 8, 20)
+    t = targets(4, 3, 20)
+    e = polykernel.explain("fused_linear_dpo_loss", hid, w, t, b)
+    assert e.chosen == ("triton" if polykernel.env.triton_interpret() else "torch")
+    assert {r["name"] for r in e.impls} == {"torch", "triton", "liger"}
+    with polykernel.use_impl("torch"):
+        polykernel.fused_linear_dpo_loss(hid, w, t, b)
+    assert [d["impl"] for d in polykernel.decisions("fused_linear_dpo_loss")][-1] == "torch"
+    # Liger's refusal of precomputed reference log-probs is a reason in explain, never a fault
+    e = polykernel.explain("fused_linear_dpo_loss", hid, w, t, b, ref_chosen_logps=torch.zeros(2), ref_rejected_logps=torch.zeros(2))
+    reasons = {r["name"]: r["reason"] for r in e.impls}
+    assert reasons["liger"] is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fused_linear_dpo_loss", "fused_linear_grpo_loss"])
+def test_gpu_parity_large(name):
+    results = check_parity(name, device="cuda", dtypes=[torch.bfloat16], large=True)
+    assert results and all(r.ok for r in results), "\n".join(str(r) for r in results if not r.ok)

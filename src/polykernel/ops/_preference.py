@@ -293,7 +293,7 @@ def fields(reference: Any) -> tuple[str, ...]:
 # own fp32 arithmetic on terms of magnitude A = Σ_t |g_t|·(|logp_t| + 1). A per-sequence statistic
 # is a sum of up to T log-probs (T·ε + λ·√T·u32 of their magnitude), times its gain (β for the
 # rewards). Backward: dz = g/t·(onehot − softmax) is off by ε relative (softmax) plus g's own
-# error (its slope through the formula, up to 8·max(1, β) times the sequences' error), rounded
+# error (its slope through the formula: β·margin's error, a ratio's log-probs' error), rounded
 # to the inputs' dtype; dH = dz·W sums over V (scale max|W|·max_t Σ_v|dz|), dW = dzᵀ·h over the
 # rows (max|h|·max_v Σ_t|dz|, accumulated in the weight's dtype once per chunk), db = Σ_t dz.
 
@@ -358,7 +358,10 @@ def error_bounds(reference: Any, args: tuple, kwargs: dict, *, grads: dict[str, 
     from ..backends.torch import _linear_logps as walker  # the chunking's rounds of dW
 
     chunks = max(1, r // walker.units_per_chunk(r, 1, t, weight.shape[0], hidden.element_size()))
-    slope = 4 * (1.0 + float(beta)) * seq_err + eps  # a sigmoid's slope moves by at most β per unit of margin
+    # g's own error: a sigmoid of β·margin moves its slope by at most β per unit of margin (two
+    # sequences per margin); GRPO's ratios and KL move by at most their log-probs' error (`beta`
+    # is then 0: no margin)
+    slope = 2 * float(beta) * seq_err + 2 * eps
     tiny = TINY.get(hidden.dtype, 0.0)
 
     def grad(rounds: float, d: float, w_max: float, terms: int, inter: torch.dtype) -> ErrorModel:
@@ -442,9 +445,10 @@ def impl_rows(op: str, what: str, liger: str | None, liger_predicate: Any = None
     return impls(op, *rows)
 
 
-def error_model_for(reference: Any, grads: dict[str, int], *, beta: str | None = "beta", gain: Any = None) -> Any:
-    """``Op(error_model=)``: :func:`error_bounds` with the call's ``beta`` (the formula's slope)
-    and the statistics' ``gain(arguments)`` (default max(1, β))."""
+def error_model_for(reference: Any, grads: dict[str, int], *, beta: str | None = "beta", gain: Any = None, curv: Any = None) -> Any:
+    """``Op(error_model=)``: :func:`error_bounds` with the call's ``beta`` (how fast the formula's
+    slope moves with a margin; ``curv(arguments)`` instead where given, None: no margin) and the
+    statistics' ``gain(arguments)`` (default max(1, β))."""
     import inspect
 
     sig = inspect.signature(reference)
@@ -453,11 +457,18 @@ def error_model_for(reference: Any, grads: dict[str, int], *, beta: str | None =
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        b = float(a[beta]) if beta is not None else 1.0
+        b = float(a[beta]) if beta is not None else 0.0
         g = gain(a) if gain is not None else max(1.0, b)
-        return error_bounds(reference, args, kwargs, grads=grads, beta=b, gain=g, temperature=float(a.get("temperature", 1.0)))
+        c = curv(a) if curv is not None else b
+        return error_bounds(reference, args, kwargs, grads=grads, beta=c, gain=g, temperature=float(a.get("temperature", 1.0)))
 
     return error_model
+
+
+def orpo_curv(arguments: dict) -> float:
+    """ORPO's loss, β·logσ(log-odds ratio): its slope in a sequence's average log-prob moves with
+    it by up to β·(the log-odds' slope)² + the log-odds' own curvature, both within orpo_gain²."""
+    return float(arguments["beta"]) * orpo_gain(arguments) ** 2 / max(2.0, float(arguments["beta"])) ** 2 + orpo_gain(arguments)
 
 
 def orpo_gain(arguments: dict) -> float:

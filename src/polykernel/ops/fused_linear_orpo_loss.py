@@ -109,7 +109,7 @@ def reference(hidden, weight, target, bias=None, beta=0.1, ignore_index=-100, co
     return pref.contract(_stats(loss, logps, mask, float(beta)), hidden)
 
 
-error_model = pref.error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 3}, gain=pref.orpo_gain)
+error_model = pref.error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 3}, gain=pref.orpo_gain, curv=pref.orpo_curv)
 
 
 def outputs(hidden, weight, *_: object) -> tuple:
