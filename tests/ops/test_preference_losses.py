@@ -16,6 +16,7 @@ from polykernel.core import registry
 from polykernel.core.op import Case
 from polykernel.errors import OpArgumentError, UnknownImplError
 from polykernel.ops import _preference as pref
+from polykernel.ops import fused_linear_dpo_loss as dpo_op
 from polykernel.ops import fused_linear_grpo_loss as grpo_op
 from polykernel.testing import check_parity
 
@@ -119,10 +120,13 @@ def test_dpo_matches_formula(impl, opts):
 def test_dpo_bf16_and_grad_output_scaling(impl):
     hid, w, b = head(4, 5, 32, 300, dtype=torch.bfloat16)
     t = targets(4, 5, 300)
+    (result,) = check_parity("fused_linear_dpo_loss", [impl], dtypes=[torch.bfloat16], cases=[Case("bf16", (hid, w, t, b), {"beta": 0.3})])
+    assert result.ok, str(result)  # the error model of fp32 logits of the bf16 values
     out = polykernel.fused_linear_dpo_loss(hid, w, t, b, impl=impl, beta=0.3)
-    want = dpo_formula(hid, w, b, t, beta=0.3)
-    torch.testing.assert_close(out.loss.double(), want[0].detach(), rtol=1e-4, atol=1e-4)  # fp32 logits of the bf16 values
-    assert_grads(3.0 * out.loss, 3.0 * want[0], (hid, w, b), torch.bfloat16)
+    (g1,) = torch.autograd.grad(out.loss, hid, torch.tensor(3.0))
+    out = polykernel.fused_linear_dpo_loss(hid, w, t, b, impl=impl, beta=0.3)
+    (g3,) = torch.autograd.grad(3.0 * out.loss, hid)
+    torch.testing.assert_close(g1, g3, rtol=0, atol=0)  # the stored gradients scaled by grad_output, as autograd's own
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -147,12 +151,19 @@ def test_dpo_all_ignored_rows(impl):
 @settings(max_examples=12, deadline=None)
 @given(b=st.integers(1, 3), t=st.integers(1, 9), h=st.integers(1, 12), v=st.integers(1, 70), impl=st.sampled_from(IMPLS))
 def test_dpo_hypothesis_shapes(b, t, h, v, impl):
+    # the op's reference is the formula (float64, to its last digits); each impl is within the
+    # op's error model of the reference (the parity harness)
     hid, w, bias = head(2 * b, t, h, v)
     tg = targets(2 * b, t, v, ignored=0.3)
-    out = polykernel.fused_linear_dpo_loss(hid, w, tg, bias, impl=impl, beta=0.2)
-    want = dpo_formula(hid, w, bias, tg, beta=0.2)
-    torch.testing.assert_close(out.loss.double(), want[0].detach(), rtol=2e-5, atol=2e-5)
-    assert_grads(out.loss, want[0], (hid, w, bias), torch.float32)
+    exact = [x.detach().double().requires_grad_() for x in (hid, w, bias)]
+    got, want = dpo_op.reference(exact[0], exact[1], tg, exact[2], beta=0.2), dpo_formula(*exact[:2], exact[2], tg, beta=0.2)
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a, c.detach(), rtol=1e-12, atol=1e-12, equal_nan=True)
+    assert_grads(got.loss, want[0], exact, torch.float64)
+    (result,) = check_parity(
+        "fused_linear_dpo_loss", [impl], dtypes=[torch.float32], cases=[Case("drawn", (hid, w, tg, bias), {"beta": 0.2})]
+    )
+    assert result.ok, str(result)
 
 
 def test_dpo_float64_is_exact():
@@ -284,11 +295,16 @@ def test_grpo_hypothesis_shapes(b, t, v, impl, level, loss_type):
     hid, w, bias = head(b, t, 8, v)
     ids, mask, adv = torch.randint(0, v, (b, t)), (torch.rand(b, t) > 0.3).long(), torch.randn(b)
     old = -torch.rand(b, t) * 3
-    out = polykernel.fused_linear_grpo_loss(hid, w, ids, mask, adv, bias, old_per_token_logps=old, beta=0.0,
-                                            importance_sampling_level=level, loss_type=loss_type, impl=impl)  # fmt: skip
-    want = grpo_formula(hid, w, bias, ids, mask, adv, old=old, beta=0.0, level=level, loss_type=loss_type)
-    torch.testing.assert_close(out.loss.double(), want.detach(), rtol=2e-5, atol=2e-6)
-    assert_grads(out.loss, want, (hid, w, bias), torch.float32)
+    kw = dict(old_per_token_logps=old, beta=0.0, importance_sampling_level=level, loss_type=loss_type)
+    exact = [x.detach().double().requires_grad_() for x in (hid, w, bias)]
+    got = grpo_op.reference(exact[0], exact[1], ids, mask, adv, exact[2], **kw)
+    want = grpo_formula(*exact[:2], exact[2], ids, mask, adv, old=old, beta=0.0, level=level, loss_type=loss_type)
+    torch.testing.assert_close(got.loss, want.detach(), rtol=1e-12, atol=1e-12)  # the reference is the formula
+    assert_grads(got.loss, want, exact, torch.float64)
+    (result,) = check_parity(
+        "fused_linear_grpo_loss", [impl], dtypes=[torch.float32], cases=[Case("drawn", (hid, w, ids, mask, adv, bias), kw)]
+    )
+    assert result.ok, str(result)
 
 
 def test_grpo_nn_module():
