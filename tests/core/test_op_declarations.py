@@ -1225,7 +1225,7 @@ EXPECTED = {
             True,
             False,
             False,
-            None,
+            "polykernel.ops.fused_linear_grpo_loss:liger_predicate",
             None,
             "Liger LigerFusedLinearGRPOFunction (region clip ratio only, the others NaN; logits in the inputs' dtype)",
         ),

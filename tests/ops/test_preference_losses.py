@@ -199,7 +199,7 @@ def test_backward_twice_is_a_clear_error():
 
 
 def grpo_formula(h, w, b, ids, mask, adv, *, ref=None, old=None, beta=0.04, eps_low=0.2, eps_high=0.2, loss_type="grpo",
-                 level="token", temperature=1.0, max_len=None):  # fmt: skip
+                 level="token", temperature=1.0, max_len=None, bias_correction=False):  # fmt: skip
     """TRL 1.16's GRPOTrainer._compute_loss, transcribed (float masks, products)."""
     lp, _ = token_logps(h, w, b, ids, ignore=-(10**9), temperature=temperature)
     m = mask.double()
@@ -214,7 +214,8 @@ def grpo_formula(h, w, b, ids, mask, adv, *, ref=None, old=None, beta=0.04, eps_
     a = adv.double().unsqueeze(1)
     ptl = -torch.min(c1 * a, c2 * a)
     if beta != 0.0:
-        ptl = ptl + beta * (torch.exp(ref.double() - lp) - (ref.double() - lp) - 1)
+        kl = torch.exp(ref.double() - lp) - (ref.double() - lp) - 1
+        ptl = ptl + beta * (kl * c1 if bias_correction else kl)  # use_bias_correction_kl: the ratio, differentiable
     if loss_type == "grpo":
         return ((ptl * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
     if loss_type in ("bnpo", "dapo"):
@@ -230,6 +231,8 @@ GRPO_OPTS = [
     {"importance_sampling_level": "sequence", "old": True},
     {"importance_sampling_level": "sequence", "loss_type": "bnpo", "beta": 0.0},
     {"beta": 0.1, "epsilon_low": 0.0, "old": True, "bias": False},
+    {"use_bias_correction_kl": True, "old": True},
+    {"use_bias_correction_kl": True, "importance_sampling_level": "sequence", "loss_type": "dapo", "old": True},
 ]
 
 
@@ -251,7 +254,7 @@ def test_grpo_matches_trl_formula(impl, opts):
     want = grpo_formula(hid, w, b, ids, mask, adv, ref=ref, old=old, beta=beta, eps_low=opts.get("epsilon_low", 0.2),
                         eps_high=opts.get("epsilon_high", 0.2), loss_type=opts.get("loss_type", "grpo"),
                         level=opts.get("importance_sampling_level", "token"), temperature=opts.get("temperature", 1.0),
-                        max_len=opts.get("max_completion_length"))  # fmt: skip
+                        max_len=opts.get("max_completion_length"), bias_correction=opts.get("use_bias_correction_kl", False))  # fmt: skip
     torch.testing.assert_close(out.loss.double(), want.detach(), rtol=2e-5, atol=2e-6)
     assert (out.metrics.kl is None) == (beta == 0)
     assert 0 <= out.metrics.clip_ratio_region <= 1
@@ -841,3 +844,18 @@ def test_dispatcher_resolution_order_and_explain():
 def test_gpu_parity_large(name):
     results = check_parity(name, device="cuda", dtypes=[torch.bfloat16], large=True)
     assert results and all(r.ok for r in results), "\n".join(str(r) for r in results if not r.ok)
+
+
+def test_grpo_bias_correction_changes_the_kl_gradient_on_policy():
+    # on-policy (old = the policy's own): the ratio is 1, the loss the same, but its gradient is not
+    hid, w, b = head(2, 5, 8, 30)
+    ids, mask, adv = torch.randint(0, 30, (2, 5)), torch.ones(2, 5), torch.randn(2)
+    ref = -torch.rand(2, 5) * 4
+    plain = polykernel.fused_linear_grpo_loss(hid, w, ids, mask, adv, b, ref_per_token_logps=ref, beta=0.5)
+    weighted = polykernel.fused_linear_grpo_loss(hid, w, ids, mask, adv, b, ref_per_token_logps=ref, beta=0.5, use_bias_correction_kl=True)
+    torch.testing.assert_close(plain.loss, weighted.loss)
+    (g1,), (g2,) = torch.autograd.grad(plain.loss, [hid]), torch.autograd.grad(weighted.loss, [hid])
+    assert (g1 - g2).abs().max() > 1e-3 * g1.abs().max()
+    with pytest.raises(OpArgumentError) as info:
+        polykernel.fused_linear_grpo_loss(hid, w, ids, mask, adv, b, ref_per_token_logps=ref, use_bias_correction_kl=1)
+    assert info.value.arg == "use_bias_correction_kl"

@@ -110,6 +110,10 @@ def fused_linear_simpo_loss(hidden, weight, target, bias, beta, gamma, label_smo
 
 
 def fused_linear_grpo_loss(hidden, weight, ids, mask, advantages, bias, ref, old, beta, eps_low, eps_high, loss_type, level,
-                           temperature, max_completion_length) -> GRPOOutput:  # fmt: skip
+                           temperature, max_completion_length, use_bias_correction_kl=False) -> GRPOOutput:  # fmt: skip
+    if use_bias_correction_kl and beta != 0.0:  # (the op's predicate refuses it first)
+        raise ImplNotAvailableError(
+            "loss.fused_linear_grpo_loss", "liger", "Liger's GRPO has no importance-weighted KL", ["torch", "triton"]
+        )
     return grpo(hidden, weight, ids, mask, advantages, bias, ref, old, float(beta), float(eps_low), float(eps_high), loss_type, level,
                 float(temperature), max_completion_length)  # fmt: skip
