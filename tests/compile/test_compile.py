@@ -834,3 +834,10 @@ def test_eager_mode_still_checks_the_token_ids():
     compiled(h, w, t)
     with pytest.raises(OpArgumentError, match="target"):
         compiled(h, w, bad)
+
+
+def test_eager_is_an_ops_own_fact_not_a_variables_choice(monkeypatch):
+    op = _op("activation.swiglu")
+    monkeypatch.setenv("POLYKERNEL_COMPILE_SWIGLU", "eager")
+    with pytest.raises(ValueError, match="POLYKERNEL_COMPILE_SWIGLU: 'eager' is not 'ours' or 'decompose'"):
+        library._compile_mode(op, "swiglu")
