@@ -936,7 +936,7 @@ class FusedLinearGRPOLoss(_FusedLinearPreferenceLoss):
     _fn = "fused_linear_grpo_loss"
     _options: ClassVar[dict[str, object]] = {
         "beta": 0.04, "epsilon_low": 0.2, "epsilon_high": 0.2, "loss_type": "grpo", "importance_sampling_level": "token",
-        "temperature": 1.0, "max_completion_length": None,
+        "temperature": 1.0, "max_completion_length": None, "use_bias_correction_kl": False,
     }  # fmt: skip
 
 

@@ -52,6 +52,8 @@ def _overloads(op: Op):
     """(CompiledOp, forward, backward); backward None for an op that writes into given tensors
     (Op.writes: the serving ops, inference only)."""
     compiled = library._built[op.id]
+    if compiled.mode == "eager":  # a graph break around the eager call: no custom op (test_eager_mode_* below)
+        pytest.skip(f"{op.id}: compile_mode eager, no custom op")
     packet = getattr(torch.ops.polykernel, compiled.name)
     backward = None if compiled.writes else getattr(torch.ops.polykernel, f"{compiled.name}_backward").default
     return compiled, packet.default, backward
@@ -189,7 +191,7 @@ def test_opcheck(op_id):
 def test_opcheck_training_ops(op_id):
     """The training forward (outputs + saved) and its backward pass opcheck, backward included."""
     op = _op(op_id)
-    compiled = library._built[op.id]
+    compiled = _overloads(op)[0]
     if compiled.writes:
         pytest.skip(f"{op_id} writes into given tensors: inference only, no training custom ops")
     for case in _small_cases(op):
@@ -788,3 +790,54 @@ def test_cuda_graphs_rms_norm():
     for _ in range(3):  # warm-up, record, replay
         got = _run(compiled, case)
     _assert_same(op, case, got, want, torch.bfloat16, "rms_norm cuda graphs")
+
+
+# ---------------------------------------------------------------------------------------------
+# compile_mode "eager" (the fused preference/RL losses): a graph break around the eager dispatcher
+
+
+def test_eager_mode_breaks_the_graph_and_matches_eager():
+    op = _op("loss.fused_linear_dpo_loss")
+    assert library._built[op.id].mode == "eager"
+    case = _small_cases(op)[-1]
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    public, kwargs = _public(op), dict(case.kwargs)
+
+    def fn(*args):
+        out = public(*args, **kwargs)
+        return out.loss * 2, out.chosen_logps + 1  # traced code on both sides of the break
+
+    got = _run(torch.compile(fn, backend=counter), case)
+    want = _run(fn, case)
+    for g, w in zip(got[0] + got[1], want[0] + want[1]):
+        torch.testing.assert_close(g, w, equal_nan=True)  # one impl, one order of sums: the same values
+    assert got[1] and counter.frame_count >= 1
+    assert not any(str(t).startswith("polykernel.") for g in counter.graphs for t in _targets(g))  # nothing opaque traced
+
+
+def test_eager_mode_under_fullgraph_is_a_clear_graph_break():
+    op = _op("loss.fused_linear_grpo_loss")
+    case = _small_cases(op)[0]
+    public, kwargs = _public(op), dict(case.kwargs)
+    compiled = torch.compile(lambda *a: public(*a, **kwargs).loss, fullgraph=True, backend="aot_eager")
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"(?i)skip|disable"):
+        compiled(*[fresh(a) for a in case.args])
+
+
+def test_eager_mode_still_checks_the_token_ids():
+    # the trace skips the data-dependent check; the eager call behind the break makes it
+    op = _op("loss.fused_linear_dpo_loss")
+    h, w, t = (fresh(a) for a in _small_cases(op)[0].args[:3])
+    bad = t.clone()
+    bad[0, 0] = w.shape[0]
+    compiled = torch.compile(lambda *a: _public(op)(*a).loss, backend="aot_eager")
+    compiled(h, w, t)
+    with pytest.raises(OpArgumentError, match="target"):
+        compiled(h, w, bad)
+
+
+def test_eager_is_an_ops_own_fact_not_a_variables_choice(monkeypatch):
+    op = _op("activation.swiglu")
+    monkeypatch.setenv("POLYKERNEL_COMPILE_SWIGLU", "eager")
+    with pytest.raises(ValueError, match="POLYKERNEL_COMPILE_SWIGLU: 'eager' is not 'ours' or 'decompose'"):
+        library._compile_mode(op, "swiglu")

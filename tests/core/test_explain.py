@@ -54,10 +54,11 @@ def test_an_unknown_device_names_the_argument():
 @pytest.mark.parametrize("op_id", polykernel.list_ops())
 def test_an_int_dtype_is_refused_as_the_real_call_refuses_it(op_id):
     op = registry.get_op(op_id)
-    case = next(c for c in op.cases("cpu", torch.float32) if not c.kwargs)
+    cases = op.cases("cpu", torch.float32)
+    case = next((c for c in cases if not c.kwargs), cases[0])  # (GRPO has no call without options: beta needs ref log-probs)
     ints = [a.detach().to(torch.int32) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in case.args]
     with pytest.raises(OpTypeError) as real:
-        getattr(polykernel, op.name)(*ints)
+        getattr(polykernel, op.name)(*ints, **case.kwargs)
     e = polykernel.explain(op_id, device="cpu", dtype=torch.int32)
     assert e.chosen is None and e.error == str(real.value)
     assert all(not r["runnable"] and r["reason"] == "dtype int32 not supported" for r in e.impls), e.impls

@@ -105,9 +105,22 @@ def _case(op: Op) -> Case:
     return Case(case.label, tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in case.args), case.kwargs)
 
 
+def _flat(out):
+    """The output tensors, nested NamedTuples (the fused preference losses' metrics) flattened."""
+    if isinstance(out, tuple):
+        return [t for o in out for t in _flat(o)]
+    return [] if out is None else [out]
+
+
 def _outputs(out):
     # fp8 values (the serving quantisers) compared as fp32: torch compares no fp8 with a tolerance
-    return [o.float() if o.dtype == torch.float8_e4m3fn else o for o in map(_plain, out if isinstance(out, tuple) else (out,))]
+    return [o.float() if o.dtype == torch.float8_e4m3fn else o for o in map(_plain, _flat(out))]
+
+
+# Ops whose torch impl writes its results into fresh plain tensors (the fused preference/RL
+# losses' chunked driver): a subclass input still never reaches a raw-memory impl, but the
+# outputs are plain tensors.
+PLAIN_OUTPUTS = {f"loss.fused_linear_{n}_loss" for n in ("dpo", "orpo", "cpo", "simpo", "kto", "grpo")}
 
 
 @pytest.fixture
@@ -168,10 +181,11 @@ def test_subclass_never_reaches_a_raw_memory_impl(op_id, kind, raw_calls):
     got_again = public(*args, **case.kwargs)  # and the subclass decision, memoized too
     assert calls[n:] == [], f"{op_id}: a raw-memory impl ran on a {kind}: {calls[n:]}"
     for g, w in zip(_outputs(got), want):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
     for g, w in zip(_outputs(got_again), want):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
-    assert type((got if isinstance(got, tuple) else (got,))[0]).__name__ == kind  # torch's dispatch kept it
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
+    if op_id not in PLAIN_OUTPUTS:
+        assert type((got if isinstance(got, tuple) else (got,))[0]).__name__ == kind  # torch's dispatch kept it
 
     record = [d for d in polykernel.decisions(op_id) if d.get("subclass") == kind]
     assert [d["impl"] for d in record] == ["torch"]

@@ -237,8 +237,6 @@ def grpo_pair(tmp_path, tokenizer, *, moe=False, **config):
     (tiny_mixtral() if moe else tiny_llama()).save_pretrained(path)
     tokenizer.save_pretrained(path)
     config.setdefault("beta", 0.0)
-    if config["beta"] != 0.0:
-        config.setdefault("use_bias_correction_kl", False)
     args = trl.GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=6, **config, **common_args(tmp_path))
     kwargs = dict(reward_funcs=reward_len, train_dataset=prompt_data(), processing_class=tokenizer)
     theirs = trl.GRPOTrainer(model=str(path), args=copy.deepcopy(args), **kwargs)
@@ -252,7 +250,9 @@ GRPO_CASES = [
     dict(loss_type="dr_grpo", importance_sampling_level="sequence"),
     dict(loss_type="dapo", beta=0.04, temperature=0.7),
     dict(loss_type="dapo", importance_sampling_level="sequence", off_policy=True),
-    dict(loss_type="grpo", beta=0.04, epsilon=0.1, epsilon_high=0.3, off_policy=True),
+    dict(loss_type="grpo", beta=0.04, epsilon=0.1, epsilon_high=0.3, off_policy=True),  # TRL's default: the weighted KL
+    dict(loss_type="bnpo", beta=0.04, use_bias_correction_kl=False),
+    dict(loss_type="dapo", beta=0.04, importance_sampling_level="sequence", off_policy=True),
     dict(loss_type="bnpo", moe=True),
 ]
 
@@ -306,7 +306,6 @@ def test_grpo_trains_two_steps(tmp_path, tokenizer):
     ("config", "option"),
     [
         (dict(loss_type="cispo"), "loss_type"),
-        (dict(beta=0.04), "use_bias_correction_kl"),  # TRL's default: the importance-weighted KL
         (dict(delta=1.5), "delta"),
         (dict(top_entropy_quantile=0.5), "top_entropy_quantile"),
         (dict(entropy_coef=0.01), "entropy_coef"),

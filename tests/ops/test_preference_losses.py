@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 
 import polykernel
 from polykernel.backends.torch import _linear_logps
-from polykernel.errors import OpArgumentError
+from polykernel.core import registry
+from polykernel.core.op import Case
+from polykernel.errors import OpArgumentError, UnknownImplError
+from polykernel.ops import _preference as pref
+from polykernel.ops import fused_linear_dpo_loss as dpo_op
+from polykernel.ops import fused_linear_grpo_loss as grpo_op
+from polykernel.testing import check_parity
 
 IMPLS = ["torch", "triton"]
 
@@ -114,10 +120,13 @@ def test_dpo_matches_formula(impl, opts):
 def test_dpo_bf16_and_grad_output_scaling(impl):
     hid, w, b = head(4, 5, 32, 300, dtype=torch.bfloat16)
     t = targets(4, 5, 300)
+    (result,) = check_parity("fused_linear_dpo_loss", [impl], dtypes=[torch.bfloat16], cases=[Case("bf16", (hid, w, t, b), {"beta": 0.3})])
+    assert result.ok, str(result)  # the error model of fp32 logits of the bf16 values
     out = polykernel.fused_linear_dpo_loss(hid, w, t, b, impl=impl, beta=0.3)
-    want = dpo_formula(hid, w, b, t, beta=0.3)
-    torch.testing.assert_close(out.loss.double(), want[0].detach(), rtol=1e-4, atol=1e-4)  # fp32 logits of the bf16 values
-    assert_grads(3.0 * out.loss, 3.0 * want[0], (hid, w, b), torch.bfloat16)
+    (g1,) = torch.autograd.grad(out.loss, hid, torch.tensor(3.0))
+    out = polykernel.fused_linear_dpo_loss(hid, w, t, b, impl=impl, beta=0.3)
+    (g3,) = torch.autograd.grad(3.0 * out.loss, hid)
+    torch.testing.assert_close(g1, g3, rtol=0, atol=0)  # the stored gradients scaled by grad_output, as autograd's own
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -142,12 +151,19 @@ def test_dpo_all_ignored_rows(impl):
 @settings(max_examples=12, deadline=None)
 @given(b=st.integers(1, 3), t=st.integers(1, 9), h=st.integers(1, 12), v=st.integers(1, 70), impl=st.sampled_from(IMPLS))
 def test_dpo_hypothesis_shapes(b, t, h, v, impl):
+    # the op's reference is the formula (float64, to its last digits); each impl is within the
+    # op's error model of the reference (the parity harness)
     hid, w, bias = head(2 * b, t, h, v)
     tg = targets(2 * b, t, v, ignored=0.3)
-    out = polykernel.fused_linear_dpo_loss(hid, w, tg, bias, impl=impl, beta=0.2)
-    want = dpo_formula(hid, w, bias, tg, beta=0.2)
-    torch.testing.assert_close(out.loss.double(), want[0].detach(), rtol=2e-5, atol=2e-5)
-    assert_grads(out.loss, want[0], (hid, w, bias), torch.float32)
+    exact = [x.detach().double().requires_grad_() for x in (hid, w, bias)]
+    got, want = dpo_op.reference(exact[0], exact[1], tg, exact[2], beta=0.2), dpo_formula(*exact[:2], exact[2], tg, beta=0.2)
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a, c.detach(), rtol=1e-12, atol=1e-12, equal_nan=True)
+    assert_grads(got.loss, want[0], exact, torch.float64)
+    (result,) = check_parity(
+        "fused_linear_dpo_loss", [impl], dtypes=[torch.float32], cases=[Case("drawn", (hid, w, tg, bias), {"beta": 0.2})]
+    )
+    assert result.ok, str(result)
 
 
 def test_dpo_float64_is_exact():
@@ -183,7 +199,7 @@ def test_backward_twice_is_a_clear_error():
 
 
 def grpo_formula(h, w, b, ids, mask, adv, *, ref=None, old=None, beta=0.04, eps_low=0.2, eps_high=0.2, loss_type="grpo",
-                 level="token", temperature=1.0, max_len=None):  # fmt: skip
+                 level="token", temperature=1.0, max_len=None, bias_correction=False):  # fmt: skip
     """TRL 1.16's GRPOTrainer._compute_loss, transcribed (float masks, products)."""
     lp, _ = token_logps(h, w, b, ids, ignore=-(10**9), temperature=temperature)
     m = mask.double()
@@ -198,7 +214,8 @@ def grpo_formula(h, w, b, ids, mask, adv, *, ref=None, old=None, beta=0.04, eps_
     a = adv.double().unsqueeze(1)
     ptl = -torch.min(c1 * a, c2 * a)
     if beta != 0.0:
-        ptl = ptl + beta * (torch.exp(ref.double() - lp) - (ref.double() - lp) - 1)
+        kl = torch.exp(ref.double() - lp) - (ref.double() - lp) - 1
+        ptl = ptl + beta * (kl * c1 if bias_correction else kl)  # use_bias_correction_kl: the ratio, differentiable
     if loss_type == "grpo":
         return ((ptl * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
     if loss_type in ("bnpo", "dapo"):
@@ -214,6 +231,8 @@ GRPO_OPTS = [
     {"importance_sampling_level": "sequence", "old": True},
     {"importance_sampling_level": "sequence", "loss_type": "bnpo", "beta": 0.0},
     {"beta": 0.1, "epsilon_low": 0.0, "old": True, "bias": False},
+    {"use_bias_correction_kl": True, "old": True},
+    {"use_bias_correction_kl": True, "importance_sampling_level": "sequence", "loss_type": "dapo", "old": True},
 ]
 
 
@@ -235,7 +254,7 @@ def test_grpo_matches_trl_formula(impl, opts):
     want = grpo_formula(hid, w, b, ids, mask, adv, ref=ref, old=old, beta=beta, eps_low=opts.get("epsilon_low", 0.2),
                         eps_high=opts.get("epsilon_high", 0.2), loss_type=opts.get("loss_type", "grpo"),
                         level=opts.get("importance_sampling_level", "token"), temperature=opts.get("temperature", 1.0),
-                        max_len=opts.get("max_completion_length"))  # fmt: skip
+                        max_len=opts.get("max_completion_length"), bias_correction=opts.get("use_bias_correction_kl", False))  # fmt: skip
     torch.testing.assert_close(out.loss.double(), want.detach(), rtol=2e-5, atol=2e-6)
     assert (out.metrics.kl is None) == (beta == 0)
     assert 0 <= out.metrics.clip_ratio_region <= 1
@@ -279,11 +298,16 @@ def test_grpo_hypothesis_shapes(b, t, v, impl, level, loss_type):
     hid, w, bias = head(b, t, 8, v)
     ids, mask, adv = torch.randint(0, v, (b, t)), (torch.rand(b, t) > 0.3).long(), torch.randn(b)
     old = -torch.rand(b, t) * 3
-    out = polykernel.fused_linear_grpo_loss(hid, w, ids, mask, adv, bias, old_per_token_logps=old, beta=0.0,
-                                            importance_sampling_level=level, loss_type=loss_type, impl=impl)  # fmt: skip
-    want = grpo_formula(hid, w, bias, ids, mask, adv, old=old, beta=0.0, level=level, loss_type=loss_type)
-    torch.testing.assert_close(out.loss.double(), want.detach(), rtol=2e-5, atol=2e-6)
-    assert_grads(out.loss, want, (hid, w, bias), torch.float32)
+    kw = dict(old_per_token_logps=old, beta=0.0, importance_sampling_level=level, loss_type=loss_type)
+    exact = [x.detach().double().requires_grad_() for x in (hid, w, bias)]
+    got = grpo_op.reference(exact[0], exact[1], ids, mask, adv, exact[2], **kw)
+    want = grpo_formula(*exact[:2], exact[2], ids, mask, adv, old=old, beta=0.0, level=level, loss_type=loss_type)
+    torch.testing.assert_close(got.loss, want.detach(), rtol=1e-12, atol=1e-12)  # the reference is the formula
+    assert_grads(got.loss, want, exact, torch.float64)
+    (result,) = check_parity(
+        "fused_linear_grpo_loss", [impl], dtypes=[torch.float32], cases=[Case("drawn", (hid, w, ids, mask, adv, bias), kw)]
+    )
+    assert result.ok, str(result)
 
 
 def test_grpo_nn_module():
@@ -320,7 +344,6 @@ def _dpo_args():
         (lambda a, k: k.update(ref_chosen_logps=torch.zeros(3), ref_rejected_logps=torch.zeros(3)), "ref_chosen_logps"),
         (lambda a, k: k.update(ref_hidden=torch.randn(4, 3, 8)), "ref_weight"),
         (lambda a, k: k.update(ref_hidden=torch.randn(4, 3, 8), ref_weight=torch.randn(21, 8)), "ref_weight"),
-        (lambda a, k: k.update(impl="cuda"), "impl"),
     ],
 )
 def test_dpo_bad_input_names_the_argument(mutate, arg):
@@ -329,6 +352,12 @@ def test_dpo_bad_input_names_the_argument(mutate, arg):
     with pytest.raises(OpArgumentError) as info:
         polykernel.fused_linear_dpo_loss(*args, **kw)
     assert info.value.op == "loss.fused_linear_dpo_loss" and info.value.arg == arg
+
+
+def test_unknown_impl_is_the_dispatchers_error():
+    with pytest.raises(UnknownImplError) as info:
+        polykernel.fused_linear_dpo_loss(*_dpo_args(), impl="cuda")
+    assert info.value.op == "loss.fused_linear_dpo_loss" and "torch" in str(info.value)
 
 
 def _grpo_args():
@@ -732,3 +761,101 @@ def test_pairwise_and_kto_hypothesis_shapes(b, t, v, impl, name, ignored):
         want = formula(hid, w, bias, tg)[0]
     torch.testing.assert_close(out.loss.double(), want.detach(), rtol=2e-5, atol=2e-5)
     assert_grads(out.loss, want, (hid, w, bias), torch.float32)
+
+
+# -- the parity harness (each op's error model, against its float64 reference) ---------------------
+
+OPS = [f"fused_linear_{n}_loss" for n in ("dpo", "orpo", "cpo", "simpo", "kto", "grpo")]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", OPS)
+def test_parity_on_the_op_cases(name, impl):
+    results = check_parity(name, [impl], dtypes=[torch.float32, torch.bfloat16, torch.float16])
+    assert results and all(r.ok for r in results), "\n".join(str(r) for r in results if not r.ok)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    r=st.integers(1, 3), t=st.integers(1, 7), h=st.integers(1, 24), v=st.integers(1, 120), ignored=st.sampled_from([0.0, 0.3, 1.0]),
+    impl=st.sampled_from(IMPLS), dtype=st.sampled_from([torch.float32, torch.bfloat16]), beta=st.sampled_from([0.0, 0.1, 2.0]),
+)  # fmt: skip
+def test_dpo_parity_hypothesis(r, t, h, v, ignored, impl, dtype, beta):
+    args = pref.case_head(2 * r, t, h, v, device="cpu", dtype=dtype, ignored=ignored)
+    (result,) = check_parity("fused_linear_dpo_loss", [impl], dtypes=[dtype], cases=[Case("drawn", args, {"beta": beta})])
+    assert result.ok, str(result)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    b=st.integers(1, 4), t=st.integers(1, 7), v=st.integers(1, 120), impl=st.sampled_from(IMPLS),
+    level=st.sampled_from(["token", "sequence"]), loss_type=st.sampled_from(["grpo", "bnpo", "dr_grpo", "dapo"]),
+)  # fmt: skip
+def test_grpo_parity_hypothesis(b, t, v, impl, level, loss_type):
+    h, w, ids, bias = pref.case_head(b, t, 16, v, device="cpu", dtype=torch.float32, ignored=0.0)
+    args, kw = grpo_op._completions(h, w, ids, bias, "cpu")
+    case = Case("drawn", args, dict(kw, loss_type=loss_type, importance_sampling_level=level))
+    (result,) = check_parity("fused_linear_grpo_loss", [impl], dtypes=[torch.float32], cases=[case])
+    assert result.ok, str(result)
+
+
+@pytest.mark.parametrize(("where", "factor"), [("loss", 1 + 1e-4), ("grad", 1 + 5e-2)])
+def test_the_error_model_catches_a_small_error(monkeypatch, where, factor):
+    # fp32: the model's bound is well below these relative errors, so a kernel that makes them fails
+    from polykernel.backends.torch import _token_logps
+
+    if where == "loss":
+        real = _linear_logps.walk
+
+        def walk(*a, **k):
+            loss, *rest = real(*a, **k)
+            return (loss * factor, *rest)
+
+        monkeypatch.setattr(_linear_logps, "walk", walk)
+    else:
+        real = _token_logps.token_grad_
+
+        def token_grad_(z, tc, lse, scale, dz, ignore_index):
+            return real(z, tc, lse, scale * factor, dz, ignore_index)
+
+        monkeypatch.setattr(_token_logps, "token_grad_", token_grad_)
+    case = next(c for c in registry.get_op("fused_linear_dpo_loss").cases("cpu", torch.float32) if c.label == "4x6x16x97")
+    (result,) = check_parity("fused_linear_dpo_loss", ["torch"], dtypes=[torch.float32], cases=[case])
+    assert not result.ok and (result.forward_error if where == "loss" else result.backward_error) > 1
+
+
+def test_dispatcher_resolution_order_and_explain():
+    hid, w, b = head(4, 3, 8, 20)
+    t = targets(4, 3, 20)
+    e = polykernel.explain("fused_linear_dpo_loss", hid, w, t, b)
+    assert e.chosen == ("triton" if polykernel.env.triton_interpret() else "torch")
+    assert {r["name"] for r in e.impls} == {"torch", "triton", "liger"}
+    with polykernel.use_impl("torch"):
+        polykernel.fused_linear_dpo_loss(hid, w, t, b)
+    assert [d["impl"] for d in polykernel.decisions("fused_linear_dpo_loss")][-1] == "torch"
+    # Liger's refusal of precomputed reference log-probs is a reason in explain, never a fault
+    e = polykernel.explain("fused_linear_dpo_loss", hid, w, t, b, ref_chosen_logps=torch.zeros(2), ref_rejected_logps=torch.zeros(2))
+    reasons = {r["name"]: r["reason"] for r in e.impls}
+    assert reasons["liger"] is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fused_linear_dpo_loss", "fused_linear_grpo_loss"])
+def test_gpu_parity_large(name):
+    results = check_parity(name, device="cuda", dtypes=[torch.bfloat16], large=True)
+    assert results and all(r.ok for r in results), "\n".join(str(r) for r in results if not r.ok)
+
+
+def test_grpo_bias_correction_changes_the_kl_gradient_on_policy():
+    # on-policy (old = the policy's own): the ratio is 1, the loss the same, but its gradient is not
+    hid, w, b = head(2, 5, 8, 30)
+    ids, mask, adv = torch.randint(0, 30, (2, 5)), torch.ones(2, 5), torch.randn(2)
+    ref = -torch.rand(2, 5) * 4
+    plain = polykernel.fused_linear_grpo_loss(hid, w, ids, mask, adv, b, ref_per_token_logps=ref, beta=0.5)
+    weighted = polykernel.fused_linear_grpo_loss(hid, w, ids, mask, adv, b, ref_per_token_logps=ref, beta=0.5, use_bias_correction_kl=True)
+    torch.testing.assert_close(plain.loss, weighted.loss)
+    (g1,), (g2,) = torch.autograd.grad(plain.loss, [hid]), torch.autograd.grad(weighted.loss, [hid])
+    assert (g1 - g2).abs().max() > 1e-3 * g1.abs().max()
+    with pytest.raises(OpArgumentError) as info:
+        polykernel.fused_linear_grpo_loss(hid, w, ids, mask, adv, b, ref_per_token_logps=ref, use_bias_correction_kl=1)
+    assert info.value.arg == "use_bias_correction_kl"

@@ -249,3 +249,25 @@ def test_option_rows_pass_their_options(monkeypatch):
     assert rows and seen and set(seen) == {30.0}
     assert "softcap" in bench.OPTIONS[("cross_entropy", "8192x256000,softcap30")]
     assert ("fused_linear_cross_entropy", "N8192,H2304,V256000,softcap30,z1e-4") in bench.OPTIONS
+
+
+@pytest.mark.parametrize("name", ["fused_linear_dpo_loss", "fused_linear_grpo_loss"])
+def test_preference_loss_rows_are_rated_by_the_head_gemms(monkeypatch, name):
+    # the bookkeeping only (measure replaced): a row per contender, TFLOP/s from ops/_preference.py's flops
+    torch = pytest.importorskip("torch")
+
+    def fake_measure(fn, grad_inputs, backward, graph=False, warmup=25, rep=100):
+        out = fn()
+        if backward:
+            torch.autograd.grad(bench._outputs(out), grad_inputs, [torch.ones_like(o) for o in bench._outputs(out)])
+        return 0.5, 1.0
+
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4000.0)
+    monkeypatch.setattr(bench, "SHAPES", {name: [("R2,T3,H8,V40", (2, 3, 8, 40))]})
+    monkeypatch.setenv("POLYKERNEL_IMPL", "torch")  # (the interpreter's Triton is not what this checks)
+    rows, _ = bench.run([name], False, torch.float32, device="cpu", console=make_console(io.StringIO(), force_terminal=False))
+    assert all(r["error"] == "" for r in rows), [r["error"] for r in rows if r["error"]]
+    fwd = next(r for r in rows if r["impl"] == "polykernel:torch" and r["mode"] == "fwd")
+    bwd = next(r for r in rows if r["impl"] == "polykernel:torch" and r["mode"] == "fwd+bwd")
+    assert math.isclose(fwd["TFLOP/s"], 2 * 6 * 8 * 40 / 0.5e-3 / 1e12) and math.isclose(bwd["TFLOP/s"], 3 * fwd["TFLOP/s"])

@@ -36,7 +36,10 @@ __all__ = ["MODES", "PLACED_KINDS", "SavedGrads"]
 # POLYKERNEL_COMPILE_<OP>=ours|decompose overrides): "ours", its custom ops (the dispatcher's
 # impl runs), or "decompose", Dynamo traces the op's torch reference and Inductor fuses it with
 # its neighbours. Chosen per op from measurements (the reason is beside it in the op's file).
-MODES = ("ours", "decompose")
+# "eager": a graph break around the eager dispatcher, for ops whose outputs no custom-op schema
+# can hold (the fused preference/RL losses' NamedTuples, data-dependent statistic shapes); an
+# op's own fact, which POLYKERNEL_COMPILE_<OP> neither sets nor overrides.
+MODES = ("ours", "decompose", "eager")
 
 # The saved-tensor kinds that have a DTensor placement (polykernel.compile.sharding).
 PLACED_KINDS = ("rows", "lead", "sum")

@@ -438,7 +438,8 @@ def _compile_mode(op: Op, name: str) -> str:
     """``POLYKERNEL_COMPILE_<NAME>`` if set, else the op's ``compile_mode``; either must be a mode."""
     env = f"POLYKERNEL_COMPILE_{name.upper()}"
     mode = os.environ.get(env) or op.compile_mode
-    if mode not in MODES:
+    # "eager" is an op's own fact (its outputs have no schema), never a choice of the variable
+    if mode not in MODES or (mode == "eager" and os.environ.get(env)):
         where = env if os.environ.get(env) else f"{op.id}: compile_mode"
         raise ValueError(f"{where}: {mode!r} is not 'ours' or 'decompose'")
     return mode
@@ -451,6 +452,18 @@ class CompiledOp:
         self.op_id = op.id
         self.name = name
         self.qualname = f"{NAMESPACE}::{name}"
+        if op.compile_mode == "eager":  # no custom op: Dynamo breaks the graph around the eager call
+            self.mode, self.writes = "eager", ()
+            slow, validate = op._dispatch_slow, op.validate
+
+            @torch.compiler.disable
+            def eager(impl: Any, *args: Any) -> Any:
+                if validate is not None:  # every call: such ops' validity may depend on data (token ids)
+                    validate(*args)
+                return slow(impl, args)
+
+            self.call = eager
+            return
         params, returns = _params(op)
         self.params = params
         self.returns = returns

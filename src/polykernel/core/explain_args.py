@@ -106,9 +106,10 @@ def rejection(op: Op, args: tuple[Any, ...] | None, dtype: Any) -> Exception | N
     case = _stand_in(op)
     if case is None:
         return None
+    case, options = case
     stand_in = tuple(a.to(wanted) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in case)
     try:
-        validate(*call_args(op, stand_in, {}))
+        validate(*call_args(op, stand_in, options))
     except OpArgumentError as exc:
         return exc
     except Exception:  # a check that cannot take the stand-in: nothing to report
@@ -117,11 +118,13 @@ def rejection(op: Op, args: tuple[Any, ...] | None, dtype: Any) -> Exception | N
 
 
 # Per op id: (the op, its stand-in arguments or None), built on the first explain that needs them.
-_stand_ins: dict[str, tuple[Any, tuple[Any, ...] | None]] = {}
+_stand_ins: dict[str, tuple[Any, tuple[tuple[Any, ...], dict[str, Any]] | None]] = {}
 
 
-def _stand_in(op: Op) -> tuple[Any, ...] | None:
-    """Arguments of ``op``'s first parity case with default options (CPU, fp32), or None."""
+def _stand_in(op: Op) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Arguments and options of ``op``'s first parity case with default options (CPU, fp32), else
+    of its first case (an op with no valid call without options: GRPO's beta needs reference
+    log-probs), or None."""
     import torch
 
     hit = _stand_ins.get(op.id)
@@ -129,8 +132,9 @@ def _stand_in(op: Op) -> tuple[Any, ...] | None:
         return hit[1]
     try:
         with torch.random.fork_rng(devices=[]):  # the caller's random stream is left as it was
-            case = next((c for c in op.cases("cpu", torch.float32) if not c.kwargs), None)
-        args = None if case is None else tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in case.args)
+            cases = op.cases("cpu", torch.float32)
+            case = next((c for c in cases if not c.kwargs), cases[0] if cases else None)
+        args = None if case is None else (tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in case.args), dict(case.kwargs))
     except Exception:  # cases that cannot be built here: no stand-in
         args = None
     _stand_ins[op.id] = (op, args)

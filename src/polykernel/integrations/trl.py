@@ -34,9 +34,8 @@ config — use TRL's own trainer for those):
   adapter-disabled model's) hidden states through the same fused loss.
 - GRPO: ``loss_type`` in ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``;
   ``importance_sampling_level`` ``token`` or ``sequence``; any ``beta``, ``epsilon``,
-  ``epsilon_high``, ``temperature``; with ``beta != 0``, ``use_bias_correction_kl=False`` (TRL's
-  default True multiplies the KL by the importance ratio, which the fused loss does not);
-  ``delta=None``, ``top_entropy_quantile=1.0``, no entropy bonus, ``off_policy_mask_threshold=None``,
+  ``epsilon_high``, ``temperature``, ``use_bias_correction_kl`` (TRL's default: the KL weighted
+  by the importance ratio, which the fused loss computes too); ``delta=None``, ``top_entropy_quantile=1.0``, no entropy bonus, ``off_policy_mask_threshold=None``,
   no vLLM importance-sampling correction, one advantage per sequence.
 - Both: text-only batches (``pixel_values`` and the like raise: vision-language models are
   untested), a plain LM head (no ``final_logit_softcapping`` or logit scaling in the config).
@@ -310,12 +309,6 @@ class PolykernelGRPOMixin:
         _require(name, config.loss_type in _GRPO_LOSS_TYPES, "loss_type", f"{config.loss_type!r}: supported are {list(_GRPO_LOSS_TYPES)}")
         level = config.importance_sampling_level
         _require(name, level in ("token", "sequence"), "importance_sampling_level", f"{level!r}: 'token' or 'sequence'")
-        _require(
-            name,
-            config.beta == 0.0 or not config.use_bias_correction_kl,
-            "use_bias_correction_kl",
-            "the importance-weighted KL is not supported: set use_bias_correction_kl=False (or beta=0)",
-        )
         _require(name, config.delta is None, "delta", "two-sided clipping is not supported")
         _require(name, config.top_entropy_quantile == 1.0, "top_entropy_quantile", "the high-entropy token mask needs entropies")
         _require(
@@ -364,6 +357,7 @@ class PolykernelGRPOMixin:
             importance_sampling_level=self.importance_sampling_level,
             temperature=self.temperature,
             max_completion_length=self.max_completion_length,
+            use_bias_correction_kl=bool(getattr(self.args, "use_bias_correction_kl", False)),
             impl=self._polykernel_impl,
         )
 

@@ -46,4 +46,11 @@ OP_MODULES: dict[str, str] = {
     "loss.jsd": "polykernel.ops.jsd",
     "loss.tvd": "polykernel.ops.tvd",
     "loss.fused_linear_jsd": "polykernel.ops.fused_linear_jsd",
+    # fused preference and RL losses (issue 22)
+    "loss.fused_linear_dpo_loss": "polykernel.ops.fused_linear_dpo_loss",
+    "loss.fused_linear_orpo_loss": "polykernel.ops.fused_linear_orpo_loss",
+    "loss.fused_linear_cpo_loss": "polykernel.ops.fused_linear_cpo_loss",
+    "loss.fused_linear_simpo_loss": "polykernel.ops.fused_linear_simpo_loss",
+    "loss.fused_linear_kto_loss": "polykernel.ops.fused_linear_kto_loss",
+    "loss.fused_linear_grpo_loss": "polykernel.ops.fused_linear_grpo_loss",
 }

@@ -25,9 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from ..backends.torch import _linear_logps as walker
+from ..core.op import Case, Op
 from . import _preference as pref
 
 OP_ID = "loss.fused_linear_dpo_loss"
+
+
+_op: Op  # defined below, after the public function it serves (with _dispatch, its dispatch)
 
 
 class DPOOutput(NamedTuple):
@@ -54,7 +58,7 @@ def contrib(
 
 
 def _validate(hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_chosen_logps, ref_rejected_logps, beta,
-              ignore_index) -> None:  # fmt: skip
+              ignore_index, *_: object) -> None:  # fmt: skip
     pref.validate_head(OP_ID, hidden, weight, bias, target)
     pref.validate_pairs(OP_ID, "hidden", hidden)
     b = hidden.shape[0] // 2
@@ -105,11 +109,16 @@ def fused_linear_dpo_loss(
     >>> out.loss.backward(); out.chosen_logps.shape, h.grad.shape
     (torch.Size([2]), torch.Size([4, 5, 16]))
     """
-    _validate(hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_chosen_logps, ref_rejected_logps, beta, ignore_index)
-    if impl == "liger":
-        return pref.liger(OP_ID).dpo(hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_chosen_logps, ref_rejected_logps,
-                         float(beta), ignore_index, average_log_prob, compute_nll_loss)  # fmt: skip
-    prim = pref.primitive(OP_ID, impl, hidden)
+    args = (hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_chosen_logps, ref_rejected_logps, beta, ignore_index,
+            average_log_prob, compute_nll_loss)  # fmt: skip
+    _validate(*args[:11])  # every call: the token ids' range is data, never memoized
+    return _dispatch(impl, *args)
+
+
+def chunked(prim_name: str, hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_chosen_logps, ref_rejected_logps,
+            beta, ignore_index, average_log_prob, compute_nll_loss) -> DPOOutput:  # fmt: skip
+    """The torch and Triton impls: the chunked driver with ``prim_name``'s per-token primitive."""
+    prim = pref.primitive(OP_ID, prim_name, hidden)
     b = hidden.shape[0] // 2
     mask = target != ignore_index
     acc = torch.promote_types(hidden.dtype, torch.float32)
@@ -130,7 +139,6 @@ def reference(
     weight: torch.Tensor,
     target: torch.Tensor,
     bias: torch.Tensor | None = None,
-    *,
     ref_hidden: torch.Tensor | None = None,
     ref_weight: torch.Tensor | None = None,
     ref_bias: torch.Tensor | None = None,
@@ -156,4 +164,71 @@ def reference(
         ref = torch.zeros(2 * b, dtype=torch.float64, device=hidden.device)
     nll = mask[:b].sum() if compute_nll_loss else None
     loss = contrib(logps, mask, ref, beta=float(beta), average=average_log_prob, n_pairs=b, nll_tokens=nll).sum()
-    return _stats(logps.detach(), mask, ref, float(beta), average_log_prob, b, loss)
+    return pref.contract(_stats(logps.detach(), mask, ref, float(beta), average_log_prob, b, loss), hidden)
+
+
+error_model = pref.error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 3})
+
+
+def outputs(hidden, weight, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
+    """The reference's output shapes and dtypes, without running it (the first-call check)."""
+    acc, b = pref.acc_dtype(hidden), torch.Size((hidden.shape[0] // 2,))
+    return ((torch.Size(), acc), (b, acc), (b, acc), (b, acc), (b, acc), (torch.Size(), acc))
+
+
+def example(shape, dtype, device, requires_grad: bool = False) -> Case:
+    """``shape`` = (2B, T, H, V): B pairs of T tokens, ~5% of the targets ignored."""
+    return Case("x".join(map(str, shape)), pref.example_head(shape, dtype, device, requires_grad))
+
+
+def cases(device, dtype, large: bool = False) -> list[Case]:
+    """Awkward shapes and every option, sized for the CPU interpreter unless ``large``."""
+    head = partial(pref.case_head, device=device, dtype=dtype)
+    h, w, t, bias = head(4, 6, 16, 97)
+    rh, rw, _, rb = head(4, 6, 16, 97, grad=False)
+    out = [
+        Case("4x6x16x97", (h, w, t, bias)),
+        Case("2x1x8x1-nobias", head(2, 1, 8, 1)[:3]),
+        Case("4x6x16x97-avg-nll", (h, w, t, bias), {"beta": 0.5, "average_log_prob": True, "compute_nll_loss": True}),
+        Case("4x6x16x97-ref-head", (h, w, t, bias), {"ref_hidden": rh, "ref_weight": rw, "ref_bias": rb}),
+        Case("4x6x16x97-ref-logps", (h, w, t, bias),
+             {"ref_chosen_logps": torch.randn(2, device=device) * 5, "ref_rejected_logps": torch.randn(2, device=device) * 5}),
+        Case("6x5x24x300-strong-beta", head(6, 5, 24, 300), {"beta": 2.0}),
+        Case("2x4x8x50-allignored", head(2, 4, 8, 50, ignored=1.0)),
+    ]  # fmt: skip
+    if large:  # the issue's 1B-model shape: 2×4 sequences of 1024 tokens, H = 2048, V = 128256
+        out.append(example((8, 1024, 2048, 128256), dtype, device, True))
+    return out
+
+
+flops = pref.flops
+bytes_moved = pref.bytes_moved
+
+# Liger's DPO takes no precomputed reference log-probs: refused by the class (never a fault)
+liger_predicate = pref.liger_gate("ref_chosen_logps")
+IMPLS = pref.impl_rows(
+    OP_ID,
+    "pairs",
+    "Liger LigerFusedLinearDPOFunction (logits in the inputs' dtype; nll_loss NaN unless compute_nll_loss)",
+    liger_predicate,
+)
+
+_op = Op(
+    OP_ID,
+    fields=pref.fields(reference),
+    key=pref.key_for(reference),
+    default_key=pref.default_key(13),
+    validate=_validate,
+    reference=reference,
+    outputs=outputs,
+    error_model=error_model,
+    dtypes=(torch.float32, torch.bfloat16, torch.float16),
+    cases=cases,
+    example=example,
+    bytes_moved=bytes_moved,
+    impls=IMPLS,
+    # torch.compile: a graph break around the eager dispatcher (the NamedTuple outputs have no
+    # custom-op schema; Inductor's code for the float64 reference would hold the [N, V] logits)
+    compile_mode="eager",
+)
+_dispatch = _op.dispatch  # bound once

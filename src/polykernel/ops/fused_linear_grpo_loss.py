@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from ..backends.torch import _linear_logps as walker
+from ..core.op import Case, Op
 from . import _checks as check
 from . import _preference as pref
 
@@ -38,6 +39,9 @@ OP_ID = "loss.fused_linear_grpo_loss"
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IS_LEVELS = ("token", "sequence")
 _IGNORE = -100  # the driver's marker of a masked token (token ids are >= 0)
+
+
+_op: Op  # defined below, after the public function it serves (with _dispatch, its dispatch)
 
 
 class GRPOMetrics(NamedTuple):
@@ -59,26 +63,35 @@ def _log_weights(logp, mask, old, level):
     return (log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)).unsqueeze(-1)
 
 
-def per_token_loss(logp, mask, adv, old, ref, *, beta, eps_low, eps_high, level):
-    """TRL's per-token loss ``[r, T]`` (masked tokens: 0) and its ratio ``coef_1``."""
+def per_token_loss(logp, mask, adv, old, ref, *, beta, eps_low, eps_high, level, bias_correction=False):
+    """TRL's per-token loss ``[r, T]`` (masked tokens: 0) and its ratio ``coef_1``; with
+    ``bias_correction`` (TRL's ``use_bias_correction_kl``) the KL term is weighted by the ratio,
+    gradient included."""
     old = logp.detach() if old is None else old
     coef_1 = torch.exp(_log_weights(logp, mask, old, level))
     coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
     a = adv[:, None]
     loss = -torch.min(coef_1 * a, coef_2 * a)
     if beta != 0.0:
-        d = ref - logp
-        loss = loss + beta * (torch.exp(d) - d - 1)
+        loss = loss + beta * _kl(logp, ref, coef_1, bias_correction)
     return torch.where(mask, loss, 0.0), coef_1
 
 
-def contrib(logp, mask, adv, old, ref, denom, *, beta, eps_low, eps_high, level):
+def _kl(logp, ref, coef_1, bias_correction):
+    d = ref - logp
+    kl = torch.exp(d) - d - 1
+    return kl * coef_1 if bias_correction else kl
+
+
+def contrib(logp, mask, adv, old, ref, denom, *, beta, eps_low, eps_high, level, bias_correction=False):
     """Per-row terms of the loss (their sum is the loss); ``denom [r]``: each row's normaliser."""
-    ptl, _ = per_token_loss(logp, mask, adv, old, ref, beta=beta, eps_low=eps_low, eps_high=eps_high, level=level)
+    ptl, _ = per_token_loss(logp, mask, adv, old, ref, beta=beta, eps_low=eps_low, eps_high=eps_high, level=level,
+                            bias_correction=bias_correction)  # fmt: skip
     return ptl.sum(-1) / denom
 
 
-def _validate(hidden, weight, ids, mask, adv, bias, ref, old, beta, eps_low, eps_high, loss_type, level, temperature, max_len):
+def _validate(hidden, weight, ids, mask, adv, bias, ref, old, beta, eps_low, eps_high, loss_type, level, temperature, max_len,
+              bias_correction=False):  # fmt: skip
     pref.validate_head(OP_ID, hidden, weight, bias, ids, names=("hidden", "weight", "bias", "selected_token_ids"))
     b, t = hidden.shape[:2]
     check.tensor(OP_ID, "attention_mask", mask)
@@ -114,11 +127,13 @@ def _validate(hidden, weight, ids, mask, adv, bias, ref, old, beta, eps_low, eps
         check.int64(OP_ID, "max_completion_length", max_len)
         if max_len <= 0:
             raise pref.OpArgumentError(OP_ID, "max_completion_length", f"expected a positive int, got {max_len}")
+    if not isinstance(bias_correction, bool):
+        raise pref.OpTypeError(OP_ID, "use_bias_correction_kl", f"expected a bool, got {type(bias_correction).__name__}")
     # only the scored ids: a masked position may hold padding (TRL's pad id, or -100)
     pref.validate_targets(OP_ID, "selected_token_ids", torch.where(mask != 0, ids, 0), weight.shape[0], None)
 
 
-def _setup(ids, mask, adv, ref, old, beta, eps_low, eps_high, loss_type, level, max_len, acc):
+def _setup(ids, mask, adv, ref, old, beta, eps_low, eps_high, loss_type, level, max_len, acc, bias_correction=False):
     b, t = ids.shape
     m = mask != 0
     target = torch.where(m, ids, _IGNORE)
@@ -127,7 +142,7 @@ def _setup(ids, mask, adv, ref, old, beta, eps_low, eps_high, loss_type, level, 
     else:  # bnpo, dapo: the masked count; dr_grpo: B · max_completion_length
         total = m.sum().clamp(min=1) if loss_type in ("bnpo", "dapo") else b * (t if max_len is None else max_len)
         denom = torch.full((b,), 1.0, dtype=acc, device=ids.device) * total
-    opts = dict(beta=float(beta), eps_low=float(eps_low), eps_high=float(eps_high), level=level)
+    opts = dict(beta=float(beta), eps_low=float(eps_low), eps_high=float(eps_high), level=level, bias_correction=bool(bias_correction))
     aux = (m, adv.detach().to(acc), None if old is None else old.detach().to(acc), None if ref is None else ref.detach().to(acc), denom)
     return target, partial(contrib, **opts), aux, opts
 
@@ -158,9 +173,8 @@ def _metrics(logps, aux, opts) -> GRPOMetrics:
         low = (coef_1 < 1 - opts["eps_low"]) & (a < 0)
         high = (coef_1 > 1 + opts["eps_high"]) & (a > 0)
         kl = None
-        if opts["beta"] != 0.0:
-            d = ref - logps
-            kl = torch.where(m, torch.exp(d) - d - 1, 0).sum() / n
+        if opts["beta"] != 0.0:  # TRL logs the KL as weighted (use_bias_correction_kl)
+            kl = torch.where(m, _kl(logps, ref, coef_1, opts["bias_correction"]), 0).sum() / n
         return GRPOMetrics(kl, mean(low), mean(high), mean(low | high))
 
 
@@ -181,6 +195,7 @@ def fused_linear_grpo_loss(
     importance_sampling_level: str = "token",
     temperature: float = 1.0,
     max_completion_length: int | None = None,
+    use_bias_correction_kl: bool = False,
     impl: str | None = None,
 ) -> GRPOOutput:
     """GRPO loss (TRL's) of an LM head over completions, without ``[N, V]`` logits.
@@ -192,16 +207,22 @@ def fused_linear_grpo_loss(
     >>> out.loss.backward(); h.grad.shape
     torch.Size([2, 5, 16])
     """
-    _validate(hidden, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps, old_per_token_logps, beta,
-              epsilon_low, epsilon_high, loss_type, importance_sampling_level, temperature, max_completion_length)  # fmt: skip
-    if impl == "liger":
-        return pref.liger(OP_ID).grpo(hidden, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps,
-                         old_per_token_logps, float(beta), float(epsilon_low), float(epsilon_high), loss_type,
-                         importance_sampling_level, float(temperature), max_completion_length)  # fmt: skip
+    args = (hidden, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps, old_per_token_logps, beta,
+            epsilon_low, epsilon_high, loss_type, importance_sampling_level, temperature, max_completion_length,
+            use_bias_correction_kl)  # fmt: skip
+    _validate(*args)  # every call: the token ids' range is data
+    return _dispatch(impl, *args)
+
+
+def chunked(impl: str, hidden, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps, old_per_token_logps,
+            beta, epsilon_low, epsilon_high, loss_type, importance_sampling_level, temperature, max_completion_length,
+            use_bias_correction_kl) -> GRPOOutput:  # fmt: skip
+    """The torch and Triton impls: the chunked driver with ``impl``'s per-token primitive."""
     prim = pref.primitive(OP_ID, impl, hidden)
     acc = torch.promote_types(hidden.dtype, torch.float32)
     target, fn, aux, opts = _setup(selected_token_ids, attention_mask, advantages, ref_per_token_logps, old_per_token_logps, beta,
-                                   epsilon_low, epsilon_high, loss_type, importance_sampling_level, max_completion_length, acc)  # fmt: skip
+                                   epsilon_low, epsilon_high, loss_type, importance_sampling_level, max_completion_length, acc,
+                                   use_bias_correction_kl)  # fmt: skip
     if importance_sampling_level == "token":
         h1, t1, aux1 = _per_token(hidden, target, aux)
         loss, logps = walker.run(prim, h1, weight, bias, t1, _IGNORE, float(temperature), False, fn, aux1)
@@ -218,7 +239,6 @@ def reference(
     attention_mask: torch.Tensor,
     advantages: torch.Tensor,
     bias: torch.Tensor | None = None,
-    *,
     ref_per_token_logps: torch.Tensor | None = None,
     old_per_token_logps: torch.Tensor | None = None,
     beta: float = 0.04,
@@ -228,11 +248,112 @@ def reference(
     importance_sampling_level: str = "token",
     temperature: float = 1.0,
     max_completion_length: int | None = None,
+    use_bias_correction_kl: bool = False,
 ) -> GRPOOutput:
     """The semantics in float64 from the full ``[B, T, V]`` logits (differentiable)."""
     target, fn, aux, opts = _setup(selected_token_ids, attention_mask, advantages, ref_per_token_logps, old_per_token_logps, beta,
                                    epsilon_low, epsilon_high, loss_type, importance_sampling_level, max_completion_length,
-                                   torch.float64)  # fmt: skip
+                                   torch.float64, use_bias_correction_kl)  # fmt: skip
     logps = pref.reference_token_logps(hidden, weight, bias, target, _IGNORE, temperature)
     loss = fn(logps, *aux).sum()
-    return GRPOOutput(loss, _metrics(logps.detach(), aux, opts))
+    return pref.contract(GRPOOutput(loss, _metrics(logps.detach(), aux, opts)), hidden)
+
+
+error_model = pref.error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 5}, curv=lambda a: 0.0)  # no margin: ratios, KL
+
+
+def outputs(hidden, *_: object) -> tuple:
+    """The loss's shape and dtype (the metrics: a NamedTuple)."""
+    return ((torch.Size(), pref.acc_dtype(hidden)), None)
+
+
+def _completions(h, w, ids, bias, device, masked: float = 0.3, old: float = 0.3, ref: bool = True, temperature: float = 1.0):
+    """Completions with a random mask (the first token always scored), advantages, and old/ref
+    log-probs near the policy's (ratios of a few tenths off 1: some clipped)."""
+    b, t = ids.shape
+    mask = (torch.rand(b, t, device=device) > masked).long()
+    mask[:, 0] = 1
+    with torch.no_grad():
+        lp = pref.reference_token_logps(h.detach(), w.detach(), None if bias is None else bias.detach(), ids, -100, temperature).float()
+    kw = {"old_per_token_logps": lp + old * torch.randn(b, t, device=device)}
+    if ref:
+        kw["ref_per_token_logps"] = lp + 0.3 * torch.randn(b, t, device=device)
+    return (h, w, ids, mask, torch.randn(b, device=device), bias), kw
+
+
+def example(shape, dtype, device, requires_grad: bool = False) -> Case:
+    """``shape`` = (B, T, H, V): B completions of T tokens, ~70% scored, β = 0.04."""
+    h, w, ids = pref.example_head(shape, dtype, device, requires_grad)
+    b, t = ids.shape
+    mask = (torch.rand(b, t, device=device) > 0.3).long()
+    kw = {"old_per_token_logps": -torch.rand(b, t, device=device) * 10, "ref_per_token_logps": -torch.rand(b, t, device=device) * 10}
+    return Case("x".join(map(str, shape)), (h, w, ids.clamp(min=0), mask, torch.randn(b, device=device)), kw)
+
+
+def cases(device, dtype, large: bool = False) -> list[Case]:
+    """Every loss type and importance-sampling level, sized for the CPU interpreter unless ``large``."""
+    head = partial(pref.case_head, device=device, dtype=dtype, ignored=0.0)
+    out = []
+    for i, (loss_type, level, opts) in enumerate([
+        ("grpo", "token", {}),
+        ("bnpo", "token", {"temperature": 0.8}),
+        ("dr_grpo", "sequence", {"max_completion_length": 8, "beta": 0.0}),
+        ("dapo", "sequence", {"epsilon_high": 0.28}),
+        ("grpo", "sequence", {"beta": 0.0}),
+        ("grpo", "token", {"use_bias_correction_kl": True, "beta": 0.1}),
+        ("dapo", "sequence", {"use_bias_correction_kl": True}),
+    ]):  # fmt: skip
+        h, w, ids, bias = head(3, 6, 16, 97)
+        args, kw = _completions(h, w, ids, bias if i % 2 == 0 else None, device, ref=opts.get("beta", 0.04) != 0.0,
+                                temperature=opts.get("temperature", 1.0))  # fmt: skip
+        kw.update(opts, loss_type=loss_type, importance_sampling_level=level)
+        out.append(Case(f"3x6x16x97-{loss_type}-{level}" + ("-kl-weighted" if opts.get("use_bias_correction_kl") else ""), args, kw))
+    h, w, ids, _ = head(2, 4, 8, 50)
+    args, kw = _completions(h, w, ids, None, device, ref=False)
+    args[3].zero_()  # all masked: the loss is 0
+    out.append(Case("2x4x8x50-allmasked", args, dict(kw, beta=0.0)))
+    h, w, ids, bias = head(4, 5, 24, 300)
+    args, kw = _completions(h, w, ids, bias, device)
+    out.append(Case("4x5x24x300-no-old", args, {"ref_per_token_logps": kw["ref_per_token_logps"]}))  # ratio 1: old = the policy's own
+    if large:  # the issue's 1B-model shape: 8 completions of 1024 tokens, H = 2048, V = 128256
+        out.append(example((8, 1024, 2048, 128256), dtype, device, True))
+    return out
+
+
+flops = pref.flops
+bytes_moved = pref.bytes_moved
+
+
+# Liger 0.8.5's GRPO has no importance-weighted KL: refused by the class (never a fault)
+def liger_predicate(key) -> str | None:
+    if key.use_bias_correction_kl and key.beta != 0.0:
+        return "Liger's GRPO has no importance-weighted KL (use_bias_correction_kl)"
+    return None
+
+
+IMPLS = pref.impl_rows(
+    OP_ID,
+    "token rows (sequences for sequence-level ratios)",
+    "Liger LigerFusedLinearGRPOFunction (region clip ratio only, the others NaN; logits in the inputs' dtype)",
+    liger_predicate,
+)
+
+_op = Op(
+    OP_ID,
+    fields=pref.fields(reference),
+    key=pref.key_for(reference),
+    default_key=pref.default_key(16),
+    validate=_validate,
+    reference=reference,
+    outputs=outputs,
+    error_model=error_model,
+    dtypes=(torch.float32, torch.bfloat16, torch.float16),
+    cases=cases,
+    example=example,
+    bytes_moved=bytes_moved,
+    impls=IMPLS,
+    # torch.compile: a graph break around the eager dispatcher (the metrics NamedTuple, with kl
+    # None when beta = 0, has no custom-op schema; the reference would hold the [N, V] logits)
+    compile_mode="eager",
+)
+_dispatch = _op.dispatch  # bound once

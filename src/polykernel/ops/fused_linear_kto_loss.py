@@ -24,10 +24,14 @@ from typing import NamedTuple
 
 import torch
 
+from ..core.op import Case, Op
 from . import _checks as check
 from . import _preference as pref
 
 OP_ID = "loss.fused_linear_kto_loss"
+
+
+_op: Op  # defined below, after the public function it serves (with _dispatch, its dispatch)
 
 
 class KTOOutput(NamedTuple):
@@ -44,7 +48,7 @@ def contrib(logp, mask, labels, ref, *, beta: float, kl, average: bool, n: int) 
     return (1 - torch.sigmoid(beta * (logr - kl) * sign)) / n
 
 
-def _validate(hidden, weight, target, labels, bias, ref_hidden, ref_weight, ref_bias, ref_logps, kl, beta, ignore_index):
+def _validate(hidden, weight, target, labels, bias, ref_hidden, ref_weight, ref_bias, ref_logps, kl, beta, ignore_index, *_):
     pref.validate_head(OP_ID, hidden, weight, bias, target)
     b = hidden.shape[0]
     if b == 0:
@@ -119,9 +123,16 @@ def fused_linear_kto_loss(
     >>> out.loss.backward(); out.chosen_logps.shape, h.grad.shape
     (torch.Size([2]), torch.Size([3, 5, 16]))
     """
-    _validate(hidden, weight, target, preference_labels, bias, ref_hidden, ref_weight, ref_bias, ref_logps, kl, beta, ignore_index)
-    if impl == "liger":  # Liger's KTO returns batch sums, not KTOOutput's per-sequence statistics
-        raise pref.ImplNotAvailableError(OP_ID, "liger", "Liger's KTO reports batch sums, not per-sequence statistics", ["torch", "triton"])
+    args = (hidden, weight, target, preference_labels, bias, ref_hidden, ref_weight, ref_bias, ref_logps, kl, beta, ignore_index,
+            average_log_prob)  # fmt: skip
+    _validate(*args)  # every call: the token ids' range is data
+    return _dispatch(impl, *args)
+
+
+def chunked(impl: str, hidden, weight, target, preference_labels, bias, ref_hidden, ref_weight, ref_bias, ref_logps, kl, beta,
+            ignore_index, average_log_prob) -> KTOOutput:  # fmt: skip
+    """The torch and Triton impls (no Liger: its KTO reports batch sums, not KTOOutput's
+    per-sequence statistics): the chunked driver with ``impl``'s per-token primitive."""
     acc = torch.promote_types(hidden.dtype, torch.float32)
     ref = _ref(hidden, target, ref_hidden, ref_weight, ref_bias, ref_logps, ignore_index, average_log_prob, impl, False)
     mask, labels, fn, ref = _setup(target, preference_labels, ref, kl, beta, ignore_index, average_log_prob, acc)
@@ -129,10 +140,69 @@ def fused_linear_kto_loss(
     return _stats(loss, logps, mask, labels, ref, float(beta), average_log_prob)
 
 
-def reference(hidden, weight, target, preference_labels, bias=None, *, ref_hidden=None, ref_weight=None, ref_bias=None,
+def reference(hidden, weight, target, preference_labels, bias=None, ref_hidden=None, ref_weight=None, ref_bias=None,
               ref_logps=None, kl=None, beta=0.1, ignore_index=-100, average_log_prob=False) -> KTOOutput:  # fmt: skip
     """The semantics in float64 from the full ``[B, T, V]`` logits (differentiable)."""
     ref = _ref(hidden, target, ref_hidden, ref_weight, ref_bias, ref_logps, ignore_index, average_log_prob, None, True)
     mask, labels, fn, ref = _setup(target, preference_labels, ref, kl, beta, ignore_index, average_log_prob, torch.float64)
     loss, logps = pref.reference_run(hidden, weight, bias, target, ignore_index, fn, (mask, labels, ref))
-    return _stats(loss, logps, mask, labels, ref, float(beta), average_log_prob)
+    return pref.contract(_stats(loss, logps, mask, labels, ref, float(beta), average_log_prob), hidden)
+
+
+error_model = pref.error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 4})
+
+
+def outputs(hidden, *_: object) -> tuple:
+    """The loss's shape and dtype (the statistics' shapes follow the labels' values)."""
+    return ((torch.Size(), pref.acc_dtype(hidden)), None, None, None, None)
+
+
+def example(shape, dtype, device, requires_grad: bool = False) -> Case:
+    """``shape`` = (B, T, H, V): B sequences of T tokens, half of them desirable."""
+    h, w, t = pref.example_head(shape, dtype, device, requires_grad)
+    return Case("x".join(map(str, shape)), (h, w, t, torch.rand(shape[0], device=device) < 0.5), {"kl": 0.1})
+
+
+def cases(device, dtype, large: bool = False) -> list[Case]:
+    """Awkward shapes and every option, sized for the CPU interpreter unless ``large``."""
+    head = partial(pref.case_head, device=device, dtype=dtype)
+    h, w, t, bias = head(3, 6, 16, 97)
+    rh, rw, _, rb = head(3, 6, 16, 97, grad=False)
+    labels = torch.tensor([True, False, True], device=device)
+    out = [
+        Case("3x6x16x97", (h, w, t, labels, bias), {"kl": 0.2}),
+        Case("1x1x8x1-nobias", (*head(1, 1, 8, 1)[:3], torch.tensor([False], device=device))),
+        Case("3x6x16x97-ref-head-avg", (h, w, t, labels, bias), {"ref_hidden": rh, "ref_weight": rw, "ref_bias": rb, "average_log_prob": True}),
+        Case("3x6x16x97-ref-logps", (h, w, t, labels, bias), {"ref_logps": torch.randn(3, device=device) * 5, "kl": torch.tensor(0.3, device=device), "beta": 0.5}),
+    ]  # fmt: skip
+    h, w, t, bias = head(5, 5, 24, 300)
+    out.append(Case("5x5x24x300-all-desirable", (h, w, t, torch.ones(5, dtype=torch.bool, device=device), bias)))
+    if large:  # the issue's 1B-model shape: 8 sequences of 1024 tokens, H = 2048, V = 128256
+        out.append(example((8, 1024, 2048, 128256), dtype, device, True))
+    return out
+
+
+flops = pref.flops
+bytes_moved = pref.bytes_moved
+
+IMPLS = pref.impl_rows(OP_ID, "sequences", None)  # no Liger: its KTO reports batch sums, not per-sequence statistics
+
+_op = Op(
+    OP_ID,
+    fields=pref.fields(reference),
+    key=pref.key_for(reference),
+    default_key=pref.default_key(13),
+    validate=_validate,
+    reference=reference,
+    outputs=outputs,
+    error_model=error_model,
+    dtypes=(torch.float32, torch.bfloat16, torch.float16),
+    cases=cases,
+    example=example,
+    bytes_moved=bytes_moved,
+    impls=IMPLS,
+    # torch.compile: a graph break around the eager dispatcher (the statistics' shapes follow the
+    # labels' values: no custom-op schema; Inductor's code for the reference would hold [N, V])
+    compile_mode="eager",
+)
+_dispatch = _op.dispatch  # bound once

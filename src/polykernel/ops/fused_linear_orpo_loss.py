@@ -21,9 +21,13 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..core.op import Case, Op
 from . import _preference as pref
 
 OP_ID = "loss.fused_linear_orpo_loss"
+
+
+_op: Op  # defined below, after the public function it serves (with _dispatch, its dispatch)
 
 
 class ORPOOutput(NamedTuple):
@@ -83,16 +87,80 @@ def fused_linear_orpo_loss(
     >>> out.loss.backward(); h.grad.shape
     torch.Size([4, 5, 16])
     """
+    _validate(hidden, weight, target, bias, beta, ignore_index)  # every call: the token ids' range is data
+    return _dispatch(impl, hidden, weight, target, bias, beta, ignore_index, compute_nll_loss)
+
+
+def _validate(hidden, weight, target, bias, beta, ignore_index, *_: object) -> None:
     pref.validate_pairwise(OP_ID, hidden, weight, target, bias, beta, ignore_index)
-    if impl == "liger":
-        return pref.liger(OP_ID).orpo(hidden, weight, target, bias, float(beta), ignore_index, compute_nll_loss)
+
+
+def chunked(impl: str, hidden, weight, target, bias, beta, ignore_index, compute_nll_loss) -> ORPOOutput:
+    """The torch and Triton impls: the chunked driver with ``impl``'s per-token primitive."""
     mask, fn = _setup(target, beta, ignore_index, compute_nll_loss)
     loss, logps = pref.run(OP_ID, impl, hidden, weight, bias, target, ignore_index, True, fn, (mask,))
     return _stats(loss, logps, mask, float(beta))
 
 
-def reference(hidden, weight, target, bias=None, *, beta=0.1, ignore_index=-100, compute_nll_loss=True) -> ORPOOutput:
+def reference(hidden, weight, target, bias=None, beta=0.1, ignore_index=-100, compute_nll_loss=True) -> ORPOOutput:
     """The semantics in float64 from the full ``[2B, T, V]`` logits (differentiable)."""
     mask, fn = _setup(target, beta, ignore_index, compute_nll_loss)
     loss, logps = pref.reference_run(hidden, weight, bias, target, ignore_index, fn, (mask,))
-    return _stats(loss, logps, mask, float(beta))
+    return pref.contract(_stats(loss, logps, mask, float(beta)), hidden)
+
+
+error_model = pref.error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 3}, gain=pref.orpo_gain, curv=pref.orpo_curv)
+
+
+def outputs(hidden, weight, *_: object) -> tuple:
+    """The reference's output shapes and dtypes, without running it (the first-call check)."""
+    acc, b = pref.acc_dtype(hidden), torch.Size((hidden.shape[0] // 2,))
+    return ((torch.Size(), acc), (b, acc), (b, acc), (b, acc), (b, acc), (torch.Size(), acc), (torch.Size(), acc), (torch.Size(), acc))
+
+
+def example(shape, dtype, device, requires_grad: bool = False) -> Case:
+    """``shape`` = (2B, T, H, V): B pairs of T tokens, ~5% of the targets ignored."""
+    return Case("x".join(map(str, shape)), pref.example_head(shape, dtype, device, requires_grad))
+
+
+def cases(device, dtype, large: bool = False) -> list[Case]:
+    """Awkward shapes and every option, sized for the CPU interpreter unless ``large``."""
+    head = partial(pref.case_head, device=device, dtype=dtype)
+    h, w, t, bias = head(4, 6, 16, 97)
+    out = [
+        Case("4x6x16x97", (h, w, t, bias)),
+        Case("2x1x8x1-nobias-nonll", head(2, 1, 8, 1)[:3], {"compute_nll_loss": False}),
+        Case("4x6x16x97-beta", (h, w, t, bias), {"beta": 0.7}),
+        Case("6x5x24x300", head(6, 5, 24, 300)),
+    ]
+    if large:  # the issue's 1B-model shape: 2×4 sequences of 1024 tokens, H = 2048, V = 128256
+        out.append(example((8, 1024, 2048, 128256), dtype, device, True))
+    return out
+
+
+flops = pref.flops
+bytes_moved = pref.bytes_moved
+
+IMPLS = pref.impl_rows(
+    OP_ID, "pairs", "Liger LigerFusedLinearORPOFunction (logits in the inputs' dtype; nll_loss NaN unless compute_nll_loss)"
+)
+
+_op = Op(
+    OP_ID,
+    fields=pref.fields(reference),
+    key=pref.key_for(reference),
+    default_key=pref.default_key(7),
+    validate=_validate,
+    reference=reference,
+    outputs=outputs,
+    error_model=error_model,
+    dtypes=(torch.float32, torch.bfloat16, torch.float16),
+    cases=cases,
+    example=example,
+    bytes_moved=bytes_moved,
+    impls=IMPLS,
+    # torch.compile: a graph break around the eager dispatcher (the NamedTuple outputs have no
+    # custom-op schema; Inductor's code for the float64 reference would hold the [N, V] logits)
+    compile_mode="eager",
+)
+_dispatch = _op.dispatch  # bound once

@@ -18,11 +18,15 @@ from typing import NamedTuple
 
 import torch
 
+from ..core.op import Case, Op
 from . import _checks as check
 from . import _preference as pref
 from .fused_linear_cpo_loss import sigmoid_terms
 
 OP_ID = "loss.fused_linear_simpo_loss"
+
+
+_op: Op  # defined below, after the public function it serves (with _dispatch, its dispatch)
 
 
 class SimPOOutput(NamedTuple):
@@ -72,18 +76,81 @@ def fused_linear_simpo_loss(
     >>> out.loss.backward(); h.grad.shape
     torch.Size([4, 5, 16])
     """
+    args = (hidden, weight, target, bias, beta, gamma, label_smoothing, ignore_index)
+    _validate(*args)  # every call: the token ids' range is data
+    return _dispatch(impl, *args)
+
+
+def _validate(hidden, weight, target, bias, beta, gamma, label_smoothing, ignore_index) -> None:
     pref.validate_pairwise(OP_ID, hidden, weight, target, bias, beta, ignore_index)
     check.finite_float(OP_ID, "gamma", gamma)
     pref.validate_smoothing(OP_ID, label_smoothing)
-    if impl == "liger":
-        return pref.liger(OP_ID).simpo(hidden, weight, target, bias, float(beta), float(gamma), float(label_smoothing), ignore_index)
+
+
+def chunked(impl: str, hidden, weight, target, bias, beta, gamma, label_smoothing, ignore_index) -> SimPOOutput:
+    """The torch and Triton impls: the chunked driver with ``impl``'s per-token primitive."""
     mask, fn = _setup(target, beta, gamma, label_smoothing, ignore_index)
     loss, logps = pref.run(OP_ID, impl, hidden, weight, bias, target, ignore_index, True, fn, (mask,))
     return _stats(loss, logps, mask, float(beta))
 
 
-def reference(hidden, weight, target, bias=None, *, beta=2.0, gamma=0.5, label_smoothing=0.0, ignore_index=-100) -> SimPOOutput:
+def reference(hidden, weight, target, bias=None, beta=2.0, gamma=0.5, label_smoothing=0.0, ignore_index=-100) -> SimPOOutput:
     """The semantics in float64 from the full ``[2B, T, V]`` logits (differentiable)."""
     mask, fn = _setup(target, beta, gamma, label_smoothing, ignore_index)
     loss, logps = pref.reference_run(hidden, weight, bias, target, ignore_index, fn, (mask,))
-    return _stats(loss, logps, mask, float(beta))
+    return pref.contract(_stats(loss, logps, mask, float(beta)), hidden)
+
+
+error_model = pref.error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 3})
+
+
+def outputs(hidden, weight, *_: object) -> tuple:
+    """The reference's output shapes and dtypes, without running it (the first-call check)."""
+    acc, b = pref.acc_dtype(hidden), torch.Size((hidden.shape[0] // 2,))
+    return ((torch.Size(), acc), (b, acc), (b, acc), (b, acc), (b, acc))
+
+
+def example(shape, dtype, device, requires_grad: bool = False) -> Case:
+    """``shape`` = (2B, T, H, V): B pairs of T tokens, ~5% of the targets ignored."""
+    return Case("x".join(map(str, shape)), pref.example_head(shape, dtype, device, requires_grad))
+
+
+def cases(device, dtype, large: bool = False) -> list[Case]:
+    """Awkward shapes and every option, sized for the CPU interpreter unless ``large``."""
+    head = partial(pref.case_head, device=device, dtype=dtype)
+    h, w, t, bias = head(4, 6, 16, 97)
+    out = [
+        Case("4x6x16x97", (h, w, t, bias)),
+        Case("2x1x8x1-nobias", head(2, 1, 8, 1)[:3]),
+        Case("4x6x16x97-gamma-smooth", (h, w, t, bias), {"gamma": 0.8, "label_smoothing": 0.1}),
+        Case("6x5x24x300-beta", head(6, 5, 24, 300), {"beta": 0.5}),
+    ]
+    if large:  # the issue's 1B-model shape: 2×4 sequences of 1024 tokens, H = 2048, V = 128256
+        out.append(example((8, 1024, 2048, 128256), dtype, device, True))
+    return out
+
+
+flops = pref.flops
+bytes_moved = pref.bytes_moved
+
+IMPLS = pref.impl_rows(OP_ID, "pairs", "Liger LigerFusedLinearSimPOFunction (logits in the inputs' dtype)")
+
+_op = Op(
+    OP_ID,
+    fields=pref.fields(reference),
+    key=pref.key_for(reference),
+    default_key=pref.default_key(8),
+    validate=_validate,
+    reference=reference,
+    outputs=outputs,
+    error_model=error_model,
+    dtypes=(torch.float32, torch.bfloat16, torch.float16),
+    cases=cases,
+    example=example,
+    bytes_moved=bytes_moved,
+    impls=IMPLS,
+    # torch.compile: a graph break around the eager dispatcher (the NamedTuple outputs have no
+    # custom-op schema; Inductor's code for the float64 reference would hold the [N, V] logits)
+    compile_mode="eager",
+)
+_dispatch = _op.dispatch  # bound once

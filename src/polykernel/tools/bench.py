@@ -91,6 +91,12 @@ SHAPES: dict[str, list[tuple[str, tuple[int, ...]]]] = {
     "jsd": [("8192x128256", (8192, 128256))],
     "tvd": [("8192x128256", (8192, 128256))],
     "fused_linear_jsd": [("N8192,H4096,V128256", (8192, 4096, 128256))],
+    # the fused preference/RL losses at the issue's 1B-model shape: 2×4 sequences of 1024 tokens
+    # (R, T, H, V), H = 2048, V = 128256 (issue 22)
+    **{
+        f"fused_linear_{n}_loss": [("R8,T1024,H2048,V128256", (8, 1024, 2048, 128256))]
+        for n in ("dpo", "orpo", "cpo", "simpo", "kto", "grpo")
+    },
 }
 
 # (op, label) -> the op's options for that row (the rows above whose labels name them)
@@ -118,6 +124,9 @@ _FLOPS: dict[str, Callable[[int, int, int, bool], int]] = {
     "fused_linear_cross_entropy": lambda n, h, v, bwd: (6 if bwd else 2) * n * h * v,
     "fused_linear_jsd": lambda n, h, v, bwd: (8 if bwd else 4) * n * h * v,
 }
+
+
+_PREFERENCE = {f"fused_linear_{n}_loss" for n in ("dpo", "orpo", "cpo", "simpo", "kto", "grpo")}
 
 
 def sweep_shapes(op_name: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -316,6 +325,11 @@ def _perf(row: dict[str, Any], op: Any, shape: tuple[int, ...], args: tuple[Any,
         n, h, v = shape
         row["size"] = _FLOPS[op.name](n, h, v, False) / 1e9  # GFLOP forward: the plot's x
         row["TFLOP/s"] = _FLOPS[op.name](n, h, v, backward) / (ms * 1e-3) / 1e12
+    elif op.name in _PREFERENCE:  # matmul-bound: the policy head's GEMMs (ops/_preference.py's flops)
+        from polykernel.ops._preference import flops
+
+        row["size"] = flops(*args, backward=False) / 1e9
+        row["TFLOP/s"] = flops(*args, backward=backward) / (ms * 1e-3) / 1e12
     elif op.name in ("moe_experts", "moe_experts_gpt_oss"):
         from polykernel.ops import moe_experts, moe_experts_gpt_oss
 

@@ -86,3 +86,34 @@ def grpo(hidden, weight, ids, mask, advantages, bias, ref, old, beta, eps_low, e
     )  # fmt: skip
     kl, clip = (metrics[0], metrics[1]) if beta != 0.0 else (None, metrics[0])
     return GRPOOutput(loss, GRPOMetrics(kl, _nan(loss), _nan(loss), clip))
+
+
+# -- the registered impls, on the ops' positional arguments (validated by the public functions) ----
+
+
+def fused_linear_dpo_loss(hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_chosen_logps, ref_rejected_logps, beta,
+                          ignore_index, average_log_prob, compute_nll_loss) -> DPOOutput:  # fmt: skip
+    return dpo(hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_chosen_logps, ref_rejected_logps, float(beta),
+               ignore_index, average_log_prob, compute_nll_loss)  # fmt: skip
+
+
+def fused_linear_orpo_loss(hidden, weight, target, bias, beta, ignore_index, compute_nll_loss) -> ORPOOutput:
+    return orpo(hidden, weight, target, bias, float(beta), ignore_index, compute_nll_loss)
+
+
+def fused_linear_cpo_loss(hidden, weight, target, bias, beta, alpha, label_smoothing, ignore_index, average_log_prob) -> CPOOutput:
+    return cpo(hidden, weight, target, bias, float(beta), float(alpha), float(label_smoothing), ignore_index, average_log_prob)
+
+
+def fused_linear_simpo_loss(hidden, weight, target, bias, beta, gamma, label_smoothing, ignore_index) -> SimPOOutput:
+    return simpo(hidden, weight, target, bias, float(beta), float(gamma), float(label_smoothing), ignore_index)
+
+
+def fused_linear_grpo_loss(hidden, weight, ids, mask, advantages, bias, ref, old, beta, eps_low, eps_high, loss_type, level,
+                           temperature, max_completion_length, use_bias_correction_kl=False) -> GRPOOutput:  # fmt: skip
+    if use_bias_correction_kl and beta != 0.0:  # (the op's predicate refuses it first)
+        raise ImplNotAvailableError(
+            "loss.fused_linear_grpo_loss", "liger", "Liger's GRPO has no importance-weighted KL", ["torch", "triton"]
+        )
+    return grpo(hidden, weight, ids, mask, advantages, bias, ref, old, float(beta), float(eps_low), float(eps_high), loss_type, level,
+                float(temperature), max_completion_length)  # fmt: skip
