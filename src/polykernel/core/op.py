@@ -395,9 +395,7 @@ class Op:
         self._fast: list[tuple[Any, ...]] = []
         self._plain = plain_check(reference)
         self.dispatch = _hot_dispatch(self)  # type: ignore[method-assign]  # generated (see _hot_dispatch)
-        registry.add_op(self)
-        for spec in impls:
-            registry.register_impl(spec)
+        registry.add_op(self, impls)
 
     def __repr__(self) -> str:
         return f"Op({self.id!r})"

@@ -20,7 +20,7 @@ import dataclasses
 import importlib
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
 from ..errors import UnknownOpError
@@ -70,6 +70,10 @@ class Registry:
         self._importing: set[str] = set()
         self._import_errors: dict[str, dict[str, str]] = {}
         self._preloaded: dict[tuple[str, str], Callable[..., Any]] = {}
+        # The impls each op declares (its built-ins), kept apart so that restore() can put them
+        # back for an op first loaded after the snapshot even when a registration in between
+        # replaced one of them by name.
+        self._builtin: dict[str, dict[str, KernelSpec]] = {}
         # Told when the set of impls changes, with the op id it changed for (None: any op may
         # have). This is how the layers above (the dispatcher's memo, the custom-op builder)
         # hear of changes without this module importing them.
@@ -113,12 +117,18 @@ class Registry:
         """The ops whose modules have been imported so far."""
         return list(self._ops.values())
 
-    def add_op(self, op: Op) -> None:
-        """Register an :class:`~polykernel.core.op.Op` (its constructor does)."""
+    def add_op(self, op: Op, impls: Sequence[KernelSpec] = ()) -> None:
+        """Register an :class:`~polykernel.core.op.Op` and the impls it declares (its constructor does)."""
         with self.lock:
             self._ops[op.id] = op
-            self._specs.setdefault(op.id, {})
+            registered = self._specs.setdefault(op.id, {})
+            self._builtin[op.id] = {spec.impl: spec for spec in impls}
+            # an impl registered under the same name before the op's module was first imported
+            # is the user's explicit choice: the declaration does not overwrite it
+            kept = [spec for spec in impls if spec.impl not in registered]
         self.changed(op.id)
+        for spec in kept:
+            self.register_impl(spec)
 
     # -- change notification ------------------------------------------------------------------
     def listen(self, fn: Callable[[str | None], None]) -> None:
@@ -240,12 +250,14 @@ class Registry:
             for op_id in [o for o in self._ops if o not in snap.specs and o not in catalog]:
                 del self._ops[op_id]
                 self._specs.pop(op_id, None)
-            for op, table in self._specs.items():
-                if op in snap.specs:
-                    table.clear()
-                    table.update(snap.specs[op])
             self._preloaded.clear()
             self._preloaded.update(snap.preloaded)
+            for op, table in self._specs.items():
+                table.clear()
+                if op in snap.specs:
+                    table.update(snap.specs[op])
+                else:  # first loaded since: the impls it declares
+                    table.update(self._builtin.get(op, {}))
             self._locations.clear()
             self._locations.update({op: list(mods) for op, mods in snap.locations.items()})
             self._imported.clear()

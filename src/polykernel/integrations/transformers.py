@@ -278,9 +278,7 @@ _FAMILIES: dict[str, _Family] = {
             package="llama4",
             roles=(("Llama4ForCausalLM", "causal_lm"),),  # Llama4TextMLP: the dense layers and shared experts
             rope=(("apply_rotary_emb", _COMPLEX),),  # complex pairs: interleaved rope, q/k [B, T, H, D]
-            left_alone=(
-                ("l2_norm", "Llama4's q/k L2 norm has no weight: polykernel.rms_norm needs one"),
-            ),
+            left_alone=(("l2_norm", "Llama4's q/k L2 norm has no weight: polykernel.rms_norm needs one"),),
             experts=_LLAMA4_EXPERTS,
             output="MoeCausalLMOutputWithPast",
         ),

@@ -102,12 +102,12 @@ def ready(op_id: str, argkey: tuple[Any, ...]) -> bool:
 def impl(op_id: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     """A registered impl: calls the op's compiled reference; ``compile_ms(*args)`` on it tells
     measured selection what its compile costs (see :mod:`polykernel.tuning.measure`)."""
-    c = compiled(op_id, fn)
 
+    # looked up per call (one dict read), so that reset() forgets what the impl compiled too
     def run(*args: Any) -> Any:
-        return c(*args)
+        return compiled(op_id, fn)(*args)
 
-    run.compile_ms = c.compile_ms  # type: ignore[attr-defined]
+    run.compile_ms = lambda *args: compiled(op_id, fn).compile_ms(*args)  # type: ignore[attr-defined]
     return run
 
 
