@@ -77,9 +77,24 @@ def test_liger_dpo_refuses_precomputed_reference_logps():
     args = (hid, w, targets(4, 6, 80), b, None, None, None, torch.zeros(2), torch.zeros(2), 0.1, -100, False, False)
     gate = registry.specs_for(op)["liger"].predicate
     assert "ref_chosen_logps" in gate(op.arg_class(op.key(*args)))
-    assert gate(op.arg_class(op.key(*args[:7], None, None, *args[9:]))) is None
+    assert gate(op.arg_class(op.key(*args[:7], None, None, *args[9:-1], True))) is None
+    # without compute_nll_loss Liger reports no NLL (a NaN field where ours has the value): refused
+    assert "compute_nll_loss" in gate(op.arg_class(op.key(*args[:7], None, None, *args[9:])))
     with pytest.raises(ImplNotAvailableError, match="precomputed"):  # the adapter still refuses if called
         liger("fused_linear_dpo_loss", *args)
+
+
+def test_liger_grpo_is_float32_only():
+    # measured on the H200 (benchmarks/results/h200-2026-12-01-late/): its bf16 gradients missed the error model
+    op = registry.get_op("fused_linear_grpo_loss")
+    gate = registry.specs_for(op)["liger"].predicate
+    for dtype, refused in ((torch.float32, False), (torch.bfloat16, True), (torch.float16, True)):
+        hid, w = torch.randn(2, 3, 8, dtype=dtype), torch.randn(16, 8, dtype=dtype)
+        ids, mask, adv = torch.randint(0, 16, (2, 3)), torch.ones(2, 3, dtype=torch.long), torch.randn(2)
+        bound = inspect.signature(op.reference).bind(hid, w, ids, mask, adv)
+        bound.apply_defaults()
+        key = op.arg_class(op.key(*bound.args))
+        assert (gate(key) is not None) is refused, dtype
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import polykernel
 from polykernel.backends.torch import _linear_logps
 from polykernel.core import registry
 from polykernel.core.op import Case
-from polykernel.errors import OpArgumentError, UnknownImplError
+from polykernel.errors import ImplNotAvailableError, OpArgumentError, UnknownImplError
 from polykernel.ops import _preference as pref
 from polykernel.ops import fused_linear_dpo_loss as dpo_op
 from polykernel.ops import fused_linear_grpo_loss as grpo_op
@@ -735,6 +735,10 @@ def test_gpu_dpo_and_grpo_match_the_float64_formulas(impl, dtype, monkeypatch):
     with torch.no_grad():
         lp, _ = token_logps(hid, w, None, ids, ignore=-(10**9))
     old, ref = (lp + 0.1 * torch.randn_like(lp)).float(), (lp + 0.1 * torch.randn_like(lp)).float()
+    if impl == "liger" and dtype != torch.float32:  # its 16-bit gradients missed the error model here
+        with pytest.raises(ImplNotAvailableError, match="float32 only"):
+            polykernel.fused_linear_grpo_loss(hid, w, ids, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old, impl=impl)
+        return
     out = polykernel.fused_linear_grpo_loss(hid, w, ids, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old, impl=impl)
     want = grpo_formula(hid, w, None, ids, mask, adv, ref=ref, old=old)
     torch.testing.assert_close(out.loss.double(), want.detach(), rtol=rtol, atol=rtol)

@@ -205,7 +205,18 @@ flops = pref.flops
 bytes_moved = pref.bytes_moved
 
 # Liger's DPO takes no precomputed reference log-probs: refused by the class (never a fault)
-liger_predicate = pref.liger_gate("ref_chosen_logps")
+_liger_refs = pref.liger_gate("ref_chosen_logps")
+
+
+def liger_predicate(key) -> str | None:
+    # Liger reports the chosen NLL only when it adds it to the loss; ours always reports it, and a
+    # NaN field would disagree with the reference (POLYKERNEL_VERIFY refused it on the H200)
+    refused = _liger_refs(key)
+    if refused is None and not key.compute_nll_loss:
+        refused = "Liger's DPO reports no NLL unless compute_nll_loss=True"
+    return refused
+
+
 IMPLS = pref.impl_rows(
     OP_ID,
     "pairs",
