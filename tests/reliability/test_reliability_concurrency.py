@@ -27,8 +27,10 @@ pytestmark = [
 
 EXAMPLE_SHAPES = {
     "rope": (1, 2, 3, 8),
+    "mrope": (1, 2, 3, 8),
     "fused_linear_cross_entropy": (5, 16, 40),
     "fused_linear_jsd": (5, 16, 40),
+    **{f"fused_linear_{x}_loss": (2, 3, 16, 40) for x in ("dpo", "orpo", "cpo", "simpo", "kto", "grpo")},  # (R, T, H, V)
 }
 
 # A lazily discovered location (declare_op_locations) that counts how often it is imported.
@@ -71,6 +73,13 @@ def _all_at_once(target, n=THREADS):
     return results
 
 
+def _leaves(out):
+    """The tensors of an op's output, nested tuples (the losses' NamedTuples) flattened, Nones out."""
+    if isinstance(out, tuple):
+        return [leaf for o in out for leaf in _leaves(o)]
+    return [] if out is None else [out]
+
+
 def _first_calls_at_once(device: str, tmp_path, monkeypatch) -> None:
     import builtins
 
@@ -95,8 +104,8 @@ def _first_calls_at_once(device: str, tmp_path, monkeypatch) -> None:
         first = results[0][op_id]
         for r in results[1:]:
             got = r[op_id]
-            for a, b in zip(first if isinstance(first, tuple) else (first,), got if isinstance(got, tuple) else (got,)):
-                assert torch.equal(a, b), op_id  # identical results
+            for a, b in zip(_leaves(first), _leaves(got), strict=True):  # identical results (NaN metrics too)
+                torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=op_id)
     made = [d for d in polykernel.decisions() if d["source"] == "auto"]  # (impls may call ops with impl=)
     assert sorted(d["op"] for d in made) == sorted(op_id for op_id, _ in cases)  # one decision per op
     assert next(d["impl"] for d in made if d["op"] == "activation.softmax") == "cuda_jit"

@@ -26,7 +26,8 @@ def test_four_ranks_tune_overlapping_keys_into_one_store_and_agree(tmp_path):
     ns = sorted(json.loads(k)["class"]["n"] for k in data["entries"])
     assert ns == sorted([32, 48] + [16 * (r + 4) for r in range(WORLD)])  # every key, once
     for entry in data["entries"].values():
-        assert entry["eager"] in ("torch", "triton") and set(entry["times"]) == {"torch", "triton"}
+        # torch_compile runs on the CPU too; its measured time carries its compile (never the winner here)
+        assert entry["eager"] in ("torch", "triton") and set(entry["times"]) - {"torch_compile"} == {"torch", "triton"}
     ran = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert len({r["impl"] for r in ran}) == 1  # the same choice everywhere
     assert {r["source"] for r in ran} <= {"tuned", "auto"}
