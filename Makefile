@@ -38,9 +38,11 @@ test: setup  ## the CPU suite (Triton kernels through TRITON_INTERPRET=1)
 # those paths off (numpy >= 2.4 names the levels X86_V3/X86_V4; older numpy the single features).
 NPY_NO_AVX512 := AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL AVX512_SPR X86_V4
 NPY_NO_AVX2   := $(NPY_NO_AVX512) AVX2 FMA3 X86_V3
+# Each pass keeps its own Inductor cache: torch 2.13 does not key that cache by ATEN_CPU_CAPABILITY,
+# and code compiled for one ISA and reloaded under another gave wrong values and crashes.
 test-simd: setup  ## the parity tests again with the AVX-512, then the AVX2 paths of torch and numpy off
-	ATEN_CPU_CAPABILITY=avx2 NPY_DISABLE_CPU_FEATURES="$(NPY_NO_AVX512)" $(BIN)/python -m pytest -q -n $(JOBS) -k parity tests
-	ATEN_CPU_CAPABILITY=default NPY_DISABLE_CPU_FEATURES="$(NPY_NO_AVX2)" $(BIN)/python -m pytest -q -n $(JOBS) -k parity tests
+	TORCHINDUCTOR_CACHE_DIR="$(abspath $(VENV))/inductor-avx2" ATEN_CPU_CAPABILITY=avx2 NPY_DISABLE_CPU_FEATURES="$(NPY_NO_AVX512)" $(BIN)/python -m pytest -q -n $(JOBS) -k parity tests
+	TORCHINDUCTOR_CACHE_DIR="$(abspath $(VENV))/inductor-default" ATEN_CPU_CAPABILITY=default NPY_DISABLE_CPU_FEATURES="$(NPY_NO_AVX2)" $(BIN)/python -m pytest -q -n $(JOBS) -k parity tests
 
 .PHONY: test-fallbacks
 test-fallbacks: setup  ## the CPU suite again with every private-API fallback forced (polykernel/_compat.py)
