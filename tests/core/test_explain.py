@@ -138,3 +138,19 @@ def test_a_backend_no_op_has_is_still_a_preference():
 def test_explain_for_cuda_answers_on_a_machine_without_cuda():
     e = polykernel.explain("rms_norm", device="cuda", dtype="bf16")  # was: a RuntimeError from the capture query
     assert {r["name"]: r["reason"] for r in e.impls}["cute_dsl"] == "needs a CUDA device"
+
+
+def test_the_public_function_names_its_op():
+    # explain(polykernel.rms_norm, ...) reads as the call it explains; the name and the Op agree
+    x, w = torch.randn(3, 8), torch.ones(8)
+    by_function = polykernel.explain(polykernel.rms_norm, x, w)
+    assert by_function.op == "norm.rms_norm"
+    assert by_function.chosen == polykernel.explain("rms_norm", x, w).chosen
+    assert polykernel.explain(polykernel.fused_linear_dpo_loss, device="cpu").op == registry.get_op("fused_linear_dpo_loss").id
+    assert registry.get_op(registry.get_op("swiglu")) is registry.get_op("swiglu")
+
+
+@pytest.mark.parametrize("not_an_op", [len, torch.nn.functional.rms_norm, 3])
+def test_something_that_is_not_an_op_is_an_unknown_op_error(not_an_op):
+    with pytest.raises(polykernel.errors.UnknownOpError, match="unknown op"):
+        polykernel.explain(not_an_op, device="cpu")

@@ -116,11 +116,21 @@ def _run_ce(mesh: Any, kw: dict[str, Any], opts: dict[str, Any]) -> dict[str, An
     ref = ce.reference(ref_x, t, **opts)
     dx = distribute_tensor(x, mesh, [Shard(x.dim() - 1)]).requires_grad_()
     dt = distribute_tensor(t, mesh, [Replicate()])
+    before = _decided()
     got = polykernel.cross_entropy(dx, dt, **opts)
+    r_decided = sorted(_decided() - before)
     r = _compare(got, ref, [("logits", dx, ref_x)], _cot(ref))
     r["logits_unchanged"] = bool(torch.equal(dx.detach().full_tensor(), x))  # the backward works in its own buffers
     r["explain"] = polykernel.explain("cross_entropy", dx, dt, **opts).route
+    r["decided"] = r_decided
     return r
+
+
+def _decided() -> set[tuple[str, str, str, str]]:
+    """What ``decisions()`` says ran: (op, impl, source, subclass)."""
+    import polykernel
+
+    return {(d["op"], d["impl"], d["source"], d.get("subclass", "")) for d in polykernel.decisions()}
 
 
 def _run_flce(mesh: Any, kw: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
@@ -400,6 +410,8 @@ def test_cross_entropy_on_vocab_sharded_logits_matches_unsharded(report, name):
     assert r["logits_unchanged"]
     assert r["grad_placements"]["logits"] == [f"S({2 if name == 'none-3d' else 1})"]
     assert "vocab-parallel" in r["explain"] and "holds a collective" in r["explain"], r["explain"]
+    # decisions() lists the route that ran, not the plain decision made before the route took over
+    assert all(d == [CE, "torch", "vocab-parallel route", "DTensor"] for d in r["decided"]), r["decided"]
 
 
 @pytest.mark.parametrize("name", [n for n, _, _ in _flce_cases()])

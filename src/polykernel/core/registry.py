@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
 import threading
 import traceback
 from collections.abc import Callable, Sequence
@@ -88,10 +89,19 @@ class Registry:
         """Every known op id, built-in and user-defined, sorted."""
         return sorted(set(self.load_catalog()) | set(self._ops))
 
-    def resolve_op_id(self, op: str | Op) -> str:
-        """``"rms_norm"`` or ``"norm.rms_norm"`` -> ``"norm.rms_norm"``; unknown -> UnknownOpError."""
+    def resolve_op_id(self, op: str | Op | Callable[..., Any]) -> str:
+        """``"rms_norm"``, ``"norm.rms_norm"``, the ``Op`` or the public function
+        ``polykernel.rms_norm`` -> ``"norm.rms_norm"``; unknown -> UnknownOpError."""
         if not isinstance(op, str):
-            return op.id
+            op_id = getattr(op, "id", None)
+            if isinstance(op_id, str):
+                return op_id
+            # a public op function: its module (ops/<op>.py) names the op it calls
+            module = sys.modules.get(getattr(op, "__module__", None) or "")
+            op_id = getattr(module, "OP_ID", None)
+            if isinstance(op_id, str) and getattr(module, getattr(op, "__name__", ""), None) is op:
+                return op_id
+            raise UnknownOpError(repr(op), [k.rpartition(".")[2] for k in self.all_op_ids()])
         known = self.all_op_ids()
         if op in known:
             return op
@@ -100,7 +110,7 @@ class Registry:
             return matches[0]
         raise UnknownOpError(op, [k.rpartition(".")[2] for k in known])
 
-    def get_op(self, op: str | Op) -> Op:
+    def get_op(self, op: str | Op | Callable[..., Any]) -> Op:
         """The :class:`~polykernel.core.op.Op` object for an id or bare name (imports its module once)."""
         op_id = self.resolve_op_id(op)
         hit = self._ops.get(op_id)

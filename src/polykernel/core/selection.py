@@ -273,6 +273,9 @@ class Decision:
     # The guard that recognises this decision's calls without their argument class (Op.dispatch,
     # polykernel.core.hit_guard): built on the first call that takes it, kept for when it comes back.
     check: Any = None
+    # Whether an impl call went through this decision (``decisions()`` lists only those: a DTensor
+    # call's plain decision, made before its route took over, never ran).
+    ran: bool = False
 
     def on_fault(self, exc: Exception, args: tuple[Any, ...]) -> Any:
         """Runtime-fault policy: fall back from an impl chosen by steps 4-6 that raised."""
@@ -408,8 +411,16 @@ def decide(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None) ->
     decision.cuda = getattr(key.argclass[0], "type", None) == "cuda"
     decision.guarded = decision.raw or decision.cuda
     op.remember(key, decision)
-    _record[(op.id, key)] = decision  # what `decisions()` lists; outlives the memo
+    _record[(op.id, key)] = decision  # what `decisions()` lists once it ran; outlives the memo
     return decision
+
+
+def record_route(op: Op, key: tuple[Any, ...], subclass: str, impl: str, source: str) -> None:
+    """Record, for ``decisions()``, a call that a layer above ran itself rather than through a
+    decision (a vocab-parallel loss: torch math on the local slices, ``source`` says which route)."""
+    routed_key = key._replace(subclass=subclass)  # type: ignore[attr-defined]
+    if (op.id, routed_key) not in _record:
+        _record[(op.id, routed_key)] = Decision(op, routed_key, impl, None, source, False, [], raw=False, ran=True)
 
 
 # Ops whose tensor-subclass arguments a layer above routes itself (polykernel.distributed.dtensor adds its ops
@@ -763,7 +774,7 @@ def decisions(op: str | None = None) -> list[dict[str, Any]]:
         True
     """
     wanted = registry.get_op(op).id if op is not None else None
-    records = [(op_id, key, d) for (op_id, key), d in list(_record.items()) if wanted is None or op_id == wanted]
+    records = [(op_id, key, d) for (op_id, key), d in list(_record.items()) if d.ran and (wanted is None or op_id == wanted)]
     records.sort(key=lambda r: r[0])  # by op id; within an op, in the order the decisions were made
     out = []
     for op_id, key, d in records:

@@ -361,7 +361,9 @@ class Route:
             if vp is not None:
                 if vp.moved:
                     _redistributing(self.op, Plan(vp.text, vp.mesh, moved=vp.moved))
-                return vocab.run(self.op.id, vp)
+                out = vocab.run(self.op.id, vp)
+                dispatch.record_route(self.op, self.key, "DTensor", "torch", "vocab-parallel route")
+                return out
         p = plan(self.op, args)
         if p.moved:
             _redistributing(self.op, p)
