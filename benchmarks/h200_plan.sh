@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# The H200 measurements that issues 22-25 still need, as parts of at most ~9 minutes each (one
+# device command is capped at 10). Run from the project root on the H200, one part per command:
+#
+#   bash benchmarks/h200_plan.sh PART            # results: $OUT/h200-PART.tar.gz (or /tmp/h200 without $OUT)
+#
+# Staging (on this side first, carried with the command; see ../shared/gpu/README.md):
+#   serving-*  : `bash benchmarks/stage_serving_peers.sh` (FlashInfer, sgl-kernel: 41 MB) and the
+#                Liger wheel (`bash ../shared/gpu/stage.sh`); carry .gpu/serving/{setup.sh,manifest,parts-1}
+#                and the stage script's Liger paths. Each part sets the peers up again when the
+#                machine is fresh (seconds once unpacked).
+#   the others : the Liger wheel only.
+#
+# Parts, in the order the issues' "Done when" need them (the GPU time is 30 min a session):
+#   serving-a   issue 25: GPU tests of the providers, the serving ops in a graph and eager
+#   serving-b   issue 25: cuda_jit and torch_compile rows, the decode loop, the selection sweep
+#   losses      issue 22: distillation and preference losses (bench rows and GPU tests), vs Liger
+#   moe         issue 24: one experts layer at Qwen3-30B-A3B and Mixtral shapes, a small Qwen3-MoE trained
+#   trl         issue 22: TRL's DPOTrainer on a Llama-1B shape, ours vs use_liger_kernel
+#   families-1..6  issue 23: each family trained at a ~1B shape, plain / polykernel / Liger / compile
+#
+# Each step runs under its own time limit (a step that overruns is cut, its log says so, the next
+# runs); logs and JSON go to one folder, packed into one file at the end (the device returns at
+# most 8 files). The GPU tests run serially: with -n they filled the GPU's memory.
+set -u
+part=${1:?usage: bash benchmarks/h200_plan.sh PART}
+R=/tmp/h200/$part
+mkdir -p "$R"
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+dest=${OUT:-/tmp/h200}
+pack() { tar czf "$dest/h200-$part.tar.gz" -C /tmp/h200 "$part"; echo "packed $dest/h200-$part.tar.gz"; }
+trap pack EXIT
+
+step() {  # step NAME LIMIT_S COMMAND...: run, keep the log, say how it ended
+  local name=$1 lim=$2 start rc
+  shift 2
+  echo "== $name (limit $lim s)"
+  start=$(date +%s)
+  timeout -k 5 "$lim" "$@" >"$R/$name.log" 2>&1
+  rc=$?
+  echo "   rc=$rc in $(($(date +%s) - start)) s$([ $rc = 124 ] && echo ' (cut at its limit)')"
+  tail -3 "$R/$name.log" | cut -c1-200
+}
+
+peers() {  # whichever staged setups came with this command (idempotent)
+  for s in .gpu/setup.sh .gpu/lite/setup.sh; do [ -x "$s" ] && bash "$s" >/dev/null 2>&1; done
+  [ -f /opt/pk/env.sh ] && source /opt/pk/env.sh
+  if [ -f .gpu/serving/setup.sh ]; then
+    bash .gpu/serving/setup.sh | tail -1
+    source /opt/pk/serving/env.sh
+  fi
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+}
+
+gpu_tests() {  # gpu_tests NAME LIMIT FILES...
+  local name=$1 lim=$2
+  shift 2
+  step "$name" "$lim" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -rfE --tb=short "$@"
+}
+
+SERVING_OPS=(silu_and_mul gelu_and_mul fused_add_rms_norm_ rotary_embedding_ dynamic_quant_fp8 static_quant_fp8 rms_norm_quant_fp8)
+DISTILL_OPS=(kl_div jsd tvd fused_linear_jsd)
+PREF_OPS=(fused_linear_dpo_loss fused_linear_orpo_loss fused_linear_cpo_loss fused_linear_simpo_loss fused_linear_kto_loss fused_linear_grpo_loss)
+
+peers
+nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv >"$R/gpu.csv" 2>&1
+case $part in
+  serving-a)
+    step cuda-jit-build 150 python3 -m polykernel.backends.cuda_jit._build
+    gpu_tests serving-tests 170 tests/backends/test_serving_peers.py tests/backends/test_cuda_jit.py \
+      tests/backends/test_torch_compile.py tests/ops/test_serving_common.py tests/ops/test_serving_fp8.py \
+      tests/ops/test_serving_glu.py tests/ops/test_serving_norm.py tests/ops/test_serving_rope.py
+    step serving-graph 130 python3 -m polykernel bench --graph --no-compile --out "$R/graph" "${SERVING_OPS[@]}"
+    step serving-eager 100 python3 -m polykernel bench --no-compile --out "$R/eager" "${SERVING_OPS[@]}"
+    ;;
+  serving-b)
+    step cuda-jit-build 150 python3 -m polykernel.backends.cuda_jit._build
+    step providers 60 python3 benchmarks/kernels/providers.py --json "$R/providers.json"
+    step decode 150 python3 benchmarks/models/decode_loop.py --steps 32 --repeats 3 --json "$R/decode.json"
+    step serving-sweep 180 python3 benchmarks/tuning/sweep_serving.py --out "$R/sweep"
+    ;;
+  losses)
+    gpu_tests loss-tests 150 tests/ops/test_kl_div.py tests/ops/test_jsd.py tests/ops/test_tvd.py \
+      tests/ops/test_fused_linear_jsd.py tests/ops/test_preference_losses.py tests/ops/test_ce_options.py -k "not large"
+    step distill-bench 150 python3 -m polykernel bench --graph --no-compile --out "$R/distill" "${DISTILL_OPS[@]}"
+    step pref-bench 120 python3 -m polykernel bench --no-compile --out "$R/pref" "${PREF_OPS[@]}"
+    step pref-script 90 python3 benchmarks/kernels/preference_losses.py --json "$R/pref.json"
+    ;;
+  moe)
+    gpu_tests moe-tests 100 tests/ops/test_moe.py tests/ops/test_moe_gpt_oss.py
+    step moe-layer 200 python3 benchmarks/kernels/moe.py --gpt-oss --json "$R/moe.json"
+    step moe-train 230 python3 benchmarks/models/moe_train.py --steps 8 --timeout 100 --json "$R/moe_train.json"
+    ;;
+  trl)
+    step trl-dpo 520 python3 benchmarks/models/trl_dpo.py --steps 8 --timeout 250 --json "$R/trl_dpo.json"
+    ;;
+  families-[1-6])
+    # 17 families, 3 per part (each variant in its own process; compile's first steps compile)
+    all=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks/models'); import families; print(' '.join(families.FAMILIES))")
+    read -r -a fams <<<"$all"
+    k=${part#families-}
+    chunk=$(((${#fams[@]} + 5) / 6))
+    mine=$(IFS=,; echo "${fams[*]:$(((k - 1) * chunk)):$chunk}")
+    step "families-$k" 540 python3 benchmarks/models/families.py --families "$mine" --steps 6 --warmup 3 --timeout 120 \
+      --json "$R/families-$k.json"
+    ;;
+  *)
+    echo "unknown part $part (see the header)"
+    exit 2
+    ;;
+esac
