@@ -5,16 +5,15 @@ all-ignored batches, argument errors, property tests, the Liger adapter, the mod
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
 from hypothesis import strategies as st
 
 import polykernel
 import polykernel.nn as pnn
-from _distill_helpers import DTYPES, INTERPRETER_WARNINGS, gpu_parity, layout, liger_matches_reference, need, property_settings
+from _distill_helpers import DTYPES, INTERPRETER_WARNINGS, gpu_parity, layout, liger_matches_reference, need, parity_property, raises_naming
 from polykernel.core import registry
 from polykernel.core.op import Case
 from polykernel.errors import OpArgumentError, OpTypeError
-from polykernel.testing import assert_parity, check_parity
+from polykernel.testing import assert_parity
 
 pytestmark = INTERPRETER_WARNINGS
 IMPLS = ["torch", "triton"]
@@ -139,9 +138,7 @@ _L = torch.zeros(4, dtype=torch.long)
     ],
 )
 def test_bad_input_names_op_and_argument(args, kwargs, exc, words):
-    with pytest.raises(exc) as info:
-        polykernel.jsd(*args, **kwargs)
-    assert "loss.jsd" in str(info.value) and words in str(info.value)
+    raises_naming(polykernel.jsd, "loss.jsd", args, kwargs, exc, words)
 
 
 def test_bad_input_never_marks_an_impl_broken():
@@ -168,17 +165,7 @@ def _cases(draw, dtype):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_parity_property_cpu(impl):
-    need("jsd", impl)
-
-    @property_settings(12 if impl != "torch" else 30)
-    @given(st.data())
-    def run(data):
-        dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
-        case = data.draw(_cases(dtype), label="case")
-        (result,) = check_parity("jsd", [impl], dtypes=[dtype], cases=[case])
-        assert result.ok, str(result)
-
-    run()
+    parity_property("jsd", impl, _cases, 12 if impl != "torch" else 30)
 
 
 needs_liger_interpreter = pytest.mark.skipif(

@@ -7,15 +7,14 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
 from hypothesis import strategies as st
 
 import polykernel
 import polykernel.nn as pnn
-from _distill_helpers import DTYPES, INTERPRETER_WARNINGS, gpu_parity, layout, need, property_settings
+from _distill_helpers import DTYPES, INTERPRETER_WARNINGS, gpu_parity, layout, need, parity_property, raises_naming
 from polykernel.core.op import Case
 from polykernel.errors import OpArgumentError, OpTypeError
-from polykernel.testing import assert_parity, check_parity
+from polykernel.testing import assert_parity
 
 pytestmark = INTERPRETER_WARNINGS
 IMPLS = ["torch", "triton"]
@@ -132,9 +131,7 @@ def _bad(*shape):
     ],
 )
 def test_bad_input_names_op_and_argument(args, kwargs, exc, words):
-    with pytest.raises(exc) as info:
-        polykernel.kl_div(*args, **kwargs)
-    assert "loss.kl_div" in str(info.value) and words in str(info.value)
+    raises_naming(polykernel.kl_div, "loss.kl_div", args, kwargs, exc, words)
 
 
 @st.composite
@@ -155,17 +152,7 @@ def _cases(draw, dtype):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_parity_property_cpu(impl):
-    need("kl_div", impl)
-
-    @property_settings(12 if impl != "torch" else 30)
-    @given(st.data())
-    def run(data):
-        dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
-        case = data.draw(_cases(dtype), label="case")
-        (result,) = check_parity("kl_div", [impl], dtypes=[dtype], cases=[case])
-        assert result.ok, str(result)
-
-    run()
+    parity_property("kl_div", impl, _cases, 12 if impl != "torch" else 30)
 
 
 def test_module():

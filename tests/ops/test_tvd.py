@@ -3,15 +3,14 @@ all-ignored batches, argument errors, property tests, the module, and torch.comp
 
 import pytest
 import torch
-from hypothesis import given
 from hypothesis import strategies as st
 
 import polykernel
 import polykernel.nn as pnn
-from _distill_helpers import DTYPES, INTERPRETER_WARNINGS, gpu_parity, layout, need, property_settings
+from _distill_helpers import DTYPES, INTERPRETER_WARNINGS, gpu_parity, layout, need, parity_property, raises_naming
 from polykernel.core.op import Case
 from polykernel.errors import OpArgumentError, OpTypeError
-from polykernel.testing import assert_parity, check_parity
+from polykernel.testing import assert_parity
 
 pytestmark = INTERPRETER_WARNINGS
 IMPLS = ["torch", "triton"]
@@ -91,9 +90,7 @@ _L = torch.zeros(4, dtype=torch.long)
     ],
 )
 def test_bad_input_names_op_and_argument(args, kwargs, exc, words):
-    with pytest.raises(exc) as info:
-        polykernel.tvd(*args, **kwargs)
-    assert "loss.tvd" in str(info.value) and words in str(info.value)
+    raises_naming(polykernel.tvd, "loss.tvd", args, kwargs, exc, words)
 
 
 @st.composite
@@ -111,17 +108,7 @@ def _cases(draw, dtype):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_parity_property_cpu(impl):
-    need("tvd", impl)
-
-    @property_settings(12 if impl != "torch" else 30)
-    @given(st.data())
-    def run(data):
-        dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
-        case = data.draw(_cases(dtype), label="case")
-        (result,) = check_parity("tvd", [impl], dtypes=[dtype], cases=[case])
-        assert result.ok, str(result)
-
-    run()
+    parity_property("tvd", impl, _cases, 12 if impl != "torch" else 30)
 
 
 def test_module():
