@@ -34,6 +34,22 @@ def need(op: str, impl: str, dtype: torch.dtype = torch.float32) -> None:
         pytest.skip(f"{impl} not runnable on the CPU here")
 
 
+def cpu_parity(op_name: str, impl: str, dtype: torch.dtype) -> None:
+    """The op's CPU cases (its ``cases``) of ``impl`` in ``dtype`` against the reference (skipped
+    where ``impl`` cannot run on the CPU)."""
+    need(op_name, impl, dtype)
+    assert_parity(op_name, [impl], device="cpu", dtypes=[dtype])
+
+
+@st.composite
+def rows_shape(draw: Callable) -> tuple[tuple[int, ...], int, str]:
+    """A ``[..., V]`` loss's drawn leading shape (empty, one row, 2-d among them), its V (1 to past
+    one block) and a layout for :func:`layout`."""
+    lead = draw(st.sampled_from([(3,), (0,), (1,), (2, 3), (7,)]))
+    v = draw(st.sampled_from([1, 2, 7, 33, 127, 4099]))
+    return lead, v, draw(st.sampled_from(["contiguous", "rows", "cols"]))
+
+
 def parity_property(op_name: str, impl: str, cases: Callable[[torch.dtype], st.SearchStrategy], n: int) -> None:
     """Hypothesis: ``n`` drawn calls (a dtype of DTYPES, then a case of ``cases(dtype)``) of
     ``impl`` against the op's reference (skipped where ``impl`` cannot run on the CPU)."""

@@ -10,11 +10,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import polykernel
 import polykernel.nn as pnn
-from _distill_helpers import DTYPES, INTERPRETER_WARNINGS, gpu_parity, liger_matches_reference, need, parity_property, raises_naming
+from _distill_helpers import (
+    DTYPES,
+    INTERPRETER_WARNINGS,
+    cpu_parity,
+    gpu_parity,
+    liger_matches_reference,
+    need,
+    parity_property,
+    raises_naming,
+)
 from polykernel.core import registry
 from polykernel.core.op import Case
 from polykernel.errors import OpArgumentError, OpTypeError
-from polykernel.testing import assert_parity
 
 pytestmark = INTERPRETER_WARNINGS
 IMPLS = ["torch", "triton"]
@@ -23,8 +31,7 @@ IMPLS = ["torch", "triton"]
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_parity_cpu(impl, dtype):
-    need("fused_linear_jsd", impl, dtype)
-    assert_parity("fused_linear_jsd", [impl], device="cpu", dtypes=[dtype])
+    cpu_parity("fused_linear_jsd", impl, dtype)
 
 
 def _heads(n=12, h=16, ht=24, v=300):
