@@ -132,21 +132,8 @@ def chunked(prim_name: str, hidden, weight, target, bias, ref_hidden, ref_weight
     return _stats(logps, mask, ref, float(beta), average_log_prob, b, loss)
 
 
-def reference(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    ref_hidden: torch.Tensor | None = None,
-    ref_weight: torch.Tensor | None = None,
-    ref_bias: torch.Tensor | None = None,
-    ref_chosen_logps: torch.Tensor | None = None,
-    ref_rejected_logps: torch.Tensor | None = None,
-    beta: float = 0.1,
-    ignore_index: int = -100,
-    average_log_prob: bool = False,
-    compute_nll_loss: bool = False,
-) -> DPOOutput:
+def reference(hidden, weight, target, bias=None, ref_hidden=None, ref_weight=None, ref_bias=None, ref_chosen_logps=None,
+              ref_rejected_logps=None, beta=0.1, ignore_index=-100, average_log_prob=False, compute_nll_loss=False) -> DPOOutput:  # fmt: skip
     """The semantics in float64 from the full ``[2B, T, V]`` logits (differentiable)."""
     b = hidden.shape[0] // 2
     mask = target != ignore_index

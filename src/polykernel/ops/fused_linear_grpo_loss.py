@@ -232,24 +232,9 @@ def chunked(impl: str, hidden, weight, selected_token_ids, attention_mask, advan
     return GRPOOutput(loss, _metrics(logps, aux, opts))
 
 
-def reference(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    selected_token_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    advantages: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    ref_per_token_logps: torch.Tensor | None = None,
-    old_per_token_logps: torch.Tensor | None = None,
-    beta: float = 0.04,
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    loss_type: str = "grpo",
-    importance_sampling_level: str = "token",
-    temperature: float = 1.0,
-    max_completion_length: int | None = None,
-    use_bias_correction_kl: bool = False,
-) -> GRPOOutput:
+def reference(hidden, weight, selected_token_ids, attention_mask, advantages, bias=None, ref_per_token_logps=None,
+              old_per_token_logps=None, beta=0.04, epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo", importance_sampling_level="token",
+              temperature=1.0, max_completion_length=None, use_bias_correction_kl=False) -> GRPOOutput:  # fmt: skip
     """The semantics in float64 from the full ``[B, T, V]`` logits (differentiable)."""
     target, fn, aux, opts = _setup(selected_token_ids, attention_mask, advantages, ref_per_token_logps, old_per_token_logps, beta,
                                    epsilon_low, epsilon_high, loss_type, importance_sampling_level, max_completion_length,
