@@ -1,19 +1,23 @@
-"""Helpers shared by the distillation losses' tests (kl_div, jsd, tvd, fused_linear_jsd):
-hypothesis settings as in tests/reliability/test_reliability_parity.py, layouts, the Liger
-adapters called directly (the dispatcher runs Liger on CUDA only), and the GPU parity split
-(a peer only on the cases its predicate and its documented divergences allow)."""
+"""Helpers shared by the distillation losses' tests (kl_div, jsd, tvd, fused_linear_jsd): the
+property test and the bad-input check they all run, hypothesis settings and layouts (those of
+tests/_property.py), the Liger adapters called directly (the dispatcher runs Liger on CUDA
+only), and the GPU parity split (a peer only on the cases its predicate and its documented
+divergences allow)."""
 
 from __future__ import annotations
 
 import inspect
-import os
+from collections.abc import Callable
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import given
+from hypothesis import strategies as st
 
+from _property import layout as _layout
+from _property import property_settings
 from polykernel.core import registry
-from polykernel.testing import assert_parity, exact, fresh, refusal, runnable_impls
+from polykernel.testing import assert_parity, check_parity, exact, fresh, refusal, runnable_impls
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -25,40 +29,54 @@ INTERPRETER_WARNINGS = [
 ]
 
 
-def examples(default: int) -> int:
-    raw = os.environ.get("POLYKERNEL_HYPOTHESIS_EXAMPLES", "").strip()
-    return int(raw) if raw.isdigit() and int(raw) > 0 else default
-
-
-def property_settings(n: int) -> settings:
-    return settings(
-        max_examples=examples(n),
-        derandomize=True,  # the same examples on every run
-        database=None,
-        deadline=None,  # the interpreter's first compile of a kernel is slow
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-        print_blob=True,
-    )
-
-
 def need(op: str, impl: str, dtype: torch.dtype = torch.float32) -> None:
     if impl not in runnable_impls(op, "cpu", dtype):
         pytest.skip(f"{impl} not runnable on the CPU here")
 
 
+def cpu_parity(op_name: str, impl: str, dtype: torch.dtype) -> None:
+    """The op's CPU cases (its ``cases``) of ``impl`` in ``dtype`` against the reference (skipped
+    where ``impl`` cannot run on the CPU)."""
+    need(op_name, impl, dtype)
+    assert_parity(op_name, [impl], device="cpu", dtypes=[dtype])
+
+
+@st.composite
+def rows_shape(draw: Callable) -> tuple[tuple[int, ...], int, str]:
+    """A ``[..., V]`` loss's drawn leading shape (empty, one row, 2-d among them), its V (1 to past
+    one block) and a layout for :func:`layout`."""
+    lead = draw(st.sampled_from([(3,), (0,), (1,), (2, 3), (7,)]))
+    v = draw(st.sampled_from([1, 2, 7, 33, 127, 4099]))
+    return lead, v, draw(st.sampled_from(["contiguous", "rows", "cols"]))
+
+
+def parity_property(op_name: str, impl: str, cases: Callable[[torch.dtype], st.SearchStrategy], n: int) -> None:
+    """Hypothesis: ``n`` drawn calls (a dtype of DTYPES, then a case of ``cases(dtype)``) of
+    ``impl`` against the op's reference (skipped where ``impl`` cannot run on the CPU)."""
+    need(op_name, impl)
+
+    @property_settings(n)
+    @given(st.data())
+    def run(data):
+        dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+        case = data.draw(cases(dtype), label="case")
+        (result,) = check_parity(op_name, [impl], dtypes=[dtype], cases=[case])
+        assert result.ok, str(result)
+
+    run()
+
+
+def raises_naming(fn: Callable, op_id: str, args: tuple, kwargs: dict, exc: type[Exception], words: str) -> None:
+    """``fn(*args, **kwargs)`` raises ``exc``, its message naming the op and ``words`` (the argument)."""
+    with pytest.raises(exc) as info:
+        fn(*args, **kwargs)
+    assert op_id in str(info.value) and words in str(info.value)
+
+
 def layout(t: torch.Tensor, how: str) -> torch.Tensor:
-    """The same values in another layout: every other row or every other column."""
-    if t.dim() < 2 or how == "contiguous":
-        return t
-    if how == "rows":
-        big = torch.empty((t.shape[0] * 2, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        view = big[::2]
-    else:
-        big = torch.empty((*t.shape[:-1], t.shape[-1] * 2), dtype=t.dtype, device=t.device)
-        view = big[..., ::2]
-    with torch.no_grad():
-        view.copy_(t)
-    return view.requires_grad_(t.requires_grad)
+    """tests/_property.py's layout (every other row or column), ``t``'s requires_grad kept."""
+    out = _layout(t, how)
+    return out if out is t else out.requires_grad_(t.requires_grad)
 
 
 def liger_matches_reference(op_name: str, case, *, atol: float = 1e-5, rtol: float = 1e-4) -> None:

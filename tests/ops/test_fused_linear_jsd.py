@@ -5,17 +5,24 @@ torch.compile."""
 
 import pytest
 import torch
-from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import polykernel
 import polykernel.nn as pnn
-from _distill_helpers import DTYPES, INTERPRETER_WARNINGS, gpu_parity, liger_matches_reference, need, property_settings
+from _distill_helpers import (
+    DTYPES,
+    INTERPRETER_WARNINGS,
+    cpu_parity,
+    gpu_parity,
+    liger_matches_reference,
+    need,
+    parity_property,
+    raises_naming,
+)
 from polykernel.core import registry
 from polykernel.core.op import Case
 from polykernel.errors import OpArgumentError, OpTypeError
-from polykernel.testing import assert_parity, check_parity
 
 pytestmark = INTERPRETER_WARNINGS
 IMPLS = ["torch", "triton"]
@@ -24,8 +31,7 @@ IMPLS = ["torch", "triton"]
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_parity_cpu(impl, dtype):
-    need("fused_linear_jsd", impl, dtype)
-    assert_parity("fused_linear_jsd", [impl], device="cpu", dtypes=[dtype])
+    cpu_parity("fused_linear_jsd", impl, dtype)
 
 
 def _heads(n=12, h=16, ht=24, v=300):
@@ -180,9 +186,7 @@ def _bad_case(**change):
 )
 def test_bad_input_names_op_and_argument(change, exc, words):
     args, kwargs = _bad_case(**change)
-    with pytest.raises(exc) as info:
-        polykernel.fused_linear_jsd(*args, **kwargs)
-    assert "loss.fused_linear_jsd" in str(info.value) and words in str(info.value)
+    raises_naming(polykernel.fused_linear_jsd, "loss.fused_linear_jsd", args, kwargs, exc, words)
 
 
 @st.composite
@@ -199,17 +203,7 @@ def _cases(draw, dtype):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_parity_property_cpu(impl):
-    need("fused_linear_jsd", impl)
-
-    @property_settings(10 if impl != "torch" else 20)
-    @given(st.data())
-    def run(data):
-        dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
-        case = data.draw(_cases(dtype), label="case")
-        (result,) = check_parity("fused_linear_jsd", [impl], dtypes=[dtype], cases=[case])
-        assert result.ok, str(result)
-
-    run()
+    parity_property("fused_linear_jsd", impl, _cases, 10 if impl != "torch" else 20)
 
 
 needs_liger_interpreter = pytest.mark.skipif(

@@ -5,16 +5,25 @@ all-ignored batches, argument errors, property tests, the Liger adapter, the mod
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
 from hypothesis import strategies as st
 
 import polykernel
 import polykernel.nn as pnn
-from _distill_helpers import DTYPES, INTERPRETER_WARNINGS, gpu_parity, layout, liger_matches_reference, need, property_settings
+from _distill_helpers import (
+    DTYPES,
+    INTERPRETER_WARNINGS,
+    cpu_parity,
+    gpu_parity,
+    layout,
+    liger_matches_reference,
+    need,
+    parity_property,
+    raises_naming,
+    rows_shape,
+)
 from polykernel.core import registry
 from polykernel.core.op import Case
 from polykernel.errors import OpArgumentError, OpTypeError
-from polykernel.testing import assert_parity, check_parity
 
 pytestmark = INTERPRETER_WARNINGS
 IMPLS = ["torch", "triton"]
@@ -23,8 +32,7 @@ IMPLS = ["torch", "triton"]
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_parity_cpu(impl, dtype):
-    need("jsd", impl, dtype)
-    assert_parity("jsd", [impl], device="cpu", dtypes=[dtype])
+    cpu_parity("jsd", impl, dtype)
 
 
 def _trl_jsd(s, t, labels, beta):
@@ -139,9 +147,7 @@ _L = torch.zeros(4, dtype=torch.long)
     ],
 )
 def test_bad_input_names_op_and_argument(args, kwargs, exc, words):
-    with pytest.raises(exc) as info:
-        polykernel.jsd(*args, **kwargs)
-    assert "loss.jsd" in str(info.value) and words in str(info.value)
+    raises_naming(polykernel.jsd, "loss.jsd", args, kwargs, exc, words)
 
 
 def test_bad_input_never_marks_an_impl_broken():
@@ -153,9 +159,7 @@ def test_bad_input_never_marks_an_impl_broken():
 
 @st.composite
 def _cases(draw, dtype):
-    lead = draw(st.sampled_from([(3,), (0,), (1,), (2, 3), (7,)]))
-    v = draw(st.sampled_from([1, 2, 7, 33, 127, 4099]))
-    how = draw(st.sampled_from(["contiguous", "rows", "cols"]))
+    lead, v, how = draw(rows_shape())
     scale = draw(st.sampled_from([0.3, 1.0, 10.0]))
     s = layout((scale * torch.randn(*lead, v)).log_softmax(-1).to(dtype).requires_grad_(), how)
     t = layout((scale * torch.randn(*lead, v)).log_softmax(-1).to(dtype), how)
@@ -168,17 +172,7 @@ def _cases(draw, dtype):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_parity_property_cpu(impl):
-    need("jsd", impl)
-
-    @property_settings(12 if impl != "torch" else 30)
-    @given(st.data())
-    def run(data):
-        dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
-        case = data.draw(_cases(dtype), label="case")
-        (result,) = check_parity("jsd", [impl], dtypes=[dtype], cases=[case])
-        assert result.ok, str(result)
-
-    run()
+    parity_property("jsd", impl, _cases, 12 if impl != "torch" else 30)
 
 
 needs_liger_interpreter = pytest.mark.skipif(

@@ -7,15 +7,13 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
 from hypothesis import strategies as st
 
 import polykernel
 import polykernel.nn as pnn
-from _distill_helpers import DTYPES, INTERPRETER_WARNINGS, gpu_parity, layout, need, property_settings
+from _distill_helpers import DTYPES, INTERPRETER_WARNINGS, cpu_parity, gpu_parity, layout, need, parity_property, raises_naming, rows_shape
 from polykernel.core.op import Case
 from polykernel.errors import OpArgumentError, OpTypeError
-from polykernel.testing import assert_parity, check_parity
 
 pytestmark = INTERPRETER_WARNINGS
 IMPLS = ["torch", "triton"]
@@ -25,8 +23,7 @@ REDUCTIONS = ["batchmean", "sum", "mean", "none"]
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_parity_cpu(impl, dtype):
-    need("kl_div", impl, dtype)
-    assert_parity("kl_div", [impl], device="cpu", dtypes=[dtype])
+    cpu_parity("kl_div", impl, dtype)
 
 
 def _f_kl_div(x, t, reduction, log_target):
@@ -132,17 +129,13 @@ def _bad(*shape):
     ],
 )
 def test_bad_input_names_op_and_argument(args, kwargs, exc, words):
-    with pytest.raises(exc) as info:
-        polykernel.kl_div(*args, **kwargs)
-    assert "loss.kl_div" in str(info.value) and words in str(info.value)
+    raises_naming(polykernel.kl_div, "loss.kl_div", args, kwargs, exc, words)
 
 
 @st.composite
 def _cases(draw, dtype):
-    lead = draw(st.sampled_from([(3,), (0,), (1,), (2, 3), (7,)]))
-    v = draw(st.sampled_from([1, 2, 7, 33, 127, 4099]))
+    lead, v, how = draw(rows_shape())
     log_target = draw(st.booleans())
-    how = draw(st.sampled_from(["contiguous", "rows", "cols"]))
     scale = draw(st.sampled_from([0.3, 1.0, 8.0]))
     x = (scale * torch.randn(*lead, v)).log_softmax(-1).to(dtype)
     z = scale * torch.randn(*lead, v)
@@ -155,17 +148,7 @@ def _cases(draw, dtype):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_parity_property_cpu(impl):
-    need("kl_div", impl)
-
-    @property_settings(12 if impl != "torch" else 30)
-    @given(st.data())
-    def run(data):
-        dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
-        case = data.draw(_cases(dtype), label="case")
-        (result,) = check_parity("kl_div", [impl], dtypes=[dtype], cases=[case])
-        assert result.ok, str(result)
-
-    run()
+    parity_property("kl_div", impl, _cases, 12 if impl != "torch" else 30)
 
 
 def test_module():

@@ -863,3 +863,18 @@ def test_grpo_bias_correction_changes_the_kl_gradient_on_policy():
     with pytest.raises(OpArgumentError) as info:
         polykernel.fused_linear_grpo_loss(hid, w, ids, mask, adv, b, ref_per_token_logps=ref, use_bias_correction_kl=1)
     assert info.value.arg == "use_bias_correction_kl"
+
+
+@pytest.mark.parametrize("name", ["dpo", "orpo", "cpo", "simpo", "kto", "grpo"])
+def test_public_function_states_the_references_arguments(name):
+    # the public function (options keyword-only) and the reference (all positional, the Op's
+    # order) each state the arguments and their defaults: they must agree, or a default call
+    # would run other options than the reference, explain and the argument class assume
+    import inspect
+
+    op = registry.get_op(f"fused_linear_{name}_loss")
+    public = inspect.signature(getattr(polykernel, f"fused_linear_{name}_loss")).parameters
+    ref = inspect.signature(op.reference).parameters
+    assert [n for n in public if n != "impl"] == list(ref)
+    assert {n: p.default for n, p in public.items() if n != "impl"} == {n: p.default for n, p in ref.items()}
+    assert op.fields == ("device", "dtype", "needs_grad", *ref)  # pref.op_fields: the class names every argument

@@ -3,15 +3,13 @@ all-ignored batches, argument errors, property tests, the module, and torch.comp
 
 import pytest
 import torch
-from hypothesis import given
 from hypothesis import strategies as st
 
 import polykernel
 import polykernel.nn as pnn
-from _distill_helpers import DTYPES, INTERPRETER_WARNINGS, gpu_parity, layout, need, property_settings
+from _distill_helpers import DTYPES, INTERPRETER_WARNINGS, cpu_parity, gpu_parity, layout, need, parity_property, raises_naming, rows_shape
 from polykernel.core.op import Case
 from polykernel.errors import OpArgumentError, OpTypeError
-from polykernel.testing import assert_parity, check_parity
 
 pytestmark = INTERPRETER_WARNINGS
 IMPLS = ["torch", "triton"]
@@ -21,8 +19,7 @@ REDUCTIONS = ["batchmean", "sum", "mean", "none"]
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_parity_cpu(impl, dtype):
-    need("tvd", impl, dtype)
-    assert_parity("tvd", [impl], device="cpu", dtypes=[dtype])
+    cpu_parity("tvd", impl, dtype)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -91,16 +88,12 @@ _L = torch.zeros(4, dtype=torch.long)
     ],
 )
 def test_bad_input_names_op_and_argument(args, kwargs, exc, words):
-    with pytest.raises(exc) as info:
-        polykernel.tvd(*args, **kwargs)
-    assert "loss.tvd" in str(info.value) and words in str(info.value)
+    raises_naming(polykernel.tvd, "loss.tvd", args, kwargs, exc, words)
 
 
 @st.composite
 def _cases(draw, dtype):
-    lead = draw(st.sampled_from([(3,), (0,), (1,), (2, 3), (7,)]))
-    v = draw(st.sampled_from([1, 2, 7, 33, 127, 4099]))
-    how = draw(st.sampled_from(["contiguous", "rows", "cols"]))
+    lead, v, how = draw(rows_shape())
     p = layout(torch.randn(*lead, v).softmax(-1).to(dtype).requires_grad_(), how)
     q = layout(torch.randn(*lead, v).softmax(-1).to(dtype).requires_grad_(draw(st.booleans())), how)
     args = [p, q]
@@ -111,17 +104,7 @@ def _cases(draw, dtype):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_parity_property_cpu(impl):
-    need("tvd", impl)
-
-    @property_settings(12 if impl != "torch" else 30)
-    @given(st.data())
-    def run(data):
-        dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
-        case = data.draw(_cases(dtype), label="case")
-        (result,) = check_parity("tvd", [impl], dtypes=[dtype], cases=[case])
-        assert result.ok, str(result)
-
-    run()
+    parity_property("tvd", impl, _cases, 12 if impl != "torch" else 30)
 
 
 def test_module():

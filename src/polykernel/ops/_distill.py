@@ -105,6 +105,26 @@ def scored(labels: torch.Tensor | None, ignore_index: int, rows: int) -> int:
     return rows if labels is None else int((labels != ignore_index).sum())
 
 
+def impl_rows(op: str, *, fp32_math: Callable[[Any], str | None], liger_predicate: Callable[[Any], str | None], describe_torch: str,
+              describe_triton: str, describe_liger: str) -> list:  # fmt: skip
+    """The distillation ops' impl table, each row described by the op: torch (rank 100,
+    everywhere; the only fp64 math), Triton (rank 10; ``fp32_math`` refuses a float64 argument)
+    and Liger-Kernel 0.8.5's (rank 60, behind Triton until measured on the H200; not graph-safe:
+    it syncs with the host; the adapter in ``backends/liger/<op>.py``, ``liger_predicate`` from
+    ``backends/liger/_gates.py``)."""
+    from ..backends.declare import impls
+    from ..backends.liger import LIGER
+    from ..backends.torch import TORCH
+    from ..backends.triton import TRITON
+
+    return impls(
+        op,
+        TORCH.impl(rank=100, description=describe_torch),
+        TRITON.impl(rank=10, description=describe_triton, predicate=fp32_math),
+        LIGER.impl(rank=60, graph_safe=False, description=describe_liger, predicate=liger_predicate),
+    )
+
+
 # -- the generalized JSD, element by element ---------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..core.op import Case
 from ..errors import ImplNotAvailableError, OpArgumentError, OpTypeError
 from . import _checks as check
 
@@ -217,6 +218,32 @@ def validate_pairwise(op: str, hidden, weight, target, bias, beta, ignore_index)
     validate_targets(op, "target", target, weight.shape[0], ignore_index)
 
 
+# -- the pairwise losses' statistics (rows ``[chosen B; rejected B]``) ---------------------------------
+
+
+def pair_logps(logp: torch.Tensor, mask: torch.Tensor, average: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chosen and the rejected sequences' log-probs ``c, r`` (sums, or means with ``average``)."""
+    seq = sequence_logps(logp, mask, average)
+    k = seq.shape[0] // 2
+    return seq[:k], seq[k:]
+
+
+def chosen_nll(logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The chosen rows' token-mean NLL (NaN when none of their tokens is scored), a statistic
+    without gradient."""
+    b = mask.shape[0] // 2
+    with torch.no_grad():
+        return -logps[:b].sum() / mask[:b].sum()
+
+
+def pair_stats(loss: torch.Tensor, logps: torch.Tensor, mask: torch.Tensor, beta: float, average: bool) -> tuple:
+    """``(loss, c, r, β·c, β·r)``: the leading fields of the outputs of the pairwise losses
+    without a reference model (CPO, SimPO, ORPO), the statistics without gradient."""
+    with torch.no_grad():
+        c, r = pair_logps(logps, mask, average)
+        return loss, c, r, beta * c, beta * r
+
+
 # -- the Op declarations' shared parts ------------------------------------------------------------
 
 
@@ -283,6 +310,35 @@ def fields(reference: Any) -> tuple[str, ...]:
     import inspect
 
     return ("device", "dtype", "needs_grad", *inspect.signature(reference).parameters)
+
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LARGE_SHAPE = (8, 1024, 2048, 128256)  # the issue's 1B-model shape: 8 sequences of 1024 tokens, H = 2048, V = 128256
+
+
+def op_fields(reference: Any) -> dict[str, Any]:
+    """The ``Op(...)`` fields the six losses share: the argument class from the reference's
+    parameters (:func:`fields`, :func:`key_for`, :func:`default_key`), the dtypes, the policy
+    head's :func:`bytes_moved`, and ``compile_mode="eager"``: under torch.compile, a graph break
+    around the eager dispatcher (NamedTuple outputs have no custom-op schema; Inductor's code for
+    the float64 reference would hold the [N, V] logits)."""
+    import inspect
+
+    n_args = len(inspect.signature(reference).parameters)
+    return {"fields": fields(reference), "key": key_for(reference), "default_key": default_key(n_args), "dtypes": DTYPES,
+            "bytes_moved": bytes_moved, "compile_mode": "eager"}  # fmt: skip
+
+
+def pair_outputs(n_scalars: int) -> Any:
+    """``Op(outputs=)`` of a pairwise loss, from the impl's arguments without running it: the 0-d
+    loss, four ``[B]`` statistics (the chosen and rejected log-probs and rewards), then
+    ``n_scalars`` 0-d ones, all in :func:`acc_dtype`."""
+
+    def outputs(hidden: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
+        acc, b = acc_dtype(hidden), torch.Size((hidden.shape[0] // 2,))
+        return ((torch.Size(), acc), *[(b, acc)] * 4, *[(torch.Size(), acc)] * n_scalars)
+
+    return outputs
 
 
 # -- error model ----------------------------------------------------------------------------------
@@ -398,6 +454,12 @@ def example_head(shape: tuple[int, ...], dtype: torch.dtype, device: Any, requir
     w = (torch.randn(v, h, device=device) / h**0.5).to(dtype).requires_grad_(requires_grad)
     tg = torch.randint(0, v, (r, t), device=device).masked_fill(torch.rand(r, t, device=device) < 0.05, -100)
     return hid, w, tg
+
+
+def pair_example(shape: tuple[int, ...], dtype: torch.dtype, device: Any, requires_grad: bool = False) -> Case:
+    """``Op(example=)`` of a pairwise loss: ``shape`` = (2B, T, H, V), B pairs of T tokens, ~5%
+    of the targets ignored."""
+    return Case("x".join(map(str, shape)), example_head(shape, dtype, device, requires_grad))
 
 
 def flops(hidden: torch.Tensor, weight: torch.Tensor, *_: object, backward: bool = False, **__: object) -> int:

@@ -44,9 +44,8 @@ def sigmoid_terms(z: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def contrib(logp, mask, *, beta: float, alpha: float, eps: float, average: bool, n_pairs: int, nll_tokens) -> torch.Tensor:
-    k = logp.shape[0] // 2
-    seq = pref.sequence_logps(logp, mask, average)
-    terms = sigmoid_terms(beta * (seq[:k] - seq[k:]), eps) / n_pairs
+    c, r = pref.pair_logps(logp, mask, average)
+    terms = sigmoid_terms(beta * (c - r), eps) / n_pairs
     return terms if alpha == 0.0 else terms + alpha * pref.nll_terms(logp, nll_tokens)
 
 
@@ -59,11 +58,7 @@ def _setup(target, beta, alpha, label_smoothing, ignore_index, average):
 
 
 def _stats(loss, logps, mask, beta, average) -> CPOOutput:
-    with torch.no_grad():
-        b = mask.shape[0] // 2
-        seq = pref.sequence_logps(logps, mask, average)
-        c, r = seq[:b], seq[b:]
-        return CPOOutput(loss, c, r, beta * c, beta * r, -logps[:b].sum() / mask[:b].sum())
+    return CPOOutput(*pref.pair_stats(loss, logps, mask, beta, average), pref.chosen_nll(logps, mask))
 
 
 def fused_linear_cpo_loss(
@@ -117,15 +112,8 @@ def reference(hidden, weight, target, bias=None, beta=0.1, alpha=1.0, label_smoo
 error_model = pref.error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 3})
 
 
-def outputs(hidden, weight, *_: object) -> tuple:
-    """The reference's output shapes and dtypes, without running it (the first-call check)."""
-    acc, b = pref.acc_dtype(hidden), torch.Size((hidden.shape[0] // 2,))
-    return ((torch.Size(), acc), (b, acc), (b, acc), (b, acc), (b, acc), (torch.Size(), acc))
-
-
-def example(shape, dtype, device, requires_grad: bool = False) -> Case:
-    """``shape`` = (2B, T, H, V): B pairs of T tokens, ~5% of the targets ignored."""
-    return Case("x".join(map(str, shape)), pref.example_head(shape, dtype, device, requires_grad))
+outputs = pref.pair_outputs(1)  # the first-call check: loss, the [B] log-probs and rewards, nll_loss
+example = pref.pair_example
 
 
 def cases(device, dtype, large: bool = False) -> list[Case]:
@@ -139,8 +127,8 @@ def cases(device, dtype, large: bool = False) -> list[Case]:
         Case("4x6x16x97-avg-alpha0", (h, w, t, bias), {"average_log_prob": True, "alpha": 0.0, "beta": 0.5}),
         Case("6x5x24x300", head(6, 5, 24, 300)),
     ]
-    if large:  # the issue's 1B-model shape: 2×4 sequences of 1024 tokens, H = 2048, V = 128256
-        out.append(example((8, 1024, 2048, 128256), dtype, device, True))
+    if large:
+        out.append(example(pref.LARGE_SHAPE, dtype, device, True))
     return out
 
 
@@ -149,22 +137,6 @@ bytes_moved = pref.bytes_moved
 
 IMPLS = pref.impl_rows(OP_ID, "pairs", "Liger LigerFusedLinearCPOFunction (logits in the inputs' dtype; nll_loss NaN when alpha = 0)")
 
-_op = Op(
-    OP_ID,
-    fields=pref.fields(reference),
-    key=pref.key_for(reference),
-    default_key=pref.default_key(9),
-    validate=_validate,
-    reference=reference,
-    outputs=outputs,
-    error_model=error_model,
-    dtypes=(torch.float32, torch.bfloat16, torch.float16),
-    cases=cases,
-    example=example,
-    bytes_moved=bytes_moved,
-    impls=IMPLS,
-    # torch.compile: a graph break around the eager dispatcher (the NamedTuple outputs have no
-    # custom-op schema; Inductor's code for the float64 reference would hold the [N, V] logits)
-    compile_mode="eager",
-)
+_op = Op(OP_ID, validate=_validate, reference=reference, outputs=outputs, error_model=error_model, cases=cases, example=example,
+         impls=IMPLS, **pref.op_fields(reference))  # fmt: skip
 _dispatch = _op.dispatch  # bound once

@@ -49,8 +49,8 @@ def contrib(
 ) -> torch.Tensor:  # fmt: skip
     """Per-pair terms of the loss (their sum is the loss) for rows ``[chosen k; rejected k]``."""
     k = logp.shape[0] // 2
-    seq = pref.sequence_logps(logp, mask, average)
-    margin = (seq[:k] - seq[k:]) - (ref[:k] - ref[k:])
+    c, r = pref.pair_logps(logp, mask, average)
+    margin = (c - r) - (ref[:k] - ref[k:])
     terms = -F.logsigmoid(beta * margin) / n_pairs
     if nll_tokens is not None:
         terms = terms - logp[:k].sum(-1) / nll_tokens
@@ -78,10 +78,8 @@ def _validate(hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, re
 
 def _stats(logps, mask, ref, beta, average, b, loss) -> DPOOutput:
     with torch.no_grad():
-        seq = pref.sequence_logps(logps, mask, average)
-        nll = -logps[:b].sum() / mask[:b].sum()
-        c, r = seq[:b], seq[b:]
-        return DPOOutput(loss, c, r, beta * (c - ref[:b]), beta * (r - ref[b:]), nll)
+        c, r = pref.pair_logps(logps, mask, average)
+        return DPOOutput(loss, c, r, beta * (c - ref[:b]), beta * (r - ref[b:]), pref.chosen_nll(logps, mask))
 
 
 def fused_linear_dpo_loss(
@@ -134,21 +132,8 @@ def chunked(prim_name: str, hidden, weight, target, bias, ref_hidden, ref_weight
     return _stats(logps, mask, ref, float(beta), average_log_prob, b, loss)
 
 
-def reference(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    ref_hidden: torch.Tensor | None = None,
-    ref_weight: torch.Tensor | None = None,
-    ref_bias: torch.Tensor | None = None,
-    ref_chosen_logps: torch.Tensor | None = None,
-    ref_rejected_logps: torch.Tensor | None = None,
-    beta: float = 0.1,
-    ignore_index: int = -100,
-    average_log_prob: bool = False,
-    compute_nll_loss: bool = False,
-) -> DPOOutput:
+def reference(hidden, weight, target, bias=None, ref_hidden=None, ref_weight=None, ref_bias=None, ref_chosen_logps=None,
+              ref_rejected_logps=None, beta=0.1, ignore_index=-100, average_log_prob=False, compute_nll_loss=False) -> DPOOutput:  # fmt: skip
     """The semantics in float64 from the full ``[2B, T, V]`` logits (differentiable)."""
     b = hidden.shape[0] // 2
     mask = target != ignore_index
@@ -170,15 +155,8 @@ def reference(
 error_model = pref.error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 3})
 
 
-def outputs(hidden, weight, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
-    """The reference's output shapes and dtypes, without running it (the first-call check)."""
-    acc, b = pref.acc_dtype(hidden), torch.Size((hidden.shape[0] // 2,))
-    return ((torch.Size(), acc), (b, acc), (b, acc), (b, acc), (b, acc), (torch.Size(), acc))
-
-
-def example(shape, dtype, device, requires_grad: bool = False) -> Case:
-    """``shape`` = (2B, T, H, V): B pairs of T tokens, ~5% of the targets ignored."""
-    return Case("x".join(map(str, shape)), pref.example_head(shape, dtype, device, requires_grad))
+outputs = pref.pair_outputs(1)  # the first-call check: loss, the [B] log-probs and rewards, nll_loss
+example = pref.pair_example
 
 
 def cases(device, dtype, large: bool = False) -> list[Case]:
@@ -196,8 +174,8 @@ def cases(device, dtype, large: bool = False) -> list[Case]:
         Case("6x5x24x300-strong-beta", head(6, 5, 24, 300), {"beta": 2.0}),
         Case("2x4x8x50-allignored", head(2, 4, 8, 50, ignored=1.0)),
     ]  # fmt: skip
-    if large:  # the issue's 1B-model shape: 2×4 sequences of 1024 tokens, H = 2048, V = 128256
-        out.append(example((8, 1024, 2048, 128256), dtype, device, True))
+    if large:
+        out.append(example(pref.LARGE_SHAPE, dtype, device, True))
     return out
 
 
@@ -224,22 +202,6 @@ IMPLS = pref.impl_rows(
     liger_predicate,
 )
 
-_op = Op(
-    OP_ID,
-    fields=pref.fields(reference),
-    key=pref.key_for(reference),
-    default_key=pref.default_key(13),
-    validate=_validate,
-    reference=reference,
-    outputs=outputs,
-    error_model=error_model,
-    dtypes=(torch.float32, torch.bfloat16, torch.float16),
-    cases=cases,
-    example=example,
-    bytes_moved=bytes_moved,
-    impls=IMPLS,
-    # torch.compile: a graph break around the eager dispatcher (the NamedTuple outputs have no
-    # custom-op schema; Inductor's code for the float64 reference would hold the [N, V] logits)
-    compile_mode="eager",
-)
+_op = Op(OP_ID, validate=_validate, reference=reference, outputs=outputs, error_model=error_model, cases=cases, example=example,
+         impls=IMPLS, **pref.op_fields(reference))  # fmt: skip
 _dispatch = _op.dispatch  # bound once

@@ -232,24 +232,9 @@ def chunked(impl: str, hidden, weight, selected_token_ids, attention_mask, advan
     return GRPOOutput(loss, _metrics(logps, aux, opts))
 
 
-def reference(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    selected_token_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    advantages: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    ref_per_token_logps: torch.Tensor | None = None,
-    old_per_token_logps: torch.Tensor | None = None,
-    beta: float = 0.04,
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    loss_type: str = "grpo",
-    importance_sampling_level: str = "token",
-    temperature: float = 1.0,
-    max_completion_length: int | None = None,
-    use_bias_correction_kl: bool = False,
-) -> GRPOOutput:
+def reference(hidden, weight, selected_token_ids, attention_mask, advantages, bias=None, ref_per_token_logps=None,
+              old_per_token_logps=None, beta=0.04, epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo", importance_sampling_level="token",
+              temperature=1.0, max_completion_length=None, use_bias_correction_kl=False) -> GRPOOutput:  # fmt: skip
     """The semantics in float64 from the full ``[B, T, V]`` logits (differentiable)."""
     target, fn, aux, opts = _setup(selected_token_ids, attention_mask, advantages, ref_per_token_logps, old_per_token_logps, beta,
                                    epsilon_low, epsilon_high, loss_type, importance_sampling_level, max_completion_length,
@@ -315,8 +300,8 @@ def cases(device, dtype, large: bool = False) -> list[Case]:
     h, w, ids, bias = head(4, 5, 24, 300)
     args, kw = _completions(h, w, ids, bias, device)
     out.append(Case("4x5x24x300-no-old", args, {"ref_per_token_logps": kw["ref_per_token_logps"]}))  # ratio 1: old = the policy's own
-    if large:  # the issue's 1B-model shape: 8 completions of 1024 tokens, H = 2048, V = 128256
-        out.append(example((8, 1024, 2048, 128256), dtype, device, True))
+    if large:
+        out.append(example(pref.LARGE_SHAPE, dtype, device, True))
     return out
 
 
@@ -342,22 +327,7 @@ IMPLS = pref.impl_rows(
     liger_predicate,
 )
 
-_op = Op(
-    OP_ID,
-    fields=pref.fields(reference),
-    key=pref.key_for(reference),
-    default_key=pref.default_key(16),
-    validate=_validate,
-    reference=reference,
-    outputs=outputs,
-    error_model=error_model,
-    dtypes=(torch.float32, torch.bfloat16, torch.float16),
-    cases=cases,
-    example=example,
-    bytes_moved=bytes_moved,
-    impls=IMPLS,
-    # torch.compile: a graph break around the eager dispatcher (the metrics NamedTuple, with kl
-    # None when beta = 0, has no custom-op schema; the reference would hold the [N, V] logits)
-    compile_mode="eager",
-)
+# compile_mode "eager" (op_fields), also because the metrics' kl is None when beta = 0
+_op = Op(OP_ID, validate=_validate, reference=reference, outputs=outputs, error_model=error_model, cases=cases, example=example,
+         impls=IMPLS, **pref.op_fields(reference))  # fmt: skip
 _dispatch = _op.dispatch  # bound once

@@ -25,11 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backends.declare import impls
-from ..backends.liger import LIGER
 from ..backends.liger import _gates as liger_gates
-from ..backends.torch import TORCH
-from ..backends.triton import TRITON
 from ..core.hit_guard import SHAPE
 from ..core.op import SUM_LAMBDA, TINY, Bounds, Case, ErrorModel, Op
 from . import _checks as check
@@ -351,26 +347,13 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
 # The fp32-math kernels take no float64 teacher (fp64 math is the torch impl's).
 fp32_math = distill.fp64_free("teacher_dtype")
 
-# Liger-Kernel 0.8.5: adapter in polykernel/backends/liger/fused_linear_jsd.py, predicate in
-# backends/liger/_gates.py. Ranked behind Triton (the backend's rank 60) until
-# measured on the H200.
-IMPLS = impls(
+IMPLS = distill.impl_rows(
     OP_ID,
-    TORCH.impl(
-        rank=100,
-        description="row chunks: fp32 matmul logits + torch JSD per chunk, gradients during the forward",
-    ),
-    TRITON.impl(
-        rank=10,
-        description="row chunks: fp32-output matmuls + one Triton kernel per chunk (both log-softmaxes, loss and dlogits; no host sync)",
-        predicate=fp32_math,
-    ),
-    LIGER.impl(
-        rank=60,
-        graph_safe=False,
-        description="Liger LigerFusedLinearJSDFunction (fp32 dW accumulation; NaN where a probability is 0); host sync per call",
-        predicate=liger_gates.fused_linear_jsd,
-    ),
+    fp32_math=fp32_math,
+    liger_predicate=liger_gates.fused_linear_jsd,
+    describe_torch="row chunks: fp32 matmul logits + torch JSD per chunk, gradients during the forward",
+    describe_triton="row chunks: fp32-output matmuls + one Triton kernel per chunk (both log-softmaxes, loss and dlogits; no host sync)",
+    describe_liger="Liger LigerFusedLinearJSDFunction (fp32 dW accumulation; NaN where a probability is 0); host sync per call",
 )
 
 

@@ -177,8 +177,8 @@ def cases(device, dtype, large: bool = False) -> list[Case]:
     ]  # fmt: skip
     h, w, t, bias = head(5, 5, 24, 300)
     out.append(Case("5x5x24x300-all-desirable", (h, w, t, torch.ones(5, dtype=torch.bool, device=device), bias)))
-    if large:  # the issue's 1B-model shape: 8 sequences of 1024 tokens, H = 2048, V = 128256
-        out.append(example((8, 1024, 2048, 128256), dtype, device, True))
+    if large:
+        out.append(example(pref.LARGE_SHAPE, dtype, device, True))
     return out
 
 
@@ -187,22 +187,7 @@ bytes_moved = pref.bytes_moved
 
 IMPLS = pref.impl_rows(OP_ID, "sequences", None)  # no Liger: its KTO reports batch sums, not per-sequence statistics
 
-_op = Op(
-    OP_ID,
-    fields=pref.fields(reference),
-    key=pref.key_for(reference),
-    default_key=pref.default_key(13),
-    validate=_validate,
-    reference=reference,
-    outputs=outputs,
-    error_model=error_model,
-    dtypes=(torch.float32, torch.bfloat16, torch.float16),
-    cases=cases,
-    example=example,
-    bytes_moved=bytes_moved,
-    impls=IMPLS,
-    # torch.compile: a graph break around the eager dispatcher (the statistics' shapes follow the
-    # labels' values: no custom-op schema; Inductor's code for the reference would hold [N, V])
-    compile_mode="eager",
-)
+# compile_mode "eager" (op_fields), also because the statistics' shapes follow the labels' values
+_op = Op(OP_ID, validate=_validate, reference=reference, outputs=outputs, error_model=error_model, cases=cases, example=example,
+         impls=IMPLS, **pref.op_fields(reference))  # fmt: skip
 _dispatch = _op.dispatch  # bound once

@@ -46,9 +46,7 @@ def log_odds(c: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 
 
 def contrib(logp, mask, *, beta: float, n_pairs: int, nll_tokens) -> torch.Tensor:
-    k = logp.shape[0] // 2
-    seq = pref.sequence_logps(logp, mask, True)
-    terms = -beta * F.logsigmoid(log_odds(seq[:k], seq[k:])) / n_pairs
+    terms = -beta * F.logsigmoid(log_odds(*pref.pair_logps(logp, mask, True))) / n_pairs
     return terms if nll_tokens is None else terms + pref.nll_terms(logp, nll_tokens)
 
 
@@ -59,13 +57,10 @@ def _setup(target, beta, ignore_index, compute_nll_loss):
 
 
 def _stats(loss, logps, mask, beta) -> ORPOOutput:
+    stats = pref.pair_stats(loss, logps, mask, beta, True)  # loss, c, r, β·c, β·r
     with torch.no_grad():
-        b = mask.shape[0] // 2
-        seq = pref.sequence_logps(logps, mask, True)
-        c, r = seq[:b], seq[b:]
-        lo = log_odds(c, r)
-        nll = -logps[:b].sum() / mask[:b].sum()
-        return ORPOOutput(loss, c, r, beta * c, beta * r, nll, F.logsigmoid(lo).mean(), lo.mean())
+        lo = log_odds(*stats[1:3])
+        return ORPOOutput(*stats, pref.chosen_nll(logps, mask), F.logsigmoid(lo).mean(), lo.mean())
 
 
 def fused_linear_orpo_loss(
@@ -112,15 +107,8 @@ def reference(hidden, weight, target, bias=None, beta=0.1, ignore_index=-100, co
 error_model = pref.error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 3}, gain=pref.orpo_gain, curv=pref.orpo_curv)
 
 
-def outputs(hidden, weight, *_: object) -> tuple:
-    """The reference's output shapes and dtypes, without running it (the first-call check)."""
-    acc, b = pref.acc_dtype(hidden), torch.Size((hidden.shape[0] // 2,))
-    return ((torch.Size(), acc), (b, acc), (b, acc), (b, acc), (b, acc), (torch.Size(), acc), (torch.Size(), acc), (torch.Size(), acc))
-
-
-def example(shape, dtype, device, requires_grad: bool = False) -> Case:
-    """``shape`` = (2B, T, H, V): B pairs of T tokens, ~5% of the targets ignored."""
-    return Case("x".join(map(str, shape)), pref.example_head(shape, dtype, device, requires_grad))
+outputs = pref.pair_outputs(3)  # the first-call check: loss, the [B] log-probs and rewards, nll_loss, the log-odds' two
+example = pref.pair_example
 
 
 def cases(device, dtype, large: bool = False) -> list[Case]:
@@ -133,8 +121,8 @@ def cases(device, dtype, large: bool = False) -> list[Case]:
         Case("4x6x16x97-beta", (h, w, t, bias), {"beta": 0.7}),
         Case("6x5x24x300", head(6, 5, 24, 300)),
     ]
-    if large:  # the issue's 1B-model shape: 2×4 sequences of 1024 tokens, H = 2048, V = 128256
-        out.append(example((8, 1024, 2048, 128256), dtype, device, True))
+    if large:
+        out.append(example(pref.LARGE_SHAPE, dtype, device, True))
     return out
 
 
@@ -145,22 +133,6 @@ IMPLS = pref.impl_rows(
     OP_ID, "pairs", "Liger LigerFusedLinearORPOFunction (logits in the inputs' dtype; nll_loss NaN unless compute_nll_loss)"
 )
 
-_op = Op(
-    OP_ID,
-    fields=pref.fields(reference),
-    key=pref.key_for(reference),
-    default_key=pref.default_key(7),
-    validate=_validate,
-    reference=reference,
-    outputs=outputs,
-    error_model=error_model,
-    dtypes=(torch.float32, torch.bfloat16, torch.float16),
-    cases=cases,
-    example=example,
-    bytes_moved=bytes_moved,
-    impls=IMPLS,
-    # torch.compile: a graph break around the eager dispatcher (the NamedTuple outputs have no
-    # custom-op schema; Inductor's code for the float64 reference would hold the [N, V] logits)
-    compile_mode="eager",
-)
+_op = Op(OP_ID, validate=_validate, reference=reference, outputs=outputs, error_model=error_model, cases=cases, example=example,
+         impls=IMPLS, **pref.op_fields(reference))  # fmt: skip
 _dispatch = _op.dispatch  # bound once

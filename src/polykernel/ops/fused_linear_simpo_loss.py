@@ -38,9 +38,8 @@ class SimPOOutput(NamedTuple):
 
 
 def contrib(logp, mask, *, beta: float, gamma: float, eps: float, n_pairs: int) -> torch.Tensor:
-    k = logp.shape[0] // 2
-    seq = pref.sequence_logps(logp, mask, True)
-    return sigmoid_terms(beta * (seq[:k] - seq[k:]) - gamma, eps) / n_pairs
+    c, r = pref.pair_logps(logp, mask, True)
+    return sigmoid_terms(beta * (c - r) - gamma, eps) / n_pairs
 
 
 def _setup(target, beta, gamma, label_smoothing, ignore_index):
@@ -49,11 +48,7 @@ def _setup(target, beta, gamma, label_smoothing, ignore_index):
 
 
 def _stats(loss, logps, mask, beta) -> SimPOOutput:
-    with torch.no_grad():
-        b = mask.shape[0] // 2
-        seq = pref.sequence_logps(logps, mask, True)
-        c, r = seq[:b], seq[b:]
-        return SimPOOutput(loss, c, r, beta * c, beta * r)
+    return SimPOOutput(*pref.pair_stats(loss, logps, mask, beta, True))
 
 
 def fused_linear_simpo_loss(
@@ -104,15 +99,8 @@ def reference(hidden, weight, target, bias=None, beta=2.0, gamma=0.5, label_smoo
 error_model = pref.error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 3})
 
 
-def outputs(hidden, weight, *_: object) -> tuple:
-    """The reference's output shapes and dtypes, without running it (the first-call check)."""
-    acc, b = pref.acc_dtype(hidden), torch.Size((hidden.shape[0] // 2,))
-    return ((torch.Size(), acc), (b, acc), (b, acc), (b, acc), (b, acc))
-
-
-def example(shape, dtype, device, requires_grad: bool = False) -> Case:
-    """``shape`` = (2B, T, H, V): B pairs of T tokens, ~5% of the targets ignored."""
-    return Case("x".join(map(str, shape)), pref.example_head(shape, dtype, device, requires_grad))
+outputs = pref.pair_outputs(0)  # the first-call check: loss, the [B] log-probs and rewards
+example = pref.pair_example
 
 
 def cases(device, dtype, large: bool = False) -> list[Case]:
@@ -125,8 +113,8 @@ def cases(device, dtype, large: bool = False) -> list[Case]:
         Case("4x6x16x97-gamma-smooth", (h, w, t, bias), {"gamma": 0.8, "label_smoothing": 0.1}),
         Case("6x5x24x300-beta", head(6, 5, 24, 300), {"beta": 0.5}),
     ]
-    if large:  # the issue's 1B-model shape: 2×4 sequences of 1024 tokens, H = 2048, V = 128256
-        out.append(example((8, 1024, 2048, 128256), dtype, device, True))
+    if large:
+        out.append(example(pref.LARGE_SHAPE, dtype, device, True))
     return out
 
 
@@ -135,22 +123,6 @@ bytes_moved = pref.bytes_moved
 
 IMPLS = pref.impl_rows(OP_ID, "pairs", "Liger LigerFusedLinearSimPOFunction (logits in the inputs' dtype)")
 
-_op = Op(
-    OP_ID,
-    fields=pref.fields(reference),
-    key=pref.key_for(reference),
-    default_key=pref.default_key(8),
-    validate=_validate,
-    reference=reference,
-    outputs=outputs,
-    error_model=error_model,
-    dtypes=(torch.float32, torch.bfloat16, torch.float16),
-    cases=cases,
-    example=example,
-    bytes_moved=bytes_moved,
-    impls=IMPLS,
-    # torch.compile: a graph break around the eager dispatcher (the NamedTuple outputs have no
-    # custom-op schema; Inductor's code for the float64 reference would hold the [N, V] logits)
-    compile_mode="eager",
-)
+_op = Op(OP_ID, validate=_validate, reference=reference, outputs=outputs, error_model=error_model, cases=cases, example=example,
+         impls=IMPLS, **pref.op_fields(reference))  # fmt: skip
 _dispatch = _op.dispatch  # bound once

@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.declare import impls
-from ..backends.liger import LIGER
 from ..backends.liger import _gates as liger_gates
-from ..backends.torch import TORCH
-from ..backends.triton import TRITON
 from ..core.hit_guard import SHAPE
 from ..core.op import Bounds, Case, ErrorModel, Op
 from . import _distill as distill
@@ -204,26 +200,13 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
 # The fp32-math kernels take no float64 teacher (fp64 math is the torch impl's).
 fp32_math = distill.fp64_free("teacher_dtype")
 
-# Liger-Kernel 0.8.5: adapter in polykernel/backends/liger/jsd.py, predicate in
-# backends/liger/_gates.py. Ranked behind Triton (the backend's rank 60) until
-# measured on the H200.
-IMPLS = impls(
+IMPLS = distill.impl_rows(
     OP_ID,
-    TORCH.impl(
-        rank=100,
-        description="row-chunked torch (fp32 temporaries O(chunk)); the gradient in closed form, written in the forward",
-    ),
-    TRITON.impl(
-        rank=10,
-        description="one program per row, one pass over V in chunks: loss and gradient together (no host sync); backward scales by the cotangent",
-        predicate=fp32_math,
-    ),
-    LIGER.impl(
-        rank=60,
-        graph_safe=False,
-        description="Liger's _jsd_kernel (an fp32 [N, V] loss buffer; NaN where a probability is 0); host sync per call",
-        predicate=liger_gates.jsd,
-    ),
+    fp32_math=fp32_math,
+    liger_predicate=liger_gates.jsd,
+    describe_torch="row-chunked torch (fp32 temporaries O(chunk)); the gradient in closed form, written in the forward",
+    describe_triton="one program per row, one pass over V in chunks: loss and gradient together (no host sync); backward scales by the cotangent",
+    describe_liger="Liger's _jsd_kernel (an fp32 [N, V] loss buffer; NaN where a probability is 0); host sync per call",
 )
 
 

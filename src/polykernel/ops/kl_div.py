@@ -18,11 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.declare import impls
-from ..backends.liger import LIGER
 from ..backends.liger import _gates as liger_gates
-from ..backends.torch import TORCH
-from ..backends.triton import TRITON
 from ..core.hit_guard import LAST
 from ..core.op import Bounds, Case, ErrorModel, Op
 from . import _checks as check
@@ -213,26 +209,13 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
 # The fp32-math kernels take no float64 target (fp64 math is the torch impl's).
 fp32_math = distill.fp64_free("target_dtype")
 
-# Liger-Kernel 0.8.5: adapter in polykernel/backends/liger/kl_div.py, predicate in
-# backends/liger/_gates.py. Ranked behind Triton (the backend's rank 60) until
-# measured on the H200.
-IMPLS = impls(
+IMPLS = distill.impl_rows(
     OP_ID,
-    TORCH.impl(
-        rank=100,
-        description="row-chunked torch (fp32 temporaries O(chunk)); closed-form gradients",
-    ),
-    TRITON.impl(
-        rank=10,
-        description="one program per row, chunked over V; the gradient written in the forward (scalar reductions), scaled by the cotangent in the backward",
-        predicate=fp32_math,
-    ),
-    LIGER.impl(
-        rank=60,
-        graph_safe=False,
-        description="Liger LigerKLDivLossFunction (log t clamped at eps = 1e-10); no target gradient; host sync in its backward",
-        predicate=liger_gates.kl_div,
-    ),
+    fp32_math=fp32_math,
+    liger_predicate=liger_gates.kl_div,
+    describe_torch="row-chunked torch (fp32 temporaries O(chunk)); closed-form gradients",
+    describe_triton="one program per row, chunked over V; the gradient written in the forward (scalar reductions), scaled by the cotangent in the backward",
+    describe_liger="Liger LigerKLDivLossFunction (log t clamped at eps = 1e-10); no target gradient; host sync in its backward",
 )
 
 

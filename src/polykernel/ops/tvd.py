@@ -13,11 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.declare import impls
-from ..backends.liger import LIGER
 from ..backends.liger import _gates as liger_gates
-from ..backends.torch import TORCH
-from ..backends.triton import TRITON
 from ..core.hit_guard import SHAPE
 from ..core.op import Bounds, Case, ErrorModel, Op
 from . import _checks as check
@@ -192,26 +188,13 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
 # The fp32-math kernels take no float64 q (fp64 math is the torch impl's).
 fp32_math = distill.fp64_free("q_dtype")
 
-# Liger-Kernel 0.8.5: adapter in polykernel/backends/liger/tvd.py, predicate in
-# backends/liger/_gates.py. Ranked behind Triton (the backend's rank 60) until
-# measured on the H200.
-IMPLS = impls(
+IMPLS = distill.impl_rows(
     OP_ID,
-    TORCH.impl(
-        rank=100,
-        description="row-chunked torch (fp32 temporaries O(chunk)); gradients written in the forward for scalar reductions",
-    ),
-    TRITON.impl(
-        rank=10,
-        description="one program per row, one pass over V in chunks: loss and gradients together (no host sync); backward scales by the cotangent",
-        predicate=fp32_math,
-    ),
-    LIGER.impl(
-        rank=60,
-        graph_safe=False,
-        description="Liger LigerTVDLossFunction (gradient for p only); host sync per call",
-        predicate=liger_gates.tvd,
-    ),
+    fp32_math=fp32_math,
+    liger_predicate=liger_gates.tvd,
+    describe_torch="row-chunked torch (fp32 temporaries O(chunk)); gradients written in the forward for scalar reductions",
+    describe_triton="one program per row, one pass over V in chunks: loss and gradients together (no host sync); backward scales by the cotangent",
+    describe_liger="Liger LigerTVDLossFunction (gradient for p only); host sync per call",
 )
 
 
