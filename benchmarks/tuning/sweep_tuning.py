@@ -230,17 +230,22 @@ def plot(
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    panels = sorted({(r["op"], r["mode"]) for r in rows}, key=lambda p: (order.index(p[0]) if p[0] in order else 99, p[0], p[1]))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))  # in the rows' order
+    panels = sorted(
+        {(r["op"], r["mode"]) for r in rows}, key=lambda p: (order.index(p[0]) if p[0] in order else 99, p[0], modes.index(p[1]))
+    )
     nrows = -(-len(panels) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(8 * cols, 3.2 * nrows), squeeze=False)
     for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
+    # one color per impl across the panels
+    color = {impl: f"C{i % 10}" for i, impl in enumerate(sorted({r["impl"] for r in rows} - {"tuned"}))}
     for ax, (op, mode) in zip(axes.flat, panels):
         impls = sorted({r["impl"] for r in rows if r["op"] == op and r["mode"] == mode and r["impl"] != "tuned"})
         for impl in impls:
             pts = sorted((r[x], r[y]) for r in rows if (r["op"], r["mode"], r["impl"]) == (op, mode, impl) and r[y])
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=impl)
+                ax.plot(*zip(*pts), marker="o", label=impl, color=color[impl])
         tuned = sorted((r[x], r[y]) for r in rows if (r["op"], r["mode"], r["impl"]) == (op, mode, "tuned") and r[y])
         if tuned:
             ax.plot(*zip(*tuned), linestyle="none", marker="o", markersize=11, markerfacecolor="none", color="black", label="tuned")
