@@ -13,9 +13,11 @@ peers installed and FlashInfer's JIT cache warm on the same machine):
     source /opt/pk/serving/env.sh && PYTHONPATH=src python benchmarks/tuning/sweep_serving.py \
         --out $OUT/sweep-serving-2 --ops dynamic_quant_fp8 static_quant_fp8 rms_norm_quant_fp8 rms_norm fused_add_rms_norm
 
-(all nine ops in one run: drop ``--ops``; about 6-8 minutes when FlashInfer's and cuda_jit's
-builds are cached, more on a fresh machine). The files are rewritten after each op, so a run
-stopped at its limit keeps the ops it finished.
+All nine ops in one run (drop ``--ops``) is an estimated 5 minutes of measuring (63 points, up
+to 11 contenders each at rms_norm) plus the builds on a fresh machine: FlashInfer's JIT modules
+(cached on disk for the next run), cuda_jit (built into DIR/cache, so once per run), torch.compile
+per op. The files are rewritten after each op, so a run stopped at its limit keeps the ops it
+finished (each op's first point's ``tune_s`` says what its builds cost).
 
 On this CPU (tiny sizes, torch, torch_compile and Triton's interpreter; the peers show as not
 runnable, with explain's reason), in well under a minute:
@@ -90,23 +92,7 @@ SMOKE_WIDTH = {"silu_and_mul": 128, "gelu_and_mul": 128}  # [T, 2d] with d = 64;
 MODES = ("graph", "eager")
 PEERS = ("flashinfer", "sgl_kernel")  # the serving engines' kernels issue 25 measures us against
 PEER_EAGER_US = 2.0  # issue 25: eager per-call time <= the peers' + 2 µs
-CSV_FIELDS = [
-    "op",
-    "mode",
-    "tokens",
-    "width",
-    "shape",
-    "impl",
-    "chosen",
-    "ms",
-    "us",
-    "gpu_us",
-    "host_us",
-    "TB/s",
-    "bytes",
-    "tune_s",
-    "error",
-]
+CSV_FIELDS = "op mode tokens width shape impl chosen ms us gpu_us host_us TB/s bytes tune_s error".split()
 
 
 def width(op_name: str, smoke: bool) -> int:
