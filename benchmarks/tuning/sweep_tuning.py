@@ -87,15 +87,26 @@ def _candidates(op_name: str, args: tuple[Any, ...]) -> dict[str, str | None]:
     return {r["name"]: (None if r["runnable"] else r["reason"]) for r in rows}
 
 
-def _tuned_graph_choice(op: Any, args: tuple[Any, ...]) -> str | None:
-    """The impl the store holds for CUDA-graph capture of this key (eager choice on the CPU)."""
+def _tuned_entry(op: Any, args: tuple[Any, ...]) -> dict[str, Any] | None:
+    """The tuning entry this process's calls with these arguments used (its eager and graph
+    choices, the times), else the store's for their key. The first is the one to trust: its store
+    key was built from the call as the dispatcher saw it, with the destinations that a serving
+    op's public function allocates (``out=``, q) among its tensors."""
     import torch
 
     from polykernel import tuning
     from polykernel.tuning import key as tuning_key
 
+    seen = tuning.measured(op, op.key(*args))
+    if seen is not None:
+        return seen
     key = tuning_key.key(op, op.key(*args), [a for a in args if isinstance(a, torch.Tensor)], torch.are_deterministic_algorithms_enabled())
-    entry = tuning.store().get(key)
+    return tuning.store().get(key)
+
+
+def _tuned_graph_choice(op: Any, args: tuple[Any, ...]) -> str | None:
+    """The impl the store holds for CUDA-graph capture of this key (eager choice on the CPU)."""
+    entry = _tuned_entry(op, args)
     if entry is None:
         return None
     return entry.get("graph" if args[0].device.type == "cuda" else "eager")
@@ -158,11 +169,11 @@ def sweep(out: Path, smoke: bool, ops: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (op, mode, N): the fastest impl, the tuned impl and tuned/fastest (time ratio)."""
+def summarize(rows: list[dict[str, Any]], dim: str = "N") -> list[dict[str, Any]]:
+    """Per (op, mode, size ``dim``): the fastest impl, the tuned impl and tuned/fastest (time ratio)."""
     points: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     for r in rows:
-        points.setdefault((r["op"], r["mode"], r["N"]), []).append(r)
+        points.setdefault((r["op"], r["mode"], r[dim]), []).append(r)
     out = []
     for (op, mode, n), group in points.items():
         timed = [r for r in group if r["impl"] != "tuned" and r["ms"] is not None]
@@ -173,7 +184,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             {
                 "op": op,
                 "mode": mode,
-                "N": n,
+                dim: n,
                 "fastest": best["impl"] if best else None,
                 "fastest_ms": best["ms"] if best else None,
                 "fastest_TB/s": best["TB/s"] if best else None,
@@ -199,9 +210,19 @@ def print_table(summary: list[dict[str, Any]]) -> None:
     print(f"tuned within 5% of the fastest at {held} of {len(summary)} points; worst tuned/fastest {worst:.3f}")
 
 
-def plot(rows: list[dict[str, Any]], summary: list[dict[str, Any]], path: Path) -> bool:
-    """One panel per op and mode: TB/s against N per impl, the tuned choice ringed. False when
-    matplotlib is not installed."""
+def plot(
+    rows: list[dict[str, Any]],
+    summary: list[dict[str, Any]],
+    path: Path,
+    x: str = "N",
+    y: str = "TB/s",
+    title: str = "{op} {mode} (bf16, 256 MiB)",
+    log_y: bool = False,
+    cols: int = 1,
+    order: tuple[str, ...] = OPS,
+) -> bool:
+    """One panel per op and mode (``cols`` to a row, ops in ``order``): ``y`` against ``x`` per
+    impl, the tuned choice ringed. False when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -209,21 +230,31 @@ def plot(rows: list[dict[str, Any]], summary: list[dict[str, Any]], path: Path) 
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    panels = sorted({(r["op"], r["mode"]) for r in rows}, key=lambda p: (OPS.index(p[0]) if p[0] in OPS else 99, p[1]))
-    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 3.2 * len(panels)), squeeze=False)
-    for ax, (op, mode) in zip(axes[:, 0], panels):
+    modes = list(dict.fromkeys(r["mode"] for r in rows))  # in the rows' order
+    panels = sorted(
+        {(r["op"], r["mode"]) for r in rows}, key=lambda p: (order.index(p[0]) if p[0] in order else 99, p[0], modes.index(p[1]))
+    )
+    nrows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(8 * cols, 3.2 * nrows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    # one color per impl across the panels
+    color = {impl: f"C{i % 10}" for i, impl in enumerate(sorted({r["impl"] for r in rows} - {"tuned"}))}
+    for ax, (op, mode) in zip(axes.flat, panels):
         impls = sorted({r["impl"] for r in rows if r["op"] == op and r["mode"] == mode and r["impl"] != "tuned"})
         for impl in impls:
-            pts = sorted((r["N"], r["TB/s"]) for r in rows if (r["op"], r["mode"], r["impl"]) == (op, mode, impl) and r["TB/s"])
+            pts = sorted((r[x], r[y]) for r in rows if (r["op"], r["mode"], r["impl"]) == (op, mode, impl) and r[y])
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=impl)
-        tuned = sorted((r["N"], r["TB/s"]) for r in rows if (r["op"], r["mode"], r["impl"]) == (op, mode, "tuned") and r["TB/s"])
+                ax.plot(*zip(*pts), marker="o", label=impl, color=color[impl])
+        tuned = sorted((r[x], r[y]) for r in rows if (r["op"], r["mode"], r["impl"]) == (op, mode, "tuned") and r[y])
         if tuned:
             ax.plot(*zip(*tuned), linestyle="none", marker="o", markersize=11, markerfacecolor="none", color="black", label="tuned")
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{op} {mode} (bf16, 256 MiB)")
-        ax.set_xlabel("N")
-        ax.set_ylabel("TB/s")
+        if log_y:
+            ax.set_yscale("log")
+        ax.set_title(title.format(op=op, mode=mode))
+        ax.set_xlabel(x)
+        ax.set_ylabel(y)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
