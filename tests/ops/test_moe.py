@@ -203,13 +203,13 @@ def test_sort_is_stable_and_offsets_bound_each_expert():
 @pytest.mark.parametrize("bm", [16, 64])
 def test_triton_tiles_cover_each_expert_exactly_once(bm):
     pytest.importorskip("triton")
-    from polykernel.backends.triton import moe_experts as tri
+    from polykernel.backends.triton import _grouped as tri
 
     for seed, (t, k, e) in enumerate([(13, 2, 5), (100, 1, 3), (1, 1, 1), (40, 4, 16), (70, 2, 2)]):
         g = torch.Generator().manual_seed(seed)
         index = torch.randint(0, e, (t, k), generator=g)
         index[: t // 2] = e - 1  # skewed
-        rt = tri._route(index, e, bm)
+        rt = tri.route(index, e, bm)
         offsets = rt.offsets.tolist()
         seen = []
         for p in range(rt.tiles):
@@ -222,7 +222,7 @@ def test_triton_tiles_cover_each_expert_exactly_once(bm):
 
 def test_triton_tile_sizes_are_a_host_decision():
     pytest.importorskip("triton")
-    from polykernel.backends.triton import moe_experts as tri
+    from polykernel.backends.triton import _grouped as tri
 
     small = tri.plan(26, 5, 24, 40, 4, True)
     assert small.bm == 16 and max(small.bn, small.bk) <= 32  # the interpreter: tl.dot's minimum

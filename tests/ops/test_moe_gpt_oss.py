@@ -251,6 +251,17 @@ def test_bad_input_names_op_and_argument(args, kw, exc, words):
     assert "moe.moe_experts_gpt_oss" in str(info.value) and words in str(info.value)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_an_impl_called_past_the_public_check_names_this_op_for_a_bad_index(impl):
+    # a DTensor's local shards and a compiled graph's custom op reach the impls directly: the
+    # sort's own check (on the CPU) must name moe_experts_gpt_oss, not moe_experts
+    _need(impl)
+    module = torch_impl if impl == "torch" else pytest.importorskip("polykernel.backends.triton.moe_experts_gpt_oss")
+    args = _with(1, torch.tensor([[0, 3], [1, 2], [0, 1], [2, 0]]))
+    with pytest.raises(OpArgumentError, match=r"moe\.moe_experts_gpt_oss.*'top_k_index': expert index 3"):
+        module.moe_experts_gpt_oss(*args, op.ALPHA, op.LIMIT)
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.compile
 
