@@ -2,13 +2,17 @@
 with a per-token loop), awkward routings, deterministic mode, argument errors, the router's
 semantics, torch.compile. The Triton impl runs through the CPU interpreter at tiny shapes."""
 
-import contextlib
+import functools
 
 import pytest
 import torch
 
 import polykernel
 import polykernel.nn as pnn
+from _moe_helpers import bad_index_never_passes_silently, deterministic, every_gradient_within_the_error_model, graph_replay_matches_eager
+from _moe_helpers import case as _op_case
+from _moe_helpers import f64 as _f64
+from _moe_helpers import need as _op_need
 from polykernel import _compat
 from polykernel.backends.torch import _moe_route
 from polykernel.backends.torch import moe_experts as torch_moe
@@ -24,13 +28,8 @@ IMPLS = ["torch", "triton"]
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 
 
-def _need(impl, dtype=torch.float32):
-    if impl not in runnable_impls("moe_experts", "cpu", dtype):
-        pytest.skip(f"{impl} not runnable on the CPU here")
-
-
-def _case(label):
-    return next(c for c in op.cases("cpu", torch.float32) if c.label == label)
+_need = functools.partial(_op_need, "moe_experts")
+_case = functools.partial(_op_case, op)
 
 
 def per_token(hidden, index, weights, gate_up, down, activation="silu"):
@@ -50,20 +49,6 @@ def per_token(hidden, index, weights, gate_up, down, activation="silu"):
 def _grads(out, args, dy):
     leaves = [args[i] for i in (0, 2, 3, 4)]
     return torch.autograd.grad(out, leaves, dy)
-
-
-@contextlib.contextmanager
-def deterministic():
-    old = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(old)
-
-
-def _f64(args):
-    return [a.detach().double().requires_grad_() if a.is_floating_point() else a for a in args]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,21 +80,8 @@ def test_reference_is_the_per_token_formula():
 def test_every_gradient_against_the_per_token_formula(impl, label):
     # the impl in fp32 against the literal formula in fp64, within the op's error model
     _need(impl)
-    case = _case(label)
-    args = [a.detach().clone().requires_grad_(a.requires_grad) for a in case.args]
-    out = polykernel.moe_experts(*args, impl=impl)
-    exact = _f64(case.args)
-    want = per_token(*exact)
-    dy = 2 * torch.rand_like(out) - 1
-    bounds = op.error_model(*case.args)
-
-    def close(got, ref, model):
-        tol = model.tol(got.dtype, ref.abs().max().item())
-        torch.testing.assert_close(got.double(), ref.detach(), atol=tol.atol, rtol=tol.rtol)
-
-    close(out, want, bounds.output(0))
-    for i, g, r in zip((0, 2, 3, 4), _grads(out, args, dy), _grads(want, exact, dy.double())):
-        close(g, r, bounds.grads[i])
+    fn = functools.partial(polykernel.moe_experts, impl=impl)
+    every_gradient_within_the_error_model(fn, op, _case(label), per_token, (0, 2, 3, 4))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -595,32 +567,13 @@ print("passed silently", y.float().abs().sum().item())
 @pytest.mark.parametrize("impl", ["torch", "triton", "liger"])
 @pytest.mark.parametrize("bad", [4, -1])
 def test_an_index_outside_the_experts_never_passes_silently_on_the_gpu(impl, bad):
-    # off the CPU the check is on the device (a device-side assert): it poisons the CUDA context,
-    # so each run gets its own process
-    import subprocess
-    import sys
-
+    # off the CPU the check is on the device (a device-side assert)
     if impl not in runnable_impls("moe_experts", "cuda", torch.bfloat16):
         pytest.skip(f"{impl} not runnable here")
-    out = subprocess.run([sys.executable, "-c", _BAD_INDEX_SCRIPT.format(bad=bad), impl], capture_output=True, text=True, timeout=300)
-    assert "raised" in out.stdout or out.returncode != 0, out.stdout + out.stderr[-2000:]
-    assert "passed silently" not in out.stdout
+    bad_index_never_passes_silently(_BAD_INDEX_SCRIPT.format(bad=bad), impl)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", IMPLS)
 def test_cuda_graph_replay_matches_eager(impl):
-    case = op.example((64, 128, 96, 8, 2), torch.bfloat16, "cuda")
-    args = [a.detach() for a in case.args]
-    want = polykernel.moe_experts(*args, impl=impl)
-    out = torch.empty_like(want)
-    from polykernel.tools.bench import capture_graph
-
-    graph = capture_graph(lambda: out.copy_(polykernel.moe_experts(*args, impl=impl)))
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    if impl == "triton":  # the same kernels, no host decision depends on the data
-        assert torch.equal(out, want)
-    else:  # the torch impl captures grouped_mm, or the reference where grouped_mm cannot run
-        torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    graph_replay_matches_eager(polykernel.moe_experts, op, impl)

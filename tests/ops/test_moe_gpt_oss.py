@@ -3,32 +3,29 @@ per-token loop and against transformers' own ``GptOssExperts`` (output and every
 many values clamped), awkward routings, argument errors, torch.compile. The Triton impl runs
 through the CPU interpreter at tiny shapes."""
 
+import functools
+
 import pytest
 import torch
 
 import polykernel
+from _moe_helpers import bad_index_never_passes_silently, deterministic, every_gradient_within_the_error_model, graph_replay_matches_eager
+from _moe_helpers import case as _op_case
+from _moe_helpers import f64 as _f64
+from _moe_helpers import need as _op_need
 from polykernel import _compat
 from polykernel.backends.torch import moe_experts_gpt_oss as torch_impl
 from polykernel.errors import OpArgumentError, OpTypeError
 from polykernel.ops import moe_experts_gpt_oss as op
-from polykernel.testing import assert_parity, runnable_impls
+from polykernel.testing import assert_parity
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 IMPLS = ["torch", "triton"]
 GRAD_ARGS = (0, 2, 3, 4, 5, 6)
 
 
-def _need(impl, dtype=torch.float32):
-    if impl not in runnable_impls("moe_experts_gpt_oss", "cpu", dtype):
-        pytest.skip(f"{impl} not runnable on the CPU here")
-
-
-def _case(label):
-    return next(c for c in op.cases("cpu", torch.float32) if c.label == label)
-
-
-def _f64(args):
-    return [a.detach().double().requires_grad_() if a.is_floating_point() else a for a in args]
+_need = functools.partial(_op_need, "moe_experts_gpt_oss")
+_case = functools.partial(_op_case, op)
 
 
 def _grads(out, args, dy):
@@ -86,21 +83,8 @@ def test_clamped_cases_clamp_many_values_and_none_near_the_limit():
 @pytest.mark.parametrize("label", ["13x24x40-E5-k2-clamped", "12x24x40-E8-k2-empty-experts", "20x24x40-E5-k1-skew90", "1x24x40-E5-k1"])
 def test_every_gradient_against_the_per_token_formula(impl, label):
     _need(impl)
-    case = _case(label)
-    args = [a.detach().clone().requires_grad_(a.requires_grad) for a in case.args]
-    out = polykernel.moe_experts_gpt_oss(*args, impl=impl, **case.kwargs)
-    exact = _f64(case.args)
-    want = per_token(*exact, **case.kwargs)
-    dy = 2 * torch.rand_like(out) - 1
-    bounds = op.error_model(*case.args, **case.kwargs)
-
-    def close(got, ref, model):
-        tol = model.tol(got.dtype, ref.abs().max().item())
-        torch.testing.assert_close(got.double(), ref.detach(), atol=tol.atol, rtol=tol.rtol)
-
-    close(out, want, bounds.output(0))
-    for i, g, r in zip(GRAD_ARGS, _grads(out, args, dy), _grads(want, exact, dy.double())):
-        close(g, r, bounds.grads[i])
+    fn = functools.partial(polykernel.moe_experts_gpt_oss, impl=impl)
+    every_gradient_within_the_error_model(fn, op, _case(label), per_token, GRAD_ARGS)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -150,15 +134,11 @@ def test_matches_transformers_gpt_oss_experts_output_and_every_gradient(impl):
 def test_deterministic_mode_gives_the_same_bits_twice(impl):
     _need(impl)
     case = _case("20x24x40-E5-k1-skew90")
-    old = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        runs = []
+    runs = []
+    with deterministic():
         for _ in range(2):
             out = polykernel.moe_experts_gpt_oss(*case.args, impl=impl)
             runs.append((out, *torch.autograd.grad(out, [case.args[i] for i in GRAD_ARGS], torch.ones_like(out))))
-    finally:
-        torch.use_deterministic_algorithms(old)
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
@@ -316,29 +296,10 @@ print("passed silently", y.float().abs().sum().item())
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("bad", [4, -1])
 def test_an_index_outside_the_experts_never_passes_silently_on_the_gpu(impl, bad):
-    # a device-side assert poisons the CUDA context: each run gets its own process
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-c", _BAD_INDEX_SCRIPT.format(bad=bad), impl], capture_output=True, text=True, timeout=300)
-    assert "raised" in out.stdout or out.returncode != 0, out.stdout + out.stderr[-2000:]
-    assert "passed silently" not in out.stdout
+    bad_index_never_passes_silently(_BAD_INDEX_SCRIPT.format(bad=bad), impl)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", IMPLS)
 def test_cuda_graph_replay_matches_eager(impl):
-    case = op.example((64, 128, 96, 8, 2), torch.bfloat16, "cuda")
-    args = [a.detach() for a in case.args]
-    want = polykernel.moe_experts_gpt_oss(*args, impl=impl)
-    out = torch.empty_like(want)
-    from polykernel.tools.bench import capture_graph
-
-    graph = capture_graph(lambda: out.copy_(polykernel.moe_experts_gpt_oss(*args, impl=impl)))
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    if impl == "triton":  # the same kernels, no host decision depends on the data
-        assert torch.equal(out, want)
-    else:  # the torch impl captures grouped_mm, or the reference where grouped_mm cannot run
-        torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    graph_replay_matches_eager(polykernel.moe_experts_gpt_oss, op, impl)

@@ -5,7 +5,7 @@ biases and clamp (its reference, its parameters' checks, its error model's terms
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -191,6 +191,22 @@ def routed(
         weights = torch.rand(t, k, device=device) + 0.1
         weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
     return hidden, index.to(device), weights
+
+
+def example(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    requires_grad: bool,
+    params: Callable[[int, int, int, torch.device | str, torch.dtype], tuple[torch.Tensor, ...]],
+) -> Case:
+    """``shape`` = (T, H, I, E, k), trailing sizes optional (I = H, E = 4, k = 2): random tokens,
+    a softmax top-k routing, and ``params(E, H, I, device, dtype)``, the op's parameters."""
+    t, h, inter, n_experts, k = (*shape, *(shape[1], 4, 2)[len(shape) - 2 :])
+    hidden = torch.randn(t, h, device=device).to(dtype)
+    index, weights = routing(t, k, n_experts, device, dtype)
+    tensors = [a.requires_grad_(requires_grad) for a in (hidden, weights, *params(n_experts, h, inter, device, dtype))]
+    return Case(f"T{t},H{h},I{inter},E{n_experts},k{k}", (tensors[0], index, tensors[1], *tensors[2:]))
 
 
 def skewed(t: int, n_experts: int, hot: int, share: float) -> torch.Tensor:

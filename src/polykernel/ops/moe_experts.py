@@ -304,12 +304,7 @@ def _projections(n_experts: int, h: int, inter: int, device: torch.device | str,
 def example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, requires_grad: bool = False) -> Case:
     """``shape`` = (T, H, I, E, k), trailing sizes optional (I = H, E = 4, k = 2): random tokens,
     a softmax top-k routing, random experts."""
-    t, h, inter, n_experts, k = (*shape, *(shape[1], 4, 2)[len(shape) - 2 :])
-    hidden = torch.randn(t, h, device=device).to(dtype)
-    index, weights = _moe.routing(t, k, n_experts, device, dtype)
-    gate_up, down = _projections(n_experts, h, inter, device, dtype)
-    tensors = [a.requires_grad_(requires_grad) for a in (hidden, weights, gate_up, down)]
-    return Case(f"T{t},H{h},I{inter},E{n_experts},k{k}", (tensors[0], index, tensors[1], tensors[2], tensors[3]))
+    return _moe.example(shape, dtype, device, requires_grad, _projections)
 
 
 def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -> list[Case]:

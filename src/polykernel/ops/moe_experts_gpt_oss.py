@@ -350,12 +350,7 @@ def _limit_in_a_gap(hidden: torch.Tensor, index: torch.Tensor, params: tuple[tor
 def example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, requires_grad: bool = False) -> Case:
     """``shape`` = (T, H, I, E, k), trailing sizes optional (I = H, E = 4, k = 2): random tokens,
     a softmax top-k routing, random experts and biases; gpt-oss's alpha and limit."""
-    t, h, inter, n_experts, k = (*shape, *(shape[1], 4, 2)[len(shape) - 2 :])
-    hidden = torch.randn(t, h, device=device).to(dtype)
-    index, weights = _moe.routing(t, k, n_experts, device, dtype)
-    params = _params(n_experts, h, inter, device, dtype)
-    tensors = [a.requires_grad_(requires_grad) for a in (hidden, weights, *params)]
-    return Case(f"T{t},H{h},I{inter},E{n_experts},k{k}", (tensors[0], index, tensors[1], *tensors[2:]))
+    return _moe.example(shape, dtype, device, requires_grad, _params)
 
 
 def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -> list[Case]:

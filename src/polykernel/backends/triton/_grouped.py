@@ -8,7 +8,7 @@ grid of ``cdiv(S, BM) + min(E, S)`` row tiles, the surplus programs doing nothin
 reuses the sort and the table. Shared kernels (S = T·k pairs, each GEMM accumulates in fp32 from
 operands of the inputs' dtype):
 
-- ``_scatter_kernel``: ``[S, K] x B[e]`` with the routing weight applied (or not) and each row
+- ``_scatter_kernel``: ``[S, K] x B[e]`` (+ a bias), the routing weight applied (or not), each row
   stored at its pair's place in token order (the scatter back to tokens, fused), so the sum over
   a token's k pairs is a contiguous reduction (no atomics: the same bits every run);
 - ``_dw_kernel``: each expert's ``Σ_pairs aᵀ ⊗ b`` over that expert's rows, one program per
@@ -108,12 +108,12 @@ def _gate_up_gemm(
 
 @triton.jit
 def _scatter_kernel(
-    A, B, PERM, TILE_E, TILE_R0, OFFS, WFLAT, OUT,
-    K, N, stride_a, stride_be, stride_bk, stride_bn, stride_out,
-    WEIGHTED: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    A, B, BIAS, PERM, TILE_E, TILE_R0, OFFS, WFLAT, OUT,
+    K, N, stride_a, stride_be, stride_bk, stride_bn, stride_biase, stride_out,
+    HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    """OUT[perm[r]] = (w[perm[r]] ·) A[r] @ B[e] for the sorted rows r of expert e."""
+    """OUT[perm[r]] = (w[perm[r]] ·) (A[r] @ B[e] (+ BIAS[e])) for the sorted rows r of expert e."""
     e, r0, end, rows, rmask = _row_tile(TILE_E, TILE_R0, OFFS, BM)
     if r0 < end:
         pair = tl.load(PERM + rows, mask=rmask, other=0)
@@ -121,6 +121,8 @@ def _scatter_kernel(
         nmask = n < N
         b_base = B + e * stride_be + n[None, :] * stride_bn
         acc, _ = _row_gemm(A, rows, rmask, b_base, K, stride_a, stride_bk, nmask, A, False, PREC, UPCAST, BM, BN, BK)
+        if HAS_BIAS:
+            acc += tl.load(BIAS + e * stride_biase + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
         if WEIGHTED:
             acc = acc * tl.load(WFLAT + pair, mask=rmask, other=0.0).to(tl.float32)[:, None]
         tl.store(OUT + pair[:, None] * stride_out + n[None, :], acc.to(OUT.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
@@ -266,16 +268,24 @@ def sum_over_k(terms: torch.Tensor, p: Problem) -> torch.Tensor:
 
 
 def scatter(
-    a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, int], rt: Route, w_flat: torch.Tensor, weighted: bool, p: Problem
+    a: torch.Tensor,
+    b: torch.Tensor,
+    b_strides: tuple[int, int, int],
+    rt: Route,
+    w_flat: torch.Tensor,
+    weighted: bool,
+    p: Problem,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``Σ_j (w ·) a[r] @ b[e]`` per token, ``a`` the sorted pairs' ``[S, K]`` rows, ``b[e]``
-    ``[K, H]`` by ``b_strides`` (expert, K, H): the forward's down GEMM or the backward's dX."""
+    """``Σ_j (w ·) (a[r] @ b[e] (+ bias[e]))`` per token, ``a`` the sorted pairs' ``[S, K]``
+    rows, ``b[e]`` ``[K, H]`` by ``b_strides`` (expert, K, H), ``bias`` ``[E, H]`` with unit
+    column stride: the forward's down GEMM or the backward's dX."""
     terms = empty(p, p.h, a)
     launch(
         _scatter_kernel, (rt.tiles, _cdiv(p.h, p.pl.bn)),
-        a, b, rt.perm, rt.tile_e, rt.tile_r0, rt.offsets, w_flat, terms,
-        a.shape[1], p.h, a.stride(0), *b_strides, terms.stride(0),
-        WEIGHTED=weighted, BM=p.pl.bm, BN=p.pl.bn, BK=p.pl.bk, **p.meta,
+        a, b, a if bias is None else bias, rt.perm, rt.tile_e, rt.tile_r0, rt.offsets, w_flat, terms,
+        a.shape[1], p.h, a.stride(0), *b_strides, 0 if bias is None else bias.stride(0), terms.stride(0),
+        HAS_BIAS=bias is not None, WEIGHTED=weighted, BM=p.pl.bm, BN=p.pl.bn, BK=p.pl.bk, **p.meta,
     )  # fmt: skip
     return sum_over_k(terms, p)
 

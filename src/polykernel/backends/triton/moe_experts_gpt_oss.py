@@ -1,8 +1,8 @@
 """Triton gpt-oss MoE experts: :mod:`polykernel.backends.triton._grouped`'s grouped GEMMs in gpt-oss's layout.
 
-The same skeleton, sort, tile table and autograd plumbing as ``moe_experts`` (one sort per call, ``BM``-row tiles that never straddle
-two experts, no atomics anywhere): gpt-oss's transposed weights are only other strides, the
-interleaved gate/up another column map (gate = column 2n, up = 2n + 1), the biases adds in the
+The same skeleton, sort, tile table and autograd plumbing as ``moe_experts`` (one sort per
+call, ``BM``-row tiles that never straddle two experts, no atomics anywhere): gpt-oss's transposed
+weights are only other strides, the interleaved gate/up another column map (gate = column 2n, up = 2n + 1), the biases adds in the
 two forward epilogues, and the clamped SwiGLU (``(clamp(u, ±L) + 1)·g·σ(αg)``, ``g = min(gate,
 L)``) the activation, with its derivative (zero past the limits, as torch's ``clamp``) in the
 backward's epilogue. Kernels, in call order:
@@ -10,12 +10,12 @@ backward's epilogue. Kernels, in call order:
 - ``_gate_up_kernel``: ``x[token] @ gate_up[e]`` for the gate and up columns of a block side by
   side, + bias, the activation in the epilogue: writes ``inner`` ``[S, I]`` and (training) the
   pre-activations ``[S, 2I]``, interleaved as the weight's columns;
-- ``_down_kernel``: ``w·(inner @ down[e] + bias)``, each row stored at its pair's place in token
-  order (the sum over a token's k pairs is then a contiguous reduction);
+- the shared ``_scatter_kernel`` with its bias: ``w·(inner @ down[e] + bias)``, each row stored at
+  its pair's place in token order (the sum over a token's k pairs is then a contiguous reduction);
 - ``_d_inner_kernel``: ``dy[token] @ down[e]ᵀ``; the epilogue recomputes the activation from the
   saved pre-activations and writes d(pre) interleaved (so dX and d gate_up are plain GEMMs with
   the weight's own column order), ``w·inner`` and the routing weights' gradient (partial sums);
-- then the shared ``_scatter_kernel`` (dX) and ``_dw_kernel`` (each expert's dW, and the
+- then ``_scatter_kernel`` again (dX) and ``_dw_kernel`` (each expert's dW, and the
   biases' gradients as the same per-expert walk against a column of ones / the routing weights).
 """
 
@@ -63,26 +63,6 @@ def _gate_up_kernel(
             pre = PRE + rows[:, None] * (2 * N_I) + (2 * n)[None, :]
             tl.store(pre, acc_g.to(PRE.dtype.element_ty), mask=omask)
             tl.store(pre + 1, acc_u.to(PRE.dtype.element_ty), mask=omask)
-
-
-@triton.jit
-def _down_kernel(
-    A, B, BIAS, PERM, TILE_E, TILE_R0, OFFS, WFLAT, OUT,
-    K, N, stride_a, stride_be, stride_bk, stride_bn, stride_biase, stride_out,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-):  # fmt: skip
-    """OUT[perm[r]] = w[perm[r]] · (A[r] @ B[e] + BIAS[e]) for the sorted rows r of expert e."""
-    e, r0, end, rows, rmask = _row_tile(TILE_E, TILE_R0, OFFS, BM)
-    if r0 < end:
-        pair = tl.load(PERM + rows, mask=rmask, other=0)
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
-        nmask = n < N
-        b_base = B + e * stride_be + n[None, :] * stride_bn
-        acc, _ = _row_gemm(A, rows, rmask, b_base, K, stride_a, stride_bk, nmask, A, False, PREC, UPCAST, BM, BN, BK)
-        acc += tl.load(BIAS + e * stride_biase + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        acc = acc * tl.load(WFLAT + pair, mask=rmask, other=0.0).to(tl.float32)[:, None]
-        tl.store(OUT + pair[:, None] * stride_out + n[None, :], acc.to(OUT.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
 
 @triton.jit
@@ -158,14 +138,8 @@ def forward(
         p.k, p.h, inter, x.stride(0), *gate_up_proj.stride(), b1.stride(0), float(alpha), float(limit),
         STORE_PRE=keep, BM=p.pl.bm, BN=p.pl.bn, BK=p.pl.bk, **p.meta,
     )  # fmt: skip
-    terms = grouped.empty(p, p.h, hidden)  # w·y per pair, in token order
-    launch(
-        _down_kernel, (rt.tiles, _cdiv(p.h, p.pl.bn)),
-        inner, down_proj, b2, rt.perm, rt.tile_e, rt.tile_r0, rt.offsets, w_flat, terms,
-        inter, p.h, inner.stride(0), *down_proj.stride(), b2.stride(0), terms.stride(0),
-        BM=p.pl.bm, BN=p.pl.bn, BK=p.pl.bk, **p.meta,
-    )  # fmt: skip
-    return grouped.sum_over_k(terms, p), (grouped.State(rt, pre, p.pl) if keep else None)
+    out = grouped.scatter(inner, down_proj, down_proj.stride(), rt, w_flat, True, p, bias=b2)  # w·(inner @ down[e] + bias[e])
+    return out, (grouped.State(rt, pre, p.pl) if keep else None)
 
 
 def backward(
