@@ -40,6 +40,22 @@ def deterministic() -> Iterator[None]:
         torch.use_deterministic_algorithms(old)
 
 
+def reference_is_the_per_token_formula(op, per_token: Callable, grad_args: tuple[int, ...]) -> None:
+    """In float64, the op's reference against the literal per-token formula: forward and every
+    gradient in ``grad_args``, on every CPU parity case (the awkward routings)."""
+    for c in op.cases("cpu", torch.float32):
+        args, loop_args = f64(c.args), f64(c.args)
+        ref = op.reference(*args, **c.kwargs)
+        want = per_token(*loop_args, **c.kwargs)
+        torch.testing.assert_close(ref, want, rtol=1e-12, atol=1e-12, msg=c.label)
+        if ref.numel():
+            dy = torch.randn_like(ref)
+            got_grads = torch.autograd.grad(ref, [args[i] for i in grad_args], dy)
+            want_grads = torch.autograd.grad(want, [loop_args[i] for i in grad_args], dy)
+            for a, b in zip(got_grads, want_grads):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=c.label)
+
+
 def every_gradient_within_the_error_model(fn: Callable, op, c, per_token: Callable, grad_args: tuple[int, ...]) -> None:
     """``fn`` (the op with one impl) in fp32 against the literal per-token formula in fp64: the
     output and the gradient of every argument in ``grad_args``, within the op's error model."""

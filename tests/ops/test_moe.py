@@ -9,7 +9,13 @@ import torch
 
 import polykernel
 import polykernel.nn as pnn
-from _moe_helpers import bad_index_never_passes_silently, deterministic, every_gradient_within_the_error_model, graph_replay_matches_eager
+from _moe_helpers import (
+    bad_index_never_passes_silently,
+    deterministic,
+    every_gradient_within_the_error_model,
+    graph_replay_matches_eager,
+    reference_is_the_per_token_formula,
+)
 from _moe_helpers import case as _op_case
 from _moe_helpers import f64 as _f64
 from _moe_helpers import need as _op_need
@@ -63,16 +69,7 @@ def test_parity_cpu(impl, dtype):
 
 
 def test_reference_is_the_per_token_formula():
-    # in float64, forward and every gradient, on every awkward routing of the parity cases
-    for case in op.cases("cpu", torch.float32):
-        args, loop_args = _f64(case.args), _f64(case.args)
-        ref = op.reference(*args, **case.kwargs)
-        want = per_token(*loop_args, **case.kwargs)
-        torch.testing.assert_close(ref, want, rtol=1e-12, atol=1e-12, msg=case.label)
-        if ref.numel():
-            dy = torch.randn_like(ref)
-            for a, b in zip(_grads(ref, args, dy), _grads(want, loop_args, dy)):
-                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=case.label)
+    reference_is_the_per_token_formula(op, per_token, (0, 2, 3, 4))
 
 
 @pytest.mark.parametrize("impl", IMPLS)

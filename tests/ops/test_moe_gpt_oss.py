@@ -9,7 +9,13 @@ import pytest
 import torch
 
 import polykernel
-from _moe_helpers import bad_index_never_passes_silently, deterministic, every_gradient_within_the_error_model, graph_replay_matches_eager
+from _moe_helpers import (
+    bad_index_never_passes_silently,
+    deterministic,
+    every_gradient_within_the_error_model,
+    graph_replay_matches_eager,
+    reference_is_the_per_token_formula,
+)
 from _moe_helpers import case as _op_case
 from _moe_helpers import f64 as _f64
 from _moe_helpers import need as _op_need
@@ -26,10 +32,6 @@ GRAD_ARGS = (0, 2, 3, 4, 5, 6)
 
 _need = functools.partial(_op_need, "moe_experts_gpt_oss")
 _case = functools.partial(_op_case, op)
-
-
-def _grads(out, args, dy):
-    return torch.autograd.grad(out, [args[i] for i in GRAD_ARGS], dy)
 
 
 def per_token(hidden, index, weights, gate_up, gate_up_bias, down, down_bias, alpha=op.ALPHA, limit=op.LIMIT):
@@ -54,16 +56,7 @@ def test_parity_cpu(impl, dtype):
 
 
 def test_reference_is_the_per_token_formula():
-    # in float64, forward and every gradient, on every awkward routing (and clamping) of the cases
-    for case in op.cases("cpu", torch.float32):
-        args, loop_args = _f64(case.args), _f64(case.args)
-        ref = op.reference(*args, **case.kwargs)
-        want = per_token(*loop_args, **case.kwargs)
-        torch.testing.assert_close(ref, want, rtol=1e-12, atol=1e-12, msg=case.label)
-        if ref.numel():
-            dy = torch.randn_like(ref)
-            for a, b in zip(_grads(ref, args, dy), _grads(want, loop_args, dy)):
-                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=case.label)
+    reference_is_the_per_token_formula(op, per_token, GRAD_ARGS)
 
 
 def test_clamped_cases_clamp_many_values_and_none_near_the_limit():
