@@ -7,18 +7,9 @@ import functools
 import pytest
 import torch
 
+import _moe_helpers as moe
 import polykernel
 import polykernel.nn as pnn
-from _moe_helpers import (
-    bad_index_never_passes_silently,
-    deterministic,
-    every_gradient_within_the_error_model,
-    graph_replay_matches_eager,
-    reference_is_the_per_token_formula,
-)
-from _moe_helpers import case as _op_case
-from _moe_helpers import f64 as _f64
-from _moe_helpers import need as _op_need
 from polykernel import _compat
 from polykernel.backends.torch import _moe_route
 from polykernel.backends.torch import moe_experts as torch_moe
@@ -34,8 +25,9 @@ IMPLS = ["torch", "triton"]
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 
 
-_need = functools.partial(_op_need, "moe_experts")
-_case = functools.partial(_op_case, op)
+_need = functools.partial(moe.need, "moe_experts")
+_case = functools.partial(moe.case, op)
+_f64 = moe.f64
 
 
 def per_token(hidden, index, weights, gate_up, down, activation="silu"):
@@ -69,7 +61,7 @@ def test_parity_cpu(impl, dtype):
 
 
 def test_reference_is_the_per_token_formula():
-    reference_is_the_per_token_formula(op, per_token, (0, 2, 3, 4))
+    moe.reference_is_the_per_token_formula(op, per_token, (0, 2, 3, 4))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -78,7 +70,7 @@ def test_every_gradient_against_the_per_token_formula(impl, label):
     # the impl in fp32 against the literal formula in fp64, within the op's error model
     _need(impl)
     fn = functools.partial(polykernel.moe_experts, impl=impl)
-    every_gradient_within_the_error_model(fn, op, _case(label), per_token, (0, 2, 3, 4))
+    moe.every_gradient_within_the_error_model(fn, op, _case(label), per_token, (0, 2, 3, 4))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -120,7 +112,7 @@ def test_torch_grouped_mm_refusals_give_reasons():
     assert "16 bytes" in torch_moe.grouped_mm_refusal(x, g, d)
     assert "fp32/bf16/fp16" in torch_moe.grouped_mm_refusal(x.double(), g.double(), d.double())
     x, g, d = torch.randn(4, 16), torch.randn(3, 48, 16), torch.randn(3, 16, 24)
-    with deterministic():
+    with moe.deterministic():
         assert "deterministic" in torch_moe.grouped_mm_refusal(x, g, d)
     assert "contiguous" in torch_moe.grouped_mm_refusal(x, g.transpose(1, 2).contiguous().transpose(1, 2), d)
 
@@ -212,7 +204,7 @@ def test_deterministic_mode_gives_the_same_bits_twice(impl):
         out = polykernel.moe_experts(*fresh, impl=impl)
         return (out, *_grads(out, fresh, torch.ones_like(out)))
 
-    with deterministic():
+    with moe.deterministic():
         first, second = run(), run()
         assert polykernel.explain("moe_experts", *args, impl=impl).chosen == impl  # eligible in deterministic mode
     for a, b in zip(first, second):
@@ -567,10 +559,10 @@ def test_an_index_outside_the_experts_never_passes_silently_on_the_gpu(impl, bad
     # off the CPU the check is on the device (a device-side assert)
     if impl not in runnable_impls("moe_experts", "cuda", torch.bfloat16):
         pytest.skip(f"{impl} not runnable here")
-    bad_index_never_passes_silently(_BAD_INDEX_SCRIPT.format(bad=bad), impl)
+    moe.bad_index_never_passes_silently(_BAD_INDEX_SCRIPT.format(bad=bad), impl)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", IMPLS)
 def test_cuda_graph_replay_matches_eager(impl):
-    graph_replay_matches_eager(polykernel.moe_experts, op, impl)
+    moe.graph_replay_matches_eager(polykernel.moe_experts, op, impl)

@@ -8,17 +8,8 @@ import functools
 import pytest
 import torch
 
+import _moe_helpers as moe
 import polykernel
-from _moe_helpers import (
-    bad_index_never_passes_silently,
-    deterministic,
-    every_gradient_within_the_error_model,
-    graph_replay_matches_eager,
-    reference_is_the_per_token_formula,
-)
-from _moe_helpers import case as _op_case
-from _moe_helpers import f64 as _f64
-from _moe_helpers import need as _op_need
 from polykernel import _compat
 from polykernel.backends.torch import moe_experts_gpt_oss as torch_impl
 from polykernel.errors import OpArgumentError, OpTypeError
@@ -30,8 +21,9 @@ IMPLS = ["torch", "triton"]
 GRAD_ARGS = (0, 2, 3, 4, 5, 6)
 
 
-_need = functools.partial(_op_need, "moe_experts_gpt_oss")
-_case = functools.partial(_op_case, op)
+_need = functools.partial(moe.need, "moe_experts_gpt_oss")
+_case = functools.partial(moe.case, op)
+_f64 = moe.f64
 
 
 def per_token(hidden, index, weights, gate_up, gate_up_bias, down, down_bias, alpha=op.ALPHA, limit=op.LIMIT):
@@ -56,7 +48,7 @@ def test_parity_cpu(impl, dtype):
 
 
 def test_reference_is_the_per_token_formula():
-    reference_is_the_per_token_formula(op, per_token, GRAD_ARGS)
+    moe.reference_is_the_per_token_formula(op, per_token, GRAD_ARGS)
 
 
 def test_clamped_cases_clamp_many_values_and_none_near_the_limit():
@@ -77,7 +69,7 @@ def test_clamped_cases_clamp_many_values_and_none_near_the_limit():
 def test_every_gradient_against_the_per_token_formula(impl, label):
     _need(impl)
     fn = functools.partial(polykernel.moe_experts_gpt_oss, impl=impl)
-    every_gradient_within_the_error_model(fn, op, _case(label), per_token, GRAD_ARGS)
+    moe.every_gradient_within_the_error_model(fn, op, _case(label), per_token, GRAD_ARGS)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -128,7 +120,7 @@ def test_deterministic_mode_gives_the_same_bits_twice(impl):
     _need(impl)
     case = _case("20x24x40-E5-k1-skew90")
     runs = []
-    with deterministic():
+    with moe.deterministic():
         for _ in range(2):
             out = polykernel.moe_experts_gpt_oss(*case.args, impl=impl)
             runs.append((out, *torch.autograd.grad(out, [case.args[i] for i in GRAD_ARGS], torch.ones_like(out))))
@@ -289,10 +281,10 @@ print("passed silently", y.float().abs().sum().item())
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("bad", [4, -1])
 def test_an_index_outside_the_experts_never_passes_silently_on_the_gpu(impl, bad):
-    bad_index_never_passes_silently(_BAD_INDEX_SCRIPT.format(bad=bad), impl)
+    moe.bad_index_never_passes_silently(_BAD_INDEX_SCRIPT.format(bad=bad), impl)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", IMPLS)
 def test_cuda_graph_replay_matches_eager(impl):
-    graph_replay_matches_eager(polykernel.moe_experts_gpt_oss, op, impl)
+    moe.graph_replay_matches_eager(polykernel.moe_experts_gpt_oss, op, impl)
