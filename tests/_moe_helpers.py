@@ -12,7 +12,11 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
+from polykernel.errors import OpArgumentError, OpTypeError
 from polykernel.testing import runnable_impls
+
+# 4 tokens, k = 2, E = 3: expert 3 is out of range (the bad-input tests' index)
+INDEX_3 = [[0, 3], [1, 2], [0, 1], [2, 0]]
 
 
 def need(op_name: str, impl: str, dtype: torch.dtype = torch.float32) -> None:
@@ -54,6 +58,19 @@ def reference_is_the_per_token_formula(op, per_token: Callable, grad_args: tuple
             want_grads = torch.autograd.grad(want, [loop_args[i] for i in grad_args], dy)
             for a, b in zip(got_grads, want_grads):
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=c.label)
+
+
+def bad_routing_and_hidden(with_: Callable[[int, object], list]) -> list[tuple]:
+    """The bad-input rows both ops share, for arguments ``(hidden, index, weights, ...)`` of 4
+    tokens, H = 8, k = 2, E = 3: ``with_(i, value)`` the good arguments with argument i replaced."""
+    return [
+        (with_(1, torch.tensor(INDEX_3)), {}, OpArgumentError, "'top_k_index': expert index 3 is out of range [0, 3)"),
+        (with_(1, torch.tensor([[0, -1], [1, 2], [0, 1], [2, 0]])), {}, OpArgumentError, "'top_k_index': expert index -1"),
+        (with_(2, torch.rand(4, 3)), {}, OpArgumentError, "'top_k_weights'"),  # k mismatch
+        (with_(1, torch.zeros(4, 2)), {}, OpTypeError, "'top_k_index'"),  # float index
+        (with_(0, torch.randint(0, 5, (4, 8))), {}, OpTypeError, "'hidden'"),  # int hidden states
+        (with_(0, torch.randn(2, 2, 8)), {}, OpArgumentError, "'hidden'"),
+    ]
 
 
 def every_gradient_within_the_error_model(fn: Callable, op, c, per_token: Callable, grad_args: tuple[int, ...]) -> None:
