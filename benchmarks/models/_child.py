@@ -1,6 +1,6 @@
 """One benchmark variant per fresh Python process (its own allocator, compile caches and env),
-its record read back from a ``RESULT {json}`` line on stdout. Shared by compile_llama.py and
-compile_saved.py (scripts in this folder import it by name)."""
+its record read back from a ``RESULT {json}`` line on stdout. Shared by the model benchmarks
+that run variants (scripts in this folder import it by name)."""
 
 from __future__ import annotations
 
@@ -15,17 +15,26 @@ from typing import Any
 _PREFIX = "RESULT "
 
 
-def parse(parser: argparse.ArgumentParser, child: Callable[[argparse.Namespace], dict[str, Any]]) -> argparse.Namespace | None:
+def parse(
+    parser: argparse.ArgumentParser,
+    child: Callable[[argparse.Namespace], dict[str, Any]],
+    *,
+    required: str | None = "--out DIR",
+    prepare: Callable[[argparse.Namespace], None] | None = None,
+) -> argparse.Namespace | None:
     """The command line of a script with variants in child processes. With ``--child=NAME`` (what
     :func:`run_child` passes) run ``child(args)`` here, print its record and return None; else
-    return the parent's arguments, ``--out`` required."""
+    return the parent's arguments, the option ``required`` names (``"--out DIR"``: ``args.out``)
+    required, if any. ``prepare(args)`` runs first in both (e.g. ``--tiny``'s sizes)."""
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if prepare is not None:
+        prepare(args)
     if args.child:
         emit(child(args))
         return None
-    if args.out is None:
-        parser.error("--out DIR is required")
+    if required is not None and getattr(args, required.split()[0].lstrip("-").replace("-", "_")) is None:
+        parser.error(f"{required} is required")
     return args
 
 
@@ -45,6 +54,26 @@ def run_child(script: str, name: str, argv: list[str], timeout: float, env: dict
         return {"variant": name, "error": f"timed out after {timeout} s"}
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(_PREFIX)), None)
     return json.loads(line[len(_PREFIX) :]) if line else {"variant": name, "error": (proc.stderr or proc.stdout)[-3000:]}
+
+
+def run_all(
+    script: str,
+    names: list[str],
+    argv: list[str],
+    timeout: float,
+    summary: Callable[[dict[str, Any]], str],
+    width: int,
+    failed: str = "error",
+) -> list[dict[str, Any]]:
+    """Each variant through :func:`run_child`, in order, a line printed per variant as it ends
+    (``NAME  summary(record)``, or ``NAME  {failed}: <its error's last line>``); the records."""
+    records = []
+    for name in names:
+        record = run_child(script, name, argv, timeout)
+        records.append(record)
+        line = f"{failed}: {last_error_line(record)}" if "error" in record else summary(record)
+        print(f"{name:{width}} {line}", flush=True)
+    return records
 
 
 def last_error_line(record: dict[str, Any]) -> str:

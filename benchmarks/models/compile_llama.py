@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from _child import last_error_line, parse, run_child
+from _common import llama_config, timed_steps
 
 # name -> (what polykernel patches, torch.compile mode: None = eager, "default" = compile(model)).
 # Patches: None; "all" = patch(model); "ops" = the ops only, transformers builds the causal mask
@@ -70,18 +70,7 @@ def _build(args: argparse.Namespace, patch: str | None) -> tuple[Any, Any, str]:
     except ImportError:
         transformers = None
     if transformers is not None and not args.builtin:
-        cfg = transformers.LlamaConfig(
-            vocab_size=128256,
-            hidden_size=args.hidden,
-            intermediate_size=args.intermediate,
-            num_hidden_layers=args.layers,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            max_position_embeddings=max(args.seq, 2048),
-            tie_word_embeddings=True,
-            rope_theta=500000.0,
-        )
-        cfg._attn_implementation = "sdpa"
+        cfg = llama_config(args)  # vocab 128256, 32/8 heads
         with torch.device("cuda"):
             model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
         if patch is not None:
@@ -243,7 +232,6 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     ids = torch.randint(0, 128256, (args.batch, args.seq), device="cuda")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
 
     def step() -> Any:
         loss = loss_fn(run, ids)
@@ -254,14 +242,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             torch.compiler.cudagraph_mark_step_begin()
         return loss
 
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        loss = step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss.detach()))
-    steady = times[3:] if len(times) > 3 else times[-1:]
-    median = statistics.median(steady)
+    times, losses, median = timed_steps(step, args.steps, torch.cuda.synchronize)
     record: dict[str, Any] = {
         "variant": args.child,
         "polykernel": patch,

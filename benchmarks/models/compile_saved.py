@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from _child import last_error_line, parse, run_child
+from _common import llama_config
 
 OURS_ENV = {f"POLYKERNEL_COMPILE_{op}": "ours" for op in ("SWIGLU", "GEGLU", "ROPE", "FUSED_ADD_RMS_NORM")}
 # transformers skips the causal mask under torch.compile only with torch >= 2.14 (its
@@ -98,18 +99,7 @@ def _build(args: argparse.Namespace, patch: bool) -> Any:
     import torch
     import transformers
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(args.seq, 2048),
-        tie_word_embeddings=True,
-        rope_theta=500000.0,
-    )
-    cfg._attn_implementation = "sdpa"
+    cfg = llama_config(args)
     if os.environ.get("COMPILE_SAVED_MASK") == "1":
         _materialize_mask_while_compiling()
     with torch.device(args.device):

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import add_llama_args, llama_config, tiny_llama
 
 EAGER = ("plain[eager]", "polykernel[eager]", "polykernel[flashinfer][eager]", "polykernel[sgl_kernel][eager]")
 GRAPH = ("plain[graph]", "polykernel[graph]", "polykernel[flashinfer][graph]", "polykernel[sgl_kernel][graph]")
@@ -50,18 +51,7 @@ ALL = EAGER + GRAPH + COMPILED
 def build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Any:
     import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-    )
+    config = llama_config(args, max_position_embeddings=8192)
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.LlamaForCausalLM(config)
@@ -194,17 +184,12 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=8192)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=128256)
+    add_llama_args(parser)
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
     if args.tiny:
-        args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab = 2, 64, 128, 4, 2, 256
+        tiny_llama(args, vocab=256)
         args.prompt, args.steps, args.repeats = min(args.prompt, 8), min(args.steps, 4), min(args.repeats, 2)
     dtype = torch.bfloat16 if cuda else torch.float32
     variants = [v for v in (args.variants.split(",") if args.variants else ALL) if v]

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
-from _child import emit, last_error_line, run_child
+from _child import parse, run_all
+from _common import timed_steps
 
 # name -> (patch switches or None, experts_implementation or None, compile)
 VARIANTS: dict[str, tuple[dict[str, bool] | None, str | None, bool]] = {
@@ -86,18 +85,15 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
+
+    def step() -> Any:
         loss = run(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        sync()
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss.detach()))
-    steady = times[3:] if len(times) > 3 else times[-1:]
-    median = statistics.median(steady)
+        return loss
+
+    times, losses, median = timed_steps(step, args.steps, sync)
     record: dict[str, Any] = {
         "variant": args.child,
         "experts_implementation": model.config._experts_implementation,
@@ -131,25 +127,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="steps per variant (median of steps 4..N)")
     parser.add_argument("--only", default="", help="comma-separated variant names")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per variant")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        emit(child(args))
+    args = parse(parser, child, required=None)
+    if args is None:
         return
     names = [n for n in VARIANTS if not args.only or n in args.only.split(",")]
     argv = [f"--device={args.device}", f"--layers={args.layers}", f"--batch={args.batch}", f"--seq={args.seq}", f"--steps={args.steps}"]
     argv += ["--tiny"] if args.tiny else []
-    records = []
-    for name in names:
-        rec = run_child(__file__, name, argv, args.timeout)
-        records.append(rec)
-        if "error" in rec:
-            print(f"{name:24} failed: {last_error_line(rec)}")
-        else:
-            peak = "" if rec["peak_memory_gib"] is None else f"  peak {rec['peak_memory_gib']:.1f} GiB"
-            print(
-                f"{name:24} {rec['tokens_per_s']:10.0f} tokens/s  step {rec['median_step_s'] * 1e3:8.1f} ms{peak}  first {rec['first_step_s']:.1f} s"
-            )
+
+    def summary(rec: dict[str, Any]) -> str:
+        peak = "" if rec["peak_memory_gib"] is None else f"  peak {rec['peak_memory_gib']:.1f} GiB"
+        return f"{rec['tokens_per_s']:10.0f} tokens/s  step {rec['median_step_s'] * 1e3:8.1f} ms{peak}  first {rec['first_step_s']:.1f} s"
+
+    records = run_all(__file__, names, argv, args.timeout, summary, width=24, failed="failed")
     plain = next((r for r in records if r.get("variant") == "plain" and "error" not in r), None)
     if plain is not None:
         for r in records:

@@ -20,10 +20,10 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from typing import Any
 
 import torch
+from _common import add_tp_args, tp_defaults, tp_header, tp_model, tp_steps
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 
@@ -32,34 +32,8 @@ FULL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidd
 SMOKE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
-def build(config: dict[str, Any], device: str, dtype: torch.dtype) -> Any:
-    import transformers
-
-    cfg = transformers.LlamaConfig(max_position_embeddings=4096, pad_token_id=0, **config)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
-
-
 def run(model: Any, ids: torch.Tensor, steps: int, warmup: int, device: str) -> dict[str, Any]:
-    # foreach=False: the parallelized model mixes DTensor and plain parameters, which torch's
-    # foreach kernels refuse ("got mixed torch.Tensor and DTensor"; seen on 2xH200, torch 2.11).
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-    model.train()
-    times, losses = [], []
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    for i in range(warmup + steps):
-        sync()
-        t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-        losses.append(float(loss.detach()))
+    times, losses = tp_steps(model, ids, steps, warmup, device)
     step = statistics.median(times)
     return {
         "tokens_per_s": ids.numel() / step,
@@ -83,10 +57,7 @@ def worker(rank: int, init_file: str, args: argparse.Namespace) -> None:
     dist.init_process_group("gloo" if args.smoke else "nccl", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         mesh = init_device_mesh(device, (WORLD,))
-        dtype = torch.float32 if args.smoke else torch.bfloat16
-        base = build(SMOKE if args.smoke else FULL, device, dtype)
-        g = torch.Generator().manual_seed(1)
-        ids = torch.randint(1, base.config.vocab_size, (args.batch, args.seq), generator=g).to(device)
+        base, ids, dtype = tp_model(SMOKE if args.smoke else FULL, 4096, args, device)
         results: dict[str, Any] = {}
         for name in ("unpatched", "patched"):
             model = parallelize_llama(copy.deepcopy(base), mesh)
@@ -100,15 +71,7 @@ def worker(rank: int, init_file: str, args: argparse.Namespace) -> None:
         if rank == 0:
             a, b = results["unpatched"], results["patched"]
             out = {
-                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                "world": WORLD,
-                "config": SMOKE if args.smoke else FULL,
-                "dtype": str(dtype),
-                "batch": args.batch,
-                "seq": args.seq,
-                "steps": args.steps,
-                "warmup": args.warmup,
-                "torch": torch.__version__,
+                **tp_header(device, WORLD, SMOKE if args.smoke else FULL, dtype, args),
                 "results": results,
                 "speedup": b["tokens_per_s"] / a["tokens_per_s"],
                 "max_loss_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
@@ -128,19 +91,10 @@ def worker(rank: int, init_file: str, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for tp_block.json")
-    parser.add_argument("--batch", type=int, default=None)
-    parser.add_argument("--seq", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--smoke", action="store_true", help="CPU, gloo, a tiny model, Triton through its interpreter")
+    add_tp_args(parser)
     args = parser.parse_args(argv)
-    defaults = dict(batch=2, seq=32, steps=2, warmup=1) if args.smoke else dict(batch=8, seq=2048, steps=10, warmup=3)
-    for k, v in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"
-    elif torch.cuda.device_count() < WORLD:
+    tp_defaults(args)
+    if not args.smoke and torch.cuda.device_count() < WORLD:
         raise SystemExit(f"tp_block: needs {WORLD} CUDA GPUs, found {torch.cuda.device_count()} (--smoke runs on the CPU)")
     import torch.multiprocessing as mp
 

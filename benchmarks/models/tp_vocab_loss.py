@@ -29,24 +29,16 @@ import json
 import os
 import statistics
 import sys
-import time
 from typing import Any
 
 import torch
+from _common import add_tp_args, tp_defaults, tp_header, tp_model, tp_steps
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 
 FULL = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8)
 SMOKE = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 PATHS = ("vocab_parallel", "gather_weight", "gather_logits")
-
-
-def build(config: dict[str, Any], device: str, dtype: torch.dtype) -> Any:
-    import transformers
-
-    cfg = transformers.LlamaConfig(max_position_embeddings=8192, pad_token_id=0, **config)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
 
 
 def use_path(path: str) -> None:
@@ -64,28 +56,10 @@ _ORIGINAL: dict[str, Any] = {}
 def run(model: Any, ids: torch.Tensor, steps: int, warmup: int, device: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)  # DTensor and plain parameters mixed
-    model.train()
-    times, losses = [], []
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cuda":
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    logits_none = None
-    for i in range(warmup + steps):
-        sync()
-        dist.barrier()
-        t0 = time.perf_counter()
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-        losses.append(float(out.loss.detach()))
-        logits_none = out.logits is None
-        del out
+    fused: list[bool] = []  # the last step's: whether the model returned no logits
+    times, losses = tp_steps(model, ids, steps, warmup, device, barrier=dist.barrier, seen=lambda out: fused.append(out.logits is None))
     peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0], device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     step = statistics.median(times)
@@ -94,26 +68,17 @@ def run(model: Any, ids: torch.Tensor, steps: int, warmup: int, device: str) -> 
         "median_step_ms": 1e3 * step,
         "peak_mem_gib_max_rank": float(peak) if device == "cuda" else None,
         "losses": losses,
-        "fused_loss": logits_none,
+        "fused_loss": fused[-1] if fused else None,
     }
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True, help="output JSON path (rank 0 writes it)")
-    parser.add_argument("--batch", type=int, default=None)
-    parser.add_argument("--seq", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {PATHS}")
-    parser.add_argument("--smoke", action="store_true", help="CPU, gloo, a tiny model, Triton through its interpreter")
+    add_tp_args(parser)
     args = parser.parse_args(argv)
-    defaults = dict(batch=2, seq=32, steps=2, warmup=1) if args.smoke else dict(batch=8, seq=2048, steps=10, warmup=3)
-    for k, v in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"
+    tp_defaults(args)
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -131,10 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     try:
         mesh = init_device_mesh(device, (world,))
-        dtype = torch.float32 if args.smoke else torch.bfloat16
-        base = build(SMOKE if args.smoke else FULL, device, dtype)
-        g = torch.Generator().manual_seed(1)
-        ids = torch.randint(1, base.config.vocab_size, (args.batch, args.seq), generator=g).to(device)
+        base, ids, dtype = tp_model(SMOKE if args.smoke else FULL, 8192, args, device)
         results: dict[str, Any] = {}
         for path in args.paths.split(","):
             use_path(path)
@@ -148,15 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         use_path("vocab_parallel")
         if rank == 0:
             out: dict[str, Any] = {
-                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                "world": world,
-                "config": SMOKE if args.smoke else FULL,
-                "dtype": str(dtype),
-                "batch": args.batch,
-                "seq": args.seq,
-                "steps": args.steps,
-                "warmup": args.warmup,
-                "torch": torch.__version__,
+                **tp_header(device, world, SMOKE if args.smoke else FULL, dtype, args),
                 "results": results,
             }
             ours = results.get("vocab_parallel", {})

@@ -29,18 +29,17 @@ on TRL's activation checkpointing (off by default here).
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import platform
 import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from _child import emit, last_error_line, run_child
+from _child import parse, run_all
+from _common import add_llama_args, llama_config, step_timer, tiny_llama, versions
 
 VARIANTS = ("plain", "liger", "polykernel", "polykernel+patch")
 _SHAPE = ("steps", "batch", "seq", "layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "seed")  # passed to each child
@@ -76,21 +75,7 @@ def _model(args: argparse.Namespace, device: Any, dtype: Any) -> Any:
     import torch
     import transformers
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(args.seq, 2048),
-        tie_word_embeddings=True,
-        rope_theta=500000.0,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-    )
-    cfg._attn_implementation = "sdpa"
+    cfg = llama_config(args, pad_token_id=0, eos_token_id=1, bos_token_id=None)
     torch.manual_seed(args.seed)
     with torch.device(device):
         return transformers.LlamaForCausalLM(cfg).to(dtype)
@@ -100,7 +85,6 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     import copy
 
     import torch
-    import transformers
     import trl
 
     variant = args.child
@@ -115,18 +99,6 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         for m in (model, ref):  # the loss is the DPO trainer's: no causal-LM loss switches
             patch(m, cross_entropy=False, fused_linear_cross_entropy=False)
     step_times: list[float] = []
-
-    class Timer(transformers.TrainerCallback):
-        def on_step_begin(self, *a: Any, **k: Any) -> None:
-            if cuda:
-                torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *a: Any, **k: Any) -> None:
-            if cuda:
-                torch.cuda.synchronize()
-            step_times.append(time.perf_counter() - self.t0)
-
     config = trl.DPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl_dpo_"),
         per_device_train_batch_size=args.batch,
@@ -145,7 +117,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
     )
     kwargs = dict(model=model, ref_model=ref, args=config, train_dataset=_dataset(args.batch * args.steps, args.seq, args.seed),
-                  processing_class=_tokenizer(), callbacks=[Timer()])  # fmt: skip
+                  processing_class=_tokenizer(), callbacks=[step_timer(cuda, step_times)])  # fmt: skip
     if variant.startswith("polykernel"):
         from polykernel.integrations.trl import PolykernelDPOTrainer
 
@@ -170,6 +142,23 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def env() -> dict[str, Any]:
+    """The record's environment: Python, torch, the trainer's packages (None: missing), the GPU."""
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "argv": sys.argv[1:]}
+    out |= versions("transformers", "trl", "accelerate", "liger-kernel")
+    if torch.cuda.is_available():
+        out["device"] = torch.cuda.get_device_name()
+    return out
+
+
+def _tiny(args: argparse.Namespace) -> None:
+    if args.tiny:
+        tiny_llama(args, vocab=4096)
+        args.seq, args.batch, args.steps = 32, 2, min(args.steps, 3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the records here")
@@ -177,49 +166,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=4, help="preference pairs per step (2x sequences)")
     parser.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=8192)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=128256)
+    add_llama_args(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="a CPU-sized model (smoke run)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per variant")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.tiny:
-        args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads = 2, 64, 128, 4, 2
-        args.vocab, args.seq, args.batch, args.steps = 4096, 32, 2, min(args.steps, 3)
-    if args.child:
-        emit(child(args))
+    args = parse(parser, child, required="--json PATH", prepare=_tiny)
+    if args is None:
         return
-    if args.json is None:
-        parser.error("--json PATH is required")
     argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in _SHAPE]
     argv += ["--gradient-checkpointing"] * args.gradient_checkpointing + ["--tiny"] * args.tiny
-    records = []
-    for variant in args.only.split(","):
-        record = run_child(__file__, variant, argv, args.timeout)
-        records.append(record)
-        if "error" in record:
-            print(f"{variant:18} error: {last_error_line(record)}", flush=True)
-        else:
-            peak = "-" if record["peak_gib"] is None else f"{record['peak_gib']:.2f} GiB"
-            losses = " ".join(f"{s['loss']:.4f}" for s in record["steps"])
-            print(f"{variant:18} {record['tokens_per_s']:10.0f} tok/s  peak {peak:>10}  losses {losses}", flush=True)
-    import torch
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "argv": sys.argv[1:]}
-    for name in ("transformers", "trl", "accelerate", "liger-kernel"):
-        try:
-            env[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:  # a missing peer is a record, not a crash
-            env[name] = None
-    if torch.cuda.is_available():
-        env["device"] = torch.cuda.get_device_name()
-    args.json.write_text(json.dumps({"env": env, "records": records}, indent=1))
+    def summary(record: dict[str, Any]) -> str:
+        peak = "-" if record["peak_gib"] is None else f"{record['peak_gib']:.2f} GiB"
+        losses = " ".join(f"{s['loss']:.4f}" for s in record["steps"])
+        return f"{record['tokens_per_s']:10.0f} tok/s  peak {peak:>10}  losses {losses}"
+
+    records = run_all(__file__, args.only.split(","), argv, args.timeout, summary, width=18)
+    args.json.write_text(json.dumps({"env": env(), "records": records}, indent=1))
     print(f"wrote {args.json}")
 
 

@@ -19,20 +19,18 @@ the completion tokens per second of that part, CUDA peak memory, per-step losses
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
-import platform
 import random
 import statistics
-import sys
 import tempfile
 import time
 import zlib
 from pathlib import Path
 from typing import Any
 
-from _child import emit, last_error_line, run_child
-from trl_dpo import VARIANTS, WORDS, _model, _tokenizer
+from _child import parse, run_all
+from _common import add_llama_args, step_timer, tiny_llama
+from trl_dpo import VARIANTS, WORDS, _model, _tokenizer, env
 
 _PASSED = ("steps", "prompts", "generations", "prompt_len", "completion_len", "layers", "hidden", "intermediate", "heads",
            "kv_heads", "vocab", "seed", "loss_type", "beta")  # fmt: skip
@@ -41,7 +39,6 @@ _PASSED = ("steps", "prompts", "generations", "prompt_len", "completion_len", "l
 def child(args: argparse.Namespace) -> dict[str, Any]:
     import datasets
     import torch
-    import transformers
     import trl
 
     variant = args.child
@@ -62,18 +59,6 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     step_times: list[float] = []
     gen_times: list[float] = []
-
-    class Timer(transformers.TrainerCallback):
-        def on_step_begin(self, *a: Any, **k: Any) -> None:
-            if cuda:
-                torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *a: Any, **k: Any) -> None:
-            if cuda:
-                torch.cuda.synchronize()
-            step_times.append(time.perf_counter() - self.t0)
-
     config = trl.GRPOConfig(
         output_dir=str(path.parent),
         per_device_train_batch_size=args.prompts * args.generations,
@@ -94,7 +79,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
     )
     kwargs = dict(model=str(path), reward_funcs=reward_crc, args=config, train_dataset=datasets.Dataset.from_list(prompts),
-                  processing_class=tokenizer, callbacks=[Timer()])  # fmt: skip
+                  processing_class=tokenizer, callbacks=[step_timer(cuda, step_times)])  # fmt: skip
     if variant.startswith("polykernel"):
         from polykernel.integrations.trl import PolykernelGRPOTrainer
 
@@ -139,6 +124,14 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _sizes(args: argparse.Namespace) -> None:
+    args.seq = args.prompt_len + args.completion_len  # for _model's position table
+    if args.tiny:
+        tiny_llama(args, vocab=4096)
+        args.prompt_len, args.completion_len, args.steps = 8, 8, min(args.steps, 2)
+        args.seq = 16
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the records here")
@@ -148,51 +141,24 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=4, help="completions per prompt")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--completion-len", type=int, default=768)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=8192)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=128256)
+    add_llama_args(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--loss-type", default="dapo")
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--tiny", action="store_true", help="a CPU-sized model (smoke run)")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per variant")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    args.seq = args.prompt_len + args.completion_len  # for _model's position table
-    if args.tiny:
-        args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads = 2, 64, 128, 4, 2
-        args.vocab, args.prompt_len, args.completion_len, args.steps = 4096, 8, 8, min(args.steps, 2)
-        args.seq = 16
-    if args.child:
-        emit(child(args))
+    args = parse(parser, child, required="--json PATH", prepare=_sizes)
+    if args is None:
         return
-    if args.json is None:
-        parser.error("--json PATH is required")
     argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in _PASSED] + ["--tiny"] * args.tiny
-    records = []
-    for variant in args.only.split(","):
-        record = run_child(__file__, variant, argv, args.timeout)
-        records.append(record)
-        if "error" in record:
-            print(f"{variant:18} error: {last_error_line(record)}", flush=True)
-        else:
-            peak = "-" if record["peak_gib"] is None else f"{record['peak_gib']:.2f} GiB"
-            losses = " ".join(f"{s['loss']:.4g}" for s in record["steps"])
-            print(f"{variant:18} train {record['train_s_median']:.3f} s/step  peak {peak:>10}  losses {losses}", flush=True)
-    import torch
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "argv": sys.argv[1:]}
-    for name in ("transformers", "trl", "accelerate", "liger-kernel"):
-        try:
-            env[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            env[name] = None
-    if torch.cuda.is_available():
-        env["device"] = torch.cuda.get_device_name()
-    args.json.write_text(json.dumps({"env": env, "records": records}, indent=1))
+    def summary(record: dict[str, Any]) -> str:
+        peak = "-" if record["peak_gib"] is None else f"{record['peak_gib']:.2f} GiB"
+        losses = " ".join(f"{s['loss']:.4g}" for s in record["steps"])
+        return f"train {record['train_s_median']:.3f} s/step  peak {peak:>10}  losses {losses}"
+
+    records = run_all(__file__, args.only.split(","), argv, args.timeout, summary, width=18)
+    args.json.write_text(json.dumps({"env": env(), "records": records}, indent=1))
     print(f"wrote {args.json}")
 
 

@@ -2,11 +2,12 @@
 with a per-token loop), awkward routings, deterministic mode, argument errors, the router's
 semantics, torch.compile. The Triton impl runs through the CPU interpreter at tiny shapes."""
 
-import contextlib
+import functools
 
 import pytest
 import torch
 
+import _moe_helpers as moe
 import polykernel
 import polykernel.nn as pnn
 from polykernel import _compat
@@ -24,13 +25,9 @@ IMPLS = ["torch", "triton"]
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 
 
-def _need(impl, dtype=torch.float32):
-    if impl not in runnable_impls("moe_experts", "cpu", dtype):
-        pytest.skip(f"{impl} not runnable on the CPU here")
-
-
-def _case(label):
-    return next(c for c in op.cases("cpu", torch.float32) if c.label == label)
+_need = functools.partial(moe.need, "moe_experts")
+_case = functools.partial(moe.case, op)
+_f64 = moe.f64
 
 
 def per_token(hidden, index, weights, gate_up, down, activation="silu"):
@@ -52,20 +49,6 @@ def _grads(out, args, dy):
     return torch.autograd.grad(out, leaves, dy)
 
 
-@contextlib.contextmanager
-def deterministic():
-    old = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(old)
-
-
-def _f64(args):
-    return [a.detach().double().requires_grad_() if a.is_floating_point() else a for a in args]
-
-
 # ---------------------------------------------------------------------------------------------
 # parity
 
@@ -78,16 +61,7 @@ def test_parity_cpu(impl, dtype):
 
 
 def test_reference_is_the_per_token_formula():
-    # in float64, forward and every gradient, on every awkward routing of the parity cases
-    for case in op.cases("cpu", torch.float32):
-        args, loop_args = _f64(case.args), _f64(case.args)
-        ref = op.reference(*args, **case.kwargs)
-        want = per_token(*loop_args, **case.kwargs)
-        torch.testing.assert_close(ref, want, rtol=1e-12, atol=1e-12, msg=case.label)
-        if ref.numel():
-            dy = torch.randn_like(ref)
-            for a, b in zip(_grads(ref, args, dy), _grads(want, loop_args, dy)):
-                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=case.label)
+    moe.reference_is_the_per_token_formula(op, per_token, (0, 2, 3, 4))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -95,21 +69,8 @@ def test_reference_is_the_per_token_formula():
 def test_every_gradient_against_the_per_token_formula(impl, label):
     # the impl in fp32 against the literal formula in fp64, within the op's error model
     _need(impl)
-    case = _case(label)
-    args = [a.detach().clone().requires_grad_(a.requires_grad) for a in case.args]
-    out = polykernel.moe_experts(*args, impl=impl)
-    exact = _f64(case.args)
-    want = per_token(*exact)
-    dy = 2 * torch.rand_like(out) - 1
-    bounds = op.error_model(*case.args)
-
-    def close(got, ref, model):
-        tol = model.tol(got.dtype, ref.abs().max().item())
-        torch.testing.assert_close(got.double(), ref.detach(), atol=tol.atol, rtol=tol.rtol)
-
-    close(out, want, bounds.output(0))
-    for i, g, r in zip((0, 2, 3, 4), _grads(out, args, dy), _grads(want, exact, dy.double())):
-        close(g, r, bounds.grads[i])
+    fn = functools.partial(polykernel.moe_experts, impl=impl)
+    moe.every_gradient_within_the_error_model(fn, op, _case(label), per_token, (0, 2, 3, 4))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -151,7 +112,7 @@ def test_torch_grouped_mm_refusals_give_reasons():
     assert "16 bytes" in torch_moe.grouped_mm_refusal(x, g, d)
     assert "fp32/bf16/fp16" in torch_moe.grouped_mm_refusal(x.double(), g.double(), d.double())
     x, g, d = torch.randn(4, 16), torch.randn(3, 48, 16), torch.randn(3, 16, 24)
-    with deterministic():
+    with moe.deterministic():
         assert "deterministic" in torch_moe.grouped_mm_refusal(x, g, d)
     assert "contiguous" in torch_moe.grouped_mm_refusal(x, g.transpose(1, 2).contiguous().transpose(1, 2), d)
 
@@ -203,13 +164,13 @@ def test_sort_is_stable_and_offsets_bound_each_expert():
 @pytest.mark.parametrize("bm", [16, 64])
 def test_triton_tiles_cover_each_expert_exactly_once(bm):
     pytest.importorskip("triton")
-    from polykernel.backends.triton import moe_experts as tri
+    from polykernel.backends.triton import _grouped as tri
 
     for seed, (t, k, e) in enumerate([(13, 2, 5), (100, 1, 3), (1, 1, 1), (40, 4, 16), (70, 2, 2)]):
         g = torch.Generator().manual_seed(seed)
         index = torch.randint(0, e, (t, k), generator=g)
         index[: t // 2] = e - 1  # skewed
-        rt = tri._route(index, e, bm)
+        rt = tri.route(index, e, bm)
         offsets = rt.offsets.tolist()
         seen = []
         for p in range(rt.tiles):
@@ -222,7 +183,7 @@ def test_triton_tiles_cover_each_expert_exactly_once(bm):
 
 def test_triton_tile_sizes_are_a_host_decision():
     pytest.importorskip("triton")
-    from polykernel.backends.triton import moe_experts as tri
+    from polykernel.backends.triton import _grouped as tri
 
     small = tri.plan(26, 5, 24, 40, 4, True)
     assert small.bm == 16 and max(small.bn, small.bk) <= 32  # the interpreter: tl.dot's minimum
@@ -243,7 +204,7 @@ def test_deterministic_mode_gives_the_same_bits_twice(impl):
         out = polykernel.moe_experts(*fresh, impl=impl)
         return (out, *_grads(out, fresh, torch.ones_like(out)))
 
-    with deterministic():
+    with moe.deterministic():
         first, second = run(), run()
         assert polykernel.explain("moe_experts", *args, impl=impl).chosen == impl  # eligible in deterministic mode
     for a, b in zip(first, second):
@@ -298,25 +259,15 @@ def _with(i, value):
 @pytest.mark.parametrize(
     "args, kw, exc, words",
     [
-        (
-            _with(1, torch.tensor([[0, 3], [1, 2], [0, 1], [2, 0]])),
-            {},
-            OpArgumentError,
-            "'top_k_index': expert index 3 is out of range [0, 3)",
-        ),
-        (_with(1, torch.tensor([[0, -1], [1, 2], [0, 1], [2, 0]])), {}, OpArgumentError, "'top_k_index': expert index -1"),
+        *moe.bad_routing_and_hidden(_with),
         (_with(4, torch.randn(4, 8, 6)), {}, OpArgumentError, "'down_proj'"),  # E = 4 vs gate_up's 3
         (_with(4, torch.randn(3, 8, 5)), {}, OpArgumentError, "'down_proj'"),  # I
         (_with(3, torch.randn(3, 11, 8)), {}, OpArgumentError, "'gate_up_proj'"),  # 2I odd
         (_with(3, torch.randn(3, 12, 9)), {}, OpArgumentError, "'gate_up_proj'"),  # H
-        (_with(2, torch.rand(4, 3)), {}, OpArgumentError, "'top_k_weights'"),  # k mismatch
         (_with(2, torch.rand(4)), {}, OpArgumentError, "'top_k_weights'"),
         (_with(1, torch.tensor([[0], [1], [2], [0]])), {}, OpArgumentError, "'top_k_weights'"),  # index k = 1, weights k = 2
         (_with(1, torch.zeros(3, 2, dtype=torch.long)), {}, OpArgumentError, "'top_k_index'"),  # T mismatch
         (_with(1, torch.zeros(4, 0, dtype=torch.long)), {}, OpArgumentError, "'top_k_index'"),  # k = 0
-        (_with(1, torch.zeros(4, 2)), {}, OpTypeError, "'top_k_index'"),  # float index
-        (_with(0, torch.randint(0, 5, (4, 8))), {}, OpTypeError, "'hidden'"),  # int hidden states
-        (_with(0, torch.randn(2, 2, 8)), {}, OpArgumentError, "'hidden'"),
         (_with(3, torch.randn(3, 12, 8, dtype=torch.float64)), {}, OpTypeError, "'gate_up_proj'"),
         (_with(2, torch.rand(4, 2, dtype=torch.float16)), {}, OpTypeError, "'top_k_weights'"),
         (_with(4, torch.randn(3, 8, 6, device="meta")), {}, OpArgumentError, "'down_proj'"),
@@ -595,32 +546,13 @@ print("passed silently", y.float().abs().sum().item())
 @pytest.mark.parametrize("impl", ["torch", "triton", "liger"])
 @pytest.mark.parametrize("bad", [4, -1])
 def test_an_index_outside_the_experts_never_passes_silently_on_the_gpu(impl, bad):
-    # off the CPU the check is on the device (a device-side assert): it poisons the CUDA context,
-    # so each run gets its own process
-    import subprocess
-    import sys
-
+    # off the CPU the check is on the device (a device-side assert)
     if impl not in runnable_impls("moe_experts", "cuda", torch.bfloat16):
         pytest.skip(f"{impl} not runnable here")
-    out = subprocess.run([sys.executable, "-c", _BAD_INDEX_SCRIPT.format(bad=bad), impl], capture_output=True, text=True, timeout=300)
-    assert "raised" in out.stdout or out.returncode != 0, out.stdout + out.stderr[-2000:]
-    assert "passed silently" not in out.stdout
+    moe.bad_index_never_passes_silently(_BAD_INDEX_SCRIPT.format(bad=bad), impl)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", IMPLS)
 def test_cuda_graph_replay_matches_eager(impl):
-    case = op.example((64, 128, 96, 8, 2), torch.bfloat16, "cuda")
-    args = [a.detach() for a in case.args]
-    want = polykernel.moe_experts(*args, impl=impl)
-    out = torch.empty_like(want)
-    from polykernel.tools.bench import capture_graph
-
-    graph = capture_graph(lambda: out.copy_(polykernel.moe_experts(*args, impl=impl)))
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    if impl == "triton":  # the same kernels, no host decision depends on the data
-        assert torch.equal(out, want)
-    else:  # the torch impl captures grouped_mm, or the reference where grouped_mm cannot run
-        torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    moe.graph_replay_matches_eager(polykernel.moe_experts, op, impl)

@@ -33,14 +33,14 @@ from ..backends.liger import _gates as liger_gates
 from ..backends.torch import TORCH
 from ..backends.triton import TRITON
 from ..core.hit_guard import SHAPE
-from ..core.op import SUM_LAMBDA, TINY, UNIT_ROUNDOFF, Bounds, Case, ErrorModel, Op
-from ..distributed.layout import ROWS, Layout, rows_with
+from ..core.op import Bounds, Case, Op
 from . import _checks as check
+from . import _moe
+from ._moe import INDEX_DTYPES as INDEX_DTYPES
+from ._moe import check_routing as check_routing
 
 OP_ID = "moe.moe_experts"
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
-INDEX_DTYPES = (torch.int64, torch.int32)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def activate(g: torch.Tensor, activation: str) -> torch.Tensor:
@@ -88,11 +88,7 @@ def validate(
     activation: str,
 ) -> None:
     """Every check, before any kernel; on the CPU also the index values (see ``moe_experts``)."""
-    check.tensor(OP_ID, "hidden", hidden)
-    check.floating(OP_ID, "hidden", hidden)
-    if hidden.dim() != 2:
-        raise check.OpArgumentError(OP_ID, "hidden", f"expected [T, H] (tokens, hidden size), got shape {tuple(hidden.shape)}")
-    h = hidden.shape[1]
+    h = _moe.check_hidden(OP_ID, hidden)
     check.tensor(OP_ID, "gate_up_proj", gate_up_proj)
     check.floating(OP_ID, "gate_up_proj", gate_up_proj)
     if gate_up_proj.dim() != 3 or gate_up_proj.shape[2] != h or gate_up_proj.shape[1] % 2 or 0 in gate_up_proj.shape[:2]:
@@ -109,46 +105,9 @@ def validate(
             f"expected [E, H, I] = ({n_experts}, {h}, {inter}) to match gate_up_proj {tuple(gate_up_proj.shape)} and hidden, "
             f"got {tuple(down_proj.shape)}",
         )
-    for name, proj in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
-        if proj.dtype != hidden.dtype:
-            raise check.OpTypeError(OP_ID, name, f"expected hidden's dtype {hidden.dtype}, got {proj.dtype}")
-        check.same_device(OP_ID, name, proj, "hidden", hidden)
+    _moe.check_like_hidden(OP_ID, hidden, (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)))
     check_routing(OP_ID, hidden, top_k_index, top_k_weights, n_experts)
     check.choice(OP_ID, "activation", activation, ACTIVATIONS)
-
-
-def check_routing(op_id: str, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n_experts: int) -> None:
-    """The routing's checks (shared with ``moe_experts_gpt_oss``): index and weights ``[T, k]``
-    of hidden's T, their dtypes and device; on the CPU also the index values."""
-    t = hidden.shape[0]
-    check.tensor(op_id, "top_k_index", top_k_index)
-    if top_k_index.dtype not in INDEX_DTYPES:
-        raise check.OpTypeError(op_id, "top_k_index", f"expected an int64 or int32 tensor of expert indices, got {top_k_index.dtype}")
-    if top_k_index.dim() != 2 or top_k_index.shape[0] != t or top_k_index.shape[1] == 0:
-        raise check.OpArgumentError(
-            op_id, "top_k_index", f"expected [T, k] with T = {t} (hidden's rows) and k >= 1, got {tuple(top_k_index.shape)}"
-        )
-    check.same_device(op_id, "top_k_index", top_k_index, "hidden", hidden)
-    check.tensor(op_id, "top_k_weights", top_k_weights)
-    check.floating(op_id, "top_k_weights", top_k_weights)
-    if top_k_weights.shape != top_k_index.shape:
-        raise check.OpArgumentError(
-            op_id, "top_k_weights", f"expected top_k_index's shape {tuple(top_k_index.shape)}, got {tuple(top_k_weights.shape)}"
-        )
-    if top_k_weights.dtype not in (hidden.dtype, torch.promote_types(hidden.dtype, torch.float32)):
-        raise check.OpTypeError(op_id, "top_k_weights", f"expected hidden's dtype {hidden.dtype} or float32, got {top_k_weights.dtype}")
-    check.same_device(op_id, "top_k_weights", top_k_weights, "hidden", hidden)
-    # The values: on the CPU, for plain tensors (a DTensor's would need a collective: its local
-    # shards are checked where they are sorted), not while torch.compile traces (fake tensors
-    # have none). Off the CPU they would cost a host sync per call: the impls check them on the
-    # device instead (polykernel.backends.torch._moe_route).
-    if type(top_k_index) in _PLAIN and top_k_index.is_cpu and top_k_index.numel() and not torch.compiler.is_compiling():
-        lo, hi = torch.aminmax(top_k_index)
-        if int(lo) < 0 or int(hi) >= n_experts:
-            bad = int(lo) if int(lo) < 0 else int(hi)
-            raise check.OpArgumentError(
-                op_id, "top_k_index", f"expert index {bad} is out of range [0, {n_experts}) (E = gate_up_proj.shape[0])"
-            )
 
 
 def _key(
@@ -165,13 +124,12 @@ def _key(
     per call by the public function. The guard pins every tensor's whole shape (the flag relates
     them), so a repeat hits without comparing shapes in Python; another T takes the slow path
     once (a memo hit) and gets its own guard."""
-    t, h = hidden.shape
+    h = hidden.shape[1]
     e, two_i, h2 = gate_up_proj.shape
     agree = (
         h2 == h
         and down_proj.shape == (e, h, two_i // 2)
-        and top_k_index.shape[0] == t
-        and top_k_weights.shape == top_k_index.shape
+        and _moe.routing_agrees(hidden, top_k_index, top_k_weights)
         and gate_up_proj.dtype == down_proj.dtype == hidden.dtype
         and hidden.device == top_k_index.device == top_k_weights.device == gate_up_proj.device == down_proj.device
     )
@@ -228,9 +186,7 @@ def flops(
 ) -> int:
     """Matmul FLOPs of the routed work: per token-expert pair 2·H·2I (gate/up) + 2·I·H (down), so
     6·S·H·I forward (S = T·k pairs); the backward's dX and dW GEMMs double it: 18·S·H·I fwd+bwd."""
-    s = top_k_index.numel()
-    h, i = hidden.shape[-1], gate_up_proj.shape[1] // 2
-    return (18 if backward else 6) * s * h * i
+    return _moe.routed_flops(top_k_index, hidden.shape[-1], gate_up_proj.shape[1] // 2, backward)
 
 
 def bytes_moved(
@@ -245,10 +201,7 @@ def bytes_moved(
     """Fewest bytes: read hidden and the projections, write the output; the backward reads them
     again with the cotangent and writes dX and both dW. The op is matmul-bound (rate it by
     ``flops``: 6·S·H·I forward, 18·S·H·I fwd+bwd), not by these bytes."""
-    acts = hidden.numel() * hidden.element_size()
-    params = gate_up_proj.numel() * gate_up_proj.element_size() + down_proj.numel() * down_proj.element_size()
-    fwd = 2 * acts + params
-    return fwd + 3 * acts + 2 * params if backward else fwd
+    return _moe.routed_bytes(hidden, (gate_up_proj, down_proj), backward)
 
 
 # -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
@@ -282,18 +235,12 @@ def error_model(
     t, h = hidden.shape
     k = top_k_index.shape[1]
     inter = gate_up_proj.shape[1] // 2
-
-    def gam(n: int) -> float:
-        return SUM_LAMBDA * max(n, 1) ** 0.5
-
+    gam = _moe.gamma
     # a rounding to the dtype is off by u_d·|v|, or by up to half the smallest subnormal: in
     # units of u_d, |v| + tr
-    tr = TINY[dt] / UNIT_ROUNDOFF[dt] if dt in TINY else 0.0
-    x = hidden.detach().double()
-    w = top_k_weights.detach().double().reshape(-1)
+    tr = _moe.subnormal_units(dt)
+    x, w, expert, token = _moe.pairs(hidden, top_k_index, top_k_weights)
     wgu, wd = gate_up_proj.detach().double(), down_proj.detach().double()
-    expert = top_k_index.reshape(-1)
-    token = torch.arange(t, device=x.device).repeat_interleave(k)
     z = dict(device=x.device, dtype=torch.float64)
     # (u32 part, u_d part) of each bound, elementwise; out and dx per pair, summed over k below
     out_c, out_d = torch.zeros(t * k, h, **z), torch.zeros(t * k, h, **z)
@@ -301,8 +248,7 @@ def error_model(
     dw_c, dw_d = torch.zeros(t * k, **z), torch.zeros(t * k, **z)
     dgu_c, dgu_d = torch.zeros_like(wgu), torch.zeros_like(wgu)
     dd_c, dd_d = torch.zeros_like(wd), torch.zeros_like(wd)
-    for e in torch.unique(expert).tolist():
-        sel = (expert == e).nonzero().squeeze(1)
+    for e, sel in _moe.by_expert(expert):
         tok = token[sel]
         xe, aw = x[tok], w[sel].abs()[:, None]
         ax = xe.abs()
@@ -345,26 +291,7 @@ def error_model(
         dd_c[e] = (gam(n_e) * hw + (aw * in_c).sum(0))[None, :]
         dd_d[e] = ((aw * in_d).sum(0) + 2 * hw + 2 * n_e * tr)[None, :]  # + w·act(g)·u rounded
 
-    def model(c: torch.Tensor, d: torch.Tensor) -> ErrorModel:
-        cmax = c.max().item() if c.numel() else 0.0
-        dmax = d.max().item() if d.numel() else 0.0
-        return ErrorModel(ops=2, cancel=cmax, rounds_abs=dmax, scale=1.0, inter=dt)
-
-    def tokens(pairs: torch.Tensor) -> torch.Tensor:  # a token's bound: the sum over its k pairs
-        return pairs.view(t, k, h).sum(1)
-
-    return Bounds(
-        outputs=(model(tokens(out_c), tokens(out_d)),),
-        grads={0: model(tokens(dx_c), tokens(dx_d)), 2: model(dw_c, dw_d), 3: model(dgu_c, dgu_d), 4: model(dd_c, dd_d)},
-    )
-
-
-def _routing(t: int, k: int, n_experts: int, device: torch.device | str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """A router's output: k distinct experts per token (random), positive weights summing to 1."""
-    logits = torch.randn(t, n_experts, device=device)
-    index = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]
-    weights = torch.softmax(logits, -1).gather(-1, index)
-    return index, (weights / weights.sum(-1, keepdim=True)).to(dtype)
+    return _moe.bounds(top_k_index, dt, (out_c, out_d), (dx_c, dx_d), (dw_c, dw_d), ((dgu_c, dgu_d), (dd_c, dd_d)))
 
 
 def _projections(n_experts: int, h: int, inter: int, device: torch.device | str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -377,54 +304,32 @@ def _projections(n_experts: int, h: int, inter: int, device: torch.device | str,
 def example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, requires_grad: bool = False) -> Case:
     """``shape`` = (T, H, I, E, k), trailing sizes optional (I = H, E = 4, k = 2): random tokens,
     a softmax top-k routing, random experts."""
-    t, h, inter, n_experts, k = (*shape, *(shape[1], 4, 2)[len(shape) - 2 :])
-    hidden = torch.randn(t, h, device=device).to(dtype)
-    index, weights = _routing(t, k, n_experts, device, dtype)
-    gate_up, down = _projections(n_experts, h, inter, device, dtype)
-    tensors = [a.requires_grad_(requires_grad) for a in (hidden, weights, gate_up, down)]
-    return Case(f"T{t},H{h},I{inter},E{n_experts},k{k}", (tensors[0], index, tensors[1], tensors[2], tensors[3]))
+    return _moe.example(shape, dtype, device, requires_grad, _projections)
 
 
 def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -> list[Case]:
     """Awkward routings and layouts, sized for the CPU interpreter unless ``large``."""
 
     def case(label: str, t: int, h: int, inter: int, n_experts: int, k: int, index: torch.Tensor | None = None, **kw: object) -> Case:
-        hidden = torch.randn(t, h, device=device).to(dtype)
-        if index is None:
-            index, weights = _routing(t, k, n_experts, device, dtype)
-        else:  # a given routing: positive weights summing to 1
-            weights = torch.rand(t, k, device=device) + 0.1
-            weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
+        hidden, index, weights = _moe.routed(t, h, n_experts, k, index, device, dtype)
         gate_up, down = _projections(n_experts, h, inter, device, dtype)
-        args = (hidden.requires_grad_(), index.to(device), weights.requires_grad_(), gate_up.requires_grad_(), down.requires_grad_())
+        args = (hidden.requires_grad_(), index, weights.requires_grad_(), gate_up.requires_grad_(), down.requires_grad_())
         return Case(label, args, dict(kw))
-
-    def skewed(t: int, n_experts: int, hot: int, share: float) -> torch.Tensor:
-        """k = 1: ``share`` of the tokens go to expert ``hot``, the rest anywhere."""
-        index = torch.randint(0, n_experts, (t, 1))
-        index[: round(share * t)] = hot
-        return index[torch.randperm(t)]
 
     base = (13, 24, 40, 5, 2)
     out = [
         case("13x24x40-E5-k2", *base),
         case("13x24x40-E5-k2-gelu", *base, activation="gelu"),
         case("13x24x40-E5-k2-gelu_tanh", *base, activation="gelu_tanh"),
-        case("1x24x40-E5-k1", 1, 24, 40, 5, 1),
-        case("0x24x40-E5-k2", 0, 24, 40, 5, 2),
         case("6x16x24-E1-k1", 6, 16, 24, 1, 1),
-        case("5x16x24-E1-k2-twice", 5, 16, 24, 1, 2, index=torch.zeros(5, 2, dtype=torch.long)),  # both slots: expert 0
-        case("12x24x40-E8-k2-empty-experts", 12, 24, 40, 8, 2, index=torch.stack([torch.full((12,), 1), torch.full((12,), 6)], 1)),
-        case("20x24x40-E5-k1-skew90", 20, 24, 40, 5, 1, index=skewed(20, 5, 3, 0.9)),
+        *(case(*spec) for spec in _moe.awkward_routings()),
         case("9x17x23-E3-k2-odd", 9, 17, 23, 3, 2),
+        _moe.int32_fp32_weights(case("13x24x40-E5-k2-int32-fp32weights", *base)),
     ]
-    c = case("13x24x40-E5-k2-int32-fp32weights", *base)
-    hidden, index, weights, gate_up, down = c.args
-    out.append(Case(c.label, (hidden, index.int(), weights.detach().float().requires_grad_(), gate_up, down)))
     # strided: hidden a column slice, the index and weights every other column, gate_up transposed
     t, h, inter, n_experts, k = 7, 24, 40, 5, 2
     wide = torch.randn(t, 2 * h, device=device).to(dtype)[:, ::2].requires_grad_()
-    routed, weights = _routing(t, 2 * k, n_experts, device, dtype)
+    routed, weights = _moe.routing(t, 2 * k, n_experts, device, dtype)
     gate_up, down = _projections(n_experts, h, inter, device, dtype)
     gate_up_t = gate_up.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
     out.append(Case("7x24x40-E5-k2-strided", (wide, routed[:, ::2], weights[:, ::2].requires_grad_(), gate_up_t, down.requires_grad_())))
@@ -435,8 +340,7 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
         out += [
             case("2048x2048x768-E128-k8", 2048, 2048, 768, 128, 8),
             case("1024x4096x14336-E8-k2", 1024, 4096, 14336, 8, 2),
-            case("4096x1024x512-E16-k1-skew90", 4096, 1024, 512, 16, 1, index=skewed(4096, 16, 5, 0.9)),
-            case("1031x1000x700-E9-k3-odd", 1031, 1000, 700, 9, 3),
+            *(case(*spec) for spec in _moe.large_routings()),
         ]
     return out
 
@@ -467,11 +371,6 @@ IMPLS = impls(
 )
 
 
-def outputs(hidden: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
-    """The reference's output shape and dtype, without running it (the first-call check)."""
-    return ((hidden.shape, hidden.dtype),)
-
-
 _op = Op(
     OP_ID,
     fields=(
@@ -492,18 +391,13 @@ _op = Op(
     default_key=lambda device, dtype: (device, dtype, False, None, None, None, None, "silu", torch.int64, dtype, True),
     validate=validate,
     reference=reference,
-    outputs=outputs,
     error_model=error_model,
-    dtypes=(torch.float32, torch.bfloat16, torch.float16),
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
-    # ours: the reference (what "decompose" would trace) runs every expert on every token, E/k
-    # times the routed work; the compiled backward recomputes the forward (no split yet)
-    compile_mode="ours",
-    # tokens are independent: hidden, the index and the weights sharded alike on the token dim,
-    # the projections replicated (their gradients are then partial sums over the shards)
-    dtensor_layout=Layout(ROWS, rows_with(1, 2), (0,)),
+    # outputs, dtypes, compile_mode "ours" (the compiled backward recomputes the forward: no
+    # split yet) and the DTensor layout: the MoE ops' shared facts
+    **_moe.DECLARATION,
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

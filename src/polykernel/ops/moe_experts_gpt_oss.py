@@ -33,10 +33,9 @@ from ..backends.declare import impls
 from ..backends.torch import TORCH
 from ..backends.triton import TRITON
 from ..core.hit_guard import SHAPE
-from ..core.op import SUM_LAMBDA, TINY, UNIT_ROUNDOFF, Bounds, Case, ErrorModel, Op
-from ..distributed.layout import ROWS, Layout, rows_with
+from ..core.op import Bounds, Case, Op
 from . import _checks as check
-from .moe_experts import _routing, check_routing
+from . import _moe
 
 OP_ID = "moe.moe_experts_gpt_oss"
 ALPHA, LIMIT = 1.702, 7.0  # gpt-oss's swiglu_alpha and swiglu_limit
@@ -91,11 +90,7 @@ def validate(
     limit: float,
 ) -> None:
     """Every check, before any kernel; on the CPU also the index values."""
-    check.tensor(OP_ID, "hidden", hidden)
-    check.floating(OP_ID, "hidden", hidden)
-    if hidden.dim() != 2:
-        raise check.OpArgumentError(OP_ID, "hidden", f"expected [T, H] (tokens, hidden size), got shape {tuple(hidden.shape)}")
-    h = hidden.shape[1]
+    h = _moe.check_hidden(OP_ID, hidden)
     check.tensor(OP_ID, "gate_up_proj", gate_up_proj)
     check.floating(OP_ID, "gate_up_proj", gate_up_proj)
     if (
@@ -125,14 +120,8 @@ def validate(
                 name,
                 f"expected {expected[name]} to match gate_up_proj {tuple(gate_up_proj.shape)} and hidden, got {tuple(tensor.shape)}",
             )
-    for name, tensor in (
-        ("gate_up_proj", gate_up_proj),
-        *((n, t) for n, t in zip(expected, (gate_up_proj_bias, down_proj, down_proj_bias))),
-    ):
-        if tensor.dtype != hidden.dtype:
-            raise check.OpTypeError(OP_ID, name, f"expected hidden's dtype {hidden.dtype}, got {tensor.dtype}")
-        check.same_device(OP_ID, name, tensor, "hidden", hidden)
-    check_routing(OP_ID, hidden, top_k_index, top_k_weights, n_experts)
+    _moe.check_like_hidden(OP_ID, hidden, (("gate_up_proj", gate_up_proj), *zip(expected, (gate_up_proj_bias, down_proj, down_proj_bias))))
+    _moe.check_routing(OP_ID, hidden, top_k_index, top_k_weights, n_experts)
     check.finite_float(OP_ID, "alpha", alpha)
     check.positive_float(OP_ID, "limit", limit)
     if math.isinf(float(limit)):
@@ -153,7 +142,7 @@ def _key(
     """The argument class: the sizes, dtypes, alpha and limit, and whether every shape, dtype and
     device agrees (one flag), so `validate` runs once per class; the CPU's index values are
     checked per call by the public function. The guard pins every tensor's whole shape."""
-    t, h = hidden.shape
+    h = hidden.shape[1]
     e, h2, two_i = gate_up_proj.shape
     inter = two_i // 2
     tensors = (hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias)
@@ -162,8 +151,7 @@ def _key(
         and gate_up_proj_bias.shape == (e, two_i)
         and down_proj.shape == (e, inter, h)
         and down_proj_bias.shape == (e, h)
-        and top_k_index.shape[0] == t
-        and top_k_weights.shape == top_k_index.shape
+        and _moe.routing_agrees(hidden, top_k_index, top_k_weights)
         and all(p.dtype == hidden.dtype for p in (gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias))
         and all(a.device == hidden.device for a in tensors)
     )
@@ -224,9 +212,7 @@ def flops(
     backward: bool = False,
 ) -> int:
     """Matmul FLOPs of the routed work, as ``moe_experts``: 6·S·H·I forward, 18·S·H·I fwd+bwd."""
-    s = top_k_index.numel()
-    h, i = hidden.shape[-1], gate_up_proj.shape[2] // 2
-    return (18 if backward else 6) * s * h * i
+    return _moe.routed_flops(top_k_index, hidden.shape[-1], gate_up_proj.shape[2] // 2, backward)
 
 
 def bytes_moved(
@@ -241,10 +227,7 @@ def bytes_moved(
     backward: bool = False,
 ) -> int:
     """Fewest bytes, as ``moe_experts`` (plus the biases). Matmul-bound: rate it by ``flops``."""
-    acts = hidden.numel() * hidden.element_size()
-    params = sum(p.numel() * p.element_size() for p in (gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias))
-    fwd = 2 * acts + params
-    return fwd + 3 * acts + 2 * params if backward else fwd
+    return _moe.routed_bytes(hidden, (gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias), backward)
 
 
 # -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
@@ -273,17 +256,11 @@ def error_model(
     k = top_k_index.shape[1]
     inter = gate_up_proj.shape[2] // 2
     a_ = abs(float(alpha))
-
-    def gam(n: int) -> float:
-        return SUM_LAMBDA * max(n, 1) ** 0.5
-
-    tr = TINY[dt] / UNIT_ROUNDOFF[dt] if dt in TINY else 0.0
-    x = hidden.detach().double()
-    w = top_k_weights.detach().double().reshape(-1)
+    gam = _moe.gamma
+    tr = _moe.subnormal_units(dt)
+    x, w, expert, token = _moe.pairs(hidden, top_k_index, top_k_weights)
     w1, b1 = gate_up_proj.detach().double(), gate_up_proj_bias.detach().double()
     w2, b2 = down_proj.detach().double(), down_proj_bias.detach().double()
-    expert = top_k_index.reshape(-1)
-    token = torch.arange(t, device=x.device).repeat_interleave(k)
     z = dict(device=x.device, dtype=torch.float64)
     out_c, out_d = torch.zeros(t * k, h, **z), torch.zeros(t * k, h, **z)
     dx_c, dx_d = torch.zeros(t * k, h, **z), torch.zeros(t * k, h, **z)
@@ -292,8 +269,7 @@ def error_model(
     db1_c, db1_d = torch.zeros_like(b1), torch.zeros_like(b1)
     d2_c, d2_d = torch.zeros_like(w2), torch.zeros_like(w2)
     db2_c, db2_d = torch.zeros_like(b2), torch.zeros_like(b2)
-    for e in torch.unique(expert).tolist():
-        sel = (expert == e).nonzero().squeeze(1)
+    for e, sel in _moe.by_expert(expert):
         xe, aw = x[token[sel]], w[sel].abs()[:, None]
         ax = xe.abs()
         a1, a2 = w1[e].abs(), w2[e].abs()  # [H, 2I], [I, H]
@@ -343,25 +319,8 @@ def error_model(
         d2_c[e] = (gam(n_e) * hw + (aw * in_c).sum(0))[:, None]
         d2_d[e] = ((aw * in_d).sum(0) + 2 * hw + 2 * n_e * tr)[:, None]
 
-    def model(c: torch.Tensor, d: torch.Tensor) -> ErrorModel:
-        cmax = c.max().item() if c.numel() else 0.0
-        dmax = d.max().item() if d.numel() else 0.0
-        return ErrorModel(ops=2, cancel=cmax, rounds_abs=dmax, scale=1.0, inter=dt)
-
-    def tokens(pairs: torch.Tensor) -> torch.Tensor:
-        return pairs.view(t, k, h).sum(1)
-
-    return Bounds(
-        outputs=(model(tokens(out_c), tokens(out_d)),),
-        grads={
-            0: model(tokens(dx_c), tokens(dx_d)),
-            2: model(dw_c, dw_d),
-            3: model(d1_c, d1_d),
-            4: model(db1_c, db1_d),
-            5: model(d2_c, d2_d),
-            6: model(db2_c, db2_d),
-        },
-    )
+    grads = ((d1_c, d1_d), (db1_c, db1_d), (d2_c, d2_d), (db2_c, db2_d))
+    return _moe.bounds(top_k_index, dt, (out_c, out_d), (dx_c, dx_d), (dw_c, dw_d), grads)
 
 
 def _params(n_experts: int, h: int, inter: int, device: torch.device | str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -391,12 +350,7 @@ def _limit_in_a_gap(hidden: torch.Tensor, index: torch.Tensor, params: tuple[tor
 def example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, requires_grad: bool = False) -> Case:
     """``shape`` = (T, H, I, E, k), trailing sizes optional (I = H, E = 4, k = 2): random tokens,
     a softmax top-k routing, random experts and biases; gpt-oss's alpha and limit."""
-    t, h, inter, n_experts, k = (*shape, *(shape[1], 4, 2)[len(shape) - 2 :])
-    hidden = torch.randn(t, h, device=device).to(dtype)
-    index, weights = _routing(t, k, n_experts, device, dtype)
-    params = _params(n_experts, h, inter, device, dtype)
-    tensors = [a.requires_grad_(requires_grad) for a in (hidden, weights, *params)]
-    return Case(f"T{t},H{h},I{inter},E{n_experts},k{k}", (tensors[0], index, tensors[1], *tensors[2:]))
+    return _moe.example(shape, dtype, device, requires_grad, _params)
 
 
 def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -> list[Case]:
@@ -405,13 +359,7 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     def case(
         label: str, t: int, h: int, inter: int, n_experts: int, k: int, index: torch.Tensor | None = None, clamp: bool = False
     ) -> Case:
-        hidden = torch.randn(t, h, device=device).to(dtype)
-        if index is None:
-            index, weights = _routing(t, k, n_experts, device, dtype)
-        else:
-            weights = torch.rand(t, k, device=device) + 0.1
-            weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
-        index = index.to(device)
+        hidden, index, weights = _moe.routed(t, h, n_experts, k, index, device, dtype)
         params = _params(n_experts, h, inter, device, dtype)
         kw = {}
         if clamp and t:
@@ -419,30 +367,18 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
         args = (hidden.requires_grad_(), index, weights.requires_grad_(), *(p.requires_grad_() for p in params))
         return Case(label, args, kw)
 
-    def skewed(t: int, n_experts: int, hot: int, share: float) -> torch.Tensor:
-        index = torch.randint(0, n_experts, (t, 1))
-        index[: round(share * t)] = hot
-        return index[torch.randperm(t)]
-
     base = (13, 24, 40, 5, 2)
     out = [
         case("13x24x40-E5-k2", *base),
         case("13x24x40-E5-k2-clamped", *base, clamp=True),
-        case("1x24x40-E5-k1", 1, 24, 40, 5, 1),
-        case("0x24x40-E5-k2", 0, 24, 40, 5, 2),
-        case("5x16x24-E1-k2-twice", 5, 16, 24, 1, 2, index=torch.zeros(5, 2, dtype=torch.long)),
-        case("12x24x40-E8-k2-empty-experts", 12, 24, 40, 8, 2, index=torch.stack([torch.full((12,), 1), torch.full((12,), 6)], 1)),
-        case("20x24x40-E5-k1-skew90", 20, 24, 40, 5, 1, index=skewed(20, 5, 3, 0.9)),
+        *(case(*spec) for spec in _moe.awkward_routings()),
         case("9x17x23-E3-k2-odd-clamped", 9, 17, 23, 3, 2, clamp=True),
+        _moe.int32_fp32_weights(case("13x24x40-E5-k2-int32-fp32weights", *base)),
     ]
-    c = case("13x24x40-E5-k2-int32-fp32weights", *base)
-    hidden, index, weights, *params = c.args
-    out.append(Case(c.label, (hidden, index.int(), weights.detach().float().requires_grad_(), *params)))
     if large:
         out += [
             case("2048x2880x2880-E32-k4", 2048, 2880, 2880, 32, 4),
-            case("4096x1024x512-E16-k1-skew90", 4096, 1024, 512, 16, 1, index=skewed(4096, 16, 5, 0.9)),
-            case("1031x1000x700-E9-k3-odd", 1031, 1000, 700, 9, 3),
+            *(case(*spec) for spec in _moe.large_routings()),
         ]
     return out
 
@@ -458,11 +394,6 @@ IMPLS = impls(
         description="moe_experts' grouped GEMMs in gpt-oss's layout: strided weights, interleaved columns, biases and the clamped SwiGLU in the epilogues; no atomics",
     ),
 )
-
-
-def outputs(hidden: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
-    """The reference's output shape and dtype, without running it (the first-call check)."""
-    return ((hidden.shape, hidden.dtype),)
 
 
 _op = Op(
@@ -486,17 +417,13 @@ _op = Op(
     default_key=lambda device, dtype: (device, dtype, False, None, None, None, None, ALPHA, LIMIT, torch.int64, dtype, True),
     validate=validate,
     reference=reference,
-    outputs=outputs,
     error_model=error_model,
-    dtypes=(torch.float32, torch.bfloat16, torch.float16),
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
     impls=IMPLS,
-    # ours: the reference runs every expert on every token (E/k times the routed work)
-    compile_mode="ours",
-    # tokens are independent: hidden, the index and the weights sharded alike on the token dim,
-    # the projections and biases replicated
-    dtensor_layout=Layout(ROWS, rows_with(1, 2), (0,)),
+    # outputs, dtypes, compile_mode "ours" and the DTensor layout (the biases replicated with
+    # the projections): the MoE ops' shared facts
+    **_moe.DECLARATION,
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

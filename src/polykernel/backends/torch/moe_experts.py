@@ -19,6 +19,7 @@ sum: no atomics), one rounding at the end. autograd differentiates it all.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,11 @@ def capturing(t: torch.Tensor) -> bool:
 
 def grouped_mm_refusal(hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> str | None:
     """Why this call's GEMMs cannot use ``torch._grouped_mm`` (None: they do)."""
+    return refusal(hidden, down_proj.shape[2], gate_up_proj, down_proj)
+
+
+def refusal(hidden: torch.Tensor, inter: int, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> str | None:
+    """``grouped_mm_refusal`` for projections of any layout, given I (shared with gpt-oss's)."""
     if _compat.grouped_mm is None:
         return f"no torch._grouped_mm here ({_compat.fallbacks().get('grouped_mm', 'missing')})"
     if hidden.dtype == torch.float64:
@@ -65,7 +71,7 @@ def grouped_mm_refusal(hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_pr
     if torch.are_deterministic_algorithms_enabled():
         return "deterministic mode: torch._grouped_mm makes no determinism promise"
     elt = hidden.element_size()
-    if (hidden.shape[1] * elt) % 16 or (down_proj.shape[2] * elt) % 16:
+    if (hidden.shape[1] * elt) % 16 or (inter * elt) % 16:
         return "torch._grouped_mm needs H and I to be multiples of 16 bytes (its strides)"
     if not (gate_up_proj.is_contiguous() and down_proj.is_contiguous()) or (gate_up_proj.data_ptr() | down_proj.data_ptr()) % 16:
         return "torch._grouped_mm needs contiguous, 16-byte aligned projections"
@@ -86,6 +92,41 @@ def _looped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> tor
     return torch.cat(parts) if parts else F.linear(x, weight[0])  # no pairs: an empty product, in the graph
 
 
+def plain(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether the sorted path may take these arguments. Not under functorch transforms, not for
+    meta tensors (no values to sort), nor tensor subclasses, whose values a host read (the loop's
+    offsets) may not reach: the reference's plain torch ops take them all."""
+    return not (_transforms_active() or tensors[0].is_meta or not all(type(a) in _PLAIN for a in tensors))
+
+
+def sorted_experts(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    n_experts: int,
+    grouped: bool,
+    experts: Callable[[torch.Tensor, Callable[[torch.Tensor, torch.Tensor], torch.Tensor], torch.Tensor, torch.dtype], torch.Tensor],
+    op_id: str = route.OP_ID,
+) -> torch.Tensor:
+    """The skeleton: the pairs sorted by expert, their rows of hidden gathered (``x [S, H]``),
+    ``experts(x, gemm, perm, acc)`` -> each pair's unweighted output ``[S, H]`` in the fp32 (or
+    fp64) ``acc``, with ``gemm(a, weight)`` = ``a[rows of e] @ weight[e].T`` per expert (grouped
+    or looped); then the routing weights and the sum over each token's k pairs (a gather back to
+    token order and a sum: no atomics), one rounding at the end."""
+    gemm = _grouped if grouped else _looped
+    t, h = hidden.shape
+    k = top_k_index.shape[1]
+    perm, offsets = route.sort_by_expert(top_k_index, n_experts, op_id=op_id)
+    x = hidden.index_select(0, perm // k)  # [S, H], pairs by expert
+    if grouped:
+        x = x.contiguous()
+    acc = torch.promote_types(torch.promote_types(hidden.dtype, top_k_weights.dtype), torch.float32)
+    y = experts(x, lambda a, weight: gemm(a, weight, offsets), perm, acc)
+    weighted = y * top_k_weights.reshape(-1).index_select(0, perm).to(acc)[:, None]
+    out = weighted.index_select(0, route.inverse(perm)).view(t, k, h).sum(1)  # back to token order, Σ over k
+    return out.to(hidden.dtype)
+
+
 def moe_experts(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -96,24 +137,15 @@ def moe_experts(
 ) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.moe_experts``)."""
     args = (hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
-    # functorch transforms; meta tensors (no values to sort); tensor subclasses, whose values a
-    # host read (the loop's offsets) may not reach: the reference's plain torch ops take them all
-    if _transforms_active() or hidden.is_meta or not all(type(a) in _PLAIN for a in args[:5]):
+    if not plain(args[:5]):
         return reference(*args)
-    refusal = grouped_mm_refusal(hidden, gate_up_proj, down_proj)
-    if refusal is not None and capturing(hidden):  # the loop's host sync is impossible
+    why = grouped_mm_refusal(hidden, gate_up_proj, down_proj)
+    if why is not None and capturing(hidden):  # the loop's host sync is impossible
         return reference(*args)
-    gemm = _grouped if refusal is None else _looped
-    t, h = hidden.shape
-    k = top_k_index.shape[1]
-    perm, offsets = route.sort_by_expert(top_k_index, gate_up_proj.shape[0])
-    x = hidden.index_select(0, perm // k)  # [S, H], pairs by expert
-    if refusal is None:
-        x = x.contiguous()
-    acc = torch.promote_types(torch.promote_types(hidden.dtype, top_k_weights.dtype), torch.float32)
-    gate, up = gemm(x, gate_up_proj, offsets).to(acc).chunk(2, dim=-1)
-    inner = (activate(gate, activation) * up).to(hidden.dtype)
-    y = gemm(inner, down_proj, offsets)  # [S, H]
-    weighted = y.to(acc) * top_k_weights.reshape(-1).index_select(0, perm).to(acc)[:, None]
-    out = weighted.index_select(0, route.inverse(perm)).view(t, k, h).sum(1)  # back to token order, Σ over k
-    return out.to(hidden.dtype)
+
+    def experts(x: torch.Tensor, gemm: Callable, perm: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+        gate, up = gemm(x, gate_up_proj).to(acc).chunk(2, dim=-1)
+        inner = (activate(gate, activation) * up).to(hidden.dtype)
+        return gemm(inner, down_proj).to(acc)
+
+    return sorted_experts(hidden, top_k_index, top_k_weights, gate_up_proj.shape[0], why is None, experts)
