@@ -83,6 +83,46 @@ def refuse(
     return tuple(out[: len(grads)])
 
 
+def refusing(fn: type[torch.autograd.Function], op: str, impl: str, inputs: Sequence[int], kept: bool = True) -> Any:
+    """A subclass of a peer's autograd Function ``fn`` (Liger's: not ours, their backward builds
+    no graph) whose gradients :func:`refuse` to be differentiated under create_graph: second
+    derivatives then raise, naming ``op`` and ``impl``, where they silently read zeros.
+
+    The same forward and first-order results; it costs one attribute store in the forward and one
+    flag read in the backward (a separate identity Function per call costs ~10x more).
+    ``inputs``: the positions of the differentiable inputs; ``kept``: whether the peer keeps them
+    for its backward anyway (then they are held as they are, else by :func:`anchor`, which keeps
+    none of their memory; held until the first backward).
+    """
+    why = f'{impl}\'s autograd Function builds no graph in its backward; use impl="torch"'
+    base_forward, base_backward = fn.forward, fn.backward
+
+    def forward(ctx: Any, *args: Any) -> Any:
+        if kept:
+            ctx.pk_anchors = tuple(args[i] for i in inputs)
+        else:
+            with torch.enable_grad():
+                ctx.pk_anchors = tuple(anchor(args[i]) if isinstance(args[i], torch.Tensor) else None for i in inputs)
+        return base_forward(ctx, *args)
+
+    def backward(ctx: Any, *grads: Any) -> Any:
+        out = base_backward(ctx, *grads)
+        anchors, ctx.pk_anchors = ctx.pk_anchors, None
+        if not torch.is_grad_enabled():
+            return out
+        if anchors is None:  # a second backward through a retained graph: the handles are gone
+            raise RuntimeError(f"{op} [{impl}]: double backward (create_graph=True) is not supported: {why}")
+        outs = list(out) if isinstance(out, tuple) else [out]
+        at = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor)]
+        handles = [a if isinstance(a, torch.Tensor) and a.requires_grad else None for a in anchors]
+        handles += [g for g in grads if isinstance(g, torch.Tensor) and g.requires_grad]  # d/d(cotangent) raises too
+        for i, g in zip(at, refuse(op, impl, why, handles, *[outs[i] for i in at])):
+            outs[i] = g
+        return tuple(outs) if isinstance(out, tuple) else outs[0]
+
+    return type(fn)(f"{fn.__name__}Refusing", (fn,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
 # ---------------------------------------------------------------------------------------------
 # The ops' gradient formulas for a create_graph backward (shared by the Python Functions and the
 # native path): each takes the Function's inputs (with their graph), options and cotangents.
