@@ -78,6 +78,11 @@ def _cases():
             lambda impl, x: pk.layer_norm(x, impl=impl),
             lambda x: ln_op.reference(x),
         ),
+        "layer_norm-bias-only": (
+            lambda dt: ((_rows(5, 8, dtype=dt), _rows(8, dtype=dt)), ()),
+            lambda impl, x, b: pk.layer_norm(x, None, b, impl=impl),
+            lambda x, b: ln_op.reference(x, None, b),
+        ),
         "fused_add_rms_norm": (
             lambda dt: ((_rows(2, 3, 8, dtype=dt), _rows(2, 3, 8, dtype=dt), (1 + 0.2 * torch.randn(8, dtype=dt)).requires_grad_()), ()),
             lambda impl, x, r, w: pk.fused_add_rms_norm(x, r, w, offset=1.0, impl=impl),
@@ -502,10 +507,33 @@ def test_second_order_matches_reference_cuda(name, monkeypatch):
     from polykernel.backends.triton import _native
 
     monkeypatch.setattr(_native, "ENABLED", False)  # the Python Functions (the C++ nodes: below)
+    if (_op_of(name), "triton") in REFUSED:
+        pytest.skip("refuses double backward: test_distill_double_backward_raises")
     make, f, ref = CASES[name]
     tensors, fixed = make(torch.float32)
     tensors, fixed = _cuda(tensors), _cuda(fixed)
     got_g, got_2 = _second_order(lambda *ts: f("triton", *ts, *fixed), tensors)
+    want_g, want_2 = _second_order(lambda *ts: ref(*ts, *fixed), tensors)
+    for got, want in zip(got_g + got_2, want_g + want_2):
+        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cute_dsl", "cutile"])
+@pytest.mark.parametrize("name", [n for n in CASES if _op_of(n) in ("rms_norm", "layer_norm", "softmax", "cross_entropy")])
+def test_second_order_matches_reference_cuda_other_backends(name, impl):
+    """The CuTeDSL and cuTile Functions: their create_graph backward differentiates the torch formula."""
+    from polykernel.errors import ImplNotAvailableError
+
+    if impl not in runnable_impls(_op_of(name), "cuda", torch.float32):
+        pytest.skip(f"{impl} not runnable here")
+    make, f, ref = CASES[name]
+    tensors, fixed = make(torch.float32)
+    tensors, fixed = _cuda(tensors), _cuda(fixed)
+    try:
+        got_g, got_2 = _second_order(lambda *ts: f(impl, *ts, *fixed), tensors)
+    except ImplNotAvailableError as exc:  # this case's shapes (the impl's predicate)
+        pytest.skip(str(exc))
     want_g, want_2 = _second_order(lambda *ts: ref(*ts, *fixed), tensors)
     for got, want in zip(got_g + got_2, want_g + want_2):
         torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-5)
