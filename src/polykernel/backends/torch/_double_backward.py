@@ -61,7 +61,8 @@ def anchor(t: torch.Tensor | None) -> torch.Tensor | None:
     Run it with grad mode on (a Function's forward: under ``torch.enable_grad()``)."""
     if t is None or not t.requires_grad:
         return None
-    return t if t.grad_fn is None else t.narrow(0, 0, 0).clone()  # slice and clone save no tensor
+    # one op (~1 us; a slice and a clone cost twice that), and it saves no tensor
+    return t if t.grad_fn is None else torch.narrow_copy(t if t.dim() else t.view(1), 0, 0, 0)
 
 
 def refuse(
@@ -89,10 +90,11 @@ def refusing(fn: type[torch.autograd.Function], op: str, impl: str, inputs: Sequ
     derivatives then raise, naming ``op`` and ``impl``, where they silently read zeros.
 
     The same forward and first-order results; it costs one attribute store in the forward and one
-    flag read in the backward (a separate identity Function per call costs ~10x more).
-    ``inputs``: the positions of the differentiable inputs; ``kept``: whether the peer keeps them
-    for its backward anyway (then they are held as they are, else by :func:`anchor`, which keeps
-    none of their memory; held until the first backward).
+    flag read in the backward (~1 us on the 2-core dev CPU; an identity Function around each call
+    costs ~10x more): ``benchmarks/host/peer_refusing.py``. ``inputs``: the positions of the
+    differentiable inputs (tensors or None); ``kept``: whether the peer keeps them for its backward
+    anyway (then they are held as they are, else by :func:`anchor`, which keeps none of their
+    memory but costs a graph op per non-leaf input); held until the first backward.
     """
     why = f'{impl}\'s autograd Function builds no graph in its backward; use impl="torch"'
     base_forward, base_backward = fn.forward, fn.backward
@@ -102,7 +104,7 @@ def refusing(fn: type[torch.autograd.Function], op: str, impl: str, inputs: Sequ
             ctx.pk_anchors = tuple(args[i] for i in inputs)
         else:
             with torch.enable_grad():
-                ctx.pk_anchors = tuple(anchor(args[i]) if isinstance(args[i], torch.Tensor) else None for i in inputs)
+                ctx.pk_anchors = [anchor(args[i]) for i in inputs]
         return base_forward(ctx, *args)
 
     def backward(ctx: Any, *grads: Any) -> Any:
