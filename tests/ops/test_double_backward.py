@@ -16,6 +16,8 @@ from polykernel.ops import dyt as dyt_op
 from polykernel.ops import fused_add_rms_norm as add_rms_op
 from polykernel.ops import geglu as geglu_op
 from polykernel.ops import group_norm as gn_op
+from polykernel.ops import jsd as jsd_op
+from polykernel.ops import kl_div as kl_op
 from polykernel.ops import layer_norm as ln_op
 from polykernel.ops import poly_norm as poly_op
 from polykernel.ops import relu_squared as relu2_op
@@ -24,6 +26,7 @@ from polykernel.ops import rope as rope_op
 from polykernel.ops import softmax as softmax_op
 from polykernel.ops import sparsemax as sparsemax_op
 from polykernel.ops import swiglu as swiglu_op
+from polykernel.ops import tvd as tvd_op
 from polykernel.ops.cross_entropy import reference as ce_reference
 from polykernel.testing import runnable_impls
 
@@ -48,6 +51,12 @@ def _cases():
         ang = torch.randn(1, 3, 4, dtype=dtype)
         return (torch.cos(ang).repeat(1, 1, 2), torch.sin(ang).repeat(1, 1, 2))
 
+    def logp(*shape, dtype):
+        return torch.randn(*shape, dtype=dtype).log_softmax(-1).requires_grad_()
+
+    def probs(*shape, dtype):
+        return torch.randn(*shape, dtype=dtype).softmax(-1)
+
     return {
         "rms_norm": (
             lambda dt: ((_rows(2, 3, 8, dtype=dt), (1 + 0.2 * torch.randn(8, dtype=dt)).requires_grad_()), ()),
@@ -68,6 +77,11 @@ def _cases():
             lambda dt: ((_rows(5, 8, dtype=dt),), ()),
             lambda impl, x: pk.layer_norm(x, impl=impl),
             lambda x: ln_op.reference(x),
+        ),
+        "layer_norm-bias-only": (
+            lambda dt: ((_rows(5, 8, dtype=dt), _rows(8, dtype=dt)), ()),
+            lambda impl, x, b: pk.layer_norm(x, None, b, impl=impl),
+            lambda x, b: ln_op.reference(x, None, b),
         ),
         "fused_add_rms_norm": (
             lambda dt: ((_rows(2, 3, 8, dtype=dt), _rows(2, 3, 8, dtype=dt), (1 + 0.2 * torch.randn(8, dtype=dt)).requires_grad_()), ()),
@@ -157,6 +171,47 @@ def _cases():
             lambda impl, x: pk.sparsemax(x, 0, impl=impl),
             lambda x: sparsemax_op.reference(x, 0),
         ),
+        # the distillation losses (the Triton JSD refuses: test_distill_double_backward_raises)
+        "jsd": (
+            lambda dt: ((logp(2, 3, 7, dtype=dt),), (logp(2, 3, 7, dtype=dt).detach(), _target(7, 2, 3))),
+            lambda impl, s, t, lab: pk.jsd(s, t, lab, beta=0.3, impl=impl),
+            lambda s, t, lab: jsd_op.reference(s, t, lab, 0.3),
+        ),
+        "jsd-beta1": (
+            lambda dt: ((logp(4, 6, dtype=dt),), (logp(4, 6, dtype=dt).detach(),)),
+            lambda impl, s, t: pk.jsd(s, t, beta=1.0, impl=impl),
+            lambda s, t: jsd_op.reference(s, t, None, 1.0),
+        ),
+        "tvd": (
+            lambda dt: ((probs(2, 3, 7, dtype=dt).requires_grad_(),), (probs(2, 3, 7, dtype=dt), _target(7, 2, 3))),
+            lambda impl, p, q, lab: pk.tvd(p, q, lab, impl=impl),
+            lambda p, q, lab: tvd_op.reference(p, q, lab),
+        ),
+        "tvd-none-q-grad": (
+            lambda dt: ((probs(4, 7, dtype=dt).requires_grad_(), probs(4, 7, dtype=dt).requires_grad_()), (_target(7, 4),)),
+            lambda impl, p, q, lab: pk.tvd(p, q, lab, reduction="none", impl=impl),
+            lambda p, q, lab: tvd_op.reference(p, q, lab, "none"),
+        ),
+        "kl_div": (
+            lambda dt: ((logp(2, 3, 7, dtype=dt),), (probs(2, 3, 7, dtype=dt),)),
+            lambda impl, x, t: pk.kl_div(x, t, impl=impl),
+            lambda x, t: kl_op.reference(x, t),
+        ),
+        "kl_div-none-log": (
+            lambda dt: ((logp(4, 7, dtype=dt),), (logp(4, 7, dtype=dt).detach(),)),
+            lambda impl, x, t: pk.kl_div(x, t, reduction="none", log_target=True, impl=impl),
+            lambda x, t: kl_op.reference(x, t, "none", True),
+        ),
+        "kl_div-log-target-grad": (
+            lambda dt: ((logp(2, 3, 7, dtype=dt), logp(2, 3, 7, dtype=dt)), ()),
+            lambda impl, x, t: pk.kl_div(x, t, reduction="sum", log_target=True, impl=impl),
+            lambda x, t: kl_op.reference(x, t, "sum", True),
+        ),
+        "kl_div-none-target-grad": (
+            lambda dt: ((logp(4, 7, dtype=dt), probs(4, 7, dtype=dt).requires_grad_()), ()),
+            lambda impl, x, t: pk.kl_div(x, t, reduction="none", impl=impl),
+            lambda x, t: kl_op.reference(x, t, "none"),
+        ),
     }
 
 
@@ -167,12 +222,22 @@ def _op_of(name):
     return name.split("-")[0]
 
 
+# (op, impl) that refuse double backward rather than support it (tested below)
+REFUSED = {("jsd", "triton")}
+# a scalar loss whose plain backward consumes the gradients made in the forward (a second
+# plain backward through a retained graph raises); their first order: the op's own tests
+GRAD_IN_FORWARD = {"jsd", "jsd-beta1", "tvd", "kl_div", "kl_div-log-target-grad"}
+# second derivatives in the inputs are 0 (linear or piecewise linear), in the cotangents not
+LINEAR = ("rope", "sparsemax", "tvd", "kl_div")
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_torch_impls_gradgradcheck_float64(name):
     make, f, _ = CASES[name]
     tensors, fixed = make(torch.float64)
     fn = lambda *ts: f("torch", *ts, *fixed)
-    assert torch.autograd.gradcheck(fn, tensors)
+    if name not in GRAD_IN_FORWARD:  # gradcheck runs the plain backward twice (retain_graph)
+        assert torch.autograd.gradcheck(fn, tensors)
     assert torch.autograd.gradgradcheck(fn, tensors)
 
 
@@ -194,6 +259,8 @@ def _second_order(fn, tensors, seed=0):
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_second_order_matches_reference(impl, name):
     _need(_op_of(name), impl)
+    if (_op_of(name), impl) in REFUSED:
+        pytest.skip("refuses double backward: test_distill_double_backward_raises")
     make, f, ref = CASES[name]
     tensors, fixed = make(torch.float32)
     got_g, got_2 = _second_order(lambda *ts: f(impl, *ts, *fixed), tensors)
@@ -201,7 +268,8 @@ def test_second_order_matches_reference(impl, name):
     for got, want in zip(got_g + got_2, want_g + want_2):
         torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-5)
     # not all zeros, but where the op is (piecewise) linear in its inputs: rope, sparsemax
-    assert any(bool(s.abs().sum() > 0) for s in got_2[: len(tensors)]) or _op_of(name) in ("rope", "sparsemax")
+    assert any(bool(s.abs().sum() > 0) for s in got_2[: len(tensors)]) or _op_of(name) in LINEAR
+    assert any(bool(s.abs().sum() > 0) for s in got_2[len(tensors) :])  # d/d(cotangent)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
@@ -259,6 +327,105 @@ def test_triton_cross_entropy_grad_in_forward_double_backward_raises(monkeypatch
     z, t = torch.randn(4, 5), torch.tensor([0, 3, -100, 4])
     with pytest.raises(RuntimeError, match=r"loss\.cross_entropy \[triton\]: double backward .* use impl=\"torch\""):
         torch.autograd.functional.hessian(lambda a: pk.cross_entropy(a, t, impl="triton"), z)
+
+
+def _raises_naming(op_id, impl, fn):
+    with pytest.raises(RuntimeError, match=rf"{op_id} \[{impl}\]: double backward \(create_graph=True\) is not supported"):
+        fn()
+
+
+def test_distill_double_backward_raises():
+    # The Triton JSD keeps no inputs (its gradient is made in the forward): a Hessian, and a
+    # derivative in the cotangent, raise naming the op and impl, where they read zeros before.
+    _need("jsd", "triton")
+    s, t = torch.randn(3, 7).log_softmax(-1), torch.randn(3, 7).log_softmax(-1)
+    _raises_naming("loss.jsd", "triton", lambda: torch.autograd.functional.hessian(lambda a: pk.jsd(a, t, impl="triton"), s))
+    a = s.clone().requires_grad_()
+    dy = torch.ones((), requires_grad=True)
+    (g,) = torch.autograd.grad(pk.jsd(a, t, impl="triton"), a, dy, create_graph=True)
+    torch.testing.assert_close(g.detach(), torch.autograd.grad(pk.jsd(a, t, impl="triton"), a)[0])  # first order unchanged
+    _raises_naming("loss.jsd", "triton", lambda: torch.autograd.grad(g.sum(), dy))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_fused_linear_jsd_double_backward_raises(impl):
+    _need("fused_linear_jsd", impl)
+    h, w = torch.randn(5, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True)
+    ht, wt = torch.randn(5, 8), torch.randn(11, 8)
+    lab = _target(11, 5)
+
+    def loss(a, b):
+        return pk.fused_linear_jsd(a, b, ht, wt, lab, impl=impl)
+
+    _raises_naming("loss.fused_linear_jsd", impl, lambda: torch.autograd.functional.hessian(lambda a: loss(a, w), h))
+    _raises_naming("loss.fused_linear_jsd", impl, lambda: torch.autograd.functional.hessian(lambda b: loss(h, b), w))
+    plain = torch.autograd.grad(loss(h, w), (h, w))
+    graph = torch.autograd.grad(loss(h, w), (h, w), create_graph=True)
+    for a, b in zip(plain, graph):
+        torch.testing.assert_close(a, b.detach())
+
+
+# -- peers: refusing() around a peer's autograd Function (Liger's run only on CUDA: a stand-in here) --
+
+
+class _PeerStandIn(torch.autograd.Function):
+    """A peer's Function: x² · w, a backward that computes without a graph (as Liger's kernels)."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        ctx.save_for_backward(x, w)
+        return x * x * w + eps
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        with torch.no_grad():
+            return 2 * g * x * w, (g * x * x).sum(0), None
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_refusing_peer_function(kept):
+    from polykernel.backends.torch._double_backward import refusing
+
+    fn = refusing(_PeerStandIn, "norm.stand_in", "liger", (0, 1), kept=kept)
+    a, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+    # first order: the peer's own gradients, with and without create_graph
+    want = torch.autograd.grad(_PeerStandIn.apply(a * 1.5, w, 1e-3).sum(), (a, w))
+    got = torch.autograd.grad(fn.apply(a * 1.5, w, 1e-3).sum(), (a, w))
+    graph = torch.autograd.grad(fn.apply(a * 1.5, w, 1e-3).sum(), (a, w), create_graph=True)
+    for x, y, z in zip(want, got, graph):
+        assert torch.equal(x, y) and torch.equal(x, z.detach())
+    # before: the unguarded peer reads a zero Hessian in x (the true one is 2·w on the diagonal)
+    zero = torch.autograd.functional.hessian(lambda z: _PeerStandIn.apply(z * 1.5, w, 1e-3).sum(), a)
+    assert not bool(zero.abs().sum() > 0)
+    for wrt in (lambda: torch.autograd.functional.hessian(lambda z: fn.apply(z * 1.5, w, 1e-3).sum(), a),
+                lambda: torch.autograd.functional.hessian(lambda v: fn.apply(a * 1.5, v, 1e-3).sum(), w)):  # fmt: skip
+        _raises_naming("norm.stand_in", "liger", wrt)
+    # a derivative in the cotangent raises too (the double-backward trick of jvp)
+    y = fn.apply(a * 1.5, w, 1e-3)
+    dy = torch.randn_like(y, requires_grad=True)
+    (gw,) = torch.autograd.grad(y, w, dy, create_graph=True)
+    _raises_naming("norm.stand_in", "liger", lambda: torch.autograd.grad(gw.sum(), dy))
+    # the inputs' handles are released by the backward (not held with the graph)
+    y = fn.apply(a * 1.5, w, 1e-3)
+    node = y.grad_fn
+    y.sum().backward()
+    assert node.pk_anchors is None
+
+
+def test_refusing_liger_cross_entropy_interpreted():
+    # A real Liger adapter: Liger's CE kernel runs in Triton's CPU interpreter
+    from polykernel.core import registry
+
+    spec = registry.specs_for("cross_entropy")["liger"]
+    if spec.missing_modules() or not pk.env.triton_interpret():
+        pytest.skip("needs liger_kernel and TRITON_INTERPRET=1")
+    impl = spec.load()
+    z, t = torch.randn(4, 5), torch.tensor([0, 3, -100, 4])
+    loss = lambda a: impl(a, t, -100, 0.0, "mean")
+    _raises_naming("loss.cross_entropy", "liger", lambda: torch.autograd.functional.hessian(loss, z))
+    a = z.clone().requires_grad_()
+    torch.testing.assert_close(torch.autograd.grad(loss(a), a)[0], torch.autograd.grad(F.cross_entropy(a, t), a)[0])
 
 
 # -- native_backward: the torch formulas a C++ node would call for create_graph (not wired: csrc/common.h refuses) --
@@ -340,10 +507,33 @@ def test_second_order_matches_reference_cuda(name, monkeypatch):
     from polykernel.backends.triton import _native
 
     monkeypatch.setattr(_native, "ENABLED", False)  # the Python Functions (the C++ nodes: below)
+    if (_op_of(name), "triton") in REFUSED:
+        pytest.skip("refuses double backward: test_distill_double_backward_raises")
     make, f, ref = CASES[name]
     tensors, fixed = make(torch.float32)
     tensors, fixed = _cuda(tensors), _cuda(fixed)
     got_g, got_2 = _second_order(lambda *ts: f("triton", *ts, *fixed), tensors)
+    want_g, want_2 = _second_order(lambda *ts: ref(*ts, *fixed), tensors)
+    for got, want in zip(got_g + got_2, want_g + want_2):
+        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cute_dsl", "cutile"])
+@pytest.mark.parametrize("name", [n for n in CASES if _op_of(n) in ("rms_norm", "layer_norm", "softmax", "cross_entropy")])
+def test_second_order_matches_reference_cuda_other_backends(name, impl):
+    """The CuTeDSL and cuTile Functions: their create_graph backward differentiates the torch formula."""
+    from polykernel.errors import ImplNotAvailableError
+
+    if impl not in runnable_impls(_op_of(name), "cuda", torch.float32):
+        pytest.skip(f"{impl} not runnable here")
+    make, f, ref = CASES[name]
+    tensors, fixed = make(torch.float32)
+    tensors, fixed = _cuda(tensors), _cuda(fixed)
+    try:
+        got_g, got_2 = _second_order(lambda *ts: f(impl, *ts, *fixed), tensors)
+    except ImplNotAvailableError as exc:  # this case's shapes (the impl's predicate)
+        pytest.skip(str(exc))
     want_g, want_2 = _second_order(lambda *ts: ref(*ts, *fixed), tensors)
     for got, want in zip(got_g + got_2, want_g + want_2):
         torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-5)

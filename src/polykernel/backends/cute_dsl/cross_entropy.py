@@ -16,6 +16,8 @@ from types import ModuleType
 
 import torch
 
+from ..torch import cross_entropy as _torch
+from ..torch._double_backward import graph_grads
 from ..torch.cross_entropy import cross_entropy as _torch_cross_entropy
 from ..torch.cross_entropy import grad_scale, reduce_rows
 from .softmax import _rows16  # the same row-major, 16-byte aligned rows
@@ -65,12 +67,16 @@ class _CrossEntropy(torch.autograd.Function):
         count = (t != ignore_index).sum()
         loss, lse = ce_forward(x2, t, ignore_index, ls)
         ctx.ignore_index, ctx.ls, ctx.reduction, ctx.shape = ignore_index, ls, reduction, logits.shape
-        ctx.save_for_backward(x2, t, lse, count)
+        ctx.save_for_backward(x2, t, lse, count, logits)  # logits: a create_graph backward differentiates through it
         return reduce_rows(loss, count, reduction, target.shape)
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        x2, t, lse, count = ctx.saved_tensors
+        x2, t, lse, count, logits = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, by the torch formula
+            target = t.view(g.shape) if ctx.reduction == "none" else t
+            args = (logits, target, ctx.ignore_index, ctx.ls, ctx.reduction)
+            return graph_grads(_torch.differentiable, args, (g,), (True, False, False, False, False))[0], None, None, None, None
         dx = ce_backward(x2, t, lse, grad_scale(g, count, ctx.reduction, torch.float32), ctx.ignore_index, ctx.ls)
         return dx.view(ctx.shape), None, None, None, None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..torch._double_backward import layer_norm_grads
 from ._norm_host import norm_backward, norm_forward, rows16, vector16
 
 
@@ -20,13 +21,15 @@ class _LayerNorm(torch.autograd.Function):
         n = x.shape[-1]
         x2, w, b = rows16(x, n), vector16(weight), vector16(bias)
         y, rstd, mean = norm_forward(x2, w, b, eps, 0.0, layer=True, llama=False)
-        ctx.save_for_backward(x2, w, rstd, mean)
-        ctx.shape, ctx.b_dtype = x.shape, None if bias is None else bias.dtype
+        ctx.save_for_backward(x2, w, rstd, mean, x, weight, bias)  # the inputs: for a create_graph backward
+        ctx.shape, ctx.b_dtype, ctx.eps = x.shape, None if bias is None else bias.dtype, eps
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        x2, w, rstd, mean = ctx.saved_tensors
+        x2, w, rstd, mean, x, weight, bias = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, by the torch formula
+            return (*layer_norm_grads(x, weight, bias, ctx.eps, dy, ctx.needs_input_grad), None)
         want_dw = w is not None and ctx.needs_input_grad[1]
         want_db = ctx.b_dtype is not None and ctx.needs_input_grad[2]
         dx, dw, db = norm_backward(rows16(dy.to(x2.dtype), x2.shape[1]), x2, w, rstd, mean, 0.0, True, False, want_dw, want_db)

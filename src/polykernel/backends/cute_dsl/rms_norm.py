@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..torch._double_backward import rms_norm_grads
 from ._norm_host import norm_backward, norm_forward, rows16, vector16
 
 
@@ -20,13 +21,15 @@ class _RMSNorm(torch.autograd.Function):
         n = x.shape[-1]
         x2, w = rows16(x, n), vector16(weight)
         y, rstd, _ = norm_forward(x2, w, None, eps, offset, layer=False, llama=casting == "llama")
-        ctx.save_for_backward(x2, w, rstd)
-        ctx.offset, ctx.llama, ctx.shape = offset, casting == "llama", x.shape
+        ctx.save_for_backward(x2, w, rstd, x, weight)  # x, weight: a create_graph backward differentiates through them
+        ctx.offset, ctx.llama, ctx.shape, ctx.eps, ctx.casting = offset, casting == "llama", x.shape, eps, casting
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        x2, w, rstd = ctx.saved_tensors
+        x2, w, rstd, x, weight = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, by the torch formula
+            return (*rms_norm_grads(x, weight, ctx.eps, ctx.offset, ctx.casting, dy, ctx.needs_input_grad), None, None, None)
         want_dw = ctx.needs_input_grad[1]
         dx, dw, _ = norm_backward(rows16(dy.to(x2.dtype), x2.shape[1]), x2, w, rstd, None, ctx.offset, False, ctx.llama, want_dw, False)
         return (

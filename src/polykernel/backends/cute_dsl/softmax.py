@@ -15,6 +15,9 @@ from types import ModuleType
 
 import torch
 
+from ...ops.softmax import reference
+from ..torch._double_backward import graph_grads
+
 
 def _kernel() -> ModuleType:
     from . import _softmax_kernel  # CuTeDSL: only once a launch needs it
@@ -55,13 +58,15 @@ class _Softmax(torch.autograd.Function):
     def forward(ctx, x):  # type: ignore[override]
         x2 = _rows16(x, x.shape[-1])
         y, rmax, rinv = softmax_forward(x2)
-        ctx.save_for_backward(x2, rmax, rinv)
+        ctx.save_for_backward(x2, rmax, rinv, x)  # x: a create_graph backward differentiates through it
         ctx.shape = x.shape
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        x2, rmax, rinv = ctx.saved_tensors
+        x2, rmax, rinv, x = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, by the torch formula
+            return graph_grads(reference, (x,), (dy,), (True,))[0]
         dy2 = _rows16(dy.to(x2.dtype), x2.shape[1])
         return softmax_backward(dy2, x2, rmax, rinv).view(ctx.shape)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import cuda.tile as ct
 import torch
 
+from ..torch._double_backward import rms_norm_grads
 from ..torch.rms_norm import rms_norm as _torch_rms_norm
 from ._host import launch, num_sms, pow2, rows
 
@@ -178,13 +179,15 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x, weight, eps, offset, casting):  # type: ignore[override]
         x2 = rows(x, x.shape[-1])
         y, rstd = rms_norm_forward(x2, weight, eps, offset, casting == "llama")
-        ctx.save_for_backward(x2, weight, rstd)
-        ctx.offset, ctx.llama = offset, casting == "llama"
+        ctx.save_for_backward(x2, weight, rstd, x)  # x: a create_graph backward differentiates through it
+        ctx.offset, ctx.llama, ctx.eps, ctx.casting = offset, casting == "llama", eps, casting
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        x2, weight, rstd = ctx.saved_tensors
+        x2, weight, rstd, x = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, by the torch formula
+            return (*rms_norm_grads(x, weight, ctx.eps, ctx.offset, ctx.casting, dy, ctx.needs_input_grad), None, None, None)
         dx, dw = rms_norm_backward(rows(dy, x2.shape[1]), x2, weight, rstd, ctx.offset, ctx.llama)
         return (dx.view(dy.shape) if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None, None, None, None)
 

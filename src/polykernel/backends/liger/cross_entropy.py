@@ -19,6 +19,7 @@ import torch
 import triton
 from liger_kernel.ops.cross_entropy import MAX_FUSED_SIZE, liger_cross_entropy_kernel
 
+from ..torch._double_backward import refusing
 from ..torch.cross_entropy import cross_entropy as _torch_cross_entropy
 from ..torch.cross_entropy import scale_grads_
 
@@ -92,7 +93,7 @@ def loss_rows(
     return loss, (work if grad else None), wsum
 
 
-class _LigerCrossEntropy(torch.autograd.Function):
+class _LigerCrossEntropyPlain(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index, label_smoothing, reduction, weight, softcap, z_loss):  # type: ignore[override]
         v = logits.shape[-1]
@@ -117,6 +118,10 @@ class _LigerCrossEntropy(torch.autograd.Function):
         else:
             scale_grads_(g, dx)
         return dx.view(ctx.shape), None, None, None, None, None, None, None
+
+
+# create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
+_LigerCrossEntropy = refusing(_LigerCrossEntropyPlain, "loss.cross_entropy", "liger", (0,), kept=False)
 
 
 def cross_entropy(

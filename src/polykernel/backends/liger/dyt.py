@@ -7,10 +7,14 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.dyt import LigerDyTFunction
 
+from ..torch._double_backward import refusing
 from ..torch.dyt import dyt as _torch_dyt
+
+# create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
+_DyT = refusing(LigerDyTFunction, "norm.dyt", "liger", (0, 1, 2, 3))
 
 
 def dyt(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if x.numel() == 0:  # Liger launches a grid of M rows
         return _torch_dyt(x, alpha, weight, bias)
-    return LigerDyTFunction.apply(x, alpha.reshape(1), weight, bias)
+    return _DyT.apply(x, alpha.reshape(1), weight, bias)

@@ -7,7 +7,11 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
 
+from ..torch._double_backward import refusing
 from ..torch.fused_add_rms_norm import fused_add_rms_norm as _torch_impl
+
+# create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
+_FusedAddRMSNorm = refusing(LigerFusedAddRMSNormFunction, "norm.fused_add_rms_norm", "liger", (0, 1, 2), kept=False)
 
 
 def fused_add_rms_norm(
@@ -15,5 +19,5 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if x.numel() == 0:
         return _torch_impl(x, residual, weight, eps, offset)
-    y, s = LigerFusedAddRMSNormFunction.apply(x, residual, weight, eps, offset, "gemma", False)
+    y, s = _FusedAddRMSNorm.apply(x, residual, weight, eps, offset, "gemma", False)
     return y, s

@@ -14,7 +14,11 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
+from ..torch._double_backward import refusing
 from ..torch.fused_linear_cross_entropy import fused_linear_cross_entropy as _torch_impl
+
+# create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
+_FusedLinearCrossEntropy = refusing(LigerFusedLinearCrossEntropyFunction, "loss.fused_linear_cross_entropy", "liger", (0, 1, 3), kept=False)
 
 
 def fused_linear_cross_entropy(
@@ -36,7 +40,7 @@ def fused_linear_cross_entropy(
     zero_wsum = ce_weight is not None and reduction == "mean" and not bool(ce_weight[t[t != ignore_index].long()].sum())
     if hidden.numel() == 0 or target.numel() == 0 or zero_wsum or (ce_weight is not None and z_loss):
         return _torch_impl(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, ce_weight, softcap, z_loss)
-    loss = LigerFusedLinearCrossEntropyFunction.apply(
+    loss = _FusedLinearCrossEntropy.apply(
         hidden.reshape(-1, h),
         weight,
         t,

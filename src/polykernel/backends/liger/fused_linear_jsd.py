@@ -15,7 +15,11 @@ import torch
 from liger_kernel.ops.fused_linear_jsd import LigerFusedLinearJSDFunction
 
 from ...ops._distill import rows_view
+from ..torch._double_backward import refusing
 from ..torch.fused_linear_jsd import fused_linear_jsd as _torch_impl
+
+# create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
+_FusedLinearJSD = refusing(LigerFusedLinearJSDFunction, "loss.fused_linear_jsd", "liger", (0, 1), kept=False)
 
 
 def fused_linear_jsd(
@@ -31,7 +35,7 @@ def fused_linear_jsd(
     lab = None if labels is None else labels.reshape(-1)
     if student_hidden.numel() == 0 or (lab is not None and not bool((lab != ignore_index).any())):
         return _torch_impl(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, beta, ignore_index, temperature)
-    return LigerFusedLinearJSDFunction.apply(
+    return _FusedLinearJSD.apply(
         rows_view(student_hidden),
         student_weight,
         rows_view(teacher_hidden.detach()),

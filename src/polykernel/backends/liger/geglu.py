@@ -6,8 +6,12 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.geglu import LigerGELUMulFunction
 
+from ..torch._double_backward import refusing
 from ..torch.geglu import geglu as _torch_geglu
 from ._glu import private
+
+# create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
+_GELUMul = refusing(LigerGELUMulFunction, "activation.geglu", "liger", (0, 1))
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> torch.Tensor:
@@ -15,4 +19,4 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> torch.Tenso
         return _torch_geglu(gate, up, approximate)
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         gate, up = private(gate), private(up)
-    return LigerGELUMulFunction.apply(gate, up)
+    return _GELUMul.apply(gate, up)

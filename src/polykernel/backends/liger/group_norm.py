@@ -7,10 +7,14 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.group_norm import LigerGroupNormFunction
 
+from ..torch._double_backward import refusing
 from ..torch.group_norm import group_norm as _torch_group_norm
+
+# create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
+_GroupNorm = refusing(LigerGroupNormFunction, "norm.group_norm", "liger", (0, 1, 2))
 
 
 def group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     if x.numel() == 0 or weight is None or bias is None:  # Liger's view(N, G, -1) of an empty x
         return _torch_group_norm(x, num_groups, weight, bias, eps)
-    return LigerGroupNormFunction.apply(x, weight, bias, x.shape[1], num_groups, eps)
+    return _GroupNorm.apply(x, weight, bias, x.shape[1], num_groups, eps)

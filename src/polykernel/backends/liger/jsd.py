@@ -15,6 +15,7 @@ import torch
 from liger_kernel.ops.jsd import _jsd_kernel
 
 from ...ops._distill import rows_view
+from ..torch._double_backward import refusing
 from ..torch.cross_entropy import scale_grads_
 from ..torch.jsd import jsd as _torch_jsd
 
@@ -53,7 +54,7 @@ def loss_and_grad(x2: torch.Tensor, y2: torch.Tensor, labels: torch.Tensor | Non
     return (out + float("nan") if count == 0 else out), dx
 
 
-class _LigerJSD(torch.autograd.Function):
+class _LigerJSDPlain(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student_logp, teacher_logp, labels, beta, ignore_index):  # type: ignore[override]
         lab = None if labels is None else labels.reshape(-1).contiguous()
@@ -68,6 +69,10 @@ class _LigerJSD(torch.autograd.Function):
             raise RuntimeError("polykernel jsd (liger): backward ran twice; the gradient was computed in the forward and consumed")
         scale_grads_(g, dx)  # dx is ours (a private buffer): scaled in place
         return dx.view(ctx.shape), None, None, None, None
+
+
+# create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
+_LigerJSD = refusing(_LigerJSDPlain, "loss.jsd", "liger", (0,), kept=False)
 
 
 def jsd(

@@ -15,7 +15,11 @@ from liger_kernel.ops.kl_div import LigerKLDivLossFunction
 
 from ...ops._distill import rows_view
 from ...ops.kl_div import divisor
+from ..torch._double_backward import refusing
 from ..torch.kl_div import kl_div as _torch_kl_div
+
+# create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
+_KLDivLoss = refusing(LigerKLDivLossFunction, "loss.kl_div", "liger", (0,), kept=False)
 
 
 def kl_div(input: torch.Tensor, target: torch.Tensor, reduction: str, log_target: bool) -> torch.Tensor:
@@ -23,5 +27,5 @@ def kl_div(input: torch.Tensor, target: torch.Tensor, reduction: str, log_target
         return _torch_kl_div(input, target, reduction, log_target)
     x2, t2 = rows_view(input), rows_view(target)
     if reduction == "none":
-        return LigerKLDivLossFunction.apply(x2, t2, "none", log_target, 1e-10).view(input.shape)
-    return LigerKLDivLossFunction.apply(x2, t2, "sum", log_target, 1e-10) / divisor(input, reduction)
+        return _KLDivLoss.apply(x2, t2, "none", log_target, 1e-10).view(input.shape)
+    return _KLDivLoss.apply(x2, t2, "sum", log_target, 1e-10) / divisor(input, reduction)

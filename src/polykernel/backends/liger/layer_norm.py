@@ -6,10 +6,14 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.layer_norm import LigerLayerNormFunction
 
+from ..torch._double_backward import refusing
 from ..torch.layer_norm import layer_norm as _torch_layer_norm
+
+# create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
+_LayerNorm = refusing(LigerLayerNormFunction, "norm.layer_norm", "liger", (0, 1, 2))
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     if x.numel() == 0 or weight is None or bias is None:
         return _torch_layer_norm(x, weight, bias, eps)
-    return LigerLayerNormFunction.apply(x, weight, bias, eps)
+    return _LayerNorm.apply(x, weight, bias, eps)

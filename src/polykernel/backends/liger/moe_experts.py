@@ -16,7 +16,11 @@ import torch
 from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
 
 from ..torch import _moe_route as route
+from ..torch._double_backward import refusing
 from ..torch.moe_experts import moe_experts as _torch_moe_experts
+
+# create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
+_FusedMoE = refusing(LigerFusedMoEFunction, "moe.moe_experts", "liger", (0, 1, 2, 4), kept=False)
 
 
 def moe_experts(
@@ -30,4 +34,4 @@ def moe_experts(
     if top_k_index.numel() == 0:
         return _torch_moe_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
     route.assert_in_range(top_k_index, gate_up_proj.shape[0])
-    return LigerFusedMoEFunction.apply(hidden, gate_up_proj, down_proj, top_k_index.to(torch.int32), top_k_weights)
+    return _FusedMoE.apply(hidden, gate_up_proj, down_proj, top_k_index.to(torch.int32), top_k_weights)

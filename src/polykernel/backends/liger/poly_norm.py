@@ -8,10 +8,14 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.poly_norm import LigerPolyNormFunction
 
+from ..torch._double_backward import refusing
 from ..torch.poly_norm import poly_norm as _torch_poly_norm
+
+# create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
+_PolyNorm = refusing(LigerPolyNormFunction, "norm.poly_norm", "liger", (0, 1, 2))
 
 
 def poly_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     if x.numel() == 0:  # Liger's x.view(-1, dim) fails on empty rows
         return _torch_poly_norm(x, weight, bias, eps)
-    return LigerPolyNormFunction.apply(x, weight, bias.reshape(()), eps, False)
+    return _PolyNorm.apply(x, weight, bias.reshape(()), eps, False)

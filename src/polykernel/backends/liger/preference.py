@@ -34,6 +34,14 @@ from ...ops.fused_linear_dpo_loss import DPOOutput
 from ...ops.fused_linear_grpo_loss import GRPOMetrics, GRPOOutput
 from ...ops.fused_linear_orpo_loss import ORPOOutput
 from ...ops.fused_linear_simpo_loss import SimPOOutput
+from ..torch._double_backward import refusing
+
+# create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
+_FusedLinearDPO = refusing(LigerFusedLinearDPOFunction, "loss.fused_linear_dpo_loss", "liger", (0, 1, 3), kept=False)
+_FusedLinearORPO = refusing(LigerFusedLinearORPOFunction, "loss.fused_linear_orpo_loss", "liger", (0, 1, 3), kept=False)
+_FusedLinearCPO = refusing(LigerFusedLinearCPOFunction, "loss.fused_linear_cpo_loss", "liger", (0, 1, 3), kept=False)
+_FusedLinearSimPO = refusing(LigerFusedLinearSimPOFunction, "loss.fused_linear_simpo_loss", "liger", (0, 1, 3), kept=False)
+_FusedLinearGRPO = refusing(LigerFusedLinearGRPOFunction, "loss.fused_linear_grpo_loss", "liger", (0, 1, 5), kept=False)
 
 
 def _nan(like: torch.Tensor) -> torch.Tensor:
@@ -47,7 +55,7 @@ def dpo(hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_chos
             "loss.fused_linear_dpo_loss", "liger", "Liger's DPO takes no precomputed reference log-probs", ["torch", "triton"]
         )
     use_ref = ref_hidden is not None
-    loss, (c, r, _, _, nll, cr, rr) = LigerFusedLinearDPOFunction.apply(
+    loss, (c, r, _, _, nll, cr, rr) = _FusedLinearDPO.apply(
         hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ignore_index, beta, compute_nll_loss, hidden.is_cuda,
         use_ref, average_log_prob, 1, "sigmoid", 0.0, 0.05, 1.0,
     )  # fmt: skip
@@ -55,7 +63,7 @@ def dpo(hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_chos
 
 
 def orpo(hidden, weight, target, bias, beta, ignore_index, compute_nll_loss) -> ORPOOutput:
-    loss, (c, r, _, _, nll, cr, rr, lor, loc) = LigerFusedLinearORPOFunction.apply(
+    loss, (c, r, _, _, nll, cr, rr, lor, loc) = _FusedLinearORPO.apply(
         hidden, weight, target, bias, ignore_index, beta, compute_nll_loss, None, hidden.is_cuda, 1
     )
     return ORPOOutput(loss, c, r, cr, rr, nll if compute_nll_loss else _nan(loss), lor, loc)
@@ -63,14 +71,14 @@ def orpo(hidden, weight, target, bias, beta, ignore_index, compute_nll_loss) -> 
 
 def cpo(hidden, weight, target, bias, beta, alpha, label_smoothing, ignore_index, average_log_prob) -> CPOOutput:
     nll_on = alpha != 0.0
-    loss, (c, r, _, _, nll, cr, rr) = LigerFusedLinearCPOFunction.apply(
+    loss, (c, r, _, _, nll, cr, rr) = _FusedLinearCPO.apply(
         hidden, weight, target, bias, ignore_index, beta, alpha, label_smoothing, nll_on, hidden.is_cuda, average_log_prob, 1
     )
     return CPOOutput(loss, c, r, cr, rr, nll if nll_on else _nan(loss))
 
 
 def simpo(hidden, weight, target, bias, beta, gamma, label_smoothing, ignore_index) -> SimPOOutput:
-    loss, (c, r, _, _, _, cr, rr) = LigerFusedLinearSimPOFunction.apply(
+    loss, (c, r, _, _, _, cr, rr) = _FusedLinearSimPO.apply(
         hidden, weight, target, bias, ignore_index, beta, 1.0, label_smoothing, False, hidden.is_cuda, gamma, 1
     )
     return SimPOOutput(loss, c, r, cr, rr)
@@ -80,7 +88,7 @@ def grpo(hidden, weight, ids, mask, advantages, bias, ref, old, beta, eps_low, e
          max_completion_length) -> GRPOOutput:  # fmt: skip
     m = (mask != 0).to(torch.float32)
     max_len = ids.shape[1] if max_completion_length is None else max_completion_length
-    loss, metrics = LigerFusedLinearGRPOFunction.apply(
+    loss, metrics = _FusedLinearGRPO.apply(
         hidden, weight, ids, m, advantages, bias, ref, old, None, None, None, beta, eps_low, eps_high, loss_type, max_len, level,
         1.0, 1.05, temperature, hidden.is_cuda, ref is not None, 1,  # use_ref_model: Liger reads ref only then
     )  # fmt: skip

@@ -10,7 +10,12 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
+from ..torch._double_backward import refusing
 from ..torch.rms_norm import rms_norm as _torch_rms_norm
+
+# create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
+_RMSNorm = refusing(LigerRMSNormFunction, "norm.rms_norm", "liger", (0, 1))
+
 
 _MODES = {"fp32": "gemma", "llama": "llama"}
 
@@ -18,4 +23,4 @@ _MODES = {"fp32": "gemma", "llama": "llama"}
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str) -> torch.Tensor:
     if x.numel() == 0:  # Liger's x.view(-1, 0) fails on empty rows
         return _torch_rms_norm(x, weight, eps, offset, casting)
-    return LigerRMSNormFunction.apply(x, weight, eps, offset, _MODES[casting], False)
+    return _RMSNorm.apply(x, weight, eps, offset, _MODES[casting], False)

@@ -9,8 +9,12 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
+from ..torch._double_backward import refusing
 from ..torch.swiglu import swiglu as _torch_swiglu
 from ._glu import private
+
+# create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
+_SiLUMul = refusing(LigerSiLUMulFunction, "activation.swiglu", "liger", (0, 1))
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -18,4 +22,4 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return _torch_swiglu(gate, up)
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         gate, up = private(gate), private(up)
-    return LigerSiLUMulFunction.apply(gate, up)
+    return _SiLUMul.apply(gate, up)

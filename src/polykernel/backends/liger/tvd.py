@@ -13,12 +13,16 @@ import torch
 from liger_kernel.ops.tvd import LigerTVDLossFunction
 
 from ...ops._distill import rows_view
+from ..torch._double_backward import refusing
 from ..torch.tvd import tvd as _torch_tvd
+
+# create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
+_TVDLoss = refusing(LigerTVDLossFunction, "loss.tvd", "liger", (0,), kept=False)
 
 
 def tvd(p: torch.Tensor, q: torch.Tensor, labels: torch.Tensor | None, reduction: str, ignore_index: int) -> torch.Tensor:
     lab = None if labels is None else labels.reshape(-1)
     if p.numel() == 0 or (lab is not None and not bool((lab != ignore_index).any())):
         return _torch_tvd(p, q, labels, reduction, ignore_index)
-    out = LigerTVDLossFunction.apply(rows_view(p), rows_view(q), lab, reduction, ignore_index)
+    out = _TVDLoss.apply(rows_view(p), rows_view(q), lab, reduction, ignore_index)
     return out.view(p.shape) if reduction == "none" else out

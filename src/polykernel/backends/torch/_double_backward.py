@@ -61,7 +61,8 @@ def anchor(t: torch.Tensor | None) -> torch.Tensor | None:
     Run it with grad mode on (a Function's forward: under ``torch.enable_grad()``)."""
     if t is None or not t.requires_grad:
         return None
-    return t if t.grad_fn is None else t.narrow(0, 0, 0).clone()  # slice and clone save no tensor
+    # one op (~1 us; a slice and a clone cost twice that), and it saves no tensor
+    return t if t.grad_fn is None else torch.narrow_copy(t if t.dim() else t.view(1), 0, 0, 0)
 
 
 def refuse(
@@ -81,6 +82,47 @@ def refuse(
     err = _compat.delayed_error(message, len(grads) + len(anchors))
     out = err(*[None if g is None else g.detach().requires_grad_() for g in grads], *anchors)
     return tuple(out[: len(grads)])
+
+
+def refusing(fn: type[torch.autograd.Function], op: str, impl: str, inputs: Sequence[int], kept: bool = True) -> Any:
+    """A subclass of a peer's autograd Function ``fn`` (Liger's: not ours, their backward builds
+    no graph) whose gradients :func:`refuse` to be differentiated under create_graph: second
+    derivatives then raise, naming ``op`` and ``impl``, where they silently read zeros.
+
+    The same forward and first-order results; it costs one attribute store in the forward and one
+    flag read in the backward (~1 us on the 2-core dev CPU; an identity Function around each call
+    costs ~10x more): ``benchmarks/host/peer_refusing.py``. ``inputs``: the positions of the
+    differentiable inputs (tensors or None); ``kept``: whether the peer keeps them for its backward
+    anyway (then they are held as they are, else by :func:`anchor`, which keeps none of their
+    memory but costs a graph op per non-leaf input); held until the first backward.
+    """
+    why = f'{impl}\'s autograd Function builds no graph in its backward; use impl="torch"'
+    base_forward, base_backward = fn.forward, fn.backward
+
+    def forward(ctx: Any, *args: Any) -> Any:
+        if kept:
+            ctx.pk_anchors = tuple(args[i] for i in inputs)
+        else:
+            with torch.enable_grad():
+                ctx.pk_anchors = [anchor(args[i]) for i in inputs]
+        return base_forward(ctx, *args)
+
+    def backward(ctx: Any, *grads: Any) -> Any:
+        out = base_backward(ctx, *grads)
+        anchors, ctx.pk_anchors = ctx.pk_anchors, None
+        if not torch.is_grad_enabled():
+            return out
+        if anchors is None:  # a second backward through a retained graph: the handles are gone
+            raise RuntimeError(f"{op} [{impl}]: double backward (create_graph=True) is not supported: {why}")
+        outs = list(out) if isinstance(out, tuple) else [out]
+        at = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor)]
+        handles = [a if isinstance(a, torch.Tensor) and a.requires_grad else None for a in anchors]
+        handles += [g for g in grads if isinstance(g, torch.Tensor) and g.requires_grad]  # d/d(cotangent) raises too
+        for i, g in zip(at, refuse(op, impl, why, handles, *[outs[i] for i in at])):
+            outs[i] = g
+        return tuple(outs) if isinstance(out, tuple) else outs[0]
+
+    return type(fn)(f"{fn.__name__}Refusing", (fn,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
 # ---------------------------------------------------------------------------------------------

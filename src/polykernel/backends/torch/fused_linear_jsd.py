@@ -20,7 +20,8 @@ from collections.abc import Callable
 import torch
 
 from ...ops._distill import acc_dtype, plain, rows_view
-from ...ops.fused_linear_jsd import reference  # (semantics live in the op file)
+from ...ops.fused_linear_jsd import OP_ID, reference  # (reference: semantics live in the op file)
+from ._double_backward import anchor, refuse
 from .cross_entropy import scale_grads_
 from .jsd import count_and_scale, terms
 
@@ -97,13 +98,15 @@ def _walk(hs2, ws, ht2, wt, labels, beta, ignore_index, temperature, chunk_fn, n
 
 class _FusedLinearJSD(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hs, ws, ht, wt, labels, beta, ignore_index, temperature, chunk_fn, scale_fn, budget):  # type: ignore[override]
+    def forward(ctx, hs, ws, ht, wt, labels, beta, ignore_index, temperature, chunk_fn, scale_fn, budget, impl):  # type: ignore[override]
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         lab = None if labels is None else labels.reshape(-1).contiguous()
         loss, gh, gw = _walk(
             rows_view(hs), ws, rows_view(ht.detach()), wt.detach(), lab, beta, ignore_index, temperature, chunk_fn, needs, budget
         )
-        ctx.grads, ctx.scale_fn, ctx.shape = (gh, gw), scale_fn, hs.shape
+        ctx.grads, ctx.scale_fn, ctx.shape, ctx.impl = (gh, gw), scale_fn, hs.shape, impl
+        with torch.enable_grad():  # handles on the inputs' graph, for refuse()
+            ctx.save_for_backward(anchor(hs), anchor(ws))
         return loss
 
     @staticmethod
@@ -114,8 +117,13 @@ class _FusedLinearJSD(torch.autograd.Function):
                 "the forward and are consumed by the first backward (retain_graph is not supported)"
             )
         (gh, gw), ctx.grads = ctx.grads, None
-        ctx.scale_fn(g, gh, gw)
-        return (None if gh is None else gh.view(ctx.shape)), gw, None, None, None, None, None, None, None, None, None
+        if torch.is_grad_enabled():  # create_graph=True: the gradients are made chunk by chunk, without a graph
+            gh, gw = (None if x is None else x * g for x in (gh, gw))
+            why = "its gradients are computed chunk by chunk in the forward; for higher derivatives use F.linear, log_softmax and polykernel.jsd"
+            gh, gw = refuse(OP_ID, ctx.impl, why, (*ctx.saved_tensors, g if g.requires_grad else None), gh, gw)
+        else:
+            ctx.scale_fn(g, gh, gw)
+        return (None if gh is None else gh.view(ctx.shape)), gw, None, None, None, None, None, None, None, None, None, None
 
 
 def run(
@@ -130,10 +138,11 @@ def run(
     chunk_fn: ChunkFn,
     scale_fn: Callable[..., None] = scale_grads_,
     budget: int | None = None,
+    impl: str = "torch",
 ) -> torch.Tensor:
     """The op on validated arguments, with ``chunk_fn`` as the per-chunk JSD and ``scale_fn(g,
     *grads)`` multiplying the forward's gradients by the cotangent in backward; ``budget``: the
-    chunk's bytes (default ``CHUNK_BYTES``)."""
+    chunk's bytes (default ``CHUNK_BYTES``); ``impl``: the caller's name, for errors."""
     budget = CHUNK_BYTES if budget is None else budget
     if torch.is_grad_enabled() and (student_hidden.requires_grad or student_weight.requires_grad):
         return _FusedLinearJSD.apply(
@@ -148,6 +157,7 @@ def run(
             chunk_fn,
             scale_fn,
             budget,
+            impl,
         )
     lab = None if labels is None else labels.reshape(-1).contiguous()
     loss, _, _ = _walk(

@@ -12,6 +12,7 @@ import torch
 
 from ...ops._distill import acc_dtype, plain, rows_view
 from ...ops.jsd import reference  # (semantics live in the op file)
+from ._double_backward import graph_grads
 from .cross_entropy import TEMP_BYTES, scale_grads_
 
 
@@ -73,11 +74,18 @@ class _JSD(torch.autograd.Function):
         x2, y2 = rows_view(student_logp), rows_view(teacher_logp.detach())
         valid, count, scale = count_and_scale(labels, ignore_index, x2.shape[0], acc, x2.device)
         rows, dx = _walk(x2, y2, valid, float(beta), scale, acc, True)
-        ctx.dx, ctx.shape = dx, student_logp.shape
+        ctx.dx, ctx.shape, ctx.options = dx, student_logp.shape, (float(beta), ignore_index)
+        # the inputs (references, no copies) for a create_graph backward, which needs the teacher's
+        # values; the Triton impl keeps none and refuses (its memory is Liger's)
+        ctx.save_for_backward(student_logp, teacher_logp, labels)
         return rows.sum() / count
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph=True: the reference's differentiable gradient
+            s, t, labels = ctx.saved_tensors
+            ds = graph_grads(reference, (s, t.detach(), labels, *ctx.options), (g,), (True, False, False, False, False))[0]
+            return ds, None, None, None, None
         dx, ctx.dx = ctx.dx, None
         if dx is None:
             raise RuntimeError("polykernel jsd (torch): backward ran twice; the gradient was computed in the forward and consumed")

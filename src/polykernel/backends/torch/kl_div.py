@@ -12,6 +12,7 @@ import torch
 
 from ...ops._distill import acc_dtype, plain, rows_view
 from ...ops.kl_div import divisor, reference  # (reference: the semantics live in the op file)
+from . import _double_backward
 from .cross_entropy import TEMP_BYTES, scale_grads_
 
 
@@ -73,6 +74,22 @@ def _finish(total: torch.Tensor, div: int) -> torch.Tensor:
     return total / div  # 0/0 = NaN: an empty "mean" (or "batchmean" of size(0) = 0), as PyTorch
 
 
+def graph_grads(saved, x2, t2, acc, reduction, log_target, g, needs, shape, unit=None) -> tuple:
+    """The create_graph backward's (d_input, d_target), differentiable. With a target gradient
+    (``needs[1]``): the reference's, through ``saved`` = (input, target), the Function's inputs.
+    Else d_input = -t·g (-exp(t)·g), constant in input and linear in the cotangent ``g``: the
+    forward's gradient for a unit cotangent (``unit``, a scalar reduction) times g, or, for
+    "none", the formula on the saved rows ``x2``, ``t2`` times the elementwise g."""
+    if needs[1]:
+        return tuple(_double_backward.graph_grads(reference, (*saved, reduction, log_target), (g,), (*needs, False, False))[:2])
+    if unit is not None:
+        gx = unit[0] * g
+    else:
+        gx, _ = _grads(x2.detach().to(acc), t2.detach().to(acc), g.reshape(x2.shape).to(acc), log_target, True, False)
+        gx = gx.to(x2.dtype)
+    return gx.view(shape), None
+
+
 class _KLDiv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, target, reduction, log_target):  # type: ignore[override]
@@ -80,10 +97,15 @@ class _KLDiv(torch.autograd.Function):
         acc = acc_dtype(input, target)
         need_x, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.meta = (input.shape, reduction, log_target, acc, need_x, need_t)
+        # the inputs as well (references) when target needs a gradient: a create_graph backward
+        # then differentiates through both (see graph_grads)
+        inputs = (input, target) if need_t else ()
         if reduction == "none":
             out, _, _ = _walk(x2, t2, acc, log_target, reduction, 1.0, False, False)
-            ctx.save_for_backward(x2, t2)
+            ctx.save_for_backward(x2, t2, *inputs)
             return out.view(input.shape)
+        if inputs:
+            ctx.save_for_backward(*inputs)
         div = divisor(input, reduction)
         total, gx, gt = _walk(x2, t2, acc, log_target, reduction, 1.0 / div if div else float("inf"), need_x, need_t)
         ctx.grads = (gx, gt)
@@ -93,12 +115,22 @@ class _KLDiv(torch.autograd.Function):
     def backward(ctx, g):  # type: ignore[override]
         shape, reduction, log_target, acc, need_x, need_t = ctx.meta
         if reduction == "none":
-            x2, t2 = ctx.saved_tensors
+            x2, t2, *inputs = ctx.saved_tensors
+            if torch.is_grad_enabled():  # create_graph=True: differentiable gradients (see graph_grads)
+                return (*graph_grads(inputs, x2, t2, acc, reduction, log_target, g, (need_x, need_t), shape), None, None)
             _, gx, gt = _walk(x2, t2, acc, log_target, reduction, None, need_x, need_t, cot=g.reshape(x2.shape))
         else:
             if ctx.grads is None:
                 raise RuntimeError("polykernel kl_div (torch): backward ran twice; the gradients were computed in the forward and consumed")
-            (gx, gt), ctx.grads = ctx.grads, None
+            (gx, gt) = ctx.grads  # consumed by a plain backward (a create_graph one may run again: retain_graph)
+            if torch.is_grad_enabled():  # create_graph=True: differentiable gradients (see graph_grads)
+                unit = (gx, gt)
+                return (
+                    *graph_grads(ctx.saved_tensors, None, None, acc, reduction, log_target, g, (need_x, need_t), shape, unit),
+                    None,
+                    None,
+                )
+            ctx.grads = None
             scale_grads_(g, gx, gt)
         return (None if gx is None else gx.view(shape)), (None if gt is None else gt.view(shape)), None, None
 

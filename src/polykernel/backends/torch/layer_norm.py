@@ -17,8 +17,11 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     # F.layer_norm computes the statistics and the affine step in fp32 (opmath) and casts once:
     # our semantics, when the parameters have x's dtype (with another dtype, its CPU and CUDA
     # kernels differ in what they accept and return) and the row is not empty.
+    # A bias without a weight: the reference too (F.layer_norm's double backward raises an
+    # internal error there: "Expected a proper Tensor but got None", torch 2.13).
     if (
         all(p is None or p.dtype == x.dtype for p in (weight, bias))
+        and (weight is not None or bias is None)
         and x.shape[-1] > 0
         and (x.device.type != "cpu" or x.dtype in _CPU_NATIVE)
     ):

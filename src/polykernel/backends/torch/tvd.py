@@ -62,6 +62,19 @@ def _walk(p2, q2, valid, acc, reduction, c, need_p, need_q, cot=None):
     return (out if out is not None else total), gp, gq
 
 
+def graph_grads(p2, q2, valid, acc, g, need_p: bool, need_q: bool, unit=None):
+    """The create_graph backward's (dp, dq): ``±0.5·sign(p - q)·g`` (0 for ignored rows) with a
+    graph to the cotangent ``g`` only, as the reference's: sign is constant almost everywhere, so
+    its second derivative in p and q is 0. ``unit``: the forward's gradients for a unit scalar
+    cotangent (a scalar reduction; p2, q2, valid are then unused), else ``g`` is elementwise."""
+    if unit is not None:
+        return tuple(None if u is None else u * g for u in unit)
+    s = 0.5 * torch.sign(p2.detach().to(acc) - q2.detach().to(acc)) * g.reshape(p2.shape).to(acc)
+    if valid is not None:
+        s = torch.where(valid.reshape(-1, 1), s, 0.0)
+    return (s.to(p2.dtype) if need_p else None), ((-s).to(q2.dtype) if need_q else None)
+
+
 class _TVD(torch.autograd.Function):
     @staticmethod
     def forward(ctx, p, q, labels, reduction, ignore_index):  # type: ignore[override]
@@ -85,12 +98,19 @@ class _TVD(torch.autograd.Function):
         p_shape, q_shape, reduction, acc, need_p, need_q = ctx.meta
         if reduction == "none":
             p2, q2, valid = ctx.saved_tensors
-            _, gp, gq = _walk(p2, q2, valid, acc, reduction, None, need_p, need_q, cot=g.reshape(p2.shape))
+            if torch.is_grad_enabled():  # create_graph=True: differentiable gradients (see graph_grads)
+                gp, gq = graph_grads(p2, q2, valid, acc, g, need_p, need_q)
+            else:
+                _, gp, gq = _walk(p2, q2, valid, acc, reduction, None, need_p, need_q, cot=g.reshape(p2.shape))
         else:
             if ctx.grads is None:
                 raise RuntimeError("polykernel tvd (torch): backward ran twice; the gradients were computed in the forward and consumed")
-            (gp, gq), ctx.grads = ctx.grads, None
-            scale_grads_(g, gp, gq)
+            (gp, gq) = ctx.grads  # consumed by a plain backward (a create_graph one may run again: retain_graph)
+            if torch.is_grad_enabled():  # create_graph=True: differentiable gradients (see graph_grads)
+                gp, gq = graph_grads(None, None, None, acc, g, need_p, need_q, unit=(gp, gq))
+            else:
+                ctx.grads = None
+                scale_grads_(g, gp, gq)
         return (None if gp is None else gp.view(p_shape)), (None if gq is None else gq.view(q_shape)), None, None, None
 
 

@@ -154,5 +154,5 @@ def fused_linear_jsd(
     """The registered impl (arguments already validated by ``polykernel.fused_linear_jsd``)."""
     return run(
         student_hidden, student_weight, teacher_hidden, teacher_weight, labels, float(beta), ignore_index, float(temperature), _chunk,
-        scale_grads_,
+        scale_grads_, impl="triton",
     )  # fmt: skip

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from ...ops._distill import acc_dtype
-from ...ops.jsd import reference  # noqa: F401  (semantics live in the op file)
+from ...ops.jsd import OP_ID, reference  # noqa: F401  (reference: semantics live in the op file)
+from ..torch._double_backward import anchor, refuse
 from ..torch.jsd import count_and_scale
 from ._autograd import lean_apply
 from ._distill import config, jsd_elem
@@ -124,6 +125,8 @@ class _JSD(torch.autograd.Function):
         dx = torch.empty(x2.shape, dtype=x2.dtype, device=x2.device)
         rows = jsd_rows(x2, y2, lab, ignore_index, float(beta), dx, scale)
         ctx.dx, ctx.shape = dx, student_logp.shape
+        with torch.enable_grad():  # a handle on the input's graph, for refuse(); the inputs are not kept
+            ctx.save_for_backward(anchor(student_logp))
         return rows.sum() / count
 
     @staticmethod
@@ -131,8 +134,15 @@ class _JSD(torch.autograd.Function):
         dx, ctx.dx = ctx.dx, None
         if dx is None:
             raise RuntimeError("polykernel jsd (triton): backward ran twice; the gradient was computed in the forward and consumed")
+        if torch.is_grad_enabled():  # create_graph=True: this gradient carries no graph
+            dx = dx * g
+            (dx,) = refuse(OP_ID, "triton", _WHY, (*ctx.saved_tensors, g if g.requires_grad else None), dx)
+            return dx.view(ctx.shape), None, None, None, None
         scale_grads_(g, dx)
         return dx.view(ctx.shape), None, None, None, None
+
+
+_WHY = 'the gradient is computed in the forward and the inputs are not kept; use impl="torch"'
 
 
 _lean_apply = lean_apply(_JSD)  # _JSD.apply without its Python wrapper (see _autograd.py)

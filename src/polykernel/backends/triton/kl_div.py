@@ -22,6 +22,7 @@ import triton.language as tl
 
 from ...ops._distill import acc_dtype
 from ...ops.kl_div import divisor, reference  # noqa: F401  (reference: the semantics live in the op file)
+from ..torch.kl_div import graph_grads
 from ._autograd import lean_apply
 from ._distill import config
 from ._launch import launch
@@ -144,9 +145,14 @@ class _KLDiv(torch.autograd.Function):
         need_x, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.meta = (input.shape, reduction, log_target, need_x, need_t)
         ctx.grads = None
+        # the inputs as well (references) when target needs a gradient: a create_graph backward
+        # then differentiates through both (torch.kl_div.graph_grads)
+        inputs = (input, target) if need_t else ()
         if reduction == "none":
-            ctx.save_for_backward(x2, t2)
+            ctx.save_for_backward(x2, t2, *inputs)
             return kl_div_rows(x2, t2, log_target, 2).view(input.shape)
+        if inputs:
+            ctx.save_for_backward(*inputs)
         div = divisor(input, reduction)
         dx = _empty_like_rows(x2) if need_x else None
         dt = _empty_like_rows(t2) if need_t else None
@@ -158,7 +164,10 @@ class _KLDiv(torch.autograd.Function):
     def backward(ctx, g):  # type: ignore[override]
         shape, reduction, log_target, need_x, need_t = ctx.meta
         if reduction == "none":
-            x2, t2 = ctx.saved_tensors
+            x2, t2, *inputs = ctx.saved_tensors
+            if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, by the torch formula
+                acc = acc_dtype(x2, t2)
+                return (*graph_grads(inputs, x2, t2, acc, reduction, log_target, g, (need_x, need_t), shape), None, None)
             dx = _empty_like_rows(x2) if need_x else None
             dt = _empty_like_rows(t2) if need_t else None
             kl_div_rows(x2, t2, log_target, 0, dx, dt, cot=as_rows(g.float(), shape[-1]))
@@ -167,7 +176,15 @@ class _KLDiv(torch.autograd.Function):
                 raise RuntimeError(
                     "polykernel kl_div (triton): backward ran twice; the gradients were computed in the forward and consumed"
                 )
-            (dx, dt), ctx.grads = ctx.grads, None
+            (dx, dt) = ctx.grads  # consumed by a plain backward (a create_graph one may run again: retain_graph)
+            if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, by the torch formula
+                unit = (dx, dt)
+                return (
+                    *graph_grads(ctx.saved_tensors, None, None, None, reduction, log_target, g, (need_x, need_t), shape, unit),
+                    None,
+                    None,
+                )
+            ctx.grads = None
             scale_grads_(g, dx, dt)
         return (None if dx is None else dx.view(shape)), (None if dt is None else dt.view(shape)), None, None
 

@@ -22,7 +22,7 @@ import triton.language as tl
 from ...ops._distill import acc_dtype
 from ...ops.tvd import reference  # noqa: F401  (semantics live in the op file)
 from ..torch.jsd import count_and_scale
-from ..torch.tvd import divide
+from ..torch.tvd import divide, graph_grads
 from ._autograd import lean_apply
 from ._distill import config
 from ._launch import launch
@@ -166,14 +166,22 @@ class _TVD(torch.autograd.Function):
         p_shape, q_shape, reduction, ignore_index, need_p, need_q = ctx.meta
         if reduction == "none":
             p2, q2, lab = ctx.saved_tensors
+            if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, by the torch formula
+                valid = None if lab is None else lab != ignore_index
+                dp, dq = graph_grads(p2, q2, valid, acc_dtype(p2, q2), g, need_p, need_q)
+                return (None if dp is None else dp.view(p_shape)), (None if dq is None else dq.view(q_shape)), None, None, None
             dp = _empty_like_rows(p2) if need_p else None
             dq = _empty_like_rows(q2) if need_q else None
             tvd_rows(p2, q2, lab, ignore_index, 0, dp, dq, cot=as_rows(g.float(), p_shape[-1]))
         else:
             if ctx.grads is None:
                 raise RuntimeError("polykernel tvd (triton): backward ran twice; the gradients were computed in the forward and consumed")
-            (dp, dq), ctx.grads = ctx.grads, None
-            scale_grads_(g, dp, dq)
+            (dp, dq) = ctx.grads  # consumed by a plain backward (a create_graph one may run again: retain_graph)
+            if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, by the torch formula
+                dp, dq = graph_grads(None, None, None, None, g, need_p, need_q, unit=(dp, dq))
+            else:
+                ctx.grads = None
+                scale_grads_(g, dp, dq)
         return (None if dp is None else dp.view(p_shape)), (None if dq is None else dq.view(q_shape)), None, None, None
 
 
