@@ -17,6 +17,7 @@
 #   losses      issue 22: distillation and preference losses (bench rows and GPU tests), vs Liger
 #   moe         issue 24: one experts layer at Qwen3-30B-A3B and Mixtral shapes, a small Qwen3-MoE trained
 #   trl         issue 22: TRL's DPOTrainer on a Llama-1B shape, ours vs use_liger_kernel
+#   checks      the double-backward GPU tests (CuTeDSL, cuTile) and the peers' refusal overhead
 #   families-1..6  issue 23: each family trained at a ~1B shape, plain / polykernel / Liger / compile
 #
 # Each step runs under its own time limit (a step that overruns is cut, its log says so, the next
@@ -77,7 +78,7 @@ case $part in
     step cuda-jit-build 150 python3 -m polykernel.backends.cuda_jit._build
     step providers 60 python3 benchmarks/kernels/providers.py --json "$R/providers.json"
     step decode 150 python3 benchmarks/models/decode_loop.py --steps 32 --repeats 3 --json "$R/decode.json"
-    step serving-sweep 180 python3 benchmarks/tuning/sweep_serving.py --out "$R/sweep"
+    step serving-sweep 200 python3 benchmarks/tuning/sweep_serving.py --out "$R/sweep"
     ;;
   losses)
     gpu_tests loss-tests 150 tests/ops/test_kl_div.py tests/ops/test_jsd.py tests/ops/test_tvd.py \
@@ -90,6 +91,10 @@ case $part in
     gpu_tests moe-tests 100 tests/ops/test_moe.py tests/ops/test_moe_gpt_oss.py
     step moe-layer 200 python3 benchmarks/kernels/moe.py --gpt-oss --json "$R/moe.json"
     step moe-train 230 python3 benchmarks/models/moe_train.py --steps 8 --timeout 100 --json "$R/moe_train.json"
+    ;;
+  checks)
+    gpu_tests double-backward 200 tests/ops/test_double_backward.py
+    step peer-refusing 90 python3 benchmarks/host/peer_refusing.py --cuda --json "$R/peer_refusing.json"
     ;;
   trl)
     step trl-dpo 520 python3 benchmarks/models/trl_dpo.py --steps 8 --timeout 250 --json "$R/trl_dpo.json"
