@@ -9,6 +9,7 @@
 #                Liger wheel (`bash ../shared/gpu/stage.sh`); carry .gpu/serving/{setup.sh,manifest,parts-1}
 #                and the stage script's Liger paths. Each part sets the peers up again when the
 #                machine is fresh (seconds once unpacked).
+#   checks     : `bash ../shared/gpu/stage.sh cute cutile` (its 2-3 runs; the CuTeDSL and cuTile tests skip without).
 #   the others : the Liger wheel only.
 #
 # Parts, in the order the issues' "Done when" need them (the GPU time is 30 min a session):
