@@ -193,3 +193,31 @@ def test_threads_meeting_new_buckets_at_once(monkeypatch):
         t.join()
     assert not errors
     assert set(polykernel.decisions("rms_norm")[0]["by_size"]) == {f"float32[{r}x8], float32[8]" for r in (SMALL, LARGE, 32)}
+
+
+def test_fn_for_gives_the_buckets_impl_whose_attributes_the_compiled_path_reads(monkeypatch):
+    monkeypatch.setenv("POLYKERNEL_TUNE", "on")
+    two_impls()
+    specs = registry.specs_for("rms_norm")
+    xs, ws = xw(SMALL)
+    xl, wl = xw(LARGE)
+    polykernel.rms_norm(xs, ws)
+    polykernel.rms_norm(xl, wl)
+    d = _decision()
+    args = (1e-6, 0.0, "fp32")
+    assert d.fn_for((xs, ws, *args)) is registry.load_impl(specs["cuda_jit"])
+    assert d.fn_for((xl, wl, *args)) is registry.load_impl(specs["cute_dsl"])  # (a forward/backward split is its attribute)
+
+
+def test_a_lookup_error_in_a_new_bucket_is_raised_and_marks_nothing_broken(monkeypatch):
+    monkeypatch.setenv("POLYKERNEL_TUNE", "on")
+    small, large = two_impls()
+    impls = {"cuda_jit": small, "cute_dsl": large}
+    xs, ws = xw(SMALL)
+    polykernel.rms_norm(xs, ws)
+    monkeypatch.setenv("POLYKERNEL_TUNE", "sometimes")  # read again by the new bucket's lookup
+    with pytest.raises(ValueError, match="POLYKERNEL_TUNE"):
+        polykernel.rms_norm(*xw(LARGE))
+    monkeypatch.setenv("POLYKERNEL_TUNE", "on")
+    assert sel._broken.get(("norm.rms_norm", _decision().key.argclass), {}) == {}
+    assert runs(impls, xs, ws) == "cuda_jit"  # the tuned decision stands

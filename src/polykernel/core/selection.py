@@ -280,6 +280,11 @@ class Decision:
     # runs; None otherwise. ``impl`` is then the first bucket's choice.
     by_size: Any = None
 
+    def fn_for(self, args: tuple[Any, ...]) -> Any:
+        """What a call with ``args`` runs: ``fn``, or for a tuned decision its bucket's impl
+        (whose attributes, e.g. a forward/backward split, the compiled path reads)."""
+        return self.fn if self.by_size is None else self.by_size.slot(args).run.fn
+
     def impl_for(self, args: tuple[Any, ...]) -> str:
         """The impl that a call with ``args`` runs under this decision (its bucket's, if tuned)."""
         slot = None if self.by_size is None else self.by_size.slot_for(args)
@@ -293,6 +298,8 @@ class Decision:
             raise exc
         if subclass_name(args) is not None:  # the next impl may read raw memory: never on a subclass
             raise exc
+        if self.by_size is not None and self.by_size.slot_for(args) is None:
+            raise exc  # the bucket's lookup raised (a bad POLYKERNEL_TUNE, say), before any impl ran
         argkey = self.key.argclass
         failed = self.impl_for(args)  # a tuned decision: the impl of this call's size bucket
         what = "failed verification" if isinstance(exc, ImplVerificationError) else "failed at run time"

@@ -119,9 +119,17 @@ class BySize:
         fn.by_size = self  # type: ignore[attr-defined]
         return fn
 
+    def slot(self, args: tuple[Any, ...]) -> Slot:
+        """The slot a call with ``args`` runs, met now if it is new (a lookup). Off the hot path."""
+        return self.slots.get(_bucket(args)) or self._met(args)
+
     def slot_for(self, args: tuple[Any, ...]) -> Slot | None:
-        """The slot a call with ``args`` runs (None before one met its bucket). Off the hot path."""
-        return self.slots.get(_bucket(args))
+        """The slot a call with ``args`` runs (None before one met its bucket, or for arguments
+        that have none). Off the hot path."""
+        try:
+            return self.slots.get(_bucket(args))
+        except Exception:
+            return None
 
     def seed(self, args: tuple[Any, ...], impl: str, fn: Any) -> None:
         """The decision's own choice for its first call's bucket (already behind the decision's
