@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import time
 import types
+from collections.abc import Callable
+from typing import Any
 
 
 class FakeClock:
@@ -53,7 +55,7 @@ def plant(
     backend: str,
     rank: int,
     *,
-    delay: float = 0.0,
+    delay: float | Callable[[Any], float] = 0.0,
     wrong: bool = False,
     fail: bool = False,
     wrong_grad: bool = False,
@@ -61,8 +63,9 @@ def plant(
     reports_ms: float | None = None,
 ) -> list[int]:
     """Register an rms_norm impl named ``backend``; returns the list its calls append to.
-    ``first_delay``: extra time its first call takes (a compile); ``reports_ms``: the compile
-    time it reports having paid (``impl.compile_ms``, as the torch_compile impls do)."""
+    ``delay``: seconds per call, or a function of ``x`` giving them (a speed that depends on the
+    size); ``first_delay``: extra time its first call takes (a compile); ``reports_ms``: the
+    compile time it reports having paid (``impl.compile_ms``, as the torch_compile impls do)."""
     import torch
 
     import polykernel
@@ -86,8 +89,9 @@ def plant(
             raise RuntimeError("planted failure")
         if first_delay and len(calls) == 1:
             (_clock or time).sleep(first_delay)
-        if delay:
-            (_clock or time).sleep(delay)
+        seconds = delay(x) if callable(delay) else delay
+        if seconds:
+            (_clock or time).sleep(seconds)
         y = reference(x, weight, eps, offset, casting)
         if wrong_grad:
             return _WrongGrad.apply(y)

@@ -39,9 +39,9 @@ Per point (op, tokens), as ``sweep_tuning.py`` does it (its helpers are imported
   rows with explain's reason;
 - the tuned choice: the public call with ``POLYKERNEL_TUNE=on`` and a fresh store (DIR/cache),
   measured and stored by its first call, made on the example's fresh arguments before anything
-  else runs on them. The in-process memo is cleared before each point: decisions are memoized
-  per argument class, which holds the row length but not the token count (docs/tuning.md's
-  limitation), so without it the first token count met would decide for the whole op.
+  else runs on them. The in-process caches are cleared before each point, so that each point is
+  measured on its own and first (its timing starts from a fresh decision), as a process meeting
+  that size alone would; a tuned decision chooses per size bucket anyway (docs/tuning.md).
 
 Two times per row, each the median of ``ROUNDS`` interleaved rounds:
 

@@ -714,7 +714,7 @@ class CompiledOp:
             args = full(tuple(args))
             op = _current(op_id)
             decision = _training_decision(op, impl, args, names)
-            split = _split_of(decision.fn) if uses_split else None
+            split = _split_of(decision.fn_for(args)) if uses_split else None
             saved = None
             with torch.no_grad():
                 try:
@@ -817,7 +817,7 @@ class CompiledOp:
             grads, saved = list(rest[:n_out]), list(rest[n_out : n_out + n_saved])
             *args, mask = rest[n_out + n_saved :]
             op = _current(op_id)
-            split = _split_of(_training_decision(op, impl, args, names).fn) if uses_split else None
+            split = _split_of(_training_decision(op, impl, args, names).fn_for(args)) if uses_split else None
             if split is None:  # an impl without a split (a peer, say): recompute its forward
                 it = iter(recompute(grads, *args, mask, impl=impl))
                 got = [next(it) if m else None for m in mask]

@@ -276,6 +276,19 @@ class Decision:
     # Whether an impl call went through this decision (``decisions()`` lists only those: a DTensor
     # call's plain decision, made before its route took over, never ran).
     ran: bool = False
+    # A tuned decision's per-size-bucket chooser (polykernel.tuning.by_size.BySize), which ``fn``
+    # runs; None otherwise. ``impl`` is then the first bucket's choice.
+    by_size: Any = None
+
+    def fn_for(self, args: tuple[Any, ...]) -> Any:
+        """What a call with ``args`` runs: ``fn``, or for a tuned decision its bucket's impl
+        (whose attributes, e.g. a forward/backward split, the compiled path reads)."""
+        return self.fn if self.by_size is None else self.by_size.slot(args).run.fn
+
+    def impl_for(self, args: tuple[Any, ...]) -> str:
+        """The impl that a call with ``args`` runs under this decision (its bucket's, if tuned)."""
+        slot = None if self.by_size is None else self.by_size.slot_for(args)
+        return self.impl if slot is None else slot.impl
 
     def on_fault(self, exc: Exception, args: tuple[Any, ...]) -> Any:
         """Runtime-fault policy: fall back from an impl chosen by steps 4-6 that raised."""
@@ -285,23 +298,28 @@ class Decision:
             raise exc
         if subclass_name(args) is not None:  # the next impl may read raw memory: never on a subclass
             raise exc
+        if self.by_size is not None and self.by_size.slot_for(args) is None:
+            raise exc  # the bucket's lookup raised (a bad POLYKERNEL_TUNE, say), before any impl ran
         argkey = self.key.argclass
+        failed = self.impl_for(args)  # a tuned decision: the impl of this call's size bucket
         what = "failed verification" if isinstance(exc, ImplVerificationError) else "failed at run time"
+        where = "" if self.by_size is None else f" on {self.by_size.label(args)}"
         message = (
-            f"polykernel: {self.op.id}: impl {self.impl!r} {what} "
+            f"polykernel: {self.op.id}: impl {failed!r} {what}{where} "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
             f"falling back to the next impl for this argument class"
         )
         with _lock:
-            _broken.setdefault((self.op.id, argkey), {})[self.impl] = f"{what}: {type(exc).__name__}"
+            _broken.setdefault((self.op.id, argkey), {})[failed] = f"{what}: {type(exc).__name__}"
             self.op.forget(self.key)
         try:
-            nxt = decide(self.op, self.key)
+            # A tuned class stays chosen per bucket: the others keep their measured impls.
+            nxt = decide(self.op, self.key, by_size=self.by_size is not None)
         except ImplNotAvailableError:
             # Nothing else can run: the user's own error is the useful one, and the impl must not
             # stay marked broken (it may be a transient failure or bad data, not a bad kernel).
             with _lock:
-                _broken.get((self.op.id, argkey), {}).pop(self.impl, None)
+                _broken.get((self.op.id, argkey), {}).pop(failed, None)
             raise exc from None
         nxt.source = "fallback"
         try:
@@ -312,15 +330,15 @@ class Decision:
             # the cause, not this impl. A bad argument never marks an impl broken: undo, and
             # raise the first error with a note.
             with _lock:
-                _broken.get((self.op.id, argkey), {}).pop(self.impl, None)
+                _broken.get((self.op.id, argkey), {}).pop(failed, None)
                 self.op.forget(self.key)
             _add_note(
                 exc,
-                f"polykernel: {self.op.id}: the next impl ({nxt.impl!r}) failed on the same arguments too "
+                f"polykernel: {self.op.id}: the next impl ({nxt.impl_for(args)!r}) failed on the same arguments too "
                 f"({type(again).__name__}), so nothing was marked broken: check the arguments",
             )
             raise exc from None
-        once = ("fault", self.op.id, self.impl, argkey)
+        once = ("fault", self.op.id, failed, argkey)
         if once not in _logged:
             _logged.add(once)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
@@ -401,18 +419,62 @@ def log_once(key: tuple[Any, ...], message: str) -> None:
         log.warning(message)
 
 
-def decide(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None) -> Decision:
+def decide(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None, by_size: bool = False) -> Decision:
     """Resolve ``key`` = (argkey, impl, scope, deterministic, capturing) and memoize it.
 
-    ``args``: the call's real arguments (the op's miss path), which tuning may measure on."""
+    ``args``: the call's real arguments (the op's miss path), which tuning may measure on.
+    ``by_size``: choose per size bucket even if this key's answer is static (a tuned decision's
+    fallback after a fault, whose other buckets keep their measured impls)."""
     decision = _resolve(op, key, args, measure=args is not None)
-    decision.raw = not registry.specs_for(op)[decision.impl].accepts_subclasses or op.id in routed
+    if decision.source == "tuned" or (by_size and decision.source == "auto"):
+        _choose_by_size(decision, args)
+    decision.raw = any(not registry.specs_for(op)[n].accepts_subclasses for n in _impls_of(decision)) or op.id in routed
     decision.fn = first_call.checked(decision)  # outputs and backward checked on the first call
     decision.cuda = getattr(key.argclass[0], "type", None) == "cuda"
     decision.guarded = decision.raw or decision.cuda
     op.remember(key, decision)
     _record[(op.id, key)] = decision  # what `decisions()` lists once it ran; outlives the memo
     return decision
+
+
+def _impls_of(decision: Decision) -> list[str]:
+    """The impls a decision may run: its own, and for a per-bucket one every runnable impl."""
+    if decision.by_size is None:
+        return [decision.impl]
+    return [v.name for v in decision.verdicts if v.runnable]
+
+
+def _choose_by_size(decision: Decision, args: tuple[Any, ...] | None) -> None:
+    """Make a tuned decision choose per size bucket (:class:`polykernel.tuning.by_size.BySize`):
+    its ``fn`` becomes the chooser, seeded with its own choice for ``args``' bucket."""
+    import dataclasses
+
+    from ..tuning.by_size import BySize
+
+    op, argkey = decision.op, decision.key.argclass
+    rows = decision.verdicts
+    by_name = {v.name: v for v in rows}
+    static = _auto(op, rows, decision.key) if decision.source == "tuned" else decision
+    if static is None:  # (the torch impl is eligible everywhere: not expected)
+        return
+
+    def load(name: str) -> Any:
+        v = by_name.get(name)
+        return _load(op, v) if v is not None and v.runnable else None
+
+    def checked(name: str, fn: Any) -> Any:
+        # Another impl than the decision's own: its first call checked as a decision for it would be.
+        shadow = dataclasses.replace(decision, impl=name, fn=fn, by_size=None, check=None)
+        shadow.fn = first_call.checked(shadow)
+        return shadow
+
+    chooser = BySize(
+        op, argkey, rows, bool(decision.key.capturing), bool(decision.key.deterministic), load, (static.impl, static.fn), checked
+    )
+    if args is not None and decision.source == "tuned":
+        chooser.seed(args, decision.impl, decision.fn)
+    decision.by_size = chooser
+    decision.fn = chooser if args is None else chooser.function(args)
 
 
 def record_route(op: Op, key: tuple[Any, ...], subclass: str, impl: str, source: str) -> None:
@@ -556,7 +618,15 @@ def _resolve(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None, 
     # torch impl, the fallback of last resort: an impl ranked behind it (torch_compile, whose first
     # call compiles) runs by name or by measurement, so a failing torch impl's error surfaces
     # instead of a compile that hides it.
-    last = by_name.get("torch")
+    auto = _auto(op, rows, key)
+    if auto is not None:
+        return auto
+    raise ImplNotAvailableError(op.id, "auto", "no registered impl can run for these arguments", [])
+
+
+def _auto(op: Op, rows: list[Verdict], key: Any = None) -> Decision | None:
+    """Step 6: the best-ranked runnable impl, never one ranked behind the torch impl."""
+    last = next((v for v in rows if v.name == "torch"), None)
     for v in rows:
         if last is not None and v.rank > last.rank:
             break
@@ -564,7 +634,7 @@ def _resolve(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None, 
             fn = _load(op, v)
             if fn is not None:
                 return Decision(op, key, v.name, fn, "auto", True, rows)
-    raise ImplNotAvailableError(op.id, "auto", "no registered impl can run for these arguments", [])
+    return None
 
 
 def _required(hit: Decision | None, op: Op, names: Sequence[str], runnable: list[str]) -> Decision:
@@ -786,5 +856,7 @@ def decisions(op: str | None = None) -> list[dict[str, Any]]:
         record = {"op": op_id, "arg_class": d.op.arg_class(key.argclass).as_dict(), "impl": d.impl, "source": d.source, "skipped": skipped}
         if key.subclass is not None:
             record["subclass"] = key.subclass
+        if d.by_size is not None:  # a tuned decision: what each size bucket met ran
+            record["by_size"] = d.by_size.record()
         out.append(record)
     return out

@@ -1,0 +1,214 @@
+"""A tuned decision's callable: the impl measured for the call's size bucket, chosen per call.
+
+Decisions are memoized per argument class (dtypes, last dim, options: no row count), while the
+store keys entries by bucketed sizes (:mod:`polykernel.tuning.key`). A tuned decision therefore
+runs a :class:`BySize`: per call, the tensor arguments' element counts (one C call each; the class
+fixes their last dims) find the slot in a dict; a count met for the first time is bucketed as the
+store's key writes it (:func:`polykernel.tuning.key.tensor_class`), and a bucket met for the first
+time asks :func:`polykernel.tuning.lookup` with the call's real arguments (which measures in mode
+``on`` where measuring is allowed, reads the store otherwise). A bucket the store has nothing for
+runs the class's static choice. Untuned decisions never get one: no per-call cost.
+
+Two calls of one bucket share its slot even where the store would tell them apart: a strided and
+a contiguous tensor of one size, and 1-d tensors (targets, positions), whose exact length the
+store keys but whose length is bucketed here, so that a serving loop measures once per power of
+two of tokens rather than once per prompt length (its first length's entry serves the bucket).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..core import codegen
+from . import key as tuning_key
+
+if TYPE_CHECKING:
+    from ..core.op import Op
+
+__all__ = ["BySize"]
+
+# Past this many element counts per decision (a server meets every prompt length) the count ->
+# slot dict starts again: a count met again then costs its bucket's text (~µs), never a lookup.
+MAX_COUNTS = 4096
+
+
+class Plain:
+    """An impl that runs as it is (``fn``), under its name: what a slot holds when no first-call
+    check is due (the decision's own choice, which the decision's checks cover)."""
+
+    __slots__ = ("fn", "impl")
+
+    def __init__(self, impl: str, fn: Any) -> None:
+        self.impl, self.fn = impl, fn
+
+
+class Slot:
+    """One bucket's choice: ``run``, an object whose ``fn`` runs the impl (a shadow decision for
+    it while its first-call checks are due, which then puts the impl itself there), and ``impl``;
+    ``label``: the bucket as the store's key writes its tensors; ``tuned``: the store named it."""
+
+    __slots__ = ("impl", "label", "run", "tuned")
+
+    def __init__(self, run: Any, label: str, tuned: bool) -> None:
+        self.run, self.impl, self.label, self.tuned = run, run.impl, label, tuned
+
+
+class BySize:
+    """Per size bucket, the impl that runs for a tuned decision (see the module docstring).
+
+    ``load(name)``: the impl's callable when it is registered and runnable for the class (the
+    selection layer's ``_load``), else None; ``static``: the class's static choice (name and
+    callable), for buckets the store has nothing for; ``checked(name, fn)``: an object whose
+    ``fn`` runs ``fn`` behind the first-call checks of a decision for ``name`` (an impl this
+    decision has not run yet), then ``fn`` itself.
+    """
+
+    def __init__(
+        self,
+        op: Op,
+        argkey: tuple[Any, ...],
+        rows: Sequence[Any],
+        capturing: bool,
+        deterministic: bool,
+        load: Callable[[str], Any],
+        static: tuple[str, Any],
+        checked: Callable[[str, Any], Any],
+    ) -> None:
+        self.op, self.argkey, self.rows = op, argkey, rows
+        self.capturing, self.deterministic = capturing, deterministic
+        self._load, self._checked = load, checked
+        self.static = static
+        self.slots: dict[tuple[str, ...], Slot] = {}  # bucket (as the store writes it) -> slot
+        self.counts: dict[Any, Slot] = {}  # the tensors' element counts -> their bucket's slot
+        self._runs: dict[str, Any] = {}  # impl name -> what runs it: checked once per decision
+        self._sizes: Callable[[tuple[Any, ...]], tuple[int, ...]] | None = None
+        self._lock = threading.Lock()
+
+    # -- per call ---------------------------------------------------------------------------
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            slot = self.counts.get(self._sizes(args))  # type: ignore[misc]  # None at first: TypeError
+        except Exception:  # the first call, or an argument that is not the tensor it was
+            slot = None
+        if slot is None:
+            slot = self._met(args)
+        return slot.run.fn(*args)
+
+    def function(self, args: tuple[Any, ...]) -> Callable[..., Any]:
+        """:meth:`__call__` as code generated for the tensor positions of ``args`` (a call of
+        this class has its tensors there): ~0.3 µs less per call than the method."""
+        self._sizes = _sizes_fn(args)
+        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        counts = "".join(f"a[{i}].numel(), " for i in positions)
+        src = (
+            "def choose(*a):\n"
+            "    try:\n"
+            f"        slot = get(({counts}))\n"
+            "    except Exception:  # an argument that is not the tensor it was\n"
+            "        slot = None\n"
+            "    if slot is None:\n"
+            "        slot = met(a)\n"
+            "    return slot.run.fn(*a)\n"
+        )
+        fn = codegen.define(src, "<polykernel tuned per size>", "choose", {"get": self.counts.get, "met": self._met})
+        fn.by_size = self  # type: ignore[attr-defined]
+        return fn
+
+    def slot(self, args: tuple[Any, ...]) -> Slot:
+        """The slot a call with ``args`` runs, met now if it is new (a lookup). Off the hot path."""
+        return self.slots.get(_bucket(args)) or self._met(args)
+
+    def slot_for(self, args: tuple[Any, ...]) -> Slot | None:
+        """The slot a call with ``args`` runs (None before one met its bucket, or for arguments
+        that have none). Off the hot path."""
+        try:
+            return self.slots.get(_bucket(args))
+        except Exception:
+            return None
+
+    def seed(self, args: tuple[Any, ...], impl: str, fn: Any) -> None:
+        """The decision's own choice for its first call's bucket (already behind the decision's
+        first-call checks): that bucket asks nothing more."""
+        run = self._runs.setdefault(impl, Plain(impl, fn))
+        self.slots[_bucket(args)] = Slot(run, label(args), True)
+
+    # -- slow path: element counts, then a bucket, met for the first time -------------------
+
+    def _met(self, args: tuple[Any, ...]) -> Slot:
+        bucket = _bucket(args)
+        slot = self.slots.get(bucket)
+        if slot is None:
+            slot = self._new(bucket, args)
+        if self._sizes is None:
+            self._sizes = _sizes_fn(args)
+        try:
+            counts = self._sizes(args)
+        except Exception:  # not the tensors the first call had: the slow path each time
+            return slot
+        if len(self.counts) >= MAX_COUNTS:
+            self.counts.clear()
+        self.counts[counts] = slot
+        return slot
+
+    def _new(self, bucket: tuple[str, ...], args: tuple[Any, ...]) -> Slot:
+        from . import lookup
+
+        name = lookup(self.op, self.argkey, args, self.rows, self.capturing, True, self.deterministic)
+        run = None if name is None else self._run(name)
+        slot = Slot(run, label(args), True) if run is not None else None
+        if slot is None:  # nothing stored (or not runnable here): the class's static choice
+            slot = Slot(self._run(*self.static), label(args), False)
+        with self._lock:  # a racing thread's slot for the same bucket is as good: keep the first
+            slot = self.slots.setdefault(bucket, slot)
+        return slot
+
+    def _run(self, name: str, loaded: Any = None) -> Any:
+        run = self._runs.get(name)
+        if run is None:
+            raw = loaded if loaded is not None else self._load(name)
+            if raw is None:
+                return None
+            run = self._runs.setdefault(name, self._checked(name, raw))
+        return run
+
+    @staticmethod
+    def label(args: tuple[Any, ...]) -> str:
+        """The call's tensors as the store's key writes them (a fault's warning names the bucket)."""
+        return label(args)
+
+    def record(self) -> dict[str, str]:
+        """Bucket (the store key's tensors) -> impl, for ``decisions()``; a bucket the store had
+        nothing for says ``(static)``."""
+        return {s.label: s.impl if s.tuned else f"{s.impl} (static)" for s in list(self.slots.values())}
+
+
+def label(args: tuple[Any, ...]) -> str:
+    """The call's tensors as the store's key writes them: ``"bfloat16[512x128], bfloat16[128]"``."""
+    return ", ".join(tuning_key.tensor_class(a) for a in args if isinstance(a, torch.Tensor))
+
+
+def _bucket(args: tuple[Any, ...]) -> tuple[str, ...]:
+    """The call's size bucket: each tensor as :func:`polykernel.tuning.key.tensor_class` writes
+    it, a 1-d tensor's length bucketed too (see the module docstring)."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            text = tuning_key.tensor_class(a)
+            if a.dim() == 1:
+                text = f"{str(a.dtype).removeprefix('torch.')}[~{tuning_key.bucket(int(a.shape[0]))}]"
+            out.append(text)
+    return tuple(out)
+
+
+def _sizes_fn(args: tuple[Any, ...]) -> Callable[[tuple[Any, ...]], tuple[int, ...]]:
+    """``sizes(args)``: the element counts of the tensor arguments at the positions where this
+    call has tensors, as generated code (a loop costs more per call)."""
+    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    body = "".join(f"a[{i}].numel(), " for i in positions)
+    src = f"def sizes(a):\n    return ({body})\n"
+    return codegen.define(src, "<polykernel size bucket>", "sizes", {})
