@@ -94,6 +94,27 @@ def test_cached_mode_reads_each_bucket_from_a_previous_process(monkeypatch):
     assert polykernel.decisions("rms_norm")[0]["by_size"]["float32[64x8], float32[8]"] == "cuda_jit (static)"
 
 
+def test_cached_mode_finds_the_other_buckets_when_the_first_call_has_no_entry(monkeypatch):
+    monkeypatch.setenv("POLYKERNEL_TUNE", "on")
+    small, large = two_impls()
+    impls = {"cuda_jit": small, "cute_dsl": large}
+    xl, wl = xw(LARGE)
+    polykernel.rms_norm(xl, wl)  # an earlier process measured the large bucket only
+    monkeypatch.setenv("POLYKERNEL_TUNE", "cached")
+    polykernel.clear_caches()
+    assert runs(impls, *xw(SMALL)) == "cuda_jit"  # no entry: the static choice (the class is decided here)
+    assert runs(impls, xl, wl) == "cute_dsl"  # the same class: the large bucket's stored winner
+    (record,) = polykernel.decisions("rms_norm")
+    assert record["source"] == "auto" and record["by_size"]["float32[512x8], float32[8]"] == "cute_dsl"
+
+
+def test_an_empty_store_keeps_auto_decisions_plain(monkeypatch):
+    monkeypatch.setenv("POLYKERNEL_TUNE", "cached")
+    two_impls()
+    polykernel.rms_norm(*xw(SMALL))
+    assert _decision().by_size is None
+
+
 def test_explain_shows_the_buckets_choice_and_times(monkeypatch):
     monkeypatch.setenv("POLYKERNEL_TUNE", "on")
     two_impls()

@@ -426,7 +426,7 @@ def decide(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None, by
     ``by_size``: choose per size bucket even if this key's answer is static (a tuned decision's
     fallback after a fault, whose other buckets keep their measured impls)."""
     decision = _resolve(op, key, args, measure=args is not None)
-    if decision.source == "tuned" or (by_size and decision.source == "auto"):
+    if decision.source == "tuned" or (decision.source == "auto" and (by_size or _stored_class(op, key))):
         _choose_by_size(decision, args)
     decision.raw = any(not registry.specs_for(op)[n].accepts_subclasses for n in _impls_of(decision)) or op.id in routed
     decision.fn = first_call.checked(decision)  # outputs and backward checked on the first call
@@ -435,6 +435,13 @@ def decide(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None, by
     op.remember(key, decision)
     _record[(op.id, key)] = decision  # what `decisions()` lists once it ran; outlives the memo
     return decision
+
+
+def _stored_class(op: Op, key: tuple[Any, ...]) -> bool:
+    """Whether the tuning store holds another size bucket of this class (this call's has none)."""
+    from .. import tuning
+
+    return tuning.stores_class(op, key.argclass, bool(key.deterministic))  # type: ignore[attr-defined]
 
 
 def _impls_of(decision: Decision) -> list[str]:

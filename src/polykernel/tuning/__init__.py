@@ -110,6 +110,22 @@ def store() -> Store:
     return hit
 
 
+def stores_class(op: Op, argkey: tuple[Any, ...], deterministic: bool = False) -> bool:
+    """Whether the store holds an entry for some size bucket of this argument class (cached
+    mode, the decision's miss path): its first call's bucket may have none, and the others
+    must still find theirs (see :mod:`.by_size`). False when tuning is off or the store empty."""
+    if mode() == "off":
+        return False
+    st = store()
+    if st.empty():
+        return False
+    from . import key as tuning_key
+
+    # the key's JSON up to its tensors (the same text for every bucket of the class)
+    prefix = tuning_key.key(op, argkey, (), deterministic).removesuffix("[]}")
+    return any(k.startswith(prefix) for k in st.entries())
+
+
 def _measurable(args: Sequence[Any], capturing: bool) -> bool:
     import torch
 
