@@ -428,6 +428,25 @@ def test_refusing_liger_cross_entropy_interpreted():
     torch.testing.assert_close(torch.autograd.grad(loss(a), a)[0], torch.autograd.grad(F.cross_entropy(a, t), a)[0])
 
 
+@pytest.mark.parametrize(("op", "call", "ref"), [
+    ("softmax", lambda impl, a: impl(a), lambda a: torch.softmax(a, -1)),
+    ("sparsemax", lambda impl, a: impl(a, -1), lambda a: sparsemax_op.reference(a, -1)),
+])  # fmt: skip
+def test_refusing_liger_softmax_and_sparsemax_interpreted(op, call, ref):
+    # Liger keeps y, not x: x is held by an empty anchor; first order unchanged
+    from polykernel.core import registry
+
+    spec = registry.specs_for(op)["liger"]
+    if spec.missing_modules() or not pk.env.triton_interpret():
+        pytest.skip("needs liger_kernel and TRITON_INTERPRET=1")
+    impl = spec.load()
+    z = 0.5 * torch.randn(3, 7)
+    _raises_naming(registry.get_op(op).id, "liger", lambda: torch.autograd.functional.hessian(lambda a: (call(impl, a) ** 2).sum(), z))
+    a, b = z.clone().requires_grad_(), z.clone().requires_grad_()
+    dy = torch.randn(3, 7)
+    torch.testing.assert_close(torch.autograd.grad(call(impl, a), a, dy)[0], torch.autograd.grad(ref(b), b, dy)[0], rtol=1e-4, atol=1e-5)
+
+
 # -- native_backward: the torch formulas a C++ node would call for create_graph (not wired: csrc/common.h refuses) --
 
 

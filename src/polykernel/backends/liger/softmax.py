@@ -6,10 +6,15 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.softmax import LigerSoftmaxFunction
 
+from ..torch._double_backward import refusing
 from ..torch.softmax import softmax as _torch_softmax
+
+# create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing();
+# Liger keeps y, not x: x is held by an empty anchor)
+_Softmax = refusing(LigerSoftmaxFunction, "activation.softmax", "liger", (0,), kept=False)
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
     if x.numel() == 0:
         return _torch_softmax(x)
-    return LigerSoftmaxFunction.apply(x)
+    return _Softmax.apply(x)

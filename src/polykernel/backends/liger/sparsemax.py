@@ -13,11 +13,16 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.sparsemax import LigerSparsemaxFunction
 
+from ..torch._double_backward import refusing
 from ..torch.sparsemax import sparsemax as _torch_sparsemax
+
+# create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing();
+# Liger keeps y, not x: x is held by an empty anchor)
+_Sparsemax = refusing(LigerSparsemaxFunction, "activation.sparsemax", "liger", (0,), kept=False)
 
 
 def sparsemax(x: torch.Tensor, dim: int) -> torch.Tensor:
     if x.numel() == 0:  # Liger's view(n_rows, n_cols) of an empty x
         return _torch_sparsemax(x, dim)
     bad = ~torch.isfinite(x.detach().amax(dim, keepdim=True))  # all -inf, +inf or NaN in the row
-    return LigerSparsemaxFunction.apply(x, dim).masked_fill(bad, float("nan"))
+    return _Sparsemax.apply(x, dim).masked_fill(bad, float("nan"))
