@@ -10,7 +10,7 @@ import torch
 import polykernel
 from polykernel.core import registry
 from polykernel.ops import OP_MODULES
-from polykernel.ops._serving import overlaps
+from polykernel.ops._serving import overlaps, self_overlapping
 from polykernel.ops.rotary_embedding_ import rope_cache
 from polykernel.testing import runnable_impls
 
@@ -226,3 +226,52 @@ def test_bench_times_the_serving_ops_forward_only(monkeypatch):
     assert rows and {r["mode"] for r in rows} == {"fwd"} and all(r["error"] == "" for r in rows), rows
     assert {r["op"] for r in rows} == {"fused_add_rms_norm_", "rotary_embedding_"} and all(r["GB/s"] > 0 for r in rows)
     assert bench._label("rotary_embedding_", (64, 4096)) == "T64,q32x128,k8"
+
+
+def test_self_overlap_is_never_missed():
+    """self_overlapping is conservative: every layout whose elements share memory is caught."""
+    buf = torch.zeros(1000)
+    rng = random.Random(1)
+    for _ in range(500):
+        dims = rng.randint(1, 3)
+        shape = tuple(rng.randint(1, 5) for _ in range(dims))
+        stride = tuple(rng.randint(0, 12) for _ in range(dims))
+        t = torch.as_strided(buf, shape, stride)
+        shared = len(_elements(t, buf)) < t.numel()
+        assert not shared or self_overlapping(t), (shape, stride)
+    assert not self_overlapping(torch.zeros(6, 32)[:, ::2]) and not self_overlapping(torch.zeros(8, 6).t())
+
+
+def _self_overlapping_calls():
+    x, w, cache, pos = torch.randn(6, 16), torch.randn(16), rope_cache(10, 8), torch.arange(6)
+    shared = torch.zeros(1, 8).expand(6, 8)  # every row the same memory
+    return [
+        ("silu_and_mul-out", "out", lambda impl: polykernel.silu_and_mul(x, out=shared, impl=impl)),
+        ("gelu_and_mul-out", "out", lambda impl: polykernel.gelu_and_mul(x, out=shared, impl=impl)),
+        (
+            "rope-query",
+            "query",
+            lambda impl: polykernel.rotary_embedding_(pos, torch.randn(1, 16).expand(6, 16), None, 8, cache, impl=impl),
+        ),
+        (
+            "rope-key",
+            "key",
+            lambda impl: polykernel.rotary_embedding_(pos, torch.randn(6, 16), torch.randn(1, 8).expand(6, 8), 8, cache, impl=impl),
+        ),
+        ("farn-x", "x", lambda impl: polykernel.fused_add_rms_norm_(torch.randn(1, 16).expand(6, 16), torch.randn(6, 16), w, impl=impl)),
+        (
+            "farn-residual",
+            "residual",
+            lambda impl: polykernel.fused_add_rms_norm_(torch.randn(6, 16), torch.randn(1, 16).expand(6, 16), w, impl=impl),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("call", _self_overlapping_calls(), ids=lambda c: c[0])
+def test_a_written_tensor_whose_elements_share_memory_is_an_error(call, impl):
+    """A stride-0 destination or in-place argument: the Triton impls wrote every row over the
+    same memory (a silently wrong result), torch raised only after writing the other tensor."""
+    _, arg, fn = call
+    with torch.no_grad(), pytest.raises(polykernel.errors.OpArgumentError, match=arg):
+        fn(impl)

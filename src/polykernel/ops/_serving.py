@@ -53,7 +53,33 @@ def destination(op: str, name: str, t: object, shape: tuple[int, ...], dtype: to
         raise check.OpTypeError(op, name, f"expected dtype {dtype}, got {t.dtype}")
     check.same_device(op, name, t, "x", like)
     inference_only(op, name, t)
+    written(op, name, t)
     return t
+
+
+def self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two of ``t``'s elements may share memory (``expand()``'s stride 0, or strides that
+    interleave). Conservative: True unless each dim's stride, smallest first, steps past all the
+    elements the smaller dims span (the sufficient test; every dense or sliced layout passes)."""
+    extent = 0  # how far (in elements) the dims seen so far reach from the first element
+    for stride, size in sorted((abs(st), sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride <= extent:
+            return True
+        extent += (size - 1) * stride
+    return False
+
+
+def written(op: str, name: str, t: torch.Tensor | None) -> None:
+    """A tensor the op writes (a destination or an in-place argument) must hold each element in
+    its own memory: a kernel writing a stride-0 tensor row by row would leave the last row's
+    values everywhere (a silently wrong result), so it is an error before anything is written."""
+    if t is not None and not _compiling() and self_overlapping(t):  # traced: the custom op's real call checks
+        raise check.OpArgumentError(
+            op,
+            name,
+            f"has elements that share memory (strides {tuple(t.stride())} for shape {tuple(t.shape)}, e.g. from expand()): "
+            "it is written in place; pass a tensor of its own memory (.contiguous())",
+        )
 
 
 def _rows(t: torch.Tensor) -> tuple[int, int, int] | None:

@@ -45,6 +45,8 @@ def validate(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps:
     fused.check_arguments(OP_ID, x, residual, weight, eps, offset)
     for name, t in (("x", x), ("residual", residual), ("weight", weight)):
         serving.inference_only(OP_ID, name, t)
+    serving.written(OP_ID, "x", x)
+    serving.written(OP_ID, "residual", residual)
     serving.no_overlap(OP_ID, "residual", residual, "x", x)  # (the weight is read only; a weight inside x is not guarded against)
 
 

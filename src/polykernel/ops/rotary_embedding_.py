@@ -89,6 +89,7 @@ def _qk(name: str, t: torch.Tensor, tokens: int, head_size: int) -> None:
     else:
         raise check.OpArgumentError(OP_ID, name, f"expected [T, heads·head_size] or [T, heads, head_size], got shape {tuple(t.shape)}")
     serving.inference_only(OP_ID, name, t)
+    serving.written(OP_ID, name, t)
 
 
 def validate(
