@@ -275,3 +275,34 @@ def test_a_written_tensor_whose_elements_share_memory_is_an_error(call, impl):
     _, arg, fn = call
     with torch.no_grad(), pytest.raises(polykernel.errors.OpArgumentError, match=arg):
         fn(impl)
+
+
+def _read_inside_written_calls():
+    pos, w = torch.arange(6).flip(0), torch.randn(16)
+    q = torch.randn(6, 16)
+    x = torch.randn(6, 16)
+    return [
+        ("rope-cache-in-query", "cos_sin_cache", lambda impl: polykernel.rotary_embedding_(pos, q, None, 16, q[:, :8], impl=impl)),
+        (
+            "rope-cache-in-key",
+            "cos_sin_cache",
+            lambda impl: polykernel.rotary_embedding_(pos, torch.randn(6, 16), q, 16, q[:, :8], impl=impl),
+        ),
+        ("farn-weight-in-x", "weight", lambda impl: polykernel.fused_add_rms_norm_(x, torch.randn(6, 16), x[2], impl=impl)),
+        ("farn-weight-in-residual", "weight", lambda impl: polykernel.fused_add_rms_norm_(torch.randn(6, 16), x, x[2], impl=impl)),
+        ("farn-weight-apart", None, lambda impl: polykernel.fused_add_rms_norm_(torch.randn(6, 16), torch.randn(6, 16), w, impl=impl)),
+    ]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("call", _read_inside_written_calls(), ids=lambda c: c[0])
+def test_a_read_argument_inside_a_written_one_is_an_error(call, impl):
+    """The cache or weight inside a tensor the op writes: the Triton rope read rows that other
+    tokens had already rotated (a silently wrong result); the norm's weight raced the same way."""
+    _, arg, fn = call
+    with torch.no_grad():
+        if arg is None:
+            fn(impl)
+            return
+        with pytest.raises(polykernel.errors.OpArgumentError, match=arg):
+            fn(impl)

@@ -47,7 +47,10 @@ def validate(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps:
         serving.inference_only(OP_ID, name, t)
     serving.written(OP_ID, "x", x)
     serving.written(OP_ID, "residual", residual)
-    serving.no_overlap(OP_ID, "residual", residual, "x", x)  # (the weight is read only; a weight inside x is not guarded against)
+    serving.no_overlap(OP_ID, "residual", residual, "x", x)
+    # a weight inside x or residual would be read by one row after another row wrote it
+    serving.no_overlap(OP_ID, "weight", weight, "x", x)
+    serving.no_overlap(OP_ID, "weight", weight, "residual", residual)
 
 
 def _key(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0) -> tuple:

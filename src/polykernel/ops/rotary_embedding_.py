@@ -132,7 +132,10 @@ def validate(
     for name, t in (("query", query), ("key", key), ("cos_sin_cache", cos_sin_cache)):
         if t is not None:
             check.same_device(OP_ID, name, t, "positions", positions)
-    serving.no_overlap(OP_ID, "key", key, "query", query)  # (the cache is read only; a cache inside q or k is not guarded against)
+    serving.no_overlap(OP_ID, "key", key, "query", query)
+    # a cache inside query or key would be read by one token after another token rotated it
+    serving.no_overlap(OP_ID, "cos_sin_cache", cos_sin_cache, "query", query)
+    serving.no_overlap(OP_ID, "cos_sin_cache", cos_sin_cache, "key", key)
     # Positions' values: checked where it is cheap, CPU tensors (on CUDA it needs a device sync;
     # the impls write NaN for such a token there instead: see the module doc).
     if tokens and positions.device.type == "cpu" and not serving.compiling():
