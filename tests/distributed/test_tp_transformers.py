@@ -105,7 +105,7 @@ def _worker(rank: int, init_file: str, out_file: str) -> None:
                     "loss": got,
                     "grad_diff": {k: float((g[k] - grads[k]).abs().max()) for k in grads},
                     "grad_scale": {k: float(grads[k].abs().max()) for k in grads},
-                    "decisions": [(d["op"], d["impl"], d.get("subclass")) for d in polykernel.decisions()],
+                    "decisions": [(d["op"], d["impl"], d.get("subclass"), d["source"]) for d in polykernel.decisions()],
                     "routed": sorted(set(routed)),
                     "patched": {k: len(v) for k, v in pkt.patched(model).items()},
                 }
@@ -138,17 +138,18 @@ def test_patched_ops_ran_triton_on_local_shards(report, variant):
     r = report[variant]
     assert "error" not in r, r.get("tb")
     assert r["patched"] == {"rms_norm": 5, "swiglu": 2, "rope": 2, "loss": 1, "sdpa_is_causal": 1}
-    ran = {op: impl for op, impl, _ in r["decisions"]}
+    ran = {op: impl for op, impl, _, _ in r["decisions"]}
     # the default selection with the interpreter on: Triton on every op that ran
-    # the loss: the fused one on the colwise lm_head (vocab-parallel; its record is the decision for
-    # its argument class, the route then runs its own math on the vocabulary slices), no logits' CE
+    # the loss: the fused one on the colwise lm_head, vocab-parallel (the route's record: torch math
+    # on the vocabulary slices; the plain decision made before it never ran), no logits' CE
     assert ran == {
         "norm.rms_norm": "triton",
         "activation.swiglu": "triton",
         "embedding.rope": "triton",
-        "loss.fused_linear_cross_entropy": "triton",
+        "loss.fused_linear_cross_entropy": "torch",
     }
-    assert all(sub is None for _, _, sub in r["decisions"]), "a decision was made on subclass arguments"
+    routes = [d for d in r["decisions"] if d[2] is not None]
+    assert routes == [["loss.fused_linear_cross_entropy", "torch", "DTensor", "vocab-parallel route"]], "a decision was made on subclass arguments"
     routed = dict(r["routed"])
     assert routed.get("norm.rms_norm") == "DTensor Shard(1) on mesh of 2"  # the sequence-parallel norms
     if variant.endswith("dtensor-mlp"):

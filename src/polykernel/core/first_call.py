@@ -43,7 +43,7 @@ def checked(decision: Decision) -> Callable[..., Any]:
     mode = verify.mode(decision)  # read once per decision; a bad value raises here, before any launch
 
     def first_call(*args: Any) -> Any:
-        decision.ran = True  # decisions() lists it (also when it faults: its fallback says so)
+        decision.ran = True  # (a DTensor route's record_route keeps the record of a decision that ran)
         if mode != "off":  # a mismatch raises ImplVerificationError: a fault, as below
             verify.verify(decision, raw, args)
         out = raw(*args)

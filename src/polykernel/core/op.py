@@ -518,7 +518,7 @@ class Op:
         if subclass == "DTensor" and self._dtensor(key) is not None:  # tensor parallel: the plain
             # decision (not measured on DTensors), which checks for subclasses, so the guard below
             # hands the DTensors to the route (see _subclass)
-            return self._memo.get(key) or _dispatch.decide(self, key)
+            return self._memo.get(key) or _dispatch.decide(self, key, for_dtensor=True)
         if subclass is not None:  # decided under its own key; the plain key stays unset
             key = key._replace(subclass=subclass)
             return self._memo.get(key) or _dispatch.decide(self, key, args)

@@ -273,8 +273,9 @@ class Decision:
     # The guard that recognises this decision's calls without their argument class (Op.dispatch,
     # polykernel.core.hit_guard): built on the first call that takes it, kept for when it comes back.
     check: Any = None
-    # Whether an impl call went through this decision (``decisions()`` lists only those: a DTensor
-    # call's plain decision, made before its route took over, never ran).
+    # Made on a DTensor call's miss (its route may take over: then it never runs), and whether an
+    # impl call went through its first-call check since (see record_route).
+    for_dtensor: bool = False
     ran: bool = False
     # A tuned decision's per-size-bucket chooser (polykernel.tuning.by_size.BySize), which ``fn``
     # runs; None otherwise. ``impl`` is then the first bucket's choice.
@@ -419,12 +420,13 @@ def log_once(key: tuple[Any, ...], message: str) -> None:
         log.warning(message)
 
 
-def decide(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None, by_size: bool = False) -> Decision:
+def decide(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None, by_size: bool = False, for_dtensor: bool = False) -> Decision:
     """Resolve ``key`` = (argkey, impl, scope, deterministic, capturing) and memoize it.
 
     ``args``: the call's real arguments (the op's miss path), which tuning may measure on.
     ``by_size``: choose per size bucket even if this key's answer is static (a tuned decision's
-    fallback after a fault, whose other buckets keep their measured impls)."""
+    fallback after a fault, whose other buckets keep their measured impls). ``for_dtensor``: made on
+    a DTensor call's miss, whose route may run instead (see :func:`record_route`)."""
     decision = _resolve(op, key, args, measure=args is not None)
     if decision.source == "tuned" or (decision.source == "auto" and (by_size or _stored_class(op, key))):
         _choose_by_size(decision, args)
@@ -432,8 +434,9 @@ def decide(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None, by
     decision.fn = first_call.checked(decision)  # outputs and backward checked on the first call
     decision.cuda = getattr(key.argclass[0], "type", None) == "cuda"
     decision.guarded = decision.raw or decision.cuda
+    decision.for_dtensor = for_dtensor
     op.remember(key, decision)
-    _record[(op.id, key)] = decision  # what `decisions()` lists once it ran; outlives the memo
+    _record[(op.id, key)] = decision  # what `decisions()` lists; outlives the memo
     return decision
 
 
@@ -487,6 +490,9 @@ def _choose_by_size(decision: Decision, args: tuple[Any, ...] | None) -> None:
 def record_route(op: Op, key: tuple[Any, ...], subclass: str, impl: str, source: str) -> None:
     """Record, for ``decisions()``, a call that a layer above ran itself rather than through a
     decision (a vocab-parallel loss: torch math on the local slices, ``source`` says which route)."""
+    plain = _record.get((op.id, key))
+    if plain is not None and plain.for_dtensor and not plain.ran:  # made for this call, superseded by the route
+        del _record[(op.id, key)]
     routed_key = key._replace(subclass=subclass)  # type: ignore[attr-defined]
     if (op.id, routed_key) not in _record:
         _record[(op.id, routed_key)] = Decision(op, routed_key, impl, None, source, False, [], raw=False, ran=True)
@@ -851,7 +857,7 @@ def decisions(op: str | None = None) -> list[dict[str, Any]]:
         True
     """
     wanted = registry.get_op(op).id if op is not None else None
-    records = [(op_id, key, d) for (op_id, key), d in list(_record.items()) if d.ran and (wanted is None or op_id == wanted)]
+    records = [(op_id, key, d) for (op_id, key), d in list(_record.items()) if wanted is None or op_id == wanted]
     records.sort(key=lambda r: r[0])  # by op id; within an op, in the order the decisions were made
     out = []
     for op_id, key, d in records:
