@@ -149,7 +149,9 @@ def test_patched_ops_ran_triton_on_local_shards(report, variant):
         "loss.fused_linear_cross_entropy": "torch",
     }
     routes = [d for d in r["decisions"] if d[2] is not None]
-    assert routes == [["loss.fused_linear_cross_entropy", "torch", "DTensor", "vocab-parallel route"]], "a decision was made on subclass arguments"
+    assert routes == [["loss.fused_linear_cross_entropy", "torch", "DTensor", "vocab-parallel route"]], (
+        "a decision was made on subclass arguments"
+    )
     routed = dict(r["routed"])
     assert routed.get("norm.rms_norm") == "DTensor Shard(1) on mesh of 2"  # the sequence-parallel norms
     if variant.endswith("dtensor-mlp"):
