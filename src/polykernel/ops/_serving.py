@@ -61,6 +61,8 @@ def self_overlapping(t: torch.Tensor) -> bool:
     """Whether two of ``t``'s elements may share memory (``expand()``'s stride 0, or strides that
     interleave). Conservative: True unless each dim's stride, smallest first, steps past all the
     elements the smaller dims span (the sufficient test; every dense or sliced layout passes)."""
+    if t.is_contiguous():  # the usual case, one C call (validate runs on every serving call)
+        return False
     extent = 0  # how far (in elements) the dims seen so far reach from the first element
     for stride, size in sorted((abs(st), sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
         if stride <= extent:
