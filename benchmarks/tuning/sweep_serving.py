@@ -65,7 +65,6 @@ import argparse
 import csv
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -303,21 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     p.add_argument("--tokens", nargs="+", type=int, default=None, help=f"token counts (default {' '.join(map(str, TOKENS))}; --smoke: 1 8)")
     a = p.parse_args(argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    # Before polykernel and triton are imported: a fresh store, measuring on, the interpreter on CPU.
-    os.environ["POLYKERNEL_TUNE"] = "on"
-    os.environ["POLYKERNEL_CACHE_DIR"] = str(out / "cache")
-    if a.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"
-    else:
-        import torch
-
-        if not torch.cuda.is_available():
-            p.error("needs a CUDA GPU (or --smoke)")
-    import polykernel
-
-    polykernel.clear_caches()
+    out = st.prepare(p, a.out, a.smoke)
     tokens = a.tokens or list(SMOKE_TOKENS if a.smoke else TOKENS)
     import torch
 

@@ -263,27 +263,33 @@ def plot(
     return True
 
 
+def prepare(parser: argparse.ArgumentParser, out_dir: str, smoke: bool) -> Path:
+    """The output folder, made; then, before polykernel and triton are imported: a fresh store
+    under it, measuring on, the interpreter on the CPU (``smoke``), else a CUDA GPU required."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ["POLYKERNEL_TUNE"] = "on"
+    os.environ["POLYKERNEL_CACHE_DIR"] = str(out / "cache")
+    if smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("needs a CUDA GPU (or --smoke)")
+    import polykernel
+
+    polykernel.clear_caches()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="directory for sweep_tuning.{json,csv,png} and the tuning store")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU through Triton's interpreter (a test of the script)")
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     a = p.parse_args(argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    # Before polykernel and triton are imported: a fresh store, measuring on, the interpreter on CPU.
-    os.environ["POLYKERNEL_TUNE"] = "on"
-    os.environ["POLYKERNEL_CACHE_DIR"] = str(out / "cache")
-    if a.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"
-    else:
-        import torch
-
-        if not torch.cuda.is_available():
-            p.error("needs a CUDA GPU (or --smoke)")
-    import polykernel
-
-    polykernel.clear_caches()
+    out = prepare(p, a.out, a.smoke)
     started = time.perf_counter()
     rows = sweep(out, a.smoke, a.ops)
     summary = summarize(rows)
