@@ -28,6 +28,7 @@ import triton.language as tl
 from ...ops.moe_experts import reference
 from ..torch import moe_experts as _torch_moe
 from . import _grouped as grouped
+from . import _grouped_mm as grouped_mm
 from ._grouped import Plan as Plan
 from ._grouped import _gate_up_gemm, _row_gemm, _row_tile
 from ._grouped import plan as plan
@@ -175,6 +176,14 @@ def backward(
 
 
 LAYER = grouped.Layer(forward, backward, reference, _torch_moe.moe_experts)
+_ACT_NAMES = {code: name for name, code in ACTS.items()}
+SPEC = grouped_mm.Spec(
+    out_in=True,  # gate_up_proj [E, 2I, H], down_proj [E, H, I]
+    interleaved=False,  # gate rows first, then up
+    reference=lambda hidden, index, weights, gate_up, down, _b1, _b2, act, _alpha, _limit: reference(
+        hidden, index, weights, gate_up, down, _ACT_NAMES[act]
+    ),
+)
 
 
 def moe_experts(
@@ -185,5 +194,9 @@ def moe_experts(
     down_proj: torch.Tensor,
     activation: str,
 ) -> torch.Tensor:
-    """The registered impl (arguments already validated by ``polykernel.moe_experts``)."""
-    return grouped.experts(LAYER, (hidden, top_k_index, top_k_weights, gate_up_proj, down_proj), (activation,))
+    """The registered impl (arguments already validated by ``polykernel.moe_experts``): the GEMMs
+    through ``torch._grouped_mm`` where it runs for this call (see :mod:`._grouped_mm`), else ours."""
+    args = (hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    if grouped_mm.takes(hidden, args, down_proj.shape[2], gate_up_proj, down_proj):
+        return grouped_mm.experts(SPEC, ACTS[activation], 0.0, 0.0, "moe.moe_experts", (*args, None, None))
+    return grouped.experts(LAYER, args, (activation,))

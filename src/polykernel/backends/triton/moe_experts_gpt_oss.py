@@ -28,6 +28,7 @@ import triton.language as tl
 from ...ops.moe_experts_gpt_oss import OP_ID, reference
 from ..torch import moe_experts_gpt_oss as _torch_impl
 from . import _grouped as grouped
+from . import _grouped_mm as grouped_mm
 from ._grouped import _gate_up_gemm, _row_gemm, _row_tile
 from ._launch import launch
 from ._rows import cdiv as _cdiv
@@ -198,6 +199,13 @@ def backward(
 
 
 LAYER = grouped.Layer(forward, backward, reference, _torch_impl.moe_experts_gpt_oss)
+SPEC = grouped_mm.Spec(
+    out_in=False,  # gate_up_proj [E, H, 2I], down_proj [E, I, H]
+    interleaved=True,  # gate = columns 0, 2, 4 ..., up = 1, 3, 5 ...
+    reference=lambda hidden, index, weights, gate_up, down, b1, b2, _act, alpha, limit: reference(
+        hidden, index, weights, gate_up, b1, down, b2, alpha, limit
+    ),
+)
 
 
 def moe_experts_gpt_oss(
@@ -213,4 +221,7 @@ def moe_experts_gpt_oss(
 ) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.moe_experts_gpt_oss``)."""
     args = (hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias)
+    if grouped_mm.takes(hidden, args, down_proj.shape[1], gate_up_proj, down_proj):
+        ordered = (hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_proj_bias.contiguous(), down_proj_bias.contiguous())
+        return grouped_mm.experts(SPEC, grouped_mm.CLAMPED, alpha, limit, OP_ID, ordered)
     return grouped.experts(LAYER, args, (alpha, limit))

@@ -1,0 +1,155 @@
+"""The Triton MoE impls' two paths: ``torch._grouped_mm`` with our kernels around it
+(backends/triton/_grouped_mm.py), and our own grouped GEMMs (_grouped.py). On a GPU the first
+runs for 16-bit dtypes; on the CPU the second, so here each path is forced in turn and checked
+against the reference (forward and every gradient, within the op's error model), with awkward
+routings, double backward and the path's refusals."""
+
+import pytest
+import torch
+
+import polykernel
+from polykernel.backends.triton import _grouped_mm
+from polykernel.ops import moe_experts as op
+from polykernel.ops import moe_experts_gpt_oss as oss_op
+from polykernel.testing import assert_parity, runnable_impls
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+
+OPS = {"moe_experts": op, "moe_experts_gpt_oss": oss_op}
+
+
+def _need_triton(device="cpu", dtype=torch.float32):
+    if "triton" not in runnable_impls("moe_experts", device, dtype):
+        pytest.skip("triton not runnable here")
+
+
+def _need_grouped_mm(device="cpu", dtype=torch.float32):
+    from polykernel.backends.torch import moe_experts as torch_moe
+
+    why = torch_moe.grouped_mm_refusal(
+        torch.zeros(2, 16, device=device, dtype=dtype),
+        torch.zeros(1, 32, 16, device=device, dtype=dtype),
+        torch.zeros(1, 16, 16, device=device, dtype=dtype),
+    )
+    if why:
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_grouped_mm_path_matches_the_reference(name, dtype, monkeypatch):
+    # (our kernels' path is the CPU's default: test_moe.py and test_moe_gpt_oss.py check it)
+    _need_triton()
+    _need_grouped_mm()
+    monkeypatch.setattr(_grouped_mm, "MODE", "grouped_mm")
+    assert_parity(name, ["triton"], device="cpu", dtypes=[dtype])
+
+
+def _spy(monkeypatch):
+    calls = []
+    real = _grouped_mm.forward
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(_grouped_mm, "forward", spy)
+    return calls
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_the_forced_path_is_the_one_that_runs(name, monkeypatch):
+    # guards the parity test above: it must exercise the path it names
+    _need_triton()
+    _need_grouped_mm()
+    calls = _spy(monkeypatch)
+    case = OPS[name].example((8, 32, 32, 4, 2), torch.float32, "cpu", requires_grad=True)
+    fn = getattr(polykernel, name)
+    for mode, expect in (("kernels", 0), ("grouped_mm", 1)):
+        monkeypatch.setattr(_grouped_mm, "MODE", mode)
+        calls.clear()
+        fn(*case.args, **case.kwargs, impl="triton").sum().backward()
+        assert len(calls) == expect, mode
+
+
+def test_auto_mode_keeps_the_cpu_and_deterministic_mode_on_our_kernels(monkeypatch):
+    _need_triton()
+    calls = _spy(monkeypatch)
+    case = op.example((8, 32, 32, 4, 2), torch.bfloat16, "cpu", requires_grad=True)
+    polykernel.moe_experts(*case.args, impl="triton").sum().backward()
+    assert not calls  # auto: this path on a GPU only
+    monkeypatch.setattr(_grouped_mm, "MODE", "grouped_mm")
+    torch.use_deterministic_algorithms(True)
+    try:
+        polykernel.moe_experts(*case.args, impl="triton").sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert not calls  # torch._grouped_mm makes no determinism promise
+
+
+def test_grouped_mm_path_double_backward_matches_the_reference(monkeypatch):
+    _need_triton()
+    _need_grouped_mm()
+    monkeypatch.setattr(_grouped_mm, "MODE", "grouped_mm")
+    case = op.example((6, 16, 32, 3, 2), torch.float32, "cpu", requires_grad=True)
+    hidden, index, weights, gate_up, down = case.args
+
+    def second_order(fn):
+        out = fn(hidden, index, weights, gate_up, down)
+        (dx,) = torch.autograd.grad(out, hidden, torch.ones_like(out), create_graph=True)
+        return torch.autograd.grad(dx.pow(2).sum(), (weights, down))
+
+    ours = second_order(lambda *a: polykernel.moe_experts(*a, impl="triton"))
+    for a, b in zip(ours, second_order(op.reference)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_grouped_mm_path_backward_twice_with_retain_graph(monkeypatch):
+    # the backward must not consume what it saved: a second backward gives the same gradients
+    _need_triton()
+    _need_grouped_mm()
+    monkeypatch.setattr(_grouped_mm, "MODE", "grouped_mm")
+    case = oss_op.example((9, 32, 32, 4, 2), torch.float32, "cpu", requires_grad=True)
+    out = polykernel.moe_experts_gpt_oss(*case.args, impl="triton")
+    leaves = [a for a in case.args if a.requires_grad]
+    first = torch.autograd.grad(out, leaves, torch.ones_like(out), retain_graph=True)
+    second = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the grouped_mm path is the default there for 16-bit dtypes; our kernels stay checked
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(OPS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_each_path_matches_the_reference(name, dtype, monkeypatch):
+    _need_triton("cuda", dtype)
+    for mode in ("kernels", "auto"):
+        monkeypatch.setattr(_grouped_mm, "MODE", mode)
+        assert_parity(name, ["triton"], device="cuda", dtypes=[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_gpu_grouped_mm_path_at_a_model_shape(name):
+    # one Qwen3-MoE-like layer (E = 64, k = 8, uneven expert loads) in bf16 against the
+    # reference in fp32 on the same device: relative error of the output and every gradient
+    _need_triton("cuda", torch.bfloat16)
+    _need_grouped_mm("cuda", torch.bfloat16)
+    mod = OPS[name]
+    torch.manual_seed(0)
+    case = mod.example((1024, 512, 256, 64, 8), torch.bfloat16, "cuda", requires_grad=True)
+    fn = getattr(polykernel, name)
+    out = fn(*case.args, impl="triton")
+    dy = torch.randn_like(out)
+    leaves = [a for a in case.args if a.requires_grad]
+    grads = torch.autograd.grad(out, leaves, dy)
+    ref_args = [a.detach().float().requires_grad_() if a.is_floating_point() else a for a in case.args]
+    ref = mod.reference(*ref_args)
+    ref_grads = torch.autograd.grad(ref, [a for a in ref_args if a.requires_grad], dy.float())
+    for got, want in zip((out, *grads), (ref, *ref_grads)):
+        err = ((got.float() - want).norm() / want.norm()).item()
+        assert err < 2e-2, err  # bf16 operands, fp32 accumulation: ~4e-3 expected
