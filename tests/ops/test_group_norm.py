@@ -71,6 +71,17 @@ def test_single_value_groups_give_the_bias(impl):
     torch.testing.assert_close(polykernel.group_norm(x, 4, torch.ones(4), b, impl=impl), b.view(1, 4, 1))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("size", [3000, 20000], ids=["one-tile", "tiled"])
+@pytest.mark.parametrize("value", [10000.3, 0.1, -7777.77])
+def test_a_constant_group_normalizes_to_zero(impl, size, value):
+    # sum/n misses the mean by the sum's rounding (~1 ulp of 1e4): eps=1e-5 turned that into 0.295
+    _need(impl)
+    for eps in (1e-5, 1e-12):
+        y = polykernel.group_norm(torch.full((1, 2, size), value), 2, eps=eps, impl=impl)
+        assert y.abs().max().item() == 0.0, (eps, y.abs().max().item())
+
+
 def test_float64_uses_torch_and_matches_reference():
     x, g, w, b = _args((3, 6, 10), 3)
     assert polykernel.explain("group_norm", x, g, w, b).chosen == "torch"

@@ -23,6 +23,16 @@ def test_parity_cpu(impl, dtype):
     assert_parity("layer_norm", [impl], device="cpu", dtypes=[dtype])
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("n", [3000, 20000], ids=["one-block", "chunked"])
+def test_a_constant_row_normalizes_to_zero(impl, n):
+    # sum/N misses the mean by the sum's rounding (~1 ulp of 1e4): eps=1e-5 turned that into 0.295
+    _need(impl)
+    for value in (10000.3, 0.1):
+        y = polykernel.layer_norm(torch.full((3, n), value), impl=impl)
+        assert y.abs().max().item() == 0.0, (value, y.abs().max().item())
+
+
 def test_float64_uses_torch_and_matches_reference():
     x, w, b = torch.randn(3, 10, dtype=torch.float64), torch.randn(10, dtype=torch.float64), torch.randn(10, dtype=torch.float64)
     assert polykernel.explain("layer_norm", x, w, b).chosen == "torch"

@@ -146,3 +146,28 @@ def test_out_in_another_buffer_row_interleaved_is_accepted():
     want = polykernel.silu_and_mul(x.clone())
     assert polykernel.silu_and_mul(x, out=out) is out
     torch.testing.assert_close(out, want)
+
+
+def _nonfinite_gate(n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gates ±inf against ups of each sign and 0, long enough for PyTorch's vectorized CPU path."""
+    inf = float("inf")
+    g = torch.tensor([inf, inf, inf, -inf, -inf, 1.0, 0.5, -2.0]).repeat(n // 8)
+    u = torch.tensor([2.0, -3.0, 0.0, 2.0, -1.0, inf, -inf, 1.0]).repeat(n // 8)
+    return g, u
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_every_impl_gives_torchs_scalar_gelu_at_inf(approximate):
+    # gelu(+inf) = +inf (the product inf·up: ±inf, NaN for up = 0); gelu(-inf) = -inf·Φ(-inf) is
+    # NaN, as on every torch path. PyTorch's vectorized fp32 CPU erf-GELU gave NaN at +inf, so
+    # the torch impl disagreed with Triton's inf.
+    g, u = _nonfinite_gate()
+    want = F.gelu(g.double(), approximate=approximate) * u.double()  # fp64: the scalar answer
+    assert want[0] == float("inf") and want[1] == -float("inf") and want[3].isnan()
+    x = torch.cat([g, u])[None]
+    for impl in runnable_impls("gelu_and_mul", "cpu", torch.float32):
+        got = polykernel.gelu_and_mul(x, approximate=approximate, impl=impl)[0]
+        torch.testing.assert_close(got, want.float(), equal_nan=True, msg=f"gelu_and_mul {impl}")
+    for impl in runnable_impls("geglu", "cpu", torch.float32):
+        got = polykernel.geglu(g[None], u[None], approximate, impl=impl)[0]
+        torch.testing.assert_close(got, want.float(), equal_nan=True, msg=f"geglu {impl}")

@@ -71,6 +71,20 @@ _grad_enabled = torch.is_grad_enabled
 
 
 _compiling = _compat.is_compiling
+_inference_mode = torch.is_inference_mode_enabled
+_increment_version = torch.autograd.graph.increment_version
+
+
+def _mark_written(tensors: Sequence[torch.Tensor]) -> None:
+    """Bump the version counter of each tensor an op wrote, as torch's in-place ops do, so that a
+    backward which saved one of them before the write raises instead of using the new values. A
+    torch impl's own in-place ops have bumped them already: a second bump is harmless (autograd
+    compares versions for equality). Inference tensors have no counter."""
+    for t in tensors:
+        if not t.is_inference():
+            _increment_version(t)
+
+
 # The generated hot path (see _hot_dispatch) inlines `is_compiling` where this torch allows (one Python
 # frame instead of two): the expression and the names it reads are polykernel._compat's.
 _COMPILING_EXPR = _compat.COMPILING_EXPR
@@ -331,7 +345,10 @@ class Op:
     - ``writes``: the names of the reference's parameters that the op writes into (its
       destinations: the serving ops' ``out`` and in-place arguments, always tensors when the
       impls run). The reference and every impl write their results into those tensors and return
-      them, in the order of ``writes``; such an op is inference only (no autograd). A compiled
+      them, in the order of ``writes``; such an op is inference only (no autograd). Whatever the
+      impl, :meth:`run` makes the write one of torch's in-place ops to autograd (:meth:`_writable`,
+      :func:`_mark_written`): it refuses what torch's in-place ops refuse and bumps each written
+      tensor's version counter, so a backward that saved an overwritten tensor raises. A compiled
       call runs one mutating custom op (:mod:`polykernel.compile.library`), and first-use
       verification gives each side its own copies of the arguments (:mod:`polykernel.core.verify`).
     """
@@ -381,9 +398,11 @@ class Op:
         self.saved_grads = saved_grads
         self.dtensor_layout = dtensor_layout
         self.writes = tuple(writes)
-        unknown = set(self.writes) - set(inspect.signature(reference).parameters)
+        params = list(inspect.signature(reference).parameters)
+        unknown = set(self.writes) - set(params)
         if unknown:
             raise ValueError(f"{id}: writes names {sorted(unknown)}, which are not parameters of its reference")
+        self._written = tuple((params.index(w), w) for w in self.writes)  # (position, name) of each destination
         if self.guard is not None:  # the slow path's views of a call: the guarded tensors, the options
             self._guarded = _picker(hit_guard.tensor_positions(self.guard))
             option_positions = tuple(i for i, kind in enumerate(self.guard) if kind is None)
@@ -468,12 +487,57 @@ class Op:
     def run(self, impl: str | None, argkey: tuple[Any, ...] | None, *args: Any) -> Any:
         """The eager path of :meth:`call` without its compile check: the custom op's real impl
         runs this (a compile may be in progress around it, e.g. inductor constant folding)."""
+        if self._written:  # an op that writes its arguments (the serving ops: not on the guarded hot path)
+            return self._run_writing(impl, argkey, args)
         key = memo_key.make((argkey, impl, _scope_get(), _deterministic(), False, None))
         try:
             decision = self._memo.get(key) or self._miss(key, args)
         except TypeError as exc:  # an unhashable option (eps=[1e-6]): validate names it
             return self._unhashable(exc, impl, argkey, args)
         return self._finish(decision, key, args)
+
+    def _run_writing(self, impl: str | None, argkey: tuple[Any, ...] | None, args: tuple[Any, ...]) -> Any:
+        """:meth:`run` for an op with ``writes``: the write is one of torch's in-place ops to
+        autograd whatever the impl (a kernel writing through a raw pointer is invisible to it)."""
+        written = self._writable(args)
+        key = memo_key.make((argkey, impl, _scope_get(), _deterministic(), False, None))
+        try:
+            try:
+                decision = self._memo.get(key) or self._miss(key, args)
+            except TypeError as exc:  # an unhashable option (eps=[1e-6]): validate names it
+                return self._unhashable(exc, impl, argkey, args)
+            return self._finish(decision, key, args)
+        finally:  # also after a fault: the impl may have written part of its destinations
+            _mark_written(written)
+
+    def _writable(self, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+        """The tensors this call writes, after refusing, before anything is written, what torch's
+        in-place ops refuse: an inference tensor outside inference mode (it has no version counter
+        to bump), and a tensor that requires grad while grad mode is on (an in-place write of a
+        leaf is an error in torch; the serving ops have no autograd to record one of a non-leaf)."""
+        out = []
+        for i, name in self._written:
+            t = args[i] if i < len(args) else None
+            if not isinstance(t, torch.Tensor):
+                continue
+            if t.is_inference() and not _inference_mode():
+                raise OpArgumentError(
+                    self.id,
+                    name,
+                    "is an inference tensor (made under torch.inference_mode()) and is written in place: "
+                    "Inplace update to inference tensor outside InferenceMode is not allowed "
+                    "(as in torch); call the op under torch.inference_mode(), or pass a clone() made outside it",
+                )
+            if t.requires_grad and _grad_enabled():
+                leaf = "a leaf Variable that requires grad" if t.is_leaf else "a tensor that requires grad"
+                raise OpArgumentError(
+                    self.id,
+                    name,
+                    f"is {leaf} and is written in place, which autograd cannot record here "
+                    "(call the op under torch.no_grad() or torch.inference_mode())",
+                )
+            out.append(t)
+        return tuple(out)
 
     def decision_for(self, impl: str | None, argkey: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
         """The decision a call of this class would run, without running it (the compiled training

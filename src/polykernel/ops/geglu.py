@@ -27,12 +27,21 @@ from ._glu import bytes_moved, example, glu_cases, up_matches, validate_glu
 
 OP_ID = "activation.geglu"
 APPROXIMATIONS = ("tanh", "none")
+_INF = float("inf")
+
+
+def gelu(g: torch.Tensor, approximate: str) -> torch.Tensor:
+    """``F.gelu`` with torch's scalar answer at +inf on every path: gelu(+inf) = +inf (so the
+    product is inf·up), where PyTorch's vectorized fp32 CPU erf-GELU gives NaN (its scalar path,
+    fp64, CUDA and our kernels give inf). gelu(-inf) stays NaN (-inf·Φ(-inf) = -inf·0), as every
+    torch path and every impl (ours and the peers') computes it; gelu_and_mul shares this."""
+    return torch.where(g == _INF, g, F.gelu(g, approximate=approximate))
 
 
 def reference(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     """The semantics, in plain torch (fp32 math; fp64 stays fp64)."""
     acc = torch.promote_types(gate.dtype, torch.float32)
-    return (F.gelu(gate.to(acc), approximate=approximate) * up.to(acc)).to(gate.dtype)
+    return (gelu(gate.to(acc), approximate) * up.to(acc)).to(gate.dtype)
 
 
 def validate(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> None:

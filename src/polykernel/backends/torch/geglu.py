@@ -8,10 +8,9 @@ Function recomputes them in the backward with the aten kernels autograd would ca
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ... import _compat
-from ...ops.geglu import reference
+from ...ops.geglu import gelu, reference
 from ._double_backward import graph_grads
 
 _transforms_active = _compat.functorch_transforms_active
@@ -36,7 +35,7 @@ class _GeGLU(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dgate = torch.ops.aten.gelu_backward(dyf * up.to(acc), g, approximate=ctx.approximate).to(gate.dtype)
         if ctx.needs_input_grad[1]:
-            dup = (dyf * F.gelu(g, approximate=ctx.approximate)).to(up.dtype)
+            dup = (dyf * gelu(g, ctx.approximate)).to(up.dtype)  # the forward's gelu (inf at +inf)
         return dgate, dup, None
 
 

@@ -4,7 +4,8 @@ x is viewed as ``[N·G, L]`` rows, one per (sample, group), with ``L = (C/G)·S`
 channel): a group's channels are consecutive, so each row is itself a ``[C/G, S]`` tile whose
 rows are channels. A program loads its group as such a tile (``[BLOCK_C, BLOCK_S]``, the weight
 and bias as one value per tile row): a group that fits one tile (``BLOCK_C·BLOCK_S <=
-MAX_TILE``) is loaded once (mean, then the centred variance from registers: no cancellation);
+MAX_TILE``) is loaded once (mean, corrected once, then the centred variance from registers: no
+cancellation);
 larger groups are walked in tiles twice, per-tile means and centred sums of squares merged with
 Chan's formula (stable for any mean/std ratio). The forward saves mean and rstd (fp32, [N·G]).
 
@@ -42,6 +43,18 @@ CHUNK = 4096  # elements per tile when walking larger groups
 
 
 @triton.jit
+def _mean_centred(x, mask, n):
+    """(mean, centred tile) of the ``mask``-ed elements of tile ``x`` (``n`` of them). sum/n is
+    off the exact mean by the sum's rounding (~1 ulp of the mean for a constant group of 3000
+    values near 1e4, which eps=1e-5 then scales to 0.3 instead of 0): one more pass over the
+    centred values corrects it, so a constant tile has its value as mean and centres to 0."""
+    mean = tl.sum(tl.sum(x, axis=1), axis=0) / n
+    xc = tl.where(mask, x - mean, 0.0)
+    mean = mean + tl.sum(tl.sum(xc, axis=1), axis=0) / n
+    return mean, tl.where(mask, x - mean, 0.0)
+
+
+@triton.jit
 def _gn_fwd_kernel(
     X, W, B, Y, MEAN, RSTD,
     G, CG, S, stride_x, stride_y,
@@ -57,8 +70,7 @@ def _gn_fwd_kernel(
     offs = c[:, None] * S + s[None, :]
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     n = (CG * S) * 1.0  # (CG or S may be the constant 1: an int then)
-    mean = tl.sum(tl.sum(x, axis=1), axis=0) / n
-    xc = tl.where(mask, x - mean, 0.0)
+    mean, xc = _mean_centred(x, mask, n)
     rstd = tl.rsqrt(tl.sum(tl.sum(xc * xc, axis=1), axis=0) / n + eps)
     y = xc * rstd
     ch = g * CG + c
@@ -96,8 +108,7 @@ def _gn_fwd_chunked_kernel(
             offs = (c0 + c).to(tl.int64)[:, None] * S + (s0 + s)[None, :]
             x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
             n_t = (tl.minimum(CG - c0, BLOCK_C) * tl.minimum(S - s0, BLOCK_S)).to(tl.float32)
-            mean_t = tl.sum(tl.sum(x, axis=1), axis=0) / n_t
-            d = tl.where(mask, x - mean_t, 0.0)
+            mean_t, d = _mean_centred(x, mask, n_t)
             total = count + n_t
             delta = mean_t - mean
             mean = mean + delta * (n_t / total)

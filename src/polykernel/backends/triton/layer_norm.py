@@ -55,6 +55,10 @@ def _ln_fwd_kernel(
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     mean = tl.sum(x, axis=1) / N
     xc = tl.where(mask, x - mean[:, None], 0.0)
+    # sum/N is off by the sum's rounding (a constant row near 1e4 normalised to 0.3, not 0): one
+    # more pass over the centred values corrects it (group_norm's _mean_centred, per row)
+    mean = mean + tl.sum(xc, axis=1) / N
+    xc = tl.where(mask, x - mean[:, None], 0.0)
     rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
     if STORE_STATS:  # inference needs no mean/rstd: no buffers to allocate
         tl.store(MEAN + rows, mean, mask=row_ok)
@@ -87,6 +91,8 @@ def _ln_fwd_chunked_kernel(
         x = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
         n_c = tl.cast(tl.minimum(N - start, CHUNK), tl.float32)
         mean_c = tl.sum(x, axis=0) / n_c
+        d = tl.where(m, x - mean_c, 0.0)
+        mean_c = mean_c + tl.sum(d, axis=0) / n_c  # the sum's rounding, corrected (see above)
         d = tl.where(m, x - mean_c, 0.0)
         total = count + n_c
         delta = mean_c - mean
