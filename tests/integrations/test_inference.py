@@ -176,3 +176,41 @@ def test_patched_under_inference_mode_the_weights_stay_normal_tensors():
     assert not mlp.gate_proj.weight.is_inference() and not mlp.__dict__["_polykernel_gate_up_weight"].is_inference()
     model(prompt()).logits.sum().backward()
     assert mlp.up_proj.weight.grad is not None
+
+
+def _decode_logits(model: torch.nn.Module, batch: int, steps: int = 3) -> torch.Tensor:
+    ids = prompt(batch, tokens=5)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    out = []
+    with torch.inference_mode():
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(5)).logits[:, -1]
+        for i in range(steps):
+            tok = logits.argmax(-1, keepdim=True)
+            logits = model(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=torch.tensor([5 + i])).logits[:, -1]
+            out.append(logits)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("rope", [True, False])
+def test_decode_attention_shares_kv_heads_and_matches(monkeypatch, rope):
+    # a decode step of this grouped-query model (4 query heads on 2 KV heads) runs SDPA on the KV
+    # heads themselves (no copy of K and V to every query head), with the model's logits
+    ref = tiny_llama(layers=2)
+    model = copy.deepcopy(ref)
+    patch(model, mode="inference", rope=rope)
+    import types
+
+    from polykernel.integrations import _inference
+
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *a, **kw):
+        seen.append((q.shape[1], k.shape[1], q.shape[2]))
+        return real(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(_inference, "F", types.SimpleNamespace(scaled_dot_product_attention=spy, linear=torch.nn.functional.linear))
+    got = _decode_logits(model, batch=3)
+    assert seen == [(2, 2, 2)] * 2 * 3  # each decode step, each layer: [B, Hkv, groups, D] queries on [B, Hkv, L, D] keys
+    torch.testing.assert_close(got, _decode_logits(ref, batch=3), rtol=1e-5, atol=1e-5)
+    assert patched(model)["rope" if rope else "shared_kv_sdpa"] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]

@@ -10,6 +10,11 @@ engine runs it (vLLM's and SGLang's decoder layers).
   so no memory is added), one matmul, then the merged-layout activation.
 - **RoPE**: the attention's ``apply_rotary_pos_emb`` runs ``polykernel.rope`` (as ``patch``'s
   default mode does).
+- **Decode attention with shared KV heads** (:func:`shared_kv_sdpa`): a decode step (one query
+  per sequence, a mask) of a grouped-query model runs SDPA on each KV head's group of query heads
+  as that head's queries, where transformers' SDPA path (5.17) first copies K and V to every query
+  head (``repeat_kv``): with a ``StaticCache`` that is the whole cache, twice, per layer and step.
+  The same attention, computed without the copy.
 
 The KV cache, masks and attention stay transformers' code: a ``StaticCache`` makes the decode
 step CUDA-graph capturable (nothing here allocates outside the caching allocator or syncs).
@@ -153,6 +158,75 @@ def mlp_forward(base: Callable, activation: tuple[str, str | None]) -> Callable:
 
     forward._polykernel = "silu_and_mul" if activation[0] == "swiglu" else "gelu_and_mul"  # type: ignore[attr-defined]
     return forward
+
+
+def shared_kv_sdpa(sdpa: Callable) -> Callable:
+    """transformers' SDPA attention function, with a decode step of a grouped-query model run as
+    SDPA over each KV head's group of query heads (query head ``h`` reads KV head ``h // groups``,
+    as ``repeat_kv`` pairs them): one query row per group member, the same mask row for each, so
+    it is the same attention without K and V copied to every query head. Every other call (a
+    prompt, no mask, dropout, options SDPA cannot take) goes to ``sdpa`` as it is."""
+
+    @functools.wraps(sdpa)
+    def attention(
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        is_causal: bool | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        groups = getattr(module, "num_key_value_groups", 1)
+        b, hq, s, d = query.shape
+        plain = (
+            groups == 1
+            or s != 1
+            or attention_mask is None
+            or attention_mask.dim() != 4
+            or attention_mask.shape[1] != 1
+            or attention_mask.shape[2] != 1
+            or dropout
+            or key.shape[1] * groups != hq
+            or value.shape[-1] != d
+            or kwargs.get("softcap") is not None
+            or kwargs.get("output_attentions")
+            or kwargs.get("position_bias") is not None
+        )
+        if plain:
+            return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+        q = query.reshape(b, key.shape[1], groups, d)  # [B, Hkv, groups, D]: each group's queries as rows
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
+        return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous(), None
+
+    attention._polykernel = "shared_kv_sdpa"  # type: ignore[attr-defined]
+    return attention
+
+
+class AttentionFunctions:
+    """transformers' ``ALL_ATTENTION_FUNCTIONS`` as a patched attention forward sees it: "sdpa"
+    answers :func:`shared_kv_sdpa` of transformers' own; everything else is transformers'."""
+
+    def __init__(self, base: Any) -> None:
+        self._base = base
+        self._wrapped: dict[int, Callable] = {}
+
+    def get_interface(self, name: str, default: Callable) -> Callable:
+        fn = self._base.get_interface(name, default)
+        if name != "sdpa":
+            return fn
+        wrapped = self._wrapped.get(id(fn))
+        if wrapped is None:
+            wrapped = self._wrapped[id(fn)] = shared_kv_sdpa(fn)
+        return wrapped
+
+    def __getitem__(self, name: str) -> Callable:
+        return self.get_interface(name, None) if name == "sdpa" else self._base[name]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._base, name)
 
 
 def decoder_layers(base_model: nn.Module) -> list[nn.Module] | str:

@@ -755,6 +755,28 @@ def _attention_forward(base: Callable, modeling: types.ModuleType, family: _Fami
     return forward
 
 
+_INFERENCE_NAMESPACES: dict[tuple[str, bool], dict] = {}
+
+
+def _inference_attention(base: Callable, modeling: types.ModuleType, family: _Family, rope: bool) -> Callable:
+    """``patch(mode="inference")``'s attention forward: transformers' own, seeing
+    :class:`_inference.AttentionFunctions` (decode with shared KV heads) and, with ``rope``, the
+    rotary functions on ``polykernel.rope``."""
+    from . import _inference
+
+    key = (modeling.__name__, rope)
+    ns = _INFERENCE_NAMESPACES.get(key)
+    if ns is None:
+        swapped: dict[str, Any] = {"ALL_ATTENTION_FUNCTIONS": _inference.AttentionFunctions(modeling.ALL_ATTENTION_FUNCTIONS)}
+        if rope:
+            swapped.update({name: _rope_function(getattr(modeling, name), layout) for name, layout in family.rope if hasattr(modeling, name)})
+        ns = _INFERENCE_NAMESPACES[key] = _namespace(modeling.__dict__, **swapped)
+    calls = ("ALL_ATTENTION_FUNCTIONS", *(name for name, _ in family.rope))
+    forward = _with_globals(base, modeling.__dict__, ns, calls)
+    forward._polykernel = "rope" if rope else "shared_kv_sdpa"  # type: ignore[attr-defined]
+    return forward
+
+
 # -- the causal mask under torch.compile -------------------------------------------------------
 # transformers lets SDPA apply causality itself (``is_causal=True``, no mask tensor) when nothing is
 # padded, but only outside torch.compile: while tracing it cannot read the padding mask's values
@@ -1255,8 +1277,7 @@ def _patch_inference(model: nn.Module, rope: bool) -> nn.Module:
             if activation is not None:
                 _install(layer.mlp, lambda b, a=activation: _inference.mlp_forward(b, a))
                 _inference.merge_gate_up(layer.mlp)
-            if rope and _calls_rope(layer.self_attn):
-                _install(layer.self_attn, lambda b, m=modeling, f=family: _attention_forward(b, m, f))
+            _install(layer.self_attn, lambda b, m=modeling, f=family, r=rope and _calls_rope(layer.self_attn): _inference_attention(b, m, f, r))
     logger.info("polykernel: patched %s for inference: %s", type(model).__name__, {k: len(v) for k, v in patched(model).items()})
     return model
 
