@@ -769,7 +769,9 @@ def _inference_attention(base: Callable, modeling: types.ModuleType, family: _Fa
     if ns is None:
         swapped: dict[str, Any] = {"ALL_ATTENTION_FUNCTIONS": _inference.AttentionFunctions(modeling.ALL_ATTENTION_FUNCTIONS)}
         if rope:
-            swapped.update({name: _rope_function(getattr(modeling, name), layout) for name, layout in family.rope if hasattr(modeling, name)})
+            swapped.update(
+                {name: _rope_function(getattr(modeling, name), layout) for name, layout in family.rope if hasattr(modeling, name)}
+            )
         ns = _INFERENCE_NAMESPACES[key] = _namespace(modeling.__dict__, **swapped)
     calls = ("ALL_ATTENTION_FUNCTIONS", *(name for name, _ in family.rope))
     forward = _with_globals(base, modeling.__dict__, ns, calls)
@@ -1277,7 +1279,8 @@ def _patch_inference(model: nn.Module, rope: bool) -> nn.Module:
             if activation is not None:
                 _install(layer.mlp, lambda b, a=activation: _inference.mlp_forward(b, a))
                 _inference.merge_gate_up(layer.mlp)
-            _install(layer.self_attn, lambda b, m=modeling, f=family, r=rope and _calls_rope(layer.self_attn): _inference_attention(b, m, f, r))
+            with_rope = rope and _calls_rope(layer.self_attn)
+            _install(layer.self_attn, lambda b, m=modeling, f=family, r=with_rope: _inference_attention(b, m, f, r))
     logger.info("polykernel: patched %s for inference: %s", type(model).__name__, {k: len(v) for k, v in patched(model).items()})
     return model
 
