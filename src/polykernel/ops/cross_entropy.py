@@ -102,8 +102,9 @@ def reference(
 
 
 def validate_options(op: str, ignore_index: int, label_smoothing: float, reduction: str) -> None:
-    """Checks shared with ``loss.fused_linear_cross_entropy`` (``ignore_index``: with the target,
-    in :func:`validate_target`)."""
+    """Checks shared with ``loss.fused_linear_cross_entropy`` and the nn modules' constructors
+    (``ignore_index`` against the target's dtype: :func:`validate_target`)."""
+    check.ignore_index(op, ignore_index, "target", None)
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
         raise check.OpArgumentError(op, "label_smoothing", f"expected a number in [0, 1], got {label_smoothing!r}")
     check.choice(op, "reduction", reduction, REDUCTIONS)
