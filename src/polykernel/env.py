@@ -6,7 +6,7 @@ one of ``1, true, yes, on``, false one of ``0, false, no, off`` or empty (case-i
 stripped); any other value is a ``ValueError`` naming the variable and the accepted values.
 
 :func:`check` runs when decisions are first made (once per process, again after
-``clear_caches()``). It parses every boolean that is set, so a bad value fails the first op call
+``clear_caches()``). It parses every boolean that is set (and ``POLYKERNEL_NATIVE``), so a bad value fails the first op call
 even where the variable is read at import; an unknown ``POLYKERNEL_*`` name, or a per-op name
 whose op does not exist (an op registered later is not known yet), warns, naming the closest
 valid name; under ``POLYKERNEL_STRICT=1`` it is an error.
@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 from .errors import shown
 
-__all__ = ["BOOLEANS", "KNOWN", "PER_OP", "check", "flag", "triton_interpret"]
+__all__ = ["BOOLEANS", "KNOWN", "NATIVE_MODES", "PER_OP", "check", "flag", "native_mode", "triton_interpret"]
 
 log = logging.getLogger("polykernel")
 
@@ -71,6 +71,24 @@ def flag(name: str, default: bool) -> bool:
     )
 
 
+# POLYKERNEL_NATIVE's values (case-insensitive, stripped; unset or empty is auto) and their modes.
+NATIVE_MODES = {"auto": "auto", "1": "on", "on": "on", "true": "on", "yes": "on", "0": "off", "off": "off", "false": "off", "no": "off"}
+
+
+def native_mode() -> str:
+    """``POLYKERNEL_NATIVE`` as ``'auto'``, ``'on'`` (required) or ``'off'``; unset or empty is auto.
+    Raises ``ValueError`` naming the variable and the accepted values on any other value."""
+    raw = os.environ.get("POLYKERNEL_NATIVE", "")
+    found = NATIVE_MODES.get(raw.strip().lower() or "auto")
+    if found is None:
+        raise ValueError(
+            f"POLYKERNEL_NATIVE={shown(raw)} is not a setting of polykernel's native launch path; use 1 (or on, true, "
+            "yes: required), 0 (or off, false, no: the Python path) or auto (the default: used once built); "
+            "case and surrounding spaces do not matter"
+        )
+    return found
+
+
 def triton_interpret() -> bool:
     """Whether Triton runs its interpreter: only Triton's own true values of ``TRITON_INTERPRET``.
     A value Triton does not recognise is treated as unset, with one warning (Triton compiles then,
@@ -96,6 +114,7 @@ def check(op_names: Iterable[str], strict: bool) -> None:
     valid name; with ``strict`` the problems are one ``ValueError`` instead."""
     for name in BOOLEANS:
         flag(name, False)
+    native_mode()  # read where a Triton kernel first launches: a bad value must fail the first call, not a launch
     per_op = {p + op.upper() for op in op_names for p in PER_OP}
     problems = [p for p in (_problem(name, per_op) for name in sorted(os.environ)) if p is not None]
     if not problems:

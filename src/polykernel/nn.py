@@ -744,12 +744,12 @@ def _check_distill_options(cls: str, **options: object) -> None:
 
     if "reduction" in options:
         _checks.choice(cls, "reduction", options["reduction"], ("batchmean", "sum", "mean", "none"))
-    if "log_target" in options and not isinstance(options["log_target"], bool):
-        raise _checks.OpTypeError(cls, "log_target", f"expected a bool, got {options['log_target']!r}")
+    if "log_target" in options:
+        _checks.boolean(cls, "log_target", options["log_target"])
     if "beta" in options:
         _distill.validate_beta(cls, options["beta"])
     if "ignore_index" in options:
-        _distill.validate_ignore_index(cls, options["ignore_index"])
+        _checks.ignore_index(cls, options["ignore_index"], "labels", None)  # the labels' dtype: checked per call
     if "temperature" in options:
         _checks.positive_float(cls, "temperature", options["temperature"])
         _checks.finite_float(cls, "temperature", options["temperature"])

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 import torch
 
 from .. import _compat
-from ..errors import OpArgumentError
+from ..errors import OpTypeError, shown
 from ..spec import KernelSpec
 from . import codegen, hit_guard, hooks, memo_key, registry
 from . import selection as _dispatch
@@ -180,6 +180,7 @@ def _exec(op: Op, src: str, name: str) -> Callable[..., Any]:
         "grad": _grad_enabled,
         "capturing": _stream_capturing,
         "fast": op._fast,
+        "same_items": _same_items,
         "memo_get": op._memo.get,  # the memo dict lives as long as the op (cleared, never replaced)
     }
     fn = codegen.define(src, f"<polykernel hot path: {op.id}.{name}>", name, namespace)
@@ -196,27 +197,55 @@ _OPTION_TYPES: dict[Any, frozenset[type]] = {
 }
 
 
-def _option_types(reference: Callable[..., Any], positions: Sequence[int]) -> tuple[frozenset[type] | None, ...]:
-    """Per option position, the types its annotation in ``reference`` allows (None: unchecked)."""
+class OptionType(typing.NamedTuple):
+    """The exact types an option may have, and for a sequence option (``list[int]``) its items'."""
+
+    types: frozenset[type]
+    items: frozenset[type] | None = None
+
+    def admits(self, value: Any) -> bool:
+        return type(value) in self.types and (
+            self.items is None or not isinstance(value, (list, tuple)) or all(type(v) in self.items for v in value)
+        )
+
+    def expected(self) -> str:
+        names = " or ".join(sorted("None" if t is type(None) else t.__name__ for t in self.types))
+        if self.items is not None:
+            return f"{names} of {' or '.join(sorted(t.__name__ for t in self.items))}"
+        return f"a {names}" if len(self.types) == 1 else names  # "a bool", as the ops' own checks say
+
+
+def _option_types(reference: Callable[..., Any], positions: Sequence[int]) -> tuple[OptionType | None, ...]:
+    """Per option position, the types its annotation in ``reference`` allows (None: unchecked).
+    An unannotated parameter whose default is a bool (``average_log_prob=False``) is a bool
+    option: a string or an int there must never pass for a truth value."""
     try:
         hints = typing.get_type_hints(reference)
     except Exception:  # unresolvable annotations: options unchecked here (validate still runs)
         hints = {}
     params = list(inspect.signature(reference).parameters.values())
-    out: list[frozenset[type] | None] = []
+    out: list[OptionType | None] = []
     for i in positions:
         tp = hints.get(params[i].name) if i < len(params) else None
+        if tp is None and i < len(params) and isinstance(params[i].default, bool):
+            tp = bool
         args = typing.get_args(tp)
         origin = typing.get_origin(tp)
         if tp in _OPTION_TYPES:
-            out.append(_OPTION_TYPES[tp])
-        elif isinstance(origin, type) and issubclass(origin, Sequence):  # list[int]: a list or tuple
-            out.append(frozenset({list, tuple}))
+            out.append(OptionType(_OPTION_TYPES[tp]))
+        elif isinstance(origin, type) and issubclass(origin, Sequence):  # list[int]: a list or tuple (of ints)
+            items = _OPTION_TYPES.get(args[0]) if len(args) == 1 else None
+            out.append(OptionType(frozenset({list, tuple}), items))
         elif args and all(a in _OPTION_TYPES or a is type(None) for a in args):  # float | None
-            out.append(frozenset().union(*(_OPTION_TYPES.get(a, frozenset({a})) for a in args)))
+            out.append(OptionType(frozenset().union(*(_OPTION_TYPES.get(a, frozenset({a})) for a in args))))
         else:
             out.append(None)
     return tuple(out)
+
+
+def _same_items(a: Any, b: Any) -> bool:
+    """Whether two equal sequence options hold items of the same types (``[2.0, 1, 1] == [2, 1, 1]``)."""
+    return all(type(x) is type(y) for x, y in zip(a, b))
 
 
 def _picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
@@ -267,8 +296,14 @@ def _hot_dispatch(op: Op) -> Callable[..., Any]:
     test += "".join(f" and {names[i]}.shape == {names[j]}.shape" for i, j in hit_guard.relations(spec))
     # options: the same object (a default, a literal: one `is`), else the same type and equal, so
     # that False never passes for 0.0, nor a tensor for a float (`tensor == 1e-6` is truthy)
+    # a sequence option also needs its items' types: [2.0, 1, 1] == [2, 1, 1] must not reuse the
+    # decision made (and validated) for the ints
+    typed = _option_types(op.reference, [i for i, kind in enumerate(spec) if kind is None])
     test += "".join(
-        f" and ({name} is f[{6 + k}] or (type({name}) is type(f[{6 + k}]) and {name} == f[{6 + k}]))" for k, name in enumerate(options)
+        f" and ({name} is f[{6 + k}] or (type({name}) is type(f[{6 + k}]) and {name} == f[{6 + k}]"
+        + (f" and same_items({name}, f[{6 + k}])" if t is not None and t.items is not None else "")
+        + "))"
+        for k, (name, t) in enumerate(zip(options, typed))
     )
     src = (
         f"def dispatch(impl, {sig}):\n"
@@ -407,7 +442,13 @@ class Op:
             self._guarded = _picker(hit_guard.tensor_positions(self.guard))
             option_positions = tuple(i for i, kind in enumerate(self.guard) if kind is None)
             self._options = _picker(option_positions)
-            self._option_types = _option_types(reference, option_positions)
+        names = list(inspect.signature(reference).parameters)
+        # The options checked by type on the slow path (_mistyped), which every call the guard does
+        # not recognise takes (an op without a guard: every call): the guard's options, else every
+        # parameter its annotation (or a bool default) types. A new op's bool options are so
+        # checked without code of its own.
+        positions = option_positions if self.guard is not None else range(len(names))
+        self._typed = [(i, names[i], t) for i, t in zip(positions, _option_types(reference, positions)) if t is not None]
         self._memo: dict[tuple[Any, ...], Any] = {}
         # The decisions :meth:`dispatch` recognises by their guards (see _hot_dispatch), most
         # recent first: (check, grad mode or None, impl, scope, deterministic, decision, *options).
@@ -444,8 +485,9 @@ class Op:
         it, and that decision's guard for the next calls (built ~1 µs on the decision's first
         call, kept on the decision for when its class comes back). A call no guard can cover (a
         subclass, a non-tensor) leaves the last one in place."""
-        if not self._typed_options(args):  # before the memo, whose keys hold False == 0.0 alike
-            self._reject(args, OpArgumentError(self.id, "options", f"an option of the wrong type in {self._options(args)!r}"))
+        wrong = self._mistyped(args)  # before the memo, whose keys hold False == 0.0 alike
+        if wrong is not None:
+            self._reject(args, wrong)
         try:
             argkey = self.key(*args)
         except Exception:  # not tensors, 0-d x, an unhashable option: validate() names the problem
@@ -473,16 +515,14 @@ class Op:
             del fast[FAST_RECORDS:]
         return self._finish(decision, key, args)
 
-    def _typed_options(self, args: tuple[Any, ...]) -> bool:
-        """Whether each option has a type its annotation allows (bool is no float, a tensor no
-        number): the memo compares options with ``==``, under which ``False == 0.0``."""
-        if self.guard is None:  # an op without a guard validates every call itself
-            return True
-        try:
-            options = self._options(args)
-        except IndexError:  # fewer arguments: validate names what is missing
-            return True
-        return all(allowed is None or type(v) in allowed for v, allowed in zip(options, self._option_types))
+    def _mistyped(self, args: tuple[Any, ...]) -> OpTypeError | None:
+        """The error naming the first option whose type its annotation does not allow (a bool is
+        no float, a string no bool, a tensor no number), else None: the memo compares options with
+        ``==``, under which ``False == 0.0``, and a string is truthy."""
+        for i, name, allowed in self._typed:
+            if i < len(args) and not allowed.admits(args[i]):  # fewer arguments: validate names what is missing
+                return OpTypeError(self.id, name, f"expected {allowed.expected()}, got {shown(args[i])} ({type(args[i]).__name__})")
+        return None
 
     def run(self, impl: str | None, argkey: tuple[Any, ...] | None, *args: Any) -> Any:
         """The eager path of :meth:`call` without its compile check: the custom op's real impl

@@ -68,12 +68,48 @@ def finite_float(op: str, name: str, value: Any) -> None:
         raise OpArgumentError(op, name, f"expected a finite number, {_got(value)}")
 
 
+def eps(op: str, value: Any, name: str = "eps") -> None:
+    """A normalisation's ``eps``: a finite number >= 0 (``inf`` would scale every row to 0, NaN
+    poison it: silently wrong outputs, never an error)."""
+    v = _float(value)
+    if v is None or not 0 <= v < math.inf:
+        raise OpArgumentError(op, name, f"expected a finite number >= 0, {_got(value)}")
+
+
 def int64(op: str, name: str, value: Any) -> None:
     """An int (not a bool) that fits int64: tensors compare with it, kernels take it as i64."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise OpTypeError(op, name, f"expected an int, got {shown(value)}")
     if not INT64[0] <= value <= INT64[1]:
         raise OpArgumentError(op, name, f"expected an int in int64's range [-2**63, 2**63 - 1], got {shown(value)}")
+
+
+def ignore_index(op: str, value: Any, labels_name: str, labels: Any) -> None:
+    """``ignore_index``: an int64 (as torch's ``F.cross_entropy`` takes) that fits ``labels``'
+    integer dtype, for every op that takes one. torch compares an integer tensor with a Python int
+    in the tensor's dtype, wrapping (int32 labels equal ``2**32 + 5`` where they hold 5, uint8
+    ones ``-100`` where they hold 156), and kernels may compare in either width: a value outside
+    the dtype could never match a label yet would drop rows. ``labels`` not an integer tensor
+    (None, or a bad one ``validate`` names itself): the int64 check only."""
+    int64(op, "ignore_index", value)
+    if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        return
+    info = torch.iinfo(labels.dtype)
+    if not info.min <= value <= info.max:
+        raise OpArgumentError(
+            op,
+            "ignore_index",
+            f"{value} is outside the range [{info.min}, {info.max}] of the dtype of {labels_name} ({labels.dtype}), so it could never "
+            f"match a label (and would wrap in the comparison); pass a value in that range, or {labels_name} as int64",
+        )
+
+
+def boolean(op: str, name: str, value: Any) -> None:
+    """A bool option: exactly True or False (a string such as ``"False"`` or an int is truthy
+    or falsy by accident). The core checks every option annotated ``bool`` (or defaulting to one)
+    the same way before the memo; ops that validate before dispatch call this."""
+    if value is not True and value is not False:
+        raise OpTypeError(op, name, f"expected a bool, got {shown(value)} ({type(value).__name__})")
 
 
 def choice(op: str, name: str, value: Any, allowed: tuple[str, ...]) -> None:

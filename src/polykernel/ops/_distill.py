@@ -70,11 +70,6 @@ def validate_labels(op: str, labels: torch.Tensor | None, rows_shape: torch.Size
     check.same_device(op, "labels", labels, ref_name, ref)
 
 
-def validate_ignore_index(op: str, ignore_index: object) -> None:
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise check.OpTypeError(op, "ignore_index", f"expected an int, got {ignore_index!r}")
-
-
 def validate_beta(op: str, beta: object) -> None:
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
         raise check.OpArgumentError(op, "beta", f"expected a number in [0, 1], got {beta!r}")

@@ -139,10 +139,6 @@ def validate_beta(op: str, beta: Any) -> None:
     check.finite_float(op, "beta", beta)
 
 
-def validate_ignore_index(op: str, ignore_index: Any) -> None:
-    check.int64(op, "ignore_index", ignore_index)
-
-
 def validate_smoothing(op: str, value: Any) -> None:
     check.finite_float(op, "label_smoothing", value)
     if not 0.0 <= float(value) <= 0.5:
@@ -214,7 +210,7 @@ def validate_pairwise(op: str, hidden, weight, target, bias, beta, ignore_index)
     validate_head(op, hidden, weight, bias, target)
     validate_pairs(op, "hidden", hidden)
     validate_beta(op, beta)
-    validate_ignore_index(op, ignore_index)
+    check.ignore_index(op, ignore_index, "target", target)
     validate_targets(op, "target", target, weight.shape[0], ignore_index)
 
 

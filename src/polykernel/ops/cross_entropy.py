@@ -102,8 +102,9 @@ def reference(
 
 
 def validate_options(op: str, ignore_index: int, label_smoothing: float, reduction: str) -> None:
-    """Checks shared with ``loss.fused_linear_cross_entropy``."""
-    check.int64(op, "ignore_index", ignore_index)
+    """Checks shared with ``loss.fused_linear_cross_entropy`` and the nn modules' constructors
+    (``ignore_index`` against the target's dtype: :func:`validate_target`)."""
+    check.ignore_index(op, ignore_index, "target", None)
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
         raise check.OpArgumentError(op, "label_smoothing", f"expected a number in [0, 1], got {label_smoothing!r}")
     check.choice(op, "reduction", reduction, REDUCTIONS)
@@ -156,6 +157,7 @@ def validate_target(
     check.tensor(op, "target", target, min_dim=0)
     if target.dtype not in TARGET_DTYPES:
         raise check.OpTypeError(op, "target", f"expected an int64 or int32 tensor of class indices, got {target.dtype}")
+    check.ignore_index(op, ignore_index, "target", target)
     if target.shape != rows_shape:
         raise check.OpArgumentError(
             op, "target", f"expected shape {tuple(rows_shape)} ({ref_name}'s shape without its last dim), got {tuple(target.shape)}"

@@ -50,8 +50,7 @@ def reference(
 def validate(x: torch.Tensor, per_token: bool = True, q: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> None:
     check.tensor(OP_ID, "x", x)
     check.floating(OP_ID, "x", x)
-    if not isinstance(per_token, bool):
-        raise check.OpTypeError(OP_ID, "per_token", f"expected a bool, got {type(per_token).__name__}")
+    check.boolean(OP_ID, "per_token", per_token)
     serving.inference_only(OP_ID, "x", x)
     if q is not None:
         serving.destination(OP_ID, "q", q, tuple(x.shape), serving.FP8, x)

@@ -61,7 +61,7 @@ def check_arguments(op_id: str, x: torch.Tensor, residual: torch.Tensor, weight:
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise check.OpArgumentError(op_id, "weight", f"expected shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}")
     check.same_device(op_id, "weight", weight, "x", x)
-    check.nonnegative_float(op_id, "eps", eps)
+    check.eps(op_id, eps)
     check.finite_float(op_id, "offset", offset)
 
 

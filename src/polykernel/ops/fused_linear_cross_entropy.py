@@ -180,8 +180,7 @@ def fused_linear_cross_entropy(
     ls = label_smoothing if type(label_smoothing) is float else as_smoothing(label_smoothing)
     cap = softcap if softcap is None or type(softcap) is float else as_softcap(softcap)
     z = z_loss if type(z_loss) is float else as_smoothing(z_loss)
-    if return_token_accuracy is not False and return_token_accuracy is not True:
-        raise check.OpTypeError(OP_ID, "return_token_accuracy", f"expected a bool, got {type(return_token_accuracy).__name__}")
+    check.boolean(OP_ID, "return_token_accuracy", return_token_accuracy)
     if (
         not isinstance(target, torch.Tensor) or target.is_cpu
     ) and not _compiling():  # its values: every call (compiled: the custom op validates)

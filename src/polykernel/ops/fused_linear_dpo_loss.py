@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ..backends.torch import _linear_logps as walker
 from ..core.op import Case, Op
+from . import _checks as check
 from . import _preference as pref
 
 OP_ID = "loss.fused_linear_dpo_loss"
@@ -72,7 +73,7 @@ def _validate(hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, re
             raise pref.OpArgumentError(OP_ID, "ref_hidden", "give either reference log-probs or a reference head, not both")
     pref.validate_ref_head(OP_ID, hidden, weight, target, ref_hidden, ref_weight, ref_bias)
     pref.validate_beta(OP_ID, beta)
-    pref.validate_ignore_index(OP_ID, ignore_index)
+    check.ignore_index(OP_ID, ignore_index, "target", target)
     pref.validate_targets(OP_ID, "target", target, weight.shape[0], ignore_index)
 
 

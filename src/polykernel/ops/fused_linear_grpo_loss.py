@@ -127,8 +127,7 @@ def _validate(hidden, weight, ids, mask, adv, bias, ref, old, beta, eps_low, eps
         check.int64(OP_ID, "max_completion_length", max_len)
         if max_len <= 0:
             raise pref.OpArgumentError(OP_ID, "max_completion_length", f"expected a positive int, got {max_len}")
-    if not isinstance(bias_correction, bool):
-        raise pref.OpTypeError(OP_ID, "use_bias_correction_kl", f"expected a bool, got {type(bias_correction).__name__}")
+    check.boolean(OP_ID, "use_bias_correction_kl", bias_correction)
     # only the scored ids: a masked position may hold padding (TRL's pad id, or -100)
     pref.validate_targets(OP_ID, "selected_token_ids", torch.where(mask != 0, ids, 0), weight.shape[0], None)
 

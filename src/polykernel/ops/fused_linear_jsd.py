@@ -98,7 +98,7 @@ def validate(
     check.same_device(OP_ID, "teacher_hidden", teacher_hidden, "student_hidden", student_hidden)
     distill.validate_labels(OP_ID, labels, student_hidden.shape[:-1], "student_hidden", student_hidden)
     distill.validate_beta(OP_ID, beta)
-    distill.validate_ignore_index(OP_ID, ignore_index)
+    check.ignore_index(OP_ID, ignore_index, "labels", labels)
     check.positive_float(OP_ID, "temperature", temperature)
     check.finite_float(OP_ID, "temperature", temperature)
 

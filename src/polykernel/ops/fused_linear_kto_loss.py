@@ -59,6 +59,12 @@ def _validate(hidden, weight, target, labels, bias, ref_hidden, ref_weight, ref_
     if labels.dtype.is_floating_point or labels.dtype.is_complex:
         raise pref.OpTypeError(OP_ID, "preference_labels", f"expected a bool (or 0/1 integer) tensor, got {labels.dtype}")
     check.same_device(OP_ID, "preference_labels", labels, "hidden", hidden)
+    # an integer label is a truth value only as 0 or 1: 2 would count as desirable silently (a host
+    # sync, as the targets' range; under torch.compile the eager call behind the graph break checks)
+    if labels.dtype != torch.bool and labels.numel() and not torch.compiler.is_compiling():
+        bad = (labels != 0) & (labels != 1)
+        if bool(bad.any()):
+            raise pref.OpArgumentError(OP_ID, "preference_labels", f"expected 0/1 (or bool) labels, got {labels[bad][0].item()}")
     if ref_logps is not None:
         pref.validate_vector(OP_ID, "ref_logps", ref_logps, b, hidden)
         if ref_hidden is not None:
@@ -72,7 +78,7 @@ def _validate(hidden, weight, target, labels, bias, ref_hidden, ref_weight, ref_
     elif kl is not None:
         check.finite_float(OP_ID, "kl", kl)
     pref.validate_beta(OP_ID, beta)
-    pref.validate_ignore_index(OP_ID, ignore_index)
+    check.ignore_index(OP_ID, ignore_index, "target", target)
     pref.validate_targets(OP_ID, "target", target, weight.shape[0], ignore_index)
 
 

@@ -18,6 +18,7 @@ import torch
 from ..backends.liger import _gates as liger_gates
 from ..core.hit_guard import SHAPE
 from ..core.op import Bounds, Case, ErrorModel, Op
+from . import _checks as check
 from . import _distill as distill
 
 OP_ID = "loss.jsd"
@@ -44,7 +45,7 @@ def validate(student_logp: torch.Tensor, teacher_logp: torch.Tensor, labels: tor
     distill.validate_pair(OP_ID, "student_logp", student_logp, "teacher_logp", teacher_logp, min_classes=1)
     distill.validate_labels(OP_ID, labels, student_logp.shape[:-1], "student_logp", student_logp)
     distill.validate_beta(OP_ID, beta)
-    distill.validate_ignore_index(OP_ID, ignore_index)
+    check.ignore_index(OP_ID, ignore_index, "labels", labels)
 
 
 _grad_enabled = torch.is_grad_enabled

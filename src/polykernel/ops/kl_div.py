@@ -50,8 +50,7 @@ def divisor(input: torch.Tensor, reduction: str) -> int:
 def validate(input: torch.Tensor, target: torch.Tensor, reduction: str, log_target: bool) -> None:
     distill.validate_pair(OP_ID, "input", input, "target", target, min_classes=0)
     check.choice(OP_ID, "reduction", reduction, REDUCTIONS)
-    if not isinstance(log_target, bool):
-        raise check.OpTypeError(OP_ID, "log_target", f"expected a bool, got {log_target!r}")
+    check.boolean(OP_ID, "log_target", log_target)
 
 
 _grad_enabled = torch.is_grad_enabled

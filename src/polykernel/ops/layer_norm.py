@@ -56,7 +56,7 @@ def validate(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     check.floating(OP_ID, "x", x)
     _param(x, "weight", weight)
     _param(x, "bias", bias)
-    check.nonnegative_float(OP_ID, "eps", eps)
+    check.eps(OP_ID, eps)
 
 
 _grad_enabled = torch.is_grad_enabled

@@ -56,7 +56,7 @@ def validate(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, c
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise check.OpArgumentError(OP_ID, "weight", f"expected shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}")
     check.same_device(OP_ID, "weight", weight, "x", x)
-    check.nonnegative_float(OP_ID, "eps", eps)
+    check.eps(OP_ID, eps)
     check.finite_float(OP_ID, "offset", offset)
     check.choice(OP_ID, "casting", casting, CASTINGS)
 

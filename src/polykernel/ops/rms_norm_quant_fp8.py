@@ -39,8 +39,7 @@ def validate(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: fl
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise check.OpArgumentError(OP_ID, "weight", f"expected shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}")
     check.same_device(OP_ID, "weight", weight, "x", x)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise check.OpArgumentError(OP_ID, "eps", f"expected a number >= 0, got {eps!r}")
+    check.eps(OP_ID, eps)
     serving.inference_only(OP_ID, "x", x)
     serving.inference_only(OP_ID, "weight", weight)
     serving.validate_scale(OP_ID, scale, x)

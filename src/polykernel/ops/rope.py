@@ -96,8 +96,7 @@ def validate(
     b, _, t_len, d = q.shape
     if k.shape[0] != b or k.shape[2] != t_len or k.shape[3] != d:
         raise check.OpArgumentError(OP_ID, "k", f"expected shape [{b}, Hk, {t_len}, {d}] (q's B, T and D), got {tuple(k.shape)}")
-    if not isinstance(interleaved, bool):
-        raise check.OpTypeError(OP_ID, "interleaved", f"expected a bool, got {interleaved!r}")
+    check.boolean(OP_ID, "interleaved", interleaved)
     if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int)):
         raise check.OpTypeError(OP_ID, "rotary_dim", f"expected an int or None, got {rotary_dim!r}")
     if rotary_dim is not None and (rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > d):

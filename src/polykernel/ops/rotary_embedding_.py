@@ -109,6 +109,11 @@ def validate(
     if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size <= 0:
         raise check.OpArgumentError(OP_ID, "head_size", f"expected a positive int, got {head_size!r}")
     tokens = positions.shape[0]
+    check.tensor(OP_ID, "query", query)
+    # positions is the odd one out where query (and key, if given) agree on T and it does not;
+    # where key agrees with positions instead, query is (below)
+    if query.dim() in (2, 3) and query.shape[0] != tokens and (not isinstance(key, torch.Tensor) or key.shape[:1] == query.shape[:1]):
+        raise check.OpArgumentError(OP_ID, "positions", f"expected one position per token of query (T={query.shape[0]}), got {tokens}")
     _qk("query", query, tokens, head_size)
     if key is not None:
         _qk("key", key, tokens, head_size)
@@ -127,11 +132,11 @@ def validate(
         )
     if rotary_dim is not None and (isinstance(rotary_dim, bool) or rotary_dim != rd):
         raise check.OpArgumentError(OP_ID, "rotary_dim", f"expected None or the cache's width {rd}, got {rotary_dim!r}")
-    if not isinstance(is_neox, bool):
-        raise check.OpTypeError(OP_ID, "is_neox", f"expected a bool, got {type(is_neox).__name__}")
-    for name, t in (("query", query), ("key", key), ("cos_sin_cache", cos_sin_cache)):
+    check.boolean(OP_ID, "is_neox", is_neox)
+    check.same_device(OP_ID, "positions", positions, "query", query)
+    for name, t in (("key", key), ("cos_sin_cache", cos_sin_cache)):
         if t is not None:
-            check.same_device(OP_ID, name, t, "positions", positions)
+            check.same_device(OP_ID, name, t, "query", query)
     serving.no_overlap(OP_ID, "key", key, "query", query)
     # a cache inside query or key would be read by one token after another token rotated it
     serving.no_overlap(OP_ID, "cos_sin_cache", cos_sin_cache, "query", query)

@@ -48,7 +48,7 @@ def validate(p: torch.Tensor, q: torch.Tensor, labels: torch.Tensor | None, redu
     distill.validate_pair(OP_ID, "p", p, "q", q, min_classes=1)
     distill.validate_labels(OP_ID, labels, p.shape[:-1], "p", p)
     check.choice(OP_ID, "reduction", reduction, REDUCTIONS)
-    distill.validate_ignore_index(OP_ID, ignore_index)
+    check.ignore_index(OP_ID, ignore_index, "labels", labels)
 
 
 _grad_enabled = torch.is_grad_enabled

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import re
 import sys
 import threading
@@ -40,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ... import _compat
+from ... import _compat, env
 from . import _launch
 
 log = logging.getLogger("polykernel")
@@ -50,8 +49,6 @@ SOURCE = CSRC / "native.cpp"  # the one translation unit: it includes the other 
 # No -std: torch's cpp_extension passes the standard its headers need (2.14's refuse less than C++20);
 # one of ours after it would override it.
 CFLAGS = ["-O2"]
-
-_MODES = {"auto": "auto", "1": "on", "on": "on", "true": "on", "yes": "on", "0": "off", "off": "off", "false": "off", "no": "off"}
 
 # Read from POLYKERNEL_NATIVE where first consulted (module __getattr__ below), then plain globals.
 ENABLED: bool  # the fast launch off: the old path
@@ -64,17 +61,8 @@ _logged: set[str] = set()
 
 
 def mode() -> str:
-    """``POLYKERNEL_NATIVE`` as ``'auto'``, ``'on'`` (required) or ``'off'``; unset or empty is auto.
-    Raises ``ValueError`` naming the variable and the accepted values on any other value."""
-    raw = os.environ.get("POLYKERNEL_NATIVE", "")
-    found = _MODES.get(raw.strip().lower() or "auto")
-    if found is None:
-        raise ValueError(
-            f"POLYKERNEL_NATIVE={raw!r} is not a setting of polykernel's native launch path; use 1 (or on, true, "
-            "yes: required), 0 (or off, false, no: the Python path) or auto (the default: used once built); "
-            "case and surrounding spaces do not matter"
-        )
-    return found
+    """``POLYKERNEL_NATIVE`` as ``'auto'``, ``'on'`` (required) or ``'off'`` (:func:`polykernel.env.native_mode`)."""
+    return env.native_mode()
 
 
 def _settle() -> None:
