@@ -175,7 +175,10 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated case names")
     parser.add_argument("--rep", type=int, default=200, help="ms of timing per measurement on the GPU")
     parser.add_argument(
-        "--eager-max-experts", type=int, default=EAGER_MAX_EXPERTS, help="skip transformers' eager loop above this many experts (its row says so)"
+        "--eager-max-experts",
+        type=int,
+        default=EAGER_MAX_EXPERTS,
+        help="skip transformers' eager loop above this many experts (its row says so)",
     )
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
