@@ -228,6 +228,7 @@ def _contenders(
 ) -> dict[str, Callable[[], Any]]:
     """Name -> a no-argument call of one contender on the same inputs."""
     import polykernel
+    from polykernel.core import registry
 
     public = getattr(polykernel, op.name)
     # The automatic choice first: as a user calls it (static ranks, or the tuning store's choice).
@@ -235,7 +236,11 @@ def _contenders(
     # Every registered impl runnable here, the peers included (impl="liger", impl="quack"): a peer
     # is measured through its adapter, as polykernel runs it. An impl whose predicate refuses these
     # arguments (Liger at N > 65536) raises ImplNotAvailableError: its row records the reason.
-    for impl in polykernel.available_impls(op.id, device=device, dtype=dtype):
+    runnable = polykernel.available_impls(op.id, device=device, dtype=dtype)
+    # An installed peer whose import raised (found by available_impls) gets its row too: its error
+    # says why it did not run, so a report never reads as if the peer were simply not installed.
+    broken = [n for n, s in registry.specs_for(op).items() if n not in runnable and s.failed_import()]
+    for impl in [*runnable, *broken]:
         out[f"polykernel:{impl}"] = lambda impl=impl: public(*args, impl=impl, **kwargs)
     out["eager reference"] = lambda: op.reference(*args, **kwargs)
     if op.name == "moe_experts":
