@@ -480,6 +480,18 @@ def test_parity_gpu(op, peer):
     assert not failed, "\n".join(map(str, failed))
 
 
+def test_forward_only_parity_runs_a_forward_only_impl_on_the_ops_own_cases():
+    """test_parity_gpu's check (backward=False) of rms_norm, whose cases require grad: the peers'
+    rows have no backward, so each case ran without a gradient or the peer ran none of them."""
+    from polykernel.ops.rms_norm import reference
+    from polykernel.spec import FormatSignature
+
+    forward_only = FormatSignature(supports_backward=False)
+    polykernel.register_impl(op="rms_norm", backend="cuda_jit", rank=1, format_signature=forward_only)(reference)
+    results = polykernel.testing.check_parity("rms_norm", ["cuda_jit"], dtypes=[torch.float32], backward=False)
+    assert results and all(r.ok for r in results), "\n".join(map(str, results))
+
+
 def test_their_versions_name_the_tuning_namespace():
     """A decision measured with one FlashInfer or sgl-kernel never applies under another (read
     from the distributions' metadata: nothing is imported)."""
