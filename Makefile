@@ -48,8 +48,31 @@ test-simd: setup  ## the parity tests again with the AVX-512, then the AVX2 path
 test-fallbacks: setup  ## the CPU suite again with every private-API fallback forced (polykernel/_compat.py)
 	POLYKERNEL_COMPAT_FALLBACKS=1 $(BIN)/python -m pytest -q -n $(JOBS) --timeout=900 tests
 
-test-gpu:  ## on a CUDA machine with torch and triton installed
-	PYTHONPATH=src $(PYTHON) -m pytest -q -m "gpu or gpu2" tests
+# The GPU suite in parts that each end within ~8 min on one H200 (a device command is capped at
+# 10): `make test-gpu PART=moe`, or `make test-gpu` for every part in turn. Each part reports its
+# 15 slowest tests and stops any one test after GPU_TIMEOUT s. The last part, `rest`, is every
+# test file the others do not name: no GPU test is left out when files are added.
+GPU_TIMEOUT ?= 240
+GPU_PART_losses  := $(addprefix tests/ops/test_,cross_entropy.py fused_linear_cross_entropy.py ce_options.py kl_div.py jsd.py tvd.py fused_linear_jsd.py preference_losses.py)
+GPU_PART_moe     := tests/ops/test_moe.py tests/ops/test_moe_gpt_oss.py
+GPU_PART_serving := $(wildcard tests/ops/test_serving_*.py) $(addprefix tests/backends/test_,serving_peers.py cuda_jit.py torch_compile.py)
+GPU_PART_grads   := tests/ops/test_double_backward.py tests/ops/test_func_transforms.py
+GPU_PART_norms   := $(filter-out $(GPU_PART_losses) $(GPU_PART_moe) $(GPU_PART_serving) $(GPU_PART_grads),$(wildcard tests/ops/test_*.py))
+GPU_PART_backends := $(filter-out $(GPU_PART_serving),$(wildcard tests/backends/test_*.py)) tests/core tests/tuning
+GPU_PART_reliability := tests/reliability
+GPU_PART_models  := tests/compile tests/integrations tests/distributed tests/tools
+GPU_PARTS        := norms grads losses moe serving backends reliability models rest
+GPU_PART_rest    := $(filter-out $(foreach p,$(filter-out rest,$(GPU_PARTS)),$(GPU_PART_$(p))) $(foreach d,core tuning reliability compile integrations distributed tools,tests/$(d)/%),$(wildcard tests/test_*.py tests/*/test_*.py))
+PART ?=
+
+.PHONY: test-gpu-parts $(addprefix test-gpu-,$(GPU_PARTS))
+test-gpu: $(if $(PART),test-gpu-$(PART),$(addprefix test-gpu-,$(GPU_PARTS)))  ## on a CUDA machine: every part, or PART=one of GPU_PARTS
+
+test-gpu-parts:  ## list the GPU suite's parts and their files
+	@$(foreach p,$(GPU_PARTS),echo "$(p): $(or $(GPU_PART_$(p)),(none))";)
+
+$(addprefix test-gpu-,$(GPU_PARTS)): test-gpu-%:
+	$(if $(strip $(GPU_PART_$*)),PYTHONPATH=src $(PYTHON) -m pytest -q -p no:cacheprovider -m "gpu or gpu2" --timeout=$(GPU_TIMEOUT) --durations=15 -rfE $(GPU_PART_$*),@echo "test-gpu-$*: no files")
 
 lint: setup  ## style, formatting, and the core's one-way import layers ([tool.importlinter] in pyproject.toml)
 	$(BIN)/ruff check src tests benchmarks && $(BIN)/ruff format --check src tests benchmarks

@@ -24,6 +24,11 @@
 # Each step runs under its own time limit (a step that overruns is cut, its log says so, the next
 # runs); logs and JSON go to one folder, packed into one file at the end (the device returns at
 # most 8 files). The GPU tests run serially: with -n they filled the GPU's memory.
+# `polykernel bench` and the benchmark scripts write each row to their JSON file as it is measured
+# (polykernel.tools.rows: "complete": false until the end), so a step cut at its limit keeps its
+# rows. The GPU tests: `make test-gpu PART=...` parts (docs/testing.md), each under 8 min:
+#
+#   gpu-PART    one part of the GPU suite (norms grads losses moe serving backends reliability models)
 set -u
 part=${1:?usage: bash benchmarks/h200_plan.sh PART}
 R=/tmp/h200/$part
@@ -57,7 +62,7 @@ peers() {  # whichever staged setups came with this command (idempotent)
 gpu_tests() {  # gpu_tests NAME LIMIT FILES...
   local name=$1 lim=$2
   shift 2
-  step "$name" "$lim" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -rfE --tb=short "$@"
+  step "$name" "$lim" python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 --durations=15 -rfE --tb=short "$@"
 }
 
 SERVING_OPS=(silu_and_mul gelu_and_mul fused_add_rms_norm_ rotary_embedding_ dynamic_quant_fp8 static_quant_fp8 rms_norm_quant_fp8)
@@ -89,7 +94,7 @@ case $part in
     step pref-script 90 python3 benchmarks/kernels/preference_losses.py --json "$R/pref.json"
     ;;
   moe)
-    gpu_tests moe-tests 100 tests/ops/test_moe.py tests/ops/test_moe_gpt_oss.py
+    gpu_tests moe-tests 100 tests/ops/test_moe.py tests/ops/test_moe_gpt_oss.py  # under 60 s (make test-gpu PART=moe)
     step moe-layer 200 python3 benchmarks/kernels/moe.py --gpt-oss --json "$R/moe.json"
     step moe-train 230 python3 benchmarks/models/moe_train.py --steps 8 --timeout 100 --json "$R/moe_train.json"
     ;;
@@ -109,6 +114,9 @@ case $part in
     mine=$(IFS=,; echo "${fams[*]:$(((k - 1) * chunk)):$chunk}")
     step "families-$k" 540 python3 benchmarks/models/families.py --families "$mine" --steps 6 --warmup 3 --timeout 120 \
       --json "$R/families-$k.json"
+    ;;
+  gpu-*)
+    step "test-$part" 480 make test-gpu PART="${part#gpu-}" PYTHON=python3
     ;;
   *)
     echo "unknown part $part (see the header)"

@@ -94,13 +94,74 @@ def every_gradient_within_the_error_model(fn: Callable, op, c, per_token: Callab
         close(g, r, bounds.grads[i])
 
 
-def bad_index_never_passes_silently(script: str, impl: str) -> None:
-    """Runs ``script`` (it calls the op with an index outside [0, E) on the GPU and prints
-    "raised ..." or "passed silently ...") with ``impl``. A device-side assert poisons the CUDA
-    context: each run gets its own process."""
-    out = subprocess.run([sys.executable, "-c", script, impl], capture_output=True, text=True, timeout=300)
-    assert "raised" in out.stdout or out.returncode != 0, out.stdout + out.stderr[-2000:]
-    assert "passed silently" not in out.stdout
+class BadIndexRuns:
+    """The bad-index scripts (each calls the op with an index outside [0, E) on the GPU and prints
+    "raised ..." or "passed silently ...") of one test module, all started at once. A device-side
+    assert poisons the CUDA context, so each run needs its own process; one after the other, their
+    start-ups (torch, CUDA, the kernels' first calls) took most of the MoE GPU tests' time."""
+
+    def __init__(self, runs: dict[tuple[str, int], str], folder: str) -> None:
+        self.procs: dict[tuple[str, int], tuple[subprocess.Popen, str]] = {}
+        for (impl, bad), script in runs.items():
+            log = f"{folder}/{impl}_{bad}.log"  # a file, not a pipe: a device assert prints a lot
+            with open(log, "w") as f:
+                proc = subprocess.Popen([sys.executable, "-c", script, impl], stdout=f, stderr=subprocess.STDOUT, text=True)
+            self.procs[(impl, bad)] = (proc, log)
+
+    def check(self, impl: str, bad: int) -> None:
+        proc, log = self.procs[(impl, bad)]
+        rc = proc.wait(timeout=300)
+        with open(log) as f:
+            out = f.read()
+        assert "raised" in out or rc != 0, out[-2000:]
+        assert "passed silently" not in out
+
+    def close(self) -> None:
+        for proc, _ in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@contextlib.contextmanager
+def bad_index_runs(script: str, impls: list[str], folder: str) -> Iterator[BadIndexRuns]:
+    """``script`` (formatted with ``bad``) for each impl and bad index (E = 4 and -1), started together."""
+    runs = BadIndexRuns({(impl, bad): script.format(bad=bad) for impl in impls for bad in (4, -1)}, folder)
+    try:
+        yield runs
+    finally:
+        runs.close()
+
+
+# GPU parity at model-like sizes whose float64 reference stays small and quick. The op's reference
+# runs every expert on every token (E/k times the routed work), and its weight gradients cost one
+# full-size tensor per expert: at the op's own large cases (2048x2048x768-E128-k8,
+# 1024x4096x14336-E8-k2, gpt-oss's 2048x2880x2880-E32-k4) that was up to tens of GB of float64
+# per impl and dtype. These keep what the large shapes test: many experts with few tokens each,
+# long reductions over H (4096) and I (4096, 2880), one hot expert over many row tiles, odd sizes.
+# Each reference is under ~1 TFLOP of float64 and ~4 GB of weights and gradients (an H200 runs
+# float64 GEMMs at ~60 TFLOP/s).
+GPU_SIZES = {
+    "moe.moe_experts": [("384x1024x512-E128-k8", (384, 1024, 512, 128, 8)), ("512x4096x4096-E4-k2", (512, 4096, 4096, 4, 2))],
+    "moe.moe_experts_gpt_oss": [("512x2880x2880-E16-k4", (512, 2880, 2880, 16, 4))],
+}
+
+
+def gpu_cases(op, dtype: torch.dtype, device: str = "cuda") -> list:
+    """The op's own (small, awkward) cases on the GPU, ``GPU_SIZES`` and the shared large routings."""
+    from polykernel.core.op import Case
+    from polykernel.ops import _moe
+
+    out = list(op.cases(device, dtype))
+    for label, shape in GPU_SIZES[op.OP_ID]:
+        out.append(Case(label, op.example(shape, dtype, device, requires_grad=True).args))
+    for spec in _moe.large_routings():  # 4096x1024x512-E16-k1-skew90, 1031x1000x700-E9-k3-odd
+        args = list(op.example(spec[1:6], dtype, device, requires_grad=True).args)
+        if spec.index is not None:
+            _, index, weights = _moe.routed(spec.t, spec.h, spec.n_experts, spec.k, spec.index, device, dtype)
+            args[1], args[2] = index, weights.requires_grad_()
+        out.append(Case(spec.label, tuple(args)))
+    return out
 
 
 def graph_replay_matches_eager(fn: Callable, op, impl: str) -> None:

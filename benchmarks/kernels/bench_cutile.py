@@ -32,6 +32,7 @@ import torch
 import polykernel
 from polykernel.core import registry
 from polykernel.tools.bench import copy_bandwidth, measure
+from polykernel.tools.rows import RowFile, announce
 
 # (op, shape, kwargs, modes, target TB/s per mode): issue 9's table
 CASES: list[tuple[str, tuple[int, ...], dict[str, Any], dict[str, float]]] = [
@@ -66,6 +67,7 @@ def bench_case(
     use_compile: bool,
     graph: bool = False,
     device: str = "cuda",
+    out: RowFile | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (mode, contender): ms and TB/s from ``polykernel.tools.bench.measure`` (``device``
     other than CUDA only for a smoke test of the bookkeeping, with ``measure`` replaced)."""
@@ -96,7 +98,10 @@ def bench_case(
             except Exception as exc:  # one contender's failure must not stop the run
                 row.update(ms=None, tbs=None, error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            if out is not None:  # written now: a run cut at its time limit keeps it
+                out.add(row, json.dumps(row))
+            else:
+                print(json.dumps(row), flush=True)
             if device == "cuda":
                 torch.cuda.empty_cache()
         triton_tbs = next((r.get("tbs") for r in rows if r["mode"] == mode and r["impl"] == "triton"), None)
@@ -123,19 +128,17 @@ def main(argv: list[str] | None = None) -> int:
         print(polykernel.explain(op_name, device="cuda", dtype=torch.bfloat16), flush=True)
     copy = copy_bandwidth() / 1e3  # GB/s -> TB/s
     print(f"2 GiB copy: {copy:.3f} TB/s", flush=True)
-    rows: list[dict[str, Any]] = []
-    for op_name, shape, kwargs, modes in CASES:
-        if a.op and op_name not in a.op:
-            continue
-        rows += bench_case(op_name, shape, kwargs, modes, copy, not a.no_compile, a.graph)
     meta = dict(
-        device=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        timing="graph" if a.graph else "do_bench",
-        copy_tbs=round(copy, 3),
-        seconds=round(time.time() - t0, 1),
+        device=torch.cuda.get_device_name(), torch=torch.__version__, timing="graph" if a.graph else "do_bench", copy_tbs=round(copy, 3)
     )
-    (out / "bench_cutile.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    rows_file = RowFile(out / "bench_cutile.json", {"meta": meta})
+    cases = [c for c in CASES if not a.op or c[0] in a.op]
+    announce(sum(len(c[3]) for c in cases) * 4, per_case_s=3, what="rows (about)", path=str(out / "bench_cutile.json"))
+    rows: list[dict[str, Any]] = []
+    for op_name, shape, kwargs, modes in cases:
+        rows += bench_case(op_name, shape, kwargs, modes, copy, not a.no_compile, a.graph, out=rows_file)
+    meta["seconds"] = round(time.time() - t0, 1)
+    rows_file.finish()  # (with each mode's vs_triton, filled in after its rows)
     keys = ["op", "shape", "mode", "impl", "ms", "tbs", "pct_copy", "vs_triton", "target_tbs", "meets_target", "max_abs_diff_vs_triton",
             "peak_extra_MiB", "error"]  # fmt: skip
     with open(out / "bench_cutile.csv", "w", newline="") as f:

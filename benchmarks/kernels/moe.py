@@ -15,14 +15,15 @@ against transformers' eager ``GptOssExperts``.
     PYTHONPATH=src python benchmarks/kernels/moe.py --json moe.json --gpt-oss
     PYTHONPATH=src python benchmarks/kernels/moe.py --tiny --device cpu --json /tmp/moe.json   # smoke test
 
-The eager loop at Qwen3 shapes (128 experts, a host sync each) takes seconds per step: ``--rep``
-bounds the repetitions (time-based on the GPU, count-based on the CPU).
+The eager loop at Qwen3 shapes (128 experts, a host sync each) takes seconds per step: it is
+skipped above ``--eager-max-experts`` (32; its row says so), and ``--rep`` bounds the repetitions
+(time-based on the GPU, count-based on the CPU). Each row is printed and written to ``--json`` as
+soon as it is measured (``polykernel.tools.rows``): a run cut at its time limit keeps them.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -34,6 +35,7 @@ import torch
 import polykernel
 from polykernel.ops import moe_experts as op
 from polykernel.ops import moe_experts_gpt_oss as oss_op
+from polykernel.tools.rows import RowFile, announce
 
 SHAPES = {
     "qwen3-30b-a3b": (8192, 2048, 768, 128, 8),
@@ -91,8 +93,21 @@ def hf_gpt_oss(args: tuple[torch.Tensor, ...]) -> dict[str, Callable[[], torch.T
     return transformers_gpt_oss_experts(args, {})
 
 
+# transformers' eager loop costs a host sync and a few launches per expert: at Qwen3's 128 experts
+# a step takes seconds, and timing it took most of a 190 s device command before any row printed.
+EAGER_MAX_EXPERTS = 32
+
+
 def rows_for(
-    name: str, shape: tuple[int, ...], gpt_oss: bool, device: str, dtype: torch.dtype, rep_ms: int, gemm: float
+    name: str,
+    shape: tuple[int, ...],
+    gpt_oss: bool,
+    device: str,
+    dtype: torch.dtype,
+    rep_ms: int,
+    gemm: float,
+    sink: RowFile | None = None,
+    eager_max_experts: int = EAGER_MAX_EXPERTS,
 ) -> list[dict[str, Any]]:
     module = oss_op if gpt_oss else op
     public = polykernel.moe_experts_gpt_oss if gpt_oss else polykernel.moe_experts
@@ -107,6 +122,10 @@ def rows_for(
     rows = []
     for who, fn in contenders.items():
         row: dict[str, Any] = {"case": name, "shape": "T{},H{},I{},E{},k{}".format(*shape), "contender": who}
+        if who == "transformers eager" and shape[3] > eager_max_experts:
+            row["error"] = f"skipped: {shape[3]} experts > --eager-max-experts {eager_max_experts} (a host sync per expert)"
+            rows.append(sink.add(row, line_for(row)) if sink else row)
+            continue
         try:
             out = fn()
             dy = torch.randn_like(out)
@@ -123,9 +142,10 @@ def rows_for(
                 row[f"{mode}_pct_gemm"] = 100 * tf / gemm
         except Exception as exc:  # an impl refusing these arguments, out of memory: the row says why
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-        rows.append(row)
+        rows.append(sink.add(row, line_for(row)) if sink else row)  # written and printed now
         if device == "cuda":
             torch.cuda.empty_cache()
+    # speedups over the baselines measured in this case (the file gets them with the next write)
     for base in ("transformers grouped_mm", "transformers eager"):
         ref = next((r for r in rows if r["contender"] == base and "fwd_bwd_ms" in r), None)
         if ref is None:
@@ -134,6 +154,15 @@ def rows_for(
             if "fwd_bwd_ms" in r:
                 r[f"speedup_vs_{base.split()[1]}"] = ref["fwd_bwd_ms"] / r["fwd_bwd_ms"]
     return rows
+
+
+def line_for(row: dict[str, Any]) -> str:
+    if "error" in row:
+        return f"{row['case']:16} {row['contender']:26} {row['error']}"
+    return (
+        f"{row['case']:16} {row['contender']:26} fwd+bwd {row['fwd_bwd_ms']:9.3f} ms {row['fwd_bwd_tflops']:7.1f} TFLOP/s "
+        f"({row['fwd_bwd_pct_gemm']:5.1f}% GEMM)  fwd {row['fwd_ms']:8.3f} ms"
+    )
 
 
 def main() -> None:
@@ -145,45 +174,45 @@ def main() -> None:
     parser.add_argument("--gpt-oss", action="store_true", help="also moe_experts_gpt_oss at gpt-oss-20b's shapes")
     parser.add_argument("--only", help="comma-separated case names")
     parser.add_argument("--rep", type=int, default=200, help="ms of timing per measurement on the GPU")
+    parser.add_argument(
+        "--eager-max-experts",
+        type=int,
+        default=EAGER_MAX_EXPERTS,
+        help="skip transformers' eager loop above this many experts (its row says so)",
+    )
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    gemm = gemm_tflops(args.device, dtype, 256 if args.tiny else 8192, args.rep)
-    print(f"measured {args.dtype} GEMM rate: {gemm:.1f} TFLOP/s")
     cases = [(n, s, False) for n, s in (TINY if args.tiny else SHAPES).items()]
     if args.gpt_oss:
         cases += [(n, s, True) for n, s in (GPT_OSS_TINY if args.tiny else GPT_OSS).items()]
     if args.only:
         keep = set(args.only.split(","))
         cases = [c for c in cases if c[0] in keep]
-    rows = []
+    # per case: ~6 contenders x (fwd, fwd+bwd, memory) x --rep ms, plus first calls (Triton compiles)
+    announce(len(cases), 8 * 3 * args.rep / 1e3 + 20, "cases", args.json)
+    gemm = gemm_tflops(args.device, dtype, 256 if args.tiny else 8192, args.rep)
+    print(f"measured {args.dtype} GEMM rate: {gemm:.1f} TFLOP/s")
+    out = RowFile(args.json, {"env": environment(args, gemm)})
     for name, shape, oss in cases:
-        for row in rows_for(name, shape, oss, args.device, dtype, args.rep, gemm):
-            rows.append(row)
-            if "error" in row:
-                print(f"{name:16} {row['contender']:26} {row['error']}")
-            else:
-                print(
-                    f"{name:16} {row['contender']:26} fwd+bwd {row['fwd_bwd_ms']:9.3f} ms {row['fwd_bwd_tflops']:7.1f} TFLOP/s "
-                    f"({row['fwd_bwd_pct_gemm']:5.1f}% GEMM)  fwd {row['fwd_ms']:8.3f} ms  "
-                    f"x grouped_mm {row.get('speedup_vs_grouped_mm', float('nan')):5.2f}  x eager {row.get('speedup_vs_eager', float('nan')):6.2f}"
-                )
-    if args.json:
-        env = {
-            "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__,
-            "polykernel": getattr(polykernel, "__version__", None),
-            "dtype": args.dtype,
-            "gemm_tflops": gemm,
-        }
-        try:
-            import transformers
+        rows_for(name, shape, oss, args.device, dtype, args.rep, gemm, out, args.eager_max_experts)
+    out.finish()
 
-            env["transformers"] = transformers.__version__
-        except ImportError:
-            pass
-        with open(args.json, "w") as f:
-            json.dump({"env": env, "rows": rows}, f, indent=1)
-        print(f"wrote {args.json}")
+
+def environment(args: argparse.Namespace, gemm: float) -> dict[str, Any]:
+    env = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "polykernel": getattr(polykernel, "__version__", None),
+        "dtype": args.dtype,
+        "gemm_tflops": gemm,
+    }
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return env
 
 
 if __name__ == "__main__":

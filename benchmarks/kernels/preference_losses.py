@@ -27,6 +27,7 @@ import torch.nn.functional as F
 os.environ.setdefault("POLYKERNEL_VERIFY", "off")
 
 import polykernel
+from polykernel.tools.rows import RowFile, announce
 
 try:
     from trl.trainer.utils import selective_log_softmax
@@ -115,7 +116,8 @@ def main() -> None:
     reps = 2 if args.tiny else args.reps
     torch.manual_seed(0)
     w = (torch.randn(v, h, device=device) / h**0.5).to(dtype).requires_grad_()
-    rows = []
+    out = RowFile(args.json)  # {"complete": ..., "rows": [...]}, rewritten per row: a cut run keeps its rows
+    announce(2 * 4, 10 + reps * 0.5, "rows", args.json)  # dpo, grpo x (triton, torch, liger, trl): first calls + reps
 
     def run(loss, name, fn, params, shape):
         if args.only and name not in args.only.split(","):
@@ -126,8 +128,7 @@ def main() -> None:
         except Exception as exc:  # one failing candidate must not hide the others
             row = {"loss": loss, "impl": name, "shape": shape, "dtype": str(dtype), "error": f"{type(exc).__name__}: {exc}"[:300]}
         row["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-        rows.append(row)
-        print(json.dumps(row))
+        out.add(row, json.dumps(row))
 
     # DPO: [chosen 4; rejected 4] x 1024 tokens, ~10% of them (the prompt) ignored
     hid = torch.randn(2 * pairs, t, h, device=device).to(dtype).requires_grad_()
@@ -155,9 +156,7 @@ def main() -> None:
         run("grpo", impl, lambda impl=impl: polykernel.fused_linear_grpo_loss(hid_g, w, ids, mask, adv, ref_per_token_logps=ref,
                                                                              old_per_token_logps=old, impl=impl), (hid_g, w), shape)  # fmt: skip
     run("grpo", "trl-plain", lambda: plain_grpo(hid_g, w, ids, mask, adv, ref, old), (hid_g, w), shape)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    out.finish()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ smoke test (tiny shapes, wall time): ``--device cpu --rows 64 --n 256 --rope 1x2
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -34,6 +33,7 @@ import polykernel
 from polykernel import timing
 from polykernel.core import registry
 from polykernel.testing import refusal
+from polykernel.tools.rows import RowFile, announce
 
 NORM_IMPLS = ("cuda_jit", "triton", "liger", "quack", "cute_dsl", "torch_compile", "torch")
 FUSED_IMPLS = ("cuda_jit", "triton", "torch")
@@ -78,11 +78,11 @@ def _run(op_name: str, label: str, step: Callable[[], Any], nbytes: int, device:
         row["pct_copy"] = 100 * row["tbs"] / copy
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-    print(json.dumps(row), flush=True)
     return row
 
 
-def bench(device: str, rows: int, n: int, rope_shape: tuple[int, ...], graph: bool, rep: int) -> dict[str, Any]:
+def bench(device: str, rows: int, n: int, rope_shape: tuple[int, ...], graph: bool, rep: int, path: str | None = None) -> dict[str, Any]:
+    """The rows, each written to ``path`` and printed as soon as it is measured (a cut run keeps them)."""
     dtype = torch.bfloat16
     out: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if device == "cuda" else device,
@@ -90,8 +90,10 @@ def bench(device: str, rows: int, n: int, rope_shape: tuple[int, ...], graph: bo
         "mode": "fwd graph" if graph and device == "cuda" else "fwd",
         "dtype": "bfloat16",
         "target_tbs": TARGET_TBS,
-        "rows": [],
     }
+    rf = RowFile(path, out)
+    out = rf.header
+    announce(12, 3 + 3 * rep / 1e3, "rows (about)", path)  # each: a first call (a build, a compile) and do_bench
     norm_bytes = 2 * rows * n * 2  # x read, y written (the weight is noise at this size)
     copy = _copy_tbs(device, norm_bytes)
     out["copy_tbs"] = copy
@@ -108,18 +110,16 @@ def bench(device: str, rows: int, n: int, rope_shape: tuple[int, ...], graph: bo
             else "not registered"
         )
         if why is not None:
-            out["rows"].append({"op": "rms_norm", "shape": shape, "impl": impl, "skipped": why})
+            rf.add({"op": "rms_norm", "shape": shape, "impl": impl, "skipped": why})
             continue
-        out["rows"].append(
+        rf.add(
             {
                 "shape": shape,
                 **_run("rms_norm", impl, lambda impl=impl: polykernel.rms_norm(x, w, impl=impl), norm_bytes, device, graph, rep, copy),
             }
         )
     compiled = torch.compile(norm.reference)
-    out["rows"].append(
-        {"shape": shape, **_run("rms_norm", "torch.compile(reference)", lambda: compiled(x, w), norm_bytes, device, graph, rep, copy)}
-    )
+    rf.add({"shape": shape, **_run("rms_norm", "torch.compile(reference)", lambda: compiled(x, w), norm_bytes, device, graph, rep, copy)})
 
     r = torch.randn_like(x)
     xs, rs = x.clone(), r.clone()
@@ -127,10 +127,10 @@ def bench(device: str, rows: int, n: int, rope_shape: tuple[int, ...], graph: bo
         ex = registry.get_op("fused_add_rms_norm_").example((rows, n), dtype, device)
         why = refusal("fused_add_rms_norm_", impl, ex) if impl in registry.specs_for("fused_add_rms_norm_") else "not registered"
         if why is not None:
-            out["rows"].append({"op": "fused_add_rms_norm_", "shape": shape, "impl": impl, "skipped": why})
+            rf.add({"op": "fused_add_rms_norm_", "shape": shape, "impl": impl, "skipped": why})
             continue
         step = lambda impl=impl: polykernel.fused_add_rms_norm_(xs, rs, w, impl=impl)  # rewrites its inputs, as an engine does
-        out["rows"].append({"shape": shape, **_run("fused_add_rms_norm_", impl, step, 2 * norm_bytes, device, graph, rep, copy)})
+        rf.add({"shape": shape, **_run("fused_add_rms_norm_", impl, step, 2 * norm_bytes, device, graph, rep, copy)})
 
     rope = registry.get_op("rope")
     case = rope.example(rope_shape, dtype, device)
@@ -139,15 +139,16 @@ def bench(device: str, rows: int, n: int, rope_shape: tuple[int, ...], graph: bo
     for impl in ROPE_IMPLS:
         why = refusal("rope", impl, case)
         if why is not None:
-            out["rows"].append({"op": "rope", "shape": label, "impl": impl, "skipped": why})
+            rf.add({"op": "rope", "shape": label, "impl": impl, "skipped": why})
             continue
-        out["rows"].append(
+        rf.add(
             {
                 "shape": label,
                 **_run("rope", impl, lambda impl=impl: polykernel.rope(*case.args, impl=impl), rope_bytes, device, graph, rep, copy),
             }
         )
-    return out
+    rf.finish()
+    return {**rf.header, "rows": rf.rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,9 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device (use --device cpu for a smoke test)", file=sys.stderr)
         return 2
-    result = bench(a.device, a.rows, a.n, tuple(int(v) for v in a.rope.split("x")), not a.eager, a.rep)
-    with open(a.json, "w") as f:
-        json.dump(result, f, indent=1)
+    result = bench(a.device, a.rows, a.n, tuple(int(v) for v in a.rope.split("x")), not a.eager, a.rep, a.json)
     jit = [r for r in result["rows"] if r["op"] == "rms_norm" and r["impl"] == "cuda_jit" and "tbs" in r]
     if jit:
         print(f"cuda_jit rms_norm: {jit[0]['tbs']:.3f} TB/s ({jit[0]['pct_copy']:.1f}% of copy; target {TARGET_TBS} TB/s)")

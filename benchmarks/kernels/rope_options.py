@@ -12,7 +12,6 @@ transposed layout. ``--tiny`` runs a small shape on the CPU (torch only: a check
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch
 import polykernel
 from polykernel.ops import mrope as mrope_op
 from polykernel.ops import rope as rope_op
+from polykernel.tools.rows import RowFile, announce
 
 # label -> (rotary dim as a fraction of D, interleaved); None: mrope
 ROWS: dict[str, tuple[float, bool] | None] = {
@@ -80,7 +80,14 @@ def main() -> None:
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     shape, hk = ((4, 32, 4096, 128), 8) if cuda else ((1, 4, 16, 32), 2)
     impls = ["triton", "torch", "compile"] if cuda else ["torch"]
-    rows = []
+    setup = {
+        "shape": shape,
+        "k_heads": hk,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+    }
+    out = RowFile(args.json, {"setup": setup})  # each row kept as measured
+    announce(len(ROWS) * len(impls) * 2, per_case_s=3 if cuda else 0.2, what="rows", path=str(args.json))
     for label in ROWS:
         a, kw = _args(label, shape, hk, device, dtype)
         op = polykernel.mrope if ROWS[label] is None else polykernel.rope
@@ -95,16 +102,9 @@ def main() -> None:
                     fn = lambda a=a, kw=kw, impl=impl, op=op: op(*a, **kw, impl=impl)
                 ms = _time(fn, bwd, cuda)
                 tbs = moved(*a[:4], backward=bwd) / (ms * 1e-3) / 1e12
-                rows.append({"row": label, "impl": impl, "mode": "fwd+bwd" if bwd else "fwd", "ms": ms, "tb_per_s": tbs})
-                print(f"{label:26s} {impl:8s} {'fwd+bwd' if bwd else 'fwd':8s} {ms:8.3f} ms {tbs:6.2f} TB/s", flush=True)
-    setup = {
-        "shape": shape,
-        "k_heads": hk,
-        "dtype": str(dtype).removeprefix("torch."),
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"setup": setup, "rows": rows}, indent=1) + "\n")
+                row = {"row": label, "impl": impl, "mode": "fwd+bwd" if bwd else "fwd", "ms": ms, "tb_per_s": tbs}
+                out.add(row, f"{label:26s} {impl:8s} {'fwd+bwd' if bwd else 'fwd':8s} {ms:8.3f} ms {tbs:6.2f} TB/s")
+    out.finish()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from polykernel.tools.rows import RowFile, announce
+
 _PREFIX = "RESULT "
 
 
@@ -64,15 +66,24 @@ def run_all(
     summary: Callable[[dict[str, Any]], str],
     width: int,
     failed: str = "error",
+    out: RowFile | None = None,
+    per_variant_s: float = 60.0,
 ) -> list[dict[str, Any]]:
     """Each variant through :func:`run_child`, in order, a line printed per variant as it ends
-    (``NAME  summary(record)``, or ``NAME  {failed}: <its error's last line>``); the records."""
+    (``NAME  summary(record)``, or ``NAME  {failed}: <its error's last line>``); the records.
+    With ``out`` each record is also written to its file as it ends (a run cut at a time limit
+    keeps them), after an estimate of ``per_variant_s`` a variant."""
+    if out is not None:
+        announce(len(names), per_variant_s, what="variants", path=out.path)
     records = []
     for name in names:
         record = run_child(script, name, argv, timeout)
         records.append(record)
-        line = f"{failed}: {last_error_line(record)}" if "error" in record else summary(record)
-        print(f"{name:{width}} {line}", flush=True)
+        line = f"{name:{width}} {f'{failed}: {last_error_line(record)}' if 'error' in record else summary(record)}"
+        if out is not None:
+            out.add(record, line)
+        else:
+            print(line, flush=True)
     return records
 
 

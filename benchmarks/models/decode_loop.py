@@ -17,7 +17,11 @@ then greedy decode steps of one token per sequence, at batch 1 and 32. Variants:
 Reported per variant and batch: ms per decode step (= per token of each sequence; median of
 ``--repeats`` timed runs of ``--steps`` steps, CUDA events), tokens/s (batch / step time), and how
 far the first step's logits are from ``plain[eager]``'s (max |diff|) and whether the greedy tokens
-agree. A variant that fails records its error and the rest go on.
+agree. A variant that fails records its error and the rest go on. Each record lists the impls that
+actually ran per op (``impls``, from ``polykernel.decisions()``): ``set_impl`` is a preference, so a
+provider variant whose provider ran nowhere (not installed, failing to import, or refused by its
+gates) says so (``"provider_ran": false``, and a note in the table) instead of claiming the provider.
+Each record is written to ``--json`` as measured (a cut run keeps its rows; ``complete`` false).
 
     PYTHONPATH=src python benchmarks/models/decode_loop.py --json OUT.json            # H200, ~3-5 min
     PYTHONPATH=src python benchmarks/models/decode_loop.py --tiny --json OUT.json     # CPU: tiny, eager only
@@ -30,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import platform
 import statistics
 import sys
@@ -41,6 +44,8 @@ from typing import Any
 
 import torch
 from _common import add_llama_args, llama_config, tiny_llama
+
+from polykernel.tools.rows import RowFile, announce
 
 EAGER = ("plain[eager]", "polykernel[eager]", "polykernel[flashinfer][eager]", "polykernel[sgl_kernel][eager]")
 GRAPH = ("plain[graph]", "polykernel[graph]", "polykernel[flashinfer][graph]", "polykernel[sgl_kernel][graph]")
@@ -95,6 +100,7 @@ def run_variant(name: str, base: Any, args: argparse.Namespace, batch: int, devi
     model = copy.deepcopy(base)
     provider = next((p for p in ("flashinfer", "sgl_kernel") if f"[{p}]" in name), None)
     polykernel.set_impl(provider)  # None: the default choice
+    polykernel.clear_caches()  # decisions() then lists this variant's choices only
     if name.startswith("polykernel"):
         patch(model, mode="inference")
     record: dict[str, Any] = {"variant": name, "batch": batch}
@@ -156,8 +162,39 @@ def run_variant(name: str, base: Any, args: argparse.Namespace, batch: int, devi
     record["tokens_per_s"] = round(batch * 1e3 / record["ms_per_step"], 1)
     record["_first_logits"] = first_logits[0] if first_logits else None
     record["_tokens"] = tokens[0]
+    record["impls"] = impls_ran(polykernel.decisions())
+    if provider is not None:
+        record["provider_ran"] = provider_ran(provider, record["impls"])
     polykernel.set_impl(None)
     return record
+
+
+def impls_ran(decisions: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Op -> the impls that ran it (a tuned decision's size buckets each count), from decisions()."""
+    out: dict[str, set[str]] = {}
+    for d in decisions:
+        ran = out.setdefault(d["op"], set())
+        ran.add(d["impl"])
+        ran.update(impl.removesuffix(" (static)") for impl in d.get("by_size", {}).values())
+    return {op: sorted(impls) for op, impls in sorted(out.items())}
+
+
+def provider_ran(provider: str, impls: dict[str, list[str]]) -> bool:
+    """Whether ``provider`` ran any op: set_impl only prefers it, so our impls may have run instead."""
+    return any(provider in ran for ran in impls.values())
+
+
+def note(record: dict[str, Any]) -> str:
+    """The table's note: the error, else a provider that did not run, else the logits' distance."""
+    if record.get("error"):
+        return record["error"][:60]
+    parts = []
+    if record.get("provider_ran") is False:
+        provider = next(p for p in ("flashinfer", "sgl_kernel") if f"[{p}]" in record["variant"])
+        parts.append(f"{provider} ran nowhere (our impls ran)")
+    if "first_logits_max_abs_diff" in record:
+        parts.append(f"max|dlogit| {record['first_logits_max_abs_diff']:.3g}")
+    return "; ".join(parts)
 
 
 def env(device: torch.device) -> dict[str, Any]:
@@ -199,8 +236,11 @@ def main() -> None:
     if not cuda:  # no CUDA graphs, no reduce-overhead on the CPU
         variants = [v for v in variants if v in EAGER]
     base = build(args, device, dtype)
-    records: list[dict[str, Any]] = []
-    for batch in [int(b) for b in args.batches.split(",")]:
+    batches = [int(b) for b in args.batches.split(",")]
+    out = RowFile(args.json, {"env": env(device), "config": {k: v for k, v in vars(args).items() if k != "json"}})
+    announce(len(batches) * len(variants), per_case_s=2 if args.tiny else 15, what="variant x batch runs", path=args.json)
+    print(f"\n{'variant':34} {'batch':>5} {'ms/step':>9} {'tok/s':>9}  note", flush=True)
+    for batch in batches:
         ref: dict[str, Any] | None = None
         for name in variants:
             try:
@@ -214,20 +254,11 @@ def main() -> None:
             elif ref is not None and first is not None:
                 rec["first_logits_max_abs_diff"] = float((first - ref["logits"]).abs().max())
                 rec["first_token_agrees"] = float((toks == ref["tokens"]).float().mean())
-            records.append(rec)
-            print(json.dumps(rec), flush=True)
+            line = f"{name:34} {batch:>5} {rec.get('ms_per_step', float('nan')):>9.4f} {rec.get('tokens_per_s', float('nan')):>9.1f}  {note(rec)}"
+            out.add(rec, line)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    result = {"env": env(device), "config": {k: v for k, v in vars(args).items() if k != "json"}, "records": records}
-    print(f"\n{'variant':34} {'batch':>5} {'ms/step':>9} {'tok/s':>9}  note")
-    for r in records:
-        note = r.get("error", "")[:60] or (f"max|dlogit| {r['first_logits_max_abs_diff']:.3g}" if "first_logits_max_abs_diff" in r else "")
-        print(
-            f"{r['variant']:34} {r['batch']:>5} {r.get('ms_per_step', float('nan')):>9.4f} {r.get('tokens_per_s', float('nan')):>9.1f}  {note}"
-        )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+    out.finish()
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _child  # this folder's helper: one variant per process
 
+from polykernel.tools.rows import RowFile, announce
+
 VARIANTS = ("plain", "polykernel", "liger", "compile")
 
 # ~1B dense: 16 layers of width 2048, 16 heads of 128 (8 KV heads), MLP 8192; MoE families keep
@@ -279,28 +281,24 @@ def main() -> None:
     argv = [f"--batch={args.batch}", f"--seq={args.seq}", f"--steps={args.steps}", f"--warmup={args.warmup}"]
     argv += ["--tiny"] if args.tiny else []
     argv += [f"--device={args.device}"] if args.device else []
-    records = []
+    setup = {k: getattr(args, k) for k in ("batch", "seq", "steps", "warmup", "tiny", "device")}
+    out = RowFile(args.json, {"setup": setup})  # each run's record kept as it ends (a cut run keeps them)
+    announce(len(families) * len(variants), per_case_s=10 if args.tiny else 120, what="runs", path=args.json)
     for family in families:
         for variant in variants:
             rec = _child.run_child(__file__, f"{family}:{variant}", argv, args.timeout)
             rec.setdefault("family", family), rec.setdefault("variant", variant)
-            records.append(rec)
             if "error" in rec:
-                print(f"{family:12s} {variant:10s} error: {_child.last_error_line(rec)}", flush=True)
+                line = f"{family:12s} {variant:10s} error: {_child.last_error_line(rec)}"
             else:
                 mem = rec["peak_memory_bytes"]
                 mem_text = f"{mem / 2**30:6.2f} GiB" if mem is not None else "      -"
-                print(
-                    f"{family:12s} {variant:10s} {rec['tokens_per_second']:10.0f} tok/s {mem_text}  loss {rec['first_loss']:.4f}",
-                    flush=True,
-                )
-    summary = summarize(records)
+                line = f"{family:12s} {variant:10s} {rec['tokens_per_second']:10.0f} tok/s {mem_text}  loss {rec['first_loss']:.4f}"
+            out.add(rec, line)
+    summary = summarize(out.rows)
     for row in summary:
         print(json.dumps(row), flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        setup = {k: getattr(args, k) for k in ("batch", "seq", "steps", "warmup", "tiny", "device")}
-        args.json.write_text(json.dumps({"setup": setup, "records": records, "summary": summary}, indent=1) + "\n")
+    out.finish(summary=summary)
 
 
 def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -21,12 +21,13 @@ time (compile), the losses, and (patched) the impls that ran.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 from _child import parse, run_all
 from _common import timed_steps
+
+from polykernel.tools.rows import RowFile
 
 # name -> (patch switches or None, experts_implementation or None, compile)
 VARIANTS: dict[str, tuple[dict[str, bool] | None, str | None, bool]] = {
@@ -138,24 +139,25 @@ def main() -> None:
         peak = "" if rec["peak_memory_gib"] is None else f"  peak {rec['peak_memory_gib']:.1f} GiB"
         return f"{rec['tokens_per_s']:10.0f} tokens/s  step {rec['median_step_s'] * 1e3:8.1f} ms{peak}  first {rec['first_step_s']:.1f} s"
 
-    records = run_all(__file__, names, argv, args.timeout, summary, width=24, failed="failed")
+    import torch
+
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    out = RowFile(args.json, {"env": env, "args": vars(args) | {"json": str(args.json)}})  # records kept as each variant ends
+    records = run_all(
+        __file__, names, argv, args.timeout, summary, width=24, failed="failed", out=out, per_variant_s=15 if args.tiny else 40
+    )
     plain = next((r for r in records if r.get("variant") == "plain" and "error" not in r), None)
     if plain is not None:
         for r in records:
             if "error" not in r:
                 r["speedup_vs_plain"] = r["tokens_per_s"] / plain["tokens_per_s"]
-    if args.json:
-        import torch
-
-        env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
-        try:
-            import transformers
-
-            env["transformers"] = transformers.__version__
-        except ImportError:
-            pass
-        args.json.write_text(json.dumps({"env": env, "args": vars(args) | {"json": str(args.json)}, "records": records}, indent=1))
-        print(f"wrote {args.json}")
+    out.finish()  # (the rows are the records: the speedups are written now)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ on TRL's activation checkpointing (off by default here).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
@@ -40,6 +39,8 @@ from typing import Any
 
 from _child import parse, run_all
 from _common import add_llama_args, llama_config, step_timer, tiny_llama, versions
+
+from polykernel.tools.rows import RowFile
 
 VARIANTS = ("plain", "liger", "polykernel", "polykernel+patch")
 _SHAPE = ("steps", "batch", "seq", "layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "seed")  # passed to each child
@@ -182,9 +183,9 @@ def main() -> None:
         losses = " ".join(f"{s['loss']:.4f}" for s in record["steps"])
         return f"{record['tokens_per_s']:10.0f} tok/s  peak {peak:>10}  losses {losses}"
 
-    records = run_all(__file__, args.only.split(","), argv, args.timeout, summary, width=18)
-    args.json.write_text(json.dumps({"env": env(), "records": records}, indent=1))
-    print(f"wrote {args.json}")
+    out = RowFile(args.json, {"env": env()})  # each variant's record kept as it ends
+    run_all(__file__, args.only.split(","), argv, args.timeout, summary, width=18, out=out, per_variant_s=20 if args.tiny else 120)
+    out.finish()
 
 
 if __name__ == "__main__":

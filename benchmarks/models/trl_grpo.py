@@ -19,7 +19,6 @@ the completion tokens per second of that part, CUDA peak memory, per-step losses
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import tempfile
@@ -31,6 +30,8 @@ from typing import Any
 from _child import parse, run_all
 from _common import add_llama_args, step_timer, tiny_llama
 from trl_dpo import VARIANTS, WORDS, _model, _tokenizer, env
+
+from polykernel.tools.rows import RowFile
 
 _PASSED = ("steps", "prompts", "generations", "prompt_len", "completion_len", "layers", "hidden", "intermediate", "heads",
            "kv_heads", "vocab", "seed", "loss_type", "beta")  # fmt: skip
@@ -157,9 +158,9 @@ def main() -> None:
         losses = " ".join(f"{s['loss']:.4g}" for s in record["steps"])
         return f"train {record['train_s_median']:.3f} s/step  peak {peak:>10}  losses {losses}"
 
-    records = run_all(__file__, args.only.split(","), argv, args.timeout, summary, width=18)
-    args.json.write_text(json.dumps({"env": env(), "records": records}, indent=1))
-    print(f"wrote {args.json}")
+    out = RowFile(args.json, {"env": env()})  # each variant's record kept as it ends
+    run_all(__file__, args.only.split(","), argv, args.timeout, summary, width=18, out=out, per_variant_s=20 if args.tiny else 180)
+    out.finish()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -429,6 +430,19 @@ class KernelSpec:
         missing = self.missing_modules()
         if missing:
             return f"module {missing[0]!r} not installed"
+        return self.failed_import()
+
+    def failed_import(self) -> str | None:
+        """A required module known (from an earlier import: none here) to fail to import, and why."""
+        broken = next((m for m in self.requires_modules if m in _import_failures), None)
+        return None if broken is None else f"module {broken!r} failed to import: {_import_failures[broken]}"
+
+    def import_error(self) -> str | None:
+        """Why a required module, installed, fails to import (imports each one: once per process)."""
+        for m in self.requires_modules:
+            err = module_import_error(m)
+            if err is not None:
+                return f"module {m!r} failed to import: {err}"
         return None
 
 
@@ -439,6 +453,24 @@ def triton_interpret_allows(platform: PlatformInfo) -> bool:
 
 
 _findable: dict[str, bool] = {}
+# Installed modules whose import raised: name -> "RuntimeError: No CTK flavor installed". A peer's
+# front package can be found yet fail to import (FlashInfer's CuTe DSL packages without their native
+# library): any exception counts, not only ImportError. Kept for the process: it will not import later.
+_import_failures: dict[str, str] = {}
+
+
+def module_import_error(name: str) -> str | None:
+    """Import ``name`` if it is installed and not yet imported; its error (``"Type: message"``) or None."""
+    if name in _import_failures:
+        return _import_failures[name]
+    if sys.modules.get(name) is not None or not _module_findable(name):
+        return None  # imported already, or missing (that reason is unavailable_reason's)
+    try:
+        importlib.import_module(name)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()
+        _import_failures[name] = f"{type(exc).__name__}: {first[0]}" if first else type(exc).__name__
+    return _import_failures.get(name)
 
 
 def _module_findable(name: str) -> bool:

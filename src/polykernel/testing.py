@@ -125,7 +125,8 @@ def check_parity(
 
     The reference runs in float64 on the same input values: it stands for the exact result, and
     each impl must be within the op's error model of it (:class:`~polykernel.core.op.ErrorModel`),
-    whatever order its sums run in. ``impls`` defaults to every impl runnable on ``device``;
+    whatever order its sums run in. With ``backward=False`` the inputs do not require grad (the
+    call a forward-only impl takes). ``impls`` defaults to every impl runnable on ``device``;
     ``cases`` to the op's own (``large=True`` adds its full-size GPU cases). Inputs are drawn
     fresh per case and dtype from ``seed``.
 
@@ -146,11 +147,23 @@ def check_parity(
         names = list(impls) if impls is not None else runnable_impls(the_op, device, dtype)
         torch.manual_seed(seed)
         for case in cases if cases is not None else the_op.cases(device, dtype, large) if large else the_op.cases(device, dtype):
+            if not backward:
+                case = _without_grad(case)
             for name in names:
                 if impls is None and refusal(the_op, name, case) is not None:
                     continue  # e.g. a peer's predicate refuses this case (Liger: N > 65536): never selected there
                 results.append(_one(the_op, name, case, dtype, backward))
     return results
+
+
+def _without_grad(case: Case) -> Case:
+    """``case`` with no input requiring grad: a forward-only check (``backward=False``) is the call
+    without a gradient, which forward-only impls (the serving peers' rms_norm) take; the op's
+    cases require grad, and a dispatcher asked for a gradient passes those impls by."""
+    if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in (*case.args, *case.kwargs.values())):
+        return case
+    off = lambda a: a.detach() if isinstance(a, torch.Tensor) else a
+    return Case(case.label, tuple(off(a) for a in case.args), {k: off(v) for k, v in case.kwargs.items()})
 
 
 def refusal(op: str | Op, impl: str, case: Case) -> str | None:

@@ -455,19 +455,41 @@ def test_sgl_rope_adapter(fake_sgl):
 # -- the real peers, on the GPU ------------------------------------------------------------------
 
 
+def _skip_unless_importable(op: str, peer: str) -> None:
+    """Skip with polykernel's own reason when ``peer`` cannot run here: not installed, or its
+    import raises anything (FlashInfer's CuTe DSL front packages without their native library
+    raise RuntimeError, which pytest.importorskip would not take for a missing module)."""
+    spec = registry.specs_for(op)[peer]
+    reason = spec.import_error() or spec.unavailable_reason(PlatformInfo.detect("cuda"))
+    if reason is not None:
+        pytest.skip(f"{peer}: {reason}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", (*OPS, "serving.rms_norm_quant_fp8"))
 @pytest.mark.parametrize("peer", PEERS)
 def test_parity_gpu(op, peer):
     if peer not in registry.specs_for(op):
         pytest.skip(f"{peer} has no {op}")
-    pytest.importorskip(peer)
+    _skip_unless_importable(op, peer)
     dtypes = [torch.bfloat16, torch.float16, torch.float32]
     results = polykernel.testing.check_parity(op, [peer], device="cuda", dtypes=dtypes, large=True, backward=False)
     ran = [r for r in results if not r.skipped]
     assert ran, f"{peer} ran no case of {op}"
     failed = [r for r in ran if not r.ok]
     assert not failed, "\n".join(map(str, failed))
+
+
+def test_forward_only_parity_runs_a_forward_only_impl_on_the_ops_own_cases():
+    """test_parity_gpu's check (backward=False) of rms_norm, whose cases require grad: the peers'
+    rows have no backward, so each case ran without a gradient or the peer ran none of them."""
+    from polykernel.ops.rms_norm import reference
+    from polykernel.spec import FormatSignature
+
+    forward_only = FormatSignature(supports_backward=False)
+    polykernel.register_impl(op="rms_norm", backend="cuda_jit", rank=1, format_signature=forward_only)(reference)
+    results = polykernel.testing.check_parity("rms_norm", ["cuda_jit"], dtypes=[torch.float32], backward=False)
+    assert results and all(r.ok for r in results), "\n".join(map(str, results))
 
 
 def test_their_versions_name_the_tuning_namespace():
@@ -481,3 +503,70 @@ def test_their_versions_name_the_tuning_namespace():
     before = {m for m in ("flashinfer", "sgl_kernel") if m in sys.modules}
     assert {"flashinfer-python", "sglang-kernel"} <= set(identity()["backends"])
     assert {m for m in ("flashinfer", "sgl_kernel") if m in sys.modules} == before
+
+
+# -- a peer installed but failing to import (RuntimeError, not ImportError) -----------------------
+
+CTK = "No CTK flavor installed"
+
+
+@pytest.fixture
+def broken_flashinfer(tmp_path, monkeypatch):
+    """A ``flashinfer`` package that is found but raises RuntimeError on import (as FlashInfer's
+    CuTe DSL front packages do on the H200 without their native library), on an H200 stand-in."""
+    if importlib.util.find_spec("flashinfer") is not None:
+        pytest.skip("the real flashinfer is installed")
+    (tmp_path / "flashinfer").mkdir()
+    (tmp_path / "flashinfer" / "__init__.py").write_text(f"raise RuntimeError({CTK!r})\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(spec_mod, "_findable", {k: v for k, v in spec_mod._findable.items() if k != "flashinfer"})
+    monkeypatch.setattr(spec_mod, "_import_failures", {})
+    real = PlatformInfo.detect
+    monkeypatch.setattr(PlatformInfo, "detect", staticmethod(lambda where=None: H200 if "cuda" in str(where) else real(where)))
+    polykernel.clear_caches()
+    yield
+    polykernel.clear_caches()
+    assert "flashinfer" not in sys.modules
+
+
+def test_a_peer_whose_import_raises_is_unavailable_with_the_reason(broken_flashinfer):
+    want = f"module 'flashinfer' failed to import: RuntimeError: {CTK}"
+    spec = registry.specs_for("rms_norm")["flashinfer"]
+    assert spec.unavailable_reason(H200) is None  # metadata only: not known before an import
+    rows = _impls_of(polykernel.explain("rms_norm", device="cuda", dtype=torch.bfloat16))
+    assert not rows["flashinfer"]["runnable"] and rows["flashinfer"]["reason"] == want
+    assert "flashinfer" not in polykernel.available_impls("serving.silu_and_mul", device="cuda", dtype=torch.bfloat16)
+    assert spec.unavailable_reason(H200) == want  # known now, to every op's verdicts
+    with pytest.raises(pytest.skip.Exception, match=f"flashinfer: {want}"):
+        _skip_unless_importable("norm.rms_norm", "flashinfer")
+
+
+def test_cli_env_and_explain_show_a_peer_whose_import_raises(broken_flashinfer, capsys):
+    from polykernel.tools.cli import main
+
+    assert main(["env", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["flashinfer"].endswith(f"(unavailable: failed to import: RuntimeError: {CTK})")
+    main(["explain", "rms_norm", "--device", "cuda", "--dtype", "bfloat16", "--json"])
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["impls"]}
+    assert rows["flashinfer"]["reason"].endswith(CTK)
+
+
+def test_bench_keeps_a_row_for_a_peer_whose_import_raises(broken_flashinfer):
+    from polykernel.tools import bench
+
+    op = registry.get_op("rms_norm")
+    contenders = bench._contenders(op, (t(4, 64), t(64)), {}, torch.bfloat16, None, device="cuda")
+    assert "polykernel:flashinfer" in contenders  # its row's error names the failed import
+    assert registry.specs_for(op)["flashinfer"].failed_import().endswith(CTK)
+
+
+def test_forcing_a_peer_whose_import_raises_names_the_reason(broken_flashinfer):
+    from polykernel.core.selection import Verdict, _load
+
+    verdict = Verdict("flashinfer", 70, None)
+    assert _load(registry.get_op("rms_norm"), verdict) is None
+    assert verdict.reason == f"module 'flashinfer' failed to import: RuntimeError: {CTK}"
+
+
+def _impls_of(explanation) -> dict[str, dict]:
+    return {row["name"]: row for row in explanation.impls}

@@ -164,16 +164,16 @@ def test_bad_calls_under_fullgraph_compile_raise_the_eager_error(case):
     assert (compiled.value.op, compiled.value.arg) == (eager.value.op, arg)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_every_serving_op_replays_in_a_cuda_graph():
-    dev = "cuda"
-    x, r, w = (torch.randn(8, 4096, device=dev, dtype=torch.bfloat16) for _ in range(3))
+def _graph_step(dev: str, dtype: torch.dtype):
+    """Every serving op in one decode step of 8 tokens (hidden 4096, 32 q / 8 kv heads of 128):
+    the step's written tensors and the step."""
+    x, r = (torch.randn(8, 4096, device=dev, dtype=dtype) for _ in range(2))
+    w = torch.randn(4096, device=dev, dtype=dtype)  # the norm's weight: one per channel
     pos = torch.randint(0, 4096, (8,), device=dev)
-    q, k = torch.randn(8, 32 * 128, device=dev, dtype=torch.bfloat16), torch.randn(8, 8 * 128, device=dev, dtype=torch.bfloat16)
+    q, k = torch.randn(8, 32 * 128, device=dev, dtype=dtype), torch.randn(8, 8 * 128, device=dev, dtype=dtype)
     cache = rope_cache(4096, 128, device=dev)
-    gu = torch.randn(8, 2 * 4096, device=dev, dtype=torch.bfloat16)
-    out = torch.empty(8, 4096, device=dev, dtype=torch.bfloat16)
+    gu = torch.randn(8, 2 * 4096, device=dev, dtype=dtype)
+    out = torch.empty(8, 4096, device=dev, dtype=dtype)
     scale = torch.tensor([0.02], device=dev)
 
     def step():
@@ -184,6 +184,21 @@ def test_every_serving_op_replays_in_a_cuda_graph():
         polykernel.static_quant_fp8(x, scale)
         polykernel.rms_norm_quant_fp8(x, w, scale)
         return polykernel.dynamic_quant_fp8(x)
+
+    return (x, r, q, k), step
+
+
+def test_the_graph_steps_arguments_are_valid():
+    # The GPU test below runs only on the H200: its arguments are checked here (eagerly, torch impls).
+    _, step = _graph_step("cpu", torch.float32)
+    with polykernel.use_impl("torch"):
+        step()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_every_serving_op_replays_in_a_cuda_graph():
+    (x, r, q, k), step = _graph_step("cuda", torch.bfloat16)
 
     keep = [t.clone() for t in (x, r, q, k)]
     step()  # compile and verify outside the capture

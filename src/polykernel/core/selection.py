@@ -410,8 +410,22 @@ def _load(op: Op, verdict: Verdict) -> Any:
     try:
         return registry.load_impl(spec)
     except Exception as exc:  # any import failure: not runnable, with the reason in explain
-        verdict.reason = f"import failed: {type(exc).__name__}: {exc}"
+        # A required module that fails to import (any exception) is named, and then known to
+        # every op's verdicts (KernelSpec.unavailable_reason); else the adapter's own failure.
+        verdict.reason = spec.import_error() or f"import failed: {type(exc).__name__}: {exc}"
         return None
+
+
+def _probe_imports(op: Op, rows: list[Verdict]) -> list[Verdict]:
+    """explain and available_impls: an impl runnable by its metadata whose required module fails
+    to import is not runnable (imports the installed modules of those impls; a peer whose
+    front package raises at import, e.g. RuntimeError, must not be listed as runnable)."""
+    specs = registry.specs_for(op)
+    for v in rows:
+        spec = specs.get(v.name)
+        if v.runnable and spec is not None and spec.requires_modules:
+            v.reason = spec.import_error()
+    return rows
 
 
 def log_once(key: tuple[Any, ...], message: str) -> None:
@@ -823,7 +837,10 @@ def explain(op: str, *args: Any, device: Any = None, dtype: Any = None, impl: st
         chosen=chosen,
         source=source,
         error=error,
-        impls=[{"name": v.name, "rank": v.rank, "runnable": v.runnable, "reason": v.reason, "rank_reason": v.rank_note} for v in rows],
+        impls=[
+            {"name": v.name, "rank": v.rank, "runnable": v.runnable, "reason": v.reason, "rank_reason": v.rank_note}
+            for v in _probe_imports(the_op, [Verdict(v.name, v.rank, v.reason, v.rank_note) for v in rows])
+        ],
         import_errors=registry.import_errors(the_op),
         tuned=_tuned_times(the_op, argkey) if source == "tuned" else None,
         route=route(chosen) if route is not None else None,
@@ -841,7 +858,7 @@ def available_impls(op: str, device: Any = None, dtype: Any = None) -> list[str]
 
     the_op = registry.get_op(op)
     argkey = _argkey_for(the_op, (), {}, device, dtype)
-    rows = _verdicts(the_op, argkey, torch.are_deterministic_algorithms_enabled(), False)
+    rows = _probe_imports(the_op, _verdicts(the_op, argkey, torch.are_deterministic_algorithms_enabled(), False))
     return [v.name for v in rows if v.runnable]
 
 

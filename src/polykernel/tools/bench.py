@@ -7,6 +7,10 @@ run, on a CUDA GPU. The peers that are installed (Liger-Kernel, QuACK) are regis
     $ polykernel bench --graph --sweep --plot --out benchmarks/results   # + sizes per op, a PNG
     $ polykernel bench --load benchmarks/results/h200-2026-12-01-graph.json --plot out.png  # re-plot
 
+Each row is written to ``<out>/<device>-<date>-<graph|call>.json`` and printed as soon as it is
+measured (:mod:`polykernel.tools.rows`): a run cut at a time limit keeps its rows (``"complete":
+false`` in the file), and an estimate of the run time is printed before measuring starts.
+
 Rows, per case (op, shape, mode): ``impl="polykernel"`` is the automatic choice, as a user's call
 gets it, with the impl it chose in ``chosen``; then one row per registered impl forced with
 ``impl=`` (``polykernel:triton``, ``polykernel:torch``, the peers' ``polykernel:liger`` ...), the op's
@@ -45,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 # Shared with the tuner; bench's names for them (benchmarks/ import them from here).
 from ..timing import capture_graph, copy_bandwidth, do_bench, host_us_per_call
+from .rows import RowFile, announce
 
 if TYPE_CHECKING:
     import torch
@@ -223,6 +228,7 @@ def _contenders(
 ) -> dict[str, Callable[[], Any]]:
     """Name -> a no-argument call of one contender on the same inputs."""
     import polykernel
+    from polykernel.core import registry
 
     public = getattr(polykernel, op.name)
     # The automatic choice first: as a user calls it (static ranks, or the tuning store's choice).
@@ -230,7 +236,11 @@ def _contenders(
     # Every registered impl runnable here, the peers included (impl="liger", impl="quack"): a peer
     # is measured through its adapter, as polykernel runs it. An impl whose predicate refuses these
     # arguments (Liger at N > 65536) raises ImplNotAvailableError: its row records the reason.
-    for impl in polykernel.available_impls(op.id, device=device, dtype=dtype):
+    runnable = polykernel.available_impls(op.id, device=device, dtype=dtype)
+    # An installed peer whose import raised (found by available_impls) gets its row too: its error
+    # says why it did not run, so a report never reads as if the peer were simply not installed.
+    broken = [n for n, s in registry.specs_for(op).items() if n not in runnable and s.failed_import()]
+    for impl in [*runnable, *broken]:
         out[f"polykernel:{impl}"] = lambda impl=impl: public(*args, impl=impl, **kwargs)
     out["eager reference"] = lambda: op.reference(*args, **kwargs)
     if op.name == "moe_experts":
@@ -350,9 +360,11 @@ def run(
     sweep: bool = False,
     console: Console | None = None,
     device: str = "cuda",
+    out: RowFile | None = None,
 ) -> tuple[list[dict[str, Any]], float]:
     """Measure every contender on every case of ``ops``; (rows, copy GB/s). ``device`` other than
-    CUDA is for tests of the bookkeeping (with ``measure`` replaced)."""
+    CUDA is for tests of the bookkeeping (with ``measure`` replaced). With ``out``, each row is
+    written there (and printed) as soon as it is measured: a run cut at its time limit keeps them."""
     import torch
 
     import polykernel
@@ -364,6 +376,16 @@ def run(
     name = torch.cuda.get_device_name() if device == "cuda" else device
     con.print(f"# {name} | torch {torch.__version__} | copy 2 GiB: {copy:.0f} GB/s")
     plan = [(registry.get_op(name), *case) for name in ops for case in cases_for(registry.get_op(name).name, sweep)]
+    if out is not None:
+        out.header["copy_GBps"] = copy
+    announce(
+        sum(_rows_per_case(op, use_compile) for op, *_ in plan),
+        ROW_BUDGET_S,
+        "rows",
+        out.path if out is not None else None,
+        extra_s=COMPILE_BUDGET_S * len({(op.name, shape[-1]) for op, _, shape, _ in plan}) * use_compile,
+        print_=lambda line: con.print(line, markup=False, highlight=False),
+    )
     readme = {(op, s) for op, cases in SHAPES.items() for _, s in cases}
     rows: list[dict[str, Any]] = []
     compiled: dict[tuple[str, int], Callable[..., Any]] = {}
@@ -408,6 +430,8 @@ def run(
                     }
                     _perf(row, op, shape, args, kwargs, copy)
                     rows.append(row)
+                    if out is not None:
+                        out.add(row, _row_line(row))
             bar.advance(task)
             if bar.disable:  # plain output: a line per case instead of the bar
                 con.print(f"{op.name} {label}: done ({sum(r['shape'] == label and r['op'] == op.name for r in rows)} rows)")
@@ -415,6 +439,25 @@ def run(
             if device == "cuda":
                 torch.cuda.empty_cache()
     return rows, copy
+
+
+# The run-time estimate printed before measuring: a row is a do_bench of ~0.1 s warm-up + timing,
+# the host-time measurement and a first call; a torch.compile reference compiles once per op and
+# row length and mode.
+ROW_BUDGET_S = 1.5
+COMPILE_BUDGET_S = 60.0
+
+
+def _rows_per_case(op: Any, use_compile: bool) -> int:
+    from polykernel.core import registry
+
+    contenders = 1 + len(registry.specs_for(op)) + 1 + use_compile  # auto, each impl, eager, compile
+    return contenders * (1 if op.writes else 2)
+
+
+def _row_line(r: dict[str, Any]) -> str:
+    perf = f"{r['TFLOP/s']:.0f} TFLOP/s" if "TFLOP/s" in r else (f"{r['GB/s'] / 1e3:.2f} TB/s" if "GB/s" in r else "")
+    return f"{r['op']} {r['shape']} {r['mode']} {r['impl']}: {r['ms']:.3f} ms {perf} {r['error']}".rstrip()
 
 
 def print_rows(rows: list[dict[str, Any]], console: Console) -> None:
@@ -493,6 +536,8 @@ def run_cli(a: argparse.Namespace) -> int:
         with open(a.load) as f:
             result = json.load(f)
         stem = os.path.splitext(a.load)[0]
+        if result.get("complete") is False:
+            con.print(f"{a.load}: a run cut before its end ({len(result['rows'])} rows kept)")
     else:
         import torch
 
@@ -504,18 +549,15 @@ def run_cli(a: argparse.Namespace) -> int:
         unknown = [o for o in ops if o not in SHAPES]
         if unknown:
             raise ValueError(f"--ops: no bench shapes for {', '.join(unknown)}")
-        rows, copy = run(ops, not a.no_compile, getattr(torch, a.dtype), a.graph, a.sweep, con)
-        result = {
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "copy_GBps": copy,
-            "date": time.strftime("%Y-%m-%d"),
-            "mode": "graph" if a.graph else "call",
-            "rows": rows,
-        }
-        os.makedirs(a.out, exist_ok=True)
-        stem = os.path.join(a.out, f"{device_slug(result['device'])}-{result['date']}-{result['mode']}")
-        _write(result, stem)
+        header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+        header["mode"] = "graph" if a.graph else "call"
+        stem = os.path.join(a.out, f"{device_slug(header['device'])}-{header['date']}-{header['mode']}")
+        # each row goes to <stem>.json as it is measured: a run cut at its time limit keeps them
+        out = RowFile(f"{stem}.json", header, echo=lambda line: con.print(line, markup=False, highlight=False))
+        rows, copy = run(ops, not a.no_compile, getattr(torch, a.dtype), a.graph, a.sweep, con, out=out)
+        out.finish(copy_GBps=copy)
+        result = {**out.header, "rows": rows}
+        _write_csv(rows, stem)
         con.print(f"wrote {stem}.json and {stem}.csv")
     print_rows(result["rows"], con)
     if a.plot is not None:
@@ -529,10 +571,7 @@ def run_cli(a: argparse.Namespace) -> int:
     return 0
 
 
-def _write(result: dict[str, Any], stem: str) -> None:
-    rows = result["rows"]
-    with open(f"{stem}.json", "w") as f:
-        json.dump(result, f, indent=1)
+def _write_csv(rows: list[dict[str, Any]], stem: str) -> None:
     keys = list(dict.fromkeys(k for r in rows for k in r))
     with open(f"{stem}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)

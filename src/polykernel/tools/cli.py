@@ -225,12 +225,19 @@ def cmd_env(args: argparse.Namespace) -> int:
         ] or ["cpu only"]
     except ImportError:
         info["torch"] = "not installed"
-    for module in ("triton", "cutlass", "cuda.tile", "liger_kernel", "quack", "transformers"):
+    from polykernel.spec import module_import_error
+
+    for module in ("triton", "cutlass", "cuda.tile", "liger_kernel", "quack", "flashinfer", "sgl_kernel", "transformers"):
         try:
             found = importlib.util.find_spec(module) is not None
         except (ImportError, ValueError):
             found = False
         info[module] = _version(module) if found else "not installed"
+        # An impl's module (not transformers) is imported: one found that fails to import is no
+        # more usable than a missing one (a peer's front package without its native library).
+        err = module_import_error(module) if found and module != "transformers" else None
+        if err is not None:
+            info[module] += f" (unavailable: failed to import: {err})"
     info["settings"] = {k: v for k, v in os.environ.items() if k.startswith("POLYKERNEL_") or k == "TRITON_INTERPRET"}
     if args.json:
         print(json.dumps(info, indent=2))
@@ -253,9 +260,14 @@ def cmd_env(args: argparse.Namespace) -> int:
 def _version(module: str) -> str:
     from importlib import metadata
 
-    dist = {"cutlass": "nvidia-cutlass-dsl", "cuda.tile": "cuda-tile", "liger_kernel": "liger-kernel", "quack": "quack-kernels"}.get(
-        module, module
-    )
+    dist = {
+        "cutlass": "nvidia-cutlass-dsl",
+        "cuda.tile": "cuda-tile",
+        "liger_kernel": "liger-kernel",
+        "quack": "quack-kernels",
+        "flashinfer": "flashinfer-python",
+        "sgl_kernel": "sglang-kernel",
+    }.get(module, module)
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
