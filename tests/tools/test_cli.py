@@ -184,3 +184,45 @@ def polykernel_ops():
     import polykernel
 
     return polykernel.list_ops()
+
+
+# ------------------------------------------------------------------------------------------------
+# explain: --shape in the op's layout, --grad without a shape, a CUDA device that is not here
+
+
+@pytest.mark.parametrize("op", ["fused_linear_dpo_loss", "fused_linear_grpo_loss"])
+def test_explain_a_loss_with_its_own_layout(op, capsys):
+    assert main(["explain", op, "--device", "cpu", "--shape", "4x8x64x128", "--grad"]) == 0
+    assert "needs_grad=True" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("op", ["fused_linear_dpo_loss", "fused_linear_grpo_loss"])
+def test_explain_a_shape_that_does_not_fit_names_the_layout(op, capsys):
+    assert main(["explain", op, "--device", "cpu", "--shape", "8x64", "--grad"]) == 2
+    err = capsys.readouterr().err
+    assert "--shape 8x64 does not fit" in err and "T, H, V)" in err and "Traceback" not in err
+
+
+def test_explain_grad_without_a_shape(capsys):
+    assert main(["explain", "rms_norm", "--device", "cpu", "--grad"]) == 0
+    assert "needs_grad=True" in capsys.readouterr().out
+    assert main(["explain", "rms_norm", "--device", "cpu"]) == 0
+    assert "needs_grad=False" in capsys.readouterr().out
+
+
+def test_explain_needs_grad_with_arguments_is_an_error():
+    import torch
+
+    import polykernel
+
+    with pytest.raises(ValueError, match="needs_grad"):
+        polykernel.explain("rms_norm", torch.randn(2, 8), torch.ones(8), needs_grad=True)
+
+
+@pytest.mark.parametrize("command", ["explain rms_norm", "list", "check swiglu --impl torch"])
+def test_a_cuda_device_that_is_not_here_is_an_error(command, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without a GPU
+    assert main([*command.split(), "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err

@@ -32,6 +32,33 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _device(args: argparse.Namespace) -> str:
+    """``--device``, else the default; a CUDA device on a machine without one is an error (the
+    answer would be about a machine that is not this one, and the torch impl would run)."""
+    device = args.device or _default_device()
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: no CUDA device here (torch {torch.__version__} sees none)")
+    return device
+
+
+def _example(op: Any, shape: tuple[int, ...], dtype: Any, device: str, grad: bool) -> Any:
+    """The op's example call for ``--shape``; a shape that does not fit its layout is an error
+    that names the layout (the first paragraph of the op's ``example`` docstring)."""
+    import inspect
+
+    try:
+        return op.example(shape, dtype, device, grad)
+    except (ValueError, TypeError, IndexError, RuntimeError) as exc:
+        layout = " ".join((inspect.getdoc(op.example) or "").split("\n\n")[0].split()).replace("``", "")
+        layout = layout.removeprefix("Op(example=) of ")
+        raise ValueError(
+            f"--shape {'x'.join(map(str, shape))} does not fit {op.id}'s example inputs ({exc}); {op.name}: {layout}"
+        ) from None
+
+
 def _dtype(name: str) -> Any:
     import torch
 
@@ -56,7 +83,7 @@ def _console(args: argparse.Namespace) -> Console:
 def cmd_list(args: argparse.Namespace) -> int:
     import polykernel
 
-    device = args.device or _default_device()
+    device = _device(args)
     rows = []
     for op_id in polykernel.list_ops():
         e = polykernel.explain(op_id, device=device, dtype=_dtype(args.dtype))
@@ -78,13 +105,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
     import polykernel
     from polykernel.core import registry
 
-    device = args.device or _default_device()
+    device = _device(args)
     dtype = _dtype(args.dtype)
     if args.shape:
-        case = registry.get_op(args.op).example(args.shape, dtype, device, args.grad)
+        case = _example(registry.get_op(args.op), args.shape, dtype, device, args.grad)
         e = polykernel.explain(args.op, *case.args, impl=args.impl, **case.kwargs)
     else:
-        e = polykernel.explain(args.op, device=device, dtype=dtype, impl=args.impl)
+        e = polykernel.explain(args.op, device=device, dtype=dtype, impl=args.impl, needs_grad=args.grad)
     if args.json:
         print(json.dumps(e.as_dict(), indent=2))
         return 0 if e.chosen else 1
@@ -111,7 +138,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from polykernel.testing import check_parity
 
-    device = args.device or _default_device()
+    device = _device(args)
     dtypes = [_dtype(args.dtype)] if args.dtype else None
     con = _console(args)
     plan = _check_plan(args.op, args.impl)
@@ -281,8 +308,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("op")
     s.add_argument("--device")
     s.add_argument("--dtype", default="bfloat16", choices=_DTYPES)
-    s.add_argument("--shape", type=_shape, help="input shape, e.g. 4096x4096 (random inputs of that shape)")
-    s.add_argument("--grad", action="store_true", help="inputs require grad")
+    s.add_argument(
+        "--shape",
+        type=_shape,
+        help="sizes of the op's example inputs (random), in the op's layout: x's shape for a norm or activation (e.g. 4096x4096), "
+        "NxHxV for fused_linear_cross_entropy, 2BxTxHxV for the pairwise losses (dpo, orpo, cpo, simpo), BxTxHxV for kto and grpo; "
+        "a shape that does not fit says the op's layout",
+    )
+    s.add_argument("--grad", action="store_true", help="the call's inputs require grad (explains fwd+bwd)")
     s.add_argument("--impl", help="explain a forced impl (as impl= would)")
     s.add_argument("--json", action="store_true")
 
