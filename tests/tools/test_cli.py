@@ -226,3 +226,18 @@ def test_a_cuda_device_that_is_not_here_is_an_error(command, capsys, monkeypatch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without a GPU
     assert main([*command.split(), "--device", "cuda"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_env_lists_every_optional_package_and_the_native_path(capsys):
+    assert main(["env", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert {"trl", "flashinfer", "sgl_kernel", "transformers", "liger_kernel"} <= info.keys()
+    assert info["native launch path"].startswith(("built", "not built", "unavailable"))
+
+
+def test_env_shows_why_a_package_fails_to_import(capsys, monkeypatch, tmp_path):
+    (tmp_path / "flashinfer").mkdir()
+    (tmp_path / "flashinfer" / "__init__.py").write_text("raise OSError('libcuda.so.1: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["env", "--json"]) == 0
+    assert "import fails: OSError: libcuda.so.1" in json.loads(capsys.readouterr().out)["flashinfer"]

@@ -252,12 +252,9 @@ def cmd_env(args: argparse.Namespace) -> int:
         ] or ["cpu only"]
     except ImportError:
         info["torch"] = "not installed"
-    for module in ("triton", "cutlass", "cuda.tile", "liger_kernel", "quack", "transformers"):
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        info[module] = _version(module) if found else "not installed"
+    for module in _ENV_MODULES:
+        info[module] = _module_status(module)
+    info["native launch path"] = _native_status()
     info["settings"] = {k: v for k, v in os.environ.items() if k.startswith("POLYKERNEL_") or k == "TRITON_INTERPRET"}
     if args.json:
         print(json.dumps(info, indent=2))
@@ -277,12 +274,57 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+# The optional packages polykernel uses (its extras and the peers it adapts), by import name.
+_ENV_MODULES = ("triton", "cutlass", "cuda.tile", "liger_kernel", "quack", "flashinfer", "sgl_kernel", "transformers", "trl")
+
+
+def _module_status(module: str) -> str:
+    """Its version, "not installed", or the version and why it fails to import: a broken install
+    (a missing CUDA library, an incompatible torch) is what env is for, so it must not end env."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # no parent package (cuda.tile without cuda)
+        found = False
+    except Exception as exc:  # a parent package that raises on import
+        return f"import fails: {_why(exc)}"
+    if not found:
+        return "not installed"
+    try:
+        importlib.import_module(module)
+    except Exception as exc:
+        return f"{_version(module)}, import fails: {_why(exc)}"
+    return _version(module)
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[-1]}" if text else type(exc).__name__
+
+
+def _native_status() -> str:
+    """Whether the native launch path is built for this torch/Python/source (never builds it)."""
+    try:
+        from polykernel.backends.triton import _native
+
+        mode = _native.mode()
+        built = _native._built()
+    except Exception as exc:  # no triton, a bad POLYKERNEL_NATIVE
+        return f"unavailable ({_why(exc)})"
+    where = f"built ({_native.build_dir()})" if built else "not built (python -m polykernel.backends.triton._native builds it)"
+    return f"{where}, POLYKERNEL_NATIVE={mode}"
+
+
 def _version(module: str) -> str:
     from importlib import metadata
 
-    dist = {"cutlass": "nvidia-cutlass-dsl", "cuda.tile": "cuda-tile", "liger_kernel": "liger-kernel", "quack": "quack-kernels"}.get(
-        module, module
-    )
+    dist = {
+        "cutlass": "nvidia-cutlass-dsl",
+        "cuda.tile": "cuda-tile",
+        "liger_kernel": "liger-kernel",
+        "quack": "quack-kernels",
+        "flashinfer": "flashinfer-python",
+        "sgl_kernel": "sgl-kernel",
+    }.get(module, module)
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
