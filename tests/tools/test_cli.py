@@ -241,3 +241,12 @@ def test_env_shows_why_a_package_fails_to_import(capsys, monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(["env", "--json"]) == 0
     assert "import fails: OSError: libcuda.so.1" in json.loads(capsys.readouterr().out)["flashinfer"]
+
+
+def test_check_names_the_impls_it_checked_and_the_error_units(capsys):
+    rc, text = _run(["check", "swiglu", "--device", "cpu", "--dtype", "float32", "--impl", "torch", "-v"], False)
+    assert rc == 0 and "checked: torch (1 op, " in text
+    assert "err/tol" in text and "<= 1 passes" in text
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    assert "atol + rtol" in capsys.readouterr().out

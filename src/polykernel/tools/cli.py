@@ -165,20 +165,42 @@ def cmd_check(args: argparse.Namespace) -> int:
     shown = [r for r in results if not r.skipped] if args.verbose else failed
     if shown:
         t = table(
-            con, "", "op", "impl", "case", "dtype", "fwd err", "bwd err", "message",
-            right=("fwd err", "bwd err"), keep=("", "op", "impl", "dtype"),
+            con, "", "op", "impl", "case", "dtype", "fwd err/tol", "bwd err/tol", "message",
+            right=("fwd err/tol", "bwd err/tol"), keep=("", "op", "impl", "dtype"),
         )  # fmt: skip
         for r in shown:
             t.add_row(
                 "ok" if r.ok else "FAIL", r.op, r.impl, r.case, r.dtype, f"{r.forward_error:.3g}", f"{r.backward_error:.3g}", r.message
             )
         con.print(t)
-        con.print("  errors are max |out - ref| / (atol + rtol |ref|) of the op's error model: <= 1 passes")
+        con.print(f"  {_ERR_UNITS}")
     for line in _not_run_lines(skipped, results, unavailable):
         con.print(line)
+    con.print(_checked_line(results))
     passed = len(results) - len(failed) - len(skipped)
     con.print(f"{passed} passed, {len(failed)} failed" + (f", {len(skipped)} not run" if skipped else ""))
     return status
+
+
+# What check's error columns measure (the table's note and --verbose's help).
+_ERR_UNITS = (
+    "err/tol: the largest |impl - ref| / (atol + rtol·|ref|) over the output (fwd) and the input gradients (bwd), "
+    "ref the op's reference in float64, atol and rtol the op's error model for the dtype: a multiple of the tolerance, <= 1 passes"
+)
+
+
+def _checked_line(results: list[Any]) -> str:
+    """Which impls ran, on how many ops and cases (check never names them otherwise)."""
+    ops: dict[str, set[str]] = {}
+    cases: dict[str, int] = {}
+    for r in results:
+        if not r.skipped:
+            ops.setdefault(r.impl, set()).add(r.op)
+            cases[r.impl] = cases.get(r.impl, 0) + 1
+    if not ops:
+        return "checked: no impl ran"
+    parts = [f"{impl} ({len(ops[impl])} op{'s' * (len(ops[impl]) != 1)}, {cases[impl]} cases)" for impl in sorted(ops)]
+    return "checked: " + ", ".join(parts)
 
 
 def _check_plan(op: str | None, impls: list[str] | None) -> dict[str, list[str] | None] | str:
@@ -367,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device")
     s.add_argument("--dtype", choices=_DTYPES)
     s.add_argument("--large", action="store_true", help="add the full-size cases (GPU)")
-    s.add_argument("--verbose", "-v", action="store_true")
+    s.add_argument("--verbose", "-v", action="store_true", help="every case, with its errors; " + _ERR_UNITS.replace("%", "%%"))
     s.add_argument("--json", action="store_true")
 
     from polykernel.tools import bench as _bench  # argparse only; torch loads when a command runs
