@@ -89,7 +89,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import transformers  # noqa: F401  (the optional extra: fail here, with its own ImportError)
+
+try:
+    import transformers  # noqa: F401  (the optional extra: fail here, with the command that installs it)
+except ModuleNotFoundError as _exc:
+    if _exc.name != "transformers":  # transformers is there but broken: its own error says why
+        raise
+    from polykernel.errors import missing_extra
+
+    raise missing_extra("polykernel.integrations.transformers", "transformers") from None
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
