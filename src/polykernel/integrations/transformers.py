@@ -1427,9 +1427,10 @@ def unpatch(model: nn.Module | str) -> nn.Module | None:
 
 
 def patched(model: nn.Module | str) -> dict[str, list[str] | str]:
-    """What polykernel runs in ``model``: kind (``rms_norm``, ``swiglu``, ``rope``, ``loss``,
-    ``sdpa_is_causal``, ``moe_experts``) -> the qualified names of the patched modules (a model type: the patched
-    class attributes). A kind the model's family has but polykernel cannot express exactly maps to
+    """What polykernel runs in ``model``: kind (``rms_norm``, ``swiglu`` or ``geglu`` (the MLPs, by
+    their activation), ``rope``, ``loss``, ``sdpa_is_causal``, ``moe_experts``) -> the qualified names
+    of the modules that run it, whether patched one by one or by model type (a model type: the patched
+    class attributes, the MLP classes under ``swiglu``). A kind the model's family has but polykernel cannot express exactly maps to
     ``"left alone: <why>"`` instead (e.g. ``{"l2_norm": "left alone: Llama4's q/k L2 norm has no weight ..."}``,
     ``{"moe_experts": "left alone: ..."}``): that part runs transformers' own code."""
     out: dict[str, list[str] | str] = {}
