@@ -113,3 +113,12 @@ def test_the_package_page_lists_the_registered_ops():
     }
     assert listed == set(polykernel.list_ops())
     assert not re.search(r"pip install [\"']?polykernel\b", text)  # not on PyPI: no install by name
+
+
+def test_the_readme_shows_the_h200_demo_plot():
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", text)
+    assert any("demo" in path for path in images), images
+    assert all((ROOT / path).is_file() for path in images), images
