@@ -141,8 +141,8 @@ def test_demo_end_to_end_on_cpu_with_a_transformers_llama(cpu_default, tmp_path)
     rc = demo.main([*SHORT, "--steps", "12", "--json", str(path)], out=out)
     text = out.getvalue()
     assert rc == 0, text
-    for op_id in polykernel.list_ops():
-        assert op_id in text  # the op table lists every op
+    # every op chooses its torch impl on a CPU: one line for all of them, one per reason the others cannot run
+    assert f"every op ({len(polykernel.list_ops())}) chooses torch (auto)" in text and text.count("needs a CUDA device (") == 1
     assert "platform: cpu" in text and "a transformers Llama" in text and "tokens/s" in text and "agree" in text
     assert "VmHWM" in text or "ru_maxrss" in text  # says which memory measure it used
     res = json.loads(path.read_text())
