@@ -7,13 +7,29 @@ TRITON ?= triton==3.9.0
 BIN    := $(VENV)/bin
 JOBS   ?= 2
 
-.PHONY: setup demo test test-simd test-gpu lint bench smoke-newest-torch clean
+.PHONY: setup demo test test-simd test-gpu lint bench smoke-newest-torch dist-check clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 
+# Without an NVIDIA driver, torch comes from PyTorch's CPU wheel index: the default wheels pull
+# several GB of CUDA libraries. Where that index cannot be reached (a quick probe, no pip retries),
+# one line says so and pip resolves torch as usual. $(call cpu_torch,PIP,SPEC)
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+define cpu_torch
+	@if ! command -v nvidia-smi >/dev/null 2>&1 && [ ! -e /proc/driver/nvidia ]; then \
+	  if $(PYTHON) -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=10)" >/dev/null 2>&1; then \
+	    echo "no NVIDIA driver: $(2) from PyTorch's CPU index"; \
+	    $(1) install -q --retries 0 --timeout 10 --index-url $(TORCH_CPU_INDEX) "$(2)"; \
+	  else \
+	    echo "note: no NVIDIA driver, but $(TORCH_CPU_INDEX) cannot be reached: $(2) from the usual index (its default wheels include CUDA's)"; \
+	  fi; \
+	fi
+endef
+
 $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 	$(BIN)/python -m pip install -q --upgrade pip
+	$(call cpu_torch,$(BIN)/python -m pip,$(TORCH))
 	$(BIN)/python -m pip install -q "$(TORCH)" "$(TRITON)"
 	$(BIN)/python -m pip install -q -e ".[transformers,plot,test]"
 	touch $@
@@ -92,10 +108,28 @@ smoke-newest-torch:  ## the newest torch release in a second venv: install, the 
 	rm -rf $(NEWEST)
 	$(PYTHON) -m venv $(NEWEST)
 	$(NEWEST)/bin/python -m pip install -q --upgrade pip
+	$(call cpu_torch,$(NEWEST)/bin/python -m pip,torch)
 	$(NEWEST)/bin/python -m pip install -q torch triton numpy -e ".[test]"  # numpy: Triton's CPU interpreter
 	$(NEWEST)/bin/python -c "import torch, triton; print('newest torch', torch.__version__, 'triton', triton.__version__)"
 	POLYKERNEL_NATIVE=1 $(NEWEST)/bin/python -m polykernel.backends.triton._native
 	$(NEWEST)/bin/python -m pytest -q -n $(JOBS) --timeout=600 $(SMOKE_TESTS)
 
+# What a user installs: the sdist and the wheel (`twine check`), the wheel in a fresh venv with
+# its dependencies but torch (import polykernel and polykernel.spec need no torch; the CLI's --help
+# none either), imported from outside the clone so that src/ cannot stand in for it.
+DIST_VENV ?= .venv-dist
+BUILD     ?= $(BIN)/python -m build
+TWINE     ?= $(BIN)/python -m twine
+dist-check: setup  ## build the sdist and wheel, twine check them, install the wheel in a fresh venv and run it there
+	rm -rf dist $(DIST_VENV)
+	$(BUILD) --sdist --wheel --outdir dist .
+	$(TWINE) check --strict dist/*
+	$(PYTHON) -m venv $(DIST_VENV)
+	$(DIST_VENV)/bin/python -m pip install -q --no-deps dist/*.whl
+	$(DIST_VENV)/bin/python -c "from importlib.metadata import requires; print('\n'.join(r for r in requires('polykernel') if 'extra ==' not in r and not r.startswith('torch')))" > $(DIST_VENV)/deps.txt
+	$(DIST_VENV)/bin/python -m pip install -q -r $(DIST_VENV)/deps.txt
+	cd / && $(abspath $(DIST_VENV))/bin/python -c "import sys, polykernel, polykernel.spec; assert 'torch' not in sys.modules; print('wheel:', polykernel.__file__, polykernel.__version__)"
+	cd / && $(abspath $(DIST_VENV))/bin/polykernel --help > /dev/null
+
 clean:
-	rm -rf $(VENV) $(NEWEST) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(NEWEST) $(DIST_VENV) build dist *.egg-info src/*.egg-info .pytest_cache

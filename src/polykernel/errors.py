@@ -125,3 +125,28 @@ class ImplVerificationError(PolykernelError, RuntimeError):
         super().__init__(
             f"{op}: impl {impl!r} disagrees with {against} on {what}: {detail} (checked once per argument class: POLYKERNEL_VERIFY)"
         )
+
+
+# The optional extras of pyproject.toml that an import of ours needs: extra -> (the module it
+# provides, its requirement there). tests/test_packaging.py checks them against pyproject.toml.
+EXTRAS: dict[str, tuple[str, str]] = {
+    "transformers": ("transformers", "transformers>=4.45"),
+    "trl": ("trl", "trl>=1.16,<1.17"),
+    "plot": ("matplotlib", "matplotlib>=3.7"),
+    "liger": ("liger_kernel", "liger-kernel>=0.8.5,<0.9"),
+}
+
+
+class MissingExtraError(PolykernelError, ModuleNotFoundError):
+    """An optional package that a feature needs is not installed; the message is the command
+    that installs it (polykernel is not on PyPI: ``polykernel[extra]`` cannot be installed)."""
+
+
+def missing_extra(what: str, extra: str) -> MissingExtraError:
+    """The error for ``what`` (a module or a command) when the package of ``extra`` is missing."""
+    module, requirement = EXTRAS[extra]
+    return MissingExtraError(
+        f"{what}: {module} is not installed; install it with: pip install '{requirement}' "
+        f"(or, in a clone of polykernel: pip install -e '.[{extra}]')",
+        name=module,
+    )

@@ -143,16 +143,21 @@ def check_parity(
             if not isinstance(name, str) or name not in known:
                 raise UnknownImplError(the_op.id, name, sorted(known), "check_parity(impls=)")
     results: list[ParityResult] = []
-    for dtype in dtypes or the_op.dtypes:
-        names = list(impls) if impls is not None else runnable_impls(the_op, device, dtype)
-        torch.manual_seed(seed)
-        for case in cases if cases is not None else the_op.cases(device, dtype, large) if large else the_op.cases(device, dtype):
-            if not backward:
-                case = _without_grad(case)
-            for name in names:
-                if impls is None and refusal(the_op, name, case) is not None:
-                    continue  # e.g. a peer's predicate refuses this case (Liger: N > 65536): never selected there
-                results.append(_one(the_op, name, case, dtype, backward))
+    with contextlib.ExitStack() as stack:
+        compiling = False
+        for dtype in dtypes or the_op.dtypes:
+            names = list(impls) if impls is not None else runnable_impls(the_op, device, dtype)
+            if "torch_compile" in names and not compiling:
+                stack.enter_context(_compile_every_case())
+                compiling = True
+            torch.manual_seed(seed)
+            for case in cases if cases is not None else the_op.cases(device, dtype, large) if large else the_op.cases(device, dtype):
+                if not backward:
+                    case = _without_grad(case)
+                for name in names:
+                    if impls is None and refusal(the_op, name, case) is not None:
+                        continue  # e.g. a peer's predicate refuses this case (Liger: N > 65536): never selected there
+                    results.append(_one(the_op, name, case, dtype, backward))
     return results
 
 
@@ -164,6 +169,23 @@ def _without_grad(case: Case) -> Case:
         return case
     off = lambda a: a.detach() if isinstance(a, torch.Tensor) else a
     return Case(case.label, tuple(off(a) for a in case.args), {k: off(v) for k, v in case.kwargs.items()})
+
+
+# Parity cases: more argument classes than Dynamo's recompile limit (8 per function) allows.
+_RECOMPILES = 1024
+
+
+@contextlib.contextmanager
+def _compile_every_case() -> Iterator[None]:
+    """Raise Dynamo's recompile limits while the ``torch_compile`` impls are checked: past the
+    limit Dynamo warns and runs the reference eagerly, so the later cases would check the eager
+    reference against itself instead of the compiled code."""
+    from torch._dynamo import config
+
+    per_function = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6: its old name
+    limits = {k: max(_RECOMPILES, getattr(config, k)) for k in (per_function, "accumulated_recompile_limit") if hasattr(config, k)}
+    with config.patch(limits):
+        yield
 
 
 def refusal(op: str | Op, impl: str, case: Case) -> str | None:

@@ -252,9 +252,10 @@ def test_parity_fp32_all_switches(family, calls, torch_impls):
     kinds = pkt.patched(model)
     norms = [n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
     assert len(norms) >= 5 and sorted(kinds.get("rms_norm", [])) == sorted(norms)
-    for op, kind in (("geglu" if family in GELU_FAMILIES else "swiglu", "swiglu"), ("rope", "rope")):
+    for op in ("geglu" if family in GELU_FAMILIES else "swiglu", "rope"):
         if has_op(op):
-            assert len(kinds[kind]) == 2, kinds
+            assert len(kinds[op]) == 2, kinds
+    assert not ({"swiglu", "geglu"} - {"geglu" if family in GELU_FAMILIES else "swiglu"}) & kinds.keys(), kinds
 
     # inference: logits, no labels
     ref.eval(), model.eval()
@@ -844,8 +845,9 @@ def test_family_parity_fp32(family, overrides, torch_impls):
     norms = [n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
     if has_op("rms_norm"):
         assert len(norms) >= 5 and sorted(kinds["rms_norm"]) == sorted(norms)
-    if has_op("swiglu"):
-        assert len(kinds.get("swiglu", [])) == MLPS.get(family, 2), kinds
+    glu = "geglu" if family in GELU_FAMILIES else "swiglu"  # the op the MLPs' activation runs
+    if has_op(glu):
+        assert len(kinds.get(glu, [])) == MLPS.get(family, 2), kinds
     if has_op("rope") and "rope" not in left:
         assert len(kinds["rope"]) == ROPES.get(family, 2), kinds
 
@@ -1246,3 +1248,34 @@ def test_rope_options_families_on_triton(family, overrides):
     assert_grads_close(model, ref, **FP32_GRAD)
     ropes = polykernel.decisions("rope")
     assert ropes and {d["impl"] for d in ropes} == {"triton"}, ropes
+
+
+@pytest.mark.parametrize("family", ["gemma2", "llama"])
+def test_patched_reports_a_gelu_mlp_as_geglu(family):
+    need("swiglu", "geglu")
+    _, model = pair(family)
+    mlps = [n for n, m in model.named_modules() if type(m).__name__.endswith("MLP")]
+    op, other = ("geglu", "swiglu") if family in GELU_FAMILIES else ("swiglu", "geglu")
+    kinds = pkt.patched(model)
+    assert sorted(kinds[op]) == sorted(mlps) and other not in kinds, kinds
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama"])
+def test_patched_model_after_a_class_level_patch(family, torch_impls):
+    # patch("<model type>") patches the classes: a model of them runs polykernel, and patched(model) says so
+    try:
+        pkt.patch(family)
+        model = tiny(family)
+        kinds = pkt.patched(model)
+        norms = [n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
+        attention = [n for n, m in model.named_modules() if type(m).__name__.endswith("Attention")]
+        assert sorted(kinds["rms_norm"]) == sorted(norms) and len(norms) >= 5, kinds
+        assert sorted(kinds["rope"]) == sorted(attention) and len(attention) == 2, kinds
+        assert kinds["loss"] == [""] and kinds["sdpa_is_causal"] == ["model"], kinds
+        experts = [n for n, m in model.named_modules() if type(m).__name__.endswith("Experts")]
+        mlps = [n for n, m in model.named_modules() if type(m).__name__.endswith("MLP")]
+        assert sorted(kinds.get("moe_experts", [])) == sorted(experts) and len(experts) == (family == "qwen3_moe"), kinds
+        assert sorted(kinds["swiglu"]) == sorted(mlps) and mlps, kinds
+    finally:
+        pkt.unpatch(family)
+    assert pkt.patched(tiny(family)) == {}

@@ -164,7 +164,7 @@ def test_plot_without_matplotlib_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
     path = tmp_path / "r.json"
     path.write_text(json.dumps(_result()))
-    with pytest.raises(ValueError, match=r"polykernel bench --plot: matplotlib is not installed.*polykernel\[plot\]"):
+    with pytest.raises(ImportError, match=r"polykernel bench --plot: matplotlib is not installed.*: pip install 'matplotlib>=3\.7'"):
         bench.run_cli(bench_args(["--load", str(path), "--plot", str(tmp_path / "x.png")]))
 
 

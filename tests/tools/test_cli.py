@@ -184,3 +184,69 @@ def polykernel_ops():
     import polykernel
 
     return polykernel.list_ops()
+
+
+# ------------------------------------------------------------------------------------------------
+# explain: --shape in the op's layout, --grad without a shape, a CUDA device that is not here
+
+
+@pytest.mark.parametrize("op", ["fused_linear_dpo_loss", "fused_linear_grpo_loss"])
+def test_explain_a_loss_with_its_own_layout(op, capsys):
+    assert main(["explain", op, "--device", "cpu", "--shape", "4x8x64x128", "--grad"]) == 0
+    assert "needs_grad=True" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("op", ["fused_linear_dpo_loss", "fused_linear_grpo_loss"])
+def test_explain_a_shape_that_does_not_fit_names_the_layout(op, capsys):
+    assert main(["explain", op, "--device", "cpu", "--shape", "8x64", "--grad"]) == 2
+    err = capsys.readouterr().err
+    assert "--shape 8x64 does not fit" in err and "T, H, V)" in err and "Traceback" not in err
+
+
+def test_explain_grad_without_a_shape(capsys):
+    assert main(["explain", "rms_norm", "--device", "cpu", "--grad"]) == 0
+    assert "needs_grad=True" in capsys.readouterr().out
+    assert main(["explain", "rms_norm", "--device", "cpu"]) == 0
+    assert "needs_grad=False" in capsys.readouterr().out
+
+
+def test_explain_needs_grad_with_arguments_is_an_error():
+    import torch
+
+    import polykernel
+
+    with pytest.raises(ValueError, match="needs_grad"):
+        polykernel.explain("rms_norm", torch.randn(2, 8), torch.ones(8), needs_grad=True)
+
+
+@pytest.mark.parametrize("command", ["explain rms_norm", "list", "check swiglu --impl torch"])
+def test_a_cuda_device_that_is_not_here_is_an_error(command, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without a GPU
+    assert main([*command.split(), "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_env_lists_every_optional_package_and_the_native_path(capsys):
+    assert main(["env", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert {"trl", "flashinfer", "sgl_kernel", "transformers", "liger_kernel"} <= info.keys()
+    assert info["native launch path"].startswith(("built", "not built", "unavailable"))
+
+
+def test_env_shows_why_a_package_fails_to_import(capsys, monkeypatch, tmp_path):
+    (tmp_path / "flashinfer").mkdir()
+    (tmp_path / "flashinfer" / "__init__.py").write_text("raise OSError('libcuda.so.1: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["env", "--json"]) == 0
+    assert "import fails: OSError: libcuda.so.1" in json.loads(capsys.readouterr().out)["flashinfer"]
+
+
+def test_check_names_the_impls_it_checked_and_the_error_units(capsys):
+    rc, text = _run(["check", "swiglu", "--device", "cpu", "--dtype", "float32", "--impl", "torch", "-v"], False)
+    assert rc == 0 and "checked: torch (1 op, " in text
+    assert "err/tol" in text and "<= 1 passes" in text
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    assert "atol + rtol" in capsys.readouterr().out

@@ -758,7 +758,9 @@ def _short(v: Any) -> Any:
     return s.removeprefix("torch.") if s.startswith("torch.") else (v if isinstance(v, (int, float, bool, type(None))) else s)
 
 
-def _argkey_for(op: Op, args: tuple[Any, ...], kwargs: dict[str, Any], device: Any, dtype: Any) -> tuple[Any, ...]:
+def _argkey_for(
+    op: Op, args: tuple[Any, ...], kwargs: dict[str, Any], device: Any, dtype: Any, needs_grad: bool = False
+) -> tuple[Any, ...]:
     import torch
 
     if args:
@@ -769,7 +771,8 @@ def _argkey_for(op: Op, args: tuple[Any, ...], kwargs: dict[str, Any], device: A
     dev = device_arg(op, device)
     if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())
-    return op.default_key(dev, dtype if dtype is not None else torch.float32)
+    key = op.default_key(dev, dtype if dtype is not None else torch.float32)
+    return (*key[:2], True, *key[3:]) if needs_grad else key  # fields start device, dtype, needs_grad
 
 
 # True while explain asks about a DTensor call's local shards: the stand-ins it passes are empty
@@ -778,11 +781,14 @@ def _argkey_for(op: Op, args: tuple[Any, ...], kwargs: dict[str, Any], device: A
 _shard_stand_ins: ContextVar[bool] = ContextVar("polykernel_shard_stand_ins", default=False)
 
 
-def explain(op: str, *args: Any, device: Any = None, dtype: Any = None, impl: str | None = None, **kwargs: Any) -> Explanation:
+def explain(
+    op: str, *args: Any, device: Any = None, dtype: Any = None, impl: str | None = None, needs_grad: bool = False, **kwargs: Any
+) -> Explanation:
     """What would run for this call, and why: every impl with its verdict and reason.
 
     Give the call's own arguments, or just ``device=``/``dtype=`` (a ``torch.dtype`` or its name:
-    ``"bf16"``, ``"float16"``...). The op's validation runs as in the call: bad arguments raise
+    ``"bf16"``, ``"float16"``...) and ``needs_grad=True`` for a call whose inputs require grad
+    (with arguments, their ``requires_grad`` decides and ``needs_grad`` must be left False). The op's validation runs as in the call: bad arguments raise
     its error (a missing one the call's ``TypeError``); a dtype the op rejects leaves no impl
     chosen, with the op's error in ``error``::
 
@@ -795,11 +801,13 @@ def explain(op: str, *args: Any, device: Any = None, dtype: Any = None, impl: st
     import torch
 
     the_op = registry.get_op(op)
+    if needs_grad and args:
+        raise ValueError(f"explain({op!r}): needs_grad is for a call described by device and dtype; the arguments' requires_grad decides")
     call = call_args(the_op, args, kwargs) if args else None  # a missing argument raises, as in the call
     subclass = subclass_name((*args, *kwargs.values()))
     if call is not None and subclass is None and not _shard_stand_ins.get():
         rejection(the_op, call, None)  # a bad argument raises, as in the call
-    argkey = _argkey_for(the_op, args, kwargs, device, dtype)
+    argkey = _argkey_for(the_op, args, kwargs, device, dtype, needs_grad)
     # (a CPU-only torch has no capture query: explain(device="cuda") still answers there)
     capturing = argkey[0].type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     key = memo_key.key(argkey, impl, _scope.get(), torch.are_deterministic_algorithms_enabled(), capturing)

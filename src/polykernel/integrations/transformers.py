@@ -89,7 +89,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import transformers  # noqa: F401  (the optional extra: fail here, with its own ImportError)
+
+try:
+    import transformers  # noqa: F401  (the optional extra: fail here, with the command that installs it)
+except ModuleNotFoundError as _exc:
+    if _exc.name != "transformers":  # transformers is there but broken: its own error says why
+        raise
+    from polykernel.errors import missing_extra
+
+    raise missing_extra("polykernel.integrations.transformers", "transformers") from None
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -403,8 +411,11 @@ def _mlp_forward(base: Callable, ops: frozenset[str]) -> Callable:
             return self.down_proj(_pk.swiglu(gate, up))
         return self.down_proj(_pk.geglu(gate, up, approximate=kind[1]))
 
-    forward._polykernel = "swiglu"  # type: ignore[attr-defined]
+    forward._polykernel = _GATED_MLP  # type: ignore[attr-defined]
     return forward
+
+
+_GATED_MLP = "swiglu"  # the gated MLP forward's tag: patched() reports swiglu or geglu per module
 
 
 def _mlp_supported(module: nn.Module) -> str | None:
@@ -1170,11 +1181,37 @@ def _uninstall(module: nn.Module) -> None:
 
 
 def _kind(module: nn.Module) -> str | None:
+    """What polykernel runs in ``module``: its own patched forward's kind, else (``patch("<model
+    type>")``) its patched class's; a gated MLP's is its activation's op (swiglu or geglu)."""
     saved = module.__dict__.get(_SAVED)
-    if saved is None:
+    if saved is not None:
+        fn = module.__dict__.get(saved[0])
+        kind = getattr(getattr(fn, "__func__", None), "_polykernel", None)
+    else:
+        kind = _class_kind(module)
+    if kind == _GATED_MLP:  # one forward for both: the module's activation says which op runs
+        layout = _mlp_layout(module)
+        gated = _gated_activation(layout[1]) if layout is not None and _mlp_supported(module) is None else None
+        return gated[0] if gated is not None and gated[0] in _gated_ops() else None
+    return kind
+
+
+def _class_kind(module: nn.Module) -> str | None:
+    """The kind of a module whose family's classes ``patch("<model type>")`` patched: its class's
+    forward's, or for an attention layer that calls the rotary function, ``rope`` where that
+    function is patched (the class-level RoPE swap changes the modeling module, not the class)."""
+    found = _classify(module)
+    if found is None:
         return None
-    fn = module.__dict__.get(saved[0])
-    return getattr(getattr(fn, "__func__", None), "_polykernel", None)
+    family, role, cls = found
+    if role != "attention":
+        return getattr(cls.forward, "_polykernel", None)
+    modeling = sys.modules.get(family.module)
+    rope = any(getattr(getattr(modeling, name, None), "_polykernel", None) == "rope" for name, _ in family.rope)
+    config = getattr(module, "config", None)
+    if not rope or not _calls_rope(module) or (config is not None and "rope" in _config_left_alone(family, config)):
+        return None
+    return "rope"
 
 
 _LEFT_ALONE = "_polykernel_left_alone"  # the patched model's __dict__ entry: kind -> why
@@ -1414,9 +1451,10 @@ def unpatch(model: nn.Module | str) -> nn.Module | None:
 
 
 def patched(model: nn.Module | str) -> dict[str, list[str] | str]:
-    """What polykernel runs in ``model``: kind (``rms_norm``, ``swiglu``, ``rope``, ``loss``,
-    ``sdpa_is_causal``, ``moe_experts``) -> the qualified names of the patched modules (a model type: the patched
-    class attributes). A kind the model's family has but polykernel cannot express exactly maps to
+    """What polykernel runs in ``model``: kind (``rms_norm``, ``swiglu`` or ``geglu`` (the MLPs, by
+    their activation), ``rope``, ``loss``, ``sdpa_is_causal``, ``moe_experts``) -> the qualified names
+    of the modules that run it, whether patched one by one or by model type (a model type: the patched
+    class attributes, the MLP classes under ``swiglu``). A kind the model's family has but polykernel cannot express exactly maps to
     ``"left alone: <why>"`` instead (e.g. ``{"l2_norm": "left alone: Llama4's q/k L2 norm has no weight ..."}``,
     ``{"moe_experts": "left alone: ..."}``): that part runs transformers' own code."""
     out: dict[str, list[str] | str] = {}
@@ -1428,11 +1466,15 @@ def patched(model: nn.Module | str) -> dict[str, list[str] | str]:
                 out.setdefault(kind, []).append(f"{getattr(owner, '__name__', owner)}.{attr}")  # type: ignore[union-attr]
         left = _CLASS_LEFT_ALONE.get(model, {})
     else:
+        left = dict(model.__dict__.get(_LEFT_ALONE, {}))
         for name, module in model.named_modules():
             kind = _kind(module)
             if kind is not None:
                 out.setdefault(kind, []).append(name)  # type: ignore[union-attr]
-        left = model.__dict__.get(_LEFT_ALONE, {})
+            found = _classify(module) if kind is not None and _SAVED not in module.__dict__ else None
+            if found is not None:  # patched by model type: what that patch leaves alone
+                for k, why in _CLASS_LEFT_ALONE.get(found[0].model_type, {}).items():
+                    left.setdefault(k, why)
     for kind, why in left.items():
         out.setdefault(kind, f"left alone: {why}")
     return out

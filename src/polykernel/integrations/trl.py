@@ -56,7 +56,15 @@ import types
 from typing import Any
 
 import torch
-import trl  # noqa: F401  (the optional extra: fail here, with its own ImportError)
+
+try:
+    import trl  # noqa: F401  (the optional extra: fail here, with the command that installs it)
+except ModuleNotFoundError as _exc:
+    if _exc.name != "trl":  # trl is there but broken: its own error says why
+        raise
+    from polykernel.errors import missing_extra
+
+    raise missing_extra("polykernel.integrations.trl", "trl") from None
 from accelerate.utils import is_peft_model
 from torch.distributed.tensor import DTensor
 from trl import DPOTrainer, GRPOTrainer

@@ -32,6 +32,33 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _device(args: argparse.Namespace) -> str:
+    """``--device``, else the default; a CUDA device on a machine without one is an error (the
+    answer would be about a machine that is not this one, and the torch impl would run)."""
+    device = args.device or _default_device()
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: no CUDA device here (torch {torch.__version__} sees none)")
+    return device
+
+
+def _example(op: Any, shape: tuple[int, ...], dtype: Any, device: str, grad: bool) -> Any:
+    """The op's example call for ``--shape``; a shape that does not fit its layout is an error
+    that names the layout (the first paragraph of the op's ``example`` docstring)."""
+    import inspect
+
+    try:
+        return op.example(shape, dtype, device, grad)
+    except (ValueError, TypeError, IndexError, RuntimeError) as exc:
+        layout = " ".join((inspect.getdoc(op.example) or "").split("\n\n")[0].split()).replace("``", "")
+        layout = layout.removeprefix("Op(example=) of ")
+        raise ValueError(
+            f"--shape {'x'.join(map(str, shape))} does not fit {op.id}'s example inputs ({exc}); {op.name}: {layout}"
+        ) from None
+
+
 def _dtype(name: str) -> Any:
     import torch
 
@@ -56,7 +83,7 @@ def _console(args: argparse.Namespace) -> Console:
 def cmd_list(args: argparse.Namespace) -> int:
     import polykernel
 
-    device = args.device or _default_device()
+    device = _device(args)
     rows = []
     for op_id in polykernel.list_ops():
         e = polykernel.explain(op_id, device=device, dtype=_dtype(args.dtype))
@@ -78,13 +105,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
     import polykernel
     from polykernel.core import registry
 
-    device = args.device or _default_device()
+    device = _device(args)
     dtype = _dtype(args.dtype)
     if args.shape:
-        case = registry.get_op(args.op).example(args.shape, dtype, device, args.grad)
+        case = _example(registry.get_op(args.op), args.shape, dtype, device, args.grad)
         e = polykernel.explain(args.op, *case.args, impl=args.impl, **case.kwargs)
     else:
-        e = polykernel.explain(args.op, device=device, dtype=dtype, impl=args.impl)
+        e = polykernel.explain(args.op, device=device, dtype=dtype, impl=args.impl, needs_grad=args.grad)
     if args.json:
         print(json.dumps(e.as_dict(), indent=2))
         return 0 if e.chosen else 1
@@ -111,7 +138,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from polykernel.testing import check_parity
 
-    device = args.device or _default_device()
+    device = _device(args)
     dtypes = [_dtype(args.dtype)] if args.dtype else None
     con = _console(args)
     plan = _check_plan(args.op, args.impl)
@@ -138,20 +165,42 @@ def cmd_check(args: argparse.Namespace) -> int:
     shown = [r for r in results if not r.skipped] if args.verbose else failed
     if shown:
         t = table(
-            con, "", "op", "impl", "case", "dtype", "fwd err", "bwd err", "message",
-            right=("fwd err", "bwd err"), keep=("", "op", "impl", "dtype"),
+            con, "", "op", "impl", "case", "dtype", "fwd err/tol", "bwd err/tol", "message",
+            right=("fwd err/tol", "bwd err/tol"), keep=("", "op", "impl", "dtype"),
         )  # fmt: skip
         for r in shown:
             t.add_row(
                 "ok" if r.ok else "FAIL", r.op, r.impl, r.case, r.dtype, f"{r.forward_error:.3g}", f"{r.backward_error:.3g}", r.message
             )
         con.print(t)
-        con.print("  errors are max |out - ref| / (atol + rtol |ref|) of the op's error model: <= 1 passes")
+        con.print(f"  {_ERR_UNITS}")
     for line in _not_run_lines(skipped, results, unavailable):
         con.print(line)
+    con.print(_checked_line(results))
     passed = len(results) - len(failed) - len(skipped)
     con.print(f"{passed} passed, {len(failed)} failed" + (f", {len(skipped)} not run" if skipped else ""))
     return status
+
+
+# What check's error columns measure (the table's note and --verbose's help).
+_ERR_UNITS = (
+    "err/tol: the largest |impl - ref| / (atol + rtol·|ref|) over the output (fwd) and the input gradients (bwd), "
+    "ref the op's reference in float64, atol and rtol the op's error model for the dtype: a multiple of the tolerance, <= 1 passes"
+)
+
+
+def _checked_line(results: list[Any]) -> str:
+    """Which impls ran, on how many ops and cases (check never names them otherwise)."""
+    ops: dict[str, set[str]] = {}
+    cases: dict[str, int] = {}
+    for r in results:
+        if not r.skipped:
+            ops.setdefault(r.impl, set()).add(r.op)
+            cases[r.impl] = cases.get(r.impl, 0) + 1
+    if not ops:
+        return "checked: no impl ran"
+    parts = [f"{impl} ({len(ops[impl])} op{'s' * (len(ops[impl]) != 1)}, {cases[impl]} cases)" for impl in sorted(ops)]
+    return "checked: " + ", ".join(parts)
 
 
 def _check_plan(op: str | None, impls: list[str] | None) -> dict[str, list[str] | None] | str:
@@ -225,19 +274,9 @@ def cmd_env(args: argparse.Namespace) -> int:
         ] or ["cpu only"]
     except ImportError:
         info["torch"] = "not installed"
-    from polykernel.spec import module_import_error
-
-    for module in ("triton", "cutlass", "cuda.tile", "liger_kernel", "quack", "flashinfer", "sgl_kernel", "transformers"):
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        info[module] = _version(module) if found else "not installed"
-        # An impl's module (not transformers) is imported: one found that fails to import is no
-        # more usable than a missing one (a peer's front package without its native library).
-        err = module_import_error(module) if found and module != "transformers" else None
-        if err is not None:
-            info[module] += f" (unavailable: failed to import: {err})"
+    for module in _ENV_MODULES:
+        info[module] = _module_status(module)
+    info["native launch path"] = _native_status()
     info["settings"] = {k: v for k, v in os.environ.items() if k.startswith("POLYKERNEL_") or k == "TRITON_INTERPRET"}
     if args.json:
         print(json.dumps(info, indent=2))
@@ -257,6 +296,46 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+# The optional packages polykernel uses (its extras and the peers it adapts), by import name.
+_ENV_MODULES = ("triton", "cutlass", "cuda.tile", "liger_kernel", "quack", "flashinfer", "sgl_kernel", "transformers", "trl")
+
+
+def _module_status(module: str) -> str:
+    """Its version, "not installed", or the version and why it fails to import: a broken install
+    (a missing CUDA library, an incompatible torch) is what env is for, so it must not end env."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # no parent package (cuda.tile without cuda)
+        found = False
+    except Exception as exc:  # a parent package that raises on import
+        return f"import fails: {_why(exc)}"
+    if not found:
+        return "not installed"
+    try:
+        importlib.import_module(module)
+    except Exception as exc:
+        return f"{_version(module)}, import fails: {_why(exc)}"
+    return _version(module)
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[-1]}" if text else type(exc).__name__
+
+
+def _native_status() -> str:
+    """Whether the native launch path is built for this torch/Python/source (never builds it)."""
+    try:
+        from polykernel.backends.triton import _native
+
+        mode = _native.mode()
+        built = _native._built()
+    except Exception as exc:  # no triton, a bad POLYKERNEL_NATIVE
+        return f"unavailable ({_why(exc)})"
+    where = f"built ({_native.build_dir()})" if built else "not built (python -m polykernel.backends.triton._native builds it)"
+    return f"{where}, POLYKERNEL_NATIVE={mode}"
+
+
 def _version(module: str) -> str:
     from importlib import metadata
 
@@ -266,7 +345,7 @@ def _version(module: str) -> str:
         "liger_kernel": "liger-kernel",
         "quack": "quack-kernels",
         "flashinfer": "flashinfer-python",
-        "sgl_kernel": "sglang-kernel",
+        "sgl_kernel": "sgl-kernel",
     }.get(module, module)
     try:
         return metadata.version(dist)
@@ -293,8 +372,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("op")
     s.add_argument("--device")
     s.add_argument("--dtype", default="bfloat16", choices=_DTYPES)
-    s.add_argument("--shape", type=_shape, help="input shape, e.g. 4096x4096 (random inputs of that shape)")
-    s.add_argument("--grad", action="store_true", help="inputs require grad")
+    s.add_argument(
+        "--shape",
+        type=_shape,
+        help="sizes of the op's example inputs (random), in the op's layout: x's shape for a norm or activation (e.g. 4096x4096), "
+        "NxHxV for fused_linear_cross_entropy, 2BxTxHxV for the pairwise losses (dpo, orpo, cpo, simpo), BxTxHxV for kto and grpo; "
+        "a shape that does not fit says the op's layout",
+    )
+    s.add_argument("--grad", action="store_true", help="the call's inputs require grad (explains fwd+bwd)")
     s.add_argument("--impl", help="explain a forced impl (as impl= would)")
     s.add_argument("--json", action="store_true")
 
@@ -304,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device")
     s.add_argument("--dtype", choices=_DTYPES)
     s.add_argument("--large", action="store_true", help="add the full-size cases (GPU)")
-    s.add_argument("--verbose", "-v", action="store_true")
+    s.add_argument("--verbose", "-v", action="store_true", help="every case, with its errors; " + _ERR_UNITS.replace("%", "%%"))
     s.add_argument("--json", action="store_true")
 
     from polykernel.tools import bench as _bench  # argparse only; torch loads when a command runs

@@ -14,9 +14,12 @@ __all__ = ["plot_bench", "pyplot", "require_matplotlib"]
 
 
 def require_matplotlib(what: str) -> None:
-    """Raise a clear error naming ``what`` and the extra when matplotlib is not installed."""
+    """Raise :class:`~polykernel.errors.MissingExtraError` naming ``what`` and the command that
+    installs matplotlib when it is not installed."""
     if importlib.util.find_spec("matplotlib") is None:
-        raise ValueError(f"{what}: matplotlib is not installed; install the optional extra: pip install 'polykernel[plot]'")
+        from polykernel.errors import missing_extra
+
+        raise missing_extra(what, "plot")
 
 
 def pyplot(what: str) -> Any:

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None, *, out: IO[str] | None = None, console: 
 
         try:
             require_matplotlib("polykernel demo --plot")  # before training, not after it
-        except ValueError as exc:
+        except ImportError as exc:
             raise SystemExit(str(exc)) from None
     if args.load:
         with open(args.load) as f:

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from polykernel.errors import missing_extra
+
 __all__ = ["VARIANTS", "Variant", "build", "default_compare", "model_kind", "parse_compare"]
 
 # contender -> (on polykernel's ops, under torch.compile); liger is patched separately
@@ -53,7 +55,7 @@ def model_kind(requested: str = "auto") -> str:
     if requested == "auto":
         return "hf" if importlib.util.find_spec("transformers") is not None else "builtin"
     if requested == "hf" and importlib.util.find_spec("transformers") is None:
-        raise ValueError("polykernel demo --model hf: transformers is not installed (pip install 'polykernel[transformers]')")
+        raise ValueError(str(missing_extra("polykernel demo --model hf", "transformers")))
     return requested
 
 
@@ -83,7 +85,7 @@ def parse_compare(text: str | None, device: torch.device, kind: str) -> list[str
         if kind != "hf":
             raise ValueError("polykernel demo --compare liger: Liger-Kernel patches Hugging Face models; install transformers")
         if importlib.util.find_spec("liger_kernel") is None:
-            raise ValueError("polykernel demo --compare liger: liger-kernel is not installed (pip install 'polykernel[liger]')")
+            raise ValueError(str(missing_extra("polykernel demo --compare liger", "liger")))
         if device.type != "cuda":
             raise ValueError("polykernel demo --compare liger: Liger-Kernel's kernels need a CUDA device")
     return ["torch", *dict.fromkeys(n for n in names if n != "torch")]

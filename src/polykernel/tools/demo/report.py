@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import platform as _platform
+import statistics
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -71,21 +72,48 @@ def op_table(device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
 
 
 def print_op_table(con: Console, rows: list[dict[str, Any]], device: torch.device, dtype: torch.dtype) -> None:
+    """Every op's choice and impls. A reason that keeps impls out of several ops (on a CPU: "needs
+    a CUDA device", for every op) is one line under the table, not a cell in each row; where every
+    op then makes the same choice, one line says so instead of a row per op."""
     title = f"ops on {device} for {str(dtype).removeprefix('torch.')} (* = the dispatcher's choice; x = cannot run here: why)"
-    t = table(con, "op", "chosen", "impls", title=title, keep=("op", "chosen"))
-    # On a terminal one impl per line (a long reason wraps within its line); plain text keeps
-    # each op on one line for grep.
-    sep = "\n" if con.is_terminal else "; "
+    ops_per_reason: dict[str, set[str]] = {}
     for r in rows:
-        if not r["impls"]:
-            t.add_row(r["op"], "-", r["missing"] or "no impl")
-            continue
-        impls = []
         for i in r["impls"]:
-            mark = "*" if i["name"] == r["chosen"] else ("" if i["runnable"] else " x")
-            impls.append(f"{i['name']}{mark}" + (f" ({i['reason']})" if not i["runnable"] else ""))
-        t.add_row(r["op"], f"{r['chosen']} ({r['source']})" if r["chosen"] else f"none: {r['missing']}", sep.join(impls))
-    con.print(t)
+            if not i["runnable"]:
+                ops_per_reason.setdefault(i["reason"], set()).add(r["op"])
+    shared = {reason for reason, ops in ops_per_reason.items() if len(ops) > 1}
+    cells: dict[str, list[str]] = {}
+    for r in rows:
+        cells[r["op"]] = [
+            f"{i['name']}{'*' if i['name'] == r['chosen'] else ''}" + ("" if i["runnable"] else f" x ({i['reason']})")
+            for i in r["impls"]
+            if i["runnable"] or i["reason"] not in shared
+        ]
+    choices = {(r["chosen"], r["source"]) for r in rows}
+    if rows and len(choices) == 1 and all(r["impls"] and all("x (" not in c for c in cells[r["op"]]) for r in rows):
+        chosen, source = next(iter(choices))
+        also: dict[str, int] = {}
+        for r in rows:
+            for c in cells[r["op"]]:
+                if not c.endswith("*"):
+                    also[c] = also.get(c, 0) + 1
+        con.print(title)
+        extra = f"; also runnable: {', '.join(f'{n} ({k} ops)' for n, k in also.items())}" if also else ""
+        con.print(f"  every op ({len(rows)}) chooses {chosen} ({source}){extra}")
+    else:
+        t = table(con, "op", "chosen", "impls", title=title, keep=("op", "chosen"))
+        # On a terminal one impl per line (a long reason wraps within its line); plain text keeps
+        # each op on one line for grep.
+        sep = "\n" if con.is_terminal else "; "
+        for r in rows:
+            if not r["impls"]:
+                t.add_row(r["op"], "-", r["missing"] or "no impl")
+                continue
+            t.add_row(r["op"], f"{r['chosen']} ({r['source']})" if r["chosen"] else f"none: {r['missing']}", sep.join(cells[r["op"]]))
+        con.print(t)
+    for reason in sorted(shared, key=lambda why: -len(ops_per_reason[why])):
+        names = dict.fromkeys(i["name"] for r in rows for i in r["impls"] if not i["runnable"] and i["reason"] == reason)
+        con.print(f"  x {reason} ({len(ops_per_reason[reason])} ops): {', '.join(names)}")
 
 
 def _gib(n: int) -> str:
@@ -132,7 +160,21 @@ def print_result(con: Console, res: DemoResult) -> None:
             if res.device.startswith("cpu")
             else "every op ran its torch impl here (see why above)"
         )
-        con.print(f"  note: {where}: expect about 1.0x plain PyTorch; run on a GPU for the speedup")
+        spread = max((_spread(r.timed) for r in res.runs), default=math.nan)
+        within = "" if math.isnan(spread) else f"; step times within one run spread by {spread:.0%} here (interquartile range / median)"
+        con.print(
+            f"  note: {where}, so every run does the same work and 'vs torch' measures this machine's noise, not polykernel "
+            f"(other processes, the clock: a whole run can shift by more than its steps do{within}): "
+            "read it as about 1.0x plain PyTorch; run on a GPU for the speedup"
+        )
+
+
+def _spread(times: list[float]) -> float:
+    """The interquartile range of ``times`` over their median (nan for fewer than 4)."""
+    if len(times) < 4:
+        return math.nan
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    return (q3 - q1) / max(statistics.median(times), 1e-12)
 
 
 def _skipped_text(skipped: list[str]) -> str:
