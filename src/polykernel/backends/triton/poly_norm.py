@@ -37,9 +37,10 @@ CHUNK_N = 4096
 # Kernels
 #
 # x⁶ overflows fp32 from |x| > 2.6e6 (and underflows below 1e-7): every kernel works on v = x/s, s a
-# power of two per row (``ops.poly_norm.scaled``: the reference's scale, computed the same way
-# but from the exponent bits). The norms are scale-invariant, dx gets 1/s; 1/s is saved next to
-# the rstd values (which are those of v).
+# power of two per row (``ops.poly_norm.scaled``: the reference's scale, here from max|x|'s exponent
+# bits; where log2 rounds up to a power of two the two differ by 2, which changes no result: the
+# scaling is exact). The norms are scale-invariant, dx gets 1/s; 1/s is saved next to the rstd
+# values (which are those of v).
 
 
 @triton.jit
