@@ -155,3 +155,63 @@ def test_property_parity(impl):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_parity_gpu_large(dtype):
     assert_parity("poly_norm", device="cuda", dtypes=[dtype], large=True)
+
+
+def _poly_norm_f64(x, w, b, eps):
+    """PolyNorm written out in fp64 (x^6 of any fp32 value fits fp64's range)."""
+    x = x.double()
+
+    def norm(u):
+        return u / torch.sqrt(u.pow(2).mean(-1, keepdim=True) + eps)
+
+    return w[0] * norm(x**3) + w[1] * norm(x**2) + w[2] * norm(x) + b
+
+
+@pytest.mark.parametrize("weight", [(1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0), (0.7, -0.4, 0.5)], ids=["x3", "x2", "x1", "mixed"])
+@pytest.mark.parametrize("n", [40, 17000], ids=["tile", "chunked"])
+@pytest.mark.parametrize("eps", [1e-6, 0.0])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_scale_invariant_for_huge_and_tiny_x(impl, eps, n, weight):
+    # The norm is scale-invariant: x⁶ overflowing fp32 (1e42 at |x| = 1e7), or x² underflowing, must
+    # not change y or the gradients. Rows of very different magnitudes in one call; in the 4e-8 row
+    # eps (1e-6) dominates mean(x⁶), so n_3 = x³/sqrt(eps) is small (~1e-20) but representable.
+    # Each row is checked relatively to its own size (bias 0, so that y is the norms alone), down to
+    # fp32's smallest normal numbers (the 1e-20 row's n_3 is ~1e-60 for eps > 0: 0 in fp32).
+    _need(impl)
+    scales = torch.tensor([1e7, 1e20, 1e-20, 4e-8, 0.1, 3e38 / 4])[:, None]
+    x = (scales * torch.randn(6, n).clamp(-3.5, 3.5) / 3.5).requires_grad_()
+    w = torch.tensor(weight, requires_grad=True)
+    b = torch.tensor(0.0, requires_grad=True)
+    dy = torch.randn(6, n)
+    y = polykernel.poly_norm(x, w, b, eps, impl=impl)
+    got = torch.autograd.grad(y, (x, w, b), dy)
+    xd = x.detach().double().requires_grad_()
+    wd, bd = w.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    yd = _poly_norm_f64(xd, wd, bd, eps)
+    want = torch.autograd.grad(yd, (xd, wd, bd), dy.double())
+    y_scale = _poly_norm_f64(xd.detach().abs(), wd.detach().abs(), 0.0, eps).amax(-1, keepdim=True)  # Σ|w_p·n_p|
+    assert ((y.detach().double() - yd.detach()).abs() <= 1e-4 * y_scale + 1e-37).all()  # 1e-37: fp32's floor
+    for g, r in zip(got, want):
+        scale = r.abs().amax(-1, keepdim=True) if r.dim() else r.abs()  # dx: per row
+        assert torch.isfinite(g).all()
+        assert ((g.double() - r).abs() <= 1e-4 * scale + 1e-30).all()
+    # one row alone gives the same result as in the batch (the scale is per row)
+    torch.testing.assert_close(polykernel.poly_norm(x[1:2].detach(), w.detach(), b.detach(), eps, impl=impl), y[1:2].detach())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_ordinary_inputs_unchanged_by_the_row_scale(impl):
+    # Scaling by a power of two is exact: for inputs with nothing near fp32's range, the result is
+    # the unscaled fp32 formula to the bit.
+    _need(impl)
+    x, w, b = torch.randn(5, 64), torch.tensor([0.3, 0.35, 0.4]), torch.tensor(0.1)
+
+    def norm(u):
+        return u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    want = w[0] * norm(x.pow(3)) + w[1] * norm(x.pow(2)) + w[2] * norm(x) + b
+    got = polykernel.poly_norm(x, w, b, impl=impl)
+    if impl == "torch":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)

@@ -6,6 +6,8 @@ Zhuo et al., 2024), with ``norm(u) = u / sqrt(mean(u², -1) + eps)`` (RMS normal
 dtypes and shapes). Math in fp32 (fp64 stays fp64), cast once to x's dtype. Backward, with
 ``r_p = rsqrt(mean(x^2p) + eps)``, ``n_p = x^p·r_p`` and ``g = dy``: ``dw_p = Σ g·n_p`` and
 ``db = Σ g`` over every element; ``dx = Σ_p p·x^(p-1)·r_p·(w_p·g - n_p·mean(w_p·g·n_p))``.
+The norms are scale-invariant, and every impl of ours computes them on x scaled per row by a power
+of two (`scaled`), so that x⁶ neither overflows fp32 (|x| > 2.6e6) nor underflows (eps = 0).
 """
 
 from __future__ import annotations
@@ -27,15 +29,37 @@ from . import _checks as check
 OP_ID = "norm.poly_norm"
 
 
+def eps_exponent(eps: float) -> int:
+    """The least exponent e of the row scale ``2^e`` (see `scaled`): ``eps·2^(-6e) <= 1``, so that
+    ``eps·s^(-2p)`` cannot overflow (eps = 0 adds 0 at any scale, so it bounds nothing)."""
+    return math.ceil(math.frexp(eps)[1] / 6) if eps > 0 else -(1 << 14)
+
+
+def scaled(xf: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """``(v, 1/s, (eps·s⁻⁶, eps·s⁻⁴, eps·s⁻²))`` with ``v = x/s`` per row, ``s = 2^e`` the power of two
+    at or below ``max|x|`` (at least ``2^eps_exponent(eps)``; s and 1/s normal numbers of xf's dtype).
+
+    The norm is scale-invariant: ``n_p = v^p·rsqrt(mean(v^2p) + eps·s^-2p)`` is ``x^p·rsqrt(mean(x^2p)
+    + eps)``, but ``x⁶`` overflows fp32 from ``|x| > 2.6e6`` and underflows below 1e-7 (eps = 0: 0/0).
+    Scaling by a power of two is exact, so where nothing over- or underflows the result is the
+    unscaled formula's to the bit. The scale is a constant (detached): it cancels from the math."""
+    lo = math.log2(torch.finfo(xf.dtype).tiny)  # -126 (fp32), -1022 (fp64)
+    xd = xf.detach()
+    amax = xd.abs().amax(-1, keepdim=True) if xd.shape[-1] else xd.new_zeros((*xd.shape[:-1], 1))
+    e = torch.log2(amax).floor_().clamp_(min(max(lo, eps_exponent(eps)), -lo), -lo)  # NaN rows stay NaN
+    inv = torch.exp2(-e)
+    t1 = eps * inv * inv  # one factor at a time: inv² alone may overflow where eps·inv² does not
+    t2 = t1 * inv * inv
+    return xf * inv, inv, (t2 * inv * inv, t2, t1)
+
+
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """The semantics, in plain torch (fp32 math; fp64 stays fp64)."""
+    """The semantics, in plain torch (fp32 math; fp64 stays fp64), on x scaled per row (`scaled`)."""
     acc = torch.promote_types(x.dtype, torch.float32)
-    xf, w = x.to(acc), weight.to(acc)
-
-    def norm(u: torch.Tensor) -> torch.Tensor:
-        return u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)
-
-    y = w[0] * norm(xf.pow(3)) + w[1] * norm(xf.pow(2)) + w[2] * norm(xf) + bias.to(acc).reshape(())
+    w = weight.to(acc)
+    v, _, tails = scaled(x.to(acc), eps)
+    n = [u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + t) for u, t in zip((v.pow(3), v.pow(2), v), tails)]
+    y = w[0] * n[0] + w[1] * n[1] + w[2] * n[2] + bias.to(acc).reshape(())
     return y.to(x.dtype)
 
 
@@ -99,13 +123,14 @@ def poly_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: fl
 # the relative error above (per row, random signs across rows): relative to ‖n_p‖₂, and the sum's
 # own growth; db = Σ dy: relative to √(M·N).
 def _powers(x: torch.Tensor, eps: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """[(r_p per row, n_p)] for p = 3, 2, 1, in float64 (the order of weight's elements)."""
-    xd = x.detach().double()
+    """[(p·|x|^(p-1)·r_p, n_p)] for p = 3, 2, 1, in float64 (the order of weight's elements), on x
+    scaled per row as the reference is (fp64's range holds x⁶ of any fp32 x, but not of any fp64 x)."""
+    v, inv, tails = scaled(x.detach().double(), eps)
     out = []
-    for p in (3, 2, 1):
-        u = xd.pow(p)
-        r = torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)
-        out.append((r, u * r))
+    for p, t in zip((3, 2, 1), tails):
+        u = v.pow(p)
+        r = torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + t)  # s^p·r_p
+        out.append((p * v.abs().pow(p - 1) * r * inv, u * r))
     return out
 
 
@@ -117,8 +142,7 @@ def error_model(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: 
     if x.numel():
         stats = _powers(x, eps)
         y_scale = sum(wp * norm.abs() for wp, (_, norm) in zip(w, stats)).max().item() + b
-        xa = x.detach().double().abs()
-        terms = sum(p * xa.pow(p - 1) * r * wp * (1 + norm.abs()) for p, wp, (r, norm) in zip((3, 2, 1), w, stats))
+        terms = sum(d * wp * (1 + norm.abs()) for wp, (d, norm) in zip(w, stats))
         dx_scale = terms.max().item()
         dw_scale = max(norm.norm().item() for _, norm in stats)
     per_elem = 8 + 0.5 * SUM_LAMBDA * math.sqrt(max(n, 1))  # n_p's relative error, in u32
@@ -190,11 +214,12 @@ IMPLS = impls(
     ),
     # Liger (0.8.5): its forward computes x², x³ and their sums in x's dtype (bf16 powers): fp32
     # only; one block per row (N <= 65536). in_place=False (Liger's default writes dX into dY).
-    # Behind Triton until measured.
+    # Behind Triton until measured. Unscaled: x⁶ overflows fp32 for |x| > 2.6e6 (y then b, or NaN),
+    # which no predicate can see (it reads no values): documented in its description.
     LIGER.impl(
         rank=60,
         dtypes=("float32",),
-        description="Liger LigerPolyNormFunction (in_place=False); N <= 65536",
+        description="Liger LigerPolyNormFunction (in_place=False); N <= 65536; unscaled: wrong for |x| > 2.6e6 (x⁶ overflows fp32)",
         predicate=liger_gates.poly_norm,
     ),
 )

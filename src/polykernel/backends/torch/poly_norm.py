@@ -2,14 +2,15 @@
 
 Plain autograd through the reference would keep fp32 copies of x, x², x³ and their three
 normalized forms (10x a bf16 input); this Function recomputes them in the backward, with the
-closed form of each RMS normalisation's backward: ``r·(g - n·mean(g·n))``.
+closed form of each RMS normalisation's backward: ``r·(g - n·mean(g·n))``, on x scaled per row as
+the reference scales it (``ops.poly_norm.scaled``: x⁶ would overflow fp32 from |x| > 2.6e6).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...ops.poly_norm import reference
+from ...ops.poly_norm import reference, scaled
 from ._double_backward import graph_grads
 
 _transforms_active = torch._C._are_functorch_transforms_active
@@ -28,18 +29,20 @@ class _PolyNorm(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: the reference's differentiable gradients
             return (*graph_grads(reference, (x, weight, bias, ctx.eps), (dy,), (*ctx.needs_input_grad[:3], False)),)
         acc = torch.promote_types(x.dtype, torch.float32)
-        xf, g, w = x.to(acc), dy.to(acc), weight.to(acc)
-        dx = torch.zeros_like(xf)
+        g, w = dy.to(acc), weight.to(acc)
+        v, inv, tails = scaled(x.to(acc), ctx.eps)  # x/s per row, as the reference computes
+        dv = torch.zeros_like(v)
         dw = []
-        for i, p in enumerate((3, 2, 1)):  # weight's order: x³, x², x
-            u = xf.pow(p)
-            r = torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        for i, (p, t) in enumerate(zip((3, 2, 1), tails)):  # weight's order: x³, x², x
+            u = v.pow(p)
+            r = torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + t)
             n = u * r
             gn = g * n
             dw.append(gn.sum())
             gw = g * w[i]
             du = r * (gw - n * (gw * n).mean(-1, keepdim=True))
-            dx = dx + du * (p * xf.pow(p - 1))
+            dv = dv + du * (p * v.pow(p - 1))
+        dx = dv * inv  # y depends on x through v = x/s
         need = ctx.needs_input_grad
         return (
             dx.to(x.dtype) if need[0] else None,

@@ -2,7 +2,8 @@
 
 Forward: a [ROWS, BLOCK_N] tile per program; a row that fits one block (N <= MAX_FUSED_N) is
 loaded once and its three sums of squares (of x, x², x³) taken from registers; longer rows are
-walked in chunks twice. The forward saves the three rstd per row (fp32, [M, 3]).
+walked in chunks twice. The forward saves the three rstd per row and 1/s (fp32, [M, 4]): all work
+on x/s, s a power of two per row (see Kernels).
 Backward: a persistent grid of P programs; each walks rows (or row blocks) pid, pid+P, ... and
 keeps its share of dW (three numbers) and dB in registers, stored to its own row of [P, 3] and
 [P, 1] fp32 buffers that the host sums in a fixed order: no atomics, so the result is
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...ops.poly_norm import reference
+from ...ops.poly_norm import eps_exponent, reference
 from ..torch import poly_norm as _torch
 from ..torch._double_backward import graph_grads
 from ._autograd import lean_apply
@@ -34,13 +35,32 @@ CHUNK_N = 4096
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
+#
+# x⁶ overflows fp32 from |x| > 2.6e6 (and underflows below 1e-7): every kernel works on v = x/s, s a
+# power of two per row (``ops.poly_norm.scaled``: the reference's scale, here from max|x|'s exponent
+# bits; where log2 rounds up to a power of two the two differ by 2, which changes no result: the
+# scaling is exact). The norms are scale-invariant, dx gets 1/s; 1/s is saved next to the rstd
+# values (which are those of v).
+
+
+@triton.jit
+def _scale_exp(amax, E_FLOOR):
+    """The biased exponent of s: amax's (s <= amax < 2s), at least E_FLOOR, at most 253 (1/s normal)."""
+    e = amax.to(tl.int32, bitcast=True) >> 23  # amax >= 0 (NaN: 255, clamped: the row is NaN anyway)
+    return tl.minimum(tl.maximum(e, E_FLOOR), 253)
+
+
+@triton.jit
+def _pow2(biased):
+    """2^(biased - 127), from a biased exponent in [1, 254] (0 gives 0.0)."""
+    return (biased << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _poly_fwd_kernel(
     X, W, B, Y, RSTD,
     M, N, stride_x, stride_y,
-    eps,
+    eps, E_FLOOR,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, STORE_STATS: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -48,11 +68,15 @@ def _poly_fwd_kernel(
     row_ok = rows < M
     mask = row_ok[:, None] & (cols < N)[None, :]
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    inv = _pow2(254 - _scale_exp(tl.max(tl.abs(x), axis=1), E_FLOOR))  # 1/s per row
+    x = x * inv[:, None]  # v = x/s: the kernel's x from here on
     x2 = x * x
     x3 = x2 * x
-    r1 = tl.rsqrt(tl.sum(x2, axis=1) / N + eps)
-    r2 = tl.rsqrt(tl.sum(x2 * x2, axis=1) / N + eps)
-    r3 = tl.rsqrt(tl.sum(x3 * x3, axis=1) / N + eps)
+    t1 = eps * inv * inv  # eps·s^-2p, one factor at a time (inv² alone may overflow)
+    t2 = t1 * inv * inv
+    r1 = tl.rsqrt(tl.sum(x2, axis=1) / N + t1)
+    r2 = tl.rsqrt(tl.sum(x2 * x2, axis=1) / N + t2)
+    r3 = tl.rsqrt(tl.sum(x3 * x3, axis=1) / N + t2 * inv * inv)
     w0 = tl.load(W).to(tl.float32)
     w1 = tl.load(W + 1).to(tl.float32)
     w2 = tl.load(W + 2).to(tl.float32)
@@ -60,16 +84,17 @@ def _poly_fwd_kernel(
     y = x3 * (w0 * r3)[:, None] + x2 * (w1 * r2)[:, None] + x * (w2 * r1)[:, None] + b
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     if STORE_STATS:  # inference needs no rstd: no buffer to allocate
-        tl.store(RSTD + rows * 3, r3, mask=row_ok)
-        tl.store(RSTD + rows * 3 + 1, r2, mask=row_ok)
-        tl.store(RSTD + rows * 3 + 2, r1, mask=row_ok)
+        tl.store(RSTD + rows * 4, r3, mask=row_ok)
+        tl.store(RSTD + rows * 4 + 1, r2, mask=row_ok)
+        tl.store(RSTD + rows * 4 + 2, r1, mask=row_ok)
+        tl.store(RSTD + rows * 4 + 3, inv, mask=row_ok)
 
 
 @triton.jit
 def _poly_fwd_chunked_kernel(
     X, W, B, Y, RSTD,
     N, stride_x, stride_y,
-    eps,
+    eps, E_FLOOR,
     CHUNK: tl.constexpr, STORE_STATS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
@@ -79,27 +104,42 @@ def _poly_fwd_chunked_kernel(
     s1 = tl.zeros([CHUNK], dtype=tl.float32)
     s2 = tl.zeros([CHUNK], dtype=tl.float32)
     s3 = tl.zeros([CHUNK], dtype=tl.float32)
+    # the row's scale so far (a biased exponent; a tensor: Triton makes an int argument of 1 a
+    # constexpr): the sums are of (x/s)^2p
+    e = tl.full([], E_FLOOR, tl.int32)
     for start in range(0, N, CHUNK):
         x = tl.load(x_row + start + cols, mask=start + cols < N, other=0.0).to(tl.float32)
+        e_new = tl.maximum(e, _scale_exp(tl.max(tl.abs(x), axis=0), E_FLOOR))
+        f = _pow2(tl.maximum(127 - (e_new - e), 0))  # s_old/s_new (0 when below fp32's normals)
+        f2 = f * f  # rescale what is summed: exact (powers of two), or negligible where it underflows
+        s1 = s1 * f2
+        s2 = s2 * f2 * f2
+        s3 = s3 * f2 * f2 * f2
+        e = e_new
+        x = x * _pow2(254 - e)
         x2 = x * x
         x3 = x2 * x
         s1 += x2
         s2 += x2 * x2
         s3 += x3 * x3
-    r1 = tl.rsqrt(tl.sum(s1, axis=0) / N + eps)
-    r2 = tl.rsqrt(tl.sum(s2, axis=0) / N + eps)
-    r3 = tl.rsqrt(tl.sum(s3, axis=0) / N + eps)
+    inv = _pow2(254 - e)
+    t1 = eps * inv * inv  # eps·s^-2p, one factor at a time (inv² alone may overflow)
+    t2 = t1 * inv * inv
+    r1 = tl.rsqrt(tl.sum(s1, axis=0) / N + t1)
+    r2 = tl.rsqrt(tl.sum(s2, axis=0) / N + t2)
+    r3 = tl.rsqrt(tl.sum(s3, axis=0) / N + t2 * inv * inv)
     if STORE_STATS:
-        tl.store(RSTD + row * 3, r3)
-        tl.store(RSTD + row * 3 + 1, r2)
-        tl.store(RSTD + row * 3 + 2, r1)
+        tl.store(RSTD + row * 4, r3)
+        tl.store(RSTD + row * 4 + 1, r2)
+        tl.store(RSTD + row * 4 + 2, r1)
+        tl.store(RSTD + row * 4 + 3, inv)
     c3 = tl.load(W).to(tl.float32) * r3
     c2 = tl.load(W + 1).to(tl.float32) * r2
     c1 = tl.load(W + 2).to(tl.float32) * r1
     b = tl.load(B).to(tl.float32)
     for start in range(0, N, CHUNK):
         m = start + cols < N
-        x = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
+        x = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32) * inv
         x2 = x * x
         y = x2 * x * c3 + x2 * c2 + x * c1 + b
         tl.store(y_row + start + cols, y.to(Y.dtype.element_ty), mask=m)
@@ -128,9 +168,11 @@ def _poly_bwd_kernel(
         mask = row_ok[:, None] & col_ok[None, :]
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         g = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        r3 = tl.load(RSTD + rows * 3, mask=row_ok, other=0.0)
-        r2 = tl.load(RSTD + rows * 3 + 1, mask=row_ok, other=0.0)
-        r1 = tl.load(RSTD + rows * 3 + 2, mask=row_ok, other=0.0)
+        r3 = tl.load(RSTD + rows * 4, mask=row_ok, other=0.0)
+        r2 = tl.load(RSTD + rows * 4 + 1, mask=row_ok, other=0.0)
+        r1 = tl.load(RSTD + rows * 4 + 2, mask=row_ok, other=0.0)
+        inv = tl.load(RSTD + rows * 4 + 3, mask=row_ok, other=0.0)
+        x = x * inv[:, None]  # v = x/s, as in the forward
         x2 = x * x
         n3 = x2 * x * r3[:, None]
         n2 = x2 * r2[:, None]
@@ -142,10 +184,11 @@ def _poly_bwd_kernel(
         dw1 += s2
         dw2 += s1
         db += tl.sum(g, axis=1)
-        # dx = Σ_p p·x^(p-1)·r_p·(w_p·g - n_p·w_p·s_p/N)
+        # dx = Σ_p p·v^(p-1)·r_p·(w_p·g - n_p·w_p·s_p/N) / s
         dx = 3.0 * x2 * (r3 * w0)[:, None] * (g - n3 * (s3 / N)[:, None])
         dx += 2.0 * x * (r2 * w1)[:, None] * (g - n2 * (s2 / N)[:, None])
         dx += (r1 * w2)[:, None] * (g - n1 * (s1 / N)[:, None])
+        dx = dx * inv[:, None]
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
     part = tl.cast(pid, tl.int64) * 3
     tl.store(DW_PART + part, tl.sum(dw0, axis=0))
@@ -172,16 +215,17 @@ def _poly_bwd_chunked_kernel(
     db = 0.0
     for row in range(pid, M, progs):
         row64 = tl.cast(row, tl.int64)
-        r3 = tl.load(RSTD + row64 * 3)
-        r2 = tl.load(RSTD + row64 * 3 + 1)
-        r1 = tl.load(RSTD + row64 * 3 + 2)
+        r3 = tl.load(RSTD + row64 * 4)
+        r2 = tl.load(RSTD + row64 * 4 + 1)
+        r1 = tl.load(RSTD + row64 * 4 + 2)
+        inv = tl.load(RSTD + row64 * 4 + 3)  # v = x/s, as in the forward
         a3 = tl.zeros([CHUNK], dtype=tl.float32)
         a2 = tl.zeros([CHUNK], dtype=tl.float32)
         a1 = tl.zeros([CHUNK], dtype=tl.float32)
         a0 = tl.zeros([CHUNK], dtype=tl.float32)
         for start in range(0, N, CHUNK):
             m = start + cols < N
-            x = tl.load(X + row64 * stride_x + start + cols, mask=m, other=0.0).to(tl.float32)
+            x = tl.load(X + row64 * stride_x + start + cols, mask=m, other=0.0).to(tl.float32) * inv
             g = tl.load(DY + row64 * stride_dy + start + cols, mask=m, other=0.0).to(tl.float32)
             x2 = x * x
             a3 += g * x2 * x
@@ -197,12 +241,13 @@ def _poly_bwd_chunked_kernel(
         db += tl.sum(a0, axis=0)
         for start in range(0, N, CHUNK):
             m = start + cols < N
-            x = tl.load(X + row64 * stride_x + start + cols, mask=m, other=0.0).to(tl.float32)
+            x = tl.load(X + row64 * stride_x + start + cols, mask=m, other=0.0).to(tl.float32) * inv
             g = tl.load(DY + row64 * stride_dy + start + cols, mask=m, other=0.0).to(tl.float32)
             x2 = x * x
             dx = 3.0 * x2 * (r3 * w0) * (g - x2 * x * r3 * (s3 / N))
             dx += 2.0 * x * (r2 * w1) * (g - x2 * r2 * (s2 / N))
             dx += (r1 * w2) * (g - x * r1 * (s1 / N))
+            dx = dx * inv
             tl.store(DX + row64 * stride_dx + start + cols, dx.to(DX.dtype.element_ty), mask=m)
     part = tl.cast(pid, tl.int64) * 3
     tl.store(DW_PART + part, dw0)
@@ -226,24 +271,26 @@ TUNE = {
 def poly_norm_forward(
     x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, need_stats: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """y [M, N] in x's dtype and rstd [M, 3] fp32 (for x³, x², x; None unless ``need_stats``)."""
+    """y [M, N] in x's dtype and stats [M, 4] fp32 (rstd of v³, v², v with v = x/s, and 1/s; None
+    unless ``need_stats``)."""
     m, n = x2.shape
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    rstd = torch.empty((m, 3), dtype=torch.float32, device=x2.device) if need_stats else None
+    rstd = torch.empty((m, 4), dtype=torch.float32, device=x2.device) if need_stats else None
     if m == 0 or n == 0:
         return y, rstd
     stats = y if rstd is None else rstd  # never written without STORE_STATS
+    e_floor = min(max(eps_exponent(eps), -126), 126) + 127  # the reference's floor of s, biased
     if n <= MAX_FUSED_N:
         block_n, rows, warps = _tile(n, TUNE["fwd_tile_elems"], TUNE["warps"])
         launch(
             _poly_fwd_kernel, (_cdiv(m, rows),),
-            x2, weight, bias, y, stats, m, n, x2.stride(0), y.stride(0), eps,
+            x2, weight, bias, y, stats, m, n, x2.stride(0), y.stride(0), eps, e_floor,
             BLOCK_N=block_n, ROWS=rows, STORE_STATS=need_stats, num_warps=warps,
         )  # fmt: skip
     else:
         launch(
             _poly_fwd_chunked_kernel, (m,),
-            x2, weight, bias, y, stats, n, x2.stride(0), y.stride(0), eps,
+            x2, weight, bias, y, stats, n, x2.stride(0), y.stride(0), eps, e_floor,
             CHUNK=CHUNK_N, STORE_STATS=need_stats, num_warps=16,
         )  # fmt: skip
     return y, rstd
