@@ -541,11 +541,12 @@ def test_a_peer_whose_import_raises_is_unavailable_with_the_reason(broken_flashi
         _skip_unless_importable("norm.rms_norm", "flashinfer")
 
 
-def test_cli_env_and_explain_show_a_peer_whose_import_raises(broken_flashinfer, capsys):
+def test_cli_env_and_explain_show_a_peer_whose_import_raises(broken_flashinfer, capsys, monkeypatch):
     from polykernel.tools.cli import main
 
     assert main(["env", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["flashinfer"].endswith(f"import fails: RuntimeError: {CTK}")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the CLI refuses --device cuda without one
     main(["explain", "rms_norm", "--device", "cuda", "--dtype", "bfloat16", "--json"])
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["impls"]}
     assert rows["flashinfer"]["reason"].endswith(CTK)

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 import torch
 
 from .. import _compat
-from ..errors import OpTypeError, shown
+from ..errors import OpArgumentError, OpTypeError, shown
 from ..spec import KernelSpec
 from . import codegen, hit_guard, hooks, memo_key, registry
 from . import selection as _dispatch
