@@ -1,14 +1,17 @@
-"""Training step of a small Qwen3-MoE (a few layers at Qwen3-30B-A3B's widths): plain vs patched vs torch.compile (issue 24).
+"""Training step of a small MoE model: plain vs patched vs Liger vs torch.compile (issues 24, 33).
 
-The model: ``transformers`` Qwen3-MoE, hidden 2048, 32/4 heads of 128, 128 experts of width 768,
-top-8 (norm_topk_prob), vocab 151936, ``--layers`` layers (default 4), bf16, fused AdamW, batch
-``--batch`` x ``--seq`` (default 4 x 2048). Variants, each in its own subprocess (fresh allocator
-and compile caches):
+``--model qwen3_moe`` (default): ``transformers`` Qwen3-MoE at Qwen3-30B-A3B's widths (hidden
+2048, 32/4 heads of 128, 128 experts of width 768, top-8, norm_topk_prob, vocab 151936), default
+4 layers. ``--model mixtral``: Mixtral-8x7B's widths (hidden 4096, 32/8 heads, 8 experts of width
+14336, top-2, vocab 32000), default 2 layers. bf16, fused AdamW, batch ``--batch`` x ``--seq``
+(default 4 x 2048). Variants, each in its own subprocess (fresh allocator and compile caches):
 
 - ``plain``: transformers as it comes (its experts: the ``grouped_mm`` implementation, 5.x's
   default where it dispatches); ``plain[eager]``: its Python loop over experts;
 - ``polykernel``: ``patch(model)`` (norms, rope, the fused loss, the experts through
   ``moe_experts``); ``polykernel[no-experts]``: the same with ``moe_experts=False``;
+- ``liger``: Liger-Kernel's patch of the model (``_apply_liger_kernel_to_instance``), where it
+  has one and is installed;
 - ``compile``, ``polykernel+compile``: ``torch.compile(model)`` of the two.
 
 Per variant: tokens/s from the median step time of steps 4..N, peak memory, the first step's
@@ -35,6 +38,7 @@ VARIANTS: dict[str, tuple[dict[str, bool] | None, str | None, bool]] = {
     "plain[eager]": (None, "eager", False),
     "polykernel": ({}, None, False),
     "polykernel[no-experts]": ({"moe_experts": False}, None, False),
+    "liger": (None, "liger", False),
     "compile": (None, None, True),
     "polykernel+compile": ({}, None, True),
 }
@@ -43,6 +47,16 @@ VARIANTS: dict[str, tuple[dict[str, bool] | None, str | None, bool]] = {
 def _config(args: argparse.Namespace, experts_implementation: str | None) -> Any:
     import transformers
 
+    extra = {} if experts_implementation in (None, "liger") else {"experts_implementation": experts_implementation}
+    if args.model == "mixtral":
+        if args.tiny:
+            sizes = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)
+            heads = dict(num_attention_heads=4, num_key_value_heads=2)
+        else:
+            sizes = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2)
+            heads = dict(num_attention_heads=32, num_key_value_heads=8)
+        layers = args.layers or 2
+        return transformers.MixtralConfig(**sizes, **heads, num_hidden_layers=layers, max_position_embeddings=max(args.seq, 2048), **extra)
     if args.tiny:
         sizes = dict(vocab_size=512, hidden_size=64, moe_intermediate_size=32, intermediate_size=128, num_experts=8, num_experts_per_tok=2)
         heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -51,11 +65,10 @@ def _config(args: argparse.Namespace, experts_implementation: str | None) -> Any
             vocab_size=151936, hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_experts=128, num_experts_per_tok=8
         )
         heads = dict(num_attention_heads=32, num_key_value_heads=4, head_dim=128)
-    extra = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
     return transformers.Qwen3MoeConfig(
         **sizes,
         **heads,
-        num_hidden_layers=args.layers,
+        num_hidden_layers=args.layers or 4,
         norm_topk_prob=True,
         max_position_embeddings=max(args.seq, 2048),
         tie_word_embeddings=False,
@@ -73,7 +86,14 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
     config = _config(args, experts_impl)
-    model = transformers.Qwen3MoeForCausalLM(config).to(device=device, dtype=dtype)
+    with torch.device(device):  # initialised on the device (Mixtral's 2 layers: ~6B parameters)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if experts_impl == "liger":
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
+
+        if config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+            raise RuntimeError(f"Liger-Kernel has no patch for {config.model_type}")
+        _apply_liger_kernel_to_instance(model=model)
     if switches is not None:
         from polykernel.integrations.transformers import patch, patched
 
@@ -122,7 +142,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the records and the environment here")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny config (a CPU smoke test)")
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--model", default="qwen3_moe", choices=("qwen3_moe", "mixtral"))
+    parser.add_argument("--layers", type=int, default=0, help="decoder layers (default: 4 for qwen3_moe, 2 for mixtral)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10, help="steps per variant (median of steps 4..N)")
@@ -132,7 +153,14 @@ def main() -> None:
     if args is None:
         return
     names = [n for n in VARIANTS if not args.only or n in args.only.split(",")]
-    argv = [f"--device={args.device}", f"--layers={args.layers}", f"--batch={args.batch}", f"--seq={args.seq}", f"--steps={args.steps}"]
+    argv = [
+        f"--device={args.device}",
+        f"--model={args.model}",
+        f"--layers={args.layers}",
+        f"--batch={args.batch}",
+        f"--seq={args.seq}",
+        f"--steps={args.steps}",
+    ]
     argv += ["--tiny"] if args.tiny else []
 
     def summary(rec: dict[str, Any]) -> str:
