@@ -3,7 +3,10 @@
 The decode loop's Llama-1B-shaped model (random weights, bf16, a ``StaticCache``): a prompt is
 prefilled, then one decode step. Each variant's prefill logits (last position) and first decode
 logits are compared with plain bf16 eager's (max |Δ|, greedy agreement) and with the same model in
-fp32 (the truth both bf16 runs approximate: relative error ‖Δ‖/‖ref‖). Variants: plain; patched
+fp32 (the truth both bf16 runs approximate: relative error ‖Δ‖/‖ref‖). The decode step reads the
+same token in every variant (plain's greedy choice; ``--own-token``: each variant's own, which is
+how issue 34's 5.33 arose: where two logits tie within rounding, variants pick other tokens and
+their next logits differ by the logit scale). Variants: plain; patched
 (``mode="inference"``); patched with every op on its torch impl; patched with one op at a time on
 its torch impl (each op the patched run used, from ``decisions()``); patched without rope; the
 default ``patch`` mode. Rows are printed and appended to ``--jsonl`` as measured.
@@ -40,8 +43,9 @@ def build(args: argparse.Namespace, device: torch.device) -> Any:
     return model.eval()
 
 
-def run(model: Any, prompt: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prefill logits at the last position, first decode step's logits), fp32."""
+def run(model: Any, prompt: torch.Tensor, ctx: Any, token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prefill logits at the last position, first decode step's logits), fp32. The decode step
+    reads ``token`` (the same for every variant), else the model's own greedy choice."""
     import transformers
 
     cache = transformers.StaticCache(config=model.config, max_cache_len=prompt.shape[1] + 8)
@@ -49,7 +53,7 @@ def run(model: Any, prompt: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, torch
     with torch.inference_mode(), ctx:
         out = model(input_ids=prompt, past_key_values=cache, use_cache=True, cache_position=torch.arange(prompt.shape[1], device=device))
         pre = out.logits[:, -1].float()
-        tok = pre.argmax(-1, keepdim=True)
+        tok = pre.argmax(-1, keepdim=True) if token is None else token
         pos = torch.tensor([prompt.shape[1]], device=device)
         dec = model(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos).logits[:, -1].float()
     return pre, dec
@@ -75,6 +79,12 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument(
+        "--own-token",
+        dest="same_token",
+        action="store_false",
+        help="decode each variant's own greedy token (default: plain's, the same input for every variant)",
+    )
     add_llama_args(parser)
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
@@ -96,10 +106,13 @@ def main() -> None:
     for batch in [int(b) for b in args.batches.split(",")]:
         gen = torch.Generator(device="cpu").manual_seed(1)
         prompt = torch.randint(1, args.vocab, (batch, args.prompt), generator=gen).to(device)
-        truth = run(truth_model, prompt, contextlib.nullcontext())
         plain = run(base, prompt, contextlib.nullcontext())
+        token = plain[0].argmax(-1, keepdim=True) if args.same_token else None
+        if token is not None:
+            plain = run(base, prompt, contextlib.nullcontext(), token)
+        truth = run(truth_model, prompt, contextlib.nullcontext(), token)
         emit(compare("plain", batch, plain, plain, truth, {}))
-        again = run(base, prompt, contextlib.nullcontext())
+        again = run(base, prompt, contextlib.nullcontext(), token)
         emit(compare("plain (again)", batch, again, plain, truth, {}))
 
         def patched(name: str, ctx_fn: Any = contextlib.nullcontext, **kw: Any) -> list[str]:
@@ -109,7 +122,7 @@ def main() -> None:
             polykernel.clear_caches()
             n0 = len(polykernel.decisions())
             try:
-                got = run(model, prompt, ctx_fn())
+                got = run(model, prompt, ctx_fn(), token)
             except Exception as exc:
                 emit({"variant": name, "batch": batch, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
                 return []

@@ -91,7 +91,14 @@ class Timer:
         return (time.perf_counter() - t0) * 1e3
 
 
-def run_variant(name: str, base: Any, args: argparse.Namespace, batch: int, device: torch.device) -> dict[str, Any]:
+def run_variant(
+    name: str, base: Any, args: argparse.Namespace, batch: int, device: torch.device, first_token: torch.Tensor | None = None
+) -> dict[str, Any]:
+    """One variant's record. ``first_token``: the token every variant decodes first (plain eager's
+    greedy choice after the prompt), so the first decode logits are compared on the same input:
+    a variant's own prefill argmax can differ where two logits are within rounding of each other,
+    and its next logits are then those of another token (a difference of the logit scale that
+    says nothing about the arithmetic)."""
     import transformers
 
     import polykernel
@@ -129,8 +136,11 @@ def run_variant(name: str, base: Any, args: argparse.Namespace, batch: int, devi
     with torch.inference_mode():
         t0 = time.perf_counter()
         out = model(input_ids=prompt, past_key_values=cache, use_cache=True, cache_position=torch.arange(args.prompt, device=device))
-        tok.copy_(out.logits[:, -1:].argmax(-1))
+        own = out.logits[:, -1:].argmax(-1)
+        record["prefill_token_agrees"] = None if first_token is None else round(float((own == first_token).float().mean()), 4)
+        tok.copy_(own if first_token is None else first_token)
         pos.fill_(args.prompt)
+        record["_prefill_token"] = own.clone()
         run = step
         graph = None
         if name.endswith("[graph]"):
@@ -244,13 +254,13 @@ def main() -> None:
         ref: dict[str, Any] | None = None
         for name in variants:
             try:
-                rec = run_variant(name, base, args, batch, device)
+                rec = run_variant(name, base, args, batch, device, None if ref is None else ref["first_token"])
             except Exception as exc:  # one failing variant never stops the others
                 rec = {"variant": name, "batch": batch, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
                 traceback.print_exc(file=sys.stderr)
-            first, toks = rec.pop("_first_logits", None), rec.pop("_tokens", None)
+            first, toks, own = rec.pop("_first_logits", None), rec.pop("_tokens", None), rec.pop("_prefill_token", None)
             if name == "plain[eager]" and first is not None:
-                ref = {"logits": first, "tokens": toks}
+                ref = {"logits": first, "tokens": toks, "first_token": own}
             elif ref is not None and first is not None:
                 rec["first_logits_max_abs_diff"] = float((first - ref["logits"]).abs().max())
                 rec["first_token_agrees"] = float((toks == ref["tokens"]).float().mean())

@@ -352,18 +352,22 @@ def backward(
         BLOCK=min(1024, _block(inter)), num_warps=4,
     )  # fmt: skip
     hw = d_inner  # now w·inner
+    del d_inner
     if needs[2]:
         grads[2] = dw.view(t, k).to(weights.dtype)
-    if needs[0]:
-        grads[0] = _combine(_bwd(d_gu, gate_up, rt.offs, spec.out_in), rt, t, k, None, None, hidden.dtype)
-    if needs[3]:
-        grads[3] = _wgrad(d_gu, hidden.index_select(0, rt.token), rt.offs, spec.out_in)
+    # Order for the peak: what reads dy_s and w·inner first, then free them; d_gu last.
     if needs[4]:
         grads[4] = _wgrad(dy_s, hw, rt.offs, spec.out_in)
-    if b_gu is not None and needs[5]:
-        grads[5] = _segment_sum(d_gu, rt, n_experts, b_gu)
+    del hw
     if b_d is not None and needs[6]:
         grads[6] = _segment_sum(dy_s, rt, n_experts, b_d, w_s)
+    del dy_s
+    if needs[0]:
+        grads[0] = _combine(_bwd(d_gu, gate_up, rt.offs, spec.out_in), rt, t, k, None, None, hidden.dtype)
+    if b_gu is not None and needs[5]:
+        grads[5] = _segment_sum(d_gu, rt, n_experts, b_gu)
+    if needs[3]:
+        grads[3] = _wgrad(d_gu, hidden.index_select(0, rt.token), rt.offs, spec.out_in)
     return grads
 
 
