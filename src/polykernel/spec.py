@@ -438,8 +438,11 @@ class KernelSpec:
         return None if broken is None else f"module {broken!r} failed to import: {_import_failures[broken]}"
 
     def import_error(self) -> str | None:
-        """Why a required module, installed, fails to import (imports each one: once per process)."""
+        """Why a required module, installed, fails to import (imports each one: once per process;
+        not torch's own submodules, such as torch._inductor: part of torch, and slow to import)."""
         for m in self.requires_modules:
+            if m.split(".")[0] == "torch":
+                continue
             err = module_import_error(m)
             if err is not None:
                 return f"module {m!r} failed to import: {err}"
