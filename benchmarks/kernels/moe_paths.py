@@ -153,7 +153,7 @@ def run_shape(
             row["fwd_bwd_of_gemm_rate"] = round(row["fwd_bwd_tflops"] / gemm, 3)
             if who == "polykernel":
                 row["chose"] = next(
-                    (d["impl"] for d in reversed(polykernel.decisions()) if d["op"].endswith(module.OP_ID.split(".")[1])), None
+                    (d["impl"] for d in reversed(polykernel.decisions()) if d["op"] == module.OP_ID and d["source"] == "auto"), None
                 )
             if who.startswith("transformers grouped_mm"):
                 base = row
