@@ -2159,7 +2159,7 @@ EXPECTED = {
             False,
             None,
             None,
-            "sort by expert once; grouped GEMMs with act(g)·u and routing weight + scatter fused in their epilogues; dW per expert, no atomics",
+            "sort by expert once; on a GPU in 16-bit, torch._grouped_mm GEMMs with our kernels for act(g)·u, its backward and the k-sum; else our grouped GEMMs with those fused in their epilogues; no atomics",
         ),
         Row(
             "liger",
@@ -2212,7 +2212,7 @@ EXPECTED = {
             False,
             None,
             None,
-            "moe_experts' grouped GEMMs in gpt-oss's layout: strided weights, interleaved columns, biases and the clamped SwiGLU in the epilogues; no atomics",
+            "moe_experts' two paths in gpt-oss's layout (torch._grouped_mm on a GPU in 16-bit, else our grouped GEMMs): interleaved columns, biases and the clamped SwiGLU in our kernels; no atomics",
         ),
     ],
     "moe.moe_router": [

@@ -345,9 +345,10 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-# Ranks are static until measured selection lands: no H200 figures for these impls yet (issue
-# 24's tables are still to be measured), so the order is by construction: our grouped GEMMs,
-# then Liger's, then the torch impl.
+# Ranks follow the H200 (bf16, fwd+bwd, 2026-12-03: benchmarks/results/h200-2026-12-03-moe/):
+# triton (its grouped_mm path) was the fastest impl at the three model shapes and at every point
+# of the sweep, the torch impl 1.1-2.3x slower; Liger's was not measured (it timed out in the
+# model runs). fp32 on the GPU (triton's own GEMMs, IEEE) is unmeasured and keeps these ranks.
 IMPLS = impls(
     OP_ID,
     TORCH.impl(
@@ -356,7 +357,7 @@ IMPLS = impls(
     ),
     TRITON.impl(
         rank=10,
-        description="sort by expert once; grouped GEMMs with act(g)·u and routing weight + scatter fused in their epilogues; dW per expert, no atomics",
+        description="sort by expert once; on a GPU in 16-bit, torch._grouped_mm GEMMs with our kernels for act(g)·u, its backward and the k-sum; else our grouped GEMMs with those fused in their epilogues; no atomics",
     ),
     # Liger 0.8.5's LigerFusedMoEFunction: SwiGLU experts only; one host sync per call (its tile
     # count), and its routing-weight gradient is summed with atomics.

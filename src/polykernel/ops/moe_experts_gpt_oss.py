@@ -391,7 +391,7 @@ IMPLS = impls(
     ),
     TRITON.impl(
         rank=10,
-        description="moe_experts' grouped GEMMs in gpt-oss's layout: strided weights, interleaved columns, biases and the clamped SwiGLU in the epilogues; no atomics",
+        description="moe_experts' two paths in gpt-oss's layout (torch._grouped_mm on a GPU in 16-bit, else our grouped GEMMs): interleaved columns, biases and the clamped SwiGLU in our kernels; no atomics",
     ),
 )
 
