@@ -16,7 +16,9 @@
 #   serving-a   issue 25: GPU tests of the providers, the serving ops in a graph and eager
 #   serving-b   issue 25: cuda_jit and torch_compile rows, the decode loop, the selection sweep
 #   losses      issue 22: distillation and preference losses (bench rows and GPU tests), vs Liger
-#   moe         issue 24: one experts layer at Qwen3-30B-A3B and Mixtral shapes, a small Qwen3-MoE trained
+#   moe         issue 33: the MoE GPU tests; one experts layer at Qwen3-30B-A3B, Mixtral, gpt-oss-20b shapes, profiled; the sweep
+#   moe-train   issue 33: Mixtral (2 layers) and Qwen3-MoE (4 layers) widths trained: plain, polykernel, Liger
+#   decode      issue 34: decode logits given the same token (batch 1-128), the decode loop, a kernel profile of a step
 #   trl         issue 22: TRL's DPOTrainer on a Llama-1B shape, ours vs use_liger_kernel
 #   checks      the double-backward GPU tests (CuTeDSL, cuTile) and the peers' refusal overhead
 #   families-1..6  issue 23: each family trained at a ~1B shape, plain / polykernel / Liger / compile
@@ -94,9 +96,18 @@ case $part in
     step pref-script 90 python3 benchmarks/kernels/preference_losses.py --json "$R/pref.json"
     ;;
   moe)
-    gpu_tests moe-tests 100 tests/ops/test_moe.py tests/ops/test_moe_gpt_oss.py  # under 60 s (make test-gpu PART=moe)
-    step moe-layer 200 python3 benchmarks/kernels/moe.py --gpt-oss --json "$R/moe.json"
-    step moe-train 230 python3 benchmarks/models/moe_train.py --steps 8 --timeout 100 --json "$R/moe_train.json"
+    gpu_tests moe-tests 200 tests/ops/test_moe_paths.py tests/ops/test_moe.py tests/ops/test_moe_gpt_oss.py  # 176 s on 2026-12-03 (fp32 large parity: 100 s)
+    step moe-layer 120 python3 benchmarks/kernels/moe_paths.py --profile --rep 200 --jsonl "$R/moe_paths.jsonl"
+    step moe-sweep 130 python3 benchmarks/kernels/moe_paths.py --sweep --rep 100 --jsonl "$R/moe_sweep.jsonl"
+    ;;
+  moe-train)  # carries .whl/ with the Liger wheel (the header's Notes): the Liger variant needs it
+    step train-mixtral 200 python3 benchmarks/models/moe_train.py --model mixtral --steps 8 --only plain,polykernel,liger --timeout 90 --json "$R/train_mixtral.json"
+    step train-qwen 200 python3 benchmarks/models/moe_train.py --model qwen3_moe --steps 8 --only plain,polykernel,liger,compile --timeout 90 --json "$R/train_qwen.json"
+    ;;
+  decode)
+    step drift 120 python3 benchmarks/models/decode_drift.py --batches 1,8,32,128 --jsonl "$R/drift.jsonl"
+    step decode 160 python3 benchmarks/models/decode_loop.py --steps 32 --repeats 3 --variants "plain[eager],polykernel[eager],plain[graph],polykernel[graph],compile[reduce-overhead]" --json "$R/decode.json"
+    step profile 200 python3 benchmarks/models/decode_profile.py --jsonl "$R/decode_profile.jsonl"
     ;;
   checks)
     gpu_tests double-backward 200 tests/ops/test_double_backward.py
