@@ -52,6 +52,9 @@ step() {  # step NAME LIMIT_S COMMAND...: run, keep the log, say how it ended
 }
 
 peers() {  # whichever staged setups came with this command (idempotent)
+  if ls .whl/*.whl >/dev/null 2>&1; then  # wheels carried as .whl/ (e.g. liger-kernel alone, without the CuTeDSL front)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  fi
   for s in .gpu/setup.sh .gpu/lite/setup.sh; do [ -x "$s" ] && bash "$s" >/dev/null 2>&1; done
   [ -f /opt/pk/env.sh ] && source /opt/pk/env.sh
   if [ -f .gpu/serving/setup.sh ]; then
