@@ -150,24 +150,60 @@ def model(c: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> ErrorModel:
     return ErrorModel(ops=2, cancel=cmax, rounds_abs=dmax, scale=1.0, inter=dtype)
 
 
-def bounds(
-    top_k_index: torch.Tensor,
-    dtype: torch.dtype,
-    out: tuple[torch.Tensor, torch.Tensor],
-    d_hidden: tuple[torch.Tensor, torch.Tensor],
-    d_weights: tuple[torch.Tensor, torch.Tensor],
-    d_params: tuple[tuple[torch.Tensor, torch.Tensor], ...],
-) -> Bounds:
-    """The op's Bounds: the output's and d hidden's per-pair parts summed over each token's k
-    pairs, the routing weights' per pair, each parameter's (arguments 3, 4, ...) elementwise."""
-    t, k = top_k_index.shape
+# Rows of one expert whose float64 intermediates (~20 of [rows, I] or [rows, H]) exist at once.
+CHUNK_ROWS = 1024
 
-    def tokens(part: torch.Tensor) -> torch.Tensor:  # a token's bound: the sum over its k pairs
-        return part.view(t, k, part.shape[-1]).sum(1)
 
-    grads = {0: model(*map(tokens, d_hidden), dtype), 2: model(*d_weights, dtype)}
-    grads.update({3 + i: model(c, d, dtype) for i, (c, d) in enumerate(d_params)})
-    return Bounds(outputs=(model(*map(tokens, out), dtype),), grads=grads)
+def chunks(sel: torch.Tensor) -> Iterator[torch.Tensor]:
+    """An expert's pair positions, :data:`CHUNK_ROWS` at a time."""
+    yield from sel.split(CHUNK_ROWS)
+
+
+def running_max(acc: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """``acc`` (0-d) and the maximum of ``part`` (none where it is empty); a NaN stays NaN."""
+    return torch.maximum(acc, part.max()) if part.numel() else acc
+
+
+class Tally:
+    """An MoE error model's bounds, gathered expert by expert and chunk by chunk, in memory of
+    ``[T, H]`` and ``[S]`` (S = T·k pairs), never of the parameters' shapes: the output's and d
+    hidden's per-pair parts summed into their token, the routing weights' per pair, and each
+    parameter's (arguments 3, 4, ...) as its running maximum (only maxima reach the Bounds)."""
+
+    def __init__(self, x: torch.Tensor, k: int, n_params: int) -> None:
+        t, h = x.shape
+        z = dict(device=x.device, dtype=torch.float64)
+        self.k = k
+        self.out = (torch.zeros(t, h, **z), torch.zeros(t, h, **z))
+        self.d_hidden = (torch.zeros(t, h, **z), torch.zeros(t, h, **z))
+        self.d_weights = (torch.zeros(t * k, **z), torch.zeros(t * k, **z))
+        self.d_params = [(torch.zeros((), **z), torch.zeros((), **z)) for _ in range(n_params)]
+
+    def pairs(
+        self,
+        sel: torch.Tensor,
+        out: tuple[torch.Tensor, torch.Tensor],
+        d_hidden: tuple[torch.Tensor, torch.Tensor],
+        d_weights: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """Pairs ``sel``'s parts: ``[n, H]`` summed into their tokens (accumulating puts: a token
+        may name one expert twice; deterministic where deterministic algorithms are asked for),
+        ``[n]`` stored."""
+        tok = (sel // self.k,)
+        for acc, part in zip((*self.out, *self.d_hidden), (*out, *d_hidden)):
+            acc.index_put_(tok, part, accumulate=True)
+        for acc, part in zip(self.d_weights, d_weights):
+            acc[sel] = part
+
+    def param(self, i: int, c: torch.Tensor, d: torch.Tensor) -> None:
+        """Parameter ``i``'s (u32, u_d) parts for one expert (any shape, broadcasts expanded)."""
+        mc, md = self.d_params[i]
+        self.d_params[i] = (running_max(mc, c), running_max(md, d))
+
+    def bounds(self, dtype: torch.dtype) -> Bounds:
+        grads = {0: model(*self.d_hidden, dtype), 2: model(*self.d_weights, dtype)}
+        grads.update({3 + i: model(c, d, dtype) for i, (c, d) in enumerate(self.d_params)})
+        return Bounds(outputs=(model(*self.out, dtype),), grads=grads)
 
 
 # -- cases --------------------------------------------------------------------------------------------

@@ -232,7 +232,7 @@ def error_model(
     activation: str = "silu",
 ) -> Bounds:
     dt = hidden.dtype
-    t, h = hidden.shape
+    h = hidden.shape[1]
     k = top_k_index.shape[1]
     inter = gate_up_proj.shape[1] // 2
     gam = _moe.gamma
@@ -240,58 +240,63 @@ def error_model(
     # units of u_d, |v| + tr
     tr = _moe.subnormal_units(dt)
     x, w, expert, token = _moe.pairs(hidden, top_k_index, top_k_weights)
-    wgu, wd = gate_up_proj.detach().double(), down_proj.detach().double()
-    z = dict(device=x.device, dtype=torch.float64)
-    # (u32 part, u_d part) of each bound, elementwise; out and dx per pair, summed over k below
-    out_c, out_d = torch.zeros(t * k, h, **z), torch.zeros(t * k, h, **z)
-    dx_c, dx_d = torch.zeros(t * k, h, **z), torch.zeros(t * k, h, **z)
-    dw_c, dw_d = torch.zeros(t * k, **z), torch.zeros(t * k, **z)
-    dgu_c, dgu_d = torch.zeros_like(wgu), torch.zeros_like(wgu)
-    dd_c, dd_d = torch.zeros_like(wd), torch.zeros_like(wd)
+    # (u32 part, u_d part) of each bound; one expert's weights in float64 at a time, its pairs in
+    # chunks of rows (Mixtral's all-expert float64 copies and bound tensors would be ~35 GB)
+    tally = _moe.Tally(x, k, 2)
     for e, sel in _moe.by_expert(expert):
-        tok = token[sel]
-        xe, aw = x[tok], w[sel].abs()[:, None]
-        ax = xe.abs()
-        awg, awu, awd = wgu[e, :inter].abs(), wgu[e, inter:].abs(), wd[e].abs()
-        g, u = xe @ wgu[e, :inter].T, xe @ wgu[e, inter:].T
-        g_c, u_c = gam(h) * (ax @ awg.T), gam(h) * (ax @ awu.T)  # their dot products over H
-        g_d, u_d = g.abs() + tr, u.abs() + tr  # rounded to the dtype
-        a, slope = _act_and_slope(g, activation)
-        aa, asl, au = a.abs(), slope.abs(), u.abs()
-        inner = aa * au  # |act(g)·u|
-        ev = (6 + g.abs()) * inner  # evaluating act
-        in_c = asl * au * g_c + aa * u_c + ev
-        in_d = asl * au * g_d + aa * u_d + inner + tr  # + its own rounding
-        y_mag = inner @ awd.T
-        y = (a * u) @ wd[e].T
-        y_c = gam(inter) * y_mag + in_c @ awd.T  # the down GEMM over I
-        y_d = in_d @ awd.T + y.abs() + tr  # + the expert output's rounding
-        out_c[sel] = aw * (y_c + gam(k) * y_mag)
-        out_d[sel] = aw * (y_d + y.abs() + tr)  # + each weighted term's rounding
+        wg, wu = gate_up_proj.detach()[e, :inter].double(), gate_up_proj.detach()[e, inter:].double()
+        wde = down_proj.detach()[e].double()
+        awg, awu, awd = wg.abs(), wu.abs(), wde.abs()
+        n_e = sel.numel()
         # backward for |dy| <= 1: d_inner = w·down[e]ᵀ·dy, of magnitude |w|·Σ_H |down[e]|
         col = awd.sum(0)[None, :]
-        di = aw * col
-        di_c, di_d = gam(h) * di, 2 * (di + tr)  # its dot product; w·dy and d_inner rounded
-        # d_w = <dy, Y> over H, or <down[e]ᵀ·dy, act(g)·u> over I: both paths' bounds
-        dw_c[sel] = gam(h) * y_mag.sum(1) + y_c.sum(1) + ((gam(inter) + gam(h)) * col * inner + col * in_c).sum(1)
-        dw_d[sel] = y_d.sum(1) + (col * in_d).sum(1)
-        dg_m, du_m = di * au * asl, di * aa  # |d_gate|, |d_up|
-        dg_c = di_c * au * asl + di * u_c * asl + di * au * g_c + dg_m * (6 + g.abs())
-        dg_d = di_d * au * asl + di * u_d * asl + di * au * g_d + dg_m + tr
-        du_c = di_c * aa + di * asl * g_c + du_m * (6 + g.abs())
-        du_d = di_d * aa + di * asl * g_d + du_m + tr
-        dxe_m = dg_m @ awg + du_m @ awu
-        dx_c[sel] = (gam(2 * inter) + gam(k)) * dxe_m + dg_c @ awg + du_c @ awu
-        dx_d[sel] = dg_d @ awg + du_d @ awu + dxe_m + tr  # + each pair's term rounded
-        n_e = sel.numel()
-        dgu_c[e, :inter] = gam(n_e) * (dg_m.T @ ax) + dg_c.T @ ax
-        dgu_c[e, inter:] = gam(n_e) * (du_m.T @ ax) + du_c.T @ ax
-        dgu_d[e, :inter], dgu_d[e, inter:] = dg_d.T @ ax, du_d.T @ ax
-        hw = (aw * inner).sum(0)  # Σ |w·act(g)·u| over the expert's pairs, for each of I
-        dd_c[e] = (gam(n_e) * hw + (aw * in_c).sum(0))[None, :]
-        dd_d[e] = ((aw * in_d).sum(0) + 2 * hw + 2 * n_e * tr)[None, :]  # + w·act(g)·u rounded
-
-    return _moe.bounds(top_k_index, dt, (out_c, out_d), (dx_c, dx_d), (dw_c, dw_d), ((dgu_c, dgu_d), (dd_c, dd_d)))
+        # the parameter gradients' sums over the expert's pairs, gathered over the chunks
+        dg_c, du_c, dg_d, du_d = (torch.zeros_like(wg) for _ in range(4))
+        hw, hw_c, hw_d = (torch.zeros(inter, dtype=torch.float64, device=x.device) for _ in range(3))
+        for rows in _moe.chunks(sel):
+            xe, aw = x[token[rows]], w[rows].abs()[:, None]
+            ax = xe.abs()
+            g, u = xe @ wg.T, xe @ wu.T
+            g_c, u_c = gam(h) * (ax @ awg.T), gam(h) * (ax @ awu.T)  # their dot products over H
+            g_d, u_d = g.abs() + tr, u.abs() + tr  # rounded to the dtype
+            a, slope = _act_and_slope(g, activation)
+            aa, asl, au = a.abs(), slope.abs(), u.abs()
+            inner = aa * au  # |act(g)·u|
+            ev = (6 + g.abs()) * inner  # evaluating act
+            in_c = asl * au * g_c + aa * u_c + ev
+            in_d = asl * au * g_d + aa * u_d + inner + tr  # + its own rounding
+            y_mag = inner @ awd.T
+            y = (a * u) @ wde.T
+            y_c = gam(inter) * y_mag + in_c @ awd.T  # the down GEMM over I
+            y_d = in_d @ awd.T + y.abs() + tr  # + the expert output's rounding
+            out = aw * (y_c + gam(k) * y_mag), aw * (y_d + y.abs() + tr)  # + each weighted term's rounding
+            di = aw * col
+            di_c, di_d = gam(h) * di, 2 * (di + tr)  # its dot product; w·dy and d_inner rounded
+            # d_w = <dy, Y> over H, or <down[e]ᵀ·dy, act(g)·u> over I: both paths' bounds
+            dw_c = gam(h) * y_mag.sum(1) + y_c.sum(1) + ((gam(inter) + gam(h)) * col * inner + col * in_c).sum(1)
+            dw_d = y_d.sum(1) + (col * in_d).sum(1)
+            dg_m, du_m = di * au * asl, di * aa  # |d_gate|, |d_up|
+            dgr_c = di_c * au * asl + di * u_c * asl + di * au * g_c + dg_m * (6 + g.abs())
+            dgr_d = di_d * au * asl + di * u_d * asl + di * au * g_d + dg_m + tr
+            dur_c = di_c * aa + di * asl * g_c + du_m * (6 + g.abs())
+            dur_d = di_d * aa + di * asl * g_d + du_m + tr
+            dxe_m = dg_m @ awg + du_m @ awu
+            dx = (gam(2 * inter) + gam(k)) * dxe_m + dgr_c @ awg + dur_c @ awu, dgr_d @ awg + dur_d @ awu + dxe_m + tr
+            tally.pairs(rows, out, dx, (dw_c, dw_d))  # dx: + each pair's term rounded
+            dg_c += (gam(n_e) * dg_m + dgr_c).T @ ax
+            du_c += (gam(n_e) * du_m + dur_c).T @ ax
+            dg_d += dgr_d.T @ ax
+            du_d += dur_d.T @ ax
+            hw += (aw * inner).sum(0)  # Σ |w·act(g)·u| over the expert's pairs, for each of I
+            hw_c += (aw * in_c).sum(0)
+            hw_d += (aw * in_d).sum(0)
+        tally.param(0, dg_c, dg_d)  # gate_up_proj[e]'s gate rows, then its up rows
+        tally.param(0, du_c, du_d)
+        del dg_c, du_c, dg_d, du_d
+        # d down[e] is the same for each of its H rows: [I] expanded (an empty H, no bound)
+        dd_c, dd_d = gam(n_e) * hw + hw_c, hw_d + 2 * hw + 2 * n_e * tr  # + w·act(g)·u rounded
+        tally.param(1, dd_c.expand(h, inter), dd_d.expand(h, inter))
+    return tally.bounds(dt)
 
 
 def _projections(n_experts: int, h: int, inter: int, device: torch.device | str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

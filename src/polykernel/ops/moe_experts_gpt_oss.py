@@ -252,75 +252,79 @@ def error_model(
     limit: float = LIMIT,
 ) -> Bounds:
     dt = hidden.dtype
-    t, h = hidden.shape
+    h = hidden.shape[1]
     k = top_k_index.shape[1]
     inter = gate_up_proj.shape[2] // 2
     a_ = abs(float(alpha))
     gam = _moe.gamma
     tr = _moe.subnormal_units(dt)
     x, w, expert, token = _moe.pairs(hidden, top_k_index, top_k_weights)
-    w1, b1 = gate_up_proj.detach().double(), gate_up_proj_bias.detach().double()
-    w2, b2 = down_proj.detach().double(), down_proj_bias.detach().double()
+    # one expert's weights in float64 at a time, its pairs in chunks of rows (as moe_experts')
+    tally = _moe.Tally(x, k, 4)
     z = dict(device=x.device, dtype=torch.float64)
-    out_c, out_d = torch.zeros(t * k, h, **z), torch.zeros(t * k, h, **z)
-    dx_c, dx_d = torch.zeros(t * k, h, **z), torch.zeros(t * k, h, **z)
-    dw_c, dw_d = torch.zeros(t * k, **z), torch.zeros(t * k, **z)
-    d1_c, d1_d = torch.zeros_like(w1), torch.zeros_like(w1)
-    db1_c, db1_d = torch.zeros_like(b1), torch.zeros_like(b1)
-    d2_c, d2_d = torch.zeros_like(w2), torch.zeros_like(w2)
-    db2_c, db2_d = torch.zeros_like(b2), torch.zeros_like(b2)
     for e, sel in _moe.by_expert(expert):
-        xe, aw = x[token[sel]], w[sel].abs()[:, None]
-        ax = xe.abs()
-        a1, a2 = w1[e].abs(), w2[e].abs()  # [H, 2I], [I, H]
-        gu = xe @ w1[e] + b1[e]
-        m1 = ax @ a1 + b1[e].abs()  # |x|·|W| + |b| per pre-activation
-        gu_c, gu_d = gam(h) * m1 + b1[e].abs(), m1 + tr  # its dot product and bias add; rounded
-        gate, up = gu[:, 0::2], gu[:, 1::2]
-        g, u = gate.clamp(max=limit), up.clamp(-limit, limit)
-        glu = g * torch.sigmoid(alpha * g)
-        inner = (u + 1) * glu
-        ag, au1, aglu, ainner = g.abs(), u.abs() + 1, glu.abs(), inner.abs()
-        mask_g, mask_u = (gate <= limit).double(), (up.abs() <= limit).double()
-        g_c, u_c, g_d, u_d = gu_c[:, 0::2], gu_c[:, 1::2], gu_d[:, 0::2], gu_d[:, 1::2]
-        ev = (6 + a_ * ag) * ainner
-        in_c = au1 * _SLOPE * g_c + aglu * u_c + ev
-        in_d = au1 * _SLOPE * g_d + aglu * u_d + ainner + tr
-        y = inner @ w2[e] + b2[e]
-        m2 = ainner @ a2 + b2[e].abs()
-        y_c = gam(inter) * m2 + in_c @ a2 + b2[e].abs()
-        y_d = in_d @ a2 + m2 + tr
-        out_c[sel] = aw * (y_c + gam(k) * m2)
-        out_d[sel] = aw * (y_d + y.abs() + tr)
-        # backward for |dy| <= 1: d_y = w·dy; d_inner = W2[e]·(w·dy), of magnitude |w|·Σ_H |W2[e]|
+        w1, b1 = gate_up_proj.detach()[e].double(), gate_up_proj_bias.detach()[e].double()  # [H, 2I], [2I]
+        w2, b2 = down_proj.detach()[e].double(), down_proj_bias.detach()[e].double()  # [I, H], [H]
+        a1, a2, ab1, ab2 = w1.abs(), w2.abs(), b1.abs(), b2.abs()
         n_e = sel.numel()
-        sw = aw.sum()
-        db2_c[e], db2_d[e] = gam(n_e) * sw, 2 * sw + 2 * n_e * tr
+        # backward for |dy| <= 1: d_y = w·dy; d_inner = W2[e]·(w·dy), of magnitude |w|·Σ_H |W2[e]|
         col = a2.sum(1)[None, :]  # [1, I]
-        di = aw * col
-        di_c, di_d = gam(h) * di, 2 * (di + tr)
-        dw_c[sel] = gam(h) * m2.sum(1) + y_c.sum(1) + ((gam(inter) + gam(h)) * col * ainner + col * in_c).sum(1)
-        dw_d[sel] = y_d.sum(1) + (col * in_d).sum(1)
-        slope = au1 * _SLOPE
-        dg_m, du_m = di * slope * mask_g, di * aglu * mask_u
-        dg_c = di_c * slope + di * u_c * _SLOPE + di * au1 * _CURVE * a_ * g_c + dg_m * (6 + a_ * ag)
-        dg_d = di_d * slope + di * u_d * _SLOPE + di * au1 * _CURVE * a_ * g_d + dg_m + tr
-        du_c = di_c * aglu + di * _SLOPE * g_c + du_m * (6 + a_ * ag)
-        du_d = di_d * aglu + di * _SLOPE * g_d + du_m + tr
-        dgu_m, dgu_c, dgu_d = (torch.stack((a, b), -1).flatten(-2) for a, b in ((dg_m, du_m), (dg_c, du_c), (dg_d, du_d)))
-        dxe_m = dgu_m @ a1.T
-        dx_c[sel] = (gam(2 * inter) + gam(k)) * dxe_m + dgu_c @ a1.T
-        dx_d[sel] = dgu_d @ a1.T + dxe_m + tr
-        d1_c[e] = gam(n_e) * (ax.T @ dgu_m) + ax.T @ dgu_c
-        d1_d[e] = ax.T @ dgu_d
-        db1_c[e] = gam(n_e) * dgu_m.sum(0) + dgu_c.sum(0)
-        db1_d[e] = dgu_d.sum(0)
-        hw = (aw * ainner).sum(0)  # [I]
-        d2_c[e] = (gam(n_e) * hw + (aw * in_c).sum(0))[:, None]
-        d2_d[e] = ((aw * in_d).sum(0) + 2 * hw + 2 * n_e * tr)[:, None]
-
-    grads = ((d1_c, d1_d), (db1_c, db1_d), (d2_c, d2_d), (db2_c, db2_d))
-    return _moe.bounds(top_k_index, dt, (out_c, out_d), (dx_c, dx_d), (dw_c, dw_d), grads)
+        # the parameter gradients' sums over the expert's pairs, gathered over the chunks
+        d1_c, d1_d = torch.zeros_like(w1), torch.zeros_like(w1)
+        db1_c, db1_d = torch.zeros_like(b1), torch.zeros_like(b1)
+        sw, hw, hw_c, hw_d = torch.zeros((), **z), torch.zeros(inter, **z), torch.zeros(inter, **z), torch.zeros(inter, **z)
+        for rows in _moe.chunks(sel):
+            xe, aw = x[token[rows]], w[rows].abs()[:, None]
+            ax = xe.abs()
+            gu = xe @ w1 + b1
+            m1 = ax @ a1 + ab1  # |x|·|W| + |b| per pre-activation
+            gu_c, gu_d = gam(h) * m1 + ab1, m1 + tr  # its dot product and bias add; rounded
+            gate, up = gu[:, 0::2], gu[:, 1::2]
+            g, u = gate.clamp(max=limit), up.clamp(-limit, limit)
+            glu = g * torch.sigmoid(alpha * g)
+            inner = (u + 1) * glu
+            ag, au1, aglu, ainner = g.abs(), u.abs() + 1, glu.abs(), inner.abs()
+            mask_g, mask_u = (gate <= limit).double(), (up.abs() <= limit).double()
+            g_c, u_c, g_d, u_d = gu_c[:, 0::2], gu_c[:, 1::2], gu_d[:, 0::2], gu_d[:, 1::2]
+            ev = (6 + a_ * ag) * ainner
+            in_c = au1 * _SLOPE * g_c + aglu * u_c + ev
+            in_d = au1 * _SLOPE * g_d + aglu * u_d + ainner + tr
+            y = inner @ w2 + b2
+            m2 = ainner @ a2 + ab2
+            y_c = gam(inter) * m2 + in_c @ a2 + ab2
+            y_d = in_d @ a2 + m2 + tr
+            out = aw * (y_c + gam(k) * m2), aw * (y_d + y.abs() + tr)
+            di = aw * col
+            di_c, di_d = gam(h) * di, 2 * (di + tr)
+            dw_c = gam(h) * m2.sum(1) + y_c.sum(1) + ((gam(inter) + gam(h)) * col * ainner + col * in_c).sum(1)
+            dw_d = y_d.sum(1) + (col * in_d).sum(1)
+            slope = au1 * _SLOPE
+            dg_m, du_m = di * slope * mask_g, di * aglu * mask_u
+            dg_c = di_c * slope + di * u_c * _SLOPE + di * au1 * _CURVE * a_ * g_c + dg_m * (6 + a_ * ag)
+            dg_d = di_d * slope + di * u_d * _SLOPE + di * au1 * _CURVE * a_ * g_d + dg_m + tr
+            du_c = di_c * aglu + di * _SLOPE * g_c + du_m * (6 + a_ * ag)
+            du_d = di_d * aglu + di * _SLOPE * g_d + du_m + tr
+            dgu_m, dgu_c, dgu_d = (torch.stack((a, b), -1).flatten(-2) for a, b in ((dg_m, du_m), (dg_c, du_c), (dg_d, du_d)))
+            dxe_m = dgu_m @ a1.T
+            dx = (gam(2 * inter) + gam(k)) * dxe_m + dgu_c @ a1.T, dgu_d @ a1.T + dxe_m + tr
+            tally.pairs(rows, out, dx, (dw_c, dw_d))
+            d1_c += ax.T @ (gam(n_e) * dgu_m + dgu_c)
+            d1_d += ax.T @ dgu_d
+            db1_c += gam(n_e) * dgu_m.sum(0) + dgu_c.sum(0)
+            db1_d += dgu_d.sum(0)
+            sw += aw.sum()
+            hw += (aw * ainner).sum(0)  # [I]
+            hw_c += (aw * in_c).sum(0)
+            hw_d += (aw * in_d).sum(0)
+        tally.param(0, d1_c, d1_d)
+        tally.param(1, db1_c, db1_d)
+        del d1_c, d1_d
+        # d W2[e] is the same for each of its H columns, d b2[e] for each of H: expanded (an
+        # empty H, no bound)
+        d2_c, d2_d = gam(n_e) * hw + hw_c, hw_d + 2 * hw + 2 * n_e * tr
+        tally.param(2, d2_c[:, None].expand(inter, h), d2_d[:, None].expand(inter, h))
+        tally.param(3, (gam(n_e) * sw).expand(h), (2 * sw + 2 * n_e * tr).expand(h))
+    return tally.bounds(dt)
 
 
 def _params(n_experts: int, h: int, inter: int, device: torch.device | str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
