@@ -25,22 +25,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import decode_loop
 import torch
-from _common import add_llama_args, llama_config, tiny_llama
+from _common import add_llama_args, tiny_llama
 
 
 def build(args: argparse.Namespace, device: torch.device) -> Any:
-    import transformers
-
-    config = llama_config(args, max_position_embeddings=4096)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    return model.eval()
+    """The decode loop's model, in fp32 (the truth; the bf16 runs are copies of it)."""
+    return decode_loop.build(args, device, torch.float32)
 
 
 def run(model: Any, prompt: torch.Tensor, ctx: Any, token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
