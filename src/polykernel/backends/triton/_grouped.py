@@ -107,6 +107,27 @@ def _gate_up_gemm(
 
 
 @triton.jit
+def _clamped_swiglu(gate, up, alpha, limit):
+    """gpt-oss's activation in fp32: (clamp(up, ±limit) + 1)·g·σ(alpha·g), g = min(gate, limit)."""
+    g = tl.minimum(gate, limit)
+    u = tl.minimum(tl.maximum(up, -limit), limit)
+    return (u + 1.0) * (g * tl.sigmoid(alpha * g))
+
+
+@triton.jit
+def _clamped_swiglu_bwd(gate, up, alpha, limit):
+    """(the activation, d/d gate, d/d up) in fp32; torch's clamp passes the gradient where the
+    value is inside the limits, ends included."""
+    g = tl.minimum(gate, limit)
+    u = tl.minimum(tl.maximum(up, -limit), limit)
+    sig = tl.sigmoid(alpha * g)
+    glu = g * sig
+    slope_g = tl.where(gate <= limit, (u + 1.0) * (sig + alpha * g * sig * (1.0 - sig)), 0.0)
+    slope_u = tl.where((up >= -limit) & (up <= limit), glu, 0.0)
+    return (u + 1.0) * glu, slope_g, slope_u
+
+
+@triton.jit
 def _scatter_kernel(
     A, B, BIAS, PERM, TILE_E, TILE_R0, OFFS, WFLAT, OUT,
     K, N, stride_a, stride_be, stride_bk, stride_bn, stride_biase, stride_out,

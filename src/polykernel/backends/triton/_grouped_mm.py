@@ -45,6 +45,7 @@ from ..torch import moe_experts as _torch_moe
 from ..torch._double_backward import graph_grads
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active
+from ._grouped import _clamped_swiglu, _clamped_swiglu_bwd
 from ._launch import launch
 from ._rows import cdiv as _cdiv
 from .glu import _act_fwd, _act_fwd_bwd
@@ -88,9 +89,7 @@ def _act_fwd_kernel(
         e = tl.load(EXPERT + row).to(tl.int64)
     g, u, _, _ = _gate_up(GU, BIAS, row, e, cols, cmask, N_I, stride_gu, stride_be, INTERLEAVED, HAS_BIAS)
     if ACT == 3:
-        gc = tl.minimum(g, limit)
-        uc = tl.minimum(tl.maximum(u, -limit), limit)
-        inner = (uc + 1.0) * (gc * tl.sigmoid(alpha * gc))
+        inner = _clamped_swiglu(g, u, alpha, limit)
     else:
         inner = _act_fwd(g, ACT) * u
     tl.store(INNER + row * stride_in + cols, inner.to(INNER.dtype.element_ty), mask=cmask)
@@ -117,14 +116,7 @@ def _act_bwd_kernel(
         g, u, gcol, ucol = _gate_up(GU, BIAS, row, e, cols, cmask, N_I, stride_gu, stride_be, INTERLEAVED, HAS_BIAS)
         di = tl.load(DI + row * stride_di + cols, mask=cmask, other=0.0).to(tl.float32)
         if ACT == 3:
-            gc = tl.minimum(g, limit)
-            uc = tl.minimum(tl.maximum(u, -limit), limit)
-            sig = tl.sigmoid(alpha * gc)
-            glu = gc * sig
-            inner = (uc + 1.0) * glu
-            # torch's clamp passes the gradient where the value is inside the limits, ends included
-            slope_g = tl.where(g <= limit, (uc + 1.0) * (sig + alpha * gc * sig * (1.0 - sig)), 0.0)
-            slope_u = tl.where((u >= -limit) & (u <= limit), glu, 0.0)
+            inner, slope_g, slope_u = _clamped_swiglu_bwd(g, u, alpha, limit)
         else:
             a, d = _act_fwd_bwd(g, ACT)
             inner = a * u

@@ -29,7 +29,7 @@ from ...ops.moe_experts_gpt_oss import OP_ID, reference
 from ..torch import moe_experts_gpt_oss as _torch_impl
 from . import _grouped as grouped
 from . import _grouped_mm as grouped_mm
-from ._grouped import _gate_up_gemm, _row_gemm, _row_tile
+from ._grouped import _clamped_swiglu, _clamped_swiglu_bwd, _gate_up_gemm, _row_gemm, _row_tile
 from ._launch import launch
 from ._rows import cdiv as _cdiv
 
@@ -56,9 +56,7 @@ def _gate_up_kernel(
         acc_g += tl.load(b, mask=nmask, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b + 1, mask=nmask, other=0.0).to(tl.float32)[None, :]
         omask = rmask[:, None] & nmask[None, :]
-        g = tl.minimum(acc_g, limit)
-        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        inner = (u + 1.0) * (g * tl.sigmoid(alpha * g))
+        inner = _clamped_swiglu(acc_g, acc_u, alpha, limit)
         tl.store(INNER + rows[:, None] * N_I + n[None, :], inner.to(INNER.dtype.element_ty), mask=omask)
         if STORE_PRE:
             pre = PRE + rows[:, None] * (2 * N_I) + (2 * n)[None, :]
@@ -89,14 +87,7 @@ def _d_inner_kernel(
         pre = PRE + rows[:, None] * (2 * N_I) + (2 * n)[None, :]
         gate = tl.load(pre, mask=omask, other=0.0).to(tl.float32)
         up = tl.load(pre + 1, mask=omask, other=0.0).to(tl.float32)
-        g = tl.minimum(gate, limit)
-        u = tl.minimum(tl.maximum(up, -limit), limit)
-        sig = tl.sigmoid(alpha * g)
-        glu = g * sig
-        inner = (u + 1.0) * glu
-        # torch's clamp passes the gradient where the value is inside the limits, ends included
-        slope_g = tl.where(gate <= limit, (u + 1.0) * (sig + alpha * g * sig * (1.0 - sig)), 0.0)
-        slope_u = tl.where((up >= -limit) & (up <= limit), glu, 0.0)
+        inner, slope_g, slope_u = _clamped_swiglu_bwd(gate, up, alpha, limit)
         tl.store(PART + pair * n_blocks + pid_n, tl.sum(acc * inner, axis=1) + tl.where(pid_n == 0, bias_dot, 0.0), mask=rmask)
         w = tl.load(WFLAT + pair, mask=rmask, other=0.0).to(tl.float32)[:, None]
         d_inner = acc * w
