@@ -104,18 +104,41 @@ def test_grouped_mm_path_double_backward_matches_the_reference(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_grouped_mm_path_backward_twice_with_retain_graph(monkeypatch):
-    # the backward must not consume what it saved: a second backward gives the same gradients
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_grouped_mm_path_backward_twice_with_retain_graph(name, monkeypatch):
+    # the first backward writes its gate/up gradient over the saved gate/up activations; a
+    # second backward through the kept graph recomputes them and gives the same gradients
     _need_triton()
     _need_grouped_mm()
     monkeypatch.setattr(_grouped_mm, "MODE", "grouped_mm")
-    case = oss_op.example((9, 32, 32, 4, 2), torch.float32, "cpu", requires_grad=True)
-    out = polykernel.moe_experts_gpt_oss(*case.args, impl="triton")
+    case = OPS[name].example((9, 32, 32, 4, 2), torch.float32, "cpu", requires_grad=True)
+    out = getattr(polykernel, name)(*case.args, impl="triton")
     leaves = [a for a in case.args if a.requires_grad]
     first = torch.autograd.grad(out, leaves, torch.ones_like(out), retain_graph=True)
-    second = torch.autograd.grad(out, leaves, torch.ones_like(out))
-    for a, b in zip(first, second):
-        assert torch.equal(a, b)
+    second = torch.autograd.grad(out, leaves, torch.ones_like(out), retain_graph=True)
+    third = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    for a, b, c in zip(first, second, third):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_grouped_mm_path_backward_writes_the_gate_up_gradient_over_its_saved_input(monkeypatch):
+    # the memory property at its root: the activation's backward kernel reads gate/up and
+    # writes their gradient into the same buffer, not into a second [S, 2I] one
+    _need_triton()
+    _need_grouped_mm()
+    monkeypatch.setattr(_grouped_mm, "MODE", "grouped_mm")
+    seen = []
+    real = _grouped_mm.launch
+
+    def spy(kernel, grid, *args, **kw):
+        if kernel is _grouped_mm._act_bwd_kernel:
+            seen.append((args[0].data_ptr(), args[6].data_ptr()))  # GU, DGU
+        return real(kernel, grid, *args, **kw)
+
+    monkeypatch.setattr(_grouped_mm, "launch", spy)
+    case = op.example((9, 32, 32, 4, 2), torch.float32, "cpu", requires_grad=True)
+    polykernel.moe_experts(*case.args, impl="triton").sum().backward()
+    assert seen and all(gu == dgu for gu, dgu in seen)
 
 
 # ---------------------------------------------------------------------------------------------

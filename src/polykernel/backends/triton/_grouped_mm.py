@@ -322,7 +322,11 @@ def backward(
     gu: torch.Tensor,
     needs: tuple[bool, ...],
 ) -> list[torch.Tensor | None]:
-    """A gradient per entry of ``args`` (None where not needed; none for the index)."""
+    """A gradient per entry of ``args`` (None where not needed; none for the index). ``gu`` is
+    overwritten with its gradient: at the peak (both weight gradients alive) one ``[S, 2I]``
+    buffer instead of two, which is what keeps the layer at or under grouped_mm's peak
+    (benchmarks/results/h200-2026-12-03-moe/moe_mixtral_after_reorder.jsonl: 4737 MiB with a
+    separate gradient buffer against grouped_mm's 3904)."""
     hidden, index, weights, gate_up, down, b_gu, b_d = args
     t, k = index.shape
     n_experts = gate_up.shape[0]
@@ -332,7 +336,7 @@ def backward(
     dy_s = dy.index_select(0, rt.token)
     d_inner = _bwd(dy_s, down, rt.offs, spec.out_in)  # [S, I], unweighted
     w_s = weights.reshape(-1).index_select(0, rt.perm)
-    d_gu = torch.empty_like(gu)
+    d_gu = gu  # written over gu, element by element after reading it: gu is dead after this kernel
     dw = torch.empty(s, dtype=torch.float32, device=dy.device)
     launch(
         _act_bwd_kernel, (s,),
@@ -363,12 +367,23 @@ def backward(
     return grads
 
 
+def _gate_up_again(spec: Spec, args: tuple[torch.Tensor | None, ...], rt: Route) -> torch.Tensor:
+    """The forward's ``gu`` (pre-activation, without the gate/up bias), recomputed."""
+    hidden, gate_up = args[0], args[3]
+    return _fwd(hidden.index_select(0, rt.token), gate_up, rt.offs, spec.out_in)
+
+
 class _Experts(torch.autograd.Function):
+    # The backward writes the gradient of ``gu`` over the saved ``gu`` (see :func:`backward`). A
+    # second backward through the same graph (``retain_graph=True``) finds it overwritten and
+    # recomputes it from the saved inputs (one grouped GEMM), so it stays exact; ``ctx.spent``
+    # says so. torch cannot tell a backward whether the graph will be kept.
     @staticmethod
     def forward(ctx, spec, act, alpha, limit, op_id, *args):  # type: ignore[override]
         out, (rt, gu) = forward(spec, act, alpha, limit, args, op_id, keep=True)
         ctx.save_for_backward(*args, gu, *(x for x in rt if x is not None))
         ctx.spec, ctx.act, ctx.alpha, ctx.limit, ctx.has_expert = spec, act, alpha, limit, rt.expert is not None
+        ctx.spent = False
         return out
 
     @staticmethod
@@ -380,6 +395,9 @@ class _Experts(torch.autograd.Function):
             grads = graph_grads(ctx.spec.reference, (*args, ctx.act, ctx.alpha, ctx.limit), (dy,), (*needs, False, False, False))
             return (None,) * 5 + tuple(grads[:7])
         rt = Route(*rest) if ctx.has_expert else Route(*rest, None)
+        if ctx.spent:
+            gu = _gate_up_again(ctx.spec, args, rt)
+        ctx.spent = True
         grads = backward(ctx.spec, ctx.act, ctx.alpha, ctx.limit, dy.contiguous(), args, rt, gu, needs)
         return (None,) * 5 + tuple(grads)
 
