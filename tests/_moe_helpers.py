@@ -152,7 +152,13 @@ GPU_SIZES = {
 # on the H200 on 2026-12-03 (benchmarks/results/h200-2026-12-03-moe/gpu_tests.log), nearly all
 # of it compiling. The CPU suite runs every case in float32 through Triton's interpreter; the GPU
 # keeps one awkward small case, the long reductions and the odd sizes at scale.
-FP32_GPU_LABELS = ("9x17x23-E3-k2-odd", "9x17x23-E3-k2-odd-clamped", "512x4096x4096-E4-k2", "512x2880x2880-E16-k4", "1031x1000x700-E9-k3-odd")
+FP32_GPU_LABELS = (
+    "9x17x23-E3-k2-odd",
+    "9x17x23-E3-k2-odd-clamped",
+    "512x4096x4096-E4-k2",
+    "512x2880x2880-E16-k4",
+    "1031x1000x700-E9-k3-odd",
+)
 
 
 def gpu_cases(op, dtype: torch.dtype, device: str = "cuda") -> list:
