@@ -216,6 +216,155 @@ def test_decode_attention_shares_kv_heads_and_matches(monkeypatch, rope):
     assert patched(model)["rope" if rope else "shared_kv_sdpa"] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
 
 
+# -- the attention's fused path: merged QKV, RoPE fused with the static KV cache's write ---------
+def _fused_spy(monkeypatch) -> list[int]:
+    """Counts the fused kernel's launches (one per layer and forward that takes the fused path)."""
+    from polykernel.integrations import _inference
+
+    calls: list[int] = []
+    real = _inference._rope_kv_write
+    monkeypatch.setattr(_inference, "_rope_kv_write", lambda *a: (calls.append(1), real(*a))[1])
+    return calls
+
+
+def _decode_with_cache(model: torch.nn.Module, cache, batch: int = 2, steps: int = 3):
+    """Prefill then greedy decode steps; the logits of each and the cache layers' contents."""
+    ids = prompt(batch, tokens=5)
+    with torch.inference_mode():
+        out = [model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]]
+        for _ in range(steps):
+            out.append(model(input_ids=out[-1].argmax(-1, keepdim=True), past_key_values=cache, use_cache=True).logits[:, -1])
+    layers = [(layer.keys.clone(), layer.values.clone(), getattr(layer, "cumulative_length", None)) for layer in cache.layers]
+    return torch.stack(out), layers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rope_kv_write_is_the_unfused_path_bit_for_bit(monkeypatch, dtype):
+    # the fused attention (one QKV matmul, one launch for rope + both cache writes) against the
+    # same patched model with the fusion turned off: the same logits and cache contents, exactly
+    from polykernel.integrations import _inference
+
+    ref = tiny_llama(layers=2).to(dtype)
+    model = copy.deepcopy(ref)
+    patch(model, mode="inference")
+    calls = _fused_spy(monkeypatch)
+    got, got_cache = _decode_with_cache(model, transformers.StaticCache(config=model.config, max_cache_len=16))
+    assert len(calls) == 2 * 4  # every layer of the prefill and of the 3 decode steps
+    monkeypatch.setattr(_inference, "_static_cache_classes", lambda: None)  # the unfused path
+    want, want_cache = _decode_with_cache(model, transformers.StaticCache(config=model.config, max_cache_len=16))
+    assert len(calls) == 8
+    assert torch.equal(got, want)
+    for (gk, gv, gn), (wk, wv, wn) in zip(got_cache, want_cache, strict=True):
+        assert torch.equal(gk, wk) and torch.equal(gv, wv) and int(gn) == int(wn) == 8
+    if dtype == torch.float32:  # and the unpatched model's, to fp32 roundoff
+        plain, plain_cache = _decode_with_cache(ref, transformers.StaticCache(config=ref.config, max_cache_len=16))
+        torch.testing.assert_close(got, plain, rtol=1e-4, atol=1e-4)
+        for (gk, gv, _), (pk, pv, _) in zip(got_cache, plain_cache, strict=True):
+            torch.testing.assert_close(gk, pk, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(gv, pv, rtol=1e-5, atol=1e-5)
+
+
+def _sliding_cache(model: torch.nn.Module):
+    from transformers.cache_utils import Cache, StaticSlidingWindowLayer
+
+    return Cache(layers=[StaticSlidingWindowLayer(max_cache_len=16, sliding_window=32) for _ in model.model.layers])
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "sliding", "none"])
+def test_fused_attention_falls_back_where_the_cache_is_not_a_plain_static_layer(monkeypatch, cache):
+    ref, model = pair(layers=2)
+    calls = _fused_spy(monkeypatch)
+    ids = prompt(2, tokens=5)
+    outs = []
+    for m in (ref, model):
+        with torch.inference_mode():
+            if cache == "none":
+                outs.append(m(ids, use_cache=False).logits)
+                continue
+            c = transformers.DynamicCache(config=m.config) if cache == "dynamic" else _sliding_cache(m)
+            logits = m(ids, past_key_values=c, use_cache=True).logits[:, -1]
+            steps = [logits]
+            for _ in range(3):
+                steps.append(m(steps[-1].argmax(-1, keepdim=True), past_key_values=c, use_cache=True).logits[:, -1])
+            outs.append(torch.stack(steps))
+    assert calls == []
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+
+
+def test_fused_attention_past_the_static_cache_raises_as_index_copy_does(monkeypatch):
+    _, model = pair(layers=1)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=5)
+    calls = _fused_spy(monkeypatch)
+    with torch.inference_mode():
+        model(prompt(1, tokens=5), past_key_values=cache, use_cache=True)
+        keys = cache.layers[0].keys.clone()
+        with pytest.raises(IndexError, match="out of bounds"):
+            model(torch.tensor([[3]]), past_key_values=cache, use_cache=True)
+    assert len(calls) == 2 and torch.equal(cache.layers[0].keys, keys)
+
+
+def test_merged_qkv_adds_no_memory_and_keeps_the_state_dict():
+    ref = tiny_llama(layers=2)
+    model = copy.deepcopy(ref)
+
+    def stored_bytes(m: torch.nn.Module) -> int:
+        return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in m.parameters()}.values())
+
+    before = stored_bytes(model)
+    patch(model, mode="inference")
+    assert stored_bytes(model) == before
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        merged = attn.__dict__["_polykernel_qkv_weight"]
+        q, k = attn.q_proj.out_features, attn.k_proj.out_features
+        assert attn.q_proj.weight.data_ptr() == merged.data_ptr()
+        assert attn.k_proj.weight.data_ptr() == merged[q:].data_ptr()
+        assert attn.v_proj.weight.data_ptr() == merged[q + k :].data_ptr()
+    want, got = ref.state_dict(), model.state_dict()
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_decode_mask_is_made_additive_once_per_forward(monkeypatch):
+    # SDPA converts a boolean mask on every call (4 launches per layer on the GPU): the shared-KV
+    # decode path converts it once per forward and hands every layer the same additive mask
+    from polykernel.integrations import _inference
+
+    ref = tiny_llama(layers=3)
+    model = copy.deepcopy(ref)
+    patch(model, mode="inference")
+    masks = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *a, attn_mask=None, **kw):
+        masks.append(attn_mask)
+        return real(q, k, v, *a, attn_mask=attn_mask, **kw)
+
+    import types
+
+    monkeypatch.setattr(_inference, "F", types.SimpleNamespace(scaled_dot_product_attention=spy, linear=torch.nn.functional.linear))
+    got = _decode_logits(model, batch=2, steps=2)
+    assert len(masks) == 3 * 2 and all(m.dtype == torch.float32 for m in masks)
+    assert masks[0] is masks[1] is masks[2] and masks[3] is masks[4] is masks[5] and masks[0] is not masks[3]
+
+    class NoForward:  # no forward in progress, ever: SDPA gets the boolean mask and converts it itself
+        def set(self, value):
+            return None
+
+        def reset(self, token):
+            pass
+
+        def get(self):
+            return None
+
+    monkeypatch.setattr(_inference, "_FORWARD", NoForward())
+    masks.clear()
+    want = _decode_logits(model, batch=2, steps=2)
+    assert len(masks) == 6 and all(m.dtype == torch.bool for m in masks)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("batch", [1, 32, 128])
@@ -249,3 +398,79 @@ def test_gpu_decode_logits_agree_with_the_model_given_the_same_token(batch):
     scale = want.abs().max()
     assert (got - want).abs().max() < 0.1 * scale
     assert (got - exact).norm() <= 1.5 * (want - exact).norm() + 1e-3 * exact.norm()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("batch", [1, 32])
+def test_gpu_fused_attention_matches_unfused_in_a_cuda_graph(monkeypatch, batch):
+    # issue 34: the fused attention (merged QKV, one launch for rope + both cache writes), captured
+    # in a CUDA graph and replayed on fixed tokens, against the same patched model unfused
+    from polykernel.backends.triton.rope_kv_write import rope_kv_write
+    from polykernel.integrations import _inference
+
+    config = transformers.LlamaConfig(
+        vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).eval().to(torch.bfloat16)
+    patch(model, mode="inference")
+    ids = torch.randint(1, 4096, (batch, 64), generator=torch.Generator().manual_seed(1)).cuda()
+    feed = torch.randint(1, 4096, (4, batch, 1), generator=torch.Generator().manual_seed(2)).cuda()
+    calls = _fused_spy(monkeypatch)
+
+    def decode():
+        cache = transformers.StaticCache(config=model.config, max_cache_len=80)
+        tok = feed[0].clone()
+        logits = []
+        with torch.inference_mode():
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # one eager step (warm-up), then the captured one
+                logits.append(model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1].float())
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1]
+            for t in feed[1:]:
+                tok.copy_(t)
+                graph.replay()
+                logits.append(out.float().clone())
+        torch.cuda.synchronize()
+        return torch.stack(logits), [(layer.keys.clone(), layer.values.clone(), int(layer.cumulative_length)) for layer in cache.layers]
+
+    got, got_cache = decode()
+    assert len(calls) == 4 * 3  # prefill, the eager step, the capture: every layer fused
+    with monkeypatch.context() as off:
+        off.setattr(_inference, "_static_cache_classes", lambda: None)
+        want, want_cache = decode()
+    assert len(calls) == 12
+    assert torch.isfinite(got).all()
+    scale = want.abs().max()
+    assert (got - want).abs().max() < 0.1 * scale  # merged vs separate QKV GEMMs may round differently
+    for (gk, gv, gn), (wk, wv, wn) in zip(got_cache, want_cache, strict=True):
+        assert gn == wn == 64 + 1 + 3  # the prefill, the eager step and 3 replays (the capture writes nothing)
+        torch.testing.assert_close(gk, wk, rtol=0.1, atol=0.1 * wk.abs().max().item())
+        torch.testing.assert_close(gv, wv, rtol=0.1, atol=0.1 * wv.abs().max().item())
+
+    # the kernel itself, on the same input: q and k as polykernel.rope rotates them (to its error
+    # model: a fused multiply-add differs by one rounding), v copied exactly, at the counter
+    hq, hk, d, t = 8, 2, 64, 3
+    g = torch.Generator(device="cuda").manual_seed(5)
+    qkv = torch.randn(batch, t, (hq + 2 * hk) * d, device="cuda", generator=g).to(torch.bfloat16)
+    angle = torch.rand(1, t, d // 2, device="cuda", generator=g) * 6
+    cos, sin = torch.cat((angle.cos(), angle.cos()), -1).to(torch.bfloat16), torch.cat((angle.sin(), angle.sin()), -1).to(torch.bfloat16)
+    keys = torch.zeros(batch, hk, 16, d, dtype=torch.bfloat16, device="cuda")
+    values = torch.zeros_like(keys)
+    counter = torch.tensor(5, device="cuda")
+    q = rope_kv_write(qkv, hq, hk, cos, sin, counter, keys, values)
+    x = qkv.view(batch, t, hq + 2 * hk, d).transpose(1, 2)
+    want_q, want_k = polykernel.rope(x[:, :hq], x[:, hq : hq + hk], cos, sin)
+    tol = dict(rtol=2**-7, atol=2**-20 * x.float().abs().max().item())
+    torch.testing.assert_close(q, want_q, **tol)
+    torch.testing.assert_close(keys[:, :, 5 : 5 + t], want_k, **tol)
+    assert torch.equal(values[:, :, 5 : 5 + t], x[:, hq + hk :])
+    assert not keys[:, :, :5].any() and not keys[:, :, 5 + t :].any() and not values[:, :, 5 + t :].any()

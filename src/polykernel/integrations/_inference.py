@@ -10,6 +10,10 @@ engine runs it (vLLM's and SGLang's decoder layers).
   so no memory is added), one matmul, then the merged-layout activation.
 - **RoPE**: the attention's ``apply_rotary_pos_emb`` runs ``polykernel.rope`` (as ``patch``'s
   default mode does).
+- **Merged QKV, RoPE fused with the KV-cache write** (:func:`fused_attention_forward`): the q/k/v
+  weights merged as gate/up are (one matmul), then one Triton launch rotates q and k and writes k
+  and v into a ``StaticCache`` layer at its counter (where transformers launches rope, ``arange``,
+  an add and two ``index_copy_``); any other cache or call runs the forward above.
 - **Decode attention with shared KV heads** (:func:`shared_kv_sdpa`): a decode step (one query
   per sequence, a mask) of a grouped-query model runs SDPA on each KV head's group of query heads
   as that head's queries, where transformers' SDPA path (5.17) first copies K and V to every query
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -39,9 +44,16 @@ from torch import nn
 
 import polykernel as _pk
 
+from .. import env
+
 # The families whose decoder layer is Llama's (input norm, attention, post-attention norm, MLP;
 # residual adds around both), by model type. Only the tested one.
 FAMILIES = ("llama",)
+
+
+# The patched base model's forward in progress (a fresh token per forward, None outside one):
+# what a per-forward cache is keyed on (see shared_kv_sdpa's mask).
+_FORWARD: ContextVar[object | None] = ContextVar("polykernel_inference_forward", default=None)
 
 
 class _Stream:
@@ -67,10 +79,12 @@ def base_model_forward(base: Callable, stream: _Stream) -> Callable:
         hidden = kwargs.get("output_hidden_states")
         per_layer = hidden if hidden is not None else getattr(self.config, "output_hidden_states", False)
         stream.active, stream.residual = not (wants_grad or per_layer), None
+        token = _FORWARD.set(object())
         try:
             return base(self, *args, **kwargs)
         finally:
             stream.active, stream.residual = False, None
+            _FORWARD.reset(token)
 
     forward._polykernel = "decode_stream"  # type: ignore[attr-defined]
     return forward
@@ -122,26 +136,60 @@ def final_norm_forward(base: Callable, stream: _Stream) -> Callable:
     return forward
 
 
-def _merged(mlp: nn.Module, name: str) -> torch.Tensor | None:
-    """The MLP's gate and up ``name`` ("weight" or "bias") as one ``[2I, ...]`` tensor whose two
-    halves the projections' parameters view; merged again after the parameters moved (``.to()``)."""
-    gate, up = getattr(mlp.gate_proj, name), getattr(mlp.up_proj, name)
-    if gate is None:
+# Projections that one matmul runs, as (key, the module's projection attributes): their weights
+# (and biases) concatenated along the output dim, in this order.
+GATE_UP = ("gate_up", ("gate_proj", "up_proj"))
+QKV = ("qkv", ("q_proj", "k_proj", "v_proj"))
+
+
+def _views_of(merged: torch.Tensor, parts: list[torch.Tensor]) -> bool:
+    """Whether ``parts`` are still the consecutive row blocks of ``merged`` (not moved since)."""
+    at, row = merged.data_ptr(), merged.stride(0) * merged.element_size()
+    for part in parts:
+        if part.data_ptr() != at:
+            return False
+        at += part.shape[0] * row
+    return True
+
+
+def _merged(module: nn.Module, group: tuple[str, tuple[str, ...]], name: str) -> torch.Tensor | None:
+    """The ``group``'s projections' ``name`` ("weight" or "bias") as one tensor, concatenated along
+    dim 0, whose row blocks the projections' parameters view (so no memory is added); merged again
+    after the parameters moved (``.to()``). None where the projections have no ``name``."""
+    key, attrs = group
+    parts = [getattr(getattr(module, a), name) for a in attrs]
+    if parts[0] is None:
         return None
-    merged = mlp.__dict__.get(f"_polykernel_gate_up_{name}")
-    if merged is not None and gate.data_ptr() == merged.data_ptr() and up.data_ptr() == merged[gate.shape[0] :].data_ptr():
+    merged = module.__dict__.get(f"_polykernel_{key}_{name}")
+    if merged is not None and _views_of(merged, parts):
         return merged
     with torch.inference_mode(False), torch.no_grad():  # parameters stay normal tensors, even if first merged under inference_mode
-        merged = torch.cat((gate.detach(), up.detach()), 0)
-        gate.data, up.data = merged[: gate.shape[0]], merged[gate.shape[0] :]
-    mlp.__dict__[f"_polykernel_gate_up_{name}"] = merged
+        merged = torch.cat([p.detach() for p in parts], 0)
+        start = 0
+        for p in parts:
+            p.data, start = merged[start : start + p.shape[0]], start + p.shape[0]
+    module.__dict__[f"_polykernel_{key}_{name}"] = merged
     return merged
 
 
-def merge_gate_up(mlp: nn.Module) -> None:
-    """Merge the MLP's gate and up projections now (at patch time, outside any inference mode)."""
-    _merged(mlp, "weight")
-    _merged(mlp, "bias")
+def mergeable(module: nn.Module, group: tuple[str, tuple[str, ...]]) -> str | None:
+    """Why the ``group``'s projections cannot run as one matmul, or None: linear layers of one
+    input size, dtype and device, all with a bias or none."""
+    projections = [getattr(module, a, None) for a in group[1]]
+    if not all(isinstance(p, nn.Linear) and type(p).forward is nn.Linear.forward for p in projections):
+        return f"{', '.join(group[1])} are not all plain nn.Linear"
+    weights = [p.weight for p in projections]
+    if len({(w.shape[1], w.dtype, w.device) for w in weights}) != 1:
+        return f"{', '.join(group[1])} differ in input size, dtype or device"
+    if len({p.bias is None for p in projections}) != 1:
+        return f"{', '.join(group[1])} do not all have a bias (or all none)"
+    return None
+
+
+def merge(module: nn.Module, group: tuple[str, tuple[str, ...]]) -> None:
+    """Merge the ``group``'s projections now (at patch time, outside any inference mode)."""
+    _merged(module, group, "weight")
+    _merged(module, group, "bias")
 
 
 def mlp_forward(base: Callable, activation: tuple[str, str | None]) -> Callable:
@@ -151,7 +199,7 @@ def mlp_forward(base: Callable, activation: tuple[str, str | None]) -> Callable:
     def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args or kwargs or (torch.is_grad_enabled() and (x.requires_grad or self.gate_proj.weight.requires_grad)):
             return base(self, x, *args, **kwargs)
-        gate_up = F.linear(x, _merged(self, "weight"), _merged(self, "bias"))
+        gate_up = F.linear(x, _merged(self, GATE_UP, "weight"), _merged(self, GATE_UP, "bias"))
         if activation[0] == "swiglu":
             return self.down_proj(_pk.silu_and_mul(gate_up))
         return self.down_proj(_pk.gelu_and_mul(gate_up, approximate=activation[1]))
@@ -165,7 +213,29 @@ def shared_kv_sdpa(sdpa: Callable) -> Callable:
     SDPA over each KV head's group of query heads (query head ``h`` reads KV head ``h // groups``,
     as ``repeat_kv`` pairs them): one query row per group member, the same mask row for each, so
     it is the same attention without K and V copied to every query head. Every other call (a
-    prompt, no mask, dropout, options SDPA cannot take) goes to ``sdpa`` as it is."""
+    prompt, no mask, dropout, options SDPA cannot take) goes to ``sdpa`` as it is.
+
+    A boolean mask (transformers' SDPA mask) is made additive once per forward of a patched
+    model, not once per layer: SDPA converts a boolean mask on every call (``where(~mask, -big,
+    scalar_tensor(0))``: a ``logical_not``, two fills and a ``where`` on the GPU, 4 launches per
+    layer), and every layer of one forward gets the same mask tensor (held only for that forward:
+    outside one, or for another forward, SDPA converts as before). The additive value is the
+    dtype's lowest finite number (as transformers' eager masks): a masked key's weight is then
+    exp(-huge) = 0 exactly, as with SDPA's own conversion (``-inf``, or ``-65504`` on cuDNN), so the
+    attention is the same, bit for bit, in every row that has a key left (a decode row always has
+    its own position)."""
+    held: list[tuple[object, torch.Tensor, torch.dtype, torch.Tensor] | None] = [None]  # (forward, mask, dtype, additive)
+
+    def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        step = _FORWARD.get()
+        if step is None:
+            return mask
+        last = held[0]
+        if last is not None and last[0] is step and last[1] is mask and last[2] == dtype:
+            return last[3]
+        out = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+        held[0] = (step, mask, dtype, out)
+        return out
 
     @functools.wraps(sdpa)
     def attention(
@@ -198,6 +268,8 @@ def shared_kv_sdpa(sdpa: Callable) -> Callable:
         if plain:
             return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
         q = query.reshape(b, key.shape[1], groups, d)  # [B, Hkv, groups, D]: each group's queries as rows
+        if attention_mask.dtype == torch.bool:
+            attention_mask = additive(attention_mask, query.dtype)
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
         return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous(), None
 
@@ -239,3 +311,158 @@ def decoder_layers(base_model: nn.Module) -> list[nn.Module] | str:
         if missing or not all(hasattr(layer.mlp, a) for a in ("gate_proj", "up_proj", "down_proj")):
             return f"{type(layer).__name__} is not Llama's decoder layer (needs input_layernorm, self_attn, post_attention_layernorm, mlp.gate_proj/up_proj/down_proj)"
     return list(layers)
+
+
+# -- attention: merged QKV, RoPE fused with the static KV cache's write ------------------------
+@functools.cache
+def _static_cache_classes() -> tuple[type, type] | None:
+    """transformers' ``Cache`` and ``StaticLayer`` where ``StaticLayer.update`` writes at its device
+    counter (``arange(T) + cumulative_length``, then ``cumulative_length += T``, two
+    ``index_copy_``: transformers 5.17 to 5.24 at least), the write the fused kernel makes; None
+    for a transformers whose static layer works otherwise (then the attention is never fused)."""
+    try:
+        from transformers.cache_utils import Cache, StaticLayer
+    except ImportError:
+        return None
+    names = set(getattr(getattr(StaticLayer.update, "__code__", None), "co_names", ()))
+    if not {"cumulative_length", "index_copy_", "lazy_initialization"} <= names or not hasattr(Cache, "update"):
+        return None
+    return Cache, StaticLayer
+
+
+def _triton_runs_on(device: torch.device) -> bool:
+    return device.type == "cuda" or (device.type == "cpu" and env.triton_interpret())
+
+
+def _static_layer(module: nn.Module, cache: Any, key: tuple[int, int, int, int], like: torch.Tensor) -> Any:
+    """The attention's layer of ``cache`` if the fused write is its ``update``: a plain
+    ``StaticLayer`` (not sliding-window, not offloaded, ``update`` not replaced) of a ``Cache``
+    whose ``update`` is transformers', initialised now if it was not (as its ``update`` would),
+    holding rotated k of shape ``key`` and ``like``'s dtype and device; else None."""
+    classes = _static_cache_classes()
+    if classes is None or not isinstance(cache, classes[0]):
+        return None
+    cache_class, static_layer = classes
+    layers = getattr(cache, "layers", None)
+    idx = getattr(module, "layer_idx", None)
+    if type(cache).update is not cache_class.update or getattr(cache, "offloading", False) or not isinstance(idx, int):
+        return None
+    if not isinstance(layers, list) or not 0 <= idx < len(layers):
+        return None
+    layer = layers[idx]
+    if type(layer) is not static_layer or "update" in layer.__dict__ or "lazy_initialization" in layer.__dict__:
+        return None
+    if not layer.is_initialized:  # what update does first, with k and v of this shape, dtype and device
+        states = torch.empty(key, dtype=like.dtype, device=like.device)
+        layer.lazy_initialization(states, states)
+    keys, values, counter = layer.keys, layer.values, layer.cumulative_length
+    b, h, _, d = key
+    ok = (
+        isinstance(keys, torch.Tensor)
+        and isinstance(values, torch.Tensor)
+        and isinstance(counter, torch.Tensor)
+        and keys.dtype == values.dtype == like.dtype
+        and keys.device == values.device == counter.device == like.device
+        and keys.dim() == 4
+        and tuple(keys.shape[:2]) == tuple(values.shape[:2]) == (b, h)
+        and keys.shape[2] == values.shape[2]
+        and keys.shape[3] == values.shape[3] == d
+        and counter.numel() == 1
+        and counter.dtype == torch.int64
+    )
+    return layer if ok else None
+
+
+def fused_attention_forward(unfused: Callable, attention_functions: Any, default_attention: Callable | None) -> Callable:
+    """Llama's attention forward for ``patch(mode="inference")`` with ``rope``: the q/k/v
+    projections as one matmul on their merged weight, then one Triton launch that applies RoPE
+    (``polykernel.rope``'s math) to q and k and writes k and v into the static KV cache
+    (:mod:`polykernel.backends.triton.rope_kv_write`), then the attention function that
+    ``unfused`` (transformers' forward on ``attention_functions``) calls, and o_proj.
+
+    Taken for a plain decode or prefill step on a transformers ``StaticCache`` layer (see
+    :func:`_static_layer`) with Llama's rotate-half tables; every other call (no cache, a
+    ``DynamicCache``, a sliding-window layer, attention weights asked for, gradients wanted,
+    torch.compile tracing, a device Triton cannot run on) runs ``unfused``. The result, and the
+    cache after the call, are the unfused path's: the same rotation and writes (the merged matmul
+    rounds as the three do up to the GEMM's own choice of kernel)."""
+
+    @functools.wraps(unfused)
+    def forward(
+        self: nn.Module,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, Any]:
+        fused = _fused_call(self, hidden_states, position_embeddings, args, kwargs)
+        if fused is None:
+            return unfused(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+        layer, hq, hk, t, kw = fused
+        cos, sin = position_embeddings  # type: ignore[misc]
+        qkv = F.linear(hidden_states, _merged(self, QKV, "weight"), _merged(self, QKV, "bias"))
+        query = _rope_kv_write(qkv, hq, hk, cos, sin, layer.cumulative_length, layer.keys, layer.values)
+        layer.cumulative_length.add_(t)  # after the launch: its programs read the counter
+        interface = attention_functions.get_interface(self.config._attn_implementation, default_attention)
+        out, weights = interface(
+            self,
+            query,
+            layer.keys,
+            layer.values,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kw,
+        )
+        out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()
+        return self.o_proj(out), weights
+
+    forward._polykernel = getattr(unfused, "_polykernel", "rope")  # type: ignore[attr-defined]
+    return forward
+
+
+def _rope_kv_write(*args: Any) -> torch.Tensor:
+    from ..backends.triton.rope_kv_write import rope_kv_write
+
+    return rope_kv_write(*args)
+
+
+def _fused_call(
+    module: nn.Module, hidden: Any, position_embeddings: Any, args: tuple, kwargs: dict[str, Any]
+) -> tuple[Any, int, int, int, dict[str, Any]] | None:
+    """(the cache layer, q heads, KV heads, tokens, the attention function's kwargs) when this
+    call can take the fused path, else None."""
+    if args or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or torch.compiler.is_compiling():
+        return None
+    if "cache" in kwargs and "past_key_values" in kwargs:
+        return None
+    kw = dict(kwargs)
+    cache = kw.pop("cache", None) if "cache" in kw else kw.pop("past_key_values", None)
+    if cache is None or kw.get("output_attentions") or not _triton_runs_on(hidden.device):
+        return None
+    q_proj, k_proj, v_proj = module.q_proj, module.k_proj, module.v_proj
+    if torch.is_grad_enabled() and (hidden.requires_grad or any(p.weight.requires_grad for p in (q_proj, k_proj, v_proj))):
+        return None
+    if "_polykernel_qkv_weight" not in module.__dict__:  # merged at patch time, else not mergeable
+        return None
+    d = getattr(module, "head_dim", None)
+    if not isinstance(d, int) or d <= 0 or d % 2 or q_proj.out_features % d or k_proj.out_features % d:
+        return None
+    hq, hk = q_proj.out_features // d, k_proj.out_features // d
+    b, t, _ = hidden.shape
+    if v_proj.out_features != k_proj.out_features or q_proj.weight.dtype != hidden.dtype or q_proj.weight.device != hidden.device:
+        return None
+    if not (isinstance(position_embeddings, tuple) and len(position_embeddings) == 2):
+        return None
+    cos, sin = position_embeddings
+    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor) and cos.dim() == 3 and sin.shape == cos.shape):
+        return None
+    if not (cos.shape[0] in (1, b) and cos.shape[1] == t and cos.shape[2] == d and cos.dtype == sin.dtype == hidden.dtype):
+        return None
+    if cos.device != hidden.device or sin.device != hidden.device:
+        return None
+    layer = _static_layer(module, cache, (b, hk, t, d), hidden)
+    if layer is None:
+        return None
+    return layer, hq, hk, t, kw

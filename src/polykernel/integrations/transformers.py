@@ -769,10 +769,12 @@ def _attention_forward(base: Callable, modeling: types.ModuleType, family: _Fami
 _INFERENCE_NAMESPACES: dict[tuple[str, bool], dict] = {}
 
 
-def _inference_attention(base: Callable, modeling: types.ModuleType, family: _Family, rope: bool) -> Callable:
+def _inference_attention(base: Callable, modeling: types.ModuleType, family: _Family, rope: bool, fuse: bool = False) -> Callable:
     """``patch(mode="inference")``'s attention forward: transformers' own, seeing
     :class:`_inference.AttentionFunctions` (decode with shared KV heads) and, with ``rope``, the
-    rotary functions on ``polykernel.rope``."""
+    rotary functions on ``polykernel.rope``; with ``fuse`` (``rope`` too, q/k/v merged), that
+    forward behind :func:`_inference.fused_attention_forward` (merged QKV, RoPE fused with the
+    static KV cache's write), which runs it for every call it does not fuse."""
     from . import _inference
 
     key = (modeling.__name__, rope)
@@ -787,6 +789,10 @@ def _inference_attention(base: Callable, modeling: types.ModuleType, family: _Fa
     calls = ("ALL_ATTENTION_FUNCTIONS", *(name for name, _ in family.rope))
     forward = _with_globals(base, modeling.__dict__, ns, calls)
     forward._polykernel = "rope" if rope else "shared_kv_sdpa"  # type: ignore[attr-defined]
+    if fuse:
+        forward = _inference.fused_attention_forward(
+            forward, ns["ALL_ATTENTION_FUNCTIONS"], getattr(modeling, "eager_attention_forward", None)
+        )
     return forward
 
 
@@ -1313,11 +1319,14 @@ def _patch_inference(model: nn.Module, rope: bool) -> nn.Module:
         for i, layer in enumerate(layers):
             _install(layer, lambda b, s=stream, first=i == 0: _inference.decoder_layer_forward(b, s, first))
             activation = _gated_activation(layer.mlp.act_fn) if _mlp_supported(layer.mlp) is None else None
-            if activation is not None:
+            if activation is not None and _inference.mergeable(layer.mlp, _inference.GATE_UP) is None:
                 _install(layer.mlp, lambda b, a=activation: _inference.mlp_forward(b, a))
-                _inference.merge_gate_up(layer.mlp)
+                _inference.merge(layer.mlp, _inference.GATE_UP)
             with_rope = rope and _calls_rope(layer.self_attn)
-            _install(layer.self_attn, lambda b, m=modeling, f=family, r=with_rope: _inference_attention(b, m, f, r))
+            fuse = with_rope and _inference.mergeable(layer.self_attn, _inference.QKV) is None
+            if fuse:
+                _inference.merge(layer.self_attn, _inference.QKV)
+            _install(layer.self_attn, lambda b, m=modeling, f=family, r=with_rope, q=fuse: _inference_attention(b, m, f, r, q))
     logger.info("polykernel: patched %s for inference: %s", type(model).__name__, {k: len(v) for k, v in patched(model).items()})
     return model
 
