@@ -161,6 +161,14 @@ FP32_GPU_LABELS = (
 )
 
 
+def kernels_gpu_cases(op, dtype: torch.dtype, device: str = "cuda") -> list:
+    """The op's awkward small cases that our own grouped GEMMs (``_grouped_mm.MODE = "kernels"``)
+    run on the GPU: odd sizes, empty experts, a skewed routing. Each further shape class only
+    compiles the same kernels again (see ``FP32_GPU_LABELS``); the CPU runs them all."""
+    keep = ("9x17x23-E3-k2-odd", "9x17x23-E3-k2-odd-clamped", "12x24x40-E8-k2-empty-experts", "20x24x40-E5-k1-skew90")
+    return [c for c in op.cases(device, dtype) if c.label in keep]
+
+
 def gpu_cases(op, dtype: torch.dtype, device: str = "cuda") -> list:
     """The op's own (small, awkward) cases on the GPU, ``GPU_SIZES`` and the shared large routings
     (in float32, the ones of ``FP32_GPU_LABELS``)."""
