@@ -4,7 +4,9 @@ does not? The H200 sweep (benchmarks/tuning/sweep_tuning.py, 2026-11-30) timed t
 
 For each case: CUDA-graph replay time of ``impl=<chosen>`` and of the automatic call (tuning off,
 then on with a fresh store), interleaved A/B/A/B with ``polykernel.tools.bench.measure``, plus the
-kernels each captured graph launches (``torch.profiler`` over replays). Writes JSON to --out.
+kernels each captured graph launches (``torch.profiler`` over replays). Writes
+``DIR/auto_vs_forced.json``, ``{"complete", "rows"}``, each case's row as it is measured (a bare
+list of rows before issue 35).
 
     PYTHONPATH=src python benchmarks/host/auto_vs_forced.py --out DIR
 """
@@ -12,12 +14,13 @@ kernels each captured graph launches (``torch.profiler`` over replays). Writes J
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from polykernel.tools.rows import RowFile, announce
 
 CASES = [  # (op, M, N, backward)
     ("rms_norm", 32768, 4096, False),
@@ -54,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     from polykernel.core import registry
     from polykernel.tools import bench
 
-    rows = []
+    out = RowFile(a.out / "auto_vs_forced.json", {"device": torch.cuda.get_device_name()})
+    announce(len(CASES), per_case_s=8, what="cases (3 variants, 2 rounds, kernel lists)", path=str(out.path))
     for op_name, m, n, backward in CASES:
         op = registry.get_op(op_name)
         public = getattr(polykernel, op.name)
@@ -95,12 +99,10 @@ def main(argv: list[str] | None = None) -> int:
             "TB/s": {k: [nbytes / (t * 1e-3) / 1e12 for t in v] for k, v in times.items()},
             "kernels": kernels,
         }
-        rows.append(row)
         tbs = "  ".join(f"{k} {', '.join(f'{x:.2f}' for x in v)}" for k, v in row["TB/s"].items())
-        print(f"{op_name} {m}x{n} {row['mode']} chose {chosen}: {tbs}", flush=True)
-        for k, v in kernels.items():
-            print(f"    {k}: {v}", flush=True)
-    (a.out / "auto_vs_forced.json").write_text(json.dumps(rows, indent=1))
+        lines = [f"{op_name} {m}x{n} {row['mode']} chose {chosen}: {tbs}", *(f"    {k}: {v}" for k, v in kernels.items())]
+        out.add(row, "\n".join(lines))
+    out.finish()
     return 0
 
 

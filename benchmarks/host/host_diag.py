@@ -26,7 +26,8 @@ host_profile shapes) and variant:
   ``cudaStreamSynchronize``, ``cudaFree`` or ``cudaMemcpy`` there is a sync), GPU busy share and
   the largest GPU gap; the chrome trace goes to ``DIR/trace-<case>.json``.
 
-Writes ``DIR/host_diag.json`` and ``DIR/host_diag.md``; prints the table as it goes.
+Writes ``DIR/host_diag.json`` (``meta``, ``complete``, ``rows``: one record per case, each written
+as the case ends; ``results`` before issue 35) and ``DIR/host_diag.md``; prints the table as it goes.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import host_profile as hp
 import polykernel
 from polykernel.core import registry
 from polykernel.tools.bench import host_us_per_call
+from polykernel.tools.rows import RowFile, announce
 
 CASES = [
     ("rms_norm", "16384x4096", (16384, 4096)),
@@ -390,12 +392,6 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     wanted = {o for o in a.ops.split(",") if o}
     t0 = time.time()
-    results = []
-    for op_name, label, shape in SMOKE_CASES if a.smoke else CASES:
-        if wanted and op_name not in wanted:
-            continue
-        polykernel.clear_caches()
-        results.append(run_case(op_name, label, shape, out, device))
     import triton
 
     meta = {
@@ -405,10 +401,17 @@ def main() -> None:
         "python": platform.python_version(),
         "env": {k: v for k, v in os.environ.items() if k.startswith(("POLYKERNEL_", "TRITON_", "PYTORCH_", "CUDA_LAUNCH"))},
         "gc_threshold": gc.get_threshold(),
-        "gc_tracked_objects": len(gc.get_objects()),
-        "seconds": round(time.time() - t0, 1),
     }
-    (out / "host_diag.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    cases = [c for c in (SMOKE_CASES if a.smoke else CASES) if not wanted or c[0] in wanted]
+    # run_case prints its lines as it goes: the file gets the case's record, nothing more is printed
+    sink = RowFile(out / "host_diag.json", {"meta": meta}, echo=lambda line: line and print(line, flush=True))
+    announce(len(cases), per_case_s=10, what="cases (each: its variants, then a profile)", path=str(sink.path))
+    for op_name, label, shape in cases:
+        polykernel.clear_caches()
+        sink.add(run_case(op_name, label, shape, out, device), "")
+    results = sink.rows
+    meta.update(gc_tracked_objects=len(gc.get_objects()), seconds=round(time.time() - t0, 1))
+    sink.finish()
     (out / "host_diag.md").write_text(markdown(results, meta))
     print(f"wrote {out / 'host_diag.json'} and host_diag.md in {meta['seconds']} s")
 

@@ -1,10 +1,11 @@
 """Host (CPU) time per call of GPU launches, without synchronizing: what limits small, fast steps.
 
-PYTHONPATH=src python benchmarks/host/host_overhead.py
+PYTHONPATH=src python benchmarks/host/host_overhead.py [--json FILE]
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 import polykernel
 from polykernel.backends.triton import rms_norm as tk
+from polykernel.tools.rows import RowFile, announce
 
 
 def host_us(fn, n: int = 2000) -> float:
@@ -28,7 +30,10 @@ def host_us(fn, n: int = 2000) -> float:
     return best
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", default=None, help="keep the rows here, written as measured (default: printed only)")
+    a = p.parse_args(argv)
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -44,8 +49,12 @@ def main() -> None:
         "fwd+bwd triton via autograd": lambda: torch.autograd.grad(polykernel.rms_norm(xg, wg, impl="triton"), (xg, wg), dy),
         "fwd+bwd torch via autograd": lambda: torch.autograd.grad(polykernel.rms_norm(xg, wg, impl="torch"), (xg, wg), dy),
     }
+    announce(len(rows), per_case_s=1, what="calls timed", path=a.json)
+    out = RowFile(a.json, {"device": torch.cuda.get_device_name(), "shape": "64x4096", "dtype": "bfloat16"})
     for name, fn in rows.items():
-        print(f"{name:<40} {host_us(fn):7.1f} us host per call")
+        us = host_us(fn)
+        out.add({"call": name, "host_us": us}, f"{name:<40} {us:7.1f} us host per call")
+    out.finish()
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ import contextlib
 import cProfile
 import inspect
 import io
-import json
 import platform
 import pstats
 import time
@@ -45,6 +44,7 @@ import torch
 import polykernel
 from polykernel.core import registry
 from polykernel.tools.bench import capture_graph, host_us_per_call
+from polykernel.tools.rows import RowFile, announce
 
 # (op, label, example shape, modes). Decode shapes: forward only, inference.
 CASES: list[tuple[str, str, tuple[int, ...], tuple[str, ...]]] = [
@@ -191,7 +191,10 @@ def launch_paths(fast: bool, native: bool):
         _native.set_enabled(old[1])
 
 
-def run_case(op_name: str, label: str, shape: tuple[int, ...], mode: str, decode: bool, prof_dir: Path) -> list[dict[str, Any]]:
+def run_case(
+    op_name: str, label: str, shape: tuple[int, ...], mode: str, decode: bool, prof_dir: Path, sink: RowFile | None = None
+) -> list[dict[str, Any]]:
+    """The case's row per contender, each kept in ``sink`` (default: printed only) as it is measured."""
     op = registry.get_op(op_name)
     grad = mode == "fwd+bwd"
     case = op.example(shape, torch.bfloat16, "cuda", grad)
@@ -216,7 +219,7 @@ def run_case(op_name: str, label: str, shape: tuple[int, ...], mode: str, decode
         except Exception as exc:  # one failing contender must not end the run
             row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         rows.append(row)
-        print(_line(row), flush=True)
+        (sink or RowFile(None)).add(row, _line(row))
     del case, args, kwargs, inputs
     torch.cuda.empty_cache()
     return rows
@@ -279,13 +282,6 @@ def main() -> None:
 
     print(f"native path: {'on' if _native.module(wait=True) is not None else 'off'}", flush=True)  # built before timing
     t0 = time.time()
-    rows: list[dict[str, Any]] = []
-    for op_name, label, shape, modes in CASES:
-        if (wanted and op_name not in wanted) or (a.quick and (op_name, label) not in QUICK):
-            continue
-        for mode in modes:
-            polykernel.clear_caches()
-            rows += run_case(op_name, label, shape, mode, modes == ("fwd",), prof_dir)
     import triton
 
     meta = {
@@ -293,9 +289,21 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),
-        "seconds": round(time.time() - t0, 1),
     }
-    (out / "host_profile.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    cases = [
+        (op_name, label, shape, mode, modes == ("fwd",))
+        for op_name, label, shape, modes in CASES
+        if not ((wanted and op_name not in wanted) or (a.quick and (op_name, label) not in QUICK))
+        for mode in modes
+    ]
+    sink = RowFile(out / "host_profile.json", {"meta": meta})  # {"meta", "complete", "rows"}: each row as measured
+    announce(len(cases), per_case_s=5, what="cases (about 5 contenders each)", path=str(sink.path))
+    rows: list[dict[str, Any]] = []
+    for op_name, label, shape, mode, decode in cases:
+        polykernel.clear_caches()
+        rows += run_case(op_name, label, shape, mode, decode, prof_dir, sink)
+    meta["seconds"] = round(time.time() - t0, 1)
+    sink.finish()
     (out / "host_profile.md").write_text(markdown(rows, meta))
     print(f"wrote {out / 'host_profile.json'} and host_profile.md in {meta['seconds']} s")
 

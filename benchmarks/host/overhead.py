@@ -21,7 +21,6 @@ every call builds its argument class in Python (~0.4 us more).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 import polykernel
 from polykernel.backends.torch.rms_norm import rms_norm as torch_impl
 from polykernel.core import hit_guard, registry
+from polykernel.tools.rows import RowFile, announce
 
 
 def interleaved_best_us(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, float]:
@@ -58,11 +58,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--json", help="also write the figures to this file (each table as it is measured)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     x, w = torch.randn(1, 64), torch.randn(64)
     assert polykernel.explain("rms_norm", x, w).chosen == "torch"
+    # two interleaved tables (4 and 3 candidates, ~1 µs a call); the file ends as before: real, alone, overhead
+    announce(2, per_case_s=args.rounds * args.calls * 4 * 1.5e-6 + 1, what="tables", path=args.json)
+    out = RowFile(args.json, {"torch": torch.__version__})
+
+    def keep(group: str, table: dict[str, float]) -> None:
+        out.add({"group": group, **table}, f"{group}: " + ", ".join(f"{k} {v:.3f} us" for k, v in table.items()))
 
     real = interleaved_best_us(
         {
@@ -74,6 +80,7 @@ def main() -> None:
         args.rounds,
         args.calls,
     )
+    keep("real", real)
 
     # Dispatch alone: every memoized rms_norm decision runs the no-op instead of the kernel.
     op = registry.get_op("rms_norm")
@@ -96,6 +103,7 @@ def main() -> None:
         for key, fn in saved.items():
             if key in op._memo:
                 op._memo[key].fn = fn
+    keep("alone", alone)
 
     guard = hit_guard.available() and bool(op._fast)
     print(f"torch {torch.__version__}, 1x64 fp32 on CPU, interleaved, best of {args.rounds} rounds of {args.calls} calls, us per call")
@@ -110,9 +118,7 @@ def main() -> None:
         "dispatch_alone_impl_arg_us": alone["polykernel.rms_norm(impl='torch') -> no-op"] - alone["no-op impl, called directly"],
     }
     print("  dispatcher overhead: " + ", ".join(f"{k} {v:.3f}" for k, v in overhead.items()))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "guard": guard, "real": real, "alone": alone, "overhead": overhead}, f, indent=1)
+    out.finish(guard=guard, real=real, alone=alone, overhead=overhead)
 
 
 if __name__ == "__main__":

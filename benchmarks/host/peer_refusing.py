@@ -15,13 +15,13 @@ itself (``--cuda``). Candidates are timed interleaved; each reports its best rou
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 
 import torch
 
 from polykernel.backends.torch._double_backward import refusing
+from polykernel.tools.rows import RowFile, announce
 
 
 class _Peer(torch.autograd.Function):
@@ -86,6 +86,9 @@ def main() -> None:
         wc = torch.ones(4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         fns["liger rms_norm fwd plain"] = lambda: LigerRMSNormFunction.apply(xc, wc, 1e-6, 0.0, "llama", False)
         fns["liger rms_norm fwd refusing"] = lambda: guarded.apply(xc, wc, 1e-6, 0.0, "llama", False)
+    # one interleaved table (its figures exist once all rounds end): the row; the file keeps the old flat keys too
+    announce(len(fns), per_case_s=(args.rounds + 1) * args.calls * 20e-6, what="candidates timed interleaved", path=args.json)
+    sink = RowFile(args.json, {}, echo=lambda line: line and print(line, flush=True))
     best = interleaved_best_us(fns, args.rounds, args.calls)
     out = dict(best)
     out["overhead kept (us)"] = best["fwd refusing (kept)"] - best["fwd plain"]
@@ -93,11 +96,10 @@ def main() -> None:
     out["overhead fwd+bwd kept (us)"] = best["fwd+bwd refusing (kept)"] - best["fwd+bwd plain"]
     if args.cuda:
         out["overhead liger rms_norm (us)"] = best["liger rms_norm fwd refusing"] - best["liger rms_norm fwd plain"]
+    sink.add({"table": "best_us", **out}, "")
     for k, v in out.items():
         print(f"{k:36s} {v:8.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    sink.finish(**out)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ running the no-op directly, as an untuned decision does. Timed interleaved, best
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -24,6 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import _noop, interleaved_best_us
+
+from polykernel.tools.rows import RowFile, announce
 
 
 def main() -> None:
@@ -40,6 +41,9 @@ def main() -> None:
     from polykernel.tuning import key as tuning_key
 
     torch.set_num_threads(1)
+    # one interleaved table (its figures exist once all rounds end): the row; then the old keys
+    announce(2, per_case_s=args.rounds * args.calls * 1e-6 + 0.5, what="candidates timed interleaved", path=args.json)
+    out = RowFile(args.json, {"torch": torch.__version__}, echo=lambda line: line and print(line, flush=True))
     x, w = torch.randn(1, 64), torch.randn(64)
     op = registry.get_op("rms_norm")
     tuning.store().put({tuning_key.key(op, op.key(x, w), [x, w]): {"eager": "torch", "graph": "torch", "times": {}}})
@@ -67,13 +71,12 @@ def main() -> None:
     finally:
         d.fn = chooser
     added = best["tuned decision (chooser) -> no-op"] - best["untuned decision -> no-op"]
+    out.add({"table": "best_us", **best, "chooser_added_us": added}, "")
     print(f"torch {torch.__version__}, 1x64 fp32 on CPU, interleaved, best of {args.rounds} rounds of {args.calls} calls, us per call")
     for name, t in best.items():
         print(f"  {name:<36} {t:7.3f} us")
     print(f"  chooser adds {added:+.3f} us per call")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "best_us": best, "chooser_added_us": added}, f, indent=1)
+    out.finish(best_us=best, chooser_added_us=added)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib
-import json
 import os
 import sys
 import time
@@ -24,6 +23,7 @@ import polykernel
 from polykernel.core import registry
 from polykernel.testing import refusal
 from polykernel.tools.bench import copy_bandwidth, measure
+from polykernel.tools.rows import RowFile, announce
 
 # op -> [(shape, backward)]: rows of ~128 MiB of bf16 from N = 2K to 256K, and the issue's points
 _NORM_N = (2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
@@ -59,8 +59,9 @@ def target(op: str, backward: bool, n: int) -> float | None:
     return None
 
 
-def bench(ops: list[str], dtype: torch.dtype, rep: int) -> list[dict]:
-    rows = []
+def bench(ops: list[str], dtype: torch.dtype, rep: int, sink: RowFile | None = None) -> list[dict]:
+    """Every row, each kept in ``sink`` (default: printed only) as it is measured."""
+    out = sink if sink is not None else RowFile(None)
     for name in ops:
         op = registry.get_op(name)
         fn = getattr(polykernel, name)
@@ -76,8 +77,7 @@ def bench(ops: list[str], dtype: torch.dtype, rep: int) -> list[dict]:
                 row["target_tbs"] = target(name, backward, shape[-1]) if impl == "cute_dsl" else None
                 why = refusal(name, impl, case)
                 if why is not None:
-                    rows.append({**row, "skipped": why})
-                    print(f"{name:11s} {row['shape']:>12s} {row['mode']:8s} {impl:9s} skipped: {why}", flush=True)
+                    out.add({**row, "skipped": why}, f"{name:11s} {row['shape']:>12s} {row['mode']:8s} {impl:9s} skipped: {why}")
                     continue
                 saved = None
                 if flag is not None:  # a variant: set the module flag for this measurement only
@@ -89,18 +89,18 @@ def bench(ops: list[str], dtype: torch.dtype, rep: int) -> list[dict]:
                         lambda impl=impl, c=case: fn(*c.args, **c.kwargs, impl=impl), grad_inputs, backward, graph=True, rep=rep
                     )
                 except Exception as e:  # a failing impl is a result, not the end of the run
-                    rows.append({**row, "error": f"{type(e).__name__}: {e}"[:300]})
-                    print(f"{name:11s} {row['shape']:>12s} {row['mode']:8s} {label:9s} ERROR {e}"[:300], flush=True)
+                    line = f"{name:11s} {row['shape']:>12s} {row['mode']:8s} {label:9s} ERROR {e}"[:300]
+                    out.add({**row, "error": f"{type(e).__name__}: {e}"[:300]}, line)
                     continue
                 finally:
                     if flag is not None:
                         setattr(mod, flag[1], saved)
                 tbs = nbytes / (ms * 1e-3) / 1e12
-                rows.append({**row, "ms": round(ms, 4), "tbs": round(tbs, 3)})
                 mark = "" if row["target_tbs"] is None else (" ok" if tbs >= row["target_tbs"] else f" MISS (<{row['target_tbs']})")
-                print(f"{name:11s} {row['shape']:>12s} {row['mode']:8s} {label:9s} {ms:8.4f} ms {tbs:6.3f} TB/s{mark}", flush=True)
+                line = f"{name:11s} {row['shape']:>12s} {row['mode']:8s} {label:9s} {ms:8.4f} ms {tbs:6.3f} TB/s{mark}"
+                out.add({**row, "ms": round(ms, 4), "tbs": round(tbs, 3)}, line)
             torch.cuda.empty_cache()
-    return rows
+    return out.rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,13 +114,16 @@ def main(argv: list[str] | None = None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     t0 = time.time()
+    n = sum(len(SHAPES[o]) for o in a.ops) * len(IMPLS)
+    path = os.path.join(a.out, "bench_cute_dsl.json")
+    announce(n, per_case_s=2 + a.rep / 1e3, what="rows (about; first calls compile)", path=path, extra_s=10)
     copy = copy_bandwidth() / 1e3
     print(f"{torch.cuda.get_device_name()}: 2 GiB copy {copy:.2f} TB/s", flush=True)
-    rows = bench(a.ops, getattr(torch, a.dtype), a.rep)
-    os.makedirs(a.out, exist_ok=True)
-    meta = {"device": torch.cuda.get_device_name(), "copy_tbs": round(copy, 3), "dtype": a.dtype, "seconds": round(time.time() - t0, 1)}
-    with open(os.path.join(a.out, "bench_cute_dsl.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    meta = {"device": torch.cuda.get_device_name(), "copy_tbs": round(copy, 3), "dtype": a.dtype}
+    sink = RowFile(path, {"meta": meta})  # {"meta", "complete", "rows"}: each row written as measured
+    rows = bench(a.ops, getattr(torch, a.dtype), a.rep, sink)
+    meta["seconds"] = round(time.time() - t0, 1)
+    sink.finish()
     keys = ["op", "shape", "mode", "impl", "ms", "tbs", "target_tbs", "skipped", "error"]
     with open(os.path.join(a.out, "bench_cute_dsl.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, keys, extrasaction="ignore")

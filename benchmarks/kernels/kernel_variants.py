@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from host_profile import gpu_us, per_call_us  # benchmarks/ is the script's directory
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "host"))  # host_profile's helpers, in benchmarks/host/
+from host_profile import gpu_us, per_call_us
 
 import polykernel
 from polykernel.backends.triton import fused_add_rms_norm as tfa
@@ -36,6 +38,7 @@ from polykernel.backends.triton import rms_norm as trms
 from polykernel.backends.triton import rope as trope
 from polykernel.core import registry
 from polykernel.tools.bench import capture_graph
+from polykernel.tools.rows import RowFile, announce
 
 # group -> (op, shape, modes, [(label, {module attribute or TUNE key: value})])
 GROUPS: dict[str, tuple[str, tuple[int, ...], tuple[str, ...], list[tuple[str, dict[str, Any]]]]] = {
@@ -140,7 +143,8 @@ def _step(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], mode: str) -> 
     return both
 
 
-def run_group(name: str) -> list[dict[str, Any]]:
+def run_group(name: str, sink: RowFile | None = None) -> list[dict[str, Any]]:
+    """The group's rows, each kept in ``sink`` (and printed) as it is measured."""
     op_name, shape, modes, variants = GROUPS[name]
     op = registry.get_op(op_name)
     module = MODULES[name]
@@ -157,11 +161,10 @@ def run_group(name: str) -> list[dict[str, Any]]:
             except Exception as exc:  # a variant that does not compile or run: recorded, not fatal
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             rows.append(row)
-            print(
-                f"{name:<19} {mode:<8} {label:<34} "
-                + (f"{row['TB/s']:.3f} TB/s ({row['gpu_us']:.1f} us)" if "TB/s" in row else row["error"]),
-                flush=True,
+            line = f"{name:<19} {mode:<8} {label:<34} " + (
+                f"{row['TB/s']:.3f} TB/s ({row['gpu_us']:.1f} us)" if "TB/s" in row else row["error"]
             )
+            (sink or RowFile(None)).add(row, line)
         del case
         torch.cuda.empty_cache()
     return rows
@@ -245,20 +248,20 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    rows: list[dict[str, Any]] = []
-    for name in GROUPS:
-        if not only or name in only:
-            rows += run_group(name)
-    flce = run_flce() if (not only or "flce" in only) else None
     import triton
 
-    meta = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "seconds": round(time.time() - t0, 1),
-    }
-    (out / "kernel_variants.json").write_text(json.dumps({"meta": meta, "rows": rows, "flce": flce}, indent=1))
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    groups = [name for name in GROUPS if not only or name in only]
+    # {"meta", "complete", "rows", "flce"}: each variant's row written as measured, flce at the end
+    sink = RowFile(out / "kernel_variants.json", {"meta": meta, "flce": None})
+    n = sum(len(GROUPS[g][2]) * len(GROUPS[g][3]) for g in groups)
+    announce(n, per_case_s=3, what="variant rows", path=str(sink.path), extra_s=60 if not only or "flce" in only else 0)
+    rows: list[dict[str, Any]] = []
+    for name in groups:
+        rows += run_group(name, sink)
+    flce = run_flce() if (not only or "flce" in only) else None
+    meta["seconds"] = round(time.time() - t0, 1)
+    sink.finish(flce=flce)
     (out / "kernel_variants.md").write_text(markdown(rows, flce, meta))
     print(f"wrote {out / 'kernel_variants.md'} in {meta['seconds']} s")
 

@@ -29,6 +29,12 @@ then under /opt/nvidia/nsight-compute/*/ and /usr/local/cuda*/bin/ (or ``--ncu P
 Writes ``DIR/ncu_kernels.json``, ``DIR/ncu_kernels.md``, ``DIR/ncu_kernels.csv`` (ncu's raw page)
 and ``DIR/ncu_log.txt``. Without ``ncu``, or where it cannot read counters, the error goes into
 the JSON and Markdown and the script exits 0. About 2-3 minutes on an H200 (``--quick``: about 1).
+
+Rows as they are measured (issue 35): not through ``polykernel.tools.rows.RowFile``. The counters
+come from ncu's report, which exists only once its run ends; a cut run has no counters to keep.
+What is kept: the child writes its record per case as it goes (which cases ran, skipped, failed),
+and with ``--isolate`` (one ncu run per case) the report and Markdown are rewritten after each
+case, ``meta.complete`` false until the last. An estimate is printed first.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from polykernel.tools.rows import announce
 
 # -- what is profiled --------------------------------------------------------------------------
 
@@ -786,6 +794,8 @@ def main(argv: list[str] | None = None) -> int:
             out, meta, "ncu (Nsight Compute) not found on the PATH nor under /opt/nvidia/nsight-compute/*/ or /usr/local/cuda*/bin/"
         )
     meta["ncu"] = ncu
+    per_case = 20 if a.isolate else 3 if a.quick else 5  # --isolate: a Python start and compiles per case
+    announce(len(cases), per_case_s=per_case, what="cases", path=str(out / "ncu_kernels.json"), extra_s=30)
     with tempfile.TemporaryDirectory(prefix="ncu_kernels_") as tmp_name:
         tmp = Path(tmp_name)
         env = _ncu_env(tmp)
@@ -818,9 +828,11 @@ def main(argv: list[str] | None = None) -> int:
                 if i not in seen
             ]
             kernels += parse_raw_csv(raw)
+            if a.isolate and kernels and len(records) < len(cases):  # the cases so far, in case the run is cut
+                _write(out, build_report(records, kernels, {**meta, "complete": False}))
     (out / "ncu_log.txt").write_text("\n".join(logs)[-500_000:])
     (out / "ncu_kernels.csv").write_text("\n".join(raws))
-    meta.update(metrics_used=metrics, dropped_metrics=dropped, seconds=round(time.time() - t0, 1))
+    meta.update(metrics_used=metrics, dropped_metrics=dropped, seconds=round(time.time() - t0, 1), complete=True)
     if not kernels:
         return _fail(out, meta, "ncu profiled no kernel: " + _first_error("\n".join(logs)))
     report = build_report(records, kernels, meta)

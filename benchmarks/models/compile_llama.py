@@ -14,8 +14,8 @@ The last isolates the causal mask: transformers materializes it under compile (5
 with a torch before pytorch#176499) where eager skips it; ``patch``'s ``sdpa_is_causal`` switch skips it
 under compile too (``[is_causal]``: that switch alone; ``polykernel[ops]``: the ops without it).
 
-Writes ``DIR/compile_llama.json`` (one record per variant, plus the environment) and prints a
-table. ``--profile`` also profiles two steady steps per variant (torch.profiler, CUDA): the GPU
+Writes ``DIR/compile_llama.json`` (``env``, ``args``, ``complete`` and ``rows``: one record per
+variant, written as each variant ends; ``results`` before issue 35) and prints a table. ``--profile`` also profiles two steady steps per variant (torch.profiler, CUDA): the GPU
 time by kernel family goes into the record (where the time goes: GEMMs, attention, Inductor's
 Triton kernels, polykernel's kernels, copies) and the top kernels into ``DIR/profile-<variant>.txt``.
 ``--memory`` records one more steady step's allocations: the step's peak over its start and the
@@ -27,7 +27,6 @@ under compile), into ``DIR/memory-<variant>.txt`` (what a compiled peak above ea
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,8 @@ from typing import Any
 
 from _child import last_error_line, parse, run_child
 from _common import llama_config, timed_steps
+
+from polykernel.tools.rows import RowFile, announce
 
 # name -> (what polykernel patches, torch.compile mode: None = eager, "default" = compile(model)).
 # Patches: None; "all" = patch(model); "ops" = the ops only, transformers builds the causal mask
@@ -317,13 +318,13 @@ def main() -> None:
         *([f"--profile-dir={args.out}"] if args.profile else []),
         *([f"--memory-dir={args.out}"] if args.memory else []),
     ]  # fmt: skip
-    results: list[dict[str, Any]] = []
+    sink = RowFile(args.out / "compile_llama.json", {"env": _env(), "args": vars(args) | {"out": str(args.out)}})
+    announce(len(names), per_case_s=70, what="variants (each its own process, compile included)", path=str(sink.path))
     for name in names:
         print(f"[{time.strftime('%H:%M:%S')}] {name} ...", flush=True)
-        results.append(run_child(__file__, name, passthrough, args.timeout))
-        (args.out / "compile_llama.json").write_text(
-            json.dumps({"env": _env(), "args": vars(args) | {"out": str(args.out)}, "results": results}, indent=1)
-        )
+        r = run_child(__file__, name, passthrough, args.timeout)
+        sink.add(r, f"{name}: " + (f"error: {last_error_line(r)}" if "error" in r else f"{r['tokens_per_s'] / 1e3:.1f}k tokens/s"))
+    results = sink.rows
     base = next((r for r in results if r["variant"] == "plain" and "error" not in r), None)
     print(f"\n{'variant':<48} {'tokens/s':>10} {'vs plain':>8} {'peak GiB':>9} {'1st step s':>10}")
     for r in results:
@@ -332,7 +333,7 @@ def main() -> None:
             continue
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else ""
         print(f"{r['variant']:<48} {r['tokens_per_s'] / 1e3:>9.1f}k {ratio:>8} {r['peak_memory_gib']:>9.1f} {r['first_step_s']:>10.1f}")
-    print(f"\nwrote {args.out / 'compile_llama.json'}")
+    sink.finish()
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ compiling, as it does with torch < 2.14 (see ``MASK_ENV``); ``[op-scale]`` drops
 cross-entropy's ``saved_grads`` (its op's fact), so that its backward custom op scales the saved
 gradients into fresh tensors (the behaviour before issue 14's fix; compare its peak on CUDA).
 
-Writes ``DIR/compile_saved.json``; prints saved bytes per layer and per token by variant, scaled to
+Writes ``DIR/compile_saved.json`` (``args``, ``complete``, ``rows``: each variant's record, written
+as the variant ends, ``results`` by name before issue 35; then ``summary`` and ``diffs``); prints saved bytes per layer and per token by variant, scaled to
 issue 14's run (``--target-tokens`` x ``--target-layers``, bf16, hidden 2048), and the tensors
 that one variant saves per layer and the other does not (matched by size and dtype), and per
 compiled variant what its backward graphs run of ours: the polykernel custom ops, and the saved
@@ -41,7 +42,6 @@ it, heads = hidden / head_dim); per-row scalars (rstd, LSE) are scaled too, a sm
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import time
@@ -51,6 +51,8 @@ from typing import Any
 
 from _child import last_error_line, parse, run_child
 from _common import llama_config
+
+from polykernel.tools.rows import RowFile, announce
 
 OURS_ENV = {f"POLYKERNEL_COMPILE_{op}": "ours" for op in ("SWIGLU", "GEGLU", "ROPE", "FUSED_ADD_RMS_NORM")}
 # transformers skips the causal mask under torch.compile only with torch >= 2.14 (its
@@ -435,6 +437,8 @@ def main() -> None:
         for k, v in vars(args).items()
         if k in ("device", "dtype", "hidden", "intermediate", "heads", "kv_heads", "layers", "vocab", "batch", "seq", "threads")
     ]
+    sink = RowFile(args.out / "compile_saved.json", {"args": vars(args) | {"out": str(args.out)}})
+    announce(len(names), per_case_s=25 if args.device == "cpu" else 90, what="variants (each its own process)", path=str(sink.path))
     results: dict[str, dict[str, Any]] = {}
     for name in names:
         print(f"[{time.strftime('%H:%M:%S')}] {name} ...", flush=True)
@@ -445,7 +449,14 @@ def main() -> None:
             # Triton impls (fp32 copies in rms_norm's and rope's references): run the Triton
             # impls in the interpreter, so that eager saves what it saves on the H200
             env |= {"TRITON_INTERPRET": "1", "POLYKERNEL_IMPL": args.eager_impl}
-        results[name] = run_child(__file__, name, passthrough, args.timeout, env)
+        rec = results[name] = run_child(__file__, name, passthrough, args.timeout, env)
+        mib = {k: (rec.get(k) or 0) / 2**20 for k in ("held_after_forward", "peak_over_start")}
+        sink.add(
+            rec,
+            f"{name}: error: {last_error_line(rec)}"
+            if "error" in rec
+            else f"{name}: held {mib['held_after_forward']:.1f} MiB, peak {mib['peak_over_start']:.1f} MiB over the step's start",
+        )
     # bytes per token per layer, scaled to the target run (dtype to bf16, hidden to the target's)
     scale_dtype = 0.5 if args.dtype == "float32" else 1.0
     scale_hidden = args.target_hidden / args.hidden
@@ -523,10 +534,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     (args.out / "compile_saved.txt").write_text(text + "\n")
-    (args.out / "compile_saved.json").write_text(
-        json.dumps({"args": vars(args) | {"out": str(args.out)}, "summary": summary, "diffs": diffs, "results": results}, indent=1)
-    )
-    print(f"\nwrote {args.out / 'compile_saved.json'}")
+    sink.finish(summary=summary, diffs=diffs)
 
 
 if __name__ == "__main__":

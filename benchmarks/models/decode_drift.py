@@ -29,6 +29,8 @@ import decode_loop
 import torch
 from _common import add_llama_args, tiny_llama
 
+from polykernel.tools.rows import announce
+
 
 def build(args: argparse.Namespace, device: torch.device) -> Any:
     """The decode loop's model, in fp32 (the truth; the bf16 runs are copies of it)."""
@@ -85,6 +87,9 @@ def main() -> None:
         tiny_llama(args, vocab=256)
         args.prompt = 8
     dtype = torch.bfloat16
+    batches = [int(b) for b in args.batches.split(",")]
+    # about 10 rows a batch: plain twice, 4 patched variants and one per op the patch ran (~4)
+    announce(10 * len(batches), per_case_s=5 if cuda else 2, what="rows (about)", path=str(args.jsonl) if args.jsonl else None)
 
     def emit(row: dict[str, Any]) -> None:
         print(json.dumps(row), flush=True)
@@ -95,7 +100,7 @@ def main() -> None:
     base32 = build(args, device)
     truth_model = base32  # fp32
     base = copy.deepcopy(base32).to(dtype)
-    for batch in [int(b) for b in args.batches.split(",")]:
+    for batch in batches:
         gen = torch.Generator(device="cpu").manual_seed(1)
         prompt = torch.randint(1, args.vocab, (batch, args.prompt), generator=gen).to(device)
         plain = run(base, prompt, contextlib.nullcontext())

@@ -23,6 +23,8 @@ import torch
 from _common import add_llama_args
 from decode_drift import build
 
+from polykernel.tools.rows import announce
+
 
 def profile_variant(name: str, base: Any, args: argparse.Namespace, batch: int) -> dict[str, Any]:
     import transformers
@@ -99,9 +101,11 @@ def main() -> None:
     parser.add_argument("--variants", default="plain[graph],polykernel[graph],compile[reduce-overhead]")
     add_llama_args(parser)
     args = parser.parse_args()
+    batches, variants = [int(b) for b in args.batches.split(",")], args.variants.split(",")
+    announce(len(batches) * len(variants), per_case_s=20, what="rows", path=str(args.jsonl) if args.jsonl else None)
     base = build(args, torch.device("cuda")).to(torch.bfloat16)
-    for batch in [int(b) for b in args.batches.split(",")]:
-        for name in args.variants.split(","):
+    for batch in batches:
+        for name in variants:
             try:
                 row = profile_variant(name, base, args, batch)
             except Exception as exc:

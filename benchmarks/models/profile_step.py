@@ -1,12 +1,15 @@
 """Where does a forward+backward step's time go? Kernel times from the torch profiler next to
 the do_bench median of the whole step.
 
-    PYTHONPATH=src python benchmarks/models/profile_step.py [op] [impl]
+    PYTHONPATH=src python benchmarks/models/profile_step.py [op] [impl] [--json FILE]
+
+Rows: the step's two timings, kept (``--json``) as measured; the profiler's kernel table is a
+profile dump, not rows: printed, and added to the file (``profile``) at the end.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import torch
 import triton.testing
@@ -14,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import polykernel
 from polykernel.core import registry
+from polykernel.tools.rows import RowFile, announce
 
 SHAPES = {
     "rms_norm": (16384, 4096),
@@ -24,9 +28,15 @@ SHAPES = {
 }
 
 
-def main() -> None:
-    name = sys.argv[1] if len(sys.argv) > 1 else "rms_norm"
-    impl = sys.argv[2] if len(sys.argv) > 2 else "triton"
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("op", nargs="?", default="rms_norm", choices=sorted(SHAPES))
+    p.add_argument("impl", nargs="?", default="triton")
+    p.add_argument("--json", default=None, help="keep the rows here, written as measured (default: printed only)")
+    a = p.parse_args(argv)
+    name, impl = a.op, a.impl
+    announce(3, per_case_s=5, what="measurements (2 timings, 1 profile)", path=a.json)
+    out = RowFile(a.json, {"op": name, "impl": impl, "shape": list(SHAPES[name]), "device": torch.cuda.get_device_name()})
     op = registry.get_op(name)
     case = op.example(SHAPES[name], torch.bfloat16, "cuda", True)
     fn = getattr(polykernel, op.name)
@@ -51,12 +61,15 @@ def main() -> None:
             end.record()
             torch.cuda.synchronize()
             ms = start.elapsed_time(end) / 50
-        print(f"{name} {impl} fwd+bwd step: {ms:.3f} ms ({'do_bench, L2 flushed' if flush else 'back-to-back loop'})")
+        timing = "do_bench, L2 flushed" if flush else "back-to-back loop"
+        out.add({"timing": timing, "ms": ms}, f"{name} {impl} fwd+bwd step: {ms:.3f} ms ({timing})")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60)
+    print(table)
+    out.finish(profile=table)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ torchtitan does it (tests/_tp_llama.py: sequence-parallel norms, column/row-para
 and MLP), trained for a few steps (forward, backward, AdamW) unpatched, then patched
 (``polykernel.integrations.transformers.patch``), same seed, weights and data. Rank 0 writes
 ``tp_block.json`` to ``--out``: tokens/s (median step time of the timed steps), peak memory,
-the losses of both runs and what polykernel ran (``decisions()``)::
+the losses of both runs and what polykernel ran (``decisions()``); each run's record is written
+(``rows``) as it ends, ``complete`` false until both have::
 
     PYTHONPATH=src python benchmarks/models/tp_block.py --out results/tp        # 2 GPUs, NCCL, ~1 min
     PYTHONPATH=src python benchmarks/models/tp_block.py --out /tmp/tp --smoke   # CPU, gloo, tiny (a check)
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 from _common import add_tp_args, tp_defaults, tp_header, tp_model, tp_steps
+
+from polykernel.tools.rows import RowFile, announce
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 
@@ -58,6 +60,11 @@ def worker(rank: int, init_file: str, args: argparse.Namespace) -> None:
     try:
         mesh = init_device_mesh(device, (WORLD,))
         base, ids, dtype = tp_model(SMOKE if args.smoke else FULL, 4096, args, device)
+        sink = None
+        if rank == 0:  # {**header, "complete", "rows", "results", "speedup", "max_loss_diff"}
+            path = os.path.join(args.out, "tp_block.json")
+            sink = RowFile(path, tp_header(device, WORLD, SMOKE if args.smoke else FULL, dtype, args))
+            announce(2, per_case_s=(10 if args.smoke else 3) * (args.steps + args.warmup), what="runs", path=path)
         results: dict[str, Any] = {}
         for name in ("unpatched", "patched"):
             model = parallelize_llama(copy.deepcopy(base), mesh)
@@ -67,21 +74,18 @@ def worker(rank: int, init_file: str, args: argparse.Namespace) -> None:
             results[name] = run(model, ids, args.steps, args.warmup, device)
             if name == "patched":
                 results[name]["decisions"] = [(d["op"], d["impl"], d.get("subclass")) for d in polykernel.decisions()]
+            if sink is not None:
+                r = results[name]
+                sink.add({"run": name, **r}, f"{name}: {r['tokens_per_s']:.0f} tok/s, {r['median_step_ms']:.1f} ms per step")
             del model
-        if rank == 0:
+        if sink is not None:
             a, b = results["unpatched"], results["patched"]
-            out = {
-                **tp_header(device, WORLD, SMOKE if args.smoke else FULL, dtype, args),
-                "results": results,
-                "speedup": b["tokens_per_s"] / a["tokens_per_s"],
-                "max_loss_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
-            }
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "tp_block.json"), "w") as f:
-                json.dump(out, f, indent=1)
+            speedup = b["tokens_per_s"] / a["tokens_per_s"]
+            diff = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
+            sink.finish(results=results, speedup=speedup, max_loss_diff=diff)
             print(
                 f"unpatched {a['tokens_per_s']:.0f} tok/s, patched {b['tokens_per_s']:.0f} tok/s "
-                f"({out['speedup']:.2f}x), max |loss diff| {out['max_loss_diff']:.2e}; ran: {sorted(set(b['decisions']))}"
+                f"({speedup:.2f}x), max |loss diff| {diff:.2e}; ran: {sorted(set(b['decisions']))}"
             )
     finally:
         dist.barrier()

@@ -15,7 +15,8 @@ AdamW), same seed, weights and data, three ways:
 
 Rank 0 writes JSON to ``--json``: per path tokens/s (median step of the timed ones), peak memory
 per rank (max over the ranks), the losses; and the ratios against ``gather_weight`` and
-``gather_logits``::
+``gather_logits``. Each path's record is written (``rows``) as it ends, ``complete`` false until
+the last::
 
     torchrun --nproc-per-node 2 benchmarks/models/tp_vocab_loss.py --json results/tp-vocab.json           # 2 GPUs, NCCL
     torchrun --nproc-per-node 2 benchmarks/models/tp_vocab_loss.py --json /tmp/tp-vocab.json --smoke      # CPU, gloo, tiny
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 from _common import add_tp_args, tp_defaults, tp_header, tp_model, tp_steps
+
+from polykernel.tools.rows import RowFile, announce
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 
@@ -97,8 +99,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         mesh = init_device_mesh(device, (world,))
         base, ids, dtype = tp_model(SMOKE if args.smoke else FULL, 8192, args, device)
+        paths = args.paths.split(",")
+        sink = None
+        if rank == 0:  # {**header, "complete", "rows", "results", "vs_gather_weight", "vs_gather_logits"}
+            sink = RowFile(args.json, tp_header(device, world, SMOKE if args.smoke else FULL, dtype, args))
+            announce(len(paths), per_case_s=(10 if args.smoke else 5) * (args.steps + args.warmup), what="paths", path=args.json)
         results: dict[str, Any] = {}
-        for path in args.paths.split(","):
+        for path in paths:
             use_path(path)
             model = pkt.patch(parallelize_llama(copy.deepcopy(base), mesh))
             polykernel.clear_caches()
@@ -106,13 +113,12 @@ def main(argv: list[str] | None = None) -> None:
                 results[path] = run(model, ids, args.steps, args.warmup, device)
             except torch.OutOfMemoryError as exc:
                 results[path] = {"error": f"OutOfMemoryError: {exc}"}
+            if sink is not None:
+                sink.add({"path": path, **results[path]}, f"{path} { ({k: v for k, v in results[path].items() if k != 'losses'}) }")
             del model
         use_path("vocab_parallel")
-        if rank == 0:
-            out: dict[str, Any] = {
-                **tp_header(device, world, SMOKE if args.smoke else FULL, dtype, args),
-                "results": results,
-            }
+        if sink is not None:
+            out: dict[str, Any] = {"results": results}
             ours = results.get("vocab_parallel", {})
             for other in ("gather_weight", "gather_logits"):
                 theirs = results.get(other, {})
@@ -122,11 +128,7 @@ def main(argv: list[str] | None = None) -> None:
                         "peak_mem_ratio": (ours["peak_mem_gib_max_rank"] / theirs["peak_mem_gib_max_rank"]) if device == "cuda" else None,
                         "max_loss_diff": max(abs(x - y) for x, y in zip(ours["losses"], theirs["losses"])),
                     }
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
-            for path, r in results.items():
-                print(path, {k: v for k, v in r.items() if k != "losses"})
+            sink.finish(**out)
             print({k: v for k, v in out.items() if k.startswith("vs_")})
     finally:
         dist.barrier()

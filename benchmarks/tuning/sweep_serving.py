@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import statistics
 import sys
@@ -73,6 +72,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sweep_tuning as st  # this folder's sibling: its helpers (not a package)
+
+from polykernel.tools.rows import RowFile, announce
 
 OPS = (
     "silu_and_mul",
@@ -129,9 +130,9 @@ def _row(base: dict[str, Any], impl: str, mode: str, error: str | None) -> dict[
     return {**base, "impl": impl, "mode": mode, "ms": None, "us": None, "TB/s": None, "error": error}
 
 
-def sweep(smoke: bool, ops: list[str], tokens: list[int], after_op: Any = None) -> list[dict[str, Any]]:
-    """Every row of the sweep; ``after_op(rows)`` is called once each op is done (partial files:
-    a run stopped at its time limit keeps the ops it finished)."""
+def sweep(smoke: bool, ops: list[str], tokens: list[int], after_op: Any = None, sink: RowFile | None = None) -> list[dict[str, Any]]:
+    """Every row of the sweep; each point's rows go to ``sink`` once timed (a run stopped at its
+    time limit keeps them), and ``after_op(rows)`` is called once each op is done."""
     import torch
 
     import polykernel
@@ -151,6 +152,7 @@ def sweep(smoke: bool, ops: list[str], tokens: list[int], after_op: Any = None) 
             args, kwargs = case.args, dict(case.kwargs)
             nbytes = op.bytes_moved(*args, backward=False)
             base = {"op": op_name, "tokens": t, "width": n, "shape": bench._label(op_name, (t, n)), "bytes": nbytes}
+            first = len(rows)  # this point's rows start here
             print(f"{op_name} {base['shape']}", file=sys.stderr, flush=True)
             verdicts = st._candidates(op_name, args)
             # The tuned call first, on the example's own arguments (the in-place ops rewrite them
@@ -182,9 +184,18 @@ def sweep(smoke: bool, ops: list[str], tokens: list[int], after_op: Any = None) 
             _time_all(contenders, timers, 1 if smoke else st.ROUNDS, device)
             if device == "cuda":
                 torch.cuda.empty_cache()
+            if sink is not None:
+                for row in rows[first:]:
+                    sink.add(row, _row_line(row))
         if after_op is not None:
             after_op(rows)
     return rows
+
+
+def _row_line(row: dict[str, Any]) -> str:
+    """One timed row, as printed when it is kept."""
+    why = "" if row["error"] is None else f" ({row['error']})"
+    return f"{row['op']} {row['shape']} {row['mode']} {row['impl']}: {_us(row['us'])} µs{why}"
 
 
 def _error(exc: BaseException) -> str:
@@ -322,18 +333,23 @@ def main(argv: list[str] | None = None) -> int:
         ),
     }
 
+    # {"meta", "complete", "rows", "summary"}: rows written per point; the summary so far per op
+    sink = RowFile(out / "sweep_serving.json", {"meta": meta})
+    announce(len(a.ops) * len(tokens), per_case_s=1 if a.smoke else 3, what="points (op, tokens)", path=str(sink.path))
+
     def write(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         summary = summarize(rows)
         meta["seconds"] = round(time.perf_counter() - started, 1)
-        (out / "sweep_serving.json").write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary}, indent=1))
+        sink.header["summary"] = summary  # in the file from the next row on, and at finish
         with open(out / "sweep_serving.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
             w.writeheader()
             w.writerows(rows)
         return summary
 
-    rows = sweep(a.smoke, a.ops, tokens, after_op=write)
+    rows = sweep(a.smoke, a.ops, tokens, after_op=write, sink=sink)
     summary = write(rows)
+    sink.finish()
     plotted = st.plot(
         rows, summary, out / "sweep_serving.png", x="tokens", y="us", title="{op} {mode} (bf16)", log_y=True, cols=2, order=OPS
     )

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import os
 import statistics
@@ -33,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from polykernel.tools.rows import RowFile, announce
 
 OPS = ("rms_norm", "softmax", "cross_entropy")
 TARGET_BYTES = 2**28  # x is 256 MiB in bf16 at every N
@@ -112,7 +113,8 @@ def _tuned_graph_choice(op: Any, args: tuple[Any, ...]) -> str | None:
     return entry.get("graph" if args[0].device.type == "cuda" else "eager")
 
 
-def sweep(out: Path, smoke: bool, ops: list[str]) -> list[dict[str, Any]]:
+def sweep(out: Path, smoke: bool, ops: list[str], sink: RowFile | None = None) -> list[dict[str, Any]]:
+    """The rows of every point; each point's rows go to ``sink`` once timed (a cut run keeps them)."""
     import torch
 
     import polykernel
@@ -134,6 +136,7 @@ def sweep(out: Path, smoke: bool, ops: list[str]) -> list[dict[str, Any]]:
                 grads = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
                 nbytes = op.bytes_moved(*args, backward=backward)
                 base = {"op": op_name, "mode": mode, "M": m, "N": n, "bytes": nbytes}
+                first = len(rows)  # this point's rows start here
                 print(f"{op_name} {mode} {m}x{n}", file=sys.stderr, flush=True)
                 # Every runnable impl forced with impl=, and the tuned public call (measured and
                 # stored on its first, eager, call), timed in ROUNDS interleaved rounds; the median
@@ -166,7 +169,16 @@ def sweep(out: Path, smoke: bool, ops: list[str]) -> list[dict[str, Any]]:
                         row.update({"ms": ms, "TB/s": nbytes / (ms * 1e-3) / 1e12, "samples_ms": samples[name]})
                 if tuned["error"] is None:
                     tuned["chosen"] = _tuned_graph_choice(op, args)
+                if sink is not None:
+                    for row in rows[first:]:
+                        sink.add(row, _row_line(row))
     return rows
+
+
+def _row_line(row: dict[str, Any]) -> str:
+    """One measured row, as printed when it is kept."""
+    what = f"{row['ms']:.4f} ms" if row.get("ms") is not None else f"({row.get('error')})"
+    return f"{row['op']} {row['mode']} {row['M']}x{row['N']} {row['impl']}{' -> ' + str(row['chosen']) if 'chosen' in row else ''}: {what}"
 
 
 def summarize(rows: list[dict[str, Any]], dim: str = "N") -> list[dict[str, Any]]:
@@ -291,19 +303,23 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     out = prepare(p, a.out, a.smoke)
     started = time.perf_counter()
-    rows = sweep(out, a.smoke, a.ops)
-    summary = summarize(rows)
     import torch
 
-    meta = {
+    meta: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if not a.smoke else "cpu (smoke)",
         "torch": torch.__version__,
         "dtype": "bfloat16",
         "sizes": "M = 2^27 / N rows: x (logits) 256 MiB at every N" if not a.smoke else "smoke",
         "timing": "CUDA-graph replays, do_bench(warmup=5, rep=20)" if not a.smoke else "CPU wall clock",
-        "seconds": round(time.perf_counter() - started, 1),
     }
-    (out / "sweep_tuning.json").write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary}, indent=1))
+    # {"meta", "complete", "rows", "summary"}: the rows written per point, the summary at the end
+    sink = RowFile(out / "sweep_tuning.json", {"meta": meta})
+    points = len(a.ops) * len(_sizes(a.smoke)) * 2
+    announce(points, per_case_s=2 if a.smoke else 4, what="points (op, size, mode)", path=str(sink.path))
+    rows = sweep(out, a.smoke, a.ops, sink)
+    summary = summarize(rows)
+    meta["seconds"] = round(time.perf_counter() - started, 1)
+    sink.finish(summary=summary)
     with open(out / "sweep_tuning.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["op", "mode", "M", "N", "impl", "chosen", "ms", "TB/s", "bytes", "error"], extrasaction="ignore")
         w.writeheader()

@@ -30,6 +30,7 @@ def test_smoke_sweep_writes_results_and_the_table(tmp_path, monkeypatch, capsys)
     assert sweep.main(["--out", str(tmp_path), "--smoke", "--ops", *SMOKE_OPS]) == 0
     polykernel.clear_caches()
     data = json.loads((tmp_path / "sweep_serving.json").read_text())
+    assert data["complete"] is True and data["meta"]["seconds"] >= 0  # written per point, finished at the end
     rows = data["rows"]
     points = {(op, mode, t) for op in SMOKE_OPS for mode in ("graph", "eager") for t in (1, 8)}
     assert {(s["op"], s["mode"], s["tokens"]) for s in data["summary"]} == points

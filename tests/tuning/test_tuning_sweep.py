@@ -28,6 +28,7 @@ def test_smoke_sweep_writes_results_and_the_table(tmp_path, monkeypatch, capsys)
     assert sweep.main(["--out", str(tmp_path), "--smoke", "--ops", "softmax"]) == 0
     polykernel.clear_caches()
     data = json.loads((tmp_path / "sweep_tuning.json").read_text())
+    assert data["complete"] is True and data["meta"]["seconds"] >= 0  # written per point, finished at the end
     impls = {r["impl"] for r in data["rows"]}
     assert {"torch", "tuned"} <= impls and "triton" in impls  # every runnable impl, and the tuned call
     assert {(s["op"], s["mode"], s["N"]) for s in data["summary"]} == {("softmax", m, n) for m in ("fwd", "fwd+bwd") for n in (64, 256)}
