@@ -264,7 +264,7 @@ def mean_of_sum(op_id: str, run: Any, args: tuple[Any, ...]) -> Any:
 def register_built() -> None:
     """Register the rules of every custom op the library has built so far."""
     from ..core import registry
-    from . import library
+    from .store import _built  # what library built (not library itself: no import circle)
 
-    for op_id, compiled in library.built().items():
+    for op_id, compiled in dict(_built).items():
         register(registry.get_op(op_id), compiled)

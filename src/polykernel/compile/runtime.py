@@ -1,0 +1,155 @@
+"""The run-time bodies of the custom ops: select and run through the dispatcher, outputs that
+alias nothing, the reference's outputs on fake tensors, the torch impl's split (the saved layout)."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .. import _compat
+from ..core import registry
+from ..core.op import Op
+from ..errors import OpArgumentError
+from ..spec import KernelBackend, Split
+
+
+def _has_dtensor(args: Sequence[Any]) -> bool:
+    """Whether any argument is a DTensor (only looked up if torch.distributed.tensor is loaded)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(mod, "DTensor", None)
+    return dtensor is not None and any(isinstance(a, dtensor) for a in args)
+
+
+def _select_and_run(op: Op, impl: str | None, args: Sequence[Any], names: Sequence[str] | None) -> Any:
+    """The dispatcher's eager path (:meth:`Op.run`: ``Op.call`` minus its compile check, which
+    would re-enter the custom op while a compile is in progress). ``names``: pass the arguments
+    to ``op.key`` by name (its signature is the public function's, with keyword-only options)."""
+    argkey = op.key(**dict(zip(names, args))) if names is not None else op.key(*args)
+    return op.run(impl, argkey, *args)
+
+
+def _training_decision(op: Op, impl: str | None, args: Sequence[Any], names: Sequence[str] | None) -> Any:
+    """The dispatcher's decision for a training call (``needs_grad`` True), without running it:
+    the forward and the backward of a compiled graph both ask this, so that with unchanged
+    state they pick the same impl (the key mirrors :meth:`Op.run`'s, with needs_grad set)."""
+    args = tuple(args)
+    argkey = op.key(**dict(zip(names, args))) if names is not None else op.key(*args)
+    argkey = (*argkey[:2], True, *argkey[3:])  # fields start (device, dtype, needs_grad)
+    return op.decision_for(impl, argkey, args)
+
+
+def _valid(op: Op, args: Sequence[Any]) -> bool:
+    """Whether ``args`` pass the op's validation (True for an op without one)."""
+    if op.validate is None:
+        return True
+    try:
+        op.validate(*args)
+    except OpArgumentError:
+        return False
+    return True
+
+
+def _split_of(fn: Any) -> Split | None:
+    split = getattr(fn, "split", None)
+    return split if isinstance(split, Split) else None
+
+
+def _layout_split(op: Op) -> Split | None:
+    """The split that defines the op's saved layout: the torch impl's (None: nothing is saved)."""
+    spec = registry.specs_for(op).get("torch")
+    if spec is None:
+        return None
+    try:
+        return _split_of(registry.load_impl(spec))
+    except Exception:  # the torch impl always imports; if not, the op saves nothing
+        return None
+
+
+def _key_names(op: Op, names: Sequence[str]) -> tuple[str, ...] | None:
+    """The parameter names to call ``op.key`` with by keyword, or None to call it positionally."""
+    try:
+        inspect.signature(op.key).bind(**dict.fromkeys(names))
+        return tuple(names)
+    except TypeError:
+        return None
+
+
+def _impl_str(impl: Any) -> str:
+    """``impl=`` as the schema's ``str``: a preference list becomes ``"a,b"`` (the dispatcher
+    parses both forms the same way)."""
+    if isinstance(impl, KernelBackend):
+        return impl.value
+    return ",".join(v.value if isinstance(v, KernelBackend) else str(v) for v in impl)
+
+
+def _current(op_id: str) -> Op:
+    """The op object registered under ``op_id`` now (a dict read; ``get_op`` on a miss)."""
+    op = registry.loaded_op(op_id)
+    return op if op is not None else registry.get_op(op_id)
+
+
+def _storage_id(t: torch.Tensor) -> int | None:
+    try:
+        return _compat.storage_id(t)
+    except Exception:  # tensors without storage (some subclasses) cannot alias
+        return None
+
+
+def _fresh(outputs: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
+    """Outputs that alias no input and no other output, each contiguous (the fake impl's layout)."""
+    seen = {s for a in inputs if isinstance(a, torch.Tensor) and (s := _storage_id(a)) is not None}
+    out = []
+    for o in outputs:
+        if isinstance(o, torch.Tensor):
+            s = _storage_id(o)
+            if s is not None and s in seen:
+                o = o.clone(memory_format=torch.contiguous_format)
+                s = _storage_id(o)
+            elif not o.is_contiguous():
+                o = o.contiguous()
+            if o.requires_grad:
+                o = o.detach()
+            if s is not None:
+                seen.add(s)
+        out.append(o)
+    return out
+
+
+def _as_tuple(out: Any) -> tuple[Any, ...]:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+# A guard that takes autograd's keys out of this thread's excluded dispatch keys: a custom op's
+# kernels run below autograd (polykernel._compat: without the private guard, none).
+_autograd_on = _compat.autograd_keys_on
+
+
+def _reference_outputs(op: Op, args: Sequence[Any]) -> tuple[Any, ...]:
+    """The reference's outputs on fake (or meta) arguments, for their shapes and dtypes.
+
+    The reference runs as at the top of a trace, with the autograd keys on (a fake impl runs below
+    autograd): composite ops such as cross_entropy then decompose through their C++ kernels.
+    Below autograd, FakeTensorMode decomposes them through Python refs, some of which are wrong
+    (torch 2.13's nll_loss ref misreads ``reduction``: a [0]-shaped mean for empty inputs, a
+    scalar for "none"). Where this torch has no guard for that, the op's declared ``outputs``
+    (checked against the reference on each decision's first call) give them instead."""
+    if not _compat.autograd_keys_guarded() and op.outputs is not None:
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        return tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in op.outputs(*args))
+    with _autograd_on(), torch.no_grad():
+        return _as_tuple(op.reference(*args))
+
+
+def _output_grads(op: Op, grads: Sequence[torch.Tensor | None], args: Sequence[Any]) -> list[torch.Tensor]:
+    """``grads`` with zeros for the outputs that took none (a split's backward wants a tensor
+    for every output); their shapes come from the reference run on meta tensors."""
+    if all(g is not None for g in grads):
+        return list(grads)
+    metas = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
+    outs = _reference_outputs(op, metas)
+    device = args[0].device
+    return [g if g is not None else torch.zeros(o.shape, dtype=o.dtype, device=device) for g, o in zip(grads, outs)]

@@ -1,0 +1,65 @@
+"""The selection layer's process state: settings, fault marks, once-only log records, the
+record of decisions, the env check and strict mode. Mutated in place only (other modules and
+tests hold these objects), never rebound."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any
+
+from ... import env
+from .. import registry
+
+if TYPE_CHECKING:
+    from .resolution import Decision
+
+log = logging.getLogger("polykernel")
+
+# Scope entries, innermost last: (op id or None, impl names). A tuple, so it can be a memo key.
+_scope: ContextVar[tuple[tuple[str | None, tuple[str, ...]], ...]] = ContextVar("polykernel_scope", default=())
+SCOPE = _scope  # the ContextVar itself: the hot path reads it (core.op)
+_global: dict[str | None, tuple[str, ...]] = {}
+_broken: dict[tuple[str, tuple[Any, ...]], dict[str, str]] = {}
+_logged: set[tuple[Any, ...]] = set()
+_lock = threading.RLock()
+
+
+def strict_mode() -> bool:
+    # Read on slow paths only (a new decision, a runtime fault): a bad value raises there.
+    return env.flag("POLYKERNEL_STRICT", False)
+
+
+_env_checked = False  # env.check ran since the last clear_caches (it warns of misspelt names)
+
+
+def _check_env() -> None:
+    global _env_checked
+    if not _env_checked:
+        with _lock:  # threads meeting their first decisions at once warn once
+            if not _env_checked:
+                env.check([op_id.rpartition(".")[2] for op_id in registry.all_op_ids()], strict_mode())
+                _env_checked = True  # not before: under strict mode every decision raises until fixed
+
+
+def reset_env_check() -> None:
+    """Make the next decision run :func:`polykernel.env.check` again (``clear_caches``)."""
+    global _env_checked
+    _env_checked = False
+
+
+def log_once(key: tuple[Any, ...], message: str) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        log.warning(message)
+
+
+# Ops whose tensor-subclass arguments a layer above routes itself (polykernel.distributed.dtensor adds its ops
+# when a DTensor is first seen, then clears the memos): their decisions all take the subclass
+# check, so a DTensor never reaches even a torch impl directly. Empty, and free, until then.
+routed: set[str] = set()
+
+# Decisions made since the last clear_caches(), by (op id, memo key), in the order first made.
+# Separate from the ops' memos, which are dropped whenever an op's impls or settings change.
+_record: dict[tuple[str, tuple[Any, ...]], Decision] = {}
