@@ -303,6 +303,34 @@ def test_fused_attention_past_the_static_cache_raises_as_index_copy_does(monkeyp
     assert len(calls) == 2 and torch.equal(cache.layers[0].keys, keys)
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_fused_kernel_that_fails_falls_back_once_logged_or_raises_when_strict(monkeypatch, caplog, strict):
+    # (on 2026-12-03 the H200's Triton refused to compile the kernel while the interpreter ran it)
+    from polykernel.integrations import _inference
+
+    monkeypatch.setattr(_inference, "_FUSED_OFF", [])
+    monkeypatch.setenv("POLYKERNEL_STRICT", "1" if strict else "0")
+
+    def broken(*args):
+        raise RuntimeError("CompilationError: no such kernel here")
+
+    monkeypatch.setattr(_inference, "_rope_kv_write", broken)
+    ref, model = pair(layers=2)
+    if strict:
+        with pytest.raises(RuntimeError, match="CompilationError"):
+            _decode_with_cache(model, transformers.StaticCache(config=model.config, max_cache_len=16))
+        return
+    with caplog.at_level("WARNING", logger="polykernel"):
+        got, got_cache = _decode_with_cache(model, transformers.StaticCache(config=model.config, max_cache_len=16))
+    want, want_cache = _decode_with_cache(ref, transformers.StaticCache(config=ref.config, max_cache_len=16))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert [r.getMessage().count("fused RoPE") for r in caplog.records] == [1]
+    for (gk, gv, gn), (wk, wv, wn) in zip(got_cache, want_cache, strict=True):
+        torch.testing.assert_close(gk, wk, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gv, wv, rtol=1e-5, atol=1e-5)
+        assert int(gn) == int(wn)
+
+
 def test_merged_qkv_adds_no_memory_and_keeps_the_state_dict():
     ref = tiny_llama(layers=2)
     model = copy.deepcopy(ref)

@@ -396,13 +396,17 @@ def fused_attention_forward(unfused: Callable, attention_functions: Any, default
         *args: Any,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, Any]:
-        fused = _fused_call(self, hidden_states, position_embeddings, args, kwargs)
+        fused = None if _FUSED_OFF else _fused_call(self, hidden_states, position_embeddings, args, kwargs)
         if fused is None:
             return unfused(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
         layer, hq, hk, t, kw = fused
         cos, sin = position_embeddings  # type: ignore[misc]
         qkv = F.linear(hidden_states, _merged(self, QKV, "weight"), _merged(self, QKV, "bias"))
-        query = _rope_kv_write(qkv, hq, hk, cos, sin, layer.cumulative_length, layer.keys, layer.values)
+        try:
+            query = _rope_kv_write(qkv, hq, hk, cos, sin, layer.cumulative_length, layer.keys, layer.values)
+        except Exception as exc:  # e.g. a Triton that cannot compile the kernel: before any write
+            _fused_failed(exc)
+            return unfused(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
         layer.cumulative_length.add_(t)  # after the launch: its programs read the counter
         interface = attention_functions.get_interface(self.config._attn_implementation, default_attention)
         out, weights = interface(
@@ -420,6 +424,28 @@ def fused_attention_forward(unfused: Callable, attention_functions: Any, default
 
     forward._polykernel = getattr(unfused, "_polykernel", "rope")  # type: ignore[attr-defined]
     return forward
+
+
+# Set when the fused kernel failed once (logged once): every later call runs the unfused forward.
+_FUSED_OFF: list[str] = []
+
+
+def _fused_failed(exc: Exception) -> None:
+    """The fused launch raised (a compile error is raised before anything is written): under
+    ``POLYKERNEL_STRICT=1`` that is the error; else log once and run the unfused forward from now on."""
+    import logging
+
+    from ..core.selection.state import strict_mode
+
+    if strict_mode() or isinstance(exc, IndexError):  # IndexError: the cache is full, as index_copy_ says
+        raise exc
+    if not _FUSED_OFF:
+        _FUSED_OFF.append(f"{type(exc).__name__}: {exc}")
+        logging.getLogger("polykernel").warning(
+            "polykernel: patch(mode='inference'): the fused RoPE + KV-cache write failed (%s); running transformers' "
+            "attention forward from now on (POLYKERNEL_STRICT=1 makes this an error)",
+            _FUSED_OFF[0].splitlines()[0][:300],
+        )
 
 
 def _rope_kv_write(*args: Any) -> torch.Tensor:

@@ -86,22 +86,22 @@ def _rope_kv_kernel(
             po = QO + b * so_b + t * so_t + h * so_h
             tl.store(po + d * so_d, o1.to(QO.dtype.element_ty), mask=mask)
             tl.store(po + (d + HALF) * so_d, o2.to(QO.dtype.element_ty), mask=mask)
-        else:
-            h = (hb - nq).to(tl.int64) * BLOCK_H + hh
-            mask = (h < hk_ok) & dm
-            px = x_row + (HQ + h) * sx_h
-            x1 = tl.load(px + d * sx_d, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(px + (d + HALF) * sx_d, mask=mask, other=0.0).to(tl.float32)
-            po = KC + b * sk_b + h * sk_h + tl.where(ok, pos, 0) * sk_l
-            tl.store(po + d * sk_d, (x1 * c1 - x2 * s1).to(KC.dtype.element_ty), mask=mask)
-            tl.store(po + (d + HALF) * sk_d, (x2 * c2 + x1 * s2).to(KC.dtype.element_ty), mask=mask)
+        else:  # (each branch's names are its own: compiled Triton unifies names across branches)
+            hk = (hb - nq).to(tl.int64) * BLOCK_H + hh
+            kmask = (hk < hk_ok) & dm
+            pk = x_row + (HQ + hk) * sx_h
+            k1 = tl.load(pk + d * sx_d, mask=kmask, other=0.0).to(tl.float32)
+            k2 = tl.load(pk + (d + HALF) * sx_d, mask=kmask, other=0.0).to(tl.float32)
+            pkc = KC + b * sk_b + hk * sk_h + tl.where(ok, pos, 0) * sk_l
+            tl.store(pkc + d * sk_d, (k1 * c1 - k2 * s1).to(KC.dtype.element_ty), mask=kmask)
+            tl.store(pkc + (d + HALF) * sk_d, (k2 * c2 + k1 * s2).to(KC.dtype.element_ty), mask=kmask)
     else:  # v: copy
-        h = (hb - nq - nk).to(tl.int64) * BLOCK_H + hh
+        hv = (hb - nq - nk).to(tl.int64) * BLOCK_H + hh
         e = tl.arange(0, 2 * BLOCK_D).to(tl.int64)[None, :]
-        mask = (h < hk_ok) & (e < 2 * HALF)
-        v = tl.load(x_row + (HQ + HK + h) * sx_h + e * sx_d, mask=mask, other=0.0)
-        pv = VC + b * sv_b + h * sv_h + tl.where(ok, pos, 0) * sv_l
-        tl.store(pv + e * sv_d, v.to(VC.dtype.element_ty), mask=mask)
+        vmask = (hv < hk_ok) & (e < 2 * HALF)
+        v = tl.load(x_row + (HQ + HK + hv) * sx_h + e * sx_d, mask=vmask, other=0.0)
+        pv = VC + b * sv_b + hv * sv_h + tl.where(ok, pos, 0) * sv_l
+        tl.store(pv + e * sv_d, v.to(VC.dtype.element_ty), mask=vmask)
 
 
 # ---------------------------------------------------------------------------------------------
