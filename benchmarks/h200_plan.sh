@@ -98,14 +98,16 @@ case $part in
     step pref-bench 120 python3 -m polykernel bench --no-compile --out "$R/pref" "${PREF_OPS[@]}"
     step pref-script 90 python3 benchmarks/kernels/preference_losses.py --json "$R/pref.json"
     ;;
-  moe)
-    gpu_tests moe-tests 200 tests/ops/test_moe_paths.py tests/ops/test_moe.py tests/ops/test_moe_gpt_oss.py  # 176 s on 2026-12-03 (fp32 large parity: 100 s)
-    step moe-layer 120 python3 benchmarks/kernels/moe_paths.py --profile --rep 200 --jsonl "$R/moe_paths.jsonl"
-    step moe-sweep 130 python3 benchmarks/kernels/moe_paths.py --sweep --rep 100 --jsonl "$R/moe_sweep.jsonl"
+  moe)  # each test file on its own (2026-12-03, fresh machine: gpt-oss 54 s; the other two cut at 50-65 s, compiling)
+    for f in test_moe_paths test_moe test_moe_gpt_oss; do
+      gpu_tests "$f" 120 "tests/ops/$f.py" --durations=0
+    done
+    step moe-layer 80 python3 benchmarks/kernels/moe_paths.py --rep 150 --jsonl "$R/moe_paths.jsonl"
+    step moe-sweep 130 python3 benchmarks/kernels/moe_paths.py --sweep --rep 80 --jsonl "$R/moe_sweep.jsonl"
     ;;
-  moe-train)  # carries .whl/ with the Liger wheel (the header's Notes): the Liger variant needs it
-    step train-mixtral 200 python3 benchmarks/models/moe_train.py --model mixtral --steps 8 --only plain,polykernel,liger --timeout 90 --json "$R/train_mixtral.json"
-    step train-qwen 200 python3 benchmarks/models/moe_train.py --model qwen3_moe --steps 8 --only plain,polykernel,liger,compile --timeout 90 --json "$R/train_qwen.json"
+  moe-train)  # carries .whl/ with the Liger wheel (the header's Notes); Liger's Qwen3-MoE ran no step in 170 s on 2026-12-03
+    step train-mixtral 200 python3 benchmarks/models/moe_train.py --model mixtral --steps 6 --only plain,polykernel,liger --timeout 60 --json "$R/train_mixtral.json"
+    step train-qwen 300 python3 benchmarks/models/moe_train.py --model qwen3_moe --steps 8 --only plain,polykernel,compile,liger --timeout 90 --json "$R/train_qwen.json"
     ;;
   decode)
     step drift 120 python3 benchmarks/models/decode_drift.py --batches 1,8,32,128 --jsonl "$R/drift.jsonl"
