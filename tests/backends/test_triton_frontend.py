@@ -35,3 +35,35 @@ def test_rope_kv_write_kernel_compiles_for_sm90(dtype):
 
     types = {n: f"*{dtype}" for n in ("QKV", "COS", "SIN", "QO", "KC", "VC")} | {"CUM": "*i64"}
     assert "tt.func" in _frontend(_rope_kv_kernel, types, {"HALF": 32, "BLOCK_H": 8, "BLOCK_D": 32})
+
+
+def test_every_kernel_the_ops_launch_compiles_for_sm90(tmp_path):
+    # Every (kernel, signature, constexprs) that the ops' triton impls launch on their cases,
+    # every float dtype, forward and backward (_triton_frontend_jobs.py says how), through the
+    # frontend. Two processes: the launches are recorded under the interpreter without running,
+    # then compiled without it.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    here = Path(__file__).with_name("_triton_frontend_jobs.py")
+    src = str(Path(__file__).parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    jobs = tmp_path / "jobs.pkl"
+    run = subprocess.run(
+        [sys.executable, str(here), "collect", str(jobs)], env={**env, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    import pickle
+
+    recorded = pickle.loads(jobs.read_bytes())
+    assert not recorded["errors"], "\n".join(recorded["errors"][:20])
+    names = {name for _, name, _, _ in recorded["jobs"]}
+    assert {"_rms_fwd_kernel", "_act_bwd_kernel", "_combine_kernel"} <= names, sorted(names)  # the sweep reaches them
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run([sys.executable, str(here), "compile", str(jobs)], env=env, capture_output=True, text=True, timeout=600)
+    failed = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
+    assert run.returncode == 0 and not failed, "\n".join(failed[:20]) + run.stderr[-2000:]
+    assert f"compiled {len(recorded['jobs'])}" in run.stdout

@@ -1,0 +1,128 @@
+"""The two halves of ``test_triton_frontend``'s sweep, each run in its own process:
+
+- ``collect OUT``: under Triton's interpreter, call every op's triton impl on the op's cases
+  (every float dtype it takes, forward and backward; the MoE ops on both of their paths) with
+  each kernel launch recorded and *not run* (the host code runs as it would; the outputs are
+  left unwritten, which is why this runs apart from the other tests). Writes the distinct
+  (kernel, signature, constexprs) launched to OUT (pickle).
+- ``compile JOBS``: without the interpreter, run each through Triton's frontend (Python AST to
+  TTIR) for sm_90, which needs no GPU; print one line per kernel that does not compile.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import sys
+
+
+def _signature(jit, args: tuple, kwargs: dict) -> tuple[dict, dict]:
+    import torch
+
+    names = [p.name for p in jit.params]
+    bound = dict(zip(names, args, strict=False))
+    bound.update({k: v for k, v in kwargs.items() if k in names})
+    types = {
+        torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+        torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
+        torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5",
+    }  # fmt: skip
+    sig: dict = {}
+    const: dict = {}
+    for i, p in enumerate(jit.params):
+        v = bound[p.name] if p.name in bound else p.default
+        if p.is_constexpr or v is None:
+            sig[p.name] = "constexpr"
+            const[(i,)] = v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + types[v.dtype]
+        elif isinstance(v, bool):
+            sig[p.name] = "i1"
+        elif isinstance(v, int):
+            sig[p.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        else:
+            raise TypeError(f"{jit.fn.__name__}: argument {p.name} of type {type(v).__name__}")
+    return sig, const
+
+
+def collect(out: str) -> None:
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    from polykernel.backends.triton import _grouped_mm
+    from polykernel.core.registry import REGISTRY
+    from polykernel.testing import _public_fn, fresh, runnable_impls
+
+    launches: dict[int, tuple] = {}
+
+    def record(self, *args, **kwargs):  # the launch is recorded, not run
+        launches.setdefault(id(self.fn), (self.fn, []))[1].append((args, kwargs))
+
+    InterpretedFunction.run = record
+    errors = []
+    for mode in ("auto", "grouped_mm"):
+        _grouped_mm.MODE = mode
+        for op_id in REGISTRY.all_op_ids():
+            if mode != "auto" and "moe" not in op_id:
+                continue
+            op = REGISTRY.get_op(op_id)
+            fn = _public_fn(op)
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                if "triton" not in runnable_impls(op_id, "cpu", dtype):
+                    continue
+                for case in op.cases("cpu", dtype):
+                    try:
+                        out_ = fn(*[fresh(a) for a in case.args], impl="triton", **case.kwargs)
+                        outs = out_ if isinstance(out_, tuple) else (out_,)
+                        need = [o.float().sum() for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+                        if need:
+                            torch.autograd.backward(need)
+                    except Exception as exc:  # reported; the kernels launched before it still count
+                        errors.append(f"{op_id} {case.label} {dtype}: {type(exc).__name__}: {str(exc)[:200]}")
+    jobs, seen = [], set()
+    for fn, calls in launches.values():
+        jit = JITFunction(fn)
+        for args, kwargs in calls:
+            sig, const = _signature(jit, args, kwargs)
+            key = (fn.__module__, fn.__name__, tuple(sig.items()), tuple(sorted((k, repr(v)) for k, v in const.items())))
+            if key not in seen:
+                seen.add(key)
+                jobs.append((fn.__module__, fn.__name__, sig, const))
+    with open(out, "wb") as f:
+        pickle.dump({"jobs": jobs, "errors": errors}, f)
+
+
+def compile_all(path: str) -> None:
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.compiler import ASTSource
+
+    with open(path, "rb") as f:
+        jobs = pickle.load(f)["jobs"]
+    target = GPUTarget("cuda", 90, 32)
+    backend = CUDABackend(target)
+    opts = backend.parse_options({})
+    for module, name, sig, const in jobs:
+        kernel = getattr(importlib.import_module(module), name)
+        ctx = ir.context()
+        ir.load_dialects(ctx)
+        try:
+            ASTSource(kernel, sig, const).make_ir(target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), ctx)
+        except Exception as exc:
+            last = [line for line in str(exc).splitlines() if line.strip()][-1:] or [type(exc).__name__]
+            print(f"FAILED {module}.{name} {sig}: {last[0][:300]}", flush=True)
+    print(f"compiled {len(jobs)}", flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "collect":
+        assert os.environ.get("TRITON_INTERPRET") == "1"
+        collect(sys.argv[2])
+    else:
+        assert os.environ.get("TRITON_INTERPRET") != "1"
+        compile_all(sys.argv[2])
