@@ -395,7 +395,7 @@ EXPECTED = {
             True,
             False,
             "polykernel.backends.cute_dsl._gates:layer_norm",
-            "polykernel.ops.layer_norm:_cute_rank",
+            "polykernel.backends.cute_dsl._gates:layer_norm_rank",
             "as cute_dsl rms_norm, centred in registers (two-pass variance); dW/dB from per-CTA partials (deterministic)",
         ),
         Row(

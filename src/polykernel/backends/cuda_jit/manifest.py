@@ -11,4 +11,10 @@ IMPLS = {
         description="CUDA C++ (load_inline): one block per row, 128-bit vectors, warp-shuffle sums; forward only; N % (16 bytes) == 0",
         predicate=_gates.rms_norm,
     ),
+    "norm.fused_add_rms_norm": CUDA_JIT.impl(
+        rank=45,
+        supports_backward=False,
+        description="CUDA C++ (load_inline): add and norm in one pass, 128-bit vectors; forward only; N % (16 bytes) == 0",
+        predicate=_gates.fused_add_rms_norm,
+    ),
 }
