@@ -46,6 +46,9 @@ __all__ = [
 # The built-in op catalog: a module above this layer, found by name as plugins are (it also
 # wires the core's hooks to the compile and distributed layers: polykernel.core.hooks).
 CATALOG_MODULE = "polykernel.ops"
+# The backends, which register their impls onto ops through their manifests
+# (polykernel.backends.declared): above this layer too, found by name.
+BACKENDS_MODULE = "polykernel.backends"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +122,10 @@ class Registry:
             hit = self._ops[op_id]
         return hit
 
+    def builtin_impls(self, op: str | Op) -> list[KernelSpec]:
+        """The op's built-in impls as it registered them (before any ``register_impl``)."""
+        return list(self._builtin[self.get_op(op).id].values())
+
     def loaded_op(self, op_id: str) -> Op | None:
         """The op registered under ``op_id`` if its module has been imported (a dict read)."""
         return self._ops.get(op_id)
@@ -128,7 +135,14 @@ class Registry:
         return list(self._ops.values())
 
     def add_op(self, op: Op, impls: Sequence[KernelSpec] = ()) -> None:
-        """Register an :class:`~polykernel.core.op.Op` and the impls it declares (its constructor does)."""
+        """Register an :class:`~polykernel.core.op.Op` (its constructor does) with its built-in
+        impls: those the backends' manifests declare for it, and ``impls`` (an op file's own
+        table, for the ops whose impls have not moved to the manifests yet)."""
+        declared = importlib.import_module(BACKENDS_MODULE).declared(op.id)
+        clash = sorted({s.impl for s in declared} & {s.impl for s in impls})
+        if clash:
+            raise ValueError(f"{op.id}: impls {', '.join(clash)} declared both by the op and by a backend manifest")
+        impls = [*impls, *declared]
         with self.lock:
             self._ops[op.id] = op
             registered = self._specs.setdefault(op.id, {})
@@ -285,6 +299,7 @@ all_op_ids = REGISTRY.all_op_ids
 resolve_op_id = REGISTRY.resolve_op_id
 get_op = REGISTRY.get_op
 loaded_op = REGISTRY.loaded_op
+builtin_impls = REGISTRY.builtin_impls
 loaded_ops = REGISTRY.loaded_ops
 add_op = REGISTRY.add_op
 listen = REGISTRY.listen

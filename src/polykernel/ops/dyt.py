@@ -13,11 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.declare import impls
-from ..backends.liger import LIGER
-from ..backends.liger import _gates as liger_gates
-from ..backends.torch import TORCH
-from ..backends.triton import TRITON
 from ..core.hit_guard import LAST, SHAPE
 from ..core.op import SUM_LAMBDA, Bounds, Case, ErrorModel, Op, rows_and_len
 from ..distributed.layout import ROWS, Layout, rows_with
@@ -172,26 +167,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     )
 
 
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(rank=100, description="the reference's fp32 math; backward saves x and the parameters, recomputes tanh"),
-    TRITON.impl(
-        rank=10,
-        description="one elementwise pass forward; backward over (rows, column blocks), dalpha/dW/dB from per-program partials (deterministic)",
-    ),
-    # Liger (0.8.5): autotuned kernels (a timing sweep on the first call of each N: not CUDA-graph
-    # safe), weight required, and its dalpha and dbias are cast to x's dtype before autograd casts
-    # them to the parameters': the parameters in x's dtype only. Its forward edges ours, its
-    # backward trails ours far (benchmarks/results/h200-2026-12-01-moreops-call.json): behind Triton.
-    LIGER.impl(
-        rank=60,
-        graph_safe=False,
-        description="Liger LigerDyTFunction (autotuned); parameters in x's dtype; dalpha/dW/dB from per-SM partials",
-        predicate=liger_gates.dyt,
-    ),
-)
-
-
 def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     """The reference's output shape and dtype, without running it (the first-call check)."""
     return ((x.shape, x.dtype),)
@@ -211,7 +186,7 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     dtensor_layout=Layout(ROWS, rows_with(), (0,)),  # rows are independent; the parameters replicated
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

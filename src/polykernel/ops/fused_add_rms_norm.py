@@ -13,17 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.cuda_jit import CUDA_JIT
-from ..backends.cuda_jit import _gates as jit_gates
-from ..backends.declare import impls
-from ..backends.liger import LIGER
-from ..backends.liger import _gates as liger_gates
-from ..backends.quack import QUACK
-from ..backends.quack import _gates as quack_gates
-from ..backends.torch import TORCH
-from ..backends.torch_compile import TORCH_COMPILE
-from ..backends.torch_compile import _gates as compile_gates
-from ..backends.triton import TRITON
 from ..core.hit_guard import LAST, SHAPE
 from ..core.op import Bounds, Case, ErrorModel, Op, rows_and_len
 from ..distributed.layout import ROWS, Layout, rows_with
@@ -165,39 +154,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-# Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
-# predicates in backends/{liger,quack}/_gates.py. The comparisons below are from
-# benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file.
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(rank=100, description="x + residual, then the torch rms_norm impl (F.rms_norm where it matches)"),
-    TRITON.impl(rank=10, description="add + RMSNorm in one pass (chunked for long rows); dW from per-program partials (deterministic)"),
-    # Peers not compared with Triton for this op yet: behind it.
-    QUACK.impl(
-        rank=50,
-        description="QuACK rmsnorm(residual=, prenorm=True); normalizes the unrounded fp32 sum",
-        predicate=quack_gates.fused_add_rms_norm,
-    ),
-    LIGER.impl(
-        rank=60,
-        description="Liger LigerFusedAddRMSNormFunction (gemma casting); N <= 65536",
-        predicate=liger_gates.fused_add_rms_norm,
-    ),
-    # torch.compile: rank 110 (the backend's), behind torch: auto never pays its compile; measured
-    # selection charges the compile (tuning/measure.py), impl="torch_compile" forces it.
-    TORCH_COMPILE.impl(
-        description="the reference (add, then rms_norm) under torch.compile(dynamic=True), one fused Inductor kernel; compiles on a class's first call",
-        predicate=compile_gates.fused_add_rms_norm,
-    ),
-    CUDA_JIT.impl(
-        rank=45,
-        supports_backward=False,
-        description="CUDA C++ (load_inline): add and norm in one pass, 128-bit vectors; forward only; N % (16 bytes) == 0",
-        predicate=jit_gates.fused_add_rms_norm,
-    ),
-)
-
-
 def outputs(x: torch.Tensor, residual: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     """The reference's output shapes and dtypes, without running it (the first-call check)."""
     s = (torch.broadcast_shapes(x.shape, residual.shape), torch.promote_types(x.dtype, residual.dtype))
@@ -218,8 +174,8 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
-    # torch.compile: Inductor's code is as fast (its torch.compile rows in the results file above),
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
+    # torch.compile: Inductor's code is as fast (its torch.compile rows in benchmarks/results/h200-2026-11-30-graph.json),
     # so the op decomposes and Inductor fuses it with its neighbours
     compile_mode="decompose",
     dtensor_layout=Layout(ROWS, rows_with(1), (0, 0)),

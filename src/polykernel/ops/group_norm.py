@@ -17,11 +17,6 @@ import math
 
 import torch
 
-from ..backends.declare import impls
-from ..backends.liger import LIGER
-from ..backends.liger import _gates as liger_gates
-from ..backends.torch import TORCH
-from ..backends.triton import TRITON
 from ..core.hit_guard import SHAPE, dims
 from ..core.op import SUM_LAMBDA, Bounds, Case, ErrorModel, Op
 from ..distributed.layout import Layout, rows_with
@@ -214,28 +209,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(
-        rank=100, description="F.group_norm (PyTorch's fused kernel) for fp32/fp64 with parameters in x's dtype, else the reference"
-    ),
-    TRITON.impl(
-        rank=10,
-        description="one (sample, group) per program as a [channels, positions] tile (chunked for large groups); dW/dB from per-program partials (deterministic)",
-    ),
-    # Liger (0.8.5): its variance is E[x²] - E[x]² (it cancels on offset data), its mean and rstd
-    # are stored in x's dtype (bf16 statistics in the backward), and dW/dB use atomics: fp32 only,
-    # not deterministic, weight and bias both given. Behind Triton until measured.
-    LIGER.impl(
-        rank=60,
-        dtypes=("float32",),
-        deterministic=False,
-        description="Liger LigerGroupNormFunction; weight and bias given, in x's dtype; dW/dB by atomics",
-        predicate=liger_gates.group_norm,
-    ),
-)
-
-
 def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     """The reference's output shape and dtype, without running it (the first-call check)."""
     return ((x.shape, x.dtype),)
@@ -255,7 +228,7 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     # DTensor: samples are independent, a group spans channels and positions: only dim 0 may be
     # sharded (weight and bias replicated; their gradients come back partial)
     dtensor_layout=Layout((0,), rows_with(), (0,)),

@@ -11,17 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.cute_dsl import CUTE_DSL
-from ..backends.cute_dsl import _gates as cute_gates
-from ..backends.declare import impls
-from ..backends.liger import LIGER
-from ..backends.liger import _gates as liger_gates
-from ..backends.torch import TORCH
-from ..backends.torch_compile import TORCH_COMPILE
-from ..backends.torch_compile import _gates as compile_gates
-from ..backends.triton import TRITON
 from ..core.hit_guard import LAST, SHAPE
-from ..core.op import SUM_LAMBDA, ArgClass, Bounds, Case, ErrorModel, Op, rows_and_len
+from ..core.op import SUM_LAMBDA, Bounds, Case, ErrorModel, Op, rows_and_len
 from ..distributed.layout import ROWS, Layout, rows_with
 from . import _checks as check
 
@@ -186,57 +177,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-_HALF = ("torch.bfloat16", "torch.float16", "bfloat16", "float16")
-
-
-def _cute_rank(a: ArgClass) -> tuple[int, str] | None:
-    """Measured rule (KernelSpec.rank_for): our CuTeDSL layer_norm first where it beat Triton.
-
-    Where it won (benchmarks/results/h200-2026-11-30-cute-dsl.json, bf16, CUDA-graph replays; the
-    reasons below give the figures): the forward only up to N = 8192, fwd+bwd for 8192 < N <=
-    16384; Triton elsewhere. fp16 moves the bytes bf16 does; fp32 is unmeasured, so it keeps the
-    static ranks.
-    """
-    if a.n is None or str(a.dtype) not in _HALF:
-        return None
-    if not a.needs_grad and a.n <= 8192:
-        return 5, "forward only, N <= 8192: 3.79 vs triton 3.71 TB/s at 16384x4096 (small, 2%; H200 bf16, 2026-11-30)"
-    if a.needs_grad and 8192 < a.n <= 16384:
-        return 5, "fwd+bwd, 8192 < N <= 16384: 2.16 vs triton 1.77 TB/s at 4096x16384 (1.22x; H200 bf16, 2026-11-30)"
-    return None
-
-
-# Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
-# predicates in backends/{liger,quack}/_gates.py. The comparisons below are from
-# benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file.
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(rank=100, description="F.layer_norm (PyTorch's fused kernel) where the parameter dtypes match x, else the reference"),
-    TRITON.impl(rank=10, description="one row per program (chunked for long rows); dW/dB from per-program partials (deterministic)"),
-    # Liger: trails Triton, most with a backward: behind it. (QuACK's LayerNorm has no autograd
-    # wrapper and takes fp32 weight and bias only: not adapted.)
-    LIGER.impl(
-        rank=60,
-        description="Liger LigerLayerNormFunction; weight and bias required; N <= 65536",
-        predicate=liger_gates.layer_norm,
-    ),
-    # Our CuTeDSL kernels (backends/cute_dsl/layer_norm.py, issue 8): rank 40, behind Triton,
-    # except where _cute_rank's measurements put them first (short-row forward, mid-row fwd+bwd).
-    CUTE_DSL.impl(
-        rank=40,
-        description="as cute_dsl rms_norm, centred in registers (two-pass variance); dW/dB from per-CTA partials (deterministic)",
-        predicate=cute_gates.layer_norm,
-        rank_for=_cute_rank,
-    ),
-    # torch.compile: rank 110 (the backend's), behind torch: auto never pays its compile; measured
-    # selection charges the compile (tuning/measure.py), impl="torch_compile" forces it.
-    TORCH_COMPILE.impl(
-        description="the reference under torch.compile(dynamic=True) (Inductor fuses it; autograd through AOTAutograd); compiles on a class's first call",
-        predicate=compile_gates.layer_norm,
-    ),
-)
-
-
 def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     """The reference's output shape and dtype, without running it (the first-call check)."""
     return ((x.shape, x.dtype),)
@@ -256,9 +196,9 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
-    # torch.compile: our custom ops, faster than Inductor's code fwd+bwd (its torch.compile rows in
-    # the results file above); saves mean and rstd
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
+    # torch.compile: our custom ops, faster than Inductor's code fwd+bwd (the torch.compile rows of
+    # benchmarks/results/h200-2026-11-30-graph.json); saves mean and rstd
     saved=("rows", "rows"),
     dtensor_layout=Layout(ROWS, rows_with(), (0,)),
 )

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.declare import impls
-from ..backends.torch import TORCH
 from ..core.hit_guard import LAST
 from ..core.op import Bounds, Case, ErrorModel, Op, rows_and_len
 from . import _checks as check
@@ -133,12 +131,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(rank=100, description="softmax, a stable descending sort of the logits, gather (and renormalize) in fp32"),
-)
-
-
 def outputs(logits: torch.Tensor, top_k: int, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     """The reference's output shapes and dtypes, without running it (the first-call check)."""
     shape = torch.Size((*logits.shape[:-1], top_k))
@@ -159,7 +151,7 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     # decompose: its one impl is the reference's torch ops, which Inductor may fuse with the
     # router's linear and softmax (not measured: nothing of ours to lose)
     compile_mode="decompose",

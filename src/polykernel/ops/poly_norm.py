@@ -16,11 +16,6 @@ import math
 
 import torch
 
-from ..backends.declare import impls
-from ..backends.liger import LIGER
-from ..backends.liger import _gates as liger_gates
-from ..backends.torch import TORCH
-from ..backends.triton import TRITON
 from ..core.hit_guard import LAST, SHAPE
 from ..core.op import SUM_LAMBDA, Bounds, Case, ErrorModel, Op, rows_and_len
 from ..distributed.layout import ROWS, Layout, rows_with
@@ -205,26 +200,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(rank=100, description="the reference's fp32 math; backward saves x and the parameters, recomputes the three norms"),
-    TRITON.impl(
-        rank=10,
-        description="one row per program (chunked for long rows), the three rstd saved; dW/dB from per-program partials (deterministic)",
-    ),
-    # Liger (0.8.5): its forward computes x², x³ and their sums in x's dtype (bf16 powers): fp32
-    # only; one block per row (N <= 65536). in_place=False (Liger's default writes dX into dY).
-    # Behind Triton until measured. Unscaled: x⁶ overflows fp32 for |x| > 2.6e6 (y then b, or NaN),
-    # which no predicate can see (it reads no values): documented in its description.
-    LIGER.impl(
-        rank=60,
-        dtypes=("float32",),
-        description="Liger LigerPolyNormFunction (in_place=False); N <= 65536; unscaled: wrong for |x| > 2.6e6 (x⁶ overflows fp32)",
-        predicate=liger_gates.poly_norm,
-    ),
-)
-
-
 def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     """The reference's output shape and dtype, without running it (the first-call check)."""
     return ((x.shape, x.dtype),)
@@ -244,7 +219,7 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     dtensor_layout=Layout(ROWS, rows_with(), (0,)),  # rows are independent; the parameters replicated
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

@@ -10,9 +10,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backends.declare import impls
-from ..backends.torch import TORCH
-from ..backends.triton import TRITON
 from ..core.hit_guard import dims
 from ..core.op import Bounds, Case, ErrorModel, Op
 from ..distributed.layout import ANY, Layout, rows_with
@@ -100,20 +97,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-# Liger-Kernel 0.8.5's LigerReLUSquaredFunction is not registered: its relu is tl.maximum(x, 0),
-# which turns a NaN into 0, forward and backward (checked on the CPU interpreter), where the
-# contract keeps NaN (torch's relu): a NaN hidden from the caller. It is also one block per row
-# (N <= 65536) compiled per N, for an elementwise pass that Triton already runs at copy speed.
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(rank=100, description="the reference's fp32 math; backward saves only x"),
-    TRITON.impl(
-        rank=10,
-        description="one elementwise pass each way over x's dense layout (any other layout is copied first); backward recomputes relu(x)",
-    ),
-)
-
-
 def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     """The reference's output shape and dtype, without running it (the first-call check)."""
     return ((x.shape, x.dtype),)
@@ -133,7 +116,7 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     # torch.compile: an elementwise op, where Inductor's own code moves the bytes ours does (as fast
     # or faster, benchmarks/results/h200-2026-12-01-moreops-call.json) and fuses into its
     # neighbours: decomposed

@@ -10,27 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.cuda_jit import CUDA_JIT
-from ..backends.cuda_jit import _gates as jit_gates
-from ..backends.cute_dsl import CUTE_DSL
-from ..backends.cute_dsl import _gates as cute_gates
-from ..backends.cutile import CUTILE
-from ..backends.cutile import _gates as cutile_gates
-from ..backends.declare import impls
-from ..backends.flashinfer import FLASHINFER
-from ..backends.flashinfer import _gates as flashinfer_gates
-from ..backends.liger import LIGER
-from ..backends.liger import _gates as liger_gates
-from ..backends.quack import QUACK
-from ..backends.quack import _gates as quack_gates
-from ..backends.sgl_kernel import SGL_KERNEL
-from ..backends.sgl_kernel import _gates as sgl_gates
-from ..backends.torch import TORCH
-from ..backends.torch_compile import TORCH_COMPILE
-from ..backends.torch_compile import _gates as compile_gates
-from ..backends.triton import TRITON
 from ..core.hit_guard import LAST, SHAPE
-from ..core.op import ArgClass, Bounds, Case, ErrorModel, Op, rows_and_len
+from ..core.op import Bounds, Case, ErrorModel, Op, rows_and_len
 from ..distributed.layout import ROWS, Layout, rows_with
 from . import _checks as check
 
@@ -173,88 +154,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-_HALF = ("torch.bfloat16", "torch.float16", "bfloat16", "float16")
-
-
-def _quack_rank(a: ArgClass) -> tuple[int, str] | None:
-    """Measured rule (KernelSpec.rank_for): QuACK first for the forward only of long 16-bit rows.
-
-    QuACK's forward leads from N = 32K on; at N <= 16K quack, triton and cute_dsl tie (Triton stays
-    first), and with a backward Triton wins or ties at long N (bf16, CUDA-graph replays:
-    benchmarks/results/h200-2026-11-30-cute-dsl.json; the reason below gives the figures). fp16
-    moves the bytes bf16 does; fp32 is unmeasured, so it keeps the static ranks.
-    """
-    if a.needs_grad or a.n is None or a.n < 32768 or str(a.dtype) not in _HALF:
-        return None
-    return 5, "forward only, N >= 32768: 3.64-3.75 TB/s vs triton 2.50-2.84 (1.3-1.45x; H200 bf16, 2026-11-30)"
-
-
-# Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
-# predicates in backends/{liger,quack}/_gates.py. The comparisons below are from
-# benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file.
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(rank=100, description="F.rms_norm (PyTorch's fused kernel) for casting='fp32', else the reference"),
-    TRITON.impl(rank=10, description="one row per program (chunked for long rows); dW from per-program partials (deterministic)"),
-    # QuACK: ties the forward at N <= 16K, leads it on long rows; with a backward it trails at
-    # 4096x16384 and 512x262144. Static rank behind Triton; _quack_rank puts it first where it was
-    # measured to win: the forward only at N >= 32768.
-    QUACK.impl(
-        rank=50,
-        description="QuACK rmsnorm (CuTeDSL, cluster reductions); casting='fp32' only; one compile per N",
-        predicate=quack_gates.rms_norm,
-        rank_for=_quack_rank,
-    ),
-    # Liger: ties the forward, trails far behind with a backward; refuses N > 65536. Behind Triton.
-    LIGER.impl(
-        rank=60,
-        description="Liger LigerRMSNormFunction (gemma/llama casting, in_place=False); N <= 65536",
-        predicate=liger_gates.rms_norm,
-    ),
-    CUTILE.impl(
-        rank=40,
-        description="one tile per row block (chunked beyond 8192); persistent backward, dW from per-block partials (deterministic)",
-        predicate=cutile_gates.rms_norm,
-    ),
-    # Our CuTeDSL kernels (backends/cute_dsl/rms_norm.py, issue 8): rank 40, behind Triton, by
-    # measurement: the forward ties Triton and QuACK at N <= 16K and trails QuACK beyond; fwd+bwd
-    # loses to Triton from 4K on (benchmarks/results/h200-2026-11-30-cute-dsl.json). By name only.
-    CUTE_DSL.impl(
-        rank=40,
-        description="rows in registers, 128-bit vectors, warp/block/cluster sums (rows past 16K over a thread-block cluster, DSMEM); dW from per-CTA partials (deterministic)",
-        predicate=cute_gates.rms_norm,
-    ),
-    # Serving peers, forward only (no backward: passed by when a gradient is wanted); unmeasured,
-    # so behind every other impl: they run by name or when measured selection picks them.
-    FLASHINFER.impl(
-        rank=70,
-        supports_backward=False,
-        description="FlashInfer rmsnorm / gemma_rmsnorm (offset 0 or 1), forward only; casting='fp32', weight of x's dtype",
-        predicate=flashinfer_gates.rms_norm,
-    ),
-    SGL_KERNEL.impl(
-        rank=75,
-        supports_backward=False,
-        description="sgl-kernel rmsnorm / gemma_rmsnorm (offset 0 or 1), forward only; casting='fp32', weight of x's dtype",
-        predicate=sgl_gates.rms_norm,
-    ),
-    # torch.compile: rank 110 (the backend's), behind torch: auto never pays its compile; measured
-    # selection charges the compile (tuning/measure.py), impl="torch_compile" forces it.
-    TORCH_COMPILE.impl(
-        description="the reference under torch.compile(dynamic=True) (Inductor fuses it; autograd through AOTAutograd); compiles on a class's first call",
-        predicate=compile_gates.rms_norm,
-    ),
-    # Our CUDA C++ kernel (backends/cuda_jit, issue 25): forward only, rank 45 until measured on
-    # the H200 (benchmarks/kernels/providers.py); by name or measured selection.
-    CUDA_JIT.impl(
-        rank=45,
-        supports_backward=False,
-        description="CUDA C++ (load_inline): one block per row, 128-bit vectors, warp-shuffle sums; forward only; N % (16 bytes) == 0",
-        predicate=jit_gates.rms_norm,
-    ),
-)
-
-
 def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     """The reference's output shape and dtype, without running it (the first-call check)."""
     return ((x.shape, x.dtype),)
@@ -274,9 +173,9 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
-    # torch.compile: our custom ops, faster than Inductor's code fwd+bwd (its torch.compile rows in
-    # the results file above); the training op saves rstd, one value per row
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
+    # torch.compile: our custom ops, faster than Inductor's code fwd+bwd (the torch.compile rows of
+    # benchmarks/results/h200-2026-11-30-graph.json); the training op saves rstd, one value per row
     saved=("rows",),
     dtensor_layout=Layout(ROWS, rows_with(), (0,)),
 )

@@ -9,15 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.cute_dsl import CUTE_DSL
-from ..backends.cute_dsl import _predicates as cute_predicates
-from ..backends.cutile import CUTILE
-from ..backends.cutile import _gates as cutile_gates
-from ..backends.declare import impls
-from ..backends.liger import LIGER
-from ..backends.liger import _gates as liger_gates
-from ..backends.torch import TORCH
-from ..backends.triton import TRITON
 from ..core.hit_guard import LAST
 from ..core.op import Bounds, Case, ErrorModel, Op, rows_and_len
 from ..distributed.layout import ROWS, Layout, rows_with
@@ -131,49 +122,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-# Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
-# predicates in backends/{liger,quack}/_gates.py. The comparisons below are from
-# benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file.
-# Peers whose low-precision results fail the error model take fp32 only (see the comment at each).
-_FP32_ONLY = ("float32",)
-
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(rank=100, description="torch.softmax (fp32 accumulation, x's dtype out); bf16/fp16 backward recomputes fp32 y from x"),
-    TRITON.impl(
-        rank=10,
-        description="one block per row up to 32K (one read, one write), online chunked beyond (rows split when few); backward recomputes fp32 y from x",
-    ),
-    # Our CuTeDSL kernel (backends/cute_dsl/softmax.py): ahead of Triton on long rows, behind on
-    # short ones (benchmarks/results/h200-2026-11-30-cute-dsl.json). So rank 5 for N >= 16384
-    # (rank_for; measured at 32768 only), static 40 (behind Triton) below.
-    CUTE_DSL.impl(
-        rank=40,
-        description="one CTA per row, the row in registers (N <= 32768, 16-byte rows); backward recomputes fp32 y from x",
-        predicate=cute_predicates.softmax,
-        rank_for=cute_predicates.softmax_rank,
-    ),
-    # QuACK softmax (0.6.5) is faster than Triton at 8192x32768 but not registered: in the H200
-    # parity run (benchmarks/kernels/check_peers.py) it returned non-finite values where the reference has none
-    # on rows with a run of -inf logits, failed the fp32 error model on logits of scale 1e4 (it
-    # subtracts the max after scaling by log2 e), and its bf16/fp16 backward uses the rounded y.
-    # Liger: faster fwd+bwd at 8192x32768 (one shape measured) but refuses N > 65536, and its
-    # bf16/fp16 backward from the rounded y fails the error model (same run): fp32 only, behind Triton.
-    LIGER.impl(
-        rank=60,
-        dtypes=_FP32_ONLY,
-        description="Liger LigerSoftmaxFunction; N <= 65536; backward from the saved y",
-        predicate=liger_gates.softmax,
-    ),
-    CUTILE.impl(
-        rank=40,
-        supports_backward=False,
-        description="forward only: one tile per row block (chunked online max/sum beyond 8192)",
-        predicate=cutile_gates.softmax,
-    ),
-)
-
-
 def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     """The reference's output shape and dtype, without running it (the first-call check)."""
     return ((x.shape, x.dtype),)
@@ -193,9 +141,9 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
-    # torch.compile: our custom ops, faster than Inductor's code fwd+bwd (its torch.compile rows in
-    # the results file above); saves each row's max and 1/sum
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
+    # torch.compile: our custom ops, faster than Inductor's code fwd+bwd (the torch.compile rows of
+    # benchmarks/results/h200-2026-11-30-graph.json); saves each row's max and 1/sum
     saved=("rows", "rows"),
     dtensor_layout=Layout(ROWS, rows_with(), (0,)),
 )

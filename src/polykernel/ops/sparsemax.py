@@ -16,11 +16,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backends.declare import impls
-from ..backends.liger import LIGER
-from ..backends.liger import _gates as liger_gates
-from ..backends.torch import TORCH
-from ..backends.triton import TRITON
 from ..core.hit_guard import SHAPE
 from ..core.op import Bounds, Case, ErrorModel, Op
 from . import _checks as check
@@ -177,26 +172,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-# Liger (0.8.5): its backward rounds mean_S(dy) to x's dtype before the subtraction and reads the
-# support from the saved y: bf16/fp16 gradients 1.1-18x the error model (H200, 2026-12-01,
-# check_parity large=True): fp32 only. Its forward sorts each row with torch.sort: ~16x slower
-# than Triton in bf16 (benchmarks/results/h200-2026-12-01-moreops-call.json). Behind Triton.
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(rank=100, description="sort-based threshold in fp32; backward recomputes the support from x and two fp32 numbers per row"),
-    TRITON.impl(
-        rank=10,
-        description="no sort: Michelot's support refinement from τ = max - 1, in registers up to 16K (chunked passes beyond); backward recomputes the support",
-    ),
-    LIGER.impl(
-        rank=60,
-        dtypes=("float32",),
-        description="Liger LigerSparsemaxFunction (torch.sort, then one block per row); N <= 65536; backward from the saved y",
-        predicate=liger_gates.sparsemax,
-    ),
-)
-
-
 def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     """The reference's output shape and dtype, without running it (the first-call check)."""
     return ((x.shape, x.dtype),)
@@ -216,7 +191,7 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     # no DTensor layout: the dim it reduces over is an argument (DTensor's rules on the torch impl)
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup

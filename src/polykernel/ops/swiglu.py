@@ -9,15 +9,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backends.cutile import CUTILE
-from ..backends.cutile import _gates as cutile_gates
-from ..backends.declare import impls
-from ..backends.liger import LIGER
-from ..backends.liger import _gates as liger_gates
-from ..backends.torch import TORCH
-from ..backends.torch_compile import TORCH_COMPILE
-from ..backends.torch_compile import _gates as compile_gates
-from ..backends.triton import TRITON
 from ..core.hit_guard import LAST
 from ..core.op import Bounds, Case, ErrorModel, Op
 from ..distributed.layout import ANY, Layout, rows_with
@@ -85,39 +76,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return glu_cases(device, dtype, large)
 
 
-# Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
-# predicates in backends/{liger,quack}/_gates.py. The comparisons below are from
-# benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file.
-# Peers whose low-precision results fail the error model take fp32 only (see the comment at each).
-_FP32_ONLY = ("float32",)
-
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(rank=100, description="the reference's fp32 math; backward saves only gate and up"),
-    TRITON.impl(rank=10, description="one elementwise pass each way (flat or row-strided, 16-byte accesses); backward recomputes silu"),
-    # Liger: a tie at copy speed: behind Triton. One block per row: its predicate refuses N > 65536.
-    # bf16/fp16 round silu(gate) before the multiply, outside the one-rounding error model
-    # (benchmarks/kernels/check_peers.py on the H200); fp32 passes.
-    LIGER.impl(
-        rank=60,
-        dtypes=_FP32_ONLY,
-        description="Liger LigerSiLUMulFunction (silu(gate) rounded to up's dtype before the multiply); gate/up copied when grad is on",
-        predicate=liger_gates.swiglu,
-    ),
-    CUTILE.impl(
-        rank=40,
-        description="one elementwise pass each way over [M, N] views (any strides); backward recomputes silu",
-        predicate=cutile_gates.swiglu,
-    ),
-    # torch.compile: rank 110 (the backend's), behind torch: auto never pays its compile; measured
-    # selection charges the compile (tuning/measure.py), impl="torch_compile" forces it.
-    TORCH_COMPILE.impl(
-        description="the reference under torch.compile(dynamic=True): one Inductor kernel each way; compiles on a class's first call",
-        predicate=compile_gates.swiglu,
-    ),
-)
-
-
 def outputs(gate: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     """The reference's output shape and dtype, without running it (the first-call check)."""
     return ((gate.shape, gate.dtype),)
@@ -137,9 +95,9 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
-    # torch.compile: Inductor's code ties ours at copy speed (its torch.compile rows in the results
-    # file above), and it can fuse the decomposed op into the next matmul's input
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
+    # torch.compile: Inductor's code ties ours at copy speed (the torch.compile rows of
+    # benchmarks/results/h200-2026-11-30-graph.json), and it can fuse the decomposed op into the next matmul's input
     compile_mode="decompose",
     dtensor_layout=Layout(ANY, rows_with(1), (0,)),
 )

@@ -8,7 +8,7 @@ Not registered: QuACK's chunked linear cross-entropy (``quack.linear_cross_entro
 H200 stack (torch 2.11, CuTeDSL 4.x) with a CuTeDSL epilogue ContextVar error; its LayerNorm
 (``layernorm_fwd``/``layernorm_bwd``, no autograd wrapper, fp32 weight and bias only) and its rotary
 embedding (``apply_rotary_emb``: [B, T, H, D] layout, half-width cos/sin) are not adapted yet.
-Its softmax failed parity on the H200 and is not registered either (why: ``ops/softmax.py``).
+Its softmax failed parity on the H200 and is not registered either (why: :mod:`.manifest`).
 """
 
 from ...spec import CapabilityRequirement

@@ -31,6 +31,22 @@ def rms_norm(a: Any) -> str | None:
     return None
 
 
+_HALF = ("torch.bfloat16", "torch.float16", "bfloat16", "float16")
+
+
+def rms_norm_rank(a: Any) -> tuple[int, str] | None:
+    """Measured rule (KernelSpec.rank_for): QuACK first for the forward only of long 16-bit rows.
+
+    QuACK's forward leads from N = 32K on; at N <= 16K quack, triton and cute_dsl tie (Triton stays
+    first), and with a backward Triton wins or ties at long N (bf16, CUDA-graph replays:
+    benchmarks/results/h200-2026-11-30-cute-dsl.json; the reason below gives the figures). fp16
+    moves the bytes bf16 does; fp32 is unmeasured, so it keeps the static ranks.
+    """
+    if a.needs_grad or a.n is None or a.n < 32768 or str(a.dtype) not in _HALF:
+        return None
+    return 5, "forward only, N >= 32768: 3.64-3.75 TB/s vs triton 2.50-2.84 (1.3-1.45x; H200 bf16, 2026-11-30)"
+
+
 # Shared memory per CTA on sm_90 (227 KiB), and QuACK 0.6.5's forward cluster size per row length
 # (quack/rmsnorm_config.py, Hopper): the row is split over a cluster of CTAs, each staging its slice.
 SMEM_BYTES = 232448

@@ -1,0 +1,96 @@
+"""The ops the ``liger`` backend (Liger-Kernel 0.8.5) implements, and its impl row for each
+(torch-free; see :mod:`polykernel.backends`). The comparisons below are from
+benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file."""
+
+from . import LIGER, _gates
+
+IMPLS = {
+    # Ties the forward, trails far behind with a backward; refuses N > 65536. Behind Triton.
+    "norm.rms_norm": LIGER.impl(
+        rank=60,
+        description="Liger LigerRMSNormFunction (gemma/llama casting, in_place=False); N <= 65536",
+        predicate=_gates.rms_norm,
+    ),
+    # Liger-Kernel 0.8.5's LigerReLUSquaredFunction is not registered: its relu is tl.maximum(x, 0),
+    # which turns a NaN into 0, forward and backward (checked on the CPU interpreter), where the
+    # contract keeps NaN (torch's relu): a NaN hidden from the caller. It is also one block per row
+    # (N <= 65536) compiled per N, for an elementwise pass that Triton already runs at copy speed.
+    # Liger (0.8.5): autotuned kernels (a timing sweep on the first call of each N: not CUDA-graph
+    # safe), weight required, and its dalpha and dbias are cast to x's dtype before autograd casts
+    # them to the parameters': the parameters in x's dtype only. Its forward edges ours, its
+    # backward trails ours far (benchmarks/results/h200-2026-12-01-moreops-call.json): behind Triton.
+    "norm.dyt": LIGER.impl(
+        rank=60,
+        graph_safe=False,
+        description="Liger LigerDyTFunction (autotuned); parameters in x's dtype; dalpha/dW/dB from per-SM partials",
+        predicate=_gates.dyt,
+    ),
+    # Liger (0.8.5): its forward computes x², x³ and their sums in x's dtype (bf16 powers): fp32
+    # only; one block per row (N <= 65536). in_place=False (Liger's default writes dX into dY).
+    # Behind Triton until measured. Unscaled: x⁶ overflows fp32 for |x| > 2.6e6 (y then b, or NaN),
+    # which no predicate can see (it reads no values): documented in its description.
+    "norm.poly_norm": LIGER.impl(
+        rank=60,
+        dtypes=("float32",),
+        description="Liger LigerPolyNormFunction (in_place=False); N <= 65536; unscaled: wrong for |x| > 2.6e6 (x⁶ overflows fp32)",
+        predicate=_gates.poly_norm,
+    ),
+    # Liger (0.8.5): its variance is E[x²] - E[x]² (it cancels on offset data), its mean and rstd
+    # are stored in x's dtype (bf16 statistics in the backward), and dW/dB use atomics: fp32 only,
+    # not deterministic, weight and bias both given. Behind Triton until measured.
+    "norm.group_norm": LIGER.impl(
+        rank=60,
+        dtypes=("float32",),
+        deterministic=False,
+        description="Liger LigerGroupNormFunction; weight and bias given, in x's dtype; dW/dB by atomics",
+        predicate=_gates.group_norm,
+    ),
+    "norm.fused_add_rms_norm": LIGER.impl(
+        rank=60,
+        description="Liger LigerFusedAddRMSNormFunction (gemma casting); N <= 65536",
+        predicate=_gates.fused_add_rms_norm,
+    ),
+    # Liger (0.8.5): its backward rounds mean_S(dy) to x's dtype before the subtraction and reads the
+    # support from the saved y: bf16/fp16 gradients 1.1-18x the error model (H200, 2026-12-01,
+    # check_parity large=True): fp32 only. Its forward sorts each row with torch.sort: ~16x slower
+    # than Triton in bf16 (benchmarks/results/h200-2026-12-01-moreops-call.json). Behind Triton.
+    "activation.sparsemax": LIGER.impl(
+        rank=60,
+        dtypes=("float32",),
+        description="Liger LigerSparsemaxFunction (torch.sort, then one block per row); N <= 65536; backward from the saved y",
+        predicate=_gates.sparsemax,
+    ),
+    # Liger: trails Triton: behind it. Its predicate refuses N > 65536 (one block per row) and the
+    # exact erf form. bf16/fp16 round gelu(gate) before the multiply, outside the one-rounding
+    # error model (benchmarks/kernels/check_peers.py on the H200); fp32 passes.
+    "activation.geglu": LIGER.impl(
+        rank=60,
+        dtypes=("float32",),
+        description="Liger LigerGELUMulFunction (tanh only); gate/up copied when grad is on",
+        predicate=_gates.geglu,
+    ),
+    # Liger: a tie at copy speed: behind Triton. One block per row: its predicate refuses N > 65536.
+    # bf16/fp16 round silu(gate) before the multiply, outside the one-rounding error model
+    # (benchmarks/kernels/check_peers.py on the H200); fp32 passes.
+    "activation.swiglu": LIGER.impl(
+        rank=60,
+        dtypes=("float32",),
+        description="Liger LigerSiLUMulFunction (silu(gate) rounded to up's dtype before the multiply); gate/up copied when grad is on",
+        predicate=_gates.swiglu,
+    ),
+    # Liger: faster fwd+bwd at 8192x32768 (one shape measured) but refuses N > 65536, and its
+    # bf16/fp16 backward from the rounded y fails the error model (same run): fp32 only, behind Triton.
+    "activation.softmax": LIGER.impl(
+        rank=60,
+        dtypes=("float32",),
+        description="Liger LigerSoftmaxFunction; N <= 65536; backward from the saved y",
+        predicate=_gates.softmax,
+    ),
+    # Liger: trails Triton, most with a backward: behind it. (QuACK's LayerNorm has no autograd
+    # wrapper and takes fp32 weight and bias only: not adapted.)
+    "norm.layer_norm": LIGER.impl(
+        rank=60,
+        description="Liger LigerLayerNormFunction; weight and bias required; N <= 65536",
+        predicate=_gates.layer_norm,
+    ),
+}

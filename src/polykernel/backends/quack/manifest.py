@@ -1,0 +1,27 @@
+"""The ops the ``quack`` backend (QuACK 0.6.5) implements, and its impl row for each (torch-free;
+see :mod:`polykernel.backends`). The comparisons below are from
+benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file."""
+
+from . import QUACK, _gates
+
+IMPLS = {
+    # Ties the forward at N <= 16K, leads it on long rows; with a backward it trails at 4096x16384
+    # and 512x262144. Static rank behind Triton; the rank_for rule puts it first where it was
+    # measured to win: the forward only at N >= 32768.
+    "norm.rms_norm": QUACK.impl(
+        rank=50,
+        description="QuACK rmsnorm (CuTeDSL, cluster reductions); casting='fp32' only; one compile per N",
+        predicate=_gates.rms_norm,
+        rank_for=_gates.rms_norm_rank,
+    ),
+    # Peers not compared with Triton for this op yet: behind it.
+    "norm.fused_add_rms_norm": QUACK.impl(
+        rank=50,
+        description="QuACK rmsnorm(residual=, prenorm=True); normalizes the unrounded fp32 sum",
+        predicate=_gates.fused_add_rms_norm,
+    ),
+    # activation.softmax: QuACK's softmax (0.6.5) is faster than Triton at 8192x32768 but not registered: in the H200
+    # parity run (benchmarks/kernels/check_peers.py) it returned non-finite values where the reference has none
+    # on rows with a run of -inf logits, failed the fp32 error model on logits of scale 1e4 (it
+    # subtracts the max after scaling by log2 e), and its bf16/fp16 backward uses the rounded y.
+}

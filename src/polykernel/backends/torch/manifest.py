@@ -1,0 +1,29 @@
+"""The ops the ``torch`` backend implements, and its impl row for each (torch-free; see
+:mod:`polykernel.backends`). Every op has a torch impl: the fallback, eligible everywhere."""
+
+from . import TORCH
+
+IMPLS = {
+    "norm.rms_norm": TORCH.impl(rank=100, description="F.rms_norm (PyTorch's fused kernel) for casting='fp32', else the reference"),
+    "activation.relu_squared": TORCH.impl(rank=100, description="the reference's fp32 math; backward saves only x"),
+    "norm.dyt": TORCH.impl(rank=100, description="the reference's fp32 math; backward saves x and the parameters, recomputes tanh"),
+    "norm.poly_norm": TORCH.impl(
+        rank=100, description="the reference's fp32 math; backward saves x and the parameters, recomputes the three norms"
+    ),
+    "norm.group_norm": TORCH.impl(
+        rank=100, description="F.group_norm (PyTorch's fused kernel) for fp32/fp64 with parameters in x's dtype, else the reference"
+    ),
+    "norm.fused_add_rms_norm": TORCH.impl(rank=100, description="x + residual, then the torch rms_norm impl (F.rms_norm where it matches)"),
+    "activation.sparsemax": TORCH.impl(
+        rank=100, description="sort-based threshold in fp32; backward recomputes the support from x and two fp32 numbers per row"
+    ),
+    "moe.moe_router": TORCH.impl(rank=100, description="softmax, a stable descending sort of the logits, gather (and renormalize) in fp32"),
+    "activation.geglu": TORCH.impl(rank=100, description="the reference's fp32 math; backward saves only gate and up"),
+    "activation.swiglu": TORCH.impl(rank=100, description="the reference's fp32 math; backward saves only gate and up"),
+    "activation.softmax": TORCH.impl(
+        rank=100, description="torch.softmax (fp32 accumulation, x's dtype out); bf16/fp16 backward recomputes fp32 y from x"
+    ),
+    "norm.layer_norm": TORCH.impl(
+        rank=100, description="F.layer_norm (PyTorch's fused kernel) where the parameter dtypes match x, else the reference"
+    ),
+}

@@ -1,0 +1,46 @@
+"""The ops the ``triton`` backend implements, and its impl row for each (torch-free; see
+:mod:`polykernel.backends`)."""
+
+from . import TRITON
+
+IMPLS = {
+    "norm.rms_norm": TRITON.impl(
+        rank=10, description="one row per program (chunked for long rows); dW from per-program partials (deterministic)"
+    ),
+    "activation.relu_squared": TRITON.impl(
+        rank=10,
+        description="one elementwise pass each way over x's dense layout (any other layout is copied first); backward recomputes relu(x)",
+    ),
+    "norm.dyt": TRITON.impl(
+        rank=10,
+        description="one elementwise pass forward; backward over (rows, column blocks), dalpha/dW/dB from per-program partials (deterministic)",
+    ),
+    "norm.poly_norm": TRITON.impl(
+        rank=10,
+        description="one row per program (chunked for long rows), the three rstd saved; dW/dB from per-program partials (deterministic)",
+    ),
+    "norm.group_norm": TRITON.impl(
+        rank=10,
+        description="one (sample, group) per program as a [channels, positions] tile (chunked for large groups); dW/dB from per-program partials (deterministic)",
+    ),
+    "norm.fused_add_rms_norm": TRITON.impl(
+        rank=10, description="add + RMSNorm in one pass (chunked for long rows); dW from per-program partials (deterministic)"
+    ),
+    "activation.sparsemax": TRITON.impl(
+        rank=10,
+        description="no sort: Michelot's support refinement from τ = max - 1, in registers up to 16K (chunked passes beyond); backward recomputes the support",
+    ),
+    "activation.geglu": TRITON.impl(
+        rank=10, description="one elementwise pass each way (flat or row-strided, 16-byte accesses); backward recomputes gelu"
+    ),
+    "activation.swiglu": TRITON.impl(
+        rank=10, description="one elementwise pass each way (flat or row-strided, 16-byte accesses); backward recomputes silu"
+    ),
+    "activation.softmax": TRITON.impl(
+        rank=10,
+        description="one block per row up to 32K (one read, one write), online chunked beyond (rows split when few); backward recomputes fp32 y from x",
+    ),
+    "norm.layer_norm": TRITON.impl(
+        rank=10, description="one row per program (chunked for long rows); dW/dB from per-program partials (deterministic)"
+    ),
+}
