@@ -69,7 +69,7 @@ test-fallbacks: setup  ## the CPU suite again with every private-API fallback fo
 # 15 slowest tests and stops any one test after GPU_TIMEOUT s. The last part, `rest`, is every
 # test file the others do not name: no GPU test is left out when files are added.
 GPU_TIMEOUT ?= 240
-GPU_PART_losses  := $(addprefix tests/ops/test_,cross_entropy.py fused_linear_cross_entropy.py ce_options.py kl_div.py jsd.py tvd.py fused_linear_jsd.py preference_losses.py)
+GPU_PART_losses  := $(addprefix tests/ops/test_,cross_entropy.py fused_linear_cross_entropy.py ce_options.py kl_div.py jsd.py tvd.py fused_linear_jsd.py preference_losses.py $(foreach l,dpo orpo cpo simpo kto grpo,fused_linear_$(l)_loss.py))
 GPU_PART_moe     := $(addprefix tests/ops/test_,moe_experts.py moe_router.py moe_experts_gpt_oss.py)
 SERVING_OPS      := silu_and_mul gelu_and_mul fused_add_rms_norm_ rotary_embedding_ dynamic_quant_fp8 static_quant_fp8 rms_norm_quant_fp8
 GPU_PART_serving := $(wildcard tests/ops/test_serving_*.py) $(foreach o,$(SERVING_OPS),tests/ops/test_$(o).py) $(addprefix tests/backends/test_,serving_peers.py cuda_jit.py torch_compile.py)
