@@ -46,8 +46,9 @@ setup: $(VENV)/.installed $(VENV)/.native
 demo: setup  ## the main job: op/impl verdicts here, then a small Llama trained with and without polykernel
 	$(BIN)/polykernel demo $(ARGS)
 
+# --durations=25: CI's log lists the slowest tests (candidates for the `slow` mark, docs/testing.md).
 test: setup  ## the CPU suite (Triton kernels through TRITON_INTERPRET=1)
-	$(BIN)/python -m pytest -q -n $(JOBS) --timeout=900 tests
+	$(BIN)/python -m pytest -q -n $(JOBS) --timeout=900 --durations=25 tests
 
 # CPUs differ: without AVX-512 (or AVX2) torch and numpy (under Triton's interpreter) take other
 # SIMD paths, with other summation orders. The parity tests must hold on each: run them again with

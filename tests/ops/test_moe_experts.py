@@ -53,6 +53,7 @@ def _grads(out, args, dy):
 # parity
 
 
+@pytest.mark.slow  # 5-12 s a dtype: the op's cases through Triton's interpreter and a float64 reference
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_parity_cpu(impl, dtype):
