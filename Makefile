@@ -46,8 +46,9 @@ setup: $(VENV)/.installed $(VENV)/.native
 demo: setup  ## the main job: op/impl verdicts here, then a small Llama trained with and without polykernel
 	$(BIN)/polykernel demo $(ARGS)
 
+# --durations=25: CI's log lists the slowest tests (candidates for the `slow` mark, docs/testing.md).
 test: setup  ## the CPU suite (Triton kernels through TRITON_INTERPRET=1)
-	$(BIN)/python -m pytest -q -n $(JOBS) --timeout=900 tests
+	$(BIN)/python -m pytest -q -n $(JOBS) --timeout=900 --durations=25 tests
 
 # CPUs differ: without AVX-512 (or AVX2) torch and numpy (under Triton's interpreter) take other
 # SIMD paths, with other summation orders. The parity tests must hold on each: run them again with
@@ -69,9 +70,10 @@ test-fallbacks: setup  ## the CPU suite again with every private-API fallback fo
 # 15 slowest tests and stops any one test after GPU_TIMEOUT s. The last part, `rest`, is every
 # test file the others do not name: no GPU test is left out when files are added.
 GPU_TIMEOUT ?= 240
-GPU_PART_losses  := $(addprefix tests/ops/test_,cross_entropy.py fused_linear_cross_entropy.py ce_options.py kl_div.py jsd.py tvd.py fused_linear_jsd.py preference_losses.py)
-GPU_PART_moe     := tests/ops/test_moe.py tests/ops/test_moe_gpt_oss.py
-GPU_PART_serving := $(wildcard tests/ops/test_serving_*.py) $(addprefix tests/backends/test_,serving_peers.py cuda_jit.py torch_compile.py)
+GPU_PART_losses  := $(addprefix tests/ops/test_,cross_entropy.py fused_linear_cross_entropy.py ce_options.py kl_div.py jsd.py tvd.py fused_linear_jsd.py preference_losses.py $(foreach l,dpo orpo cpo simpo kto grpo,fused_linear_$(l)_loss.py))
+GPU_PART_moe     := $(addprefix tests/ops/test_,moe_experts.py moe_router.py moe_experts_gpt_oss.py)
+SERVING_OPS      := silu_and_mul gelu_and_mul fused_add_rms_norm_ rotary_embedding_ dynamic_quant_fp8 static_quant_fp8 rms_norm_quant_fp8
+GPU_PART_serving := $(wildcard tests/ops/test_serving_*.py) $(foreach o,$(SERVING_OPS),tests/ops/test_$(o).py) $(addprefix tests/backends/test_,serving_peers.py cuda_jit.py torch_compile.py)
 GPU_PART_grads   := tests/ops/test_double_backward.py tests/ops/test_func_transforms.py
 GPU_PART_norms   := $(filter-out $(GPU_PART_losses) $(GPU_PART_moe) $(GPU_PART_serving) $(GPU_PART_grads),$(wildcard tests/ops/test_*.py))
 GPU_PART_backends := $(filter-out $(GPU_PART_serving),$(wildcard tests/backends/test_*.py)) tests/core tests/tuning

@@ -29,6 +29,13 @@ from polykernel.testing import fresh
 OP_IDS = list(OP_MODULES)
 
 
+def _slow_for(*slow: str) -> list:
+    """OP_IDS, with the ops whose compile takes over ~5 s on 2 CPU cores (--durations) marked
+    ``slow``: ``-m "not slow"`` leaves them out of a quick loop; CI runs them."""
+    assert set(slow) <= set(OP_IDS), set(slow) - set(OP_IDS)
+    return [pytest.param(op_id, marks=pytest.mark.slow) if op_id in slow else op_id for op_id in OP_IDS]
+
+
 @pytest.fixture(autouse=True)
 def _dynamo_reset():
     torch._dynamo.reset()
@@ -177,7 +184,7 @@ def test_custom_op_schema_follows_reference(op_id):
     assert library.custom_op_for(op) is library.custom_op_for(op_id) is compiled.call
 
 
-@pytest.mark.parametrize("op_id", OP_IDS)
+@pytest.mark.parametrize("op_id", _slow_for("loss.jsd", "loss.tvd", "loss.fused_linear_jsd"))
 def test_opcheck(op_id):
     op = _op(op_id)
     _, fwd, _ = _overloads(op)
@@ -187,7 +194,7 @@ def test_opcheck(op_id):
         torch.library.opcheck(fwd, no_grad_args, case.kwargs, test_utils=("test_schema", "test_faketensor"))
 
 
-@pytest.mark.parametrize("op_id", OP_IDS)
+@pytest.mark.parametrize("op_id", _slow_for("moe.moe_experts", "moe.moe_experts_gpt_oss"))
 def test_opcheck_training_ops(op_id):
     """The training forward (outputs + saved) and its backward pass opcheck, backward included."""
     op = _op(op_id)
@@ -217,7 +224,19 @@ def test_opcheck_training_ops(op_id):
             assert g.shape == (a.shape if mask[i] else (0,) * (a.dim() if isinstance(a, torch.Tensor) else 1)), (op_id, i)
 
 
-@pytest.mark.parametrize("op_id", OP_IDS)
+@pytest.mark.parametrize(
+    "op_id",
+    _slow_for(
+        "moe.moe_experts",
+        "moe.moe_router",
+        "moe.moe_experts_gpt_oss",
+        "loss.fused_linear_cross_entropy",
+        "serving.fused_add_rms_norm_",
+        "serving.rotary_embedding_",
+        "serving.dynamic_quant_fp8",
+        "embedding.mrope",
+    ),
+)
 def test_aot_eager_fullgraph_matches_eager(op_id):
     op = _op(op_id)
     _overloads(op)  # built
@@ -273,6 +292,7 @@ def _rms_args(rows=6, n=32, dtype=torch.float32):
     return Case(f"{rows}x{n}", (x, w), {"offset": 0.5})
 
 
+@pytest.mark.slow  # Inductor on the CPU: C++ builds
 def test_inductor_cpu_rms_norm_forward_backward():
     op = _op("norm.rms_norm")
     case = _rms_args()
@@ -413,6 +433,7 @@ def _user_impl(x, y, alpha, mode):
     return _user_reference(x, y, alpha, mode)
 
 
+@pytest.mark.slow  # Inductor compiles of a whole new op
 def test_user_defined_op_compiles(monkeypatch):
     """An op made outside the catalog gets its custom op when it registers (options with
     defaults, an optional tensor, a tuple output), and compiles like the built-in ones."""
@@ -550,6 +571,7 @@ _TWICE = {
 }
 
 
+@pytest.mark.slow  # Inductor compiles of a training step, per op and impl
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 @pytest.mark.parametrize("op_id", list(_TWICE))
 def test_compiled_training_runs_each_split_forward_once(monkeypatch, op_id, impl):

@@ -39,7 +39,7 @@ def _need_grouped_mm(device="cpu", dtype=torch.float32):
 @pytest.mark.parametrize("name", sorted(OPS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_grouped_mm_path_matches_the_reference(name, dtype, monkeypatch):
-    # (our kernels' path is the CPU's default: test_moe.py and test_moe_gpt_oss.py check it)
+    # (our kernels' path is the CPU's default: test_moe_experts.py and test_moe_experts_gpt_oss.py check it)
     _need_triton()
     _need_grouped_mm()
     monkeypatch.setattr(_grouped_mm, "MODE", "grouped_mm")

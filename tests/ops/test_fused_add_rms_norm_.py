@@ -108,3 +108,9 @@ def test_slices_of_one_buffer_that_do_not_share_elements_are_accepted():
     polykernel.fused_add_rms_norm_(x, r, torch.ones(16))
     torch.testing.assert_close(x, y)
     torch.testing.assert_close(r, s)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_parity_gpu_large(dtype):
+    assert_parity("fused_add_rms_norm_", device="cuda", dtypes=[dtype], large=True)

@@ -111,7 +111,10 @@ def test_matches_transformers_gpt_oss_experts_output_and_every_gradient(impl):
         torch.autograd.grad(got, [x, weights, *params], dy),
         want_grads,
     ):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=name)
+        # fp32 sums whose terms reach ~1e3 (weights: H products of dy and the expert output) cancel
+        # to small elements: their rounding is relative to the largest term, not to the element
+        # (~2e-7 of max|b| seen; a fixed atol of 1e-4 failed on some seeds, tighter than that here)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-6 * b.abs().max().item(), msg=name)
     assert {d["impl"] for d in polykernel.decisions("moe_experts_gpt_oss")} == {impl}
 
 

@@ -181,3 +181,9 @@ def test_rope_cache_is_vllms():
     inv = 1.0 / (500.0 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
     freqs = torch.arange(5, dtype=torch.float64)[:, None] * inv
     torch.testing.assert_close(cache, torch.cat((freqs.cos(), freqs.sin()), -1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_parity_gpu_large(dtype):
+    assert_parity("rotary_embedding_", device="cuda", dtypes=[dtype], large=True)
