@@ -81,7 +81,9 @@ case $part in
     step cuda-jit-build 150 python3 -m polykernel.backends.cuda_jit._build
     gpu_tests serving-tests 170 tests/backends/test_serving_peers.py tests/backends/test_cuda_jit.py \
       tests/backends/test_torch_compile.py tests/ops/test_serving_common.py tests/ops/test_serving_fp8.py \
-      tests/ops/test_serving_glu.py tests/ops/test_serving_norm.py tests/ops/test_serving_rope.py
+      tests/ops/test_serving_glu.py tests/ops/test_serving_inplace.py tests/ops/test_silu_and_mul.py tests/ops/test_gelu_and_mul.py \
+      tests/ops/test_fused_add_rms_norm_.py tests/ops/test_rotary_embedding_.py tests/ops/test_dynamic_quant_fp8.py \
+      tests/ops/test_static_quant_fp8.py tests/ops/test_rms_norm_quant_fp8.py
     step serving-graph 130 python3 -m polykernel bench --graph --no-compile --out "$R/graph" "${SERVING_OPS[@]}"
     step serving-eager 100 python3 -m polykernel bench --no-compile --out "$R/eager" "${SERVING_OPS[@]}"
     ;;
@@ -99,7 +101,7 @@ case $part in
     step pref-script 90 python3 benchmarks/kernels/preference_losses.py --json "$R/pref.json"
     ;;
   moe)  # each test file on its own (2026-12-03, fresh machine: gpt-oss 54 s; the other two cut at 50-65 s, compiling)
-    for f in test_moe_paths test_moe test_moe_gpt_oss; do
+    for f in test_moe_paths test_moe_experts test_moe_experts_gpt_oss test_moe_router; do
       gpu_tests "$f" 120 "tests/ops/$f.py" --durations=0
     done
     step moe-layer 80 python3 benchmarks/kernels/moe_paths.py --rep 150 --jsonl "$R/moe_paths.jsonl"
