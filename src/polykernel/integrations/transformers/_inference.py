@@ -43,8 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import polykernel as _pk
-
-from .. import env
+from polykernel import env
 
 # The families whose decoder layer is Llama's (input norm, attention, post-attention norm, MLP;
 # residual adds around both), by model type. Only the tested one.
@@ -435,7 +434,7 @@ def _fused_failed(exc: Exception) -> None:
     ``POLYKERNEL_STRICT=1`` that is the error; else log once and run the unfused forward from now on."""
     import logging
 
-    from ..core.selection.state import strict_mode
+    from polykernel.core.selection.state import strict_mode
 
     if strict_mode() or isinstance(exc, IndexError):  # IndexError: the cache is full, as index_copy_ says
         raise exc
@@ -449,7 +448,7 @@ def _fused_failed(exc: Exception) -> None:
 
 
 def _rope_kv_write(*args: Any) -> torch.Tensor:
-    from ..backends.triton.rope_kv_write import rope_kv_write
+    from polykernel.backends.triton.rope_kv_write import rope_kv_write
 
     return rope_kv_write(*args)
 

@@ -72,7 +72,7 @@ What polykernel cannot express exactly stays transformers' code, and :func:`patc
 family whose rotary function rotates the whole head, and routed experts whose activation is not
 SiLU or GELU (``moe_experts``).
 
-Only this module imports ``transformers`` (an optional extra).
+Only this package imports ``transformers`` (an optional extra).
 """
 
 from __future__ import annotations
@@ -1293,7 +1293,7 @@ def _patch_model(model: nn.Module, switches: dict[str, bool]) -> nn.Module:
     return model
 
 
-# -- inference mode (polykernel.integrations._inference) ---------------------------------------
+# -- inference mode (._inference) -------------------------------------------------------------
 MODES = ("default", "inference")
 
 
@@ -1417,7 +1417,7 @@ def patch(
     ``mode="inference"`` (a built Llama): the decoder as a serving engine runs it, on the serving
     ops: the residual stream carried between layers through ``fused_add_rms_norm_``, one merged
     gate/up matmul and ``silu_and_mul``, RoPE as ``rope=`` says; the other switches do not apply
-    (see :mod:`polykernel.integrations._inference`). Its norms round once (the serving op's), so
+    (see :mod:`polykernel.integrations.transformers._inference`). Its norms round once (the serving op's), so
     16-bit logits differ from transformers' at that dtype's roundoff.
 
     >>> patch(model, rope=False)        # doctest: +SKIP
