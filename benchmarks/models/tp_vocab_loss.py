@@ -46,10 +46,10 @@ PATHS = ("vocab_parallel", "gather_weight", "gather_logits")
 def use_path(path: str) -> None:
     """Switch the loss path (module attributes; restored by the next call)."""
     from polykernel.distributed import vocab
-    from polykernel.integrations import transformers as pkt
+    from polykernel.integrations.transformers import _loss  # where the fused loss looks _colwise_input up
 
     vocab.vocab_plan = _ORIGINAL["plan"] if path != "gather_weight" else (lambda *a, **k: None)
-    pkt._colwise_input = _ORIGINAL["colwise"] if path != "gather_logits" else (lambda head: None)
+    _loss._colwise_input = _ORIGINAL["colwise"] if path != "gather_logits" else (lambda head: None)
 
 
 _ORIGINAL: dict[str, Any] = {}
@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     from _tp_llama import parallelize_llama
     from polykernel.distributed import vocab
     from polykernel.integrations import transformers as pkt
+    from polykernel.integrations.transformers import _loss
 
-    _ORIGINAL.update(plan=vocab.vocab_plan, colwise=pkt._colwise_input)
+    _ORIGINAL.update(plan=vocab.vocab_plan, colwise=_loss._colwise_input)
     device = "cpu" if args.smoke else "cuda"
     dist.init_process_group("gloo" if args.smoke else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -200,7 +200,7 @@ def test_decode_attention_shares_kv_heads_and_matches(monkeypatch, rope):
     patch(model, mode="inference", rope=rope)
     import types
 
-    from polykernel.integrations import _inference
+    from polykernel.integrations.transformers import _inference
 
     seen = []
     real = torch.nn.functional.scaled_dot_product_attention
@@ -219,11 +219,11 @@ def test_decode_attention_shares_kv_heads_and_matches(monkeypatch, rope):
 # -- the attention's fused path: merged QKV, RoPE fused with the static KV cache's write ---------
 def _fused_spy(monkeypatch) -> list[int]:
     """Counts the fused kernel's launches (one per layer and forward that takes the fused path)."""
-    from polykernel.integrations import _inference
+    from polykernel.integrations.transformers import _fused_attention
 
     calls: list[int] = []
-    real = _inference._rope_kv_write
-    monkeypatch.setattr(_inference, "_rope_kv_write", lambda *a: (calls.append(1), real(*a))[1])
+    real = _fused_attention._rope_kv_write
+    monkeypatch.setattr(_fused_attention, "_rope_kv_write", lambda *a: (calls.append(1), real(*a))[1])
     return calls
 
 
@@ -242,7 +242,7 @@ def _decode_with_cache(model: torch.nn.Module, cache, batch: int = 2, steps: int
 def test_fused_rope_kv_write_is_the_unfused_path_bit_for_bit(monkeypatch, dtype):
     # the fused attention (one QKV matmul, one launch for rope + both cache writes) against the
     # same patched model with the fusion turned off: the same logits and cache contents, exactly
-    from polykernel.integrations import _inference
+    from polykernel.integrations.transformers import _fused_attention
 
     ref = tiny_llama(layers=2).to(dtype)
     model = copy.deepcopy(ref)
@@ -250,7 +250,7 @@ def test_fused_rope_kv_write_is_the_unfused_path_bit_for_bit(monkeypatch, dtype)
     calls = _fused_spy(monkeypatch)
     got, got_cache = _decode_with_cache(model, transformers.StaticCache(config=model.config, max_cache_len=16))
     assert len(calls) == 2 * 4  # every layer of the prefill and of the 3 decode steps
-    monkeypatch.setattr(_inference, "_static_cache_classes", lambda: None)  # the unfused path
+    monkeypatch.setattr(_fused_attention, "_static_cache_classes", lambda: None)  # the unfused path
     want, want_cache = _decode_with_cache(model, transformers.StaticCache(config=model.config, max_cache_len=16))
     assert len(calls) == 8
     assert torch.equal(got, want)
@@ -306,15 +306,15 @@ def test_fused_attention_past_the_static_cache_raises_as_index_copy_does(monkeyp
 @pytest.mark.parametrize("strict", [False, True])
 def test_a_fused_kernel_that_fails_falls_back_once_logged_or_raises_when_strict(monkeypatch, caplog, strict):
     # (on 2026-12-03 the H200's Triton refused to compile the kernel while the interpreter ran it)
-    from polykernel.integrations import _inference
+    from polykernel.integrations.transformers import _fused_attention
 
-    monkeypatch.setattr(_inference, "_FUSED_OFF", [])
+    monkeypatch.setattr(_fused_attention, "_FUSED_OFF", [])
     monkeypatch.setenv("POLYKERNEL_STRICT", "1" if strict else "0")
 
     def broken(*args):
         raise RuntimeError("CompilationError: no such kernel here")
 
-    monkeypatch.setattr(_inference, "_rope_kv_write", broken)
+    monkeypatch.setattr(_fused_attention, "_rope_kv_write", broken)
     ref, model = pair(layers=2)
     if strict:
         with pytest.raises(RuntimeError, match="CompilationError"):
@@ -357,7 +357,7 @@ def test_merged_qkv_adds_no_memory_and_keeps_the_state_dict():
 def test_decode_mask_is_made_additive_once_per_forward(monkeypatch):
     # SDPA converts a boolean mask on every call (4 launches per layer on the GPU): the shared-KV
     # decode path converts it once per forward and hands every layer the same additive mask
-    from polykernel.integrations import _inference
+    from polykernel.integrations.transformers import _inference
 
     ref = tiny_llama(layers=3)
     model = copy.deepcopy(ref)
@@ -435,7 +435,7 @@ def test_gpu_fused_attention_matches_unfused_in_a_cuda_graph(monkeypatch, batch)
     # issue 34: the fused attention (merged QKV, one launch for rope + both cache writes), captured
     # in a CUDA graph and replayed on fixed tokens, against the same patched model unfused
     from polykernel.backends.triton.rope_kv_write import rope_kv_write
-    from polykernel.integrations import _inference
+    from polykernel.integrations.transformers import _fused_attention
 
     config = transformers.LlamaConfig(
         vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
@@ -473,7 +473,7 @@ def test_gpu_fused_attention_matches_unfused_in_a_cuda_graph(monkeypatch, batch)
     got, got_cache = decode()
     assert len(calls) == 4 * 3  # prefill, the eager step, the capture: every layer fused
     with monkeypatch.context() as off:
-        off.setattr(_inference, "_static_cache_classes", lambda: None)
+        off.setattr(_fused_attention, "_static_cache_classes", lambda: None)
         want, want_cache = decode()
     assert len(calls) == 12
     assert torch.isfinite(got).all()

@@ -1279,3 +1279,26 @@ def test_patched_model_after_a_class_level_patch(family, torch_impls):
     finally:
         pkt.unpatch(family)
     assert pkt.patched(tiny(family)) == {}
+
+
+def test_the_integration_modules_are_small_and_import_one_way():
+    # issue 36: polykernel.integrations.transformers is a package of one concern a module, each
+    # under 500 lines, whose modules import one way (lazy imports inside functions count too)
+    import ast
+    import graphlib
+    from pathlib import Path
+
+    package = Path(pkt.__file__).parent
+    deps: dict[str, set[str]] = {}
+    for path in sorted([*package.glob("*.py"), *package.parent.glob("*.py")]):
+        text = path.read_text(encoding="utf-8")
+        assert text.count("\n") <= 500, f"{path.relative_to(package.parent)}: {text.count(chr(10))} lines"
+        if path.parent != package:
+            continue
+        found = deps.setdefault(path.stem, set())
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:  # from .x import y / from . import x
+                names = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
+                found |= {n if (package / f"{n}.py").exists() else "__init__" for n in names}
+    assert len(deps) > 10 and deps["__init__"], deps
+    graphlib.TopologicalSorter(deps).prepare()  # CycleError names the modules that import each other

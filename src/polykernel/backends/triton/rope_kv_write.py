@@ -135,7 +135,7 @@ def rope_kv_write(
     """Rotate q and k of ``qkv`` (``[B, T, (heads_q + 2·heads_kv)·D]``, q's heads then k's then
     v's) by ``cos``/``sin`` (``[B or 1, T, D]``), write k and v into the caches (``[B, heads_kv,
     L, D]``) at ``cumulative_length + t``, and return rotated q as ``[B, heads_q, T, D]``. The
-    caller checked the shapes, dtypes and devices (see ``_inference.fused_attention_forward``)."""
+    caller checked the shapes, dtypes and devices (see ``integrations.transformers._fused_attention``)."""
     b, t, width = qkv.shape
     d = width // (heads_q + 2 * heads_kv)
     x = qkv.view(b, t, heads_q + 2 * heads_kv, d)

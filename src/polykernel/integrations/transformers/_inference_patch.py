@@ -1,0 +1,44 @@
+"""``patch(model, mode="inference")``: a built model's decoder on the serving ops (see
+:mod:`._inference`)."""
+
+from __future__ import annotations
+
+import sys
+
+from torch import nn
+
+from . import _inference
+from ._attention import _inference_attention
+from ._install import _calls_rope, _classify, _install, _unpatch_model
+from ._layers import _gated_activation, _mlp_supported
+
+
+def _patch_inference(model: nn.Module, rope: bool) -> nn.Module:
+    """``patch(model, mode="inference")``: the decoder on the serving ops (see ``_inference``)."""
+    bases = [(n, m, c[0]) for n, m in model.named_modules() if (c := _classify(m)) is not None and c[1] == "base_model"]
+    if not bases or any(f.model_type not in _inference.FAMILIES for _, _, f in bases):
+        kind = bases[0][2].model_type if bases else getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise ValueError(
+            f"polykernel.integrations.transformers.patch: mode='inference' supports {', '.join(_inference.FAMILIES)}, not {kind!r}"
+        )
+    _unpatch_model(model)
+    for name, base_model, family in bases:
+        layers = _inference.decoder_layers(base_model)
+        if isinstance(layers, str):
+            raise ValueError(f"polykernel.integrations.transformers.patch: mode='inference': {name or '<model>'}: {layers}")
+        stream = _inference._Stream()
+        _install(base_model, lambda b, s=stream: _inference.base_model_forward(b, s))
+        _install(base_model.norm, lambda b, s=stream: _inference.final_norm_forward(b, s))
+        modeling = sys.modules[family.module]
+        for i, layer in enumerate(layers):
+            _install(layer, lambda b, s=stream, first=i == 0: _inference.decoder_layer_forward(b, s, first))
+            activation = _gated_activation(layer.mlp.act_fn) if _mlp_supported(layer.mlp) is None else None
+            if activation is not None and _inference.mergeable(layer.mlp, _inference.GATE_UP) is None:
+                _install(layer.mlp, lambda b, a=activation: _inference.mlp_forward(b, a))
+                _inference.merge(layer.mlp, _inference.GATE_UP)
+            with_rope = rope and _calls_rope(layer.self_attn)
+            fuse = with_rope and _inference.mergeable(layer.self_attn, _inference.QKV) is None
+            if fuse:
+                _inference.merge(layer.self_attn, _inference.QKV)
+            _install(layer.self_attn, lambda b, m=modeling, f=family, r=with_rope, q=fuse: _inference_attention(b, m, f, r, q))
+    return model

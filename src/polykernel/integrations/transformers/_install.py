@@ -1,0 +1,115 @@
+"""Instance patching: a module's own forward installed and restored, and what polykernel runs in
+a module (its family and role, its patched forward's kind)."""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Callable
+
+from torch import nn
+
+from ._code import _CannotPatch
+from ._families import _FAMILY_BY_MODULE, _config_left_alone, _Family
+from ._layers import _GATED_MLP, _gated_activation, _mlp_layout, _mlp_supported
+from ._switches import _gated_ops
+
+_SAVED = "_polykernel_saved"  # module.__dict__ entry: (slot, previous value or None)
+
+
+def _classify(module: nn.Module) -> tuple[_Family, str, type] | None:
+    """The family, role and family class of ``module`` (a subclass that overrides forward: None)."""
+    for cls in type(module).__mro__:
+        family = _FAMILY_BY_MODULE.get(cls.__module__)
+        if family is None:
+            continue
+        role = family.role(cls.__name__)
+        if role is None:
+            return None
+        if type(module).forward is not cls.forward:
+            return None
+        return family, role, cls
+    return None
+
+
+def _install(module: nn.Module, make_forward: Callable[[Callable], Callable]) -> None:
+    """Give ``module`` its own forward, built from the one it runs now.
+
+    accelerate's hooks keep the real forward in ``_old_forward`` (and a wrapper in ``forward``):
+    that is the slot to swap then, so the hook keeps working.
+    """
+    d = module.__dict__
+    slot = "_old_forward" if ("_old_forward" in d and "forward" in d) else "forward"
+    prev = d.get(slot)
+    if prev is None:
+        base = type(module).forward
+    elif isinstance(prev, types.MethodType) and prev.__self__ is module:
+        base = prev.__func__
+    else:
+        raise _CannotPatch(f"its {slot} was replaced by {prev!r}")
+    d[slot] = types.MethodType(make_forward(base), module)
+    d[_SAVED] = (slot, prev)
+
+
+def _uninstall(module: nn.Module) -> None:
+    saved = module.__dict__.pop(_SAVED, None)
+    if saved is None:
+        return
+    slot, prev = saved
+    if prev is None:
+        module.__dict__.pop(slot, None)
+    else:
+        module.__dict__[slot] = prev
+
+
+def _kind(module: nn.Module) -> str | None:
+    """What polykernel runs in ``module``: its own patched forward's kind, else (``patch("<model
+    type>")``) its patched class's; a gated MLP's is its activation's op (swiglu or geglu)."""
+    saved = module.__dict__.get(_SAVED)
+    if saved is not None:
+        fn = module.__dict__.get(saved[0])
+        kind = getattr(getattr(fn, "__func__", None), "_polykernel", None)
+    else:
+        kind = _class_kind(module)
+    if kind == _GATED_MLP:  # one forward for both: the module's activation says which op runs
+        layout = _mlp_layout(module)
+        gated = _gated_activation(layout[1]) if layout is not None and _mlp_supported(module) is None else None
+        return gated[0] if gated is not None and gated[0] in _gated_ops() else None
+    return kind
+
+
+def _class_kind(module: nn.Module) -> str | None:
+    """The kind of a module whose family's classes ``patch("<model type>")`` patched: its class's
+    forward's, or for an attention layer that calls the rotary function, ``rope`` where that
+    function is patched (the class-level RoPE swap changes the modeling module, not the class)."""
+    found = _classify(module)
+    if found is None:
+        return None
+    family, role, cls = found
+    if role != "attention":
+        return getattr(cls.forward, "_polykernel", None)
+    modeling = sys.modules.get(family.module)
+    rope = any(getattr(getattr(modeling, name, None), "_polykernel", None) == "rope" for name, _ in family.rope)
+    config = getattr(module, "config", None)
+    if not rope or not _calls_rope(module) or (config is not None and "rope" in _config_left_alone(family, config)):
+        return None
+    return "rope"
+
+
+_LEFT_ALONE = "_polykernel_left_alone"  # the patched model's __dict__ entry: kind -> why
+
+
+def _calls_rope(attention: nn.Module) -> bool:
+    """False for NoPE layers, whose forward calls no rotary function: SmolLM3's ``use_rope``
+    layers and a hybrid EXAONE 4's global (non-sliding) layers."""
+    if not getattr(attention, "use_rope", True):
+        return False
+    return getattr(attention, "sliding_window", None) is None or getattr(attention, "is_sliding", True)
+
+
+def _unpatch_model(model: nn.Module) -> nn.Module:
+    """Every module of ``model`` back on the forward it had before :func:`_install`."""
+    model.__dict__.pop(_LEFT_ALONE, None)
+    for module in model.modules():
+        _uninstall(module)
+    return model
