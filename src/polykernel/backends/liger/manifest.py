@@ -93,4 +93,13 @@ IMPLS = {
         description="Liger LigerLayerNormFunction; weight and bias required; N <= 65536",
         predicate=_gates.layer_norm,
     ),
+    # Liger's RoPE (0.8.5) is not registered: in the H200 parity run (benchmarks/kernels/check_peers.py)
+    # it failed the error model by orders of magnitude with cos/sin halves that differ, strided
+    # cos/sin, D = 272 and decode shapes (it reads only the first half of each cos/sin row and
+    # computes in the tables' dtype), and it trailed Triton (h200-2026-11-29-graph.json).
+    # (QuACK's rotary takes another layout, [B, T, H, D] with half-width cos/sin: not adapted.)
+    # Liger's qwen2vl_mrope (0.8.5) is not registered either: its kernel reads only the first half
+    # of each table row (it assumes equal halves; the contract's tables need not have them), needs
+    # the tables' batch to be B (no batch-1 broadcast), computes in the tables' dtype, and rotates
+    # q/k in place: HF's transposed q (a contiguous [B, T, H, D]) would be overwritten.
 }

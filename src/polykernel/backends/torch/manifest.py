@@ -26,4 +26,8 @@ IMPLS = {
     "norm.layer_norm": TORCH.impl(
         rank=100, description="F.layer_norm (PyTorch's fused kernel) where the parameter dtypes match x, else the reference"
     ),
+    "embedding.rope": TORCH.impl(rank=100, description="fp32 rotate-half in eager torch (autograd gives every gradient, cos/sin included)"),
+    "embedding.mrope": TORCH.impl(
+        rank=100, description="merges the three tables in torch, then rope's reference (autograd gives every gradient)"
+    ),
 }

@@ -33,4 +33,8 @@ IMPLS = {
         description="the reference under torch.compile(dynamic=True) (Inductor fuses it; autograd through AOTAutograd); compiles on a class's first call",
         predicate=_gates.layer_norm,
     ),
+    "embedding.rope": TORCH_COMPILE.impl(
+        description="the reference under torch.compile(dynamic=True): q and k in one Inductor graph; compiles on a class's first call",
+        predicate=_gates.rope,
+    ),
 }

@@ -1,7 +1,7 @@
 """The ops the ``triton`` backend implements, and its impl row for each (torch-free; see
 :mod:`polykernel.backends`)."""
 
-from . import TRITON
+from . import TRITON, _gates
 
 IMPLS = {
     "norm.rms_norm": TRITON.impl(
@@ -42,5 +42,16 @@ IMPLS = {
     ),
     "norm.layer_norm": TRITON.impl(
         rank=10, description="one row per program (chunked for long rows); dW/dB from per-program partials (deterministic)"
+    ),
+    "embedding.rope": TRITON.impl(
+        rank=10,
+        description="a tile of positions per program, all q and k heads, cos/sin loaded once; strided (no copies); "
+        "backward is the same kernel rotating by -sin",
+        predicate=_gates.rope,
+    ),
+    "embedding.mrope": TRITON.impl(
+        rank=10,
+        description="merges the tables in torch ([B, T, D], a small copy), then rope's Triton kernels, forward and backward",
+        predicate=_gates.rope,
     ),
 }
