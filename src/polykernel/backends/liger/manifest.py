@@ -102,4 +102,22 @@ IMPLS = {
     # of each table row (it assumes equal halves; the contract's tables need not have them), needs
     # the tables' batch to be B (no batch-1 broadcast), computes in the tables' dtype, and rotates
     # q/k in place: HF's transposed q (a contiguous [B, T, H, D]) would be overwritten.
+    # Trails QuACK and Triton and syncs the host per call (not CUDA-graph safe; per call in
+    # benchmarks/results/h200-2026-11-29.json): behind Triton. bf16/fp16 gradients fail the error
+    # model (benchmarks/kernels/check_peers.py on the H200); fp32 passes.
+    "loss.cross_entropy": LIGER.impl(
+        rank=60,
+        dtypes=("float32",),
+        graph_safe=False,
+        description="Liger's CE kernel with an fp32 loss and a private gradient buffer (the logits stay unwritten); host sync per call",
+        predicate=_gates.cross_entropy,
+    ),
+    # Slower per call, with less extra memory, and a host sync per call (not CUDA-graph safe;
+    # benchmarks/results/h200-2026-11-29.json). Behind Triton.
+    "loss.fused_linear_cross_entropy": LIGER.impl(
+        rank=60,
+        graph_safe=False,
+        description="Liger LigerFusedLinearCrossEntropyFunction (grads in the forward, fp32 dW accumulation); host sync per call",
+        predicate=_gates.fused_linear_cross_entropy,
+    ),
 }

@@ -30,4 +30,11 @@ IMPLS = {
     "embedding.mrope": TORCH.impl(
         rank=100, description="merges the three tables in torch, then rope's reference (autograd gives every gradient)"
     ),
+    "loss.cross_entropy": TORCH.impl(
+        rank=100,
+        description="row-chunked torch (fp32 temporaries O(chunk), not O(N·V)); backward recomputes softmax from the saved LSE",
+    ),
+    "loss.fused_linear_cross_entropy": TORCH.impl(
+        rank=100, description="row chunks: torch matmul + row-chunked torch cross-entropy, gradients during the forward"
+    ),
 }

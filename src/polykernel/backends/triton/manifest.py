@@ -54,4 +54,12 @@ IMPLS = {
         description="merges the tables in torch ([B, T, D], a small copy), then rope's Triton kernels, forward and backward",
         predicate=_gates.rope,
     ),
+    "loss.cross_entropy": TRITON.impl(
+        rank=10,
+        description="one program per row, online softmax over V in chunks; backward re-reads the logits with the saved LSE",
+    ),
+    "loss.fused_linear_cross_entropy": TRITON.impl(
+        rank=10,
+        description="row chunks: torch matmul + the Triton cross-entropy kernel (loss and dlogits in one launch, in place)",
+    ),
 }
