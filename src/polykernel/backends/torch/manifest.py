@@ -37,4 +37,13 @@ IMPLS = {
     "loss.fused_linear_cross_entropy": TORCH.impl(
         rank=100, description="row chunks: torch matmul + row-chunked torch cross-entropy, gradients during the forward"
     ),
+    "serving.silu_and_mul": TORCH.impl(rank=100, description="the reference's fp32 math, copied into out"),
+    "serving.gelu_and_mul": TORCH.impl(rank=100, description="the reference's fp32 math, copied into out"),
+    "serving.fused_add_rms_norm_": TORCH.impl(rank=100, description="norm.fused_add_rms_norm's torch impl, copied over x and residual"),
+    "serving.rotary_embedding_": TORCH.impl(
+        rank=100, description="the reference: index_select of the cache rows, fp32 rotation copied back"
+    ),
+    "serving.dynamic_quant_fp8": TORCH.impl(rank=100, description="the reference: amax, scale, clamp(x / scale) copied into q"),
+    "serving.static_quant_fp8": TORCH.impl(rank=100, description="the reference: clamp(x / scale) copied into q"),
+    "serving.rms_norm_quant_fp8": TORCH.impl(rank=100, description="the reference: fp32 RMSNorm, clamp(y / scale) copied into q"),
 }

@@ -1,6 +1,7 @@
 """The ops the ``triton`` backend implements, and its impl row for each (torch-free; see
 :mod:`polykernel.backends`)."""
 
+from ..declare import FP8_CAPS
 from . import TRITON, _gates
 
 IMPLS = {
@@ -61,5 +62,43 @@ IMPLS = {
     "loss.fused_linear_cross_entropy": TRITON.impl(
         rank=10,
         description="row chunks: torch matmul + the Triton cross-entropy kernel (loss and dlogits in one launch, in place)",
+    ),
+    "serving.silu_and_mul": TRITON.impl(
+        rank=10,
+        supports_backward=False,
+        description="swiglu's elementwise kernel on x's two halves (row-strided views: no copy), writing out",
+    ),
+    "serving.gelu_and_mul": TRITON.impl(
+        rank=10,
+        supports_backward=False,
+        description="geglu's elementwise kernel (erf or tanh) on x's two halves (row-strided views: no copy), writing out",
+    ),
+    "serving.fused_add_rms_norm_": TRITON.impl(
+        rank=10,
+        supports_backward=False,
+        description="norm.fused_add_rms_norm's forward kernel writing y over x and s over residual (one launch, no allocation)",
+    ),
+    "serving.rotary_embedding_": TRITON.impl(
+        rank=10,
+        supports_backward=False,
+        description="one program per (token, block of heads of q or k): the token's cos/sin row gathered once, pairs rotated in place",
+    ),
+    "serving.dynamic_quant_fp8": TRITON.impl(
+        rank=10,
+        capabilities=FP8_CAPS,
+        supports_backward=False,
+        description="per token: one pass per row (amax, then quantise from registers; chunked past 16K); per tensor: a max kernel (integer atomics, deterministic) then the static quantiser",
+    ),
+    "serving.static_quant_fp8": TRITON.impl(
+        rank=10,
+        capabilities=FP8_CAPS,
+        supports_backward=False,
+        description="one elementwise pass ([ROWS, BLOCK] tiles, the scale read once per row)",
+    ),
+    "serving.rms_norm_quant_fp8": TRITON.impl(
+        rank=10,
+        capabilities=FP8_CAPS,
+        supports_backward=False,
+        description="one pass per row block (normalise, weight, scale, e4m3 from registers; chunked past 16K)",
     ),
 }
