@@ -120,4 +120,15 @@ IMPLS = {
         description="Liger LigerFusedLinearCrossEntropyFunction (grads in the forward, fp32 dW accumulation); host sync per call",
         predicate=_gates.fused_linear_cross_entropy,
     ),
+    # Liger 0.8.5's LigerFusedMoEFunction: SwiGLU experts only; one host sync per call (its tile
+    # count), and its routing-weight gradient is summed with atomics. Not measured on the H200
+    # (it timed out in the model runs of benchmarks/results/h200-2026-12-03-moe/): behind Triton.
+    "moe.moe_experts": LIGER.impl(
+        rank=60,
+        dtypes=("bfloat16", "float16"),
+        deterministic=False,
+        graph_safe=False,
+        description="Liger LigerFusedMoEFunction (SwiGLU only; pre-activations and expert outputs rounded to the dtype); host sync per call",
+        predicate=_gates.moe_experts,
+    ),
 }

@@ -46,4 +46,12 @@ IMPLS = {
     "serving.dynamic_quant_fp8": TORCH.impl(rank=100, description="the reference: amax, scale, clamp(x / scale) copied into q"),
     "serving.static_quant_fp8": TORCH.impl(rank=100, description="the reference: clamp(x / scale) copied into q"),
     "serving.rms_norm_quant_fp8": TORCH.impl(rank=100, description="the reference: fp32 RMSNorm, clamp(y / scale) copied into q"),
+    "moe.moe_experts": TORCH.impl(
+        rank=100,
+        description="sort by expert once; torch._grouped_mm where it runs (probed per device and dtype), else one matmul per non-empty expert (one host sync)",
+    ),
+    "moe.moe_experts_gpt_oss": TORCH.impl(
+        rank=100,
+        description="sort by expert once; torch._grouped_mm where it runs (probed per device and dtype), else one matmul per non-empty expert (one host sync); biases gathered per pair",
+    ),
 }

@@ -101,4 +101,16 @@ IMPLS = {
         supports_backward=False,
         description="one pass per row block (normalise, weight, scale, e4m3 from registers; chunked past 16K)",
     ),
+    # moe_experts' ranks follow the H200 (bf16, fwd+bwd, 2026-12-03: benchmarks/results/h200-2026-12-03-moe/):
+    # triton (its grouped_mm path) was the fastest impl at the three model shapes and at every point
+    # of the sweep, the torch impl 1.1-2.3x slower; Liger's was not measured (it timed out in the
+    # model runs). fp32 on the GPU (triton's own GEMMs, IEEE) is unmeasured and keeps these ranks.
+    "moe.moe_experts": TRITON.impl(
+        rank=10,
+        description="sort by expert once; on a GPU in 16-bit, torch._grouped_mm GEMMs with our kernels for act(g)·u, its backward and the k-sum; else our grouped GEMMs with those fused in their epilogues; no atomics",
+    ),
+    "moe.moe_experts_gpt_oss": TRITON.impl(
+        rank=10,
+        description="moe_experts' two paths in gpt-oss's layout (torch._grouped_mm on a GPU in 16-bit, else our grouped GEMMs): interleaved columns, biases and the clamped SwiGLU in our kernels; no atomics",
+    ),
 }
