@@ -21,7 +21,7 @@ from types import ModuleType
 
 from ..spec import KernelSpec
 
-__all__ = ["declared", "manifests"]
+__all__ = ["declared", "declaring", "manifests"]
 
 _lock = threading.Lock()
 _loaded: tuple[ModuleType, ...] | None = None
@@ -45,11 +45,17 @@ def manifests() -> tuple[ModuleType, ...]:
     return _loaded
 
 
+def declaring(op_id: str, impl: str) -> list[str]:
+    """The manifests (module names) that declare ``impl`` for ``op_id`` (for the clash errors)."""
+    return [m.__name__ for m in manifests() if op_id in m.IMPLS and m.IMPLS[op_id].spec(op_id).impl == impl]
+
+
 def declared(op_id: str) -> list[KernelSpec]:
     """The impls the backends' manifests declare for ``op_id``, as specs (ordered by rank, name)."""
     specs = [m.IMPLS[op_id].spec(op_id) for m in manifests() if op_id in m.IMPLS]
     names = [s.impl for s in specs]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:  # an impl's name is its backend: two manifests may not both declare one
-        raise ValueError(f"{op_id}: more than one manifest declares an impl of backend {', '.join(twice)}")
+        where = "; ".join(f"impl {n} declared by more than one backend manifest ({', '.join(declaring(op_id, n))})" for n in twice)
+        raise ValueError(f"{op_id}: {where}: an impl's name is its backend, declare it once")
     return sorted(specs, key=lambda s: (s.rank, s.impl))

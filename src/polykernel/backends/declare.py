@@ -24,10 +24,12 @@ from typing import Any
 
 from ..spec import CapabilityRequirement, FormatSignature, KernelBackend, KernelSpec, split_op_id
 
-__all__ = ["KERNEL_DTYPES", "Backend", "Impl", "impls"]
+__all__ = ["FP8_CAPS", "KERNEL_DTYPES", "Backend", "Impl", "impls"]
 
 # The dtypes our kernels and the peers' take (float64 goes to the torch impl).
 KERNEL_DTYPES = ("float32", "bfloat16", "float16")
+# fp8 e4m3 ("float8e4nv" in Triton) needs sm_89 (Ada) or newer on the GPU: the fp8 impls' floor.
+FP8_CAPS = CapabilityRequirement.cuda(min_sm=89)
 
 
 def _caps(caps: CapabilityRequirement | Iterable[CapabilityRequirement]) -> frozenset[CapabilityRequirement]:

@@ -138,10 +138,12 @@ class Registry:
         """Register an :class:`~polykernel.core.op.Op` (its constructor does) with its built-in
         impls: those the backends' manifests declare for it, and ``impls`` (an op file's own
         table, for the ops whose impls have not moved to the manifests yet)."""
-        declared = importlib.import_module(BACKENDS_MODULE).declared(op.id)
+        backends = importlib.import_module(BACKENDS_MODULE)
+        declared = backends.declared(op.id)
         clash = sorted({s.impl for s in declared} & {s.impl for s in impls})
-        if clash:
-            raise ValueError(f"{op.id}: impls {', '.join(clash)} declared both by the op and by a backend manifest")
+        if clash:  # refused whole, before anything of the op registers
+            where = "; ".join(f"impl {n} declared both by the op file and by {', '.join(backends.declaring(op.id, n))}" for n in clash)
+            raise ValueError(f"{op.id}: {where}: declare it once (in the backend's manifest)")
         impls = [*impls, *declared]
         with self.lock:
             self._ops[op.id] = op

@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import CapabilityRequirement
 from . import _checks as check
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 SCALE_FLOOR = 1e-12  # dynamic scales never go below: an all-zero row quantises to zeros, not NaN
-# fp8 e4m3 ("float8e4nv" in Triton) needs sm_89 (Ada) or newer on the GPU: the Triton fp8 impls' floor.
-FP8_CAPS = CapabilityRequirement.cuda(min_sm=89)
 
 _compiling = torch.compiler.is_compiling
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -37,15 +37,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..backends.cute_dsl import CUTE_DSL
-from ..backends.cute_dsl import _predicates as cute_predicates
-from ..backends.declare import impls
-from ..backends.liger import LIGER
-from ..backends.liger import _gates as liger_gates
-from ..backends.quack import QUACK
-from ..backends.quack import _gates as quack_gates
-from ..backends.torch import TORCH
-from ..backends.triton import TRITON
 from ..core.hit_guard import SHAPE
 from ..core.op import Bounds, Case, ErrorModel, Op
 from ..distributed.layout import ROWS, Layout, rows_with
@@ -402,49 +393,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-# Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
-# predicates in backends/{liger,quack}/_gates.py. The comparisons below are from
-# benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file.
-# Peers whose low-precision results fail the error model take fp32 only (see the comment at each).
-_FP32_ONLY = ("float32",)
-
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(
-        rank=100,
-        description="row-chunked torch (fp32 temporaries O(chunk), not O(N·V)); backward recomputes softmax from the saved LSE",
-    ),
-    TRITON.impl(
-        rank=10,
-        description="one program per row, online softmax over V in chunks; backward re-reads the logits with the saved LSE",
-    ),
-    # Our CuTeDSL kernel (backends/cute_dsl/cross_entropy.py): ahead of Triton and QuACK at
-    # 8192x128256 (benchmarks/results/h200-2026-11-30-cute-dsl.json). So rank 5 for V >= 32768
-    # (rank_for; measured at V = 128256 only), static 40 (behind Triton) below.
-    CUTE_DSL.impl(
-        rank=40,
-        description="one CTA per row, online softmax over V in 128-bit chunks; backward re-reads the logits with the saved LSE (dlogits rounded once)",
-        predicate=cute_predicates.cross_entropy,
-        rank_for=cute_predicates.cross_entropy_rank,
-    ),
-    # QuACK: trails Triton slightly; Liger trails more and syncs the host per call (not CUDA-graph
-    # safe; per call in benchmarks/results/h200-2026-11-29.json). Both behind Triton.
-    QUACK.impl(
-        rank=50,
-        description="QuACK cross_entropy (CuTeDSL); no label smoothing, weight, softcap or z_loss",
-        predicate=quack_gates.cross_entropy,
-    ),
-    # bf16/fp16 gradients fail the error model (benchmarks/kernels/check_peers.py on the H200); fp32 passes.
-    LIGER.impl(
-        rank=60,
-        dtypes=_FP32_ONLY,
-        graph_safe=False,
-        description="Liger's CE kernel with an fp32 loss and a private gradient buffer (the logits stay unwritten); host sync per call",
-        predicate=liger_gates.cross_entropy,
-    ),
-)
-
-
 def outputs(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -487,9 +435,9 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
-    # torch.compile: our custom ops, far faster than Inductor's code (its torch.compile rows in the
-    # results file above); saves the LSE (one per row) and the non-ignored count (a sum over rows)
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
+    # torch.compile: our custom ops, far faster than Inductor's code (the torch.compile rows of
+    # benchmarks/results/h200-2026-11-30-graph.json); saves the LSE (one per row) and the non-ignored count (a sum over rows)
     saved=("rows", "sum"),
     # target, ignore_index, reduction; weight; logits Shard(-1): vocab-parallel (polykernel.distributed.vocab)
     dtensor_layout=Layout(ROWS, rows_with(1), ("loss",), loss_args=(1, 2, 4), loss_weight=5, vocab="logits"),

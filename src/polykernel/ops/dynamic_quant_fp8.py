@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.declare import impls
-from ..backends.torch import TORCH
-from ..backends.triton import TRITON
 from ..core.op import Bounds, Case, ErrorModel, Op
 from . import _checks as check
 from . import _serving as serving
@@ -139,18 +136,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(rank=100, description="the reference: amax, scale, clamp(x / scale) copied into q"),
-    TRITON.impl(
-        rank=10,
-        capabilities=serving.FP8_CAPS,
-        supports_backward=False,
-        description="per token: one pass per row (amax, then quantise from registers; chunked past 16K); per tensor: a max kernel (integer atomics, deterministic) then the static quantiser",
-    ),
-)
-
-
 def outputs(x: torch.Tensor, per_token: bool = True, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     """q's and scale's shapes and dtypes, without running anything."""
     return (serving.fp8_outputs(x), (torch.Size((*x.shape[:-1], 1) if per_token else (1,)), torch.float32))
@@ -171,6 +156,6 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     writes=("q", "scale"),
 )

@@ -14,15 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.cuda_jit import CUDA_JIT
-from ..backends.cuda_jit import _gates as jit_gates
-from ..backends.declare import impls
-from ..backends.flashinfer import FLASHINFER
-from ..backends.flashinfer import _gates as flashinfer_gates
-from ..backends.sgl_kernel import SGL_KERNEL
-from ..backends.sgl_kernel import _gates as sgl_gates
-from ..backends.torch import TORCH
-from ..backends.triton import TRITON
 from ..core.op import Bounds, Case, ErrorModel, Op, rows_and_len
 from . import _serving as serving
 from . import fused_add_rms_norm as fused
@@ -138,37 +129,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(rank=100, description="norm.fused_add_rms_norm's torch impl, copied over x and residual"),
-    TRITON.impl(
-        rank=10,
-        supports_backward=False,
-        description="norm.fused_add_rms_norm's forward kernel writing y over x and s over residual (one launch, no allocation)",
-    ),
-    # Serving peers (FlashInfer's FusedAddRMSNorm, also inside sgl-kernel): they normalise the fp32
-    # sum before rounding it, within the error model above; unmeasured, so behind Triton.
-    FLASHINFER.impl(
-        rank=70,
-        supports_backward=False,
-        description="FlashInfer fused_add_rmsnorm / gemma_fused_add_rmsnorm in place (offset 0 or 1, weight of x's dtype); other layouts: torch",
-        predicate=flashinfer_gates.fused_add_rms_norm_,
-    ),
-    SGL_KERNEL.impl(
-        rank=75,
-        supports_backward=False,
-        description="sgl-kernel fused_add_rmsnorm / gemma_fused_add_rmsnorm in place (offset 0 or 1, weight of x's dtype); other layouts: torch",
-        predicate=sgl_gates.fused_add_rms_norm_,
-    ),
-    CUDA_JIT.impl(
-        rank=45,
-        supports_backward=False,
-        description="CUDA C++ (load_inline): add and norm in one pass, 128-bit vectors, y over x and s over residual; N % (16 bytes) == 0",
-        predicate=jit_gates.fused_add_rms_norm_,
-    ),
-)
-
-
 def outputs(x: torch.Tensor, residual: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     """The outputs' shapes and dtypes (those of x and residual), without running anything."""
     return ((x.shape, x.dtype), (residual.shape, residual.dtype))
@@ -189,6 +149,6 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     writes=("x", "residual"),
 )

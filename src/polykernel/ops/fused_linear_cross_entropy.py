@@ -30,11 +30,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..backends.declare import impls
-from ..backends.liger import LIGER
-from ..backends.liger import _gates as liger_gates
-from ..backends.torch import TORCH
-from ..backends.triton import TRITON
 from ..compile.facts import SavedGrads
 from ..core.hit_guard import SHAPE
 from ..core.op import SUM_LAMBDA, TINY, Bounds, Case, ErrorModel, Op
@@ -392,29 +387,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-# Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
-# predicates in backends/{liger,quack}/_gates.py. The comparisons below are from
-# benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file.
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(rank=100, description="row chunks: torch matmul + row-chunked torch cross-entropy, gradients during the forward"),
-    TRITON.impl(
-        rank=10,
-        description="row chunks: torch matmul + the Triton cross-entropy kernel (loss and dlogits in one launch, in place)",
-    ),
-    # Liger: slower per call, with less extra memory, and a host sync per call (not CUDA-graph safe;
-    # benchmarks/results/h200-2026-11-29.json). Behind Triton.
-    # QuACK's chunked linear cross-entropy (quack.linear_cross_entropy) is not registered: on the
-    # H200 stack it fails with a CuTeDSL epilogue ContextVar error.
-    LIGER.impl(
-        rank=60,
-        graph_safe=False,
-        description="Liger LigerFusedLinearCrossEntropyFunction (grads in the forward, fp32 dW accumulation); host sync per call",
-        predicate=liger_gates.fused_linear_cross_entropy,
-    ),
-)
-
-
 def outputs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -462,7 +434,7 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     # torch.compile: our custom ops (compile can only run the op by materializing the [N, V]
     # logits). Saves grad_hidden, grad_weight, grad_bias (fp32): computed in the forward for
     # "sum"/"mean", each a placeholder where grad_mask does not ask for it, and all three for

@@ -10,12 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.declare import impls
-from ..backends.flashinfer import FLASHINFER
-from ..backends.sgl_kernel import SGL_KERNEL
-from ..backends.sgl_kernel import _gates as sgl_gates
-from ..backends.torch import TORCH
-from ..backends.triton import TRITON
 from ..core.op import Bounds, Case, Op
 from . import _and_mul
 from . import _checks as check
@@ -72,27 +66,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out + tanh
 
 
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(rank=100, description="the reference's fp32 math, copied into out"),
-    TRITON.impl(
-        rank=10,
-        supports_backward=False,
-        description="geglu's elementwise kernel (erf or tanh) on x's two halves (row-strided views: no copy), writing out",
-    ),
-    # Serving peers, unmeasured: behind Triton
-    FLASHINFER.impl(
-        rank=70, supports_backward=False, description="FlashInfer gelu_and_mul / gelu_tanh_and_mul (dense x and out, else copies)"
-    ),
-    SGL_KERNEL.impl(
-        rank=75,
-        supports_backward=False,
-        description="sgl-kernel gelu_and_mul / gelu_tanh_and_mul (rows in multiples of 16 bytes; dense x and out, else copies)",
-        predicate=sgl_gates.gelu_and_mul,
-    ),
-)
-
-
 def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     return _and_mul.outputs(x)
 
@@ -112,6 +85,6 @@ _op = Op(
     cases=cases,
     example=_and_mul.example,
     bytes_moved=_and_mul.bytes_moved,
-    impls=IMPLS,
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     writes=("out",),
 )

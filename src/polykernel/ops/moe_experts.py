@@ -27,11 +27,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backends.declare import impls
-from ..backends.liger import LIGER
-from ..backends.liger import _gates as liger_gates
-from ..backends.torch import TORCH
-from ..backends.triton import TRITON
 from ..core.hit_guard import SHAPE
 from ..core.op import Bounds, Case, Op
 from . import _checks as check
@@ -350,33 +345,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-# Ranks follow the H200 (bf16, fwd+bwd, 2026-12-03: benchmarks/results/h200-2026-12-03-moe/):
-# triton (its grouped_mm path) was the fastest impl at the three model shapes and at every point
-# of the sweep, the torch impl 1.1-2.3x slower; Liger's was not measured (it timed out in the
-# model runs). fp32 on the GPU (triton's own GEMMs, IEEE) is unmeasured and keeps these ranks.
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(
-        rank=100,
-        description="sort by expert once; torch._grouped_mm where it runs (probed per device and dtype), else one matmul per non-empty expert (one host sync)",
-    ),
-    TRITON.impl(
-        rank=10,
-        description="sort by expert once; on a GPU in 16-bit, torch._grouped_mm GEMMs with our kernels for act(g)·u, its backward and the k-sum; else our grouped GEMMs with those fused in their epilogues; no atomics",
-    ),
-    # Liger 0.8.5's LigerFusedMoEFunction: SwiGLU experts only; one host sync per call (its tile
-    # count), and its routing-weight gradient is summed with atomics.
-    LIGER.impl(
-        rank=60,
-        dtypes=("bfloat16", "float16"),
-        deterministic=False,
-        graph_safe=False,
-        description="Liger LigerFusedMoEFunction (SwiGLU only; pre-activations and expert outputs rounded to the dtype); host sync per call",
-        predicate=liger_gates.moe_experts,
-    ),
-)
-
-
 _op = Op(
     OP_ID,
     fields=(
@@ -401,7 +369,7 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     # outputs, dtypes, compile_mode "ours" (the compiled backward recomputes the forward: no
     # split yet) and the DTensor layout: the MoE ops' shared facts
     **_moe.DECLARATION,

@@ -29,9 +29,6 @@ import math
 
 import torch
 
-from ..backends.declare import impls
-from ..backends.torch import TORCH
-from ..backends.triton import TRITON
 from ..core.hit_guard import SHAPE
 from ..core.op import Bounds, Case, Op
 from . import _checks as check
@@ -387,19 +384,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(
-        rank=100,
-        description="sort by expert once; torch._grouped_mm where it runs (probed per device and dtype), else one matmul per non-empty expert (one host sync); biases gathered per pair",
-    ),
-    TRITON.impl(
-        rank=10,
-        description="moe_experts' two paths in gpt-oss's layout (torch._grouped_mm on a GPU in 16-bit, else our grouped GEMMs): interleaved columns, biases and the clamped SwiGLU in our kernels; no atomics",
-    ),
-)
-
-
 _op = Op(
     OP_ID,
     fields=(
@@ -425,7 +409,7 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     # outputs, dtypes, compile_mode "ours" and the DTensor layout (the biases replicated with
     # the projections): the MoE ops' shared facts
     **_moe.DECLARATION,

@@ -18,9 +18,6 @@ from typing import Any
 
 import torch
 
-from ..backends.declare import impls
-from ..backends.torch import TORCH
-from ..backends.triton import TRITON
 from ..core.hit_guard import SHAPE, dims
 from ..core.op import Bounds, Case, ErrorModel, Op
 from ..distributed.layout import Layout
@@ -206,29 +203,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-def _triton_predicate(info: Any) -> str | None:
-    if info.rot_grad:
-        return "cos/sin require grad (the Triton kernel computes only the q and k gradients)"
-    if info.k_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"k dtype {str(info.k_dtype).removeprefix('torch.')} not supported"
-    return None
-
-
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(rank=100, description="merges the three tables in torch, then rope's reference (autograd gives every gradient)"),
-    TRITON.impl(
-        rank=10,
-        description="merges the tables in torch ([B, T, D], a small copy), then rope's Triton kernels, forward and backward",
-        predicate=_triton_predicate,
-    ),
-    # Liger's qwen2vl_mrope (0.8.5) is not registered: its kernel reads only the first half of each
-    # table row (it assumes equal halves; the contract's tables need not have them), needs the
-    # tables' batch to be B (no batch-1 broadcast), computes in the tables' dtype, and rotates q/k
-    # in place: HF's transposed q (a contiguous [B, T, H, D]) would be overwritten.
-)
-
-
 def _dtensor_expect(args: tuple[Any, ...], d: int) -> dict[int, int | None]:
     """DTensor placements for q and k sharded on dim ``d``: as rope's, the tables' dims one later."""
     q, _, cos, _ = args[:4]
@@ -260,7 +234,7 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     # torch.compile: rope's reason (Inductor fuses the elementwise rotation); the merge decomposes too
     compile_mode="decompose",
     dtensor_layout=Layout((0, 1, 2), _dtensor_expect, (0, 1), "it is the head dim D, which the rotation mixes"),

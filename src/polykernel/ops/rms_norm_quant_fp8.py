@@ -10,11 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.declare import impls
-from ..backends.flashinfer import FLASHINFER
-from ..backends.flashinfer import _gates as flashinfer_gates
-from ..backends.torch import TORCH
-from ..backends.triton import TRITON
 from ..core.op import Bounds, Case, ErrorModel, Op, rows_and_len
 from . import _checks as check
 from . import _serving as serving
@@ -125,26 +120,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(rank=100, description="the reference: fp32 RMSNorm, clamp(y / scale) copied into q"),
-    TRITON.impl(
-        rank=10,
-        capabilities=serving.FP8_CAPS,
-        supports_backward=False,
-        description="one pass per row block (normalise, weight, scale, e4m3 from registers; chunked past 16K)",
-    ),
-    # FlashInfer's fused RMSNorm + fp8 quantisation, unmeasured: behind Triton
-    FLASHINFER.impl(
-        rank=70,
-        capabilities=serving.FP8_CAPS,
-        supports_backward=False,
-        description="FlashInfer rmsnorm_quant (one scale per tensor, weight of x's dtype; x times 1/scale)",
-        predicate=flashinfer_gates.rms_norm_quant_fp8,
-    ),
-)
-
-
 def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     return (serving.fp8_outputs(x),)
 
@@ -164,6 +139,6 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     writes=("q",),
 )

@@ -23,13 +23,6 @@ from typing import Any
 
 import torch
 
-from ..backends.cutile import CUTILE
-from ..backends.cutile import _gates as cutile_gates
-from ..backends.declare import impls
-from ..backends.torch import TORCH
-from ..backends.torch_compile import TORCH_COMPILE
-from ..backends.torch_compile import _gates as compile_gates
-from ..backends.triton import TRITON
 from ..core.hit_guard import SHAPE, dims
 from ..core.op import Bounds, Case, ErrorModel, Op
 from ..distributed.layout import Layout
@@ -313,45 +306,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-def _triton_predicate(info: Any) -> str | None:
-    if info.rot_grad:
-        return "cos/sin require grad (the Triton kernel computes only the q and k gradients)"
-    if info.k_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"k dtype {str(info.k_dtype).removeprefix('torch.')} not supported"
-    return None
-
-
-# Peers (Liger-Kernel 0.8.5, QuACK 0.6.5): adapters in polykernel/backends/{liger,quack}/<op>.py,
-# predicates in backends/{liger,quack}/_gates.py. The comparisons below are from
-# benchmarks/results/h200-2026-11-30-graph.json (bf16, CUDA-graph replays) unless they name a file.
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(rank=100, description="fp32 rotate-half in eager torch (autograd gives every gradient, cos/sin included)"),
-    TRITON.impl(
-        rank=10,
-        description="a tile of positions per program, all q and k heads, cos/sin loaded once; strided (no copies); "
-        "backward is the same kernel rotating by -sin",
-        predicate=_triton_predicate,
-    ),
-    # Liger's RoPE (0.8.5) is not registered: in the H200 parity run (benchmarks/kernels/check_peers.py)
-    # it failed the error model by orders of magnitude with cos/sin halves that differ, strided
-    # cos/sin, D = 272 and decode shapes (it reads only the first half of each cos/sin row and
-    # computes in the tables' dtype), and it trailed Triton (h200-2026-11-29-graph.json).
-    # (QuACK's rotary takes another layout, [B, T, H, D] with half-width cos/sin: not adapted.)
-    CUTILE.impl(
-        rank=40,
-        description="gathers by element index (any D, any q/k strides); cos/sin loaded once per position tile for all heads",
-        predicate=cutile_gates.rope,  # (it refuses the options too)
-    ),
-    # torch.compile: rank 110 (the backend's), behind torch: auto never pays its compile; measured
-    # selection charges the compile (tuning/measure.py), impl="torch_compile" forces it.
-    TORCH_COMPILE.impl(
-        description="the reference under torch.compile(dynamic=True): q and k in one Inductor graph; compiles on a class's first call",
-        predicate=compile_gates.rope,
-    ),
-)
-
-
 def _dtensor_expect(args: tuple[Any, ...], d: int) -> dict[int, int | None]:
     """DTensor placements (the layout's ``expect``) for q and k sharded on dim ``d``: cos/sin follow
     q's batch (a batch-1 table is shared), are shared by every head, and follow the sequence on
@@ -397,9 +351,9 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
-    # torch.compile: Inductor's code is faster than ours here (its torch.compile rows in the
-    # results file above): the op decomposes and Inductor fuses it
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
+    # torch.compile: Inductor's code is faster than ours here (the torch.compile rows of
+    # benchmarks/results/h200-2026-11-30-graph.json): the op decomposes and Inductor fuses it
     compile_mode="decompose",
     dtensor_layout=Layout((0, 1, 2), _dtensor_expect, (0, 1), "it is the head dim D, which the rotation mixes"),
 )

@@ -24,13 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.declare import impls
-from ..backends.flashinfer import FLASHINFER
-from ..backends.flashinfer import _gates as flashinfer_gates
-from ..backends.sgl_kernel import SGL_KERNEL
-from ..backends.sgl_kernel import _gates as sgl_gates
-from ..backends.torch import TORCH
-from ..backends.triton import TRITON
 from ..core.op import Bounds, Case, ErrorModel, Op
 from . import _checks as check
 from . import _serving as serving
@@ -305,32 +298,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(rank=100, description="the reference: index_select of the cache rows, fp32 rotation copied back"),
-    TRITON.impl(
-        rank=10,
-        supports_backward=False,
-        description="one program per (token, block of heads of q or k): the token's cos/sin row gathered once, pairs rotated in place",
-    ),
-    # Serving peers, unmeasured: behind Triton. Neither guards positions outside the cache (they
-    # read the row named; ours write NaN), so they run by name or when measured selection picks them.
-    FLASHINFER.impl(
-        rank=70,
-        supports_backward=False,
-        description="FlashInfer apply_rope_with_cos_sin_cache_inplace (with a key; head 64/128/256/512; fp32 cache, 16-bit widened)",
-        predicate=flashinfer_gates.rotary_embedding_,
-    ),
-    SGL_KERNEL.impl(
-        rank=75,
-        supports_backward=False,
-        dtypes=("float32", "bfloat16", "float16"),
-        description="sgl-kernel rotary_embedding (vLLM's kernel), float32 only: it computes in the tensors' dtype",
-        predicate=sgl_gates.rotary_embedding_,
-    ),
-)
-
-
 def outputs(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, *_: object
 ) -> tuple[tuple[torch.Size, torch.dtype] | None, ...]:
@@ -353,6 +320,6 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     writes=("query", "key"),
 )

@@ -11,14 +11,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backends.declare import impls
-from ..backends.flashinfer import FLASHINFER
-from ..backends.sgl_kernel import SGL_KERNEL
-from ..backends.sgl_kernel import _gates as sgl_gates
-from ..backends.torch import TORCH
-from ..backends.torch_compile import TORCH_COMPILE
-from ..backends.torch_compile import _gates as compile_gates
-from ..backends.triton import TRITON
 from ..core.op import Bounds, Case, Op
 from . import _and_mul
 from . import _serving as serving
@@ -69,31 +61,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return _and_mul.and_mul_cases(device, dtype, large)
 
 
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(rank=100, description="the reference's fp32 math, copied into out"),
-    TRITON.impl(
-        rank=10,
-        supports_backward=False,
-        description="swiglu's elementwise kernel on x's two halves (row-strided views: no copy), writing out",
-    ),
-    # Serving peers, unmeasured: behind Triton
-    FLASHINFER.impl(rank=70, supports_backward=False, description="FlashInfer silu_and_mul (dense x and out, else copies)"),
-    SGL_KERNEL.impl(
-        rank=75,
-        supports_backward=False,
-        description="sgl-kernel silu_and_mul (rows in multiples of 16 bytes; dense x and out, else copies)",
-        predicate=sgl_gates.silu_and_mul,
-    ),
-    # torch.compile: rank 110 (the backend's), behind torch: auto never pays its compile; measured
-    # selection charges the compile (tuning/measure.py), impl="torch_compile" forces it.
-    TORCH_COMPILE.impl(
-        description="the reference under torch.compile(dynamic=True), Inductor writing into out; compiles on a class's first call",
-        predicate=compile_gates.silu_and_mul,
-    ),
-)
-
-
 # No guard: the public function validates every call (the overlap checks read the tensors memory),
 # then hands over the argument class it built (Op.call).
 _op = Op(
@@ -109,6 +76,6 @@ _op = Op(
     cases=cases,
     example=_and_mul.example,
     bytes_moved=_and_mul.bytes_moved,
-    impls=IMPLS,
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     writes=("out",),
 )

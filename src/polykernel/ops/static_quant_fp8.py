@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.declare import impls
-from ..backends.torch import TORCH
-from ..backends.triton import TRITON
 from ..core.op import Bounds, Case, ErrorModel, Op
 from . import _checks as check
 from . import _serving as serving
@@ -92,18 +89,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-IMPLS = impls(
-    OP_ID,
-    TORCH.impl(rank=100, description="the reference: clamp(x / scale) copied into q"),
-    TRITON.impl(
-        rank=10,
-        capabilities=serving.FP8_CAPS,
-        supports_backward=False,
-        description="one elementwise pass ([ROWS, BLOCK] tiles, the scale read once per row)",
-    ),
-)
-
-
 def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     return (serving.fp8_outputs(x),)
 
@@ -123,6 +108,6 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     writes=("q",),
 )

@@ -17,4 +17,10 @@ IMPLS = {
         description="CUDA C++ (load_inline): add and norm in one pass, 128-bit vectors; forward only; N % (16 bytes) == 0",
         predicate=_gates.fused_add_rms_norm,
     ),
+    "serving.fused_add_rms_norm_": CUDA_JIT.impl(
+        rank=45,
+        supports_backward=False,
+        description="CUDA C++ (load_inline): add and norm in one pass, 128-bit vectors, y over x and s over residual; N % (16 bytes) == 0",
+        predicate=_gates.fused_add_rms_norm_,
+    ),
 }

@@ -29,4 +29,13 @@ IMPLS = {
         predicate=_gates.layer_norm,
         rank_for=_gates.layer_norm_rank,
     ),
+    # Our CuTeDSL kernel (backends/cute_dsl/cross_entropy.py): ahead of Triton and QuACK at
+    # 8192x128256 (benchmarks/results/h200-2026-11-30-cute-dsl.json). So rank 5 for V >= 32768
+    # (rank_for; measured at V = 128256 only), static 40 (behind Triton) below.
+    "loss.cross_entropy": CUTE_DSL.impl(
+        rank=40,
+        description="one CTA per row, online softmax over V in 128-bit chunks; backward re-reads the logits with the saved LSE (dlogits rounded once)",
+        predicate=_predicates.cross_entropy,
+        rank_for=_predicates.cross_entropy_rank,
+    ),
 }

@@ -25,4 +25,9 @@ IMPLS = {
         description="forward only: one tile per row block (chunked online max/sum beyond 8192)",
         predicate=_gates.softmax,
     ),
+    "embedding.rope": CUTILE.impl(
+        rank=40,
+        description="gathers by element index (any D, any q/k strides); cos/sin loaded once per position tile for all heads",
+        predicate=_gates.rope,  # (it refuses the options too)
+    ),
 }

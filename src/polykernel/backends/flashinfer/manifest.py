@@ -2,6 +2,7 @@
 :mod:`polykernel.backends`). Serving peer, forward only (no backward: passed by when a gradient is
 wanted); unmeasured, so behind every other impl: by name or when measured selection picks it."""
 
+from ..declare import FP8_CAPS
 from . import FLASHINFER, _gates
 
 IMPLS = {
@@ -10,5 +11,33 @@ IMPLS = {
         supports_backward=False,
         description="FlashInfer rmsnorm / gemma_rmsnorm (offset 0 or 1), forward only; casting='fp32', weight of x's dtype",
         predicate=_gates.rms_norm,
+    ),
+    "serving.silu_and_mul": FLASHINFER.impl(
+        rank=70, supports_backward=False, description="FlashInfer silu_and_mul (dense x and out, else copies)"
+    ),
+    "serving.gelu_and_mul": FLASHINFER.impl(
+        rank=70, supports_backward=False, description="FlashInfer gelu_and_mul / gelu_tanh_and_mul (dense x and out, else copies)"
+    ),
+    # FlashInfer's FusedAddRMSNorm (also inside sgl-kernel) normalises the fp32 sum before rounding
+    # it, within the op's error model.
+    "serving.fused_add_rms_norm_": FLASHINFER.impl(
+        rank=70,
+        supports_backward=False,
+        description="FlashInfer fused_add_rmsnorm / gemma_fused_add_rmsnorm in place (offset 0 or 1, weight of x's dtype); other layouts: torch",
+        predicate=_gates.fused_add_rms_norm_,
+    ),
+    # It does not guard positions outside the cache (it reads the row named; ours write NaN).
+    "serving.rotary_embedding_": FLASHINFER.impl(
+        rank=70,
+        supports_backward=False,
+        description="FlashInfer apply_rope_with_cos_sin_cache_inplace (with a key; head 64/128/256/512; fp32 cache, 16-bit widened)",
+        predicate=_gates.rotary_embedding_,
+    ),
+    "serving.rms_norm_quant_fp8": FLASHINFER.impl(
+        rank=70,
+        capabilities=FP8_CAPS,
+        supports_backward=False,
+        description="FlashInfer rmsnorm_quant (one scale per tensor, weight of x's dtype; x times 1/scale)",
+        predicate=_gates.rms_norm_quant_fp8,
     ),
 }

@@ -93,4 +93,42 @@ IMPLS = {
         description="Liger LigerLayerNormFunction; weight and bias required; N <= 65536",
         predicate=_gates.layer_norm,
     ),
+    # Liger's RoPE (0.8.5) is not registered: in the H200 parity run (benchmarks/kernels/check_peers.py)
+    # it failed the error model by orders of magnitude with cos/sin halves that differ, strided
+    # cos/sin, D = 272 and decode shapes (it reads only the first half of each cos/sin row and
+    # computes in the tables' dtype), and it trailed Triton (h200-2026-11-29-graph.json).
+    # (QuACK's rotary takes another layout, [B, T, H, D] with half-width cos/sin: not adapted.)
+    # Liger's qwen2vl_mrope (0.8.5) is not registered either: its kernel reads only the first half
+    # of each table row (it assumes equal halves; the contract's tables need not have them), needs
+    # the tables' batch to be B (no batch-1 broadcast), computes in the tables' dtype, and rotates
+    # q/k in place: HF's transposed q (a contiguous [B, T, H, D]) would be overwritten.
+    # Trails QuACK and Triton and syncs the host per call (not CUDA-graph safe; per call in
+    # benchmarks/results/h200-2026-11-29.json): behind Triton. bf16/fp16 gradients fail the error
+    # model (benchmarks/kernels/check_peers.py on the H200); fp32 passes.
+    "loss.cross_entropy": LIGER.impl(
+        rank=60,
+        dtypes=("float32",),
+        graph_safe=False,
+        description="Liger's CE kernel with an fp32 loss and a private gradient buffer (the logits stay unwritten); host sync per call",
+        predicate=_gates.cross_entropy,
+    ),
+    # Slower per call, with less extra memory, and a host sync per call (not CUDA-graph safe;
+    # benchmarks/results/h200-2026-11-29.json). Behind Triton.
+    "loss.fused_linear_cross_entropy": LIGER.impl(
+        rank=60,
+        graph_safe=False,
+        description="Liger LigerFusedLinearCrossEntropyFunction (grads in the forward, fp32 dW accumulation); host sync per call",
+        predicate=_gates.fused_linear_cross_entropy,
+    ),
+    # Liger 0.8.5's LigerFusedMoEFunction: SwiGLU experts only; one host sync per call (its tile
+    # count), and its routing-weight gradient is summed with atomics. Not measured on the H200
+    # (it timed out in the model runs of benchmarks/results/h200-2026-12-03-moe/): behind Triton.
+    "moe.moe_experts": LIGER.impl(
+        rank=60,
+        dtypes=("bfloat16", "float16"),
+        deterministic=False,
+        graph_safe=False,
+        description="Liger LigerFusedMoEFunction (SwiGLU only; pre-activations and expert outputs rounded to the dtype); host sync per call",
+        predicate=_gates.moe_experts,
+    ),
 }

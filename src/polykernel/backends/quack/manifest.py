@@ -24,4 +24,13 @@ IMPLS = {
     # parity run (benchmarks/kernels/check_peers.py) it returned non-finite values where the reference has none
     # on rows with a run of -inf logits, failed the fp32 error model on logits of scale 1e4 (it
     # subtracts the max after scaling by log2 e), and its bf16/fp16 backward uses the rounded y.
+    # Trails Triton slightly; Liger trails more and syncs the host per call (not CUDA-graph safe;
+    # per call in benchmarks/results/h200-2026-11-29.json). Both behind Triton.
+    "loss.cross_entropy": QUACK.impl(
+        rank=50,
+        description="QuACK cross_entropy (CuTeDSL); no label smoothing, weight, softcap or z_loss",
+        predicate=_gates.cross_entropy,
+    ),
+    # QuACK's chunked linear cross-entropy (quack.linear_cross_entropy) is not registered for
+    # loss.fused_linear_cross_entropy: on the H200 stack it fails with a CuTeDSL epilogue ContextVar error.
 }

@@ -26,4 +26,32 @@ IMPLS = {
     "norm.layer_norm": TORCH.impl(
         rank=100, description="F.layer_norm (PyTorch's fused kernel) where the parameter dtypes match x, else the reference"
     ),
+    "embedding.rope": TORCH.impl(rank=100, description="fp32 rotate-half in eager torch (autograd gives every gradient, cos/sin included)"),
+    "embedding.mrope": TORCH.impl(
+        rank=100, description="merges the three tables in torch, then rope's reference (autograd gives every gradient)"
+    ),
+    "loss.cross_entropy": TORCH.impl(
+        rank=100,
+        description="row-chunked torch (fp32 temporaries O(chunk), not O(N·V)); backward recomputes softmax from the saved LSE",
+    ),
+    "loss.fused_linear_cross_entropy": TORCH.impl(
+        rank=100, description="row chunks: torch matmul + row-chunked torch cross-entropy, gradients during the forward"
+    ),
+    "serving.silu_and_mul": TORCH.impl(rank=100, description="the reference's fp32 math, copied into out"),
+    "serving.gelu_and_mul": TORCH.impl(rank=100, description="the reference's fp32 math, copied into out"),
+    "serving.fused_add_rms_norm_": TORCH.impl(rank=100, description="norm.fused_add_rms_norm's torch impl, copied over x and residual"),
+    "serving.rotary_embedding_": TORCH.impl(
+        rank=100, description="the reference: index_select of the cache rows, fp32 rotation copied back"
+    ),
+    "serving.dynamic_quant_fp8": TORCH.impl(rank=100, description="the reference: amax, scale, clamp(x / scale) copied into q"),
+    "serving.static_quant_fp8": TORCH.impl(rank=100, description="the reference: clamp(x / scale) copied into q"),
+    "serving.rms_norm_quant_fp8": TORCH.impl(rank=100, description="the reference: fp32 RMSNorm, clamp(y / scale) copied into q"),
+    "moe.moe_experts": TORCH.impl(
+        rank=100,
+        description="sort by expert once; torch._grouped_mm where it runs (probed per device and dtype), else one matmul per non-empty expert (one host sync)",
+    ),
+    "moe.moe_experts_gpt_oss": TORCH.impl(
+        rank=100,
+        description="sort by expert once; torch._grouped_mm where it runs (probed per device and dtype), else one matmul per non-empty expert (one host sync); biases gathered per pair",
+    ),
 }

@@ -33,4 +33,12 @@ IMPLS = {
         description="the reference under torch.compile(dynamic=True) (Inductor fuses it; autograd through AOTAutograd); compiles on a class's first call",
         predicate=_gates.layer_norm,
     ),
+    "embedding.rope": TORCH_COMPILE.impl(
+        description="the reference under torch.compile(dynamic=True): q and k in one Inductor graph; compiles on a class's first call",
+        predicate=_gates.rope,
+    ),
+    "serving.silu_and_mul": TORCH_COMPILE.impl(
+        description="the reference under torch.compile(dynamic=True), Inductor writing into out; compiles on a class's first call",
+        predicate=_gates.silu_and_mul,
+    ),
 }

@@ -1,7 +1,8 @@
 """The ops the ``triton`` backend implements, and its impl row for each (torch-free; see
 :mod:`polykernel.backends`)."""
 
-from . import TRITON
+from ..declare import FP8_CAPS
+from . import TRITON, _gates
 
 IMPLS = {
     "norm.rms_norm": TRITON.impl(
@@ -42,5 +43,74 @@ IMPLS = {
     ),
     "norm.layer_norm": TRITON.impl(
         rank=10, description="one row per program (chunked for long rows); dW/dB from per-program partials (deterministic)"
+    ),
+    "embedding.rope": TRITON.impl(
+        rank=10,
+        description="a tile of positions per program, all q and k heads, cos/sin loaded once; strided (no copies); "
+        "backward is the same kernel rotating by -sin",
+        predicate=_gates.rope,
+    ),
+    "embedding.mrope": TRITON.impl(
+        rank=10,
+        description="merges the tables in torch ([B, T, D], a small copy), then rope's Triton kernels, forward and backward",
+        predicate=_gates.rope,
+    ),
+    "loss.cross_entropy": TRITON.impl(
+        rank=10,
+        description="one program per row, online softmax over V in chunks; backward re-reads the logits with the saved LSE",
+    ),
+    "loss.fused_linear_cross_entropy": TRITON.impl(
+        rank=10,
+        description="row chunks: torch matmul + the Triton cross-entropy kernel (loss and dlogits in one launch, in place)",
+    ),
+    "serving.silu_and_mul": TRITON.impl(
+        rank=10,
+        supports_backward=False,
+        description="swiglu's elementwise kernel on x's two halves (row-strided views: no copy), writing out",
+    ),
+    "serving.gelu_and_mul": TRITON.impl(
+        rank=10,
+        supports_backward=False,
+        description="geglu's elementwise kernel (erf or tanh) on x's two halves (row-strided views: no copy), writing out",
+    ),
+    "serving.fused_add_rms_norm_": TRITON.impl(
+        rank=10,
+        supports_backward=False,
+        description="norm.fused_add_rms_norm's forward kernel writing y over x and s over residual (one launch, no allocation)",
+    ),
+    "serving.rotary_embedding_": TRITON.impl(
+        rank=10,
+        supports_backward=False,
+        description="one program per (token, block of heads of q or k): the token's cos/sin row gathered once, pairs rotated in place",
+    ),
+    "serving.dynamic_quant_fp8": TRITON.impl(
+        rank=10,
+        capabilities=FP8_CAPS,
+        supports_backward=False,
+        description="per token: one pass per row (amax, then quantise from registers; chunked past 16K); per tensor: a max kernel (integer atomics, deterministic) then the static quantiser",
+    ),
+    "serving.static_quant_fp8": TRITON.impl(
+        rank=10,
+        capabilities=FP8_CAPS,
+        supports_backward=False,
+        description="one elementwise pass ([ROWS, BLOCK] tiles, the scale read once per row)",
+    ),
+    "serving.rms_norm_quant_fp8": TRITON.impl(
+        rank=10,
+        capabilities=FP8_CAPS,
+        supports_backward=False,
+        description="one pass per row block (normalise, weight, scale, e4m3 from registers; chunked past 16K)",
+    ),
+    # moe_experts' ranks follow the H200 (bf16, fwd+bwd, 2026-12-03: benchmarks/results/h200-2026-12-03-moe/):
+    # triton (its grouped_mm path) was the fastest impl at the three model shapes and at every point
+    # of the sweep, the torch impl 1.1-2.3x slower; Liger's was not measured (it timed out in the
+    # model runs). fp32 on the GPU (triton's own GEMMs, IEEE) is unmeasured and keeps these ranks.
+    "moe.moe_experts": TRITON.impl(
+        rank=10,
+        description="sort by expert once; on a GPU in 16-bit, torch._grouped_mm GEMMs with our kernels for act(g)·u, its backward and the k-sum; else our grouped GEMMs with those fused in their epilogues; no atomics",
+    ),
+    "moe.moe_experts_gpt_oss": TRITON.impl(
+        rank=10,
+        description="moe_experts' two paths in gpt-oss's layout (torch._grouped_mm on a GPU in 16-bit, else our grouped GEMMs): interleaved columns, biases and the clamped SwiGLU in our kernels; no atomics",
     ),
 }
