@@ -20,7 +20,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The tail of a CPU script: the cutlass / tvm_ffi modules and our kernel modules it imported.
 IMPORTED_KERNEL_MODULES = r"""
 print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("cutlass", "tvm_ffi")
-                        or m.startswith("polykernel.backends.cute_dsl.") and m.rsplit(".", 1)[1] not in ("_predicates", "_gates"))))
+                        or m.startswith("polykernel.backends.cute_dsl.") and m.rsplit(".", 1)[1] not in ("_predicates", "_gates", "manifest"))))
 """
 
 

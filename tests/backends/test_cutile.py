@@ -197,7 +197,7 @@ print(json.dumps({"mods": sorted(m for m in sys.modules if m.split(".")[:2] == [
         full = {k: v for k, v in os.environ.items() if not k.startswith("POLYKERNEL_")} | env
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, check=True)
         got = json.loads(out.stdout.strip().splitlines()[-1])
-        assert got == {"mods": ["polykernel.backends.cutile._gates"], "probed": 0}, (env, got)
+        assert got == {"mods": ["polykernel.backends.cutile._gates", "polykernel.backends.cutile.manifest"], "probed": 0}, (env, got)
 
 
 def test_preference_runs_everything_on_cpu(monkeypatch):
