@@ -15,7 +15,6 @@ SRC = Path(polykernel.__file__).parent
 # not grow past the limit.
 OVER = {
     "ops/_preference.py",  # the preference losses' shared machinery (issue 36: to split)
-    "distributed/vocab.py",  # the vocab-parallel losses (issue 36: to split)
 }
 
 
