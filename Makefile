@@ -62,7 +62,7 @@ test-simd: setup  ## the parity tests again with the AVX-512, then the AVX2 path
 	TORCHINDUCTOR_CACHE_DIR="$(abspath $(VENV))/inductor-default" ATEN_CPU_CAPABILITY=default NPY_DISABLE_CPU_FEATURES="$(NPY_NO_AVX2)" $(BIN)/python -m pytest -q -n $(JOBS) -k parity tests
 
 .PHONY: test-fallbacks
-test-fallbacks: setup  ## the CPU suite again with every private-API fallback forced (polykernel/_compat.py)
+test-fallbacks: setup  ## the CPU suite again with every private-API fallback forced (polykernel/_compat/)
 	POLYKERNEL_COMPAT_FALLBACKS=1 $(BIN)/python -m pytest -q -n $(JOBS) --timeout=900 tests
 
 # The GPU suite in parts that each end within ~8 min on one H200 (a device command is capped at

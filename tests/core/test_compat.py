@@ -21,7 +21,7 @@ import torch
 import polykernel
 from polykernel import _compat
 from polykernel.core import hit_guard, registry
-from polykernel.core import op as op_mod
+from polykernel.core import hot_path as op_mod  # the generated hot path and the state it reads
 
 GUARDED = ["rms_norm", "layer_norm", "fused_add_rms_norm", "swiglu", "geglu"]
 
@@ -38,7 +38,7 @@ def _positional(op, case):
 _FORCED_REPORT = r"""
 import json, torch
 from polykernel import _compat
-from polykernel.core import hit_guard, op as op_mod
+from polykernel.core import hit_guard, hot_path as op_mod
 from polykernel.backends.triton import _autograd, _launch
 from polykernel.compile import library
 

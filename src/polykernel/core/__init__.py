@@ -2,7 +2,7 @@
 path, the resolution order (selection), explain records and the runtime-fault policy.
 
 Layers, bottom up (``[tool.importlinter]`` in pyproject.toml holds them): ``spec``/``errors`` →
-``core.registry`` and its peers → ``tuning`` → ``core.selection`` → ``core.op`` →
+``core.registry`` and its peers → ``tuning`` → ``core.selection`` → ``core.hot_path`` → ``core.op`` →
 ``distributed`` → ``compile`` → ``ops``/``backends`` → ``nn``/``integrations``/``testing`` →
 ``tools``. A lower layer hears from a higher one through a hook it exposes (``core.op.hooks``,
 ``core.registry``'s listeners), never by importing it.

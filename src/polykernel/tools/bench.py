@@ -38,7 +38,6 @@ mode (what ``torch.compile``'s default automatic dynamic shapes give a user) ins
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import re
@@ -49,6 +48,8 @@ from typing import TYPE_CHECKING, Any
 
 # Shared with the tuner; bench's names for them (benchmarks/ import them from here).
 from ..timing import capture_graph, copy_bandwidth, do_bench, host_us_per_call
+from .bench_contenders import _contenders, transformers_experts, transformers_gpt_oss_experts  # noqa: F401 (re-exported)
+from .bench_report import _row_line, _write_csv, print_rows
 from .rows import RowFile, announce
 
 if TYPE_CHECKING:
@@ -218,97 +219,6 @@ def measure(
     return ms, peak
 
 
-def _contenders(
-    op: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    dtype: torch.dtype,
-    compiled: Callable[..., Any] | None,
-    device: str = "cuda",
-) -> dict[str, Callable[[], Any]]:
-    """Name -> a no-argument call of one contender on the same inputs."""
-    import polykernel
-    from polykernel.core import registry
-
-    public = getattr(polykernel, op.name)
-    # The automatic choice first: as a user calls it (static ranks, or the tuning store's choice).
-    out: dict[str, Callable[[], Any]] = {"polykernel": lambda: public(*args, **kwargs)}
-    # Every registered impl runnable here, the peers included (impl="liger", impl="quack"): a peer
-    # is measured through its adapter, as polykernel runs it. An impl whose predicate refuses these
-    # arguments (Liger at N > 65536) raises ImplNotAvailableError: its row records the reason.
-    runnable = polykernel.available_impls(op.id, device=device, dtype=dtype)
-    # An installed peer whose import raised (found by available_impls) gets its row too: its error
-    # says why it did not run, so a report never reads as if the peer were simply not installed.
-    broken = [n for n, s in registry.specs_for(op).items() if n not in runnable and s.failed_import()]
-    for impl in [*runnable, *broken]:
-        out[f"polykernel:{impl}"] = lambda impl=impl: public(*args, impl=impl, **kwargs)
-    out["eager reference"] = lambda: op.reference(*args, **kwargs)
-    if op.name == "moe_experts":
-        out.update(transformers_experts(args, kwargs))
-    if op.name == "moe_experts_gpt_oss":
-        out.update(transformers_gpt_oss_experts(args, kwargs))
-    if compiled is not None:
-        out["torch.compile"] = lambda: compiled(*args, **kwargs)
-    return out
-
-
-def transformers_experts(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Callable[[], Any]]:
-    """transformers' experts on the same tensors (issue 24's baselines): its ``grouped_mm``
-    implementation and its eager loop (``Qwen3MoeExperts.forward``). Empty without transformers
-    or where its MoE integration differs from 5.x's."""
-    import types
-
-    try:
-        from transformers.activations import ACT2FN
-        from transformers.integrations import moe as hf_moe
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-    except Exception:  # not installed, or another layout
-        return {}
-    hidden, index, weights, gate_up, down = args
-    act = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[kwargs.get("activation", "silu")]
-
-    def experts(implementation: str) -> Any:
-        # the attributes transformers' use_experts_implementation gives an Experts module
-        self = types.SimpleNamespace(
-            num_experts=gate_up.shape[0], gate_up_proj=gate_up, down_proj=down, act_fn=ACT2FN[act],
-            has_gate=True, has_bias=False, is_transposed=False, is_concatenated=True, has_post_expert_norm=False,
-            _is_expert_parallel=False, config=types.SimpleNamespace(_experts_implementation=implementation),
-        )  # fmt: skip
-        self._apply_gate = lambda gate_up_out: hf_moe._default_apply_gate(self, gate_up_out)
-        return self
-
-    grouped, eager = experts("grouped_mm"), experts("eager")
-    return {
-        "transformers grouped_mm": lambda: hf_moe.grouped_mm_experts_forward(grouped, hidden, index, weights),
-        "transformers eager": lambda: Qwen3MoeExperts.forward(eager, hidden, index, weights),
-    }
-
-
-def transformers_gpt_oss_experts(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Callable[[], Any]]:
-    """transformers' ``GptOssExperts`` on the same tensors: its eager loop and its ``grouped_mm``
-    experts implementation. Empty without transformers or where its MoE integration differs."""
-    import types
-
-    try:
-        from transformers.integrations import moe as hf_moe
-        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
-    except Exception:  # not installed, or another layout
-        return {}
-    hidden, index, weights, gate_up, gate_up_bias, down, down_bias = args[:7]
-    self = types.SimpleNamespace(
-        num_experts=gate_up.shape[0], gate_up_proj=gate_up, gate_up_proj_bias=gate_up_bias, down_proj=down,
-        down_proj_bias=down_bias, alpha=kwargs.get("alpha", 1.702), limit=kwargs.get("limit", 7.0), has_gate=True,
-        has_bias=True, is_transposed=True, is_concatenated=False, has_post_expert_norm=False, _is_expert_parallel=False,
-        config=types.SimpleNamespace(_experts_implementation="grouped_mm"),
-    )  # fmt: skip
-    self._apply_gate = lambda gate_up_out: GptOssExperts._apply_gate(self, gate_up_out)
-    eager = getattr(GptOssExperts.forward, "__wrapped__", GptOssExperts.forward)  # the loop, not the dispatching wrapper
-    out = {"transformers eager": lambda: eager(self, hidden, index, weights)}
-    if hasattr(hf_moe, "grouped_mm_experts_forward"):
-        out["transformers grouped_mm"] = lambda: hf_moe.grouped_mm_experts_forward(self, hidden, index, weights)
-    return out
-
-
 def _step(fn: Callable[[], Any], grad_inputs: list[torch.Tensor], backward: bool) -> Callable[[], Any]:
     """One call as ``measure`` times it: the forward under no_grad, or forward + autograd.grad."""
     import torch
@@ -455,41 +365,6 @@ def _rows_per_case(op: Any, use_compile: bool) -> int:
     return contenders * (1 if op.writes else 2)
 
 
-def _row_line(r: dict[str, Any]) -> str:
-    perf = f"{r['TFLOP/s']:.0f} TFLOP/s" if "TFLOP/s" in r else (f"{r['GB/s'] / 1e3:.2f} TB/s" if "GB/s" in r else "")
-    return f"{r['op']} {r['shape']} {r['mode']} {r['impl']}: {r['ms']:.3f} ms {perf} {r['error']}".rstrip()
-
-
-def print_rows(rows: list[dict[str, Any]], console: Console) -> None:
-    """The rows as one table: ms, TB/s (or TFLOP/s), % of the copy, peak extra memory, errors."""
-    from polykernel.tools.console import table
-
-    t = table(console, "op", "shape", "mode", "impl", "chosen", "ms", "host µs", "TB/s | TFLOP/s", "% copy", "peak+ MiB", "error",
-              right=("ms", "host µs", "TB/s | TFLOP/s", "% copy", "peak+ MiB"))  # fmt: skip
-    for r in rows:
-        perf = f"{r['TFLOP/s']:.0f} TFLOP/s" if "TFLOP/s" in r else (f"{r['GB/s'] / 1e3:.2f}" if "GB/s" in r else "")
-        pct = f"{r['% copy']:.1f}" if "% copy" in r else ""
-        t.add_row(
-            r["op"],
-            r["shape"],
-            r["mode"],
-            r["impl"],
-            r["chosen"],
-            f"{r['ms']:.3f}",
-            _host(r),
-            perf,
-            pct,
-            f"{r['peak_extra_MiB']:.0f}",
-            r["error"],
-        )
-    console.print(t)
-
-
-def _host(row: dict[str, Any]) -> str:
-    host = row.get("host_us", float("nan"))  # rows loaded from older files lack it
-    return "" if host != host else f"{host:.1f}"
-
-
 def device_slug(name: str) -> str:
     """A short file-name tag for a device: ``NVIDIA H200`` -> ``h200``, ``cpu`` -> ``cpu``.
 
@@ -569,14 +444,6 @@ def run_cli(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(result["rows"], indent=1))
     return 0
-
-
-def _write_csv(rows: list[dict[str, Any]], stem: str) -> None:
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    with open(f"{stem}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
