@@ -131,4 +131,27 @@ IMPLS = {
         description="Liger LigerFusedMoEFunction (SwiGLU only; pre-activations and expert outputs rounded to the dtype); host sync per call",
         predicate=_gates.moe_experts,
     ),
+    # The distillation losses (Liger-Kernel 0.8.5): behind Triton until measured on the H200; not
+    # CUDA-graph safe (they sync with the host).
+    "loss.kl_div": LIGER.impl(
+        rank=60,
+        graph_safe=False,
+        description="Liger LigerKLDivLossFunction (log t clamped at eps = 1e-10); no target gradient; host sync in its backward",
+        predicate=_gates.kl_div,
+    ),
+    "loss.jsd": LIGER.impl(
+        rank=60,
+        graph_safe=False,
+        description="Liger's _jsd_kernel (an fp32 [N, V] loss buffer; NaN where a probability is 0); host sync per call",
+        predicate=_gates.jsd,
+    ),
+    "loss.tvd": LIGER.impl(
+        rank=60, graph_safe=False, description="Liger LigerTVDLossFunction (gradient for p only); host sync per call", predicate=_gates.tvd
+    ),
+    "loss.fused_linear_jsd": LIGER.impl(
+        rank=60,
+        graph_safe=False,
+        description="Liger LigerFusedLinearJSDFunction (fp32 dW accumulation; NaN where a probability is 0); host sync per call",
+        predicate=_gates.fused_linear_jsd,
+    ),
 }

@@ -54,4 +54,15 @@ IMPLS = {
         rank=100,
         description="sort by expert once; torch._grouped_mm where it runs (probed per device and dtype), else one matmul per non-empty expert (one host sync); biases gathered per pair",
     ),
+    # The distillation losses: the torch impl is the only fp64 math, everywhere.
+    "loss.kl_div": TORCH.impl(rank=100, description="row-chunked torch (fp32 temporaries O(chunk)); closed-form gradients"),
+    "loss.jsd": TORCH.impl(
+        rank=100, description="row-chunked torch (fp32 temporaries O(chunk)); the gradient in closed form, written in the forward"
+    ),
+    "loss.tvd": TORCH.impl(
+        rank=100, description="row-chunked torch (fp32 temporaries O(chunk)); gradients written in the forward for scalar reductions"
+    ),
+    "loss.fused_linear_jsd": TORCH.impl(
+        rank=100, description="row chunks: fp32 matmul logits + torch JSD per chunk, gradients during the forward"
+    ),
 }
