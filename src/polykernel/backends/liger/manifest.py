@@ -154,4 +154,38 @@ IMPLS = {
         description="Liger LigerFusedLinearJSDFunction (fp32 dW accumulation; NaN where a probability is 0); host sync per call",
         predicate=_gates.fused_linear_jsd,
     ),
+    # The preference/RL losses (liger_kernel.chunked_loss; the adapters in preference.py): behind
+    # Triton, host sync per call. No KTO: Liger's reports batch sums, not per-sequence statistics.
+    "loss.fused_linear_dpo_loss": LIGER.impl(
+        rank=60,
+        graph_safe=False,
+        target="polykernel.backends.liger.preference:fused_linear_dpo_loss",
+        description="Liger LigerFusedLinearDPOFunction (logits in the inputs' dtype; nll_loss NaN unless compute_nll_loss)",
+        predicate=_gates.fused_linear_dpo_loss,
+    ),
+    "loss.fused_linear_orpo_loss": LIGER.impl(
+        rank=60,
+        graph_safe=False,
+        target="polykernel.backends.liger.preference:fused_linear_orpo_loss",
+        description="Liger LigerFusedLinearORPOFunction (logits in the inputs' dtype; nll_loss NaN unless compute_nll_loss)",
+    ),
+    "loss.fused_linear_cpo_loss": LIGER.impl(
+        rank=60,
+        graph_safe=False,
+        target="polykernel.backends.liger.preference:fused_linear_cpo_loss",
+        description="Liger LigerFusedLinearCPOFunction (logits in the inputs' dtype; nll_loss NaN when alpha = 0)",
+    ),
+    "loss.fused_linear_simpo_loss": LIGER.impl(
+        rank=60,
+        graph_safe=False,
+        target="polykernel.backends.liger.preference:fused_linear_simpo_loss",
+        description="Liger LigerFusedLinearSimPOFunction (logits in the inputs' dtype)",
+    ),
+    "loss.fused_linear_grpo_loss": LIGER.impl(
+        rank=60,
+        graph_safe=False,
+        target="polykernel.backends.liger.preference:fused_linear_grpo_loss",
+        description="Liger LigerFusedLinearGRPOFunction (region clip ratio only, the others NaN; logits in the inputs' dtype)",
+        predicate=_gates.fused_linear_grpo_loss,
+    ),
 }

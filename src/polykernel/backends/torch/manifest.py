@@ -65,4 +65,37 @@ IMPLS = {
     "loss.fused_linear_jsd": TORCH.impl(
         rank=100, description="row chunks: fp32 matmul logits + torch JSD per chunk, gradients during the forward"
     ),
+    # The preference/RL losses: each loss's formula (its op file's chunked) through the chunked
+    # driver (_linear_logps) with the torch per-token primitive (torch/preference.py).
+    "loss.fused_linear_dpo_loss": TORCH.impl(
+        rank=100,
+        target="polykernel.backends.torch.preference:fused_linear_dpo_loss",
+        description="pairs in chunks: fp32 matmul logits, torch log-softmax per chunk, gradients during the forward",
+    ),
+    "loss.fused_linear_orpo_loss": TORCH.impl(
+        rank=100,
+        target="polykernel.backends.torch.preference:fused_linear_orpo_loss",
+        description="pairs in chunks: fp32 matmul logits, torch log-softmax per chunk, gradients during the forward",
+    ),
+    "loss.fused_linear_cpo_loss": TORCH.impl(
+        rank=100,
+        target="polykernel.backends.torch.preference:fused_linear_cpo_loss",
+        description="pairs in chunks: fp32 matmul logits, torch log-softmax per chunk, gradients during the forward",
+    ),
+    "loss.fused_linear_simpo_loss": TORCH.impl(
+        rank=100,
+        target="polykernel.backends.torch.preference:fused_linear_simpo_loss",
+        description="pairs in chunks: fp32 matmul logits, torch log-softmax per chunk, gradients during the forward",
+    ),
+    "loss.fused_linear_kto_loss": TORCH.impl(
+        rank=100,
+        target="polykernel.backends.torch.preference:fused_linear_kto_loss",
+        description="sequences in chunks: fp32 matmul logits, torch log-softmax per chunk, gradients during the forward",
+    ),
+    "loss.fused_linear_grpo_loss": TORCH.impl(
+        rank=100,
+        target="polykernel.backends.torch.preference:fused_linear_grpo_loss",
+        description="token rows (sequences for sequence-level ratios)"
+        " in chunks: fp32 matmul logits, torch log-softmax per chunk, gradients during the forward",
+    ),
 }

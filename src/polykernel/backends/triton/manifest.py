@@ -134,4 +134,37 @@ IMPLS = {
         description="row chunks: fp32-output matmuls + one Triton kernel per chunk (both log-softmaxes, loss and dlogits; no host sync)",
         predicate=_gates.fused_linear_jsd,
     ),
+    # The preference/RL losses: the torch impls' chunked driver with the Triton per-token primitive
+    # (triton/preference.py; fp32 math).
+    "loss.fused_linear_dpo_loss": TRITON.impl(
+        rank=10,
+        target="polykernel.backends.triton.preference:fused_linear_dpo_loss",
+        description="pairs in chunks: fp32-output matmuls + Triton log-prob and dlogits kernels, gradients during the forward",
+    ),
+    "loss.fused_linear_orpo_loss": TRITON.impl(
+        rank=10,
+        target="polykernel.backends.triton.preference:fused_linear_orpo_loss",
+        description="pairs in chunks: fp32-output matmuls + Triton log-prob and dlogits kernels, gradients during the forward",
+    ),
+    "loss.fused_linear_cpo_loss": TRITON.impl(
+        rank=10,
+        target="polykernel.backends.triton.preference:fused_linear_cpo_loss",
+        description="pairs in chunks: fp32-output matmuls + Triton log-prob and dlogits kernels, gradients during the forward",
+    ),
+    "loss.fused_linear_simpo_loss": TRITON.impl(
+        rank=10,
+        target="polykernel.backends.triton.preference:fused_linear_simpo_loss",
+        description="pairs in chunks: fp32-output matmuls + Triton log-prob and dlogits kernels, gradients during the forward",
+    ),
+    "loss.fused_linear_kto_loss": TRITON.impl(
+        rank=10,
+        target="polykernel.backends.triton.preference:fused_linear_kto_loss",
+        description="sequences in chunks: fp32-output matmuls + Triton log-prob and dlogits kernels, gradients during the forward",
+    ),
+    "loss.fused_linear_grpo_loss": TRITON.impl(
+        rank=10,
+        target="polykernel.backends.triton.preference:fused_linear_grpo_loss",
+        description="token rows (sequences for sequence-level ratios)"
+        " in chunks: fp32-output matmuls + Triton log-prob and dlogits kernels, gradients during the forward",
+    ),
 }
