@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import polykernel as pk
-from polykernel.backends.torch._double_backward import native_backward
+from polykernel.backends._double_backward import native_backward
 from polykernel.ops import dyt as dyt_op
 from polykernel.ops import fused_add_rms_norm as add_rms_op
 from polykernel.ops import geglu as geglu_op
@@ -385,7 +385,7 @@ class _PeerStandIn(torch.autograd.Function):
 
 @pytest.mark.parametrize("kept", [True, False])
 def test_refusing_peer_function(kept):
-    from polykernel.backends.torch._double_backward import refusing
+    from polykernel.backends._double_backward import refusing
 
     fn = refusing(_PeerStandIn, "norm.stand_in", "liger", (0, 1), kept=kept)
     a, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)

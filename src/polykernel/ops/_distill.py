@@ -1,13 +1,13 @@
 """What the distillation losses (kl_div, jsd, tvd, fused_linear_jsd) share: argument checks, the
 generalized JSD's per-element terms (the reference's, autograd-safe) and the magnitudes their
-error models are relative to. Each op file keeps its own semantics (reference, tolerances, impls).
+error models are relative to. Each op file keeps its own semantics (reference, tolerances); the
+impls are the backends' (their manifests: :mod:`polykernel.backends`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 
@@ -75,19 +75,6 @@ def validate_beta(op: str, beta: object) -> None:
         raise check.OpArgumentError(op, "beta", f"expected a number in [0, 1], got {beta!r}")
 
 
-def fp64_free(*fields: str) -> Callable[[Any], str | None]:
-    """A predicate for the fp32-math kernels: none of ``fields`` (dtypes in the argument class)
-    is float64, whose math is fp64 by the contract (the torch impl's)."""
-
-    def predicate(a: Any) -> str | None:
-        for f in fields:
-            if getattr(a, f) == torch.float64:
-                return f"{f} is float64 (fp64 math: the torch impl)"
-        return None
-
-    return predicate
-
-
 def labels_class(labels: torch.Tensor | None, rows_shape: torch.Size) -> tuple | None:
     """What an argument class holds of ``labels``: None, or (dtype, device, shape matches)."""
     if labels is None:
@@ -98,26 +85,6 @@ def labels_class(labels: torch.Tensor | None, rows_shape: torch.Size) -> tuple |
 def scored(labels: torch.Tensor | None, ignore_index: int, rows: int) -> int:
     """How many rows count in the mean (host int; the error models and tests only)."""
     return rows if labels is None else int((labels != ignore_index).sum())
-
-
-def impl_rows(op: str, *, fp32_math: Callable[[Any], str | None], liger_predicate: Callable[[Any], str | None], describe_torch: str,
-              describe_triton: str, describe_liger: str) -> list:  # fmt: skip
-    """The distillation ops' impl table, each row described by the op: torch (rank 100,
-    everywhere; the only fp64 math), Triton (rank 10; ``fp32_math`` refuses a float64 argument)
-    and Liger-Kernel 0.8.5's (rank 60, behind Triton until measured on the H200; not graph-safe:
-    it syncs with the host; the adapter in ``backends/liger/<op>.py``, ``liger_predicate`` from
-    ``backends/liger/_gates.py``)."""
-    from ..backends.declare import impls
-    from ..backends.liger import LIGER
-    from ..backends.torch import TORCH
-    from ..backends.triton import TRITON
-
-    return impls(
-        op,
-        TORCH.impl(rank=100, description=describe_torch),
-        TRITON.impl(rank=10, description=describe_triton, predicate=fp32_math),
-        LIGER.impl(rank=60, graph_safe=False, description=describe_liger, predicate=liger_predicate),
-    )
 
 
 # -- the generalized JSD, element by element ---------------------------------------------------

@@ -1,28 +1,60 @@
 """Shared parts of the fused preference and RL losses (``fused_linear_{dpo,orpo,cpo,simpo,kto,grpo}_loss``):
-argument checks, the float64 reference log-probs, the impl choice.
+argument checks, the float64 reference log-probs, the chunking the error models count on.
 
 Every loss is a function of per-token log-probs ``logp[r, t] = log_softmax((hidden @ W.T + b) /
 temperature)[target]`` (0 where the token is not scored). Its op file writes the loss once, as
 ``contrib(logp, *aux) -> per-unit terms`` whose sum is the loss (the normalisers, known before any
 logit is computed, are folded in): the chunked impls call it per chunk of whole units, the
 reference once on the whole batch.
+
+The impls are the backends' (their manifests: :mod:`polykernel.backends`): each hands the op
+file's ``chunked(head, ...)`` its :class:`Head`, the chunked linear + log-prob machinery (the
+torch or the Triton per-token primitive over one chunked driver), so the formula is written once
+and no op file names a backend.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
-from types import ModuleType
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from ..core.op import Case
-from ..errors import ImplNotAvailableError, OpArgumentError, OpTypeError
+from ..errors import OpArgumentError, OpTypeError
 from . import _checks as check
 
-IMPLS = ("torch", "triton", "liger")
+CHUNK_BYTES = 1 << 30  # whole units per chunk up to this: fp32 logits plus dlogits (~1280 token rows at V = 128K, bf16)
+
+
+def units_per_chunk(n_units: int, rows_per_unit: int, t: int, v: int, elt: int, budget: int = CHUNK_BYTES) -> int:
+    """Whole units per chunk: their fp32 logits and dlogits (``elt`` bytes) within ``budget``,
+    at least one unit, at most all of them. The impls' chunking (a unit is a pair or a
+    sequence), which the error models count on: dW is accumulated once per chunk."""
+    per_unit = max(1, rows_per_unit * t * v * (4 + elt))
+    n = max(1, min(n_units, budget // per_unit))
+    if rows_per_unit * t == 1 and 256 <= n < n_units:  # one-token units: a multiple of 128 rows (matmul tiles)
+        n -= n % 128
+    return n
+
+
+class Head(Protocol):
+    """What an impl hands a loss's ``chunked``: per-token log-probs of an LM head, chunked, with
+    their gradients (``polykernel.backends.torch._linear_logps.Head``)."""
+
+    def run(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor, ignore_index: int,
+            temperature: float, pairs: bool, contrib: Callable[..., torch.Tensor],
+            aux: Sequence[torch.Tensor | None] = ()) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``(loss, logps [R, T])``: the sum of ``contrib``'s per-unit terms (differentiable in
+        hidden, weight, bias) and the detached per-token log-probs (0 where ignored)."""
+        ...
+
+    def logps_only(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                   ignore_index: int) -> torch.Tensor:  # fmt: skip
+        """Per-token log-probs ``[R, T]`` (0 where ignored) without gradients (a reference model's)."""
+        ...
 
 
 def reference_token_logps(
@@ -145,39 +177,7 @@ def validate_smoothing(op: str, value: Any) -> None:
         raise OpArgumentError(op, "label_smoothing", f"expected a number in [0, 0.5], got {value!r}")
 
 
-# -- impl choice ----------------------------------------------------------------------------------
-
-
-def primitive(op: str, impl: str | None, hidden: torch.Tensor) -> ModuleType:
-    """The per-token log-prob primitive of ``impl`` (torch or triton); default: Triton on CUDA in
-    fp32/bf16/fp16, torch elsewhere. ``impl="liger"`` is the op file's own path."""
-    if impl is not None and impl not in IMPLS:
-        raise OpArgumentError(op, "impl", f"expected one of {', '.join(map(repr, IMPLS))} or None, got {impl!r}")
-    if impl is None:
-        impl = "triton" if hidden.device.type == "cuda" and hidden.dtype != torch.float64 else "torch"
-    if impl == "triton":
-        if hidden.dtype == torch.float64:
-            raise ImplNotAvailableError(op, "triton", "dtype float64 not supported (fp32 math); use impl='torch'", ["torch"])
-        return importlib.import_module("polykernel.backends.triton._token_logps")
-    return importlib.import_module("polykernel.backends.torch._token_logps")
-
-
-def liger(op: str) -> ModuleType:
-    """The Liger adapters' module (``polykernel.backends.liger.preference``), imported on first use."""
-    try:
-        return importlib.import_module("polykernel.backends.liger.preference")
-    except ImportError as exc:
-        raise ImplNotAvailableError(op, "liger", f"liger_kernel is not importable ({exc})", ["torch", "triton"]) from None
-
-
 # -- running a loss -------------------------------------------------------------------------------
-
-
-def run(op: str, impl: str | None, hidden, weight, bias, target, ignore_index: int, pairs: bool, fn, aux, temperature: float = 1.0):
-    """``(loss, logps [R, T])`` through the chunked driver with ``impl``'s primitive."""
-    from ..backends.torch import _linear_logps as walker  # (the driver: backends sit beside ops)
-
-    return walker.run(primitive(op, impl, hidden), hidden, weight, bias, target, ignore_index, temperature, pairs, fn, aux)
 
 
 def reference_run(hidden, weight, bias, target, ignore_index: int, fn, aux, temperature: float = 1.0):
@@ -186,18 +186,15 @@ def reference_run(hidden, weight, bias, target, ignore_index: int, fn, aux, temp
     return fn(logps, *aux).sum(), logps.detach()
 
 
-def ref_sequence_logps(op: str, impl: str | None, ref_hidden, ref_weight, ref_bias, target, ignore_index: int, average: bool,
-                       *, exact: bool = False) -> torch.Tensor:  # fmt: skip
-    """A reference head's per-sequence log-probs (no gradient), chunked (or float64 with ``exact``)."""
+def ref_sequence_logps(head: Head | None, ref_hidden, ref_weight, ref_bias, target, ignore_index: int, average: bool) -> torch.Tensor:
+    """A reference head's per-sequence log-probs (no gradient), chunked through ``head`` (None:
+    in float64 from the full logits, the reference's)."""
     mask = target != ignore_index
     with torch.no_grad():
-        if exact:
+        if head is None:
             tok = reference_token_logps(ref_hidden, ref_weight, ref_bias, target, ignore_index)
         else:
-            from ..backends.torch import _linear_logps as walker
-
-            prim = primitive(op, "torch" if impl == "liger" else impl, ref_hidden)
-            tok = walker.logps_only(prim, ref_hidden, ref_weight, ref_bias, target, ignore_index)
+            tok = head.logps_only(ref_hidden, ref_weight, ref_bias, target, ignore_index)
         return sequence_logps(tok, mask, average)
 
 
@@ -407,9 +404,7 @@ def error_bounds(reference: Any, args: tuple, kwargs: dict, *, grads: dict[str, 
     seq_err = t * eps + lam_t * u32 * t * (tok + 1)
     loss_model = ErrorModel(rounds=1, ops=8, cancel=loss_err / u32, scale=1.0)
     stat = ErrorModel(rounds=1, ops=8, cancel=gain * seq_err / u32, scale=1.0)
-    from ..backends.torch import _linear_logps as walker  # the chunking's rounds of dW
-
-    chunks = max(1, r // walker.units_per_chunk(r, 1, t, weight.shape[0], hidden.element_size()))
+    chunks = max(1, r // units_per_chunk(r, 1, t, weight.shape[0], hidden.element_size()))  # the chunking's rounds of dW
     # g's own error: a sigmoid of β·margin moves its slope by at most β per unit of margin (two
     # sequences per margin); GRPO's ratios and KL move by at most their log-probs' error (`beta`
     # is then 0: no margin)
@@ -468,39 +463,6 @@ def bytes_moved(hidden: torch.Tensor, weight: torch.Tensor, *_: object, backward
     """Fewest bytes: read hidden and weight (+ write dH and dW). Matmul-bound: rate by ``flops``."""
     size = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
     return 2 * size if backward else size
-
-
-def liger_gate(*refused: str) -> Any:
-    """A predicate refusing Liger where one of the ``refused`` arguments is given (never a fault)."""
-
-    def gate(key: Any) -> str | None:
-        for name in refused:
-            if getattr(key, name) is not None:
-                return f"Liger's loss takes no {name}"
-        return None
-
-    return gate
-
-
-def impl_rows(op: str, what: str, liger: str | None, liger_predicate: Any = None) -> list:
-    """The op's impl table: torch (everywhere), Triton (CUDA; the CPU interpreter in tests), and
-    Liger's chunked loss where it has one (``liger``: its differences, for the description)."""
-    from ..backends.declare import impls
-    from ..backends.liger import LIGER
-    from ..backends.torch import TORCH
-    from ..backends.triton import TRITON
-
-    name = op.rpartition(".")[2]
-    rows = [
-        TORCH.impl(rank=100, target=f"polykernel.backends.torch.preference:{name}",
-                   description=f"{what} in chunks: fp32 matmul logits, torch log-softmax per chunk, gradients during the forward"),
-        TRITON.impl(rank=10, target=f"polykernel.backends.triton.preference:{name}",
-                    description=f"{what} in chunks: fp32-output matmuls + Triton log-prob and dlogits kernels, gradients during the forward"),
-    ]  # fmt: skip
-    if liger is not None:
-        rows.append(LIGER.impl(rank=60, graph_safe=False, target=f"polykernel.backends.liger.preference:{name}", description=liger,
-                               predicate=liger_predicate))  # fmt: skip
-    return impls(op, *rows)
 
 
 def error_model_for(reference: Any, grads: dict[str, int], *, beta: str | None = "beta", gain: Any = None, curv: Any = None) -> Any:

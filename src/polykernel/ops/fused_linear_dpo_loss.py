@@ -12,8 +12,8 @@ reference's (from ``ref_chosen_logps``/``ref_rejected_logps``, else from a refer
 
 ``nll_loss`` is the chosen rows' token-mean NLL (NaN when no chosen token is scored).
 Gradients reach hidden, weight and bias through ``loss`` only (the statistics are detached).
-Impls: ``torch`` and ``triton`` (the chunked driver, ``polykernel.backends.torch._linear_logps``,
-with the torch or the Triton per-token primitive), ``liger`` (Liger's chunked loss).
+Impls (the backends'): ``torch`` and ``triton`` (one chunked driver with the torch or the Triton
+per-token primitive, through :func:`chunked`), ``liger`` (Liger's chunked loss).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..backends.torch import _linear_logps as walker
 from ..core.op import Case, Op
 from . import _checks as check
 from . import _preference as pref
@@ -114,22 +113,21 @@ def fused_linear_dpo_loss(
     return _dispatch(impl, *args)
 
 
-def chunked(prim_name: str, hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_chosen_logps, ref_rejected_logps,
+def chunked(head: pref.Head, hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_chosen_logps, ref_rejected_logps,
             beta, ignore_index, average_log_prob, compute_nll_loss) -> DPOOutput:  # fmt: skip
-    """The torch and Triton impls: the chunked driver with ``prim_name``'s per-token primitive."""
-    prim = pref.primitive(OP_ID, prim_name, hidden)
+    """The loss through ``head``, the calling impl's chunked linear + log-prob machinery."""
     b = hidden.shape[0] // 2
     mask = target != ignore_index
     acc = torch.promote_types(hidden.dtype, torch.float32)
     if ref_chosen_logps is not None:
         ref = torch.cat([ref_chosen_logps, ref_rejected_logps]).detach().to(acc)
     elif ref_hidden is not None:
-        ref_tok = walker.logps_only(prim, ref_hidden, ref_weight, ref_bias, target, ignore_index)
+        ref_tok = head.logps_only(ref_hidden, ref_weight, ref_bias, target, ignore_index)
         ref = pref.sequence_logps(ref_tok, mask, average_log_prob).to(acc)
     else:
         ref = torch.zeros(2 * b, dtype=acc, device=hidden.device)
     fn = partial(contrib, beta=float(beta), average=average_log_prob, n_pairs=b, nll_tokens=mask[:b].sum() if compute_nll_loss else None)
-    loss, logps = walker.run(prim, hidden, weight, bias, target, ignore_index, 1.0, True, fn, (mask, ref))
+    loss, logps = head.run(hidden, weight, bias, target, ignore_index, 1.0, True, fn, (mask, ref))
     return _stats(logps, mask, ref, float(beta), average_log_prob, b, loss)
 
 
@@ -183,26 +181,6 @@ def cases(device, dtype, large: bool = False) -> list[Case]:
 flops = pref.flops
 bytes_moved = pref.bytes_moved
 
-# Liger's DPO takes no precomputed reference log-probs: refused by the class (never a fault)
-_liger_refs = pref.liger_gate("ref_chosen_logps")
-
-
-def liger_predicate(key) -> str | None:
-    # Liger reports the chosen NLL only when it adds it to the loss; ours always reports it, and a
-    # NaN field would disagree with the reference (POLYKERNEL_VERIFY refused it on the H200)
-    refused = _liger_refs(key)
-    if refused is None and not key.compute_nll_loss:
-        refused = "Liger's DPO reports no NLL unless compute_nll_loss=True"
-    return refused
-
-
-IMPLS = pref.impl_rows(
-    OP_ID,
-    "pairs",
-    "Liger LigerFusedLinearDPOFunction (logits in the inputs' dtype; nll_loss NaN unless compute_nll_loss)",
-    liger_predicate,
-)
-
 _op = Op(OP_ID, validate=_validate, reference=reference, outputs=outputs, error_model=error_model, cases=cases, example=example,
-         impls=IMPLS, **pref.op_fields(reference))  # fmt: skip
+         **pref.op_fields(reference))  # impls: the backends' manifests (polykernel.backends)  # fmt: skip
 _dispatch = _op.dispatch  # bound once

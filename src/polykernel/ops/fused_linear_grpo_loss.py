@@ -16,8 +16,8 @@ count (clamped to 1, so an all-masked batch gives 0), ``"dr_grpo"`` the masked s
 ``B · max_completion_length`` (default T). Masked tokens take no part (``where``, not a product:
 their ratios may overflow). ``metrics``: the masked means TRL logs (KL when β ≠ 0, the clipped
 fractions; NaN for an all-masked batch). Gradients reach hidden, weight and bias through
-``loss`` only. Impls: ``torch``, ``triton`` (the chunked driver,
-``polykernel.backends.torch._linear_logps``: with token-level importance sampling every token is
+``loss`` only. Impls (the backends'): ``torch``, ``triton`` (one chunked driver, through
+:func:`chunked`: with token-level importance sampling every token is
 its own unit, so chunks are token rows and one pass serves any completion length; with
 sequence-level a chunk holds whole sequences, so the sequence's ratio never couples chunks, or,
 when one sequence exceeds the chunk budget, all log-probs are computed first), ``liger``.
@@ -30,7 +30,6 @@ from typing import NamedTuple
 
 import torch
 
-from ..backends.torch import _linear_logps as walker
 from ..core.op import Case, Op
 from . import _checks as check
 from . import _preference as pref
@@ -213,21 +212,20 @@ def fused_linear_grpo_loss(
     return _dispatch(impl, *args)
 
 
-def chunked(impl: str, hidden, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps, old_per_token_logps,
+def chunked(head: pref.Head, hidden, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps, old_per_token_logps,
             beta, epsilon_low, epsilon_high, loss_type, importance_sampling_level, temperature, max_completion_length,
             use_bias_correction_kl) -> GRPOOutput:  # fmt: skip
-    """The torch and Triton impls: the chunked driver with ``impl``'s per-token primitive."""
-    prim = pref.primitive(OP_ID, impl, hidden)
+    """The loss through ``head``, the calling impl's chunked linear + log-prob machinery."""
     acc = torch.promote_types(hidden.dtype, torch.float32)
     target, fn, aux, opts = _setup(selected_token_ids, attention_mask, advantages, ref_per_token_logps, old_per_token_logps, beta,
                                    epsilon_low, epsilon_high, loss_type, importance_sampling_level, max_completion_length, acc,
                                    use_bias_correction_kl)  # fmt: skip
     if importance_sampling_level == "token":
         h1, t1, aux1 = _per_token(hidden, target, aux)
-        loss, logps = walker.run(prim, h1, weight, bias, t1, _IGNORE, float(temperature), False, fn, aux1)
+        loss, logps = head.run(h1, weight, bias, t1, _IGNORE, float(temperature), False, fn, aux1)
         logps = logps.view(target.shape)
     else:
-        loss, logps = walker.run(prim, hidden, weight, bias, target, _IGNORE, float(temperature), False, fn, aux)
+        loss, logps = head.run(hidden, weight, bias, target, _IGNORE, float(temperature), False, fn, aux)
     return GRPOOutput(loss, _metrics(logps, aux, opts))
 
 
@@ -308,25 +306,7 @@ flops = pref.flops
 bytes_moved = pref.bytes_moved
 
 
-# Liger 0.8.5's GRPO has no importance-weighted KL: refused by the class (never a fault)
-def liger_predicate(key) -> str | None:
-    if key.use_bias_correction_kl and key.beta != 0.0:
-        return "Liger's GRPO has no importance-weighted KL (use_bias_correction_kl)"
-    # measured on the H200: in bf16 its gradient of hidden misses the error model (1.4-1.9x the
-    # tolerance; benchmarks/results/h200-2026-12-01-late/)
-    if key.dtype != torch.float32:
-        return "Liger's GRPO is registered for float32 only (its 16-bit gradients miss the error model)"
-    return None
-
-
-IMPLS = pref.impl_rows(
-    OP_ID,
-    "token rows (sequences for sequence-level ratios)",
-    "Liger LigerFusedLinearGRPOFunction (region clip ratio only, the others NaN; logits in the inputs' dtype)",
-    liger_predicate,
-)
-
 # compile_mode "eager" (op_fields), also because the metrics' kl is None when beta = 0
 _op = Op(OP_ID, validate=_validate, reference=reference, outputs=outputs, error_model=error_model, cases=cases, example=example,
-         impls=IMPLS, **pref.op_fields(reference))  # fmt: skip
+         **pref.op_fields(reference))  # impls: the backends' manifests (polykernel.backends)  # fmt: skip
 _dispatch = _op.dispatch  # bound once

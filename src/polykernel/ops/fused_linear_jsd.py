@@ -11,8 +11,9 @@ the mean over scored rows, NaN for none). Gradients for the student's hidden sta
 weight only; the teacher takes none.
 
 Impls walk the rows in chunks whose size comes from the problem: a chunk's logits (both fp32)
-and its dlogits (the inputs' dtype) stay within ``CHUNK_BYTES`` (512 MiB by default, in
-``polykernel.backends.torch.fused_linear_jsd``; rows a multiple of 128 when large, at most N).
+and its dlogits (the inputs' dtype) stay within ``CHUNK_BYTES`` (512 MiB; ``TORCH_BUDGET``, a quarter of it, for the torch impl, whose
+temporaries are a few more fp32 chunks: the finest chunking, which the error model counts on;
+rows a multiple of 128 when large, at most N: :func:`chunk_rows`).
 When the student needs gradients they are computed during the forward, per chunk
 ``grad_hidden[chunk] = dlogits @ Ws`` and ``grad_weight += dlogits.T @ hs[chunk]`` (accumulated in
 the weight's dtype, one rounding per chunk); the backward scales them by the cotangent (skipped
@@ -25,7 +26,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backends.liger import _gates as liger_gates
 from ..core.hit_guard import SHAPE
 from ..core.op import SUM_LAMBDA, TINY, Bounds, Case, ErrorModel, Op
 from . import _checks as check
@@ -33,6 +33,18 @@ from . import _distill as distill
 from .jsd import reference as _jsd_reference
 
 OP_ID = "loss.fused_linear_jsd"
+
+CHUNK_BYTES = 512 << 20  # one chunk's fp32 student and teacher logits plus its dlogits
+TORCH_BUDGET = CHUNK_BYTES // 4  # the torch chunk_fn's share: its temporaries are ~6 more fp32 chunks
+
+
+def chunk_rows(v: int, elt: int, n: int, budget: int = CHUNK_BYTES) -> int:
+    """Rows per chunk: two fp32 logit rows and a dlogits row (``elt`` bytes) per row within
+    ``budget``, a multiple of 128 when large (matmul tiles), at most ``n`` (~600 rows at
+    V = 128K in bf16: big enough for the matmuls, a fraction of the gradients' own memory)."""
+    rows = max(1, budget // (max(v, 1) * (8 + elt)))
+    rows = rows - rows % 128 if rows >= 256 else rows
+    return max(1, min(rows, n))
 
 
 def logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -278,9 +290,7 @@ def error_model(
             scale=w_max * k * d, inter=student_hidden.dtype, floor=SUM_LAMBDA * terms**0.5 * tiny * w_max,
         )  # fmt: skip
 
-    from ..backends.torch.fused_linear_jsd import TORCH_BUDGET, chunk_rows  # the finest chunking of the impls
-
-    chunks = max(1, -(-n // chunk_rows(v, student_hidden.element_size(), n, TORCH_BUDGET)))
+    chunks = max(1, -(-n // chunk_rows(v, student_hidden.element_size(), n, TORCH_BUDGET)))  # the impls' finest chunking
     w_max = student_weight.detach().abs().max().item() if student_weight.numel() else 0.0
     h_max = hs2.abs().max().item() if hs2.numel() else 0.0
     d_hidden = grad(2, d_row, e_row, j_row, w_max, v)
@@ -344,19 +354,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-# The fp32-math kernels take no float64 teacher (fp64 math is the torch impl's).
-fp32_math = distill.fp64_free("teacher_dtype")
-
-IMPLS = distill.impl_rows(
-    OP_ID,
-    fp32_math=fp32_math,
-    liger_predicate=liger_gates.fused_linear_jsd,
-    describe_torch="row chunks: fp32 matmul logits + torch JSD per chunk, gradients during the forward",
-    describe_triton="row chunks: fp32-output matmuls + one Triton kernel per chunk (both log-softmaxes, loss and dlogits; no host sync)",
-    describe_liger="Liger LigerFusedLinearJSDFunction (fp32 dW accumulation; NaN where a probability is 0); host sync per call",
-)
-
-
 def outputs(
     student_hidden: torch.Tensor, student_weight: torch.Tensor, teacher_hidden: torch.Tensor, *_: object
 ) -> tuple[tuple[torch.Size, torch.dtype], ...]:
@@ -391,7 +388,7 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     # torch.compile: our custom ops (Inductor's code for the reference would materialize both
     # [N, V] logits); nothing saved: a compiled backward recomputes the forward
     compile_mode="ours",

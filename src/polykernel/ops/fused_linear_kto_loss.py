@@ -95,11 +95,11 @@ def _stats(loss, logps, mask, labels, ref, beta, average) -> KTOOutput:
         return KTOOutput(loss, seq[labels], seq[~labels], rewards[labels], rewards[~labels])
 
 
-def _ref(hidden, target, ref_hidden, ref_weight, ref_bias, ref_logps, ignore_index, average, impl, exact):
+def _ref(hidden, target, ref_hidden, ref_weight, ref_bias, ref_logps, ignore_index, average, head):
     if ref_logps is not None:
         return ref_logps
     if ref_hidden is not None:
-        return pref.ref_sequence_logps(OP_ID, impl, ref_hidden, ref_weight, ref_bias, target, ignore_index, average, exact=exact)
+        return pref.ref_sequence_logps(head, ref_hidden, ref_weight, ref_bias, target, ignore_index, average)
     return torch.zeros(hidden.shape[0], device=hidden.device)
 
 
@@ -135,21 +135,21 @@ def fused_linear_kto_loss(
     return _dispatch(impl, *args)
 
 
-def chunked(impl: str, hidden, weight, target, preference_labels, bias, ref_hidden, ref_weight, ref_bias, ref_logps, kl, beta,
+def chunked(head: pref.Head, hidden, weight, target, preference_labels, bias, ref_hidden, ref_weight, ref_bias, ref_logps, kl, beta,
             ignore_index, average_log_prob) -> KTOOutput:  # fmt: skip
     """The torch and Triton impls (no Liger: its KTO reports batch sums, not KTOOutput's
-    per-sequence statistics): the chunked driver with ``impl``'s per-token primitive."""
+    per-sequence statistics) through ``head``, the calling impl's chunked linear + log-prob machinery."""
     acc = torch.promote_types(hidden.dtype, torch.float32)
-    ref = _ref(hidden, target, ref_hidden, ref_weight, ref_bias, ref_logps, ignore_index, average_log_prob, impl, False)
+    ref = _ref(hidden, target, ref_hidden, ref_weight, ref_bias, ref_logps, ignore_index, average_log_prob, head)
     mask, labels, fn, ref = _setup(target, preference_labels, ref, kl, beta, ignore_index, average_log_prob, acc)
-    loss, logps = pref.run(OP_ID, impl, hidden, weight, bias, target, ignore_index, False, fn, (mask, labels, ref))
+    loss, logps = head.run(hidden, weight, bias, target, ignore_index, 1.0, False, fn, (mask, labels, ref))
     return _stats(loss, logps, mask, labels, ref, float(beta), average_log_prob)
 
 
 def reference(hidden, weight, target, preference_labels, bias=None, ref_hidden=None, ref_weight=None, ref_bias=None,
               ref_logps=None, kl=None, beta=0.1, ignore_index=-100, average_log_prob=False) -> KTOOutput:  # fmt: skip
     """The semantics in float64 from the full ``[B, T, V]`` logits (differentiable)."""
-    ref = _ref(hidden, target, ref_hidden, ref_weight, ref_bias, ref_logps, ignore_index, average_log_prob, None, True)
+    ref = _ref(hidden, target, ref_hidden, ref_weight, ref_bias, ref_logps, ignore_index, average_log_prob, None)
     mask, labels, fn, ref = _setup(target, preference_labels, ref, kl, beta, ignore_index, average_log_prob, torch.float64)
     loss, logps = pref.reference_run(hidden, weight, bias, target, ignore_index, fn, (mask, labels, ref))
     return pref.contract(_stats(loss, logps, mask, labels, ref, float(beta), average_log_prob), hidden)
@@ -191,9 +191,8 @@ def cases(device, dtype, large: bool = False) -> list[Case]:
 flops = pref.flops
 bytes_moved = pref.bytes_moved
 
-IMPLS = pref.impl_rows(OP_ID, "sequences", None)  # no Liger: its KTO reports batch sums, not per-sequence statistics
 
 # compile_mode "eager" (op_fields), also because the statistics' shapes follow the labels' values
 _op = Op(OP_ID, validate=_validate, reference=reference, outputs=outputs, error_model=error_model, cases=cases, example=example,
-         impls=IMPLS, **pref.op_fields(reference))  # fmt: skip
+         **pref.op_fields(reference))  # impls: the backends' manifests (polykernel.backends)  # fmt: skip
 _dispatch = _op.dispatch  # bound once

@@ -82,10 +82,10 @@ def _validate(hidden, weight, target, bias, beta, gamma, label_smoothing, ignore
     pref.validate_smoothing(OP_ID, label_smoothing)
 
 
-def chunked(impl: str, hidden, weight, target, bias, beta, gamma, label_smoothing, ignore_index) -> SimPOOutput:
-    """The torch and Triton impls: the chunked driver with ``impl``'s per-token primitive."""
+def chunked(head: pref.Head, hidden, weight, target, bias, beta, gamma, label_smoothing, ignore_index) -> SimPOOutput:
+    """The loss through ``head``, the calling impl's chunked linear + log-prob machinery."""
     mask, fn = _setup(target, beta, gamma, label_smoothing, ignore_index)
-    loss, logps = pref.run(OP_ID, impl, hidden, weight, bias, target, ignore_index, True, fn, (mask,))
+    loss, logps = head.run(hidden, weight, bias, target, ignore_index, 1.0, True, fn, (mask,))
     return _stats(loss, logps, mask, float(beta))
 
 
@@ -121,8 +121,7 @@ def cases(device, dtype, large: bool = False) -> list[Case]:
 flops = pref.flops
 bytes_moved = pref.bytes_moved
 
-IMPLS = pref.impl_rows(OP_ID, "pairs", "Liger LigerFusedLinearSimPOFunction (logits in the inputs' dtype)")
 
 _op = Op(OP_ID, validate=_validate, reference=reference, outputs=outputs, error_model=error_model, cases=cases, example=example,
-         impls=IMPLS, **pref.op_fields(reference))  # fmt: skip
+         **pref.op_fields(reference))  # impls: the backends' manifests (polykernel.backends)  # fmt: skip
 _dispatch = _op.dispatch  # bound once

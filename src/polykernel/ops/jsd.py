@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.liger import _gates as liger_gates
 from ..core.hit_guard import SHAPE
 from ..core.op import Bounds, Case, ErrorModel, Op
 from . import _checks as check
@@ -198,19 +197,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-# The fp32-math kernels take no float64 teacher (fp64 math is the torch impl's).
-fp32_math = distill.fp64_free("teacher_dtype")
-
-IMPLS = distill.impl_rows(
-    OP_ID,
-    fp32_math=fp32_math,
-    liger_predicate=liger_gates.jsd,
-    describe_torch="row-chunked torch (fp32 temporaries O(chunk)); the gradient in closed form, written in the forward",
-    describe_triton="one program per row, one pass over V in chunks: loss and gradient together (no host sync); backward scales by the cotangent",
-    describe_liger="Liger's _jsd_kernel (an fp32 [N, V] loss buffer; NaN where a probability is 0); host sync per call",
-)
-
-
 def outputs(student_logp: torch.Tensor, teacher_logp: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:
     """The reference's output shape and dtype, without running it (the first-call check)."""
     return ((torch.Size(), distill.acc_dtype(student_logp, teacher_logp)),)
@@ -230,7 +216,7 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     # torch.compile: our custom ops (not yet measured against Inductor's code for the reference,
     # which holds fp32 copies of the inputs); nothing saved: a compiled backward recomputes the forward
     compile_mode="ours",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.liger import _gates as liger_gates
 from ..core.hit_guard import LAST
 from ..core.op import Bounds, Case, ErrorModel, Op
 from . import _checks as check
@@ -205,19 +204,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-# The fp32-math kernels take no float64 target (fp64 math is the torch impl's).
-fp32_math = distill.fp64_free("target_dtype")
-
-IMPLS = distill.impl_rows(
-    OP_ID,
-    fp32_math=fp32_math,
-    liger_predicate=liger_gates.kl_div,
-    describe_torch="row-chunked torch (fp32 temporaries O(chunk)); closed-form gradients",
-    describe_triton="one program per row, chunked over V; the gradient written in the forward (scalar reductions), scaled by the cotangent in the backward",
-    describe_liger="Liger LigerKLDivLossFunction (log t clamped at eps = 1e-10); no target gradient; host sync in its backward",
-)
-
-
 def outputs(
     input: torch.Tensor, target: torch.Tensor, reduction: str = "batchmean", log_target: bool = False
 ) -> tuple[tuple[torch.Size, torch.dtype], ...]:
@@ -250,7 +236,7 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     # torch.compile: our custom ops (not yet measured against Inductor's code for the reference,
     # which holds fp32 copies of the inputs); nothing saved: a compiled backward recomputes the forward
     compile_mode="ours",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.liger import _gates as liger_gates
 from ..core.hit_guard import SHAPE
 from ..core.op import Bounds, Case, ErrorModel, Op
 from . import _checks as check
@@ -185,19 +184,6 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return out
 
 
-# The fp32-math kernels take no float64 q (fp64 math is the torch impl's).
-fp32_math = distill.fp64_free("q_dtype")
-
-IMPLS = distill.impl_rows(
-    OP_ID,
-    fp32_math=fp32_math,
-    liger_predicate=liger_gates.tvd,
-    describe_torch="row-chunked torch (fp32 temporaries O(chunk)); gradients written in the forward for scalar reductions",
-    describe_triton="one program per row, one pass over V in chunks: loss and gradients together (no host sync); backward scales by the cotangent",
-    describe_liger="Liger LigerTVDLossFunction (gradient for p only); host sync per call",
-)
-
-
 def outputs(
     p: torch.Tensor, q: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "batchmean", *_: object
 ) -> tuple[tuple[torch.Size, torch.dtype], ...]:
@@ -219,7 +205,7 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    impls=IMPLS,
+    # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     # torch.compile: our custom ops (not yet measured against Inductor's code for the reference,
     # which holds fp32 copies of the inputs); nothing saved: a compiled backward recomputes the forward
     compile_mode="ours",

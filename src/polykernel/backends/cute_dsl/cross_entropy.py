@@ -16,8 +16,8 @@ from types import ModuleType
 
 import torch
 
+from .._double_backward import graph_grads
 from ..torch import cross_entropy as _torch
-from ..torch._double_backward import graph_grads
 from ..torch.cross_entropy import cross_entropy as _torch_cross_entropy
 from ..torch.cross_entropy import grad_scale, reduce_rows
 from .softmax import _rows16  # the same row-major, 16-byte aligned rows

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..torch._double_backward import layer_norm_grads
+from .._double_backward import layer_norm_grads
 from ._norm_host import norm_backward, norm_forward, rows16, vector16
 
 

@@ -16,7 +16,7 @@ from types import ModuleType
 import torch
 
 from ...ops.softmax import reference
-from ..torch._double_backward import graph_grads
+from .._double_backward import graph_grads
 
 
 def _kernel() -> ModuleType:

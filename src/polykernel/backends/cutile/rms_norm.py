@@ -14,7 +14,7 @@ from __future__ import annotations
 import cuda.tile as ct
 import torch
 
-from ..torch._double_backward import rms_norm_grads
+from .._double_backward import rms_norm_grads
 from ..torch.rms_norm import rms_norm as _torch_rms_norm
 from ._host import launch, num_sms, pow2, rows
 

@@ -19,7 +19,7 @@ import torch
 import triton
 from liger_kernel.ops.cross_entropy import MAX_FUSED_SIZE, liger_cross_entropy_kernel
 
-from ..torch._double_backward import refusing
+from .._double_backward import refusing
 from ..torch.cross_entropy import cross_entropy as _torch_cross_entropy
 from ..torch.cross_entropy import scale_grads_
 

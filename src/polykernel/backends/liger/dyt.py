@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.dyt import LigerDyTFunction
 
-from ..torch._double_backward import refusing
+from .._double_backward import refusing
 from ..torch.dyt import dyt as _torch_dyt
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
 
-from ..torch._double_backward import refusing
+from .._double_backward import refusing
 from ..torch.fused_add_rms_norm import fused_add_rms_norm as _torch_impl
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
-from ..torch._double_backward import refusing
+from .._double_backward import refusing
 from ..torch.fused_linear_cross_entropy import fused_linear_cross_entropy as _torch_impl
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())

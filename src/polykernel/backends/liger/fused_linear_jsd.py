@@ -15,7 +15,7 @@ import torch
 from liger_kernel.ops.fused_linear_jsd import LigerFusedLinearJSDFunction
 
 from ...ops._distill import rows_view
-from ..torch._double_backward import refusing
+from .._double_backward import refusing
 from ..torch.fused_linear_jsd import fused_linear_jsd as _torch_impl
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())

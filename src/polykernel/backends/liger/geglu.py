@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.geglu import LigerGELUMulFunction
 
-from ..torch._double_backward import refusing
+from .._double_backward import refusing
 from ..torch.geglu import geglu as _torch_geglu
 from ._glu import private
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.group_norm import LigerGroupNormFunction
 
-from ..torch._double_backward import refusing
+from .._double_backward import refusing
 from ..torch.group_norm import group_norm as _torch_group_norm
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())

@@ -15,7 +15,7 @@ import torch
 from liger_kernel.ops.jsd import _jsd_kernel
 
 from ...ops._distill import rows_view
-from ..torch._double_backward import refusing
+from .._double_backward import refusing
 from ..torch.cross_entropy import scale_grads_
 from ..torch.jsd import jsd as _torch_jsd
 

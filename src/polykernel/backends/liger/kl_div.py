@@ -15,7 +15,7 @@ from liger_kernel.ops.kl_div import LigerKLDivLossFunction
 
 from ...ops._distill import rows_view
 from ...ops.kl_div import divisor
-from ..torch._double_backward import refusing
+from .._double_backward import refusing
 from ..torch.kl_div import kl_div as _torch_kl_div
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())

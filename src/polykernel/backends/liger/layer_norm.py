@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.layer_norm import LigerLayerNormFunction
 
-from ..torch._double_backward import refusing
+from .._double_backward import refusing
 from ..torch.layer_norm import layer_norm as _torch_layer_norm
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())

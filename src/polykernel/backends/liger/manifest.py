@@ -131,4 +131,61 @@ IMPLS = {
         description="Liger LigerFusedMoEFunction (SwiGLU only; pre-activations and expert outputs rounded to the dtype); host sync per call",
         predicate=_gates.moe_experts,
     ),
+    # The distillation losses (Liger-Kernel 0.8.5): behind Triton until measured on the H200; not
+    # CUDA-graph safe (they sync with the host).
+    "loss.kl_div": LIGER.impl(
+        rank=60,
+        graph_safe=False,
+        description="Liger LigerKLDivLossFunction (log t clamped at eps = 1e-10); no target gradient; host sync in its backward",
+        predicate=_gates.kl_div,
+    ),
+    "loss.jsd": LIGER.impl(
+        rank=60,
+        graph_safe=False,
+        description="Liger's _jsd_kernel (an fp32 [N, V] loss buffer; NaN where a probability is 0); host sync per call",
+        predicate=_gates.jsd,
+    ),
+    "loss.tvd": LIGER.impl(
+        rank=60, graph_safe=False, description="Liger LigerTVDLossFunction (gradient for p only); host sync per call", predicate=_gates.tvd
+    ),
+    "loss.fused_linear_jsd": LIGER.impl(
+        rank=60,
+        graph_safe=False,
+        description="Liger LigerFusedLinearJSDFunction (fp32 dW accumulation; NaN where a probability is 0); host sync per call",
+        predicate=_gates.fused_linear_jsd,
+    ),
+    # The preference/RL losses (liger_kernel.chunked_loss; the adapters in preference.py): behind
+    # Triton, host sync per call. No KTO: Liger's reports batch sums, not per-sequence statistics.
+    "loss.fused_linear_dpo_loss": LIGER.impl(
+        rank=60,
+        graph_safe=False,
+        target="polykernel.backends.liger.preference:fused_linear_dpo_loss",
+        description="Liger LigerFusedLinearDPOFunction (logits in the inputs' dtype; nll_loss NaN unless compute_nll_loss)",
+        predicate=_gates.fused_linear_dpo_loss,
+    ),
+    "loss.fused_linear_orpo_loss": LIGER.impl(
+        rank=60,
+        graph_safe=False,
+        target="polykernel.backends.liger.preference:fused_linear_orpo_loss",
+        description="Liger LigerFusedLinearORPOFunction (logits in the inputs' dtype; nll_loss NaN unless compute_nll_loss)",
+    ),
+    "loss.fused_linear_cpo_loss": LIGER.impl(
+        rank=60,
+        graph_safe=False,
+        target="polykernel.backends.liger.preference:fused_linear_cpo_loss",
+        description="Liger LigerFusedLinearCPOFunction (logits in the inputs' dtype; nll_loss NaN when alpha = 0)",
+    ),
+    "loss.fused_linear_simpo_loss": LIGER.impl(
+        rank=60,
+        graph_safe=False,
+        target="polykernel.backends.liger.preference:fused_linear_simpo_loss",
+        description="Liger LigerFusedLinearSimPOFunction (logits in the inputs' dtype)",
+    ),
+    "loss.fused_linear_grpo_loss": LIGER.impl(
+        rank=60,
+        graph_safe=False,
+        target="polykernel.backends.liger.preference:fused_linear_grpo_loss",
+        description="Liger LigerFusedLinearGRPOFunction (region clip ratio only, the others NaN; logits in the inputs' dtype)",
+        predicate=_gates.fused_linear_grpo_loss,
+    ),
 }

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.poly_norm import LigerPolyNormFunction
 
-from ..torch._double_backward import refusing
+from .._double_backward import refusing
 from ..torch.poly_norm import poly_norm as _torch_poly_norm
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())

@@ -34,7 +34,7 @@ from ...ops.fused_linear_dpo_loss import DPOOutput
 from ...ops.fused_linear_grpo_loss import GRPOMetrics, GRPOOutput
 from ...ops.fused_linear_orpo_loss import ORPOOutput
 from ...ops.fused_linear_simpo_loss import SimPOOutput
-from ..torch._double_backward import refusing
+from .._double_backward import refusing
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
 _FusedLinearDPO = refusing(LigerFusedLinearDPOFunction, "loss.fused_linear_dpo_loss", "liger", (0, 1, 3), kept=False)

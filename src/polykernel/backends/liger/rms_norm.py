@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
-from ..torch._double_backward import refusing
+from .._double_backward import refusing
 from ..torch.rms_norm import rms_norm as _torch_rms_norm
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.softmax import LigerSoftmaxFunction
 
-from ..torch._double_backward import refusing
+from .._double_backward import refusing
 from ..torch.softmax import softmax as _torch_softmax
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing();

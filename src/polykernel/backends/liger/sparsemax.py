@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.sparsemax import LigerSparsemaxFunction
 
-from ..torch._double_backward import refusing
+from .._double_backward import refusing
 from ..torch.sparsemax import sparsemax as _torch_sparsemax
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing();

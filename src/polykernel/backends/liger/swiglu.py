@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
-from ..torch._double_backward import refusing
+from .._double_backward import refusing
 from ..torch.swiglu import swiglu as _torch_swiglu
 from ._glu import private
 

@@ -13,7 +13,7 @@ import torch
 from liger_kernel.ops.tvd import LigerTVDLossFunction
 
 from ...ops._distill import rows_view
-from ..torch._double_backward import refusing
+from .._double_backward import refusing
 from ..torch.tvd import tvd as _torch_tvd
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())

@@ -25,29 +25,21 @@ within ``CHUNK_BYTES``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
+# the chunking the losses' error models count on is theirs (CHUNK_BYTES, units_per_chunk)
+from ...ops._preference import CHUNK_BYTES, units_per_chunk
 from .fused_linear_jsd import projector
 
-CHUNK_BYTES = 1 << 30  # whole units per chunk up to this: fp32 logits plus dlogits (~1280 token rows at V = 128K, bf16)
 # One unit larger than CHUNK_BYTES still goes in one pass up to this size (a pair of 1024-token rows
 # at V = 128K in bf16 is 1.5 GiB: one pass, 3 GEMMs), and the two-pass token walk past it (4 GEMMs,
 # memory within CHUNK_BYTES).
 UNIT_BYTES = 4 << 30
 
 Contrib = Callable[..., torch.Tensor]
-
-
-def units_per_chunk(n_units: int, rows_per_unit: int, t: int, v: int, elt: int, budget: int = CHUNK_BYTES) -> int:
-    """Whole units per chunk: their fp32 logits and dlogits (``elt`` bytes) within ``budget``,
-    at least one unit, at most all of them."""
-    per_unit = max(1, rows_per_unit * t * v * (4 + elt))
-    n = max(1, min(n_units, budget // per_unit))
-    if rows_per_unit * t == 1 and 256 <= n < n_units:  # one-token units: a multiple of 128 rows (matmul tiles)
-        n -= n % 128
-    return n
 
 
 def _chunks(n_rows: int, pairs: bool, step: int) -> list[list[slice]]:
@@ -287,3 +279,17 @@ def run(
         return _Fused.apply(hidden, weight, bias, prim, args, kw)
     loss, logps, *_ = walk(prim, hidden, weight, bias, *args, **kw)
     return loss, logps
+
+
+@dataclass(frozen=True)
+class Head:
+    """The chunked linear + log-prob machinery with one per-token primitive (torch or Triton):
+    what an impl hands a loss's ``chunked`` (``polykernel.ops._preference.Head``)."""
+
+    prim: ModuleType
+
+    def run(self, hidden, weight, bias, target, ignore_index, temperature, pairs, contrib, aux=()) -> tuple[torch.Tensor, torch.Tensor]:
+        return run(self.prim, hidden, weight, bias, target, ignore_index, temperature, pairs, contrib, aux)
+
+    def logps_only(self, hidden, weight, bias, target, ignore_index) -> torch.Tensor:
+        return logps_only(self.prim, hidden, weight, bias, target, ignore_index)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from ... import _compat
 from ...ops.cross_entropy import reference  # noqa: F401  (semantics live in the op file)
 from ...spec import Split
-from ._double_backward import graph_grads
+from .._double_backward import graph_grads
 
 _transforms_active = _compat.functorch_transforms_active
 

@@ -12,7 +12,7 @@ import math
 import torch
 
 from ...ops.dyt import reference
-from ._double_backward import graph_grads
+from .._double_backward import graph_grads
 
 _transforms_active = torch._C._are_functorch_transforms_active
 

@@ -20,24 +20,14 @@ from collections.abc import Callable
 import torch
 
 from ...ops._distill import acc_dtype, plain, rows_view
-from ...ops.fused_linear_jsd import OP_ID, reference  # (reference: semantics live in the op file)
-from ._double_backward import anchor, refuse
+
+# (reference: semantics live in the op file; so does the chunking its error model counts on)
+from ...ops.fused_linear_jsd import CHUNK_BYTES, OP_ID, TORCH_BUDGET, chunk_rows, reference
+from .._double_backward import anchor, refuse
 from .cross_entropy import scale_grads_
 from .jsd import count_and_scale, terms
 
-CHUNK_BYTES = 512 << 20  # one chunk's fp32 student and teacher logits plus its dlogits
-TORCH_BUDGET = CHUNK_BYTES // 4  # the torch chunk_fn's share: its temporaries are ~6 more fp32 chunks
-
 ChunkFn = Callable[..., torch.Tensor]
-
-
-def chunk_rows(v: int, elt: int, n: int, budget: int = CHUNK_BYTES) -> int:
-    """Rows per chunk: two fp32 logit rows and a dlogits row (``elt`` bytes) per row within
-    ``budget``, a multiple of 128 when large (matmul tiles), at most ``n`` (~600 rows at
-    V = 128K in bf16: big enough for the matmuls, a fraction of the gradients' own memory)."""
-    rows = max(1, budget // (max(v, 1) * (8 + elt)))
-    rows = rows - rows % 128 if rows >= 256 else rows
-    return max(1, min(rows, n))
 
 
 # torch.mm(..., out_dtype=) (aten::mm.dtype): torch >= 2.8, CUDA only

@@ -11,7 +11,7 @@ import torch
 
 from ... import _compat
 from ...ops.geglu import gelu, reference
-from ._double_backward import graph_grads
+from .._double_backward import graph_grads
 
 _transforms_active = _compat.functorch_transforms_active
 

@@ -54,4 +54,48 @@ IMPLS = {
         rank=100,
         description="sort by expert once; torch._grouped_mm where it runs (probed per device and dtype), else one matmul per non-empty expert (one host sync); biases gathered per pair",
     ),
+    # The distillation losses: the torch impl is the only fp64 math, everywhere.
+    "loss.kl_div": TORCH.impl(rank=100, description="row-chunked torch (fp32 temporaries O(chunk)); closed-form gradients"),
+    "loss.jsd": TORCH.impl(
+        rank=100, description="row-chunked torch (fp32 temporaries O(chunk)); the gradient in closed form, written in the forward"
+    ),
+    "loss.tvd": TORCH.impl(
+        rank=100, description="row-chunked torch (fp32 temporaries O(chunk)); gradients written in the forward for scalar reductions"
+    ),
+    "loss.fused_linear_jsd": TORCH.impl(
+        rank=100, description="row chunks: fp32 matmul logits + torch JSD per chunk, gradients during the forward"
+    ),
+    # The preference/RL losses: each loss's formula (its op file's chunked) through the chunked
+    # driver (_linear_logps) with the torch per-token primitive (torch/preference.py).
+    "loss.fused_linear_dpo_loss": TORCH.impl(
+        rank=100,
+        target="polykernel.backends.torch.preference:fused_linear_dpo_loss",
+        description="pairs in chunks: fp32 matmul logits, torch log-softmax per chunk, gradients during the forward",
+    ),
+    "loss.fused_linear_orpo_loss": TORCH.impl(
+        rank=100,
+        target="polykernel.backends.torch.preference:fused_linear_orpo_loss",
+        description="pairs in chunks: fp32 matmul logits, torch log-softmax per chunk, gradients during the forward",
+    ),
+    "loss.fused_linear_cpo_loss": TORCH.impl(
+        rank=100,
+        target="polykernel.backends.torch.preference:fused_linear_cpo_loss",
+        description="pairs in chunks: fp32 matmul logits, torch log-softmax per chunk, gradients during the forward",
+    ),
+    "loss.fused_linear_simpo_loss": TORCH.impl(
+        rank=100,
+        target="polykernel.backends.torch.preference:fused_linear_simpo_loss",
+        description="pairs in chunks: fp32 matmul logits, torch log-softmax per chunk, gradients during the forward",
+    ),
+    "loss.fused_linear_kto_loss": TORCH.impl(
+        rank=100,
+        target="polykernel.backends.torch.preference:fused_linear_kto_loss",
+        description="sequences in chunks: fp32 matmul logits, torch log-softmax per chunk, gradients during the forward",
+    ),
+    "loss.fused_linear_grpo_loss": TORCH.impl(
+        rank=100,
+        target="polykernel.backends.torch.preference:fused_linear_grpo_loss",
+        description="token rows (sequences for sequence-level ratios)"
+        " in chunks: fp32 matmul logits, torch log-softmax per chunk, gradients during the forward",
+    ),
 }

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...ops.poly_norm import reference, scaled
-from ._double_backward import graph_grads
+from .._double_backward import graph_grads
 
 _transforms_active = torch._C._are_functorch_transforms_active
 

@@ -1,6 +1,6 @@
-"""The torch impls of the fused preference/RL losses: the chunked driver
-(:mod:`._linear_logps`) with the torch per-token primitive (:mod:`._token_logps`); the losses'
-formulas live in their op files (``polykernel.ops.fused_linear_*_loss``)."""
+"""The torch impls of the fused preference/RL losses: each loss's formula (its op file's
+``chunked``) through the chunked driver (``polykernel.backends.torch._linear_logps``) with the
+torch per-token primitive (``polykernel.backends.torch._token_logps``)."""
 
 from __future__ import annotations
 
@@ -12,27 +12,31 @@ from ...ops import fused_linear_grpo_loss as _grpo
 from ...ops import fused_linear_kto_loss as _kto
 from ...ops import fused_linear_orpo_loss as _orpo
 from ...ops import fused_linear_simpo_loss as _simpo
+from . import _token_logps
+from ._linear_logps import Head
+
+HEAD = Head(_token_logps)
 
 
 def fused_linear_dpo_loss(*args: Any) -> Any:
-    return _dpo.chunked("torch", *args)
+    return _dpo.chunked(HEAD, *args)
 
 
 def fused_linear_orpo_loss(*args: Any) -> Any:
-    return _orpo.chunked("torch", *args)
+    return _orpo.chunked(HEAD, *args)
 
 
 def fused_linear_cpo_loss(*args: Any) -> Any:
-    return _cpo.chunked("torch", *args)
+    return _cpo.chunked(HEAD, *args)
 
 
 def fused_linear_simpo_loss(*args: Any) -> Any:
-    return _simpo.chunked("torch", *args)
+    return _simpo.chunked(HEAD, *args)
 
 
 def fused_linear_kto_loss(*args: Any) -> Any:
-    return _kto.chunked("torch", *args)
+    return _kto.chunked(HEAD, *args)
 
 
 def fused_linear_grpo_loss(*args: Any) -> Any:
-    return _grpo.chunked("torch", *args)
+    return _grpo.chunked(HEAD, *args)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...ops.relu_squared import reference
-from ._double_backward import graph_grads
+from .._double_backward import graph_grads
 
 _transforms_active = torch._C._are_functorch_transforms_active
 

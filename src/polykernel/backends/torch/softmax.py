@@ -13,7 +13,7 @@ import torch
 from ... import _compat
 from ...ops.softmax import reference
 from ...spec import Split
-from ._double_backward import graph_grads
+from .._double_backward import graph_grads
 
 _transforms_active = _compat.functorch_transforms_active
 

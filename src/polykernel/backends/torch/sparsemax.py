@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ...ops.sparsemax import reference, threshold
-from ._double_backward import graph_grads
+from .._double_backward import graph_grads
 
 _transforms_active = torch._C._are_functorch_transforms_active
 

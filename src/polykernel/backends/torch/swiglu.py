@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ... import _compat
 from ...ops.swiglu import reference
-from ._double_backward import graph_grads
+from .._double_backward import graph_grads
 
 _transforms_active = _compat.functorch_transforms_active
 

@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from ... import env
+from .._double_backward import graph_grads
 from ..torch import _moe_route as sort
-from ..torch._double_backward import graph_grads
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active
 from ._launch import launch

@@ -32,8 +32,8 @@ import triton.language as tl
 
 from ...ops.cross_entropy import OP_ID, reference  # noqa: F401  (reference: semantics live in the op file)
 from ...spec import Split
+from .._double_backward import anchor, graph_grads, refuse
 from ..torch import cross_entropy as _torch
-from ..torch._double_backward import anchor, graph_grads, refuse
 from ..torch.cross_entropy import NO_EXTRAS, Extras, denominator, extras, grad_scale, reduce_rows
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active

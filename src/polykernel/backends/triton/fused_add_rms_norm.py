@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from ...ops.fused_add_rms_norm import reference  # noqa: F401  (semantics live in the op file)
+from .._double_backward import fused_add_rms_norm_grads
 from ..torch import fused_add_rms_norm as _torch
-from ..torch._double_backward import fused_add_rms_norm_grads
 from . import _native
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active

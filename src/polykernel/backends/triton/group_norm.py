@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from ...ops.group_norm import reference
+from .._double_backward import graph_grads
 from ..torch import group_norm as _torch
-from ..torch._double_backward import graph_grads
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active
 from ._colsum import colsum as _colsum

@@ -113,4 +113,58 @@ IMPLS = {
         rank=10,
         description="moe_experts' two paths in gpt-oss's layout (torch._grouped_mm on a GPU in 16-bit, else our grouped GEMMs): interleaved columns, biases and the clamped SwiGLU in our kernels; no atomics",
     ),
+    # The distillation losses: fp32 math, so no float64 second input (fp64 math is the torch impl's).
+    "loss.kl_div": TRITON.impl(
+        rank=10,
+        description="one program per row, chunked over V; the gradient written in the forward (scalar reductions), scaled by the cotangent in the backward",
+        predicate=_gates.kl_div,
+    ),
+    "loss.jsd": TRITON.impl(
+        rank=10,
+        description="one program per row, one pass over V in chunks: loss and gradient together (no host sync); backward scales by the cotangent",
+        predicate=_gates.jsd,
+    ),
+    "loss.tvd": TRITON.impl(
+        rank=10,
+        description="one program per row, one pass over V in chunks: loss and gradients together (no host sync); backward scales by the cotangent",
+        predicate=_gates.tvd,
+    ),
+    "loss.fused_linear_jsd": TRITON.impl(
+        rank=10,
+        description="row chunks: fp32-output matmuls + one Triton kernel per chunk (both log-softmaxes, loss and dlogits; no host sync)",
+        predicate=_gates.fused_linear_jsd,
+    ),
+    # The preference/RL losses: the torch impls' chunked driver with the Triton per-token primitive
+    # (triton/preference.py; fp32 math).
+    "loss.fused_linear_dpo_loss": TRITON.impl(
+        rank=10,
+        target="polykernel.backends.triton.preference:fused_linear_dpo_loss",
+        description="pairs in chunks: fp32-output matmuls + Triton log-prob and dlogits kernels, gradients during the forward",
+    ),
+    "loss.fused_linear_orpo_loss": TRITON.impl(
+        rank=10,
+        target="polykernel.backends.triton.preference:fused_linear_orpo_loss",
+        description="pairs in chunks: fp32-output matmuls + Triton log-prob and dlogits kernels, gradients during the forward",
+    ),
+    "loss.fused_linear_cpo_loss": TRITON.impl(
+        rank=10,
+        target="polykernel.backends.triton.preference:fused_linear_cpo_loss",
+        description="pairs in chunks: fp32-output matmuls + Triton log-prob and dlogits kernels, gradients during the forward",
+    ),
+    "loss.fused_linear_simpo_loss": TRITON.impl(
+        rank=10,
+        target="polykernel.backends.triton.preference:fused_linear_simpo_loss",
+        description="pairs in chunks: fp32-output matmuls + Triton log-prob and dlogits kernels, gradients during the forward",
+    ),
+    "loss.fused_linear_kto_loss": TRITON.impl(
+        rank=10,
+        target="polykernel.backends.triton.preference:fused_linear_kto_loss",
+        description="sequences in chunks: fp32-output matmuls + Triton log-prob and dlogits kernels, gradients during the forward",
+    ),
+    "loss.fused_linear_grpo_loss": TRITON.impl(
+        rank=10,
+        target="polykernel.backends.triton.preference:fused_linear_grpo_loss",
+        description="token rows (sequences for sequence-level ratios)"
+        " in chunks: fp32-output matmuls + Triton log-prob and dlogits kernels, gradients during the forward",
+    ),
 }

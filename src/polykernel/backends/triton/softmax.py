@@ -30,8 +30,8 @@ import triton.language as tl
 
 from ...ops.softmax import reference
 from ...spec import Split
+from .._double_backward import graph_grads
 from ..torch import softmax as _torch
-from ..torch._double_backward import graph_grads
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active
 from ._launch import launch
