@@ -12,6 +12,7 @@ Public names load lazily (PEP 562), so ``import polykernel`` does not import tor
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 __version__ = "0.1.0"
@@ -44,45 +45,9 @@ _LAZY: dict[str, str] = {
     "decisions": "core.selection:decisions",
     "sync_decisions": "tuning:sync_decisions",
     "list_ops": "core.registry:all_op_ids",
-    # ops
-    "rms_norm": "ops.rms_norm:rms_norm",
-    "fused_add_rms_norm": "ops.fused_add_rms_norm:fused_add_rms_norm",
-    "layer_norm": "ops.layer_norm:layer_norm",
-    "group_norm": "ops.group_norm:group_norm",
-    "dyt": "ops.dyt:dyt",
-    "poly_norm": "ops.poly_norm:poly_norm",
-    "swiglu": "ops.swiglu:swiglu",
-    "geglu": "ops.geglu:geglu",
-    "softmax": "ops.softmax:softmax",
-    "relu_squared": "ops.relu_squared:relu_squared",
-    "sparsemax": "ops.sparsemax:sparsemax",
-    "rope": "ops.rope:rope",
-    "mrope": "ops.mrope:mrope",
-    "cross_entropy": "ops.cross_entropy:cross_entropy",
-    "fused_linear_cross_entropy": "ops.fused_linear_cross_entropy:fused_linear_cross_entropy",
-    # serving layouts (inference only)
-    "silu_and_mul": "ops.silu_and_mul:silu_and_mul",
-    "gelu_and_mul": "ops.gelu_and_mul:gelu_and_mul",
-    "fused_add_rms_norm_": "ops.fused_add_rms_norm_:fused_add_rms_norm_",
-    "rotary_embedding_": "ops.rotary_embedding_:rotary_embedding_",
-    "dynamic_quant_fp8": "ops.dynamic_quant_fp8:dynamic_quant_fp8",
-    "static_quant_fp8": "ops.static_quant_fp8:static_quant_fp8",
-    "rms_norm_quant_fp8": "ops.rms_norm_quant_fp8:rms_norm_quant_fp8",
-    # mixture of experts
-    "moe_experts": "ops.moe_experts:moe_experts",
-    "moe_router": "ops.moe_router:moe_router",
-    "moe_experts_gpt_oss": "ops.moe_experts_gpt_oss:moe_experts_gpt_oss",
-    "kl_div": "ops.kl_div:kl_div",
-    "jsd": "ops.jsd:jsd",
-    "tvd": "ops.tvd:tvd",
-    "fused_linear_jsd": "ops.fused_linear_jsd:fused_linear_jsd",
-    # preference and RL losses fused with the LM head (plain functions, not catalog ops)
-    "fused_linear_dpo_loss": "ops.fused_linear_dpo_loss:fused_linear_dpo_loss",
-    "fused_linear_grpo_loss": "ops.fused_linear_grpo_loss:fused_linear_grpo_loss",
-    "fused_linear_orpo_loss": "ops.fused_linear_orpo_loss:fused_linear_orpo_loss",
-    "fused_linear_cpo_loss": "ops.fused_linear_cpo_loss:fused_linear_cpo_loss",
-    "fused_linear_simpo_loss": "ops.fused_linear_simpo_loss:fused_linear_simpo_loss",
-    "fused_linear_kto_loss": "ops.fused_linear_kto_loss:fused_linear_kto_loss",
+    # The ops' public functions (polykernel.rms_norm, ...) are not listed here: each op file's
+    # function named after its op, found through the catalog (_op_function), so that a new op file
+    # needs no edit here.
 }
 _SUBMODULES = (
     "spec",
@@ -109,20 +74,42 @@ _MOVED = {
     "bench": "tools.bench",
 }
 
-__all__ = sorted([*_LAZY, *_SUBMODULES, "__version__"])
+
+def _op_function(name: str) -> str | None:
+    """``"ops.rms_norm:rms_norm"`` for an op's public name: the function named after the op in its
+    op file. The catalog (polykernel.ops.OP_MODULES) is read from the op files' text, torch-free."""
+    from .core.registry import load_catalog  # the catalog found by name, as the registry finds it
+
+    for op_id, module in load_catalog().items():
+        if op_id.rpartition(".")[2] == name:
+            return f"{module.removeprefix(__name__ + '.')}:{name}"
+    return None
+
+
+def _public_names() -> list[str]:
+    from .core.registry import load_catalog
+
+    return sorted({*_LAZY, *(op_id.rpartition(".")[2] for op_id in load_catalog()), *_SUBMODULES, "__version__"})
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__all__":  # computed on first use: it lists the catalog's ops
+        value = globals()["__all__"] = _public_names()
+        return value
+    if name in _SUBMODULES or name in _MOVED:  # first: importing the catalog asks for some of them
+        return importlib.import_module(f".{_MOVED.get(name, name)}", __name__)
     target = _LAZY.get(name)
+    # A submodule (``from . import env`` asks here first) is for the import system to load, and
+    # may be asked for while the catalog's own modules are importing: never the catalog.
+    if target is None and not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is None:
+        target = _op_function(name)
     if target is not None:
         module_name, _, attr = target.partition(":")
         value = getattr(importlib.import_module(f".{module_name}", __name__), attr)
         globals()[name] = value  # later lookups skip this function
         return value
-    if name in _SUBMODULES or name in _MOVED:
-        return importlib.import_module(f".{_MOVED.get(name, name)}", __name__)
     raise AttributeError(f"module 'polykernel' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return __all__
+    return globals().get("__all__") or __getattr__("__all__")

@@ -40,8 +40,9 @@ def _blocks() -> list[tuple[int, str]]:
 @contextlib.contextmanager
 def _toy():
     """The doc's blocks run in one fresh module; the toy op, its impls and its public name are
-    removed again on exit (the parity harness calls ``polykernel.<name>``: the doc's step that
-    adds the name to ``polykernel/__init__.py`` is this attribute here)."""
+    removed again on exit (the parity harness calls ``polykernel.<name>``: for an op file in
+    ``polykernel/ops/`` the name is derived from the catalog, for this module outside it the name
+    is this attribute here)."""
     module = types.ModuleType("polykernel_contributing_toy")
     module.__file__ = str(DOC)
     sys.modules[module.__name__] = module
@@ -119,3 +120,79 @@ def test_the_toy_passes_the_parity_harness_on_every_runnable_impl():
         results = check_parity(OP_ID, dtypes=[torch.float32, torch.bfloat16, torch.float16])
         assert {r.impl for r in results} >= {"torch", "cuda_jit"}
         assert all(r.ok for r in results), "\n".join(map(str, results))
+
+
+def _fake_measure(fn, grad_inputs, backward, graph=False, warmup=25, rep=100):  # timing needs CUDA
+    from polykernel.tools import bench
+
+    bench._step(fn, grad_inputs, backward)()  # one step as measure times it (the backward's gradients too)
+    return 0.5, 1.0
+
+
+def test_a_toy_op_file_among_the_op_files_needs_no_list_edited(tmp_path, monkeypatch):
+    """The walk-through's op file (its first four blocks, as they are) put among polykernel's op
+    files (a second directory of ``polykernel.ops``): nothing else is edited, and the catalog, the
+    public name, dispatch, ``explain`` and ``polykernel bench`` (at the file's ``bench_shapes``) all
+    find it."""
+    import polykernel.ops as ops
+    from polykernel.tools import bench
+    from polykernel.tools.console import make_console
+
+    (tmp_path / "toy_scale.py").write_text("\n".join(code for _, code in _blocks()[:4]), encoding="utf-8")
+    monkeypatch.setattr(ops, "__path__", [*ops.__path__, str(tmp_path)])
+    monkeypatch.setattr(ops, "OP_MODULES", ops._op_modules())  # the catalog as importing the package reads it
+    monkeypatch.setattr(bench, "measure", _fake_measure)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4000.0)
+    saved = registry.snapshot()
+    try:
+        assert ops.OP_MODULES[OP_ID] == "polykernel.ops.toy_scale" and OP_ID in polykernel.list_ops()
+        assert "scale" in polykernel._public_names() and "scale" not in polykernel._LAZY
+        x = torch.randn(3, 5)
+        torch.testing.assert_close(polykernel.scale(x, 0.5), x * 0.5)
+        assert polykernel.scale.__module__ == "polykernel.ops.toy_scale"
+        assert {r["name"] for r in polykernel.explain("scale", x, 2.0).impls} == {"torch", "triton"}
+        assert "scale" not in bench.SHAPES
+        assert bench.cases_for("scale", sweep=False) == [("64x1024", (64, 1024), False)]
+        console = make_console(__import__("io").StringIO(), force_terminal=False)
+        rows, _ = bench.run(["scale"], False, torch.float32, device="cpu", console=console)
+        assert {(r["impl"], r["mode"]) for r in rows} == {
+            (who, mode) for who in ("polykernel", "polykernel:torch", "polykernel:triton", "eager reference") for mode in ("fwd", "fwd+bwd")
+        }
+        assert all(r["shape"] == "64x1024" and not r["error"] for r in rows), [r["error"] for r in rows]
+        assert all(r["GB/s"] > 0 for r in rows)  # the op file's bytes_moved
+    finally:
+        monkeypatch.undo()  # the catalog as it was: restore then removes the op as one outside it
+        registry.restore(saved)
+        polykernel.__dict__.pop("scale", None)  # the derived name, cached on first use
+        ops.__dict__.pop("toy_scale", None)
+        sys.modules.pop("polykernel.ops.toy_scale", None)
+        dispatch.routed.discard(OP_ID)
+        polykernel.clear_caches()
+    assert OP_ID not in registry.all_op_ids() and not hasattr(polykernel, "scale")
+
+
+def test_the_catalog_and_public_names_are_read_torch_free():
+    """``polykernel.__all__`` lists every op of the catalog, read from the op files' text: no
+    op module (and no torch) is imported for it."""
+    import subprocess
+
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import polykernel\n"
+        "ops = polykernel.list_ops()\n"
+        "assert len(ops) >= 35 and {o.rpartition('.')[2] for o in ops} <= set(polykernel.__all__) == set(dir(polykernel))\n"
+        "assert 'rms_norm' in polykernel.__all__ and 'explain' in polykernel.__all__\n"
+        "assert not [m for m in sys.modules if m.startswith('polykernel.ops.') and not m.startswith('polykernel.ops._')]\n"
+    )
+    env = {**__import__("os").environ, "PYTHONPATH": str(DOC.parents[1] / "src")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+
+
+def test_an_op_file_without_one_op_id_is_a_clear_error(tmp_path, monkeypatch):
+    import polykernel.ops as ops
+
+    (tmp_path / "toy_no_id.py").write_text("import torch\n", encoding="utf-8")
+    monkeypatch.setattr(ops, "__path__", [*ops.__path__, str(tmp_path)])
+    with pytest.raises(ImportError, match=r"polykernel\.ops\.toy_no_id: an op file needs exactly one 'OP_ID"):
+        ops._op_modules()

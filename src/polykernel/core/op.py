@@ -94,6 +94,9 @@ class Op:
       tensor's version counter, so a backward that saved an overwritten tensor raises. A compiled
       call runs one mutating custom op (:mod:`polykernel.compile.library`), and first-use
       verification gives each side its own copies of the arguments (:mod:`polykernel.core.verify`).
+    - ``bench_shapes``: ``(label, shape)`` pairs for ``example``, the shapes ``polykernel bench``
+      and ``polykernel tune`` use for an op without README shapes of its own
+      (:data:`polykernel.tools.bench.SHAPES`): a new op benches with no list to edit.
     """
 
     def __init__(
@@ -118,6 +121,7 @@ class Op:
         saved_grads: Any = None,
         dtensor_layout: Any = None,
         writes: Sequence[str] = (),
+        bench_shapes: Sequence[tuple[str, tuple[int, ...]]] = (),
     ) -> None:
         if tuple(fields[:3]) != ("device", "dtype", "needs_grad"):
             raise ValueError("Op fields must start with device, dtype, needs_grad")
@@ -141,6 +145,7 @@ class Op:
         self.saved_grads = saved_grads
         self.dtensor_layout = dtensor_layout
         self.writes = tuple(writes)
+        self.bench_shapes = tuple((label, tuple(shape)) for label, shape in bench_shapes)
         params = list(inspect.signature(reference).parameters)
         unknown = set(self.writes) - set(params)
         if unknown:

@@ -8,49 +8,38 @@ imports them): compiled calls to :mod:`polykernel.compile`, DTensor calls to
 :mod:`polykernel.distributed` (both imported lazily, on their first use).
 """
 
+import pkgutil
+import re
+
 from .. import compile as _compile
 from .. import distributed as _distributed
 from ..core.hooks import hooks as _hooks
 
 _hooks.install(compiled_call=_compile.custom_op_for, dtensor_route=_distributed.route, dtensor_explain=_distributed.explain_local)
 
-OP_MODULES: dict[str, str] = {
-    "norm.rms_norm": "polykernel.ops.rms_norm",
-    "norm.fused_add_rms_norm": "polykernel.ops.fused_add_rms_norm",
-    "norm.layer_norm": "polykernel.ops.layer_norm",
-    "norm.group_norm": "polykernel.ops.group_norm",
-    "norm.dyt": "polykernel.ops.dyt",
-    "norm.poly_norm": "polykernel.ops.poly_norm",
-    "activation.swiglu": "polykernel.ops.swiglu",
-    "activation.geglu": "polykernel.ops.geglu",
-    "activation.softmax": "polykernel.ops.softmax",
-    "activation.relu_squared": "polykernel.ops.relu_squared",
-    "activation.sparsemax": "polykernel.ops.sparsemax",
-    "embedding.rope": "polykernel.ops.rope",
-    "embedding.mrope": "polykernel.ops.mrope",
-    "loss.cross_entropy": "polykernel.ops.cross_entropy",
-    "loss.fused_linear_cross_entropy": "polykernel.ops.fused_linear_cross_entropy",
-    # serving layouts (issue 25): inference only, writing into given or in-place tensors
-    "serving.silu_and_mul": "polykernel.ops.silu_and_mul",
-    "serving.gelu_and_mul": "polykernel.ops.gelu_and_mul",
-    "serving.fused_add_rms_norm_": "polykernel.ops.fused_add_rms_norm_",
-    "serving.rotary_embedding_": "polykernel.ops.rotary_embedding_",
-    "serving.dynamic_quant_fp8": "polykernel.ops.dynamic_quant_fp8",
-    "serving.static_quant_fp8": "polykernel.ops.static_quant_fp8",
-    "serving.rms_norm_quant_fp8": "polykernel.ops.rms_norm_quant_fp8",
-    # mixture of experts (issue 24)
-    "moe.moe_experts": "polykernel.ops.moe_experts",
-    "moe.moe_router": "polykernel.ops.moe_router",
-    "moe.moe_experts_gpt_oss": "polykernel.ops.moe_experts_gpt_oss",
-    "loss.kl_div": "polykernel.ops.kl_div",
-    "loss.jsd": "polykernel.ops.jsd",
-    "loss.tvd": "polykernel.ops.tvd",
-    "loss.fused_linear_jsd": "polykernel.ops.fused_linear_jsd",
-    # fused preference and RL losses (issue 22)
-    "loss.fused_linear_dpo_loss": "polykernel.ops.fused_linear_dpo_loss",
-    "loss.fused_linear_orpo_loss": "polykernel.ops.fused_linear_orpo_loss",
-    "loss.fused_linear_cpo_loss": "polykernel.ops.fused_linear_cpo_loss",
-    "loss.fused_linear_simpo_loss": "polykernel.ops.fused_linear_simpo_loss",
-    "loss.fused_linear_kto_loss": "polykernel.ops.fused_linear_kto_loss",
-    "loss.fused_linear_grpo_loss": "polykernel.ops.fused_linear_grpo_loss",
-}
+
+def _op_modules() -> dict[str, str]:
+    """Op id -> module, read from this package's op files without importing them (so that
+    ``import polykernel`` and ``list_ops()`` stay torch-free): every public module here (no
+    leading ``_``) is an op file, and its ``OP_ID = "family.name"`` line names its op. A new op
+    file is in the catalog with no list to edit, as a backend's manifest is (backends/__init__.py)."""
+    found: dict[str, str] = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.ispkg or info.name.startswith("_"):
+            continue
+        name = f"{__name__}.{info.name}"
+        spec = info.module_finder.find_spec(name)  # type: ignore[call-arg]  # finds, never imports
+        text = spec.loader.get_source(name) if spec is not None and spec.loader is not None else None
+        if text is None:
+            raise ImportError(f"{name}: the op catalog reads op files' source, and found none")
+        ids = _OP_ID.findall(text)
+        if len(ids) != 1:  # a clear error at the catalog, not an op missing at its first use
+            raise ImportError(f"{name}: an op file needs exactly one 'OP_ID = \"family.name\"' line, found {len(ids)}")
+        if ids[0] in found:
+            raise ImportError(f"op {ids[0]} is defined by both {found[ids[0]]} and {name}")
+        found[ids[0]] = name
+    return found
+
+
+_OP_ID = re.compile(r'^OP_ID = "([A-Za-z_][\w]*\.[A-Za-z_]\w*)"', re.M)
+OP_MODULES: dict[str, str] = _op_modules()

@@ -56,7 +56,9 @@ if TYPE_CHECKING:
     import torch
     from rich.console import Console
 
-# op -> list of (label, example shape): the README's tables.
+# op -> list of (label, example shape): the README's tables, curated by hand (each a model's real
+# width, and the README's figures are measured at them). An op not listed here is benched at its
+# op file's ``Op(bench_shapes=...)`` (shapes_for): a new op needs no edit here.
 SHAPES: dict[str, list[tuple[str, tuple[int, ...]]]] = {
     "rms_norm": [
         ("16384x4096", (16384, 4096)),
@@ -135,13 +137,26 @@ _FLOPS: dict[str, Callable[[int, int, int, bool], int]] = {
 _PREFERENCE = {f"fused_linear_{n}_loss" for n in ("dpo", "orpo", "cpo", "simpo", "kto", "grpo")}
 
 
+def shapes_for(op_name: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The op's bench shapes: its README shapes (:data:`SHAPES`), else those its op file declares
+    (``Op(bench_shapes=...)``); an op with neither is a clear error, before anything is measured."""
+    if op_name in SHAPES:
+        return SHAPES[op_name]
+    from polykernel.core import registry
+
+    op = registry.get_op(op_name)
+    if not op.bench_shapes:
+        raise ValueError(f"{op.id}: no bench shapes (declare them in its op file: Op(bench_shapes=[(label, shape), ...]))")
+    return list(op.bench_shapes)
+
+
 def sweep_shapes(op_name: str) -> list[tuple[str, tuple[int, ...]]]:
     """The op's first README shape and smaller sizes along one dimension, largest first.
 
     >>> [label for label, _ in sweep_shapes("softmax")]
     ['8192x32768', '2048x32768', '512x32768', '128x32768']
     """
-    label, shape = SHAPES[op_name][0]
+    label, shape = shapes_for(op_name)[0]
     dim, steps = _SWEEP_DIM.get(op_name, (0, 3))
     out = [(label, shape)]
     for k in range(1, steps + 1):
@@ -172,8 +187,9 @@ def cases_for(op_name: str, sweep: bool) -> list[tuple[str, tuple[int, ...], boo
     """(label, shape, in the sweep series) for one op: the README shapes, plus the sweep's."""
     series = sweep_shapes(op_name) if sweep else []
     in_series = {s for _, s in series}
-    out = [(label, shape, shape in in_series) for label, shape in SHAPES[op_name]]
-    out += [(label, shape, True) for label, shape in series if shape not in {s for _, s in SHAPES[op_name]}]
+    listed = shapes_for(op_name)
+    out = [(label, shape, shape in in_series) for label, shape in listed]
+    out += [(label, shape, True) for label, shape in series if shape not in {s for _, s in listed}]
     return out
 
 
@@ -296,7 +312,7 @@ def run(
         extra_s=COMPILE_BUDGET_S * len({(op.name, shape[-1]) for op, _, shape, _ in plan}) * use_compile,
         print_=lambda line: con.print(line, markup=False, highlight=False),
     )
-    readme = {(op, s) for op, cases in SHAPES.items() for _, s in cases}
+    readme = {(op.name, s) for op in {op for op, *_ in plan} for _, s in shapes_for(op.name)}  # the full-length timings
     rows: list[dict[str, Any]] = []
     compiled: dict[tuple[str, int], Callable[..., Any]] = {}
     with progress(con) as bar:
@@ -419,11 +435,12 @@ def run_cli(a: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             print("polykernel bench needs a CUDA GPU (or --load RESULTS.json to plot saved results)", file=sys.stderr)
             return 2
-        names = [*a.op, *(o for o in a.ops.split(",") if o)] or list(SHAPES)
+        # default: every op of the catalog, the README's first and in their order
+        catalog = [op_id.rpartition(".")[2] for op_id in registry.all_op_ids()]
+        names = [*a.op, *(o for o in a.ops.split(",") if o)] or [*SHAPES, *(n for n in catalog if n not in SHAPES)]
         ops = [registry.get_op(o).name for o in names]
-        unknown = [o for o in ops if o not in SHAPES]
-        if unknown:
-            raise ValueError(f"--ops: no bench shapes for {', '.join(unknown)}")
+        for o in ops:  # an op without shapes: a clear error before the run, not after minutes of it
+            shapes_for(o)
         header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
         header["mode"] = "graph" if a.graph else "call"
         stem = os.path.join(a.out, f"{device_slug(header['device'])}-{header['date']}-{header['mode']}")

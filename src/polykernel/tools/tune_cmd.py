@@ -89,7 +89,7 @@ def run_cli(args: argparse.Namespace) -> int:
             else:
                 from polykernel.tools.bench import SHAPES
 
-                shapes = [s for _, s in SHAPES.get(op.name, [])]
+                shapes = [s for _, s in SHAPES.get(op.name) or op.bench_shapes]
                 if not shapes:
                     raise ValueError(f"{op.id}: no default shapes; give --shapes")
             cases += [(op, shape, dtype) for shape in shapes for dtype in dtypes]
