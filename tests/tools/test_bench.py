@@ -271,3 +271,11 @@ def test_preference_loss_rows_are_rated_by_the_head_gemms(monkeypatch, name):
     fwd = next(r for r in rows if r["impl"] == "polykernel:torch" and r["mode"] == "fwd")
     bwd = next(r for r in rows if r["impl"] == "polykernel:torch" and r["mode"] == "fwd+bwd")
     assert math.isclose(fwd["TFLOP/s"], 2 * 6 * 8 * 40 / 0.5e-3 / 1e12) and math.isclose(bwd["TFLOP/s"], 3 * fwd["TFLOP/s"])
+
+
+def test_an_op_without_bench_shapes_is_a_clear_error(monkeypatch):
+    # README shapes first; else the op file's Op(bench_shapes=...); else an error naming the op
+    assert bench.shapes_for("softmax") == bench.SHAPES["softmax"]
+    monkeypatch.setattr(bench, "SHAPES", {})
+    with pytest.raises(ValueError, match=r"activation\.softmax: no bench shapes \(declare them in its op file"):
+        bench.cases_for("softmax", sweep=False)

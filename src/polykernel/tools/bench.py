@@ -107,6 +107,8 @@ SHAPES: dict[str, list[tuple[str, tuple[int, ...]]]] = {
     },
 }
 
+# The tables below refine some ops' rows and are optional: an op not in them gets its example's
+# default options, a sweep along dim 0, an "AxB" label and GB/s from its bytes_moved.
 # (op, label) -> the op's options for that row (the rows above whose labels name them)
 OPTIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("cross_entropy", "8192x256000,softcap30"): {"softcap": 30.0},
