@@ -195,7 +195,7 @@ def test_all_ignored_and_zero_weights_give_the_references_nan(impl):
 def test_triton_plain_path_is_unchanged_by_the_options():
     # the options are constexpr flags: a call without them launches the plain kernel
     need("cross_entropy", "triton")
-    from polykernel.backends.torch.cross_entropy import NO_EXTRAS, extras
+    from polykernel.backends._cross_entropy import NO_EXTRAS, extras
 
     assert extras(None, None, 0.0) is NO_EXTRAS and extras(None, None, 0) is NO_EXTRAS
     assert extras(None, 1.0, 0.0) is not NO_EXTRAS

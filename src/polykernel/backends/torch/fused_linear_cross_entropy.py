@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from ... import _compat
 from ...ops.fused_linear_cross_entropy import OP_ID, reference  # noqa: F401  (reference: semantics live in the op file)
 from ...spec import Split
+from .. import _cross_entropy as _ce
+from .._cross_entropy import NO_EXTRAS, Extras, denominator, extras, grad_scale, loss_and_grad, reduce_rows, scale_grads_
 from .._double_backward import anchor, refuse
-from . import cross_entropy as _ce
-from .cross_entropy import NO_EXTRAS, Extras, denominator, extras, grad_scale, loss_and_grad, reduce_rows, scale_grads_
 
 _transforms_active = _compat.functorch_transforms_active
 _any_autocast = _compat.any_autocast_enabled

@@ -23,8 +23,8 @@ from ...ops._distill import acc_dtype, plain, rows_view
 
 # (reference: semantics live in the op file; so does the chunking its error model counts on)
 from ...ops.fused_linear_jsd import CHUNK_BYTES, OP_ID, TORCH_BUDGET, chunk_rows, reference
+from .._cross_entropy import scale_grads_
 from .._double_backward import anchor, refuse
-from .cross_entropy import scale_grads_
 from .jsd import count_and_scale, terms
 
 ChunkFn = Callable[..., torch.Tensor]

@@ -12,8 +12,8 @@ import torch
 
 from ...ops._distill import acc_dtype, plain, rows_view
 from ...ops.jsd import reference  # (semantics live in the op file)
+from .._cross_entropy import TEMP_BYTES, scale_grads_
 from .._double_backward import graph_grads
-from .cross_entropy import TEMP_BYTES, scale_grads_
 
 
 def _step(v: int) -> int:

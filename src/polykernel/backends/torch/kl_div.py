@@ -13,7 +13,7 @@ import torch
 from ...ops._distill import acc_dtype, plain, rows_view
 from ...ops.kl_div import divisor, reference  # (reference: the semantics live in the op file)
 from .. import _double_backward
-from .cross_entropy import TEMP_BYTES, scale_grads_
+from .._cross_entropy import TEMP_BYTES, scale_grads_
 
 
 def _step(v: int) -> int:

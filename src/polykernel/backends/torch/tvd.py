@@ -12,7 +12,7 @@ import torch
 
 from ...ops._distill import acc_dtype, plain, rows_view
 from ...ops.tvd import reference  # (semantics live in the op file)
-from .cross_entropy import TEMP_BYTES, scale_grads_
+from .._cross_entropy import TEMP_BYTES, scale_grads_
 from .jsd import count_and_scale
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ...ops.fused_linear_cross_entropy import reference  # noqa: F401  (semantics live in the op file)
-from ..torch.cross_entropy import Extras, extras
+from .._cross_entropy import Extras, extras
 from ..torch.fused_linear_cross_entropy import make_split, run
 from ._scale import scale_grads_
 from .cross_entropy import ce_forward
