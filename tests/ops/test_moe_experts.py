@@ -12,7 +12,7 @@ import _moe_helpers as moe
 import polykernel
 import polykernel.nn as pnn
 from polykernel import _compat
-from polykernel.backends.torch import _moe_route
+from polykernel.backends import _moe_route
 from polykernel.backends.torch import moe_experts as torch_moe
 from polykernel.errors import OpArgumentError, OpTypeError
 from polykernel.ops import moe_experts as op

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ... import _compat
 from ...ops.moe_experts import activate, reference
-from . import _moe_route as route
+from .. import _moe_route as route
 
 _transforms_active = _compat.functorch_transforms_active
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 
 from ... import _compat
+from .. import _moe_route as sort
 from .._double_backward import graph_grads
-from ..torch import _moe_route as sort
 from ..torch import moe_experts as _torch_moe
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active
