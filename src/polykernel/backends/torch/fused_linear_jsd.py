@@ -25,7 +25,7 @@ from ...ops._distill import acc_dtype, plain, rows_view
 from ...ops.fused_linear_jsd import CHUNK_BYTES, OP_ID, TORCH_BUDGET, chunk_rows, reference
 from .._cross_entropy import scale_grads_
 from .._double_backward import anchor, refuse
-from .jsd import count_and_scale, terms
+from .._jsd import count_and_scale, terms
 
 ChunkFn = Callable[..., torch.Tensor]
 
