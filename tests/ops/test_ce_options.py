@@ -157,7 +157,7 @@ def test_options_in_low_precision(impl):
 def test_flce_many_chunks_with_options(impl, monkeypatch):
     # several row chunks (the weighted divisor and z-loss are per call, not per chunk)
     need("fused_linear_cross_entropy", impl)
-    import polykernel.backends.torch.fused_linear_cross_entropy as drv
+    import polykernel.backends._fused_linear_cross_entropy as drv
 
     monkeypatch.setattr(drv, "CHUNK_BYTES", 4 * 3 * 300)
     assert drv.chunk_rows(300, 4) == 3
