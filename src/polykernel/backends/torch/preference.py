@@ -1,6 +1,6 @@
 """The torch impls of the fused preference/RL losses: each loss's formula (its op file's
-``chunked``) through the chunked driver (``polykernel.backends.torch._linear_logps``) with the
-torch per-token primitive (``polykernel.backends.torch._token_logps``)."""
+``chunked``) through the chunked driver (``polykernel.backends._linear_logps``) with the
+torch per-token primitive (``polykernel.backends._token_logps``)."""
 
 from __future__ import annotations
 
