@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from polykernel.backends.torch import _linear_logps
+from polykernel.backends import _linear_logps
 
 IMPLS = ["torch", "triton"]
 

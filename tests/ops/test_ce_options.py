@@ -157,7 +157,7 @@ def test_options_in_low_precision(impl):
 def test_flce_many_chunks_with_options(impl, monkeypatch):
     # several row chunks (the weighted divisor and z-loss are per call, not per chunk)
     need("fused_linear_cross_entropy", impl)
-    import polykernel.backends.torch.fused_linear_cross_entropy as drv
+    import polykernel.backends._fused_linear_cross_entropy as drv
 
     monkeypatch.setattr(drv, "CHUNK_BYTES", 4 * 3 * 300)
     assert drv.chunk_rows(300, 4) == 3
@@ -195,7 +195,7 @@ def test_all_ignored_and_zero_weights_give_the_references_nan(impl):
 def test_triton_plain_path_is_unchanged_by_the_options():
     # the options are constexpr flags: a call without them launches the plain kernel
     need("cross_entropy", "triton")
-    from polykernel.backends.torch.cross_entropy import NO_EXTRAS, extras
+    from polykernel.backends._cross_entropy import NO_EXTRAS, extras
 
     assert extras(None, None, 0.0) is NO_EXTRAS and extras(None, None, 0) is NO_EXTRAS
     assert extras(None, 1.0, 0.0) is not NO_EXTRAS

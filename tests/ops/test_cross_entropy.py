@@ -62,7 +62,7 @@ def test_logits_are_not_modified(impl):
 
 def test_torch_impl_row_chunks(monkeypatch):
     # Force many row chunks (a few rows per fp32 temporary): same results as one chunk.
-    import polykernel.backends.torch.cross_entropy as tce
+    import polykernel.backends._cross_entropy as tce
 
     monkeypatch.setattr(tce, "TEMP_BYTES", 3 * 4 * 1000)
     assert tce._step(1000) == 3
@@ -238,7 +238,7 @@ def test_a_positive_inf_logit_gives_the_references_nan(impl):
 
 def test_scale_grads_applies_the_cotangent_in_place():
     # the loss backwards scale gradients computed for grad_output = 1 by the real g
-    from polykernel.backends.torch.cross_entropy import scale_grads_
+    from polykernel.backends._cross_entropy import scale_grads_
 
     a = torch.randn(4, 3, dtype=torch.bfloat16)
     b = torch.randn(5)

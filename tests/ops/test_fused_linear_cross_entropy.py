@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import polykernel
-import polykernel.backends.torch.fused_linear_cross_entropy as driver
+import polykernel.backends._fused_linear_cross_entropy as driver
 from polykernel.errors import OpArgumentError, OpTypeError
 from polykernel.ops.fused_linear_cross_entropy import cases, reference
 from polykernel.testing import assert_parity, runnable_impls

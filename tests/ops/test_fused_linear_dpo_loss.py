@@ -19,7 +19,7 @@ from _preference_helpers import (
     targets,
     token_logps,
 )
-from polykernel.backends.torch import _linear_logps
+from polykernel.backends import _linear_logps
 from polykernel.core import registry
 from polykernel.core.op import Case
 from polykernel.errors import OpArgumentError, UnknownImplError
@@ -193,7 +193,7 @@ def test_dpo_parity_hypothesis(r, t, h, v, ignored, impl, dtype, beta):
 @pytest.mark.parametrize(("where", "factor"), [("loss", 1 + 1e-4), ("grad", 1 + 5e-2)])
 def test_the_error_model_catches_a_small_error(monkeypatch, where, factor):
     # fp32: the model's bound is well below these relative errors, so a kernel that makes them fails
-    from polykernel.backends.torch import _token_logps
+    from polykernel.backends import _token_logps
 
     if where == "loss":
         real = _linear_logps.walk

@@ -74,11 +74,12 @@ class _Shapes(TorchDispatchMode):
 def test_never_builds_the_n_by_v_logits(impl, monkeypatch):
     # with a chunk budget of a few rows, no tensor of the call holds more than a chunk of logits
     need("fused_linear_jsd", impl)
-    import polykernel.backends.torch.fused_linear_jsd as drv
+    import polykernel.backends._fused_linear_jsd as drv
+    import polykernel.backends.torch.fused_linear_jsd as torch_impl
 
     n, v, budget = 64, 500, 40000  # 3 rows of two fp32 logits and fp32 dlogits (12 bytes a class)
-    monkeypatch.setattr(drv, "TORCH_BUDGET", budget)
-    monkeypatch.setattr(drv, "CHUNK_BYTES", budget)
+    monkeypatch.setattr(torch_impl, "TORCH_BUDGET", budget)  # the torch impl's budget
+    monkeypatch.setattr(drv, "CHUNK_BYTES", budget)  # the driver's default (the other impls')
     assert drv.chunk_rows(v, 4, n, budget) == 6
     hs, ws, ht, wt = _heads(n=n, h=8, ht=8, v=v)
     with _Shapes() as rec:
@@ -89,7 +90,7 @@ def test_never_builds_the_n_by_v_logits(impl, monkeypatch):
 
 
 def test_chunk_rows_come_from_the_problem():
-    from polykernel.backends.torch.fused_linear_jsd import CHUNK_BYTES, chunk_rows
+    from polykernel.ops.fused_linear_jsd import CHUNK_BYTES, chunk_rows
 
     assert chunk_rows(128256, 2, 8192) == 384  # bf16 at Llama 3's vocabulary: 1.28 MB a row
     assert chunk_rows(128256, 4, 8192) == 256

@@ -93,7 +93,7 @@ def triton_runtime_knobs() -> Any:
     return _probe("triton_runtime_knobs", get, None)
 
 
-# -- mixture of experts (polykernel.backends.torch._moe_route, .moe_experts) ---------------------
+# -- mixture of experts (polykernel.backends._moe_route, ._moe_experts) ---------------------
 
 
 def _assert_on_host(cond: torch.Tensor, message: str) -> None:

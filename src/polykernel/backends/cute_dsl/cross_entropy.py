@@ -16,10 +16,9 @@ from types import ModuleType
 
 import torch
 
+from .._cross_entropy import differentiable, grad_scale, reduce_rows
 from .._double_backward import graph_grads
-from ..torch import cross_entropy as _torch
 from ..torch.cross_entropy import cross_entropy as _torch_cross_entropy
-from ..torch.cross_entropy import grad_scale, reduce_rows
 from .softmax import _rows16  # the same row-major, 16-byte aligned rows
 
 
@@ -76,7 +75,7 @@ class _CrossEntropy(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, by the torch formula
             target = t.view(g.shape) if ctx.reduction == "none" else t
             args = (logits, target, ctx.ignore_index, ctx.ls, ctx.reduction)
-            return graph_grads(_torch.differentiable, args, (g,), (True, False, False, False, False))[0], None, None, None, None
+            return graph_grads(differentiable, args, (g,), (True, False, False, False, False))[0], None, None, None, None
         dx = ce_backward(x2, t, lse, grad_scale(g, count, ctx.reduction, torch.float32), ctx.ignore_index, ctx.ls)
         return dx.view(ctx.shape), None, None, None, None
 

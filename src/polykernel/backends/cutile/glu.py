@@ -26,7 +26,7 @@ from __future__ import annotations
 import cuda.tile as ct
 import torch
 
-from ..torch._functions import glu_function
+from .._functions import glu_function
 from ._host import MAX_ELEMS, launch, pow2, row_chunks, rows
 
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2

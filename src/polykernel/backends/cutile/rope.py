@@ -24,7 +24,7 @@ from __future__ import annotations
 import cuda.tile as ct
 import torch
 
-from ..torch._functions import rope_function
+from .._functions import rope_function
 from ._host import launch, num_sms, pow2
 
 TILE_ELEMS = 1024  # elements per half-tile [TT, TD] (tiled, sm_90: about 90 registers at 128 threads; 2048: 164)

@@ -19,9 +19,9 @@ import torch
 import triton
 from liger_kernel.ops.cross_entropy import MAX_FUSED_SIZE, liger_cross_entropy_kernel
 
+from .._cross_entropy import scale_grads_
 from .._double_backward import refusing
 from ..torch.cross_entropy import cross_entropy as _torch_cross_entropy
-from ..torch.cross_entropy import scale_grads_
 
 
 def _num_warps(x: torch.Tensor) -> int:

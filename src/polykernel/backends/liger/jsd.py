@@ -15,8 +15,8 @@ import torch
 from liger_kernel.ops.jsd import _jsd_kernel
 
 from ...ops._distill import rows_view
+from .._cross_entropy import scale_grads_
 from .._double_backward import refusing
-from ..torch.cross_entropy import scale_grads_
 from ..torch.jsd import jsd as _torch_jsd
 
 _BLOCK = 4096  # liger_kernel/ops/backends/_triton/jsd.py: _JSD_TRITON_BLOCK_SIZE

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
 
+from .. import _moe_route as route
 from .._double_backward import refusing
-from ..torch import _moe_route as route
 from ..torch.moe_experts import moe_experts as _torch_moe_experts
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())

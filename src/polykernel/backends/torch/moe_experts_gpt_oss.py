@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from ...ops.moe_experts_gpt_oss import OP_ID, clamped_swiglu, reference
-from . import moe_experts as _base
+from .. import _moe_experts as _base
 
 
 def grouped_mm_refusal(hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> str | None:

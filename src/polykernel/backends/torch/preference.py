@@ -1,6 +1,6 @@
 """The torch impls of the fused preference/RL losses: each loss's formula (its op file's
-``chunked``) through the chunked driver (``polykernel.backends.torch._linear_logps``) with the
-torch per-token primitive (``polykernel.backends.torch._token_logps``)."""
+``chunked``) through the chunked driver (``polykernel.backends._linear_logps``) with the
+torch per-token primitive (``polykernel.backends._token_logps``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from ...ops import fused_linear_grpo_loss as _grpo
 from ...ops import fused_linear_kto_loss as _kto
 from ...ops import fused_linear_orpo_loss as _orpo
 from ...ops import fused_linear_simpo_loss as _simpo
-from . import _token_logps
-from ._linear_logps import Head
+from .. import _token_logps
+from .._linear_logps import Head
 
 HEAD = Head(_token_logps)
 

@@ -1,7 +1,7 @@
 """What the Triton MoE experts impls share: the sorted routing, the grouped-GEMM building blocks
 and their host code, the autograd plumbing.
 
-The pairs are sorted by expert once per call (:mod:`polykernel.backends.torch._moe_route`: no host
+The pairs are sorted by expert once per call (:mod:`polykernel.backends._moe_route`: no host
 sync) and cut into tiles of ``BM`` rows that never straddle two experts; a tile table (expert and
 first row per program, built with torch ops on the device) lets every row-GEMM launch a fixed
 grid of ``cdiv(S, BM) + min(E, S)`` row tiles, the surplus programs doing nothing. The backward
@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from ... import env
+from .. import _moe_route as sort
 from .._double_backward import graph_grads
-from ..torch import _moe_route as sort
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active
 from ._launch import launch

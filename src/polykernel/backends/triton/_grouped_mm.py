@@ -40,9 +40,9 @@ import triton
 import triton.language as tl
 
 from ... import _compat
+from .. import _moe_experts as _moe
+from .. import _moe_route as sort
 from .._double_backward import graph_grads
-from ..torch import _moe_route as sort
-from ..torch import moe_experts as _torch_moe
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active
 from ._grouped import _clamped_swiglu, _clamped_swiglu_bwd
@@ -210,13 +210,13 @@ MODE = "auto"
 
 def takes(hidden: torch.Tensor, tensors: tuple[torch.Tensor, ...], inter: int, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """Whether this call runs here (else the impl's own grouped GEMMs)."""
-    if MODE == "kernels" or _transforms_active() or not _torch_moe.plain(tensors):
+    if MODE == "kernels" or _transforms_active() or not _moe.plain(tensors):
         return False
     if MODE == "auto" and not (hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)):
         return False
     if hidden.shape[0] == 0:
         return False
-    return _torch_moe.refusal(hidden, inter, gate_up, down) is None
+    return _moe.refusal(hidden, inter, gate_up, down) is None
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

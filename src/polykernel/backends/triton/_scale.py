@@ -1,7 +1,7 @@
 """The loss backwards' cotangent multiply under CUDA-graph capture, reading the cotangent on the device.
 
 The losses compute their gradients for ``grad_output = 1`` and multiply by the real ``g`` in
-backward (:func:`polykernel.backends.torch.cross_entropy.scale_grads_`). Eagerly, ``g`` is read on
+backward (:func:`polykernel.backends._cross_entropy.scale_grads_`). Eagerly, ``g`` is read on
 the host: the multiply is skipped when ``g == 1`` and otherwise takes a host number, computed in
 fp32. Under capture ``g`` stays a 0-d device tensor, and torch's ``t.mul_(g)`` then (1) casts ``g``
 to a bf16 gradient's dtype first (the graph's gradients differed from eager's by that rounding)
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..torch.cross_entropy import scale_grads_ as _host_scale_grads_
+from .._cross_entropy import scale_grads_ as _host_scale_grads_
 from ._launch import launch
 from ._rows import cdiv as _cdiv
 

@@ -4,7 +4,7 @@ It is the cross-entropy kernel (``polykernel.backends.triton.cross_entropy``), n
 FWD pass gives each row's LSE and ``loss = lse − z[t]`` (so ``logp = −loss``), its GRAD pass
 writes ``scale · (softmax(z) − onehot(t))`` per row in the output's dtype from the saved LSE, with
 a per-row fp32 scale read on the device. Same two functions as the torch primitive
-(``polykernel.backends.torch._token_logps``); GEMMs stay torch's (cuBLAS).
+(``polykernel.backends._token_logps``); GEMMs stay torch's (cuBLAS).
 """
 
 from __future__ import annotations

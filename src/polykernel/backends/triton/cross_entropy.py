@@ -32,9 +32,8 @@ import triton.language as tl
 
 from ...ops.cross_entropy import OP_ID, reference  # noqa: F401  (reference: semantics live in the op file)
 from ...spec import Split
+from .._cross_entropy import NO_EXTRAS, Extras, denominator, differentiable, extras, grad_scale, reduce_rows
 from .._double_backward import anchor, graph_grads, refuse
-from ..torch import cross_entropy as _torch
-from ..torch.cross_entropy import NO_EXTRAS, Extras, denominator, extras, grad_scale, reduce_rows
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active
 from ._launch import launch
@@ -302,7 +301,7 @@ class _CrossEntropy(torch.autograd.Function):
             if torch.is_grad_enabled():  # create_graph=True: a differentiable gradient, by the torch formula
                 target = t.view(g.shape) if ctx.reduction == "none" else t
                 args = (inputs[0] if inputs else x2, target, ctx.ignore_index, ctx.ls, ctx.reduction, *ctx.ex)
-                grads = graph_grads(_torch.differentiable, args, (g,), (True,) + (False,) * 7)
+                grads = graph_grads(differentiable, args, (g,), (True,) + (False,) * 7)
                 return grads[0], None, None, None, None, None
             dx = ce_backward(x2, t, lse, grad_scale(g, count, ctx.reduction, torch.float32), ctx.ignore_index, ctx.ls, ctx.ex)
         return dx.view(ctx.shape), None, None, None, None, None
@@ -323,7 +322,7 @@ def cross_entropy(
 ) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.cross_entropy``)."""
     if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
-        return _torch.cross_entropy(logits, target, ignore_index, label_smoothing, reduction, weight, softcap, z_loss)
+        return differentiable(logits, target, ignore_index, label_smoothing, reduction, weight, softcap, z_loss)
     ex = extras(weight, softcap, z_loss)
     if torch.is_grad_enabled() and logits.requires_grad:
         return _lean_apply(logits, target, ignore_index, label_smoothing, reduction, ex)

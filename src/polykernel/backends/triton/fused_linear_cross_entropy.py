@@ -3,7 +3,7 @@
 Per chunk the logits come from a torch matmul (cuBLAS); one launch of the cross-entropy kernel
 (FWD+GRAD) reads each row twice and writes the scaled dlogits over the logits in place, so the
 chunk buffer is the only N-proportional temporary. Gradient matmuls as in the driver
-(``polykernel.backends.torch.fused_linear_cross_entropy``); the backward's cotangent multiply
+(``polykernel.backends._fused_linear_cross_entropy``); the backward's cotangent multiply
 reads the cotangent on the device under CUDA-graph capture (``_scale``).
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from ...ops.fused_linear_cross_entropy import reference  # noqa: F401  (semantics live in the op file)
-from ..torch.cross_entropy import Extras, extras
-from ..torch.fused_linear_cross_entropy import make_split, run
+from .._cross_entropy import Extras, extras
+from .._fused_linear_cross_entropy import make_split, run
 from ._scale import scale_grads_
 from .cross_entropy import ce_forward
 

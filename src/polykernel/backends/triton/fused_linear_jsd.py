@@ -10,7 +10,7 @@ output); one kernel, one program per row, makes three passes over the row's two 
    and written in the inputs' dtype (in place over the student's logits when that is fp32).
 No other ``[chunk, V]`` temporary exists; an ignored row reads nothing and gets dlogits 0. The
 gradient matmuls and the backward's cotangent multiply are the driver's
-(``polykernel.backends.torch.fused_linear_jsd``; the multiply reads the cotangent on the device
+(``polykernel.backends._fused_linear_jsd``; the multiply reads the cotangent on the device
 under CUDA-graph capture, ``_scale``).
 """
 
@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ...ops.fused_linear_jsd import reference  # noqa: F401  (semantics live in the op file)
-from ..torch.fused_linear_jsd import run
+from .._fused_linear_jsd import run
 from ._distill import config, jsd_elem
 from ._launch import launch
 from ._scale import scale_grads_

@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .._functions import glu_function
 from ..torch import geglu as _torch_geglu
 from ..torch import swiglu as _torch_swiglu
-from ..torch._functions import glu_function
 from . import _native
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active

@@ -19,7 +19,7 @@ import triton.language as tl
 from ...ops._distill import acc_dtype
 from ...ops.jsd import OP_ID, reference  # noqa: F401  (reference: semantics live in the op file)
 from .._double_backward import anchor, refuse
-from ..torch.jsd import count_and_scale
+from .._jsd import count_and_scale
 from ._autograd import lean_apply
 from ._distill import config, jsd_elem
 from ._launch import launch

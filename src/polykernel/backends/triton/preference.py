@@ -1,5 +1,5 @@
 """The Triton impls of the fused preference/RL losses: each loss's formula (its op file's
-``chunked``) through the chunked driver (``polykernel.backends.torch._linear_logps``) with the
+``chunked``) through the chunked driver (``polykernel.backends._linear_logps``) with the
 Triton per-token primitive (``polykernel.backends.triton._token_logps``)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from ...ops import fused_linear_grpo_loss as _grpo
 from ...ops import fused_linear_kto_loss as _kto
 from ...ops import fused_linear_orpo_loss as _orpo
 from ...ops import fused_linear_simpo_loss as _simpo
-from ..torch._linear_logps import Head
+from .._linear_logps import Head
 from . import _token_logps
 
 HEAD = Head(_token_logps)

@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from ...ops.rope import reference  # noqa: F401  (semantics live in the op file)
+from .._functions import rope_function
 from ..torch import rope as _torch
-from ..torch._functions import rope_function
 from . import _native
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active

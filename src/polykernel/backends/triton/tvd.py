@@ -21,8 +21,8 @@ import triton.language as tl
 
 from ...ops._distill import acc_dtype
 from ...ops.tvd import reference  # noqa: F401  (semantics live in the op file)
-from ..torch.jsd import count_and_scale
-from ..torch.tvd import divide, graph_grads
+from .._jsd import count_and_scale
+from .._tvd import divide, graph_grads
 from ._autograd import lean_apply
 from ._distill import config
 from ._launch import launch

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from .._double_backward import glu_grads, rope_grads
+from ._double_backward import glu_grads, rope_grads
 
 
 def rope_function(rope_launch: Callable[..., None]) -> tuple[type[torch.autograd.Function], Callable]:

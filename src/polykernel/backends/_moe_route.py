@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ... import _compat
-from ...errors import OpArgumentError
+from .. import _compat
+from ..errors import OpArgumentError
 
 OP_ID = "moe.moe_experts"
 

@@ -31,8 +31,8 @@ from types import ModuleType
 import torch
 
 # the chunking the losses' error models count on is theirs (CHUNK_BYTES, units_per_chunk)
-from ...ops._preference import CHUNK_BYTES, units_per_chunk
-from .fused_linear_jsd import projector
+from ..ops._preference import CHUNK_BYTES, units_per_chunk
+from ._fused_linear_jsd import projector
 
 # One unit larger than CHUNK_BYTES still goes in one pass up to this size (a pair of 1024-token rows
 # at V = 128K in bf16 is 1.5 GiB: one pass, 3 GEMMs), and the two-pass token walk past it (4 GEMMs,

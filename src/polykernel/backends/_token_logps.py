@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .cross_entropy import scale_grads_  # noqa: F401  (the backward's cotangent multiply, for the driver)
+from ._cross_entropy import scale_grads_  # noqa: F401  (the backward's cotangent multiply, for the driver)
 
 
 def token_logps(z: torch.Tensor, t: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
