@@ -309,6 +309,7 @@ def test_a_fused_kernel_that_fails_falls_back_once_logged_or_raises_when_strict(
     from polykernel.integrations.transformers import _fused_attention
 
     monkeypatch.setattr(_fused_attention, "_FUSED_OFF", [])
+    polykernel.clear_caches()  # (the once-only log records)
     monkeypatch.setenv("POLYKERNEL_STRICT", "1" if strict else "0")
 
     def broken(*args):

@@ -5,7 +5,6 @@ write (one Triton launch where transformers launches rope, ``arange``, an add an
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -137,17 +136,17 @@ _FUSED_OFF: list[str] = []
 def _fused_failed(exc: Exception) -> None:
     """The fused launch raised (a compile error is raised before anything is written): under
     ``POLYKERNEL_STRICT=1`` that is the error; else log once and run the unfused forward from now on."""
-    from polykernel.core.selection.state import strict_mode
+    from polykernel.core.selection.state import log_once, strict_mode
 
     if strict_mode() or isinstance(exc, IndexError):  # IndexError: the cache is full, as index_copy_ says
         raise exc
-    if not _FUSED_OFF:
-        _FUSED_OFF.append(f"{type(exc).__name__}: {exc}")
-        logging.getLogger("polykernel").warning(
-            "polykernel: patch(mode='inference'): the fused RoPE + KV-cache write failed (%s); running transformers' "
-            "attention forward from now on (POLYKERNEL_STRICT=1 makes this an error)",
-            _FUSED_OFF[0].splitlines()[0][:300],
-        )
+    _FUSED_OFF.append(f"{type(exc).__name__}: {exc}")
+    log_once(
+        ("inference", "rope_kv_write"),
+        "polykernel: patch(mode='inference'): the fused RoPE + KV-cache write failed "
+        f"({_FUSED_OFF[0].splitlines()[0][:300]}); running transformers' attention forward from now on "
+        "(POLYKERNEL_STRICT=1 makes this an error)",
+    )
 
 
 def _rope_kv_write(*args: Any) -> torch.Tensor:
