@@ -1,4 +1,4 @@
-"""Host cost of ``refusing()`` (backends/torch/_double_backward.py): a peer's autograd Function
+"""Host cost of ``refusing()`` (backends/_double_backward.py): a peer's autograd Function
 with and without the subclass that makes double backward raise instead of reading zeros.
 
     PYTHONPATH=src python benchmarks/host/peer_refusing.py [--rounds 100] [--calls 200] [--json FILE]
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from polykernel.backends.torch._double_backward import refusing
+from polykernel.backends._double_backward import refusing
 from polykernel.tools.rows import RowFile, announce
 
 

@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--chunk-mib", type=int, help="polykernel's chunk budget (default: _linear_logps.CHUNK_BYTES, 1 GiB)")
     args = ap.parse_args()
     if args.chunk_mib:
-        from polykernel.backends.torch import _linear_logps
+        from polykernel.backends import _linear_logps
 
         _linear_logps.CHUNK_BYTES = args.chunk_mib << 20
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -42,7 +42,7 @@ def units_per_chunk(n_units: int, rows_per_unit: int, t: int, v: int, elt: int, 
 
 class Head(Protocol):
     """What an impl hands a loss's ``chunked``: per-token log-probs of an LM head, chunked, with
-    their gradients (``polykernel.backends.torch._linear_logps.Head``)."""
+    their gradients (``polykernel.backends._linear_logps.Head``)."""
 
     def run(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor, ignore_index: int,
             temperature: float, pairs: bool, contrib: Callable[..., torch.Tensor],
