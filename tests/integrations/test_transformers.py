@@ -9,6 +9,7 @@ import collections
 import copy
 import functools
 import inspect
+import logging
 import subprocess
 import sys
 import types
@@ -406,6 +407,44 @@ def test_norm_mapping_matches_installed_transformers(family, monkeypatch):
         got = norm(x)
     assert seen == [((1e-5,), {"offset": offset, "casting": casting})]
     torch.testing.assert_close(got, want, atol=2e-2, rtol=1.6e-2)  # the op's bf16 tolerance
+
+
+@pytest.mark.parametrize("rename", ["eps", "variance_epsilon", None])
+def test_norm_epsilon_found_under_either_name_else_transformers_forward(rename, monkeypatch, caplog):
+    # transformers renames a norm's epsilon at times (Llama 4: `eps` -> `variance_epsilon` in 5.25);
+    # the patched forward reads either name, and with neither runs the module's own forward, logged
+    # once (an error under POLYKERNEL_STRICT=1) instead of raising AttributeError mid-model
+    need("rms_norm")
+    model = tiny("llama", layers=1, rms_norm_eps=1e-5)
+    norm = model.model.norm
+    del norm.variance_epsilon
+    if rename:
+        setattr(norm, rename, 1e-5)
+    x = torch.randn(4, 64)
+    seen = []
+    real = polykernel.rms_norm
+    monkeypatch.setattr(polykernel, "rms_norm", lambda *a, **k: seen.append(a[2]) or real(*a, **k))
+    pkt.patch(model, **switches_only("rms_norm"))
+    if rename:
+        with torch.no_grad():
+            norm(x)
+        assert seen == [1e-5]
+        return
+    # a future transformers whose norm keeps its epsilon under a third name: its forward still works
+    def renamed_forward(self, h):
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.epsilon)).to(h.dtype)
+
+    monkeypatch.setattr(type(norm), "forward", renamed_forward)
+    norm.epsilon = 1e-5
+    pkt.unpatch(model)
+    pkt.patch(model, **switches_only("rms_norm"))
+    with caplog.at_level(logging.DEBUG), torch.no_grad():
+        got = [norm(x), norm(x)]
+    assert seen == [] and torch.equal(got[0], renamed_forward(norm, x)) and torch.equal(got[1], got[0])
+    assert sum("has neither" in r.getMessage() for r in caplog.records) == 1
+    monkeypatch.setenv("POLYKERNEL_STRICT", "1")
+    with pytest.raises(RuntimeError, match="neither"):
+        norm(x)
 
 
 # -- the loss path -------------------------------------------------------------------------------
@@ -842,7 +881,8 @@ def test_family_parity_fp32(family, overrides, torch_impls):
     left = {kind for kind, v in kinds.items() if isinstance(v, str)}
     assert left == LEFT_ALONE.get(family, set()), kinds
     assert all(kinds[kind].startswith("left alone: ") for kind in left)
-    norms = [n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
+    # weighted RMSNorms only: Llama 4's weightless q/k norm (an L2Norm before transformers 5.25) is left alone
+    norms = [n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm") and getattr(m, "weight", None) is not None]
     if has_op("rms_norm"):
         assert len(norms) >= 5 and sorted(kinds["rms_norm"]) == sorted(norms)
     glu = "geglu" if family in GELU_FAMILIES else "swiglu"  # the op the MLPs' activation runs

@@ -10,11 +10,24 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class _Norm:
-    """How a family's RMSNorm rounds: polykernel.rms_norm's ``offset``/``casting`` and the eps attribute."""
+    """How a family's RMSNorm rounds: polykernel.rms_norm's ``offset``/``casting`` and the eps attribute
+    (the one the family used when written; transformers renames it at times, see ``eps_of``)."""
 
     offset: float
     casting: str
     eps_attr: str
+
+    def eps_of(self, module: Any) -> float | None:
+        """The module's epsilon under ``eps_attr`` or the other name transformers uses for it (Llama 4's
+        RMSNorm moved from ``eps`` to ``variance_epsilon`` in transformers 5.25); None when it has neither."""
+        for name in (self.eps_attr, *_EPS_NAMES):
+            eps = getattr(module, name, None)
+            if isinstance(eps, (float, int)):
+                return float(eps)
+        return None
+
+
+_EPS_NAMES = ("variance_epsilon", "eps")
 
 
 _LLAMA_NORM = _Norm(offset=0.0, casting="llama", eps_attr="variance_epsilon")  # weight * x̂.to(dtype)

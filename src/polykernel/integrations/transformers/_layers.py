@@ -16,17 +16,31 @@ from ._switches import _has_op
 
 
 # -- RMSNorm -----------------------------------------------------------------------------------
+def _fallback_once(cls: str, why: str) -> None:
+    """A patched norm runs transformers' forward: logged once per class (an error under POLYKERNEL_STRICT=1)."""
+    from polykernel.core.selection.state import log_once, strict_mode
+
+    message = f"polykernel: patch(): {cls} {why}; running transformers' forward for it (POLYKERNEL_STRICT=1 makes this an error)"
+    if strict_mode():
+        raise RuntimeError(message)
+    log_once(("transformers", "rms_norm", cls), message)
+
+
 def _rms_norm_forward(base: Callable, norm: _Norm) -> Callable:
-    offset, casting, eps_attr = norm.offset, norm.casting, norm.eps_attr
+    offset, casting = norm.offset, norm.casting
 
     @functools.wraps(base)
     def forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         weight = self.weight
+        eps = norm.eps_of(self)
         # Llama's `weight * x̂.to(dtype)` promotes: an fp32 weight on bf16 x gives an fp32 result,
         # which polykernel (output dtype = x.dtype) does not; the original handles that case.
         if args or kwargs or (casting == "llama" and torch.promote_types(weight.dtype, hidden_states.dtype) != hidden_states.dtype):
             return base(self, hidden_states, *args, **kwargs)
-        return _pk.rms_norm(hidden_states, weight, getattr(self, eps_attr), offset=offset, casting=casting)
+        if eps is None:  # a transformers that renamed the attribute again: its own forward, logged once
+            _fallback_once(type(self).__name__, "has neither `variance_epsilon` nor `eps`")
+            return base(self, hidden_states, *args, **kwargs)
+        return _pk.rms_norm(hidden_states, weight, eps, offset=offset, casting=casting)
 
     forward._polykernel = "rms_norm"  # type: ignore[attr-defined]
     return forward
