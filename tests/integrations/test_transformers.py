@@ -430,6 +430,7 @@ def test_norm_epsilon_found_under_either_name_else_transformers_forward(rename, 
             norm(x)
         assert seen == [1e-5]
         return
+
     # a future transformers whose norm keeps its epsilon under a third name: its forward still works
     def renamed_forward(self, h):
         return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.epsilon)).to(h.dtype)
