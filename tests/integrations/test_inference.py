@@ -355,6 +355,24 @@ def test_merged_qkv_adds_no_memory_and_keeps_the_state_dict():
         assert torch.equal(got[name], want[name]), name
 
 
+def test_an_inference_patched_model_saves_the_checkpoint_the_unpatched_one_does(tmp_path):
+    # q/k/v (and gate/up) weights are views of one merged tensor: save_pretrained must still write
+    # every projection's weight, whole and as the model had it (safetensors refuses or drops
+    # tensors that share storage unless each is written on its own)
+    safetensors = pytest.importorskip("safetensors.torch")
+    ref = tiny_llama(layers=2)
+    model = copy.deepcopy(ref)
+    patch(model, mode="inference")
+    ref.save_pretrained(tmp_path / "ref")
+    model.save_pretrained(tmp_path / "patched")
+    want = safetensors.load_file(str(tmp_path / "ref" / "model.safetensors"))
+    got = safetensors.load_file(str(tmp_path / "patched" / "model.safetensors"))
+    assert got.keys() == want.keys() and any(k.endswith("self_attn.k_proj.weight") for k in got)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert patched(model)["decode_stream"] == ["model"]  # saving left the patch in place
+
+
 def test_decode_mask_is_made_additive_once_per_forward(monkeypatch):
     # SDPA converts a boolean mask on every call (4 launches per layer on the GPU): the shared-KV
     # decode path converts it once per forward and hands every layer the same additive mask
