@@ -1,2269 +1,586 @@
-"""The declarations give exactly the tables that were spelled out before.
+"""The rules every declaration holds: each op of the catalog and each impl that the backends'
+manifests (or an op file) declare, whatever the op or the backend. Nothing here lists ops, impls
+or their values: a new op or backend is checked with no edit of this file.
 
-- Impls (``Backend.impl`` rows, in the backends' manifests or through an op file's ``impls``):
-  ``EXPECTED`` is the KernelSpec table as it stood before the declarative form (copied from the
-  op files' ``IMPLS`` lists), field by field.
-- Per-op facts (``Op(compile_mode=, saved=, saved_grads=, dtensor_layout=)``): ``FACTS`` is what
-  ``compile/library.py`` (``COMPILE_MODES``, ``SAVED``, ``SAVED_GRADS``) and
-  ``distributed/dtensor.py`` (``LAYOUTS``, ``_LOSS_ARGS``) held.
+Per impl (its ``KernelSpec`` as ``registry.builtin_impls`` holds it):
 
-A change to a backend's facts or an op's declaration that moves any of these fails here, so such
-a change is made on purpose (update the row with it).
+- its target is ``polykernel.backends.<its backend>.<module>:<the op's name>``, a module of its own
+  backend's package that defines that function (read from source: every impl, peers' too);
+- its ``requires_modules`` name every module its code imports (its module and the backend modules
+  that one imports, read from source) beyond the standard library, torch and polykernel's own
+  dependencies: an undeclared one lets the impl pass for runnable where its import fails;
+- it names where it runs (only the torch impl runs anywhere), within its backend's declaration:
+  an op's row may narrow where the backend runs (an arch floor), never widen it;
+- the dtypes it takes (none named: every floating dtype) are floating torch dtypes that the parity
+  harness checks (``Op.dtypes``); only the torch impl takes them all;
+- it ranks ahead of the torch impl unless its whole backend ranks behind torch: auto selection
+  stops at the torch impl (``core/selection/resolution.py``, ``_auto``), so an impl ranked behind
+  it (or tied, named after it) is never auto-selected;
+- it says what it does (``description``: ``explain`` and the docs show it);
+- its target takes the op's positional arguments (the dispatcher passes them in the reference's
+  order) by the reference's names, or ``*args`` forwarded as given: loaded where its modules are
+  installed here (then it carries a ``Split`` only for an op that saves tensors for one), else its
+  ``def`` read from source;
+- its ``predicate`` and ``rank_for`` read only the op's argument class: on the classes of the op's
+  parity cases, and those ``explain`` builds without arguments, they answer (None or a reason;
+  None or ``(rank, reason)``) and never raise.
+
+Per op: a torch impl eligible everywhere (any device, dtype, determinism or capture mode, tensor
+subclasses), the selection's answer of last resort; compile facts that agree with each other and
+with the reference (``compile_mode``, ``saved`` where the torch impl's split is, ``saved_grads``);
+a DTensor layout that fits the reference's signature and outputs (what a layout *means* is checked
+by running the reference on the shards it prescribes: ``tests/distributed/test_layouts.py``).
+
+Per manifest: its rows are its own backend's, for ops of the catalog.
+
+``test_the_checks_catch_*`` run each check on a declaration with the mistake it is there for.
 """
 
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import functools
 import importlib
+import inspect
+import re
+import sys
+import typing
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
+import torch
 
+import polykernel
+from polykernel.backends import manifests
+from polykernel.backends.declare import Backend
+from polykernel.compile.facts import MODES, SavedGrads
+from polykernel.core import registry
+from polykernel.distributed.layout import ANY, ROWS
 from polykernel.ops import OP_MODULES
-from polykernel.spec import CapabilityRequirement, FormatSignature, KernelSpec
+from polykernel.spec import CapabilityRequirement, FormatSignature, KernelSpec, Split
 
 CUDA = CapabilityRequirement.CUDA
+SRC = Path(polykernel.__file__).resolve().parent
+PYPROJECT = SRC.parents[1] / "pyproject.toml"
 
 
-def _fn(name):
-    if name is None:
+def _op(op_id: str) -> Any:
+    return registry.get_op(op_id)
+
+
+def _specs(op_id: str) -> dict[str, KernelSpec]:
+    return {s.impl: s for s in registry.builtin_impls(op_id)}
+
+
+# Every built-in impl, as (op id, impl name): the op files load here, at collection (~0.5 s).
+IMPLS = [(op_id, name) for op_id in OP_MODULES for name in _specs(op_id)]
+GATED = [(op_id, name) for op_id, name in IMPLS if _specs(op_id)[name].predicate or _specs(op_id)[name].rank_for]
+
+
+@functools.cache
+def _backend(name: str) -> Backend:
+    """The backend's declaration: the one ``Backend(name)`` in its package's ``__init__.py``."""
+    package = importlib.import_module(f"polykernel.backends.{name}")
+    found = {id(v): v for v in vars(package).values() if isinstance(v, Backend) and v.name.value == name}
+    assert len(found) == 1, f"polykernel/backends/{name}/__init__.py declares Backend({name!r}) {len(found)} times (once per backend)"
+    return next(iter(found.values()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Source reading (no import): targets and the modules an impl's code imports
+
+
+def _source_file(module: str) -> Path | None:
+    """The file of a polykernel module, found on disk (never imported), or None."""
+    head, *parts = module.split(".")
+    if head != "polykernel":
         return None
-    module, _, attr = name.partition(":")
-    obj = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
+    base = SRC.joinpath(*parts)
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
 
 
-def Row(backend, target, caps, modules, dtypes, backward, in_place, fmt, rank, det, graph, subclasses, predicate, rank_for, description):
-    """One expected spec (``predicate``/``rank_for`` as ``"module:name"``, compared by identity)."""
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"), str(path))
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    names: set[str] = set()
+    nodes = list(tree.body)
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.If, ast.Try)):  # definitions under a top-level if / try
+            nodes.extend([*node.body, *node.orelse, *getattr(node, "handlers", ()), *getattr(node, "finalbody", ())])
+        elif isinstance(node, ast.ExceptHandler):
+            nodes.extend(node.body)
+    return names
+
+
+def _guards_imports(node: ast.Try) -> bool:
+    """A ``try`` whose handler catches a failed import (an optional module: not required)."""
+    caught = [ast.unparse(h.type) if h.type is not None else "BaseException" for h in node.handlers]
+    return any(re.search(r"\b(ImportError|ModuleNotFoundError|Exception|BaseException)\b", c) for c in caught)
+
+
+def _import_statements(nodes: Any) -> Any:
+    """The import statements that run (not under ``if TYPE_CHECKING``, nor guarded by a ``try``)."""
+    for node in nodes:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from _import_statements(node.orelse)
+        elif isinstance(node, ast.Try) and _guards_imports(node):
+            yield from _import_statements([*node.handlers, *node.orelse, *node.finalbody])
+        else:
+            yield from _import_statements(ast.iter_child_nodes(node))
+
+
+def _imports(module: str) -> list[tuple[str, list[str]]]:
+    """Per import statement of ``module``: the module it imports, and the names a ``from``
+    import may mean as submodules (``from . import _gates``), all absolute."""
+    path = _source_file(module)
+    package = module.split(".") if path is not None and path.name == "__init__.py" else module.split(".")[:-1]
+    found = []
+    for node in _import_statements(_tree(path).body if path is not None else ()):
+        if isinstance(node, ast.Import):
+            found.extend((a.name, []) for a in node.names)
+        else:
+            base = package[: len(package) - node.level + 1] if node.level else []
+            name = ".".join([*base, *([node.module] if node.module else [])])
+            found.append((name, [f"{name}.{a.name}" for a in node.names]))
+    return found
+
+
+@functools.cache
+def _always_installed() -> frozenset[str]:
+    """Top-level modules every install has: the standard library's, torch and polykernel's own
+    dependencies (``[project] dependencies`` in pyproject.toml)."""
+    deps = re.search(r"^dependencies\s*=\s*\[(.*?)\]", PYPROJECT.read_text(encoding="utf-8"), re.M | re.S)
+    assert deps is not None, f"{PYPROJECT}: no [project] dependencies"
+    names = {re.split(r"[<>=!~;\[ ]", d)[0].replace("-", "_").lower() for d in re.findall(r'"([^"]+)"', deps.group(1))}
+    return frozenset({*sys.stdlib_module_names, "torch", *names})
+
+
+@functools.cache
+def _external_imports(module: str) -> dict[str, str]:
+    """The modules outside polykernel that ``module`` imports, itself or through the backend
+    modules it imports (transitively), beyond those every install has: name -> where."""
+    found: dict[str, str] = {}
+    todo, seen = [module], set()
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for name, submodules in _imports(current):
+            if name.split(".")[0] == "polykernel":
+                todo.extend(m for m in (name, *submodules) if m.startswith("polykernel.backends.") and _source_file(m) is not None)
+            elif name.split(".")[0].lower() not in _always_installed():
+                found.setdefault(name, current)
+    return found
+
+
+def _covers(required: str, imported: str) -> bool:
+    """``required`` (a ``requires_modules`` entry) accounts for importing ``imported``."""
+    return imported == required or imported.startswith(required + ".") or required.startswith(imported + ".")
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks: each returns the problems it finds (empty: the rule holds)
+
+_TARGET = re.compile(r"^polykernel\.backends\.(\w+)\.([\w.]+):(\w+)$")
+
+
+def _target_problems(op: Any, spec: KernelSpec) -> list[str]:
+    match = _TARGET.match(spec.target)
+    if match is None:
+        return [f"target {spec.target!r} is not 'polykernel.backends.<backend>.<module>:<op name>'"]
+    backend, module, attr = match.groups()
+    problems = []
+    if backend != spec.impl:
+        problems.append(f"target {spec.target!r} is in backend {backend}'s package, not in {spec.impl}'s")
+    if attr != op.name:
+        problems.append(f"target {spec.target!r} names {attr!r}, not the op's function {op.name!r}")
+    path = _source_file(f"polykernel.backends.{backend}.{module}")
+    if path is None:
+        problems.append(f"target module polykernel.backends.{backend}.{module} not found")
+    elif attr not in _top_level_names(_tree(path)):
+        problems.append(f"{path.relative_to(SRC)} defines no {attr!r}")
+    return problems
+
+
+def _module_problems(op: Any, spec: KernelSpec) -> list[str]:
+    module = spec.target.partition(":")[0]
+    if _source_file(module) is None:
+        return []  # the target check names it
+    return [
+        f"{where} imports {name!r}, which requires_modules {spec.requires_modules} does not name"
+        for name, where in sorted(_external_imports(module).items())
+        if not any(_covers(r, name) for r in spec.requires_modules)
+    ]
+
+
+def _within(req: CapabilityRequirement, outer: CapabilityRequirement) -> bool:
+    """Every platform ``req`` admits, ``outer`` admits (same device, arch window inside)."""
+    lo, hi = outer.min_cuda_arch, outer.max_cuda_arch
     return (
-        KernelSpec(
-            "",  # the op id, filled in per op below
-            backend,
-            target,
-            capabilities=frozenset(caps),
-            requires_modules=modules,
-            format_signature=FormatSignature(dtypes, in_place=in_place, supports_backward=backward, description=fmt),
-            rank=rank,
-            deterministic=det,
-            cuda_graph_safe=graph,
-            description=description,
-            accepts_subclasses=subclasses,
-        ),
-        predicate,
-        rank_for,
+        req.device == outer.device
+        and (lo is None or (req.min_cuda_arch is not None and req.min_cuda_arch >= lo))
+        and (hi is None or (req.max_cuda_arch is not None and req.max_cuda_arch <= hi))
     )
 
 
-EXPECTED = {
-    "norm.rms_norm": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.rms_norm:rms_norm",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "F.rms_norm (PyTorch's fused kernel) for casting='fp32', else the reference",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.rms_norm:rms_norm",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "one row per program (chunked for long rows); dW from per-program partials (deterministic)",
-        ),
-        Row(
-            "quack",
-            "polykernel.backends.quack.rms_norm:rms_norm",
-            (CapabilityRequirement.cuda(90, None),),
-            ("quack", "cutlass"),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            50,
-            True,
-            True,
-            False,
-            "polykernel.backends.quack._gates:rms_norm",
-            "polykernel.backends.quack._gates:rms_norm_rank",
-            "QuACK rmsnorm (CuTeDSL, cluster reductions); casting='fp32' only; one compile per N",
-        ),
-        Row(
-            "liger",
-            "polykernel.backends.liger.rms_norm:rms_norm",
-            (CUDA,),
-            ("liger_kernel", "triton"),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            60,
-            True,
-            True,
-            False,
-            "polykernel.backends.liger._gates:rms_norm",
-            None,
-            "Liger LigerRMSNormFunction (gemma/llama casting, in_place=False); N <= 65536",
-        ),
-        Row(
-            "cutile",
-            "polykernel.backends.cutile.rms_norm:rms_norm",
-            (CapabilityRequirement.cuda(80, 121),),
-            ("cuda.tile",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            40,
-            True,
-            True,
-            False,
-            "polykernel.backends.cutile._gates:rms_norm",
-            None,
-            "one tile per row block (chunked beyond 8192); persistent backward, dW from per-block partials (deterministic)",
-        ),
-        Row(
-            "cute_dsl",
-            "polykernel.backends.cute_dsl.rms_norm:rms_norm",
-            (CapabilityRequirement.cuda(90, None),),
-            ("cutlass", "tvm_ffi"),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            40,
-            True,
-            True,
-            False,
-            "polykernel.backends.cute_dsl._gates:rms_norm",
-            None,
-            "rows in registers, 128-bit vectors, warp/block/cluster sums (rows past 16K over a thread-block cluster, DSMEM); dW from per-CTA partials (deterministic)",
-        ),
-        Row(
-            "flashinfer",
-            "polykernel.backends.flashinfer.rms_norm:rms_norm",
-            (CapabilityRequirement.cuda(min_sm=80),),
-            ("flashinfer",),
-            ("bfloat16", "float16"),
-            False,
-            False,
-            "",
-            70,
-            True,
-            True,
-            False,
-            "polykernel.backends.flashinfer._gates:rms_norm",
-            None,
-            "FlashInfer rmsnorm / gemma_rmsnorm (offset 0 or 1), forward only; casting='fp32', weight of x's dtype",
-        ),
-        Row(
-            "sgl_kernel",
-            "polykernel.backends.sgl_kernel.rms_norm:rms_norm",
-            (CapabilityRequirement.cuda(min_sm=80),),
-            ("sgl_kernel",),
-            ("bfloat16", "float16"),
-            False,
-            False,
-            "",
-            75,
-            True,
-            True,
-            False,
-            "polykernel.backends.sgl_kernel._gates:rms_norm",
-            None,
-            "sgl-kernel rmsnorm / gemma_rmsnorm (offset 0 or 1), forward only; casting='fp32', weight of x's dtype",
-        ),
-        Row(
-            "torch_compile",
-            "polykernel.backends.torch_compile.rms_norm:rms_norm",
-            (CapabilityRequirement.CPU, CUDA),
-            ("torch._inductor",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            110,
-            True,
-            True,
-            False,
-            "polykernel.backends.torch_compile._gates:rms_norm",
-            None,
-            "the reference under torch.compile(dynamic=True) (Inductor fuses it; autograd through AOTAutograd); compiles on a class's first call",
-        ),
-        Row(
-            "cuda_jit",
-            "polykernel.backends.cuda_jit.rms_norm:rms_norm",
-            (CapabilityRequirement.cuda(80, None),),
-            (),
-            ("float32", "bfloat16", "float16"),
-            False,
-            False,
-            "",
-            45,
-            True,
-            True,
-            False,
-            "polykernel.backends.cuda_jit._gates:rms_norm",
-            None,
-            "CUDA C++ (load_inline): one block per row, 128-bit vectors, warp-shuffle sums; forward only; N % (16 bytes) == 0",
-        ),
-    ],
-    "norm.fused_add_rms_norm": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.fused_add_rms_norm:fused_add_rms_norm",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "x + residual, then the torch rms_norm impl (F.rms_norm where it matches)",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.fused_add_rms_norm:fused_add_rms_norm",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "add + RMSNorm in one pass (chunked for long rows); dW from per-program partials (deterministic)",
-        ),
-        Row(
-            "quack",
-            "polykernel.backends.quack.fused_add_rms_norm:fused_add_rms_norm",
-            (CapabilityRequirement.cuda(90, None),),
-            ("quack", "cutlass"),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            50,
-            True,
-            True,
-            False,
-            "polykernel.backends.quack._gates:fused_add_rms_norm",
-            None,
-            "QuACK rmsnorm(residual=, prenorm=True); normalizes the unrounded fp32 sum",
-        ),
-        Row(
-            "liger",
-            "polykernel.backends.liger.fused_add_rms_norm:fused_add_rms_norm",
-            (CUDA,),
-            ("liger_kernel", "triton"),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            60,
-            True,
-            True,
-            False,
-            "polykernel.backends.liger._gates:fused_add_rms_norm",
-            None,
-            "Liger LigerFusedAddRMSNormFunction (gemma casting); N <= 65536",
-        ),
-        Row(
-            "torch_compile",
-            "polykernel.backends.torch_compile.fused_add_rms_norm:fused_add_rms_norm",
-            (CapabilityRequirement.CPU, CUDA),
-            ("torch._inductor",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            110,
-            True,
-            True,
-            False,
-            "polykernel.backends.torch_compile._gates:fused_add_rms_norm",
-            None,
-            "the reference (add, then rms_norm) under torch.compile(dynamic=True), one fused Inductor kernel; compiles on a class's first call",
-        ),
-        Row(
-            "cuda_jit",
-            "polykernel.backends.cuda_jit.fused_add_rms_norm:fused_add_rms_norm",
-            (CapabilityRequirement.cuda(80, None),),
-            (),
-            ("float32", "bfloat16", "float16"),
-            False,
-            False,
-            "",
-            45,
-            True,
-            True,
-            False,
-            "polykernel.backends.cuda_jit._gates:fused_add_rms_norm",
-            None,
-            "CUDA C++ (load_inline): add and norm in one pass, 128-bit vectors; forward only; N % (16 bytes) == 0",
-        ),
-    ],
-    "norm.layer_norm": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.layer_norm:layer_norm",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "F.layer_norm (PyTorch's fused kernel) where the parameter dtypes match x, else the reference",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.layer_norm:layer_norm",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "one row per program (chunked for long rows); dW/dB from per-program partials (deterministic)",
-        ),
-        Row(
-            "liger",
-            "polykernel.backends.liger.layer_norm:layer_norm",
-            (CUDA,),
-            ("liger_kernel", "triton"),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            60,
-            True,
-            True,
-            False,
-            "polykernel.backends.liger._gates:layer_norm",
-            None,
-            "Liger LigerLayerNormFunction; weight and bias required; N <= 65536",
-        ),
-        Row(
-            "cute_dsl",
-            "polykernel.backends.cute_dsl.layer_norm:layer_norm",
-            (CapabilityRequirement.cuda(90, None),),
-            ("cutlass", "tvm_ffi"),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            40,
-            True,
-            True,
-            False,
-            "polykernel.backends.cute_dsl._gates:layer_norm",
-            "polykernel.backends.cute_dsl._gates:layer_norm_rank",
-            "as cute_dsl rms_norm, centred in registers (two-pass variance); dW/dB from per-CTA partials (deterministic)",
-        ),
-        Row(
-            "torch_compile",
-            "polykernel.backends.torch_compile.layer_norm:layer_norm",
-            (CapabilityRequirement.CPU, CUDA),
-            ("torch._inductor",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            110,
-            True,
-            True,
-            False,
-            "polykernel.backends.torch_compile._gates:layer_norm",
-            None,
-            "the reference under torch.compile(dynamic=True) (Inductor fuses it; autograd through AOTAutograd); compiles on a class's first call",
-        ),
-    ],
-    "activation.swiglu": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.swiglu:swiglu",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "the reference's fp32 math; backward saves only gate and up",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.swiglu:swiglu",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "one elementwise pass each way (flat or row-strided, 16-byte accesses); backward recomputes silu",
-        ),
-        Row(
-            "liger",
-            "polykernel.backends.liger.swiglu:swiglu",
-            (CUDA,),
-            ("liger_kernel", "triton"),
-            ("float32",),
-            True,
-            False,
-            "",
-            60,
-            True,
-            True,
-            False,
-            "polykernel.backends.liger._gates:swiglu",
-            None,
-            "Liger LigerSiLUMulFunction (silu(gate) rounded to up's dtype before the multiply); gate/up copied when grad is on",
-        ),
-        Row(
-            "cutile",
-            "polykernel.backends.cutile.swiglu:swiglu",
-            (CapabilityRequirement.cuda(80, 121),),
-            ("cuda.tile",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            40,
-            True,
-            True,
-            False,
-            "polykernel.backends.cutile._gates:swiglu",
-            None,
-            "one elementwise pass each way over [M, N] views (any strides); backward recomputes silu",
-        ),
-        Row(
-            "torch_compile",
-            "polykernel.backends.torch_compile.swiglu:swiglu",
-            (CapabilityRequirement.CPU, CUDA),
-            ("torch._inductor",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            110,
-            True,
-            True,
-            False,
-            "polykernel.backends.torch_compile._gates:swiglu",
-            None,
-            "the reference under torch.compile(dynamic=True): one Inductor kernel each way; compiles on a class's first call",
-        ),
-    ],
-    "activation.geglu": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.geglu:geglu",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "the reference's fp32 math; backward saves only gate and up",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.geglu:geglu",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "one elementwise pass each way (flat or row-strided, 16-byte accesses); backward recomputes gelu",
-        ),
-        Row(
-            "liger",
-            "polykernel.backends.liger.geglu:geglu",
-            (CUDA,),
-            ("liger_kernel", "triton"),
-            ("float32",),
-            True,
-            False,
-            "",
-            60,
-            True,
-            True,
-            False,
-            "polykernel.backends.liger._gates:geglu",
-            None,
-            "Liger LigerGELUMulFunction (tanh only); gate/up copied when grad is on",
-        ),
-        Row(
-            "cutile",
-            "polykernel.backends.cutile.geglu:geglu",
-            (CapabilityRequirement.cuda(80, 121),),
-            ("cuda.tile",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            40,
-            True,
-            True,
-            False,
-            "polykernel.backends.cutile._gates:geglu",
-            None,
-            "one elementwise pass each way over [M, N] views (any strides); erf from an erfc fit (cuTile has no erf)",
-        ),
-        Row(
-            "torch_compile",
-            "polykernel.backends.torch_compile.geglu:geglu",
-            (CapabilityRequirement.CPU, CUDA),
-            ("torch._inductor",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            110,
-            True,
-            True,
-            False,
-            "polykernel.backends.torch_compile._gates:geglu",
-            None,
-            "the reference under torch.compile(dynamic=True): one Inductor kernel each way; compiles on a class's first call",
-        ),
-    ],
-    "activation.softmax": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.softmax:softmax",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "torch.softmax (fp32 accumulation, x's dtype out); bf16/fp16 backward recomputes fp32 y from x",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.softmax:softmax",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "one block per row up to 32K (one read, one write), online chunked beyond (rows split when few); backward recomputes fp32 y from x",
-        ),
-        Row(
-            "cute_dsl",
-            "polykernel.backends.cute_dsl.softmax:softmax",
-            (CapabilityRequirement.cuda(90, None),),
-            ("cutlass", "tvm_ffi"),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            40,
-            True,
-            True,
-            False,
-            "polykernel.backends.cute_dsl._predicates:softmax",
-            "polykernel.backends.cute_dsl._predicates:softmax_rank",
-            "one CTA per row, the row in registers (N <= 32768, 16-byte rows); backward recomputes fp32 y from x",
-        ),
-        Row(
-            "liger",
-            "polykernel.backends.liger.softmax:softmax",
-            (CUDA,),
-            ("liger_kernel", "triton"),
-            ("float32",),
-            True,
-            False,
-            "",
-            60,
-            True,
-            True,
-            False,
-            "polykernel.backends.liger._gates:softmax",
-            None,
-            "Liger LigerSoftmaxFunction; N <= 65536; backward from the saved y",
-        ),
-        Row(
-            "cutile",
-            "polykernel.backends.cutile.softmax:softmax",
-            (CapabilityRequirement.cuda(80, 121),),
-            ("cuda.tile",),
-            ("float32", "bfloat16", "float16"),
-            False,
-            False,
-            "",
-            40,
-            True,
-            True,
-            False,
-            "polykernel.backends.cutile._gates:softmax",
-            None,
-            "forward only: one tile per row block (chunked online max/sum beyond 8192)",
-        ),
-    ],
-    "embedding.mrope": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.mrope:mrope",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "merges the three tables in torch, then rope's reference (autograd gives every gradient)",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.mrope:mrope",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            "polykernel.backends.triton._gates:rope",
-            None,
-            "merges the tables in torch ([B, T, D], a small copy), then rope's Triton kernels, forward and backward",
-        ),
-    ],
-    "embedding.rope": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.rope:rope",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "fp32 rotate-half in eager torch (autograd gives every gradient, cos/sin included)",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.rope:rope",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            "polykernel.backends.triton._gates:rope",
-            None,
-            "a tile of positions per program, all q and k heads, cos/sin loaded once; strided (no copies); backward is the same kernel rotating by -sin",
-        ),
-        Row(
-            "cutile",
-            "polykernel.backends.cutile.rope:rope",
-            (CapabilityRequirement.cuda(80, 121),),
-            ("cuda.tile",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            40,
-            True,
-            True,
-            False,
-            "polykernel.backends.cutile._gates:rope",
-            None,
-            "gathers by element index (any D, any q/k strides); cos/sin loaded once per position tile for all heads",
-        ),
-        Row(
-            "torch_compile",
-            "polykernel.backends.torch_compile.rope:rope",
-            (CapabilityRequirement.CPU, CUDA),
-            ("torch._inductor",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            110,
-            True,
-            True,
-            False,
-            "polykernel.backends.torch_compile._gates:rope",
-            None,
-            "the reference under torch.compile(dynamic=True): q and k in one Inductor graph; compiles on a class's first call",
-        ),
-    ],
-    "loss.cross_entropy": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.cross_entropy:cross_entropy",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "row-chunked torch (fp32 temporaries O(chunk), not O(N·V)); backward recomputes softmax from the saved LSE",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.cross_entropy:cross_entropy",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "one program per row, online softmax over V in chunks; backward re-reads the logits with the saved LSE",
-        ),
-        Row(
-            "cute_dsl",
-            "polykernel.backends.cute_dsl.cross_entropy:cross_entropy",
-            (CapabilityRequirement.cuda(90, None),),
-            ("cutlass", "tvm_ffi"),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            40,
-            True,
-            True,
-            False,
-            "polykernel.backends.cute_dsl._predicates:cross_entropy",
-            "polykernel.backends.cute_dsl._predicates:cross_entropy_rank",
-            "one CTA per row, online softmax over V in 128-bit chunks; backward re-reads the logits with the saved LSE (dlogits rounded once)",
-        ),
-        Row(
-            "quack",
-            "polykernel.backends.quack.cross_entropy:cross_entropy",
-            (CapabilityRequirement.cuda(90, None),),
-            ("quack", "cutlass"),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            50,
-            True,
-            True,
-            False,
-            "polykernel.backends.quack._gates:cross_entropy",
-            None,
-            "QuACK cross_entropy (CuTeDSL); no label smoothing, weight, softcap or z_loss",
-        ),
-        Row(
-            "liger",
-            "polykernel.backends.liger.cross_entropy:cross_entropy",
-            (CUDA,),
-            ("liger_kernel", "triton"),
-            ("float32",),
-            True,
-            False,
-            "",
-            60,
-            True,
-            False,
-            False,
-            "polykernel.backends.liger._gates:cross_entropy",
-            None,
-            "Liger's CE kernel with an fp32 loss and a private gradient buffer (the logits stay unwritten); host sync per call",
-        ),
-    ],
-    "loss.fused_linear_cross_entropy": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.fused_linear_cross_entropy:fused_linear_cross_entropy",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "row chunks: torch matmul + row-chunked torch cross-entropy, gradients during the forward",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.fused_linear_cross_entropy:fused_linear_cross_entropy",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "row chunks: torch matmul + the Triton cross-entropy kernel (loss and dlogits in one launch, in place)",
-        ),
-        Row(
-            "liger",
-            "polykernel.backends.liger.fused_linear_cross_entropy:fused_linear_cross_entropy",
-            (CUDA,),
-            ("liger_kernel", "triton"),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            60,
-            True,
-            False,
-            False,
-            "polykernel.backends.liger._gates:fused_linear_cross_entropy",
-            None,
-            "Liger LigerFusedLinearCrossEntropyFunction (grads in the forward, fp32 dW accumulation); host sync per call",
-        ),
-    ],
-    "loss.kl_div": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.kl_div:kl_div",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "row-chunked torch (fp32 temporaries O(chunk)); closed-form gradients",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.kl_div:kl_div",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            "polykernel.backends.triton._gates:kl_div",
-            None,
-            "one program per row, chunked over V; the gradient written in the forward (scalar reductions), scaled by the cotangent in the backward",
-        ),
-        Row(
-            "liger",
-            "polykernel.backends.liger.kl_div:kl_div",
-            (CUDA,),
-            ("liger_kernel", "triton"),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            60,
-            True,
-            False,
-            False,
-            "polykernel.backends.liger._gates:kl_div",
-            None,
-            "Liger LigerKLDivLossFunction (log t clamped at eps = 1e-10); no target gradient; host sync in its backward",
-        ),
-    ],
-    "loss.jsd": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.jsd:jsd",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "row-chunked torch (fp32 temporaries O(chunk)); the gradient in closed form, written in the forward",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.jsd:jsd",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            "polykernel.backends.triton._gates:jsd",
-            None,
-            "one program per row, one pass over V in chunks: loss and gradient together (no host sync); backward scales by the cotangent",
-        ),
-        Row(
-            "liger",
-            "polykernel.backends.liger.jsd:jsd",
-            (CUDA,),
-            ("liger_kernel", "triton"),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            60,
-            True,
-            False,
-            False,
-            "polykernel.backends.liger._gates:jsd",
-            None,
-            "Liger's _jsd_kernel (an fp32 [N, V] loss buffer; NaN where a probability is 0); host sync per call",
-        ),
-    ],
-    "loss.tvd": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.tvd:tvd",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "row-chunked torch (fp32 temporaries O(chunk)); gradients written in the forward for scalar reductions",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.tvd:tvd",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            "polykernel.backends.triton._gates:tvd",
-            None,
-            "one program per row, one pass over V in chunks: loss and gradients together (no host sync); backward scales by the cotangent",
-        ),
-        Row(
-            "liger",
-            "polykernel.backends.liger.tvd:tvd",
-            (CUDA,),
-            ("liger_kernel", "triton"),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            60,
-            True,
-            False,
-            False,
-            "polykernel.backends.liger._gates:tvd",
-            None,
-            "Liger LigerTVDLossFunction (gradient for p only); host sync per call",
-        ),
-    ],
-    "loss.fused_linear_jsd": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.fused_linear_jsd:fused_linear_jsd",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "row chunks: fp32 matmul logits + torch JSD per chunk, gradients during the forward",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.fused_linear_jsd:fused_linear_jsd",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            "polykernel.backends.triton._gates:fused_linear_jsd",
-            None,
-            "row chunks: fp32-output matmuls + one Triton kernel per chunk (both log-softmaxes, loss and dlogits; no host sync)",
-        ),
-        Row(
-            "liger",
-            "polykernel.backends.liger.fused_linear_jsd:fused_linear_jsd",
-            (CUDA,),
-            ("liger_kernel", "triton"),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            60,
-            True,
-            False,
-            False,
-            "polykernel.backends.liger._gates:fused_linear_jsd",
-            None,
-            "Liger LigerFusedLinearJSDFunction (fp32 dW accumulation; NaN where a probability is 0); host sync per call",
-        ),
-    ],
-    "loss.fused_linear_dpo_loss": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.preference:fused_linear_dpo_loss",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "pairs in chunks: fp32 matmul logits, torch log-softmax per chunk, gradients during the forward",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.preference:fused_linear_dpo_loss",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "pairs in chunks: fp32-output matmuls + Triton log-prob and dlogits kernels, gradients during the forward",
-        ),
-        Row(
-            "liger",
-            "polykernel.backends.liger.preference:fused_linear_dpo_loss",
-            (CUDA,),
-            ("liger_kernel", "triton"),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            60,
-            True,
-            False,
-            False,
-            "polykernel.backends.liger._gates:fused_linear_dpo_loss",
-            None,
-            "Liger LigerFusedLinearDPOFunction (logits in the inputs' dtype; nll_loss NaN unless compute_nll_loss)",
-        ),
-    ],
-    "loss.fused_linear_orpo_loss": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.preference:fused_linear_orpo_loss",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "pairs in chunks: fp32 matmul logits, torch log-softmax per chunk, gradients during the forward",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.preference:fused_linear_orpo_loss",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "pairs in chunks: fp32-output matmuls + Triton log-prob and dlogits kernels, gradients during the forward",
-        ),
-        Row(
-            "liger",
-            "polykernel.backends.liger.preference:fused_linear_orpo_loss",
-            (CUDA,),
-            ("liger_kernel", "triton"),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            60,
-            True,
-            False,
-            False,
-            None,
-            None,
-            "Liger LigerFusedLinearORPOFunction (logits in the inputs' dtype; nll_loss NaN unless compute_nll_loss)",
-        ),
-    ],
-    "loss.fused_linear_cpo_loss": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.preference:fused_linear_cpo_loss",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "pairs in chunks: fp32 matmul logits, torch log-softmax per chunk, gradients during the forward",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.preference:fused_linear_cpo_loss",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "pairs in chunks: fp32-output matmuls + Triton log-prob and dlogits kernels, gradients during the forward",
-        ),
-        Row(
-            "liger",
-            "polykernel.backends.liger.preference:fused_linear_cpo_loss",
-            (CUDA,),
-            ("liger_kernel", "triton"),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            60,
-            True,
-            False,
-            False,
-            None,
-            None,
-            "Liger LigerFusedLinearCPOFunction (logits in the inputs' dtype; nll_loss NaN when alpha = 0)",
-        ),
-    ],
-    "loss.fused_linear_simpo_loss": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.preference:fused_linear_simpo_loss",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "pairs in chunks: fp32 matmul logits, torch log-softmax per chunk, gradients during the forward",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.preference:fused_linear_simpo_loss",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "pairs in chunks: fp32-output matmuls + Triton log-prob and dlogits kernels, gradients during the forward",
-        ),
-        Row(
-            "liger",
-            "polykernel.backends.liger.preference:fused_linear_simpo_loss",
-            (CUDA,),
-            ("liger_kernel", "triton"),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            60,
-            True,
-            False,
-            False,
-            None,
-            None,
-            "Liger LigerFusedLinearSimPOFunction (logits in the inputs' dtype)",
-        ),
-    ],
-    "loss.fused_linear_kto_loss": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.preference:fused_linear_kto_loss",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "sequences in chunks: fp32 matmul logits, torch log-softmax per chunk, gradients during the forward",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.preference:fused_linear_kto_loss",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "sequences in chunks: fp32-output matmuls + Triton log-prob and dlogits kernels, gradients during the forward",
-        ),
-    ],
-    "loss.fused_linear_grpo_loss": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.preference:fused_linear_grpo_loss",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "token rows (sequences for sequence-level ratios) in chunks: fp32 matmul logits, torch log-softmax per chunk, gradients during the forward",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.preference:fused_linear_grpo_loss",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "token rows (sequences for sequence-level ratios) in chunks: fp32-output matmuls + Triton log-prob and dlogits kernels, gradients during the forward",
-        ),
-        Row(
-            "liger",
-            "polykernel.backends.liger.preference:fused_linear_grpo_loss",
-            (CUDA,),
-            ("liger_kernel", "triton"),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            60,
-            True,
-            False,
-            False,
-            "polykernel.backends.liger._gates:fused_linear_grpo_loss",
-            None,
-            "Liger LigerFusedLinearGRPOFunction (region clip ratio only, the others NaN; logits in the inputs' dtype)",
-        ),
-    ],
-    "norm.group_norm": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.group_norm:group_norm",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "F.group_norm (PyTorch's fused kernel) for fp32/fp64 with parameters in x's dtype, else the reference",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.group_norm:group_norm",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "one (sample, group) per program as a [channels, positions] tile (chunked for large groups); dW/dB from per-program partials (deterministic)",
-        ),
-        Row(
-            "liger",
-            "polykernel.backends.liger.group_norm:group_norm",
-            (CUDA,),
-            ("liger_kernel", "triton"),
-            ("float32",),
-            True,
-            False,
-            "",
-            60,
-            False,
-            True,
-            False,
-            "polykernel.backends.liger._gates:group_norm",
-            None,
-            "Liger LigerGroupNormFunction; weight and bias given, in x's dtype; dW/dB by atomics",
-        ),
-    ],
-    "norm.dyt": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.dyt:dyt",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "the reference's fp32 math; backward saves x and the parameters, recomputes tanh",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.dyt:dyt",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "one elementwise pass forward; backward over (rows, column blocks), dalpha/dW/dB from per-program partials (deterministic)",
-        ),
-        Row(
-            "liger",
-            "polykernel.backends.liger.dyt:dyt",
-            (CUDA,),
-            ("liger_kernel", "triton"),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            60,
-            True,
-            False,
-            False,
-            "polykernel.backends.liger._gates:dyt",
-            None,
-            "Liger LigerDyTFunction (autotuned); parameters in x's dtype; dalpha/dW/dB from per-SM partials",
-        ),
-    ],
-    "norm.poly_norm": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.poly_norm:poly_norm",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "the reference's fp32 math; backward saves x and the parameters, recomputes the three norms",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.poly_norm:poly_norm",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "one row per program (chunked for long rows), the three rstd saved; dW/dB from per-program partials (deterministic)",
-        ),
-        Row(
-            "liger",
-            "polykernel.backends.liger.poly_norm:poly_norm",
-            (CUDA,),
-            ("liger_kernel", "triton"),
-            ("float32",),
-            True,
-            False,
-            "",
-            60,
-            True,
-            True,
-            False,
-            "polykernel.backends.liger._gates:poly_norm",
-            None,
-            "Liger LigerPolyNormFunction (in_place=False); N <= 65536; unscaled: wrong for |x| > 2.6e6 (x⁶ overflows fp32)",
-        ),
-    ],
-    "activation.relu_squared": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.relu_squared:relu_squared",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "the reference's fp32 math; backward saves only x",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.relu_squared:relu_squared",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "one elementwise pass each way over x's dense layout (any other layout is copied first); backward recomputes relu(x)",
-        ),
-    ],
-    "activation.sparsemax": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.sparsemax:sparsemax",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "sort-based threshold in fp32; backward recomputes the support from x and two fp32 numbers per row",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.sparsemax:sparsemax",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "no sort: Michelot's support refinement from τ = max - 1, in registers up to 16K (chunked passes beyond); backward recomputes the support",
-        ),
-        Row(
-            "liger",
-            "polykernel.backends.liger.sparsemax:sparsemax",
-            (CUDA,),
-            ("liger_kernel", "triton"),
-            ("float32",),
-            True,
-            False,
-            "",
-            60,
-            True,
-            True,
-            False,
-            "polykernel.backends.liger._gates:sparsemax",
-            None,
-            "Liger LigerSparsemaxFunction (torch.sort, then one block per row); N <= 65536; backward from the saved y",
-        ),
-    ],
-    # The serving layouts (issue 25): declared in the new form from the start, pinned here so that
-    # a change to them is made on purpose too.
-    "serving.silu_and_mul": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.silu_and_mul:silu_and_mul",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "the reference's fp32 math, copied into out",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.silu_and_mul:silu_and_mul",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            False,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "swiglu's elementwise kernel on x's two halves (row-strided views: no copy), writing out",
-        ),
-        Row(
-            "flashinfer",
-            "polykernel.backends.flashinfer.silu_and_mul:silu_and_mul",
-            (CapabilityRequirement.cuda(min_sm=80),),
-            ("flashinfer",),
-            ("bfloat16", "float16"),
-            False,
-            False,
-            "",
-            70,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "FlashInfer silu_and_mul (dense x and out, else copies)",
-        ),
-        Row(
-            "sgl_kernel",
-            "polykernel.backends.sgl_kernel.silu_and_mul:silu_and_mul",
-            (CapabilityRequirement.cuda(min_sm=80),),
-            ("sgl_kernel",),
-            ("bfloat16", "float16"),
-            False,
-            False,
-            "",
-            75,
-            True,
-            True,
-            False,
-            "polykernel.backends.sgl_kernel._gates:silu_and_mul",
-            None,
-            "sgl-kernel silu_and_mul (rows in multiples of 16 bytes; dense x and out, else copies)",
-        ),
-        Row(
-            "torch_compile",
-            "polykernel.backends.torch_compile.silu_and_mul:silu_and_mul",
-            (CapabilityRequirement.CPU, CUDA),
-            ("torch._inductor",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            110,
-            True,
-            True,
-            False,
-            "polykernel.backends.torch_compile._gates:silu_and_mul",
-            None,
-            "the reference under torch.compile(dynamic=True), Inductor writing into out; compiles on a class's first call",
-        ),
-    ],
-    "serving.gelu_and_mul": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.gelu_and_mul:gelu_and_mul",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "the reference's fp32 math, copied into out",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.gelu_and_mul:gelu_and_mul",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            False,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "geglu's elementwise kernel (erf or tanh) on x's two halves (row-strided views: no copy), writing out",
-        ),
-        Row(
-            "flashinfer",
-            "polykernel.backends.flashinfer.gelu_and_mul:gelu_and_mul",
-            (CapabilityRequirement.cuda(min_sm=80),),
-            ("flashinfer",),
-            ("bfloat16", "float16"),
-            False,
-            False,
-            "",
-            70,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "FlashInfer gelu_and_mul / gelu_tanh_and_mul (dense x and out, else copies)",
-        ),
-        Row(
-            "sgl_kernel",
-            "polykernel.backends.sgl_kernel.gelu_and_mul:gelu_and_mul",
-            (CapabilityRequirement.cuda(min_sm=80),),
-            ("sgl_kernel",),
-            ("bfloat16", "float16"),
-            False,
-            False,
-            "",
-            75,
-            True,
-            True,
-            False,
-            "polykernel.backends.sgl_kernel._gates:gelu_and_mul",
-            None,
-            "sgl-kernel gelu_and_mul / gelu_tanh_and_mul (rows in multiples of 16 bytes; dense x and out, else copies)",
-        ),
-    ],
-    "serving.fused_add_rms_norm_": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.fused_add_rms_norm_:fused_add_rms_norm_",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "norm.fused_add_rms_norm's torch impl, copied over x and residual",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.fused_add_rms_norm_:fused_add_rms_norm_",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            False,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "norm.fused_add_rms_norm's forward kernel writing y over x and s over residual (one launch, no allocation)",
-        ),
-        Row(
-            "flashinfer",
-            "polykernel.backends.flashinfer.fused_add_rms_norm_:fused_add_rms_norm_",
-            (CapabilityRequirement.cuda(min_sm=80),),
-            ("flashinfer",),
-            ("bfloat16", "float16"),
-            False,
-            False,
-            "",
-            70,
-            True,
-            True,
-            False,
-            "polykernel.backends.flashinfer._gates:fused_add_rms_norm_",
-            None,
-            "FlashInfer fused_add_rmsnorm / gemma_fused_add_rmsnorm in place (offset 0 or 1, weight of x's dtype); other layouts: torch",
-        ),
-        Row(
-            "sgl_kernel",
-            "polykernel.backends.sgl_kernel.fused_add_rms_norm_:fused_add_rms_norm_",
-            (CapabilityRequirement.cuda(min_sm=80),),
-            ("sgl_kernel",),
-            ("bfloat16", "float16"),
-            False,
-            False,
-            "",
-            75,
-            True,
-            True,
-            False,
-            "polykernel.backends.sgl_kernel._gates:fused_add_rms_norm_",
-            None,
-            "sgl-kernel fused_add_rmsnorm / gemma_fused_add_rmsnorm in place (offset 0 or 1, weight of x's dtype); other layouts: torch",
-        ),
-        Row(
-            "cuda_jit",
-            "polykernel.backends.cuda_jit.fused_add_rms_norm_:fused_add_rms_norm_",
-            (CapabilityRequirement.cuda(80, None),),
-            (),
-            ("float32", "bfloat16", "float16"),
-            False,
-            False,
-            "",
-            45,
-            True,
-            True,
-            False,
-            "polykernel.backends.cuda_jit._gates:fused_add_rms_norm_",
-            None,
-            "CUDA C++ (load_inline): add and norm in one pass, 128-bit vectors, y over x and s over residual; N % (16 bytes) == 0",
-        ),
-    ],
-    "serving.rotary_embedding_": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.rotary_embedding_:rotary_embedding_",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "the reference: index_select of the cache rows, fp32 rotation copied back",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.rotary_embedding_:rotary_embedding_",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            False,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "one program per (token, block of heads of q or k): the token's cos/sin row gathered once, pairs rotated in place",
-        ),
-        Row(
-            "flashinfer",
-            "polykernel.backends.flashinfer.rotary_embedding_:rotary_embedding_",
-            (CapabilityRequirement.cuda(min_sm=80),),
-            ("flashinfer",),
-            ("bfloat16", "float16"),
-            False,
-            False,
-            "",
-            70,
-            True,
-            True,
-            False,
-            "polykernel.backends.flashinfer._gates:rotary_embedding_",
-            None,
-            "FlashInfer apply_rope_with_cos_sin_cache_inplace (with a key; head 64/128/256/512; fp32 cache, 16-bit widened)",
-        ),
-        Row(
-            "sgl_kernel",
-            "polykernel.backends.sgl_kernel.rotary_embedding_:rotary_embedding_",
-            (CapabilityRequirement.cuda(min_sm=80),),
-            ("sgl_kernel",),
-            ("float32", "bfloat16", "float16"),
-            False,
-            False,
-            "",
-            75,
-            True,
-            True,
-            False,
-            "polykernel.backends.sgl_kernel._gates:rotary_embedding_",
-            None,
-            "sgl-kernel rotary_embedding (vLLM's kernel), float32 only: it computes in the tensors' dtype",
-        ),
-    ],
-    "serving.dynamic_quant_fp8": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.dynamic_quant_fp8:dynamic_quant_fp8",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "the reference: amax, scale, clamp(x / scale) copied into q",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.dynamic_quant_fp8:dynamic_quant_fp8",
-            (CapabilityRequirement.cuda(min_sm=89),),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            False,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "per token: one pass per row (amax, then quantise from registers; chunked past 16K); per tensor: a max kernel (integer atomics, deterministic) then the static quantiser",
-        ),
-    ],
-    "serving.static_quant_fp8": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.static_quant_fp8:static_quant_fp8",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "the reference: clamp(x / scale) copied into q",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.static_quant_fp8:static_quant_fp8",
-            (CapabilityRequirement.cuda(min_sm=89),),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            False,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "one elementwise pass ([ROWS, BLOCK] tiles, the scale read once per row)",
-        ),
-    ],
-    "serving.rms_norm_quant_fp8": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.rms_norm_quant_fp8:rms_norm_quant_fp8",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "the reference: fp32 RMSNorm, clamp(y / scale) copied into q",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.rms_norm_quant_fp8:rms_norm_quant_fp8",
-            (CapabilityRequirement.cuda(min_sm=89),),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            False,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "one pass per row block (normalise, weight, scale, e4m3 from registers; chunked past 16K)",
-        ),
-        Row(
-            "flashinfer",
-            "polykernel.backends.flashinfer.rms_norm_quant_fp8:rms_norm_quant_fp8",
-            (CapabilityRequirement.cuda(min_sm=89),),
-            ("flashinfer",),
-            ("bfloat16", "float16"),
-            False,
-            False,
-            "",
-            70,
-            True,
-            True,
-            False,
-            "polykernel.backends.flashinfer._gates:rms_norm_quant_fp8",
-            None,
-            "FlashInfer rmsnorm_quant (one scale per tensor, weight of x's dtype; x times 1/scale)",
-        ),
-    ],
-    # added with the declarative form (issue 24): the table as declared then
-    "moe.moe_experts": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.moe_experts:moe_experts",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "sort by expert once; torch._grouped_mm where it runs (probed per device and dtype), else one matmul per non-empty expert (one host sync)",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.moe_experts:moe_experts",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "sort by expert once; on a GPU in 16-bit, torch._grouped_mm GEMMs with our kernels for act(g)·u, its backward and the k-sum; else our grouped GEMMs with those fused in their epilogues; no atomics",
-        ),
-        Row(
-            "liger",
-            "polykernel.backends.liger.moe_experts:moe_experts",
-            (CUDA,),
-            ("liger_kernel", "triton"),
-            ("bfloat16", "float16"),
-            True,
-            False,
-            "",
-            60,
-            False,
-            False,
-            False,
-            "polykernel.backends.liger._gates:moe_experts",
-            None,
-            "Liger LigerFusedMoEFunction (SwiGLU only; pre-activations and expert outputs rounded to the dtype); host sync per call",
-        ),
-    ],
-    "moe.moe_experts_gpt_oss": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.moe_experts_gpt_oss:moe_experts_gpt_oss",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "sort by expert once; torch._grouped_mm where it runs (probed per device and dtype), else one matmul per non-empty expert (one host sync); biases gathered per pair",
-        ),
-        Row(
-            "triton",
-            "polykernel.backends.triton.moe_experts_gpt_oss:moe_experts_gpt_oss",
-            (CUDA,),
-            ("triton",),
-            ("float32", "bfloat16", "float16"),
-            True,
-            False,
-            "",
-            10,
-            True,
-            True,
-            False,
-            None,
-            None,
-            "moe_experts' two paths in gpt-oss's layout (torch._grouped_mm on a GPU in 16-bit, else our grouped GEMMs): interleaved columns, biases and the clamped SwiGLU in our kernels; no atomics",
-        ),
-    ],
-    "moe.moe_router": [
-        Row(
-            "torch",
-            "polykernel.backends.torch.moe_router:moe_router",
-            (),
-            (),
-            (),
-            True,
-            False,
-            "",
-            100,
-            True,
-            True,
-            True,
-            None,
-            None,
-            "softmax, a stable descending sort of the logits, gather (and renormalize) in fp32",
-        ),
-    ],
-}
+def _capability_problems(op: Any, spec: KernelSpec) -> list[str]:
+    if spec.impl == "torch":
+        return []  # runs anywhere: _torch_problems
+    if not spec.capabilities:
+        return ["declares no capabilities, i.e. runs on every device: only the torch impl does"]
+    outer = _backend(spec.impl).capabilities
+    return [
+        f"runs on {req}, outside its backend's {', '.join(sorted(map(str, outer)))} (a row narrows where its backend runs, never widens it)"
+        for req in sorted(spec.capabilities, key=str)
+        if outer and not any(_within(req, o) for o in outer)
+    ]
+
+
+def _dtype_problems(op: Any, spec: KernelSpec) -> list[str]:
+    checked = [str(d).removeprefix("torch.") for d in op.dtypes]
+    names = spec.format_signature.supported_dtypes
+    problems = []
+    for name in names:
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            problems.append(f"dtype {name!r} is not a floating torch dtype")
+        elif name not in checked:
+            problems.append(f"takes {name}, which is not one of the op's dtypes {checked}: the parity harness never checks it")
+    if spec.impl != "torch" and not names:
+        problems.append(f"names no dtypes, i.e. takes every floating dtype, float64 too: only the torch impl does (the op's are {checked})")
+    return problems
+
+
+def _rank_problems(op: Any, spec: KernelSpec, torch_rank: int) -> list[str]:
+    if spec.impl == "torch" or spec.rank < torch_rank or _backend(spec.impl).rank >= torch_rank:
+        return []
+    return [
+        f"rank {spec.rank} is not ahead of the torch impl's {torch_rank}, while its backend's ({_backend(spec.impl).rank}) is: "
+        "auto selection goes no further than the torch impl (ties in name order)"
+    ]
+
+
+def _signature_problems(op: Any, fn: Any) -> list[str]:
+    want = list(inspect.signature(op.reference).parameters)
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError) as exc:
+        return [f"has no signature to check: {exc}"]
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    variadic = any(p.kind is p.VAR_POSITIONAL for p in params)
+    problems = [
+        f"needs keyword argument {p.name!r}, which the dispatcher never passes"
+        for p in params
+        if p.kind is p.KEYWORD_ONLY and p.default is p.empty
+    ]
+    if positional != (want[: len(positional)] if variadic else want):
+        problems.append(f"takes ({', '.join(positional)}{', *args' if variadic else ''}), the op's arguments are ({', '.join(want)})")
+    return problems
+
+
+def _source_function(spec: KernelSpec) -> Any:
+    """The target's ``def`` rebuilt from its source with an empty body and no annotations or
+    default values (its parameters only), or None where the target is no plain function."""
+    module, _, attr = spec.target.partition(":")
+    path = _source_file(module)
+    defs = [n for n in (_tree(path).body if path else ()) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == attr]
+    if not defs:
+        return None
+    stub = copy.deepcopy(defs[-1])
+    stub.decorator_list, stub.returns, stub.body = [], None, [ast.Pass()]
+    args = stub.args
+    for arg in (*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg):
+        if arg is not None:
+            arg.annotation = None
+    args.defaults = [ast.Constant(None) for _ in args.defaults]
+    args.kw_defaults = [None if d is None else ast.Constant(None) for d in args.kw_defaults]
+    namespace: dict[str, Any] = {}
+    exec(compile(ast.fix_missing_locations(ast.Module([stub], [])), str(path), "exec"), namespace)
+    return namespace[attr]
+
+
+def _split_problems(op: Any, fn: Any) -> list[str]:
+    split = getattr(fn, "split", None)
+    if split is None:
+        return []
+    if not isinstance(split, Split):
+        return [f"its split attribute is a {type(split).__name__}, not a polykernel.spec.Split"]
+    if op.saved is None:
+        return ["carries a Split, but the op saves nothing (Op(saved=None)): compiled graphs never use it"]
+    return []
+
+
+@functools.cache
+def _arg_classes(op_id: str) -> tuple[Any, ...]:
+    """The argument classes of the op's parity cases on the CPU, in each of its dtypes, and the
+    classes ``explain`` builds without arguments (``default_key``: sizes unknown, None)."""
+    op = _op(op_id)
+    signature = inspect.signature(op.reference)
+    classes = []
+    for dtype in op.dtypes:
+        classes.append(op.arg_class(op.default_key(torch.device("cpu"), dtype)))
+        for case in op.cases(torch.device("cpu"), dtype):
+            bound = signature.bind(*case.args, **case.kwargs)
+            bound.apply_defaults()
+            classes.append(op.arg_class(op.key(*bound.arguments.values())))
+    return tuple(classes)
+
+
+def _is_rank(answer: Any) -> bool:
+    return (
+        isinstance(answer, tuple)
+        and len(answer) == 2
+        and isinstance(answer[0], int)
+        and not isinstance(answer[0], bool)
+        and isinstance(answer[1], str)
+    )
+
+
+def _gate_problems(op: Any, spec: KernelSpec, classes: Any) -> list[str]:
+    problems: list[str] = []
+    gates = [("predicate", spec.predicate, lambda r: r is None or isinstance(r, str), "None or a reason string")]
+    gates.append(("rank_for", spec.rank_for, lambda r: r is None or _is_rank(r), "None or (rank, reason)"))
+    for what, gate, good, expected in gates:
+        if gate is None:
+            continue
+        for arg_class in classes:
+            try:
+                answer = gate(arg_class)
+            except Exception as exc:
+                problems.append(f"{what} raised {type(exc).__name__}: {exc} on {arg_class}")
+                break
+            if not good(answer):
+                problems.append(f"{what} answered {answer!r} ({expected}) on {arg_class}")
+                break
+    return problems
+
+
+def _torch_problems(op: Any, specs: dict[str, KernelSpec]) -> list[str]:
+    spec = specs.get("torch")
+    if spec is None:
+        return [f"{op.id} has no torch impl: the selection's answer of last resort, on every device"]
+    fmt = spec.format_signature
+    rules = {
+        "runs on every device (no capabilities)": not spec.capabilities,
+        "needs no module": not spec.requires_modules,
+        "takes every floating dtype (names none)": not fmt.supported_dtypes,
+        "has a backward": fmt.supports_backward,
+        "is deterministic": spec.deterministic,
+        "is CUDA-graph safe": spec.cuda_graph_safe,
+        "accepts tensor subclasses (DTensor's own rules run through it)": spec.accepts_subclasses,
+        "has no predicate": spec.predicate is None,
+        "has no rank_for (its rank is where auto selection stops)": spec.rank_for is None,
+    }
+    return [f"the torch impl must be eligible everywhere, so it {rule}: it does not" for rule, holds in rules.items() if not holds]
+
+
+@functools.cache
+def _n_outputs(op_id: str) -> int:
+    """How many outputs the reference returns (on the op's first parity case, fp32 on the CPU)."""
+    op = _op(op_id)
+    case = op.cases(torch.device("cpu"), torch.float32)[0]
+    with torch.no_grad():
+        out = op.reference(*case.args, **case.kwargs)
+    return len(out) if isinstance(out, tuple) else 1
+
+
+@functools.cache
+def _tensor_parameters(op_id: str) -> frozenset[str]:
+    """The reference's parameters annotated as tensors (``Tensor`` or ``Tensor | None``)."""
+    hints = typing.get_type_hints(_op(op_id).reference)
+    return frozenset(n for n, h in hints.items() if n != "return" and (h is torch.Tensor or torch.Tensor in typing.get_args(h)))
+
+
+def _compile_problems(op: Any, torch_fn: Any) -> list[str]:
+    problems = []
+    if op.compile_mode not in MODES:
+        problems.append(f"compile_mode {op.compile_mode!r} is not one of {MODES}")
+    split = isinstance(getattr(torch_fn, "split", None), Split)
+    if op.saved is not None and not split:
+        problems.append(f"saved={op.saved}, but its torch impl carries no Split (the torch split defines what is saved)")
+    if op.saved is None and split:
+        problems.append("its torch impl carries a Split, but saved is None: compiled training recomputes instead of using it")
+    if op.saved is not None and not (op.saved and all(isinstance(k, str) and k for k in op.saved)):
+        problems.append(f"saved={op.saved!r}: one kind (a string) per saved tensor")
+    if op.compile_mode == "eager" and (op.saved is not None or op.saved_grads is not None):
+        problems.append("compile_mode 'eager' builds no custom op: saved and saved_grads are never read")
+    grads = op.saved_grads
+    if grads is None:
+        return problems
+    if not isinstance(grads, SavedGrads):
+        return [*problems, f"saved_grads is a {type(grads).__name__}, not a polykernel.compile.facts.SavedGrads"]
+    names = list(inspect.signature(op.reference).parameters)
+    unknown = sorted(set(grads.slots) - set(names))
+    if unknown:
+        problems.append(f"saved_grads names {unknown}, which are not parameters of the reference")
+    not_tensors = [n for n in grads.slots if n in names and n not in _tensor_parameters(op.id)]
+    if not_tensors:
+        problems.append(f"saved_grads names {not_tensors}, which are not tensors (no gradient)")
+    slots = list(grads.slots.values())
+    if len(set(slots)) != len(slots) or not all(isinstance(s, int) and 0 <= s < len(op.saved or ()) for s in slots):
+        problems.append(f"saved_grads slots {slots}: distinct indices of the {len(op.saved or ())} saved tensors")
+    if not callable(grads.when):
+        problems.append("saved_grads.when is not callable")
+    if _n_outputs(op.id) != 1:
+        problems.append(f"saved_grads on an op of {_n_outputs(op.id)} outputs: the saved gradients are for one scalar output")
+    return problems
+
+
+def _layout_problems(op: Any) -> list[str]:
+    layout = op.dtensor_layout
+    if layout is None:
+        return []
+    names = list(inspect.signature(op.reference).parameters)
+    tensors = _tensor_parameters(op.id)
+    problems = []
+    lead = layout.lead_dims
+    dims = isinstance(lead, tuple) and lead and len(set(lead)) == len(lead) and all(isinstance(d, int) and d >= 0 for d in lead)
+    if lead not in (ROWS, ANY) and not dims:
+        problems.append(f"lead_dims {lead!r}: {ROWS!r}, {ANY!r} or distinct dims")
+    if names[0] not in tensors:
+        problems.append(f"the lead argument {names[0]} is not a tensor")
+    if len(layout.outputs) != _n_outputs(op.id):
+        problems.append(f"outputs {layout.outputs} places {len(layout.outputs)} outputs; the reference returns {_n_outputs(op.id)}")
+    for like in layout.outputs:
+        if like != "loss" and not (isinstance(like, int) and 0 <= like < len(names) and names[like] in tensors):
+            problems.append(f"output placed like argument {like!r}, which is not a tensor parameter of the reference")
+    if layout.loss_args is not None:
+        at = [names[i] if isinstance(i, int) and 0 <= i < len(names) else repr(i) for i in layout.loss_args]
+        if at != ["target", "ignore_index", "reduction"]:
+            problems.append(f"loss_args {layout.loss_args} are the reference's {at}, not its target, ignore_index, reduction")
+    if layout.loss_weight is not None:
+        taken = {0, *(layout.loss_args or ())}
+        w = layout.loss_weight
+        if not (isinstance(w, int) and 0 <= w < len(names) and names[w] in tensors) or w in taken:
+            problems.append(f"loss_weight {w!r}: the position of the class weights, another tensor parameter of the reference")
+    if layout.vocab is not None and (layout.vocab not in ("logits", "weight") or not {layout.vocab, "target"} <= set(names)):
+        problems.append(f"vocab {layout.vocab!r}: 'logits' or 'weight', a parameter of the reference (with its 'target')")
+    return problems
+
+
+def _manifest_problems(manifest: Any) -> list[str]:
+    package = manifest.__name__.split(".")[-2]
+    backend = _backend(package)
+    problems = []
+    for op_id, row in manifest.IMPLS.items():
+        if op_id not in OP_MODULES:
+            problems.append(f"a row for {op_id!r}, which is no op of the catalog (it would never register)")
+        if row.backend is not backend:
+            problems.append(f"{op_id}: a row of backend {row.backend.name}, not of this package's {backend.name}")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# Per impl
+
+
+@pytest.mark.parametrize(("op_id", "impl"), IMPLS)
+def test_target_is_the_ops_function_in_the_backends_package(op_id, impl):
+    assert _target_problems(_op(op_id), _specs(op_id)[impl]) == []
+
+
+@pytest.mark.parametrize(("op_id", "impl"), IMPLS)
+def test_required_modules_name_what_the_impl_imports(op_id, impl):
+    assert _module_problems(_op(op_id), _specs(op_id)[impl]) == []
+
+
+@pytest.mark.parametrize(("op_id", "impl"), IMPLS)
+def test_capabilities_name_where_it_runs_within_its_backend(op_id, impl):
+    assert _capability_problems(_op(op_id), _specs(op_id)[impl]) == []
+
+
+@pytest.mark.parametrize(("op_id", "impl"), IMPLS)
+def test_dtypes_are_floating_and_checked_by_the_parity_harness(op_id, impl):
+    assert _dtype_problems(_op(op_id), _specs(op_id)[impl]) == []
+
+
+@pytest.mark.parametrize(("op_id", "impl"), IMPLS)
+def test_rank_is_ahead_of_torch_unless_the_backend_is_behind(op_id, impl):
+    specs = _specs(op_id)
+    assert "torch" in specs  # (test_the_torch_impl_is_eligible_everywhere says more)
+    assert _rank_problems(_op(op_id), specs[impl], specs["torch"].rank) == []
+
+
+@pytest.mark.parametrize(("op_id", "impl"), IMPLS)
+def test_description_says_what_the_impl_does(op_id, impl):
+    assert _specs(op_id)[impl].description.strip()
+
+
+@pytest.mark.parametrize(("op_id", "impl"), IMPLS)
+def test_target_takes_the_ops_arguments(op_id, impl):
+    """The target loaded where the impl's modules are installed here; else its ``def`` read from
+    source (the peers': their modules are mostly missing here). Skipped, and so counted in the
+    summary, only where neither can be (a missing module's impl built by a call at import)."""
+    spec, op = _specs(op_id)[impl], _op(op_id)
+    if spec.missing_modules():
+        fn = _source_function(spec)
+        if fn is None:
+            pytest.skip(f"{', '.join(spec.missing_modules())} not installed here, and {spec.target} is no plain def")
+    else:
+        fn = registry.load_impl(spec)
+        assert callable(fn)
+        assert _split_problems(op, fn) == []
+    assert _signature_problems(op, fn) == []
+
+
+@pytest.mark.parametrize(("op_id", "impl"), GATED)
+def test_predicate_and_rank_for_read_only_the_ops_argument_class(op_id, impl):
+    assert _gate_problems(_op(op_id), _specs(op_id)[impl], _arg_classes(op_id)) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Per op
 
 
 @pytest.mark.parametrize("op_id", list(OP_MODULES))
-def test_declared_impls_equal_the_former_tables(op_id):
-    import dataclasses
-
-    from polykernel.core import registry
-
-    # the op file's own table and the backends' manifests together (the op's built-in impls)
-    got = sorted(registry.builtin_impls(op_id), key=lambda s: s.impl)
-    want = sorted(EXPECTED[op_id], key=lambda w: w[0].impl)
-    assert [s.impl for s in got] == [w[0].impl for w in want]  # same impls (the order is the selection's)
-    for spec, (expected, predicate, rank_for) in zip(got, want):
-        expected = dataclasses.replace(expected, op=op_id)
-        assert isinstance(spec, KernelSpec)
-        assert spec == expected, spec.impl  # every compared field
-        for field in dataclasses.fields(KernelSpec):  # and each one by name, for a readable failure
-            if field.compare:
-                assert getattr(spec, field.name) == getattr(expected, field.name), (spec.impl, field.name)
-        assert spec.predicate is _fn(predicate), (spec.impl, "predicate")
-        assert spec.rank_for is _fn(rank_for), (spec.impl, "rank_for")
+def test_the_torch_impl_is_eligible_everywhere(op_id):
+    assert _torch_problems(_op(op_id), _specs(op_id)) == []
+    assert "torch" in polykernel.available_impls(op_id, device="cpu", dtype=torch.float64)
 
 
-def test_every_op_module_is_covered():
-    assert set(EXPECTED) == set(OP_MODULES)
+@pytest.mark.parametrize("op_id", list(OP_MODULES))
+def test_compile_facts_agree_with_the_torch_split_and_the_reference(op_id):
+    torch_fn = registry.load_impl(_specs(op_id)["torch"])
+    assert _compile_problems(_op(op_id), torch_fn) == []
+
+
+@pytest.mark.parametrize("op_id", list(OP_MODULES))
+def test_dtensor_layout_fits_the_reference(op_id):
+    assert _layout_problems(_op(op_id)) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Per manifest, and the declaration machinery
+
+
+@pytest.mark.parametrize("manifest", [m.__name__ for m in manifests()])
+def test_a_manifest_declares_rows_of_its_own_backend_for_catalog_ops(manifest):
+    assert _manifest_problems(importlib.import_module(manifest)) == []
 
 
 def test_a_backend_declares_its_facts_once_and_an_impl_row_only_what_differs():
-    from polykernel.backends.declare import Backend, impls
+    from polykernel.backends.declare import impls
 
     toy = Backend("cuda_jit", modules=("m",), capabilities=CUDA, dtypes=("bfloat16",), rank=30, graph_safe=False)
     plain, odd = impls(
@@ -2293,120 +610,230 @@ def test_a_backend_declares_its_facts_once_and_an_impl_row_only_what_differs():
         Backend("not_a_backend")
 
 
+def _comparable(spec):
+    """A spec's declared facts as JSON values (sets sorted; predicate and rank_for by name)."""
+    import dataclasses
+
+    def value(v):
+        if callable(v):  # a predicate, a rank_for
+            return f"{v.__module__}:{getattr(v, '__qualname__', repr(v))}"
+        return repr(sorted(v, key=repr) if isinstance(v, frozenset) else v)
+
+    return {f.name: value(getattr(spec, f.name)) for f in dataclasses.fields(spec) if getattr(spec, f.name) is not None}
+
+
 def test_backend_declarations_import_without_torch():
+    """The backends' declarations and manifests are torch-free and import none of the modules
+    their impls need (those load when an impl is selected), and they declare, without torch, the
+    very impls the registry holds with it."""
+    import json
     import subprocess
-    import sys
+    import textwrap
 
-    code = (
-        "import sys; sys.modules['torch'] = None\n"
-        "from polykernel.backends.torch import TORCH\n"
-        "from polykernel.backends.triton import TRITON\n"
-        "from polykernel.backends.cute_dsl import CUTE_DSL\n"
-        "from polykernel.backends.cutile import CUTILE\n"
-        "from polykernel.backends.liger import LIGER\n"
-        "from polykernel.backends.quack import QUACK\n"
-        "print(TORCH.name, TRITON.modules, CUTILE.capabilities)\n"
-        # the backends' manifests, which register their impls onto ops, are torch-free too
-        "from polykernel.backends import declared\n"
-        "assert len(declared('norm.rms_norm')) == 10, declared('norm.rms_norm')\n"
+    code = inspect.getsource(_comparable) + textwrap.dedent(
+        """
+        import json, sys
+        sys.modules["torch"] = None  # any import of torch fails
+        from polykernel.backends import declared
+        from polykernel.ops import OP_MODULES
+
+        specs = {op_id: declared(op_id) for op_id in OP_MODULES}
+        needed = sorted({m for rows in specs.values() for s in rows for m in s.requires_modules})
+        rows = {op_id: sorted((_comparable(s) for s in rows), key=lambda r: r["target"]) for op_id, rows in specs.items()}
+        print(json.dumps({"rows": rows, "imported": [m for m in needed if m in sys.modules]}))
+        """
     )
-    src = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "src")
-    env = {**__import__("os").environ, "PYTHONPATH": src}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    env = {**__import__("os").environ, "PYTHONPATH": str(SRC.parent)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["imported"] == [], "reading the manifests imported modules that the impls need"
+    assert sorted(got["rows"]) == sorted(OP_MODULES)
+    for op_id in OP_MODULES:
+        want = sorted((_comparable(s) for s in registry.builtin_impls(op_id)), key=lambda r: r["target"])
+        assert got["rows"][op_id] == want, op_id
 
 
-# op -> (compile mode, saved kinds, saved_grads slots, layout: lead dims, outputs, loss args)
-FACTS = {
-    "norm.rms_norm": ("ours", ("rows",), None, ("rows", (0,), None)),
-    "norm.fused_add_rms_norm": ("decompose", None, None, ("rows", (0, 0), None)),
-    "norm.layer_norm": ("ours", ("rows", "rows"), None, ("rows", (0,), None)),
-    "activation.softmax": ("ours", ("rows", "rows"), None, ("rows", (0,), None)),
-    "activation.swiglu": ("decompose", None, None, ("any", (0,), None)),
-    "activation.geglu": ("decompose", None, None, ("any", (0,), None)),
-    "embedding.rope": ("decompose", None, None, ((0, 1, 2), (0, 1), None)),
-    "embedding.mrope": ("decompose", None, None, ((0, 1, 2), (0, 1), None)),
-    "loss.cross_entropy": ("ours", ("rows", "sum"), None, ("rows", ("loss",), (1, 2, 4))),
-    "loss.fused_linear_cross_entropy": (
-        "ours",
-        ("lead", "sum", "sum"),
-        {"hidden": 0, "weight": 1, "bias": 2},
-        ("rows", ("loss",), (2, 4, 6)),
+# ---------------------------------------------------------------------------------------------
+# Each check catches the mistake it is there for
+
+
+def _spec(op_id: str, impl: str, **changes: Any) -> KernelSpec:
+    return dataclasses.replace(_specs(op_id)[impl], **changes)
+
+
+def _dtypes(op_id: str, impl: str, *dtypes: str) -> KernelSpec:
+    return _spec(op_id, impl, format_signature=FormatSignature(dtypes))
+
+
+def _op_with(op_id: str, **changes: Any) -> Any:
+    op = copy.copy(_op(op_id))
+    for name, value in changes.items():
+        setattr(op, name, value)
+    return op
+
+
+def _layout(op_id: str, **changes: Any) -> Any:
+    return _op_with(op_id, dtensor_layout=dataclasses.replace(_op(op_id).dtensor_layout, **changes))
+
+
+def _torch_fn(op_id: str) -> Any:
+    return registry.load_impl(_specs(op_id)["torch"])
+
+
+ORPO, RMS, CE, FLCE = "loss.fused_linear_orpo_loss", "norm.rms_norm", "loss.cross_entropy", "loss.fused_linear_cross_entropy"
+
+
+def _always(args: dict[str, Any]) -> bool:
+    return True
+
+
+MISTAKES = {
+    # impl rows
+    "a target copied from another op's row": (
+        lambda: _target_problems(_op(ORPO), _spec(ORPO, "triton", target="polykernel.backends.triton.preference:fused_linear_dpo_loss")),
+        "not the op's function",
     ),
-    # the serving ops: inference only, one mutating custom op each; no DTensor layout (DTensor's
-    # own rules on the torch impl)
-    **{op: ("ours", None, None, None) for op in OP_MODULES if op.startswith("serving.")},
-    "moe.moe_experts": ("ours", None, None, ("rows", (0,), None)),
-    "moe.moe_router": ("decompose", None, None, None),  # no layout: DTensor's own rules
-    "moe.moe_experts_gpt_oss": ("ours", None, None, ("rows", (0,), None)),
-    # the distillation losses: no DTensor layout yet (DTensor's own rules on the torch impl)
-    "loss.kl_div": ("ours", None, None, None),
-    "loss.jsd": ("ours", None, None, None),
-    "loss.tvd": ("ours", None, None, None),
-    "loss.fused_linear_jsd": ("ours", None, None, None),
-    # the fused preference/RL losses: a graph break around the eager dispatcher (NamedTuple outputs)
-    **{f"loss.fused_linear_{n}_loss": ("eager", None, None, None) for n in ("dpo", "orpo", "cpo", "simpo", "kto", "grpo")},
-    "norm.group_norm": ("ours", None, None, ((0,), (0,), None)),
-    "norm.dyt": ("ours", None, None, ("rows", (0,), None)),
-    "norm.poly_norm": ("ours", None, None, ("rows", (0,), None)),
-    "activation.relu_squared": ("decompose", None, None, ("any", (0,), None)),
-    "activation.sparsemax": ("ours", None, None, None),  # no layout: its dim is an argument
+    "a target in another backend's package": (
+        lambda: _target_problems(_op(RMS), _spec(RMS, "triton", target="polykernel.backends.liger.rms_norm:rms_norm")),
+        "not in triton's",
+    ),
+    "a target module with a typo": (
+        lambda: _target_problems(_op(RMS), _spec(RMS, "triton", target="polykernel.backends.triton.rms_nrom:rms_norm")),
+        "not found",
+    ),
+    "a peer's module left out of requires_modules": (
+        lambda: _module_problems(_op(RMS), _spec(RMS, "cute_dsl", requires_modules=("tvm_ffi",))),
+        "imports 'cutlass",
+    ),
+    "a kernel that claims every device": (
+        lambda: _capability_problems(_op(RMS), _spec(RMS, "triton", capabilities=frozenset())),
+        "every device",
+    ),
+    "a row below its backend's arch floor": (
+        lambda: _capability_problems(_op(RMS), _spec(RMS, "cute_dsl", capabilities=frozenset({CapabilityRequirement.cuda(min_sm=80)}))),
+        "outside its backend's",
+    ),
+    "a CUDA backend's row that claims the CPU": (
+        lambda: _capability_problems(_op(RMS), _spec(RMS, "triton", capabilities=frozenset({CapabilityRequirement.CPU}))),
+        "runs on cpu, outside",
+    ),
+    "a dtype typo": (lambda: _dtype_problems(_op(RMS), _dtypes(RMS, "triton", "bfloat61")), "not a floating torch dtype"),
+    "a dtype the parity harness never checks": (lambda: _dtype_problems(_op(RMS), _dtypes(RMS, "triton", "float64")), "never checks"),
+    "a kernel that takes every dtype": (lambda: _dtype_problems(_op(RMS), _dtypes(RMS, "triton")), "every floating dtype"),
+    "a rank behind torch's": (lambda: _rank_problems(_op(RMS), _spec(RMS, "triton", rank=1000), 100), "no further than the torch impl"),
+    "a rank tied with torch's": (lambda: _rank_problems(_op(RMS), _spec(RMS, "triton", rank=100), 100), "no further than the torch impl"),
+    "an impl taking its arguments in another order": (
+        lambda: _signature_problems(_op(RMS), lambda x, eps, weight, offset, casting: x),
+        "takes (x, eps, weight",
+    ),
+    "an impl missing an argument": (
+        lambda: _signature_problems(_op(RMS), lambda x, weight, eps, offset: x),
+        "takes (x, weight, eps, offset)",
+    ),
+    "a peer's adapter (read from source) for another op's arguments": (
+        lambda: _signature_problems(_op("serving.fused_add_rms_norm_"), _source_function(_specs(RMS)["flashinfer"])),
+        "takes (x, weight, eps, offset, casting)",
+    ),
+    "an impl needing a keyword": (
+        lambda: _signature_problems(_op(RMS), lambda x, weight, eps, offset, casting, *, out: x),
+        "needs keyword argument 'out'",
+    ),
+    "a split on an op that saves nothing": (
+        lambda: _split_problems(_op_with(RMS, saved=None), _torch_fn(RMS)),
+        "saves nothing",
+    ),
+    "a predicate reading a field its op does not have": (
+        lambda: _gate_problems(_op(RMS), _spec(RMS, "liger", predicate=lambda a: a.approximate), _arg_classes(RMS)),
+        "predicate raised AttributeError",
+    ),
+    "a predicate answering a bool": (
+        lambda: _gate_problems(_op(RMS), _spec(RMS, "liger", predicate=lambda a: a.dtype is not None), _arg_classes(RMS)),
+        "predicate answered",
+    ),
+    "a predicate that breaks on explain's unknown sizes": (
+        lambda: _gate_problems(_op(RMS), _spec(RMS, "liger", predicate=lambda a: None if a.n < 65536 else "long"), _arg_classes(RMS)),
+        "predicate raised TypeError",
+    ),
+    "a rank_for answering a bare rank": (
+        lambda: _gate_problems(_op(RMS), _spec(RMS, "quack", rank_for=lambda a: 5), _arg_classes(RMS)),
+        "rank_for answered 5",
+    ),
+    # the torch impl
+    "an op without a torch impl": (lambda: _torch_problems(_op(RMS), {"triton": _specs(RMS)["triton"]}), "has no torch impl"),
+    "a torch impl with a dtype list": (
+        lambda: _torch_problems(_op(RMS), {"torch": _dtypes(RMS, "torch", "float32")}),
+        "takes every floating dtype",
+    ),
+    "a torch impl behind a predicate": (
+        lambda: _torch_problems(_op(RMS), {"torch": _spec(RMS, "torch", predicate=lambda a: None)}),
+        "has no predicate",
+    ),
+    "a torch impl refusing DTensors": (
+        lambda: _torch_problems(_op(RMS), {"torch": _spec(RMS, "torch", accepts_subclasses=False)}),
+        "accepts tensor subclasses",
+    ),
+    # compile facts
+    "an unknown compile mode": (lambda: _compile_problems(_op_with(RMS, compile_mode="fused"), _torch_fn(RMS)), "is not one of"),
+    "saved without the torch impl's split": (
+        lambda: _compile_problems(_op_with("activation.swiglu", saved=("rows",)), _torch_fn("activation.swiglu")),
+        "carries no Split",
+    ),
+    "saved dropped while the torch impl has a split": (
+        lambda: _compile_problems(_op_with(RMS, saved=None), _torch_fn(RMS)),
+        "recomputes instead",
+    ),
+    "saved facts on an eager op": (
+        lambda: _compile_problems(_op_with(ORPO, saved_grads=SavedGrads({"hidden": 0}, _always)), _torch_fn(ORPO)),
+        "never read",
+    ),
+    "saved_grads naming a parameter the reference does not have": (
+        lambda: _compile_problems(_op_with(FLCE, saved_grads=SavedGrads({"hiden": 0}, _always)), _torch_fn(FLCE)),
+        "not parameters",
+    ),
+    "saved_grads naming a non-tensor": (
+        lambda: _compile_problems(_op_with(FLCE, saved_grads=SavedGrads({"ignore_index": 0}, _always)), _torch_fn(FLCE)),
+        "not tensors",
+    ),
+    "saved_grads on a slot past the saved tensors": (
+        lambda: _compile_problems(_op_with(FLCE, saved_grads=SavedGrads({"hidden": 3}, _always)), _torch_fn(FLCE)),
+        "distinct indices",
+    ),
+    # DTensor layouts
+    "loss_args off by one": (lambda: _layout_problems(_layout(CE, loss_args=(1, 2, 3))), "not its target, ignore_index, reduction"),
+    "a layout that forgets an output": (lambda: _layout_problems(_layout("norm.fused_add_rms_norm", outputs=(0,))), "returns 2"),
+    "an output placed like a scalar": (lambda: _layout_problems(_layout(RMS, outputs=(2,))), "not a tensor parameter"),
+    "lead dims that are no dims": (lambda: _layout_problems(_layout(RMS, lead_dims="row")), "lead_dims 'row'"),
+    "a vocab route on no parameter": (lambda: _layout_problems(_layout(CE, vocab="logit")), "vocab 'logit'"),
+    "class weights at the target's position": (lambda: _layout_problems(_layout(CE, loss_weight=1)), "loss_weight 1"),
+    # manifests
+    "a manifest row for a misspelt op": (
+        lambda: _manifest_problems(
+            SimpleNamespace(__name__="polykernel.backends.triton.manifest", IMPLS={"norm.rms_nrom": _backend("triton").impl()})
+        ),
+        "no op of the catalog",
+    ),
+    "a manifest row of another backend": (
+        lambda: _manifest_problems(SimpleNamespace(__name__="polykernel.backends.triton.manifest", IMPLS={RMS: _backend("liger").impl()})),
+        "not of this package's triton",
+    ),
 }
-# the arguments that share the lead's shard dim (the rest are replicated), per row-wise op
-SAME = {
-    "norm.rms_norm": {0},
-    "norm.fused_add_rms_norm": {0, 1},
-    "norm.layer_norm": {0},
-    "activation.softmax": {0},
-    "activation.swiglu": {0, 1},
-    "activation.geglu": {0, 1},
-    "loss.cross_entropy": {0, 1},
-    "loss.fused_linear_cross_entropy": {0, 2},
-    "moe.moe_experts": {0, 1, 2},
-    "moe.moe_experts_gpt_oss": {0, 1, 2},
-    "norm.group_norm": {0},
-    "norm.dyt": {0},
-    "norm.poly_norm": {0},
-    "activation.relu_squared": {0},
-}
 
 
-@pytest.mark.parametrize("op_id", list(OP_MODULES))
-def test_per_op_facts_equal_the_former_tables(op_id):
-    import torch
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_the_checks_catch_the_mistake(mistake):
+    check, said = MISTAKES[mistake]
+    problems = check()
+    assert any(said in p for p in problems), problems
 
-    from polykernel.core import registry
 
-    op = registry.get_op(op_id)
-    mode, saved, grads, placed = FACTS[op_id]
-    assert (op.compile_mode, op.saved) == (mode, saved)
-    assert (op.saved_grads and op.saved_grads.slots) == grads
-    if grads is not None:
-        assert op.saved_grads.when({"reduction": "mean"}) and op.saved_grads.when({"reduction": "sum"})
-        assert not op.saved_grads.when({"reduction": "none"})
-    layout = op.dtensor_layout
-    if placed is None:
-        assert layout is None
-        return
-    lead, outputs, loss = placed
-    assert (layout.lead_dims, layout.outputs, layout.loss_args) == (lead, outputs, loss)
-    if op_id == "embedding.mrope":
-        assert layout.why_not == "it is the head dim D, which the rotation mixes"
-        q, k = torch.empty(2, 4, 3, 8), torch.empty(2, 2, 3, 8)
-        per_batch, shared = torch.empty(3, 2, 3, 8), torch.empty(3, 1, 3, 8)
-        assert layout.expect((q, k, per_batch, per_batch), 0) == {0: 0, 1: 0, 2: 1, 3: 1}
-        assert layout.expect((q, k, shared, shared), 0) == {0: 0, 1: 0, 2: None, 3: None}
-        assert layout.expect((q, k, per_batch, per_batch), 1) == {0: 1, 1: 1, 2: None, 3: None}
-        assert layout.expect((q, k, per_batch, per_batch), 2) == {0: 2, 1: 2, 2: 2, 3: 2}
-    elif op_id == "embedding.rope":
-        assert layout.why_not == "it is the head dim D, which the rotation mixes"
-        q, k = torch.empty(2, 4, 3, 8), torch.empty(2, 2, 3, 8)
-        per_batch, shared = torch.empty(2, 3, 8), torch.empty(1, 3, 8)
-        assert layout.expect((q, k, per_batch, per_batch), 0) == {0: 0, 1: 0, 2: 0, 3: 0}
-        assert layout.expect((q, k, shared, shared), 0) == {0: 0, 1: 0, 2: None, 3: None}
-        assert layout.expect((q, k, per_batch, per_batch), 1) == {0: 1, 1: 1, 2: None, 3: None}
-        assert layout.expect((q, k, per_batch, per_batch), 2) == {0: 2, 1: 2, 2: 1, 3: 1}
-    else:
-        assert layout.why_not == "it is the dim the op reduces over, which needs a cross-rank reduction"
-        args = (*(torch.empty(2) for _ in range(4)), 1.0)
-        assert layout.expect(args, 1) == {i: (1 if i in SAME[op_id] else None) for i in range(4)}
+def test_the_checks_catch_a_backend_declared_twice(monkeypatch):
+    package = importlib.import_module("polykernel.backends.triton")
+    monkeypatch.setattr(package, "TRITON_AGAIN", Backend("triton"), raising=False)
+    _backend.cache_clear()
+    try:
+        with pytest.raises(AssertionError, match="declares Backend\\('triton'\\) 2 times"):
+            _backend("triton")
+    finally:
+        monkeypatch.undo()
+        _backend.cache_clear()

@@ -117,11 +117,13 @@ def fused_linear_simpo_loss(hidden, weight, target, bias, beta, gamma, label_smo
     return simpo(hidden, weight, target, bias, float(beta), float(gamma), float(label_smoothing), ignore_index)
 
 
-def fused_linear_grpo_loss(hidden, weight, ids, mask, advantages, bias, ref, old, beta, eps_low, eps_high, loss_type, level,
-                           temperature, max_completion_length, use_bias_correction_kl=False) -> GRPOOutput:  # fmt: skip
+def fused_linear_grpo_loss(hidden, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps,
+                           old_per_token_logps, beta, epsilon_low, epsilon_high, loss_type, importance_sampling_level, temperature,
+                           max_completion_length, use_bias_correction_kl=False) -> GRPOOutput:  # fmt: skip
     if use_bias_correction_kl and beta != 0.0:  # (the op's predicate refuses it first)
         raise ImplNotAvailableError(
             "loss.fused_linear_grpo_loss", "liger", "Liger's GRPO has no importance-weighted KL", ["torch", "triton"]
         )
-    return grpo(hidden, weight, ids, mask, advantages, bias, ref, old, float(beta), float(eps_low), float(eps_high), loss_type, level,
-                float(temperature), max_completion_length)  # fmt: skip
+    return grpo(hidden, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps, old_per_token_logps,
+                float(beta), float(epsilon_low), float(epsilon_high), loss_type, importance_sampling_level, float(temperature),
+                max_completion_length)  # fmt: skip
