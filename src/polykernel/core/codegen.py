@@ -1,8 +1,9 @@
 """Generated hot-path code that a traceback and a debugger can show.
 
-The dispatcher's per-call paths (``core.op``), the subclass check, the guard wrapper
-(``core.hit_guard``) and Triton's launch key (``backends.triton._launch``) are Python generated
-per op, so that a fixed arity and inlined checks cost no ``*args`` tuple, bound method or loop.
+Two functions per call are generated, because plain source costs measurably more there
+(``benchmarks/results/cpu-2026-12-03-plain-dispatch/``): each op's ``Op.dispatch``
+(``core.hot_path``: a fixed arity, each option compared inline) and the Triton fast launch's
+argument key (``backends.triton._launch``). Everything else on the per-call path is plain source.
 :func:`define` compiles such source under a readable file name and registers it with
 :mod:`linecache`, so tracebacks print its lines and ``pdb`` steps through it like any module.
 

@@ -35,14 +35,13 @@ differs: ``tests/core/test_dispatch.py`` checks each field of each op.
 
 from __future__ import annotations
 
-import functools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .. import _compat
-from . import codegen
 
 LAST = "last"
 SHAPE = "shape"
@@ -118,17 +117,27 @@ def build(spec: GuardSpec, args: Sequence[Any]) -> Callable[..., bool] | None:
     except Exception:  # a refusal of this private API (its signature moved): no guard, no harm
         return None
     if missing:
-        return _with_nones(len(tensor_positions(spec)), tuple(missing))(check)
+        return _with_nones(check, len(tensor_positions(spec)), tuple(missing))
     return check
 
 
-@functools.cache
-def _with_nones(n: int, missing: tuple[int, ...]) -> Callable[[Callable[..., bool]], Callable[..., bool]]:
-    """A wrapper for a guard whose call had None at some tensor positions (a LayerNorm without
-    bias): those must be None again, the others go to the guard. Generated per arity and pattern
-    (a fixed signature is ~40 ns cheaper than *args)."""
-    names = [f"t{i}" for i in range(n)]
-    nones = " and ".join(f"{names[i]} is None" for i in missing)
-    rest = ", ".join(name for i, name in enumerate(names) if i not in missing)
-    src = f"def make(guard):\n    def check({', '.join(names)}):\n        return {nones} and guard({rest})\n    return check\n"
-    return codegen.define(src, f"<polykernel guard: {n} tensors, {sorted(missing)} None>", "make", {})
+def picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """``pick(args)``: the tuple of ``args`` at ``positions`` (itemgetter: no Python frame)."""
+    if len(positions) >= 2:
+        return operator.itemgetter(*positions)
+    if positions:
+        (i,) = positions
+        return lambda args: (args[i],)
+    return lambda args: ()
+
+
+def _with_nones(guard: Callable[..., bool], n: int, missing: tuple[int, ...]) -> Callable[..., bool]:
+    """A guard for a call that had None at some tensor positions (a LayerNorm without bias, a
+    cross-entropy without class weights): those must be None again, the others go to ``guard``."""
+    present = picker(tuple(i for i in range(n) if i not in missing))
+    absent, nones = picker(missing), (None,) * len(missing)
+
+    def check(*tensors: Any) -> bool:
+        return absent(tensors) == nones and guard(*present(tensors))
+
+    return check

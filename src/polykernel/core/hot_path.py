@@ -1,12 +1,17 @@
-"""The generated hot path of :meth:`polykernel.core.op.Op.dispatch`: code generated per op for its
-arity and guard spec (:func:`_hot_dispatch`), the tensor-subclass check (:func:`plain_check`) and
-the option types the slow path checks (:func:`_option_types`). ``polykernel.core.op`` re-exports
-the names it used to define here."""
+"""The hot path of :meth:`polykernel.core.op.Op.dispatch`: code generated per op for its arity and
+guard spec (:func:`_hot_dispatch`), the tensor-subclass check (:func:`plain_check`) and the option
+types the slow path checks (:func:`_option_types`). ``polykernel.core.op`` re-exports the names it
+used to define here.
+
+``_hot_dispatch`` is the one generated function of the dispatcher's per-call path: the same logic
+as an ordinary closure, written for speed (``plain_dispatch`` in
+``benchmarks/host/plain_vs_generated.py``), costs more per call, most where an op has options or
+shape relations to compare (``benchmarks/results/cpu-2026-12-03-plain-dispatch/``). The
+generated source is registered with linecache: tracebacks show it and pdb steps through it."""
 
 from __future__ import annotations
 
 import inspect
-import operator
 import typing
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -40,7 +45,7 @@ _stream_capturing = _compat.stream_capturing
 # DTensor has no storage of its own, a wrapper subclass's memory is not what it stands for. The
 # hot path asks, only when the memoized impl reads raw memory, whether every tensor argument is a
 # plain torch.Tensor or nn.Parameter; the op's tensor positions come from its reference's
-# signature, and the check is generated code (~25 ns per tensor; a loop or map costs ~3x more).
+# signature; the hot path inlines it in its generated code, the slow path calls :func:`plain_check`.
 
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter, type(None)})
 
@@ -74,14 +79,17 @@ def _tensor_positions(reference: Callable[..., Any]) -> tuple[int, ...]:
 def plain_check(reference: Callable[..., Any]) -> Callable[[tuple[Any, ...]], bool]:
     """``check(args)``: True when the arguments at the reference's tensor positions are plain
     tensors (or None). False sends the call to the slow path, which looks at every argument
-    (:func:`polykernel.core.selection.subclass_name`), so a false alarm only costs time."""
+    (:func:`polykernel.core.selection.subclass_name`), so a false alarm only costs time; so does a
+    call with fewer arguments than those positions."""
     positions = _tensor_positions(reference)
     if not positions:
         return lambda args: True
-    body = " and ".join(f"type(a[{i}]) in P" for i in positions)
-    namespace: dict[str, Any] = {"P": _PLAIN}
-    src = f"def check(a):\n    try:\n        return {body}\n    except IndexError:\n        return False\n"
-    return codegen.define(src, f"<polykernel subclass check: {reference.__module__}.{reference.__qualname__}>", "check", namespace)
+    last, pick, plain = positions[-1], _picker(positions), _PLAIN.issuperset
+
+    def check(args: tuple[Any, ...]) -> bool:
+        return len(args) > last and plain(map(type, pick(args)))
+
+    return check
 
 
 # How many guarded decisions Op.dispatch tries per call, most recent first: a model may alternate
@@ -190,14 +198,7 @@ def _same_items(a: Any, b: Any) -> bool:
     return all(type(x) is type(y) for x, y in zip(a, b))
 
 
-def _picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
-    """``pick(args)``: the tuple of ``args`` at ``positions`` (itemgetter: no Python frame)."""
-    if len(positions) >= 2:
-        return operator.itemgetter(*positions)
-    if positions:
-        (i,) = positions
-        return lambda args: (args[i],)
-    return lambda args: ()
+_picker = hit_guard.picker
 
 
 def _hot_dispatch(op: Op) -> Callable[..., Any]:

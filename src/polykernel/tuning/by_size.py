@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..core import codegen
+from ..core.hit_guard import picker
 from . import key as tuning_key
 
 if TYPE_CHECKING:
@@ -100,24 +100,23 @@ class BySize:
         return slot.run.fn(*args)
 
     def function(self, args: tuple[Any, ...]) -> Callable[..., Any]:
-        """:meth:`__call__` as code generated for the tensor positions of ``args`` (a call of
-        this class has its tensors there): ~0.3 µs less per call than the method."""
+        """:meth:`__call__` as a closure over the tensor positions of ``args`` (a call of this
+        class has its tensors there) and the counts' lookup: no attribute reads per call."""
         self._sizes = _sizes_fn(args)
-        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        counts = "".join(f"a[{i}].numel(), " for i in positions)
-        src = (
-            "def choose(*a):\n"
-            "    try:\n"
-            f"        slot = get(({counts}))\n"
-            "    except Exception:  # an argument that is not the tensor it was\n"
-            "        slot = None\n"
-            "    if slot is None:\n"
-            "        slot = met(a)\n"
-            "    return slot.run.fn(*a)\n"
-        )
-        fn = codegen.define(src, "<polykernel tuned per size>", "choose", {"get": self.counts.get, "met": self._met})
-        fn.by_size = self  # type: ignore[attr-defined]
-        return fn
+        pick = picker([i for i, a in enumerate(args) if isinstance(a, torch.Tensor)])
+        get, met, numel = self.counts.get, self._met, torch.Tensor.numel
+
+        def choose(*a: Any) -> Any:
+            try:
+                slot = get(tuple(map(numel, pick(a))))  # _sizes_fn's counts, inlined (a frame less)
+            except Exception:  # an argument that is not the tensor it was
+                slot = None
+            if slot is None:
+                slot = met(a)
+            return slot.run.fn(*a)
+
+        choose.by_size = self  # type: ignore[attr-defined]
+        return choose
 
     def slot(self, args: tuple[Any, ...]) -> Slot:
         """The slot a call with ``args`` runs, met now if it is new (a lookup). Off the hot path."""
@@ -207,8 +206,11 @@ def _bucket(args: tuple[Any, ...]) -> tuple[str, ...]:
 
 def _sizes_fn(args: tuple[Any, ...]) -> Callable[[tuple[Any, ...]], tuple[int, ...]]:
     """``sizes(args)``: the element counts of the tensor arguments at the positions where this
-    call has tensors, as generated code (a loop costs more per call)."""
-    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    body = "".join(f"a[{i}].numel(), " for i in positions)
-    src = f"def sizes(a):\n    return ({body})\n"
-    return codegen.define(src, "<polykernel size bucket>", "sizes", {})
+    call has tensors (an argument there that is no tensor raises: the caller's miss)."""
+    pick = picker([i for i, a in enumerate(args) if isinstance(a, torch.Tensor)])
+    numel = torch.Tensor.numel
+
+    def sizes(a: tuple[Any, ...]) -> tuple[int, ...]:
+        return tuple(map(numel, pick(a)))
+
+    return sizes

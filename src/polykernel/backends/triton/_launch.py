@@ -85,7 +85,8 @@ _SLOT = "_polykernel_fast_launch"
 
 
 def _arg_key_function(args: Sequence[Any]) -> Callable[..., tuple[Any, ...]]:
-    """Generated ``key(a0, a1, ...)`` for arguments of the kinds seen in ``args`` (a tensor, an
+    """Generated ``key(a0, a1, ...)`` (a loop over the kinds costs ~2-3x more per launch:
+    ``benchmarks/host/per_call_helpers.py``) for arguments of the kinds seen in ``args`` (a tensor, an
     int, anything else). A later call whose argument kinds differ either raises inside it (a
     tensor slot given an int) or gets other values for the type entries: a miss, never a hit."""
     parts = []
