@@ -10,6 +10,11 @@ are read then, once; a backend's kernel modules are imported only when one of it
 selected (``KernelSpec.load``).
 
 Adding a backend is a new package with a ``manifest.py``: nothing else lists it.
+
+The backend packages are independent: none imports another (an import-linter contract in
+pyproject.toml). Code several backends share lives beside them (``backends/_*.py``), and a case a
+kernel does not take goes to another impl by its registered name, usually the torch impl
+(:func:`polykernel.backends._fallback.registered`).
 """
 
 from __future__ import annotations

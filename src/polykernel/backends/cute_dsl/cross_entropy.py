@@ -18,8 +18,11 @@ import torch
 
 from .._cross_entropy import differentiable, grad_scale, reduce_rows
 from .._double_backward import graph_grads
-from ..torch.cross_entropy import cross_entropy as _torch_cross_entropy
+from .._fallback import registered
 from .softmax import _rows16  # the same row-major, 16-byte aligned rows
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_cross_entropy = registered("loss.cross_entropy")
 
 
 def _kernel() -> ModuleType:

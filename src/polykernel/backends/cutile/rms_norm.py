@@ -15,8 +15,11 @@ import cuda.tile as ct
 import torch
 
 from .._double_backward import rms_norm_grads
-from ..torch.rms_norm import rms_norm as _torch_rms_norm
+from .._fallback import registered
 from ._host import launch, num_sms, pow2, rows
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_rms_norm = registered("norm.rms_norm")
 
 ONE_TILE_N = 16384  # forward: rows up to this length are held in one tile, one row per block
 CHUNK_N = 4096  # chunk width for longer rows

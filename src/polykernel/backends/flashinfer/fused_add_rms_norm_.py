@@ -13,7 +13,10 @@ import torch
 from flashinfer.norm import fused_add_rmsnorm, gemma_fused_add_rmsnorm
 
 from .._dense import readable, rows
-from ..torch.fused_add_rms_norm_ import fused_add_rms_norm_ as _torch_fused_add_rms_norm_
+from .._fallback import registered
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_fused_add_rms_norm_ = registered("serving.fused_add_rms_norm_")
 
 
 def fused_add_rms_norm_(

@@ -11,7 +11,10 @@ import torch
 from flashinfer.norm import gemma_rmsnorm, rmsnorm
 
 from .._dense import readable
-from ..torch.rms_norm import rms_norm as _torch_rms_norm
+from .._fallback import registered
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_rms_norm = registered("norm.rms_norm")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str) -> torch.Tensor:

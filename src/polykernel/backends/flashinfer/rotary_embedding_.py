@@ -12,7 +12,10 @@ from __future__ import annotations
 import torch
 from flashinfer.rope import apply_rope_with_cos_sin_cache_inplace
 
-from ..torch.rotary_embedding_ import rotary_embedding_ as _torch_rotary_embedding_
+from .._fallback import registered
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_rotary_embedding_ = registered("serving.rotary_embedding_")
 
 
 def rotary_embedding_(

@@ -21,7 +21,10 @@ from liger_kernel.ops.cross_entropy import MAX_FUSED_SIZE, liger_cross_entropy_k
 
 from .._cross_entropy import scale_grads_
 from .._double_backward import refusing
-from ..torch.cross_entropy import cross_entropy as _torch_cross_entropy
+from .._fallback import registered
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_cross_entropy = registered("loss.cross_entropy")
 
 
 def _num_warps(x: torch.Tensor) -> int:

@@ -8,7 +8,10 @@ import torch
 from liger_kernel.ops.dyt import LigerDyTFunction
 
 from .._double_backward import refusing
-from ..torch.dyt import dyt as _torch_dyt
+from .._fallback import registered
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_dyt = registered("norm.dyt")
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
 _DyT = refusing(LigerDyTFunction, "norm.dyt", "liger", (0, 1, 2, 3))

@@ -8,7 +8,10 @@ import torch
 from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
 
 from .._double_backward import refusing
-from ..torch.fused_add_rms_norm import fused_add_rms_norm as _torch_impl
+from .._fallback import registered
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_impl = registered("norm.fused_add_rms_norm")
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
 _FusedAddRMSNorm = refusing(LigerFusedAddRMSNormFunction, "norm.fused_add_rms_norm", "liger", (0, 1, 2), kept=False)

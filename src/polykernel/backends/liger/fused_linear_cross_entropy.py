@@ -15,7 +15,10 @@ import torch
 from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
 from .._double_backward import refusing
-from ..torch.fused_linear_cross_entropy import fused_linear_cross_entropy as _torch_impl
+from .._fallback import registered
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_impl = registered("loss.fused_linear_cross_entropy")
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
 _FusedLinearCrossEntropy = refusing(LigerFusedLinearCrossEntropyFunction, "loss.fused_linear_cross_entropy", "liger", (0, 1, 3), kept=False)

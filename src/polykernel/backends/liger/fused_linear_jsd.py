@@ -16,7 +16,10 @@ from liger_kernel.ops.fused_linear_jsd import LigerFusedLinearJSDFunction
 
 from ...ops._distill import rows_view
 from .._double_backward import refusing
-from ..torch.fused_linear_jsd import fused_linear_jsd as _torch_impl
+from .._fallback import registered
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_impl = registered("loss.fused_linear_jsd")
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
 _FusedLinearJSD = refusing(LigerFusedLinearJSDFunction, "loss.fused_linear_jsd", "liger", (0, 1), kept=False)

@@ -7,8 +7,11 @@ import torch
 from liger_kernel.ops.geglu import LigerGELUMulFunction
 
 from .._double_backward import refusing
-from ..torch.geglu import geglu as _torch_geglu
+from .._fallback import registered
 from ._glu import private
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_geglu = registered("activation.geglu")
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
 _GELUMul = refusing(LigerGELUMulFunction, "activation.geglu", "liger", (0, 1))

@@ -8,7 +8,10 @@ import torch
 from liger_kernel.ops.group_norm import LigerGroupNormFunction
 
 from .._double_backward import refusing
-from ..torch.group_norm import group_norm as _torch_group_norm
+from .._fallback import registered
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_group_norm = registered("norm.group_norm")
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
 _GroupNorm = refusing(LigerGroupNormFunction, "norm.group_norm", "liger", (0, 1, 2))

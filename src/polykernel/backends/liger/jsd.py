@@ -17,7 +17,10 @@ from liger_kernel.ops.jsd import _jsd_kernel
 from ...ops._distill import rows_view
 from .._cross_entropy import scale_grads_
 from .._double_backward import refusing
-from ..torch.jsd import jsd as _torch_jsd
+from .._fallback import registered
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_jsd = registered("loss.jsd")
 
 _BLOCK = 4096  # liger_kernel/ops/backends/_triton/jsd.py: _JSD_TRITON_BLOCK_SIZE
 

@@ -16,7 +16,10 @@ from liger_kernel.ops.kl_div import LigerKLDivLossFunction
 from ...ops._distill import rows_view
 from ...ops.kl_div import divisor
 from .._double_backward import refusing
-from ..torch.kl_div import kl_div as _torch_kl_div
+from .._fallback import registered
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_kl_div = registered("loss.kl_div")
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
 _KLDivLoss = refusing(LigerKLDivLossFunction, "loss.kl_div", "liger", (0,), kept=False)

@@ -7,7 +7,10 @@ import torch
 from liger_kernel.ops.layer_norm import LigerLayerNormFunction
 
 from .._double_backward import refusing
-from ..torch.layer_norm import layer_norm as _torch_layer_norm
+from .._fallback import registered
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_layer_norm = registered("norm.layer_norm")
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
 _LayerNorm = refusing(LigerLayerNormFunction, "norm.layer_norm", "liger", (0, 1, 2))

@@ -17,7 +17,10 @@ from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
 
 from .. import _moe_route as route
 from .._double_backward import refusing
-from ..torch.moe_experts import moe_experts as _torch_moe_experts
+from .._fallback import registered
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_moe_experts = registered("moe.moe_experts")
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
 _FusedMoE = refusing(LigerFusedMoEFunction, "moe.moe_experts", "liger", (0, 1, 2, 4), kept=False)

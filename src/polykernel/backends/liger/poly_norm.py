@@ -9,7 +9,10 @@ import torch
 from liger_kernel.ops.poly_norm import LigerPolyNormFunction
 
 from .._double_backward import refusing
-from ..torch.poly_norm import poly_norm as _torch_poly_norm
+from .._fallback import registered
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_poly_norm = registered("norm.poly_norm")
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
 _PolyNorm = refusing(LigerPolyNormFunction, "norm.poly_norm", "liger", (0, 1, 2))

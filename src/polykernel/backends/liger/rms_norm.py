@@ -11,7 +11,10 @@ import torch
 from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
 from .._double_backward import refusing
-from ..torch.rms_norm import rms_norm as _torch_rms_norm
+from .._fallback import registered
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_rms_norm = registered("norm.rms_norm")
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
 _RMSNorm = refusing(LigerRMSNormFunction, "norm.rms_norm", "liger", (0, 1))

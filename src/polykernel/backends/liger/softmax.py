@@ -7,7 +7,10 @@ import torch
 from liger_kernel.ops.softmax import LigerSoftmaxFunction
 
 from .._double_backward import refusing
-from ..torch.softmax import softmax as _torch_softmax
+from .._fallback import registered
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_softmax = registered("activation.softmax")
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing();
 # Liger keeps y, not x: x is held by an empty anchor)

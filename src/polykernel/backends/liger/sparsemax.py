@@ -14,7 +14,10 @@ import torch
 from liger_kernel.ops.sparsemax import LigerSparsemaxFunction
 
 from .._double_backward import refusing
-from ..torch.sparsemax import sparsemax as _torch_sparsemax
+from .._fallback import registered
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_sparsemax = registered("activation.sparsemax")
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing();
 # Liger keeps y, not x: x is held by an empty anchor)

@@ -10,8 +10,11 @@ import torch
 from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
 from .._double_backward import refusing
-from ..torch.swiglu import swiglu as _torch_swiglu
+from .._fallback import registered
 from ._glu import private
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_swiglu = registered("activation.swiglu")
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
 _SiLUMul = refusing(LigerSiLUMulFunction, "activation.swiglu", "liger", (0, 1))

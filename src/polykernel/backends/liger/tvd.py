@@ -14,7 +14,10 @@ from liger_kernel.ops.tvd import LigerTVDLossFunction
 
 from ...ops._distill import rows_view
 from .._double_backward import refusing
-from ..torch.tvd import tvd as _torch_tvd
+from .._fallback import registered
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_tvd = registered("loss.tvd")
 
 # create_graph=True: second derivatives raise, naming the op, instead of reading zeros (refusing())
 _TVDLoss = refusing(LigerTVDLossFunction, "loss.tvd", "liger", (0,), kept=False)

@@ -10,8 +10,11 @@ from __future__ import annotations
 import torch
 from quack.cross_entropy import cross_entropy as _quack_cross_entropy
 
-from ..torch.cross_entropy import cross_entropy as _torch_cross_entropy
+from .._fallback import registered
 from ._rows import rows
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_cross_entropy = registered("loss.cross_entropy")
 
 
 def cross_entropy(

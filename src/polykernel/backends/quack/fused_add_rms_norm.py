@@ -11,8 +11,11 @@ from __future__ import annotations
 import torch
 from quack.rmsnorm import rmsnorm as _quack_rmsnorm
 
-from ..torch.fused_add_rms_norm import fused_add_rms_norm as _torch_impl
+from .._fallback import registered
 from ._rows import rows
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_impl = registered("norm.fused_add_rms_norm")
 
 
 def fused_add_rms_norm(

@@ -9,8 +9,11 @@ from __future__ import annotations
 import torch
 from quack.rmsnorm import rmsnorm as _quack_rmsnorm
 
-from ..torch.rms_norm import rms_norm as _torch_rms_norm
+from .._fallback import registered
 from ._rows import rows
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_rms_norm = registered("norm.rms_norm")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str) -> torch.Tensor:

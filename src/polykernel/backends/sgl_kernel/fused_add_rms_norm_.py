@@ -12,8 +12,11 @@ from __future__ import annotations
 import torch
 
 from .._dense import readable, rows
-from ..torch.fused_add_rms_norm_ import fused_add_rms_norm_ as _torch_fused_add_rms_norm_
+from .._fallback import registered
 from ._ops import ops, pdl
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_fused_add_rms_norm_ = registered("serving.fused_add_rms_norm_")
 
 
 def fused_add_rms_norm_(

@@ -10,8 +10,11 @@ from __future__ import annotations
 import torch
 
 from .._dense import readable
-from ..torch.rms_norm import rms_norm as _torch_rms_norm
+from .._fallback import registered
 from ._ops import ops, pdl
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_rms_norm = registered("norm.rms_norm")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str) -> torch.Tensor:

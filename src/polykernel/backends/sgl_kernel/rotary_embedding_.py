@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from ..torch.rotary_embedding_ import rotary_embedding_ as _torch_rotary_embedding_
+from .._fallback import registered
 from ._ops import ops
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_rotary_embedding_ = registered("serving.rotary_embedding_")
 
 
 def _heads(t: torch.Tensor, head_size: int) -> int:

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ...ops.dyt import reference
 from .._double_backward import graph_grads
-from ..torch import dyt as _torch
+from .._fallback import registered
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active
 from ._colsum import colsum as _colsum
@@ -31,6 +31,9 @@ from ._rows import contig as _contig_t
 from ._rows import next_pow2 as _next_pow2
 from ._rows import sm_count as _sm_count
 from ._rows import unrows as _unrows
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_dyt = registered("norm.dyt")
 
 TILE = 4096  # elements per program (ROWS · BLOCK_N)
 MAX_BLOCK_N = 4096
@@ -215,7 +218,7 @@ _lean_apply = lean_apply(_DyT)  # _DyT.apply without its Python wrapper (see _au
 def dyt(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.dyt``)."""
     if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
-        return _torch.dyt(x, alpha, weight, bias)
+        return _torch_dyt(x, alpha, weight, bias)
     if (x.requires_grad or alpha.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)) and (
         torch.is_grad_enabled()
     ):

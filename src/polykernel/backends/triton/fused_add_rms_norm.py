@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ...ops.fused_add_rms_norm import reference  # noqa: F401  (semantics live in the op file)
 from .._double_backward import fused_add_rms_norm_grads
-from ..torch import fused_add_rms_norm as _torch
+from .._fallback import registered
 from . import _native
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active
@@ -31,6 +31,9 @@ from ._rows import contig as _contig
 from ._rows import row_tile as _tile
 from ._rows import sm_count as _sm_count
 from ._rows import unrows as _unrows
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_fused_add_rms_norm = registered("norm.fused_add_rms_norm")
 
 MAX_FUSED_N = 16384  # one block per row up to here; beyond, a chunked walk
 CHUNK_N = 4096
@@ -341,7 +344,7 @@ def fused_add_rms_norm(
         if out is not None:
             return out
     if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
-        return _torch.fused_add_rms_norm(x, residual, weight, eps, offset)
+        return _torch_fused_add_rms_norm(x, residual, weight, eps, offset)
     if (x.requires_grad or residual.requires_grad or weight.requires_grad) and torch.is_grad_enabled():
         return _lean_apply(x, residual, weight, eps, offset)
     shape = x.shape

@@ -31,15 +31,18 @@ import torch
 import triton
 import triton.language as tl
 
+from .._fallback import registered
 from .._functions import glu_function
-from ..torch import geglu as _torch_geglu
-from ..torch import swiglu as _torch_swiglu
 from . import _native
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active
 from ._launch import launch
 from ._rows import cdiv as _cdiv
 from ._rows import next_pow2 as _next_pow2
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_geglu = registered("activation.geglu")
+_torch_swiglu = registered("activation.swiglu")
 
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
 ACTS = {"silu": SILU, "tanh": GELU_TANH, "none": GELU_ERF}
@@ -271,8 +274,8 @@ _lean_apply = lean_apply(GLUFunction)  # GLUFunction.apply without its Python wr
 def _torch_glu(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
     """The torch impl of the op that ``act`` stands for."""
     if act == SILU:
-        return _torch_swiglu.swiglu(gate, up)
-    return _torch_geglu.geglu(gate, up, "tanh" if act == GELU_TANH else "none")
+        return _torch_swiglu(gate, up)
+    return _torch_geglu(gate, up, "tanh" if act == GELU_TANH else "none")
 
 
 class _NativePlan:

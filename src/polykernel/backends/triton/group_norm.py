@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ...ops.group_norm import reference
 from .._double_backward import graph_grads
-from ..torch import group_norm as _torch
+from .._fallback import registered
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active
 from ._colsum import colsum as _colsum
@@ -34,6 +34,9 @@ from ._launch import launch
 from ._rows import contig as _contig_t
 from ._rows import next_pow2 as _next_pow2
 from ._rows import sm_count as _sm_count
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_group_norm = registered("norm.group_norm")
 
 MAX_TILE = 16384  # a group of up to this many (padded) elements is loaded once
 CHUNK = 4096  # elements per tile when walking larger groups
@@ -406,7 +409,7 @@ _lean_apply = lean_apply(_GroupNorm)  # _GroupNorm.apply without its Python wrap
 def group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.group_norm``)."""
     if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
-        return _torch.group_norm(x, num_groups, weight, bias, eps)
+        return _torch_group_norm(x, num_groups, weight, bias, eps)
     if (x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)) and (
         torch.is_grad_enabled()
     ):

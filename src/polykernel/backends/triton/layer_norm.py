@@ -19,7 +19,7 @@ import triton.language as tl
 from ...ops.layer_norm import reference  # noqa: F401  (semantics live in the op file)
 from ...spec import Split
 from .._double_backward import layer_norm_grads
-from ..torch import layer_norm as _torch
+from .._fallback import registered
 from . import _native
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active
@@ -32,6 +32,9 @@ from ._rows import contig as _contig_t
 from ._rows import row_tile as _tile
 from ._rows import sm_count as _sm_count
 from ._rows import unrows as _unrows
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_layer_norm = registered("norm.layer_norm")
 
 MAX_FUSED_N = 16384  # one block per row up to here; beyond, a chunked walk
 CHUNK_N = 4096
@@ -367,7 +370,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
         if y is not None:
             return y
     if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
-        return _torch.layer_norm(x, weight, bias, eps)
+        return _torch_layer_norm(x, weight, bias, eps)
     if (x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)) and (
         torch.is_grad_enabled()
     ):

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ...ops.moe_experts import reference
-from ..torch import moe_experts as _torch_moe
+from .._fallback import registered
 from . import _grouped as grouped
 from . import _grouped_mm as grouped_mm
 from ._grouped import Plan as Plan
@@ -35,6 +35,9 @@ from ._grouped import plan as plan
 from ._launch import launch
 from ._rows import cdiv as _cdiv
 from .glu import GELU_ERF, GELU_TANH, SILU, _act_fwd, _act_fwd_bwd
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_moe_experts = registered("moe.moe_experts")
 
 ACTS = {"silu": SILU, "gelu": GELU_ERF, "gelu_tanh": GELU_TANH}
 
@@ -175,7 +178,7 @@ def backward(
     return d_hidden, None, d_weights, d_gate_up, d_down
 
 
-LAYER = grouped.Layer(forward, backward, reference, _torch_moe.moe_experts)
+LAYER = grouped.Layer(forward, backward, reference, _torch_moe_experts)
 _ACT_NAMES = {code: name for name, code in ACTS.items()}
 SPEC = grouped_mm.Spec(
     out_in=True,  # gate_up_proj [E, 2I, H], down_proj [E, H, I]

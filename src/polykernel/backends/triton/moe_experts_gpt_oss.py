@@ -26,12 +26,15 @@ import triton
 import triton.language as tl
 
 from ...ops.moe_experts_gpt_oss import OP_ID, reference
-from ..torch import moe_experts_gpt_oss as _torch_impl
+from .._fallback import registered
 from . import _grouped as grouped
 from . import _grouped_mm as grouped_mm
 from ._grouped import _clamped_swiglu, _clamped_swiglu_bwd, _gate_up_gemm, _row_gemm, _row_tile
 from ._launch import launch
 from ._rows import cdiv as _cdiv
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_moe_experts_gpt_oss = registered("moe.moe_experts_gpt_oss")
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
@@ -189,7 +192,7 @@ def backward(
     return tuple(grads)
 
 
-LAYER = grouped.Layer(forward, backward, reference, _torch_impl.moe_experts_gpt_oss)
+LAYER = grouped.Layer(forward, backward, reference, _torch_moe_experts_gpt_oss)
 SPEC = grouped_mm.Spec(
     out_in=False,  # gate_up_proj [E, H, 2I], down_proj [E, I, H]
     interleaved=True,  # gate = columns 0, 2, 4 ..., up = 1, 3, 5 ...

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ...ops.poly_norm import eps_exponent, reference
 from .._double_backward import graph_grads
-from ..torch import poly_norm as _torch
+from .._fallback import registered
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active
 from ._colsum import colsum as _colsum
@@ -29,6 +29,9 @@ from ._rows import contig as _contig
 from ._rows import row_tile as _tile
 from ._rows import sm_count as _sm_count
 from ._rows import unrows as _unrows
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_poly_norm = registered("norm.poly_norm")
 
 MAX_FUSED_N = 16384  # one block per row up to here; beyond, a chunked walk
 CHUNK_N = 4096
@@ -360,7 +363,7 @@ _lean_apply = lean_apply(_PolyNorm)  # _PolyNorm.apply without its Python wrappe
 def poly_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.poly_norm``)."""
     if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
-        return _torch.poly_norm(x, weight, bias, eps)
+        return _torch_poly_norm(x, weight, bias, eps)
     if (x.requires_grad or weight.requires_grad or bias.requires_grad) and torch.is_grad_enabled():
         return _lean_apply(x, weight, bias, eps)
     shape = x.shape

@@ -15,11 +15,14 @@ import triton.language as tl
 
 from ...ops.relu_squared import reference
 from .._double_backward import graph_grads
-from ..torch import relu_squared as _torch
+from .._fallback import registered
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active
 from ._launch import launch
 from ._rows import cdiv as _cdiv
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_relu_squared = registered("activation.relu_squared")
 
 BLOCK = 4096  # elements per program (bf16: 8 KiB per tensor)
 
@@ -113,7 +116,7 @@ _lean_apply = lean_apply(_ReLUSquared)  # _ReLUSquared.apply without its Python 
 def relu_squared(x: torch.Tensor) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.relu_squared``)."""
     if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
-        return _torch.relu_squared(x)
+        return _torch_relu_squared(x)
     if x.requires_grad and torch.is_grad_enabled():
         return _lean_apply(x)
     return relu_squared_forward(x)

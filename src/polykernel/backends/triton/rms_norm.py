@@ -18,7 +18,7 @@ import triton.language as tl
 from ...ops.rms_norm import reference  # noqa: F401  (semantics live in the op file)
 from ...spec import Split
 from .._double_backward import rms_norm_grads
-from ..torch import rms_norm as _torch
+from .._fallback import registered
 from . import _native
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active
@@ -33,6 +33,9 @@ from ._rows import next_pow2 as _next_pow2
 from ._rows import row_tile as _tile
 from ._rows import sm_count as _sm_count
 from ._rows import unrows as _unrows
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_rms_norm = registered("norm.rms_norm")
 
 MAX_FUSED_N = 16384  # one block per row up to here; beyond, a chunked two-pass walk
 CHUNK_N = 4096
@@ -403,7 +406,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, c
         if y is not None:
             return y
     if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
-        return _torch.rms_norm(x, weight, eps, offset, casting)
+        return _torch_rms_norm(x, weight, eps, offset, casting)
     if (x.requires_grad or weight.requires_grad) and torch.is_grad_enabled():
         return _lean_apply(x, weight, eps, offset, casting)
     shape = x.shape

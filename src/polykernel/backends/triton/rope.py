@@ -34,14 +34,17 @@ import triton
 import triton.language as tl
 
 from ...ops.rope import reference  # noqa: F401  (semantics live in the op file)
+from .._fallback import registered
 from .._functions import rope_function
-from ..torch import rope as _torch
 from . import _native
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active
 from ._launch import launch
 from ._rows import cdiv as _cdiv
 from ._rows import next_pow2 as _next_pow2
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_rope = registered("embedding.rope")
 
 # The heads kernel: elements per half-tile [BLOCK_T, BLOCK_H, BLOCK_D] (two halves per head row),
 # and the warps that share one. 1024 elements on 1 warp beat 2048 on up to 4 warps at q
@@ -404,7 +407,7 @@ def rope(
         if out is not None:
             return out
     if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
-        return _torch.rope(q, k, cos, sin)
+        return _torch_rope(q, k, cos, sin)
     if (q.requires_grad or k.requires_grad or cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled():
         if cos.requires_grad or sin.requires_grad:
             # The dispatcher never picks this impl then (the op's predicate); refuse a direct call
@@ -420,7 +423,7 @@ def _rope_options(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial or interleaved rotary: the Python path (the C++ plans know the default kernel only)."""
     if _transforms_active():
-        return _torch.rope(q, k, cos, sin, None, interleaved)
+        return _torch_rope(q, k, cos, sin, None, interleaved)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or cos.requires_grad or sin.requires_grad):
         if cos.requires_grad or sin.requires_grad:
             raise NotImplementedError("embedding.rope [triton]: no cos/sin gradients; use impl='torch'")

@@ -31,7 +31,7 @@ import triton.language as tl
 from ...ops.softmax import reference
 from ...spec import Split
 from .._double_backward import graph_grads
-from ..torch import softmax as _torch
+from .._fallback import registered
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active
 from ._launch import launch
@@ -39,6 +39,9 @@ from ._rows import as_rows as _as_rows
 from ._rows import cdiv as _cdiv
 from ._rows import next_pow2 as _next_pow2
 from ._rows import sm_count as _sm_count
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_softmax = registered("activation.softmax")
 
 # Tiling (sm_90, checked by compiling for it: no register spills, 16-byte accesses; not yet timed).
 MAX_FUSED_N = 32768  # forward: one block per row up to here (a 32K fp32 row: 32 registers/thread at 32 warps)
@@ -376,7 +379,7 @@ _lean_apply = lean_apply(_Softmax)  # _Softmax.apply without its Python wrapper 
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.softmax``)."""
     if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
-        return _torch.softmax(x)
+        return _torch_softmax(x)
     if torch.is_grad_enabled() and x.requires_grad:
         return _lean_apply(x)
     return softmax_forward(_as_rows(x, x.shape[-1]), False)[0].view(x.shape)

@@ -26,13 +26,16 @@ import triton.language as tl
 
 from ...ops.sparsemax import reference
 from .._double_backward import graph_grads
-from ..torch import sparsemax as _torch
+from .._fallback import registered
 from ._autograd import lean_apply
 from ._autograd import transforms_active as _transforms_active
 from ._launch import launch
 from ._rows import as_rows as _as_rows
 from ._rows import cdiv as _cdiv
 from ._rows import row_tile as _tile
+
+# what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
+_torch_sparsemax = registered("activation.sparsemax")
 
 MAX_FUSED_N = 16384  # one block per row up to here; beyond, chunked passes
 CHUNK_N = 4096
@@ -274,7 +277,7 @@ _lean_apply = lean_apply(_Sparsemax)  # _Sparsemax.apply without its Python wrap
 def sparsemax(x: torch.Tensor, dim: int) -> torch.Tensor:
     """The registered impl (arguments already validated by ``polykernel.sparsemax``)."""
     if _transforms_active():  # functorch (vmap, grad): the kernels cannot read its wrapped tensors
-        return _torch.sparsemax(x, dim)
+        return _torch_sparsemax(x, dim)
     if x.requires_grad and torch.is_grad_enabled():
         return _lean_apply(x, dim)
     x2, shape = _last(x, dim)
