@@ -21,6 +21,8 @@
 #   decode      issue 34: decode logits given the same token (batch 1-128), the decode loop, a kernel profile of a step
 #   trl         issue 22: TRL's DPOTrainer on a Llama-1B shape, ours vs use_liger_kernel
 #   checks      the double-backward GPU tests (CuTeDSL, cuTile) and the peers' refusal overhead
+#   overhead    issue 36: dispatcher overhead and host time per call after the redesign, and the nine
+#               original ops' GPU rows (compare with benchmarks/results/h200-2026-12-01-redesign/)
 #   families-1..6  issue 23: each family trained at a ~1B shape, plain / polykernel / Liger / compile
 #
 # Each step runs under its own time limit (a step that overruns is cut, its log says so, the next
@@ -119,6 +121,14 @@ case $part in
   checks)
     gpu_tests double-backward 200 tests/ops/test_double_backward.py
     step peer-refusing 90 python3 benchmarks/host/peer_refusing.py --cuda --json "$R/peer_refusing.json"
+    ;;
+  overhead)
+    step overhead 60 python3 benchmarks/host/overhead.py --rounds 150 --calls 200 --json "$R/overhead.json"
+    step helpers 40 python3 benchmarks/host/per_call_helpers.py --rounds 150 --json "$R/per_call_helpers.json"
+    step plain-vs-generated 40 python3 benchmarks/host/plain_vs_generated.py --rounds 150 --json "$R/plain_vs_generated.json"
+    step host-profile 120 python3 benchmarks/host/host_profile.py --out "$R/host"
+    step graph 240 python3 -m polykernel bench --graph --no-compile --out "$R/graph" rms_norm layer_norm fused_add_rms_norm swiglu \
+      geglu softmax rope cross_entropy fused_linear_cross_entropy
     ;;
   trl)
     step trl-dpo 520 python3 benchmarks/models/trl_dpo.py --steps 8 --timeout 250 --json "$R/trl_dpo.json"
