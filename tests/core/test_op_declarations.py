@@ -523,6 +523,13 @@ def test_rank_is_ahead_of_torch_unless_the_backend_is_behind(op_id, impl):
 
 
 @pytest.mark.parametrize(("op_id", "impl"), IMPLS)
+def test_in_place_says_whether_the_op_writes_its_arguments(op_id, impl):
+    # an op with `writes` (the serving ops) writes whichever impl runs (Op marks the write)
+    assert _specs(op_id)[impl].format_signature.in_place == bool(_op(op_id).writes)
+    assert registry.specs_for(op_id)[impl].format_signature.in_place == bool(_op(op_id).writes)
+
+
+@pytest.mark.parametrize(("op_id", "impl"), IMPLS)
 def test_description_says_what_the_impl_does(op_id, impl):
     assert _specs(op_id)[impl].description.strip()
 

@@ -145,6 +145,8 @@ class Registry:
             where = "; ".join(f"impl {n} declared both by the op file and by {', '.join(backends.declaring(op.id, n))}" for n in clash)
             raise ValueError(f"{op.id}: {where}: declare it once (in the backend's manifest)")
         impls = [*impls, *declared]
+        if op.writes:  # the op writes its arguments, whichever impl runs: each built-in impl is in place
+            impls = [_in_place(spec) for spec in impls]
         with self.lock:
             self._ops[op.id] = op
             registered = self._specs.setdefault(op.id, {})
@@ -295,7 +297,13 @@ class Registry:
 
 REGISTRY = Registry()
 
+
 # The module-level API: the one registry's methods.
+def _in_place(spec: KernelSpec) -> KernelSpec:
+    fmt = spec.format_signature
+    return spec if fmt.in_place else dataclasses.replace(spec, format_signature=dataclasses.replace(fmt, in_place=True))
+
+
 load_catalog = REGISTRY.load_catalog
 all_op_ids = REGISTRY.all_op_ids
 resolve_op_id = REGISTRY.resolve_op_id
