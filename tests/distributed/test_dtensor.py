@@ -397,7 +397,7 @@ from polykernel.distributed import dtensor
 from polykernel.distributed.layout import ROWS, Layout, rows_with
 
 laid_out = sorted(i for i in registry.all_op_ids() if registry.get_op(i).dtensor_layout is not None)
-assert len(laid_out) == 16 and sorted(dispatch.routed) == laid_out == sorted(dtensor.LAYOUTS), laid_out
+assert "norm.rms_norm" in laid_out and sorted(dispatch.routed) == laid_out == sorted(dtensor.LAYOUTS), laid_out
 
 def ref(x: torch.Tensor) -> torch.Tensor:
     return x * 2
