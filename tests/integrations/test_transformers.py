@@ -774,6 +774,31 @@ def test_accelerate_style_hook_is_kept(calls, torch_impls):
     assert norm.forward.func is hooked and norm._old_forward.__func__ is type(norm).forward
 
 
+def test_a_bound_forward_installed_first_is_wrapped_and_given_back(calls, torch_impls):
+    # the Hugging Face Hub kernels (transformers >= 5.25 kernelizes in from_pretrained by default)
+    # set `module.forward = MethodType(kernel_layer.forward, module)`: the patch runs polykernel's
+    # op over it, its fallback cases run that forward, and unpatch gives it back
+    need("rms_norm")
+    _, model = pair("llama", **dict.fromkeys(ALL_SWITCHES, False))
+    norm = model.model.norm
+    kernel_calls = []
+
+    def hub_kernel_forward(module, hidden_states, *rest):
+        kernel_calls.append(1)
+        return type(module).forward(module, hidden_states)
+
+    norm.forward = types.MethodType(hub_kernel_forward, norm)
+    pkt.patch(model, **switches_only("rms_norm"))
+    x = torch.randn(3, 64)
+    want = type(norm).forward(norm, x)
+    torch.testing.assert_close(norm(x), want, **FP32)
+    assert kernel_calls == [] and calls["rms_norm"] >= 1  # polykernel's op ran, not the kernel
+    norm(x, "an argument the op does not take")  # a fallback case: the installed forward runs
+    assert kernel_calls == [1]
+    pkt.unpatch(model)
+    assert norm.forward.__func__ is hub_kernel_forward and norm.forward.__self__ is norm
+
+
 def test_class_level_patch(calls, torch_impls):
     from transformers.models.llama import modeling_llama as ml
 
