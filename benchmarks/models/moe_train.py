@@ -11,7 +11,10 @@
 - ``polykernel``: ``patch(model)`` (norms, rope, the fused loss, the experts through
   ``moe_experts``); ``polykernel[no-experts]``: the same with ``moe_experts=False``;
 - ``liger``: Liger-Kernel's patch of the model (``_apply_liger_kernel_to_instance``), where it
-  has one and is installed;
+  has one and is installed. Liger >= 0.8.5 runs transformers 5's experts through its fused MoE
+  kernels, autotuned on first use (~170 Triton configs: minutes in the first step, which a
+  short ``--timeout`` cuts); ``liger[fixed]``: the same with that autotuning off
+  (``LIGER_FUSED_MOE_AUTOTUNE=0``, Liger's one default config per kernel);
 - ``compile``, ``polykernel+compile``: ``torch.compile(model)`` of the two.
 
 Per variant: tokens/s from the median step time of steps 4..N, peak memory, the first step's
@@ -24,6 +27,7 @@ time (compile), the losses, and (patched) the impls that ran.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +43,7 @@ VARIANTS: dict[str, tuple[dict[str, bool] | None, str | None, bool]] = {
     "polykernel": ({}, None, False),
     "polykernel[no-experts]": ({"moe_experts": False}, None, False),
     "liger": (None, "liger", False),
+    "liger[fixed]": (None, "liger-fixed", False),
     "compile": (None, None, True),
     "polykernel+compile": ({}, None, True),
 }
@@ -47,7 +52,7 @@ VARIANTS: dict[str, tuple[dict[str, bool] | None, str | None, bool]] = {
 def _config(args: argparse.Namespace, experts_implementation: str | None) -> Any:
     import transformers
 
-    extra = {} if experts_implementation in (None, "liger") else {"experts_implementation": experts_implementation}
+    extra = {} if experts_implementation in (None, "liger", "liger-fixed") else {"experts_implementation": experts_implementation}
     if args.model == "mixtral":
         if args.tiny:
             sizes = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)
@@ -88,7 +93,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     config = _config(args, experts_impl)
     with torch.device(device):  # initialised on the device (Mixtral's 2 layers: ~6B parameters)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if experts_impl == "liger":
+    if experts_impl in ("liger", "liger-fixed"):
+        if experts_impl == "liger-fixed":  # read by liger_kernel.ops.fused_moe_kernels at import
+            os.environ["LIGER_FUSED_MOE_AUTOTUNE"] = "0"
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
 
         if config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
