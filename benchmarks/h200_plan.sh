@@ -103,7 +103,9 @@ case $part in
     step pref-bench 120 python3 -m polykernel bench --no-compile --out "$R/pref" "${PREF_OPS[@]}"
     step pref-script 90 python3 benchmarks/kernels/preference_losses.py --json "$R/pref.json"
     ;;
-  moe)  # each test file on its own (2026-12-03, fresh machine: gpt-oss 54 s; the other two cut at 50-65 s, compiling)
+  moe)  # each test file on its own (2026-12-03, fresh machine: gpt-oss 54 s; the other two cut at 50-65 s, compiling);
+    # their compiles, counted on the CPU: benchmarks/results/cpu-2026-12-03-moe-compiles/. No Liger wheel for this part:
+    # with it, test_moe_experts.py's GPU parity also runs Liger's autotuned fused MoE on every case (minutes of compiling)
     for f in test_moe_paths test_moe_experts test_moe_experts_gpt_oss test_moe_router; do
       gpu_tests "$f" 120 "tests/ops/$f.py" --durations=0
     done

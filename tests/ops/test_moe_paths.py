@@ -142,18 +142,48 @@ def test_grouped_mm_path_backward_writes_the_gate_up_gradient_over_its_saved_inp
     assert seen and all(gu == dgu for gu, dgu in seen)
 
 
+@pytest.mark.parametrize("name", sorted(OPS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_which_cases_run_our_kernels_in_auto_mode(name, dtype):
+    # What the GPU tests' split rests on (tests/_moe_helpers.py): in MODE "auto" on a GPU the
+    # grouped_mm path refuses the odd sizes and the strided case, so the GPU parity of the
+    # test_moe_experts*.py files runs our grouped GEMMs on them unforced, and the forced run below
+    # needs only the routings that grouped_mm would otherwise take.
+    from polykernel.core.op import Case
+    from polykernel.ops import _moe
+
+    _need_grouped_mm("cpu", dtype)
+    mod = OPS[name]
+    refused = lambda args: moe.grouped_mm_refusal(mod, args)
+    cases = {c.label: c for c in mod.cases("cpu", dtype)}
+    odd = "9x17x23-E3-k2-odd-clamped" if name == "moe_experts_gpt_oss" else "9x17x23-E3-k2-odd"
+    assert "multiples of 16 bytes" in (refused(cases[odd].args) or "")
+    if name == "moe_experts":
+        assert "contiguous" in (refused(cases["7x24x40-E5-k2-strided"].args) or "")
+    spec = next(s for s in _moe.large_routings() if s.label == "1031x1000x700-E9-k3-odd")
+    large_odd = Case(spec.label, mod.example(spec[1:6], dtype, "cpu").args)
+    assert "multiples of 16 bytes" in (refused(large_odd.args) or "")
+    for label in moe.KERNELS_GPU_LABELS:  # these need forcing: grouped_mm takes them
+        assert refused(cases[label].args) is None, label
+    # float16's triton cases on the GPU: those on the grouped_mm path and the small odd one
+    kept = {c.label for c in moe.triton_gpu_cases(mod, [*cases.values(), large_odd], dtype)}
+    dropped = {"7x24x40-E5-k2-strided", spec.label} if dtype == torch.float16 else set()
+    assert kept == {*cases, spec.label} - dropped
+
+
 # ---------------------------------------------------------------------------------------------
-# GPU: the grouped_mm path is the default there for 16-bit dtypes; our kernels stay checked
+# GPU: the grouped_mm path is the default there for 16-bit dtypes; the GPU parity of
+# test_moe_experts.py and test_moe_experts_gpt_oss.py checks it (MODE "auto", every impl; the
+# triton impl's float16 cases: moe.triton_gpu_cases), and our kernels on the cases it refuses
+# (above). Here our kernels, forced, on the routings it takes.
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(OPS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_gpu_each_path_matches_the_reference(name, dtype, monkeypatch):
+def test_gpu_our_kernels_on_the_routings_grouped_mm_takes(name, dtype, monkeypatch):
     _need_triton("cuda", dtype)
-    monkeypatch.setattr(_grouped_mm, "MODE", "auto")
-    assert_parity(name, ["triton"], device="cuda", dtypes=[dtype])
-    monkeypatch.setattr(_grouped_mm, "MODE", "kernels")  # compile-bound on a fresh machine: fewer shapes
+    monkeypatch.setattr(_grouped_mm, "MODE", "kernels")  # compile-bound on a fresh machine: two cases
     assert_parity(name, ["triton"], device="cuda", dtypes=[dtype], cases=moe.kernels_gpu_cases(OPS[name], dtype))
 
 

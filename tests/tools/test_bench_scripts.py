@@ -24,6 +24,7 @@ ESTIMATES = {"announce", "run_all"}
 # script (relative to benchmarks/) -> why it has no RowFile
 NO_ROW_FILE = {
     "readme_table.py": "reads a results file and prints a table: measures nothing",
+    "host/moe_gpu_compiles.py": "counts the MoE GPU tests' Triton compiles on the CPU: one JSON of counts, no timed rows",
     "kernels/bench_ops.py": "runs polykernel.tools.bench.main, whose rows go through a RowFile (test_bench_rows.py)",
     "kernels/moe_paths.py": "JSONL, a line appended per row as measured (its own format; edited elsewhere)",
     "kernels/ncu_kernels.py": "the counters come from ncu's report, which exists once its run ends (see its docstring)",
@@ -33,6 +34,7 @@ NO_ROW_FILE = {
 # script -> why it prints no estimate
 NO_ESTIMATE = {
     "readme_table.py": "measures nothing",
+    "host/moe_gpu_compiles.py": "prints each test's count as it goes (~1 min; ~5 min with --compile: its docstring)",
     "kernels/bench_ops.py": "polykernel.tools.bench.main announces",
     "kernels/moe_paths.py": "not yet: edited elsewhere",
 }
