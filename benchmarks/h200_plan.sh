@@ -17,6 +17,7 @@
 #   serving-b   issue 25: cuda_jit and torch_compile rows, the decode loop, the selection sweep
 #   losses      issue 22: distillation and preference losses (bench rows and GPU tests), vs Liger
 #   moe         issue 33: the MoE GPU tests; one experts layer at Qwen3-30B-A3B, Mixtral, gpt-oss-20b shapes, profiled; the sweep
+#   moe-liger   issue 33: the MoE GPU parity with Liger's fused MoE among the impls (carry the Liger wheel)
 #   moe-train   issue 33: Mixtral (2 layers) and Qwen3-MoE (4 layers) widths trained: plain, polykernel, Liger (autotune off)
 #   moe-train-liger  issue 33: Qwen3-MoE with Liger as it comes (its fused MoE autotuned in the first step)
 #   decode      issue 34: decode logits given the same token (batch 1-128), the decode loop, a kernel profile of a step
@@ -105,12 +106,16 @@ case $part in
     ;;
   moe)  # each test file on its own (2026-12-03, fresh machine: gpt-oss 54 s; the other two cut at 50-65 s, compiling);
     # their compiles, counted on the CPU: benchmarks/results/cpu-2026-12-03-moe-compiles/. No Liger wheel for this part:
-    # with it, test_moe_experts.py's GPU parity also runs Liger's autotuned fused MoE on every case (minutes of compiling)
+    # with it, test_moe_experts.py's GPU parity also compiles Liger's fused MoE for every case (the tests turn its
+    # autotuning off, tests/conftest.py, but not its compiles); Liger's MoE parity runs in the part moe-liger
     for f in test_moe_paths test_moe_experts test_moe_experts_gpt_oss test_moe_router; do
       gpu_tests "$f" 120 "tests/ops/$f.py" --durations=0
     done
     step moe-layer 80 python3 benchmarks/kernels/moe_paths.py --rep 150 --jsonl "$R/moe_paths.jsonl"
     step moe-sweep 130 python3 benchmarks/kernels/moe_paths.py --sweep --rep 80 --jsonl "$R/moe_sweep.jsonl"
+    ;;
+  moe-liger)  # carries .whl/: Liger's fused MoE through our parity harness on the GPU (autotuning off: tests/conftest.py)
+    gpu_tests moe-liger 300 tests/ops/test_moe_experts.py -k "parity_gpu_large or outside_the_experts" --durations=0
     ;;
   moe-train)  # carries .whl/ with the Liger wheel (the header's Notes). Liger >= 0.8.5 autotunes its fused MoE
     # kernels on first use (~170 configs: its Qwen3-MoE run took no step in 170 s on 2026-12-03): liger[fixed]

@@ -19,6 +19,11 @@ try:
 except ImportError:  # the torch-free spec tests still run
     _cuda = False
 
+# Liger >= 0.8.5 autotunes its fused MoE kernels on first use (~170 Triton configs per shape: minutes
+# on a GPU); the tests check its results, not its speed: its one default config per kernel (read by
+# liger_kernel at import; a value set by whoever runs the tests wins)
+os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")
+
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # Import triton now, while TRITON_INTERPRET=1: a later first import (torch imports it from
