@@ -18,9 +18,13 @@ class _Norm:
     eps_attr: str
 
     def eps_of(self, module: Any) -> float | None:
-        """The module's epsilon under ``eps_attr`` or the other name transformers uses for it (Llama 4's
-        RMSNorm moved from ``eps`` to ``variance_epsilon`` in transformers 5.25); None when it has neither."""
-        for name in (self.eps_attr, *_EPS_NAMES):
+        """The module's epsilon: under ``eps_attr`` (one attribute read per call), else under the other
+        name transformers has used (Llama 4's RMSNorm had ``eps`` before transformers 5.25); None when
+        it has neither."""
+        eps = getattr(module, self.eps_attr, None)
+        if type(eps) is float:
+            return eps
+        for name in _EPS_NAMES:
             eps = getattr(module, name, None)
             if isinstance(eps, (float, int)):
                 return float(eps)
@@ -33,7 +37,7 @@ _EPS_NAMES = ("variance_epsilon", "eps")
 _LLAMA_NORM = _Norm(offset=0.0, casting="llama", eps_attr="variance_epsilon")  # weight * x̂.to(dtype)
 _GEMMA_NORM = _Norm(offset=1.0, casting="fp32", eps_attr="eps")  # (x̂ * (1 + w.float())).type_as(x)
 _OLMO2_NORM = _Norm(offset=0.0, casting="fp32", eps_attr="variance_epsilon")  # (weight * x̂).to(dtype)
-_LLAMA4_NORM = _Norm(offset=0.0, casting="llama", eps_attr="eps")  # x̂.type_as(x) * weight
+_LLAMA4_NORM = _Norm(offset=0.0, casting="llama", eps_attr="variance_epsilon")  # x̂.type_as(x) * weight
 
 # How a family's rotary function maps onto polykernel.rope (which takes [B, T, D] rotate-half tables):
 _ROTATE_HALF = "rotate_half"  # q·cos + rotate_half(q)·sin, the tables as they come

@@ -32,11 +32,11 @@ def _rms_norm_forward(base: Callable, norm: _Norm) -> Callable:
     @functools.wraps(base)
     def forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         weight = self.weight
-        eps = norm.eps_of(self)
         # Llama's `weight * x̂.to(dtype)` promotes: an fp32 weight on bf16 x gives an fp32 result,
         # which polykernel (output dtype = x.dtype) does not; the original handles that case.
         if args or kwargs or (casting == "llama" and torch.promote_types(weight.dtype, hidden_states.dtype) != hidden_states.dtype):
             return base(self, hidden_states, *args, **kwargs)
+        eps = norm.eps_of(self)
         if eps is None:  # a transformers that renamed the attribute again: its own forward, logged once
             _fallback_once(type(self).__name__, "has neither `variance_epsilon` nor `eps`")
             return base(self, hidden_states, *args, **kwargs)
