@@ -53,6 +53,7 @@ def collect(out: str) -> None:
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
+    from polykernel import _compat
     from polykernel.backends.triton import _grouped_mm
     from polykernel.core.registry import REGISTRY
     from polykernel.testing import _public_fn, fresh, runnable_impls
@@ -93,7 +94,9 @@ def collect(out: str) -> None:
                 seen.add(key)
                 jobs.append((fn.__module__, fn.__name__, sig, const))
     with open(out, "wb") as f:
-        pickle.dump({"jobs": jobs, "errors": errors}, f)
+        # The hybrid MoE path (and its kernels) runs only where torch._grouped_mm does: not under
+        # POLYKERNEL_COMPAT_FALLBACKS=1, nor on a torch without it.
+        pickle.dump({"jobs": jobs, "errors": errors, "grouped_mm": _compat.grouped_mm is not None}, f)
 
 
 def compile_all(path: str) -> None:
