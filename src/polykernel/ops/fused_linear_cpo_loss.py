@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from ..core.op import Case, Op
 from . import _checks as check
 from . import _preference as pref
+from ._preference_error import error_model_for
 
 OP_ID = "loss.fused_linear_cpo_loss"
 
@@ -109,7 +110,7 @@ def reference(hidden, weight, target, bias=None, beta=0.1, alpha=1.0, label_smoo
     return pref.contract(_stats(loss, logps, mask, float(beta), average_log_prob), hidden)
 
 
-error_model = pref.error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 3})
+error_model = error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 3})
 
 
 outputs = pref.pair_outputs(1)  # the first-call check: loss, the [B] log-probs and rewards, nll_loss

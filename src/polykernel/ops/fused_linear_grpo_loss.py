@@ -33,6 +33,7 @@ import torch
 from ..core.op import Case, Op
 from . import _checks as check
 from . import _preference as pref
+from ._preference_error import error_model_for
 
 OP_ID = "loss.fused_linear_grpo_loss"
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -241,7 +242,7 @@ def reference(hidden, weight, selected_token_ids, attention_mask, advantages, bi
     return pref.contract(GRPOOutput(loss, _metrics(logps.detach(), aux, opts)), hidden)
 
 
-error_model = pref.error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 5}, curv=lambda a: 0.0)  # no margin: ratios, KL
+error_model = error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 5}, curv=lambda a: 0.0)  # no margin: ratios, KL
 
 
 def outputs(hidden, *_: object) -> tuple:

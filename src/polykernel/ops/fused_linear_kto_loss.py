@@ -27,6 +27,7 @@ import torch
 from ..core.op import Case, Op
 from . import _checks as check
 from . import _preference as pref
+from ._preference_error import error_model_for
 
 OP_ID = "loss.fused_linear_kto_loss"
 
@@ -155,7 +156,7 @@ def reference(hidden, weight, target, preference_labels, bias=None, ref_hidden=N
     return pref.contract(_stats(loss, logps, mask, labels, ref, float(beta), average_log_prob), hidden)
 
 
-error_model = pref.error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 4})
+error_model = error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 4})
 
 
 def outputs(hidden, *_: object) -> tuple:

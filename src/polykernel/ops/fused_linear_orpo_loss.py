@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..core.op import Case, Op
 from . import _preference as pref
+from ._preference_error import error_model_for, orpo_curv, orpo_gain
 
 OP_ID = "loss.fused_linear_orpo_loss"
 
@@ -104,7 +105,7 @@ def reference(hidden, weight, target, bias=None, beta=0.1, ignore_index=-100, co
     return pref.contract(_stats(loss, logps, mask, float(beta)), hidden)
 
 
-error_model = pref.error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 3}, gain=pref.orpo_gain, curv=pref.orpo_curv)
+error_model = error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 3}, gain=orpo_gain, curv=orpo_curv)
 
 
 outputs = pref.pair_outputs(3)  # the first-call check: loss, the [B] log-probs and rewards, nll_loss, the log-odds' two

@@ -21,6 +21,7 @@ import torch
 from ..core.op import Case, Op
 from . import _checks as check
 from . import _preference as pref
+from ._preference_error import error_model_for
 from .fused_linear_cpo_loss import sigmoid_terms
 
 OP_ID = "loss.fused_linear_simpo_loss"
@@ -96,7 +97,7 @@ def reference(hidden, weight, target, bias=None, beta=2.0, gamma=0.5, label_smoo
     return pref.contract(_stats(loss, logps, mask, float(beta)), hidden)
 
 
-error_model = pref.error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 3})
+error_model = error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 3})
 
 
 outputs = pref.pair_outputs(0)  # the first-call check: loss, the [B] log-probs and rewards
