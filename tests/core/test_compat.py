@@ -17,11 +17,13 @@ import types
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 
 import polykernel
 from polykernel import _compat
 from polykernel.core import hit_guard, registry
 from polykernel.core import hot_path as op_mod  # the generated hot path and the state it reads
+from polykernel.ops.rms_norm import reference as rms_norm_reference
 
 GUARDED = ["rms_norm", "layer_norm", "fused_add_rms_norm", "swiglu", "geglu"]
 
@@ -94,6 +96,7 @@ def test_forced_switch_takes_every_fallback():
         "tensor_guards",
         "function_apply",
         "functorch_transforms_active",
+        "forward_ad_level",
         "any_autocast_enabled",
         "delayed_error",
         "cuda_sleep",
@@ -125,6 +128,23 @@ def test_deterministic_and_capture_flags_equal_the_public_ones():
             torch.use_deterministic_algorithms(False)
     if torch.cuda.is_available():  # asked only for CUDA decisions (a CPU build has stubs that raise)
         assert _compat.stream_capturing() is torch.cuda.is_current_stream_capturing() is False
+
+
+def test_forward_ad_fallback_still_carries_tangents_and_plain_calls_dispatch(monkeypatch):
+    # Without the dual level's module global every call looks for tangents (the public unpack_dual):
+    # a dual call gets the reference's tangent, a plain one its impl as before.
+    monkeypatch.setattr(op_mod, "_FORWARD_AD_EXPR", "forward_ad_open()")
+    monkeypatch.setattr(_compat, "forward_ad_open", _compat._dual_level_unknown)
+    op = registry.get_op("rms_norm")
+    fn = op_mod._hot_dispatch(op)
+    x, t, w = torch.randn(4, 16), torch.randn(4, 16), torch.randn(16)
+    want = rms_norm_reference(x, w)
+    for _ in range(2):  # the second call: a guard hit
+        torch.testing.assert_close(fn(None, x, w, 1e-6, 0.0, "fp32"), want)
+    with fwAD.dual_level():
+        y = fn(None, fwAD.make_dual(x, t), w, 1e-6, 0.0, "fp32")  # auto: Triton here
+        ref = rms_norm_reference(fwAD.make_dual(x, t), w)
+        torch.testing.assert_close(fwAD.unpack_dual(y).tangent, fwAD.unpack_dual(ref).tangent)
 
 
 def test_compile_check_fallback_still_sends_compiled_calls_to_the_custom_op(monkeypatch):

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch.func import grad, hessian, vmap
 
 import polykernel as pk
@@ -214,3 +215,30 @@ def test_triton_under_transforms_cuda(name, monkeypatch):
             want = vmap(grad(lambda *a: _sq(ref(*a)), argnums=argnums))(*args)
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("impl", [None, "torch", "triton"])
+def test_forward_ad_dual_tensors_get_the_references_tangents(impl, name):
+    # torch.autograd.forward_ad: a dual tensor does not require grad, so the argument class said
+    # "no gradient" and a kernel reading raw memory returned an output without a tangent (a zero
+    # derivative, silently): auto picks Triton here, and so did impl="triton".
+    if impl is not None:
+        _need(_op_of(name), impl)
+    op, ref, example = CASES[name]
+    args = tuple(a[0] for a in example(torch.float32))  # one sample (the vmapped dim dropped)
+    tangents = tuple(torch.randn_like(a) for a in args)
+    with fwAD.dual_level():
+        got = op(impl, *(fwAD.make_dual(a, t) for a, t in zip(args, tangents)))
+        want = ref(*(fwAD.make_dual(a, t) for a, t in zip(args, tangents)))
+        got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+            w_tangent = fwAD.unpack_dual(w).tangent
+            assert bool(w_tangent.abs().sum() > 0)
+            g_tangent = fwAD.unpack_dual(g).tangent
+            assert g_tangent is not None, f"{name} [{impl}]: the output lost its tangent"
+            torch.testing.assert_close(g_tangent, w_tangent, rtol=1e-4, atol=1e-5)
+    plain, want = op(impl, *args), ref(*args)  # outside the dual level: the plain call, as before
+    for g, w in zip(plain if isinstance(plain, tuple) else (plain,), want if isinstance(want, tuple) else (want,)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)

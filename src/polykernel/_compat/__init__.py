@@ -20,6 +20,7 @@ COMPILING_EXPR                 torch.compiler._is_compiling_flag (inlined)   ``c
 tensor_guards()                torch._C._dynamo.guards.TensorGuards          None: the argument class built in Python
 function_apply(cls)            torch._C._FunctionBase.apply                  None: ``cls.apply``
 functorch_transforms_active    torch._C._are_functorch_transforms_active     a Function without setup_context raises
+forward_ad_open                torch.autograd.forward_ad._current_level      every call looks for tangents (unpack_dual)
 any_autocast_enabled           torch._C._is_any_autocast_enabled             torch.is_autocast_enabled per device type
 delayed_error(message, n)      torch._C._functions.DelayedError              an autograd.Function whose backward raises
 cuda_sleep(cycles)             torch.cuda._sleep                             matmuls on a small buffer (calibrated)
@@ -61,6 +62,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from .. import env
 
@@ -193,6 +195,29 @@ def _transforms_active_by_probe() -> bool:
 functorch_transforms_active: Callable[[], bool] = _probe(
     "functorch_transforms_active", lambda: torch._C._are_functorch_transforms_active, _transforms_active_by_probe
 )
+
+
+# Whether a forward-AD dual level is open (``torch.autograd.forward_ad.dual_level``): its dual
+# tensors do not require grad, yet their tangents must reach the outputs, which no kernel reading
+# raw memory carries (the dispatcher then checks the call's tensors: Op.forward_ad). The level is
+# a module global of torch.autograd.forward_ad (-1 when none is open), read as one attribute; the
+# generated hot paths inline FORWARD_AD_EXPR, which reads the name ``fwad`` (that module) or
+# ``forward_ad_open`` (this function). The fallback says "open" on every call: each call then
+# looks for tangents with the public ``unpack_dual`` (~1 µs a tensor).
+def _dual_level_open() -> bool:
+    return _forward_ad._current_level >= 0
+
+
+def _dual_level_unknown() -> bool:
+    return True
+
+
+forward_ad_open: Callable[[], bool] = _probe(
+    "forward_ad_level",
+    lambda: _dual_level_open if type(getattr(_forward_ad, "_current_level", None)) is int else None,
+    _dual_level_unknown,
+)
+FORWARD_AD_EXPR: str = "fwad._current_level >= 0" if forward_ad_open is _dual_level_open else "forward_ad_open()"
 
 
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "hpu", "mps", "xla", "ipu", "mtia", "maia", "privateuseone")

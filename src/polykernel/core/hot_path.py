@@ -35,6 +35,8 @@ _compiling = _compat.is_compiling
 # The generated hot path (see _hot_dispatch) inlines `is_compiling` where this torch allows (one Python
 # frame instead of two): the expression and the names it reads are polykernel._compat's.
 _COMPILING_EXPR = _compat.COMPILING_EXPR
+# ... and the check that a forward-AD dual level is open (then Op.forward_ad looks at the tensors).
+_FORWARD_AD_EXPR = _compat.FORWARD_AD_EXPR
 # torch.cuda.is_current_stream_capturing's C function where there is one; asked only for
 # decisions on CUDA devices.
 _stream_capturing = _compat.stream_capturing
@@ -125,6 +127,8 @@ def _exec(op: Op, src: str, name: str) -> Callable[..., Any]:
         "compiling": _compiling,
         "dynamo_compiling": _compat.dynamo_compiling,
         "compiler_mod": torch.compiler,
+        "fwad": torch.autograd.forward_ad,
+        "forward_ad_open": _compat.forward_ad_open,
         "scope_get": _scope_get,
         "det": _deterministic,
         "grad": _grad_enabled,
@@ -226,6 +230,8 @@ def _hot_dispatch(op: Op) -> Callable[..., Any]:
             f"def dispatch(impl, {sig}):\n"
             f"    if {_COMPILING_EXPR}:\n"
             f"        return op.custom_op(impl, {args})\n"
+            f"    if {_FORWARD_AD_EXPR}:\n"
+            f"        return op.forward_ad(impl, ({args},))\n"
             f"    return slow(impl, ({args},), scope_get(), det(), grad())\n"
         )
         return _exec(op, src, "dispatch")
@@ -252,6 +258,8 @@ def _hot_dispatch(op: Op) -> Callable[..., Any]:
         f"def dispatch(impl, {sig}):\n"
         f"    if {_COMPILING_EXPR}:\n"
         f"        return op.custom_op(impl, {args})\n"
+        f"    if {_FORWARD_AD_EXPR}:  # dual tensors: their tangents (see Op.forward_ad)\n"
+        f"        return op.forward_ad(impl, ({args},))\n"
         f"    scope = scope_get()\n"
         f"    dt = det()\n"
         f"    for f in fast:\n"

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from .. import _compat
 from ..errors import OpTypeError, shown
 from ..spec import KernelSpec
 from . import hit_guard, hooks, memo_key, registry
@@ -37,6 +38,21 @@ from .memo_key import MemoKey
 from .values import ArgClass, Case, rows_and_len  # noqa: F401 (re-exported)
 from .writes import mark_written as _mark_written
 from .writes import writable as _writable
+
+_forward_ad_open = _compat.forward_ad_open
+_unpack_dual = torch.autograd.forward_ad.unpack_dual
+_NO_KEY = object()  # Op.forward_ad called without an argument class (the hot path builds none)
+
+
+def _has_tangent(args: Sequence[Any]) -> bool:
+    """Whether a tensor among ``args`` (or in a list or tuple there) carries a forward-AD tangent."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if _unpack_dual(a).tangent is not None:
+                return True
+        elif isinstance(a, (list, tuple)) and _has_tangent(a):
+            return True
+    return False
 
 
 class Op:
@@ -240,6 +256,34 @@ class Op:
     def run(self, impl: str | None, argkey: tuple[Any, ...] | None, *args: Any) -> Any:
         """The eager path of :meth:`call` without its compile check: the custom op's real impl
         runs this (a compile may be in progress around it, e.g. inductor constant folding)."""
+        if _forward_ad_open():  # a dual level is open: the call's tangents (see forward_ad)
+            return self.forward_ad(impl, args, argkey)
+        return self._run(impl, argkey, args)
+
+    def forward_ad(self, impl: str | None, args: tuple[Any, ...], argkey: Any = _NO_KEY) -> Any:
+        """A call while a forward-AD dual level is open (``torch.autograd.forward_ad``). A dual
+        tensor does not require grad, so its argument class says "no gradient", and an impl that
+        reads raw memory (or a torch impl's no-grad path) returns outputs without tangents: a
+        zero derivative, silently. A call with a tangent is validated and its ``impl=`` resolved
+        as any call (named errors), then runs the op's reference, whose torch ops carry the
+        tangents (or raise where torch has no forward-mode rule). A call without one, and an op
+        that writes its arguments (inference only), takes the usual path."""
+        if self._written or not _has_tangent(args):
+            if argkey is _NO_KEY:  # from the hot path: its slow path (which comes back to _run)
+                return self._dispatch_slow(impl, args)
+            return self._run(impl, argkey, args)
+        wrong = self._mistyped(args)  # as on the slow path: the memo's keys hold False == 0.0 alike
+        if wrong is not None:
+            self._reject(args, wrong)
+        if argkey is _NO_KEY:  # from the hot path, which builds no class
+            try:
+                argkey = self.key(*args)
+            except Exception:  # validate (on the miss below) names the problem
+                argkey = None
+        self.decision_for(impl, argkey, args)  # validation and impl= resolution; nothing runs
+        return self.reference(*args)
+
+    def _run(self, impl: str | None, argkey: tuple[Any, ...] | None, args: tuple[Any, ...]) -> Any:
         if self._written:  # an op that writes its arguments (the serving ops: not on the guarded hot path)
             return self._run_writing(impl, argkey, args)
         key = memo_key.make((argkey, impl, _scope_get(), _deterministic(), False, None))
