@@ -356,6 +356,19 @@ def test_parity_bf16(family, calls, torch_impls):
     assert set(calls) >= expected_calls(family, dict.fromkeys(SWITCHES, True))
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "olmo2", "qwen3_moe", "llama4_text"])
+def test_parity_under_autocast(family, torch_impls):
+    # an fp32 model under CPU bf16 autocast: projections in bf16, the residual stream and norm
+    # weights in fp32 (each patched module then runs the module's dtype behaviour, or its own
+    # forward); the patched training step agrees with the unpatched one to bf16 noise (measured:
+    # below the unpatched model's own autocast-vs-fp32 distance)
+    ref, model = pair(family)
+    ids, labels = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, want = train_step(model, ids, labels), train_step(ref, ids, labels)
+    assert_bf16_close(model, ref, out, want)
+
+
 @pytest.mark.parametrize("family", ["olmo2", "olmo3"])
 def test_olmo_rope_runs_on_its_fp32_tables_in_bf16(family, calls, torch_impls):
     # Olmo's rotary embedding returns fp32 tables and its rotary function casts back to q's
@@ -936,6 +949,78 @@ def test_family_parity_fp32(family, overrides, torch_impls):
     torch.testing.assert_close(out.logits, want.logits, **FP32)
     torch.testing.assert_close(out.loss, want.loss, **FP32)
     assert ops_ran() == expected_ops(family, "cross_entropy")
+
+
+# family -> config values that bite at the tiny size, on top of a large epsilon (0.3, so that an
+# epsilon taken from elsewhere than the module shows) and projections scaled x8 (activations of
+# order 1 and more): gpt-oss's clamp (limit 0.5, alpha 1.2), rope scalings whose tables transformers
+# builds (llama3, longrope over half the head, YaRN with its attention factor), biases, DeepSeek's
+# routed scaling, Qwen3-MoE's top-k normalisation. The family's defaults (limit 7, no scaling)
+# never reach these branches in the tiny models above.
+BITING = {
+    "llama": {
+        "mlp_bias": True,
+        "attention_bias": True,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
+    },
+    "gpt_oss": {"swiglu_limit": 0.5, "swiglu_alpha": 1.2},
+    "phi3": {
+        "rope_parameters": {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "short_factor": [1.5] * 4,
+            "long_factor": [2.0] * 4,
+            "original_max_position_embeddings": 8,
+        }
+    },
+    "qwen3_moe": {"norm_topk_prob": True},
+    "deepseek_v3": {
+        "routed_scaling_factor": 2.5,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    },
+    "llama4_text": {"use_qk_norm": True},
+}
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_family_parity_fp32_where_the_config_bites(family, torch_impls):
+    # the patched model against the unpatched one where a semantic slip would show (an epsilon, a
+    # clamp limit or alpha, a table, an offset): logits in eval, loss and every gradient in training
+    ref = tiny(family, rms_norm_eps=0.3, **BITING.get(family, {}))
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.dim() >= 2:
+                p.mul_(8.0)
+    model = copy.deepcopy(ref)
+    pkt.patch(model)
+    ids, labels = batch()
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, **FP32)
+    out, want = train_step(model, ids, labels), train_step(ref, ids, labels)
+    torch.testing.assert_close(out.loss, want.loss, **FP32)
+    assert_grads_close(model, ref, **FP32_GRAD)
+    loss = "fused_linear_cross_entropy" if has_op("fused_linear_cross_entropy") else "cross_entropy"
+    glu = "geglu" if family in GELU_FAMILIES else "swiglu"  # (Gemma 1 and 2 are not in FAMILY_OPS)
+    ops = FAMILY_OPS.get(family, ("rms_norm", glu, "rope"))
+    assert ops_ran() >= {OP_IDS[op] for op in (*ops, loss) if has_op(op)}
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "phi3", "qwen3_moe", "glm4", "llama4_text"])  # glm4, llama4: rope with its options

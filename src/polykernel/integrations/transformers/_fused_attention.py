@@ -86,7 +86,7 @@ def fused_attention_forward(unfused: Callable, attention_functions: Any, default
     Taken for a plain decode or prefill step on a transformers ``StaticCache`` layer (see
     :func:`_static_layer`) with Llama's rotate-half tables; every other call (no cache, a
     ``DynamicCache``, a sliding-window layer, attention weights asked for, gradients wanted,
-    torch.compile tracing, a device Triton cannot run on) runs ``unfused``. The result, and the
+    autocast, torch.compile tracing, a device Triton cannot run on) runs ``unfused``. The result, and the
     cache after the call, are the unfused path's: the same rotation and writes (the merged matmul
     rounds as the three do up to the GEMM's own choice of kernel)."""
 
@@ -167,6 +167,8 @@ def _fused_call(
     kw = dict(kwargs)
     cache = kw.pop("cache", None) if "cache" in kw else kw.pop("past_key_values", None)
     if cache is None or kw.get("output_attentions") or not _triton_runs_on(hidden.device):
+        return None
+    if torch.is_autocast_enabled(hidden.device.type):  # q/k/v in the autocast dtype, the tables in the model's
         return None
     q_proj, k_proj, v_proj = module.q_proj, module.k_proj, module.v_proj
     if torch.is_grad_enabled() and (hidden.requires_grad or any(p.weight.requires_grad for p in (q_proj, k_proj, v_proj))):

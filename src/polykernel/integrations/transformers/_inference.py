@@ -26,9 +26,10 @@ step CUDA-graph capturable (nothing here allocates outside the caching allocator
 Semantics: the norms are the serving op's (sum rounded to the model's dtype as transformers rounds
 ``residual + hidden``, then normalised in fp32 and rounded once); Llama's own norm rounds x̂ to the
 dtype before the weight multiply, so in 16-bit the logits differ at that dtype's roundoff (in fp32
-they agree to fp32 roundoff). Inference only: with gradients wanted, or when the caller asks for
-the hidden states of every layer (``output_hidden_states``: the carried layers return the MLP's
-output, not the stream), the model's own forwards run.
+they agree to fp32 roundoff). Inference only: with gradients wanted, under ``torch.autocast`` (the stream
+and the projections' outputs are then of two dtypes), or when the caller asks for the hidden
+states of every layer (``output_hidden_states``: the carried layers return the MLP's output, not
+the stream), the model's own forwards run.
 """
 
 from __future__ import annotations
@@ -76,7 +77,10 @@ def base_model_forward(base: Callable, stream: _Stream) -> Callable:
         wants_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.embed_tokens.parameters())
         hidden = kwargs.get("output_hidden_states")
         per_layer = hidden if hidden is not None else getattr(self.config, "output_hidden_states", False)
-        stream.active, stream.residual = not (wants_grad or per_layer), None
+        # under autocast the projections' outputs are in the autocast dtype and the residual stream
+        # in the model's: the serving norms take one dtype for both, so the model's own forwards run
+        autocast = torch.is_autocast_enabled(self.embed_tokens.weight.device.type)
+        stream.active, stream.residual = not (wants_grad or per_layer or autocast), None
         token = _FORWARD.set(object())
         try:
             return base(self, *args, **kwargs)
