@@ -29,6 +29,9 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
+
+from .. import _compat
 
 # the chunking the losses' error models count on is theirs (CHUNK_BYTES, units_per_chunk)
 from ..ops._preference import CHUNK_BYTES, units_per_chunk
@@ -40,6 +43,7 @@ from ._fused_linear_jsd import projector
 UNIT_BYTES = 4 << 30
 
 Contrib = Callable[..., torch.Tensor]
+_transforms_active = _compat.functorch_transforms_active
 
 
 def _chunks(n_rows: int, pairs: bool, step: int) -> list[list[slice]]:
@@ -214,6 +218,18 @@ def _walk_tokens(prim, hidden, weight, bias, target, ignore_index, temperature, 
     return (part.to(acc), logps, *acc_grads.result())
 
 
+def _plain_logps(hidden, weight, bias, target, ignore_index: int, temperature: float) -> torch.Tensor:
+    """``[R, T]`` log-probs (0 where ignored) in plain differentiable torch ops, materializing the
+    ``[R, T, V]`` logits in the accumulation dtype: the path under functorch transforms (grad,
+    vmap, jvp), which take plain ops and neither the chunked walk's in-place writes nor an
+    autograd.Function without functorch rules."""
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    z = F.linear(hidden.to(acc), weight.to(acc), None if bias is None else bias.to(acc)) / temperature
+    valid = target != ignore_index
+    lp = z.log_softmax(-1).gather(-1, torch.where(valid, target, 0).long().unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, lp, torch.zeros((), dtype=acc, device=lp.device))
+
+
 def logps_only(
     prim: ModuleType,
     hidden: torch.Tensor,
@@ -225,6 +241,9 @@ def logps_only(
     budget: int | None = None,
 ) -> torch.Tensor:
     """Per-token log-probs ``[R, T]`` (0 where ignored) without gradients (a reference model's)."""
+    if _transforms_active():
+        with torch.no_grad():
+            return _plain_logps(hidden, weight, bias, target, ignore_index, temperature)
     with torch.no_grad():
         return walk(prim, hidden.detach(), weight.detach(), None if bias is None else bias.detach(), target, ignore_index,
                     temperature, False, None, budget=budget)[1]  # fmt: skip
@@ -271,6 +290,10 @@ def run(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, logps)``: the loss (differentiable in hidden, weight, bias) and the detached
     per-token log-probs ``[R, T]`` fp32 (0 where ignored), from validated arguments."""
+    if _transforms_active():  # functorch (grad, vmap, jvp): plain torch ops, which its transforms take
+        lp = _plain_logps(hidden, weight, bias, target, ignore_index, temperature)
+        loss = contrib(lp.to(torch.float64), *aux).sum().to(lp.dtype)  # the formula in float64, as the walk's
+        return loss, lp.detach()
     hidden = hidden if hidden.is_contiguous() else hidden.contiguous()
     args = (target, ignore_index, temperature, pairs, contrib, tuple(aux))
     kw = {"budget": budget}
