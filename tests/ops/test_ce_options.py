@@ -192,6 +192,37 @@ def test_all_ignored_and_zero_weights_give_the_references_nan(impl):
         assert s.item() == 0.0
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_zero_weight_sum_with_label_smoothing_is_nan_as_f_cross_entropy(impl):
+    # Scored targets whose class weights sum to 0, with label smoothing: F.cross_entropy's mean is
+    # (1-ε)·0/0 + ε·smooth/0 = NaN with NaN gradients on the scored rows (0 on ignored ones), not
+    # the +inf of one division of the whole sum by 0
+    need("cross_entropy", impl)
+    x = torch.randn(6, 60)
+    w = torch.rand(60) + 0.5
+    w[:30] = 0.0
+    t = torch.tensor([3, 7, -100, 29, -100, 0])
+    xr = x.double().requires_grad_()
+    want = F.cross_entropy(xr, t, weight=w.double(), label_smoothing=0.1)
+    want.backward()
+    assert want.isnan()
+    ref = ce_reference(x.double(), t, weight=w, label_smoothing=0.1)
+    assert ref.isnan()
+    xi = x.clone().requires_grad_()
+    loss = polykernel.cross_entropy(xi, t, weight=w, label_smoothing=0.1, impl=impl)
+    loss.backward()
+    assert loss.isnan()
+    torch.testing.assert_close(xi.grad.double(), xr.grad, rtol=0, atol=0, equal_nan=True)
+    h = torch.randn(6, 8, requires_grad=True)
+    head = torch.randn(60, 8, requires_grad=True)
+    flce = polykernel.fused_linear_cross_entropy(h, head, t, ce_weight=w, label_smoothing=0.1, impl=impl)
+    flce.backward()
+    assert flce.isnan()
+    assert bool(h.grad[t != -100].isnan().all()) and bool((h.grad[t == -100] == 0).all())
+    gf = torch.func.grad(lambda a: polykernel.cross_entropy(a, t, weight=w, label_smoothing=0.1, impl=impl))(x)
+    torch.testing.assert_close(gf.double(), xr.grad, rtol=0, atol=0, equal_nan=True)
+
+
 def test_triton_plain_path_is_unchanged_by_the_options():
     # the options are constexpr flags: a call without them launches the plain kernel
     need("cross_entropy", "triton")

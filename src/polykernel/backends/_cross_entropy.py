@@ -14,6 +14,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..ops.cross_entropy import mean_divisor
+
 TEMP_BYTES = 64 << 20  # fp32 bytes of one chunk of upcast rows (a few such temporaries live at once)
 
 
@@ -51,13 +53,15 @@ def extras(weight: torch.Tensor | None, softcap: float | None, z_loss: float) ->
 def denominator(t: torch.Tensor, ignore_index: int, weight: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """A mean's divisor: the count of scored targets (0-d int64), or with class weights their
     summed weights (0-d ``dtype``; out-of-range targets read a clamped index: their rows are
-    flagged by the kernels, never read out of bounds here)."""
+    flagged by the kernels, never read out of bounds here), NaN where that sum is 0
+    (:func:`polykernel.ops.cross_entropy.mean_divisor`: NaN loss and scored rows' gradients, as
+    ``F.cross_entropy``; the consumers zero the ignored rows' scale)."""
     valid = t != ignore_index
     if weight is None:
         return valid.sum()
     v = weight.shape[0]
     w = weight.to(dtype)[torch.where(valid, t, 0).clamp_(0, max(v - 1, 0))]
-    return torch.where(valid, w, 0.0).sum()
+    return mean_divisor(torch.where(valid, w, 0.0).sum())
 
 
 def _target_weight(ex: Extras, t: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -277,7 +281,8 @@ def differentiable(
         rows = rows + z_loss * wt * torch.logsumexp(x, -1).square()
     if reduction == "none":
         return rows.reshape(target.shape)
+    total = torch.where(valid, rows, 0.0).sum()
     if reduction == "sum":
-        return rows.sum()
+        return total
     scored = valid.any()  # as the reference: NaN with zero gradients when nothing is scored
-    return torch.where(scored, rows.sum() / torch.where(scored, wt.sum(), 1.0), torch.nan)
+    return torch.where(scored, total / torch.where(scored, mean_divisor(wt.sum()), 1.0), torch.nan)

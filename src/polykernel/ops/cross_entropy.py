@@ -83,13 +83,25 @@ def reference(
         rows = rows + z_loss * wt * torch.logsumexp(x, -1).square()
     if reduction == "none":
         return rows.to(out_dtype).reshape(target.shape)
-    total = rows.sum()
+    total = torch.where(valid, rows, 0.0).sum()  # ignored rows: zero gradients whatever the divisor
     if reduction == "sum":
         return total.to(out_dtype)
     # as F.cross_entropy: nothing scored is NaN with zero gradients (not inf·0); scored targets
-    # whose weights sum to 0 are 0/0, NaN gradients included
+    # whose weights sum to 0 are NaN with NaN gradients on the scored rows (mean_divisor)
     scored = valid.any()
-    return torch.where(scored, total / torch.where(scored, wt.sum(), 1.0), torch.nan).to(out_dtype)
+    return torch.where(scored, total / torch.where(scored, mean_divisor(wt.sum()), 1.0), torch.nan).to(out_dtype)
+
+
+def mean_divisor(weight_sum: torch.Tensor) -> torch.Tensor:
+    """A weighted mean's divisor, the summed class weights of the scored targets, with 0 as NaN.
+
+    ``F.cross_entropy`` divides its two parts by that sum separately, ``(1-ε)·Σ w[t]·nll / Σ w[t]
+    + ε·smooth / Σ w[t]``: when the weights of the scored targets sum to 0 (non-negative weights:
+    all 0) the first is 0/0, so the loss is NaN and so are the scored rows' gradients, whatever
+    the smoothing, z-loss or softcap add (one division of the whole sum would give +inf with
+    smoothing). The impls' divisors follow this (``polykernel.backends._cross_entropy.denominator``).
+    """
+    return torch.where(weight_sum == 0, torch.nan, weight_sum)
 
 
 def validate_options(op: str, ignore_index: int, label_smoothing: float, reduction: str) -> None:
