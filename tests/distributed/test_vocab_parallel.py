@@ -482,3 +482,119 @@ def test_every_case_on_two_gpus_with_nccl():
             continue
         grads = {"logits"} if name.startswith(("ce-", "opt-logits")) else set(r.get("bwd", {})) | {"hidden", "weight"}
         _check(r, grads, tol=1e-4)
+
+
+# -- a weighted mean whose scored targets' weights sum to 0 ----------------------------------------
+
+ZERO_WEIGHT_CASES = [
+    # (name, kind, placements of (logits|hidden, weight), options)
+    ("ce-vocab-smooth", "logits", ("S1", None), {"label_smoothing": 0.1}),
+    ("ce-vocab-smooth-softcap-zloss", "logits", ("S1", None), {"label_smoothing": 0.2, "softcap": 3.0, "z_loss": 0.01}),
+    ("ce-vocab-plain", "logits", ("S1", None), {}),
+    ("ce-rows-smooth", "logits", ("S0", None), {"label_smoothing": 0.1}),
+    ("flce-vocab-smooth", "hidden", ("R", "S0"), {"label_smoothing": 0.1}),
+    ("flce-vocab-plain", "hidden", ("R", "S0"), {}),
+    # rows sharded: the mean's NaN reaches each rank's "sum" call as its cotangent, and the
+    # single-device fused loss scales the gradients it made for a cotangent of 1 by it, so its
+    # ignored rows' grad_hidden are NaN too (0·NaN; F.cross_entropy's sum gives 0): compared on
+    # the scored rows only (a single-device matter, not this path's)
+    ("flce-rows-smooth", "hidden", ("S0", "R"), {"label_smoothing": 0.1}),
+]
+
+
+def _same_nan(got: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
+    """NaN exactly where ``ref`` is, and the largest difference elsewhere."""
+    got, ref = got.double(), ref.double()
+    both = ~ref.isnan() & ~got.isnan()
+    return {
+        "nan_match": bool(torch.equal(got.isnan(), ref.isnan())),
+        "ref_nan": int(ref.isnan().sum()),
+        "diff": float((got - ref)[both].abs().max()) if both.any() else 0.0,
+    }
+
+
+def _run_zero_weights(mesh: Any, kind: str, places: tuple[str, str | None], opts: dict[str, Any]) -> dict[str, Any]:
+    """``reduction="mean"`` with class weights that are 0 for every scored target: against
+    ``F.cross_entropy`` on the full tensors (NaN loss, NaN gradients on the scored rows, 0 on the
+    ignored ones)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import polykernel
+
+    pl = {"S0": Shard(0), "S1": Shard(1), "R": Replicate()}
+    n, hs, v = 8, 6, 10
+    t = torch.tensor([1, 2, -100, 1, 4, -100, 2, 4])
+    cw = torch.rand(v) + 0.5
+    cw[[1, 2, 4]] = 0.0  # the scored targets' classes
+    softcap, z_loss, eps = opts.get("softcap"), opts.get("z_loss", 0.0), opts.get("label_smoothing", 0.0)
+    dt = distribute_tensor(t, mesh, [Shard(0) if places[0] == "S0" else Replicate()])
+    dcw = distribute_tensor(cw, mesh, [Replicate()])
+    if kind == "logits":
+        x = 3 * torch.randn(n, v)
+        leaves = [x.clone().requires_grad_()]
+        z = leaves[0]
+        dargs = [distribute_tensor(x, mesh, [pl[places[0]]]).requires_grad_()]
+        got = polykernel.cross_entropy(dargs[0], dt, weight=dcw, **opts)
+    else:
+        h, w = torch.randn(n, hs), 2 * torch.randn(v, hs) / hs**0.5
+        leaves = [h.clone().requires_grad_(), w.clone().requires_grad_()]
+        z = F.linear(*leaves)
+        dargs = [distribute_tensor(a, mesh, [pl[p]]).requires_grad_() for a, p in zip((h, w), places)]  # type: ignore[index]
+        got = polykernel.fused_linear_cross_entropy(dargs[0], dargs[1], dt, ce_weight=dcw, **opts)
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    ref = F.cross_entropy(z, t, weight=cw, label_smoothing=eps)
+    if z_loss:  # w[t]·lse² on the scored rows (where: the ignored rows' gradients stay 0), over Σ w[t]: 0 / 0 too
+        valid = t != -100
+        zl = torch.where(valid, cw[t.clamp(min=0)] * torch.logsumexp(z, -1) ** 2, 0.0)
+        ref = ref + z_loss * zl.sum() / cw[t[valid]].sum()
+    got.backward()
+    ref.backward()
+    out = {"loss": _same_nan(got.full_tensor(), ref.detach()), "grads": {}}
+    for i, (d, r) in enumerate(zip(dargs, leaves)):
+        g = d.grad.full_tensor()
+        keep = t != -100 if i == 0 and kind == "hidden" and places[0] == "S0" else slice(None)
+        out["grads"][str(i)] = _same_nan(g[keep], r.grad[keep])
+    out["scored_rows_nan"] = bool(leaves[0].grad[t != -100].isnan().all())
+    out["ignored_rows_zero"] = bool((leaves[0].grad[t == -100] == 0).all())
+    return out
+
+
+def _worker_zero_weights(rank: int, init_file: str, out_file: str) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+    sys.path.insert(0, os.path.dirname(__file__))
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=90))
+    report: dict[str, Any] = {}
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2,))
+        for i, (name, kind, places, opts) in enumerate(ZERO_WEIGHT_CASES):
+            torch.manual_seed(2000 + i)
+            try:
+                report[name] = _run_zero_weights(mesh, kind, places, opts)
+            except Exception as exc:
+                report[name] = {"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}
+    except Exception as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    finally:
+        finish_worker(rank, report, out_file)
+
+
+def test_zero_weight_sum_mean_is_nan_with_nan_scored_gradients_as_f_cross_entropy():
+    """``reduction="mean"`` with class weights, the scored targets' weights summing to 0: as
+    ``F.cross_entropy`` (2 ranks; vocab-sharded logits / LM-head weight and row-sharded calls),
+    the loss is NaN, the scored rows' gradients NaN and the ignored rows' 0, smoothing or not
+    (the vocab-parallel path gave +inf with label smoothing, the row-sharded mean zero gradients)."""
+    data = spawn_report(_worker_zero_weights, 2)
+    assert "error" not in data, data["error"]
+    for name, *_ in ZERO_WEIGHT_CASES:
+        r = data[name]
+        assert "error" not in r, (name, r.get("tb"))
+        assert r["loss"]["nan_match"] and r["loss"]["ref_nan"] == 1, (name, r)
+        assert r["scored_rows_nan"] and r["ignored_rows_zero"], (name, r)  # the reference's own shape
+        for g in r["grads"].values():
+            assert g["nan_match"] and g["diff"] <= 1e-5, (name, r)

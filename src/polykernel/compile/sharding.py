@@ -258,7 +258,8 @@ def mean_of_sum(op_id: str, run: Any, args: tuple[Any, ...]) -> Any:
     layout = _layouts[op_id]
     target, _, reduction = layout.loss_args  # type: ignore[misc]
     total = run(*args[:reduction], "sum", *args[reduction + 1 :])
-    return dtensor.mean_of_scored(total, scored(layout, args[target], args).to(total.dtype))
+    count, weight_sum = scored(layout, args[target], args)
+    return dtensor.mean_of_scored(total, count.to(total.dtype), None if weight_sum is None else weight_sum.to(total.dtype))
 
 
 def register_built() -> None:

@@ -61,7 +61,7 @@ from .. import _compat
 from ..core import registry
 from ..core import selection as dispatch
 from ..errors import ImplNotAvailableError, UnknownOpError
-from .layout import ANY, ROWS, Layout, rows_with, scored
+from .layout import ANY, ROWS, Layout, mean_divisor, rows_with, scored
 
 if TYPE_CHECKING:
     from ..core.op import Op
@@ -116,17 +116,21 @@ _route_laid_out()
 registry.listen(lambda op_id: op_id is not None and _route_laid_out(op_id))
 
 
-def mean_of_scored(total: Any, count: Any) -> Any:
-    """A mean loss over sharded rows from its sum and the count of scored rows (DTensors, both
-    ``Partial()``: DTensor all-reduces them before dividing), as the eager route and compiled
-    calls (:func:`polykernel.compile.sharding.mean_of_sum`) both compute it. No scored row on
-    any rank: the loss is NaN (0 / 0, as the reference's) and the gradients are zero (the
+def mean_of_scored(total: Any, count: Any, weight_sum: Any = None) -> Any:
+    """A mean loss over sharded rows from its sum, the count of scored rows and, with class
+    weights, the scored targets' summed weights (DTensors, all ``Partial()``: DTensor all-reduces
+    them before dividing), as the eager route and compiled calls
+    (:func:`polykernel.compile.sharding.mean_of_sum`) both compute it. No scored row on any
+    rank: the loss is NaN (0 / 0, as the reference's) and the gradients are zero (the
     reference's; a plain ``total / count`` would send ``inf * 0`` into the sum's backward):
-    ``where`` gives the branch it does not pick a zero gradient."""
+    ``where`` gives the branch it does not pick a zero gradient. Scored rows whose weights sum to
+    0: NaN, with NaN gradients on the scored rows (:func:`~polykernel.distributed.layout.mean_divisor`;
+    the sum's backward keeps the ignored rows' 0), as ``F.cross_entropy``."""
     import torch
 
     scored = count > 0
-    return torch.where(scored, total / torch.where(scored, count, 1.0), torch.nan)
+    divisor = count if weight_sum is None else mean_divisor(weight_sum)
+    return torch.where(scored, total / torch.where(scored, divisor, 1.0), torch.nan)
 
 
 def _is_tensor(a: Any) -> bool:
@@ -289,8 +293,10 @@ def run(op: Op, impl: Any, p: Plan, args: tuple[Any, ...]) -> Any:
         total = _wrap(out, p, p.out_placements[0], ())
         if not mean:
             return total
-        count = scored(layout, local[loss[0]], tuple(local)).to(out.dtype)  # type: ignore[arg-type]
-        return mean_of_scored(total, _wrap(count, p, p.out_placements[0], ()))
+        count, weight_sum = scored(layout, local[loss[0]], tuple(local))  # type: ignore[arg-type]
+        count = _wrap(count.to(out.dtype), p, p.out_placements[0], ())
+        weight_sum = None if weight_sum is None else _wrap(weight_sum.to(out.dtype), p, p.out_placements[0], ())
+        return mean_of_scored(total, count, weight_sum)
     outputs = layout.outputs if layout is not None else (0,)
     outs = out if isinstance(out, tuple) else (out,)
     wrapped = tuple(_wrap(o, p, pl, args[like].shape) for o, pl, like in zip(outs, p.out_placements, outputs))

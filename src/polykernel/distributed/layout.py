@@ -48,20 +48,36 @@ class Layout:
             raise ValueError("Layout: a 'loss' output and loss_args (target, ignore_index, reduction) go together")
 
 
-def scored(layout: Layout, target: Any, args: tuple[Any, ...]) -> Any:
-    """A mean loss's divisor over ``target`` (local or DTensor): the count of scored targets, or
-    with class weights (``layout.loss_weight``, given) their summed weights. The weights are read
-    through ``embedding``, which DTensor shards like its indices with the table replicated."""
+def scored(layout: Layout, target: Any, args: tuple[Any, ...]) -> tuple[Any, Any]:
+    """A mean loss's divisor over ``target`` (local or DTensor): (the count of scored targets,
+    their summed class weights or None without class weights (``layout.loss_weight``, given)).
+    The weights are read through ``embedding``, which DTensor shards like its indices with the
+    table replicated. :func:`mean_divisor` turns the summed weights into the divisor once the
+    ranks' sums are added."""
     ignore = args[layout.loss_args[1]]  # type: ignore[index]
     valid = target != ignore
     w = args[layout.loss_weight] if layout.loss_weight is not None and layout.loss_weight < len(args) else None
     if w is None:
-        return valid.sum()
+        return valid.sum(), None
     import torch
 
     idx = torch.where(valid, target, 0).clamp(0, w.shape[0] - 1)
     per = torch.nn.functional.embedding(idx, w.detach().reshape(-1, 1)).squeeze(-1)
-    return torch.where(valid, per, 0.0).sum()
+    return valid.sum(), torch.where(valid, per, 0.0).sum()
+
+
+def mean_divisor(weight_sum: Any) -> Any:
+    """A weighted mean's divisor, the scored targets' summed class weights (over every rank), with
+    0 as NaN: the distributed layer's statement of :func:`polykernel.ops.cross_entropy.mean_divisor`
+    (which it may not import). ``F.cross_entropy`` divides its nll and smoothing parts by that sum
+    separately, so when it is 0 the nll part is 0/0: the loss is NaN and so are the scored rows'
+    gradients (one division of the whole sum would give +inf with label smoothing); the callers
+    keep the ignored rows' gradients 0. Read by the vocab-parallel path
+    (:func:`polykernel.distributed.vocab_math.divisor`) and the mean over sharded rows
+    (:func:`polykernel.distributed.dtensor.mean_of_scored`)."""
+    import torch
+
+    return torch.where(weight_sum == 0, torch.nan, weight_sum)
 
 
 def _is_tensor(a: Any) -> bool:

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .layout import mean_divisor
+
 N_STATS = 3  # the slice's lse, target logit, Σ w·z
 
 
@@ -79,9 +81,11 @@ def row_losses(
 
 
 def divisor(t: torch.Tensor, o: Options, v: int, cw: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """``[what "mean" divides the sum by (Σ w[t] over the scored rows: their count without class
-    weights), the count of scored rows]``."""
-    return torch.stack([_row_weights(t, o, v, cw, dtype)[0].sum(), (t != o.ignore_index).sum().to(dtype)])
+    """``[what "mean" divides the sum by (Σ w[t] over the scored rows, NaN where that is 0:
+    :func:`~polykernel.distributed.layout.mean_divisor`; their count without class weights), the
+    count of scored rows]``. Every rank holds all the targets: the sums are global."""
+    count = (t != o.ignore_index).sum().to(dtype)
+    return torch.stack([count if cw is None else mean_divisor(_row_weights(t, o, v, cw, dtype)[0].sum()), count])
 
 
 def grad_logits(
@@ -107,7 +111,8 @@ def grad_logits(
     eps = o.label_smoothing
     wt, bad = _row_weights(t, o, v, cw, x.dtype)
     valid = (t != o.ignore_index).to(x.dtype)
-    c = torch.where(bad, torch.nan, coef * valid)
+    # ignored rows: 0 whatever coef is (NaN or inf from a zero divisor, a NaN cotangent), as torch
+    c = torch.where(bad, torch.nan, torch.where(valid > 0, coef, 0.0))
     p_scale = (1 - eps) * wt
     if eps:
         p_scale = p_scale + (eps / v) * (float(v) if cw is None else cw.to(x.dtype).sum())
@@ -131,7 +136,7 @@ def reduce(losses: torch.Tensor, den: torch.Tensor, reduction: str, shape: Seque
     total = losses.sum()
     if reduction == "sum":
         return total
-    scored = den[1] > 0  # nothing scored: NaN (scored rows whose weights sum to 0: total / 0), as the reference
+    scored = den[1] > 0  # nothing scored: NaN; scored rows whose weights sum to 0: total / NaN (divisor)
     return torch.where(scored, total / torch.where(scored, den[0], 1.0), torch.nan)
 
 
