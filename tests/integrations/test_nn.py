@@ -590,3 +590,20 @@ def test_fused_linear_ce_module_rejects_a_target_of_another_shape():
     assert loss(hidden, weight, torch.randint(0, 32, (2, 6))).shape == ()
     none = polykernel.nn.FusedLinearCrossEntropyLoss(reduction="none")
     assert none(hidden, weight, torch.randint(0, 32, (2, 6))).shape == (2, 6)
+
+
+@pytest.mark.parametrize("convert", [lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.to(dtype=torch.float64)])
+def test_rotary_embedding_keeps_fp32_inv_freq_through_dtype_casts(convert):
+    # model.to(bf16) casts every floating buffer: a bf16 inv_freq is off by up to 2^-9 relative,
+    # so by position 2000 the angles are off by radians (silently wrong cos/sin); keep it fp32.
+    need("rope")
+    ref = pnn.RotaryEmbedding(64)
+    rot = convert(pnn.RotaryEmbedding(64))
+    assert rot.inv_freq.dtype == torch.float32
+    torch.testing.assert_close(rot.inv_freq, ref.inv_freq, atol=0, rtol=0)
+    pos = torch.arange(2048)
+    for a, b in zip(rot.cos_sin(pos, torch.float32), ref.cos_sin(pos, torch.float32)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert "inv_freq" not in rot.state_dict()
+    meta = convert(pnn.RotaryEmbedding(64, device="meta"))
+    assert meta.inv_freq.device.type == "meta" and meta.inv_freq.dtype == torch.float32

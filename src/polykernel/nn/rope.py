@@ -54,6 +54,16 @@ class RotaryEmbedding(nn.Module):
         with torch.no_grad():
             self.inv_freq.copy_(1.0 / (self.base**exponent))
 
+    def _apply(self, fn, recurse: bool = True):
+        """``.to(dtype)``/``.half()``/``model.to(torch.bfloat16)`` cast every floating buffer;
+        ``inv_freq`` stays fp32 (recomputed, exactly): a bf16 one is off by up to 2^-9 relative,
+        which at position 2000 turns the angles by radians (silently wrong cos/sin)."""
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:
+            self.inv_freq = torch.empty(self.inv_freq.shape, device=self.inv_freq.device, dtype=torch.float32)
+            self.reset_parameters()
+        return self
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` ``[T]`` or ``[B, T]`` -> ``(cos, sin)`` of shape ``[1 or B, T, head_dim]``."""
         pos = positions if positions.dim() == 2 else positions[None]
