@@ -607,3 +607,33 @@ def test_rotary_embedding_keeps_fp32_inv_freq_through_dtype_casts(convert):
     assert "inv_freq" not in rot.state_dict()
     meta = convert(pnn.RotaryEmbedding(64, device="meta"))
     assert meta.inv_freq.device.type == "meta" and meta.inv_freq.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "cls, option, value, error",
+    [
+        (pnn.FusedLinearDPOLoss, "beta", -1.0, polykernel.OpArgumentError),
+        (pnn.FusedLinearDPOLoss, "ignore_index", 1.5, TypeError),
+        (pnn.FusedLinearDPOLoss, "average_log_prob", "False", TypeError),
+        (pnn.FusedLinearGRPOLoss, "loss_type", "bogus", polykernel.OpArgumentError),
+        (pnn.FusedLinearGRPOLoss, "importance_sampling_level", "tokens", polykernel.OpArgumentError),
+        (pnn.FusedLinearGRPOLoss, "temperature", 0.0, polykernel.OpArgumentError),
+        (pnn.FusedLinearGRPOLoss, "epsilon_low", 1.0, polykernel.OpArgumentError),
+        (pnn.FusedLinearGRPOLoss, "max_completion_length", 0, polykernel.OpArgumentError),
+        (pnn.FusedLinearORPOLoss, "beta", float("nan"), polykernel.OpArgumentError),
+        (pnn.FusedLinearORPOLoss, "compute_nll_loss", 1, TypeError),
+        (pnn.FusedLinearCPOLoss, "alpha", -0.5, polykernel.OpArgumentError),
+        (pnn.FusedLinearCPOLoss, "label_smoothing", 0.7, polykernel.OpArgumentError),
+        (pnn.FusedLinearSimPOLoss, "gamma", float("inf"), polykernel.OpArgumentError),
+        (pnn.FusedLinearSimPOLoss, "label_smoothing", 2.0, polykernel.OpArgumentError),
+        (pnn.FusedLinearKTOLoss, "beta", "0.1", polykernel.OpArgumentError),
+        (pnn.FusedLinearKTOLoss, "ignore_index", 2**70, polykernel.OpArgumentError),
+    ],
+)
+def test_preference_modules_check_options_at_construction(cls, option, value, error):
+    # The op's own checks, at construction (as the other loss modules do), not at the first call.
+    need(cls._fn)
+    with pytest.raises(error, match=option) as info:
+        cls(**{option: value})
+    assert cls.__name__ in str(info.value)
+    cls()  # the defaults pass

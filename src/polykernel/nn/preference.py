@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import ClassVar
 
 import torch
@@ -25,6 +26,8 @@ class _FusedLinearPreferenceLoss(nn.Module):
         if unknown:
             raise TypeError(f"{type(self).__name__}: unknown option(s) {sorted(unknown)}; known: {list(self._options)}")
         self.options = {**self._options, **options}
+        # the op's own option checks, now rather than at the first call (errors name the module)
+        importlib.import_module(f"polykernel.ops.{self._fn}").validate_options(type(self).__name__, **self.options)
         self.impl = _check_impl(type(self).__name__, impl)
 
     def forward(self, *args: torch.Tensor | None, **kwargs: torch.Tensor | None):  # returns the function's NamedTuple

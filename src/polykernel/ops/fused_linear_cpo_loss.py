@@ -88,11 +88,20 @@ def fused_linear_cpo_loss(
     return _dispatch(impl, *args)
 
 
+def validate_options(op: str, *, beta=0.1, alpha=1.0, label_smoothing=0.0, ignore_index=-100, average_log_prob=False) -> None:
+    """The options' own checks (no tensor needed): every call, and ``nn.FusedLinearCPOLoss``'s
+    constructor (``ignore_index`` against the target's dtype: per call)."""
+    pref.validate_beta(op, beta)
+    check.ignore_index(op, ignore_index, "target", None)
+    check.nonnegative_float(op, "alpha", alpha)
+    check.finite_float(op, "alpha", alpha)
+    pref.validate_smoothing(op, label_smoothing)
+    check.boolean(op, "average_log_prob", average_log_prob)
+
+
 def _validate(hidden, weight, target, bias, beta, alpha, label_smoothing, ignore_index, *_: object) -> None:
     pref.validate_pairwise(OP_ID, hidden, weight, target, bias, beta, ignore_index)
-    check.nonnegative_float(OP_ID, "alpha", alpha)
-    check.finite_float(OP_ID, "alpha", alpha)
-    pref.validate_smoothing(OP_ID, label_smoothing)
+    validate_options(OP_ID, beta=beta, alpha=alpha, label_smoothing=label_smoothing, ignore_index=ignore_index)
 
 
 def chunked(head: pref.Head, hidden, weight, target, bias, beta, alpha, label_smoothing, ignore_index, average_log_prob) -> CPOOutput:

@@ -58,6 +58,15 @@ def contrib(
     return terms
 
 
+def validate_options(op: str, *, beta=0.1, ignore_index=-100, average_log_prob=False, compute_nll_loss=False) -> None:
+    """The options' own checks (no tensor needed): every call, and ``nn.FusedLinearDPOLoss``'s
+    constructor (``ignore_index`` against the target's dtype: per call)."""
+    pref.validate_beta(op, beta)
+    check.ignore_index(op, ignore_index, "target", None)
+    check.boolean(op, "average_log_prob", average_log_prob)
+    check.boolean(op, "compute_nll_loss", compute_nll_loss)
+
+
 def _validate(hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_chosen_logps, ref_rejected_logps, beta,
               ignore_index, *_: object) -> None:  # fmt: skip
     pref.validate_head(OP_ID, hidden, weight, bias, target)
@@ -72,7 +81,7 @@ def _validate(hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, re
         if ref_hidden is not None:
             raise pref.OpArgumentError(OP_ID, "ref_hidden", "give either reference log-probs or a reference head, not both")
     pref.validate_ref_head(OP_ID, hidden, weight, target, ref_hidden, ref_weight, ref_bias)
-    pref.validate_beta(OP_ID, beta)
+    validate_options(OP_ID, beta=beta, ignore_index=ignore_index)
     check.ignore_index(OP_ID, ignore_index, "target", target)
     pref.validate_targets(OP_ID, "target", target, weight.shape[0], ignore_index)
 

@@ -90,6 +90,27 @@ def contrib(logp, mask, adv, old, ref, denom, *, beta, eps_low, eps_high, level,
     return ptl.sum(-1) / denom
 
 
+def validate_options(op: str, *, beta=0.04, epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo", importance_sampling_level="token",
+                     temperature=1.0, max_completion_length=None, use_bias_correction_kl=False) -> None:  # fmt: skip
+    """The options' own checks (no tensor needed): every call, and ``nn.FusedLinearGRPOLoss``'s
+    constructor (whether ``beta != 0`` has its ``ref_per_token_logps``: per call)."""
+    pref.validate_beta(op, beta)
+    check.finite_float(op, "epsilon_low", epsilon_low)
+    if not 0.0 <= float(epsilon_low) < 1.0:
+        raise pref.OpArgumentError(op, "epsilon_low", f"expected a number in [0, 1), got {epsilon_low!r}")
+    check.nonnegative_float(op, "epsilon_high", epsilon_high)
+    check.finite_float(op, "epsilon_high", epsilon_high)
+    check.choice(op, "loss_type", loss_type, LOSS_TYPES)
+    check.choice(op, "importance_sampling_level", importance_sampling_level, IS_LEVELS)
+    check.positive_float(op, "temperature", temperature)
+    check.finite_float(op, "temperature", temperature)
+    if max_completion_length is not None:
+        check.int64(op, "max_completion_length", max_completion_length)
+        if max_completion_length <= 0:
+            raise pref.OpArgumentError(op, "max_completion_length", f"expected a positive int, got {max_completion_length}")
+    check.boolean(op, "use_bias_correction_kl", use_bias_correction_kl)
+
+
 def _validate(hidden, weight, ids, mask, adv, bias, ref, old, beta, eps_low, eps_high, loss_type, level, temperature, max_len,
               bias_correction=False):  # fmt: skip
     pref.validate_head(OP_ID, hidden, weight, bias, ids, names=("hidden", "weight", "bias", "selected_token_ids"))
@@ -114,20 +135,9 @@ def _validate(hidden, weight, ids, mask, adv, bias, ref, old, beta, eps_low, eps
     pref.validate_beta(OP_ID, beta)
     if float(beta) != 0.0 and ref is None:
         raise pref.OpArgumentError(OP_ID, "ref_per_token_logps", f"required when beta != 0 (the KL term), got None with beta = {beta}")
-    check.finite_float(OP_ID, "epsilon_low", eps_low)
-    if not 0.0 <= float(eps_low) < 1.0:
-        raise pref.OpArgumentError(OP_ID, "epsilon_low", f"expected a number in [0, 1), got {eps_low!r}")
-    check.nonnegative_float(OP_ID, "epsilon_high", eps_high)
-    check.finite_float(OP_ID, "epsilon_high", eps_high)
-    check.choice(OP_ID, "loss_type", loss_type, LOSS_TYPES)
-    check.choice(OP_ID, "importance_sampling_level", level, IS_LEVELS)
-    check.positive_float(OP_ID, "temperature", temperature)
-    check.finite_float(OP_ID, "temperature", temperature)
-    if max_len is not None:
-        check.int64(OP_ID, "max_completion_length", max_len)
-        if max_len <= 0:
-            raise pref.OpArgumentError(OP_ID, "max_completion_length", f"expected a positive int, got {max_len}")
-    check.boolean(OP_ID, "use_bias_correction_kl", bias_correction)
+    validate_options(OP_ID, beta=beta, epsilon_low=eps_low, epsilon_high=eps_high, loss_type=loss_type,
+                     importance_sampling_level=level, temperature=temperature, max_completion_length=max_len,
+                     use_bias_correction_kl=bias_correction)  # fmt: skip
     # only the scored ids: a masked position may hold padding (TRL's pad id, or -100)
     pref.validate_targets(OP_ID, "selected_token_ids", torch.where(mask != 0, ids, 0), weight.shape[0], None)
 

@@ -49,6 +49,14 @@ def contrib(logp, mask, labels, ref, *, beta: float, kl, average: bool, n: int) 
     return (1 - torch.sigmoid(beta * (logr - kl) * sign)) / n
 
 
+def validate_options(op: str, *, beta=0.1, ignore_index=-100, average_log_prob=False) -> None:
+    """The options' own checks (no tensor needed): every call, and ``nn.FusedLinearKTOLoss``'s
+    constructor (``ignore_index`` against the target's dtype: per call)."""
+    pref.validate_beta(op, beta)
+    check.ignore_index(op, ignore_index, "target", None)
+    check.boolean(op, "average_log_prob", average_log_prob)
+
+
 def _validate(hidden, weight, target, labels, bias, ref_hidden, ref_weight, ref_bias, ref_logps, kl, beta, ignore_index, *_):
     pref.validate_head(OP_ID, hidden, weight, bias, target)
     b = hidden.shape[0]
@@ -78,7 +86,7 @@ def _validate(hidden, weight, target, labels, bias, ref_hidden, ref_weight, ref_
             )
     elif kl is not None:
         check.finite_float(OP_ID, "kl", kl)
-    pref.validate_beta(OP_ID, beta)
+    validate_options(OP_ID, beta=beta, ignore_index=ignore_index)
     check.ignore_index(OP_ID, ignore_index, "target", target)
     pref.validate_targets(OP_ID, "target", target, weight.shape[0], ignore_index)
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.op import Case, Op
+from . import _checks as check
 from . import _preference as pref
 from ._preference_error import error_model_for, orpo_curv, orpo_gain
 
@@ -85,6 +86,14 @@ def fused_linear_orpo_loss(
     """
     _validate(hidden, weight, target, bias, beta, ignore_index)  # every call: the token ids' range is data
     return _dispatch(impl, hidden, weight, target, bias, beta, ignore_index, compute_nll_loss)
+
+
+def validate_options(op: str, *, beta=0.1, ignore_index=-100, compute_nll_loss=True) -> None:
+    """The options' own checks (no tensor needed): ``nn.FusedLinearORPOLoss``'s constructor; each
+    call checks them in ``_validate`` (``ignore_index`` against the target's dtype too)."""
+    pref.validate_beta(op, beta)
+    check.ignore_index(op, ignore_index, "target", None)
+    check.boolean(op, "compute_nll_loss", compute_nll_loss)
 
 
 def _validate(hidden, weight, target, bias, beta, ignore_index, *_: object) -> None:

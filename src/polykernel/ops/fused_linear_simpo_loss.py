@@ -77,10 +77,18 @@ def fused_linear_simpo_loss(
     return _dispatch(impl, *args)
 
 
+def validate_options(op: str, *, beta=2.0, gamma=0.5, label_smoothing=0.0, ignore_index=-100) -> None:
+    """The options' own checks (no tensor needed): every call, and ``nn.FusedLinearSimPOLoss``'s
+    constructor (``ignore_index`` against the target's dtype: per call)."""
+    pref.validate_beta(op, beta)
+    check.ignore_index(op, ignore_index, "target", None)
+    check.finite_float(op, "gamma", gamma)
+    pref.validate_smoothing(op, label_smoothing)
+
+
 def _validate(hidden, weight, target, bias, beta, gamma, label_smoothing, ignore_index) -> None:
     pref.validate_pairwise(OP_ID, hidden, weight, target, bias, beta, ignore_index)
-    check.finite_float(OP_ID, "gamma", gamma)
-    pref.validate_smoothing(OP_ID, label_smoothing)
+    validate_options(OP_ID, beta=beta, gamma=gamma, label_smoothing=label_smoothing, ignore_index=ignore_index)
 
 
 def chunked(head: pref.Head, hidden, weight, target, bias, beta, gamma, label_smoothing, ignore_index) -> SimPOOutput:
