@@ -637,3 +637,41 @@ def test_preference_modules_check_options_at_construction(cls, option, value, er
         cls(**{option: value})
     assert cls.__name__ in str(info.value)
     cls()  # the defaults pass
+
+
+@pytest.mark.parametrize("cls", [pnn.RMSNorm, pnn.LayerNorm])
+def test_norm_sizes_like_torch_normalized_shape_and_bad_sizes_and_eps_at_construction(cls):
+    need("rms_norm")
+    need("layer_norm")
+    # torch's normalized_shape spellings of one last dim load and run as the int does
+    theirs = getattr(torch.nn, cls.__name__)((12,), eps=1e-5)
+    for shape in (12, (12,), [12], torch.Size([12])):
+        ours = cls(shape, eps=1e-5)
+        assert ours.hidden_size == 12 and repr(ours).startswith(f"{cls.__name__}((12,), eps=1e-05")
+        ours.load_state_dict(theirs.state_dict())
+        x = torch.randn(3, 12)
+        torch.testing.assert_close(ours(x), theirs(x), **TOL[torch.float32])
+    with pytest.raises(ValueError, match="last dim only"):
+        cls((4, 12))
+    for bad in (12.7, True, "12"):  # int(12.7) == 12 and int(True) == 1: silently another layer
+        with pytest.raises(TypeError, match="hidden_size"):
+            cls(bad)
+    with pytest.raises(ValueError, match="hidden_size"):
+        cls(0)
+    for eps in (-1.0, float("nan"), float("inf"), None):  # at construction, not at the first call
+        with pytest.raises((ValueError, TypeError), match="eps") as info:
+            cls(12, eps=eps)
+        assert cls.__name__ in str(info.value)
+
+
+def test_groupnorm_polynorm_check_sizes_and_eps_at_construction():
+    with pytest.raises(ValueError, match="num_groups"):
+        pnn.GroupNorm(0, 4)  # was ZeroDivisionError
+    with pytest.raises(TypeError, match="num_channels"):
+        pnn.GroupNorm(2, 4.5)
+    with pytest.raises(ValueError, match="eps"):
+        pnn.GroupNorm(2, 4, eps=-1e-5)
+    with pytest.raises(ValueError, match="eps"):
+        pnn.PolyNorm(eps=float("nan"))
+    with pytest.raises(TypeError, match="hidden_size"):
+        pnn.DyT(8.5)

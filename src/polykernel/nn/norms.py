@@ -7,7 +7,7 @@ from torch import nn
 
 import polykernel
 
-from ._common import _check_impl, _impl_repr
+from ._common import _check_impl, _eps, _impl_repr, _size
 
 
 class RMSNorm(nn.Module):
@@ -41,8 +41,8 @@ class RMSNorm(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.hidden_size = int(hidden_size)
-        self.eps = eps
+        self.hidden_size = _size(type(self).__name__, "hidden_size", hidden_size)
+        self.eps = _eps(type(self).__name__, eps)
         self.offset = offset
         if casting not in ("fp32", "llama"):
             raise ValueError(f"RMSNorm: casting must be 'fp32' or 'llama', got {casting!r}")
@@ -90,8 +90,8 @@ class LayerNorm(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.hidden_size = int(hidden_size)
-        self.eps = eps
+        self.hidden_size = _size(type(self).__name__, "hidden_size", hidden_size)
+        self.eps = _eps(type(self).__name__, eps)
         self.elementwise_affine = elementwise_affine
         self.impl = _check_impl(type(self).__name__, impl)
         if elementwise_affine:
@@ -140,11 +140,11 @@ class GroupNorm(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if num_channels % num_groups:
+        self.num_groups = _size(type(self).__name__, "num_groups", num_groups)
+        self.num_channels = _size(type(self).__name__, "num_channels", num_channels)
+        if self.num_channels % self.num_groups:
             raise ValueError(f"GroupNorm: num_groups {num_groups} must divide num_channels {num_channels}")
-        self.num_groups = int(num_groups)
-        self.num_channels = int(num_channels)
-        self.eps = eps
+        self.eps = _eps(type(self).__name__, eps)
         self.affine = affine
         self.impl = _check_impl(type(self).__name__, impl)
         if affine:
@@ -189,7 +189,7 @@ class DyT(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.hidden_size = int(hidden_size)
+        self.hidden_size = _size(type(self).__name__, "hidden_size", hidden_size)
         self.init_alpha = float(init_alpha)
         self.impl = _check_impl(type(self).__name__, impl)
         self.alpha = nn.Parameter(torch.empty(1, device=device, dtype=dtype))
@@ -229,7 +229,7 @@ class PolyNorm(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps = _eps(type(self).__name__, eps)
         self.impl = _check_impl(type(self).__name__, impl)
         self.weight = nn.Parameter(torch.empty(3, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty((), device=device, dtype=dtype))
