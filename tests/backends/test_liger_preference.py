@@ -154,3 +154,50 @@ def test_kto_has_no_liger_impl():
     assert "liger" not in registry.specs_for("fused_linear_kto_loss")
     with pytest.raises(UnknownImplError):
         polykernel.fused_linear_kto_loss(hid, w, targets(3, 6, 80), torch.tensor([True, False, True]), b, impl="liger")
+
+
+def test_liger_grpo_dapo_is_this_ranks_token_mean_under_torch_distributed(monkeypatch):
+    # Liger's "dapo" all-reduces the token count and divides by the world size when
+    # torch.distributed is initialised (its DAPO normaliser); the op's "dapo" divides by this call's
+    # masked count, which is Liger's "bnpo": the adapter must not hand Liger "dapo"
+    import torch.distributed as dist
+
+    calls = []
+
+    def all_reduce(t, op=None, **_):
+        calls.append(t)
+        t.add_(7.0)  # the other rank's scored tokens
+
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    hid, w, b = head(3, 6, 16, 80)
+    ids, mask, adv = torch.randint(0, 80, (3, 6)), (torch.rand(3, 6) > 0.3).long(), torch.randn(3)
+    mask[:, 0] = 1
+    with torch.no_grad():
+        old = (fused_linear_grpo_loss.pref.reference_token_logps(hid, w, b, ids, -100, 1.0) + 0.3 * torch.randn(3, 6)).float()
+    args = dict(beta=0.0, loss_type="dapo", old_per_token_logps=old)
+    out = liger("fused_linear_grpo_loss", hid, w, ids, mask, adv, b, **args)
+    want = fused_linear_grpo_loss.reference(hid, w, ids, mask, adv, b, **args)
+    torch.testing.assert_close(out.loss.double(), want.loss.detach().double(), rtol=1e-5, atol=1e-6)
+    assert calls == []  # no collective inside a per-rank loss
+
+
+def test_liger_grpo_sequence_level_reports_no_token_weighted_clip_ratio():
+    # with sequence-level ratios the op's clip_ratio_region is the mean over sequences (TRL's);
+    # Liger's is the token-weighted mean: the adapter reports it NaN (unknown), never that number
+    torch.manual_seed(3)
+    hid, w, b = head(4, 6, 16, 80)
+    ids, adv = torch.randint(0, 80, (4, 6)), torch.tensor([1.0, 1.0, -1.0, 1.0])
+    mask = torch.tensor([[1] * 6, [1, 0, 0, 0, 0, 0], [1] * 6, [1, 1, 0, 0, 0, 0]])
+    with torch.no_grad():
+        lp = fused_linear_grpo_loss.pref.reference_token_logps(hid, w, b, ids, -100, 1.0)
+    old = (lp - torch.tensor([0.5, 0.0, 0.0, 0.0])[:, None]).float()  # sequence 0 clipped above
+    args = dict(beta=0.0, loss_type="bnpo", old_per_token_logps=old, importance_sampling_level="sequence")
+    out = liger("fused_linear_grpo_loss", hid, w, ids, mask, adv, b, **args)
+    want = fused_linear_grpo_loss.reference(hid, w, ids, mask, adv, b, **args)
+    assert want.metrics.clip_ratio_region.item() == 0.25  # one sequence of four
+    got = out.metrics.clip_ratio_region
+    assert math.isnan(got) or got.item() == want.metrics.clip_ratio_region.item(), got
+    torch.testing.assert_close(out.loss.double(), want.loss.detach().double(), rtol=1e-5, atol=1e-6)

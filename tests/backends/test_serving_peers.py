@@ -119,7 +119,13 @@ def test_activation_and_rope_predicates():
     assert _why("silu_and_mul", "sgl_kernel", t(2, 16)) is None  # 32 bytes per row
     assert "16 bytes" in _why("silu_and_mul", "sgl_kernel", t(2, 12))
     assert "16 bytes" in _why("gelu_and_mul", "sgl_kernel", t(2, 12), approximate="tanh")
-    assert _why("silu_and_mul", "flashinfer", t(2, 12)) is None
+    # flashinfer/activation.py raises ValueError("The pointers must be multiple of 16 bytes.") for
+    # rows of x not a multiple of 16 bytes: refused, so the call goes to another impl
+    assert _why("silu_and_mul", "flashinfer", t(2, 16)) is None
+    assert "16 bytes" in _why("silu_and_mul", "flashinfer", t(2, 12))
+    assert "16 bytes" in _why("gelu_and_mul", "flashinfer", t(2, 12))
+    assert "16 bytes" in _why("gelu_and_mul", "flashinfer", t(3, 14), approximate="tanh")
+    assert _why("silu_and_mul", "flashinfer", t(2, 4, dtype=torch.float32)) is None
     pos = torch.arange(3)
     fi = lambda q, k, hs, rd, **kw: _why("rotary_embedding_", "flashinfer", pos, q, k, hs, rope_cache(8, rd), **kw)
     assert fi(t(3, 256), t(3, 128), 128, 128) is None

@@ -12,6 +12,8 @@ from typing import Any
 SMEM_BYTES = 232448
 MAX_FUSED_N = SMEM_BYTES // 4 - 32
 
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
 
 def norm(peer: str, a: Any) -> str | None:
     """rms_norm / fused_add_rms_norm_ arguments the peer's kernels compute as the op does."""
@@ -29,3 +31,13 @@ def fused_norm(peer: str, a: Any) -> str | None:
     if reason is None and a.n is not None and a.n > MAX_FUSED_N:
         return f"{peer}'s fused add + RMSNorm stages the row in shared memory: N <= {MAX_FUSED_N}, got {a.n}"
     return reason
+
+
+def and_mul(peer: str, a: Any) -> str | None:
+    """silu_and_mul / gelu_and_mul: both peers' kernels load x's rows 16 bytes at a time
+    (flashinfer/activation.py raises "The pointers must be multiple of 16 bytes."; sgl-kernel's
+    registered ops, called without that wrapper, do not check)."""
+    width = _BYTES.get(str(a.dtype).removeprefix("torch."), 4)
+    if a.n is not None and a.n * width % 16:
+        return f"{peer}'s activations need x's rows in multiples of 16 bytes: 2d = {a.n} in {str(a.dtype).removeprefix('torch.')}"
+    return None

@@ -17,6 +17,14 @@ def fused_add_rms_norm_(a: Any) -> str | None:
     return shared.fused_norm("FlashInfer", a)
 
 
+def silu_and_mul(a: Any) -> str | None:
+    return shared.and_mul("FlashInfer", a)
+
+
+def gelu_and_mul(a: Any) -> str | None:
+    return shared.and_mul("FlashInfer", a)
+
+
 def rotary_embedding_(a: Any) -> str | None:
     if not a.has_key:
         return "FlashInfer's apply_rope_with_cos_sin_cache_inplace needs a key"

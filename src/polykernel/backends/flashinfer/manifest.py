@@ -13,10 +13,16 @@ IMPLS = {
         predicate=_gates.rms_norm,
     ),
     "serving.silu_and_mul": FLASHINFER.impl(
-        rank=70, supports_backward=False, description="FlashInfer silu_and_mul (dense x and out, else copies)"
+        rank=70,
+        supports_backward=False,
+        description="FlashInfer silu_and_mul (rows in multiples of 16 bytes; dense x and out, else copies)",
+        predicate=_gates.silu_and_mul,
     ),
     "serving.gelu_and_mul": FLASHINFER.impl(
-        rank=70, supports_backward=False, description="FlashInfer gelu_and_mul / gelu_tanh_and_mul (dense x and out, else copies)"
+        rank=70,
+        supports_backward=False,
+        description="FlashInfer gelu_and_mul / gelu_tanh_and_mul (rows in multiples of 16 bytes; dense x and out, else copies)",
+        predicate=_gates.gelu_and_mul,
     ),
     # FlashInfer's FusedAddRMSNorm (also inside sgl-kernel) normalises the fp32 sum before rounding
     # it, within the op's error model.

@@ -10,9 +10,12 @@ visible rather than paper over:
 - it returns the NLL only when it adds it to the loss: ``nll_loss`` is NaN otherwise (DPO without
   ``compute_nll_loss``, CPO with ``alpha = 0``);
 - DPO: no precomputed reference log-probs (``ref_chosen_logps``) — refused;
-- GRPO: it reports the region clip ratio only (``clip_ratio_low``/``_high`` are NaN), token-weighted
-  also for sequence-level importance sampling (TRL averages that one over sequences);
-  ``"dapo"`` normalises by the mask sum over all ranks when torch.distributed is initialised;
+- GRPO: it reports the region clip ratio only (``clip_ratio_low``/``_high`` are NaN), and
+  token-weighted also for sequence-level importance sampling, where the op's (TRL's) is the mean
+  over sequences: with ``importance_sampling_level="sequence"`` ``clip_ratio_region`` is NaN too;
+  ``"dapo"`` is handed to Liger as its ``"bnpo"`` (the same loss): Liger's own ``"dapo"``
+  all-reduces the mask sum and divides by the world size when torch.distributed is initialised
+  (a collective inside the loss; the op divides by this call's masked count);
 - KTO: its statistics are batch sums, not KTOOutput's per-sequence values — no adapter.
 
 ``compiled=`` (Liger's torch.compile of its per-chunk function) is on for CUDA inputs, as Liger's
@@ -88,11 +91,16 @@ def grpo(hidden, weight, ids, mask, advantages, bias, ref, old, beta, eps_low, e
          max_completion_length) -> GRPOOutput:  # fmt: skip
     m = (mask != 0).to(torch.float32)
     max_len = ids.shape[1] if max_completion_length is None else max_completion_length
+    # the op's "dapo" is this call's masked token mean: Liger's "bnpo" (its "dapo" all-reduces the
+    # count across ranks under torch.distributed: chunked_loss/fused_linear_ppo._compute_dapo_normalizer)
+    liger_type = "bnpo" if loss_type == "dapo" else loss_type
     loss, metrics = _FusedLinearGRPO.apply(
-        hidden, weight, ids, m, advantages, bias, ref, old, None, None, None, beta, eps_low, eps_high, loss_type, max_len, level,
+        hidden, weight, ids, m, advantages, bias, ref, old, None, None, None, beta, eps_low, eps_high, liger_type, max_len, level,
         1.0, 1.05, temperature, hidden.is_cuda, ref is not None, 1,  # use_ref_model: Liger reads ref only then
     )  # fmt: skip
     kl, clip = (metrics[0], metrics[1]) if beta != 0.0 else (None, metrics[0])
+    if level == "sequence":  # Liger's is token-weighted; the op's a mean over sequences
+        clip = _nan(loss)
     return GRPOOutput(loss, GRPOMetrics(kl, _nan(loss), _nan(loss), clip))
 
 

@@ -6,8 +6,6 @@ from typing import Any
 
 from .. import _serving_gates as shared
 
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
 
 def rms_norm(a: Any) -> str | None:
     return shared.norm("sgl-kernel", a)
@@ -17,20 +15,12 @@ def fused_add_rms_norm_(a: Any) -> str | None:
     return shared.fused_norm("sgl-kernel", a)
 
 
-def _and_mul(a: Any) -> str | None:
-    # sgl_kernel/elementwise.py: "The pointers must be multiple of 16 bytes." (x's row, in bytes)
-    width = _BYTES.get(str(a.dtype).removeprefix("torch."), 4)
-    if a.n is not None and a.n * width % 16:
-        return f"sgl-kernel's activations need x's rows in multiples of 16 bytes: 2d = {a.n} in {str(a.dtype).removeprefix('torch.')}"
-    return None
-
-
 def silu_and_mul(a: Any) -> str | None:
-    return _and_mul(a)
+    return shared.and_mul("sgl-kernel", a)
 
 
 def gelu_and_mul(a: Any) -> str | None:
-    return _and_mul(a)
+    return shared.and_mul("sgl-kernel", a)
 
 
 def rotary_embedding_(a: Any) -> str | None:
