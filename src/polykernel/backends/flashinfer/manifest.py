@@ -43,7 +43,7 @@ IMPLS = {
         rank=70,
         capabilities=FP8_CAPS,
         supports_backward=False,
-        description="FlashInfer rmsnorm_quant (one scale per tensor, weight of x's dtype; x times 1/scale)",
+        description="FlashInfer rmsnorm_quant (one scale per tensor, weight of x's dtype; x times 1/scale; a row with NaN or inf comes out finite, clamped to ±448, where the op keeps NaN)",
         predicate=_gates.rms_norm_quant_fp8,
     ),
 }
