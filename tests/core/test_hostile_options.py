@@ -57,11 +57,22 @@ def _runnable(op, *args):
     return {r["name"]: r["runnable"] for r in polykernel.explain(op, *args).impls}
 
 
-def test_an_inference_tensor_that_autograd_must_save_runs_the_torch_impl():
+@pytest.mark.parametrize("dual_level", [False, True], ids=["plain", "forward-ad-level-open"])
+def test_an_inference_tensor_that_autograd_must_save_runs_the_torch_impl(dual_level):
     """An inference tensor with a weight that needs a gradient: an autograd.Function cannot save
     it (torch refuses), torch's own ops can. Such a call is decided under its own key, where only
     the torch impl is eligible: no impl fails, nothing is marked broken, and plain calls of the
-    same class keep their impl, before and after."""
+    same class keep their impl, before and after. The same with a forward-AD dual level open
+    (calls without a tangent take the usual path: Op.forward_ad)."""
+    import contextlib
+
+    import torch.autograd.forward_ad as fwad
+
+    with fwad.dual_level() if dual_level else contextlib.nullcontext():
+        _inference_tensor_runs_the_torch_impl()
+
+
+def _inference_tensor_runs_the_torch_impl():
     with torch.inference_mode():
         xi = torch.randn(3, 16)
     w = torch.ones(16, requires_grad=True)

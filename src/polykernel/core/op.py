@@ -40,6 +40,7 @@ from .writes import mark_written as _mark_written
 from .writes import writable as _writable
 
 _forward_ad_open = _compat.forward_ad_open
+_grad_enabled = torch.is_grad_enabled
 _unpack_dual = torch.autograd.forward_ad.unpack_dual
 _NO_KEY = object()  # Op.forward_ad called without an argument class (the hot path builds none)
 
@@ -269,8 +270,8 @@ class Op:
         tangents (or raise where torch has no forward-mode rule). A call without one, and an op
         that writes its arguments (inference only), takes the usual path."""
         if self._written or not _has_tangent(args):
-            if argkey is _NO_KEY:  # from the hot path: its slow path (which comes back to _run)
-                return self._dispatch_slow(impl, args)
+            if argkey is _NO_KEY:  # from the hot path: its slow path, with the state it reads
+                return self._dispatch_slow(impl, args, _scope_get(), _deterministic(), _grad_enabled())
             return self._run(impl, argkey, args)
         wrong = self._mistyped(args)  # as on the slow path: the memo's keys hold False == 0.0 alike
         if wrong is not None:
