@@ -316,3 +316,34 @@ def test_liger_sparsemax_adapter_rows_without_a_finite_max():
     assert torch.isnan(out[:3]).all() and torch.equal(out[3].detach(), torch.tensor([0.0, 0.0, 1.0]))
     (g,) = torch.autograd.grad(out, x, torch.ones_like(out))
     assert torch.equal(g, torch.zeros_like(g))
+
+
+def test_quack_cross_entropy_hands_its_kernel_a_unit_stride_target(monkeypatch):
+    """QuACK compiles its cross-entropy for a target of unit stride (its fake tensors' layout): the
+    adapter hands over a contiguous one. Shifted labels sliced with a step (``labels[::2]``, a 1-D
+    view of stride 2) would otherwise be read as if dense. The fake kernel below reads the target
+    as the compiled one would, at unit stride from its data pointer."""
+    import importlib
+    import sys
+    import types
+
+    import torch.nn.functional as F
+
+    def fake_kernel(logits, target, ignore_index, reduction):
+        dense = torch.as_strided(target, (target.numel(),), (1,))  # what a unit-stride kernel reads
+        return F.cross_entropy(logits.float(), dense, ignore_index=ignore_index, reduction=reduction)
+
+    fake = types.ModuleType("quack.cross_entropy")
+    fake.cross_entropy = fake_kernel
+    monkeypatch.setitem(sys.modules, "quack", types.ModuleType("quack"))
+    monkeypatch.setitem(sys.modules, "quack.cross_entropy", fake)
+    monkeypatch.delitem(sys.modules, "polykernel.backends.quack.cross_entropy", raising=False)
+    adapter = importlib.import_module("polykernel.backends.quack.cross_entropy")
+    try:
+        logits = torch.randn(5, 32)
+        labels = torch.randint(0, 32, (10,))
+        target = labels[::2]  # stride 2
+        got = adapter.cross_entropy(logits, target, -100, 0.0, "none")
+        torch.testing.assert_close(got, F.cross_entropy(logits, target, reduction="none"))
+    finally:
+        sys.modules.pop("polykernel.backends.quack.cross_entropy", None)

@@ -31,5 +31,6 @@ def cross_entropy(
     if logits.numel() == 0 or label_smoothing or weight is not None or softcap is not None or z_loss:
         return _torch_cross_entropy(logits, target, ignore_index, label_smoothing, reduction, weight, softcap, z_loss)
     v = logits.shape[-1]
-    loss = _quack_cross_entropy(rows(logits, v), target.reshape(-1), ignore_index=ignore_index, reduction=reduction)
+    # QuACK compiles for a unit-stride target: a stepped view (labels[::2]) would be read as dense
+    loss = _quack_cross_entropy(rows(logits, v), target.reshape(-1).contiguous(), ignore_index=ignore_index, reduction=reduction)
     return loss.view(target.shape) if reduction == "none" else loss
