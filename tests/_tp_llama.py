@@ -82,6 +82,16 @@ def full_grads(model: Any) -> dict[str, Any]:
     return out
 
 
+def run_job(report: dict[str, Any], name: str, job: Callable[[], Any]) -> None:
+    """``report[name] = job()``, or the error and its traceback: one failing case does not hide the others."""
+    import traceback
+
+    try:
+        report[name] = job()
+    except Exception as exc:
+        report[name] = {"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}
+
+
 def finish_worker(rank: int, report: Any, out_file: str) -> None:
     """A worker's last step: rank 0 writes ``report`` to ``out_file``; all ranks leave the group."""
     import torch.distributed as dist

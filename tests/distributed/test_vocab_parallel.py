@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _tp_llama import finish_worker, spawn_report
+from _tp_llama import finish_worker, run_job, spawn_report
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="torch.distributed with gloo is not available"
@@ -352,10 +352,7 @@ def _worker(world: int, rank: int, init_file: str, out_file: str, device: str = 
             jobs.append(("llama", lambda: _llama(mesh)))
         for i, (name, job) in enumerate(jobs):
             torch.manual_seed(1000 + i)
-            try:
-                report[name] = job()
-            except Exception as exc:
-                report[name] = {"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}
+            run_job(report, name, job)
     except Exception as exc:
         report["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     finally:
@@ -574,10 +571,7 @@ def _worker_zero_weights(rank: int, init_file: str, out_file: str) -> None:
         mesh = init_device_mesh("cpu", (2,))
         for i, (name, kind, places, opts) in enumerate(ZERO_WEIGHT_CASES):
             torch.manual_seed(2000 + i)
-            try:
-                report[name] = _run_zero_weights(mesh, kind, places, opts)
-            except Exception as exc:
-                report[name] = {"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}
+            run_job(report, name, lambda k=kind, p=places, o=opts: _run_zero_weights(mesh, k, p, o))
     except Exception as exc:
         report["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     finally:

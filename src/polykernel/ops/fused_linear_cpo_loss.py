@@ -101,7 +101,7 @@ def validate_options(op: str, *, beta=0.1, alpha=1.0, label_smoothing=0.0, ignor
 
 def _validate(hidden, weight, target, bias, beta, alpha, label_smoothing, ignore_index, *_: object) -> None:
     pref.validate_pairwise(OP_ID, hidden, weight, target, bias, beta, ignore_index)
-    validate_options(OP_ID, beta=beta, alpha=alpha, label_smoothing=label_smoothing, ignore_index=ignore_index)
+    validate_options(OP_ID, alpha=alpha, label_smoothing=label_smoothing)  # beta, ignore_index: validate_pairwise
 
 
 def chunked(head: pref.Head, hidden, weight, target, bias, beta, alpha, label_smoothing, ignore_index, average_log_prob) -> CPOOutput:

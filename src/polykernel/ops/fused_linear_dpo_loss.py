@@ -81,7 +81,7 @@ def _validate(hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, re
         if ref_hidden is not None:
             raise pref.OpArgumentError(OP_ID, "ref_hidden", "give either reference log-probs or a reference head, not both")
     pref.validate_ref_head(OP_ID, hidden, weight, target, ref_hidden, ref_weight, ref_bias)
-    validate_options(OP_ID, beta=beta, ignore_index=ignore_index)
+    validate_options(OP_ID, beta=beta)  # ignore_index: below, against the target's dtype
     check.ignore_index(OP_ID, ignore_index, "target", target)
     pref.validate_targets(OP_ID, "target", target, weight.shape[0], ignore_index)
 

@@ -86,7 +86,7 @@ def _validate(hidden, weight, target, labels, bias, ref_hidden, ref_weight, ref_
             )
     elif kl is not None:
         check.finite_float(OP_ID, "kl", kl)
-    validate_options(OP_ID, beta=beta, ignore_index=ignore_index)
+    validate_options(OP_ID, beta=beta)  # ignore_index: below, against the target's dtype
     check.ignore_index(OP_ID, ignore_index, "target", target)
     pref.validate_targets(OP_ID, "target", target, weight.shape[0], ignore_index)
 

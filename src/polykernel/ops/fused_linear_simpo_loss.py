@@ -88,7 +88,7 @@ def validate_options(op: str, *, beta=2.0, gamma=0.5, label_smoothing=0.0, ignor
 
 def _validate(hidden, weight, target, bias, beta, gamma, label_smoothing, ignore_index) -> None:
     pref.validate_pairwise(OP_ID, hidden, weight, target, bias, beta, ignore_index)
-    validate_options(OP_ID, beta=beta, gamma=gamma, label_smoothing=label_smoothing, ignore_index=ignore_index)
+    validate_options(OP_ID, gamma=gamma, label_smoothing=label_smoothing)  # beta, ignore_index: validate_pairwise
 
 
 def chunked(head: pref.Head, hidden, weight, target, bias, beta, gamma, label_smoothing, ignore_index) -> SimPOOutput:
