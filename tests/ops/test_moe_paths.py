@@ -208,3 +208,20 @@ def test_gpu_grouped_mm_path_at_a_model_shape(name):
     for got, want in zip((out, *grads), (ref, *ref_grads)):
         err = ((got.float() - want).norm() / want.norm()).item()
         assert err < 2e-2, err  # bf16 operands, fp32 accumulation: ~4e-3 expected
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_grouped_mm_probe_is_not_fooled_by_the_callers_grad_mode(monkeypatch, mode):
+    # The probe runs forward and backward once per device and dtype and is remembered: a first MoE
+    # call under no_grad / inference_mode must not record "no torch._grouped_mm here" for good.
+    from polykernel import _compat
+    from polykernel.backends import _moe_experts
+
+    if _compat.grouped_mm is None:
+        pytest.skip("no torch._grouped_mm here")
+    monkeypatch.setattr(_moe_experts, "_probed", {})
+    want = _moe_experts._probe(torch.device("cpu"), torch.float32)  # under grad mode
+    monkeypatch.setattr(_moe_experts, "_probed", {})
+    with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+        got = _moe_experts._probe(torch.device("cpu"), torch.float32)
+    assert got == want

@@ -22,14 +22,16 @@ _probed: dict[tuple[torch.device, torch.dtype], str | None] = {}
 
 def _probe(device: torch.device, dtype: torch.dtype) -> str | None:
     """None when ``torch._grouped_mm`` runs forward and backward here, else why not (once per
-    device and dtype)."""
+    device and dtype, whatever the caller's grad mode: a first call under no_grad or
+    inference_mode must not record a failure for good)."""
     key = (device, dtype)
     if key not in _probed:
         try:
-            x = torch.randn(8, 16, device=device, dtype=dtype, requires_grad=True)
-            w = torch.randn(2, 16, 8, device=device, dtype=dtype, requires_grad=True)
-            y = _compat.grouped_mm(x, w, offs=torch.tensor([3, 8], device=device, dtype=torch.int32))
-            torch.autograd.grad(y, (x, w), torch.randn_like(y))
+            with torch.inference_mode(False), torch.enable_grad():
+                x = torch.randn(8, 16, device=device, dtype=dtype, requires_grad=True)
+                w = torch.randn(2, 16, 8, device=device, dtype=dtype, requires_grad=True)
+                y = _compat.grouped_mm(x, w, offs=torch.tensor([3, 8], device=device, dtype=torch.int32))
+                torch.autograd.grad(y, (x, w), torch.randn_like(y))
             _probed[key] = None
         except Exception as exc:  # no kernel for this device or dtype (CPU before torch 2.9, fp16 ...)
             first = str(exc).splitlines()[0][:120] if str(exc) else ""
