@@ -98,6 +98,43 @@ def test_forcing_a_serving_peer_on_cpu_names_the_reason():
             polykernel.silu_and_mul(x, impl=peer)
 
 
+def _rank(op: str, peer: str, *args, **kwargs) -> int:
+    the_op = registry.get_op(op)
+    return registry.specs_for(op)[peer].rank_here(the_op.arg_class(the_op.key(*args, **kwargs)))[0]
+
+
+def test_flashinfer_ranks_follow_the_h200_sweep_by_token_count():
+    """FlashInfer goes ahead of triton (rank 10) where the H200 sweep measured it faster
+    (bf16): silu_and_mul at <= 16 tokens, gelu_and_mul (erf) above 1024, rope at <= 64 with
+    head 128; elsewhere it stays behind (rank 70)."""
+    assert _rank("silu_and_mul", "flashinfer", t(1, 28672)) < 10
+    assert _rank("silu_and_mul", "flashinfer", t(16, 28672)) < 10
+    assert _rank("silu_and_mul", "flashinfer", t(64, 28672)) > 10
+    assert _rank("silu_and_mul", "flashinfer", t(1, 28672, dtype=torch.float16)) > 10  # unmeasured
+    assert _rank("gelu_and_mul", "flashinfer", t(2048, 256)) < 10
+    assert _rank("gelu_and_mul", "flashinfer", t(2, 1024, 256)) < 10  # tokens: the rows over every leading dim
+    assert _rank("gelu_and_mul", "flashinfer", t(512, 256)) > 10
+    assert _rank("gelu_and_mul", "flashinfer", t(2048, 256), approximate="tanh") > 10
+
+    def rope(tokens: int, head: int = 128, key: bool = True) -> int:
+        q = t(tokens, 4 * head)
+        k = t(tokens, head) if key else None
+        return _rank("rotary_embedding_", "flashinfer", torch.zeros(tokens, dtype=torch.long), q, k, head, rope_cache(64, head))
+
+    assert rope(1) < 10 and rope(64) < 10
+    assert rope(512) > 10 and rope(65) > 10
+    assert rope(16, head=64) > 10 and rope(16, key=False) > 10
+
+
+def test_the_token_bucket_of_the_serving_argument_classes():
+    from polykernel.ops import _serving
+
+    assert [_serving.tokens(n) for n in (0, 1, 2, 3, 16, 17, 1024, 1025)] == [0, 1, 2, 4, 16, 32, 1024, 2048]
+    assert _serving.rows(torch.empty(2, 3, 8)) == 6 and _serving.rows(torch.empty(5, 0)) == 5
+    the_op = registry.get_op("silu_and_mul")
+    assert the_op.arg_class(the_op.key(t(2, 3, 8))).tokens == 8
+
+
 # -- predicates --------------------------------------------------------------------------------
 
 
@@ -125,7 +162,14 @@ def test_activation_and_rope_predicates():
     assert "16 bytes" in _why("silu_and_mul", "flashinfer", t(2, 12))
     assert "16 bytes" in _why("gelu_and_mul", "flashinfer", t(2, 12))
     assert "16 bytes" in _why("gelu_and_mul", "flashinfer", t(3, 14), approximate="tanh")
-    assert _why("silu_and_mul", "flashinfer", t(2, 4, dtype=torch.float32)) is None
+    assert _why("silu_and_mul", "flashinfer", t(2, 8, dtype=torch.float32)) is None
+    # each half row is loaded 16 bytes at a time from x + row·2d + d: 2d in multiples of 16 bytes
+    # is not enough (5 x 1000 in bf16: d = 500 is 1000 bytes; sgl-kernel faulted on the H200)
+    for peer in ("sgl_kernel", "flashinfer"):
+        for op in ("silu_and_mul", "gelu_and_mul"):
+            assert "16 bytes" in _why(op, peer, t(5, 1000)), (peer, op)
+            assert "16 bytes" in _why(op, peer, t(2, 4, dtype=torch.float32)), (peer, op)
+            assert _why(op, peer, t(5, 1008)) is None, (peer, op)
     pos = torch.arange(3)
     fi = lambda q, k, hs, rd, **kw: _why("rotary_embedding_", "flashinfer", pos, q, k, hs, rope_cache(8, rd), **kw)
     assert fi(t(3, 256), t(3, 128), 128, 128) is None

@@ -34,10 +34,14 @@ def fused_norm(peer: str, a: Any) -> str | None:
 
 
 def and_mul(peer: str, a: Any) -> str | None:
-    """silu_and_mul / gelu_and_mul: both peers' kernels load x's rows 16 bytes at a time
-    (flashinfer/activation.py raises "The pointers must be multiple of 16 bytes."; sgl-kernel's
-    registered ops, called without that wrapper, do not check)."""
+    """silu_and_mul / gelu_and_mul: both peers' kernels load x's halves and write out's rows 16
+    bytes at a time, from ``x + row·2d`` and ``x + row·2d + d``, so each half row, d elements, must
+    be a multiple of 16 bytes (not only 2d: at 5 x 1000 in bf16, d = 500 is 1000 bytes, and
+    sgl-kernel's silu_and_mul faulted with a misaligned address on the H200, 2026-12-04,
+    benchmarks/results/h200-2026-12-04-serving/; a CUDA fault poisons the process). FlashInfer's
+    wrapper checks only 2d ("The pointers must be multiple of 16 bytes."), sgl-kernel's registered
+    ops nothing."""
     width = _BYTES.get(str(a.dtype).removeprefix("torch."), 4)
-    if a.n is not None and a.n * width % 16:
-        return f"{peer}'s activations need x's rows in multiples of 16 bytes: 2d = {a.n} in {str(a.dtype).removeprefix('torch.')}"
+    if a.n is not None and (a.n % 2 or (a.n // 2) * width % 16):
+        return f"{peer}'s activations need each half of x's rows in multiples of 16 bytes: d = {a.n / 2:g} in {str(a.dtype).removeprefix('torch.')}"
     return None

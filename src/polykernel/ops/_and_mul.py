@@ -43,7 +43,7 @@ def allocate(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 
 def key(x: torch.Tensor, *_: object, **__: object) -> tuple:
-    return (x.device, x.dtype, False, x.shape[-1])
+    return (x.device, x.dtype, False, x.shape[-1], serving.tokens(serving.rows(x)))
 
 
 def outputs(x: torch.Tensor, *args: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:

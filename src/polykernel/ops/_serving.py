@@ -25,6 +25,24 @@ _compiling = torch.compiler.is_compiling
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def tokens(n: int) -> int:
+    """A call's token count as its argument class holds it: rounded up to a power of two (0 for
+    none). The fastest impl of a serving op changes with it (a decode step's few rows against a
+    prefill's thousands: measured ranks, ``KernelSpec.rank_for``), and the class stays one per
+    size bucket, not one per length.
+
+    >>> [tokens(n) for n in (0, 1, 3, 64, 65, 8192)]
+    [0, 1, 4, 64, 128, 8192]
+    """
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def rows(x: torch.Tensor) -> int:
+    """The rows of x ``[..., n]`` (its tokens)."""
+    n = x.shape[-1]
+    return x.numel() // n if n else int(torch.Size(x.shape[:-1]).numel())
+
+
 def compiling() -> bool:
     """Whether torch.compile is tracing (memory-dependent checks are skipped then)."""
     return _compiling()

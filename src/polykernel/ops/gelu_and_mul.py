@@ -34,7 +34,7 @@ def validate(x: torch.Tensor, approximate: str = "none", out: torch.Tensor | Non
 
 
 def _key(x: torch.Tensor, approximate: str = "none", *_: object, **__: object) -> tuple:
-    return (x.device, x.dtype, False, x.shape[-1], approximate)
+    return (x.device, x.dtype, False, x.shape[-1], approximate, serving.tokens(serving.rows(x)))
 
 
 _op: Op  # defined below, after the public function it serves
@@ -50,7 +50,7 @@ def gelu_and_mul(x: torch.Tensor, *, approximate: str = "none", out: torch.Tenso
     """
     if not serving.compiling():  # every call: out's shape and memory are not in the argument class (compiled: the custom op checks)
         validate(x, approximate, out)
-    return _op.call(impl, (x.device, x.dtype, False, x.shape[-1], approximate), x, approximate, _and_mul.allocate(x, out))
+    return _op.call(impl, _key(x, approximate), x, approximate, _and_mul.allocate(x, out))
 
 
 # -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
@@ -74,9 +74,9 @@ def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype]
 # then hands over the argument class it built (Op.call).
 _op = Op(
     OP_ID,
-    fields=("device", "dtype", "needs_grad", "n", "approximate"),
+    fields=("device", "dtype", "needs_grad", "n", "approximate", "tokens"),
     key=_key,
-    default_key=lambda device, dtype: (device, dtype, False, None, "none"),
+    default_key=lambda device, dtype: (device, dtype, False, None, "none", None),
     validate=validate,
     reference=reference,
     outputs=outputs,

@@ -152,7 +152,16 @@ def _key(
     is_neox: bool = True,
     rotary_dim: int | None = None,
 ) -> tuple:
-    return (query.device, query.dtype, False, head_size, cos_sin_cache.shape[-1], is_neox, key is not None)
+    return (
+        query.device,
+        query.dtype,
+        False,
+        head_size,
+        cos_sin_cache.shape[-1],
+        is_neox,
+        key is not None,
+        serving.tokens(positions.shape[0]),
+    )
 
 
 _op: Op  # defined below, after the public function it serves
@@ -182,7 +191,7 @@ def rotary_embedding_(
     if not serving.compiling():  # every call, before any write (compiled: the custom op checks)
         validate(positions, query, key, head_size, cos_sin_cache, is_neox, rotary_dim)
     rd = cos_sin_cache.shape[-1]
-    argkey = (query.device, query.dtype, False, head_size, rd, is_neox, key is not None)
+    argkey = (query.device, query.dtype, False, head_size, rd, is_neox, key is not None, serving.tokens(positions.shape[0]))
     return _op.call(impl, argkey, positions, query, key, head_size, cos_sin_cache, is_neox, rd)
 
 
@@ -309,9 +318,9 @@ def outputs(
 # then hands over the argument class it built (Op.call).
 _op = Op(
     OP_ID,
-    fields=("device", "dtype", "needs_grad", "head_size", "rotary_dim", "is_neox", "has_key"),
+    fields=("device", "dtype", "needs_grad", "head_size", "rotary_dim", "is_neox", "has_key", "tokens"),
     key=_key,
-    default_key=lambda device, dtype: (device, dtype, False, None, None, True, True),
+    default_key=lambda device, dtype: (device, dtype, False, None, None, True, True, None),
     validate=validate,
     reference=reference,
     outputs=outputs,

@@ -47,7 +47,7 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, impl: str 
     """
     if not serving.compiling():  # every call: out's shape and memory are not in the argument class (compiled: the custom op checks)
         validate(x, out)
-    return _op.call(impl, (x.device, x.dtype, False, x.shape[-1]), x, _and_mul.allocate(x, out))
+    return _op.call(impl, _and_mul.key(x), x, _and_mul.allocate(x, out))
 
 
 # -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
@@ -65,9 +65,9 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
 # then hands over the argument class it built (Op.call).
 _op = Op(
     OP_ID,
-    fields=("device", "dtype", "needs_grad", "n"),
+    fields=("device", "dtype", "needs_grad", "n", "tokens"),
     key=_and_mul.key,
-    default_key=lambda device, dtype: (device, dtype, False, None),
+    default_key=lambda device, dtype: (device, dtype, False, None, None),
     validate=validate,
     reference=reference,
     outputs=_and_mul.outputs,

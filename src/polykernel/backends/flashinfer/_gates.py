@@ -43,3 +43,35 @@ def rms_norm_quant_fp8(a: Any) -> str | None:
     if a.weight_dtype != a.dtype:
         return f"FlashInfer reads the weight as x's dtype: needs weight in {a.dtype}, got {a.weight_dtype}"
     return None
+
+
+# -- measured ranks (KernelSpec.rank_for) ----------------------------------------------------------
+# Where FlashInfer's kernel beat ours on the H200 (bf16, GPU time of CUDA-graph replays, Llama-8B
+# widths, tokens 1-8192): benchmarks/results/h200-2026-12-04-serving/sweep_serving.csv. Rank 5
+# puts it ahead of triton (10) there; elsewhere, and in what was not measured (other dtypes, other
+# widths, gelu's tanh form), the static ranks stand. Without FlashInfer installed nothing changes.
+_HALF = ("torch.bfloat16", "bfloat16")
+
+
+def silu_and_mul_rank(a: Any) -> tuple[int, str] | None:
+    """FlashInfer first for decode-sized calls (<= 16 tokens): 5.3-5.6 µs against triton's 5.7-6.0;
+    from 64 tokens on they tie or triton leads (2048: 46.9 against 47.4)."""
+    if str(a.dtype) not in _HALF or a.tokens is None or not 0 < a.tokens <= 16:
+        return None
+    return 5, "<= 16 tokens in bf16: FlashInfer 3-8% ahead of triton (H200, 2026-12-04)"
+
+
+def gelu_and_mul_rank(a: Any) -> tuple[int, str] | None:
+    """FlashInfer first for the erf form at prefill sizes (> 1024 tokens): 56.6 against 58.2 µs at
+    2048, 191.7 against 210.7 at 8192; triton leads at 64-512 tokens (19.3 against 21.2 at 512)."""
+    if str(a.dtype) not in _HALF or a.approximate != "none" or a.tokens is None or a.tokens <= 1024:
+        return None
+    return 5, "> 1024 tokens, erf, bf16: FlashInfer 3-10% ahead of triton (H200, 2026-12-04)"
+
+
+def rotary_embedding_rank(a: Any) -> tuple[int, str] | None:
+    """FlashInfer first for decode-sized calls (<= 64 tokens, head 128, with a key): 5.6-6.2 µs
+    against triton's 5.7-6.4; triton leads from 512 tokens on (48.4 against 53.0 at 8192)."""
+    if str(a.dtype) not in _HALF or a.head_size != 128 or not a.has_key or a.tokens is None or not 0 < a.tokens <= 64:
+        return None
+    return 5, "<= 64 tokens, head 128, bf16: FlashInfer 2-7% ahead of triton (H200, 2026-12-04)"
