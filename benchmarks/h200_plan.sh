@@ -37,7 +37,7 @@
 # (polykernel.tools.rows: "complete": false until the end), so a step cut at its limit keeps its
 # rows. The GPU tests: `make test-gpu PART=...` parts (docs/testing.md), each under 8 min:
 #
-#   gpu-PART    one part of the GPU suite (norms grads losses moe serving backends reliability models)
+#   gpu-PART    one part of the GPU suite (norms grads losses moe serving peers backends reliability models rest)
 set -u
 part=${1:?usage: bash benchmarks/h200_plan.sh PART}
 R=/tmp/h200/$part
