@@ -141,8 +141,8 @@ case $part in
     # kernels on first use (~170 configs: its Qwen3-MoE run took no step in 170 s on 2026-12-03): liger[fixed]
     # turns that off (Liger's default configs); the autotuned liger has its own part, moe-train-liger
     # 2026-12-04 (warm machine): Mixtral's three variants 75 s, Qwen3-MoE's 58 s; compile adds its own
-    step train-mixtral 240 python3 benchmarks/models/moe_train.py --model mixtral --steps 6 --only "plain,polykernel,liger[fixed],compile" --timeout 90 --json "$R/train_mixtral.json"
-    step train-qwen 280 python3 benchmarks/models/moe_train.py --model qwen3_moe --steps 8 --only "plain,polykernel,liger[fixed],compile" --timeout 120 --json "$R/train_qwen.json"
+    step train-mixtral 240 python3 benchmarks/models/moe_train.py --model mixtral --steps 6 --only "plain,polykernel,liger[fixed],compile" --timeout 150 --json "$R/train_mixtral.json"
+    step train-qwen 300 python3 benchmarks/models/moe_train.py --model qwen3_moe --steps 8 --only "plain,polykernel,liger[fixed],compile" --timeout 150 --json "$R/train_qwen.json"
     ;;
   moe-train-liger)  # Liger as it comes: the first step autotunes (reported as "first"), then its steady rate
     step train-qwen-liger 540 python3 benchmarks/models/moe_train.py --model qwen3_moe --steps 12 --only liger --timeout 520 --json "$R/train_qwen_liger.json"
