@@ -15,7 +15,7 @@
 # Parts, in the order the issues' "Done when" need them (the GPU time is 30 min a session):
 #   serving-a   issue 25: GPU tests of the providers, the serving ops in a graph and eager
 #   serving-b   issue 25: cuda_jit and torch_compile rows, the decode loop, the selection sweep
-#   losses      issue 22: distillation and preference losses (bench rows and GPU tests), vs Liger
+#   losses      issues 22, 35: the loss GPU tests, the distillation bench rows, the ten post-training losses vs Liger's modules
 #   moe-tests   issue 33: the MoE GPU test files alone (run with PK_NO_WHEELS=1 if .whl/ is carried)
 #   moe         issue 33: the MoE GPU tests; one experts layer at Qwen3-30B-A3B, Mixtral, gpt-oss-20b shapes, profiled; the sweep
 #   moe-liger   issue 33: the MoE GPU parity with Liger's fused MoE among the impls (carry the Liger wheel)
@@ -84,7 +84,6 @@ gpu_tests() {  # gpu_tests NAME LIMIT FILES...
 
 SERVING_OPS=(silu_and_mul gelu_and_mul fused_add_rms_norm_ rotary_embedding_ dynamic_quant_fp8 static_quant_fp8 rms_norm_quant_fp8)
 DISTILL_OPS=(kl_div jsd tvd fused_linear_jsd)
-PREF_OPS=(fused_linear_dpo_loss fused_linear_orpo_loss fused_linear_cpo_loss fused_linear_simpo_loss fused_linear_kto_loss fused_linear_grpo_loss)
 
 peers
 case $part in  # the eager rows: build the native launch path first (else the first process builds it
@@ -120,8 +119,11 @@ case $part in
     # eager, not --graph: Liger's losses are not CUDA-graph safe, so a graph bench has no Liger row
     # (2026-12-04); at these sizes (ms per call) the GPU time dominates the host's anyway
     step distill-bench 200 python3 -m polykernel bench --no-compile --out "$R/distill" "${DISTILL_OPS[@]}"
-    step pref-bench 120 python3 -m polykernel bench --no-compile --out "$R/pref" "${PREF_OPS[@]}"
-    step pref-script 90 python3 benchmarks/kernels/preference_losses.py --json "$R/pref.json"
+    # the ten losses against Liger called as its users call it (its own modules: the registry's
+    # predicates refused its DPO and bf16 GRPO on 2026-12-04) and the plain loss; it replaces the
+    # preference ops' bench step (no room: the part's limits add up to 540 s). ~2 s a row and
+    # ~15 s for each Liger chunked loss's torch.compile: the six preference losses come first
+    step post-train-losses 190 python3 benchmarks/kernels/post_training_losses.py --json "$R/post_training.json"
     ;;
   moe | moe-tests)  # each test file on its own (2026-12-03, fresh machine: gpt-oss 54 s; the other two cut at 50-65 s, compiling);
     # their compiles, counted on the CPU: benchmarks/results/cpu-2026-12-03-moe-compiles/. No Liger wheel for this part:

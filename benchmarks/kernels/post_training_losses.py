@@ -1,0 +1,157 @@
+"""The ten post-training losses, forward+backward (issue 35, table 2): polykernel (its own choice,
+``impl="triton"``, ``impl="torch"``) vs Liger called as its users call it (its own modules with
+their defaults, not through polykernel: ``_liger_losses.py``) vs the plain loss (the whole [N, V]
+logits in torch, TRL-style: ``_plain_losses.py``).
+
+Losses: dpo, orpo, cpo, simpo, kto, grpo (N = 8×1024 tokens, H = 2048, V = 128256), then kl_div,
+jsd, tvd ([8192, 128256]) and fused_linear_jsd (N = 8192, H = 2048, V = 128256); bf16 on CUDA
+(``_loss_cases.py`` has the shapes). Per row: the median fwd+bwd time (gradients of the inputs
+that take one), the peak memory above what was allocated before the call (CUDA only), the loss
+value, and ``agrees``: within 2% of polykernel's torch impl (``rel_diff``). Each row is printed
+and written as it is measured (a run cut at its limit keeps its rows). On a CPU without ``--tiny``
+the triton rows are skipped; Liger's rows say why they did not run (no CUDA: its defaults compile
+with torch.compile and launch Triton GPU kernels; or Liger is not installed).
+
+    PYTHONPATH=src python benchmarks/kernels/post_training_losses.py --json out.json           # H200
+    PYTHONPATH=src python benchmarks/kernels/post_training_losses.py --tiny --json out.json    # CPU smoke
+    ... --only dpo,kl_div --impls torch,liger     # some losses, some candidates
+    ... --tiny --liger-on-cpu    # CPU: Liger too (chunked losses uncompiled; its kernels in Triton's interpreter)
+    ... --chunk-mib 512          # polykernel's chunk budget (default: _linear_logps.CHUNK_BYTES, 1 GiB)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+# polykernel's first-use verification (a float64 reference of the op at these shapes) would weigh
+# on the first calls; the loss values are compared across the candidates below instead
+os.environ.setdefault("POLYKERNEL_VERIFY", "off")
+if "--tiny" in sys.argv and not torch.cuda.is_available():  # CPU smoke: the triton impls in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # (before Triton's first import: it fixes the mode)
+
+from _liger_losses import liger_call
+from _loss_cases import FULL, LOSSES, PREFERENCE, TINY, inputs, plain_call, polykernel_call
+
+from polykernel.tools.rows import RowFile, announce
+
+IMPLS = ("auto", "triton", "torch", "liger", "plain")  # auto: polykernel's public function, impl=None
+RTOL = 2e-2  # loose: bf16 logits (Liger's, the plain loss's) against polykernel's fp32 GEMM outputs
+
+
+def measure(fn, params, device, reps):
+    """(median ms of fwd+bwd, peak extra MiB or None, loss value)."""
+
+    def step():
+        loss = fn()
+        loss = loss[0] if isinstance(loss, tuple) else loss  # polykernel's NamedTuples, Liger's (loss, aux)
+        torch.autograd.grad(loss, params)
+        return loss
+
+    cuda = device.type == "cuda"
+    loss = step()  # warm-up (compiles, autotunes)
+    step()
+    times = []
+    peak = None
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), peak, float(loss.detach())
+
+
+def candidate(loss, impl, x, args, device):
+    """The call to time, or the reason it does not run here (a string)."""
+    if impl == "liger":
+        if device.type != "cuda" and not args.liger_on_cpu:
+            return "skipped on CPU: Liger's defaults need CUDA (torch.compile'd chunked losses, Triton GPU kernels); --liger-on-cpu"
+        return liger_call(loss, x, compiled=device.type == "cuda")
+    if impl == "plain":
+        return plain_call(loss, x)
+    if impl == "triton" and device.type != "cuda" and not args.tiny:
+        return "skipped on CPU: --tiny runs the triton impls in Triton's interpreter"
+    return polykernel_call(loss, x, None if impl == "auto" else impl)
+
+
+def pick(value, allowed, flag):
+    chosen = [v for v in value.split(",") if v] if value else list(allowed)
+    unknown = sorted(set(chosen) - set(allowed))
+    if unknown:
+        raise SystemExit(f"{flag}: unknown {unknown}; known: {', '.join(allowed)}")
+    return [v for v in allowed if v in chosen]  # in the run's order
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--tiny", action="store_true", help="CPU-sized shapes (a smoke test; the triton impls interpreted on a CPU)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--only", default="", help=f"comma-separated losses (default: all, in this order: {','.join(LOSSES)})")
+    ap.add_argument("--impls", default="", help=f"comma-separated candidates (default: {','.join(IMPLS)})")
+    ap.add_argument("--liger-on-cpu", action="store_true", help="run Liger on a CPU too: a check of the arguments, not a timing")
+    ap.add_argument("--chunk-mib", type=int, help="polykernel's chunk budget (default: _linear_logps.CHUNK_BYTES, 1 GiB)")
+    args = ap.parse_args()
+    losses, impls = pick(args.only, LOSSES, "--only"), pick(args.impls, IMPLS, "--impls")
+    if args.chunk_mib:
+        from polykernel.backends import _linear_logps
+
+        _linear_logps.CHUNK_BYTES = args.chunk_mib << 20
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shapes, reps = (TINY, 2) if args.tiny else (FULL, args.reps)
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    out = RowFile(args.json, {"device": where, "dtype": str(dtype), "torch": torch.__version__, "rtol": RTOL})
+    # H200 guesses: ~2 s a row (inputs, first calls, autotuning, 8 steps), + ~15 s for each Liger
+    # chunked loss's torch.compile on its first call (2026-12-04, through our adapter: ORPO's 19.9 s)
+    compiles = sum(1 for loss in losses if loss in PREFERENCE) if "liger" in impls and device.type == "cuda" else 0
+    announce(len(losses) * len(impls), 1 if args.tiny else 2, "rows", args.json, extra_s=15 * compiles)
+
+    for loss in losses:
+        x = inputs(loss, shapes, device, dtype)
+        with torch.no_grad():  # the value every candidate is compared with
+            ref = polykernel_call(loss, x, "torch")()
+            ref = float((ref[0] if isinstance(ref, tuple) else ref).detach())
+        for impl in impls:
+            row = {"loss": loss, "impl": impl, "shape": x.shape, "dtype": str(dtype)}
+            try:
+                fn = candidate(loss, impl, x, args, device)
+                if isinstance(fn, str):
+                    row["error"] = fn
+                else:
+                    ms, peak, value = measure(fn, x.grads, device, reps)
+                    rel = abs(value - ref) / max(abs(ref), 1e-6)
+                    row.update(ms=ms, peak_extra_mib=peak, loss_value=value, rel_diff=rel, agrees=rel <= RTOL)
+            except Exception as exc:  # one failing candidate must not hide the others
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            row["device"] = where
+            out.add(row, json.dumps(row))
+        del x
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out.finish()
+
+
+if __name__ == "__main__":
+    main()
