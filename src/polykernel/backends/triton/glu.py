@@ -48,6 +48,8 @@ SILU, GELU_TANH, GELU_ERF = 0, 1, 2
 ACTS = {"silu": SILU, "tanh": GELU_TANH, "none": GELU_ERF}
 
 BLOCK_MAX = 4096  # elements per program (bf16: 8 KiB per tensor; 16 per thread at 8 warps)
+ELEMS_PER_THREAD = 16  # a program's warps: its tile over 32 threads of this many elements each ...
+MAX_WARPS = 8  # ... at most this many (benchmarks/kernels/kernel_variants.py A/Bs the three)
 # GELU-tanh: z = √(2/π)·(g + 0.044715·g³) and 0.5·(1 + tanh z) = sigmoid(2z) = sigmoid(g·(K2 + K2C·g²))
 _K2 = tl.constexpr(1.5957691216057308)  # 2·√(2/π)
 _K2C = tl.constexpr(0.0713548162726009)  # 2·√(2/π)·0.044715
@@ -168,7 +170,7 @@ def _tile(m: int, n: int) -> tuple[int, int, int]:
     """(BLOCK, ROWS, num_warps) for m rows of n elements: up to BLOCK_MAX elements per program."""
     block = min(BLOCK_MAX, _next_pow2(max(n, 1)))
     rows = min(max(1, BLOCK_MAX // block), _next_pow2(max(m, 1)))
-    warps = max(1, min(8, block * rows // 512))
+    warps = max(1, min(MAX_WARPS, block * rows // (32 * ELEMS_PER_THREAD)))
     return block, rows, warps
 
 
