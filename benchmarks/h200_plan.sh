@@ -113,7 +113,7 @@ case $part in
     step decode 150 python3 benchmarks/models/decode_loop.py --steps 32 --repeats 3 --json "$R/decode.json"
     # 2026-12-04: 8 of its 9 ops in 200 s (cut in the ninth)
     step serving-sweep 280 python3 benchmarks/tuning/sweep_serving.py --out "$R/sweep"
-    step gelu-variants 60 python3 benchmarks/kernels/kernel_variants.py --only gelu_and_mul --out "$R/variants"
+    step variants 90 python3 benchmarks/kernels/kernel_variants.py --only gelu_and_mul,rms_norm_decode --out "$R/variants"
     ;;
   losses)
     gpu_tests loss-tests 150 tests/ops/test_kl_div.py tests/ops/test_jsd.py tests/ops/test_tvd.py \

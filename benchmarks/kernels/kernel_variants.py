@@ -57,6 +57,21 @@ GROUPS: dict[str, tuple[str, tuple[int, ...], tuple[str, ...], list[tuple[str, d
             ("row, 16 warps", {"FWD_VARIANT": "row", "TUNE.fwd_warps": 16}),
         ],
     ),
+    # decode-sized rows: Liger's rms_norm led triton by 0.13-0.23 µs (2.4-4.4%) at <= 64 rows of
+    # 4096 in CUDA-graph replays (h200-2026-12-04-serving/sweep_serving.csv); a GPU-latency gap
+    "rms_norm_decode": (
+        "rms_norm",
+        (4, 4096),
+        ("fwd",),
+        [
+            ("default (tile, 8 warps)", {}),
+            ("tile, 4 warps", {"TUNE.fwd_warps": 4}),
+            ("tile, 16 warps", {"TUNE.fwd_warps": 16}),
+            ("row", {"FWD_VARIANT": "row"}),
+            ("row, 4 warps", {"FWD_VARIANT": "row", "TUNE.fwd_warps": 4}),
+            ("row, 16 warps", {"FWD_VARIANT": "row", "TUNE.fwd_warps": 16}),
+        ],
+    ),
     "fused_add_rms_norm": (
         "fused_add_rms_norm",
         (16384, 4096),
@@ -106,7 +121,7 @@ GROUPS: dict[str, tuple[str, tuple[int, ...], tuple[str, ...], list[tuple[str, d
         ],
     ),
 }
-MODULES = {"rms_norm": trms, "fused_add_rms_norm": tfa, "rope": trope, "gelu_and_mul": tglu}
+MODULES = {"rms_norm": trms, "rms_norm_decode": trms, "fused_add_rms_norm": tfa, "rope": trope, "gelu_and_mul": tglu}
 
 
 @contextlib.contextmanager
@@ -261,7 +276,9 @@ def markdown(rows: list[dict[str, Any]], flce: dict[str, Any] | None, meta: dict
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--only", default="", help="comma-separated groups: rms_norm, fused_add_rms_norm, rope, gelu_and_mul, flce")
+    parser.add_argument(
+        "--only", default="", help="comma-separated groups: rms_norm, rms_norm_decode, fused_add_rms_norm, rope, gelu_and_mul, flce"
+    )
     a = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kernel_variants.py needs a CUDA GPU")
