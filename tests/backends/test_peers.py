@@ -347,3 +347,53 @@ def test_quack_cross_entropy_hands_its_kernel_a_unit_stride_target(monkeypatch):
         torch.testing.assert_close(got, F.cross_entropy(logits, target, reduction="none"))
     finally:
         sys.modules.pop("polykernel.backends.quack.cross_entropy", None)
+
+
+def test_quack_adapters_hand_over_16_byte_aligned_rows(monkeypatch):
+    """QuACK compiles its kernels assuming 16-byte aligned data pointers (quack/compile_utils.py
+    make_fake_tensor: assumed_align of 16 bytes at every N its gates admit): a contiguous view at
+    an odd offset is handed over as an aligned copy, for x, the residual, the weight and logits."""
+    import importlib
+    import sys
+    import types
+
+    import torch.nn.functional as F
+
+    seen: list[torch.Tensor] = []
+
+    def fake_rmsnorm(x, weight, residual=None, eps=1e-6, prenorm=False, weight_offset=0.0):
+        seen.extend(u for u in (x, weight, residual) if u is not None)
+        s = x if residual is None else x + residual
+        y = polykernel.rms_norm(s, weight, eps, offset=weight_offset, impl="torch")
+        return (y, s) if prenorm else y
+
+    def fake_ce(logits, target, ignore_index, reduction):
+        seen.append(logits)
+        return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction=reduction)
+
+    rms, ce = types.ModuleType("quack.rmsnorm"), types.ModuleType("quack.cross_entropy")
+    rms.rmsnorm, ce.cross_entropy = fake_rmsnorm, fake_ce
+    monkeypatch.setitem(sys.modules, "quack", types.ModuleType("quack"))
+    monkeypatch.setitem(sys.modules, "quack.rmsnorm", rms)
+    monkeypatch.setitem(sys.modules, "quack.cross_entropy", ce)
+    names = [f"polykernel.backends.quack.{m}" for m in ("rms_norm", "fused_add_rms_norm", "cross_entropy")]
+    for name in names:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    try:
+
+        def odd(*shape):  # contiguous, 2 bytes past a 16-byte boundary
+            flat = torch.randn(1 + torch.Size(shape).numel(), dtype=torch.bfloat16)
+            v = flat[1:].view(shape)
+            assert v.is_contiguous() and v.data_ptr() % 16 == 2
+            return v
+
+        x, r, w = odd(3, 64), odd(3, 64), odd(64)
+        y = importlib.import_module(names[0]).rms_norm(x, w, 1e-6, 0.0, "fp32")
+        torch.testing.assert_close(y, polykernel.rms_norm(x, w, impl="torch"), rtol=0, atol=0)
+        importlib.import_module(names[1]).fused_add_rms_norm(x, r, w, 1e-6, 0.0)
+        logits, target = odd(4, 32), torch.randint(0, 32, (4,))
+        importlib.import_module(names[2]).cross_entropy(logits, target, -100, 0.0, "none")
+        assert len(seen) == 6 and all(u.is_contiguous() and u.data_ptr() % 16 == 0 for u in seen)
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)

@@ -354,6 +354,71 @@ def test_flashinfer_rope_adapter(fake_flashinfer, cache_dtype):
         assert args[1] is q and args[2] is k and args[3] == 64 and args[4].dtype == torch.float32 and args[5] is False
 
 
+def test_flashinfer_rope_adapter_hands_over_only_16_byte_vectors(fake_flashinfer):
+    """FlashInfer's rope kernel (pos_enc.cuh, BatchQKApplyRotaryPosIdsCosSinCacheKernel) loads each
+    head 16 bytes at a time from ``q + n·stride_n + h·stride_h`` and the cache's fp32 cos/sin from
+    ``cache + pos·rotary_dim``: a query or key at an odd offset or with rows of an odd width would
+    fault (misaligned address), so it goes to the torch impl; a cache view at an odd offset is
+    handed over as an aligned copy."""
+    rope = _adapter("flashinfer", "rotary_embedding_")
+    pos, cache = torch.tensor([3, 0, 7]), rope_cache(8, 64)
+    odd_start = t(3, 1 + 6 * 64)  # q, k start 2 bytes past a 16-byte boundary
+    odd_rows = t(3, 6 * 64 + 4)  # rows of 776 bytes: the second token's heads misaligned
+    for fused in (odd_start[:, 1:], odd_rows[:, : 6 * 64]):
+        q, k = fused[:, : 4 * 64], fused[:, 4 * 64 :]
+        q0, k0 = q.clone(), k.clone()
+        assert rope(pos, q, k, 64, cache, True, 64) == (q, k)
+        assert fake_flashinfer == []
+        rope_reference(pos, q0, k0, 64, cache, True)
+        assert torch.equal(q, q0) and torch.equal(k, k0)
+    q3 = t(3, 2, 65)[..., :64]  # [T, H, head_size] heads 130 bytes apart
+    assert rope(pos, q3, t(3, 64), 64, cache, True, 64)[0] is q3 and fake_flashinfer == []
+    flat = torch.empty(1 + 8 * 64)
+    odd_cache = flat[1:].view(8, 64).copy_(cache)  # contiguous fp32, 4 bytes past a boundary
+    q, k = t(3, 4 * 64), t(3, 2 * 64)
+    rope(pos, q, k, 64, odd_cache, True, 64)
+    ((_, args, _),) = fake_flashinfer
+    assert args[1] is q and args[4].data_ptr() % 16 == 0 and torch.equal(args[4], cache)
+
+
+def _uint32(monkeypatch, elems: int) -> None:
+    monkeypatch.setattr("polykernel.backends._dense.UINT32_ELEMS", elems, raising=False)
+
+
+def test_flashinfer_norms_split_rows_past_uint32_offsets(fake_flashinfer, monkeypatch):
+    """FlashInfer's CUDA norm kernels (norm.cuh: ``bx * stride_input`` in uint32) wrap past 2**32
+    elements into other rows: the adapters launch them on slices of 16-row multiples that stay
+    below it (here the limit is lowered to 16 rows of 64), each slice 16-byte aligned."""
+    _uint32(monkeypatch, 16 * 64)
+    x, w = t(40, 64), t(64)
+    y = _adapter("flashinfer", "rms_norm")(x, w, 1e-6, 0.0, "fp32")
+    assert [c[1][0].shape[0] for c in fake_flashinfer] == [16, 16, 8]
+    assert all(c[1][0].data_ptr() % 16 == 0 and c[2]["out"].data_ptr() % 16 == 0 for c in fake_flashinfer)
+    torch.testing.assert_close(y, polykernel.rms_norm(x, w, impl="torch"), rtol=0, atol=0)
+    fake_flashinfer.clear()
+    x, r = t(40, 64), t(40, 64)
+    x0, r0 = x.clone(), r.clone()
+    _adapter("flashinfer", "fused_add_rms_norm_")(x, r, w, 1e-6, 0.0)
+    assert [c[1][0].shape[0] for c in fake_flashinfer] == [16, 16, 8]
+    ey, er = polykernel.fused_add_rms_norm_(x0, r0, w, impl="torch")
+    torch.testing.assert_close(r, er, rtol=0, atol=0)
+    torch.testing.assert_close(x, ey, rtol=0.02, atol=0.02)
+    fake_flashinfer.clear()
+    q, scale = torch.empty(40, 64, dtype=torch.float8_e4m3fn), torch.tensor([0.01])
+    _adapter("flashinfer", "rms_norm_quant_fp8")(x0, w, scale, 1e-6, q)
+    assert [(c[1][0].shape[0], c[1][0].data_ptr() % 16) for c in fake_flashinfer] == [(16, 0), (16, 0), (8, 0)]
+    want = polykernel.rms_norm_quant_fp8(x0, w, scale, impl="torch")
+    assert (q.float() - want.float()).abs().max() <= 0.0625 * want.float().abs().max()
+
+
+def test_norm_predicates_refuse_rows_too_long_to_split():
+    for peer in PEERS:
+        assert "uint32" in _why("rms_norm", peer, t(1, 2**28 + 8), t(2**28 + 8))
+    x = t(1, 2**28 + 8)
+    assert "uint32" in _why("rms_norm_quant_fp8", "flashinfer", x, t(2**28 + 8), torch.tensor([0.01]))
+    assert _why("rms_norm", "flashinfer", t(1, 2**28), t(2**28)) is None
+
+
 def test_fake_bound_adapters_do_not_outlive_their_test(fake_flashinfer):
     _adapter("flashinfer", "silu_and_mul")
     assert "polykernel.backends.flashinfer.silu_and_mul" in sys.modules
@@ -473,6 +538,24 @@ def test_sgl_norm_adapters(fake_sgl, offset):
     assert name == ("gemma_fused_add_rmsnorm" if offset else "fused_add_rmsnorm")
     assert got[0] is x and got[1] is r and args[0].data_ptr() == x.data_ptr() and args[1].data_ptr() == r.data_ptr()
     assert not torch.equal(r, r0)
+
+
+def test_sgl_norms_split_rows_past_uint32_offsets(fake_sgl, monkeypatch):
+    """sgl-kernel runs FlashInfer's CUDA norm kernels (uint32 row offsets): past 2**32 elements
+    (lowered here to 16 rows of 64) the adapters launch them on 16-row slices."""
+    _uint32(monkeypatch, 16 * 64)
+    x, w = t(40, 64), t(64)
+    y = _adapter("sgl_kernel", "rms_norm")(x, w, 1e-6, 0.0, "fp32")
+    assert [a[1].shape[0] for _, a in fake_sgl] == [16, 16, 8]
+    torch.testing.assert_close(y, polykernel.rms_norm(x, w, impl="torch"), rtol=0, atol=0)
+    fake_sgl.clear()
+    r = t(40, 64)
+    x0, r0 = x.clone(), r.clone()
+    _adapter("sgl_kernel", "fused_add_rms_norm_")(x, r, w, 1e-6, 0.0)
+    assert [a[0].shape[0] for _, a in fake_sgl] == [16, 16, 8]
+    ey, er = polykernel.fused_add_rms_norm_(x0, r0, w, impl="torch")
+    torch.testing.assert_close(r, er, rtol=0, atol=0)
+    torch.testing.assert_close(x, ey, rtol=0.02, atol=0.02)
 
 
 def test_sgl_and_mul_adapters(fake_sgl):

@@ -7,14 +7,49 @@ back (outputs). A fresh allocation is aligned (the caching allocator's blocks ar
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 ALIGN = 16  # bytes: one 128-bit vector
+
+# FlashInfer's CUDA norm kernels (include/flashinfer/norm.cuh: RMSNormKernel, FusedAddRMSNormKernel,
+# RMSNormQuantKernel; sgl-kernel compiles the same file) find a row at ``bx * stride_input``, both
+# uint32: past 2**32 elements the offset wraps and the kernel reads and writes other rows of the
+# same buffer (no fault: silently wrong rows). :func:`uint32_parts` hands them such tensors in
+# slices of rows that each stay below it.
+UINT32_ELEMS = 1 << 32
+PART_ROWS = 16  # a slice starts a multiple of 16 rows in: 16-byte aligned for any n, fp8 included
+MAX_PART_N = UINT32_ELEMS // PART_ROWS  # longer rows cannot be sliced so (the gates refuse them)
 
 
 def dense(t: torch.Tensor) -> bool:
     """Whether ``t`` is contiguous with a 16-byte aligned data pointer (what the kernels read)."""
     return t.is_contiguous() and t.data_ptr() % ALIGN == 0
+
+
+def uint32_parts(*ts: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Dense ``[rows, n]`` tensors of one shape, whole when they hold at most 2**32 elements (the
+    usual case: one launch), else as views of the same rows, at most 2**32 elements each and
+    starting at multiples of :data:`PART_ROWS` rows (so each view keeps the 16-byte alignment;
+    writes through them reach the tensors). For kernels that address rows in uint32
+    (:data:`UINT32_ELEMS`); n must not exceed :data:`MAX_PART_N`."""
+    m, n = ts[0].shape
+    if m * n <= UINT32_ELEMS:
+        yield ts
+        return
+    assert n <= MAX_PART_N, n
+    step = UINT32_ELEMS // n // PART_ROWS * PART_ROWS
+    for i in range(0, m, step):
+        yield tuple(t[i : i + step] for t in ts)
+
+
+def vectors(t: torch.Tensor) -> bool:
+    """Whether 16-byte vectors may be loaded from ``t`` at any multiple of 16 bytes into a run of
+    its last dim: unit last stride, a 16-byte aligned data pointer, and every other stride (of a
+    dim longer than one) a multiple of 16 bytes. For kernels that take strides but load vectors."""
+    step = ALIGN // t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % ALIGN == 0 and all(s % step == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
 
 
 def readable(t: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,18 @@ MAX_FUSED_N = SMEM_BYTES // 4 - 32
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
+# The CUDA norm kernels address rows in uint32; the adapters split a tensor of more than 2**32
+# elements into slices of 16-row multiples (backends/_dense.py, uint32_parts), which needs
+# 16·N <= 2**32 (kept in step with _dense.MAX_PART_N; this module stays torch-free).
+MAX_ROW_N = (1 << 32) // 16
+
+
+def long_rows(peer: str, a: Any) -> str | None:
+    """Rows too long for the uint32 row slicing (N > 2**28): see MAX_ROW_N."""
+    if a.n is not None and a.n > MAX_ROW_N:
+        return f"{peer}'s norm kernels address rows in uint32: N <= {MAX_ROW_N} (16 rows within 2**32 elements), got {a.n}"
+    return None
+
 
 def norm(peer: str, a: Any) -> str | None:
     """rms_norm / fused_add_rms_norm_ arguments the peer's kernels compute as the op does."""
@@ -23,7 +35,7 @@ def norm(peer: str, a: Any) -> str | None:
         return f"{peer} has weight + 0 (rmsnorm) and weight + 1 (gemma_rmsnorm) only, not offset={a.offset}"
     if a.weight_dtype != a.dtype:
         return f"{peer} reads the weight as x's dtype: needs weight in {a.dtype}, got {a.weight_dtype}"
-    return None
+    return long_rows(peer, a)
 
 
 def fused_norm(peer: str, a: Any) -> str | None:

@@ -42,7 +42,7 @@ def rms_norm_quant_fp8(a: Any) -> str | None:
         return "FlashInfer's rmsnorm_quant takes one scale per tensor, not one per row"
     if a.weight_dtype != a.dtype:
         return f"FlashInfer reads the weight as x's dtype: needs weight in {a.dtype}, got {a.weight_dtype}"
-    return None
+    return shared.long_rows("FlashInfer", a)
 
 
 # -- measured ranks (KernelSpec.rank_for) ----------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from flashinfer.norm import fused_add_rmsnorm, gemma_fused_add_rmsnorm
 
-from .._dense import readable, rows
+from .._dense import readable, rows, uint32_parts
 from .._fallback import registered
 
 # what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
@@ -26,5 +26,7 @@ def fused_add_rms_norm_(
     x2, r2 = rows(x, n), rows(residual, n)
     if x.numel() == 0 or x2 is None or r2 is None:
         return _torch_fused_add_rms_norm_(x, residual, weight, eps, offset)
-    (gemma_fused_add_rmsnorm if offset == 1.0 else fused_add_rmsnorm)(x2, r2, readable(weight), eps)
+    norm, w = (gemma_fused_add_rmsnorm if offset == 1.0 else fused_add_rmsnorm), readable(weight)
+    for xs, rs in uint32_parts(x2, r2):  # its CUDA kernel's row offsets are uint32 (_dense.UINT32_ELEMS)
+        norm(xs, rs, w, eps)
     return x, residual

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from flashinfer.norm import gemma_rmsnorm, rmsnorm
 
-from .._dense import readable
+from .._dense import readable, uint32_parts
 from .._fallback import registered
 
 # what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
@@ -23,5 +23,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, c
         return _torch_rms_norm(x, weight, eps, offset, casting)
     x2 = readable(x).view(-1, n)
     out = torch.empty_like(x2)
-    (gemma_rmsnorm if offset == 1.0 else rmsnorm)(x2, readable(weight), eps, out=out)
+    norm, w = (gemma_rmsnorm if offset == 1.0 else rmsnorm), readable(weight)
+    for xs, ys in uint32_parts(x2, out):  # its CUDA kernel's row offsets are uint32 (_dense.UINT32_ELEMS)
+        norm(xs, w, eps, out=ys)
     return out.view(x.shape)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from flashinfer.norm import rmsnorm_quant
 
-from .._dense import readable, settle, writable
+from .._dense import readable, settle, uint32_parts, writable
 
 
 def rms_norm_quant_fp8(
@@ -20,5 +20,7 @@ def rms_norm_quant_fp8(
         return q
     n = x.shape[-1]
     buf = writable(q)
-    rmsnorm_quant(buf.view(-1, n), readable(x).view(-1, n), readable(weight), scale.reshape(1).contiguous(), eps)
+    w, s = readable(weight), scale.reshape(1).contiguous()
+    for qs, xs in uint32_parts(buf.view(-1, n), readable(x).view(-1, n)):  # uint32 row offsets (_dense.UINT32_ELEMS)
+        rmsnorm_quant(qs, xs, w, s, eps)
     return settle(q, buf)

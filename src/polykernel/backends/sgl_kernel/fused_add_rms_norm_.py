@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .._dense import readable, rows
+from .._dense import readable, rows, uint32_parts
 from .._fallback import registered
 from ._ops import ops, pdl
 
@@ -26,5 +26,7 @@ def fused_add_rms_norm_(
     x2, r2 = rows(x, n), rows(residual, n)
     if x.numel() == 0 or x2 is None or r2 is None:
         return _torch_fused_add_rms_norm_(x, residual, weight, eps, offset)
-    (ops.gemma_fused_add_rmsnorm if offset == 1.0 else ops.fused_add_rmsnorm).default(x2, r2, readable(weight), eps, pdl(x))
+    norm, w, p = (ops.gemma_fused_add_rmsnorm if offset == 1.0 else ops.fused_add_rmsnorm).default, readable(weight), pdl(x)
+    for xs, rs in uint32_parts(x2, r2):  # FlashInfer's CUDA kernel: uint32 row offsets (_dense.UINT32_ELEMS)
+        norm(xs, rs, w, eps, p)
     return x, residual

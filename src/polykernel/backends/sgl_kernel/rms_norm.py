@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._dense import readable
+from .._dense import readable, uint32_parts
 from .._fallback import registered
 from ._ops import ops, pdl
 
@@ -23,5 +23,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, c
         return _torch_rms_norm(x, weight, eps, offset, casting)
     x2 = readable(x).view(-1, n)
     out = torch.empty_like(x2)
-    (ops.gemma_rmsnorm if offset == 1.0 else ops.rmsnorm).default(out, x2, readable(weight), eps, pdl(x))
+    norm, w, p = (ops.gemma_rmsnorm if offset == 1.0 else ops.rmsnorm).default, readable(weight), pdl(x)
+    for xs, ys in uint32_parts(x2, out):  # FlashInfer's CUDA kernel: uint32 row offsets (_dense.UINT32_ELEMS)
+        norm(ys, xs, w, eps, p)
     return out.view(x.shape)
