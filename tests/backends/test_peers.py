@@ -397,3 +397,31 @@ def test_quack_adapters_hand_over_16_byte_aligned_rows(monkeypatch):
     finally:
         for name in names:
             sys.modules.pop(name, None)
+
+
+def test_liger_group_norm_sends_tensors_past_int32_offsets_to_torch(monkeypatch):
+    """Liger's group-norm kernels (liger_kernel/ops/group_norm.py, _group_norm_forward and
+    _group_norm_backward) step to a sample at ``tl.program_id(0) * X_row_stride``, int32 times an
+    int32 argument: from 2**31 elements on the offset wraps (an illegal address or another sample's
+    rows). The adapter hands such tensors to the torch impl (the limit lowered here to 64)."""
+    pytest.importorskip("liger_kernel")
+    import importlib
+
+    adapter = importlib.import_module("polykernel.backends.liger.group_norm")
+    calls: list[tuple] = []
+
+    class Recorder:
+        @staticmethod
+        def apply(x, weight, bias, channels, groups, eps):
+            calls.append(tuple(x.shape))
+            return polykernel.group_norm(x, groups, weight, bias, eps, impl="torch")
+
+    monkeypatch.setattr(adapter, "_GroupNorm", Recorder)
+    monkeypatch.setattr(adapter, "INT32_ELEMS", 64, raising=False)
+    w, b = torch.randn(4), torch.randn(4)
+    small, big = torch.randn(2, 4, 8), torch.randn(2, 4, 9)  # 64 elements, 72
+    adapter.group_norm(small, 2, w, b, 1e-5)
+    assert calls == [(2, 4, 8)]
+    y = adapter.group_norm(big, 2, w, b, 1e-5)
+    assert calls == [(2, 4, 8)]  # the torch impl took it
+    torch.testing.assert_close(y, polykernel.group_norm(big, 2, w, b, 1e-5, impl="torch"), rtol=0, atol=0)
