@@ -190,9 +190,8 @@ def rotary_embedding_(
     """
     if not serving.compiling():  # every call, before any write (compiled: the custom op checks)
         validate(positions, query, key, head_size, cos_sin_cache, is_neox, rotary_dim)
-    rd = cos_sin_cache.shape[-1]
-    argkey = (query.device, query.dtype, False, head_size, rd, is_neox, key is not None, serving.tokens(positions.shape[0]))
-    return _op.call(impl, argkey, positions, query, key, head_size, cos_sin_cache, is_neox, rd)
+    argkey = _key(positions, query, key, head_size, cos_sin_cache, is_neox)
+    return _op.call(impl, argkey, positions, query, key, head_size, cos_sin_cache, is_neox, cos_sin_cache.shape[-1])
 
 
 # -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
