@@ -39,6 +39,7 @@ if "--tiny" in sys.argv and not torch.cuda.is_available():  # CPU smoke: the tri
 from _liger_losses import liger_call
 from _loss_cases import FULL, LOSSES, PREFERENCE, TINY, inputs, plain_call, polykernel_call
 
+from polykernel.tools.bench import peak_extra_mib
 from polykernel.tools.rows import RowFile, announce
 
 IMPLS = ("auto", "triton", "torch", "liger", "plain")  # auto: polykernel's public function, impl=None
@@ -60,13 +61,8 @@ def measure(fn, params, device, reps):
     times = []
     peak = None
     if cuda:
-        torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        peak = peak_extra_mib(step)
     for _ in range(reps):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -201,6 +201,18 @@ def _outputs(out: Any) -> list[torch.Tensor]:
     return [o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, torch.Tensor) and o.requires_grad]
 
 
+def peak_extra_mib(step: Callable[[], Any]) -> float:
+    """MiB that one call of ``step`` holds at its peak beyond what was allocated before it (CUDA)."""
+    import torch
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
 def measure(
     fn: Callable[[], Any], grad_inputs: list[torch.Tensor], backward: bool, graph: bool = False, warmup: int = 25, rep: int = 100
 ) -> tuple[float, float]:
@@ -224,12 +236,7 @@ def measure(
                 return fn()
 
     step()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    peak = peak_extra_mib(step)
     if graph:
         ms = do_bench(capture_graph(step).replay, warmup=warmup, rep=rep)
     else:

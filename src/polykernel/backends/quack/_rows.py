@@ -13,15 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from .._dense import dense
+from .._dense import readable
 
 
 def rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """``t`` as contiguous, 16-byte aligned ``[rows, n]`` (a view when it already is one, else a copy)."""
-    t2 = t.reshape(-1, n)
-    return t2 if dense(t2) else t2.clone(memory_format=torch.contiguous_format)
-
-
-def vector(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D parameter (the weight) as a contiguous, 16-byte aligned tensor (a copy only when needed)."""
-    return t if dense(t) else t.clone(memory_format=torch.contiguous_format)
+    return readable(t.reshape(-1, n))

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 from quack.rmsnorm import rmsnorm as _quack_rmsnorm
 
+from .._dense import readable
 from .._fallback import registered
-from ._rows import rows, vector
+from ._rows import rows
 
 # what this impl does not take goes to the torch impl, resolved by name on first use (polykernel.backends._fallback)
 _torch_impl = registered("norm.fused_add_rms_norm")
@@ -24,5 +25,5 @@ def fused_add_rms_norm(
     n = x.shape[-1]
     if x.numel() == 0:
         return _torch_impl(x, residual, weight, eps, offset)
-    y, s = _quack_rmsnorm(rows(x, n), vector(weight), residual=rows(residual, n), eps=eps, prenorm=True, weight_offset=float(offset))
+    y, s = _quack_rmsnorm(rows(x, n), readable(weight), residual=rows(residual, n), eps=eps, prenorm=True, weight_offset=float(offset))
     return y.view(x.shape), s.view(x.shape)
