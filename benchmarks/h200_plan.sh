@@ -13,8 +13,8 @@
 #   the others : the Liger wheel only.
 #
 # Parts, in the order the issues' "Done when" need them (the GPU time is 30 min a session):
-#   serving-a   issue 25: GPU tests of the providers, the serving ops in a graph and eager
-#   serving-b   issue 25: cuda_jit and torch_compile rows, the decode loop, the selection sweep
+#   serving-a   issue 34: the serving GPU tests (peers, providers, op files), the serving ops in a graph and eager
+#   serving-b   issue 34: the providers' rows, the selection sweep, the kernel variants
 #   losses      issues 22, 35: the loss GPU tests, the distillation bench rows, the ten post-training losses vs Liger's modules
 #   moe-tests   issue 33: the MoE GPU test files alone (run with PK_NO_WHEELS=1 if .whl/ is carried)
 #   moe         issue 33: the MoE GPU tests; one experts layer at Qwen3-30B-A3B, Mixtral, gpt-oss-20b shapes, profiled; the sweep
@@ -110,7 +110,7 @@ case $part in
   serving-b)
     step cuda-jit-build 150 python3 -m polykernel.backends.cuda_jit._build
     step providers 60 python3 benchmarks/kernels/providers.py --json "$R/providers.json"
-    step decode 150 python3 benchmarks/models/decode_loop.py --steps 32 --repeats 3 --json "$R/decode.json"
+    # the decode loop: part `decode` (2026-12-04's second run: h200-2026-12-04-serving-tests/decode.json)
     # 2026-12-04: 8 of its 9 ops in 200 s (cut in the ninth)
     step serving-sweep 280 python3 benchmarks/tuning/sweep_serving.py --out "$R/sweep"
     step variants 90 python3 benchmarks/kernels/kernel_variants.py --only gelu_and_mul,rms_norm_decode --out "$R/variants"
