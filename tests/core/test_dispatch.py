@@ -246,6 +246,16 @@ def test_scope_without_op_is_a_preference_that_skips(caplog):
         assert "scope preference cute_dsl skipped" in caplog.text
 
 
+def test_skipped_preference_is_logged_once_per_reason_not_per_argument_class(caplog):
+    """A preference for an impl that cannot run here (not installed, no GPU) says so once per op,
+    however many argument classes (dtypes, sizes) the op then meets."""
+    with polykernel.use_impl("cute_dsl"), caplog.at_level("WARNING", logger="polykernel"):
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+            x, w = args(dtype=dtype)
+            polykernel.rms_norm(x, w)
+    assert caplog.text.count("scope preference cute_dsl skipped") == 1
+
+
 def test_scope_is_per_thread():
     fake("liger", 50)
     seen = []

@@ -234,9 +234,8 @@ def _resolve(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None, 
         why = ", ".join(f"{n}: {by_name[n].reason}" if n in by_name else f"{n}: not registered for this op" for n in names)
         if strict_env:
             raise ImplNotAvailableError(op.id, ",".join(names), f"preference ({source}) cannot be met: {why}", runnable_names())
-        log_once(
-            ("skip", op.id, source, tuple(names), argkey), f"polykernel: {op.id}: {source} preference {','.join(names)} skipped ({why})"
-        )
+        # once per reason, not per argument class: a peer that is not installed is one line per op
+        log_once(("skip", op.id, source, tuple(names), why), f"polykernel: {op.id}: {source} preference {','.join(names)} skipped ({why})")
         return None
 
     # 1. impl= argument
