@@ -3,9 +3,10 @@
 ``torch.utils.cpp_extension.load_inline`` compiles ``csrc/binding.cu`` (which includes the
 kernels, ``csrc/rms_norm.cuh``) with nvcc and ninja into ``<polykernel cache>/cuda_jit/<tag>/``;
 the tag holds torch's and Python's versions and a hash of the sources and flags, so a changed
-kernel builds anew and an unchanged one loads in milliseconds. A :class:`filelock.FileLock` in that
-directory makes parallel processes (ranks, test workers) build it once: the others wait, then
-load it. The first failure is kept for the process (no rebuild per call), with its last line.
+kernel builds anew and an unchanged one loads in milliseconds. A file lock in that directory
+(``backends/_extension_lock.py``) makes parallel processes (ranks, test workers) build it once: the
+others wait, then load it; a build interrupted mid-way (the process killed) no longer blocks later
+ones. The first failure is kept for the process (no rebuild per call), with its last line.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import sys
 import threading
 from pathlib import Path
 from typing import Any
+
+from .._extension_lock import build_lock
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("rms_norm.cuh", "binding.cu")
@@ -51,12 +54,9 @@ def build_dir() -> Path:
 
 def build(verbose: bool = False) -> Any:
     """Compile (or load the built) extension; raises on failure."""
-    import filelock
     from torch.utils import cpp_extension
 
-    out = build_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    with filelock.FileLock(str(out / "build.lock"), timeout=LOCK_TIMEOUT_S):
+    with build_lock(build_dir(), "cuda_jit", timeout=LOCK_TIMEOUT_S) as out:
         return cpp_extension.load_inline(
             name="polykernel_cuda_jit",
             cpp_sources=[DECLARATION],

@@ -10,9 +10,12 @@ handle and its parameter layout back (checked against the driver's view of the f
 Build: the extension is compiled once per torch/Python/source version into the cache directory
 (``$POLYKERNEL_CACHE_DIR`` or the user cache dir, ``native/``), by ``make setup`` (the README's
 commands) or ``python -m polykernel.backends.triton._native``; it needs a C++ compiler, no CUDA
-toolkit. Until it is built, or where it cannot be, the Python path runs: that is logged once, and
-with ``POLYKERNEL_NATIVE=1`` (require it) it is an error. A CUDA call that finds no built extension
-starts the build in the background and keeps using the Python path meanwhile. The launch layout
+toolkit. It builds under a file lock (``backends/_extension_lock.py``): another process's build is
+waited for (logged), and a build interrupted mid-way (the process killed, or exiting while the
+background build runs) no longer blocks later ones. Until it is built, or where it cannot be, the
+Python path runs: that is logged once, and with ``POLYKERNEL_NATIVE=1`` (require it) it is an
+error. A CUDA call that finds no built extension starts the build in the background and keeps
+using the Python path meanwhile. The launch layout
 is written for the Triton releases ``csrc/slot.h`` names; with another the Python path runs (the
 same way: logged once, an error when required).
 
@@ -40,6 +43,7 @@ from typing import Any
 import torch
 
 from ... import _compat, env
+from .._extension_lock import build_lock
 from . import _launch
 
 log = logging.getLogger("polykernel")
@@ -133,15 +137,14 @@ def build(verbose: bool = False) -> Any:
     """Compile (or load the already built) extension; raises on failure."""
     from torch.utils import cpp_extension
 
-    out = build_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
-        name="polykernel_native",
-        sources=[str(SOURCE)],
-        build_directory=str(out),
-        extra_cflags=CFLAGS,
-        verbose=verbose,
-    )
+    with build_lock(build_dir(), "the native launch path") as out:
+        return cpp_extension.load(
+            name="polykernel_native",
+            sources=[str(SOURCE)],
+            build_directory=str(out),
+            extra_cflags=CFLAGS,
+            verbose=verbose,
+        )
 
 
 def _built() -> bool:
