@@ -92,6 +92,7 @@ SMOKE_WIDTH = {"silu_and_mul": 128, "gelu_and_mul": 128}  # [T, 2d] with d = 64;
 MODES = ("graph", "eager")
 PEERS = ("flashinfer", "sgl_kernel")  # the serving engines' kernels issue 25 measures us against
 PEER_EAGER_US = 2.0  # issue 25: eager per-call time <= the peers' + 2 µs
+STATIC_CLAIM = 1.02  # issue 34: auto (untuned) within 2% of the fastest provider
 CSV_FIELDS = "op mode tokens width shape impl chosen ms us gpu_us host_us TB/s bytes tune_s error".split()
 
 
@@ -155,6 +156,7 @@ def sweep(smoke: bool, ops: list[str], tokens: list[int], after_op: Any = None, 
             first = len(rows)  # this point's rows start here
             print(f"{op_name} {base['shape']}", file=sys.stderr, flush=True)
             verdicts = st._candidates(op_name, args)
+            static = _static_choice(op_name, args)
             # The tuned call first, on the example's own arguments (the in-place ops rewrite them
             # on every call after this): measured on clones of them, stored, then run.
             polykernel.clear_caches()
@@ -177,6 +179,7 @@ def sweep(smoke: bool, ops: list[str], tokens: list[int], after_op: Any = None, 
             for mode, row in tuned.items():
                 row["chosen"] = (entry or {}).get("graph" if mode == "graph" and device == "cuda" else "eager")
                 row["tune_s"] = round(tune_s, 3)
+                row["static"] = static
                 if entry is not None:
                     row["tuner_times"] = entry.get("times")
             rows.extend(tuned.values())
@@ -190,6 +193,16 @@ def sweep(smoke: bool, ops: list[str], tokens: list[int], after_op: Any = None, 
         if after_op is not None:
             after_op(rows)
     return rows
+
+
+def _static_choice(op_name: str, args: tuple[Any, ...]) -> str | None:
+    """What auto runs here without measuring (``POLYKERNEL_TUNE`` off): the runnable impl of
+    least rank, as explain lists them (ranks there are the effective ones: rank rules applied).
+    Its time is its forced row's (the issue's claim is about auto, tuned or not)."""
+    import polykernel
+
+    runnable = [r for r in polykernel.explain(op_name, *args).impls if r["runnable"]]
+    return min(runnable, key=lambda r: r["rank"])["name"] if runnable else None
 
 
 def _row_line(row: dict[str, Any]) -> str:
@@ -250,6 +263,12 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         s["fastest_us"] = s["fastest_ms"] * 1e3 if s["fastest_ms"] is not None else None
         s["vs_peer"] = None
         s["peer_target"] = None
+        here = [r for r in rows if (r["op"], r["mode"], r["tokens"]) == (s["op"], s["mode"], s["tokens"])]
+        s["static"] = next((r.get("static") for r in here if r["impl"] == "tuned"), None)
+        static_row = next((r for r in here if r["impl"] == s["static"] and r["ms"] is not None), None)
+        s["static_us"] = static_row["us"] if static_row else None
+        s["static_ratio"] = static_row["ms"] / s["fastest_ms"] if static_row and s["fastest_ms"] else None
+        s["static_within"] = None if s["static_ratio"] is None else bool(s["static_ratio"] <= STATIC_CLAIM)
         if peer and tuned_us is not None:
             if s["mode"] == "graph":
                 s["vs_peer"] = tuned_us / peer["us"]
@@ -260,6 +279,10 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _ratio(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
 def _us(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}" if v < 100 else f"{v:.0f}"
 
@@ -268,7 +291,7 @@ def print_table(rows: list[dict[str, Any]], summary: list[dict[str, Any]]) -> No
     """Per point: the fastest, the tuned choice, their ratio, the best peer, and every impl's µs;
     then one line per op and mode."""
     print(
-        f"{'op':<20}{'mode':<6}{'tokens':>7}  {'fastest':<14}{'µs':>8}  {'tuned':<14}{'µs':>8}{'ratio':>7}  {'peer':<11}{'vs peer':>8}  impls (µs)"
+        f"{'op':<20}{'mode':<6}{'tokens':>7}  {'fastest':<14}{'µs':>8}  {'tuned':<14}{'µs':>8}{'ratio':>7}  {'static':<14}{'ratio':>7}  {'peer':<11}{'vs peer':>8}  impls (µs)"
     )
     for s in summary:
         vs = "-" if s["vs_peer"] is None else f"{s['vs_peer']:.3f}" if s["mode"] == "graph" else f"{s['vs_peer']:+.2f}"
@@ -283,7 +306,7 @@ def print_table(rows: list[dict[str, Any]], summary: list[dict[str, Any]]) -> No
         flag = "" if s["within_claim"] else "  > 5%"
         print(
             f"{s['op']:<20}{s['mode']:<6}{s['tokens']:>7}  {s['fastest'] or '-':<14}{_us(s['fastest_us']):>8}  "
-            f"{s['tuned'] or '-':<14}{_us(s['tuned_us']):>8}{s['ratio']:>7.3f}  {s['peer'] or '-':<11}{vs:>8}  {impls}{flag}"
+            f"{s['tuned'] or '-':<14}{_us(s['tuned_us']):>8}{s['ratio']:>7.3f}  {s['static'] or '-':<14}{_ratio(s['static_ratio']):>7}  {s['peer'] or '-':<11}{vs:>8}  {impls}{flag}"
         )
     print()
     for op in dict.fromkeys(s["op"] for s in summary):
@@ -293,6 +316,10 @@ def print_table(rows: list[dict[str, Any]], summary: list[dict[str, Any]]) -> No
                 continue
             worst = max((s["ratio"] for s in pts if not math.isnan(s["ratio"])), default=math.nan)
             line = f"{op} {mode}: tuned within 5% of the fastest at {sum(s['within_claim'] for s in pts)} of {len(pts)} points (worst {worst:.3f})"
+            static = [s for s in pts if s["static_within"] is not None]
+            if static:
+                worst_static = max(s["static_ratio"] for s in static)
+                line += f"; static within 2% at {sum(s['static_within'] for s in static)} of {len(static)} (worst {worst_static:.3f})"
             vs_peer = [s for s in pts if s["peer_target"] is not None]
             if vs_peer:
                 target = "<= the fastest peer" if mode == "graph" else f"<= the fastest peer + {PEER_EAGER_US:g} µs"
