@@ -76,6 +76,8 @@ have=("$dst"/parts/site.*)
 if [ ${#have[@]} -lt "$count" ]; then
   echo "trl: ${#have[@]} of $count parts here; send the next part"; exit 0
 fi
+# the name matters: dill (datasets' fingerprints) pickles by value the modules whose path has no
+# "site-packages" in it, and then fails on pyarrow's types (seen with a folder named otherwise)
 site=$dst/site-packages
 if [ ! -f "$site/.complete-$sum" ]; then
   cat "$dst"/parts/site.* > "$dst/$file"
@@ -93,9 +95,12 @@ source "$dst/env.sh"
 echo "trl: ready; source $dst/env.sh"
 "$py" - "$site" <<'PY'
 import importlib, importlib.metadata as md, sys
-from packaging.requirements import Requirement
+try:
+    from packaging.requirements import Requirement
+except ImportError:  # (the image has packaging; the check is advice only)
+    Requirement = None
 # the staged packages' requirements that the image does not meet (a warning: pip is not asked)
-for dist in ("trl", "datasets", "liger-kernel"):
+for dist in ("trl", "datasets", "liger-kernel") if Requirement else ():
     for text in md.requires(dist) or []:
         req = Requirement(text)
         if req.marker and not req.marker.evaluate({"extra": ""}):
