@@ -10,6 +10,9 @@
 #                and the stage script's Liger paths. Each part sets the peers up again when the
 #                machine is fresh (seconds once unpacked).
 #   checks     : `bash ../shared/gpu/stage.sh cute cutile` (its 2-3 runs; the CuTeDSL and cuTile tests skip without).
+#   trl        : `bash benchmarks/stage_trl.sh` (TRL, datasets and the two of their dependencies the image
+#                lacks, and Liger: one 1.4 MB part); carry .gpu/trl/{setup.sh,manifest,parts-1}, nothing else
+#                (not the serving peers: they travel with the serving parts).
 #   the others : the Liger wheel only.
 #
 # Parts, in the order the issues' "Done when" need them (the GPU time is 30 min a session):
@@ -22,7 +25,7 @@
 #   moe-train   issue 33: Mixtral (2 layers) and Qwen3-MoE (4 layers) widths trained: plain, polykernel, Liger (autotune off)
 #   moe-train-liger  issue 33: Qwen3-MoE with Liger as it comes (its fused MoE autotuned in the first step)
 #   decode      issue 34: decode logits given the same token (batch 1-128), the decode loop, a kernel profile of a step
-#   trl         issue 22: TRL's DPOTrainer on a Llama-1B shape, ours vs use_liger_kernel
+#   trl         issue 22: TRL's DPOTrainer and GRPOTrainer on a Llama-1B shape: plain, use_liger_kernel, ours
 #   checks      the double-backward GPU tests (CuTeDSL, cuTile) and the peers' refusal overhead
 #   overhead    issue 36: dispatcher overhead and host time per call after the redesign, and the nine
 #               original ops' GPU rows (compare with benchmarks/results/h200-2026-12-01-redesign/)
@@ -72,6 +75,10 @@ peers() {  # whichever staged setups came with this command (idempotent)
   if [ -f .gpu/serving/setup.sh ]; then
     bash .gpu/serving/setup.sh | tail -1
     source /opt/pk/serving/env.sh
+  fi
+  if [ -f .gpu/trl/setup.sh ]; then  # TRL, datasets, Liger (benchmarks/stage_trl.sh)
+    bash .gpu/trl/setup.sh
+    [ -f "${PK_TRL_DIR:-/opt/pk/trl}/env.sh" ] && source "${PK_TRL_DIR:-/opt/pk/trl}/env.sh"
   fi
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 }
@@ -168,8 +175,15 @@ case $part in
     step graph 240 python3 -m polykernel bench --graph --no-compile --out "$R/graph" rms_norm layer_norm fused_add_rms_norm swiglu \
       geglu softmax rope cross_entropy fused_linear_cross_entropy
     ;;
-  trl)
-    step trl-dpo 520 python3 benchmarks/models/trl_dpo.py --steps 8 --timeout 250 --json "$R/trl_dpo.json"
+  trl)  # needs .gpu/trl (the header); each variant is a process of its own (imports, a 1.2B model,
+    # Triton compiles: ~30-60 s), cut at --timeout; both steps end within 530 s of here
+    : "${PK_DEADLINE:=$(($(date +%s) + 530))}"
+    export PK_DEADLINE HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # no network there: no hub look-ups
+    step trl-dpo 220 python3 benchmarks/models/trl_dpo.py --steps 8 --timeout 100 --json "$R/trl_dpo.json"
+    # generation (transformers' generate, eager, token by token) is most of a GRPO step: short
+    # prompts and completions, 16 completions a step (its loss sees 16 x 192 tokens)
+    step trl-grpo 310 python3 benchmarks/models/trl_grpo.py --steps 4 --prompts 2 --generations 8 --prompt-len 128 \
+      --completion-len 192 --timeout 120 --json "$R/trl_grpo.json"
     ;;
   families-[1-6])
     # 17 families, 3 per part (each variant in its own process; compile's first steps compile)

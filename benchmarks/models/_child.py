@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from typing import Any
 from polykernel.tools.rows import RowFile, announce
 
 _PREFIX = "RESULT "
+_PROGRESS = re.compile(r"\d+%\|")  # a tqdm bar
 
 
 def parse(
@@ -88,6 +90,7 @@ def run_all(
 
 
 def last_error_line(record: dict[str, Any]) -> str:
-    """The last line of a failed record's error, for a one-line summary."""
-    text = record["error"].strip()
-    return text.splitlines()[-1] if text else "?"
+    """The last line of a failed record's error, for a one-line summary: progress bars (tqdm's
+    ``  0%|...| 0/3``, which a trainer prints after the traceback) are passed over."""
+    lines = [ln for ln in record["error"].splitlines() if ln.strip() and not _PROGRESS.search(ln)]
+    return lines[-1].strip() if lines else "?"
