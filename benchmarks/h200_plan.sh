@@ -95,7 +95,7 @@ DISTILL_OPS=(kl_div jsd tvd fused_linear_jsd)
 peers
 case $part in  # the eager rows: build the native launch path first (else the first process builds it
   # in the background and launches from Python meanwhile: 2026-12-04's serving-b and decode rows)
-  serving-* | decode | overhead | families-*) step native-build 150 python3 -m polykernel.backends.triton._native ;;
+  serving-* | decode | overhead | families-* | trl) step native-build 150 python3 -m polykernel.backends.triton._native ;;
 esac
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv >"$R/gpu.csv" 2>&1
 case $part in

@@ -222,3 +222,62 @@ def test_public_function_states_the_references_arguments(name):
     assert [n for n in public if n != "impl"] == list(ref)
     assert {n: p.default for n, p in public.items() if n != "impl"} == {n: p.default for n, p in ref.items()}
     assert op.fields == ("device", "dtype", "needs_grad", *ref)  # pref.op_fields: the class names every argument
+
+
+# -- the float64 reference and the error model hold row blocks, never the [N, V] logits ---------------
+
+
+def test_reference_logps_in_row_blocks_equal_the_whole_logits(monkeypatch):
+    """The float64 reference computed over blocks of 3 rows (the backward recomputing each block's
+    softmax) equals log_softmax of the whole logits, values and gradients, with a temperature,
+    ignored tokens and a bias."""
+    from polykernel.ops import _preference as pref
+
+    torch.manual_seed(0)
+    hid, w, b = (t.double().detach().requires_grad_() for t in head(2, 5, 8, 23))
+    tg = targets(2, 5, 23)
+    monkeypatch.setattr(pref, "REFERENCE_CHUNK_ELEMENTS", 3 * 23)
+    got = pref.reference_token_logps(hid, w, b, tg, -100, 0.7)
+    cot = torch.randn_like(got)
+    g_got = torch.autograd.grad(got, [hid, w, b], cot)
+    z = torch.nn.functional.linear(hid, w, b) / 0.7
+    valid = tg != -100
+    want = torch.where(valid, z.log_softmax(-1).gather(-1, torch.where(valid, tg, 0)[..., None]).squeeze(-1), 0.0)
+    g_want = torch.autograd.grad(want, [hid, w, b], cot)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, e in zip(g_got, g_want, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["fused_linear_dpo_loss", "fused_linear_grpo_loss"])
+def test_error_model_never_holds_the_whole_logits(monkeypatch, name):
+    """The first-call check's error model at a batch whose float64 logits are 40x a row block:
+    no tensor it makes is near the [N, V] logits' size (on the H200, a TRL DPO step's check made
+    them, and peaked at 2.5x the step's memory), and its bounds are those of one whole block."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from polykernel.ops import _preference as pref
+
+    op = registry.get_op(name)
+    case = op.example((4, 40, 16, 512), torch.float32, "cpu", True)
+    n_logits = 4 * 40 * 512
+
+    class Largest(TorchDispatchMode):
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple | list) else (out,):
+                if isinstance(t, torch.Tensor):
+                    Largest.most = max(Largest.most, t.numel())
+            return out
+
+    whole = op.error_model(*case.args, **case.kwargs)
+    monkeypatch.setattr(pref, "REFERENCE_CHUNK_ELEMENTS", n_logits // 40)
+    with Largest():
+        blocks = op.error_model(*case.args, **case.kwargs)
+    assert Largest.most <= n_logits // 8, f"{name}'s error model made a tensor of {Largest.most} elements ({n_logits} logits)"
+    for a, e in zip(whole.grads.values(), blocks.grads.values(), strict=True):
+        assert a.scale == pytest.approx(e.scale, rel=1e-9) and a.cancel == pytest.approx(e.cancel, rel=1e-9)
+    for a, e in zip(whole.outputs, blocks.outputs, strict=True):
+        assert a.cancel == pytest.approx(e.cancel, rel=1e-9)

@@ -64,15 +64,122 @@ def reference_token_logps(
     ignore_index: int,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """``[R, T]`` log-probs from the full ``[R, T, V]`` logits in float64 (differentiable), 0 where
-    ``target == ignore_index``: the semantics the chunked impls are checked against."""
+    """``[R, T]`` log-probs of the ``[R, T, V]`` logits in float64 (differentiable), 0 where
+    ``target == ignore_index``: the semantics the chunked impls are checked against.
+
+    Computed over row blocks of :data:`REFERENCE_CHUNK_ELEMENTS` logits, the backward
+    recomputing them: the whole float64 logits of a 1B model's batch are 8 GB, and with their
+    softmax and gradient they made the first-call check of a TRL DPO step peak at 2.5x the step's
+    own memory (benchmarks/results/h200-2026-12-04-third/trl/)."""
+    stats: dict[str, Any] | None = {} if _capture and torch.is_grad_enabled() and _any_grad(hidden, weight, bias) else None
+    lp = _ReferenceLogps.apply(hidden, weight, bias, target, ignore_index, float(temperature), stats)
+    if stats is not None:
+        _capture[-1].append({**stats, "hidden": hidden, "weight": weight, "bias": bias, "target": target, "ignore_index": ignore_index,
+                             "temperature": float(temperature), "logps": lp})  # fmt: skip
+    return lp
+
+
+REFERENCE_CHUNK_ELEMENTS = 1 << 25  # float64 logits per row block of the reference (256 MiB)
+
+
+def _any_grad(*tensors: torch.Tensor | None) -> bool:
+    return any(t is not None and t.requires_grad for t in tensors)
+
+
+def _logit_blocks(h2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, temperature: float):
+    """``(start, end, z)`` over row blocks: the float64 logits ``(h·Wᵀ + b) / temperature``."""
+    rows = max(1, REFERENCE_CHUNK_ELEMENTS // max(1, w.shape[0]))
+    for s in range(0, h2.shape[0], rows):
+        e = min(s + rows, h2.shape[0])
+        yield s, e, F.linear(h2[s:e], w, b) / temperature
+
+
+class _ReferenceLogps(torch.autograd.Function):
+    """The float64 per-token log-probs, row block by row block; the backward recomputes each
+    block's softmax (dz = g/t·(onehot − softmax)) instead of keeping ``[N, V]`` of it."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, ignore_index, temperature, stats):  # type: ignore[override]
+        f64 = torch.float64
+        h2 = hidden.reshape(-1, hidden.shape[-1]).to(f64)
+        w = weight.to(f64)
+        b = None if bias is None else bias.to(f64)
+        tg = target.reshape(-1)
+        valid = tg != ignore_index
+        safe = torch.where(valid, tg, 0)
+        lp = torch.empty(h2.shape[0], dtype=f64, device=h2.device)
+        lse = torch.empty_like(lp)
+        z_max = 0.0
+        for s, e, z in _logit_blocks(h2, w, b, temperature):
+            lse[s:e] = z.logsumexp(-1)
+            lp[s:e] = z.gather(-1, safe[s:e, None]).squeeze(-1) - lse[s:e]
+            if stats is not None and e > s:
+                z_max = max(z_max, z.abs().amax().item())
+        if stats is not None:  # the error model's magnitudes (_preference_error)
+            stats["z_max"] = z_max
+            stats["lse_max"] = lse.abs().amax().item() if lse.numel() else 0.0
+        ctx.save_for_backward(hidden, weight, bias, safe, valid, lse)
+        ctx.temperature = temperature
+        return torch.where(valid, lp, 0.0).reshape(target.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        hidden, weight, bias, safe, valid, lse = ctx.saved_tensors
+        f64 = torch.float64
+        h2 = hidden.reshape(-1, hidden.shape[-1]).to(f64)
+        w = weight.to(f64)
+        b = None if bias is None else bias.to(f64)
+        g = torch.where(valid, grad.reshape(-1).to(f64), 0.0) / ctx.temperature
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        dh = torch.zeros_like(h2) if need_h else None
+        dw = torch.zeros_like(w) if need_w else None
+        db = torch.zeros(w.shape[0], dtype=f64, device=w.device) if need_b and b is not None else None
+        for s, e, z in _logit_blocks(h2, w, b, ctx.temperature):
+            dz = z.sub_(lse[s:e, None]).exp_().mul_(-g[s:e, None])  # −g·softmax, in place of the logits
+            dz[torch.arange(e - s, device=dz.device), safe[s:e]] += g[s:e]
+            if dh is not None:
+                dh[s:e] = dz @ w
+            if dw is not None:
+                dw.addmm_(dz.T, h2[s:e])
+            if db is not None:
+                db += dz.sum(0)
+        return (
+            None if dh is None else dh.reshape(hidden.shape).to(hidden.dtype),
+            None if dw is None else dw.to(weight.dtype),
+            None if db is None else db.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def dlogit_magnitudes(entry: dict[str, Any], grad: torch.Tensor) -> tuple[float, float]:
+    """For a captured reference call and ``grad`` = ∂loss/∂logps: the largest row sum and the
+    largest column sum of ``|∂loss/∂logits|`` (row block by row block, float64), the scales of
+    the hidden and the weight gradients' errors (_preference_error)."""
     f64 = torch.float64
-    z_raw = F.linear(hidden.to(f64), weight.to(f64), None if bias is None else bias.to(f64))
-    z = z_raw / temperature
-    valid = target != ignore_index
-    lp = z.log_softmax(-1).gather(-1, torch.where(valid, target, 0)[..., None]).squeeze(-1)
-    reference_token_logps_captured(z_raw, lp)  # (the error model's slopes)
-    return torch.where(valid, lp, 0.0)
+    hidden, weight, bias, target = entry["hidden"], entry["weight"], entry["bias"], entry["target"]
+    h2 = hidden.detach().reshape(-1, hidden.shape[-1]).to(f64)
+    w = weight.detach().to(f64)
+    b = None if bias is None else bias.detach().to(f64)
+    tg = target.reshape(-1)
+    valid = tg != entry["ignore_index"]
+    safe = torch.where(valid, tg, 0)
+    t = entry["temperature"]
+    g = torch.where(valid, grad.reshape(-1).to(f64), 0.0) / t
+    row_max = 0.0
+    col = torch.zeros(w.shape[0], dtype=f64, device=w.device)
+    with torch.no_grad():
+        for s, e, z in _logit_blocks(h2, w, b, t):
+            dz = z.sub_(z.logsumexp(-1, keepdim=True)).exp_().mul_(-g[s:e, None])
+            dz[torch.arange(e - s, device=dz.device), safe[s:e]] += g[s:e]
+            dz = dz.abs_()
+            if e > s:
+                row_max = max(row_max, dz.sum(-1).max().item())
+            col += dz.sum(0)
+    return row_max, (col.max().item() if col.numel() else 0.0)
 
 
 def sequence_logps(logp: torch.Tensor, mask: torch.Tensor, average: bool) -> torch.Tensor:
@@ -333,13 +440,9 @@ def pair_outputs(n_scalars: int) -> Any:
     return outputs
 
 
-# The reference's logits and log-probs, captured for the error model (``_preference_error``).
-_capture: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-
-
-def reference_token_logps_captured(z: torch.Tensor, lp: torch.Tensor) -> None:
-    if _capture and z.requires_grad:
-        _capture[-1].append((z, lp))
+# The reference's calls with a gradient, captured for the error model (``_preference_error``): their
+# arguments, log-probs and logit magnitudes.
+_capture: list[list[dict[str, Any]]] = []
 
 
 # -- cases, bench ---------------------------------------------------------------------------------

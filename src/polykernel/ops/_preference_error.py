@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ._preference import _capture, reference_token_logps, sequence_logps, units_per_chunk
+from ._preference import _capture, dlogit_magnitudes, reference_token_logps, sequence_logps, units_per_chunk
 
 # Every loss is a formula of the per-token log-probs logp = z[t] − lse(z), z = (h·W + b)/temperature
 # an fp32 GEMM result of the inputs' values: off by δ <= λ·√H·u32 of Σ_k |h_k·W_k| (<= ‖h‖·‖W_v‖,
@@ -42,8 +42,8 @@ def error_bounds(reference: Any, args: tuple, kwargs: dict, *, grads: dict[str, 
     loss = out[0]
     r, t, h = hidden.shape
     u32 = 2.0**-24
-    hd = hidden.detach().double()
-    wd = weight.detach().double()
+    hd = leaves[grads["hidden"]].detach()  # float64 already: the leaves (no second copy of the weight)
+    wd = leaves[grads["weight"]].detach()
     h_norm = hd.norm(dim=-1).max().item() if hd.numel() else 0.0
     w_norm = wd.norm(dim=-1).max().item() if wd.numel() else 0.0
     b_max = bias.detach().abs().max().item() if bias is not None and bias.numel() else 0.0
@@ -52,22 +52,15 @@ def error_bounds(reference: Any, args: tuple, kwargs: dict, *, grads: dict[str, 
     g_abs = a_mag = 0.0
     dz_row = dz_col_max = 0.0
     if got and loss.requires_grad:
-        z, lp = got[-1]
-        gz, gl = torch.autograd.grad(loss, [z, lp], allow_unused=True, materialize_grads=True)
-        zs = z.detach() / temperature
-        lse = zs.logsumexp(-1)
-        eps = 2 * delta / temperature + 4 * u32 * (
-            (zs.abs().amax().item() if zs.numel() else 0.0) + (lse.abs().max().item() if lse.numel() else 0.0)
-        )
+        entry = got[-1]
+        (gl,) = torch.autograd.grad(loss, [entry["logps"]], materialize_grads=True)
+        eps = 2 * delta / temperature + 4 * u32 * (entry["z_max"] + entry["lse_max"])
         g = gl.detach()
-        lpd = lp.detach()
+        lpd = entry["logps"].detach()
         g_abs = g.abs().sum().item()
         a_mag = (g.abs() * (lpd.abs() + 1)).sum().item()
         tok = lpd.abs().amax().item() if lpd.numel() else 0.0
-        dz = gz.detach().abs().reshape(-1, gz.shape[-1])
-        dz_row = dz.sum(-1).max().item() if dz.numel() else 0.0
-        dz_col = dz.sum(0)
-        dz_col_max = dz_col.max().item() if dz_col.numel() else 0.0
+        dz_row, dz_col_max = dlogit_magnitudes(entry, g)
     lam_t = SUM_LAMBDA * max(t, 1) ** 0.5
     loss_err = 2 * g_abs * eps + (8 + lam_t) * u32 * a_mag
     seq_err = t * eps + lam_t * u32 * t * (tok + 1)
