@@ -29,7 +29,9 @@
 #   checks      the double-backward GPU tests (CuTeDSL, cuTile) and the peers' refusal overhead
 #   overhead    issue 36: dispatcher overhead and host time per call after the redesign, and the nine
 #               original ops' GPU rows (compare with benchmarks/results/h200-2026-12-01-redesign/)
-#   families-1..6  issue 23: each family trained at a ~1B shape, plain / polykernel / Liger / compile
+#   families-1..7  issue 23: each text family trained at a ~1B shape, plain / polykernel / Liger / compile
+#   vision-1, -2   issue 23: Qwen2-VL (2B widths) and Qwen2.5-VL (3B widths), 8+8 layers, 4 x 1024 tokens with a 448x448
+#                  image each: forward, backward, AdamW; plain / polykernel / Liger / compile
 #
 # Several parts in one device command: export PK_DEADLINE=$(($(date +%s) + 570)) first, and every
 # step's limit is cut to what is left (a step with under 20 s left is skipped, said in the output).
@@ -95,7 +97,7 @@ DISTILL_OPS=(kl_div jsd tvd fused_linear_jsd)
 peers
 case $part in  # the eager rows: build the native launch path first (else the first process builds it
   # in the background and launches from Python meanwhile: 2026-12-04's serving-b and decode rows)
-  serving-* | decode | overhead | families-* | trl) step native-build 150 python3 -m polykernel.backends.triton._native ;;
+  serving-* | decode | overhead | families-* | vision-* | trl) step native-build 150 python3 -m polykernel.backends.triton._native ;;
 esac
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv >"$R/gpu.csv" 2>&1
 case $part in
@@ -185,15 +187,22 @@ case $part in
     step trl-grpo 310 python3 benchmarks/models/trl_grpo.py --steps 4 --prompts 2 --generations 8 --prompt-len 128 \
       --completion-len 192 --timeout 120 --json "$R/trl_grpo.json"
     ;;
-  families-[1-6])
-    # 17 families, 3 per part (each variant in its own process; compile's first steps compile)
+  families-[1-7])
+    # 20 text families, 3 per part (each variant in its own process; compile's first steps compile)
     all=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks/models'); import families; print(' '.join(families.FAMILIES))")
     read -r -a fams <<<"$all"
     k=${part#families-}
-    chunk=$(((${#fams[@]} + 5) / 6))
+    chunk=$(((${#fams[@]} + 6) / 7))
     mine=$(IFS=,; echo "${fams[*]:$(((k - 1) * chunk)):$chunk}")
     step "families-$k" 540 python3 benchmarks/models/families.py --families "$mine" --steps 6 --warmup 3 --timeout 120 \
       --json "$R/families-$k.json"
+    ;;
+  vision-[12])
+    # one vision family a part, its four variants (plain and Liger ~30 s each, polykernel's Triton
+    # compiles ~60 s, torch.compile's ~150 s: ~5 min)
+    fam=$([ "$part" = vision-1 ] && echo qwen2_vl || echo qwen2_5_vl)
+    step "$part" 420 python3 benchmarks/models/vision_families.py --families "$fam" --steps 6 --warmup 3 --timeout 240 \
+      --json "$R/$part.json"
     ;;
   gpu-*)
     step "test-$part" 480 make test-gpu PART="${part#gpu-}" PYTHON=python3

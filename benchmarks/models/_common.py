@@ -1,6 +1,7 @@
 """What the model benchmarks share: the Llama-3-style model config and its command-line sizes, the
-tiny CPU sizes, a step timer for ``transformers.Trainer`` runs and the packages' versions for the
-records (scripts in this folder import it by name)."""
+tiny CPU sizes, a step timer for ``transformers.Trainer`` runs, the packages' versions for the
+records, and the model families' training runs (families.py, vision_families.py: a family and
+variant per process). Scripts in this folder import it by name."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 # A Llama-3.2-1B-shaped model: the scripts' default sizes
@@ -186,3 +188,176 @@ def tp_header(device: str, world: int, config: dict[str, Any], dtype: Any, args:
         "warmup": args.warmup,
         "torch": torch.__version__,
     }
+
+
+# -- the model families' training runs (families.py, vision_families.py) -------------------------------
+FAMILY_VARIANTS = ("plain", "polykernel", "liger", "compile")
+
+
+def add_family_args(parser: argparse.ArgumentParser, families: list[str], batch: str, seq: str) -> None:
+    """The family scripts' options: ``--json --families --variants --batch --seq --steps --warmup
+    --tiny --device --timeout`` (``batch``/``seq``: their help, which says the defaults)."""
+    parser.add_argument("--json", type=Path, help="write the records and the summary here")
+    parser.add_argument("--families", default=",".join(families), help="comma-separated model types (default: all)")
+    parser.add_argument("--variants", default=",".join(FAMILY_VARIANTS), help=f"comma-separated, of {', '.join(FAMILY_VARIANTS)}")
+    parser.add_argument("--batch", type=int, default=None, help=batch)
+    parser.add_argument("--seq", type=int, default=None, help=seq)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiles, autotunes)")
+    parser.add_argument("--tiny", action="store_true", help="tiny configs (a CPU check of the script)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+
+
+def family_selection(parser: argparse.ArgumentParser, args: argparse.Namespace, families: Any) -> tuple[list[str], list[str]]:
+    """``--families`` and ``--variants`` as lists (a parser error names any unknown one)."""
+    chosen = [f.strip() for f in args.families.split(",") if f.strip()]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [f for f in chosen if f not in families] + [v for v in variants if v not in FAMILY_VARIANTS]
+    if bad:
+        parser.error(f"unknown families or variants: {', '.join(bad)}")
+    return chosen, variants
+
+
+def family_argv(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
+    """What each child process is passed (the sizes, ``--tiny``, ``--device``) and the setup record."""
+    argv = [f"--batch={args.batch}", f"--seq={args.seq}", f"--steps={args.steps}", f"--warmup={args.warmup}"]
+    argv += ["--tiny"] if args.tiny else []
+    argv += [f"--device={args.device}"] if args.device else []
+    return argv, {k: getattr(args, k) for k in ("batch", "seq", "steps", "warmup", "tiny", "device")}
+
+
+def with_variant(model: Any, model_type: str, variant: str) -> Any:
+    """The model as ``variant`` runs it: as built (plain), ``polykernel``'s patch, Liger-Kernel's
+    patch for ``model_type`` (a RuntimeError where Liger has none) or ``torch.compile``."""
+    import torch
+
+    if variant == "polykernel":
+        from polykernel.integrations.transformers import patch
+
+        patch(model)
+    elif variant == "liger":
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
+
+        if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+            raise RuntimeError(f"Liger-Kernel has no patch for {model_type}")
+        _apply_liger_kernel_to_instance(model=model)
+    elif variant == "compile":
+        model = torch.compile(model)
+    return model
+
+
+def family_child(args: argparse.Namespace, build: Callable[[str, Any, Any], tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
+    """One ``--child=FAMILY:VARIANT`` run in this process: ``build(family, device, dtype)`` gives the
+    plain model (built after ``torch.manual_seed(0)``: every variant starts from the same weights)
+    and the batch (the model's keyword arguments, labels among them: a step is ``model(**batch).loss``,
+    its backward and an AdamW step); then ``args.warmup`` untimed and ``args.steps`` timed steps.
+    The record: the median step time, tokens/s (``args.batch * args.seq`` tokens a step), peak CUDA
+    memory after the warm-up, the first step's loss, what polykernel patched and ran; or the error."""
+    import torch
+
+    family, variant = args.child.split(":")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    record: dict[str, Any] = {"family": family, "variant": variant, "device": str(device), "dtype": str(dtype).removeprefix("torch.")}
+    try:
+        torch.manual_seed(0)  # (CUDA's generator too)
+        model, batch = build(family, device, dtype)
+        model.train()
+        model = with_variant(model, family, variant)
+        params = list(model.parameters())
+        record["parameters"] = sum(p.numel() for p in params)
+        opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
+
+        def step() -> Any:
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        def sync() -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        times, first = [], None
+        for i in range(args.warmup + args.steps):
+            if i == args.warmup and device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            sync()
+            t0 = time.perf_counter()
+            loss = step()
+            sync()
+            if first is None:
+                first = float(loss)
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        median = statistics.median(times)
+        record.update(
+            first_loss=first,
+            step_seconds=times,
+            median_step_seconds=median,
+            tokens_per_second=args.batch * args.seq / median,
+            peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        )
+        if variant == "polykernel":
+            import polykernel
+            from polykernel.integrations.transformers import patched
+
+            record["patched"] = {k: (v if isinstance(v, str) else len(v)) for k, v in patched(model).items()}
+            record["ops"] = sorted({(d["op"], d["impl"]) for d in polykernel.decisions()})
+    except Exception as exc:  # one family failing must not lose the others' rows
+        import traceback
+
+        record["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"
+    return record
+
+
+def run_families(script: str, families: list[str], variants: list[str], argv: list[str], timeout: float, out: Any) -> list[dict[str, Any]]:
+    """Each (family, variant) in a process of its own (``_child.run_child``), its record written to
+    ``out`` (a ``RowFile``) with a line as it ends; the summary (:func:`summarize_families`), printed."""
+    import json
+
+    import _child
+
+    for family in families:
+        for variant in variants:
+            rec = _child.run_child(script, f"{family}:{variant}", argv, timeout)
+            rec.setdefault("family", family), rec.setdefault("variant", variant)
+            if "error" in rec:
+                line = f"{family:12s} {variant:10s} error: {_child.last_error_line(rec)}"
+            else:
+                mem = rec["peak_memory_bytes"]
+                mem_text = f"{mem / 2**30:6.2f} GiB" if mem is not None else "      -"
+                line = f"{family:12s} {variant:10s} {rec['tokens_per_second']:10.0f} tok/s {mem_text}  loss {rec['first_loss']:.4f}"
+            out.add(rec, line)
+    summary = summarize_families(out.rows)
+    for row in summary:
+        print(json.dumps(row), flush=True)
+    return summary
+
+
+def summarize_families(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per family: each variant's speed-up over plain, its first loss against plain's, and
+    polykernel's peak memory over Liger's."""
+    import _child
+
+    out = []
+    by_family: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in records:
+        by_family.setdefault(r["family"], {})[r["variant"]] = r
+    for family, runs in by_family.items():
+        ok = {v: r for v, r in runs.items() if "error" not in r}
+        row: dict[str, Any] = {"family": family}
+        plain = ok.get("plain")
+        for v, r in ok.items():
+            row[f"{v}_tokens_per_second"] = r["tokens_per_second"]
+            if plain is not None:
+                row[f"{v}_speedup"] = r["tokens_per_second"] / plain["tokens_per_second"]
+                row[f"{v}_loss_minus_plain"] = r["first_loss"] - plain["first_loss"]
+        pk, lg = ok.get("polykernel"), ok.get("liger")
+        if pk and lg and pk.get("peak_memory_bytes") and lg.get("peak_memory_bytes"):
+            row["polykernel_memory_over_liger"] = pk["peak_memory_bytes"] / lg["peak_memory_bytes"]
+        row["errors"] = {v: _child.last_error_line(r) for v, r in runs.items() if "error" in r}
+        out.append(row)
+    return out

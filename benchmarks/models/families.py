@@ -16,25 +16,27 @@ what polykernel ran (``decisions()``).
 
 Liger is skipped (recorded as an error) where it has no patch for a family; ``torch.compile``
 compiles the whole model (``fullgraph=False``: the families' forwards have data-dependent parts).
+The summary gives, per family, each variant's speed-up over plain and its first loss minus plain's.
+The two vision-language families are ``vision_families.py``'s (the same machinery, ``_common``'s
+family runs); tests/tools/test_families_scripts.py checks that the two scripts cover
+``SUPPORTED_MODEL_TYPES``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _child  # this folder's helper: one variant per process
+import _child  # this folder's helpers: one variant per process, the family runs
+import _common
 
 from polykernel.tools.rows import RowFile, announce
 
-VARIANTS = ("plain", "polykernel", "liger", "compile")
+VARIANTS = _common.FAMILY_VARIANTS
 
 # ~1B dense: 16 layers of width 2048, 16 heads of 128 (8 KV heads), MLP 8192; MoE families keep
 # the attention and spread the MLP over experts. Vocabularies are each family's own (the loss over
@@ -66,8 +68,11 @@ TINY = dict(
 FAMILIES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "llama": ({}, {}),
     "mistral": ({"vocab_size": 32768}, {}),
+    "qwen2": ({"vocab_size": 151936}, {}),
     "qwen3": ({"vocab_size": 151936}, {}),
+    "gemma": ({"vocab_size": 256000, "head_dim": 256}, {}),  # Gemma's widths, as gemma2's below
     "gemma2": ({"vocab_size": 256000, "head_dim": 256, "query_pre_attn_scalar": 256}, {"query_pre_attn_scalar": 16, "sliding_window": 8}),
+    "olmo2": ({"vocab_size": 100352}, {}),
     "gemma3_text": (
         {"vocab_size": 262144, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 512},
         {"query_pre_attn_scalar": 16, "sliding_window": 8},
@@ -169,158 +174,37 @@ def config_for(family: str, tiny: bool) -> Any:
     return AutoConfig.for_model(family, **kwargs)
 
 
-def _build(family: str, variant: str, tiny: bool, device: Any, dtype: Any) -> Any:
+def build(family: str, tiny: bool, seq: int, batch: int, device: Any, dtype: Any) -> tuple[Any, dict[str, Any]]:
+    """The randomly initialised causal LM of ``family`` and a seeded batch of token ids (its own labels)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)  # (CUDA's generator too: every variant starts from the same weights)
+    config = config_for(family, tiny)
     with torch.device(device):  # initialised on the device: a CPU init of ~2B parameters takes longer than the run
-        model = AutoModelForCausalLM.from_config(config_for(family, tiny), dtype=dtype)
-    model.train()
-    if variant == "polykernel":
-        from polykernel.integrations.transformers import patch
-
-        patch(model)
-    elif variant == "liger":
-        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
-
-        if family not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-            raise RuntimeError(f"Liger-Kernel has no patch for {family}")
-        _apply_liger_kernel_to_instance(model=model)
-    elif variant == "compile":
-        model = torch.compile(model)
-    return model
-
-
-def child(args: argparse.Namespace) -> dict[str, Any]:
-    """One (family, variant) run in this process."""
-    import torch
-
-    family, variant = args.child.split(":")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    record: dict[str, Any] = {"family": family, "variant": variant, "device": str(device), "dtype": str(dtype).removeprefix("torch.")}
-    try:
-        model = _build(family, variant, args.tiny, device, dtype)
-        params = list(model.parameters())
-        record["parameters"] = sum(p.numel() for p in params)
-        opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
-        gen = torch.Generator().manual_seed(1)
-        vocab = config_for(family, args.tiny).vocab_size
-        ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(device)
-
-        def step() -> float:
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        def sync() -> None:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-
-        times = []
-        first = None
-        for i in range(args.warmup + args.steps):
-            if i == args.warmup and device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            sync()
-            t0 = time.perf_counter()
-            loss = step()
-            sync()
-            if first is None:
-                first = float(loss)
-            if i >= args.warmup:
-                times.append(time.perf_counter() - t0)
-        median = statistics.median(times)
-        record.update(
-            first_loss=first,
-            step_seconds=times,
-            median_step_seconds=median,
-            tokens_per_second=args.batch * args.seq / median,
-            peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        )
-        if variant == "polykernel":
-            import polykernel
-            from polykernel.integrations.transformers import patched
-
-            record["patched"] = {k: (v if isinstance(v, str) else len(v)) for k, v in patched(model).items()}
-            record["ops"] = sorted({(d["op"], d["impl"]) for d in polykernel.decisions()})
-    except Exception as exc:  # one family failing must not lose the others' rows
-        import traceback
-
-        record["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"
-    return record
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=gen).to(device)
+    return model, {"input_ids": ids, "labels": ids}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=Path, help="write the records and the summary here")
-    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated model types (default: all)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
-    parser.add_argument("--batch", type=int, default=None, help="sequences per step (default 4; tiny: 2)")
-    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048; tiny: 32)")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiles, autotunes)")
-    parser.add_argument("--tiny", action="store_true", help="tiny configs (a CPU check of the script)")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    _common.add_family_args(
+        parser, list(FAMILIES), batch="sequences per step (default 4; tiny: 2)", seq="tokens per sequence (default 2048; tiny: 32)"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.batch = args.batch or (2 if args.tiny else 4)
     args.seq = args.seq or (32 if args.tiny else 2048)
     if args.child:
-        _child.emit(child(args))
+        _child.emit(_common.family_child(args, lambda family, device, dtype: build(family, args.tiny, args.seq, args.batch, device, dtype)))
         return
-    families = [f.strip() for f in args.families.split(",") if f.strip()]
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    bad = [f for f in families if f not in FAMILIES] + [v for v in variants if v not in VARIANTS]
-    if bad:
-        parser.error(f"unknown families or variants: {', '.join(bad)}")
-    argv = [f"--batch={args.batch}", f"--seq={args.seq}", f"--steps={args.steps}", f"--warmup={args.warmup}"]
-    argv += ["--tiny"] if args.tiny else []
-    argv += [f"--device={args.device}"] if args.device else []
-    setup = {k: getattr(args, k) for k in ("batch", "seq", "steps", "warmup", "tiny", "device")}
+    families, variants = _common.family_selection(parser, args, FAMILIES)
+    argv, setup = _common.family_argv(args)
     out = RowFile(args.json, {"setup": setup})  # each run's record kept as it ends (a cut run keeps them)
     announce(len(families) * len(variants), per_case_s=10 if args.tiny else 120, what="runs", path=args.json)
-    for family in families:
-        for variant in variants:
-            rec = _child.run_child(__file__, f"{family}:{variant}", argv, args.timeout)
-            rec.setdefault("family", family), rec.setdefault("variant", variant)
-            if "error" in rec:
-                line = f"{family:12s} {variant:10s} error: {_child.last_error_line(rec)}"
-            else:
-                mem = rec["peak_memory_bytes"]
-                mem_text = f"{mem / 2**30:6.2f} GiB" if mem is not None else "      -"
-                line = f"{family:12s} {variant:10s} {rec['tokens_per_second']:10.0f} tok/s {mem_text}  loss {rec['first_loss']:.4f}"
-            out.add(rec, line)
-    summary = summarize(out.rows)
-    for row in summary:
-        print(json.dumps(row), flush=True)
+    summary = _common.run_families(__file__, families, variants, argv, args.timeout, out)
     out.finish(summary=summary)
-
-
-def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per family: each variant's speed-up over plain, and polykernel's peak memory over Liger's."""
-    out = []
-    by_family: dict[str, dict[str, dict[str, Any]]] = {}
-    for r in records:
-        by_family.setdefault(r["family"], {})[r["variant"]] = r
-    for family, runs in by_family.items():
-        ok = {v: r for v, r in runs.items() if "error" not in r}
-        row: dict[str, Any] = {"family": family}
-        plain = ok.get("plain")
-        for v, r in ok.items():
-            row[f"{v}_tokens_per_second"] = r["tokens_per_second"]
-            if plain is not None:
-                row[f"{v}_speedup"] = r["tokens_per_second"] / plain["tokens_per_second"]
-        pk, lg = ok.get("polykernel"), ok.get("liger")
-        if pk and lg and pk.get("peak_memory_bytes") and lg.get("peak_memory_bytes"):
-            row["polykernel_memory_over_liger"] = pk["peak_memory_bytes"] / lg["peak_memory_bytes"]
-        row["errors"] = {v: _child.last_error_line(r) for v, r in runs.items() if "error" in r}
-        out.append(row)
-    return out
 
 
 if __name__ == "__main__":

@@ -1,0 +1,103 @@
+"""benchmarks/models/families.py and vision_families.py: between them every family that
+``integrations.transformers.patch`` supports (a new family fails here until it has its benchmark
+rows), each at its ~1B shape; and CPU smoke runs (``--tiny``) of the families added last and of the
+two vision families, as the GPU plan runs the scripts: rows written as measured, polykernel's first
+loss equal to plain's."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _scripts import BENCHMARKS, load_benchmark
+from polykernel.integrations.transformers import SUPPORTED_MODEL_TYPES
+
+SRC = BENCHMARKS.parent / "src"
+families = load_benchmark("families")
+vision_families = load_benchmark("vision_families")
+
+# the text families families.py gained after its first version: each run here in --tiny mode
+NEW_TEXT_FAMILIES = ("qwen2", "gemma", "olmo2")
+
+
+def _is_vision(model_type: str) -> bool:
+    from transformers import AutoConfig
+
+    return hasattr(AutoConfig.for_model(model_type), "vision_config")
+
+
+def test_the_scripts_cover_every_supported_family():
+    vision = {t for t in SUPPORTED_MODEL_TYPES if _is_vision(t)}
+    text = set(SUPPORTED_MODEL_TYPES) - vision
+    assert vision == {"qwen2_vl", "qwen2_5_vl"}
+    missing = sorted(text - set(families.FAMILIES))
+    assert not missing, f"benchmarks/models/families.py's FAMILIES lacks {missing}: add each at a ~1B shape"
+    assert set(vision_families.FAMILIES) == vision
+    assert set(families.FAMILIES) <= set(SUPPORTED_MODEL_TYPES), "a family polykernel does not patch"
+    assert set(NEW_TEXT_FAMILIES) <= set(families.FAMILIES)
+
+
+def test_every_family_is_about_1b():
+    # the full-size configs, built on the meta device (no memory, no init): ~1B parameters each
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    sizes = {}
+    with torch.device("meta"):
+        for family in families.FAMILIES:
+            model = AutoModelForCausalLM.from_config(families.config_for(family, tiny=False))
+            sizes[family] = sum(p.numel() for p in model.parameters())
+        for family in vision_families.FAMILIES:
+            model = AutoModelForImageTextToText.from_config(vision_families.config_for(family, tiny=False))
+            sizes[family] = sum(p.numel() for p in model.parameters())
+    outside = {f: f"{n / 1e9:.2f}B" for f, n in sizes.items() if not 0.7e9 <= n <= 3e9}
+    assert not outside, outside
+
+
+def _run(script: str, tmp_path, *args: str) -> tuple[str, dict]:
+    out = tmp_path / "rows.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]), "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, str(BENCHMARKS / "models" / script), "--tiny", "--steps", "1", "--warmup", "1", "--json", str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+def _check_plain_and_polykernel(rows: dict) -> None:
+    plain, pk = rows["plain"], rows["polykernel"]
+    assert "error" not in plain and "error" not in pk, (plain, pk)
+    assert plain["device"] == "cpu" and plain["tokens_per_second"] > 0 and plain["peak_memory_bytes"] is None
+    assert math.isclose(pk["first_loss"], plain["first_loss"], rel_tol=1e-4), (pk["first_loss"], plain["first_loss"])
+    assert pk["patched"] and pk["ops"]
+
+
+@pytest.mark.parametrize("family", NEW_TEXT_FAMILIES)
+def test_new_text_family_tiny_run(family, tmp_path):
+    stdout, data = _run("families.py", tmp_path, "--families", family, "--variants", "plain,polykernel")
+    assert stdout.startswith("estimate: 2 runs"), stdout[:200]  # announced before measuring
+    assert data["complete"]
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert list(rows) == ["plain", "polykernel"] and {r["family"] for r in data["rows"]} == {family}
+    _check_plain_and_polykernel(rows)
+    (summary,) = data["summary"]
+    assert summary["family"] == family and abs(summary["polykernel_loss_minus_plain"]) < 1e-3
+
+
+@pytest.mark.parametrize("family", list(vision_families.FAMILIES))
+def test_vision_family_tiny_run(family, tmp_path):
+    # an image in each row; Liger's VL patch, where it fails (on a CPU, or with this transformers), is the row's error
+    stdout, data = _run("vision_families.py", tmp_path, "--families", family, "--variants", "plain,polykernel,liger")
+    assert stdout.startswith("estimate: 3 runs"), stdout[:200]
+    assert data["complete"] and data["setup"]["image_side"] == vision_families.TINY_IMAGE_SIDE
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert list(rows) == ["plain", "polykernel", "liger"]
+    _check_plain_and_polykernel(rows)
+    vision = vision_families.FAMILIES[family][5]["depth"]
+    assert rows["polykernel"]["patched"]["rope"] == vision + families.TINY["num_hidden_layers"]  # the vision blocks' rotary too
+    liger = rows["liger"]
+    assert liger["error"] if "error" in liger else math.isclose(liger["first_loss"], rows["plain"]["first_loss"], rel_tol=1e-3)
