@@ -105,7 +105,7 @@ def _rank(op: str, peer: str, *args, **kwargs) -> int:
 
 def test_flashinfer_ranks_follow_the_h200_sweep_by_token_count():
     """FlashInfer goes ahead of triton (rank 10) where the H200 sweep measured it faster
-    (bf16): silu_and_mul at <= 16 tokens, gelu_and_mul (erf) above 1024, rope at <= 64 with
+    (bf16): silu_and_mul at <= 16 tokens, gelu_and_mul (erf) at <= 16 and above 1024, rope at <= 64 with
     head 128; elsewhere it stays behind (rank 70)."""
     assert _rank("silu_and_mul", "flashinfer", t(1, 28672)) < 10
     assert _rank("silu_and_mul", "flashinfer", t(16, 28672)) < 10
@@ -114,6 +114,9 @@ def test_flashinfer_ranks_follow_the_h200_sweep_by_token_count():
     assert _rank("gelu_and_mul", "flashinfer", t(2048, 256)) < 10
     assert _rank("gelu_and_mul", "flashinfer", t(2, 1024, 256)) < 10  # tokens: the rows over every leading dim
     assert _rank("gelu_and_mul", "flashinfer", t(512, 256)) > 10
+    assert _rank("gelu_and_mul", "flashinfer", t(64, 256)) > 10
+    assert _rank("gelu_and_mul", "flashinfer", t(1, 256)) < 10 and _rank("gelu_and_mul", "flashinfer", t(16, 256)) < 10
+    assert _rank("gelu_and_mul", "flashinfer", t(16, 256), approximate="tanh") > 10
     assert _rank("gelu_and_mul", "flashinfer", t(2048, 256), approximate="tanh") > 10
 
     def rope(tokens: int, head: int = 128, key: bool = True) -> int:

@@ -236,7 +236,8 @@ def test_reference_logps_in_row_blocks_equal_the_whole_logits(monkeypatch):
     torch.manual_seed(0)
     hid, w, b = (t.double().detach().requires_grad_() for t in head(2, 5, 8, 23))
     tg = targets(2, 5, 23)
-    monkeypatch.setattr(pref, "REFERENCE_CHUNK_ELEMENTS", 3 * 23)
+    monkeypatch.setattr(pref, "REFERENCE_VOCAB_BLOCK", 7)  # 4 blocks, the last of 2
+    monkeypatch.setattr(pref, "REFERENCE_ROWS_ELEMENTS", 3 * 7)  # 3 rows a block
     got = pref.reference_token_logps(hid, w, b, tg, -100, 0.7)
     cot = torch.randn_like(got)
     g_got = torch.autograd.grad(got, [hid, w, b], cot)
@@ -251,9 +252,10 @@ def test_reference_logps_in_row_blocks_equal_the_whole_logits(monkeypatch):
 
 @pytest.mark.parametrize("name", ["fused_linear_dpo_loss", "fused_linear_grpo_loss"])
 def test_error_model_never_holds_the_whole_logits(monkeypatch, name):
-    """The first-call check's error model at a batch whose float64 logits are 40x a row block:
-    no tensor it makes is near the [N, V] logits' size (on the H200, a TRL DPO step's check made
-    them, and peaked at 2.5x the step's memory), and its bounds are those of one whole block."""
+    """The first-call check's error model at a batch whose float64 logits are 40x a block: no
+    tensor it makes is near the [N, V] logits' size nor a float64 copy of the weight (on the
+    H200, a TRL DPO step's check made the logits, and peaked at 2.5x the step's memory), and its
+    bounds are those of one whole block."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from polykernel.ops import _preference as pref
@@ -268,15 +270,17 @@ def test_error_model_never_holds_the_whole_logits(monkeypatch, name):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             for t in out if isinstance(out, tuple | list) else (out,):
-                if isinstance(t, torch.Tensor):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
                     Largest.most = max(Largest.most, t.numel())
             return out
 
     whole = op.error_model(*case.args, **case.kwargs)
-    monkeypatch.setattr(pref, "REFERENCE_CHUNK_ELEMENTS", n_logits // 40)
+    monkeypatch.setattr(pref, "REFERENCE_VOCAB_BLOCK", 128)
+    monkeypatch.setattr(pref, "REFERENCE_ROWS_ELEMENTS", n_logits // 40)
     with Largest():
         blocks = op.error_model(*case.args, **case.kwargs)
-    assert Largest.most <= n_logits // 8, f"{name}'s error model made a tensor of {Largest.most} elements ({n_logits} logits)"
+    weight = case.args[1]
+    assert Largest.most < weight.numel(), f"{name}'s error model made a float64 tensor of {Largest.most} elements ({n_logits} logits)"
     for a, e in zip(whole.grads.values(), blocks.grads.values(), strict=True):
         assert a.scale == pytest.approx(e.scale, rel=1e-9) and a.cancel == pytest.approx(e.cancel, rel=1e-9)
     for a, e in zip(whole.outputs, blocks.outputs, strict=True):

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from . import _preference
 from ._preference import _capture, dlogit_magnitudes, reference_token_logps, sequence_logps, units_per_chunk
 
 # Every loss is a formula of the per-token log-probs logp = z[t] − lse(z), z = (h·W + b)/temperature
@@ -32,7 +33,9 @@ def error_bounds(reference: Any, args: tuple, kwargs: dict, *, grads: dict[str, 
 
     hidden, weight = args[grads["hidden"]], args[grads["weight"]]
     bias = args[grads["bias"]] if len(args) > grads["bias"] else kwargs.get("bias")
-    leaves = [a.detach().double().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    # leaves in the call's dtypes: the reference computes in float64 from them (exact conversions),
+    # a block at a time, so no float64 copy of a [V, H] weight is made
+    leaves = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
     _capture.append([])
     try:
         with torch.enable_grad():
@@ -42,10 +45,9 @@ def error_bounds(reference: Any, args: tuple, kwargs: dict, *, grads: dict[str, 
     loss = out[0]
     r, t, h = hidden.shape
     u32 = 2.0**-24
-    hd = leaves[grads["hidden"]].detach()  # float64 already: the leaves (no second copy of the weight)
-    wd = leaves[grads["weight"]].detach()
+    hd = hidden.detach().double()
     h_norm = hd.norm(dim=-1).max().item() if hd.numel() else 0.0
-    w_norm = wd.norm(dim=-1).max().item() if wd.numel() else 0.0
+    w_norm, w_max = _row_norm_and_max(weight.detach())
     b_max = bias.detach().abs().max().item() if bias is not None and bias.numel() else 0.0
     delta = SUM_LAMBDA * h**0.5 * (h_norm * w_norm + b_max) * u32
     eps = tok = 0.0
@@ -77,13 +79,25 @@ def error_bounds(reference: Any, args: tuple, kwargs: dict, *, grads: dict[str, 
         return ErrorModel(rounds=rounds, ops=4, rounds_abs=2, cancel=8 + slope / u32, sum_abs=1, n=max(terms, 1), scale=w_max * d,
                           inter=inter, floor=SUM_LAMBDA * terms**0.5 * tiny * w_max)  # fmt: skip
 
-    w_max = wd.abs().max().item() if wd.numel() else 0.0
     h_max = hd.abs().max().item() if hd.numel() else 0.0
     bounds = {grads["hidden"]: grad(2, dz_row, w_max, weight.shape[0], hidden.dtype),
               grads["weight"]: grad(chunks + 1, dz_col_max, h_max, r * t, hidden.dtype)}  # fmt: skip
     if bias is not None:
         bounds[grads["bias"]] = grad(2, dz_col_max, 1.0, r * t, hidden.dtype)
     return Bounds(outputs=(loss_model, stat), grads=bounds)
+
+
+def _row_norm_and_max(weight: torch.Tensor) -> tuple[float, float]:
+    """The largest row norm and the largest magnitude of ``weight``, in float64 a block of rows at
+    a time (no float64 copy of a [V, H] head)."""
+    norm = top = 0.0
+    step = _preference.REFERENCE_VOCAB_BLOCK
+    for s in range(0, weight.shape[0], step):
+        block = weight[s : s + step].double()
+        if block.numel():
+            norm = max(norm, block.norm(dim=-1).max().item())
+            top = max(top, block.abs().max().item())
+    return norm, top
 
 
 def error_model_for(reference: Any, grads: dict[str, int], *, beta: str | None = "beta", gain: Any = None, curv: Any = None) -> Any:

@@ -62,11 +62,12 @@ def silu_and_mul_rank(a: Any) -> tuple[int, str] | None:
 
 
 def gelu_and_mul_rank(a: Any) -> tuple[int, str] | None:
-    """FlashInfer first for the erf form at prefill sizes (> 1024 tokens): 56.6 against 58.2 µs at
-    2048, 191.7 against 210.7 at 8192; triton leads at 64-512 tokens (19.3 against 21.2 at 512)."""
-    if str(a.dtype) not in _HALF or a.approximate != "none" or a.tokens is None or a.tokens <= 1024:
+    """FlashInfer first for the erf form at decode sizes (<= 16 tokens) and at prefill sizes
+    (> 1024 tokens); triton leads at 64-512 tokens. Two H200 sweeps agree
+    (h200-2026-12-04-serving/sweep_serving.csv, h200-2026-12-04-third/serving/sweep_serving.csv)."""
+    if str(a.dtype) not in _HALF or a.approximate != "none" or a.tokens is None or 16 < a.tokens <= 1024 or a.tokens <= 0:
         return None
-    return 5, "> 1024 tokens, erf, bf16: FlashInfer 3-10% ahead of triton (H200, 2026-12-04)"
+    return 5, "<= 16 or > 1024 tokens, erf, bf16: FlashInfer ahead of triton (H200, 2026-12-04, two sweeps)"
 
 
 def rotary_embedding_rank(a: Any) -> tuple[int, str] | None:
