@@ -231,7 +231,7 @@ def test_reference_logps_in_row_blocks_equal_the_whole_logits(monkeypatch):
     """The float64 reference computed over blocks of 3 rows (the backward recomputing each block's
     softmax) equals log_softmax of the whole logits, values and gradients, with a temperature,
     ignored tokens and a bias."""
-    from polykernel.ops import _preference as pref
+    from polykernel.ops import _preference_reference as pref
 
     torch.manual_seed(0)
     hid, w, b = (t.double().detach().requires_grad_() for t in head(2, 5, 8, 23))
@@ -258,7 +258,7 @@ def test_error_model_never_holds_the_whole_logits(monkeypatch, name):
     bounds are those of one whole block."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from polykernel.ops import _preference as pref
+    from polykernel.ops import _preference_reference as pref
 
     op = registry.get_op(name)
     case = op.example((4, 40, 16, 512), torch.float32, "cpu", True)

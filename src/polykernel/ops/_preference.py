@@ -1,5 +1,6 @@
 """Shared parts of the fused preference and RL losses (``fused_linear_{dpo,orpo,cpo,simpo,kto,grpo}_loss``):
-argument checks, the float64 reference log-probs, the chunking the error models count on.
+argument checks, the float64 reference log-probs (:mod:`._preference_reference`), the chunking the
+error models count on.
 
 Every loss is a function of per-token log-probs ``logp[r, t] = log_softmax((hidden @ W.T + b) /
 temperature)[target]`` (0 where the token is not scored). Its op file writes the loss once, as
@@ -19,11 +20,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from ..core.op import Case
 from ..errors import OpArgumentError, OpTypeError
 from . import _checks as check
+from ._preference_reference import _capture, reference_token_logps  # noqa: F401  (the op files and the error model read them here)
 
 CHUNK_BYTES = 1 << 30  # whole units per chunk up to this: fp32 logits plus dlogits (~1280 token rows at V = 128K, bf16)
 
@@ -54,159 +55,6 @@ class Head(Protocol):
                    ignore_index: int) -> torch.Tensor:  # fmt: skip
         """Per-token log-probs ``[R, T]`` (0 where ignored) without gradients (a reference model's)."""
         ...
-
-
-def reference_token_logps(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
-    ignore_index: int,
-    temperature: float = 1.0,
-) -> torch.Tensor:
-    """``[R, T]`` log-probs of the ``[R, T, V]`` logits in float64 (differentiable), 0 where
-    ``target == ignore_index``: the semantics the chunked impls are checked against.
-
-    Computed over blocks of rows and of the vocabulary (:data:`REFERENCE_ROWS_ELEMENTS`,
-    :data:`REFERENCE_VOCAB_BLOCK`), the weight converted to float64 a vocabulary block at a time
-    and the backward recomputing each block's softmax: the whole float64 logits of a 1B model's
-    batch are 8 GB, and with their softmax and gradient they made the first-call check of a TRL
-    DPO step peak at 2.5x the step's own memory (benchmarks/results/h200-2026-12-04-third/trl/)."""
-    stats: dict[str, Any] | None = {} if _capture and torch.is_grad_enabled() and _any_grad(hidden, weight, bias) else None
-    lp = _ReferenceLogps.apply(hidden, weight, bias, target, ignore_index, float(temperature), stats)
-    if stats is not None:
-        _capture[-1].append({**stats, "hidden": hidden, "weight": weight, "bias": bias, "target": target, "ignore_index": ignore_index,
-                             "temperature": float(temperature), "logps": lp})  # fmt: skip
-    return lp
-
-
-REFERENCE_VOCAB_BLOCK = 1 << 15  # vocabulary entries per block: a float64 weight block of 256 MiB at H = 1024
-REFERENCE_ROWS_ELEMENTS = 1 << 25  # float64 logits per block (256 MiB): rows x vocabulary block
-
-
-def _any_grad(*tensors: torch.Tensor | None) -> bool:
-    return any(t is not None and t.requires_grad for t in tensors)
-
-
-def _row_blocks(n: int, v: int):
-    """``(start, end)`` of the row blocks: ``REFERENCE_ROWS_ELEMENTS`` logits of one vocabulary block each."""
-    rows = max(1, REFERENCE_ROWS_ELEMENTS // max(1, min(v, REFERENCE_VOCAB_BLOCK)))
-    for s in range(0, n, rows):
-        yield s, min(s + rows, n)
-
-
-def _vocab_blocks(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float):
-    """``(start, end, weight block, z)`` over the vocabulary for the float64 rows ``h``: the float64
-    logits ``(h·Wᵀ + b) / temperature`` of one block, and that block of the weight in float64."""
-    f64 = torch.float64
-    v = weight.shape[0]
-    for vs in range(0, v, REFERENCE_VOCAB_BLOCK):
-        ve = min(vs + REFERENCE_VOCAB_BLOCK, v)
-        w = weight[vs:ve].detach().to(f64)
-        b = None if bias is None else bias[vs:ve].detach().to(f64)
-        yield vs, ve, w, F.linear(h, w, b) / temperature
-
-
-def _lse_and_target(h: torch.Tensor, weight, bias, temperature: float, safe: torch.Tensor, stats: dict[str, Any] | None):
-    """The rows' logsumexp and target logit, one vocabulary block at a time (and the largest |z|)."""
-    lses, zt = [], torch.zeros(h.shape[0], dtype=torch.float64, device=h.device)
-    for vs, ve, _w, z in _vocab_blocks(h, weight, bias, temperature):
-        lses.append(z.logsumexp(-1))
-        inside = (safe >= vs) & (safe < ve)
-        zt = torch.where(inside, z.gather(-1, (safe - vs).clamp(0, ve - vs - 1)[:, None]).squeeze(-1), zt)
-        if stats is not None and z.numel():
-            stats["z_max"] = max(stats.get("z_max", 0.0), z.abs().amax().item())
-    return torch.stack(lses, -1).logsumexp(-1), zt
-
-
-def _dlogits(h, weight, bias, temperature: float, lse, safe, g):
-    """``(vs, ve, weight block, dz)`` over the vocabulary: dz = g/t·(onehot − softmax) of one
-    block (``g`` already divided by the temperature and 0 on unscored rows)."""
-    rows = torch.arange(h.shape[0], device=h.device)
-    for vs, ve, w, z in _vocab_blocks(h, weight, bias, temperature):
-        dz = z.sub_(lse[:, None]).exp_().mul_(-g[:, None])  # −g·softmax, in place of the logits
-        inside = (safe >= vs) & (safe < ve)
-        dz[rows[inside], safe[inside] - vs] += g[inside]
-        yield vs, ve, w, dz
-
-
-class _ReferenceLogps(torch.autograd.Function):
-    """The float64 per-token log-probs, block by block; the backward recomputes each block's
-    softmax instead of keeping ``[N, V]`` of it."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, target, ignore_index, temperature, stats):  # type: ignore[override]
-        h2 = hidden.detach().reshape(-1, hidden.shape[-1])
-        tg = target.reshape(-1)
-        valid = tg != ignore_index
-        safe = torch.where(valid, tg, 0)
-        lp = torch.empty(h2.shape[0], dtype=torch.float64, device=h2.device)
-        lse = torch.empty_like(lp)
-        for s, e in _row_blocks(h2.shape[0], weight.shape[0]):
-            lse[s:e], zt = _lse_and_target(h2[s:e].to(torch.float64), weight, bias, temperature, safe[s:e], stats)
-            lp[s:e] = zt - lse[s:e]
-        if stats is not None:  # the error model's magnitudes (_preference_error)
-            stats.setdefault("z_max", 0.0)
-            stats["lse_max"] = lse.abs().amax().item() if lse.numel() else 0.0
-            stats["lse"] = lse
-        ctx.save_for_backward(hidden, weight, bias, safe, valid, lse)
-        ctx.temperature = temperature
-        return torch.where(valid, lp, 0.0).reshape(target.shape)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):  # type: ignore[override]
-        hidden, weight, bias, safe, valid, lse = ctx.saved_tensors
-        f64 = torch.float64
-        h2 = hidden.reshape(-1, hidden.shape[-1])
-        g = torch.where(valid, grad.reshape(-1).to(f64), 0.0) / ctx.temperature
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        dh = torch.zeros(h2.shape, dtype=f64, device=h2.device) if need_h else None
-        dw = torch.zeros(weight.shape, dtype=f64, device=weight.device) if need_w else None
-        db = torch.zeros(weight.shape[0], dtype=f64, device=weight.device) if need_b and bias is not None else None
-        for s, e in _row_blocks(h2.shape[0], weight.shape[0]):
-            h = h2[s:e].to(f64)
-            for vs, ve, w, dz in _dlogits(h, weight, bias, ctx.temperature, lse[s:e], safe[s:e], g[s:e]):
-                if dh is not None:
-                    dh[s:e] += dz @ w
-                if dw is not None:
-                    dw[vs:ve].addmm_(dz.T, h)
-                if db is not None:
-                    db[vs:ve] += dz.sum(0)
-        return (
-            None if dh is None else dh.reshape(hidden.shape).to(hidden.dtype),
-            None if dw is None else dw.to(weight.dtype),
-            None if db is None else db.to(bias.dtype),
-            None,
-            None,
-            None,
-            None,
-        )
-
-
-def dlogit_magnitudes(entry: dict[str, Any], grad: torch.Tensor) -> tuple[float, float]:
-    """For a captured reference call and ``grad`` = ∂loss/∂logps: the largest row sum and the
-    largest column sum of ``|∂loss/∂logits|`` (block by block, float64), the scales of the hidden
-    and the weight gradients' errors (_preference_error)."""
-    f64 = torch.float64
-    hidden, weight, bias, target = entry["hidden"], entry["weight"], entry["bias"], entry["target"]
-    h2 = hidden.detach().reshape(-1, hidden.shape[-1])
-    tg = target.reshape(-1)
-    valid = tg != entry["ignore_index"]
-    safe = torch.where(valid, tg, 0)
-    g = torch.where(valid, grad.reshape(-1).to(f64), 0.0) / entry["temperature"]
-    row_max = 0.0
-    col = torch.zeros(weight.shape[0], dtype=f64, device=weight.device)
-    with torch.no_grad():
-        for s, e in _row_blocks(h2.shape[0], weight.shape[0]):
-            row = torch.zeros(e - s, dtype=f64, device=h2.device)
-            for vs, ve, _w, dz in _dlogits(h2[s:e].to(f64), weight, bias, entry["temperature"], entry["lse"][s:e], safe[s:e], g[s:e]):
-                dz = dz.abs_()
-                row += dz.sum(-1)
-                col[vs:ve] += dz.sum(0)
-            if e > s:
-                row_max = max(row_max, row.max().item())
-    return row_max, (col.max().item() if col.numel() else 0.0)
 
 
 def sequence_logps(logp: torch.Tensor, mask: torch.Tensor, average: bool) -> torch.Tensor:
@@ -465,11 +313,6 @@ def pair_outputs(n_scalars: int) -> Any:
         return ((torch.Size(), acc), *[(b, acc)] * 4, *[(torch.Size(), acc)] * n_scalars)
 
     return outputs
-
-
-# The reference's calls with a gradient, captured for the error model (``_preference_error``): their
-# arguments, log-probs and logit magnitudes.
-_capture: list[list[dict[str, Any]]] = []
 
 
 # -- cases, bench ---------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from . import _preference
-from ._preference import _capture, dlogit_magnitudes, reference_token_logps, sequence_logps, units_per_chunk
+from . import _preference_reference
+from ._preference import _capture, reference_token_logps, sequence_logps, units_per_chunk
 
 # Every loss is a formula of the per-token log-probs logp = z[t] − lse(z), z = (h·W + b)/temperature
 # an fp32 GEMM result of the inputs' values: off by δ <= λ·√H·u32 of Σ_k |h_k·W_k| (<= ‖h‖·‖W_v‖,
@@ -62,7 +62,7 @@ def error_bounds(reference: Any, args: tuple, kwargs: dict, *, grads: dict[str, 
         g_abs = g.abs().sum().item()
         a_mag = (g.abs() * (lpd.abs() + 1)).sum().item()
         tok = lpd.abs().amax().item() if lpd.numel() else 0.0
-        dz_row, dz_col_max = dlogit_magnitudes(entry, g)
+        dz_row, dz_col_max = _preference_reference.dlogit_magnitudes(entry, g)
     lam_t = SUM_LAMBDA * max(t, 1) ** 0.5
     loss_err = 2 * g_abs * eps + (8 + lam_t) * u32 * a_mag
     seq_err = t * eps + lam_t * u32 * t * (tok + 1)
@@ -91,7 +91,7 @@ def _row_norm_and_max(weight: torch.Tensor) -> tuple[float, float]:
     """The largest row norm and the largest magnitude of ``weight``, in float64 a block of rows at
     a time (no float64 copy of a [V, H] head)."""
     norm = top = 0.0
-    step = _preference.REFERENCE_VOCAB_BLOCK
+    step = _preference_reference.REFERENCE_VOCAB_BLOCK
     for s in range(0, weight.shape[0], step):
         block = weight[s : s + step].double()
         if block.numel():
