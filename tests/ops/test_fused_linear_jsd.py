@@ -258,3 +258,32 @@ def test_compiles_fullgraph():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_parity_gpu_large(dtype):
     gpu_parity("fused_linear_jsd", dtype)
+
+
+def test_error_model_makes_no_float64_copy_of_a_head(monkeypatch):
+    """The first-call check's error model converts the heads to float64 a block of classes at a
+    time (a whole float64 head is 4.2 GB at 128256 x 4096, and it made three), with the bounds of
+    one whole block."""
+    from polykernel.ops import fused_linear_jsd as flj
+
+    op = registry.get_op("fused_linear_jsd")
+    case = op.example((8, 16, 256), torch.float32, "cpu", True)
+    weight = case.args[1]
+
+    class Largest(TorchDispatchMode):
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple | list) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float64 and t.shape[-1:] == weight.shape[-1:] and t.dim() == 2:
+                    Largest.most = max(Largest.most, t.shape[0])
+            return out
+
+    whole = op.error_model(*case.args, **case.kwargs)
+    monkeypatch.setattr(flj, "_CLASS_BLOCK", 64)
+    with Largest():
+        blocks = op.error_model(*case.args, **case.kwargs)
+    assert Largest.most <= 64, f"a float64 [{Largest.most}, H] block of a head (the head has {weight.shape[0]} classes)"
+    for a, e in zip((*whole.outputs, *whole.grads.values()), (*blocks.outputs, *blocks.grads.values()), strict=True):
+        assert a.scale == pytest.approx(e.scale, rel=1e-9) and a.cancel == pytest.approx(e.cancel, rel=1e-9)

@@ -220,13 +220,32 @@ def bytes_moved(
 # max|Ws| times the largest row sum of |dz| (the matmul's own λ·√V·u32 of it), with ε·e and j's row
 # sums as a multiple of it; dW = dzᵀ·hs sums over rows, likewise with column sums and max|hs|,
 # accumulated in the weight's dtype once per chunk (and once more by the cotangent).
+_CLASS_BLOCK = 1 << 14  # classes of a head converted to float64 at a time (the error model's)
+
+
+def _class_blocks(weight: torch.Tensor):
+    """``(start, end, float64 block)`` of the weight's rows: never a float64 copy of a [V, H] head
+    (at 128256 x 4096, 4.2 GB each; the first-call check ran two and a third of |W|)."""
+    for s in range(0, weight.shape[0], _CLASS_BLOCK):
+        yield s, min(s + _CLASS_BLOCK, weight.shape[0]), weight[s : s + _CLASS_BLOCK].detach().double()
+
+
+def _logits64(rows: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``rows @ weight.T / temperature`` in float64 for float64 ``rows``, a block of classes at a time."""
+    z = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float64, device=rows.device)
+    for s, e, w in _class_blocks(weight):
+        z[:, s:e] = rows @ w.T
+    return z / temperature
+
+
 def _zabs(hidden: torch.Tensor, weight: torch.Tensor) -> float:
     """max over rows and classes of Σ_k |h_k·W_vk|, without the [N, V] at once."""
     top = 0.0
-    wa = weight.detach().abs().double()
     for rows in hidden.detach().split(1024):
-        z = rows.abs().double() @ wa.T
-        top = max(top, z.max().item() if z.numel() else 0.0)
+        ra = rows.abs().double()
+        for _s, _e, w in _class_blocks(weight):
+            z = ra @ w.abs_().T
+            top = max(top, z.max().item() if z.numel() else 0.0)
     return top
 
 
@@ -255,10 +274,9 @@ def error_model(
     d_col, e_col, j_col = (torch.zeros(v, dtype=torch.float64) for _ in range(3))
     z_top = 0.0
     step = max(1, distill._MODEL_ELEMS // max(v, 1))
-    ws, wt = student_weight.detach().double(), teacher_weight.detach().double()
     for s in range(0, n, step):
         ok = valid[s : s + step]
-        zs, zt = logits(hs2[s : s + step].double(), ws, t), logits(ht2[s : s + step].double(), wt, t)
+        zs, zt = _logits64(hs2[s : s + step].double(), student_weight, t), _logits64(ht2[s : s + step].double(), teacher_weight, t)
         x, y = zs.log_softmax(-1), zt.log_softmax(-1)
         if x.numel():
             z_top = max(z_top, zs.abs().max().item() + (zs - x).abs().max().item() + zt.abs().max().item() + (zt - y).abs().max().item())
