@@ -256,6 +256,82 @@ def test_failing_reference_skips_the_check_and_marks_nothing(monkeypatch, caplog
     assert polykernel.decisions("rms_norm")[-1]["impl"] == "liger"
 
 
+# -- gradient checkpointing: the check stays out of the checkpointed region -------------------------
+def checkpointed(fn, *inputs, reentrant=False):
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(fn, *inputs, use_reentrant=reentrant)
+
+
+def test_first_call_inside_a_non_reentrant_checkpoint(caplog):
+    """The first call (and so the check) inside a checkpointed region: the check's tensors are
+    not the region's (the checkpoint counted them: a CheckpointError in the backward, "a different
+    number of tensors was saved during the original forward and recomputation"), and its own
+    backward does not recompute the region from inside its forward."""
+    plant()
+    x, w = args(grad=True)
+
+    def region(x):
+        return polykernel.rms_norm(x.sin(), w).cos()
+
+    want = torch.autograd.grad(reference(x.sin(), w).cos().sum(), (x, w))
+    with caplog.at_level(logging.WARNING, logger="polykernel"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = torch.autograd.grad(checkpointed(region, x).sum(), (x, w))
+    assert CALLS == ["liger", "liger", "liger"]  # the check's copies, the forward, the recomputation
+    assert "polykernel" not in caplog.text  # the check ran and passed: no "not verified"
+    assert polykernel.decisions("rms_norm")[-1]["impl"] == "liger"
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r)
+
+
+def test_check_leaves_the_callers_random_stream_alone(monkeypatch):
+    """A checkpoint replays the random stream in its recomputation: dropout after a first call
+    must draw the same mask with the check as without it (else the recomputed forward differs
+    from the original one, silently)."""
+
+    def noisy(x, weight, eps, offset, casting):  # an impl that draws from the global stream
+        CALLS.append("noisy")
+        return reference(x, weight, eps, offset, casting) + 0 * torch.rand(())
+
+    polykernel.register_impl(op="rms_norm", backend="liger", rank=1, capabilities=frozenset({CapabilityRequirement.CPU}))(noisy)
+    x, w = args(grad=True)
+    masks = {}
+    for mode in ("off", "first"):
+        monkeypatch.setenv("POLYKERNEL_VERIFY", mode)
+        polykernel.clear_caches()
+        CALLS.clear()
+        torch.manual_seed(0)
+        masks[mode] = torch.nn.functional.dropout(polykernel.rms_norm(x, w), 0.5) != 0
+    assert CALLS == ["noisy", "noisy"]  # "first": the check ran
+    assert torch.equal(masks["off"], masks["first"])
+
+
+def test_checkpoint_recomputation_stopping_inside_an_impl_is_not_a_fault(monkeypatch):
+    """A region whose last saved tensor is saved inside an impl: the non-reentrant checkpoint's
+    recomputation stops early by raising from that save. The fault policy must let it through,
+    not mark the impl broken and rerun the call with the next impl (whose saves overran the
+    recomputation: "forward N, recomputation N + 1" tensors saved)."""
+    monkeypatch.setenv("POLYKERNEL_VERIFY", "off")
+    plant()
+    x, w = args(grad=True)
+    weight = torch.randn(x.shape[1], x.shape[1], requires_grad=True)
+
+    def region(x):
+        return polykernel.rms_norm(x @ weight, w)  # the impl saves the region's last tensors
+
+    want = torch.autograd.grad(reference(x @ weight, w).sum(), (x, w, weight))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        got = torch.autograd.grad(checkpointed(region, x).sum(), (x, w, weight))
+    assert CALLS == ["liger", "liger"]  # the forward, the recomputation (stopped in it)
+    assert polykernel.decisions("rms_norm")[-1]["impl"] == "liger"
+    rows = {r["name"]: r for r in polykernel.explain("rms_norm", x, w).impls}
+    assert not (rows["liger"]["reason"] or "").startswith("failed")  # not marked broken
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r)
+
+
 def test_nan_rows_agree_and_nan_in_a_finite_row_does_not():
     # rms_norm's error model allows a row with a non-finite input to be NaN anywhere.
     def spreads(x, weight, eps, offset, casting):

@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 import polykernel  # noqa: E402
 from polykernel import _compat  # noqa: E402
+from polykernel.core import verify  # noqa: E402
 from polykernel.integrations import transformers as pkt  # noqa: E402
 from polykernel.testing import runnable_impls  # noqa: E402
 
@@ -687,6 +688,48 @@ def test_gradient_checkpointing(calls, torch_impls):
     assert_grads_close(model, ref, **FP32_GRAD)
 
 
+def checked_ops(monkeypatch):
+    """The op ids whose first-call verification ran (POLYKERNEL_VERIFY=first for this test)."""
+    monkeypatch.setenv("POLYKERNEL_VERIFY", "first")
+    checked, real = [], verify._check
+
+    def check(decision, *args):
+        checked.append(decision.op.id)
+        return real(decision, *args)
+
+    monkeypatch.setattr(verify, "_check", check)
+    return checked
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_gradient_checkpointing_verifies_first_calls_inside_the_layer(reentrant, monkeypatch, caplog):
+    """TRL's GRPO trains under non-reentrant checkpointing, and POLYKERNEL_VERIFY=first (the CUDA
+    default) checks each new decision on its first call: inside the first checkpointed layer.
+    The check's tensors must stay out of the checkpoint (it counted them: "a different number of
+    tensors was saved during the original forward and recomputation") and its backward must not
+    recompute the layer; the recomputed layer gives the gradients of the unpatched model.
+    The Triton impls (the interpreter on the CPU) are the checked ones; the first call is the
+    checkpointed one (fresh caches)."""
+    need("rms_norm", "swiglu", "rope")
+    checked = checked_ops(monkeypatch)
+    ref, model = pair("llama")
+    for m in (ref, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ids, labels = batch()
+    polykernel.clear_caches()
+    with caplog.at_level(logging.WARNING, logger="polykernel"), polykernel.use_impl("triton"):
+        out = train_step(model, ids, labels)
+    want = train_step(ref, ids, labels)
+    torch.testing.assert_close(out.loss, want.loss, **FP32)
+    assert_grads_close(model, ref, **FP32_GRAD)
+    assert {"norm.rms_norm", "activation.swiglu", "embedding.rope"} <= set(checked)
+    made = [d for d in polykernel.decisions() if d["op"] in checked]
+    assert {d["impl"] for d in made} == {"triton"}
+    # once per decision (reentrant: the no-grad forward's classes, then the recomputation's)
+    assert collections.Counter(checked) == collections.Counter(d["op"] for d in made)
+    assert not [r.getMessage() for r in caplog.records if r.name == "polykernel"]  # no "not verified", no fallback
+
+
 # -- patch mechanics -----------------------------------------------------------------------------
 def test_idempotent_repatch_and_unpatch(calls, torch_impls):
     ref, model = pair("qwen3")
@@ -1344,6 +1387,44 @@ def test_gpu_bf16_real_kernels(family):
     with torch.no_grad():
         a, b = model(ids).logits.float(), ref(ids).logits.float()
     assert (a - b).abs().max() < 0.05 * b.abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_gpu_gradient_checkpointing_with_first_call_verification(family, monkeypatch, caplog):
+    """TRL GRPO's set-up on the H200 (2026-12-04: a CheckpointError, 33 tensors saved in the
+    forward, 34 in the recomputation): bf16, default selection (the native launch path where
+    built), POLYKERNEL_VERIFY unset (first on CUDA), non-reentrant checkpointing, the first call
+    of each grad-class decision inside the first checkpointed layer, after a no-grad forward (GRPO's
+    generation). Gradients as the unpatched model's with checkpointing."""
+    monkeypatch.delenv("POLYKERNEL_VERIFY", raising=False)
+    cfg_name, model_name, extra = ALL_FAMILIES[family]
+    kwargs = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=2)
+    kwargs.update(num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512, head_dim=64)
+    config = getattr(transformers, cfg_name)(**{**extra, **kwargs})
+    torch.manual_seed(0)
+    ref = getattr(transformers, model_name)(config).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    model = copy.deepcopy(ref)
+    pkt.patch(model)
+    for m in (ref, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(1, 32000, (4, 256), device="cuda")
+    labels = ids.clone()
+    labels[:, :32] = -100
+    polykernel.clear_caches()
+    model.eval()
+    with torch.no_grad():
+        model(ids)
+    with caplog.at_level(logging.WARNING, logger="polykernel"):
+        out = train_step(model, ids, labels)
+    want = train_step(ref, ids, labels)
+    assert_bf16_close(model, ref, out, want)
+    noted = [r.getMessage() for r in caplog.records if r.name == "polykernel"]
+    assert not [m for m in noted if "not verified" in m or "falling back" in m], noted
 
 
 @pytest.mark.gpu

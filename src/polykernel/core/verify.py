@@ -20,7 +20,9 @@ and the call reruns with the next impl; under ``POLYKERNEL_STRICT=1`` and for a 
 It never runs for the torch impl itself, while a CUDA graph is captured, while torch.compile
 traces, under ``torch.func`` transforms, inside tuning's measuring (which checks parity itself), or
 on tensor subclasses (a DTensor call runs the op on its local shards through the dispatcher: that
-plain call is verified instead).
+plain call is verified instead). Inside a ``torch.utils.checkpoint`` region (or other saved-tensor
+hooks) it runs on hooks of its own and a forked RNG: the region's forward saves and draws what its
+recomputation, which runs no check, does.
 
     >>> import os, torch, polykernel
     >>> os.environ["POLYKERNEL_VERIFY"] = "first"  # doctest: +SKIP
@@ -118,7 +120,8 @@ def verify(decision: Decision, fn: Callable[..., Any], args: tuple[Any, ...]) ->
         _note(op.id, decision.impl, f"not verified: {too_big}")
         return
     try:
-        _check(decision, fn, args, needs_grad, device)
+        with _isolated(device):
+            _check(decision, fn, args, needs_grad, device)
     except _ImplRaised as exc:  # the impl's own fault, as if the real call had raised it
         raise exc.original from None
     except ImplVerificationError:
@@ -163,6 +166,35 @@ def _skipped(args: tuple[Any, ...]) -> bool:
         elif isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in a):
             return True  # no op takes tensor lists today: nothing to copy them by
     return False
+
+
+@contextlib.contextmanager
+def _isolated(device: torch.device) -> Iterator[None]:
+    """The check's own autograd and RNG state, so that the caller's step is as without it.
+
+    Saved-tensor hooks of the caller (a non-reentrant ``torch.utils.checkpoint`` region,
+    ``save_on_cpu``) must not see the check's tensors: the checkpoint would count them among
+    the region's saved tensors (the recomputation, which runs no check, saves fewer: a
+    CheckpointError in the backward), and the check's own backward would unpack them and so
+    recompute the region in the middle of its forward, running the check again inside. Identity
+    hooks, pushed over the caller's, keep the check's graph to itself. A forked RNG: the check
+    consumes none of the caller's random stream (a checkpoint replays that stream in its
+    recomputation; dropout after the check must draw what it drew without it)."""
+    import torch
+
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_same, _same))
+        except RuntimeError:  # saved-tensor hooks disabled here (disable_saved_tensors_hooks): none to keep out
+            pass
+        # The CPU stream always; the call's CUDA device's too (a list: no walk over every device).
+        cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+        stack.enter_context(torch.random.fork_rng(devices=cuda, device_type="cuda"))
+        yield
+
+
+def _same(t: Any) -> Any:
+    return t
 
 
 def _over_budget(args: tuple[Any, ...], needs_grad: bool, device: torch.device, writes: bool = False) -> str | None:

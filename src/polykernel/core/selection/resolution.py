@@ -63,7 +63,7 @@ class Decision:
         """Runtime-fault policy: fall back from an impl chosen by steps 4-6 that raised."""
         import torch
 
-        if not self.may_fall_back or strict_mode() or isinstance(exc, torch.OutOfMemoryError):
+        if not self.may_fall_back or strict_mode() or isinstance(exc, torch.OutOfMemoryError) or _passing_through(exc):
             raise exc
         if subclass_name(args) is not None:  # the next impl may read raw memory: never on a subclass
             raise exc
@@ -113,6 +113,23 @@ class Decision:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
             log.warning(message)
         return out
+
+
+def _passing_through(exc: Exception) -> bool:
+    """``exc`` is torch.utils.checkpoint's, raised through the impl by a saved-tensor hook, not
+    the impl's fault: the recomputation of a non-reentrant checkpoint stops early by raising from
+    the hook that packs the region's last saved tensor, which may be saved inside an impl (a
+    region that ends with a polykernel op); its CheckpointError reports a forward and a
+    recomputation that differ. Falling back would mark the impl broken and run the next impl,
+    whose saves overrun the recomputation (a CheckpointError: one more tensor saved than in the
+    forward). The checkpoint module is loaded wherever a checkpoint runs (torch imports it)."""
+    import sys
+
+    checkpoint = sys.modules.get("torch.utils.checkpoint")
+    if checkpoint is None:
+        return False
+    kinds = tuple(k for k in (getattr(checkpoint, "CheckpointError", None), getattr(checkpoint, "_StopRecomputationError", None)) if k)
+    return isinstance(exc, kinds)
 
 
 def _add_note(exc: BaseException, note: str) -> None:
