@@ -17,7 +17,8 @@
 #
 # Parts, in the order the issues' "Done when" need them (the GPU time is 30 min a session):
 #   serving-a   issue 34: the serving GPU tests (peers, providers, op files), the serving ops in a graph and eager
-#   serving-b   issue 34: the providers' rows, the selection sweep, the kernel variants
+#   serving-b   issue 34: the providers' rows, the selection sweep's first six ops
+#   serving-c   issue 34: the sweep's last three ops, the kernel variants
 #   losses      issues 22, 35: the loss GPU tests, the distillation bench rows, the ten post-training losses vs Liger's modules
 #   moe-tests   issue 33: the MoE GPU test files alone (run with PK_NO_WHEELS=1 if .whl/ is carried)
 #   moe         issue 33: the MoE GPU tests; one experts layer at Qwen3-30B-A3B, Mixtral, gpt-oss-20b shapes, profiled; the sweep
@@ -120,8 +121,13 @@ case $part in
     step cuda-jit-build 150 python3 -m polykernel.backends.cuda_jit._build
     step providers 60 python3 benchmarks/kernels/providers.py --json "$R/providers.json"
     # the decode loop: part `decode` (2026-12-04's second run: h200-2026-12-04-serving-tests/decode.json)
-    # 2026-12-04: 8 of its 9 ops in 200 s (cut in the ninth)
-    step serving-sweep 280 python3 benchmarks/tuning/sweep_serving.py --out "$R/sweep"
+    # the sweep's first six ops: 2026-12-04's third run reached the seventh op in 280 s on a fresh
+    # machine (FlashInfer's JIT builds); its last three ops are part serving-c
+    step serving-sweep 330 python3 benchmarks/tuning/sweep_serving.py --out "$R/sweep" \
+      --ops silu_and_mul gelu_and_mul fused_add_rms_norm_ rotary_embedding_ dynamic_quant_fp8 static_quant_fp8
+    ;;
+  serving-c)  # the sweep's last three ops (101 s on a warm machine) and the kernel variants
+    step serving-sweep 200 python3 benchmarks/tuning/sweep_serving.py --out "$R/sweep" --ops rms_norm_quant_fp8 rms_norm fused_add_rms_norm
     step variants 90 python3 benchmarks/kernels/kernel_variants.py --only gelu_and_mul,rms_norm_decode --out "$R/variants"
     ;;
   losses)
