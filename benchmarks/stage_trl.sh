@@ -49,16 +49,8 @@ if [ ! -s "$pack" ]; then
 fi
 
 out=.gpu/trl
-rm -rf "$out" && mkdir -p "$out"
-sum=$(sha256sum "$pack" | cut -d' ' -f1)
-tmp=$(mktemp -d)
-split -b 58000000 -d -a 1 "$pack" "$tmp/site."
-k=0
-for f in "$tmp"/site.*; do
-  k=$((k + 1)); mkdir -p "$out/parts-$k"; mv "$f" "$out/parts-$k/"
-done
-rm -rf "$tmp"
-echo "site $(basename "$pack") $k $sum" > "$out/manifest"
+source benchmarks/_stage_parts.sh
+stage_parts "$pack" "$out"
 
 cat > "$out/setup.sh" <<'SETUP'
 #!/usr/bin/env bash

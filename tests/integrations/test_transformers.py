@@ -1352,21 +1352,15 @@ def test_vl_family_parity_fp32(family, calls, torch_impls):
 
 
 # -- GPU: bf16, real kernels --------------------------------------------------------------------
-@pytest.mark.gpu
-@pytest.mark.parametrize("family", list(ALL_FAMILIES))
-def test_gpu_bf16_real_kernels(family):
-    kwargs = dict(
-        vocab_size=32000,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=512,
-    )
-    cfg_name, model_name, extra = ALL_FAMILIES[family]
-    if family in ("mistral", "qwen3", "gemma", "gemma2") or "head_dim" in extra:
+def _gpu_bf16_pair(family: str, head_dim: bool) -> tuple:
+    """``(ref, patched copy, ids, labels)``: a 2-layer ``family`` model in bf16 on CUDA (its 1-d
+    weights moved off their init, so the norms' offsets matter), its patched copy, and a batch
+    whose first 32 labels are ignored."""
+    kwargs = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=2)
+    kwargs.update(num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)
+    if head_dim:
         kwargs["head_dim"] = 64
+    cfg_name, model_name, extra = ALL_FAMILIES[family]
     config = getattr(transformers, cfg_name)(**{**extra, **kwargs})
     torch.manual_seed(0)
     ref = getattr(transformers, model_name)(config).to("cuda", torch.bfloat16)
@@ -1379,6 +1373,14 @@ def test_gpu_bf16_real_kernels(family):
     ids = torch.randint(1, 32000, (4, 256), device="cuda")
     labels = ids.clone()
     labels[:, :32] = -100
+    return ref, model, ids, labels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", list(ALL_FAMILIES))
+def test_gpu_bf16_real_kernels(family):
+    head_dim = family in ("mistral", "qwen3", "gemma", "gemma2") or "head_dim" in ALL_FAMILIES[family][2]
+    ref, model, ids, labels = _gpu_bf16_pair(family, head_dim)
     out, want = train_step(model, ids, labels), train_step(ref, ids, labels)
     assert_bf16_close(model, ref, out, want)
     if has_op("fused_linear_cross_entropy"):
@@ -1398,23 +1400,9 @@ def test_gpu_gradient_checkpointing_with_first_call_verification(family, monkeyp
     of each grad-class decision inside the first checkpointed layer, after a no-grad forward (GRPO's
     generation). Gradients as the unpatched model's with checkpointing."""
     monkeypatch.delenv("POLYKERNEL_VERIFY", raising=False)
-    cfg_name, model_name, extra = ALL_FAMILIES[family]
-    kwargs = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=2)
-    kwargs.update(num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512, head_dim=64)
-    config = getattr(transformers, cfg_name)(**{**extra, **kwargs})
-    torch.manual_seed(0)
-    ref = getattr(transformers, model_name)(config).to("cuda", torch.bfloat16)
-    with torch.no_grad():
-        for p in ref.parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    model = copy.deepcopy(ref)
-    pkt.patch(model)
+    ref, model, ids, labels = _gpu_bf16_pair(family, head_dim=True)
     for m in (ref, model):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ids = torch.randint(1, 32000, (4, 256), device="cuda")
-    labels = ids.clone()
-    labels[:, :32] = -100
     polykernel.clear_caches()
     model.eval()
     with torch.no_grad():

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from .. import _compat
 
 # the chunking the losses' error models count on is theirs (CHUNK_BYTES, units_per_chunk)
 from ..ops._preference import CHUNK_BYTES, units_per_chunk
+from ..ops._preference_reference import whole_logits_logps
 from ._fused_linear_jsd import projector
 
 # One unit larger than CHUNK_BYTES still goes in one pass up to this size (a pair of 1024-token rows
@@ -219,15 +219,10 @@ def _walk_tokens(prim, hidden, weight, bias, target, ignore_index, temperature, 
 
 
 def _plain_logps(hidden, weight, bias, target, ignore_index: int, temperature: float) -> torch.Tensor:
-    """``[R, T]`` log-probs (0 where ignored) in plain differentiable torch ops, materializing the
-    ``[R, T, V]`` logits in the accumulation dtype: the path under functorch transforms (grad,
-    vmap, jvp), which take plain ops and neither the chunked walk's in-place writes nor an
-    autograd.Function without functorch rules."""
+    """``[R, T]`` log-probs (0 where ignored) from the whole ``[R, T, V]`` logits in the
+    accumulation dtype, in plain ops: the path under functorch transforms."""
     acc = torch.promote_types(hidden.dtype, torch.float32)
-    z = F.linear(hidden.to(acc), weight.to(acc), None if bias is None else bias.to(acc)) / temperature
-    valid = target != ignore_index
-    lp = z.log_softmax(-1).gather(-1, torch.where(valid, target, 0).long().unsqueeze(-1)).squeeze(-1)
-    return torch.where(valid, lp, torch.zeros((), dtype=acc, device=lp.device))
+    return whole_logits_logps(hidden, weight, bias, target, ignore_index, temperature, acc)
 
 
 def logps_only(

@@ -31,7 +31,7 @@ def reference_token_logps(
     batch are 8 GB, and with their softmax and gradient they made the first-call check of a TRL
     DPO step peak at 2.5x the step's own memory (benchmarks/results/h200-2026-12-04-third/trl/)."""
     if torch._C._are_functorch_transforms_active():  # grad/jvp/vmap: plain ops (the Function has no functorch rules)
-        return _whole_logits(hidden, weight, bias, target, ignore_index, temperature)
+        return whole_logits_logps(hidden, weight, bias, target, ignore_index, temperature)
     stats: dict[str, Any] | None = {} if _capture and torch.is_grad_enabled() and _any_grad(hidden, weight, bias) else None
     lp = _ReferenceLogps.apply(hidden, weight, bias, target, ignore_index, float(temperature), stats)
     if stats is not None:
@@ -169,10 +169,14 @@ def dlogit_magnitudes(entry: dict[str, Any], grad: torch.Tensor) -> tuple[float,
     return row_max, (col.max().item() if col.numel() else 0.0)
 
 
-def _whole_logits(hidden, weight, bias, target, ignore_index: int, temperature: float) -> torch.Tensor:
-    """The same from the whole ``[R, T, V]`` float64 logits, in plain ops (under torch.func)."""
-    f64 = torch.float64
-    z = F.linear(hidden.to(f64), weight.to(f64), None if bias is None else bias.to(f64)) / temperature
+def whole_logits_logps(
+    hidden, weight, bias, target, ignore_index: int, temperature: float, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
+    """The same from the whole ``[R, T, V]`` logits in ``dtype``, in plain differentiable ops: the
+    path under torch.func transforms (grad, vmap, jvp), which take plain ops and neither a chunked
+    walk's in-place writes nor an autograd.Function without functorch rules (the chunked impls'
+    too: ``backends/_linear_logps``, in their accumulation dtype)."""
+    z = F.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)) / temperature
     valid = target != ignore_index
-    lp = z.log_softmax(-1).gather(-1, torch.where(valid, target, 0)[..., None]).squeeze(-1)
-    return torch.where(valid, lp, 0.0)
+    lp = z.log_softmax(-1).gather(-1, torch.where(valid, target, 0).long().unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, lp, torch.zeros((), dtype=dtype, device=lp.device))

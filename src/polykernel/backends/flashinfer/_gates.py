@@ -65,7 +65,7 @@ def gelu_and_mul_rank(a: Any) -> tuple[int, str] | None:
     """FlashInfer first for the erf form at decode sizes (<= 16 tokens) and at prefill sizes
     (> 1024 tokens); triton leads at 64-512 tokens. Two H200 sweeps agree
     (h200-2026-12-04-serving/sweep_serving.csv, h200-2026-12-04-third/serving/sweep_serving.csv)."""
-    if str(a.dtype) not in _HALF or a.approximate != "none" or a.tokens is None or 16 < a.tokens <= 1024 or a.tokens <= 0:
+    if str(a.dtype) not in _HALF or a.approximate != "none" or a.tokens is None or not (0 < a.tokens <= 16 or a.tokens > 1024):
         return None
     return 5, "<= 16 or > 1024 tokens, erf, bf16: FlashInfer ahead of triton (H200, 2026-12-04, two sweeps)"
 
