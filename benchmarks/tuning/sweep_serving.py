@@ -155,8 +155,7 @@ def sweep(smoke: bool, ops: list[str], tokens: list[int], after_op: Any = None, 
             base = {"op": op_name, "tokens": t, "width": n, "shape": bench._label(op_name, (t, n)), "bytes": nbytes}
             first = len(rows)  # this point's rows start here
             print(f"{op_name} {base['shape']}", file=sys.stderr, flush=True)
-            verdicts = st._candidates(op_name, args)
-            static = _static_choice(op_name, args)
+            verdicts, static = _verdicts_and_static(op_name, args)
             # The tuned call first, on the example's own arguments (the in-place ops rewrite them
             # on every call after this): measured on clones of them, stored, then run.
             polykernel.clear_caches()
@@ -195,14 +194,18 @@ def sweep(smoke: bool, ops: list[str], tokens: list[int], after_op: Any = None, 
     return rows
 
 
-def _static_choice(op_name: str, args: tuple[Any, ...]) -> str | None:
-    """What auto runs here without measuring (``POLYKERNEL_TUNE`` off): the runnable impl of
-    least rank, as explain lists them (ranks there are the effective ones: rank rules applied).
-    Its time is its forced row's (the issue's claim is about auto, tuned or not)."""
+def _verdicts_and_static(op_name: str, args: tuple[Any, ...]) -> tuple[dict[str, str | None], str | None]:
+    """From one ``explain``: every registered impl -> None if it can take these arguments, else
+    why not (sweep_tuning's candidates); and what auto runs here without measuring
+    (``POLYKERNEL_TUNE`` off): the runnable impl of least rank (the effective ranks: rank rules
+    applied). The static choice's time is its forced row's (the issue's claim is about auto,
+    tuned or not)."""
     import polykernel
 
-    runnable = [r for r in polykernel.explain(op_name, *args).impls if r["runnable"]]
-    return min(runnable, key=lambda r: r["rank"])["name"] if runnable else None
+    impls = polykernel.explain(op_name, *args).impls
+    runnable = [r for r in impls if r["runnable"]]
+    static = min(runnable, key=lambda r: r["rank"])["name"] if runnable else None
+    return {r["name"]: (None if r["runnable"] else r["reason"]) for r in impls}, static
 
 
 def _row_line(row: dict[str, Any]) -> str:
