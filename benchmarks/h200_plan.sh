@@ -17,6 +17,7 @@
 #
 # Parts, in the order the issues' "Done when" need them (the GPU time is 30 min a session):
 #   serving-a   issue 34: the serving GPU tests (peers, providers, op files), the serving ops in a graph and eager
+#   serving-native  issue 34: the native launch path's GPU tests, the serving op files' GPU tests, Liger's preference parity
 #   serving-b   issue 34: the providers' rows, the selection sweep's first six ops
 #   serving-c   issue 34: the sweep's last three ops, the kernel variants
 #   losses      issues 22, 35: the loss GPU tests, the distillation bench rows, the ten post-training losses vs Liger's modules
@@ -117,6 +118,15 @@ case $part in
     step serving-graph 130 python3 -m polykernel bench --graph --no-compile --out "$R/graph" "${SERVING_OPS[@]}"
     step serving-eager 100 python3 -m polykernel bench --no-compile --out "$R/eager" "${SERVING_OPS[@]}"
     ;;
+  serving-native)  # the serving ops' native launch path: its GPU tests (bit-exact against the Python path, graph
+    # capture), the serving op files' GPU tests, and the Liger-vs-float64 preference test (carry .whl for Liger)
+    gpu_tests native-tests 120 tests/backends/test_native.py
+    gpu_tests preference-liger 90 tests/ops/test_preference_losses.py -k liger
+    gpu_tests serving-tests 150 tests/ops/test_serving_common.py tests/ops/test_serving_fp8.py \
+      tests/ops/test_serving_glu.py tests/ops/test_serving_inplace.py tests/ops/test_silu_and_mul.py tests/ops/test_gelu_and_mul.py \
+      tests/ops/test_fused_add_rms_norm_.py tests/ops/test_rotary_embedding_.py tests/ops/test_dynamic_quant_fp8.py \
+      tests/ops/test_static_quant_fp8.py tests/ops/test_rms_norm_quant_fp8.py
+    ;;
   serving-b)
     step cuda-jit-build 150 python3 -m polykernel.backends.cuda_jit._build
     step providers 60 python3 benchmarks/kernels/providers.py --json "$R/providers.json"
@@ -200,6 +210,7 @@ case $part in
     k=${part#families-}
     chunk=$(((${#fams[@]} + 6) / 7))
     mine=$(IFS=,; echo "${fams[*]:$(((k - 1) * chunk)):$chunk}")
+    mine=${PK_FAMILIES:-$mine}  # a list of one's own (e.g. PK_FAMILIES=qwen2,olmo2,gemma3_text): the parts' three shift when the list grows
     step "families-$k" 540 python3 benchmarks/models/families.py --families "$mine" --steps 6 --warmup 3 --timeout 120 \
       --json "$R/families-$k.json"
     ;;
