@@ -979,6 +979,17 @@ def test_serving_plans_are_stored_per_key(C):
     assert C.static_quant_fp8_plan_state(x) == 0
 
 
+@pytest.mark.slow
+def test_serving_launch_arguments_match_the_python_launchers(tmp_path):
+    """Without a GPU: each serving entry's launches (kernel, constexprs, grid, every argument)
+    equal the Python launchers' for the same call (_native_host_check.py, in its own process: it
+    loads a second build of the extension, one that takes CPU tensors and never launches)."""
+    script = Path(__file__).with_name("_native_host_check.py")
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-6000:]
+    assert out.stdout.strip().splitlines()[-1].startswith("ok ")
+
+
 @pytest.mark.parametrize("act", [0, 2])
 def test_serving_plans_tile_every_row_count_as_python_does(monkeypatch, act):
     """The plans' tiles per power of two of M give, at the C++ path's index (M's next power of

@@ -89,7 +89,18 @@ inline int dtype_code(const c10::optional<Tensor>& t) {
   return t.has_value() && t->defined() ? static_cast<int>(t->scalar_type()) : -1;
 }
 
+// Where the native path's inputs live: CUDA. The host-side test's build (POLYKERNEL_NATIVE_HOST_TEST,
+// tests/backends/test_native.py) takes CPU tensors too, so that where there is no GPU the launches'
+// arguments can be checked against the Python launchers' (its Slots only call back, never launch).
+inline bool on_device(const Tensor& t) {
+#ifdef POLYKERNEL_NATIVE_HOST_TEST
+  return t.defined();
+#else
+  return t.is_cuda();
+#endif
+}
+
 // Inputs the native path takes: CUDA, dense and contiguous, non-empty rows.
-bool plain(const Tensor& t) { return t.is_cuda() && t.layout() == c10::kStrided && t.is_contiguous(); }
+bool plain(const Tensor& t) { return on_device(t) && t.layout() == c10::kStrided && t.is_contiguous(); }
 
 }  // namespace

@@ -40,7 +40,7 @@ void rotary_launch(const RotaryPlan& p, const Tensor& pos, const Tensor& q, cons
 }
 
 bool rotary_takes(const Tensor& t, int64_t head_size) {
-  return t.is_cuda() && t.layout() == c10::kStrided && (t.dim() == 2 || t.dim() == 3) && t.numel() > 0 &&
+  return on_device(t) && t.layout() == c10::kStrided && (t.dim() == 2 || t.dim() == 3) && t.numel() > 0 &&
          (t.dim() == 3 || t.size(1) % head_size == 0);
 }
 
@@ -59,8 +59,8 @@ py::object rotary_embedding(const Tensor& pos, const Tensor& q, const c10::optio
   if (head_size <= 0 || !rotary_takes(q, head_size) || (key.has_value() && !rotary_takes(*key, head_size))) {
     return py::none();
   }
-  if (!pos.is_cuda() || pos.dim() != 1 || pos.size(0) != q.size(0) || (key.has_value() && key->size(0) != q.size(0)) ||
-      !cache.is_cuda() || cache.dim() != 2 || cache.size(0) == 0 || cache.size(1) == 0 || cache.size(1) % 2 ||
+  if (!on_device(pos) || pos.dim() != 1 || pos.size(0) != q.size(0) || (key.has_value() && key->size(0) != q.size(0)) ||
+      !on_device(cache) || cache.dim() != 2 || cache.size(0) == 0 || cache.size(1) == 0 || cache.size(1) % 2 ||
       pos.size(0) > INT32_MAX) {
     return py::none();
   }
