@@ -117,8 +117,8 @@ def rotary_launch(
 class _NativePlan:
     """The C++ path's plan for one (heads, half width, pair layout): the kernel's slot and BLOCK_H."""
 
-    def __init__(self, heads: int, half: int, is_neox: bool) -> None:
-        self.block_h, block_d, warps = _tiles(heads, half)
+    def __init__(self, n_heads: int, half: int, is_neox: bool) -> None:
+        self.block_h, block_d, warps = _tiles(n_heads, half)
         self.fwd = _native.slot(_rotary_kernel, HALF=half, BLOCK_H=self.block_h, BLOCK_D=block_d, NEOX=is_neox, num_warps=warps)
 
 
