@@ -496,7 +496,7 @@ def test_glu_and_mul_native_equals_python(native, act, rows, d, dtype, given):
     assert native.glu_and_mul_plan_state(x, act) == 1
     plan = glu._AndMulPlan(d, act)
     tile = plan.tiles[min((rows - 1).bit_length(), len(plan.tiles) - 1)]
-    assert _launched(tile.fwd, lambda: run(*make())) == 1  # through C++
+    assert _launched(tile.slot, lambda: run(*make())) == 1  # through C++
     if given:
         out = make()[1]
         assert _allocations(lambda: run(x, out)) == 0
@@ -538,7 +538,7 @@ def test_public_and_mul_ops_take_the_native_path(native):
         with torch.inference_mode():
             call()  # planned and compiled
         plan = glu._AndMulPlan(4096, act)
-        assert _launched(plan.tiles[-1].fwd, call) == 1
+        assert _launched(plan.tiles[-1].slot, call) == 1
 
 
 @gpu
@@ -549,7 +549,7 @@ def test_glu_and_mul_native_in_a_cuda_graph(native, act):
     torch.manual_seed(0)
     x = torch.randn(64, 2 * 4096, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(64, 4096, device="cuda", dtype=torch.bfloat16)
-    slot = glu._AndMulPlan(4096, act).tiles[-1].fwd
+    slot = glu._AndMulPlan(4096, act).tiles[-1].slot
     with torch.inference_mode():
         glu.glu_and_mul(x, out, act)  # warm: compiled and planned outside capture
         glu.glu_and_mul(x, out, act)
@@ -943,7 +943,7 @@ def test_serving_plans_are_stored_per_key(C):
     s = C.Slot(lambda grid, args, key: None)
     x = torch.randn(3, 16)
     C.clear_plans()
-    tile = SimpleNamespace(fwd=s, rows=1)
+    tile = SimpleNamespace(slot=s, rows=1)
     C.set_glu_and_mul_plan(x, 0, SimpleNamespace(block=8, tiles=[tile]))
     assert C.glu_and_mul_plan_state(x, 0) == 1 and C.glu_and_mul_plan_state(x, 1) == 0  # the activation is in the key
     assert C.glu_and_mul_plan_state(torch.randn(500, 16), 0) == 1  # M is not (the plan holds a tile per M)
@@ -1006,7 +1006,7 @@ def test_serving_plans_tile_every_row_count_as_python_does(monkeypatch, act):
             block, rows, warps = glu._fit(m, n, [2 * n, 2 * n, n])
             tile = plan.tiles[index(m, plan.tiles)]
             assert plan.block == block and tile.rows == rows
-            assert tile.fwd == (glu._glu_fwd_kernel, dict(ACT=act, BLOCK=block, ROWS=rows, num_warps=warps))
+            assert tile.slot == (glu._glu_fwd_kernel, dict(ACT=act, BLOCK=block, ROWS=rows, num_warps=warps))
             block, rows, _, warps = qf._elementwise_tiles(m, n)
             for tiles, kernel in ((quant.quant, qf._static_kernel), (quant.amax, qf._amax_kernel)):
                 tile = tiles[index(m, tiles)]

@@ -310,7 +310,7 @@ class _AndMulTile:
 
     def __init__(self, m: int, d: int, act: int) -> None:
         block, self.rows, warps = _fit(m, d, [2 * d, 2 * d, d])
-        self.fwd = _native.slot(_glu_fwd_kernel, ACT=act, BLOCK=block, ROWS=self.rows, num_warps=warps)
+        self.slot = _native.slot(_glu_fwd_kernel, ACT=act, BLOCK=block, ROWS=self.rows, num_warps=warps)
 
 
 class _AndMulPlan:

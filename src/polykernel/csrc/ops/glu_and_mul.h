@@ -6,31 +6,20 @@
 
 namespace {
 
-// The forward kernel's rows path on the two halves of each contiguous [M, 2d] row. Its tile
-// depends on M only through ROWS (short rows: several per program, never more than M's next
-// power of two), so one plan per d holds a tile per power of two of M up to the largest ROWS.
+// The forward kernel's rows path on the two halves of each contiguous [M, 2d] row; its tile
+// depends on M through ROWS only (RowTiles).
 struct AndMulPlan {
-  struct Tile {
-    SlotPtr fwd;
-    int64_t rows = 1;
-  };
   int64_t d = 0, block = 0;
-  std::vector<Tile> tiles;  // tiles[i]: M with next power of two 2^i; the last serves every larger M
+  RowTiles fwd;
 };
-
-inline size_t ceil_log2(int64_t m) {
-  size_t i = 0;
-  while ((int64_t{1} << i) < m) ++i;
-  return i;
-}
 
 void and_mul_forward(const AndMulPlan& p, const Tensor& x, const Tensor& out) {
   const int64_t m = x.numel() / (2 * p.d);
-  const AndMulPlan::Tile& t = p.tiles[std::min(ceil_log2(m), p.tiles.size() - 1)];
+  const RowTiles::Tile& t = p.fwd.for_rows(m);
   const int64_t col_blocks = cdiv(p.d, p.block);
   const Tensor up = x.narrow(-1, p.d, p.d);  // only its data pointer is passed: x + d elements
   Arg a[] = {T(x), T(up), T(out), I(m), I(p.d), I(col_blocks), I(2 * p.d), I(2 * p.d), I(p.d)};
-  t.fwd->launch(static_cast<unsigned>(cdiv(m, t.rows) * col_blocks), 1, 1, a, 9);
+  t.slot->launch(static_cast<unsigned>(cdiv(m, t.rows) * col_blocks), 1, 1, a, 9);
 }
 
 std::string and_mul_key(const Tensor& x, int64_t act) {
@@ -63,10 +52,7 @@ void set_and_mul_plan(const Tensor& x, int64_t act, py::object plan) {
   plans<AndMulPlan>().store(and_mul_key(x, act), plan, [&](AndMulPlan& p) {
     p.d = x.size(-1) / 2;
     p.block = plan.attr("block").cast<int64_t>();
-    for (py::handle t : plan.attr("tiles")) {
-      p.tiles.push_back({t.attr("fwd").cast<SlotPtr>(), t.attr("rows").cast<int64_t>()});
-    }
-    if (p.tiles.empty()) throw std::invalid_argument("polykernel native launch: glu_and_mul plan without tiles");
+    read_tiles(p.fwd, plan.attr("tiles"));
   });
 }
 

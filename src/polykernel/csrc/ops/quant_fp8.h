@@ -7,28 +7,6 @@
 
 namespace {
 
-// A kernel whose tile depends on the row count M only through ROWS (short rows: several per
-// program, never more than M's next power of two): one slot per power of two of M up to the
-// largest ROWS; the last serves every larger M.
-struct RowTiles {
-  struct Tile {
-    SlotPtr slot;
-    int64_t rows = 1;
-  };
-  std::vector<Tile> tiles;  // tiles[i]: M with next power of two 2^i
-
-  const Tile& for_rows(int64_t m) const {
-    size_t i = 0;
-    while ((int64_t{1} << i) < m) ++i;
-    return tiles[std::min(i, tiles.size() - 1)];
-  }
-};
-
-void read_tiles(RowTiles& t, const py::object& tiles) {
-  for (py::handle h : tiles) t.tiles.push_back({h.attr("slot").cast<SlotPtr>(), h.attr("rows").cast<int64_t>()});
-  if (t.tiles.empty()) throw std::invalid_argument("polykernel native launch: a quant_fp8 plan without tiles");
-}
-
 // One plan per (device, N, x's dtype) serves the three ops: the elementwise kernels (static
 // quantisation, the per-tensor amax) tile [ROWS, block]; the row kernels (per-token, RMSNorm)
 // have one tile whatever M.
