@@ -10,6 +10,7 @@ parameters, misaligned inputs, side streams and CUDA-graph capture, and it reall
 from __future__ import annotations
 
 import fnmatch
+import functools
 import os
 import shutil
 import struct
@@ -469,23 +470,23 @@ def _allocations(run):
     return torch.cuda.memory_stats()["allocation.all.allocated"] - before
 
 
-SERVING_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# The serving tests loop over shapes inside one test (the compiles are shared): rows 1, 7, 64 and
+# 4096 (decode to prefill; M == 1 and M % 16 == 0 are Triton specializations), row lengths of a
+# small head, Llama's hidden size and its MLP width; every dtype, the activations in bf16.
+SERVING_ROWS = (1, 7, 64, 4096)
+SERVING_N = (128, 4096, 14336)
+SERVING_CASES = [(torch.bfloat16, 0), (torch.bfloat16, 1), (torch.bfloat16, 2), (torch.float16, 0), (torch.float32, 2)]
 
 
-@gpu
-@pytest.mark.parametrize("act", [0, 1, 2])  # silu_and_mul, gelu_and_mul (tanh, none)
-@pytest.mark.parametrize("rows", [1, 7, 64, 4096])
-@pytest.mark.parametrize("d", [128, 4096, 14336])
-@pytest.mark.parametrize("dtype", SERVING_DTYPES)
-@pytest.mark.parametrize("given", [False, True])
-def test_glu_and_mul_native_equals_python(native, act, rows, d, dtype, given):
+def _check_and_mul(native, x, act, given):
+    """glu_and_mul on x: the native path's bits are the Python path's, it launched from C++, and
+    with out given it allocated nothing."""
     from polykernel.backends.triton import glu
 
-    torch.manual_seed(0)
-    x = torch.randn(rows, 2 * d, device="cuda", dtype=dtype)
+    rows, d = x.shape[0], x.shape[-1] // 2
 
     def make():
-        return x, torch.full((rows, d), float("nan"), device="cuda", dtype=dtype) if given else None
+        return x, torch.full((rows, d), float("nan"), device="cuda", dtype=x.dtype) if given else None
 
     def run(xx, out):
         y = glu.glu_and_mul(xx, out, act)
@@ -500,6 +501,17 @@ def test_glu_and_mul_native_equals_python(native, act, rows, d, dtype, given):
     if given:
         out = make()[1]
         assert _allocations(lambda: run(x, out)) == 0
+
+
+@gpu
+@pytest.mark.parametrize(("dtype", "act"), SERVING_CASES)  # act: silu_and_mul, gelu_and_mul (tanh, none)
+def test_glu_and_mul_native_equals_python(native, dtype, act):
+    torch.manual_seed(0)
+    for rows in SERVING_ROWS:
+        for d in SERVING_N:
+            x = torch.randn(rows, 2 * d, device="cuda", dtype=dtype)
+            for given in (False, True):
+                _check_and_mul(native, x, act, given)
 
 
 @gpu
@@ -570,19 +582,10 @@ def test_glu_and_mul_native_in_a_cuda_graph(native, act):
         assert not torch.equal(out, ref)
 
 
-@gpu
-@pytest.mark.parametrize("rows", [1, 7, 64, 4096])
-@pytest.mark.parametrize("n", [128, 4096, 14336])
-@pytest.mark.parametrize("dtype", SERVING_DTYPES)
-@pytest.mark.parametrize("w_fp32", [False, True])
-def test_fused_add_rms_norm_inplace_native_equals_python(native, rows, n, dtype, w_fp32):
+def _check_add_rms_norm_inplace(native, x, r, w):
+    """fused_add_rms_norm_ on (x, r, w): bits as the Python path's, launched from C++, no allocation."""
     from polykernel.backends.triton import fused_add_rms_norm as far
     from polykernel.backends.triton.fused_add_rms_norm_ import fused_add_rms_norm_
-
-    torch.manual_seed(0)
-    x = torch.randn(rows, n, device="cuda", dtype=dtype)
-    r = torch.randn(rows, n, device="cuda", dtype=dtype)
-    w = torch.randn(n, device="cuda", dtype=torch.float32 if w_fp32 else dtype)
 
     def run(xx, rr):
         out = fused_add_rms_norm_(xx, rr, w, 1e-6, 1.0)
@@ -594,6 +597,20 @@ def test_fused_add_rms_norm_inplace_native_equals_python(native, rows, n, dtype,
     xs, rs = x.clone(), r.clone()
     assert _launched(far._NativePlan(x).fwd_infer, lambda: run(xs, rs)) == 1
     assert _allocations(lambda: run(xs, rs)) == 0
+
+
+@gpu
+@pytest.mark.parametrize(
+    ("dtype", "w_dtype"),
+    [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float16), (torch.float32, torch.float32)],
+)
+def test_fused_add_rms_norm_inplace_native_equals_python(native, dtype, w_dtype):
+    torch.manual_seed(0)
+    for rows in SERVING_ROWS:
+        for n in SERVING_N:
+            x = torch.randn(rows, n, device="cuda", dtype=dtype)
+            r = torch.randn(rows, n, device="cuda", dtype=dtype)
+            _check_add_rms_norm_inplace(native, x, r, torch.randn(n, device="cuda", dtype=w_dtype))
 
 
 @gpu
@@ -660,8 +677,25 @@ def _rotary_inputs(tokens, hq, hk, head_size, rd, dtype, layout, pos_dtype, max_
     return positions, q, k, cache
 
 
+def _check_rotary(native, positions, make, head_size, cache, is_neox, heads):
+    """rotary_embedding_ on make()'s (query, key): bits as the Python path's, launched from C++,
+    no allocation."""
+    from polykernel.backends.triton import rotary_embedding_ as rot
+
+    def run(qq, kk):
+        out = rot.rotary_embedding_(positions, qq, kk, head_size, cache, is_neox)
+        assert out[0] is qq and out[1] is kk
+        return [qq] + ([kk] if kk is not None else [])
+
+    _assert_same_bits(_serving_ab(run, make))
+    qq, kk = make()
+    assert native.rotary_embedding_plan_state(qq, kk, head_size, cache, is_neox) == 1
+    slot = rot._NativePlan(heads, cache.shape[1] // 2, is_neox).fwd
+    assert _launched(slot, lambda: run(qq, kk)) == 1
+    assert _allocations(lambda: run(qq, kk)) == 0
+
+
 @gpu
-@pytest.mark.parametrize("tokens", [1, 7, 64, 4096])
 @pytest.mark.parametrize(
     "hq,hk,head_size,rd,layout",
     [
@@ -672,37 +706,27 @@ def _rotary_inputs(tokens, hq, hk, head_size, rd, dtype, layout, pos_dtype, max_
         (4, 4, 256, 256, "fp32-cache"),
     ],
 )
-@pytest.mark.parametrize("dtype", SERVING_DTYPES)
-@pytest.mark.parametrize("is_neox", [True, False])
-def test_rotary_embedding_native_equals_python(native, tokens, hq, hk, head_size, rd, layout, dtype, is_neox):
-    from polykernel.backends.triton import rotary_embedding_ as rot
+def test_rotary_embedding_native_equals_python(native, hq, hk, head_size, rd, layout):
+    for tokens in SERVING_ROWS:
+        for dtype, is_neox in [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, True), (torch.float32, False)]:
+            pos_dtype = torch.int32 if tokens == 7 else torch.int64
+            made = _rotary_inputs(tokens, hq, hk, head_size, rd, dtype, layout, pos_dtype)
+            if layout == "qkv":
+                positions, qkv, cache = made
+                make = functools.partial(_qkv_slices, qkv, hq * head_size, hk * head_size)
+            else:
+                positions, q, k, cache = made
+                make = functools.partial(_clones, q, k)
+            _check_rotary(native, positions, make, head_size, cache, is_neox, max(hq, hk))
 
-    pos_dtype = torch.int32 if tokens == 7 else torch.int64
-    made = _rotary_inputs(tokens, hq, hk, head_size, rd, dtype, layout, pos_dtype)
-    if layout == "qkv":
-        positions, qkv, cache = made
-        q_w, k_w = hq * head_size, hk * head_size
 
-        def make():
-            buf = qkv.clone()
-            return buf[:, :q_w], buf[:, q_w : q_w + k_w]
-    else:
-        positions, q, k, cache = made
+def _qkv_slices(qkv, q_width, k_width):
+    buf = qkv.clone()
+    return buf[:, :q_width], buf[:, q_width : q_width + k_width]
 
-        def make():
-            return q.clone(), None if k is None else k.clone()
 
-    def run(qq, kk):
-        out = rot.rotary_embedding_(positions, qq, kk, head_size, cache, is_neox)
-        assert out[0] is qq and out[1] is kk
-        return [qq] + ([kk] if kk is not None else [])
-
-    _assert_same_bits(_serving_ab(run, make))
-    qq, kk = make()
-    assert native.rotary_embedding_plan_state(qq, kk, head_size, cache, is_neox) == 1
-    slot = rot._NativePlan(max(hq, hk), rd // 2, is_neox).fwd
-    assert _launched(slot, lambda: run(qq, kk)) == 1
-    assert _allocations(lambda: run(qq, kk)) == 0
+def _clones(q, k):
+    return q.clone(), None if k is None else k.clone()
 
 
 @gpu
@@ -744,38 +768,29 @@ def _fp8(shape):
     return torch.empty(shape, device="cuda", dtype=torch.float8_e4m3fn)
 
 
-@gpu
-@pytest.mark.parametrize("rows", [1, 7, 64, 4096])
-@pytest.mark.parametrize("n", [128, 4096, 14336, 20000])  # 20000: the row kernels' chunked walk
-@pytest.mark.parametrize("dtype", SERVING_DTYPES)
-@pytest.mark.parametrize("op", ["static", "static_per_row", "dynamic_token", "dynamic_tensor", "rms_norm", "rms_norm_per_row"])
-def test_quant_fp8_native_equals_python(native, rows, n, dtype, op):
+def _check_quant(native, op, x, w, scale):
+    """One quantiser on x: bits (q and scale) as the Python path's, launched from C++ (every
+    kernel of the op), no allocation."""
     from polykernel.backends.triton import quant_fp8 as qf
 
-    torch.manual_seed(0)
-    x = 4 * torch.randn(rows, n, device="cuda", dtype=dtype)
-    x[0, 0] = 1e4  # saturates at ±448
-    w = torch.randn(n, device="cuda", dtype=dtype)
-    scale = torch.rand(rows if op.endswith("per_row") else 1, device="cuda", dtype=torch.float32) + 0.01
-    if op.endswith("per_row"):
-        scale = scale.view(rows, 1)
+    rows, n = x.shape
     per_token = op == "dynamic_token"
     plan = qf._NativePlan(n)
     tile = min((rows - 1).bit_length(), len(plan.quant) - 1)
 
     def make():
-        s = torch.empty((rows, 1) if per_token else (1,), device="cuda", dtype=torch.float32)
-        return _fp8((rows, n)), s
+        return _fp8((rows, n)), torch.empty((rows, 1) if per_token else (1,), device="cuda", dtype=torch.float32)
 
     if op.startswith("static"):
-        run, slots = (lambda q, s: (qf.static_quant(x, scale, q),)), [plan.quant[tile].slot]
+        name, slots = "static_quant_fp8", [plan.quant[tile].slot]
+        run = lambda q, s: (qf.static_quant(x, scale, q),)
     elif op.startswith("dynamic"):
+        name, slots = "dynamic_quant_fp8", [plan.token] if per_token else [plan.amax[tile].slot, plan.quant[tile].slot]
         run = lambda q, s: qf.dynamic_quant(x, per_token, q, s)
-        slots = [plan.token] if per_token else [plan.amax[tile].slot, plan.quant[tile].slot]
     else:
-        run, slots = (lambda q, s: (qf.rms_norm_quant(x, w, scale, 1e-6, q),)), [plan.rms]
+        name, slots = "rms_norm_quant_fp8", [plan.rms]
+        run = lambda q, s: (qf.rms_norm_quant(x, w, scale, 1e-6, q),)
     _assert_same_bits(_serving_ab(run, make))
-    name = {"static": "static_quant_fp8", "dynamic": "dynamic_quant_fp8", "rms": "rms_norm_quant_fp8"}[op.split("_")[0]]
     assert getattr(native, f"{name}_plan_state")(x) == 1
     q, s = make()
     before = [sl.launches() for sl in slots]
@@ -784,6 +799,21 @@ def test_quant_fp8_native_equals_python(native, rows, n, dtype, op):
     torch.cuda.synchronize()
     assert [sl.launches() - b for sl, b in zip(slots, before)] == [1] * len(slots)
     assert _allocations(lambda: run(q, s)) == 0
+
+
+@gpu
+@pytest.mark.parametrize("op", ["static", "static_per_row", "dynamic_token", "dynamic_tensor", "rms_norm", "rms_norm_per_row"])
+def test_quant_fp8_native_equals_python(native, op):
+    """Every row count and length (20000: the row kernels' chunked walk), the dtypes in turn."""
+    torch.manual_seed(0)
+    dtypes = [torch.bfloat16, torch.float16, torch.float32]
+    for i, (rows, n) in enumerate((rows, n) for rows in SERVING_ROWS for n in (*SERVING_N, 20000)):
+        dtype = dtypes[i % 3]
+        x = 4 * torch.randn(rows, n, device="cuda", dtype=dtype)
+        x[0, 0] = 1e4  # saturates at ±448
+        w = torch.randn(n, device="cuda", dtype=dtype)
+        scale = torch.rand(rows if op.endswith("per_row") else 1, device="cuda", dtype=torch.float32) + 0.01
+        _check_quant(native, op, x, w, scale.view(rows, 1) if op.endswith("per_row") else scale)
 
 
 @gpu
