@@ -1,4 +1,4 @@
-"""The native (C++) launch path of the norms, GLUs and rope: backends/triton/_native.py and csrc/.
+"""The native (C++) launch path of the norms, GLUs, rope and the serving ops: backends/triton/_native.py and csrc/.
 
 On the CPU: the extension builds from the repository (the README's commands build it in
 ``make setup``), and its specialization keys, parameter packing and layout reading are checked
@@ -10,6 +10,7 @@ parameters, misaligned inputs, side streams and CUDA-graph capture, and it reall
 from __future__ import annotations
 
 import fnmatch
+import functools
 import os
 import shutil
 import struct
@@ -421,6 +422,448 @@ def test_public_rope_takes_the_native_path(native):
 
 
 # ---------------------------------------------------------------------------------------------
+# GPU: the serving ops (inference only, outputs given or written in place)
+
+
+def _serving_ab(run, make):
+    """run(*make()) with the native path on (after one warm-up call: a key's first launch goes
+    through Triton's launcher), then off; fresh inputs each time (in-place ops write them)."""
+    results = []
+    for on in (True, False):
+        old = _native.set_enabled(on)
+        try:
+            with torch.inference_mode():
+                if on:
+                    run(*make())
+                out = run(*make())
+            torch.cuda.synchronize()
+            results.append([t.clone() for t in out])
+        finally:
+            _native.set_enabled(old)
+    return results
+
+
+def _assert_same_bits(results):
+    (a, b) = results
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))  # bits: fp8 and NaN too
+
+
+def _launched(slot, run):
+    """How many launches ``run()`` made through ``slot`` in C++."""
+    before = slot.launches()
+    with torch.inference_mode():
+        run()
+    torch.cuda.synchronize()
+    return slot.launches() - before
+
+
+def _allocations(run):
+    """CUDA allocations ``run()`` made (the caching allocator's count)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    with torch.inference_mode():
+        run()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_stats()["allocation.all.allocated"] - before
+
+
+# The serving tests loop over shapes inside one test (the compiles are shared): rows 1, 7, 64 and
+# 4096 (decode to prefill; M == 1 and M % 16 == 0 are Triton specializations), row lengths of a
+# small head, Llama's hidden size and its MLP width; every dtype, the activations in bf16.
+SERVING_ROWS = (1, 7, 64, 4096)
+SERVING_N = (128, 4096, 14336)
+SERVING_CASES = [(torch.bfloat16, 0), (torch.bfloat16, 1), (torch.bfloat16, 2), (torch.float16, 0), (torch.float32, 2)]
+
+
+def _check_and_mul(native, x, act, given):
+    """glu_and_mul on x: the native path's bits are the Python path's, it launched from C++, and
+    with out given it allocated nothing."""
+    from polykernel.backends.triton import glu
+
+    rows, d = x.shape[0], x.shape[-1] // 2
+
+    def make():
+        return x, torch.full((rows, d), float("nan"), device="cuda", dtype=x.dtype) if given else None
+
+    def run(xx, out):
+        y = glu.glu_and_mul(xx, out, act)
+        assert out is None or y is out
+        return (y,)
+
+    _assert_same_bits(_serving_ab(run, make))
+    assert native.glu_and_mul_plan_state(x, act) == 1
+    plan = glu._AndMulPlan(d, act)
+    tile = plan.tiles[min((rows - 1).bit_length(), len(plan.tiles) - 1)]
+    assert _launched(tile.slot, lambda: run(*make())) == 1  # through C++
+    if given:
+        out = make()[1]
+        assert _allocations(lambda: run(x, out)) == 0
+
+
+@gpu
+@pytest.mark.parametrize(("dtype", "act"), SERVING_CASES)  # act: silu_and_mul, gelu_and_mul (tanh, none)
+def test_glu_and_mul_native_equals_python(native, dtype, act):
+    torch.manual_seed(0)
+    for rows in SERVING_ROWS:
+        for d in SERVING_N:
+            x = torch.randn(rows, 2 * d, device="cuda", dtype=dtype)
+            for given in (False, True):
+                _check_and_mul(native, x, act, given)
+
+
+@gpu
+@pytest.mark.parametrize("act", [0, 2])
+def test_glu_and_mul_native_layouts(native, act):
+    """Misaligned halves (odd d), a misaligned x, leading dims: native; strided x or out: Python."""
+    from polykernel.backends.triton import glu
+
+    torch.manual_seed(0)
+    buf = torch.randn(1 + 3 * 5 * 2002, device="cuda", dtype=torch.bfloat16)
+    for x in (torch.randn(3, 5, 2002, device="cuda", dtype=torch.bfloat16), buf[1:].view(3, 5, 2002)):
+        _assert_same_bits(_serving_ab(lambda xx, out: (glu.glu_and_mul(xx, out, act),), lambda x=x: (x, None)))
+        assert native.glu_and_mul(x, None, act) is not None
+    wide = torch.randn(7, 3000, device="cuda", dtype=torch.bfloat16)[:, :2002]  # row-strided: the Python path
+    assert native.glu_and_mul(wide, None, act) is None
+    _assert_same_bits(_serving_ab(lambda xx, out: (glu.glu_and_mul(xx, out, act),), lambda: (wide, None)))
+    x = torch.randn(7, 2002, device="cuda", dtype=torch.bfloat16)
+    out_t = torch.empty(1001, 7, device="cuda", dtype=torch.bfloat16).t()  # no row view: the Python path
+    assert native.glu_and_mul(x, out_t, act) is None
+    _assert_same_bits(_serving_ab(lambda xx, out: (glu.glu_and_mul(xx, out, act),), lambda: (x, out_t)))
+
+
+@gpu
+def test_public_and_mul_ops_take_the_native_path(native):
+    import polykernel
+    from polykernel.backends.triton import glu
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 2 * 4096, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(64, 4096, device="cuda", dtype=torch.bfloat16)
+    for act, call in [
+        (0, lambda: polykernel.silu_and_mul(x, out=out, impl="triton")),
+        (2, lambda: polykernel.gelu_and_mul(x, out=out, impl="triton")),
+        (1, lambda: polykernel.gelu_and_mul(x, approximate="tanh", out=out, impl="triton")),
+    ]:
+        with torch.inference_mode():
+            call()  # planned and compiled
+        plan = glu._AndMulPlan(4096, act)
+        assert _launched(plan.tiles[-1].slot, call) == 1
+
+
+@gpu
+@pytest.mark.parametrize("act", [0, 1])
+def test_glu_and_mul_native_in_a_cuda_graph(native, act):
+    from polykernel.backends.triton import glu
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 2 * 4096, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(64, 4096, device="cuda", dtype=torch.bfloat16)
+    slot = glu._AndMulPlan(4096, act).tiles[-1].slot
+    with torch.inference_mode():
+        glu.glu_and_mul(x, out, act)  # warm: compiled and planned outside capture
+        glu.glu_and_mul(x, out, act)
+        ref = out.clone()
+        before = slot.launches()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = glu.glu_and_mul(x, out, act)
+        assert y is out and slot.launches() == before + 1  # captured from C++
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        old = _native.set_enabled(False)
+        try:
+            assert torch.equal(out, glu.glu_and_mul(x, None, act))
+        finally:
+            _native.set_enabled(old)
+        assert not torch.equal(out, ref)
+
+
+def _check_add_rms_norm_inplace(native, x, r, w):
+    """fused_add_rms_norm_ on (x, r, w): bits as the Python path's, launched from C++, no allocation."""
+    from polykernel.backends.triton import fused_add_rms_norm as far
+    from polykernel.backends.triton.fused_add_rms_norm_ import fused_add_rms_norm_
+
+    def run(xx, rr):
+        out = fused_add_rms_norm_(xx, rr, w, 1e-6, 1.0)
+        assert out[0] is xx and out[1] is rr
+        return out
+
+    _assert_same_bits(_serving_ab(run, lambda: (x.clone(), r.clone())))
+    assert native.fused_add_rms_norm_inplace_plan_state(x, r, w) == 1
+    xs, rs = x.clone(), r.clone()
+    assert _launched(far._NativePlan(x).fwd_infer, lambda: run(xs, rs)) == 1
+    assert _allocations(lambda: run(xs, rs)) == 0
+
+
+@gpu
+@pytest.mark.parametrize(
+    ("dtype", "w_dtype"),
+    [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float16), (torch.float32, torch.float32)],
+)
+def test_fused_add_rms_norm_inplace_native_equals_python(native, dtype, w_dtype):
+    torch.manual_seed(0)
+    for rows in SERVING_ROWS:
+        for n in SERVING_N:
+            x = torch.randn(rows, n, device="cuda", dtype=dtype)
+            r = torch.randn(rows, n, device="cuda", dtype=dtype)
+            _check_add_rms_norm_inplace(native, x, r, torch.randn(n, device="cuda", dtype=w_dtype))
+
+
+@gpu
+def test_fused_add_rms_norm_inplace_python_path_where_native_does_not_take(native):
+    from polykernel.backends.triton.fused_add_rms_norm_ import fused_add_rms_norm_
+
+    torch.manual_seed(0)
+    w = torch.randn(20000, device="cuda", dtype=torch.bfloat16)
+    x, r = torch.randn(3, 20000, device="cuda", dtype=torch.bfloat16), torch.randn(3, 20000, device="cuda", dtype=torch.bfloat16)
+    run = lambda xx, rr, ww: fused_add_rms_norm_(xx, rr, ww, 1e-6, 0.0)
+    _assert_same_bits(_serving_ab(run, lambda: (x.clone(), r.clone(), w)))  # long rows: the chunked kernel
+    assert native.fused_add_rms_norm_inplace_plan_state(x, r, w) == 2
+    wide = torch.randn(5, 6000, device="cuda", dtype=torch.bfloat16)
+    w = w[:4096].clone()
+    r = torch.randn(5, 4096, device="cuda", dtype=torch.bfloat16)
+    assert native.fused_add_rms_norm_inplace(wide[:, :4096], r, w, 1e-6, 0.0) is None  # row-strided x
+    _assert_same_bits(_serving_ab(run, lambda: (wide.clone()[:, :4096], r.clone(), w)))
+
+
+@gpu
+def test_fused_add_rms_norm_inplace_native_in_a_cuda_graph(native):
+    from polykernel.backends.triton import fused_add_rms_norm as far
+    from polykernel.backends.triton.fused_add_rms_norm_ import fused_add_rms_norm_
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    slot = far._NativePlan(x).fwd_infer
+    with torch.inference_mode():
+        fused_add_rms_norm_(x.clone(), r.clone(), w, 1e-6, 0.0)  # warm
+        fused_add_rms_norm_(x.clone(), r.clone(), w, 1e-6, 0.0)
+        gx, gr = x.clone(), r.clone()
+        before = slot.launches()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fused_add_rms_norm_(gx, gr, w, 1e-6, 0.0)
+        assert slot.launches() == before + 1
+        gx.copy_(x)
+        gr.copy_(r)
+        g.replay()
+        torch.cuda.synchronize()
+        old = _native.set_enabled(False)
+        try:
+            ex, er = fused_add_rms_norm_(x.clone(), r.clone(), w, 1e-6, 0.0)
+        finally:
+            _native.set_enabled(old)
+        assert torch.equal(gx, ex) and torch.equal(gr, er)
+
+
+def _rotary_inputs(tokens, hq, hk, head_size, rd, dtype, layout, pos_dtype, max_pos=8192):
+    torch.manual_seed(0)
+    positions = torch.randint(0, max_pos, (tokens,), device="cuda", dtype=pos_dtype)
+    cache = torch.randn(max_pos, rd, device="cuda", dtype=dtype if layout != "fp32-cache" else torch.float32)
+    if layout == "qkv":  # slices of one fused projection: row-strided q and k, no copy
+        qkv = torch.randn(tokens, (hq + 2 * hk) * head_size, device="cuda", dtype=dtype)
+        return positions, qkv, cache
+
+    q = torch.randn(tokens, hq * head_size, device="cuda", dtype=dtype)
+    k = torch.randn(tokens, hk * head_size, device="cuda", dtype=dtype) if hk else None
+    if layout == "3d":
+        q = q.view(tokens, hq, head_size)
+        k = k.view(tokens, hk, head_size) if k is not None else None
+    return positions, q, k, cache
+
+
+def _check_rotary(native, positions, make, head_size, cache, is_neox, heads):
+    """rotary_embedding_ on make()'s (query, key): bits as the Python path's, launched from C++,
+    no allocation."""
+    from polykernel.backends.triton import rotary_embedding_ as rot
+
+    def run(qq, kk):
+        out = rot.rotary_embedding_(positions, qq, kk, head_size, cache, is_neox)
+        assert out[0] is qq and out[1] is kk
+        return [qq] + ([kk] if kk is not None else [])
+
+    _assert_same_bits(_serving_ab(run, make))
+    qq, kk = make()
+    assert native.rotary_embedding_plan_state(qq, kk, head_size, cache, is_neox) == 1
+    slot = rot._NativePlan(heads, cache.shape[1] // 2, is_neox).fwd
+    assert _launched(slot, lambda: run(qq, kk)) == 1
+    assert _allocations(lambda: run(qq, kk)) == 0
+
+
+@gpu
+@pytest.mark.parametrize(
+    "hq,hk,head_size,rd,layout",
+    [
+        (32, 8, 128, 128, "2d"),  # Llama GQA
+        (8, 0, 64, 32, "2d"),  # no key, partial rotary
+        (16, 16, 128, 128, "3d"),
+        (32, 8, 128, 64, "qkv"),  # q and k sliced out of a fused QKV projection
+        (4, 4, 256, 256, "fp32-cache"),
+    ],
+)
+def test_rotary_embedding_native_equals_python(native, hq, hk, head_size, rd, layout):
+    for tokens in SERVING_ROWS:
+        for dtype, is_neox in [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, True), (torch.float32, False)]:
+            pos_dtype = torch.int32 if tokens == 7 else torch.int64
+            made = _rotary_inputs(tokens, hq, hk, head_size, rd, dtype, layout, pos_dtype)
+            if layout == "qkv":
+                positions, qkv, cache = made
+                make = functools.partial(_qkv_slices, qkv, hq * head_size, hk * head_size)
+            else:
+                positions, q, k, cache = made
+                make = functools.partial(_clones, q, k)
+            _check_rotary(native, positions, make, head_size, cache, is_neox, max(hq, hk))
+
+
+def _qkv_slices(qkv, q_width, k_width):
+    buf = qkv.clone()
+    return buf[:, :q_width], buf[:, q_width : q_width + k_width]
+
+
+def _clones(q, k):
+    return q.clone(), None if k is None else k.clone()
+
+
+@gpu
+def test_rotary_embedding_native_bad_positions_and_graph(native):
+    """A position outside the cache writes NaN on both paths; a CUDA graph replays the C++ launch."""
+    from polykernel.backends.triton import rotary_embedding_ as rot
+
+    positions, q, k, cache = _rotary_inputs(64, 32, 8, 128, 128, torch.bfloat16, "2d", torch.int64, max_pos=512)
+    positions[3] = 512
+    positions[5] = -1
+    run = lambda qq, kk: (rot.rotary_embedding_(positions, qq, kk, 128, cache, True), [qq, kk])[1]
+    _assert_same_bits(_serving_ab(run, lambda: (q.clone(), k.clone())))
+    positions[3], positions[5] = 0, 1
+    slot = rot._NativePlan(32, 64, True).fwd
+    with torch.inference_mode():
+        gq, gk = q.clone(), k.clone()
+        run(gq, gk)  # warm
+        gq.copy_(q)
+        gk.copy_(k)
+        before = slot.launches()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run(gq, gk)
+        assert slot.launches() == before + 1
+        positions.copy_(torch.randint(0, 512, positions.shape, device="cuda"))
+        gq.copy_(q)
+        gk.copy_(k)
+        g.replay()
+        torch.cuda.synchronize()
+        old = _native.set_enabled(False)
+        try:
+            eq, ek = run(q.clone(), k.clone())
+        finally:
+            _native.set_enabled(old)
+        assert torch.equal(gq, eq) and torch.equal(gk, ek)
+
+
+def _fp8(shape):
+    return torch.empty(shape, device="cuda", dtype=torch.float8_e4m3fn)
+
+
+def _check_quant(native, op, x, w, scale):
+    """One quantiser on x: bits (q and scale) as the Python path's, launched from C++ (every
+    kernel of the op), no allocation."""
+    from polykernel.backends.triton import quant_fp8 as qf
+
+    rows, n = x.shape
+    per_token = op == "dynamic_token"
+    plan = qf._NativePlan(n)
+    tile = min((rows - 1).bit_length(), len(plan.quant) - 1)
+
+    def make():
+        return _fp8((rows, n)), torch.empty((rows, 1) if per_token else (1,), device="cuda", dtype=torch.float32)
+
+    if op.startswith("static"):
+        name, slots = "static_quant_fp8", [plan.quant[tile].slot]
+        run = lambda q, s: (qf.static_quant(x, scale, q),)
+    elif op.startswith("dynamic"):
+        name, slots = "dynamic_quant_fp8", [plan.token] if per_token else [plan.amax[tile].slot, plan.quant[tile].slot]
+        run = lambda q, s: qf.dynamic_quant(x, per_token, q, s)
+    else:
+        name, slots = "rms_norm_quant_fp8", [plan.rms]
+        run = lambda q, s: (qf.rms_norm_quant(x, w, scale, 1e-6, q),)
+    _assert_same_bits(_serving_ab(run, make))
+    assert getattr(native, f"{name}_plan_state")(x) == 1
+    q, s = make()
+    before = [sl.launches() for sl in slots]
+    with torch.inference_mode():
+        run(q, s)
+    torch.cuda.synchronize()
+    assert [sl.launches() - b for sl, b in zip(slots, before)] == [1] * len(slots)
+    assert _allocations(lambda: run(q, s)) == 0
+
+
+@gpu
+@pytest.mark.parametrize("op", ["static", "static_per_row", "dynamic_token", "dynamic_tensor", "rms_norm", "rms_norm_per_row"])
+def test_quant_fp8_native_equals_python(native, op):
+    """Every row count and length (20000: the row kernels' chunked walk), the dtypes in turn."""
+    torch.manual_seed(0)
+    dtypes = [torch.bfloat16, torch.float16, torch.float32]
+    for i, (rows, n) in enumerate((rows, n) for rows in SERVING_ROWS for n in (*SERVING_N, 20000)):
+        dtype = dtypes[i % 3]
+        x = 4 * torch.randn(rows, n, device="cuda", dtype=dtype)
+        x[0, 0] = 1e4  # saturates at ±448
+        w = torch.randn(n, device="cuda", dtype=dtype)
+        scale = torch.rand(rows if op.endswith("per_row") else 1, device="cuda", dtype=torch.float32) + 0.01
+        _check_quant(native, op, x, w, scale.view(rows, 1) if op.endswith("per_row") else scale)
+
+
+@gpu
+def test_public_quant_ops_take_the_native_path(native):
+    import polykernel
+    from polykernel.backends.triton import quant_fp8 as qf
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    scale = torch.tensor([0.05], device="cuda")
+    plan = qf._NativePlan(4096)
+    for slot, call in [
+        (plan.token, lambda: polykernel.dynamic_quant_fp8(x, impl="triton")),
+        (plan.quant[-1].slot, lambda: polykernel.static_quant_fp8(x, scale, impl="triton")),
+        (plan.rms, lambda: polykernel.rms_norm_quant_fp8(x, w, scale, impl="triton")),
+    ]:
+        with torch.inference_mode():
+            call()  # planned and compiled
+        assert _launched(slot, call) == 1
+
+
+@gpu
+def test_quant_fp8_native_in_a_cuda_graph(native):
+    from polykernel.backends.triton import quant_fp8 as qf
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    q, s = _fp8((64, 4096)), torch.empty(1, device="cuda")
+    plan = qf._NativePlan(4096)
+    with torch.inference_mode():
+        qf.dynamic_quant(x, False, q, s)  # warm (per tensor: zero_, amax, quantise)
+        qf.dynamic_quant(x, False, q, s)
+        before = plan.amax[-1].slot.launches(), plan.quant[-1].slot.launches()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            qf.dynamic_quant(x, False, q, s)
+        assert (plan.amax[-1].slot.launches(), plan.quant[-1].slot.launches()) == (before[0] + 1, before[1] + 1)
+        x.mul_(3.0)
+        g.replay()
+        torch.cuda.synchronize()
+        old = _native.set_enabled(False)
+        try:
+            eq, es = qf.dynamic_quant(x, False, _fp8((64, 4096)), torch.empty(1, device="cuda"))
+        finally:
+            _native.set_enabled(old)
+        assert torch.equal(q.view(torch.uint8), eq.view(torch.uint8)) and torch.equal(s, es)
+
+
+# ---------------------------------------------------------------------------------------------
 # Loading: a failed build falls back to Python (logged once), or is an error when required
 
 
@@ -523,6 +966,82 @@ def test_plans_are_stored_per_key(C):
     assert C.rope(q, k, q[:, 0], q[:, 0]) is None
     C.clear_plans()
     assert C.rms_norm_plan_state(x, w, False) == 0 and C.glu_plan_state(x, x, 0) == 0 and C.rope_plan_state(q, k) == 0
+
+
+def test_serving_plans_are_stored_per_key(C):
+    """The serving ops' plan tables on the CPU: keys, shared tables, refused half plans."""
+    s = C.Slot(lambda grid, args, key: None)
+    x = torch.randn(3, 16)
+    C.clear_plans()
+    tile = SimpleNamespace(slot=s, rows=1)
+    C.set_glu_and_mul_plan(x, 0, SimpleNamespace(block=8, tiles=[tile]))
+    assert C.glu_and_mul_plan_state(x, 0) == 1 and C.glu_and_mul_plan_state(x, 1) == 0  # the activation is in the key
+    assert C.glu_and_mul_plan_state(torch.randn(500, 16), 0) == 1  # M is not (the plan holds a tile per M)
+    assert C.glu_and_mul_plan_state(torch.randn(3, 32), 0) == 0 and C.glu_and_mul_plan_state(x.double(), 0) == 0
+    with pytest.raises(ValueError):  # a plan without tiles is refused, not half-read
+        C.set_glu_and_mul_plan(x, 2, SimpleNamespace(block=8, tiles=[]))
+    assert C.glu_and_mul_plan_state(x, 2) == 0
+    assert C.glu_and_mul(x, None, 0) is None and C.glu_and_mul(x, torch.empty(3, 8), 0) is None  # CPU: Python
+    rows = dict(rows_fwd=2, rows_bwd=4, programs=8, colsum_block=64)
+    w = torch.randn(16)
+    C.set_fused_add_rms_norm_plan(x, x, w, SimpleNamespace(fwd=s, fwd_infer=s, bwd=s, bwd_dso=s, colsum=s, **rows))
+    assert C.fused_add_rms_norm_inplace_plan_state(x, x, w) == 1  # the in-place op shares the plans
+    assert C.fused_add_rms_norm_inplace(x, x, w, 1e-6, 0.0) is None
+    q, k, cache = torch.randn(5, 8 * 16), torch.randn(5, 2 * 16), torch.randn(100, 16)
+    C.set_rotary_embedding_plan(q, k, 16, cache, True, SimpleNamespace(fwd=s, block_h=8))
+    assert C.rotary_embedding_plan_state(q, k, 16, cache, True) == 1
+    assert C.rotary_embedding_plan_state(q.view(5, 8, 16), k.view(5, 2, 16), 16, cache, True) == 1  # 2-D or 3-D alike
+    assert C.rotary_embedding_plan_state(torch.randn(9, 8 * 16), None, 16, cache, True) == 1  # tokens and key are not
+    assert C.rotary_embedding_plan_state(q, k, 16, cache, False) == 0  # the pair layout is
+    assert C.rotary_embedding_plan_state(q, k, 16, cache[:, :8], True) == 0  # and the rotary width
+    assert C.rotary_embedding_plan_state(torch.randn(5, 4 * 16), None, 16, cache, True) == 0  # and the heads
+    assert C.rotary_embedding(torch.zeros(5, dtype=torch.long), q, k, 16, cache, True) is None
+    quant = SimpleNamespace(
+        block=16, quant=[SimpleNamespace(slot=s, rows=1)], amax=[SimpleNamespace(slot=s, rows=1)], token=s, token_rows=1, rms=s, rms_rows=1
+    )
+    C.set_static_quant_fp8_plan(x, quant)
+    assert C.static_quant_fp8_plan_state(x) == 1 and C.dynamic_quant_fp8_plan_state(x) == 1 and C.rms_norm_quant_fp8_plan_state(x) == 1
+    assert C.static_quant_fp8_plan_state(x.half()) == 0 and C.static_quant_fp8_plan_state(torch.randn(3, 32)) == 0
+    q8 = torch.empty(3, 16, dtype=torch.float8_e4m3fn)
+    assert C.static_quant_fp8(x, torch.ones(1), q8) is None and C.dynamic_quant_fp8(x, True, q8, torch.ones(3, 1)) is None
+    C.clear_plans()
+    assert C.glu_and_mul_plan_state(x, 0) == 0 and C.rotary_embedding_plan_state(q, k, 16, cache, True) == 0
+    assert C.static_quant_fp8_plan_state(x) == 0
+
+
+@pytest.mark.slow
+def test_serving_launch_arguments_match_the_python_launchers(tmp_path):
+    """Without a GPU: each serving entry's launches (kernel, constexprs, grid, every argument)
+    equal the Python launchers' for the same call (_native_host_check.py, in its own process: it
+    loads a second build of the extension, one that takes CPU tensors and never launches)."""
+    script = Path(__file__).with_name("_native_host_check.py")
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-6000:]
+    assert out.stdout.strip().splitlines()[-1].startswith("ok ")
+
+
+@pytest.mark.parametrize("act", [0, 2])
+def test_serving_plans_tile_every_row_count_as_python_does(monkeypatch, act):
+    """The plans' tiles per power of two of M give, at the C++ path's index (M's next power of
+    two, capped at the last), the tile the Python launchers choose for that M."""
+    from polykernel.backends.triton import glu
+    from polykernel.backends.triton import quant_fp8 as qf
+
+    monkeypatch.setattr(_native, "slot", lambda kernel, **meta: (kernel, meta))
+    index = lambda m, tiles: min((m - 1).bit_length(), len(tiles) - 1)  # csrc: ceil_log2, capped
+    for n in (1, 2, 64, 128, 1000, 4096, 5000, 14336, 20000):
+        plan = glu._AndMulPlan(n, act)
+        quant = qf._NativePlan(n)
+        for m in (1, 2, 3, 5, 7, 8, 9, 64, 100, 1000, 4096, 4097, 10**6):
+            block, rows, warps = glu._fit(m, n, [2 * n, 2 * n, n])
+            tile = plan.tiles[index(m, plan.tiles)]
+            assert plan.block == block and tile.rows == rows
+            assert tile.slot == (glu._glu_fwd_kernel, dict(ACT=act, BLOCK=block, ROWS=rows, num_warps=warps))
+            block, rows, _, warps = qf._elementwise_tiles(m, n)
+            for tiles, kernel in ((quant.quant, qf._static_kernel), (quant.amax, qf._amax_kernel)):
+                tile = tiles[index(m, tiles)]
+                assert quant.block == block and tile.rows == rows
+                assert tile.slot == (kernel, dict(BLOCK=block, ROWS=rows, num_warps=warps))
 
 
 def test_call_builds_a_plan_once_then_runs_natively(fresh_loader):

@@ -33,9 +33,12 @@
 
 #include "ops/fused_add_rms_norm.h"
 #include "ops/glu.h"
+#include "ops/glu_and_mul.h"
 #include "ops/layer_norm.h"
+#include "ops/quant_fp8.h"
 #include "ops/rms_norm.h"
 #include "ops/rope.h"
+#include "ops/rotary_embedding.h"
 
 namespace {
 
@@ -89,7 +92,10 @@ void clear_plans() {
   plans<LnPlan>().clear();
   plans<AddRmsPlan>().clear();
   plans<GluPlan>().clear();
+  plans<AndMulPlan>().clear();
   plans<RopePlan>().clear();
+  plans<RotaryPlan>().clear();
+  plans<QuantPlan>().clear();
 }
 
 }  // namespace
@@ -117,12 +123,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm);
   m.def("fused_add_rms_norm_plan_state", &add_rms_plan_state);
   m.def("set_fused_add_rms_norm_plan", &set_add_rms_plan);
+  m.def("fused_add_rms_norm_inplace", &fused_add_rms_norm_inplace);  // fused_add_rms_norm_: the same plans
+  m.def("fused_add_rms_norm_inplace_plan_state", &add_rms_plan_state);
+  m.def("set_fused_add_rms_norm_inplace_plan", &set_add_rms_plan);
   m.def("glu", &glu);
   m.def("glu_plan_state", &glu_plan_state);
   m.def("set_glu_plan", &set_glu_plan);
+  m.def("glu_and_mul", &glu_and_mul, py::arg("x"), py::arg("out").none(true), py::arg("act"));
+  m.def("glu_and_mul_plan_state", &and_mul_plan_state);
+  m.def("set_glu_and_mul_plan", &set_and_mul_plan);
   m.def("rope", &rope);
   m.def("rope_plan_state", &rope_plan_state);
   m.def("set_rope_plan", &set_rope_plan);
+  m.def("rotary_embedding", &rotary_embedding, py::arg("positions"), py::arg("query"), py::arg("key").none(true),
+        py::arg("head_size"), py::arg("cos_sin_cache"), py::arg("is_neox"));
+  m.def("rotary_embedding_plan_state", &rotary_plan_state, py::arg("query"), py::arg("key").none(true), py::arg("head_size"),
+        py::arg("cos_sin_cache"), py::arg("is_neox"));
+  m.def("set_rotary_embedding_plan", &set_rotary_plan, py::arg("query"), py::arg("key").none(true), py::arg("head_size"),
+        py::arg("cos_sin_cache"), py::arg("is_neox"), py::arg("plan"));
+  m.def("static_quant_fp8", &static_quant_fp8);  // the three quantisers share one plan table
+  m.def("static_quant_fp8_plan_state", &quant_plan_state);
+  m.def("set_static_quant_fp8_plan", &set_quant_plan);
+  m.def("dynamic_quant_fp8", &dynamic_quant_fp8);
+  m.def("dynamic_quant_fp8_plan_state", &quant_plan_state);
+  m.def("set_dynamic_quant_fp8_plan", &set_quant_plan);
+  m.def("rms_norm_quant_fp8", &rms_norm_quant_fp8);
+  m.def("rms_norm_quant_fp8_plan_state", &quant_plan_state);
+  m.def("set_rms_norm_quant_fp8_plan", &set_quant_plan);
   m.def("clear_plans", &clear_plans);
   m.def("key_for", &key_for);
   m.def("pack_for", &pack_for);

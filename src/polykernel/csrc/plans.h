@@ -74,6 +74,28 @@ void read_rows(RowPlan& p, const py::object& plan, int64_t n) {
   p.colsum_block = plan.attr("colsum_block").cast<int64_t>();
 }
 
+// Slots of a kernel whose tile depends on the row count M only through ROWS (short rows: several
+// per program, never more than M's next power of two): one per power of two of M up to the
+// largest ROWS; the last serves every larger M. Python's plan gives them as `tiles` (slot, rows).
+struct RowTiles {
+  struct Tile {
+    SlotPtr slot;
+    int64_t rows = 1;
+  };
+  std::vector<Tile> tiles;  // tiles[i]: M with next power of two 2^i
+
+  const Tile& for_rows(int64_t m) const {
+    size_t i = 0;
+    while ((int64_t{1} << i) < m) ++i;
+    return tiles[std::min(i, tiles.size() - 1)];
+  }
+};
+
+void read_tiles(RowTiles& t, const py::object& tiles) {
+  for (py::handle h : tiles) t.tiles.push_back({h.attr("slot").cast<SlotPtr>(), h.attr("rows").cast<int64_t>()});
+  if (t.tiles.empty()) throw std::invalid_argument("polykernel native launch: a plan without tiles");
+}
+
 // The plan-table key of a call: what the plan's tile choice and kernels depend on (device, the row
 // length or size, small codes: dtypes, flags). Raw bytes, short enough for the string's own buffer:
 // no allocation on the per-call path.
@@ -89,7 +111,18 @@ inline int dtype_code(const c10::optional<Tensor>& t) {
   return t.has_value() && t->defined() ? static_cast<int>(t->scalar_type()) : -1;
 }
 
+// Where the native path's inputs live: CUDA. The host-side test's build (POLYKERNEL_NATIVE_HOST_TEST,
+// tests/backends/test_native.py) takes CPU tensors too, so that where there is no GPU the launches'
+// arguments can be checked against the Python launchers' (its Slots only call back, never launch).
+inline bool on_device(const Tensor& t) {
+#ifdef POLYKERNEL_NATIVE_HOST_TEST
+  return t.defined();
+#else
+  return t.is_cuda();
+#endif
+}
+
 // Inputs the native path takes: CUDA, dense and contiguous, non-empty rows.
-bool plain(const Tensor& t) { return t.is_cuda() && t.layout() == c10::kStrided && t.is_contiguous(); }
+bool plain(const Tensor& t) { return on_device(t) && t.layout() == c10::kStrided && t.is_contiguous(); }
 
 }  // namespace

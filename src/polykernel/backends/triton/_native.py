@@ -1,4 +1,4 @@
-"""The native launch path: the norms', GLUs' and rope's whole host path in C++ (``polykernel/csrc/``).
+"""The native launch path: the host path of the norms, GLUs, rope and the serving ops in C++ (``polykernel/csrc/``).
 
 On the H200 host, Python around a Triton kernel costs more than the kernel (notes/PERF.md): a
 Python autograd node alone ~60 µs per fwd+bwd, Triton's launcher ~6.6 µs, a torch allocation
@@ -164,7 +164,7 @@ def _finish(wait: bool) -> None:
         _module, _state = mod, "ready"
     except Exception as exc:
         _state = "failed"
-        msg = f"polykernel: native launch path unavailable ({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); the norms and GLUs launch from Python"
+        msg = f"polykernel: native launch path unavailable ({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); the Triton ops launch from Python"
         if _required() and wait:
             raise RuntimeError(msg + " (POLYKERNEL_NATIVE=1 requires it)") from exc
         _log_once(msg)

@@ -5,15 +5,17 @@ its outputs pointed at its inputs.
 with y = x and s = residual (each through its own row stride): each program loads its rows before
 it stores them, and for rows longer than one block the chunked walk reads the stored s back
 instead of re-adding. One launch, no allocation, no rstd: CUDA-graph safe. x or residual with no
-[M, N] row view (a transposed view) is computed into temporaries and copied back.
+[M, N] row view (a transposed view) is computed into temporaries and copied back. Contiguous
+x, residual and weight launch from C++ when the native path is on (the out-of-place op's plans).
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import _native
 from ._rows import contig as _contig
-from .fused_add_rms_norm import forward_into, fused_add_rms_norm_forward
+from .fused_add_rms_norm import _native_plan, forward_into, fused_add_rms_norm_forward
 from .glu import _row_view
 
 
@@ -21,6 +23,10 @@ def fused_add_rms_norm_(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered impl (arguments already validated by ``polykernel.fused_add_rms_norm_``)."""
+    if _native.ENABLED:
+        args = (x, residual, weight, eps, offset)
+        if _native.call("fused_add_rms_norm_inplace", args, args[:3], _native_plan) is not None:
+            return x, residual
     n = x.shape[-1]
     if x.numel() == 0:
         return x, residual

@@ -174,6 +174,15 @@ def _tile(m: int, n: int) -> tuple[int, int, int]:
     return block, rows, warps
 
 
+def _fit(m: int, n: int, strides: list[int]) -> tuple[int, int, int]:
+    """:func:`_tile` for tensors of these row strides."""
+    block, rows, warps = _tile(m, n)
+    # in-tile offsets are int32: keep (ROWS-1)·stride + BLOCK below 2^31 (huge strides: one row per tile)
+    if rows > 1 and (rows - 1) * max(map(abs, strides)) + block >= 2**31:
+        rows = 1
+    return block, rows, warps
+
+
 def _launch(kernel, tensors: list[torch.Tensor], flat: bool, act: int) -> None:
     """Run ``kernel`` on same-shape tensors (inputs first, then outputs)."""
     if flat:
@@ -181,10 +190,7 @@ def _launch(kernel, tensors: list[torch.Tensor], flat: bool, act: int) -> None:
     else:
         m, n = tensors[0].shape
         strides = [t.stride(0) for t in tensors]
-    block, rows, warps = _tile(m, n)
-    # in-tile offsets are int32: keep (ROWS-1)·stride + BLOCK below 2^31 (huge strides: one row per tile)
-    if rows > 1 and (rows - 1) * max(map(abs, strides)) + block >= 2**31:
-        rows = 1
+    block, rows, warps = _fit(m, n, strides)
     col_blocks = _cdiv(n, block)
     grid = (_cdiv(m, rows) * col_blocks,)
     launch(kernel, grid, *tensors, m, n, col_blocks, *strides, ACT=act, BLOCK=block, ROWS=rows, num_warps=warps)
@@ -251,7 +257,12 @@ def glu_and_mul(x: torch.Tensor, out: torch.Tensor | None, act: int) -> torch.Te
     The forward kernel's rows path on views of the two halves of each ``[M, 2d]`` row (row
     stride 2d, or x's own): x is copied only when its last dim is strided. ``out`` is written
     through its own row stride; one that has none (e.g. a transposed view) gets the result
-    through a temporary and a copy."""
+    through a temporary and a copy. Contiguous x and out (or none) launch from C++ when the
+    native path is on (:class:`_AndMulPlan`)."""
+    if _native.ENABLED:
+        y = _native.call("glu_and_mul", (x, out, act), (x, act), _and_mul_plan)
+        if y is not None:
+            return y
     n = x.shape[-1]
     d = n // 2
     if out is None:
@@ -291,6 +302,31 @@ class _NativePlan:
 
 def _native_plan(gate: torch.Tensor, up: torch.Tensor, act: int) -> _NativePlan:
     return _NativePlan(gate.numel(), act)
+
+
+class _AndMulTile:
+    """One ROWS of the serving layout's plan: the forward kernel's slot for x [m, 2d] (m a power
+    of two) and out [m, d], both contiguous."""
+
+    def __init__(self, m: int, d: int, act: int) -> None:
+        block, self.rows, warps = _fit(m, d, [2 * d, 2 * d, d])
+        self.slot = _native.slot(_glu_fwd_kernel, ACT=act, BLOCK=block, ROWS=self.rows, num_warps=warps)
+
+
+class _AndMulPlan:
+    """The C++ path's plan for the serving layout (:func:`glu_and_mul`), per d: a tile for each
+    power of two of M up to the largest ROWS :func:`_tile` gives (BLOCK_MAX // BLOCK); the last
+    also serves every larger M."""
+
+    def __init__(self, d: int, act: int) -> None:
+        self.block = _tile(1, d)[0]
+        most = max(1, BLOCK_MAX // self.block)  # a power of two
+        self.tiles = [_AndMulTile(1 << i, d, act) for i in range(most.bit_length())]
+
+
+def _and_mul_plan(x: torch.Tensor, act: int) -> _AndMulPlan | None:
+    d = x.shape[-1] // 2
+    return _AndMulPlan(d, act) if d > 0 else None
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:

@@ -23,6 +23,9 @@ binade is dropped (127.99 -> 64) and subnormals truncate. On CPU tensors (only e
 interpreter) the kernels therefore store the clamped fp32 quotient into a scratch tensor that
 torch rounds to e4m3; on the GPU they store e4m3 themselves. Everything but that one conversion
 runs the same code.
+
+Contiguous x and outputs on the GPU launch from C++ when the native path is on (one
+:class:`_NativePlan` per row length serves the three ops).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _native
 from ._launch import launch
 from ._rows import as_rows as _as_rows
 from ._rows import cdiv as _cdiv
@@ -191,6 +195,15 @@ def _elementwise_tiles(m: int, n: int) -> tuple[int, int, int, int]:
     return block, rows, _cdiv(n, block), max(1, min(8, block * rows // 512))
 
 
+def _row_tiles(n: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_N, ROWS, num_warps, CHUNKED) of the row kernels (per token, RMSNorm): whole rows in
+    registers up to MAX_FUSED_N, else one row per program in chunks."""
+    if n <= MAX_FUSED_N:
+        block_n, rows, warps = _row_tile(n, TILE, None)
+        return block_n, rows, warps, False
+    return CHUNK_N, 1, 8, True
+
+
 def _scale_rows(scale: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The scale as a flat tensor and its per-row stride (0: one scale for every row)."""
     if scale.numel() == 1:
@@ -201,6 +214,8 @@ def _scale_rows(scale: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def static_quant(x: torch.Tensor, scale: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """q <- clamp(x / scale) (arguments validated by the op)."""
+    if _native.ENABLED and _native.call("static_quant_fp8", (x, scale, q), (x,), _native_plan) is not None:
+        return q
     n = x.shape[-1] if x.dim() else 1
     if q.numel() == 0:
         return q
@@ -219,6 +234,8 @@ def static_quant(x: torch.Tensor, scale: torch.Tensor, q: torch.Tensor) -> torch
 
 def dynamic_quant(x: torch.Tensor, per_token: bool, q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale) <- x quantised with its own scale per row or per tensor (validated by the op)."""
+    if _native.ENABLED and _native.call("dynamic_quant_fp8", (x, per_token, q, scale), (x,), _native_plan) is not None:
+        return q, scale
     n = x.shape[-1]
     if not per_token:
         scale.zero_()  # the atomic max's start (0.0 has bits 0); stays the floor's 0 only for an empty x
@@ -242,13 +259,9 @@ def dynamic_quant(x: torch.Tensor, per_token: bool, q: torch.Tensor, scale: torc
     m = x2.shape[0]
     target, copy = _target(q, n)
     s = scale.view(-1)
-    if n <= MAX_FUSED_N:
-        block_n, rows, warps = _row_tile(n, TILE, None)
-        grid, chunked = _cdiv(m, rows), False
-    else:
-        block_n, rows, warps, grid, chunked = CHUNK_N, 1, 8, m, True
+    block_n, rows, warps, chunked = _row_tiles(n)
     launch(
-        _token_kernel, (grid,),
+        _token_kernel, (_cdiv(m, rows),),
         x2, target, s, m, n, x2.stride(0), target.stride(0),
         BLOCK_N=block_n, ROWS=rows, CHUNKED=chunked, num_warps=warps,
     )  # fmt: skip
@@ -257,6 +270,8 @@ def dynamic_quant(x: torch.Tensor, per_token: bool, q: torch.Tensor, scale: torc
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: float, q: torch.Tensor) -> torch.Tensor:
     """q <- clamp(rms_norm(x, weight, eps) / scale) (arguments validated by the op)."""
+    if _native.ENABLED and _native.call("rms_norm_quant_fp8", (x, weight, scale, eps, q), (x,), _native_plan) is not None:
+        return q
     n = x.shape[-1]
     if q.numel() == 0:
         return q
@@ -264,14 +279,43 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, e
     m = x2.shape[0]
     target, copy = _target(q, n)
     s, stride_s = _scale_rows(scale)
-    if n <= MAX_FUSED_N:
-        block_n, rows, warps = _row_tile(n, TILE, None)
-        grid, chunked = _cdiv(m, rows), False
-    else:
-        block_n, rows, warps, grid, chunked = CHUNK_N, 1, 8, m, True
+    block_n, rows, warps, chunked = _row_tiles(n)
     launch(
-        _rms_norm_quant_kernel, (grid,),
+        _rms_norm_quant_kernel, (_cdiv(m, rows),),
         x2, _contig(weight), s, target, m, n, x2.stride(0), target.stride(0), stride_s, eps,
         BLOCK_N=block_n, ROWS=rows, CHUNKED=chunked, num_warps=warps,
     )  # fmt: skip
     return _finish(q, target, copy)
+
+
+# ---------------------------------------------------------------------------------------------
+# The native path's plan
+
+
+class _Tile:
+    """One ROWS of an elementwise kernel for m rows (a power of two) of n: its slot."""
+
+    def __init__(self, kernel: object, m: int, n: int) -> None:
+        block, self.rows, _, warps = _elementwise_tiles(m, n)
+        self.slot = _native.slot(kernel, BLOCK=block, ROWS=self.rows, num_warps=warps)
+
+
+class _NativePlan:
+    """The C++ path's plan for rows of n (contiguous x and outputs), shared by the three ops: the
+    elementwise kernels' tiles per power of two of M up to their largest ROWS (TILE // BLOCK; the
+    last also serves every larger M), the row kernels' one tile."""
+
+    def __init__(self, n: int) -> None:
+        self.block = _elementwise_tiles(1, n)[0]
+        most = max(1, TILE // self.block)  # a power of two
+        self.quant = [_Tile(_static_kernel, 1 << i, n) for i in range(most.bit_length())]
+        self.amax = [_Tile(_amax_kernel, 1 << i, n) for i in range(most.bit_length())]
+        block_n, rows, warps, chunked = _row_tiles(n)
+        self.token_rows = self.rms_rows = rows
+        self.token = _native.slot(_token_kernel, BLOCK_N=block_n, ROWS=rows, CHUNKED=chunked, num_warps=warps)
+        self.rms = _native.slot(_rms_norm_quant_kernel, BLOCK_N=block_n, ROWS=rows, CHUNKED=chunked, num_warps=warps)
+
+
+def _native_plan(x: torch.Tensor) -> _NativePlan | None:
+    n = x.shape[-1] if x.dim() else 0
+    return _NativePlan(n) if n > 0 else None

@@ -12,6 +12,7 @@ up to BLOCK_D pairs. Every tensor is addressed through its strides (q/k as [T, H
 slices of a fused QKV projection need no copy), positions and offsets in int64. A position
 outside [0, max_pos) reads row 0 and writes NaN into that token's rotated features (the op's
 contract on CUDA, where checking it would need a sync). One launch, no allocation: CUDA-graph safe.
+On CUDA tensors it launches from C++ when the native path is on (:class:`_NativePlan`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ...ops.rotary_embedding_ import heads
+from . import _native
 from ._launch import launch
 from ._rows import cdiv as _cdiv
 from ._rows import next_pow2 as _next_pow2
@@ -112,6 +114,20 @@ def rotary_launch(
     )  # fmt: skip
 
 
+class _NativePlan:
+    """The C++ path's plan for one (heads, half width, pair layout): the kernel's slot and BLOCK_H."""
+
+    def __init__(self, n_heads: int, half: int, is_neox: bool) -> None:
+        self.block_h, block_d, warps = _tiles(n_heads, half)
+        self.fwd = _native.slot(_rotary_kernel, HALF=half, BLOCK_H=self.block_h, BLOCK_D=block_d, NEOX=is_neox, num_warps=warps)
+
+
+def _native_plan(query: torch.Tensor, key: torch.Tensor | None, head_size: int, cache: torch.Tensor, is_neox: bool) -> _NativePlan:
+    hq = heads(query, head_size).shape[1]
+    hk = heads(key, head_size).shape[1] if key is not None else 0
+    return _NativePlan(max(hq, hk), cache.shape[1] // 2, is_neox)
+
+
 # ---------------------------------------------------------------------------------------------
 # Registered impl
 
@@ -126,5 +142,9 @@ def rotary_embedding_(
     rotary_dim: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The registered impl (arguments already validated by ``polykernel.rotary_embedding_``)."""
+    if _native.ENABLED:
+        args = (positions, query, key, head_size, cos_sin_cache, is_neox)
+        if _native.call("rotary_embedding", args, args[1:], _native_plan) is not None:
+            return query, key
     rotary_launch(positions, query, key, head_size, cos_sin_cache, is_neox)
     return query, key

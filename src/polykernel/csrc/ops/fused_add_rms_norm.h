@@ -1,4 +1,5 @@
 // fused_add_rms_norm: s = x + residual, y = rms_norm(s); returns (y, s)
+// fused_add_rms_norm_ (serving, in place): residual <- s, x <- y; the same plan
 // (what its host side does, next to the other ops': csrc/README.md)
 #pragma once
 
@@ -86,6 +87,18 @@ py::object fused_add_rms_norm(const Tensor& x, const Tensor& r, const Tensor& w,
   Tensor s = at::empty(x.sizes(), x.options());
   add_rms_forward(*p, x, r, w, y, s, nullptr, eps, offset);
   return py::make_tuple(y, s);
+}
+
+// In place: the inference forward with y = x and s = residual (each program reads its rows before
+// it writes them); rstd is never written. Nothing allocated: CUDA-graph safe.
+py::object fused_add_rms_norm_inplace(const Tensor& x, const Tensor& r, const Tensor& w, double eps, double offset) {
+  if (!plain(x) || !plain(r) || !plain(w) || x.dim() == 0 || x.numel() == 0 || !x.sizes().equals(r.sizes())) {
+    return py::none();
+  }
+  std::shared_ptr<AddRmsPlan> p;
+  if (plans<AddRmsPlan>().find(add_rms_key(x, r, w), p) != 1) return py::none();
+  add_rms_forward(*p, x, r, w, x, r, nullptr, eps, offset);
+  return py::make_tuple(x, r);
 }
 
 int add_rms_plan_state(const Tensor& x, const Tensor& r, const Tensor& w) {
