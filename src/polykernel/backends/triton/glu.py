@@ -325,7 +325,7 @@ class _AndMulPlan:
 
 
 def _and_mul_plan(x: torch.Tensor, act: int) -> _AndMulPlan | None:
-    d = x.shape[-1] // 2
+    d = x.shape[-1] // 2 if x.dim() else 0
     return _AndMulPlan(d, act) if d > 0 else None
 
 

@@ -23,7 +23,7 @@ void and_mul_forward(const AndMulPlan& p, const Tensor& x, const Tensor& out) {
 }
 
 std::string and_mul_key(const Tensor& x, int64_t act) {
-  return plan_key(x.get_device(), x.size(-1), {static_cast<int>(act), static_cast<int>(x.scalar_type())});
+  return plan_key(x.get_device(), x.dim() ? x.size(-1) : 0, {static_cast<int>(act), static_cast<int>(x.scalar_type())});
 }
 
 // out given: written in place, nothing allocated (CUDA-graph capture); else allocated like x.

@@ -50,7 +50,8 @@ std::string rotary_key(const Tensor& q, const c10::optional<Tensor>& key, int64_
                        bool is_neox) {
   const int64_t hq = head_count(q, head_size), hk = key.has_value() ? head_count(*key, head_size) : 0;
   const int64_t heads = std::max(hq, hk);
-  return plan_key(q.get_device(), (heads << 32) | (cache.size(1) / 2), {is_neox ? 1 : 0});
+  const int64_t half = cache.dim() == 2 ? cache.size(1) / 2 : 0;  // any cache: plan_state asks for what the op refused too
+  return plan_key(q.get_device(), (heads << 32) | half, {is_neox ? 1 : 0});
 }
 
 // In place; nothing allocated: CUDA-graph safe. None (the Python path) for what it does not take.
