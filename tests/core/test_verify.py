@@ -285,6 +285,30 @@ def test_first_call_inside_a_non_reentrant_checkpoint(caplog):
         torch.testing.assert_close(g, r)
 
 
+def test_check_outside_a_checkpoint_lets_impls_call_torch_func():
+    """torch.func's grad refuses to run under saved-tensor hooks, and Liger's chunked losses call
+    it inside their forward: outside a checkpoint region the check pushes no hooks of its own
+    (the H200, 2026-12-04: Liger's DPO failed its first call's check so)."""
+    from polykernel import _compat
+
+    if "saved_tensors_hooks_active" in _compat.fallbacks():  # make test-fallbacks: hooks assumed, always pushed
+        pytest.skip("this torch does not say whether saved-tensor hooks are in force")
+
+    def functional(x, weight, eps, offset, casting):  # an impl that takes a gradient with torch.func
+        CALLS.append("functional")
+        torch.func.grad(lambda t: (t * t).sum())(x.detach())
+        return reference(x, weight, eps, offset, casting)
+
+    polykernel.register_impl(op="rms_norm", backend="liger", rank=1, capabilities=frozenset({CapabilityRequirement.CPU}))(functional)
+    x, w = args(grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
+        y = polykernel.rms_norm(x, w)
+    assert CALLS == ["functional", "functional"]  # the check's copies, the call
+    assert polykernel.decisions("rms_norm")[-1]["impl"] == "liger"
+    torch.testing.assert_close(y, reference(x, w, 1e-6, 0.0, "llama"))
+
+
 def test_check_leaves_the_callers_random_stream_alone(monkeypatch):
     """A checkpoint replays the random stream in its recomputation: dropout after a first call
     must draw the same mask with the check as without it (else the recomputed forward differs

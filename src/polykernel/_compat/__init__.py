@@ -20,6 +20,7 @@ COMPILING_EXPR                 torch.compiler._is_compiling_flag (inlined)   ``c
 tensor_guards()                torch._C._dynamo.guards.TensorGuards          None: the argument class built in Python
 function_apply(cls)            torch._C._FunctionBase.apply                  None: ``cls.apply``
 functorch_transforms_active    torch._C._are_functorch_transforms_active     a Function without setup_context raises
+saved_tensors_hooks_active     torch._C._autograd._top_saved_tensors_...     "active" (the check pushes its own hooks)
 forward_ad_open                torch.autograd.forward_ad._current_level      every call looks for tangents (unpack_dual)
 any_autocast_enabled           torch._C._is_any_autocast_enabled             torch.is_autocast_enabled per device type
 delayed_error(message, n)      torch._C._functions.DelayedError              an autograd.Function whose backward raises
@@ -194,6 +195,21 @@ def _transforms_active_by_probe() -> bool:
 # (~2.5 µs a call instead of ~25 ns).
 functorch_transforms_active: Callable[[], bool] = _probe(
     "functorch_transforms_active", lambda: torch._C._are_functorch_transforms_active, _transforms_active_by_probe
+)
+
+
+# Whether saved-tensor hooks are in force (a non-reentrant checkpoint region, save_on_cpu): only
+# then does the first-call check push identity hooks of its own (core/verify._isolated), since
+# torch.func's grad/vjp refuse to run under any (Liger's chunked losses call grad_and_value: the
+# H200, 2026-12-04). The fallback says "in force".
+def _hooks_in_force() -> bool:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+saved_tensors_hooks_active: Callable[[], bool] = _probe(
+    "saved_tensors_hooks_active",
+    lambda: _hooks_in_force if callable(getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)) else None,
+    lambda: True,
 )
 
 

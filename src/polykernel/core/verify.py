@@ -177,16 +177,21 @@ def _isolated(device: torch.device) -> Iterator[None]:
     the region's saved tensors (the recomputation, which runs no check, saves fewer: a
     CheckpointError in the backward), and the check's own backward would unpack them and so
     recompute the region in the middle of its forward, running the check again inside. Identity
-    hooks, pushed over the caller's, keep the check's graph to itself. A forked RNG: the check
+    hooks, pushed over the caller's, keep the check's graph to itself; none where the caller has
+    none (torch.func's grad, which Liger's chunked losses call, refuses to run under any hooks).
+    A forked RNG: the check
     consumes none of the caller's random stream (a checkpoint replays that stream in its
     recomputation; dropout after the check must draw what it drew without it)."""
     import torch
 
+    from .. import _compat
+
     with contextlib.ExitStack() as stack:
-        try:
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_same, _same))
-        except RuntimeError:  # saved-tensor hooks disabled here (disable_saved_tensors_hooks): none to keep out
-            pass
+        if _compat.saved_tensors_hooks_active():
+            try:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_same, _same))
+            except RuntimeError:  # saved-tensor hooks disabled here (disable_saved_tensors_hooks): none to keep out
+                pass
         # The CPU stream always; the call's CUDA device's too (a list: no walk over every device).
         cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
         stack.enter_context(torch.random.fork_rng(devices=cuda, device_type="cuda"))
