@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import polykernel
+    from polykernel.backends.triton import _native
+
+    _native.module(wait=True)  # the fresh cache dir has no build: built now, not in the background mid-run
     from polykernel.core import registry
     from polykernel.tools import bench
 

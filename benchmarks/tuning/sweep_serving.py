@@ -178,7 +178,7 @@ def sweep(smoke: bool, ops: list[str], tokens: list[int], after_op: Any = None, 
             for mode, row in tuned.items():
                 row["chosen"] = (entry or {}).get("graph" if mode == "graph" and device == "cuda" else "eager")
                 row["tune_s"] = round(tune_s, 3)
-                row["static"] = static
+                row["static"] = static["graph" if mode == "graph" and device == "cuda" else "eager"]
                 if entry is not None:
                     row["tuner_times"] = entry.get("times")
             rows.extend(tuned.values())
@@ -194,18 +194,21 @@ def sweep(smoke: bool, ops: list[str], tokens: list[int], after_op: Any = None, 
     return rows
 
 
-def _verdicts_and_static(op_name: str, args: tuple[Any, ...]) -> tuple[dict[str, str | None], str | None]:
-    """From one ``explain``: every registered impl -> None if it can take these arguments, else
-    why not (sweep_tuning's candidates); and what auto runs here without measuring
+def _verdicts_and_static(op_name: str, args: tuple[Any, ...]) -> tuple[dict[str, str | None], dict[str, str | None]]:
+    """From ``explain``: every registered impl -> None if it can take these arguments, else
+    why not (sweep_tuning's candidates); and per mode what auto runs without measuring
     (``POLYKERNEL_TUNE`` off): the runnable impl of least rank (the effective ranks: rank rules
-    applied). The static choice's time is its forced row's (the issue's claim is about auto,
-    tuned or not)."""
+    applied, in graph mode those of a call made while a CUDA graph is captured). The static
+    choice's time is its forced row's (the issue's claim is about auto, tuned or not)."""
     import polykernel
 
-    impls = polykernel.explain(op_name, *args).impls
-    runnable = [r for r in impls if r["runnable"]]
-    static = min(runnable, key=lambda r: r["rank"])["name"] if runnable else None
-    return {r["name"]: (None if r["runnable"] else r["reason"]) for r in impls}, static
+    def least(impls: list[dict[str, Any]]) -> str | None:
+        runnable = [r for r in impls if r["runnable"]]
+        return min(runnable, key=lambda r: r["rank"])["name"] if runnable else None
+
+    impls = polykernel.explain(op_name, *args, capturing=False).impls
+    graph = polykernel.explain(op_name, *args, capturing=True).impls
+    return {r["name"]: (None if r["runnable"] else r["reason"]) for r in impls}, {"eager": least(impls), "graph": least(graph)}
 
 
 def _row_line(row: dict[str, Any]) -> str:

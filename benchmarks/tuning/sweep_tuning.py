@@ -292,7 +292,26 @@ def prepare(parser: argparse.ArgumentParser, out_dir: str, smoke: bool) -> Path:
     import polykernel
 
     polykernel.clear_caches()
+    if not smoke:
+        ready_native()
     return out
+
+
+def ready_native() -> None:
+    """The native launch path built before the first point: a fresh POLYKERNEL_CACHE_DIR has no
+    build, and the first CUDA call would start one in the background and launch from Python
+    meanwhile (2026-12-04, the serving sweeps: the first ops' eager rows measured the Python
+    path)."""
+    import time
+
+    from polykernel.backends.triton import _native
+
+    t = time.perf_counter()
+    mod = _native.module(wait=True)
+    print(
+        f"native launch path: {'ready' if mod is not None else 'not usable here (the Python path runs)'} ({time.perf_counter() - t:.0f} s)",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

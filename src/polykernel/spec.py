@@ -335,6 +335,12 @@ class KernelSpec:
     >>> KernelSpec("norm.rms_norm", "quack", "quack:rmsnorm", rank=50, rank_for=fwd_long).rank
     50
 
+    ``graph_rank_for`` (optional) is the same kind of rule for calls made while a CUDA graph is
+    captured, asked before ``rank_for`` there and never otherwise: a rank that rests on GPU time
+    alone. A replayed graph pays no launch cost, an eager call pays it every time, so a kernel
+    that wins on the GPU but launches slower (a peer's host path against our native one) ranks
+    first only in graphs.
+
     ``accepts_subclasses`` says whether the impl may be handed a tensor subclass (a DTensor, a
     ``__torch_dispatch__`` wrapper, a ``__torch_function__`` subclass; ``torch.nn.Parameter`` is
     not one). Impls that read raw memory (Triton, CuTe, peers' kernels) must not: a DTensor has
@@ -365,6 +371,7 @@ class KernelSpec:
     predicate: Callable[[Any], str | None] | None = field(default=None, compare=False)
     accepts_subclasses: bool | None = None
     rank_for: Callable[[Any], tuple[int, str] | None] | None = field(default=None, compare=False)
+    graph_rank_for: Callable[[Any], tuple[int, str] | None] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", KernelBackend(self.backend))
@@ -373,22 +380,25 @@ class KernelSpec:
         if self.accepts_subclasses is None:
             object.__setattr__(self, "accepts_subclasses", self.backend is KernelBackend.TORCH)
 
-    def rank_here(self, arg_class: Any) -> tuple[int, str | None]:
-        """The rank for one argument class, and why when ``rank_for`` moved it (else None).
+    def rank_here(self, arg_class: Any, capturing: bool = False) -> tuple[int, str | None]:
+        """The rank for one argument class (in a CUDA graph being captured, or not), and why
+        when a rule moved it (else None).
 
         >>> KernelSpec("norm.rms_norm", "triton", "m:f", rank=10).rank_here(None)
         (10, None)
         """
-        if self.rank_for is None:
-            return self.rank, None
-        try:
-            got = self.rank_for(arg_class)
-        except Exception as exc:  # a broken rule must not break selection: static rank, visibly
-            return self.rank, f"rank_for raised {type(exc).__name__}: {exc}; static rank kept"
-        if got is None:
-            return self.rank, None
-        rank, reason = got
-        return int(rank), str(reason)
+        for name in ("graph_rank_for", "rank_for") if capturing else ("rank_for",):
+            rule = getattr(self, name)
+            if rule is None:
+                continue
+            try:
+                got = rule(arg_class)
+            except Exception as exc:  # a broken rule must not break selection: static rank, visibly
+                return self.rank, f"{name} raised {type(exc).__name__}: {exc}; static rank kept"
+            if got is not None:
+                rank, reason = got
+                return int(rank), str(reason) + (" (in CUDA graphs)" if name == "graph_rank_for" else "")
+        return self.rank, None
 
     @property
     def group(self) -> str:

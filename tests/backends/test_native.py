@@ -448,7 +448,8 @@ def _assert_same_bits(results):
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert x.dtype == y.dtype and x.shape == y.shape
-        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))  # bits: fp8 and NaN too
+        # bits (fp8 and NaN too); contiguous first: a strided output (a transposed out=) keeps its strides in clone()
+        assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
 
 
 def _launched(slot, run):

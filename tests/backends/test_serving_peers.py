@@ -98,15 +98,15 @@ def test_forcing_a_serving_peer_on_cpu_names_the_reason():
             polykernel.silu_and_mul(x, impl=peer)
 
 
-def _rank(op: str, peer: str, *args, **kwargs) -> int:
+def _rank(op: str, peer: str, *args, capturing: bool = True, **kwargs) -> int:
     the_op = registry.get_op(op)
-    return registry.specs_for(op)[peer].rank_here(the_op.arg_class(the_op.key(*args, **kwargs)))[0]
+    return registry.specs_for(op)[peer].rank_here(the_op.arg_class(the_op.key(*args, **kwargs)), capturing)[0]
 
 
 def test_flashinfer_ranks_follow_the_h200_sweep_by_token_count():
-    """FlashInfer goes ahead of triton (rank 10) where the H200 sweep measured it faster
-    (bf16): silu_and_mul at <= 16 tokens, gelu_and_mul (erf) at <= 16 and above 1024, rope at <= 64 with
-    head 128; elsewhere it stays behind (rank 70)."""
+    """In CUDA graphs FlashInfer goes ahead of triton (rank 10) where the H200 sweeps measured
+    its GPU time lower (bf16): silu_and_mul at <= 16 tokens, gelu_and_mul (erf) at <= 16 and above
+    1024, rope at <= 64 with head 128; elsewhere it stays behind (rank 70)."""
     assert _rank("silu_and_mul", "flashinfer", t(1, 28672)) < 10
     assert _rank("silu_and_mul", "flashinfer", t(16, 28672)) < 10
     assert _rank("silu_and_mul", "flashinfer", t(64, 28672)) > 10
@@ -119,14 +119,30 @@ def test_flashinfer_ranks_follow_the_h200_sweep_by_token_count():
     assert _rank("gelu_and_mul", "flashinfer", t(16, 256), approximate="tanh") > 10
     assert _rank("gelu_and_mul", "flashinfer", t(2048, 256), approximate="tanh") > 10
 
-    def rope(tokens: int, head: int = 128, key: bool = True) -> int:
+    def rope(tokens: int, head: int = 128, key: bool = True, capturing: bool = True) -> int:
         q = t(tokens, 4 * head)
         k = t(tokens, head) if key else None
-        return _rank("rotary_embedding_", "flashinfer", torch.zeros(tokens, dtype=torch.long), q, k, head, rope_cache(64, head))
+        args = (torch.zeros(tokens, dtype=torch.long), q, k, head, rope_cache(64, head))
+        return _rank("rotary_embedding_", "flashinfer", *args, capturing=capturing)
 
     assert rope(1) < 10 and rope(64) < 10
     assert rope(512) > 10 and rope(65) > 10
     assert rope(16, head=64) > 10 and rope(16, key=False) > 10
+    assert rope(1, capturing=False) > 10  # eager: its launch costs more than its lead (below)
+
+
+def test_flashinfer_decode_ranks_hold_in_cuda_graphs_only():
+    """Eagerly, at decode sizes, FlashInfer's launch costs more than its GPU-time lead: our
+    kernels, launched from C++, ran 1.5-1.9x faster per eager call on the H200 (2026-12-04,
+    fourth run), so its decode rules are graph_rank_for; gelu_and_mul's prefill rule (GPU-bound
+    calls) holds eagerly too. explain says which rule moved a rank."""
+    assert _rank("silu_and_mul", "flashinfer", t(1, 28672), capturing=False) > 10
+    assert _rank("gelu_and_mul", "flashinfer", t(16, 256), capturing=False) > 10
+    assert _rank("gelu_and_mul", "flashinfer", t(2048, 256), capturing=False) < 10
+    the_op = registry.get_op("silu_and_mul")
+    info = the_op.arg_class(the_op.key(t(1, 28672)))
+    assert "in CUDA graphs" in registry.specs_for("silu_and_mul")["flashinfer"].rank_here(info, True)[1]
+    assert registry.specs_for("silu_and_mul")["flashinfer"].rank_here(info, False)[1] is None
 
 
 def test_the_token_bucket_of_the_serving_argument_classes():

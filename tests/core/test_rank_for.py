@@ -214,3 +214,33 @@ def test_explain_names_the_rule_even_where_the_impl_cannot_run_here():
     x, w = torch.randn(2, 32768, dtype=torch.bfloat16), torch.randn(32768, dtype=torch.bfloat16)
     text = str(polykernel.explain("rms_norm", x, w))
     assert "rank 5 for these arguments: forward only, N >= 32768" in text
+
+
+def test_graph_rank_for_applies_to_calls_captured_in_a_cuda_graph_only():
+    """A rank that rests on GPU time alone (``graph_rank_for``): asked before ``rank_for`` for a
+    call made while a CUDA graph is captured, never for an eager one (which pays the launch)."""
+    graph_why = "GPU time 3% lower (test)"
+    spec = KernelSpec("norm.rms_norm", "quack", "m:f", rank=50, rank_for=long_forward, graph_rank_for=lambda c: (3, graph_why))
+    the_op = registry.get_op("rms_norm")
+    info = the_op.arg_class(the_op.key(torch.randn(2, 32), torch.randn(32)))
+    assert spec.rank_here(info) == (5, WHY)  # eager: rank_for
+    assert spec.rank_here(info, capturing=True) == (3, f"{graph_why} (in CUDA graphs)")
+    plain = KernelSpec("norm.rms_norm", "quack", "m:f", rank=50, graph_rank_for=lambda c: None)
+    assert plain.rank_here(info, capturing=True) == (50, None)  # no rule moved it
+    broken = KernelSpec("norm.rms_norm", "quack", "m:f", rank=50, graph_rank_for=lambda c: 1 / 0)
+    rank, why = broken.rank_here(info, capturing=True)
+    assert rank == 50 and why.startswith("graph_rank_for raised ZeroDivisionError")
+
+
+def test_explain_answers_for_a_captured_call_when_asked():
+    polykernel.register_impl(
+        op="rms_norm", backend="quack", rank=50, capabilities=frozenset({CapabilityRequirement.CUDA}),
+        graph_rank_for=lambda c: (3, "GPU time (test)"),
+    )(lambda x, weight, eps, offset, casting: x)  # fmt: skip
+    ranks = {
+        capturing: {r["name"]: r["rank"] for r in polykernel.explain("rms_norm", device="cuda", dtype="bf16", capturing=capturing).impls}
+        for capturing in (False, True)
+    }
+    assert ranks[False]["quack"] == 50 and ranks[True]["quack"] == 3
+    cpu = polykernel.explain("rms_norm", device="cpu", dtype="bf16", capturing=True).impls  # a CPU call is never captured
+    assert {r["name"]: r["rank"] for r in cpu}["quack"] == 50

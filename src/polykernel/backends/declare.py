@@ -77,6 +77,7 @@ class Backend:
         description: str = "",
         predicate: Callable[[Any], str | None] | None = None,
         rank_for: Callable[[Any], tuple[int, str] | None] | None = None,
+        graph_rank_for: Callable[[Any], tuple[int, str] | None] | None = None,
         target: str | None = None,
         dtypes: tuple[str, ...] | None = None,
         supports_backward: bool = True,
@@ -94,6 +95,7 @@ class Backend:
             description=description,
             predicate=predicate,
             rank_for=rank_for,
+            graph_rank_for=graph_rank_for,
             target=target,
             dtypes=self.dtypes if dtypes is None else tuple(dtypes),
             supports_backward=supports_backward,
@@ -113,6 +115,7 @@ class Impl:
     description: str = ""
     predicate: Callable[[Any], str | None] | None = field(default=None, compare=False)
     rank_for: Callable[[Any], tuple[int, str] | None] | None = field(default=None, compare=False)
+    graph_rank_for: Callable[[Any], tuple[int, str] | None] | None = field(default=None, compare=False)  # in CUDA graphs only
     target: str | None = None
     dtypes: tuple[str, ...] = ()
     supports_backward: bool = True
@@ -139,6 +142,7 @@ class Impl:
             predicate=self.predicate,
             accepts_subclasses=self.accepts_subclasses,
             rank_for=self.rank_for,
+            graph_rank_for=self.graph_rank_for,
         )
 
 

@@ -1,7 +1,7 @@
 """The ops the ``flashinfer`` backend implements, and its impl row for each (torch-free; see
 :mod:`polykernel.backends`). Serving peer, forward only (no backward: passed by when a gradient is
 wanted); behind every other impl (rank 70) except where the H200 measured it ahead (``rank_for``
-rules, _gates.py), else by name or when measured selection picks it."""
+and, in CUDA graphs only, ``graph_rank_for`` rules, _gates.py), else by name or when measured selection picks it."""
 
 from ..declare import FP8_CAPS
 from . import FLASHINFER, _gates
@@ -18,7 +18,7 @@ IMPLS = {
         supports_backward=False,
         description="FlashInfer silu_and_mul (rows in multiples of 16 bytes; dense x and out, else copies)",
         predicate=_gates.silu_and_mul,
-        rank_for=_gates.silu_and_mul_rank,
+        graph_rank_for=_gates.silu_and_mul_rank,
     ),
     "serving.gelu_and_mul": FLASHINFER.impl(
         rank=70,
@@ -26,6 +26,7 @@ IMPLS = {
         description="FlashInfer gelu_and_mul / gelu_tanh_and_mul (rows in multiples of 16 bytes; dense x and out, else copies)",
         predicate=_gates.gelu_and_mul,
         rank_for=_gates.gelu_and_mul_rank,
+        graph_rank_for=_gates.gelu_and_mul_graph_rank,
     ),
     # FlashInfer's FusedAddRMSNorm (also inside sgl-kernel) normalises the fp32 sum before rounding
     # it, within the op's error model.
@@ -41,7 +42,7 @@ IMPLS = {
         supports_backward=False,
         description="FlashInfer apply_rope_with_cos_sin_cache_inplace (with a key; head 64/128/256/512; fp32 cache, 16-bit widened)",
         predicate=_gates.rotary_embedding_,
-        rank_for=_gates.rotary_embedding_rank,
+        graph_rank_for=_gates.rotary_embedding_rank,
     ),
     "serving.rms_norm_quant_fp8": FLASHINFER.impl(
         rank=70,

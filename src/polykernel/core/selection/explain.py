@@ -119,13 +119,22 @@ _shard_stand_ins: ContextVar[bool] = ContextVar("polykernel_shard_stand_ins", de
 
 
 def explain(
-    op: str, *args: Any, device: Any = None, dtype: Any = None, impl: str | None = None, needs_grad: bool = False, **kwargs: Any
+    op: str,
+    *args: Any,
+    device: Any = None,
+    dtype: Any = None,
+    impl: str | None = None,
+    needs_grad: bool = False,
+    capturing: bool | None = None,
+    **kwargs: Any,
 ) -> Explanation:
     """What would run for this call, and why: every impl with its verdict and reason.
 
     Give the call's own arguments, or just ``device=``/``dtype=`` (a ``torch.dtype`` or its name:
     ``"bf16"``, ``"float16"``...) and ``needs_grad=True`` for a call whose inputs require grad
-    (with arguments, their ``requires_grad`` decides and ``needs_grad`` must be left False). The op's validation runs as in the call: bad arguments raise
+    (with arguments, their ``requires_grad`` decides and ``needs_grad`` must be left False).
+    ``capturing=True`` (or False) explains the call as made while a CUDA graph is captured (or
+    eagerly); left None, as it is made here and now. The op's validation runs as in the call: bad arguments raise
     its error (a missing one the call's ``TypeError``); a dtype the op rejects leaves no impl
     chosen, with the op's error in ``error``::
 
@@ -146,7 +155,9 @@ def explain(
         rejection(the_op, call, None)  # a bad argument raises, as in the call
     argkey = _argkey_for(the_op, args, kwargs, device, dtype, needs_grad)
     # (a CPU-only torch has no capture query: explain(device="cuda") still answers there)
-    capturing = argkey[0].type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if capturing is None:
+        capturing = argkey[0].type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    capturing = bool(capturing) and argkey[0].type == "cuda"  # (a CPU call is never captured)
     key = memo_key.key(argkey, impl, _scope.get(), torch.are_deterministic_algorithms_enabled(), capturing)
     route = None
     if subclass == "DTensor":  # tensor parallel: the local shards' explanation, or why not

@@ -38,7 +38,7 @@ def _verdicts(op: Op, argkey: tuple[Any, ...], deterministic: bool, capturing: b
     broken = _broken.get((op.id, argkey), {})
     rows = []
     for name, spec in specs.items():
-        rank, note = spec.rank_here(info)  # on a memo miss only: the hot path never gets here
+        rank, note = spec.rank_here(info, capturing)  # on a memo miss only: the hot path never gets here
         rows.append(Verdict(name, rank, _why_not(spec, info, platform, deterministic, capturing, broken, subclass), note))
     rows.sort(key=lambda v: (v.rank, v.name))
     return rows
