@@ -21,17 +21,8 @@
 # after 30 s idle), each sending the paths printed below; the last one prints `serving: ready`.
 # Then every run on that machine starts with `source /opt/pk/serving/env.sh`.
 set -euo pipefail
-root=$(git rev-parse --show-toplevel)
-cd "$root"
-exclude=$(git rev-parse --git-path info/exclude)  # (a worktree shares its repository's)
-mkdir -p "$(dirname "$exclude")"
-grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
-cache=${PK_GPU_CACHE:-$HOME/.cache/pk-gpu}
-py=${PYTHON:-python3}
-mkdir -p "$cache/whl"
-plat=(--python-version 3.12 --implementation cp --only-binary=:all:
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
-      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+source "$(git rev-parse --show-toplevel)/benchmarks/_stage_parts.sh"
+stage_prelude
 wheels=(flashinfer-python==0.7.4 apache-tvm-ffi==0.1.15.post2 sglang-kernel==0.4.6)
 "$py" -m pip download -q --no-deps "${plat[@]}" -d "$cache/whl" "${wheels[@]}"
 ls -l "$cache"/whl/{flashinfer_python-0.7.4,apache_tvm_ffi-0.1.15.post2,sglang_kernel-0.4.6}-*.whl
@@ -48,7 +39,6 @@ if [ ! -s "$pack" ]; then
 fi
 
 out=.gpu/serving
-source benchmarks/_stage_parts.sh
 stage_parts "$pack" "$out"
 
 cat > "$out/setup.sh" <<'SETUP'
@@ -58,21 +48,9 @@ cat > "$out/setup.sh" <<'SETUP'
 set -euo pipefail
 shopt -s nullglob
 cd "$(dirname "${BASH_SOURCE[0]}")"
+source ../../benchmarks/_stage_parts.sh  # (the checkout travels with every call)
 dst=${PK_SERVING_DIR:-/opt/pk/serving}  # (another folder: to try it elsewhere)
-mkdir -p "$dst/parts"
-for d in parts-*; do cp -f "$d"/* "$dst/parts/"; done
-read -r name file count sum < manifest
-have=("$dst"/parts/site.*)
-if [ ${#have[@]} -lt "$count" ]; then
-  echo "serving: ${#have[@]} of $count parts here; send the next part"; exit 0
-fi
-if [ ! -f "$dst/site/.complete-$sum" ]; then
-  cat "$dst"/parts/site.* > "$dst/$file"
-  echo "$sum  $dst/$file" | sha256sum -c --quiet
-  rm -rf "$dst/site" && mkdir -p "$dst/site"
-  tar -C "$dst/site" -xJf "$dst/$file" && rm -f "$dst/$file"
-  touch "$dst/site/.complete-$sum"
-fi
+gather_parts serving "$dst" "$dst/site" || exit 0
 cat > "$dst/env.sh" <<ENV
 export PYTHONPATH=$dst/site\${PYTHONPATH:+:\$PYTHONPATH}
 export FLASHINFER_CUDA_ARCH_LIST=\${FLASHINFER_CUDA_ARCH_LIST:-9.0}   # JIT for the H200 only
@@ -94,13 +72,7 @@ PY
 SETUP
 chmod +x "$out/setup.sh"
 
-echo "Staged in $out (git-ignored): $k part(s) of $(basename "$pack") ($(stat -c %s "$pack") bytes)."
-echo "GPU runs, one right after another; send with each the paths it lists:"
-for i in $(seq 1 "$k"); do
-  cmd="bash $out/setup.sh"
-  [ "$i" = "$k" ] && cmd="$cmd && source /opt/pk/serving/env.sh && <your tests or benchmark>"
-  echo "  run $i: carry [\"$out/setup.sh\", \"$out/manifest\", \"$out/parts-$i\"]"
-  echo "          command: $cmd"
-done
+echo "$(basename "$pack"): $(stat -c %s "$pack") bytes"
+stage_runs "$out" "$k" "bash $out/setup.sh && source /opt/pk/serving/env.sh && <your tests or benchmark>"
 echo "Later runs on the same machine carry nothing extra: 'source /opt/pk/serving/env.sh && ...'."
 echo "If setup.sh says a part is missing, the machine was given back in between: start again at run 1."

@@ -17,17 +17,8 @@
 # serving peers' (one part), with .gpu/trl/setup.sh and .gpu/trl/manifest. On the H200, setup.sh
 # unpacks to /opt/pk/trl/site-packages (PK_TRL_DIR moves /opt/pk/trl) and writes /opt/pk/trl/env.sh.
 set -euo pipefail
-root=$(git rev-parse --show-toplevel)
-cd "$root"
-exclude=$(git rev-parse --git-path info/exclude)  # (a worktree shares its repository's)
-mkdir -p "$(dirname "$exclude")"
-grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
-cache=${PK_GPU_CACHE:-$HOME/.cache/pk-gpu}
-py=${PYTHON:-python3}
-mkdir -p "$cache/whl"
-plat=(--python-version 3.12 --implementation cp --only-binary=:all:
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
-      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+source "$(git rev-parse --show-toplevel)/benchmarks/_stage_parts.sh"
+stage_prelude
 wheels=(trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 liger-kernel==0.8.5)
 files=(trl-1.16.0 datasets-5.2.0 dill-0.4.1 multiprocess-0.70.19 liger_kernel-0.8.5)
 "$py" -m pip download -q --no-deps "${plat[@]}" -d "$cache/whl" "${wheels[@]}"
@@ -49,7 +40,6 @@ if [ ! -s "$pack" ]; then
 fi
 
 out=.gpu/trl
-source benchmarks/_stage_parts.sh
 stage_parts "$pack" "$out"
 
 cat > "$out/setup.sh" <<'SETUP'
@@ -59,25 +49,13 @@ cat > "$out/setup.sh" <<'SETUP'
 set -euo pipefail
 shopt -s nullglob
 cd "$(dirname "${BASH_SOURCE[0]}")"
+source ../../benchmarks/_stage_parts.sh  # (the checkout travels with every call)
 dst=${PK_TRL_DIR:-/opt/pk/trl}  # (another folder: to try it elsewhere)
 py=${PYTHON:-python3}           # the image's python3 holds torch
-mkdir -p "$dst/parts"
-for d in parts-*; do cp -f "$d"/* "$dst/parts/"; done
-read -r name file count sum < manifest
-have=("$dst"/parts/site.*)
-if [ ${#have[@]} -lt "$count" ]; then
-  echo "trl: ${#have[@]} of $count parts here; send the next part"; exit 0
-fi
 # the name matters: dill (datasets' fingerprints) pickles by value the modules whose path has no
 # "site-packages" in it, and then fails on pyarrow's types (seen with a folder named otherwise)
 site=$dst/site-packages
-if [ ! -f "$site/.complete-$sum" ]; then
-  cat "$dst"/parts/site.* > "$dst/$file"
-  echo "$sum  $dst/$file" | sha256sum -c --quiet
-  rm -rf "$site" && mkdir -p "$site"
-  tar -C "$site" -xJf "$dst/$file" && rm -f "$dst/$file"
-  touch "$site/.complete-$sum"
-fi
+gather_parts trl "$dst" "$site" || exit 0
 # appended after what PYTHONPATH already holds (src, the peers): the staged packages are ones the
 # image lacks, so the order only matters against another staged copy of Liger (the same version)
 cat > "$dst/env.sh" <<ENV
@@ -114,12 +92,6 @@ PY
 SETUP
 chmod +x "$out/setup.sh"
 
-echo "Staged in $out (git-ignored): $k part(s) of $(basename "$pack") ($(stat -c %s "$pack") bytes)."
-echo "GPU runs, one right after another; send with each the paths it lists:"
-for i in $(seq 1 "$k"); do
-  cmd="bash $out/setup.sh"
-  [ "$i" = "$k" ] && cmd="bash benchmarks/h200_plan.sh trl   (h200_plan.sh runs setup.sh itself)"
-  echo "  run $i: carry [\"$out/setup.sh\", \"$out/manifest\", \"$out/parts-$i\"]"
-  echo "          command: $cmd"
-done
+echo "$(basename "$pack"): $(stat -c %s "$pack") bytes"
+stage_runs "$out" "$k" "bash benchmarks/h200_plan.sh trl   (h200_plan.sh runs setup.sh itself)"
 echo "Elsewhere on the same machine: 'source /opt/pk/trl/env.sh' (after src is on PYTHONPATH)."

@@ -9,6 +9,7 @@ parameters, misaligned inputs, side streams and CUDA-graph capture, and it reall
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import os
@@ -452,6 +453,27 @@ def _assert_same_bits(results):
         assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
 
 
+@contextlib.contextmanager
+def _python_path():
+    """The Python launch path inside the block (the native path's setting restored after)."""
+    old = _native.set_enabled(False)
+    try:
+        yield
+    finally:
+        _native.set_enabled(old)
+
+
+def _capture(run, *slots):
+    """``(graph, run()'s result)``: a CUDA graph of ``run()``, whose capture launched once from C++
+    through each of ``slots``."""
+    before = [s.launches() for s in slots]
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = run()
+    assert [s.launches() for s in slots] == [b + 1 for b in before]  # captured from C++
+    return g, out
+
+
 def _launched(slot, run):
     """How many launches ``run()`` made through ``slot`` in C++."""
     before = slot.launches()
@@ -567,19 +589,13 @@ def test_glu_and_mul_native_in_a_cuda_graph(native, act):
         glu.glu_and_mul(x, out, act)  # warm: compiled and planned outside capture
         glu.glu_and_mul(x, out, act)
         ref = out.clone()
-        before = slot.launches()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            y = glu.glu_and_mul(x, out, act)
-        assert y is out and slot.launches() == before + 1  # captured from C++
+        g, y = _capture(lambda: glu.glu_and_mul(x, out, act), slot)
+        assert y is out
         x.copy_(torch.randn_like(x))
         g.replay()
         torch.cuda.synchronize()
-        old = _native.set_enabled(False)
-        try:
+        with _python_path():
             assert torch.equal(out, glu.glu_and_mul(x, None, act))
-        finally:
-            _native.set_enabled(old)
         assert not torch.equal(out, ref)
 
 
@@ -645,20 +661,13 @@ def test_fused_add_rms_norm_inplace_native_in_a_cuda_graph(native):
         fused_add_rms_norm_(x.clone(), r.clone(), w, 1e-6, 0.0)  # warm
         fused_add_rms_norm_(x.clone(), r.clone(), w, 1e-6, 0.0)
         gx, gr = x.clone(), r.clone()
-        before = slot.launches()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fused_add_rms_norm_(gx, gr, w, 1e-6, 0.0)
-        assert slot.launches() == before + 1
+        g, _ = _capture(lambda: fused_add_rms_norm_(gx, gr, w, 1e-6, 0.0), slot)
         gx.copy_(x)
         gr.copy_(r)
         g.replay()
         torch.cuda.synchronize()
-        old = _native.set_enabled(False)
-        try:
+        with _python_path():
             ex, er = fused_add_rms_norm_(x.clone(), r.clone(), w, 1e-6, 0.0)
-        finally:
-            _native.set_enabled(old)
         assert torch.equal(gx, ex) and torch.equal(gr, er)
 
 
@@ -747,21 +756,14 @@ def test_rotary_embedding_native_bad_positions_and_graph(native):
         run(gq, gk)  # warm
         gq.copy_(q)
         gk.copy_(k)
-        before = slot.launches()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            run(gq, gk)
-        assert slot.launches() == before + 1
+        g, _ = _capture(lambda: run(gq, gk), slot)
         positions.copy_(torch.randint(0, 512, positions.shape, device="cuda"))
         gq.copy_(q)
         gk.copy_(k)
         g.replay()
         torch.cuda.synchronize()
-        old = _native.set_enabled(False)
-        try:
+        with _python_path():
             eq, ek = run(q.clone(), k.clone())
-        finally:
-            _native.set_enabled(old)
         assert torch.equal(gq, eq) and torch.equal(gk, ek)
 
 
@@ -848,19 +850,12 @@ def test_quant_fp8_native_in_a_cuda_graph(native):
     with torch.inference_mode():
         qf.dynamic_quant(x, False, q, s)  # warm (per tensor: zero_, amax, quantise)
         qf.dynamic_quant(x, False, q, s)
-        before = plan.amax[-1].slot.launches(), plan.quant[-1].slot.launches()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            qf.dynamic_quant(x, False, q, s)
-        assert (plan.amax[-1].slot.launches(), plan.quant[-1].slot.launches()) == (before[0] + 1, before[1] + 1)
+        g, _ = _capture(lambda: qf.dynamic_quant(x, False, q, s), plan.amax[-1].slot, plan.quant[-1].slot)
         x.mul_(3.0)
         g.replay()
         torch.cuda.synchronize()
-        old = _native.set_enabled(False)
-        try:
+        with _python_path():
             eq, es = qf.dynamic_quant(x, False, _fp8((64, 4096)), torch.empty(1, device="cuda"))
-        finally:
-            _native.set_enabled(old)
         assert torch.equal(q.view(torch.uint8), eq.view(torch.uint8)) and torch.equal(s, es)
 
 

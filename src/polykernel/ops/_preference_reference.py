@@ -9,6 +9,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .. import _compat
+from ._head_blocks import float64_blocks
+
 # The reference's calls with a gradient, captured for the error model (``_preference_error``): their
 # arguments, log-probs and logit magnitudes.
 _capture: list[list[dict[str, Any]]] = []
@@ -30,7 +33,7 @@ def reference_token_logps(
     and the backward recomputing each block's softmax: the whole float64 logits of a 1B model's
     batch are 8 GB, and with their softmax and gradient they made the first-call check of a TRL
     DPO step peak at 2.5x the step's own memory (benchmarks/results/h200-2026-12-04-third/trl/)."""
-    if torch._C._are_functorch_transforms_active():  # grad/jvp/vmap: plain ops (the Function has no functorch rules)
+    if _compat.functorch_transforms_active():  # grad/jvp/vmap: plain ops (the Function has no functorch rules)
         return whole_logits_logps(hidden, weight, bias, target, ignore_index, temperature)
     stats: dict[str, Any] | None = {} if _capture and torch.is_grad_enabled() and _any_grad(hidden, weight, bias) else None
     lp = _ReferenceLogps.apply(hidden, weight, bias, target, ignore_index, float(temperature), stats)
@@ -58,12 +61,7 @@ def _row_blocks(n: int, v: int):
 def _vocab_blocks(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float):
     """``(start, end, weight block, z)`` over the vocabulary for the float64 rows ``h``: the float64
     logits ``(h·Wᵀ + b) / temperature`` of one block, and that block of the weight in float64."""
-    f64 = torch.float64
-    v = weight.shape[0]
-    for vs in range(0, v, REFERENCE_VOCAB_BLOCK):
-        ve = min(vs + REFERENCE_VOCAB_BLOCK, v)
-        w = weight[vs:ve].detach().to(f64)
-        b = None if bias is None else bias[vs:ve].detach().to(f64)
+    for vs, ve, w, b in float64_blocks(weight, bias, REFERENCE_VOCAB_BLOCK):
         yield vs, ve, w, F.linear(h, w, b) / temperature
 
 

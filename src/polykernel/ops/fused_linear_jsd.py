@@ -30,6 +30,7 @@ from ..core.hit_guard import SHAPE
 from ..core.op import SUM_LAMBDA, TINY, Bounds, Case, ErrorModel, Op
 from . import _checks as check
 from . import _distill as distill
+from ._head_blocks import float64_blocks
 from .jsd import reference as _jsd_reference
 
 OP_ID = "loss.fused_linear_jsd"
@@ -220,20 +221,13 @@ def bytes_moved(
 # max|Ws| times the largest row sum of |dz| (the matmul's own λ·√V·u32 of it), with ε·e and j's row
 # sums as a multiple of it; dW = dzᵀ·hs sums over rows, likewise with column sums and max|hs|,
 # accumulated in the weight's dtype once per chunk (and once more by the cotangent).
-_CLASS_BLOCK = 1 << 14  # classes of a head converted to float64 at a time (the error model's)
-
-
-def _class_blocks(weight: torch.Tensor):
-    """``(start, end, float64 block)`` of the weight's rows: never a float64 copy of a [V, H] head
-    (at 128256 x 4096, 4.2 GB each; the first-call check ran two and a third of |W|)."""
-    for s in range(0, weight.shape[0], _CLASS_BLOCK):
-        yield s, min(s + _CLASS_BLOCK, weight.shape[0]), weight[s : s + _CLASS_BLOCK].detach().double()
+_CLASS_BLOCK = 1 << 14  # classes of a head converted to float64 at a time (the error model's: _head_blocks)
 
 
 def _logits64(rows: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
     """``rows @ weight.T / temperature`` in float64 for float64 ``rows``, a block of classes at a time."""
     z = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float64, device=rows.device)
-    for s, e, w in _class_blocks(weight):
+    for s, e, w, _ in float64_blocks(weight, None, _CLASS_BLOCK):
         z[:, s:e] = rows @ w.T
     return z / temperature
 
@@ -243,7 +237,7 @@ def _zabs(hidden: torch.Tensor, weight: torch.Tensor) -> float:
     top = 0.0
     for rows in hidden.detach().split(1024):
         ra = rows.abs().double()
-        for _s, _e, w in _class_blocks(weight):
+        for _s, _e, w, _ in float64_blocks(weight, None, _CLASS_BLOCK):
             z = ra @ w.abs_().T
             top = max(top, z.max().item() if z.numel() else 0.0)
     return top

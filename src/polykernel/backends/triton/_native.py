@@ -38,7 +38,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -274,6 +274,20 @@ def _new_slot(kernel: Any, meta: dict[str, Any]) -> Any:
 
     s = C.Slot(miss)
     return s
+
+
+class RowTile(NamedTuple):
+    """One entry of a plan's ``tiles`` (``RowTiles`` in csrc/plans.h): a kernel's slot for one ROWS."""
+
+    slot: Any
+    rows: int
+
+
+def row_tiles(most: int, tile: Callable[[int], RowTile]) -> list[RowTile]:
+    """The slots of a kernel whose tile depends on the row count M only through ROWS:
+    ``tile(m)`` for each power of two m up to ``most`` (the largest ROWS, a power of two); C++
+    takes the entry of M's next power of two, the last for every larger M."""
+    return [tile(1 << i) for i in range(max(1, most).bit_length())]
 
 
 def call(name: str, args: tuple[Any, ...], key_args: tuple[Any, ...], make_plan: Callable[..., Any]) -> Any:

@@ -304,24 +304,19 @@ def _native_plan(gate: torch.Tensor, up: torch.Tensor, act: int) -> _NativePlan:
     return _NativePlan(gate.numel(), act)
 
 
-class _AndMulTile:
-    """One ROWS of the serving layout's plan: the forward kernel's slot for x [m, 2d] (m a power
-    of two) and out [m, d], both contiguous."""
-
-    def __init__(self, m: int, d: int, act: int) -> None:
-        block, self.rows, warps = _fit(m, d, [2 * d, 2 * d, d])
-        self.slot = _native.slot(_glu_fwd_kernel, ACT=act, BLOCK=block, ROWS=self.rows, num_warps=warps)
+def _and_mul_tile(m: int, d: int, act: int) -> _native.RowTile:
+    """The forward kernel's slot for x [m, 2d] and out [m, d], both contiguous."""
+    block, rows, warps = _fit(m, d, [2 * d, 2 * d, d])
+    return _native.RowTile(_native.slot(_glu_fwd_kernel, ACT=act, BLOCK=block, ROWS=rows, num_warps=warps), rows)
 
 
 class _AndMulPlan:
     """The C++ path's plan for the serving layout (:func:`glu_and_mul`), per d: a tile for each
-    power of two of M up to the largest ROWS :func:`_tile` gives (BLOCK_MAX // BLOCK); the last
-    also serves every larger M."""
+    power of two of M up to the largest ROWS :func:`_tile` gives (BLOCK_MAX // BLOCK)."""
 
     def __init__(self, d: int, act: int) -> None:
         self.block = _tile(1, d)[0]
-        most = max(1, BLOCK_MAX // self.block)  # a power of two
-        self.tiles = [_AndMulTile(1 << i, d, act) for i in range(most.bit_length())]
+        self.tiles = _native.row_tiles(BLOCK_MAX // self.block, lambda m: _and_mul_tile(m, d, act))
 
 
 def _and_mul_plan(x: torch.Tensor, act: int) -> _AndMulPlan | None:

@@ -292,24 +292,22 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, e
 # The native path's plan
 
 
-class _Tile:
-    """One ROWS of an elementwise kernel for m rows (a power of two) of n: its slot."""
-
-    def __init__(self, kernel: object, m: int, n: int) -> None:
-        block, self.rows, _, warps = _elementwise_tiles(m, n)
-        self.slot = _native.slot(kernel, BLOCK=block, ROWS=self.rows, num_warps=warps)
+def _elementwise_tile(kernel: object, m: int, n: int) -> _native.RowTile:
+    """An elementwise kernel's slot for m rows of n."""
+    block, rows, _, warps = _elementwise_tiles(m, n)
+    return _native.RowTile(_native.slot(kernel, BLOCK=block, ROWS=rows, num_warps=warps), rows)
 
 
 class _NativePlan:
     """The C++ path's plan for rows of n (contiguous x and outputs), shared by the three ops: the
-    elementwise kernels' tiles per power of two of M up to their largest ROWS (TILE // BLOCK; the
-    last also serves every larger M), the row kernels' one tile."""
+    elementwise kernels' tiles per power of two of M up to their largest ROWS (TILE // BLOCK),
+    the row kernels' one tile."""
 
     def __init__(self, n: int) -> None:
         self.block = _elementwise_tiles(1, n)[0]
-        most = max(1, TILE // self.block)  # a power of two
-        self.quant = [_Tile(_static_kernel, 1 << i, n) for i in range(most.bit_length())]
-        self.amax = [_Tile(_amax_kernel, 1 << i, n) for i in range(most.bit_length())]
+        most = TILE // self.block
+        self.quant = _native.row_tiles(most, lambda m: _elementwise_tile(_static_kernel, m, n))
+        self.amax = _native.row_tiles(most, lambda m: _elementwise_tile(_amax_kernel, m, n))
         block_n, rows, warps, chunked = _row_tiles(n)
         self.token_rows = self.rms_rows = rows
         self.token = _native.slot(_token_kernel, BLOCK_N=block_n, ROWS=rows, CHUNKED=chunked, num_warps=warps)
