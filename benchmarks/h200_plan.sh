@@ -111,7 +111,7 @@ case $part in
     # the providers apart from the op files (2026-12-04: test_torch_compile.py's Inductor compiles
     # cut the one step holding all of them at 132 s; its GPU parity now takes three full-size cases)
     gpu_tests serving-providers 120 tests/backends/test_cuda_jit.py tests/backends/test_torch_compile.py
-    gpu_tests serving-tests 150 tests/ops/test_serving_common.py tests/ops/test_serving_fp8.py \
+    gpu_tests serving-tests 240 tests/ops/test_serving_common.py tests/ops/test_serving_fp8.py \
       tests/ops/test_serving_glu.py tests/ops/test_serving_inplace.py tests/ops/test_silu_and_mul.py tests/ops/test_gelu_and_mul.py \
       tests/ops/test_fused_add_rms_norm_.py tests/ops/test_rotary_embedding_.py tests/ops/test_dynamic_quant_fp8.py \
       tests/ops/test_static_quant_fp8.py tests/ops/test_rms_norm_quant_fp8.py
@@ -122,7 +122,7 @@ case $part in
     # capture), the serving op files' GPU tests, and the Liger-vs-float64 preference test (carry .whl for Liger)
     gpu_tests native-tests 180 tests/backends/test_native.py  # 110 s on 2026-12-04 (fourth run): its Triton compiles
     gpu_tests preference-liger 90 tests/ops/test_preference_losses.py -k liger
-    gpu_tests serving-tests 150 tests/ops/test_serving_common.py tests/ops/test_serving_fp8.py \
+    gpu_tests serving-tests 240 tests/ops/test_serving_common.py tests/ops/test_serving_fp8.py \
       tests/ops/test_serving_glu.py tests/ops/test_serving_inplace.py tests/ops/test_silu_and_mul.py tests/ops/test_gelu_and_mul.py \
       tests/ops/test_fused_add_rms_norm_.py tests/ops/test_rotary_embedding_.py tests/ops/test_dynamic_quant_fp8.py \
       tests/ops/test_static_quant_fp8.py tests/ops/test_rms_norm_quant_fp8.py
