@@ -432,3 +432,41 @@ def test_kept_walk_holds_no_fp32_logits_of_a_whole_unit(monkeypatch, impl):
     top = max(made, key=lambda m: m[0])
     assert top == (2 * t * v * 2, torch.bfloat16, (2 * t, v)), top  # a pair's G, bf16
     assert max(n for n, d, _ in made if d == torch.float32) <= max(8 * v * 4, v * 8 * 4), "fp32: a sub-chunk or the CPU's fp32 weight"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_kept_walk_matches_the_formula_within_less_memory(monkeypatch, impl, dtype):
+    """On CUDA (the fp32-output GEMM, the Triton kernels themselves): pairs over the chunk budget
+    match the float64 DPO formula, and the call's peak is the gradients plus well under a pair's
+    fp32 logits and dlogits (what the one-pass walk held: bf16 G plus a sub-chunk now)."""
+    from polykernel.ops import _preference
+
+    r, t, h, v = 4, 512, 512, 32000
+    monkeypatch.setattr(_linear_logps, "CHUNK_BYTES", 64 << 20)  # below one pair (2 x 512 tokens: 197 MB at bf16)
+    monkeypatch.setattr(_preference, "CHUNK_BYTES", 64 << 20)
+    monkeypatch.setattr(_linear_logps, "UNIT_BYTES", 4 << 30)
+    monkeypatch.setattr(_linear_logps, "SUB_BYTES", 16 << 20)  # 128 tokens of fp32 logits
+    hid = torch.randn(r, t, h, device="cuda").to(dtype).requires_grad_()
+    w = (torch.randn(v, h, device="cuda") * 2 / h**0.5).to(dtype).requires_grad_()
+    tg = torch.randint(0, v, (r, t), device="cuda").masked_fill(torch.rand(r, t, device="cuda") < 0.1, -100)
+    call = lambda: polykernel.fused_linear_dpo_loss(hid, w, tg, impl=impl, compute_nll_loss=True)
+    torch.autograd.grad(call().loss, (hid, w))  # the first call's checks (per argument class), outside
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = call()
+    grads = torch.autograd.grad(out.loss, (hid, w))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    elt = hid.element_size()
+    held = (w.numel() + hid.numel()) * elt  # the gradients
+    assert peak < held + 2 * t * v * (4 + elt) * 3 // 4, (peak, held)
+    want = dpo_formula(hid, w, None, tg, nll=True)
+    torch.testing.assert_close(out.loss.double(), want[0].detach(), rtol=1e-4, atol=1e-4)
+    g64 = torch.autograd.grad(want[0], (hid, w))
+    rtol, atol = (2e-5, 2e-4) if dtype == torch.float32 else (2e-2, 5e-2)
+    for a, c in zip(grads, g64, strict=True):
+        scale = c.abs().max().clamp(min=1e-30)
+        torch.testing.assert_close(a.double() / scale, c / scale, rtol=rtol, atol=atol)
