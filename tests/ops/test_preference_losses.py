@@ -48,16 +48,17 @@ def test_chunk_size_comes_from_the_problem():
 
 def test_no_chunk_holds_more_than_its_budget_of_logits(monkeypatch):
     """Never the [N, V] logits: every logits chunk the driver makes stays within the budget
-    (whole pairs when one fits, else token chunks in two passes), and the result does not
-    depend on the chunking."""
+    (whole pairs when one fits, else token chunks in two passes, or a pair's tokens in
+    sub-chunks), and the result does not depend on the chunking."""
     seen = []
-    real = _linear_logps.projector
+    real = _linear_logps._logits
 
-    def spy(weight):
-        proj = real(weight)
-        return lambda h: seen.append(h.shape[0]) or proj(h)
+    def spy(proj, hc, *args):
+        seen.append(hc.shape[0])
+        return real(proj, hc, *args)
 
-    monkeypatch.setattr(_linear_logps, "projector", spy)
+    monkeypatch.setattr(_linear_logps, "_logits", spy)
+    monkeypatch.setattr(_linear_logps, "SUB_BYTES", 4 * 300 * 4)  # fp32 logits of 4 tokens
     hid, w, b = head(8, 5, 8, 300)
     t = targets(8, 5, 300)
     results = []
@@ -65,7 +66,7 @@ def test_no_chunk_holds_more_than_its_budget_of_logits(monkeypatch):
         (2 * 5 * 300 * 8, [10] * 4),  # one pair (2 rows x 5 tokens, fp32 logits + dlogits) per chunk
         (5 * 300 * 8, [5] * 8 * 2),  # one row's worth: token chunks of 5, both passes
         (1 << 30, [40]),  # everything at once
-        ("unit", [10] * 4),  # a budget below one pair, but the pair within UNIT_BYTES: one pass, a pair per chunk
+        ("unit", [4, 4, 2] * 4),  # a budget below one pair, the pair within UNIT_BYTES: one pass, its tokens 4 at a time
     ]:
         seen.clear()
         if budget == "unit":
@@ -285,3 +286,187 @@ def test_error_model_never_holds_the_whole_logits(monkeypatch, name):
         assert a.scale == pytest.approx(e.scale, rel=1e-9) and a.cancel == pytest.approx(e.cancel, rel=1e-9)
     for a, e in zip(whole.outputs, blocks.outputs, strict=True):
         assert a.cancel == pytest.approx(e.cancel, rel=1e-9)
+
+
+# -- one unit over the chunk budget: its logits in sub-chunks, G = softmax − onehot kept ----------------
+
+KEPT_V = 40
+
+
+def _kept(monkeypatch, on: bool) -> None:
+    """``on``: a chunk budget below one unit (the driver's and the error model's), units within
+    UNIT_BYTES, sub-chunks of 3 tokens: every unit takes the kept-G walk. Off: everything in one
+    chunk, the walk without sub-chunks."""
+    from polykernel.ops import _preference
+
+    budget = 1 if on else 1 << 30
+    monkeypatch.setattr(_linear_logps, "CHUNK_BYTES", budget)
+    monkeypatch.setattr(_preference, "CHUNK_BYTES", budget)
+    monkeypatch.setattr(_linear_logps, "UNIT_BYTES", 1 << 30)
+    monkeypatch.setattr(_linear_logps, "SUB_BYTES", 3 * KEPT_V * 4)
+
+
+def _kept_case(loss: str, dtype: torch.dtype):
+    """``(op name, args, kwargs)``: a call whose units are several sub-chunks long, with a bias and
+    ignored tokens (DPO with a reference head and the NLL term, KTO) or a temperature (GRPO's
+    sequence-level ratios: its units are sequences)."""
+    torch.manual_seed(3)
+    hid, w, b = head(4, 7, 16, KEPT_V, dtype=dtype)
+    t = targets(4, 7, KEPT_V, ignored=0.25)
+    t[:, 0] = torch.randint(0, KEPT_V, (4,))
+    if loss == "dpo":
+        rh, rw, rb = (x.detach() for x in head(4, 7, 16, KEPT_V, dtype=dtype))
+        kw = {"ref_hidden": rh, "ref_weight": rw, "ref_bias": rb, "beta": 0.5, "compute_nll_loss": True}
+        return "fused_linear_dpo_loss", (hid, w, t, b), kw
+    if loss == "kto":
+        return "fused_linear_kto_loss", (hid, w, t, torch.tensor([True, False, False, True]), b), {"kl": 0.1, "beta": 0.5}
+    mask = (t >= 0).long()
+    ref, old = -3 + torch.randn(4, 7), -3 + 0.1 * torch.randn(4, 7)
+    kw = {"ref_per_token_logps": ref, "old_per_token_logps": old, "importance_sampling_level": "sequence", "temperature": 0.7}
+    return "fused_linear_grpo_loss", (hid, w, t.clamp(min=0), mask, torch.tensor([1.0, -0.5, 0.3, 2.0]), b), kw
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("loss", ["dpo", "kto", "grpo"])
+def test_kept_walk_matches_the_one_chunk_walk_and_the_float64_reference(monkeypatch, impl, dtype, loss):
+    """A unit over the chunk budget (sub-chunks of its logits, G kept in the inputs' dtype, the
+    slope applied to the [rows, H] operands): the same loss, statistics and gradients (hidden,
+    weight, bias) as the whole batch in one chunk, and within the op's error model of the
+    float64 reference (which counts the path's extra rounding). fp16: the reference only (KTO's
+    saturated gradients here are ~3e-7, in fp16's subnormals on either walk)."""
+    from polykernel.core.op import Case
+    from polykernel.testing import check_parity
+
+    name, args, kw = _kept_case(loss, dtype)
+    fn = getattr(polykernel, name)
+    params = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    got = []
+    for on in (False, True):
+        _kept(monkeypatch, on)
+        out = fn(*args, **kw, impl=impl)
+        got.append([*(o for o in out if isinstance(o, torch.Tensor)), *torch.autograd.grad(out.loss, params)])
+    rtol, atol = (1e-5, 1e-6) if dtype == torch.float32 else (2e-2, 1e-2)
+    for a, c in zip(*got, strict=True):
+        scale = c.double().abs().max().clamp(min=1e-30)
+        if dtype != torch.float16:
+            torch.testing.assert_close(a.double() / scale, c.double() / scale, rtol=rtol, atol=atol, equal_nan=True)
+    (result,) = check_parity(name, [impl], dtypes=[dtype], cases=[Case(loss, args, kw)])
+    assert result.ok, str(result)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kept_walk_with_ignored_tokens_a_bias_and_a_temperature(monkeypatch, impl, dtype):
+    """The driver itself (the op files pass a temperature without ignored tokens, or the reverse):
+    pairs with ignored tokens, a bias and temperature 0.6, the kept walk against one chunk and the
+    float64 log-probs; an ignored token's slope is NaN here and its gradient still 0."""
+    prim = _linear_logps_prim(impl)
+    torch.manual_seed(5)
+    hid, w, b = head(4, 7, 16, KEPT_V, dtype=dtype)
+    t = targets(4, 7, KEPT_V, ignored=0.3)
+    t[:, 0] = 1
+    wts = torch.randn(4, 7, dtype=torch.float64)
+
+    def contrib(lp, m, c):  # a smooth per-pair term, NaN slope on ignored tokens
+        x = lp / m.double() * c  # an ignored token: 0/0, its slope 0/0
+        y = torch.where(m, x, 0.0).sum(-1)
+        k = y.shape[0] // 2  # the chunk's rows: its chosen, then its rejected
+        return torch.nn.functional.softplus(y[:k] - y[k:])
+
+    got = []
+    for on in (False, True):
+        _kept(monkeypatch, on)
+        loss, lp = _linear_logps.run(prim, hid, w, b, t, -100, 0.6, True, contrib, (t != -100, wts))
+        got.append([loss, lp, *torch.autograd.grad(loss, (hid, w, b))])
+    rtol, atol = (1e-5, 1e-6) if dtype == torch.float32 else (2e-2, 1e-2)
+    for a, c in zip(*got, strict=True):
+        assert torch.isfinite(a).all()
+        scale = c.double().abs().max().clamp(min=1e-30)
+        torch.testing.assert_close(a.double() / scale, c.double() / scale, rtol=rtol, atol=atol)
+    want, _ = token_logps(hid, w, b, t, temperature=0.6)
+    torch.testing.assert_close(got[1][1].double(), want, rtol=1e-4 if dtype == torch.float32 else 1e-3, atol=1e-4)
+    exact = [x.detach().double().requires_grad_() for x in (hid, w, b)]
+    lp64, _ = token_logps(*exact, t, temperature=0.6)
+    g64 = torch.autograd.grad(contrib(lp64, t != -100, wts).sum(), exact)
+    for a, c in zip(got[1][2:], g64, strict=True):
+        scale = c.abs().max()
+        torch.testing.assert_close(a.double() / scale, c / scale, rtol=rtol, atol=1e-4 if dtype == torch.float32 else 2e-2)
+
+
+def _linear_logps_prim(impl: str):
+    if impl == "triton":
+        from polykernel.backends.triton import _token_logps
+    else:
+        from polykernel.backends import _token_logps
+    return _token_logps
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_kept_walk_holds_no_fp32_logits_of_a_whole_unit(monkeypatch, impl):
+    """The largest tensor the kept walk makes (forward and backward, bf16) is the unit's G in
+    bf16: no fp32 [rows, V] logits of the unit nor a second [rows, V] buffer (the one-pass walk
+    held the pair's fp32 logits and bf16 dlogits: 1.58 GB for 2 x 1024 tokens at V = 128K)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    r, t, v = 4, 32, 512
+    hid, w, b = head(r, t, 8, v, dtype=torch.bfloat16)
+    tg = targets(r, t, v)
+    polykernel.fused_linear_dpo_loss(hid, w, tg, b, impl=impl).loss.backward()  # the first call's checks, outside
+    monkeypatch.setattr(_linear_logps, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(_linear_logps, "UNIT_BYTES", 1 << 30)
+    monkeypatch.setattr(_linear_logps, "SUB_BYTES", 8 * v * 4)  # fp32 logits of 8 tokens
+    made: list[tuple[int, torch.dtype, tuple]] = []
+
+    class Largest(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for x in out if isinstance(out, tuple | list) else (out,):
+                if isinstance(x, torch.Tensor):
+                    made.append((x.untyped_storage().nbytes(), x.dtype, tuple(x.shape)))
+            return out
+
+    with Largest():
+        out = polykernel.fused_linear_dpo_loss(hid, w, tg, b, impl=impl)
+        out.loss.backward()
+    top = max(made, key=lambda m: m[0])
+    assert top == (2 * t * v * 2, torch.bfloat16, (2 * t, v)), top  # a pair's G, bf16
+    assert max(n for n, d, _ in made if d == torch.float32) <= max(8 * v * 4, v * 8 * 4), "fp32: a sub-chunk or the CPU's fp32 weight"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_kept_walk_matches_the_formula_within_less_memory(monkeypatch, impl, dtype):
+    """On CUDA (the fp32-output GEMM, the Triton kernels themselves): pairs over the chunk budget
+    match the float64 DPO formula, and the call's peak is the gradients plus well under a pair's
+    fp32 logits and dlogits (what the one-pass walk held: bf16 G plus a sub-chunk now)."""
+    from polykernel.ops import _preference
+
+    r, t, h, v = 4, 512, 512, 32000
+    monkeypatch.setattr(_linear_logps, "CHUNK_BYTES", 64 << 20)  # below one pair (2 x 512 tokens: 197 MB at bf16)
+    monkeypatch.setattr(_preference, "CHUNK_BYTES", 64 << 20)
+    monkeypatch.setattr(_linear_logps, "UNIT_BYTES", 4 << 30)
+    monkeypatch.setattr(_linear_logps, "SUB_BYTES", 16 << 20)  # 128 tokens of fp32 logits
+    hid = torch.randn(r, t, h, device="cuda").to(dtype).requires_grad_()
+    w = (torch.randn(v, h, device="cuda") * 2 / h**0.5).to(dtype).requires_grad_()
+    tg = torch.randint(0, v, (r, t), device="cuda").masked_fill(torch.rand(r, t, device="cuda") < 0.1, -100)
+    call = lambda: polykernel.fused_linear_dpo_loss(hid, w, tg, impl=impl, compute_nll_loss=True)
+    torch.autograd.grad(call().loss, (hid, w))  # the first call's checks (per argument class), outside
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = call()
+    grads = torch.autograd.grad(out.loss, (hid, w))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    elt = hid.element_size()
+    held = (w.numel() + hid.numel()) * elt  # the gradients
+    assert peak < held + 2 * t * v * (4 + elt) * 3 // 4, (peak, held)
+    want = dpo_formula(hid, w, None, tg, nll=True)
+    torch.testing.assert_close(out.loss.double(), want[0].detach(), rtol=1e-4, atol=1e-4)
+    g64 = torch.autograd.grad(want[0], (hid, w))
+    rtol, atol = (2e-5, 2e-4) if dtype == torch.float32 else (2e-2, 5e-2)
+    for a, c in zip(grads, g64, strict=True):
+        scale = c.abs().max().clamp(min=1e-30)
+        torch.testing.assert_close(a.double() / scale, c / scale, rtol=rtol, atol=atol)

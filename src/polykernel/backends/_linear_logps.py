@@ -16,10 +16,18 @@ No per-sequence statistic couples two chunks: a chunk holds whole pairs (both ro
 or whole sequences (GRPO's sequence-level importance ratio is a statistic of one sequence).
 The forward stores the gradients for a unit cotangent; the backward scales them by it, so the
 graph can be back-propagated once. Peak extra memory: one chunk's fp32 logits and its dlogits
-(``CHUNK_BYTES``, or one unit up to ``UNIT_BYTES``), besides the gradients. When a single unit is
-larger than ``UNIT_BYTES``, the walk takes token chunks in two passes instead (log-probs first,
-then the formula on all of them, then the logits again for the gradients: one more GEMM, memory
-within ``CHUNK_BYTES``).
+(``CHUNK_BYTES``), besides the gradients.
+
+One unit larger than ``CHUNK_BYTES`` (a pair of 1024-token rows at V = 128K: 1.05 GB of fp32
+logits, 0.53 GB of bf16 dlogits) takes its logits ``SUB_BYTES`` of tokens at a time and keeps
+only ``G = softmax(z) − onehot(t)`` of every token, in the inputs' dtype (:func:`_unit_logps`);
+the formula's slope ``s`` per token, known once the whole unit's log-probs are, then goes on
+the ``[rows, H]`` operands, so ``dz = −s/temperature · G`` is never formed (:meth:`_Grads.push_kept`):
+3 GEMMs as the one-pass walk, ``[rows, V]`` in the inputs' dtype plus one sub-chunk of fp32
+logits (0.53 + 0.26 GB there), and one more rounding of each gradient (the error model counts it).
+When a single unit is larger than ``UNIT_BYTES``, the walk takes token chunks in two passes
+instead (log-probs first, then the formula on all of them, then the logits again for the
+gradients: one more GEMM, memory within ``CHUNK_BYTES``).
 """
 
 from __future__ import annotations
@@ -37,10 +45,12 @@ from ..ops._preference import CHUNK_BYTES, units_per_chunk
 from ..ops._preference_reference import whole_logits_logps
 from ._fused_linear_jsd import projector
 
-# One unit larger than CHUNK_BYTES still goes in one pass up to this size (a pair of 1024-token rows
-# at V = 128K in bf16 is 1.5 GiB: one pass, 3 GEMMs), and the two-pass token walk past it (4 GEMMs,
+# One unit larger than CHUNK_BYTES still goes in one pass up to this size of fp32 logits and
+# dlogits (a pair of 1024-token rows at V = 128K in bf16 is 1.5 GiB: one pass, 3 GEMMs, holding
+# [rows, V] in bf16 and SUB_BYTES of fp32 logits), and the two-pass token walk past it (4 GEMMs,
 # memory within CHUNK_BYTES).
 UNIT_BYTES = 4 << 30
+SUB_BYTES = 256 << 20  # fp32 logits of one token sub-chunk of such a unit (512 rows at V = 128K)
 
 Contrib = Callable[..., torch.Tensor]
 _transforms_active = _compat.functorch_transforms_active
@@ -61,8 +71,9 @@ def _take(x: torch.Tensor, rows: list[slice]) -> torch.Tensor:
     return x[rows[0]] if len(rows) == 1 else torch.cat([x[r] for r in rows])
 
 
-def _logits(proj, hc: torch.Tensor, bias: torch.Tensor | None, inv_t: float) -> torch.Tensor:
-    z = proj(hc)
+def _logits(proj, hc: torch.Tensor, bias: torch.Tensor | None, inv_t: float, z: torch.Tensor | None = None) -> torch.Tensor:
+    """``(hc @ W.T + b) / temperature``; ``z``: the GEMM's result already there (into a buffer)."""
+    z = proj(hc) if z is None else z
     if bias is not None:
         z.add_(bias.to(z.dtype))
     if inv_t != 1.0:
@@ -100,8 +111,42 @@ class _Grads:
             self.b += dz.sum(0, dtype=self.acc)
         return None if self.h is None else torch.mm(dz, self.weight)
 
+    def push_kept(self, g, scale, hc) -> torch.Tensor | None:
+        """The same for a unit whose ``G = softmax − onehot`` was kept (:func:`_unit_logps`):
+        ``dz = scale ⊙ G`` by rows is never formed, the scale goes on the ``[r, H]`` operands
+        (``dW += Gᵀ (scale ⊙ hc)``, ``db += Gᵀ scale``, ``dH = scale ⊙ (G @ W)``), so G is used as
+        stored and no second ``[r, V]`` buffer is made."""
+        s = scale[:, None]
+        if self.w is not None:
+            self.w.addmm_(g.t(), (hc * s).to(hc.dtype))
+        if self.b is not None:
+            self.b += torch.mv(g.t(), scale.to(g.dtype)).to(self.acc)
+        return None if self.h is None else torch.mm(g, self.weight).mul_(s)
+
     def result(self):
         return self.h, self.w, None if self.b is None else self.b.to(self.bias_dtype)
+
+
+def _unit_logps(prim, proj, weight, hc, tc, bias, inv_t, ignore_index, keep):
+    """One unit over the chunk budget: its log-probs from ``SUB_BYTES`` of fp32 logits at a time
+    and, with ``keep``, ``G = softmax − onehot`` of every token (0 where ignored) in the inputs'
+    dtype: the dlogits up to the per-token scale, which the formula gives only once it has seen
+    the whole unit's log-probs. fp32 inputs compute each sub-chunk's logits in G's own rows."""
+    n, v = hc.shape[0], weight.shape[0]
+    acc = torch.promote_types(hc.dtype, torch.float32)
+    lp = torch.empty(n, dtype=acc, device=hc.device)
+    g = torch.empty((n, v), dtype=hc.dtype, device=hc.device) if keep else None
+    step = token_rows(v, 0, SUB_BYTES)
+    ones = torch.ones(min(step, n), dtype=acc, device=hc.device)  # token_grad_'s scale: G itself
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        into = torch.mm(hc[s:e], weight.t(), out=g[s:e]) if keep and g.dtype == acc else None
+        z = _logits(proj, hc[s:e], bias, inv_t, into)
+        lp[s:e], lse = prim.token_logps(z, tc[s:e], ignore_index)
+        if keep:
+            prim.token_grad_(z, tc[s:e], lse, ones[: e - s], z if into is not None else g[s:e], ignore_index)
+        del z
+    return lp, g
 
 
 def _slope(contrib, lp, args, grads):
@@ -135,7 +180,8 @@ def walk(
     asks for (hidden, weight, bias), for a unit cotangent. ``aux``: per-row tensors ``[R, ...]``
     that ``contrib`` takes after the chunk's log-probs, sliced like them.
 
-    Whole units per chunk when one unit's logits fit ``budget`` (one pass); otherwise token
+    Whole units per chunk when one unit's logits fit ``budget`` (one pass); one unit per chunk
+    in sub-chunks of logits, its G kept, up to ``UNIT_BYTES`` (still one pass); past it token
     chunks in two passes (:func:`_walk_tokens`)."""
     r, t, h = hidden.shape
     v = weight.shape[0]
@@ -153,12 +199,16 @@ def walk(
     proj = projector(weight)
     inv_t = 1.0 / temperature
     step = units_per_chunk(r // 2 if pairs else r, 2 if pairs else 1, t, v, hidden.element_size(), budget)
+    kept = per_unit > budget  # one unit per chunk, over the budget: its logits in sub-chunks, G kept
     for rows in _chunks(r, pairs, step):
         nr = sum(s.stop - s.start for s in rows)
         hc = _take(hidden, rows).reshape(-1, h)
         tc = _take(target, rows).reshape(-1).contiguous()  # the kernel reads ids at unit stride
-        z = _logits(proj, hc, bias, inv_t)
-        lp, lse = prim.token_logps(z, tc, ignore_index)
+        if kept:  # z: the unit's G (None without gradients), not its logits
+            lp, z = _unit_logps(prim, proj, weight, hc, tc, bias, inv_t, ignore_index, grads)
+        else:
+            z = _logits(proj, hc, bias, inv_t)
+            lp, lse = prim.token_logps(z, tc, ignore_index)
         lp = lp.view(nr, t)  # (not view(-1, t): ambiguous for T = 0)
         at = 0
         for s in rows:
@@ -171,7 +221,11 @@ def walk(
         loss += part
         if d is None:
             continue
-        g = acc_grads.push(prim, z, tc, lse, (d.reshape(-1) * -inv_t).to(acc).contiguous(), hc, ignore_index)
+        scale = (d.reshape(-1) * -inv_t).to(acc).contiguous()
+        if kept:  # where, not a product: an ignored token's G row is 0 but its scale may be inf or NaN
+            g = acc_grads.push_kept(z, torch.where(tc != ignore_index, scale, 0.0), hc)
+        else:
+            g = acc_grads.push(prim, z, tc, lse, scale, hc, ignore_index)
         del z
         if g is not None:
             g = g.view(nr, t, h)

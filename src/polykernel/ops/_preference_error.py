@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from . import _preference_reference
+from . import _preference, _preference_reference
 from ._preference import _capture, reference_token_logps, sequence_logps, units_per_chunk
 
 # Every loss is a formula of the per-token log-probs logp = z[t] − lse(z), z = (h·W + b)/temperature
@@ -22,6 +22,11 @@ from ._preference import _capture, reference_token_logps, sequence_logps, units_
 # error (its slope through the formula: β·margin's error, a ratio's log-probs' error), rounded
 # to the inputs' dtype; dH = dz·W sums over V (scale max|W|·max_t Σ_v|dz|), dW = dzᵀ·h over the
 # rows (max|h|·max_v Σ_t|dz|, accumulated in the weight's dtype once per chunk), db = Σ_t dz.
+# A unit (up to a pair of rows) over the chunk budget keeps G = softmax − onehot rounded to the
+# inputs' dtype and puts s = g/t on the [rows, H] side after (dW = Gᵀ·(s·h), dH = s·(G·W), db =
+# Gᵀ·s): one more rounding of each gradient, relative (dH, db's outputs) or through the sum (s·h,
+# db's rounded s), so `rounds` and `rounds_abs` + 1 when a pair might be over it; G's subnormal
+# floor is then scaled by s (up to s_max = max|g|/t) and s·h's is not (+1 on the floor's scale).
 
 
 def error_bounds(reference: Any, args: tuple, kwargs: dict, *, grads: dict[str, int], beta: float = 1.0, gain: float = 1.0,
@@ -51,7 +56,7 @@ def error_bounds(reference: Any, args: tuple, kwargs: dict, *, grads: dict[str, 
     b_max = bias.detach().abs().max().item() if bias is not None and bias.numel() else 0.0
     delta = SUM_LAMBDA * h**0.5 * (h_norm * w_norm + b_max) * u32
     eps = tok = 0.0
-    g_abs = a_mag = 0.0
+    g_abs = a_mag = s_max = 0.0
     dz_row = dz_col_max = 0.0
     if got and loss.requires_grad:
         entry = got[-1]
@@ -60,6 +65,7 @@ def error_bounds(reference: Any, args: tuple, kwargs: dict, *, grads: dict[str, 
         g = gl.detach()
         lpd = entry["logps"].detach()
         g_abs = g.abs().sum().item()
+        s_max = g.abs().amax().item() / temperature if g.numel() else 0.0
         a_mag = (g.abs() * (lpd.abs() + 1)).sum().item()
         tok = lpd.abs().amax().item() if lpd.numel() else 0.0
         dz_row, dz_col_max = _preference_reference.dlogit_magnitudes(entry, g)
@@ -68,7 +74,9 @@ def error_bounds(reference: Any, args: tuple, kwargs: dict, *, grads: dict[str, 
     seq_err = t * eps + lam_t * u32 * t * (tok + 1)
     loss_model = ErrorModel(rounds=1, ops=8, cancel=loss_err / u32, scale=1.0)
     stat = ErrorModel(rounds=1, ops=8, cancel=gain * seq_err / u32, scale=1.0)
-    chunks = max(1, r // units_per_chunk(r, 1, t, weight.shape[0], hidden.element_size()))  # the chunking's rounds of dW
+    budget = _preference.CHUNK_BYTES  # read per call, as the driver reads its own: tests shrink both
+    chunks = max(1, r // units_per_chunk(r, 1, t, weight.shape[0], hidden.element_size(), budget))  # the chunking's rounds of dW
+    kept = 1 if 2 * t * weight.shape[0] * (4 + hidden.element_size()) > budget else 0  # the kept-G walk's rounding
     # g's own error: a sigmoid of β·margin moves its slope by at most β per unit of margin (two
     # sequences per margin); GRPO's ratios and KL move by at most their log-probs' error (`beta`
     # is then 0: no margin)
@@ -76,8 +84,9 @@ def error_bounds(reference: Any, args: tuple, kwargs: dict, *, grads: dict[str, 
     tiny = TINY.get(hidden.dtype, 0.0)
 
     def grad(rounds: float, d: float, w_max: float, terms: int, inter: torch.dtype) -> ErrorModel:
-        return ErrorModel(rounds=rounds, ops=4, rounds_abs=2, cancel=8 + slope / u32, sum_abs=1, n=max(terms, 1), scale=w_max * d,
-                          inter=inter, floor=SUM_LAMBDA * terms**0.5 * tiny * w_max)  # fmt: skip
+        fl = w_max * (1 + s_max) + 1 if kept else w_max
+        return ErrorModel(rounds=rounds + kept, ops=4, rounds_abs=2 + kept, cancel=8 + slope / u32, sum_abs=1, n=max(terms, 1),
+                          scale=w_max * d, inter=inter, floor=SUM_LAMBDA * terms**0.5 * tiny * fl + kept * tiny * s_max)  # fmt: skip
 
     h_max = hd.abs().max().item() if hd.numel() else 0.0
     bounds = {grads["hidden"]: grad(2, dz_row, w_max, weight.shape[0], hidden.dtype),
