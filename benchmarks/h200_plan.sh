@@ -51,7 +51,8 @@ R=/tmp/h200/$part
 mkdir -p "$R"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 dest=${OUT:-/tmp/h200}
-pack() { tar czf "$dest/h200-$part.tar.gz" -C /tmp/h200 "$part"; echo "packed $dest/h200-$part.tar.gz"; }
+# the sweeps point POLYKERNEL_CACHE_DIR under their --out (a fresh store): their builds stay behind
+pack() { tar czf "$dest/h200-$part.tar.gz" --exclude="cache/native" --exclude="cache/cuda_jit" -C /tmp/h200 "$part"; echo "packed $dest/h200-$part.tar.gz"; }
 trap pack EXIT
 
 step() {  # step NAME LIMIT_S COMMAND...: run, keep the log, say how it ended
