@@ -75,6 +75,8 @@ import sweep_tuning as st  # this folder's sibling: its helpers (not a package)
 
 from polykernel.tools.rows import RowFile, announce
 
+HOST_HOLD_SHORT = 10_000_000  # GPU cycles (~5 ms on an H200): the eager host timing's hold per round
+
 OPS = (
     "silu_and_mul",
     "gelu_and_mul",
@@ -116,7 +118,9 @@ def _timers(device: str) -> dict[str, Any]:
 
         def eager(fn: Any) -> tuple[float, float | None, float | None]:
             gpu = bench.measure(fn, [], False, graph=False, warmup=5, rep=20)[0]
-            host = bench.host_us_per_call(bench._step(fn, [], False), rounds=3)
+            # best of 9 rounds of 5 ms holds (not 3 of 25 ms: same time): the 2026-12-04 fifth run's
+            # eager rows at 1-64 tokens spread by up to 50% between the sweep's interleaved rounds
+            host = bench.host_us_per_call(bench._step(fn, [], False), rounds=9, hold_cycles=HOST_HOLD_SHORT)
             return max(gpu, host / 1e3), gpu, host
 
         return {"graph": graph, "eager": eager}
@@ -359,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         "widths": {op: width(op, a.smoke) for op in a.ops},
         "peers": _versions(),
         "timing": (
-            "graph: CUDA-graph replays, do_bench(warmup=5, rep=20); eager: max(do_bench GPU time, host µs per call); "
+            "graph: CUDA-graph replays, do_bench(warmup=5, rep=20); eager: max(do_bench GPU time, host µs per call, best of 9 rounds of 20 calls behind a ~5 ms GPU hold); "
             f"median of {st.ROUNDS} interleaved rounds"
             if not a.smoke
             else "CPU wall clock (both modes)"
