@@ -13,6 +13,7 @@
 #   trl        : `bash benchmarks/stage_trl.sh` (TRL, datasets and the two of their dependencies the image
 #                lacks, and Liger: one 1.4 MB part); carry .gpu/trl/{setup.sh,manifest,parts-1}, nothing else
 #                (not the serving peers: they travel with the serving parts).
+#   overhead   : the serving parts' carry too (host_profile.py's sgl-kernel and FlashInfer rows; without them those rows are errors).
 #   the others : the Liger wheel only.
 #
 # Parts, in the order the issues' "Done when" need them (the GPU time is 30 min a session):
@@ -190,8 +191,8 @@ case $part in
     step overhead 60 python3 benchmarks/host/overhead.py --rounds 150 --calls 200 --json "$R/overhead.json"
     step helpers 40 python3 benchmarks/host/per_call_helpers.py --rounds 150 --json "$R/per_call_helpers.json"
     step plain-vs-generated 40 python3 benchmarks/host/plain_vs_generated.py --rounds 150 --json "$R/plain_vs_generated.json"
-    step host-profile 120 python3 benchmarks/host/host_profile.py --out "$R/host"
-    step graph 240 python3 -m polykernel bench --graph --no-compile --out "$R/graph" rms_norm layer_norm fused_add_rms_norm swiglu \
+    step host-profile 180 python3 benchmarks/host/host_profile.py --out "$R/host"  # 19 cases (2026-12-04: 17 cases cut at 60 s)
+    step graph 200 python3 -m polykernel bench --graph --no-compile --out "$R/graph" rms_norm layer_norm fused_add_rms_norm swiglu \
       geglu softmax rope cross_entropy fused_linear_cross_entropy
     ;;
   trl)  # needs .gpu/trl (the header); each variant is a process of its own (imports, a 1.2B model,
