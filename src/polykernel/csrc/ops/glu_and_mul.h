@@ -17,8 +17,8 @@ void and_mul_forward(const AndMulPlan& p, const Tensor& x, const Tensor& out) {
   const int64_t m = x.numel() / (2 * p.d);
   const RowTiles::Tile& t = p.fwd.for_rows(m);
   const int64_t col_blocks = cdiv(p.d, p.block);
-  const Tensor up = x.narrow(-1, p.d, p.d);  // only its data pointer is passed: x + d elements
-  Arg a[] = {T(x), T(up), T(out), I(m), I(p.d), I(col_blocks), I(2 * p.d), I(2 * p.d), I(p.d)};
+  // up: x + d elements (x is contiguous: plain())
+  Arg a[] = {T(x), TAt(x, p.d * x.element_size()), T(out), I(m), I(p.d), I(col_blocks), I(2 * p.d), I(2 * p.d), I(p.d)};
   t.slot->launch(static_cast<unsigned>(cdiv(m, t.rows) * col_blocks), 1, 1, a, 9);
 }
 
