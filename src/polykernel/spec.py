@@ -337,9 +337,8 @@ class KernelSpec:
 
     ``graph_rank_for`` (optional) is the same kind of rule for calls made while a CUDA graph is
     captured, asked before ``rank_for`` there and never otherwise: a rank that rests on GPU time
-    alone. A replayed graph pays no launch cost, an eager call pays it every time, so a kernel
-    that wins on the GPU but launches slower (a peer's host path against our native one) ranks
-    first only in graphs.
+    alone (a replay pays no launch cost, an eager call pays it every time). ``eager_rank_for``, its
+    mirror, is asked before ``rank_for`` for a call not captured: a cheaper launch whose GPU time trails.
 
     ``accepts_subclasses`` says whether the impl may be handed a tensor subclass (a DTensor, a
     ``__torch_dispatch__`` wrapper, a ``__torch_function__`` subclass; ``torch.nn.Parameter`` is
@@ -372,6 +371,7 @@ class KernelSpec:
     accepts_subclasses: bool | None = None
     rank_for: Callable[[Any], tuple[int, str] | None] | None = field(default=None, compare=False)
     graph_rank_for: Callable[[Any], tuple[int, str] | None] | None = field(default=None, compare=False)
+    eager_rank_for: Callable[[Any], tuple[int, str] | None] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", KernelBackend(self.backend))
@@ -387,7 +387,7 @@ class KernelSpec:
         >>> KernelSpec("norm.rms_norm", "triton", "m:f", rank=10).rank_here(None)
         (10, None)
         """
-        for name in ("graph_rank_for", "rank_for") if capturing else ("rank_for",):
+        for name in ("graph_rank_for", "rank_for") if capturing else ("eager_rank_for", "rank_for"):
             rule = getattr(self, name)
             if rule is None:
                 continue
@@ -397,7 +397,7 @@ class KernelSpec:
                 return self.rank, f"{name} raised {type(exc).__name__}: {exc}; static rank kept"
             if got is not None:
                 rank, reason = got
-                return int(rank), str(reason) + (" (in CUDA graphs)" if name == "graph_rank_for" else "")
+                return int(rank), str(reason) + {"graph_rank_for": " (in CUDA graphs)", "eager_rank_for": " (eager)"}.get(name, "")
         return self.rank, None
 
     @property

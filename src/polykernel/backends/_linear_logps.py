@@ -41,7 +41,7 @@ import torch
 from .. import _compat
 
 # the chunking the losses' error models count on is theirs (CHUNK_BYTES, units_per_chunk)
-from ..ops._preference import CHUNK_BYTES, units_per_chunk
+from ..ops._preference import CHUNK_BYTES, unit_bytes, units_per_chunk
 from ..ops._preference_reference import whole_logits_logps
 from ._fused_linear_jsd import projector
 
@@ -187,7 +187,7 @@ def walk(
     v = weight.shape[0]
     target = target.long()  # (gather and scatter take int64 indices)
     budget = CHUNK_BYTES if budget is None else budget  # read per call: tests shrink it
-    per_unit = (2 if pairs else 1) * t * v * (4 + hidden.element_size())
+    per_unit = unit_bytes(2 if pairs else 1, t, v, hidden.element_size())
     if per_unit > max(budget, UNIT_BYTES) and r:
         return _walk_tokens(prim, hidden, weight, bias, target, ignore_index, temperature, contrib, aux, needs, budget)
     dev = hidden.device

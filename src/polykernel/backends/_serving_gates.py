@@ -14,6 +14,8 @@ MAX_FUSED_N = SMEM_BYTES // 4 - 32
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
+HALF = ("torch.bfloat16", "bfloat16")  # the dtype the peers' measured ranks were measured in (an argument class's dtype, or its name)
+
 # The CUDA norm kernels address rows in uint32; the adapters split a tensor of more than 2**32
 # elements into slices of 16-row multiples (backends/_dense.py, uint32_parts), which needs
 # 16·N <= 2**32 (kept in step with _dense.MAX_PART_N; this module stays torch-free).

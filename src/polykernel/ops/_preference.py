@@ -29,11 +29,16 @@ from ._preference_reference import _capture, reference_token_logps  # noqa: F401
 CHUNK_BYTES = 1 << 30  # whole units per chunk up to this: fp32 logits plus dlogits (~1280 token rows at V = 128K, bf16)
 
 
+def unit_bytes(rows_per_unit: int, t: int, v: int, elt: int) -> int:
+    """One unit's fp32 logits and its dlogits (``elt`` bytes): what the chunking budgets."""
+    return rows_per_unit * t * v * (4 + elt)
+
+
 def units_per_chunk(n_units: int, rows_per_unit: int, t: int, v: int, elt: int, budget: int = CHUNK_BYTES) -> int:
     """Whole units per chunk: their fp32 logits and dlogits (``elt`` bytes) within ``budget``,
     at least one unit, at most all of them. The impls' chunking (a unit is a pair or a
     sequence), which the error models count on: dW is accumulated once per chunk."""
-    per_unit = max(1, rows_per_unit * t * v * (4 + elt))
+    per_unit = max(1, unit_bytes(rows_per_unit, t, v, elt))
     n = max(1, min(n_units, budget // per_unit))
     if rows_per_unit * t == 1 and 256 <= n < n_units:  # one-token units: a multiple of 128 rows (matmul tiles)
         n -= n % 128

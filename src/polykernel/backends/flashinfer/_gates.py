@@ -53,13 +53,12 @@ def rms_norm_quant_fp8(a: Any) -> str | None:
 # h200-2026-12-04-third/serving/sweep_serving.csv), and eagerly its launch costs more than that:
 # our kernels, launched from C++, run 1.5-1.9x faster per eager call there
 # (h200-2026-12-04-fourth/serving/sweep_serving.csv). Those rules are graph_rank_for: in graphs only.
-_HALF = ("torch.bfloat16", "bfloat16")
 
 
 def silu_and_mul_rank(a: Any) -> tuple[int, str] | None:
     """In CUDA graphs: FlashInfer first for decode-sized calls (<= 16 tokens), 5.2-5.4 µs against
     triton's 5.6-5.9; from 64 tokens on triton leads (2048: 46.7 against 46.9)."""
-    if str(a.dtype) not in _HALF or a.tokens is None or not 0 < a.tokens <= 16:
+    if str(a.dtype) not in shared.HALF or a.tokens is None or not 0 < a.tokens <= 16:
         return None
     return 5, "<= 16 tokens in bf16: FlashInfer 3-8% ahead of triton in GPU time (H200, 2026-12-04)"
 
@@ -67,7 +66,7 @@ def silu_and_mul_rank(a: Any) -> tuple[int, str] | None:
 def gelu_and_mul_rank(a: Any) -> tuple[int, str] | None:
     """FlashInfer first for the erf form at prefill sizes (> 1024 tokens), where the GPU time
     is all of a call's: 56.2-192 µs against triton's 58.1-211, eager and in graphs."""
-    if str(a.dtype) not in _HALF or a.approximate != "none" or a.tokens is None or not a.tokens > 1024:
+    if str(a.dtype) not in shared.HALF or a.approximate != "none" or a.tokens is None or not a.tokens > 1024:
         return None
     return 5, "> 1024 tokens, erf, bf16: FlashInfer ahead of triton (H200, 2026-12-04, three sweeps)"
 
@@ -75,7 +74,7 @@ def gelu_and_mul_rank(a: Any) -> tuple[int, str] | None:
 def gelu_and_mul_graph_rank(a: Any) -> tuple[int, str] | None:
     """In CUDA graphs, also at decode sizes (<= 16 tokens): 5.9-6.6 µs against triton's 6.3-7.0;
     triton leads at 64-512 tokens."""
-    if str(a.dtype) not in _HALF or a.approximate != "none" or a.tokens is None or not 0 < a.tokens <= 16:
+    if str(a.dtype) not in shared.HALF or a.approximate != "none" or a.tokens is None or not 0 < a.tokens <= 16:
         return gelu_and_mul_rank(a)
     return 5, "<= 16 tokens, erf, bf16: FlashInfer 6-11% ahead of triton in GPU time (H200, 2026-12-04, three sweeps)"
 
@@ -84,6 +83,6 @@ def rotary_embedding_rank(a: Any) -> tuple[int, str] | None:
     """In CUDA graphs: FlashInfer first for decode-sized calls (<= 64 tokens, head 128, with a
     key), 5.7-6.5 µs against triton's 5.9-6.7; triton leads from 512 tokens on (48.9 against
     53.7 at 8192)."""
-    if str(a.dtype) not in _HALF or a.head_size != 128 or not a.has_key or a.tokens is None or not 0 < a.tokens <= 64:
+    if str(a.dtype) not in shared.HALF or a.head_size != 128 or not a.has_key or a.tokens is None or not 0 < a.tokens <= 64:
         return None
     return 5, "<= 64 tokens, head 128, bf16: FlashInfer 2-7% ahead of triton in GPU time (H200, 2026-12-04)"
