@@ -145,25 +145,19 @@ def test_flashinfer_decode_ranks_hold_in_cuda_graphs_only():
     assert registry.specs_for("silu_and_mul")["flashinfer"].rank_here(info, False)[1] is None
 
 
-def test_sgl_kernel_goes_first_eagerly_at_decode_sizes_only():
-    """sgl-kernel's silu_and_mul / gelu_and_mul launch 25-30% cheaper than ours from C++ (the H200
-    tuner's host times, 2026-12-04, fifth run) while trailing in GPU time: ahead of triton (rank 10)
-    eagerly at <= 64 tokens (bf16, the measured width, gelu's erf form), behind it in CUDA graphs
-    and wherever GPU time counts or nothing was measured."""
+def test_sgl_kernel_stays_behind_triton_eagerly_and_in_graphs():
+    """With the glu entry passing the up half as a pointer, our kernels from C++ launch for no more
+    host time than sgl-kernel's silu_and_mul / gelu_and_mul at 1-64 tokens and run shorter on the
+    GPU (the H200 tuner's times, 2026-12-04, sixth run): no rule moves sgl-kernel ahead of triton
+    (rank 10), eagerly or in CUDA graphs."""
     for op in ("silu_and_mul", "gelu_and_mul"):
-        assert _rank(op, "sgl_kernel", t(1, 28672), capturing=False) < 10
-        assert _rank(op, "sgl_kernel", t(64, 28672), capturing=False) < 10
-        assert _rank(op, "sgl_kernel", t(2, 8, 28672), capturing=False) < 10  # tokens: rows over the leading dims
-        assert _rank(op, "sgl_kernel", t(65, 28672), capturing=False) > 10  # 128 tokens' class
-        assert _rank(op, "sgl_kernel", t(1, 2 * 28672), capturing=False) > 10  # wider than measured
-        assert _rank(op, "sgl_kernel", t(1, 28672, dtype=torch.float16), capturing=False) > 10
-        assert _rank(op, "sgl_kernel", t(1, 28672), capturing=True) > 10  # in graphs: GPU time
-        assert _rank(op, "sgl_kernel", t(512, 28672), capturing=True) > 10
-    assert _rank("gelu_and_mul", "sgl_kernel", t(1, 28672), approximate="tanh", capturing=False) > 10
+        for rows in (1, 16, 64, 512, 8192):
+            for capturing in (False, True):
+                assert _rank(op, "sgl_kernel", t(rows, 28672), capturing=capturing) > 10
     the_op = registry.get_op("silu_and_mul")
     info = the_op.arg_class(the_op.key(t(1, 28672)))
     spec = registry.specs_for("silu_and_mul")["sgl_kernel"]
-    assert spec.rank_here(info, False)[1].endswith("(eager)") and spec.rank_here(info, True)[1] is None
+    assert spec.rank_here(info, False)[1] is None and spec.rank_here(info, True)[1] is None
 
 
 def test_the_token_bucket_of_the_serving_argument_classes():

@@ -247,9 +247,10 @@ def _second_order(fn, tensors, seed=0):
     gen = torch.Generator().manual_seed(seed)
     outs = fn(*tensors)
     outs = outs if isinstance(outs, tuple) else (outs,)
-    dys = [torch.randn(o.shape, generator=gen, dtype=o.dtype).requires_grad_() for o in outs]
+    # drawn on the CPU (one generator, the same draws on every device), then moved to the output's
+    dys = [torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device).requires_grad_() for o in outs]
     grads = torch.autograd.grad(outs, tensors, dys, create_graph=True)
-    vs = [torch.randn(g.shape, generator=gen, dtype=g.dtype) for g in grads]
+    vs = [torch.randn(g.shape, generator=gen, dtype=g.dtype).to(g.device) for g in grads]
     wrt = [*tensors, *dys]
     second = torch.autograd.grad(grads, wrt, vs, allow_unused=True)
     return [g.detach() for g in grads], [torch.zeros_like(w) if s is None else s for w, s in zip(wrt, second)]

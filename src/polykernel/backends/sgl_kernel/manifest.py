@@ -1,8 +1,8 @@
 """The ops the ``sgl_kernel`` backend implements, and its impl row for each (torch-free; see
 :mod:`polykernel.backends`). Serving peer, forward only (no backward: passed by when a gradient is
-wanted); behind every other impl (rank 75) except where the H200 measured it ahead (outside CUDA
-graphs, decode-sized silu_and_mul and gelu_and_mul: ``eager_rank_for`` rules, _gates.py), else by
-name or when measured selection picks it."""
+wanted); behind every other impl (rank 75): picked by name or when measured selection picks it. Eagerly at
+decode sizes its silu_and_mul / gelu_and_mul launch no cheaper than our kernels from C++ and run
+longer on the GPU (h200-2026-12-04-sixth/serving/sweep/sweep_serving.json), so no rule puts it ahead."""
 
 from . import SGL_KERNEL, _gates
 
@@ -18,14 +18,12 @@ IMPLS = {
         supports_backward=False,
         description="sgl-kernel silu_and_mul (rows in multiples of 16 bytes; dense x and out, else copies)",
         predicate=_gates.silu_and_mul,
-        eager_rank_for=_gates.and_mul_rank,
     ),
     "serving.gelu_and_mul": SGL_KERNEL.impl(
         rank=75,
         supports_backward=False,
         description="sgl-kernel gelu_and_mul / gelu_tanh_and_mul (rows in multiples of 16 bytes; dense x and out, else copies)",
         predicate=_gates.gelu_and_mul,
-        eager_rank_for=_gates.and_mul_rank,
     ),
     # FlashInfer's FusedAddRMSNorm inside sgl-kernel: within the op's error model (see flashinfer's row).
     "serving.fused_add_rms_norm_": SGL_KERNEL.impl(
