@@ -103,6 +103,10 @@ case $part in  # the eager rows: build the native launch path first (else the fi
   # in the background and launches from Python meanwhile: 2026-12-04's serving-b and decode rows)
   serving-* | decode | overhead | families-* | vision-* | trl) step native-build 150 python3 -m polykernel.backends.triton._native ;;
 esac
+case $part in  # FlashInfer's JIT modules in one parallel build (else each builds on its first call, one at a
+  # time: 2026-12-04's sixth run, fresh machine, the serving tests' 240 s went on them; 80 s warm)
+  serving-* | overhead) [ -f .gpu/serving/setup.sh ] && step flashinfer-jit 180 python3 -m polykernel.backends.flashinfer._prebuild ;;
+esac
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv >"$R/gpu.csv" 2>&1
 case $part in
   serving-a)

@@ -6,7 +6,8 @@ FlashInfer-free) say where FlashInfer computes something else than the op's cont
 case; the adapters hand its kernels only dense, 16-byte aligned tensors (:mod:`.._dense`).
 
 FlashInfer JIT-compiles each kernel module with the CUDA toolkit (nvcc) on its first call and
-caches it on disk: call an op once before capturing a CUDA graph. Its norms run its CuTe DSL
+caches it on disk: call an op once before capturing a CUDA graph, or build every module our
+adapters use at once, in parallel: ``python -m polykernel.backends.flashinfer._prebuild``. Its norms run its CuTe DSL
 kernels when ``nvidia-cutlass-dsl`` imports, else its CUDA ones (same math: fp32, one rounding).
 
 Ops: rms_norm (forward only; ``casting="fp32"``, offset 0 or 1), fused_add_rms_norm_, silu_and_mul,
