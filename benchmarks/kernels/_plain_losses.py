@@ -1,4 +1,4 @@
-"""The ten post-training losses as one writes them without a kernel library (TRL-style): the whole
+"""The post-training losses as one writes them without a kernel library (TRL-style): the whole
 ``[N, V]`` logits (or the given log-probs) upcast to fp32, then the loss formula. The baseline rows
 of ``post_training_losses.py``; each formula is polykernel's op at the arguments that script
 passes (its docstring), so the values compare."""
@@ -108,3 +108,32 @@ def fused_linear_jsd(student_hidden, student_weight, teacher_hidden, teacher_wei
     s = (student_hidden @ student_weight.T).float().log_softmax(-1)
     t = (teacher_hidden @ teacher_weight.T).float().log_softmax(-1)
     return jsd(s, t, labels)
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+    weight: torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """Hugging Face's way (the logits upcast, then ``F.cross_entropy``) with the options written out
+    in torch, as ``polykernel.cross_entropy`` defines them: the softcap on the upcast logits, then
+    the z-loss ``z_loss·lse²`` per scored row, weighted by ``w[t]`` and reduced like the loss (over
+    the summed ``w[t]``; the count without class weights)."""
+    x = logits.float()
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    loss = F.cross_entropy(x, target, weight=weight, ignore_index=IGNORE, label_smoothing=label_smoothing)
+    if z_loss:
+        valid = target != IGNORE
+        w_t = valid.float() if weight is None else torch.where(valid, weight[torch.where(valid, target, 0)], 0.0)
+        loss = loss + z_loss * (w_t * torch.logsumexp(x, -1).square()).sum() / w_t.sum()
+    return loss
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, target: torch.Tensor, **options: object) -> torch.Tensor:
+    """The ``[N, V]`` logits materialised by the LM head's matmul (in the inputs' dtype), then
+    :func:`cross_entropy` (``options``: its keywords; ``weight`` is the class weights)."""
+    return cross_entropy(hidden @ head.T, target, **options)
