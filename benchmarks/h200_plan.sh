@@ -152,10 +152,11 @@ case $part in
     # eager, not --graph: Liger's losses are not CUDA-graph safe, so a graph bench has no Liger row
     # (2026-12-04); at these sizes (ms per call) the GPU time dominates the host's anyway
     step distill-bench 200 python3 -m polykernel bench --no-compile --out "$R/distill" "${DISTILL_OPS[@]}"
-    # the ten losses against Liger called as its users call it (its own modules: the registry's
-    # predicates refused its DPO and bf16 GRPO on 2026-12-04) and the plain loss; it replaces the
-    # preference ops' bench step (no room: the part's limits add up to 540 s). ~2 s a row and
-    # ~15 s for each Liger chunked loss's torch.compile: the six preference losses come first
+    # the ten losses, then the eight CE-option rows, against Liger called as its users call it (its
+    # own modules: the registry's predicates refused its DPO and bf16 GRPO on 2026-12-04) and the
+    # plain loss; it replaces the preference ops' bench step (no room: the part's limits add up to
+    # 540 s). The ten took 64 s on 2026-12-04 (sixth run); the script estimates ~150 s with the
+    # options: a cut run keeps the ten, and `--only` resumes the rest
     step post-train-losses 190 python3 benchmarks/kernels/post_training_losses.py --json "$R/post_training.json"
     ;;
   moe | moe-tests)  # each test file on its own (2026-12-03, fresh machine: gpt-oss 54 s; the other two cut at 50-65 s, compiling);

@@ -48,6 +48,7 @@ if "--tiny" in sys.argv and not torch.cuda.is_available():  # CPU smoke: the tri
 from _liger_losses import liger_call, overwrites_input
 from _loss_cases import CE_OPTION_LOSSES, FULL, LOSSES, OPTION_VALUES, PREFERENCE, TINY, inputs, plain_call, polykernel_call
 
+import polykernel
 from polykernel.tools.bench import peak_extra_mib
 from polykernel.tools.rows import RowFile, announce
 
@@ -166,9 +167,13 @@ def main() -> None:
                 if isinstance(call, str):
                     row["error"] = call
                 else:
+                    if impl == "auto":  # the decisions of this row alone: what auto actually ran
+                        polykernel.clear_caches()
                     ms, peak, value = measure(*call, device, reps)
                     rel = abs(value - ref) / max(abs(ref), 1e-6)
                     row.update(ms=ms, peak_extra_mib=peak, loss_value=value, rel_diff=rel, agrees=rel <= RTOL)
+                    if impl == "auto":
+                        row["ran"] = sorted({f"{d['op']}={d['impl']}" for d in polykernel.decisions()})
             except Exception as exc:  # one failing candidate must not hide the others
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             row["device"] = where

@@ -58,6 +58,9 @@ def test_tiny_run_writes_agreeing_rows(tmp_path):
             assert row["agrees"] and row["ms"] > 0 and row["peak_extra_mib"] is None, row
         assert abs(rows[loss, "auto"]["loss_value"] - rows[loss, "torch"]["loss_value"]) <= 1e-5 * abs(rows[loss, "torch"]["loss_value"])
         assert rows[loss, "liger"]["error"].startswith("skipped on CPU"), rows[loss, "liger"]
+        # auto's row names the impls that ran (its own decisions), for its loss's op
+        ran = rows[loss, "auto"]["ran"]
+        assert ran and all("=" in r for r in ran) and any(loss in r.split("=")[0] for r in ran), ran
 
 
 @pytest.mark.slow  # ~12 s: polykernel's own choice is its triton impl, interpreted
