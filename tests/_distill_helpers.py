@@ -113,7 +113,10 @@ def gpu_parity(op_name: str, dtype: torch.dtype, peer_skips: tuple[str, ...] = (
     ours = [n for n in names if n in ("torch", "triton")]
     from _gpu_gates import fewer_rows
 
-    large = fewer_rows(op.cases("cuda", dtype, large=True))  # float64 references of at most 1 GiB per [N, V]
+    # float64 references of at most 1 GiB per [N, V]; V is the first argument's last dim, or the
+    # student weight's rows for fused_linear_jsd (its first argument is the [N, H] hidden)
+    vocab = (lambda c: c.args[1].shape[0]) if op_name.startswith("fused_linear") else (lambda c: c.args[0].shape[-1])
+    large = fewer_rows(op.cases("cuda", dtype, large=True), vocab)
     assert_parity(op_name, ours, device="cuda", dtypes=[dtype], cases=large)
     for peer in (n for n in names if n not in ours):
         cases = [c for c in large if refusal(op, peer, c) is None and not any(s in c.label for s in peer_skips)]

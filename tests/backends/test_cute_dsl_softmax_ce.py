@@ -251,7 +251,11 @@ def test_cross_entropy_grad_output_not_one_gpu(reduction, dtype):
 
 
 @pytest.mark.gpu
-def test_cross_entropy_out_of_range_target_is_nan():
+def test_cross_entropy_out_of_range_target_is_nan(monkeypatch):
+    # No first-use check: it runs the torch impl on a copy of the call first, whose gather of the
+    # out-of-range target is a device-side assert (the CUDA context, and every later test of the
+    # process, would be lost); the kernel's own NaN is what this checks.
+    monkeypatch.setenv("POLYKERNEL_VERIFY", "off")
     x = torch.randn(3, 1000, device="cuda", requires_grad=True)
     t = torch.tensor([1, 5000, 2], device="cuda")
     loss = polykernel.cross_entropy(x, t, reduction="none", impl="cute_dsl")

@@ -45,7 +45,10 @@ def test_graph_capture_excludes_unsafe_impls():
     )(unsafe)
     x, w = torch.randn(8, 64, device="cuda"), torch.randn(64, device="cuda")
     polykernel.rms_norm(x, w)
-    assert calls == ["liger"]
+    # On CUDA the decision's first call is verified (POLYKERNEL_VERIFY=first): the impl runs once
+    # on copies of the inputs, then for the call itself, so it is called twice here, not once.
+    assert calls and set(calls) == {"liger"}, calls
+    eager_calls = len(calls)
     polykernel.rms_norm(x, w, impl="triton")  # compile the triton kernel outside the capture
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
@@ -53,5 +56,5 @@ def test_graph_capture_excludes_unsafe_impls():
         y = polykernel.rms_norm(x, w)
     graph.replay()
     torch.cuda.synchronize()
-    assert calls == ["liger"]  # not called during capture
+    assert len(calls) == eager_calls  # not called during capture
     torch.testing.assert_close(y, reference(x, w), atol=1e-5, rtol=1e-5)

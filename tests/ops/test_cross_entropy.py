@@ -213,7 +213,11 @@ def test_parity_gpu_large(dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_out_of_range_target_is_flagged():
+def test_gpu_out_of_range_target_is_flagged(monkeypatch):
+    # No first-use check: it runs the torch impl on a copy of the call first, whose gather of the
+    # out-of-range target is a device-side assert (the CUDA context, and every later test of the
+    # process, would be lost); the kernel's own flagging is what this checks.
+    monkeypatch.setenv("POLYKERNEL_VERIFY", "off")
     x = torch.randn(8, 128256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     t = torch.randint(0, 128256, (8,), device="cuda")
     t[5] = 128256

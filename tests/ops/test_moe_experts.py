@@ -479,6 +479,7 @@ index = torch.tensor([[0, 1]] * 7 + [[1, {bad}]], device="cuda")
 weights = torch.rand(8, 2, device="cuda", dtype=torch.bfloat16)
 gate_up = torch.randn(4, 128, 64, device="cuda", dtype=torch.bfloat16)
 down = torch.randn(4, 64, 64, device="cuda", dtype=torch.bfloat16)
+print("calling", flush=True)  # set-up done: what follows is the call
 try:
     y = polykernel.moe_experts(x, index, weights, gate_up, down, impl=sys.argv[1])
     torch.cuda.synchronize()

@@ -262,6 +262,7 @@ x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
 index = torch.tensor([[0, 1]] * 7 + [[1, {bad}]], device="cuda")
 weights = torch.rand(8, 2, device="cuda", dtype=torch.bfloat16)
 params = [torch.randn(*s, device="cuda", dtype=torch.bfloat16) for s in ((4, 64, 128), (4, 128), (4, 64, 64), (4, 64))]
+print("calling", flush=True)  # set-up done: what follows is the call
 try:
     y = polykernel.moe_experts_gpt_oss(x, index, weights, *params, impl=sys.argv[1])
     torch.cuda.synchronize()

@@ -145,6 +145,10 @@ def test_liger_adapter_gpu():
     from _distill_helpers import liger_matches_reference
     from polykernel.core import registry
 
+    checked = 0
     for case in registry.get_op("tvd").cases("cuda", torch.float32):
         if polykernel.testing.refusal("tvd", "liger", case) is None:
             liger_matches_reference("tvd", case)
+            checked += 1
+    if not checked:  # Liger not staged here (or refusing every case): say so, not a silent pass
+        pytest.skip(f"liger took none of tvd's cases here: {polykernel.testing.refusal('tvd', 'liger', case)}")
