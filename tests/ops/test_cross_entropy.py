@@ -1,6 +1,8 @@
 """cross_entropy: parity of every runnable impl with the reference, PyTorch's edge cases, the
 out-of-range-target flag, both Triton gradient strategies, and argument errors."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -85,6 +87,61 @@ def test_triton_out_of_range_target_gives_nan_not_garbage():
     (g,) = torch.autograd.grad(loss.sum(), x)
     assert g[1].isnan().all() and g[3].isnan().all() and bool((g[2] == 0).all()) and g[0].isfinite().all()
     assert tri(x.detach(), t, -100, 0.0, "mean").isnan()
+
+
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1}, {"softcap": 5.0, "z_loss": 1e-3}], ids=["plain", "smooth", "softcap-z"])
+def test_torch_impl_flags_an_out_of_range_target_like_the_kernels(options):
+    """The torch impl reads class 0 for an out-of-range target and makes that row's loss and
+    gradient NaN, as the kernels do: on a GPU the first-use check runs it first on the caller's
+    values, and its gather would otherwise be a device-side assert (here: an IndexError)."""
+    from polykernel.backends.torch.cross_entropy import cross_entropy as tce
+
+    x = torch.randn(4, 1000, requires_grad=True)
+    t = torch.tensor([3, 1000, -100, -7])
+    ls = options.get("label_smoothing", 0.0)
+    extra = (None, options.get("softcap"), options.get("z_loss", 0.0))
+    loss = tce(x, t, -100, ls, "none", *extra)
+    assert loss[1].isnan() and loss[3].isnan() and loss[2] == 0 and loss[0].isfinite()
+    want = reference(x.detach()[:1], t[:1], reduction="none", label_smoothing=ls, softcap=extra[1], z_loss=extra[2])[0]
+    torch.testing.assert_close(loss[0], want)
+    (g,) = torch.autograd.grad(loss.sum(), x)
+    assert g[1].isnan().all() and g[3].isnan().all() and bool((g[2] == 0).all()) and g[0].isfinite().all()
+    assert tce(x.detach(), t, -100, ls, "mean", *extra).isnan()
+
+
+def test_torch_fused_linear_impl_flags_an_out_of_range_target():
+    from polykernel.backends.torch.fused_linear_cross_entropy import fused_linear_cross_entropy as flce
+
+    h, w = torch.randn(4, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
+    t = torch.tensor([3, 50, -100, 7])
+    assert flce(h.detach(), w.detach(), t, None, -100, 0.0, "none")[1].isnan()
+    loss = flce(h, w, t, None, -100, 0.0, "mean")
+    assert loss.isnan()
+    gh, _gw = torch.autograd.grad(loss, (h, w))
+    assert gh[1].isnan().all()
+
+
+@pytest.mark.gpu
+def test_gpu_first_call_with_an_out_of_range_target_keeps_the_cuda_context(tmp_path):
+    """With the first-use check on (CUDA's default), the first call of an argument class runs the
+    torch impl on the caller's values first: an out-of-range target must give NaN there too, not a
+    device-side assert that loses the process's CUDA context (run apart: it would)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, polykernel\n"
+        "x = torch.randn(8, 32000, device='cuda', requires_grad=True)\n"
+        "t = torch.randint(0, 32000, (8,), device='cuda'); t[5] = 32000\n"
+        "for impl in (None, 'torch', 'triton'):\n"
+        "    loss = polykernel.cross_entropy(x, t, impl=impl)\n"
+        "    (g,) = torch.autograd.grad(loss, x)\n"
+        "    assert loss.isnan() and g[5].isnan().all() and g[0].isfinite().all(), impl\n"
+        "torch.cuda.synchronize(); print('flagged')\n"
+    )
+    env = {**os.environ, "POLYKERNEL_VERIFY": "first"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "flagged" in run.stdout, run.stderr[-2000:]
 
 
 def test_triton_grad_in_forward_strategy(monkeypatch):

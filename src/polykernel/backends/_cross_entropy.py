@@ -64,6 +64,22 @@ def denominator(t: torch.Tensor, ignore_index: int, weight: torch.Tensor | None,
     return mean_divisor(torch.where(valid, w, 0.0).sum())
 
 
+def _targets(target: torch.Tensor, ignore_index: int, v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(valid, out_of_range, t): ``t`` the target with ignored and out-of-range entries read as
+    class 0, so nothing indexes out of bounds. An out-of-range target (not ignore_index, outside
+    ``[0, V)``; the public function refuses it on the CPU, the host does not look on a GPU) stays
+    a scored row whose loss and gradient are NaN, as the kernels flag it: no device-side assert
+    (the first-use check runs this impl first, on the caller's values), no finite loss from it."""
+    valid = target != ignore_index
+    bad = valid & ((target < 0) | (target >= v))
+    return valid, bad, torch.where(valid & ~bad, target, 0)
+
+
+def _flag(rows: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """NaN on the out-of-range rows of a per-row tensor (loss or gradient scale): an [n] op."""
+    return torch.where(bad, torch.nan, rows)
+
+
 def _target_weight(ex: Extras, t: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """w[t] per row (1 without weights), 0 on ignored rows; ``t`` already 0 there."""
     if ex.weight is None:
@@ -160,10 +176,9 @@ def loss_and_grad(
     acc = _acc(x.dtype)
     loss = torch.empty(n, dtype=acc, device=x.device)
     lse = torch.empty(n, dtype=acc, device=x.device)
-    valid = target != ignore_index
-    t = torch.where(valid, target, 0)
-    if out is not None:
-        scale = scale.to(acc).expand(n)  # type: ignore[union-attr]
+    valid, bad, t = _targets(target, ignore_index, v)
+    if out is not None:  # a NaN scale makes the whole row of the gradient NaN
+        scale = _flag(scale.to(acc).expand(n), bad)  # type: ignore[union-attr]
     step = _step(v)
     for s in range(0, n, step):
         e = min(n, s + step)
@@ -185,7 +200,7 @@ def loss_and_grad(
         lse[s:e] = lse_c
         if out is not None:
             out[s:e].copy_(_row_grad(xf, t[s:e], valid[s:e], lse_c, scale[s:e], ls))  # type: ignore[index]
-    return loss, lse
+    return _flag(loss, bad), lse
 
 
 def grad_from_lse(
@@ -195,9 +210,8 @@ def grad_from_lse(
     n, v = x.shape
     acc = _acc(x.dtype)
     out = torch.empty((n, v), dtype=x.dtype, device=x.device)
-    valid = target != ignore_index
-    t = torch.where(valid, target, 0)
-    scale = scale.to(acc).expand(n)
+    valid, bad, t = _targets(target, ignore_index, v)
+    scale = _flag(scale.to(acc).expand(n), bad)
     step = _step(v)
     for s in range(0, n, step):
         e = min(n, s + step)

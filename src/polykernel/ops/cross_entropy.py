@@ -25,8 +25,9 @@ the logits are never written to.
 Out-of-range targets (neither in ``[0, V)`` nor ``ignore_index``): on the CPU the public function
 raises ``OpArgumentError`` before anything runs. On other devices the host does not check (that
 would cost a device-to-host sync per call); instead the kernels never read out of bounds and flag
-the row: the Triton impl makes that row's loss (so the mean/sum) and gradient NaN, and the torch
-impl's ``gather`` raises PyTorch's device-side index assertion. No impl returns a finite loss
+the row: the Triton and torch impls make that row's loss (so the mean/sum) and gradient NaN (the
+torch impl reads class 0 there, so the first-use check, which runs it first on the caller's
+values, never trips PyTorch's device-side index assertion). No impl returns a finite loss
 computed from an out-of-range target.
 """
 
