@@ -400,11 +400,19 @@ _SHAPES = {
 }
 
 
-@pytest.mark.parametrize("grad", [False, True], ids=["inference", "grad"])
+# On a GPU (the `gpu` mark, so `-m gpu` runs it): the compiled kernels, with gradients (the
+# outputs' check runs in both); on the CPU: Triton's interpreter, with and without.
+_WHERE = [
+    pytest.param("cpu", False, id="cpu-inference"),
+    pytest.param("cpu", True, id="cpu-grad"),
+    pytest.param("cuda", True, id="cuda-grad", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize(("device", "grad"), _WHERE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", sorted(_SHAPES))
-def test_triton_impls_pass_verification(monkeypatch, name, dtype, grad):
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+def test_triton_impls_pass_verification(monkeypatch, name, dtype, device, grad):
     if device == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("POLYKERNEL_IMPL", "triton")
