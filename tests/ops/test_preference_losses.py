@@ -403,6 +403,68 @@ def _linear_logps_prim(impl: str):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_16bit_unit_alone_in_its_chunk_keeps_g(monkeypatch, impl, dtype):
+    """A unit within the budget but alone in its chunk (KTO's 1024-token sequence at V = 128K:
+    0.79 GB of fp32 logits and bf16 dlogits in one pass, 8 MiB above Liger's peak on the H200)
+    takes the kept walk in 16 bits once its fp32 logits exceed SUB_BYTES: its logits come
+    sub-chunk by sub-chunk, the largest tensor is its G, and the loss and gradients match the
+    one-pass walk's and the float64 reference (the error model counts the rounding). fp32: one
+    pass (its dlogits overwrite its logits: nothing to save)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from polykernel.core.op import Case
+    from polykernel.ops import _preference
+    from polykernel.testing import check_parity
+
+    r, t, v = 4, 32, 512
+    hid, w, b = head(r, t, 8, v, dtype=dtype)
+    tg = targets(r, t, v)
+    desirable = torch.tensor([True, False, True, False])
+    call = lambda: polykernel.fused_linear_kto_loss(hid, w, tg, desirable, b, impl=impl, beta=0.5)
+    grads = lambda out: torch.autograd.grad(out.loss, (hid, w, b))
+    call().loss.backward()  # the first call's checks, outside
+    budget = _preference.unit_bytes(1, t, v, hid.element_size()) + 1  # one sequence per chunk
+    for mod in (_linear_logps, _preference):
+        monkeypatch.setattr(mod, "CHUNK_BYTES", budget)
+        monkeypatch.setattr(mod, "SUB_BYTES", 1 << 40)  # first: no unit's logits over it, one pass
+    one_pass = call()
+    want = [one_pass.loss, *grads(one_pass)]
+    for mod in (_linear_logps, _preference):
+        monkeypatch.setattr(mod, "SUB_BYTES", 8 * v * 4)  # fp32 logits of 8 tokens
+    seen: list[int] = []
+    real = _linear_logps._logits
+    monkeypatch.setattr(_linear_logps, "_logits", lambda proj, hc, *a: (seen.append(hc.shape[0]), real(proj, hc, *a))[1])
+    made: list[tuple[int, torch.dtype, tuple]] = []
+
+    class Largest(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for x in out if isinstance(out, tuple | list) else (out,):
+                if isinstance(x, torch.Tensor):
+                    made.append((x.untyped_storage().nbytes(), x.dtype, tuple(x.shape)))
+            return out
+
+    with Largest():
+        out = call()
+        got = [out.loss, *grads(out)]
+    if dtype == torch.float32:
+        assert seen == [t] * r  # one pass per sequence
+        return
+    assert seen == [8] * (r * t // 8)  # each sequence's logits 8 tokens at a time
+    top = max(made, key=lambda m: m[0])
+    assert top == (t * v * 2, torch.bfloat16, (t, v)), top  # a sequence's G, bf16
+    assert max(n for n, d, _ in made if d == torch.float32) <= max(8 * v * 4, v * 8 * 4)
+    for a, c in zip(got, want, strict=True):
+        scale = c.double().abs().max().clamp(min=1e-30)
+        torch.testing.assert_close(a.double() / scale, c.double() / scale, rtol=2e-2, atol=1e-2)
+    (result,) = check_parity(
+        "fused_linear_kto_loss", [impl], dtypes=[dtype], cases=[Case("kto", (hid, w, tg, desirable, b), {"beta": 0.5})]
+    )
+    assert result.ok, str(result)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_kept_walk_holds_no_fp32_logits_of_a_whole_unit(monkeypatch, impl):
     """The largest tensor the kept walk makes (forward and backward, bf16) is the unit's G in
     bf16: no fp32 [rows, V] logits of the unit nor a second [rows, V] buffer (the one-pass walk

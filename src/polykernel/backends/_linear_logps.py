@@ -19,7 +19,9 @@ graph can be back-propagated once. Peak extra memory: one chunk's fp32 logits an
 (``CHUNK_BYTES``), besides the gradients.
 
 One unit larger than ``CHUNK_BYTES`` (a pair of 1024-token rows at V = 128K: 1.05 GB of fp32
-logits, 0.53 GB of bf16 dlogits) takes its logits ``SUB_BYTES`` of tokens at a time and keeps
+logits, 0.53 GB of bf16 dlogits), and a 16-bit unit alone in its chunk whose fp32 logits exceed
+``SUB_BYTES`` (KTO's or GRPO's 1024-token sequence: 0.79 GB; ``ops._preference.keeps_g``),
+takes its logits ``SUB_BYTES`` of tokens at a time and keeps
 only ``G = softmax(z) − onehot(t)`` of every token, in the inputs' dtype (:func:`_unit_logps`);
 the formula's slope ``s`` per token, known once the whole unit's log-probs are, then goes on
 the ``[rows, H]`` operands, so ``dz = −s/temperature · G`` is never formed (:meth:`_Grads.push_kept`):
@@ -41,7 +43,7 @@ import torch
 from .. import _compat
 
 # the chunking the losses' error models count on is theirs (CHUNK_BYTES, units_per_chunk)
-from ..ops._preference import CHUNK_BYTES, unit_bytes, units_per_chunk
+from ..ops._preference import CHUNK_BYTES, SUB_BYTES, keeps_g, unit_bytes, units_per_chunk
 from ..ops._preference_reference import whole_logits_logps
 from ._fused_linear_jsd import projector
 
@@ -50,7 +52,6 @@ from ._fused_linear_jsd import projector
 # [rows, V] in bf16 and SUB_BYTES of fp32 logits), and the two-pass token walk past it (4 GEMMs,
 # memory within CHUNK_BYTES).
 UNIT_BYTES = 4 << 30
-SUB_BYTES = 256 << 20  # fp32 logits of one token sub-chunk of such a unit (512 rows at V = 128K)
 
 Contrib = Callable[..., torch.Tensor]
 _transforms_active = _compat.functorch_transforms_active
@@ -199,7 +200,9 @@ def walk(
     proj = projector(weight)
     inv_t = 1.0 / temperature
     step = units_per_chunk(r // 2 if pairs else r, 2 if pairs else 1, t, v, hidden.element_size(), budget)
-    kept = per_unit > budget  # one unit per chunk, over the budget: its logits in sub-chunks, G kept
+    units = r // 2 if pairs else r
+    # one unit per chunk, over the budget (or 16-bit, its fp32 logits over SUB_BYTES): its logits in sub-chunks, G kept
+    kept = keeps_g(units, 2 if pairs else 1, t, v, hidden.element_size(), budget, SUB_BYTES)
     for rows in _chunks(r, pairs, step):
         nr = sum(s.stop - s.start for s in rows)
         hc = _take(hidden, rows).reshape(-1, h)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from . import _preference, _preference_reference
-from ._preference import _capture, reference_token_logps, sequence_logps, unit_bytes, units_per_chunk
+from ._preference import _capture, keeps_g, reference_token_logps, sequence_logps, units_per_chunk
 
 # Every loss is a formula of the per-token log-probs logp = z[t] − lse(z), z = (h·W + b)/temperature
 # an fp32 GEMM result of the inputs' values: off by δ <= λ·√H·u32 of Σ_k |h_k·W_k| (<= ‖h‖·‖W_v‖,
@@ -76,9 +76,12 @@ def error_bounds(reference: Any, args: tuple, kwargs: dict, *, grads: dict[str, 
     stat = ErrorModel(rounds=1, ops=8, cancel=gain * seq_err / u32, scale=1.0)
     budget = _preference.CHUNK_BYTES  # read per call, as the driver reads its own: tests shrink both
     chunks = max(1, r // units_per_chunk(r, 1, t, weight.shape[0], hidden.element_size(), budget))  # the chunking's rounds of dW
+    v, elt = weight.shape[0], hidden.element_size()  # the kept-G walk's rounding, where it may run (pairs or sequences)
     kept = (
-        1 if unit_bytes(2, t, weight.shape[0], hidden.element_size()) > budget else 0
-    )  # the kept-G walk's rounding (a pair: the largest unit)
+        1
+        if keeps_g(max(r // 2, 1), 2, t, v, elt, budget, _preference.SUB_BYTES) or keeps_g(r, 1, t, v, elt, budget, _preference.SUB_BYTES)
+        else 0
+    )
     # g's own error: a sigmoid of β·margin moves its slope by at most β per unit of margin (two
     # sequences per margin); GRPO's ratios and KL move by at most their log-probs' error (`beta`
     # is then 0: no margin)
