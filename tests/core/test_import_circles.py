@@ -2,15 +2,20 @@
 
 ``lint-imports`` checks the layers and the backends' independence, but only for imports made at
 module level; a circle can also be held open by an import inside a function (run on first use).
-This reads every import statement of the package (module level and inside functions; not those
-under ``if TYPE_CHECKING:``, which never run), resolves it to the module it loads, counting the
-packages a dotted import passes through, and looks for strongly connected components.
+The first check reads every import statement of the package (module level and inside functions;
+not those under ``if TYPE_CHECKING:``, which never run), resolves it to the module it loads,
+counting the packages a dotted import passes through, and looks for strongly connected
+components. The second takes grimp's graph (import-linter's), which counts the imports under
+``if TYPE_CHECKING:`` too, as ``exclude_type_checking_imports = false`` in pyproject.toml does: no
+circle of type names either (a lower layer annotates with :mod:`polykernel.core.protocols`).
 """
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -107,9 +112,25 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def grimp_graph(package: str) -> dict[str, set[str]]:
+    """``package``'s imports as grimp finds them, those under ``if TYPE_CHECKING:`` included."""
+    grimp = pytest.importorskip("grimp")  # installed with import-linter (the dev extra)
+    graph = grimp.build_graph(package, exclude_type_checking_imports=False, cache_dir=None)
+    return {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
+
+
+def _shown(big: list[list[str]]) -> str:
+    return "\n".join(" <-> ".join(c) for c in big)
+
+
 def test_no_import_circle_of_more_than_two_modules():
     big = [c for c in circles(import_graph(_modules())) if len(c) > 2]
-    assert not big, "import circles of more than two modules:\n" + "\n".join(" <-> ".join(c) for c in big)
+    assert not big, "import circles of more than two modules:\n" + _shown(big)
+
+
+def test_no_circle_of_more_than_two_modules_counting_type_checking_imports():
+    big = [c for c in circles(grimp_graph("polykernel")) if len(c) > 2]
+    assert not big, "import circles of more than two modules, TYPE_CHECKING imports counted:\n" + _shown(big)
 
 
 def test_the_check_finds_a_circle_held_open_inside_a_function(tmp_path):
@@ -126,3 +147,17 @@ def test_the_check_finds_a_circle_held_open_inside_a_function(tmp_path):
     assert circles(import_graph(modules)) == [["polykernel.a", "polykernel.c", "polykernel.sub.b"]]
     (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n")
     assert circles(import_graph(_modules(tmp_path))) == []
+
+
+def test_the_grimp_check_finds_a_circle_closed_by_a_type_checking_import(tmp_path, monkeypatch):
+    # the same three modules, the circle closed by an import under TYPE_CHECKING: found here
+    pkg = tmp_path / "circle_probe_pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .sub import b\n")
+    (pkg / "sub" / "b.py").write_text("from circle_probe_pkg import c\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = [c for c in circles(grimp_graph("circle_probe_pkg")) if len(c) > 2]
+    assert found == [["circle_probe_pkg.a", "circle_probe_pkg.c", "circle_probe_pkg.sub.b"]]

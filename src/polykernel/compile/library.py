@@ -86,7 +86,7 @@ from ..core.op import Op
 from .compiled_op import CompiledOp, _compile_mode  # noqa: F401
 from .facts import SavedGrads
 from .runtime import _fresh, _layout_split  # noqa: F401
-from .store import _ATTR, NAMESPACE, _built, _errors, _lock, _taken
+from .store import _ATTR, NAMESPACE, BuiltOp, _built, _errors, _lock, _taken
 from .trace_time import _TRACE_TIME, _at_trace_time  # noqa: F401
 
 __all__ = ["NAMESPACE", "CompiledOp", "SavedGrads", "build_errors", "custom_op_for"]
@@ -116,7 +116,7 @@ def custom_op_for(op: Op | str) -> Callable[..., Any]:
     return hit.call
 
 
-def built() -> dict[str, CompiledOp]:
+def built() -> dict[str, BuiltOp]:
     """Op id -> its custom ops, for the ops built so far."""
     return dict(_built)
 
@@ -138,7 +138,7 @@ def _free_name(op: Op) -> str:
     return name
 
 
-def _build(op: Op) -> CompiledOp:
+def _build(op: Op) -> BuiltOp:
     with _lock:
         hit = _built.get(op.id)
         if hit is not None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import OpArgumentError, OpTypeError, shown
 
 if TYPE_CHECKING:
-    from .op import Op
+    from .protocols import OpLike
 
 __all__ = ["call_args", "device_arg", "dtype_arg", "rejection"]
 
@@ -27,7 +27,7 @@ _DTYPES_SHOWN = (
 )
 
 
-def dtype_arg(op: Op, dtype: Any) -> Any:
+def dtype_arg(op: OpLike, dtype: Any) -> Any:
     """``dtype=`` of explain/available_impls: a ``torch.dtype``, a name of one, or None."""
     import torch
 
@@ -42,7 +42,7 @@ def dtype_arg(op: Op, dtype: Any) -> Any:
     return found
 
 
-def device_arg(op: Op, device: Any) -> Any:
+def device_arg(op: OpLike, device: Any) -> Any:
     import torch
 
     try:
@@ -51,13 +51,13 @@ def device_arg(op: Op, device: Any) -> Any:
         raise OpArgumentError(op.id, "device", f"{shown(device)} is not a device ({str(exc).splitlines()[0]})") from None
 
 
-def _module_of(op: Op) -> Any:
+def _module_of(op: OpLike) -> Any:
     """The module that defines ``op`` (its reference): the catalog's op files hold the public
     function (named as the op) and ``validate`` there. None for an op defined elsewhere."""
     return sys.modules.get(getattr(op.reference, "__module__", ""))
 
 
-def call_args(op: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+def call_args(op: OpLike, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     """``explain``'s arguments as the public call binds them, in the impls' positional order (the
     reference's, defaults filled in). A call the public function would refuse (a missing
     argument, an unknown keyword) raises the ``TypeError`` it would, naming the op."""
@@ -83,7 +83,7 @@ def call_args(op: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[An
     return tuple(bound.arguments.get(p.name, p.default) for p in ref.parameters.values())
 
 
-def rejection(op: Op, args: tuple[Any, ...] | None, dtype: Any) -> Exception | None:
+def rejection(op: OpLike, args: tuple[Any, ...] | None, dtype: Any) -> Exception | None:
     """The op's own validation of a call, as the real call runs it before choosing an impl.
 
     ``args``: the call's arguments in the impls' order (a bad one raises, as the call would).
@@ -121,7 +121,7 @@ def rejection(op: Op, args: tuple[Any, ...] | None, dtype: Any) -> Exception | N
 _stand_ins: dict[str, tuple[Any, tuple[tuple[Any, ...], dict[str, Any]] | None]] = {}
 
 
-def _stand_in(op: Op) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+def _stand_in(op: OpLike) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """Arguments and options of ``op``'s first parity case with default options (CPU, fp32), else
     of its first case (an op with no valid call without options: GRPO's beta needs reference
     log-probs), or None."""

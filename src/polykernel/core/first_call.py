@@ -25,7 +25,7 @@ from ..errors import PolykernelError
 from . import verify
 
 if TYPE_CHECKING:
-    from .selection import Decision
+    from .protocols import DecisionLike
 
 __all__ = ["ImplOutputError", "checked"]
 
@@ -36,7 +36,7 @@ class ImplOutputError(PolykernelError, RuntimeError):
     """An impl returned outputs whose shapes or dtypes differ from the op's reference."""
 
 
-def checked(decision: Decision) -> Callable[..., Any]:
+def checked(decision: DecisionLike) -> Callable[..., Any]:
     """The callable for a new decision: the impl, behind a check of its first outputs (and,
     with ``POLYKERNEL_VERIFY``, a comparison with the torch impl: :mod:`polykernel.core.verify`)."""
     raw = decision.fn

@@ -23,7 +23,7 @@ from . import codegen, hit_guard
 from . import selection as _dispatch
 
 if TYPE_CHECKING:
-    from .op import Op
+    from .protocols import HotPathOp
 
 # torch.are_deterministic_algorithms_enabled's C function where there is one (polykernel._compat).
 _deterministic = _compat.deterministic_enabled
@@ -115,7 +115,7 @@ def _run_tail(args: str, plain: str) -> str:
     )
 
 
-def _exec(op: Op, src: str, name: str) -> Callable[..., Any]:
+def _exec(op: HotPathOp, src: str, name: str) -> Callable[..., Any]:
     """The function ``name`` defined by the generated ``src``, documented as the Op method it replaces."""
     namespace: dict[str, Any] = {
         "DEFAULTS": [p.default for p in inspect.signature(op.reference).parameters.values()],
@@ -205,7 +205,7 @@ def _same_items(a: Any, b: Any) -> bool:
 _picker = hit_guard.picker
 
 
-def _hot_dispatch(op: Op) -> Callable[..., Any]:
+def _hot_dispatch(op: HotPathOp) -> Callable[..., Any]:
     """``op.dispatch`` as code generated for the op's arity and guard spec (see
     :mod:`polykernel.core.hit_guard`): the public function hands over the impl's arguments as they
     came, and a call whose tensors pass the guard of one of the last few decisions (most recent

@@ -28,7 +28,7 @@ from ..errors import UnknownOpError
 from ..spec import KernelBackend, KernelSpec
 
 if TYPE_CHECKING:
-    from .op import Op
+    from .protocols import OpLike
 
 __all__ = [
     "REGISTRY",
@@ -68,7 +68,7 @@ class Registry:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self._specs: dict[str, dict[str, KernelSpec]] = {}
-        self._ops: dict[str, Op] = {}
+        self._ops: dict[str, OpLike] = {}
         self._locations: dict[str, list[str]] = {}
         self._imported: set[str] = set()
         self._importing: set[str] = set()
@@ -92,7 +92,7 @@ class Registry:
         """Every known op id, built-in and user-defined, sorted."""
         return sorted(set(self.load_catalog()) | set(self._ops))
 
-    def resolve_op_id(self, op: str | Op | Callable[..., Any]) -> str:
+    def resolve_op_id(self, op: str | OpLike | Callable[..., Any]) -> str:
         """``"rms_norm"``, ``"norm.rms_norm"``, the ``Op`` or the public function
         ``polykernel.rms_norm`` -> ``"norm.rms_norm"``; unknown -> UnknownOpError."""
         if not isinstance(op, str):
@@ -113,7 +113,7 @@ class Registry:
             return matches[0]
         raise UnknownOpError(op, [k.rpartition(".")[2] for k in known])
 
-    def get_op(self, op: str | Op | Callable[..., Any]) -> Op:
+    def get_op(self, op: str | OpLike | Callable[..., Any]) -> OpLike:
         """The :class:`~polykernel.core.op.Op` object for an id or bare name (imports its module once)."""
         op_id = self.resolve_op_id(op)
         hit = self._ops.get(op_id)
@@ -122,19 +122,19 @@ class Registry:
             hit = self._ops[op_id]
         return hit
 
-    def builtin_impls(self, op: str | Op) -> list[KernelSpec]:
+    def builtin_impls(self, op: str | OpLike) -> list[KernelSpec]:
         """The op's built-in impls as it registered them (before any ``register_impl``)."""
         return list(self._builtin[self.get_op(op).id].values())
 
-    def loaded_op(self, op_id: str) -> Op | None:
+    def loaded_op(self, op_id: str) -> OpLike | None:
         """The op registered under ``op_id`` if its module has been imported (a dict read)."""
         return self._ops.get(op_id)
 
-    def loaded_ops(self) -> list[Op]:
+    def loaded_ops(self) -> list[OpLike]:
         """The ops whose modules have been imported so far."""
         return list(self._ops.values())
 
-    def add_op(self, op: Op, impls: Sequence[KernelSpec] = ()) -> None:
+    def add_op(self, op: OpLike, impls: Sequence[KernelSpec] = ()) -> None:
         """Register an :class:`~polykernel.core.op.Op` (its constructor does) with its built-in
         impls: those the backends' manifests declare for it, and ``impls`` (an op file's own
         table, for the ops whose impls have not moved to the manifests yet)."""
@@ -198,7 +198,7 @@ class Registry:
                 self._preloaded.pop((op_id, spec.impl), None)
         self.changed(op_id)
 
-    def unregister_impl(self, op: str | Op, impl: str) -> None:
+    def unregister_impl(self, op: str | OpLike, impl: str) -> None:
         """Remove ``op``'s impl named ``impl`` (no error if it is not registered)."""
         op_id = self.resolve_op_id(op)
         with self.lock:
@@ -231,7 +231,7 @@ class Registry:
             self._import_errors.get(op_id, {}).pop(module, None)
         self.changed(op_id)
 
-    def specs_for(self, op: str | Op) -> dict[str, KernelSpec]:
+    def specs_for(self, op: str | OpLike) -> dict[str, KernelSpec]:
         """Impl name -> spec for an op, after importing every declared location (once each)."""
         the_op = self.get_op(op)
         pending = [m for m in self._locations.get(the_op.id, ()) if m not in self._imported]
@@ -253,7 +253,7 @@ class Registry:
                         self._imported.add(module)
         return dict(self._specs.get(the_op.id, {}))
 
-    def import_errors(self, op: str | Op) -> dict[str, str]:
+    def import_errors(self, op: str | OpLike) -> dict[str, str]:
         """Declared modules of ``op`` that failed to import, with their error line."""
         return dict(self._import_errors.get(self.resolve_op_id(op), {}))
 

@@ -45,7 +45,7 @@ from .errormodel import compute_dtype
 if TYPE_CHECKING:
     import torch
 
-    from .selection import Decision
+    from .protocols import DecisionLike
 
 __all__ = ["ENV", "MODES", "mode", "paused", "verify"]
 
@@ -72,7 +72,7 @@ _paused: ContextVar[bool] = ContextVar("polykernel_verify_paused", default=False
 _noted: set[tuple[Any, ...]] = set()
 
 
-def mode(decision: Decision) -> str:
+def mode(decision: DecisionLike) -> str:
     """The mode for a new decision: ``POLYKERNEL_VERIFY``'s value, else ``first`` on CUDA devices
     and ``off`` elsewhere; ``off`` for the torch impl (the reference itself). A value that is not
     a mode is a ``ValueError`` naming the variable."""
@@ -99,7 +99,7 @@ def paused() -> Iterator[None]:
         _paused.reset(token)
 
 
-def verify(decision: Decision, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+def verify(decision: DecisionLike, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     """Compare ``fn`` (the decision's impl) with the op's torch impl on copies of ``args``.
 
     Returns when they agree or when the check cannot run here (see the module doc); raises
@@ -277,7 +277,7 @@ def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]
         return contextlib.nullcontext()
 
 
-def _check(decision: Decision, fn: Callable[..., Any], args: tuple[Any, ...], needs_grad: bool, device: torch.device) -> None:
+def _check(decision: DecisionLike, fn: Callable[..., Any], args: tuple[Any, ...], needs_grad: bool, device: torch.device) -> None:
     import torch
 
     from ..spec import KernelBackend, PlatformInfo, triton_interpret_allows

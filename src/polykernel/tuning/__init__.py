@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ..core import registry, verify
 
 if TYPE_CHECKING:
-    from ..core.op import Op
+    from ..core.protocols import OpLike
     from .json_store import Store
 
 __all__ = ["calls", "clear_cache", "lookup", "margin", "measured", "mode", "remember", "store", "sync_decisions"]
@@ -110,7 +110,7 @@ def store() -> Store:
     return hit
 
 
-def stores_class(op: Op, argkey: tuple[Any, ...], deterministic: bool = False) -> bool:
+def stores_class(op: OpLike, argkey: tuple[Any, ...], deterministic: bool = False) -> bool:
     """Whether the store holds an entry for some size bucket of this argument class (cached
     mode, the decision's miss path): its first call's bucket may have none, and the others
     must still find theirs (see :mod:`.by_size`). False when tuning is off or the store empty."""
@@ -138,7 +138,7 @@ def _measurable(args: Sequence[Any], capturing: bool) -> bool:
 
 
 def lookup(
-    op: Op,
+    op: OpLike,
     argkey: tuple[Any, ...],
     args: Sequence[Any] | None = None,
     rows: Sequence[Any] = (),
@@ -196,7 +196,7 @@ def _choice(entry: dict[str, Any], capturing: bool) -> str | None:
 
 
 def _measure(
-    op: Op, argkey: tuple[Any, ...], args: tuple[Any, ...], rows: Sequence[Any], key: str, collect: list[dict[str, Any]] | None
+    op: OpLike, argkey: tuple[Any, ...], args: tuple[Any, ...], rows: Sequence[Any], key: str, collect: list[dict[str, Any]] | None
 ) -> dict[str, Any] | None:
     from . import measure as tm
 
@@ -229,13 +229,13 @@ def _measure(
     return entry
 
 
-def remember(op: Op, argkey: tuple[Any, ...], impl: str) -> None:
+def remember(op: OpLike, argkey: tuple[Any, ...], impl: str) -> None:
     """Record a decision for ``(op, argkey)`` in this process only; memoized decisions are dropped."""
     _pinned[(op.id, argkey)] = impl
     registry.changed()
 
 
-def measured(op: Op, argkey: tuple[Any, ...]) -> dict[str, Any] | None:
+def measured(op: OpLike, argkey: tuple[Any, ...]) -> dict[str, Any] | None:
     """What ``explain`` shows for a tuned choice: the store key and entry (times in ms)."""
     pinned = _pinned.get((op.id, argkey))
     if pinned is not None:

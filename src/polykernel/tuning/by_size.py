@@ -27,7 +27,7 @@ from ..core.hit_guard import picker
 from . import key as tuning_key
 
 if TYPE_CHECKING:
-    from ..core.op import Op
+    from ..core.protocols import OpLike
 
 __all__ = ["BySize"]
 
@@ -69,7 +69,7 @@ class BySize:
 
     def __init__(
         self,
-        op: Op,
+        op: OpLike,
         argkey: tuple[Any, ...],
         rows: Sequence[Any],
         capturing: bool,

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from .. import env
 
 if TYPE_CHECKING:
-    from ..core.op import Op
+    from ..core.protocols import OpLike
 
 SCHEMA = 1
 # Names the timing method in the identity: times taken another way never mix with these.
@@ -136,7 +136,7 @@ def tensor_class(t: Any) -> str:
     return f"{dtype}[{shape}]" + ("" if t.is_contiguous() else ":strided")
 
 
-def key(op: Op, argkey: tuple[Any, ...], tensors: Any, deterministic: bool = False) -> str:
+def key(op: OpLike, argkey: tuple[Any, ...], tensors: Any, deterministic: bool = False) -> str:
     """The store key for one call: JSON text (readable in the store, usable as a dict key)."""
     import torch
 

@@ -37,7 +37,8 @@ from .. import timing
 from ..core import registry
 
 if TYPE_CHECKING:
-    from ..core.op import Bounds, Op, Tol
+    from ..core.errormodel import Bounds, Tol
+    from ..core.protocols import OpLike
 
 # Per key: at most this many timed rounds (each round runs every candidate once), at least
 # MIN_REPS, and no more rounds than fit in BUDGET_S once the first round has been timed.
@@ -183,7 +184,7 @@ class _Bounds:
     """The op's error model for one call (``op.error_model``, the bounds ``polykernel.testing``
     checks against a float64 reference), with each candidate's rounding rule."""
 
-    def __init__(self, op: Op, args: tuple[Any, ...], device: torch.device) -> None:
+    def __init__(self, op: OpLike, args: tuple[Any, ...], device: torch.device) -> None:
         try:
             self.model: Bounds = op.error_model(*args)
         except Exception as exc:  # nothing to check against: the caller does not tune this key
@@ -293,7 +294,9 @@ def _parity(runner: _Runner, name: str, fn: Callable[..., Any], ref: tuple[Any, 
     return None
 
 
-def measure(op: Op, candidates: dict[str, Callable[..., Any]], args: tuple[Any, ...], dtype: Any, needs_grad: bool) -> dict[str, Timing]:
+def measure(
+    op: OpLike, candidates: dict[str, Callable[..., Any]], args: tuple[Any, ...], dtype: Any, needs_grad: bool
+) -> dict[str, Timing]:
     """Parity, then timing, of every candidate on clones of ``args`` (see the module doc)."""
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
     cuda = device.type == "cuda"

@@ -19,10 +19,11 @@ and every runtime fallback, an error. Environment variables are read when a deci
 for a new key; after changing them in-process, call :func:`clear_caches`.
 
 The package, one job a module (each imports only those above it in this list):
-``state`` (settings, fault marks, records, strict mode), ``names`` (impl names as given),
-``settings`` (the public controls), ``subclasses`` (tensor-subclass and inference-tensor calls),
-``verdicts`` (each impl's standing for an argument class), ``resolution`` (the order, the
-memoized :class:`Decision` and the fault policy), ``explain`` (introspection).
+``state`` (settings, fault marks, strict mode), ``names`` (impl names as given),
+``subclasses`` (tensor-subclass and inference-tensor calls), ``verdicts`` (each impl's
+standing for an argument class), ``resolution`` (the order, the memoized :class:`Decision`, the
+record of decisions and the fault policy), ``settings`` (the public controls), ``explain``
+(introspection).
 """
 
 # Besides the public names, some private ones that other modules and tests read here (the lines marked F401):
@@ -30,9 +31,9 @@ memoized :class:`Decision` and the fault policy), ``explain`` (introspection).
 # function patches it where it lives (``resolution._resolve``): a patch here would not be seen.
 from .explain import Explanation, available_impls, decisions, explain
 from .names import _parse_names  # noqa: F401
-from .resolution import Decision, decide, record_route
+from .resolution import Decision, _record, decide, record_route  # noqa: F401
 from .settings import clear_caches, clear_memos, get_impl_settings, restore_impl_settings, set_impl, use_impl
-from .state import SCOPE, _broken, _logged, _record, log_once, routed, strict_mode  # noqa: F401
+from .state import SCOPE, _broken, _logged, log_once, routed, strict_mode  # noqa: F401
 from .subclasses import INFERENCE, saves_inference_tensor, subclass_name
 from .verdicts import Verdict, _load, _why_not  # noqa: F401
 

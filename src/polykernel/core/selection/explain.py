@@ -12,12 +12,13 @@ from ...spec import PlatformInfo
 from .. import hooks, memo_key, registry
 from ..explain_args import call_args, device_arg, dtype_arg, rejection
 from . import resolution
-from .state import _record, _scope
+from .resolution import _record
+from .state import _scope
 from .subclasses import subclass_name
 from .verdicts import Verdict, _probe_imports, _verdicts
 
 if TYPE_CHECKING:
-    from ..op import Op
+    from ..protocols import OpLike
 
 
 @dataclass
@@ -72,7 +73,7 @@ class Explanation:
         }
 
 
-def _tuned_times(op: Op, argkey: tuple[Any, ...]) -> dict[str, Any] | None:
+def _tuned_times(op: OpLike, argkey: tuple[Any, ...]) -> dict[str, Any] | None:
     from ... import tuning
 
     return tuning.measured(op, argkey)
@@ -96,7 +97,7 @@ def _short(v: Any) -> Any:
 
 
 def _argkey_for(
-    op: Op, args: tuple[Any, ...], kwargs: dict[str, Any], device: Any, dtype: Any, needs_grad: bool = False
+    op: OpLike, args: tuple[Any, ...], kwargs: dict[str, Any], device: Any, dtype: Any, needs_grad: bool = False
 ) -> tuple[Any, ...]:
     import torch
 

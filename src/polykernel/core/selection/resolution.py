@@ -12,19 +12,19 @@ from typing import TYPE_CHECKING, Any
 from ...errors import ImplNotAvailableError, ImplVerificationError, UnknownImplError
 from .. import first_call, registry
 from .names import _parse_names, _parse_op_names
-from .state import _broken, _check_env, _global, _lock, _logged, _record, log, log_once, routed, strict_mode
+from .state import _broken, _check_env, _global, _lock, _logged, log, log_once, routed, strict_mode
 from .subclasses import subclass_name
 from .verdicts import Verdict, _load, _verdicts
 
 if TYPE_CHECKING:
-    from ..op import Op
+    from ..protocols import OpLike
 
 
 @dataclass
 class Decision:
     """A memoized choice: the callable to run, where the choice came from, and its fallbacks."""
 
-    op: Op
+    op: OpLike
     key: tuple[Any, ...]
     impl: str
     fn: Any
@@ -115,6 +115,12 @@ class Decision:
         return out
 
 
+# Decisions made since the last clear_caches(), by (op id, memo key), in the order first made.
+# Separate from the ops' memos, which are dropped whenever an op's impls or settings change.
+# Mutated in place only (settings, explain and tests hold it), never rebound.
+_record: dict[tuple[str, tuple[Any, ...]], Decision] = {}
+
+
 def _passing_through(exc: Exception) -> bool:
     """``exc`` is torch.utils.checkpoint's, raised through the impl by a saved-tensor hook, not
     the impl's fault: the recomputation of a non-reentrant checkpoint stops early by raising from
@@ -144,7 +150,9 @@ def _call_guarded(decision: Decision, args: tuple[Any, ...]) -> Any:
         return decision.on_fault(exc, args)
 
 
-def decide(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None, by_size: bool = False, for_dtensor: bool = False) -> Decision:
+def decide(
+    op: OpLike, key: tuple[Any, ...], args: tuple[Any, ...] | None = None, by_size: bool = False, for_dtensor: bool = False
+) -> Decision:
     """Resolve ``key`` = (argkey, impl, scope, deterministic, capturing) and memoize it.
 
     ``args``: the call's real arguments (the op's miss path), which tuning may measure on.
@@ -164,7 +172,7 @@ def decide(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None, by
     return decision
 
 
-def _stored_class(op: Op, key: tuple[Any, ...]) -> bool:
+def _stored_class(op: OpLike, key: tuple[Any, ...]) -> bool:
     """Whether the tuning store holds another size bucket of this class (this call's has none)."""
     from ... import tuning
 
@@ -211,7 +219,7 @@ def _choose_by_size(decision: Decision, args: tuple[Any, ...] | None) -> None:
     decision.fn = chooser if args is None else chooser.function(args)
 
 
-def record_route(op: Op, key: tuple[Any, ...], subclass: str, impl: str, source: str) -> None:
+def record_route(op: OpLike, key: tuple[Any, ...], subclass: str, impl: str, source: str) -> None:
     """Record, for ``decisions()``, a call that a layer above ran itself rather than through a
     decision (a vocab-parallel loss: torch math on the local slices, ``source`` says which route)."""
     plain = _record.get((op.id, key))
@@ -222,7 +230,7 @@ def record_route(op: Op, key: tuple[Any, ...], subclass: str, impl: str, source:
         _record[(op.id, routed_key)] = Decision(op, routed_key, impl, None, source, False, [], raw=False, ran=True)
 
 
-def _resolve(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None, measure: bool = False) -> Decision:
+def _resolve(op: OpLike, key: tuple[Any, ...], args: tuple[Any, ...] | None = None, measure: bool = False) -> Decision:
     _check_env()
     argkey, impl, scope, det, capturing, subclass = key  # subclass: a tensor-subclass argument's type (see Op.call)
     rows = _verdicts(op, argkey, det, capturing, subclass)
@@ -313,7 +321,7 @@ def _resolve(op: Op, key: tuple[Any, ...], args: tuple[Any, ...] | None = None, 
     raise ImplNotAvailableError(op.id, "auto", "no registered impl can run for these arguments", [])
 
 
-def _auto(op: Op, rows: list[Verdict], key: Any = None) -> Decision | None:
+def _auto(op: OpLike, rows: list[Verdict], key: Any = None) -> Decision | None:
     """Step 6: the best-ranked runnable impl, never one ranked behind the torch impl."""
     last = next((v for v in rows if v.name == "torch"), None)
     for v in rows:
@@ -326,14 +334,14 @@ def _auto(op: Op, rows: list[Verdict], key: Any = None) -> Decision | None:
     return None
 
 
-def _required(hit: Decision | None, op: Op, names: Sequence[str], runnable: list[str]) -> Decision:
+def _required(hit: Decision | None, op: OpLike, names: Sequence[str], runnable: list[str]) -> Decision:
     if hit is None:
         raise ImplNotAvailableError(op.id, ",".join(names), "none of these impls can run here", runnable)
     return hit
 
 
 def _tuned(
-    op: Op, argkey: tuple[Any, ...], args: tuple[Any, ...] | None, rows: list[Verdict], capturing: bool, measure: bool, det: bool
+    op: OpLike, argkey: tuple[Any, ...], args: tuple[Any, ...] | None, rows: list[Verdict], capturing: bool, measure: bool, det: bool
 ) -> str | None:
     """Step 5 hook: the measured-selection module answers (and, on a miss in mode ``on``, measures)."""
     from ... import tuning

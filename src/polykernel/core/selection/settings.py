@@ -8,7 +8,8 @@ from collections.abc import Iterator, Sequence
 from ... import env
 from .. import registry
 from .names import _parse_names, _parse_op_names
-from .state import _broken, _global, _lock, _logged, _record, _scope, reset_env_check
+from .resolution import _record
+from .state import _broken, _global, _lock, _logged, _scope, reset_env_check
 
 
 @contextlib.contextmanager

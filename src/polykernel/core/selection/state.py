@@ -1,19 +1,16 @@
-"""The selection layer's process state: settings, fault marks, once-only log records, the
-record of decisions, the env check and strict mode. Mutated in place only (other modules and
-tests hold these objects), never rebound."""
+"""The selection layer's process state: settings, fault marks, once-only log records, the env
+check and strict mode (the record of decisions lives beside its class, in ``resolution``).
+Mutated in place only (other modules and tests hold these objects), never rebound."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ... import env
 from .. import registry
-
-if TYPE_CHECKING:
-    from .resolution import Decision
 
 log = logging.getLogger("polykernel")
 
@@ -59,7 +56,3 @@ def log_once(key: tuple[Any, ...], message: str) -> None:
 # when a DTensor is first seen, then clears the memos): their decisions all take the subclass
 # check, so a DTensor never reaches even a torch impl directly. Empty, and free, until then.
 routed: set[str] = set()
-
-# Decisions made since the last clear_caches(), by (op id, memo key), in the order first made.
-# Separate from the ops' memos, which are dropped whenever an op's impls or settings change.
-_record: dict[tuple[str, tuple[Any, ...]], Decision] = {}

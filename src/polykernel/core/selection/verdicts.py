@@ -12,7 +12,7 @@ from .state import _broken
 from .subclasses import INFERENCE
 
 if TYPE_CHECKING:
-    from ..op import Op
+    from ..protocols import OpLike
 
 
 @dataclass
@@ -29,7 +29,7 @@ class Verdict:
         return self.reason is None
 
 
-def _verdicts(op: Op, argkey: tuple[Any, ...], deterministic: bool, capturing: bool, subclass: str | None = None) -> list[Verdict]:
+def _verdicts(op: OpLike, argkey: tuple[Any, ...], deterministic: bool, capturing: bool, subclass: str | None = None) -> list[Verdict]:
     """Every impl of ``op`` with why it can or cannot take this argument class, in rank order.
     ``subclass``: the type name of a tensor-subclass argument (None: plain tensors only)."""
     specs = registry.specs_for(op)
@@ -74,7 +74,7 @@ def _why_not(
     return None
 
 
-def _load(op: Op, verdict: Verdict) -> Any:
+def _load(op: OpLike, verdict: Verdict) -> Any:
     """Import the impl (lazily, on first selection); an import failure makes it not runnable."""
     spec = registry.specs_for(op)[verdict.name]
     try:
@@ -86,7 +86,7 @@ def _load(op: Op, verdict: Verdict) -> Any:
         return None
 
 
-def _probe_imports(op: Op, rows: list[Verdict]) -> list[Verdict]:
+def _probe_imports(op: OpLike, rows: list[Verdict]) -> list[Verdict]:
     """explain and available_impls: an impl runnable by its metadata whose required module fails
     to import is not runnable (imports the installed modules of those impls; a peer whose
     front package raises at import, e.g. RuntimeError, must not be listed as runnable)."""
