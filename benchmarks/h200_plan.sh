@@ -13,7 +13,8 @@
 #   trl        : `bash benchmarks/stage_trl.sh` (TRL, datasets and the two of their dependencies the image
 #                lacks, and Liger: one 1.4 MB part); carry .gpu/trl/{setup.sh,manifest,parts-1}, nothing else
 #                (not the serving peers: they travel with the serving parts).
-#   overhead   : the serving parts' carry too (host_profile.py's sgl-kernel and FlashInfer rows; without them those rows are errors).
+#   overhead   : the serving parts' carry too (host_profile.py's sgl-kernel and FlashInfer rows; without them those rows are errors),
+#                and .ab (`bash benchmarks/host/ab_overhead.sh stage`: the dispatcher A/B against the tree issue 36 was filed on).
 #   the others : the Liger wheel only.
 #
 # Parts, in the order the issues' "Done when" need them (the GPU time is 30 min a session):
@@ -194,6 +195,9 @@ case $part in
     ;;
   overhead)
     step overhead 60 python3 benchmarks/host/overhead.py --rounds 150 --calls 200 --json "$R/overhead.json"
+    # issue 36's "at or below": against the tree when it was filed, interleaved on this host (carry
+    # .ab: `bash benchmarks/host/ab_overhead.sh stage` first)
+    [ -d .ab ] && step ab-overhead 150 bash benchmarks/host/ab_overhead.sh run 5 "$R/ab"
     step helpers 40 python3 benchmarks/host/per_call_helpers.py --rounds 150 --json "$R/per_call_helpers.json"
     step plain-vs-generated 40 python3 benchmarks/host/plain_vs_generated.py --rounds 150 --json "$R/plain_vs_generated.json"
     step host-profile 180 python3 benchmarks/host/host_profile.py --out "$R/host"  # 19 cases (2026-12-04: 17 cases cut at 60 s)
