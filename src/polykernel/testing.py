@@ -73,11 +73,22 @@ def exact(value: Any) -> Any:
     return value.detach().to(torch.float64).requires_grad_(value.requires_grad)
 
 
+RATIO_ELEMENTS = 1 << 25  # float64 elements per block of _ratio's walk (256 MiB a temporary)
+
+
+def _blocks(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``t`` as rows of its last dim (one row for 0-d and 1-d) and the rows per block."""
+    rows = t.reshape(1, 1) if t.dim() == 0 else t.reshape(-1, t.shape[-1])
+    return rows, max(1, RATIO_ELEMENTS // max(rows.shape[1], 1))
+
+
 def _ratio(out: torch.Tensor, want: torch.Tensor, ref: torch.Tensor, tol_of: Any, nonfinite_rows: bool = False) -> tuple[float, str]:
     """Worst |out - ref| / (atol + rtol |ref|) against the float64 ``ref``; ``want`` is the
     reference in the call's own dtypes (its shape and dtype are the contract). NaN/inf must match
     the float64 reference rounded to the output dtype (with ``nonfinite_rows``, a row whose
-    reference holds a non-finite value may also be NaN anywhere: see ErrorModel)."""
+    reference holds a non-finite value may also be NaN anywhere: see ErrorModel). Large tensors
+    (an LM head's gradient: 10^9 elements) are walked in row blocks, so the float64 temporaries
+    stay ``RATIO_ELEMENTS`` each, never several copies of the whole tensor."""
     if out.shape != want.shape:
         return float("inf"), f"shape {tuple(out.shape)} != reference {tuple(want.shape)}"
     if out.dtype != want.dtype:
@@ -86,24 +97,40 @@ def _ratio(out: torch.Tensor, want: torch.Tensor, ref: torch.Tensor, tol_of: Any
         return 0.0, ""
     if not out.dtype.is_floating_point:  # integer outputs (a router's expert index) are exact
         return (0.0, "") if torch.equal(out, ref) else (float("inf"), "integer values differ from the reference")
-    o, r = out.detach().double(), ref.detach().double()
+    o_rows, step = _blocks(out.detach())
+    r_rows, _ = _blocks(ref.detach())
+    masked = nonfinite_rows and out.dim() > 0
 
-    def rounded(r: torch.Tensor) -> torch.Tensor:  # the reference rounded to the output dtype, as float64 (fp8 has no isfinite)
-        return r.to(out.dtype).double()
+    def block(s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """(o, r, finite mask, non-finite values agree) of the rows from ``s``, in float64."""
+        o, r = o_rows[s : s + step].double(), r_rows[s : s + step].double()
+        rounded = r.to(out.dtype).double()  # the reference rounded to the output dtype (fp8 has no isfinite)
+        if masked:
+            spread = (~torch.isfinite(rounded)).any(-1, keepdim=True) & torch.isnan(o)
+            o, r, rounded = o.masked_fill(spread, 0.0), r.masked_fill(spread, 0.0), rounded.masked_fill(spread, 0.0)
+        o_bad, r_bad = ~torch.isfinite(o), ~torch.isfinite(rounded)
+        agree = torch.equal(o_bad, r_bad) and torch.equal(o[o_bad].nan_to_num(), rounded[r_bad].nan_to_num())
+        return o, r, ~r_bad, agree
 
-    if nonfinite_rows and o.dim():
-        spread = (~torch.isfinite(rounded(r))).any(-1, keepdim=True) & torch.isnan(o)
-        o, r = o.masked_fill(spread, 0.0), r.masked_fill(spread, 0.0)
-    o_bad, r_bad = ~torch.isfinite(o), ~torch.isfinite(rounded(r))
-    if not torch.equal(o_bad, r_bad) or not torch.equal(o[o_bad].nan_to_num(), rounded(r)[r_bad].nan_to_num()):
-        return float("inf"), "non-finite values differ from the reference"
-    ok = ~r_bad
-    if not ok.any():
+    starts = range(0, o_rows.shape[0], step)
+    first = block(0) if len(starts) == 1 else None  # one block: computed once, used by both passes
+    largest = -1.0  # the reference's largest finite magnitude: the tolerance's scale
+    for s in starts:
+        o, r, ok, agree = first or block(s)
+        if not agree:
+            return float("inf"), "non-finite values differ from the reference"
+        if ok.any():
+            largest = max(largest, r[ok].abs().max().item())
+    if largest < 0:
         return 0.0, ""
-    r_ok = r[ok]
-    tol = tol_of(r_ok.abs().max().item())
-    err = (o[ok] - r_ok).abs() / (tol.atol + tol.rtol * r_ok.abs())
-    return err.max().item(), ""
+    tol = tol_of(largest)
+    worst = 0.0
+    for s in starts:
+        o, r, ok, _ = first or block(s)
+        if ok.any():
+            r_ok = r[ok]
+            worst = max(worst, ((o[ok] - r_ok).abs() / (tol.atol + tol.rtol * r_ok.abs())).max().item())
+    return worst, ""
 
 
 def runnable_impls(op: str | Op, device: torch.device | str, dtype: torch.dtype) -> list[str]:

@@ -29,3 +29,32 @@ def test_a_name_the_op_lacks_is_an_error_listing_its_impls(op, impls):
 def test_one_name_as_a_string_is_one_impl():
     results = check_parity("swiglu", "torch", device="cpu", dtypes=[torch.float32])
     assert results and {r.impl for r in results} == {"torch"} and all(r.ok for r in results)
+
+
+def test_the_ratio_walks_large_tensors_in_row_blocks_with_the_same_answer(monkeypatch):
+    """An LM head's gradient (10^9 elements) is compared block by block (float64 temporaries of
+    RATIO_ELEMENTS, not several whole copies): the worst ratio, the tolerance's scale (the largest
+    reference value, whichever block holds it) and the non-finite checks are the whole tensor's."""
+    from types import SimpleNamespace
+
+    from polykernel import testing
+
+    torch.manual_seed(0)
+    ref = torch.randn(64, 33, dtype=torch.float64)
+    ref[50, 3] = 40.0  # the scale lives in a late block
+    out = (ref + 1e-3 * torch.randn_like(ref)).float()
+    out[7, 2] += 0.5  # the worst error in an early block
+    tol_of = lambda scale: SimpleNamespace(atol=1e-3 * scale, rtol=1e-3)
+    whole = testing._ratio(out, out, ref, tol_of)
+    bad = out.clone()
+    bad[60, 0] = float("nan")
+    rows_ref = ref.clone()
+    rows_ref[9, 4] = float("inf")  # with nonfinite_rows: row 9 may be NaN anywhere
+    rows_out = out.clone()
+    rows_out[9] = float("nan")
+    rows_whole = testing._ratio(rows_out, rows_out, rows_ref, tol_of, nonfinite_rows=True)
+    monkeypatch.setattr(testing, "RATIO_ELEMENTS", 2 * 33)  # two rows a block: 32 blocks
+    assert testing._ratio(out, out, ref, tol_of) == whole and whole[0] > 1
+    assert testing._ratio(bad, bad, ref, tol_of)[0] == float("inf")
+    assert testing._ratio(rows_out, rows_out, rows_ref, tol_of, nonfinite_rows=True) == rows_whole
+    assert rows_whole[0] < float("inf")
