@@ -337,8 +337,7 @@ class KernelSpec:
 
     ``graph_rank_for`` (optional) is the same kind of rule for calls made while a CUDA graph is
     captured, asked before ``rank_for`` there and never otherwise: a rank that rests on GPU time
-    alone (a replay pays no launch cost, an eager call pays it every time). ``eager_rank_for``, its
-    mirror, is asked before ``rank_for`` for a call not captured: a cheaper launch whose GPU time trails.
+    alone (a replay pays no launch cost, an eager call pays it every time).
 
     ``accepts_subclasses`` says whether the impl may be handed a tensor subclass (a DTensor, a
     ``__torch_dispatch__`` wrapper, a ``__torch_function__`` subclass; ``torch.nn.Parameter`` is
@@ -371,7 +370,6 @@ class KernelSpec:
     accepts_subclasses: bool | None = None
     rank_for: Callable[[Any], tuple[int, str] | None] | None = field(default=None, compare=False)
     graph_rank_for: Callable[[Any], tuple[int, str] | None] | None = field(default=None, compare=False)
-    eager_rank_for: Callable[[Any], tuple[int, str] | None] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", KernelBackend(self.backend))
@@ -387,7 +385,7 @@ class KernelSpec:
         >>> KernelSpec("norm.rms_norm", "triton", "m:f", rank=10).rank_here(None)
         (10, None)
         """
-        for name in ("graph_rank_for", "rank_for") if capturing else ("eager_rank_for", "rank_for"):
+        for name in ("graph_rank_for", "rank_for") if capturing else ("rank_for",):
             rule = getattr(self, name)
             if rule is None:
                 continue
@@ -397,7 +395,7 @@ class KernelSpec:
                 return self.rank, f"{name} raised {type(exc).__name__}: {exc}; static rank kept"
             if got is not None:
                 rank, reason = got
-                return int(rank), str(reason) + {"graph_rank_for": " (in CUDA graphs)", "eager_rank_for": " (eager)"}.get(name, "")
+                return int(rank), str(reason) + (" (in CUDA graphs)" if name == "graph_rank_for" else "")
         return self.rank, None
 
     @property

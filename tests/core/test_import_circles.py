@@ -133,16 +133,22 @@ def test_no_circle_of_more_than_two_modules_counting_type_checking_imports():
     assert not big, "import circles of more than two modules, TYPE_CHECKING imports counted:\n" + _shown(big)
 
 
-def test_the_check_finds_a_circle_held_open_inside_a_function(tmp_path):
-    # three modules in a circle, one link an import inside a function, one under TYPE_CHECKING
-    # (which does not count): the circle a -> b -> c -> a is found, and only while c's import runs
-    pkg = tmp_path / "polykernel"
+def _three_modules(root, name: str, c_source: str):
+    """A package ``name`` under ``root``: a imports sub.b, sub.b imports c, c is ``c_source``."""
+    pkg = root / name
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "sub" / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from .sub import b\n")
-    (pkg / "sub" / "b.py").write_text("from polykernel import c\n")
-    (pkg / "c.py").write_text("def f():\n    from . import a\n    return a\n")
+    (pkg / "sub" / "b.py").write_text(f"from {name} import c\n")
+    (pkg / "c.py").write_text(c_source)
+    return pkg
+
+
+def test_the_check_finds_a_circle_held_open_inside_a_function(tmp_path):
+    # three modules in a circle, one link an import inside a function, one under TYPE_CHECKING
+    # (which does not count): the circle a -> b -> c -> a is found, and only while c's import runs
+    pkg = _three_modules(tmp_path, "polykernel", "def f():\n    from . import a\n    return a\n")
     modules = _modules(tmp_path)
     assert circles(import_graph(modules)) == [["polykernel.a", "polykernel.c", "polykernel.sub.b"]]
     (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n")
@@ -151,13 +157,7 @@ def test_the_check_finds_a_circle_held_open_inside_a_function(tmp_path):
 
 def test_the_grimp_check_finds_a_circle_closed_by_a_type_checking_import(tmp_path, monkeypatch):
     # the same three modules, the circle closed by an import under TYPE_CHECKING: found here
-    pkg = tmp_path / "circle_probe_pkg"
-    (pkg / "sub").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "sub" / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("from .sub import b\n")
-    (pkg / "sub" / "b.py").write_text("from circle_probe_pkg import c\n")
-    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n")
+    _three_modules(tmp_path, "circle_probe_pkg", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     found = [c for c in circles(grimp_graph("circle_probe_pkg")) if len(c) > 2]
     assert found == [["circle_probe_pkg.a", "circle_probe_pkg.c", "circle_probe_pkg.sub.b"]]

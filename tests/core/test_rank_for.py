@@ -232,19 +232,6 @@ def test_graph_rank_for_applies_to_calls_captured_in_a_cuda_graph_only():
     assert rank == 50 and why.startswith("graph_rank_for raised ZeroDivisionError")
 
 
-def test_eager_rank_for_applies_to_calls_outside_a_cuda_graph_only():
-    """Its mirror (``eager_rank_for``): a lead in launch cost, asked before ``rank_for`` for a call
-    not captured, never in a capture (where a replay pays no launch)."""
-    spec = KernelSpec("norm.rms_norm", "quack", "m:f", rank=50, rank_for=long_forward, eager_rank_for=lambda c: (4, "launch (test)"))
-    the_op = registry.get_op("rms_norm")
-    info = the_op.arg_class(the_op.key(torch.randn(2, 32), torch.randn(32)))
-    assert spec.rank_here(info) == (4, "launch (test) (eager)")
-    assert spec.rank_here(info, capturing=True) == (5, WHY)  # in a capture: rank_for
-    broken = KernelSpec("norm.rms_norm", "quack", "m:f", rank=50, eager_rank_for=lambda c: 1 / 0)
-    rank, why = broken.rank_here(info)
-    assert rank == 50 and why.startswith("eager_rank_for raised ZeroDivisionError")
-
-
 def test_explain_answers_for_a_captured_call_when_asked():
     polykernel.register_impl(
         op="rms_norm", backend="quack", rank=50, capabilities=frozenset({CapabilityRequirement.CUDA}),

@@ -6,10 +6,13 @@ through the interpreter), with chunks forced small."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import polykernel
 from _preference_helpers import (
@@ -29,6 +32,21 @@ from _preference_helpers import (
 from polykernel.backends import _linear_logps
 from polykernel.core import registry
 from polykernel.errors import ImplNotAvailableError
+
+
+class _Made(TorchDispatchMode):
+    """Records ``(storage bytes, dtype, shape)`` of every tensor made while active (``.made``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple[int, torch.dtype, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(x, torch.Tensor):
+                self.made.append((x.untyped_storage().nbytes(), x.dtype, tuple(x.shape)))
+        return out
 
 
 def test_backward_twice_is_a_clear_error():
@@ -257,31 +275,20 @@ def test_error_model_never_holds_the_whole_logits(monkeypatch, name):
     tensor it makes is near the [N, V] logits' size nor a float64 copy of the weight (on the
     H200, a TRL DPO step's check made the logits, and peaked at 2.5x the step's memory), and its
     bounds are those of one whole block."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from polykernel.ops import _preference_reference as pref
 
     op = registry.get_op(name)
     case = op.example((4, 40, 16, 512), torch.float32, "cpu", True)
     n_logits = 4 * 40 * 512
 
-    class Largest(TorchDispatchMode):
-        most = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, tuple | list) else (out,):
-                if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
-                    Largest.most = max(Largest.most, t.numel())
-            return out
-
     whole = op.error_model(*case.args, **case.kwargs)
     monkeypatch.setattr(pref, "REFERENCE_VOCAB_BLOCK", 128)
     monkeypatch.setattr(pref, "REFERENCE_ROWS_ELEMENTS", n_logits // 40)
-    with Largest():
+    with _Made() as rec:
         blocks = op.error_model(*case.args, **case.kwargs)
     weight = case.args[1]
-    assert Largest.most < weight.numel(), f"{name}'s error model made a float64 tensor of {Largest.most} elements ({n_logits} logits)"
+    most = max((math.prod(shape) for _, dtype, shape in rec.made if dtype == torch.float64), default=0)
+    assert most < weight.numel(), f"{name}'s error model made a float64 tensor of {most} elements ({n_logits} logits)"
     for a, e in zip(whole.grads.values(), blocks.grads.values(), strict=True):
         assert a.scale == pytest.approx(e.scale, rel=1e-9) and a.cancel == pytest.approx(e.cancel, rel=1e-9)
     for a, e in zip(whole.outputs, blocks.outputs, strict=True):
@@ -411,8 +418,6 @@ def test_a_16bit_unit_alone_in_its_chunk_keeps_g(monkeypatch, impl, dtype):
     sub-chunk by sub-chunk, the largest tensor is its G, and the loss and gradients match the
     one-pass walk's and the float64 reference (the error model counts the rounding). fp32: one
     pass (its dlogits overwrite its logits: nothing to save)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from polykernel.core.op import Case
     from polykernel.ops import _preference
     from polykernel.testing import check_parity
@@ -435,26 +440,16 @@ def test_a_16bit_unit_alone_in_its_chunk_keeps_g(monkeypatch, impl, dtype):
     seen: list[int] = []
     real = _linear_logps._logits
     monkeypatch.setattr(_linear_logps, "_logits", lambda proj, hc, *a: (seen.append(hc.shape[0]), real(proj, hc, *a))[1])
-    made: list[tuple[int, torch.dtype, tuple]] = []
-
-    class Largest(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for x in out if isinstance(out, tuple | list) else (out,):
-                if isinstance(x, torch.Tensor):
-                    made.append((x.untyped_storage().nbytes(), x.dtype, tuple(x.shape)))
-            return out
-
-    with Largest():
+    with _Made() as rec:
         out = call()
         got = [out.loss, *grads(out)]
     if dtype == torch.float32:
         assert seen == [t] * r  # one pass per sequence
         return
     assert seen == [8] * (r * t // 8)  # each sequence's logits 8 tokens at a time
-    top = max(made, key=lambda m: m[0])
+    top = max(rec.made, key=lambda m: m[0])
     assert top == (t * v * 2, torch.bfloat16, (t, v)), top  # a sequence's G, bf16
-    assert max(n for n, d, _ in made if d == torch.float32) <= max(8 * v * 4, v * 8 * 4)
+    assert max(n for n, d, _ in rec.made if d == torch.float32) <= max(8 * v * 4, v * 8 * 4)
     for a, c in zip(got, want, strict=True):
         scale = c.double().abs().max().clamp(min=1e-30)
         torch.testing.assert_close(a.double() / scale, c.double() / scale, rtol=2e-2, atol=1e-2)
@@ -469,8 +464,6 @@ def test_kept_walk_holds_no_fp32_logits_of_a_whole_unit(monkeypatch, impl):
     """The largest tensor the kept walk makes (forward and backward, bf16) is the unit's G in
     bf16: no fp32 [rows, V] logits of the unit nor a second [rows, V] buffer (the one-pass walk
     held the pair's fp32 logits and bf16 dlogits: 1.58 GB for 2 x 1024 tokens at V = 128K)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     r, t, v = 4, 32, 512
     hid, w, b = head(r, t, 8, v, dtype=torch.bfloat16)
     tg = targets(r, t, v)
@@ -478,22 +471,12 @@ def test_kept_walk_holds_no_fp32_logits_of_a_whole_unit(monkeypatch, impl):
     monkeypatch.setattr(_linear_logps, "CHUNK_BYTES", 1)
     monkeypatch.setattr(_linear_logps, "UNIT_BYTES", 1 << 30)
     monkeypatch.setattr(_linear_logps, "SUB_BYTES", 8 * v * 4)  # fp32 logits of 8 tokens
-    made: list[tuple[int, torch.dtype, tuple]] = []
-
-    class Largest(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for x in out if isinstance(out, tuple | list) else (out,):
-                if isinstance(x, torch.Tensor):
-                    made.append((x.untyped_storage().nbytes(), x.dtype, tuple(x.shape)))
-            return out
-
-    with Largest():
+    with _Made() as rec:
         out = polykernel.fused_linear_dpo_loss(hid, w, tg, b, impl=impl)
         out.loss.backward()
-    top = max(made, key=lambda m: m[0])
+    top = max(rec.made, key=lambda m: m[0])
     assert top == (2 * t * v * 2, torch.bfloat16, (2 * t, v)), top  # a pair's G, bf16
-    assert max(n for n, d, _ in made if d == torch.float32) <= max(8 * v * 4, v * 8 * 4), "fp32: a sub-chunk or the CPU's fp32 weight"
+    assert max(n for n, d, _ in rec.made if d == torch.float32) <= max(8 * v * 4, v * 8 * 4), "fp32: a sub-chunk or the CPU's fp32 weight"
 
 
 @pytest.mark.gpu

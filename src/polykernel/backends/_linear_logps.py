@@ -188,7 +188,9 @@ def walk(
     v = weight.shape[0]
     target = target.long()  # (gather and scatter take int64 indices)
     budget = CHUNK_BYTES if budget is None else budget  # read per call: tests shrink it
-    per_unit = unit_bytes(2 if pairs else 1, t, v, hidden.element_size())
+    units, rows_per_unit = (r // 2, 2) if pairs else (r, 1)
+    elt = hidden.element_size()
+    per_unit = unit_bytes(rows_per_unit, t, v, elt)
     if per_unit > max(budget, UNIT_BYTES) and r:
         return _walk_tokens(prim, hidden, weight, bias, target, ignore_index, temperature, contrib, aux, needs, budget)
     dev = hidden.device
@@ -199,10 +201,9 @@ def walk(
     acc_grads = _Grads(hidden, weight, bias, needs if grads else (False, False, False), acc)
     proj = projector(weight)
     inv_t = 1.0 / temperature
-    step = units_per_chunk(r // 2 if pairs else r, 2 if pairs else 1, t, v, hidden.element_size(), budget)
-    units = r // 2 if pairs else r
+    step = units_per_chunk(units, rows_per_unit, t, v, elt, budget)
     # one unit per chunk, over the budget (or 16-bit, its fp32 logits over SUB_BYTES): its logits in sub-chunks, G kept
-    kept = keeps_g(units, 2 if pairs else 1, t, v, hidden.element_size(), budget, SUB_BYTES)
+    kept = keeps_g(units, rows_per_unit, t, v, elt, budget, SUB_BYTES)
     for rows in _chunks(r, pairs, step):
         nr = sum(s.stop - s.start for s in rows)
         hc = _take(hidden, rows).reshape(-1, h)

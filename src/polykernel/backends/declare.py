@@ -78,7 +78,6 @@ class Backend:
         predicate: Callable[[Any], str | None] | None = None,
         rank_for: Callable[[Any], tuple[int, str] | None] | None = None,
         graph_rank_for: Callable[[Any], tuple[int, str] | None] | None = None,
-        eager_rank_for: Callable[[Any], tuple[int, str] | None] | None = None,
         target: str | None = None,
         dtypes: tuple[str, ...] | None = None,
         supports_backward: bool = True,
@@ -97,7 +96,6 @@ class Backend:
             predicate=predicate,
             rank_for=rank_for,
             graph_rank_for=graph_rank_for,
-            eager_rank_for=eager_rank_for,
             target=target,
             dtypes=self.dtypes if dtypes is None else tuple(dtypes),
             supports_backward=supports_backward,
@@ -118,7 +116,6 @@ class Impl:
     predicate: Callable[[Any], str | None] | None = field(default=None, compare=False)
     rank_for: Callable[[Any], tuple[int, str] | None] | None = field(default=None, compare=False)
     graph_rank_for: Callable[[Any], tuple[int, str] | None] | None = field(default=None, compare=False)  # in CUDA graphs only
-    eager_rank_for: Callable[[Any], tuple[int, str] | None] | None = field(default=None, compare=False)  # outside them only
     target: str | None = None
     dtypes: tuple[str, ...] = ()
     supports_backward: bool = True
@@ -146,7 +143,6 @@ class Impl:
             accepts_subclasses=self.accepts_subclasses,
             rank_for=self.rank_for,
             graph_rank_for=self.graph_rank_for,
-            eager_rank_for=self.eager_rank_for,
         )
 
 

@@ -75,13 +75,10 @@ def error_bounds(reference: Any, args: tuple, kwargs: dict, *, grads: dict[str, 
     loss_model = ErrorModel(rounds=1, ops=8, cancel=loss_err / u32, scale=1.0)
     stat = ErrorModel(rounds=1, ops=8, cancel=gain * seq_err / u32, scale=1.0)
     budget = _preference.CHUNK_BYTES  # read per call, as the driver reads its own: tests shrink both
-    chunks = max(1, r // units_per_chunk(r, 1, t, weight.shape[0], hidden.element_size(), budget))  # the chunking's rounds of dW
-    v, elt = weight.shape[0], hidden.element_size()  # the kept-G walk's rounding, where it may run (pairs or sequences)
-    kept = (
-        1
-        if keeps_g(max(r // 2, 1), 2, t, v, elt, budget, _preference.SUB_BYTES) or keeps_g(r, 1, t, v, elt, budget, _preference.SUB_BYTES)
-        else 0
-    )
+    v, elt, sub = weight.shape[0], hidden.element_size(), _preference.SUB_BYTES
+    chunks = max(1, r // units_per_chunk(r, 1, t, v, elt, budget))  # the chunking's rounds of dW
+    # the kept-G walk's rounding, where it may run (pairs or sequences)
+    kept = int(keeps_g(max(r // 2, 1), 2, t, v, elt, budget, sub) or keeps_g(r, 1, t, v, elt, budget, sub))
     # g's own error: a sigmoid of β·margin moves its slope by at most β per unit of margin (two
     # sequences per margin); GRPO's ratios and KL move by at most their log-probs' error (`beta`
     # is then 0: no margin)
