@@ -371,3 +371,33 @@ def test_an_error_model_without_a_gradient_bound_means_not_tuned(monkeypatch):
     x, w = args(grad=True)
     with pytest.raises(tm.ReferenceFailed, match="no bound for the gradient of argument 1"):
         _measure_rms(x, w, grad=True)
+
+
+def test_an_in_place_impl_that_leaves_its_destinations_unwritten_never_wins(monkeypatch):
+    # fused_add_rms_norm_ writes x and residual: an impl that returns the right values in fresh
+    # tensors passed the returned-values check, won by time, and left the caller's tensors as they were.
+    from _tuning_helpers import _clock
+    from polykernel.ops.fused_add_rms_norm_ import reference
+
+    monkeypatch.setenv("POLYKERNEL_TUNE", "on")
+    registry.specs_for("fused_add_rms_norm_")  # the built-in impls first: ours replace them
+
+    @polykernel.register_impl(op="fused_add_rms_norm_", backend="cuda_jit", rank=1)
+    def writes(x, residual, weight, eps, offset):
+        _clock.sleep(0.004)
+        return reference(x, residual, weight, eps, offset)
+
+    @polykernel.register_impl(op="fused_add_rms_norm_", backend="cute_dsl", rank=2)
+    def fresh(x, residual, weight, eps, offset):
+        return reference(x.clone(), residual.clone(), weight, eps, offset)
+
+    for name in list(registry.specs_for("fused_add_rms_norm_")):
+        if name not in ("cuda_jit", "cute_dsl"):
+            registry.unregister_impl("fused_add_rms_norm_", name)
+    x, residual, w = torch.randn(4, 32), torch.randn(4, 32), torch.rand(32) + 0.5
+    total = x + residual
+    out_x, out_residual = polykernel.fused_add_rms_norm_(x, residual, w)
+    assert polykernel.decisions("fused_add_rms_norm_")[-1]["impl"] == "cuda_jit"
+    assert out_x is x and out_residual is residual and torch.equal(residual, total)
+    times = polykernel.explain("fused_add_rms_norm_", x, residual, w).tuned["times"]
+    assert "not written" in times["cute_dsl"]["error"]

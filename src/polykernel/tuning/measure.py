@@ -25,6 +25,7 @@ calls it often may. Impls whose builds are cached on disk (Triton, ``cuda_jit``)
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -270,8 +271,17 @@ def _error(exc: BaseException) -> str:
     return f"raised {type(exc).__name__}: {first}"[:300]
 
 
-def _parity(runner: _Runner, name: str, fn: Callable[..., Any], ref: tuple[Any, ...], bounds: _Bounds) -> str | None:
-    """None when ``fn`` matches the reference (forward, and gradients when timed with backward)."""
+def _written(op: OpLike) -> list[int]:
+    """The positions of the arguments an op writes (``Op.writes``), in the order of its outputs."""
+    params = list(inspect.signature(op.reference).parameters)
+    return [params.index(w) for w in getattr(op, "writes", ())]
+
+
+def _parity(
+    runner: _Runner, name: str, fn: Callable[..., Any], ref: tuple[Any, ...], bounds: _Bounds, written: Sequence[int] = ()
+) -> str | None:
+    """None when ``fn`` matches the reference (forward, and gradients when timed with backward).
+    ``written``: the positions an op writes (its outputs, in order): those clones must hold them."""
     want, ref_out, ref_grads, leaf_pos = ref
     a = runner.prepare()
     outs, grads = runner(fn, a)
@@ -281,6 +291,12 @@ def _parity(runner: _Runner, name: str, fn: Callable[..., Any], ref: tuple[Any, 
         why = _mismatch(o, w, r, functools.partial(bounds.fwd, name, k, getattr(w, "dtype", None)))
         if why:
             return why
+    # An in-place or out= op's caller reads its results from the destinations, not only the
+    # returned tensors: an impl that returns right values but leaves them unwritten is wrong.
+    for k, pos in enumerate(written):
+        why = _mismatch(a[pos], want[k], ref_out[k], functools.partial(bounds.fwd, name, k, getattr(want[k], "dtype", None)))
+        if why:
+            return f"argument {pos} not written as the reference writes it ({why})"
     if len(grads) != len(ref_grads):
         return "gradients missing"
     for pos, g, r in zip(leaf_pos, grads, ref_grads):
@@ -335,10 +351,11 @@ def measure(
     live: list[str] = []
     specs = registry.specs_for(op)
     first_ms: dict[str, float] = {}  # per-process compilers: their first call, which compiles
+    written = _written(op)
     for name, fn in candidates.items():  # parity first (this also warms each candidate up)
         t0 = timing.now()
         try:
-            why = _parity(runner, name, fn, ref, bounds)
+            why = _parity(runner, name, fn, ref, bounds, written)
         except Exception as exc:
             why = _error(exc)
         if name in specs and specs[name].backend in PER_PROCESS_COMPILE:
