@@ -162,3 +162,20 @@ def test_concurrent_processes_lose_no_entry(tmp_path):
     expected = {f"key-{(w * 3 + r) % keys}" for w in range(workers) for r in range(rounds)}
     expected |= {f"only-{w}-{r}" for w in range(workers) for r in range(rounds)}
     assert set(entries) == expected
+
+
+def test_the_store_file_is_readable_as_the_umask_allows(tmp_path):
+    # mkstemp's temp file is 0600 and was renamed into place as it was: a store tuned by one
+    # user (a root image build) was unreadable by another (the service), a miss on every key.
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        Store(tmp_path, IDENT).put({"k": ENTRY})
+        assert stat.S_IMODE(os.stat(Store(tmp_path, IDENT).path).st_mode) == 0o644
+        os.umask(0o077)
+        Store(tmp_path, IDENT).put({"k2": ENTRY})
+        assert stat.S_IMODE(os.stat(Store(tmp_path, IDENT).path).st_mode) == 0o600
+    finally:
+        os.umask(old)

@@ -102,6 +102,19 @@ def cache_dir() -> Path | None:
         return None
 
 
+def _umask() -> int:
+    """The process's umask (read per write: writes are rare): from /proc where it can be read
+    without changing it, else set and restored (a thread creating a file then gets 022)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 class _Refused(Exception):
     """The store's path is not something to read (the message says why)."""
 
@@ -264,6 +277,10 @@ class Store:
             data = {"format": FORMAT, "schema": SCHEMA, "identity": self.identity, "entries": merged}
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tuning-", suffix=".tmp")
             try:
+                # mkstemp makes the file 0600: the store must stay readable as open() would have
+                # made it (a file tuned as root in an image, read by the service's own user).
+                if hasattr(os, "fchmod"):
+                    os.fchmod(fd, 0o666 & ~_umask())
                 with os.fdopen(fd, "w", encoding="utf-8") as f:
                     json.dump(data, f, indent=1, sort_keys=True)
                     f.write("\n")
