@@ -401,3 +401,49 @@ def test_an_in_place_impl_that_leaves_its_destinations_unwritten_never_wins(monk
     assert out_x is x and out_residual is residual and torch.equal(residual, total)
     times = polykernel.explain("fused_add_rms_norm_", x, residual, w).tuned["times"]
     assert "not written" in times["cute_dsl"]["error"]
+
+
+def _wrong_weight_grad_impl(backend: str, rank: int) -> None:
+    """An rms_norm impl whose forward and x gradient are right and whose weight gradient is not."""
+    from polykernel.ops.rms_norm import reference
+
+    class WrongWeightGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight):
+            ctx.save_for_backward(x, weight)
+            return reference(x, weight, 1e-6, 0.0, "fp32")
+
+        @staticmethod
+        def backward(ctx, g):
+            x, weight = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+            with torch.enable_grad():
+                dx, dw = torch.autograd.grad(reference(x, weight, 1e-6, 0.0, "fp32"), (x, weight), g)
+            return dx, dw * 3
+
+    @polykernel.register_impl(op="rms_norm", backend=backend, rank=rank)
+    def impl(x, weight, eps, offset, casting):
+        return WrongWeightGrad.apply(x, weight)
+
+
+@pytest.mark.parametrize("new_process", [False, True])
+def test_a_winner_measured_with_a_frozen_weight_is_not_reused_when_the_weight_trains(monkeypatch, new_process):
+    # The key held needs_grad only: a winner measured while the weight was frozen (its weight
+    # gradient never computed, so never checked) ran when the weight required grad too, and
+    # returned a wrong weight gradient without a word; its time was of another backward too.
+    monkeypatch.setenv("POLYKERNEL_TUNE", "on")
+    plant("cuda_jit", 1, delay=0.004)
+    _wrong_weight_grad_impl("cute_dsl", 2)
+    only("cuda_jit", "cute_dsl")
+    x = torch.randn(4, 8, requires_grad=True)
+    assert chosen(x, torch.rand(8) + 0.5) == ("cute_dsl", "tuned")  # frozen weight: its dx is right
+    if new_process:
+        polykernel.clear_caches()
+    w = (torch.rand(8) + 0.5).requires_grad_()
+    polykernel.rms_norm(x, w).sum().backward()
+    expected = w.detach().clone().requires_grad_()
+    from polykernel.ops.rms_norm import reference
+
+    reference(x.detach(), expected, 1e-6, 0.0, "fp32").sum().backward()
+    torch.testing.assert_close(w.grad, expected.grad)
+    # measured for this grad mask, where the wrong weight gradient lost parity
+    assert polykernel.decisions("rms_norm")[-1]["by_size"]["float32[4x8]:grad, float32[8]:grad"] == "cuda_jit"

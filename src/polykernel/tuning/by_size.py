@@ -13,6 +13,8 @@ Two calls of one bucket share its slot even where the store would tell them apar
 a contiguous tensor of one size, and 1-d tensors (targets, positions), whose exact length the
 store keys but whose length is bucketed here, so that a serving loop measures once per power of
 two of tokens rather than once per prompt length (its first length's entry serves the bucket).
+A decision that needs gradients also keys its buckets on which tensors require grad (the store's
+``:grad``): a weight that starts training after a frozen phase is measured, and checked, anew.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class BySize:
     ) -> None:
         self.op, self.argkey, self.rows = op, argkey, rows
         self.capturing, self.deterministic = capturing, deterministic
+        self.grad = bool(argkey[2])  # needs_grad: which tensors require grad is part of a bucket
         self._load, self._checked = load, checked
         self.static = static
         self.slots: dict[tuple[str, ...], Slot] = {}  # bucket (as the store writes it) -> slot
@@ -102,9 +105,22 @@ class BySize:
     def function(self, args: tuple[Any, ...]) -> Callable[..., Any]:
         """:meth:`__call__` as a closure over the tensor positions of ``args`` (a call of this
         class has its tensors there) and the counts' lookup: no attribute reads per call."""
-        self._sizes = _sizes_fn(args)
+        self._sizes = sizes = _sizes_fn(args, self.grad)
         pick = picker([i for i, a in enumerate(args) if isinstance(a, torch.Tensor)])
         get, met, numel = self.counts.get, self._met, torch.Tensor.numel
+        if self.grad:  # training: the counts and which tensors require grad (see _sizes_fn)
+
+            def choose_grad(*a: Any) -> Any:
+                try:
+                    slot = get(sizes(a))
+                except Exception:  # an argument that is not the tensor it was
+                    slot = None
+                if slot is None:
+                    slot = met(a)
+                return slot.run.fn(*a)
+
+            choose_grad.by_size = self  # type: ignore[attr-defined]
+            return choose_grad
 
         def choose(*a: Any) -> Any:
             try:
@@ -120,13 +136,13 @@ class BySize:
 
     def slot(self, args: tuple[Any, ...]) -> Slot:
         """The slot a call with ``args`` runs, met now if it is new (a lookup). Off the hot path."""
-        return self.slots.get(_bucket(args)) or self._met(args)
+        return self.slots.get(_bucket(args, self.grad)) or self._met(args)
 
     def slot_for(self, args: tuple[Any, ...]) -> Slot | None:
         """The slot a call with ``args`` runs (None before one met its bucket, or for arguments
         that have none). Off the hot path."""
         try:
-            return self.slots.get(_bucket(args))
+            return self.slots.get(_bucket(args, self.grad))
         except Exception:
             return None
 
@@ -134,17 +150,17 @@ class BySize:
         """The decision's own choice for its first call's bucket (already behind the decision's
         first-call checks): that bucket asks nothing more."""
         run = self._runs.setdefault(impl, Plain(impl, fn))
-        self.slots[_bucket(args)] = Slot(run, label(args), True)
+        self.slots[_bucket(args, self.grad)] = Slot(run, label(args, self.grad), True)
 
     # -- slow path: element counts, then a bucket, met for the first time -------------------
 
     def _met(self, args: tuple[Any, ...]) -> Slot:
-        bucket = _bucket(args)
+        bucket = _bucket(args, self.grad)
         slot = self.slots.get(bucket)
         if slot is None:
             slot = self._new(bucket, args)
         if self._sizes is None:
-            self._sizes = _sizes_fn(args)
+            self._sizes = _sizes_fn(args, self.grad)
         try:
             counts = self._sizes(args)
         except Exception:  # not the tensors the first call had: the slow path each time
@@ -159,9 +175,9 @@ class BySize:
 
         name = lookup(self.op, self.argkey, args, self.rows, self.capturing, True, self.deterministic)
         run = None if name is None else self._run(name)
-        slot = Slot(run, label(args), True) if run is not None else None
+        slot = Slot(run, label(args, self.grad), True) if run is not None else None
         if slot is None:  # nothing stored (or not runnable here): the class's static choice
-            slot = Slot(self._run(*self.static), label(args), False)
+            slot = Slot(self._run(*self.static), label(args, self.grad), False)
         with self._lock:  # a racing thread's slot for the same bucket is as good: keep the first
             slot = self.slots.setdefault(bucket, slot)
         return slot
@@ -175,10 +191,9 @@ class BySize:
             run = self._runs.setdefault(name, self._checked(name, raw))
         return run
 
-    @staticmethod
-    def label(args: tuple[Any, ...]) -> str:
+    def label(self, args: tuple[Any, ...]) -> str:
         """The call's tensors as the store's key writes them (a fault's warning names the bucket)."""
-        return label(args)
+        return label(args, self.grad)
 
     def record(self) -> dict[str, str]:
         """Bucket (the store key's tensors) -> impl, for ``decisions()``; a bucket the store had
@@ -186,29 +201,38 @@ class BySize:
         return {s.label: s.impl if s.tuned else f"{s.impl} (static)" for s in list(self.slots.values())}
 
 
-def label(args: tuple[Any, ...]) -> str:
+def label(args: tuple[Any, ...], grad: bool = False) -> str:
     """The call's tensors as the store's key writes them: ``"bfloat16[512x128], bfloat16[128]"``."""
-    return ", ".join(tuning_key.tensor_class(a) for a in args if isinstance(a, torch.Tensor))
+    return ", ".join(tuning_key.tensor_class(a, grad) for a in args if isinstance(a, torch.Tensor))
 
 
-def _bucket(args: tuple[Any, ...]) -> tuple[str, ...]:
+def _bucket(args: tuple[Any, ...], grad: bool = False) -> tuple[str, ...]:
     """The call's size bucket: each tensor as :func:`polykernel.tuning.key.tensor_class` writes
     it, a 1-d tensor's length bucketed too (see the module docstring)."""
     out = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            text = tuning_key.tensor_class(a)
+            text = tuning_key.tensor_class(a, grad)
             if a.dim() == 1:
-                text = f"{str(a.dtype).removeprefix('torch.')}[~{tuning_key.bucket(int(a.shape[0]))}]"
+                mark = ":grad" if grad and a.requires_grad else ""
+                text = f"{str(a.dtype).removeprefix('torch.')}[~{tuning_key.bucket(int(a.shape[0]))}]{mark}"
             out.append(text)
     return tuple(out)
 
 
-def _sizes_fn(args: tuple[Any, ...]) -> Callable[[tuple[Any, ...]], tuple[int, ...]]:
+def _sizes_fn(args: tuple[Any, ...], grad: bool = False) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
     """``sizes(args)``: the element counts of the tensor arguments at the positions where this
-    call has tensors (an argument there that is no tensor raises: the caller's miss)."""
+    call has tensors (an argument there that is no tensor raises: the caller's miss); with
+    ``grad``, then whether each requires grad (a frozen weight is another bucket)."""
     pick = picker([i for i, a in enumerate(args) if isinstance(a, torch.Tensor)])
     numel = torch.Tensor.numel
+    if grad:
+
+        def sizes_grad(a: tuple[Any, ...]) -> tuple[Any, ...]:
+            tensors = pick(a)
+            return (*map(numel, tensors), *[t.requires_grad for t in tensors])
+
+        return sizes_grad
 
     def sizes(a: tuple[Any, ...]) -> tuple[int, ...]:
         return tuple(map(numel, pick(a)))

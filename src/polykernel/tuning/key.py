@@ -12,7 +12,9 @@ Both are plain JSON so that a person reading the store can tell what an entry is
 
 Sizes are bucketed: the last dim exactly (kernels specialize on it), the product of the other dims
 rounded up to a power of two (so 1000 and 1024 rows share an entry). A non-contiguous tensor is
-marked ``:strided``, since an impl's speed (and eligibility) can depend on its layout.
+marked ``:strided``, since an impl's speed (and eligibility) can depend on its layout; when the
+call needs gradients, each tensor that requires grad is marked ``:grad`` (a frozen weight's
+backward computes no weight gradient: another time, and a gradient that parity never checked).
 """
 
 from __future__ import annotations
@@ -124,16 +126,19 @@ def _plain(value: Any) -> Any:
     return text
 
 
-def tensor_class(t: Any) -> str:
-    """``"bfloat16[16384x4096]"``: dtype, bucketed leading size x exact last dim, layout."""
+def tensor_class(t: Any, grad: bool = False) -> str:
+    """``"bfloat16[16384x4096]"``: dtype, bucketed leading size x exact last dim, layout; with
+    ``grad`` (the call needs gradients) ``:grad`` on a tensor that requires grad, since which
+    gradients a backward computes changes its time and what parity checked."""
     dtype = str(t.dtype).removeprefix("torch.")
+    marks = ("" if t.is_contiguous() else ":strided") + (":grad" if grad and t.requires_grad else "")
     if t.dim() == 0:
-        return f"{dtype}[]"
+        return f"{dtype}[]{marks}"
     rows = 1
     for d in t.shape[:-1]:
         rows *= int(d)
     shape = f"{bucket(rows)}x{int(t.shape[-1])}" if t.dim() > 1 else f"{int(t.shape[-1])}"
-    return f"{dtype}[{shape}]" + ("" if t.is_contiguous() else ":strided")
+    return f"{dtype}[{shape}]{marks}"
 
 
 def key(op: OpLike, argkey: tuple[Any, ...], tensors: Any, deterministic: bool = False) -> str:
@@ -147,7 +152,7 @@ def key(op: OpLike, argkey: tuple[Any, ...], tensors: Any, deterministic: bool =
             "platform": platform_name(argkey[0]),
             "deterministic": bool(deterministic),
             "class": fields,
-            "tensors": [tensor_class(t) for t in tensors if isinstance(t, torch.Tensor)],
+            "tensors": [tensor_class(t, bool(argkey[2])) for t in tensors if isinstance(t, torch.Tensor)],
         },
         separators=(",", ":"),
     )
