@@ -21,6 +21,7 @@ import torch
 from .. import _compat
 from . import codegen, hit_guard
 from . import selection as _dispatch
+from .writes import mark_written as _mark_written
 
 if TYPE_CHECKING:
     from .protocols import HotPathOp
@@ -100,8 +101,10 @@ def plain_check(reference: Callable[..., Any]) -> Callable[[tuple[Any, ...]], bo
 FAST_RECORDS = 4
 
 
-def _run_tail(args: str, plain: str) -> str:
-    """The generated hot paths' end: the decision ``d``'s two rare guards, then the impl."""
+def _run_tail(args: str, plain: str, written: str = "") -> str:
+    """The generated hot paths' end: the decision ``d``'s two rare guards, then the impl; for an op
+    that writes its arguments (``written``: those argument names), their version bumps after it
+    (:func:`polykernel.core.writes.mark_written`; also after a fault, which may have written part)."""
     return (
         f"    if d.guarded:\n"
         f"        if d.cuda and capturing():\n"
@@ -111,7 +114,7 @@ def _run_tail(args: str, plain: str) -> str:
         f"    try:\n"
         f"        return d.fn({args})\n"
         f"    except Exception as exc:\n"
-        f"        return d.on_fault(exc, ({args},))\n"
+        f"        return d.on_fault(exc, ({args},))\n" + (f"    finally:\n        mark_written(({written}))\n" if written else "")
     )
 
 
@@ -135,7 +138,8 @@ def _exec(op: HotPathOp, src: str, name: str) -> Callable[..., Any]:
         "capturing": _stream_capturing,
         "fast": op._fast,
         "same_items": _same_items,
-        "memo_get": op._memo.get,  # the memo dict lives as long as the op (cleared, never replaced)
+        "memo_get": op._memo.get,
+        "mark_written": _mark_written,  # the memo dict lives as long as the op (cleared, never replaced)
     }
     fn = codegen.define(src, f"<polykernel hot path: {op.id}.{name}>", name, namespace)
     fn.__doc__ = getattr(type(op), name).__doc__
@@ -277,7 +281,7 @@ def _hot_dispatch(op: HotPathOp) -> Callable[..., Any]:
         f"    except (ValueError, IndexError):  # another thread changed the list meanwhile\n"
         f"        pass\n"
         f"    d = f[5]\n"
-        f"{_run_tail(args, plain)}"
+        f"{_run_tail(args, plain, ''.join(f'{names[i]}, ' for i, _ in op._written))}"
     )
     return _exec(op, src, "dispatch")
 

@@ -111,6 +111,12 @@ class Op:
       tensor's version counter, so a backward that saved an overwritten tensor raises. A compiled
       call runs one mutating custom op (:mod:`polykernel.compile.library`), and first-use
       verification gives each side its own copies of the arguments (:mod:`polykernel.core.verify`).
+    - ``validate_each_call``: ``validate`` runs on every call the guard does not recognise, not
+      once per class: for an op whose class does not hold every fact its validity depends on
+      (the serving ops: a destination's shape and dtype, a scale's shape). A call the guard
+      recognises has the metadata and options of a validated call; what validity reads beyond
+      them (memory: overlaps, strides; values), the public function checks on every call, before
+      ``dispatch``. (:meth:`call` and :meth:`run` take arguments their caller validated.)
     - ``bench_shapes``: ``(label, shape)`` pairs for ``example``, the shapes ``polykernel bench``
       and ``polykernel tune`` use for an op without README shapes of its own
       (:data:`polykernel.tools.bench.SHAPES`): a new op benches with no list to edit.
@@ -138,6 +144,7 @@ class Op:
         saved_grads: Any = None,
         dtensor_layout: Any = None,
         writes: Sequence[str] = (),
+        validate_each_call: bool = False,
         bench_shapes: Sequence[tuple[str, tuple[int, ...]]] = (),
     ) -> None:
         if tuple(fields[:3]) != ("device", "dtype", "needs_grad"):
@@ -154,6 +161,7 @@ class Op:
         self.example = example
         self.bytes_moved = bytes_moved
         self.validate = validate
+        self.validate_each_call = validate_each_call
         self.outputs = outputs
         self.guard = None if guard is None else tuple(guard)
         # The layers above read these; the core only keeps them (see the class docstring).
@@ -210,11 +218,25 @@ class Op:
         return self._dispatch_slow(impl, args)
 
     def _dispatch_slow(self, impl: str | None, args: tuple[Any, ...], scope: Any = None, det: Any = None, grad: Any = None) -> Any:
+        """:meth:`_decide_and_guard`, for an op that writes its arguments between :meth:`_writable`'s
+        refusals and the version bumps (as :meth:`_run_writing`; its guarded repeats bump only:
+        what the refusals read, the guard pins)."""
+        if not self._written or grad is None:  # grad None: Op.call's path, which does both itself
+            return self._decide_and_guard(impl, args, scope, det, grad)
+        written = self._writable(args)
+        try:
+            return self._decide_and_guard(impl, args, scope, det, grad)
+        finally:  # also after a fault: the impl may have written part of its destinations
+            _mark_written(written)
+
+    def _decide_and_guard(self, impl: str | None, args: tuple[Any, ...], scope: Any = None, det: Any = None, grad: Any = None) -> Any:
         """:meth:`dispatch` for a call the guard did not recognise (``scope``, ``det``, ``grad``:
         the state it read): the argument class from ``key``, the decision as :meth:`call` makes
         it, and that decision's guard for the next calls (built ~1 µs on the decision's first
         call, kept on the decision for when its class comes back). A call no guard can cover (a
         subclass, a non-tensor) leaves the last one in place."""
+        if self.validate_each_call and self.validate is not None:  # first: its errors, as the op has always named them
+            self.validate(*args)
         wrong = self._mistyped(args)  # before the memo, whose keys hold False == 0.0 alike
         if wrong is not None:
             self._reject(args, wrong)

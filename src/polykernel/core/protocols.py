@@ -58,6 +58,7 @@ class HotPathOp(OpLike, Protocol):
     guard: tuple[Any, ...] | None
     _memo: dict[tuple[Any, ...], Any]
     _fast: list[tuple[Any, ...]]
+    _written: tuple[tuple[int, str], ...]  # (position, name) of each argument the op writes
 
     def call(self, impl: str | None, argkey: tuple[Any, ...] | None, *args: Any) -> Any: ...
 

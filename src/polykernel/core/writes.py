@@ -17,13 +17,14 @@ _inference_mode = torch.is_inference_mode_enabled
 _increment_version = torch.autograd.graph.increment_version
 
 
-def mark_written(tensors: Sequence[torch.Tensor]) -> None:
+def mark_written(tensors: Sequence[torch.Tensor | None]) -> None:
     """Bump the version counter of each tensor an op wrote, as torch's in-place ops do, so that a
     backward which saved one of them before the write raises instead of using the new values. A
     torch impl's own in-place ops have bumped them already: a second bump is harmless (autograd
-    compares versions for equality). Inference tensors have no counter."""
+    compares versions for equality). Inference tensors have no counter; an optional destination
+    left out (rotary_embedding_'s key) is None."""
     for t in tensors:
-        if not t.is_inference():
+        if t is not None and not t.is_inference():
             _increment_version(t)
 
 

@@ -38,12 +38,29 @@ def validate_and_mul(op_id: str, x: torch.Tensor, out: torch.Tensor | None) -> N
         serving.no_overlap(op_id, "out", out, "x", x)
 
 
-def allocate(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    return out if out is not None else x.new_empty(out_shape(x))  # like x: a subclass stays one
+def check_memory(op_id: str, x: object, out: object) -> None:
+    """The checks of a given ``out`` that read memory (its strides, its addresses against x's), on
+    every call: the argument class holds the rest (:func:`key`). Before anything is written."""
+    if isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and not serving.compiling():
+        serving.written(op_id, "out", out)
+        serving.no_overlap(op_id, "out", out, "x", x)
 
 
-def key(x: torch.Tensor, *_: object, **__: object) -> tuple:
-    return (x.device, x.dtype, False, x.shape[-1], serving.tokens(serving.rows(x)))
+def allocate(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
+    """``out``, or a new ``[..., d]`` tensor like x (a subclass stays one); None for an x that
+    cannot be read as ``[..., 2d]`` (not a tensor, 0-d): the dispatcher's validate names it."""
+    if out is not None:
+        return out
+    try:
+        return x.new_empty(out_shape(x))
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def key(x: torch.Tensor, *options: object) -> tuple:
+    """The argument class (device, dtype, needs_grad, n, *options, tokens); the op validates every
+    call its guard does not recognise (``validate_each_call``): a destination's fit is not in it."""
+    return (x.device, x.dtype, False, x.shape[-1], *options, serving.tokens(serving.rows(x)))
 
 
 def outputs(x: torch.Tensor, *args: object) -> tuple[tuple[torch.Size, torch.dtype], ...]:

@@ -185,6 +185,15 @@ def no_overlap(op: str, name: str, t: torch.Tensor | None, other_name: str, othe
 # -- fp8 quantisation (dynamic_quant_fp8, static_quant_fp8, rms_norm_quant_fp8) ------------------
 
 
+def fp8_like(x: torch.Tensor) -> torch.Tensor | None:
+    """A new fp8 tensor of x's shape on x's device (like x: a subclass stays one); None where x is
+    no tensor (the dispatcher's validate names it)."""
+    try:
+        return x.new_empty(x.shape, dtype=FP8)
+    except (AttributeError, TypeError):
+        return None
+
+
 def quantised(v: torch.Tensor, scale: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
     """``clamp(v / scale, ±FP8_MAX)`` written into ``q`` (rounded to e4m3 by the copy), or, with
     no ``q``, returned: in fp8, or unrounded when ``v`` is float64 (the exact result the parity

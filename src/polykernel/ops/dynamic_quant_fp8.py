@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.hit_guard import SHAPE
 from ..core.op import Bounds, Case, ErrorModel, Op
 from . import _checks as check
 from . import _serving as serving
@@ -73,11 +74,9 @@ def dynamic_quant_fp8(x: torch.Tensor, *, per_token: bool = True, impl: str | No
     >>> bool(((q.float() * scale - x).abs() <= x.abs() / 16 + 1e-3).all())
     True
     """
-    if not serving.compiling():  # (compiled: the custom op checks)
-        validate(x, per_token)
-    q = x.new_empty(x.shape, dtype=serving.FP8)  # like x: a subclass stays one
-    scale = x.new_empty((*x.shape[:-1], 1) if per_token else (1,), dtype=torch.float32)
-    return _op.call(impl, (x.device, x.dtype, False, x.shape[-1], per_token), x, per_token, q, scale)
+    q = serving.fp8_like(x)
+    scale = None if q is None else x.new_empty((*x.shape[:-1], 1) if per_token is True else (1,), dtype=torch.float32)
+    return _dispatch(impl, x, per_token, q, scale)
 
 
 # -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
@@ -141,12 +140,11 @@ def outputs(x: torch.Tensor, per_token: bool = True, *_: object) -> tuple[tuple[
     return (serving.fp8_outputs(x), (torch.Size((*x.shape[:-1], 1) if per_token else (1,)), torch.float32))
 
 
-# No guard: the public function validates every call (the overlap checks read the tensors memory),
-# then hands over the argument class it built (Op.call).
 _op = Op(
     OP_ID,
     fields=("device", "dtype", "needs_grad", "n", "per_token"),
     key=_key,
+    guard=(SHAPE, None, SHAPE, SHAPE),
     default_key=lambda device, dtype: (device, dtype, False, None, True),
     validate=validate,
     reference=reference,
@@ -158,4 +156,6 @@ _op = Op(
     bytes_moved=bytes_moved,
     # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     writes=("q", "scale"),
+    validate_each_call=True,
 )
+_dispatch = _op.dispatch

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from ..core.hit_guard import SHAPE
 from ..core.op import Bounds, Case, Op
 from . import _and_mul
 from . import _checks as check
-from . import _serving as serving
 from .geglu import APPROXIMATIONS, gelu
 from .geglu import error_model as geglu_error_model
 
@@ -33,8 +33,8 @@ def validate(x: torch.Tensor, approximate: str = "none", out: torch.Tensor | Non
     check.choice(OP_ID, "approximate", approximate, APPROXIMATIONS)
 
 
-def _key(x: torch.Tensor, approximate: str = "none", *_: object, **__: object) -> tuple:
-    return (x.device, x.dtype, False, x.shape[-1], approximate, serving.tokens(serving.rows(x)))
+def _key(x: torch.Tensor, approximate: str = "none", out: torch.Tensor | None = None) -> tuple:
+    return _and_mul.key(x, approximate)
 
 
 _op: Op  # defined below, after the public function it serves
@@ -48,9 +48,9 @@ def gelu_and_mul(x: torch.Tensor, *, approximate: str = "none", out: torch.Tenso
     >>> polykernel.gelu_and_mul(x, approximate="tanh").shape
     torch.Size([4, 8])
     """
-    if not serving.compiling():  # every call: out's shape and memory are not in the argument class (compiled: the custom op checks)
-        validate(x, approximate, out)
-    return _op.call(impl, _key(x, approximate), x, approximate, _and_mul.allocate(x, out))
+    if out is not None:  # every call: a given out's memory (the class holds the rest)
+        _and_mul.check_memory(OP_ID, x, out)
+    return _dispatch(impl, x, approximate, _and_mul.allocate(x, out))
 
 
 # -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
@@ -70,12 +70,11 @@ def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype]
     return _and_mul.outputs(x)
 
 
-# No guard: the public function validates every call (the overlap checks read the tensors memory),
-# then hands over the argument class it built (Op.call).
 _op = Op(
     OP_ID,
     fields=("device", "dtype", "needs_grad", "n", "approximate", "tokens"),
     key=_key,
+    guard=(SHAPE, None, SHAPE),  # x's rows are its tokens' bucket; out's shape is part of its fit
     default_key=lambda device, dtype: (device, dtype, False, None, "none", None),
     validate=validate,
     reference=reference,
@@ -87,4 +86,6 @@ _op = Op(
     bytes_moved=_and_mul.bytes_moved,
     # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     writes=("out",),
+    validate_each_call=True,
 )
+_dispatch = _op.dispatch

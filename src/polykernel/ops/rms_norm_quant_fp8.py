@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.hit_guard import SHAPE
 from ..core.op import Bounds, Case, ErrorModel, Op, rows_and_len
 from . import _checks as check
 from . import _serving as serving
@@ -59,10 +60,7 @@ def rms_norm_quant_fp8(
     >>> q.dtype, tuple(q.shape)
     (torch.float8_e4m3fn, (4, 64))
     """
-    if not serving.compiling():  # (compiled: the custom op checks)
-        validate(x, weight, scale, eps)
-    q = x.new_empty(x.shape, dtype=serving.FP8)  # like x: a subclass stays one
-    return _op.call(impl, (x.device, x.dtype, False, x.shape[-1], weight.dtype, scale.numel() != 1, eps), x, weight, scale, eps, q)
+    return _dispatch(impl, x, weight, scale, eps, serving.fp8_like(x))
 
 
 # -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
@@ -124,12 +122,11 @@ def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype]
     return (serving.fp8_outputs(x),)
 
 
-# No guard: the public function validates every call (the overlap checks read the tensors memory),
-# then hands over the argument class it built (Op.call).
 _op = Op(
     OP_ID,
     fields=("device", "dtype", "needs_grad", "n", "weight_dtype", "per_row", "eps"),
     key=_key,
+    guard=(SHAPE, SHAPE, SHAPE, None, SHAPE),
     default_key=lambda device, dtype: (device, dtype, False, None, dtype, False, 1e-6),
     validate=validate,
     reference=reference,
@@ -141,4 +138,6 @@ _op = Op(
     bytes_moved=bytes_moved,
     # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     writes=("q",),
+    validate_each_call=True,
 )
+_dispatch = _op.dispatch

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.hit_guard import SHAPE
 from ..core.op import Bounds, Case, ErrorModel, Op
 from . import _checks as check
 from . import _serving as serving
@@ -130,13 +131,30 @@ def validate(
     for name, t in (("key", key), ("cos_sin_cache", cos_sin_cache)):
         if t is not None:
             check.same_device(OP_ID, name, t, "query", query)
+    check_memory(positions, query, key, cos_sin_cache)
+
+
+def check_memory(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, cos_sin_cache: torch.Tensor) -> None:
+    """What validity reads of memory and values (overlaps, strides, the positions on the CPU),
+    on every call before anything is written: the guard recognises a repeat by metadata and
+    options only."""
+    if not all(isinstance(t, torch.Tensor) for t in (positions, query, cos_sin_cache)) or not isinstance(key, (torch.Tensor, type(None))):
+        return  # validate names it
+    serving.written(OP_ID, "query", query)
+    serving.written(OP_ID, "key", key)
     serving.no_overlap(OP_ID, "key", key, "query", query)
     # a cache inside query or key would be read by one token after another token rotated it
     serving.no_overlap(OP_ID, "cos_sin_cache", cos_sin_cache, "query", query)
     serving.no_overlap(OP_ID, "cos_sin_cache", cos_sin_cache, "key", key)
     # Positions' values: checked where it is cheap, CPU tensors (on CUDA it needs a device sync;
     # the impls write NaN for such a token there instead: see the module doc).
-    if tokens and positions.device.type == "cpu" and not serving.compiling():
+    if (
+        positions.numel()
+        and positions.device.type == "cpu"
+        and cos_sin_cache.dim() == 2
+        and cos_sin_cache.shape[0]
+        and not serving.compiling()
+    ):
         lo, hi = (int(v) for v in torch.aminmax(positions))
         if lo < 0 or hi >= cos_sin_cache.shape[0]:
             bad = lo if lo < 0 else hi
@@ -189,9 +207,10 @@ def rotary_embedding_(
     True
     """
     if not serving.compiling():  # every call, before any write (compiled: the custom op checks)
-        validate(positions, query, key, head_size, cos_sin_cache, is_neox, rotary_dim)
-    argkey = _key(positions, query, key, head_size, cos_sin_cache, is_neox)
-    return _op.call(impl, argkey, positions, query, key, head_size, cos_sin_cache, is_neox, cos_sin_cache.shape[-1])
+        check_memory(positions, query, key, cos_sin_cache)
+    if rotary_dim is None:  # the cache's width (a cache that has none: validate names it)
+        rotary_dim = cos_sin_cache.shape[-1] if isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.dim() else None
+    return _dispatch(impl, positions, query, key, head_size, cos_sin_cache, is_neox, rotary_dim)
 
 
 # -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
@@ -313,12 +332,11 @@ def outputs(
     return ((query.shape, query.dtype), (key.shape, key.dtype) if key is not None else None)
 
 
-# No guard: the public function validates every call (the overlap checks read the tensors memory),
-# then hands over the argument class it built (Op.call).
 _op = Op(
     OP_ID,
     fields=("device", "dtype", "needs_grad", "head_size", "rotary_dim", "is_neox", "has_key", "tokens"),
     key=_key,
+    guard=(SHAPE, SHAPE, SHAPE, None, SHAPE, None, None),
     default_key=lambda device, dtype: (device, dtype, False, None, None, True, True, None),
     validate=validate,
     reference=reference,
@@ -330,4 +348,6 @@ _op = Op(
     bytes_moved=bytes_moved,
     # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     writes=("query", "key"),
+    validate_each_call=True,
 )
+_dispatch = _op.dispatch

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..core.hit_guard import SHAPE
 from ..core.op import Bounds, Case, Op
 from . import _and_mul
-from . import _serving as serving
 from .swiglu import error_model as swiglu_error_model
 
 OP_ID = "serving.silu_and_mul"
@@ -31,6 +31,10 @@ def validate(x: torch.Tensor, out: torch.Tensor | None = None) -> None:
     _and_mul.validate_and_mul(OP_ID, x, out)
 
 
+def _key(x: torch.Tensor, out: torch.Tensor | None = None) -> tuple:
+    return _and_mul.key(x)
+
+
 _op: Op  # defined below, after the public function it serves
 
 
@@ -45,9 +49,9 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, impl: str 
     >>> polykernel.silu_and_mul(x, out=out) is out
     True
     """
-    if not serving.compiling():  # every call: out's shape and memory are not in the argument class (compiled: the custom op checks)
-        validate(x, out)
-    return _op.call(impl, _and_mul.key(x), x, _and_mul.allocate(x, out))
+    if out is not None:  # every call: a given out's memory (the class holds the rest)
+        _and_mul.check_memory(OP_ID, x, out)
+    return _dispatch(impl, x, _and_mul.allocate(x, out))
 
 
 # -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
@@ -61,12 +65,11 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     return _and_mul.and_mul_cases(device, dtype, large)
 
 
-# No guard: the public function validates every call (the overlap checks read the tensors memory),
-# then hands over the argument class it built (Op.call).
 _op = Op(
     OP_ID,
     fields=("device", "dtype", "needs_grad", "n", "tokens"),
-    key=_and_mul.key,
+    key=_key,
+    guard=(SHAPE, SHAPE),  # x's rows are its tokens' bucket; out's shape is part of its fit
     default_key=lambda device, dtype: (device, dtype, False, None, None),
     validate=validate,
     reference=reference,
@@ -78,4 +81,6 @@ _op = Op(
     bytes_moved=_and_mul.bytes_moved,
     # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     writes=("out",),
+    validate_each_call=True,
 )
+_dispatch = _op.dispatch

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.hit_guard import SHAPE
 from ..core.op import Bounds, Case, ErrorModel, Op
 from . import _checks as check
 from . import _serving as serving
@@ -48,10 +49,7 @@ def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor, *, impl: str | None =
     >>> q.float().tolist()
     [[2.0, -6.0, 448.0]]
     """
-    if not serving.compiling():  # (compiled: the custom op checks)
-        validate(x, scale)
-    q = x.new_empty(x.shape, dtype=serving.FP8)  # like x: a subclass stays one
-    return _op.call(impl, (x.device, x.dtype, False, x.shape[-1], scale.numel() != 1), x, scale, q)
+    return _dispatch(impl, x, scale, serving.fp8_like(x))
 
 
 # -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
@@ -93,12 +91,11 @@ def outputs(x: torch.Tensor, *_: object) -> tuple[tuple[torch.Size, torch.dtype]
     return (serving.fp8_outputs(x),)
 
 
-# No guard: the public function validates every call (the overlap checks read the tensors memory),
-# then hands over the argument class it built (Op.call).
 _op = Op(
     OP_ID,
     fields=("device", "dtype", "needs_grad", "n", "per_row"),
     key=_key,
+    guard=(SHAPE, SHAPE, SHAPE),
     default_key=lambda device, dtype: (device, dtype, False, None, False),
     validate=validate,
     reference=reference,
@@ -110,4 +107,6 @@ _op = Op(
     bytes_moved=bytes_moved,
     # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     writes=("q",),
+    validate_each_call=True,
 )
+_dispatch = _op.dispatch
