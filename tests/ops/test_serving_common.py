@@ -107,6 +107,21 @@ def test_first_use_verification_catches_a_wrong_in_place_impl(monkeypatch):
         polykernel.fused_add_rms_norm_(x, r, torch.ones(32), impl="cuda_jit")
 
 
+def test_first_use_verification_catches_an_impl_that_returns_new_tensors(monkeypatch):
+    # Right values, returned in tensors of its own: the caller's out (or in-place arguments)
+    # would keep their old values, whatever the returned tensors hold.
+    from polykernel.errors import ImplVerificationError
+
+    def fresh(x, out):
+        return torch.nn.functional.silu(x[..., : x.shape[-1] // 2]) * x[..., x.shape[-1] // 2 :]
+
+    polykernel.register_impl(op="silu_and_mul", backend="cuda_jit", rank=1000)(fresh)
+    monkeypatch.setenv("POLYKERNEL_VERIFY", "always")
+    polykernel.clear_caches()
+    with pytest.raises(ImplVerificationError, match="'out' as written"):
+        polykernel.silu_and_mul(torch.randn(3, 32), impl="cuda_jit")
+
+
 def test_compiled_calls_write_the_callers_tensors():
     x, r, w = torch.randn(4, 32), torch.randn(4, 32), torch.randn(32)
     pos, q, k = torch.tensor([0, 3, 1, 2]), torch.randn(4, 32), torch.randn(4, 16)

@@ -340,6 +340,12 @@ def _check(decision: DecisionLike, fn: Callable[..., Any], args: tuple[Any, ...]
     for k, (o, r) in enumerate(zip(outs, ref_out)):
         if isinstance(r, torch.Tensor):
             _compare(fail, "the output" if single else f"output {k}", o, r, bounds.output(k), rounding)
+    # An op that writes its arguments: the k-th destination must hold the k-th result (an impl
+    # that returned right values in new tensors would leave the caller's tensors unwritten).
+    for k, w in enumerate(op.writes):
+        dest, r = impl_leaves[names.index(w)], ref_out[k] if k < len(ref_out) else None
+        if isinstance(r, torch.Tensor) and isinstance(dest, torch.Tensor):
+            _compare(fail, f"{w!r} as written", dest.detach(), r, bounds.output(k), rounding)
     for i, g, r in zip(positions, grads, ref_grads):
         what = f"the gradient of {names[i] if i < len(names) else f'argument {i}'}"
         if r is None:
