@@ -197,7 +197,8 @@ case $part in
     step overhead 60 python3 benchmarks/host/overhead.py --rounds 150 --calls 200 --json "$R/overhead.json"
     # issue 36's "at or below": against the tree when it was filed, interleaved on this host (carry
     # .ab: `bash benchmarks/host/ab_overhead.sh stage` first)
-    [ -d .ab ] && step ab-overhead 150 bash benchmarks/host/ab_overhead.sh run 5 "$R/ab"
+    step serving-entry 40 python3 benchmarks/host/serving_entry.py --device cuda --json "$R/serving_entry.json"
+    [ -d .ab ] && step ab-overhead 200 env AB_DEVICE=cuda bash benchmarks/host/ab_overhead.sh run 4 "$R/ab"
     step helpers 40 python3 benchmarks/host/per_call_helpers.py --rounds 150 --json "$R/per_call_helpers.json"
     step plain-vs-generated 40 python3 benchmarks/host/plain_vs_generated.py --rounds 150 --json "$R/plain_vs_generated.json"
     step host-profile 180 python3 benchmarks/host/host_profile.py --out "$R/host"  # 19 cases (2026-12-04: 17 cases cut at 60 s)

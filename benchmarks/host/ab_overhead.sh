@@ -8,7 +8,9 @@
 #                                                          # into .ab/COMMIT/ (default ed50770, the
 #                                                          # tree when issue 36 was filed); carry .ab
 #   bash benchmarks/host/ab_overhead.sh run [PAIRS] [OUT]  # there: PAIRS alternations (default 6) of
-#                                                          # old then new, rows and a summary in OUT
+#                                                          # old then new, rows and a summary in OUT;
+#                                                          # then the serving ops' entry (serving_entry.py)
+#                                                          # on AB_DEVICE (default cpu)
 set -euo pipefail
 cmd=${1:?usage: ab_overhead.sh stage [COMMIT] | run [PAIRS] [OUT]}
 case $cmd in
@@ -32,6 +34,14 @@ case $cmd in
       PYTHONPATH=src "$py" benchmarks/host/overhead.py --rounds 60 --calls 200 --json "$out/new-$i.json" >/dev/null
       echo "  pair $i done"
     done
+    # the serving ops' entry at one token (benchmarks/host/serving_entry.py, this checkout's script
+    # on both trees), on AB_DEVICE (cpu; the H200 plan sets cuda)
+    echo "A/B: the serving entry on ${AB_DEVICE:-cpu}, $pairs alternations of serving_entry.py --rounds 20"
+    for i in $(seq 1 "$pairs"); do
+      PYTHONPATH=${old}src "$py" benchmarks/host/serving_entry.py --device "${AB_DEVICE:-cpu}" --rounds 20 --json "$out/serving-old-$i.json" >/dev/null
+      PYTHONPATH=src "$py" benchmarks/host/serving_entry.py --device "${AB_DEVICE:-cpu}" --rounds 20 --json "$out/serving-new-$i.json" >/dev/null
+      echo "  pair $i done"
+    done
     "$py" - "$out" "${old%/}" <<'PY'
 import json, pathlib, statistics, sys
 out, old = pathlib.Path(sys.argv[1]), sys.argv[2]
@@ -40,9 +50,17 @@ for side in ("old", "new"):
     runs = [json.loads(p.read_text())["overhead"] for p in sorted(out.glob(f"{side}-*.json"))]
     summary[side] = {k: {"median": statistics.median(r[k] for r in runs), "all": [round(r[k], 4) for r in runs]}
                      for k in ("dispatch_alone_us", "real_impl_us")}
+    entry = {}
+    for p in sorted(out.glob(f"serving-{side}-*.json")):
+        for row in json.loads(p.read_text())["rows"]:
+            entry.setdefault(row["op"], []).append(row["entry_us"])
+    summary[side]["serving_entry_us"] = {op: {"median": statistics.median(v), "all": [round(x, 3) for x in v]} for op, v in entry.items()}
 for k in ("dispatch_alone_us", "real_impl_us"):
     o, n = summary["old"][k]["median"], summary["new"][k]["median"]
     print(f"{k}: old {o:.3f} µs, new {n:.3f} µs (median of {len(summary['new'][k]['all'])}; new/old {n / o:.3f})")
+for op, v in summary["new"]["serving_entry_us"].items():
+    o = summary["old"]["serving_entry_us"].get(op, {}).get("median", float("nan"))
+    print(f"serving entry {op}: old {o:.3f} µs, new {v['median']:.3f} µs (new/old {v['median'] / o:.3f})")
 (out / "summary.json").write_text(json.dumps(summary, indent=1))
 PY
     ;;

@@ -15,7 +15,7 @@ under ``torch.inference_mode()`` as a server runs. Each row is written as it is 
 from __future__ import annotations
 
 import argparse
-import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,10 +24,40 @@ import torch
 
 import polykernel
 from polykernel.core import registry
-from polykernel.tools.rows import RowFile, announce
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import interleaved_best_us
+try:
+    from polykernel.tools.rows import RowFile, announce
+except ImportError:  # an older tree (ab_overhead.sh's A/B runs this script on it): the same file format
+    import json
+
+    def announce(n: int, **_: Any) -> None:
+        print(f"{n} cases")
+
+    class RowFile:  # type: ignore[no-redef]
+        def __init__(self, path: str | None, header: dict[str, Any]) -> None:
+            self.path, self.header, self.rows = path, header, []
+
+        def add(self, row: dict[str, Any], line: str) -> None:
+            print(line, flush=True)
+            self.rows.append(row)
+            if self.path:
+                Path(self.path).write_text(json.dumps({**self.header, "complete": False, "rows": self.rows}, indent=1))
+
+
+def interleaved_best_us(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, float]:
+    """overhead.py's timer (not imported: this script also runs on older trees, see ab_overhead.sh):
+    each candidate's best per-call time (µs) over ``rounds`` interleaved rounds of ``calls`` calls."""
+    best = dict.fromkeys(fns, float("inf"))
+    for fn in fns.values():  # warm up: memo filled, guards recorded
+        for _ in range(200):
+            fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - t) / calls * 1e6)
+    return best
 
 
 def cases(dev: str, dtype: torch.dtype) -> list[tuple[str, str, Callable[[], Any], Callable[[], Any], Callable[..., Any]]]:
