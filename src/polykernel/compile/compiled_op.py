@@ -28,6 +28,7 @@ from .runtime import (
     _select_and_run,
     _split_of,
     _training_decision,
+    _transformed,
     _valid,
 )
 from .schema import _Param, _params, _schema
@@ -140,6 +141,8 @@ class CompiledOp:
                     # a Partial loss; the train ops too) over the global count of scored rows.
                     return dtensor_sharding.mean_of_sum(op_id, lambda *a: call(impl, *a), full(args))
             if decompose and impl is None:  # Inductor's own code is as fast: let it fuse the op
+                return reference(*args)
+            if _transformed(args):  # torch.func, dual tensors: torch ops carry them (see _transformed)
                 return reference(*args)
             if torch.is_grad_enabled():
                 mask = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]

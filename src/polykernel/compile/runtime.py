@@ -12,7 +12,7 @@ import torch
 
 from .. import _compat
 from ..core import registry
-from ..core.op import Op
+from ..core.op import Op, _has_tangent
 from ..errors import OpArgumentError
 from ..spec import KernelBackend, Split
 
@@ -51,6 +51,21 @@ def _valid(op: Op, args: Sequence[Any]) -> bool:
     except OpArgumentError:
         return False
     return True
+
+
+# Whether _compat reads the forward-AD level itself; its fallback says "open" on every call.
+_LEVEL_READ = "forward_ad_level" not in _compat.fallbacks()
+
+
+def _transformed(args: Sequence[Any]) -> bool:
+    """Whether a compiled call must trace the op's reference: a torch.func transform is active
+    (its wrapped tensors reach no custom op's fake impl) or a forward-AD dual level is open (a
+    custom op has no forward-mode rule: its outputs would lose the tangents, a zero derivative,
+    silently). Eager calls run the reference then too (:meth:`Op.forward_ad`). Dynamo shows a
+    graph input's tangent to no trace, so an open level is enough (where it can be read)."""
+    if _compat.functorch_transforms_active():
+        return True
+    return _compat.forward_ad_open() and (_LEVEL_READ or _has_tangent(args))
 
 
 def _split_of(fn: Any) -> Split | None:
