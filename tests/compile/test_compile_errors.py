@@ -1,7 +1,8 @@
 """Under torch.compile(fullgraph=True), a bad argument raises the same OpArgumentError as in eager
 (issue 27: eps=-1.0 and eps=nan gave Dynamo `Unsupported` errors). Dynamo cannot raise out of a
-fullgraph trace, so such a call is traced as the plain custom op, whose real impl validates when
-the graph runs; ops that decompose under compile (fused_add_rms_norm) included."""
+fullgraph trace, so such a call is traced as a node that raises the trace's error when the graph
+runs (the custom op's own check saw eps=True as 1.0 and passed it); ops that decompose under
+compile (fused_add_rms_norm) and ops that write in place included."""
 
 from __future__ import annotations
 
@@ -17,10 +18,19 @@ BAD = [
     ("layer_norm", lambda: (torch.randn(4, 8), torch.ones(8), torch.zeros(8)), {"eps": -1.0}, "eps"),
     ("fused_add_rms_norm", lambda: (torch.randn(4, 8), torch.randn(4, 8), torch.ones(8)), {"eps": float("nan")}, "eps"),
     ("cross_entropy", lambda: (torch.randn(4, 8), torch.randint(0, 8, (4,))), {"label_smoothing": 2.0}, "label_smoothing"),
+    # A bool where a number goes: the schema's float or int took it as 1.0 or 1, so the run-time
+    # check passed and the call ran with that value, silently.
+    ("rms_norm", lambda: (torch.randn(4, 8), torch.ones(8)), {"eps": True}, "eps"),
+    ("rms_norm", lambda: (torch.randn(4, 8), torch.ones(8)), {"offset": False}, "offset"),
+    ("layer_norm", lambda: (torch.randn(4, 8), torch.ones(8), torch.zeros(8)), {"eps": True}, "eps"),
+    ("cross_entropy", lambda: (torch.randn(4, 8), torch.randint(0, 8, (4,))), {"ignore_index": True}, "ignore_index"),
+    ("cross_entropy", lambda: (torch.randn(4, 8), torch.randint(0, 8, (4,))), {"label_smoothing": True}, "label_smoothing"),
+    # a float where an int goes: the schema refused it while tracing (TorchRuntimeError)
+    ("cross_entropy", lambda: (torch.randn(4, 8), torch.randint(0, 8, (4,))), {"ignore_index": 1.5}, "ignore_index"),
 ]
 
 
-@pytest.mark.parametrize(("op", "make", "bad", "arg"), BAD, ids=[f"{b[0]}-{next(iter(b[2].values()))}" for b in BAD])
+@pytest.mark.parametrize(("op", "make", "bad", "arg"), BAD, ids=[f"{b[0]}-{k}={v}" for b in BAD for k, v in b[2].items()])
 @pytest.mark.parametrize("grad", [False, True])
 def test_bad_option_under_fullgraph_compile_is_the_eager_error(op, make, bad, arg, grad):
     fn = getattr(polykernel, op)
@@ -33,7 +43,23 @@ def test_bad_option_under_fullgraph_compile_is_the_eager_error(op, make, bad, ar
     compiled = torch.compile(lambda *a: fn(*a, **bad), fullgraph=True, backend="eager")
     with pytest.raises(OpArgumentError) as got:
         compiled(*args)
+    assert type(got.value) is type(eager.value)
     assert (got.value.op, got.value.arg) == (eager.value.op, eager.value.arg) == (eager.value.op, arg)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_bad_option_of_an_in_place_op_raises_before_writing(backend):
+    # eps=True went through the mutating custom op as eps=1.0: x and residual were overwritten
+    x, r, w = torch.randn(4, 8), torch.randn(4, 8), torch.ones(8)
+    x0, r0 = x.clone(), r.clone()
+    with pytest.raises(OpArgumentError) as eager:
+        polykernel.fused_add_rms_norm_(x, r, w, eps=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, r, w: polykernel.fused_add_rms_norm_(x, r, w, eps=True), fullgraph=True, backend=backend)
+    with torch.no_grad(), pytest.raises(OpArgumentError) as got:
+        compiled(x, r, w)
+    assert (got.value.op, got.value.arg) == (eager.value.op, eager.value.arg) == ("serving.fused_add_rms_norm_", "eps")
+    assert torch.equal(x, x0) and torch.equal(r, r0)
 
 
 def test_valid_call_under_fullgraph_compile_still_runs():

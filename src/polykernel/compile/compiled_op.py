@@ -15,6 +15,7 @@ from ..core.op import Op
 from ..errors import OpArgumentError
 from .facts import MODES, SavedGrads
 from .runtime import (
+    _argument_error,
     _as_tuple,
     _autograd_on,
     _current,
@@ -25,9 +26,11 @@ from .runtime import (
     _layout_split,
     _output_grads,
     _reference_outputs,
+    _schema_fit,
     _select_and_run,
     _split_of,
     _training_decision,
+    _transformed,
     _valid,
 )
 from .schema import _Param, _params, _schema
@@ -114,20 +117,24 @@ class CompiledOp:
         self.mode = mode = _compile_mode(op, name)
         fwd, train, validate, reference = self.forward, self.train, getattr(op, "validate", None), op.reference
         decompose, single, op_id, n_out, full = mode == "decompose", self.single, op.id, len(returns), self._full
+        mistyped, types, defaults = op._mistyped, [p.type for p in params], self.defaults
 
         def call(impl: Any, *args: Any) -> Any:
-            # Traced by Dynamo: validation runs at trace time, on the (fake) arguments. Dynamo
-            # cannot raise an exception out of a fullgraph trace (it reports `Unsupported`), so a
-            # call that fails validation is traced as the plain custom op, whose real impl
-            # validates again when the graph runs and raises the OpArgumentError itself.
+            # Traced by Dynamo: validation runs at trace time, on the (fake) arguments, with the
+            # option types the eager slow path checks. Dynamo cannot raise an exception out of a
+            # fullgraph trace (it reports `Unsupported`), so a call that fails is traced as a node
+            # that raises the error when the graph runs (see runtime._argument_error), then the
+            # plain custom op on arguments its schema holds (the outputs' shapes for the trace).
+            wrong = None
             if validate is not None:
                 try:
                     validate(*args)
-                    valid = True
-                except OpArgumentError:
-                    valid = False
-                if not valid:
-                    return fwd(*args, impl=impl if impl is None or isinstance(impl, str) else _impl_str(impl))
+                except OpArgumentError as exc:
+                    wrong = exc
+            wrong = wrong or mistyped(args)
+            if wrong is not None:
+                _argument_error(wrong)
+                return fwd(*_schema_fit(types, defaults, args), impl=impl if impl is None or isinstance(impl, str) else _impl_str(impl))
             if impl is not None and not isinstance(impl, str):  # a list or a KernelBackend
                 impl = _impl_str(impl)
             dtensors = _has_dtensor(args)
@@ -140,6 +147,8 @@ class CompiledOp:
                     # a Partial loss; the train ops too) over the global count of scored rows.
                     return dtensor_sharding.mean_of_sum(op_id, lambda *a: call(impl, *a), full(args))
             if decompose and impl is None:  # Inductor's own code is as fast: let it fuse the op
+                return reference(*args)
+            if _transformed(args):  # torch.func, dual tensors: torch ops carry them (see _transformed)
                 return reference(*args)
             if torch.is_grad_enabled():
                 mask = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
@@ -183,8 +192,8 @@ class CompiledOp:
 
         def real(*args: Any, impl: str | None = None) -> None:
             # Every call validated on the real tensors: such ops check memory (overlaps) and data
-            # (positions) that the trace's fake tensors do not have, and a call that failed the
-            # trace's checks raises here (see `call`).
+            # (positions) that the trace's fake tensors do not have (a call that failed the
+            # trace's checks never gets here: see `call`).
             op = _current(op_id)
             args = full(args)
             if op.validate is not None:
@@ -203,16 +212,18 @@ class CompiledOp:
 
         def call(impl: Any, *args: Any) -> Any:
             # Traced by Dynamo, like the functional ops' call: a call that fails validation at
-            # trace time is traced as the custom op, whose real impl raises the OpArgumentError.
-            valid = True
+            # trace time is traced as a node that raises the error when the graph runs, and
+            # writes nothing (the custom op would run on the values its schema converted).
             if validate is not None:
                 try:
                     validate(*args)
-                except OpArgumentError:
-                    valid = False
+                except OpArgumentError as exc:
+                    _argument_error(exc)
+                    args = full(args)
+                    return args[written[0]] if single else tuple(args[i] for i in written)
             if impl is not None and not isinstance(impl, str):  # a list or a KernelBackend
                 impl = _impl_str(impl)
-            if decompose and impl is None and valid:  # the reference writes the destinations with torch ops
+            if decompose and impl is None:  # the reference writes the destinations with torch ops
                 return reference(*args)
             fwd(*args, impl=impl)
             args = full(args)

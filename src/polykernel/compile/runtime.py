@@ -12,9 +12,10 @@ import torch
 
 from .. import _compat
 from ..core import registry
-from ..core.op import Op
-from ..errors import OpArgumentError
+from ..core.op import Op, _has_tangent
+from ..errors import OpArgumentError, OpTypeError
 from ..spec import KernelBackend, Split
+from .store import NAMESPACE
 
 
 def _has_dtensor(args: Sequence[Any]) -> bool:
@@ -51,6 +52,21 @@ def _valid(op: Op, args: Sequence[Any]) -> bool:
     except OpArgumentError:
         return False
     return True
+
+
+# Whether _compat reads the forward-AD level itself; its fallback says "open" on every call.
+_LEVEL_READ = "forward_ad_level" not in _compat.fallbacks()
+
+
+def _transformed(args: Sequence[Any]) -> bool:
+    """Whether a compiled call must trace the op's reference: a torch.func transform is active
+    (its wrapped tensors reach no custom op's fake impl) or a forward-AD dual level is open (a
+    custom op has no forward-mode rule: its outputs would lose the tangents, a zero derivative,
+    silently). Eager calls run the reference then too (:meth:`Op.forward_ad`). Dynamo shows a
+    graph input's tangent to no trace, so an open level is enough (where it can be read)."""
+    if _compat.functorch_transforms_active():
+        return True
+    return _compat.forward_ad_open() and (_LEVEL_READ or _has_tangent(args))
 
 
 def _split_of(fn: Any) -> Split | None:
@@ -153,3 +169,45 @@ def _output_grads(op: Op, grads: Sequence[torch.Tensor | None], args: Sequence[A
     outs = _reference_outputs(op, metas)
     device = args[0].device
     return [g if g is not None else torch.zeros(o.shape, dtype=o.dtype, device=device) for g, o in zip(grads, outs)]
+
+
+# -- a call that fails validation while Dynamo traces it ---------------------------------------
+# Dynamo cannot raise out of a fullgraph trace, so the error is put in the graph: a node that
+# raises it, with the trace's message, when the graph runs. The custom op's own run-time check is
+# not enough: its schema converts what it takes (a bool for a float is 1.0, for an int 1), and the
+# converted value passes (eps=True ran with eps=1.0, silently).
+
+
+def _raise_argument_error(op: str, arg: str, message: str, type_error: bool) -> None:
+    raise (OpTypeError if type_error else OpArgumentError)(op, arg, message)
+
+
+_argument_error_op = torch.library.custom_op(
+    f"{NAMESPACE}::argument_error", _raise_argument_error, mutates_args=(), schema="(str op, str arg, str message, bool type_error) -> ()"
+)
+_argument_error_op.register_fake(lambda op, arg, message, type_error: None)
+torch.fx.node.has_side_effect(_argument_error_op._opoverload)  # returns nothing: kept all the same
+
+
+def _argument_error(exc: OpArgumentError) -> None:
+    """``exc`` raised when the compiled graph runs (now, outside a trace)."""
+    op, arg, *message = exc.args
+    _argument_error_op._opoverload(op, arg, message[0] if message else "", isinstance(exc, TypeError))
+
+
+_FITS: dict[str, tuple[type, ...]] = {"float": (float, int), "SymInt": (int,), "bool": (bool,), "str": (str,)}
+
+
+def _schema_fit(types: Sequence[str], defaults: Sequence[Any], args: Sequence[Any]) -> tuple[Any, ...]:
+    """``args`` with each option its schema type cannot hold (a bool for a float, a float for an
+    int) replaced by its default, so that a call that fails validation still traces (its outputs'
+    shapes) up to the node that raises the error."""
+    out = list(args)
+    for i, (tp, a) in enumerate(zip(types, args)):
+        fits = _FITS.get(tp.rstrip("?"))
+        if fits is None or (a is None and tp.endswith("?")):
+            continue
+        if (isinstance(a, bool) and bool not in fits) or not isinstance(a, fits):
+            if defaults[i] is not inspect.Parameter.empty:
+                out[i] = defaults[i]
+    return tuple(out)
