@@ -1631,3 +1631,21 @@ def test_peft_lora_matches_unpatched(family, lora, order, torch_impls):
         torch.testing.assert_close(grad, want_grads[name], msg=lambda m, name=name: f"{name}: {m}", **FP32_GRAD)
     torch.testing.assert_close(eval_logits(model, ids), eval_logits(ref, ids), **FP32)
     assert (eval_logits(base, ids) - eval_logits(ref, ids)).abs().max() > 1e-2  # the adapters change the model
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_patch_after_trls_fused_lm_head(mode, torch_impls):
+    # TRL's trainers install add_fused_lm_head's forward in __init__: `model(..., labels=,
+    # fused_lm_head=True)` returns per-token log-probs. patch(trainer.model) after that took such a
+    # call for its own loss (no log_probs: AttributeError in training, TypeError in eval)
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    ref, model = tiny("llama"), tiny("llama")
+    for m in (ref, model):
+        trl_utils.add_fused_lm_head(m, outputs=("log_probs", "entropy"))
+    pkt.patch(model)
+    ids, labels = batch()
+    model.train(mode == "train"), ref.train(mode == "train")
+    out, want = model(ids, labels=labels, fused_lm_head=True), ref(ids, labels=labels, fused_lm_head=True)
+    torch.testing.assert_close(out.log_probs, want.log_probs, **FP32)
+    torch.testing.assert_close(out.entropy, want.entropy, **FP32)
+    torch.testing.assert_close(model(ids, labels=labels).loss, ref(ids, labels=labels).loss, **FP32)  # the patched loss

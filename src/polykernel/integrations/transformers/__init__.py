@@ -49,7 +49,8 @@ What is swapped (families: :data:`SUPPORTED_MODEL_TYPES`):
   ``router_aux_loss_coef`` x the load-balancing loss as theirs do (``output_router_logits``).
   Without labels, in eval mode, with ``logits_to_keep != 0``, a custom ``loss_function``, another
   family's logit soft-capping or scaling, or an ``lm_head`` that is not a plain ``nn.Linear`` (quantized,
-  hooked, offloaded, sharded otherwise than below), the model's own forward runs. A
+  hooked, offloaded, sharded otherwise than below), or ``fused_lm_head=True`` (the forward TRL's
+  trainers install, patched over), the model's own forward runs. A
   ``ColwiseParallel`` ``lm_head`` (``parallelize_module``, vocabulary-sharded) keeps the fused
   loss: it runs vocab-parallel on the weight's shards (docs/tensor-parallel.md).
 - ``sdpa_is_causal`` (no op of ours): ``<Family>Model.forward`` builds its attention masks so
