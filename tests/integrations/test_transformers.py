@@ -1649,3 +1649,15 @@ def test_patch_after_trls_fused_lm_head(mode, torch_impls):
     torch.testing.assert_close(out.log_probs, want.log_probs, **FP32)
     torch.testing.assert_close(out.entropy, want.entropy, **FP32)
     torch.testing.assert_close(model(ids, labels=labels).loss, ref(ids, labels=labels).loss, **FP32)  # the patched loss
+
+
+def test_patched_reports_what_is_left_alone_through_a_wrapper(torch_impls):
+    # patch(model), then get_peft_model(model): patched(peft_model) listed the patched modules but
+    # not what stays transformers' (kept on the inner model), and unpatch(peft_model) left it there
+    model = tiny("llama4_text")
+    pkt.patch(model)
+    wrapper = torch.nn.ModuleDict({"base_model": model})  # how PEFT's PeftModel holds it
+    assert pkt.patched(wrapper)["l2_norm"] == pkt.patched(model)["l2_norm"]
+    assert pkt.patched(wrapper)["l2_norm"].startswith("left alone: ")
+    pkt.unpatch(wrapper)
+    assert pkt.patched(wrapper) == {} and pkt.patched(model) == {}

@@ -202,8 +202,9 @@ def patched(model: nn.Module | str) -> dict[str, list[str] | str]:
                 out.setdefault(kind, []).append(f"{getattr(owner, '__name__', owner)}.{attr}")  # type: ignore[union-attr]
         left = _CLASS_LEFT_ALONE.get(model, {})
     else:
-        left = dict(model.__dict__.get(_LEFT_ALONE, {}))
+        left = {}
         for name, module in model.named_modules():
+            left.update(module.__dict__.get(_LEFT_ALONE, {}))  # the patched model may sit in a wrapper (PEFT's)
             kind = _kind(module)
             if kind is not None:
                 out.setdefault(kind, []).append(name)  # type: ignore[union-attr]
