@@ -425,11 +425,13 @@ def test_without_schema_infos_no_sharding_rule_is_registered(monkeypatch):
 def test_module_hooks_fallback_leaves_modules_alone(monkeypatch):
     lin = torch.nn.Linear(2, 2)
     assert not _compat.module_has_hooks(lin) or _compat.FORCED
+    assert not _compat.module_hooks_seen(lin)
     handle = lin.register_forward_hook(lambda *a: None)
-    assert _compat.module_has_hooks(lin)
+    assert _compat.module_has_hooks(lin) and (_compat.module_hooks_seen(lin) or _compat.FORCED)
     handle.remove()
     monkeypatch.setattr(_compat, "_hooks_readable", False)
     assert _compat.module_has_hooks(lin)  # cannot tell: treated as hooked
+    assert not _compat.module_hooks_seen(lin)  # ... or as not hooked, by callers that fuse past it by default
 
 
 def test_fully_shard_is_found():

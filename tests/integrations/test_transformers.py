@@ -118,6 +118,11 @@ ALL_FAMILIES = {**FAMILIES, **MORE_FAMILIES}
 # cannot (polykernel._compat.module_has_hooks; POLYKERNEL_COMPAT_FALLBACKS=1) it never patches,
 # and these tests count it as absent (the loss then runs through cross_entropy).
 FLCE_PATCHES = not _compat.module_has_hooks(torch.nn.Linear(1, 1))
+# A hook on an activation (or on Llama 4's experts) sends its module to transformers' forward where
+# hooks can be read; where they cannot, the fused ops run as before.
+_hooked = torch.nn.Linear(1, 1)
+_hooked.register_forward_hook(lambda *a: None)
+HOOKS_SEEN = _compat.module_hooks_seen(_hooked)
 
 
 def has_op(name):
@@ -1522,3 +1527,137 @@ def test_the_integration_modules_are_small_and_import_one_way():
                 found |= {n if (package / f"{n}.py").exists() else "__init__" for n in names}
     assert len(deps) > 10 and deps["__init__"], deps
     graphlib.TopologicalSorter(deps).prepare()  # CycleError names the modules that import each other
+
+
+# -- the rest of the ecosystem: hooks, wrapped modules, PEFT --------------------------------------
+def halve(module, args, out):
+    """A forward hook that changes what the module returns (steering, ablation)."""
+    return out * 0.5
+
+
+def eval_logits(model, ids):
+    model.eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_hooked_or_subclassed_activation_runs_transformers_mlp(calls, torch_impls, caplog, monkeypatch):
+    # the fused MLP never calls act_fn: a hook on it, or a SiLU subclass with its own forward, was
+    # silently skipped (other logits). That MLP now runs transformers' forward, logged once
+    need("swiglu")
+    if not HOOKS_SEEN:
+        pytest.skip("forward hooks cannot be read here (polykernel._compat's fallback)")
+    ref, model = pair("llama")
+    ids, _ = batch()
+    for m in (model, ref):
+        m.model.layers[0].mlp.act_fn.register_forward_hook(halve)
+    with caplog.at_level(logging.WARNING, logger="polykernel"):
+        torch.testing.assert_close(eval_logits(model, ids), eval_logits(ref, ids), **FP32)
+    assert calls["swiglu"] == 1  # layer 1 still fused
+    assert any("LlamaMLP has forward hooks on its activation" in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv("POLYKERNEL_STRICT", "1")
+    with pytest.raises(RuntimeError, match="forward hooks on its activation"):
+        model(ids)
+    monkeypatch.delenv("POLYKERNEL_STRICT")
+
+    class Scaled(torch.nn.SiLU):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    ref, model = pair("llama")
+    for m in (model, ref):
+        m.model.layers[1].mlp.act_fn = Scaled()  # replaced after patch: read per call
+    calls.clear()
+    torch.testing.assert_close(eval_logits(model, ids), eval_logits(ref, ids), **FP32)
+    assert calls["swiglu"] == 1
+
+
+@pytest.mark.parametrize("family, hooked", [("qwen3_moe", "act_fn"), ("llama4_text", "act_fn"), ("llama4_text", "experts")])
+def test_hooked_experts_run_transformers_code(family, hooked, torch_impls):
+    # the experts op skips the experts' act_fn; Llama 4's patched block skips its experts' call
+    need("moe_experts")
+    if not HOOKS_SEEN:
+        pytest.skip("forward hooks cannot be read here (polykernel._compat's fallback)")
+    ref, model = pair(family)
+    for m in (model, ref):
+        experts = next(e for e in m.modules() if type(e).__name__.endswith("Experts"))
+        (experts.act_fn if hooked == "act_fn" else experts).register_forward_hook(halve)
+    ids, labels = batch()
+    torch.testing.assert_close(eval_logits(model, ids), eval_logits(ref, ids), **FP32)
+    out, want = train_step(model, ids, labels), train_step(ref, ids, labels)
+    torch.testing.assert_close(out.loss, want.loss, **FP32)
+    assert_grads_close(model, ref, **FP32_GRAD)
+    assert "moe.moe_experts" not in ops_ran()
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.mark.parametrize("order", ["patch_first", "lora_first"])
+@pytest.mark.parametrize(
+    "family, lora",
+    [
+        ("llama", {"target_modules": LORA_TARGETS}),
+        ("qwen2", {"target_modules": ["q_proj", "lm_head"]}),  # tied embeddings, a LoRA lm_head (its own forward runs)
+        # Llama 4's experts through PEFT's ParamWrapper: the patched block read `experts.gate_up_proj`
+        # of the wrapper (AttributeError); it now calls the wrapper
+        ("llama4_text", {"target_modules": ["q_proj"], "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}),
+    ],
+    ids=["llama", "qwen2-lm_head", "llama4-experts"],
+)
+def test_peft_lora_matches_unpatched(family, lora, order, torch_impls):
+    # LoRA (B not zero, so the deltas count) on a patched model: the unpatched LoRA model's loss,
+    # gradients (the adapters' too) and logits, whether patch() runs before or after get_peft_model
+    peft = pytest.importorskip("peft")
+
+    def with_lora(m):
+        torch.manual_seed(5)
+        return peft.get_peft_model(m, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **lora))
+
+    base = tiny(family)
+    ref, model = with_lora(copy.deepcopy(base)), copy.deepcopy(base)
+    if order == "patch_first":
+        pkt.patch(model)
+    model = with_lora(model)
+    if order == "lora_first":
+        pkt.patch(model)
+    ids, labels = batch()
+    out, want = train_step(model, ids, labels), train_step(ref, ids, labels)
+    torch.testing.assert_close(out.loss, want.loss, **FP32)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    want_grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    assert grads.keys() == want_grads.keys() and any("lora_" in n for n in grads)
+    for name, grad in grads.items():  # the adapters' (the rest is frozen)
+        torch.testing.assert_close(grad, want_grads[name], msg=lambda m, name=name: f"{name}: {m}", **FP32_GRAD)
+    torch.testing.assert_close(eval_logits(model, ids), eval_logits(ref, ids), **FP32)
+    assert (eval_logits(base, ids) - eval_logits(ref, ids)).abs().max() > 1e-2  # the adapters change the model
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_patch_after_trls_fused_lm_head(mode, torch_impls):
+    # TRL's trainers install add_fused_lm_head's forward in __init__: `model(..., labels=,
+    # fused_lm_head=True)` returns per-token log-probs. patch(trainer.model) after that took such a
+    # call for its own loss (no log_probs: AttributeError in training, TypeError in eval)
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    ref, model = tiny("llama"), tiny("llama")
+    for m in (ref, model):
+        trl_utils.add_fused_lm_head(m, outputs=("log_probs", "entropy"))
+    pkt.patch(model)
+    ids, labels = batch()
+    model.train(mode == "train"), ref.train(mode == "train")
+    out, want = model(ids, labels=labels, fused_lm_head=True), ref(ids, labels=labels, fused_lm_head=True)
+    torch.testing.assert_close(out.log_probs, want.log_probs, **FP32)
+    torch.testing.assert_close(out.entropy, want.entropy, **FP32)
+    torch.testing.assert_close(model(ids, labels=labels).loss, ref(ids, labels=labels).loss, **FP32)  # the patched loss
+
+
+def test_patched_reports_what_is_left_alone_through_a_wrapper(torch_impls):
+    # patch(model), then get_peft_model(model): patched(peft_model) listed the patched modules but
+    # not what stays transformers' (kept on the inner model), and unpatch(peft_model) left it there
+    model = tiny("llama4_text")
+    pkt.patch(model)
+    wrapper = torch.nn.ModuleDict({"base_model": model})  # how PEFT's PeftModel holds it
+    assert pkt.patched(wrapper)["l2_norm"] == pkt.patched(model)["l2_norm"]
+    assert pkt.patched(wrapper)["l2_norm"].startswith("left alone: ")
+    pkt.unpatch(wrapper)
+    assert pkt.patched(wrapper) == {} and pkt.patched(model) == {}

@@ -481,6 +481,13 @@ def module_has_hooks(m: torch.nn.Module) -> bool:
     return any(getattr(m, n, None) for n in _HOOK_DICTS)
 
 
+def module_hooks_seen(m: torch.nn.Module) -> bool:
+    """Whether forward (pre-)hooks are known to be set on ``m`` itself. Fallback: False (cannot
+    tell: callers whose fused path runs past ``m`` on every call keep it, as before they looked;
+    :func:`module_has_hooks` is the cautious one)."""
+    return _hooks_readable and any(getattr(m, n, None) for n in _HOOK_DICTS)
+
+
 # The kernels' private APIs (CUDA, Triton, MoE) live in .kernels, which probes them through
 # _probe above (so it is imported last); their names here are the same objects.
 from . import kernels as _kernels  # noqa: E402

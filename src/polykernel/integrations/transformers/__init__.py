@@ -49,7 +49,8 @@ What is swapped (families: :data:`SUPPORTED_MODEL_TYPES`):
   ``router_aux_loss_coef`` x the load-balancing loss as theirs do (``output_router_logits``).
   Without labels, in eval mode, with ``logits_to_keep != 0``, a custom ``loss_function``, another
   family's logit soft-capping or scaling, or an ``lm_head`` that is not a plain ``nn.Linear`` (quantized,
-  hooked, offloaded, sharded otherwise than below), the model's own forward runs. A
+  hooked, offloaded, sharded otherwise than below), or ``fused_lm_head=True`` (the forward TRL's
+  trainers install, patched over), the model's own forward runs. A
   ``ColwiseParallel`` ``lm_head`` (``parallelize_module``, vocabulary-sharded) keeps the fused
   loss: it runs vocab-parallel on the weight's shards (docs/tensor-parallel.md).
 - ``sdpa_is_causal`` (no op of ours): ``<Family>Model.forward`` builds its attention masks so
@@ -201,8 +202,9 @@ def patched(model: nn.Module | str) -> dict[str, list[str] | str]:
                 out.setdefault(kind, []).append(f"{getattr(owner, '__name__', owner)}.{attr}")  # type: ignore[union-attr]
         left = _CLASS_LEFT_ALONE.get(model, {})
     else:
-        left = dict(model.__dict__.get(_LEFT_ALONE, {}))
+        left = {}
         for name, module in model.named_modules():
+            left.update(module.__dict__.get(_LEFT_ALONE, {}))  # the patched model may sit in a wrapper (PEFT's)
             kind = _kind(module)
             if kind is not None:
                 out.setdefault(kind, []).append(name)  # type: ignore[union-attr]

@@ -109,7 +109,7 @@ def _calls_rope(attention: nn.Module) -> bool:
 
 def _unpatch_model(model: nn.Module) -> nn.Module:
     """Every module of ``model`` back on the forward it had before :func:`_install`."""
-    model.__dict__.pop(_LEFT_ALONE, None)
     for module in model.modules():
+        module.__dict__.pop(_LEFT_ALONE, None)  # (a model patched before it was wrapped keeps it)
         _uninstall(module)
     return model

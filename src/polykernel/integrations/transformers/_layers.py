@@ -10,20 +10,32 @@ import torch
 from torch import nn
 
 import polykernel as _pk
+from polykernel import _compat
 
 from ._families import _Norm
 from ._switches import _has_op
 
 
 # -- RMSNorm -----------------------------------------------------------------------------------
-def _fallback_once(cls: str, why: str) -> None:
-    """A patched norm runs transformers' forward: logged once per class (an error under POLYKERNEL_STRICT=1)."""
+def _fallback_once(cls: str, why: str, kind: str = "rms_norm") -> None:
+    """A patched module runs transformers' forward: logged once per class and kind (an error under
+    POLYKERNEL_STRICT=1)."""
     from polykernel.core.selection.state import log_once, strict_mode
 
     message = f"polykernel: patch(): {cls} {why}; running transformers' forward for it (POLYKERNEL_STRICT=1 makes this an error)"
     if strict_mode():
         raise RuntimeError(message)
-    log_once(("transformers", "rms_norm", cls), message)
+    log_once(("transformers", kind, cls), message)
+
+
+def _hooked_activation(owner: nn.Module, act: Any, kind: str) -> bool:
+    """Forward hooks on ``owner``'s activation module (activation capture, steering, ablation) would
+    not run inside the fused op: True, logged once, when it has them (where hooks cannot be read, the
+    fused op runs, as it did before this check)."""
+    if not (isinstance(act, nn.Module) and _compat.module_hooks_seen(act)):
+        return False
+    _fallback_once(type(owner).__name__, "has forward hooks on its activation", kind)
+    return True
 
 
 def _rms_norm_forward(base: Callable, norm: _Norm) -> Callable:
@@ -52,13 +64,14 @@ def _gated_activation(act: Any) -> tuple[str, str | None] | None:
     cls = type(act)
     name = cls.__name__
     from_hf = cls.__module__ == "transformers.activations"
-    if isinstance(act, nn.SiLU) or (from_hf and name == "SiLUActivation"):
+    # (a subclass with a forward of its own computes something else: not ours to fuse)
+    if (isinstance(act, nn.SiLU) and cls.forward is nn.SiLU.forward) or (from_hf and name == "SiLUActivation"):
         return ("swiglu", None)
     if from_hf and name in ("GELUTanh", "PytorchGELUTanh"):
         return ("geglu", "tanh")
     if from_hf and name == "GELUActivation":  # nn.functional.gelu or the erf formula: exact GELU
         return ("geglu", "none")
-    if isinstance(act, nn.GELU) and act.approximate in ("none", "tanh"):
+    if isinstance(act, nn.GELU) and cls.forward is nn.GELU.forward and act.approximate in ("none", "tanh"):
         return ("geglu", act.approximate)
     return None
 
@@ -85,7 +98,7 @@ def _mlp_forward(base: Callable, ops: frozenset[str]) -> Callable:
     def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         layout = _mlp_layout(self)
         kind = _gated_activation(layout[1]) if layout is not None else None
-        if args or kwargs or kind is None or kind[0] not in ops:
+        if args or kwargs or kind is None or kind[0] not in ops or _hooked_activation(self, layout[1], _GATED_MLP):
             return base(self, x, *args, **kwargs)
         if layout[0] == "split":
             gate, up = self.gate_proj(x), self.up_proj(x)

@@ -186,6 +186,10 @@ def _decoder(model: nn.Module) -> nn.Module | None:
 
 
 _KEEP_NAMES = ("logits_to_keep", "num_logits_to_keep")
+# Flags of a forward installed on the model before patch() wrapped it, which computes another output
+# itself: TRL's add_fused_lm_head (its trainers' __init__) returns per-token log-probs for
+# `fused_lm_head=True`. Such a call goes to that forward untouched.
+_FORWARD_FLAGS = ("fused_lm_head",)
 _NOT_PASSED_ON = ("loss", "logits", "aux_loss")  # output fields the fused path computes itself
 
 
@@ -212,7 +216,7 @@ def _causal_lm_forward(base: Callable, use_flce: bool, use_ce: bool, family: _Fa
         labels = kwargs.get("labels")
         if labels is None and labels_at is not None and len(args) > labels_at:
             labels = args[labels_at]
-        if labels is None or len(args) > len(positional):
+        if labels is None or len(args) > len(positional) or any(kwargs.get(flag) for flag in _FORWARD_FLAGS):
             return base(self, *args, **kwargs)  # the common inference path: untouched
         call = dict(zip(positional, args))
         if set(call) & set(kwargs):

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 import polykernel as _pk
+from polykernel import _compat
 
-from ._families import _GPT_OSS_EXPERTS, _LLAMA4_EXPERTS
-from ._layers import _gated_activation
+from ._families import _FAMILY_BY_MODULE, _GPT_OSS_EXPERTS, _LLAMA4_EXPERTS
+from ._layers import _fallback_once, _gated_activation, _hooked_activation
 from ._switches import _has_op
 
 # The ``*Experts`` module gets the router's (top_k_index, top_k_weights) and returns
@@ -66,7 +67,7 @@ def _experts_forward(base: Callable, layout: str) -> Callable:
         if layout == _GPT_OSS_EXPERTS:
             return _pk.moe_experts_gpt_oss(hidden_states, index, weights, *params, alpha=self.alpha, limit=self.limit)
         activation = _experts_activation(self)
-        if activation is None:
+        if activation is None or _hooked_activation(self, self.act_fn, "moe_experts"):
             return base(self, hidden_states, *args, **kwargs)
         return _pk.moe_experts(hidden_states, index, weights, *params, activation=activation)
 
@@ -79,11 +80,17 @@ def _llama4_moe_forward(base: Callable) -> Callable:
     ``σ(logit)`` for the top k and ``σ(-inf) = 0`` for the rest, whose expert output is then
     exactly 0 (act(0)·0 = 0, and so is its gradient). So the block is ``shared(x) + Σ_j
     expert_{e_j}(s_j·x)``: moe_experts on the k scaled copies of each token (one pair per row,
-    weight 1), its weights' transposed views in transformers' layout, summed over k."""
+    weight 1), its weights' transposed views in transformers' layout, summed over k.
+
+    The block then reads the experts' weights instead of calling ``self.experts``: where that
+    call does more (a wrapper such as PEFT's ``target_parameters`` LoRA, accelerate's hooks, a
+    forward replaced or hooked), the block runs transformers' forward (logged once)."""
 
     @functools.wraps(base)
     def forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         experts = self.experts
+        if not _experts_run_as_is(self, experts):
+            return base(self, hidden_states, *args, **kwargs)
         params = (experts.gate_up_proj, experts.down_proj)
         activation = _experts_activation(experts)
         x = hidden_states.reshape(-1, self.hidden_dim)
@@ -101,6 +108,21 @@ def _llama4_moe_forward(base: Callable) -> Callable:
 
     forward._polykernel = "moe_experts"  # type: ignore[attr-defined]
     return forward
+
+
+def _experts_run_as_is(block: nn.Module, experts: Any) -> bool:
+    """``experts`` is transformers' own experts module, called as it is: the forward of a modeling
+    module's class (no wrapper, subclass or instance forward), no hooks on it or its activation."""
+    forward = getattr(type(experts), "forward", None)
+    if (
+        getattr(forward, "__module__", None) in _FAMILY_BY_MODULE
+        and "forward" not in experts.__dict__
+        and not hasattr(experts, "_hf_hook")
+        and not _compat.module_hooks_seen(experts)
+    ):
+        return not _hooked_activation(block, getattr(experts, "act_fn", None), "moe_experts")
+    _fallback_once(type(block).__name__, f"calls experts that are wrapped, replaced or hooked ({type(experts).__name__})", "moe_experts")
+    return False
 
 
 def _experts_supported(module: nn.Module, layout: str) -> str | None:
