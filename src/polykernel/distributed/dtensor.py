@@ -125,7 +125,10 @@ def mean_of_scored(total: Any, count: Any, weight_sum: Any = None) -> Any:
     reference's; a plain ``total / count`` would send ``inf * 0`` into the sum's backward):
     ``where`` gives the branch it does not pick a zero gradient. Scored rows whose weights sum to
     0: NaN, with NaN gradients on the scored rows (:func:`~polykernel.distributed.layout.mean_divisor`;
-    the sum's backward keeps the ignored rows' 0), as ``F.cross_entropy``."""
+    the sum's backward keeps the ignored rows' 0), as ``F.cross_entropy``. One difference there:
+    the fused linear cross-entropy's local backward scales every row's stored gradient by the
+    loss's (NaN) gradient, so the ignored rows' gradients of hidden are NaN too, where the
+    unsharded op's are 0; the loss is NaN either way."""
     import torch
 
     scored = count > 0
