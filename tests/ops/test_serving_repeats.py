@@ -15,31 +15,32 @@ import torch
 
 import polykernel
 from polykernel.core import registry
-from polykernel.errors import OpArgumentError
+from polykernel.errors import ImplNotAvailableError, OpArgumentError
 from polykernel.ops.rotary_embedding_ import rope_cache
 from polykernel.testing import runnable_impls
 
 Call = Callable[[str], object]
 
 
-def _glu(name: str, bad_out: Callable[[torch.Tensor], torch.Tensor]) -> tuple[Call, Call, tuple]:
+def _glu(name: str, bad_out: Callable[[torch.Tensor], torch.Tensor], dev: str) -> tuple[Call, Call, tuple]:
     fn = getattr(polykernel, name)
-    x = torch.randn(6, 16)
+    x = torch.randn(6, 16, device=dev)
     out = bad_out(x)
-    return (lambda impl: fn(x, out=torch.empty(6, 8), impl=impl)), (lambda impl: fn(x, out=out, impl=impl)), (x, out)
+    return (lambda impl: fn(x, out=torch.empty(6, 8, device=dev), impl=impl)), (lambda impl: fn(x, out=out, impl=impl)), (x, out)
 
 
-def _rope(bad: str) -> tuple[Call, Call, tuple]:
-    pos, cache = torch.arange(6).flip(0), rope_cache(6, 8)
+def _rope(bad: str, dev: str) -> tuple[Call, Call, tuple]:
+    pos, cache = torch.arange(6, device=dev).flip(0), rope_cache(6, 8, device=dev)
     if bad == "query":  # a stride-0 query: every token's rotation lands in one row
-        q = torch.randn(1, 16).expand(6, 16)
+        q = torch.randn(1, 16, device=dev).expand(6, 16)
         args = (pos, q, None, 8, cache)
     elif bad == "cos_sin_cache":  # the cache inside query: later tokens read rotated values
-        q = torch.randn(6, 16)
+        q = torch.randn(6, 16, device=dev)
         args = (pos, q, None, 16, q[:, :8])
-    else:  # positions beyond the cache (CPU: checked on the values)
-        args = (torch.tensor([0, 1, 2, 3, 4, 99]), torch.randn(6, 16), None, 8, cache)
-    good = (pos, torch.randn(6, 16), None, args[3], rope_cache(6, 8) if bad != "cos_sin_cache" else torch.randn(6, 8))
+    else:  # positions beyond the cache (CPU only: checked on the values)
+        args = (torch.tensor([0, 1, 2, 3, 4, 99], device=dev), torch.randn(6, 16, device=dev), None, 8, cache)
+    other = rope_cache(6, 8, device=dev) if bad != "cos_sin_cache" else torch.randn(6, 8, device=dev)
+    good = (pos, torch.randn(6, 16, device=dev), None, args[3], other)
     return (
         (lambda impl: polykernel.rotary_embedding_(*good, impl=impl)),
         (lambda impl: polykernel.rotary_embedding_(*args, impl=impl)),
@@ -52,37 +53,47 @@ def _rope(bad: str) -> tuple[Call, Call, tuple]:
     )
 
 
-def _farn(bad: str) -> tuple[Call, Call, tuple]:
-    w = torch.randn(16)
+def _farn(bad: str, dev: str) -> tuple[Call, Call, tuple]:
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, device=dev)
+
+    w = r(16)
     if bad == "x":
-        args = (torch.randn(1, 16).expand(6, 16), torch.randn(6, 16), w)
+        args = (r(1, 16).expand(6, 16), r(6, 16), w)
     elif bad == "residual":
-        args = (torch.randn(6, 16), torch.randn(1, 16).expand(6, 16), w)
+        args = (r(6, 16), r(1, 16).expand(6, 16), w)
     else:  # the weight inside x: one row would read it after another row wrote it
-        x = torch.randn(6, 16)
-        args = (x, torch.randn(6, 16), x[2])
+        x = r(6, 16)
+        args = (x, r(6, 16), x[2])
     return (
-        (lambda impl: polykernel.fused_add_rms_norm_(torch.randn(6, 16), torch.randn(6, 16), torch.randn(16), impl=impl)),
+        (lambda impl: polykernel.fused_add_rms_norm_(r(6, 16), r(6, 16), r(16), impl=impl)),
         (lambda impl: polykernel.fused_add_rms_norm_(*args, impl=impl)),
         args,
     )
 
 
-BAD_REPEATS: list[tuple[str, str, str, Callable[[], tuple[Call, Call, tuple]]]] = [
-    ("silu-out-shared", "serving.silu_and_mul", "out", lambda: _glu("silu_and_mul", lambda x: torch.zeros(1, 8).expand(6, 8))),
-    ("silu-out-inside-x", "serving.silu_and_mul", "out", lambda: _glu("silu_and_mul", lambda x: x[:, 8:])),
-    ("gelu-out-inside-x", "serving.gelu_and_mul", "out", lambda: _glu("gelu_and_mul", lambda x: x[:, 4:12])),
-    ("rope-query-shared", "serving.rotary_embedding_", "query", lambda: _rope("query")),
-    ("rope-cache-in-query", "serving.rotary_embedding_", "cos_sin_cache", lambda: _rope("cos_sin_cache")),
-    ("rope-positions", "serving.rotary_embedding_", "positions", lambda: _rope("positions")),
-    ("farn-x-shared", "serving.fused_add_rms_norm_", "x", lambda: _farn("x")),
-    ("farn-residual-shared", "serving.fused_add_rms_norm_", "residual", lambda: _farn("residual")),
-    ("farn-weight-in-x", "serving.fused_add_rms_norm_", "weight", lambda: _farn("weight")),
+BAD_REPEATS: list[tuple[str, str, str, Callable[[str], tuple[Call, Call, tuple]]]] = [
+    (
+        "silu-out-shared",
+        "serving.silu_and_mul",
+        "out",
+        lambda d: _glu("silu_and_mul", lambda x: torch.zeros(1, 8, device=d).expand(6, 8), d),
+    ),
+    ("silu-out-inside-x", "serving.silu_and_mul", "out", lambda d: _glu("silu_and_mul", lambda x: x[:, 8:], d)),
+    ("gelu-out-inside-x", "serving.gelu_and_mul", "out", lambda d: _glu("gelu_and_mul", lambda x: x[:, 4:12], d)),
+    ("rope-query-shared", "serving.rotary_embedding_", "query", lambda d: _rope("query", d)),
+    ("rope-cache-in-query", "serving.rotary_embedding_", "cos_sin_cache", lambda d: _rope("cos_sin_cache", d)),
+    ("rope-positions", "serving.rotary_embedding_", "positions", lambda d: _rope("positions", d)),
+    ("farn-x-shared", "serving.fused_add_rms_norm_", "x", lambda d: _farn("x", d)),
+    ("farn-residual-shared", "serving.fused_add_rms_norm_", "residual", lambda d: _farn("residual", d)),
+    ("farn-weight-in-x", "serving.fused_add_rms_norm_", "weight", lambda d: _farn("weight", d)),
 ]
 
 
-def _impls(op_id: str) -> list[str]:
-    return [i for i in ("torch", "triton") if i in runnable_impls(op_id, "cpu", torch.float32)]
+def _impls(op_id: str, dev: str = "cpu") -> list[str]:
+    """The CPU's torch and Triton (interpreter); on CUDA every runnable impl, peers included."""
+    names = runnable_impls(op_id, dev, torch.float32)
+    return [i for i in ("torch", "triton") if i in names] if dev == "cpu" else list(names)
 
 
 def _guard_accepts(op_id: str, tensors: tuple) -> bool:
@@ -91,14 +102,20 @@ def _guard_accepts(op_id: str, tensors: tuple) -> bool:
     return bool(fast) and fast[0][0](*tensors)
 
 
-@pytest.mark.parametrize("case", BAD_REPEATS, ids=lambda c: c[0])
-def test_memory_checks_hold_on_a_guarded_repeat(case):
+def _check_bad_repeat(case: tuple, dev: str) -> None:
     _, op_id, arg, make = case
-    for impl in _impls(op_id):
-        good, bad, tensors = make()
+    impls = _impls(op_id, dev)
+    assert impls, f"{op_id}: nothing runnable on {dev}"
+    ran = 0
+    for impl in impls:
+        good, bad, tensors = make(dev)
         with torch.no_grad():
+            try:
+                good(impl)
+            except ImplNotAvailableError:  # a peer that refuses this class (its predicate): not this test's
+                continue
             good(impl)
-            good(impl)
+            ran += 1
             assert _guard_accepts(op_id, tensors), "the bad call would take the slow path: the test proves nothing"
             before = [t.clone() for t in tensors if isinstance(t, torch.Tensor)]
             with pytest.raises(OpArgumentError) as info:
@@ -107,6 +124,20 @@ def test_memory_checks_hold_on_a_guarded_repeat(case):
         assert all(torch.equal(a, b) for a, b in zip(before, (t for t in tensors if isinstance(t, torch.Tensor)))), (
             "written before the error"
         )
+    assert ran, f"{op_id}: no impl took the valid call on {dev}"
+
+
+@pytest.mark.parametrize("case", BAD_REPEATS, ids=lambda c: c[0])
+def test_memory_checks_hold_on_a_guarded_repeat(case):
+    _check_bad_repeat(case, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", [c for c in BAD_REPEATS if c[0] != "rope-positions"], ids=lambda c: c[0])
+def test_memory_checks_hold_on_a_guarded_repeat_cuda(case):
+    # every impl runnable there (the peers too): the guarded repeat takes the same checks
+    _check_bad_repeat(case, "cuda")
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])

@@ -1,10 +1,9 @@
 """Every private torch and Triton API polykernel uses, probed once, each with a fallback.
 
-Private APIs move between releases. polykernel reaches each one only through this module, where
-it is probed once (at import, or on first use where the probe needs an import polykernel should
-not pay up front) and exposed under a plain name. Where the probe fails, the name holds the
-fallback: a public API (a Python frame slower), a slower path, or the feature turned off. Each
-fallback taken is recorded with its reason (:func:`fallbacks`) and logged once at INFO.
+Private APIs move between releases. polykernel reaches each one only through this module, where it is
+probed once (at import, or on first use where the probe needs an import polykernel should not pay up
+front) and exposed under a plain name. Where the probe fails, the name holds the fallback: a public API
+(a Python frame slower), a slower path, or the feature off. Each is recorded (:func:`fallbacks`), logged once.
 
 ``POLYKERNEL_COMPAT_FALLBACKS=1`` forces every fallback, as if each private API were missing
 (``make test-fallbacks`` runs the CPU suite so). The hot path reads the callables bound here at
@@ -39,7 +38,7 @@ softmax_backward_data(...)     torch._softmax_backward_data                  y *
 is_async_collective(t)         torch.distributed._functional_collectives     the class's name
 dtensor_schema_infos()         DTensor._op_dispatcher...op_to_schema_info    None: no custom sharding rules
 fully_shard()                  torch.distributed._composable.fsdp            (public first; the private one on torch < 2.6)
-module_has_hooks(m)            nn.Module._forward_hooks/_forward_pre_hooks   True: the module is left alone
+module_has_hooks(m)            nn.Module._forward_hooks/_forward_pre_hooks   True: left alone (module_hooks_seen: False)
 assert_async(cond, message)    torch._assert_async (a device-side assert)    a host check (a sync; no graph capture)
 grouped_mm                     torch._grouped_mm                             None: one matmul per expert
 =============================  ============================================  ===========================================
@@ -474,17 +473,14 @@ _hooks_readable: bool = _probe(
 
 
 def module_has_hooks(m: torch.nn.Module) -> bool:
-    """Whether forward (pre-)hooks are set on ``m`` itself. Fallback: True (cannot tell, so callers
+    """Whether forward (pre-)hooks are set on ``m`` itself. Fallback: True (cannot tell: callers
     that would bypass ``m``'s forward leave it alone)."""
-    if not _hooks_readable:
-        return True
-    return any(getattr(m, n, None) for n in _HOOK_DICTS)
+    return not _hooks_readable or any(getattr(m, n, None) for n in _HOOK_DICTS)
 
 
 def module_hooks_seen(m: torch.nn.Module) -> bool:
-    """Whether forward (pre-)hooks are known to be set on ``m`` itself. Fallback: False (cannot
-    tell: callers whose fused path runs past ``m`` on every call keep it, as before they looked;
-    :func:`module_has_hooks` is the cautious one)."""
+    """:func:`module_has_hooks` with the other fallback, False: callers whose fused path ran past
+    ``m`` before they looked keep it."""
     return _hooks_readable and any(getattr(m, n, None) for n in _HOOK_DICTS)
 
 
