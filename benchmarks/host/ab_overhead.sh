@@ -45,7 +45,7 @@ case $cmd in
     "$py" - "$out" "${old%/}" <<'PY'
 import json, pathlib, statistics, sys
 out, old = pathlib.Path(sys.argv[1]), sys.argv[2]
-summary = {"old": old}
+summary = {"old_tree": old}
 for side in ("old", "new"):
     runs = [json.loads(p.read_text())["overhead"] for p in sorted(out.glob(f"{side}-*.json"))]
     summary[side] = {k: {"median": statistics.median(r[k] for r in runs), "all": [round(r[k], 4) for r in runs]}
