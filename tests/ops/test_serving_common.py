@@ -307,6 +307,18 @@ def test_a_written_tensor_whose_elements_share_memory_is_an_error(call, impl):
         fn(impl)
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("call", _self_overlapping_calls(), ids=lambda c: c[0])
+def test_a_self_overlapping_written_tensor_under_compile_is_the_named_error(call, dynamic):
+    # strides are metadata the trace has (symbolic under dynamic shapes): functionalization
+    # (aot_eager, inductor) refused the mutated input with its own BackendCompilerFailed before
+    # the custom op's run-time check could run
+    _, arg, fn = call
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(polykernel.errors.OpArgumentError, match=arg):
+        torch.compile(lambda: fn(None), fullgraph=True, backend="aot_eager", dynamic=dynamic)()
+
+
 def _read_inside_written_calls():
     pos, w = torch.arange(6).flip(0), torch.randn(16)
     q = torch.randn(6, 16)

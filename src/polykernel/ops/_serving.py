@@ -78,8 +78,17 @@ def self_overlapping(t: torch.Tensor) -> bool:
     elements the smaller dims span (the sufficient test; every dense or sliced layout passes)."""
     if t.is_contiguous():  # the usual case, one C call (validate runs on every serving call)
         return False
+    # (stride, size) of each dim with more than one element, smallest first: an insertion sort,
+    # which a trace follows on symbolic sizes too (Dynamo cannot sort them)
+    dims: list[tuple[int, int]] = []
+    for size, stride in zip(t.shape, t.stride()):
+        if size > 1:
+            pair, i = (abs(stride), size), 0
+            while i < len(dims) and (dims[i][0] < pair[0] or (dims[i][0] == pair[0] and dims[i][1] <= pair[1])):
+                i += 1
+            dims.insert(i, pair)
     extent = 0  # how far (in elements) the dims seen so far reach from the first element
-    for stride, size in sorted((abs(st), sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+    for stride, size in dims:
         if stride <= extent:
             return True
         extent += (size - 1) * stride
@@ -89,13 +98,17 @@ def self_overlapping(t: torch.Tensor) -> bool:
 def written(op: str, name: str, t: torch.Tensor | None) -> None:
     """A tensor the op writes (a destination or an in-place argument) must hold each element in
     its own memory: a kernel writing a stride-0 tensor row by row would leave the last row's
-    values everywhere (a silently wrong result), so it is an error before anything is written."""
-    if t is not None and not _compiling() and self_overlapping(t):  # traced: the custom op's real call checks
+    values everywhere (a silently wrong result), so it is an error before anything is written.
+    Strides are metadata: a trace checks it too (its fake tensors have them, symbolic or not), so
+    a compiled call raises this error, not the compiler's own on the mutated input."""
+    if t is not None and self_overlapping(t):
+        # (a trace's message names no sizes: they may be symbols, which its error node cannot hold)
+        layout = "" if _compiling() else f" (strides {tuple(t.stride())} for shape {tuple(t.shape)})"
         raise check.OpArgumentError(
             op,
             name,
-            f"has elements that share memory (strides {tuple(t.stride())} for shape {tuple(t.shape)}, e.g. from expand()): "
-            "it is written in place; pass a tensor of its own memory (.contiguous())",
+            f"has elements that share memory{layout}, e.g. from expand(): it is written in place; "
+            "pass a tensor of its own memory (.contiguous())",
         )
 
 
