@@ -7,8 +7,9 @@ So an in-place call allocates nothing, and a call during CUDA-graph capture allo
 the public function asks of the caching allocator (the graph's pool).
 
 Checks that depend on the tensors' memory (overlap, the positions' values) run on every call,
-before anything is written; they are skipped while ``torch.compile`` traces (fake tensors have no
-memory; the compiled graph runs the same op on the same checked shapes).
+before anything is written (the public functions call them before ``Op.dispatch``, whose guard
+stands for the rest); they are skipped while ``torch.compile`` traces (fake tensors have no
+memory: the custom op's real call checks them), except the strides' self-overlap (:func:`written`).
 """
 
 from __future__ import annotations
