@@ -21,33 +21,15 @@ every call builds its argument class in Python (~0.4 us more).
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from _timer import interleaved_best_us  # (re-exported: the other host benchmarks import it from here)
 
 import polykernel
 from polykernel.backends.torch.rms_norm import rms_norm as torch_impl
 from polykernel.core import hit_guard, registry
 from polykernel.tools.rows import RowFile, announce
-
-
-def interleaved_best_us(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, float]:
-    """Best per-call time (us) of each candidate, over ``rounds`` interleaved rounds."""
-    best = dict.fromkeys(fns, float("inf"))
-    loop = range(calls)
-    for fn in fns.values():  # warm up: memo filled, code paths specialized
-        for _ in range(200):
-            fn()
-    clock = time.perf_counter
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t = clock()
-            for _ in loop:
-                fn()
-            best[name] = min(best[name], (clock() - t) / calls * 1e6)
-    return best
 
 
 def _noop(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str) -> torch.Tensor:

@@ -15,10 +15,9 @@ itself (``--cuda``). Candidates are timed interleaved; each reports its best rou
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
+from _timer import interleaved_best_us
 
 from polykernel.backends._double_backward import refusing
 from polykernel.tools.rows import RowFile, announce
@@ -35,20 +34,6 @@ class _Peer(torch.autograd.Function):
         x, w = ctx.saved_tensors
         with torch.no_grad():
             return 2 * g * x * w, (g * x * x).sum(0), None
-
-
-def interleaved_best_us(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, float]:
-    best = dict.fromkeys(fns, float("inf"))
-    for fn in fns.values():
-        for _ in range(calls):
-            fn()
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            best[name] = min(best[name], (time.perf_counter() - t0) / calls * 1e6)
-    return best
 
 
 def main() -> None:

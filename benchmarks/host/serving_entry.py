@@ -15,12 +15,12 @@ under ``torch.inference_mode()`` as a server runs. Each row is written as it is 
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from _timer import interleaved_best_us  # (plain Python: this script also runs on older trees)
 
 import polykernel
 from polykernel.core import registry
@@ -42,22 +42,6 @@ except ImportError:  # an older tree (ab_overhead.sh's A/B runs this script on i
             self.rows.append(row)
             if self.path:
                 Path(self.path).write_text(json.dumps({**self.header, "complete": False, "rows": self.rows}, indent=1))
-
-
-def interleaved_best_us(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, float]:
-    """overhead.py's timer (not imported: this script also runs on older trees, see ab_overhead.sh):
-    each candidate's best per-call time (µs) over ``rounds`` interleaved rounds of ``calls`` calls."""
-    best = dict.fromkeys(fns, float("inf"))
-    for fn in fns.values():  # warm up: memo filled, guards recorded
-        for _ in range(200):
-            fn()
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            best[name] = min(best[name], (time.perf_counter() - t) / calls * 1e6)
-    return best
 
 
 def cases(dev: str, dtype: torch.dtype) -> list[tuple[str, str, Callable[[], Any], Callable[[], Any], Callable[..., Any]]]:

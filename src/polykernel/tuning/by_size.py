@@ -105,26 +105,14 @@ class BySize:
     def function(self, args: tuple[Any, ...]) -> Callable[..., Any]:
         """:meth:`__call__` as a closure over the tensor positions of ``args`` (a call of this
         class has its tensors there) and the counts' lookup: no attribute reads per call."""
-        self._sizes = sizes = _sizes_fn(args, self.grad)
+        self._sizes = _sizes_fn(args, self.grad)
         pick = picker([i for i, a in enumerate(args) if isinstance(a, torch.Tensor)])
-        get, met, numel = self.counts.get, self._met, torch.Tensor.numel
-        if self.grad:  # training: the counts and which tensors require grad (see _sizes_fn)
-
-            def choose_grad(*a: Any) -> Any:
-                try:
-                    slot = get(sizes(a))
-                except Exception:  # an argument that is not the tensor it was
-                    slot = None
-                if slot is None:
-                    slot = met(a)
-                return slot.run.fn(*a)
-
-            choose_grad.by_size = self  # type: ignore[attr-defined]
-            return choose_grad
+        get, met, numel, grad = self.counts.get, self._met, torch.Tensor.numel, self.grad
 
         def choose(*a: Any) -> Any:
-            try:
-                slot = get(tuple(map(numel, pick(a))))  # _sizes_fn's counts, inlined (a frame less)
+            try:  # _sizes_fn's key, inlined (a frame less); training adds which tensors require grad
+                t = pick(a)
+                slot = get((*map(numel, t), *[x.requires_grad for x in t]) if grad else tuple(map(numel, t)))
             except Exception:  # an argument that is not the tensor it was
                 slot = None
             if slot is None:
