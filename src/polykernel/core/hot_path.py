@@ -138,8 +138,8 @@ def _exec(op: HotPathOp, src: str, name: str) -> Callable[..., Any]:
         "capturing": _stream_capturing,
         "fast": op._fast,
         "same_items": _same_items,
-        "memo_get": op._memo.get,
-        "mark_written": _mark_written,  # the memo dict lives as long as the op (cleared, never replaced)
+        "memo_get": op._memo.get,  # the memo dict lives as long as the op (cleared, never replaced)
+        "mark_written": _mark_written,
     }
     fn = codegen.define(src, f"<polykernel hot path: {op.id}.{name}>", name, namespace)
     fn.__doc__ = getattr(type(op), name).__doc__

@@ -40,7 +40,8 @@ def validate_and_mul(op_id: str, x: torch.Tensor, out: torch.Tensor | None) -> N
 
 def check_memory(op_id: str, x: object, out: object) -> None:
     """The checks of a given ``out`` that read memory (its strides, its addresses against x's), on
-    every call: the argument class holds the rest (:func:`key`). Before anything is written."""
+    every call before anything is written: the dispatcher's guard stands for the rest (a repeat
+    of a validated call's metadata)."""
     if isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and not serving.compiling():
         serving.written(op_id, "out", out)
         serving.no_overlap(op_id, "out", out, "x", x)
