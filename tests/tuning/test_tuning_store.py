@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 
 import pytest
@@ -131,9 +132,33 @@ def test_empty_cache_dir_means_the_default(monkeypatch, value):
 
 def test_identity_fields():
     ident = tuning_key.identity()
-    for field in ("polykernel", "torch", "triton", "backends", "cuda", "gpus", "timing", "schema"):
+    for field in ("polykernel", "source", "torch", "triton", "backends", "cuda", "gpus", "timing", "schema"):
         assert field in ident
     assert tuning_key.namespace(ident) == tuning_key.namespace(json.loads(json.dumps(ident)))
+
+
+def test_source_fingerprint_follows_contents_not_times(tmp_path):
+    """Every dev tree and git install is version 0.1.0: a kernel edit must change the namespace."""
+    pkg = tmp_path / "polykernel"
+    (pkg / "backends" / "triton").mkdir(parents=True)
+    kernel = pkg / "backends" / "triton" / "rms_norm.py"
+    kernel.write_text("BLOCK = 1024\n")
+    (pkg / "csrc.h").write_text("// v1\n")
+    (pkg / "notes.txt").write_text("not source")
+    first = tuning_key.source_fingerprint(pkg)
+    os.utime(kernel, (1, 1))
+    (pkg / "notes.txt").write_text("edited")
+    (pkg / "__pycache__").mkdir()
+    (pkg / "__pycache__" / "x.py").write_text("stale")
+    assert tuning_key.source_fingerprint(pkg) == first  # times, non-source files and caches do not count
+    kernel.write_text("BLOCK = 2048\n")
+    assert tuning_key.source_fingerprint(pkg) != first
+    kernel.write_text("BLOCK = 1024\n")
+    (pkg / "csrc.h").write_text("// v2\n")
+    assert tuning_key.source_fingerprint(pkg) != first
+    (pkg / "csrc.h").write_text("// v1\n")
+    kernel.rename(pkg / "backends" / "triton" / "layer_norm.py")
+    assert tuning_key.source_fingerprint(pkg) != first  # a name counts too
 
 
 def test_store_follows_the_environment_identity(monkeypatch):

@@ -3,9 +3,9 @@ per-call key (op, argument class with bucketed sizes, dtypes, layout, platform).
 
 Both are plain JSON so that a person reading the store can tell what an entry is for::
 
-    identity: {"schema": 1, "polykernel": "0.1.0", "torch": "2.8.0", "triton": "3.4.0",
-               "backends": {"liger-kernel": null, ...}, "cuda": "12.8", "gpus": ["NVIDIA H200"],
-               "timing": "...", "triton_interpret": false}
+    identity: {"schema": 1, "polykernel": "0.1.0", "source": "4e57c8184cb9a243", "torch": "2.8.0",
+               "triton": "3.4.0", "backends": {"liger-kernel": null, ...}, "cuda": "12.8",
+               "gpus": ["NVIDIA H200"], "timing": "...", "triton_interpret": false}
     key:      {"op": "norm.rms_norm", "platform": "cuda NVIDIA H200 sm_90", "deterministic": false,
                "class": {"dtype": "bfloat16", "needs_grad": false, "n": 4096, ...},
                "tensors": ["bfloat16[16384x4096]", "bfloat16[1x4096]"]}
@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import env
@@ -45,6 +46,26 @@ def _version(dist: str) -> str | None:
         return None
 
 
+# The files whose content decides what an impl computes and how fast: the kernels and their launchers.
+SOURCE_SUFFIXES = (".py", ".cu", ".cuh", ".cpp", ".h")
+
+
+def source_fingerprint(root: Path) -> str:
+    """A hash of the package's source files (names and contents, never times).
+
+    The version alone is 0.1.0 for every development tree and every install from git: a winner
+    measured before a kernel changed would outlive the change. ~10 ms over ~2 MB, once per process.
+    """
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES and "__pycache__" not in p.parts):
+        try:
+            data = path.read_bytes()
+        except OSError:  # unreadable: its name still counts
+            data = b""
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + len(data).to_bytes(8, "little") + data)
+    return digest.hexdigest()[:16]
+
+
 @functools.cache
 def _static_identity() -> dict[str, Any]:
     import torch
@@ -57,6 +78,7 @@ def _static_identity() -> dict[str, Any]:
     return {
         "schema": SCHEMA,
         "polykernel": __version__,
+        "source": source_fingerprint(Path(__file__).resolve().parent.parent),
         "torch": torch.__version__,
         "triton": _version("triton"),
         "backends": {d: _version(d) for d in BACKEND_DISTS if d != "triton"},
