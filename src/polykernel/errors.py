@@ -72,7 +72,12 @@ class OpTypeError(OpArgumentError, TypeError):
 
 
 def shown(value: object, limit: int = 60) -> str:
-    """``repr(value)``, cut to ``limit`` characters (a hostile or mistaken value may be huge)."""
+    """``repr(value)``, cut to ``limit`` characters (a hostile or mistaken value may be huge).
+
+    A tensor is described, never printed: its repr reads its values (a device sync), and under
+    ``torch.compile`` there are none to read (Dynamo refused the repr, hiding the named error)."""
+    if hasattr(value, "dtype") and hasattr(value, "shape") and type(value).__module__.partition(".")[0] == "torch":
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
     text = repr(value)
     return text if len(text) <= limit else f"{text[: limit - 3]}... ({len(text)} characters)"
 

@@ -25,6 +25,9 @@ BAD = [
     ("layer_norm", lambda: (torch.randn(4, 8), torch.ones(8), torch.zeros(8)), {"eps": True}, "eps"),
     ("cross_entropy", lambda: (torch.randn(4, 8), torch.randint(0, 8, (4,))), {"ignore_index": True}, "ignore_index"),
     ("cross_entropy", lambda: (torch.randn(4, 8), torch.randint(0, 8, (4,))), {"label_smoothing": True}, "label_smoothing"),
+    # a tensor where a number goes: the message's repr of it was a Dynamo `Unsupported` (no values to print)
+    ("rms_norm", lambda: (torch.randn(4, 8), torch.ones(8)), {"eps": torch.tensor(1e-6)}, "eps"),
+    ("cross_entropy", lambda: (torch.randn(4, 8), torch.randint(0, 8, (4,))), {"label_smoothing": torch.tensor(0.1)}, "label_smoothing"),
     # a float where an int goes: the schema refused it while tracing (TorchRuntimeError)
     ("cross_entropy", lambda: (torch.randn(4, 8), torch.randint(0, 8, (4,))), {"ignore_index": 1.5}, "ignore_index"),
 ]

@@ -121,7 +121,7 @@ def boolean(op: str, name: str, value: Any) -> None:
 
 def choice(op: str, name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise OpArgumentError(op, name, f"expected one of {', '.join(map(repr, allowed))}, got {value!r}")
+        raise OpArgumentError(op, name, f"expected one of {', '.join(map(repr, allowed))}, got {shown(value)}")
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:

@@ -72,7 +72,7 @@ def validate_labels(op: str, labels: torch.Tensor | None, rows_shape: torch.Size
 
 def validate_beta(op: str, beta: object) -> None:
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
-        raise check.OpArgumentError(op, "beta", f"expected a number in [0, 1], got {beta!r}")
+        raise check.OpArgumentError(op, "beta", f"expected a number in [0, 1], got {check.shown(beta)}")
 
 
 def labels_class(labels: torch.Tensor | None, rows_shape: torch.Size) -> tuple | None:

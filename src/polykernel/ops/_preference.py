@@ -173,7 +173,7 @@ def validate_beta(op: str, beta: Any) -> None:
 def validate_smoothing(op: str, value: Any) -> None:
     check.finite_float(op, "label_smoothing", value)
     if not 0.0 <= float(value) <= 0.5:
-        raise OpArgumentError(op, "label_smoothing", f"expected a number in [0, 0.5], got {value!r}")
+        raise OpArgumentError(op, "label_smoothing", f"expected a number in [0, 0.5], got {check.shown(value)}")
 
 
 # -- running a loss -------------------------------------------------------------------------------

@@ -110,7 +110,7 @@ def validate_options(op: str, ignore_index: int, label_smoothing: float, reducti
     (``ignore_index`` against the target's dtype: :func:`validate_target`)."""
     check.ignore_index(op, ignore_index, "target", None)
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
-        raise check.OpArgumentError(op, "label_smoothing", f"expected a number in [0, 1], got {label_smoothing!r}")
+        raise check.OpArgumentError(op, "label_smoothing", f"expected a number in [0, 1], got {check.shown(label_smoothing)}")
     check.choice(op, "reduction", reduction, REDUCTIONS)
 
 

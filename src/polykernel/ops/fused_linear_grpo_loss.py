@@ -97,7 +97,7 @@ def validate_options(op: str, *, beta=0.04, epsilon_low=0.2, epsilon_high=0.2, l
     pref.validate_beta(op, beta)
     check.finite_float(op, "epsilon_low", epsilon_low)
     if not 0.0 <= float(epsilon_low) < 1.0:
-        raise pref.OpArgumentError(op, "epsilon_low", f"expected a number in [0, 1), got {epsilon_low!r}")
+        raise pref.OpArgumentError(op, "epsilon_low", f"expected a number in [0, 1), got {check.shown(epsilon_low)}")
     check.nonnegative_float(op, "epsilon_high", epsilon_high)
     check.finite_float(op, "epsilon_high", epsilon_high)
     check.choice(op, "loss_type", loss_type, LOSS_TYPES)

@@ -64,7 +64,7 @@ def validate(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias
     _param(x, "weight", weight)
     _param(x, "bias", bias)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise check.OpArgumentError(OP_ID, "eps", f"expected a number >= 0, got {eps!r}")
+        raise check.OpArgumentError(OP_ID, "eps", f"expected a number >= 0, got {check.shown(eps)}")
 
 
 _grad_enabled = torch.is_grad_enabled

@@ -122,7 +122,7 @@ def validate(
     check.finite_float(OP_ID, "alpha", alpha)
     check.positive_float(OP_ID, "limit", limit)
     if math.isinf(float(limit)):
-        raise check.OpArgumentError(OP_ID, "limit", f"expected a finite limit > 0, got {limit!r}")
+        raise check.OpArgumentError(OP_ID, "limit", f"expected a finite limit > 0, got {check.shown(limit)}")
 
 
 def _key(

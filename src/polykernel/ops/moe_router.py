@@ -42,11 +42,11 @@ def validate(logits: torch.Tensor, top_k: int, renormalize: bool) -> None:
     check.floating(OP_ID, "logits", logits)
     n_experts = logits.shape[-1]
     if isinstance(top_k, bool) or not isinstance(top_k, int):
-        raise check.OpTypeError(OP_ID, "top_k", f"expected an int, got {top_k!r}")
+        raise check.OpTypeError(OP_ID, "top_k", f"expected an int, got {check.shown(top_k)}")
     if not 1 <= top_k <= n_experts:
         raise check.OpArgumentError(OP_ID, "top_k", f"expected 1 <= top_k <= {n_experts} (logits' last dim, the experts), got {top_k}")
     if not isinstance(renormalize, bool):
-        raise check.OpTypeError(OP_ID, "renormalize", f"expected a bool, got {renormalize!r}")
+        raise check.OpTypeError(OP_ID, "renormalize", f"expected a bool, got {check.shown(renormalize)}")
 
 
 def _key(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple:

@@ -68,7 +68,9 @@ def validate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sec)
         or sum(sec) != d // 2
     ):
-        raise check.OpArgumentError(OP_ID, "mrope_section", f"expected three non-negative ints summing to D/2 = {d // 2}, got {sec!r}")
+        raise check.OpArgumentError(
+            OP_ID, "mrope_section", f"expected three non-negative ints summing to D/2 = {d // 2}, got {check.shown(sec)}"
+        )
     check.same_device(OP_ID, "k", k, "q", q)
     check.same_device(OP_ID, "cos", cos, "q", q)
     check.same_device(OP_ID, "sin", sin, "q", q)

@@ -72,7 +72,7 @@ def validate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: flo
         raise check.OpArgumentError(OP_ID, "bias", f"expected a 0-dim or 1-element ([1]) tensor, got shape {tuple(bias.shape)}")
     check.same_device(OP_ID, "bias", bias, "x", x)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise check.OpArgumentError(OP_ID, "eps", f"expected a number >= 0, got {eps!r}")
+        raise check.OpArgumentError(OP_ID, "eps", f"expected a number >= 0, got {check.shown(eps)}")
 
 
 _grad_enabled = torch.is_grad_enabled

@@ -91,7 +91,7 @@ def validate(
         raise check.OpArgumentError(OP_ID, "k", f"expected shape [{b}, Hk, {t_len}, {d}] (q's B, T and D), got {tuple(k.shape)}")
     check.boolean(OP_ID, "interleaved", interleaved)
     if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int)):
-        raise check.OpTypeError(OP_ID, "rotary_dim", f"expected an int or None, got {rotary_dim!r}")
+        raise check.OpTypeError(OP_ID, "rotary_dim", f"expected an int or None, got {check.shown(rotary_dim)}")
     if rotary_dim is not None and (rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > d):
         raise check.OpArgumentError(OP_ID, "rotary_dim", f"expected a positive even int <= the head dim D={d}, got {rotary_dim}")
     for name, t in (("cos", cos), ("sin", sin)):

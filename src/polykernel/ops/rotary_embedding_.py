@@ -101,7 +101,7 @@ def validate(
             OP_ID, "positions", f"expected a 1-d int32 or int64 tensor [T], got {positions.dtype} of shape {tuple(positions.shape)}"
         )
     if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size <= 0:
-        raise check.OpArgumentError(OP_ID, "head_size", f"expected a positive int, got {head_size!r}")
+        raise check.OpArgumentError(OP_ID, "head_size", f"expected a positive int, got {check.shown(head_size)}")
     tokens = positions.shape[0]
     check.tensor(OP_ID, "query", query)
     # positions is the odd one out where query (and key, if given) agree on T and it does not;
@@ -125,7 +125,7 @@ def validate(
             OP_ID, "cos_sin_cache", f"expected an even rotary_dim in (0, head_size={head_size}] as its width (cat(cos, sin)), got {rd}"
         )
     if rotary_dim is not None and (isinstance(rotary_dim, bool) or rotary_dim != rd):
-        raise check.OpArgumentError(OP_ID, "rotary_dim", f"expected None or the cache's width {rd}, got {rotary_dim!r}")
+        raise check.OpArgumentError(OP_ID, "rotary_dim", f"expected None or the cache's width {rd}, got {check.shown(rotary_dim)}")
     check.boolean(OP_ID, "is_neox", is_neox)
     check.same_device(OP_ID, "positions", positions, "query", query)
     for name, t in (("key", key), ("cos_sin_cache", cos_sin_cache)):
