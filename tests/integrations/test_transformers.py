@@ -493,14 +493,41 @@ def test_flce_does_not_materialize_logits(calls, torch_impls):
     assert head_calls["n"] == 2
 
 
-def test_flce_falls_back_when_lm_head_is_hooked(calls, torch_impls):
+def test_flce_falls_back_when_lm_head_is_hooked(calls, torch_impls, caplog, monkeypatch):
     need("fused_linear_cross_entropy")
     _, model = pair("llama")
     seen = []
     model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
-    out = train_step(model, *batch())
-    assert seen == [(B, T, VOCAB)] and out.logits is not None
+    with caplog.at_level(logging.WARNING, logger="polykernel"):
+        out = train_step(model, *batch())
+        train_step(model, *batch())
+    assert seen == [(B, T, VOCAB)] * 2 and out.logits is not None
     assert calls["fused_linear_cross_entropy"] == 0
+    # the memory the fused loss saves is why users patch it: its absence is logged once, not silent
+    assert sum("lm_head has hooks" in r.getMessage() for r in caplog.records) == 1
+    monkeypatch.setenv("POLYKERNEL_STRICT", "1")
+    with pytest.raises(RuntimeError, match="LlamaForCausalLM's lm_head has hooks"):
+        train_step(model, *batch())
+
+
+def test_flce_logs_a_head_with_its_own_forward(calls, torch_impls, caplog):
+    need("fused_linear_cross_entropy")
+    ref, model = pair("llama")
+
+    class Quantized(torch.nn.Linear):  # a LoRA / quantized head: its forward is not Linear's
+        def forward(self, x):
+            return super().forward(x)
+
+    for m in (model, ref):
+        head = Quantized(m.lm_head.in_features, m.lm_head.out_features, bias=False)
+        head.weight = m.lm_head.weight
+        m.lm_head = head
+    ids, labels = batch()
+    with caplog.at_level(logging.WARNING, logger="polykernel"):
+        out = train_step(model, ids, labels)
+    assert calls["fused_linear_cross_entropy"] == 0 and out.logits is not None
+    torch.testing.assert_close(out.loss, train_step(ref, ids, labels).loss, **FP32)
+    assert sum("lm_head is a Quantized with its own forward" in r.getMessage() for r in caplog.records) == 1
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])

@@ -121,25 +121,42 @@ def _logit_softcap(model: nn.Module, family: _Family | None) -> float | None:
     return None if value is None else float(value)
 
 
+def _unfused(model: nn.Module, why: str) -> None:
+    """The fused loss does not apply: logged once per model class and reason (an error under
+    POLYKERNEL_STRICT=1), since the memory it saves is why users patch the loss."""
+    from polykernel.core.selection.state import log_once, strict_mode
+
+    message = (
+        f"polykernel: patch(): {type(model).__name__}'s {why}; its loss runs on the logits, not fused "
+        "with lm_head (POLYKERNEL_STRICT=1 makes this an error)"
+    )
+    if strict_mode():
+        raise RuntimeError(message)
+    log_once(("transformers", "fused_linear_cross_entropy", type(model).__name__, why), message)
+
+
 def _flce_head(model: nn.Module, family: _Family | None = None) -> nn.Linear | None:
-    """lm_head when the fused loss computes exactly what it would, else None."""
+    """lm_head when the fused loss computes exactly what it would, else None (logged once)."""
     config = getattr(model, "config", None)
     handled = (family.logit_divisor, family.logit_softcap) if family is not None else ()
-    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS if name not in handled):
-        return None
+    for name in _LOGIT_TRANSFORMS:
+        if name not in handled and getattr(config, name, None) not in (None, 1, 1.0):
+            return _unfused(model, f"config sets {name}, which the fused loss does not apply")
     cap = _logit_softcap(model, family)
     if cap is not None and not (cap > 0 and math.isfinite(cap)):
-        return None  # not a softcap the op takes: the model's own loss
+        return _unfused(model, f"logit softcap {cap!r} is not a positive finite number")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else getattr(model, "lm_head", None)
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
-        return None  # quantized / LoRA / custom heads
+        return _unfused(model, f"lm_head is a {type(head).__name__} with its own forward (quantized, LoRA, custom)")
     colwise = _colwise_input(head) is not None  # tensor parallel: the fused loss runs vocab-parallel
-    if (_compat.module_has_hooks(head) and not colwise) or hasattr(head, "_hf_hook"):
-        return None  # hooks (accelerate offload, user hooks) must see the lm_head call
+    if (_compat.module_hooks_seen(head) and not colwise) or hasattr(head, "_hf_hook"):
+        return _unfused(model, "lm_head has hooks (accelerate offload, user hooks), which must see its call")
+    if _compat.module_has_hooks(head) and not colwise:
+        return _unfused(model, "lm_head's hooks cannot be read on this torch (polykernel._compat's fallback)")
     if not head.weight.is_floating_point() or head.weight.device.type == "meta":
-        return None
+        return _unfused(model, f"lm_head's weight is {head.weight.dtype} on {head.weight.device.type}")
     if type(head.weight).__name__ == "DTensor" and not colwise:
-        return None  # another tensor-parallel lm_head: leave it to its own forward
+        return _unfused(model, "lm_head is tensor-parallel in a layout other than ColwiseParallel")
     return head
 
 
