@@ -18,7 +18,8 @@ class UnknownOpError(PolykernelError, KeyError):
         super().__init__(op)
 
     def __str__(self) -> str:
-        return f"unknown op {self.op!r}; known ops: {', '.join(self.known)}"
+        bare = str(self.op).strip("'").rpartition(".")[2]  # an op id's family does not count
+        return f"unknown op {self.op!r}{did_you_mean(bare, self.known)}; known ops: {', '.join(self.known)}"
 
 
 class ImplNotAvailableError(PolykernelError, RuntimeError):
@@ -71,6 +72,14 @@ class OpTypeError(OpArgumentError, TypeError):
     """An argument of the wrong type or dtype (also a ``TypeError``)."""
 
 
+def did_you_mean(name: str, valid: Sequence[str]) -> str:
+    """`` (did you mean 'rms_norm'?)`` for the valid name closest to a misspelt one, else ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(valid), 1, 0.6) if len(name) <= 200 else []
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def shown(value: object, limit: int = 60) -> str:
     """``repr(value)``, cut to ``limit`` characters (a hostile or mistaken value may be huge).
 
@@ -92,7 +101,10 @@ class UnknownImplError(ImplNotAvailableError, ValueError):
         self.where = where
         self._runnable_known = runnable is not None
         name = str(impl) if len(str(impl)) <= 60 else f"{str(impl)[:57]}..."
-        reason = f"{where + ': ' if where else ''}no {shown(impl)} impl is registered for this op; its impls are: {', '.join(self.valid) or 'none'}"
+        reason = (
+            f"{where + ': ' if where else ''}no {shown(impl)} impl is registered for this op; its impls are: "
+            f"{', '.join(self.valid) or 'none'}{did_you_mean(str(impl), self.valid)}"
+        )
         super().__init__(op, name, reason, runnable or ())
 
     def __str__(self) -> str:

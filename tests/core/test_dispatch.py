@@ -494,6 +494,19 @@ def test_unknown_op():
         polykernel.explain("rmsnorm")
 
 
+def test_a_misspelt_op_or_impl_name_suggests_the_closest():
+    # as use_impl/set_impl and the POLYKERNEL_* names already do
+    with pytest.raises(UnknownOpError, match=r"^unknown op 'rms_nrom' \(did you mean 'rms_norm'\?\); known ops: "):
+        polykernel.explain("rms_nrom")
+    with pytest.raises(UnknownOpError, match=r"\(did you mean 'rms_norm'\?\)"):
+        polykernel.explain("norm.rms_nrom")
+    with pytest.raises(UnknownImplError, match=r"its impls are: .*triton \(did you mean 'triton'\?\)"):
+        polykernel.rms_norm(torch.randn(2, 8), torch.ones(8), impl="trion")
+    with pytest.raises(UnknownOpError) as info:
+        polykernel.explain("zzzz")  # nothing close: no suggestion
+    assert "did you mean" not in str(info.value)
+
+
 # --- registry ------------------------------------------------------------------------------------------
 
 

@@ -250,3 +250,48 @@ def test_check_names_the_impls_it_checked_and_the_error_units(capsys):
     with pytest.raises(SystemExit):
         main(["check", "--help"])
     assert "atol + rtol" in capsys.readouterr().out
+
+
+def _subparsers():
+    """(command, parser) for every command, demo's own parser included."""
+    import argparse
+
+    from polykernel.tools import demo
+    from polykernel.tools.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return [(name, demo.build_parser() if name == "demo" else parser) for name, parser in sub.choices.items()]
+
+
+def test_every_option_has_help_and_is_in_the_cli_doc():
+    import argparse
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text(encoding="utf-8")
+    for name, parser in _subparsers():
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
+                continue
+            label = "/".join(action.option_strings) or action.dest
+            assert action.help, f"polykernel {name} {label}: no help text in --help"
+            long = [o for o in action.option_strings if o.startswith("--")]
+            assert not long or f"{long[0]}" in doc.split(f"polykernel {name}", 1)[1], f"docs/cli.md: polykernel {name} lacks {long[0]}"
+
+
+def test_load_of_a_missing_or_broken_file_is_one_line(capsys, tmp_path):
+    missing = tmp_path / "nope.json"
+    assert main(["bench", "--load", str(missing)]) == 2
+    assert capsys.readouterr().err.strip() == f"polykernel bench: --load {missing}: No such file or directory"
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    assert main(["bench", "--load", str(broken)]) == 2
+    assert f"polykernel bench: --load {broken}: not a results file" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"polykernel demo: --load .*nope\.json: No such file or directory"):
+        main(["demo", "--load", str(missing), "--plot", str(tmp_path / "x.png")])
+    with pytest.raises(SystemExit, match=r"--load reads a saved result to plot it: add --plot"):  # else it did nothing
+        main(["demo", "--load", str(broken)])
+
+
+def test_bench_dtype_is_checked_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "rms_norm", "--dtype", "bfloat"])
+    assert "invalid choice: 'bfloat'" in capsys.readouterr().err

@@ -170,3 +170,48 @@ def test_relative_links_resolve(doc: Path):
         assert file.exists(), f"{doc.name}: link to {target}: no such file"
         if anchor and file.suffix == ".md":
             assert anchor in _anchors(file), f"{doc.name}: link to {target}: no such heading in {file.name}"
+
+
+def _impl_tables() -> dict[str, dict[str, bool]]:
+    """op id -> impl -> whether the README's "Ops × impls" tables mark it ✓ (both tables: the
+    columns named by an impl in backticks; a row may name several ops)."""
+    section = README.read_text(encoding="utf-8").split("## Ops × impls", 1)[1].split("\n## ", 1)[0]
+    claimed: dict[str, dict[str, bool]] = {}
+    columns: list[str | None] | None = None
+    for line in section.splitlines():
+        if not line.startswith("|"):
+            columns = None
+            continue
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+        if columns is None:
+            columns = [m.group(1) if (m := re.match(r"`(\w+)`", c)) else None for c in cells]
+        elif not set("".join(cells)) <= set("-: "):
+            for op in re.findall(r"`([\w.]+)`", cells[0]):
+                for impl, cell in zip(columns[1:], cells[1:]):
+                    if impl is not None:
+                        claimed.setdefault(op, {})[impl] = cell.startswith("✓")
+    return claimed
+
+
+def test_readme_ops_table_matches_the_registry():
+    """Every registered op has a row, and for each impl column a ✓ exactly where the op registers
+    that impl (the peers FlashInfer and sgl-kernel, and cuTile, are described in prose instead)."""
+    import polykernel
+    from polykernel.core import registry
+
+    claimed = _impl_tables()
+    assert set(claimed) == set(polykernel.list_ops()), "README's Ops × impls: rows to add or remove"
+    for op, marks in claimed.items():
+        registered = set(registry.specs_for(op))
+        for impl, mark in marks.items():
+            assert mark == (impl in registered), (
+                f"README's Ops × impls: {op} / {impl}: {'✓' if mark else '—'} but registered: {impl in registered}"
+            )
+
+
+def test_integrations_doc_lists_every_nn_module():
+    import polykernel.nn
+
+    text = (ROOT / "docs" / "integrations.md").read_text(encoding="utf-8").split("## Hugging Face", 1)[0]
+    missing = [name for name in polykernel.nn.__all__ if f"`{name}`" not in text]
+    assert not missing, f"docs/integrations.md (polykernel.nn): add {missing}"

@@ -69,6 +69,16 @@ def test_bad_margin_is_an_error(monkeypatch, value):
         tuning.margin()
 
 
+@pytest.mark.parametrize(("variable", "value"), [("POLYKERNEL_TUNE_MARGIN", "abc"), ("POLYKERNEL_TUNE_CALLS", "0")])
+def test_bad_tuning_number_fails_the_first_call(monkeypatch, variable, value):
+    # as the README says of the POLYKERNEL_TUNE* variables: read when a decision is first made, not
+    # only when a key is measured (on a CPU with nothing to measure, that was never)
+    monkeypatch.setenv(variable, value)
+    polykernel.clear_caches()
+    with pytest.raises(ValueError, match=variable):
+        polykernel.rms_norm(*args())
+
+
 def test_margin_default_and_value(monkeypatch):
     assert tuning.margin() == 0.03
     monkeypatch.setenv("POLYKERNEL_TUNE_MARGIN", " 0.1 ")

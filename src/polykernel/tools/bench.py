@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 from ..timing import capture_graph, copy_bandwidth, do_bench, host_us_per_call
 from .bench_contenders import _contenders, transformers_experts, transformers_gpt_oss_experts  # noqa: F401 (re-exported)
 from .bench_report import _row_line, _write_csv, print_rows
-from .rows import RowFile, announce
+from .rows import RowFile, announce, load
 
 if TYPE_CHECKING:
     import torch
@@ -406,8 +406,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out", default=os.environ.get("OUT", "results"), help="directory for <device>-<date>-<graph|call>.json/.csv (and .png)"
     )
-    p.add_argument("--no-compile", action="store_true")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows")
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"), help="the inputs' dtype (default: bfloat16)")
     p.add_argument("--graph", action="store_true", help="time CUDA-graph replays (GPU time without host launch cost)")
     p.add_argument("--sweep", action="store_true", help="add three smaller sizes per op (for the plot)")
     p.add_argument(
@@ -433,8 +433,7 @@ def run_cli(a: argparse.Namespace) -> int:
 
         require_matplotlib("polykernel bench --plot")  # before measuring, not after minutes of it
     if a.load:
-        with open(a.load) as f:
-            result = json.load(f)
+        result = load(a.load)
         stem = os.path.splitext(a.load)[0]
         if result.get("complete") is False:
             con.print(f"{a.load}: a run cut before its end ({len(result['rows'])} rows kept)")

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
+_DEVICE_HELP = "cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu)"
 
 
 def _default_device() -> str:
@@ -364,14 +365,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("list", help="every op with its impls and their verdict on this machine")
-    s.add_argument("--device")
-    s.add_argument("--dtype", default="bfloat16", choices=_DTYPES)
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--device", help=_DEVICE_HELP)
+    s.add_argument("--dtype", default="bfloat16", choices=_DTYPES, help="the inputs' dtype (default: bfloat16)")
+    s.add_argument("--json", action="store_true", help="print the verdicts as JSON")
 
     s = sub.add_parser("explain", help="which impl would run for an op, and why")
-    s.add_argument("op")
-    s.add_argument("--device")
-    s.add_argument("--dtype", default="bfloat16", choices=_DTYPES)
+    s.add_argument("op", help="an op id or bare name (rms_norm, norm.rms_norm; polykernel list shows them)")
+    s.add_argument("--device", help=_DEVICE_HELP)
+    s.add_argument("--dtype", default="bfloat16", choices=_DTYPES, help="the inputs' dtype (default: bfloat16)")
     s.add_argument(
         "--shape",
         type=_shape,
@@ -381,16 +382,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--grad", action="store_true", help="the call's inputs require grad (explains fwd+bwd)")
     s.add_argument("--impl", help="explain a forced impl (as impl= would)")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the explanation as JSON")
 
     s = sub.add_parser("check", help="parity of every runnable impl with the op's reference, forward and backward")
-    s.add_argument("op", nargs="?")
+    s.add_argument("op", nargs="?", help="an op id or bare name (default: every op)")
     s.add_argument("--impl", action="append", help="only this impl (repeatable)")
-    s.add_argument("--device")
-    s.add_argument("--dtype", choices=_DTYPES)
+    s.add_argument("--device", help=_DEVICE_HELP)
+    s.add_argument("--dtype", choices=_DTYPES, help="only this dtype (default: each of the op's dtypes: float32, bfloat16, float16)")
     s.add_argument("--large", action="store_true", help="add the full-size cases (GPU)")
     s.add_argument("--verbose", "-v", action="store_true", help="every case, with its errors; " + _ERR_UNITS.replace("%", "%%"))
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print every case's result as JSON")
 
     from polykernel.tools import bench as _bench  # argparse only; torch loads when a command runs
 
@@ -403,9 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
     _tune.add_arguments(s)
 
     s = sub.add_parser("env", help="versions, devices and settings")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print them as JSON")
 
-    sub.add_parser("demo", help="the main job: see 'polykernel demo --help'", add_help=False)
+    sub.add_parser("demo", help="train a small Llama with and without polykernel, side by side (polykernel demo --help)", add_help=False)
     return p
 
 

@@ -23,6 +23,21 @@ from collections.abc import Callable
 from typing import Any
 
 
+def load(path: str) -> dict[str, Any]:
+    """A results file written by ``--json`` (``bench --load``, ``demo --load``); a ``ValueError``
+    naming the file and why for one that cannot be read or is not a JSON object."""
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"--load {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"--load {path}: not a results file ({exc})") from None
+    if not isinstance(result, dict):
+        raise ValueError(f"--load {path}: not a results file (a JSON {type(result).__name__}, not an object)")
+    return result
+
+
 def _print(line: str) -> None:
     print(line, flush=True)  # at once, also when stdout is a pipe or a log file
 

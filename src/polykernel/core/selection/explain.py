@@ -208,8 +208,8 @@ def available_impls(op: str, device: Any = None, dtype: Any = None) -> list[str]
     """Names of the impls that can run for ``op`` on ``device``/``dtype``, in selection order.
 
     >>> import polykernel
-    >>> polykernel.available_impls("rms_norm", device="cpu")[-1]
-    'torch'
+    >>> "torch" in polykernel.available_impls("rms_norm", device="cpu")  # ['torch', 'torch_compile'] on a CPU
+    True
     """
     import torch
 

@@ -37,7 +37,18 @@ def _check_env() -> None:
         with _lock:  # threads meeting their first decisions at once warn once
             if not _env_checked:
                 env.check([op_id.rpartition(".")[2] for op_id in registry.all_op_ids()], strict_mode())
+                _check_tuning_settings()
                 _env_checked = True  # not before: under strict mode every decision raises until fixed
+
+
+def _check_tuning_settings() -> None:
+    """Parse the numeric tuning variables now: a bad ``POLYKERNEL_TUNE_MARGIN`` or
+    ``POLYKERNEL_TUNE_CALLS`` fails the first op call (a ``ValueError`` naming it), not a
+    measurement hours later, and not never (they are otherwise read only when a key is measured)."""
+    from ... import tuning
+
+    tuning.margin()
+    tuning.calls()
 
 
 def reset_env_check() -> None:

@@ -10,6 +10,7 @@ from typing import IO, TYPE_CHECKING
 import torch
 
 from polykernel.tools.console import make_console, progress
+from polykernel.tools.rows import load
 
 from .data import SETUPS
 from .models import VARIANTS, model_kind, parse_compare
@@ -72,7 +73,7 @@ def build_parser(prog: str = "polykernel demo") -> argparse.ArgumentParser:
                    help="model size (default: tiny on CPU, medium on a GPU with >= 60 GiB, else small)")  # fmt: skip
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights (default 0)")
     p.add_argument("--batch", type=int, default=None, help="override the size's batch")
     p.add_argument("--seq-len", type=int, default=None, help="override the size's sequence length")
     p.add_argument("--lr", type=float, default=None, help="override the size's learning rate")
@@ -115,10 +116,13 @@ def main(argv: list[str] | None = None, *, out: IO[str] | None = None, console: 
         except ImportError as exc:
             raise SystemExit(str(exc)) from None
     if args.load:
-        with open(args.load) as f:
-            result = json.load(f)
-        if args.plot:
-            _plot(result, args.plot, con)
+        if not args.plot:  # nothing else reads a saved result: say so rather than do nothing
+            raise SystemExit("polykernel demo: --load reads a saved result to plot it: add --plot FILE.png")
+        try:
+            result = load(args.load)
+        except ValueError as exc:
+            raise SystemExit(f"polykernel demo: {exc}") from None
+        _plot(result, args.plot, con)
         return 0
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
