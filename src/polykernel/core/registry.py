@@ -331,12 +331,20 @@ def register_impl(spec: None = None, **fields: Any) -> Callable[[Callable[..., A
 
 
 def register_impl(spec: KernelSpec | None = None, **fields: Any) -> Any:
-    """Register an impl. Use with a :class:`KernelSpec`, or as a decorator factory::
-
-        @polykernel.register_impl(op="rms_norm", backend="cuda_jit", rank=5)
-        def my_rms_norm(x, weight, eps, offset, casting): ...
+    """Register an impl. Use with a :class:`KernelSpec`, or as a decorator factory.
 
     The decorated function becomes the target; ``op`` may be a bare name. Registering a second
-    impl with the same backend name for an op replaces the first.
+    impl with the same backend name for an op replaces the first (here, inside
+    :func:`polykernel.testing.isolated`, only until the block ends).
+
+    >>> import torch, polykernel
+    >>> from polykernel.testing import isolated
+    >>> with isolated():
+    ...     @polykernel.register_impl(op="rms_norm", backend="torch", rank=5)
+    ...     def my_rms_norm(x, weight, eps, offset, casting):
+    ...         y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    ...         return (y * (offset + weight.float())).to(x.dtype)
+    ...     polykernel.rms_norm(torch.randn(2, 8), torch.ones(8), impl="torch").shape
+    torch.Size([2, 8])
     """
     return REGISTRY.register_impl(spec, **fields)

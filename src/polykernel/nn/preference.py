@@ -91,7 +91,14 @@ class FusedLinearORPOLoss(_FusedLinearPreferenceLoss):
 
 class FusedLinearCPOLoss(_FusedLinearPreferenceLoss):
     """``polykernel.fused_linear_cpo_loss`` as a module (Liger's ``LigerFusedLinearCPOLoss``):
-    ``forward(hidden [2B, T, H], weight [V, H], target [2B, T], bias=None)`` returns ``CPOOutput``."""
+    ``forward(hidden [2B, T, H], weight [V, H], target [2B, T], bias=None)`` returns ``CPOOutput``.
+
+    >>> import torch, polykernel.nn as pnn
+    >>> h = torch.randn(4, 5, 16, requires_grad=True)  # 2 chosen rows, then 2 rejected
+    >>> out = pnn.FusedLinearCPOLoss(beta=0.1, alpha=1.0)(h, torch.randn(50, 16), torch.randint(0, 50, (4, 5)))
+    >>> out.loss.backward(); h.grad.shape
+    torch.Size([4, 5, 16])
+    """
 
     _fn = "fused_linear_cpo_loss"
     _options: ClassVar[dict[str, object]] = {
@@ -101,7 +108,13 @@ class FusedLinearCPOLoss(_FusedLinearPreferenceLoss):
 
 class FusedLinearSimPOLoss(_FusedLinearPreferenceLoss):
     """``polykernel.fused_linear_simpo_loss`` as a module (Liger's ``LigerFusedLinearSimPOLoss``):
-    ``forward(hidden [2B, T, H], weight [V, H], target [2B, T], bias=None)`` returns ``SimPOOutput``."""
+    ``forward(hidden [2B, T, H], weight [V, H], target [2B, T], bias=None)`` returns ``SimPOOutput``.
+
+    >>> import torch, polykernel.nn as pnn
+    >>> out = pnn.FusedLinearSimPOLoss(beta=2.0, gamma=0.5)(torch.randn(4, 5, 16), torch.randn(50, 16), torch.randint(0, 50, (4, 5)))
+    >>> out.loss.shape
+    torch.Size([])
+    """
 
     _fn = "fused_linear_simpo_loss"
     _options: ClassVar[dict[str, object]] = {"beta": 2.0, "gamma": 0.5, "label_smoothing": 0.0, "ignore_index": -100}
@@ -110,7 +123,14 @@ class FusedLinearSimPOLoss(_FusedLinearPreferenceLoss):
 class FusedLinearKTOLoss(_FusedLinearPreferenceLoss):
     """``polykernel.fused_linear_kto_loss`` as a module (Liger's ``LigerFusedLinearKTOLoss``):
     ``forward(hidden [B, T, H], weight [V, H], target [B, T], preference_labels [B], bias=None, *,
-    ref_hidden=None, ref_weight=None, ref_bias=None, ref_logps=None, kl=None)`` returns ``KTOOutput``."""
+    ref_hidden=None, ref_weight=None, ref_bias=None, ref_logps=None, kl=None)`` returns ``KTOOutput``.
+
+    >>> import torch, polykernel.nn as pnn
+    >>> labels = torch.tensor([True, False, True])  # desirable or not, per sequence
+    >>> out = pnn.FusedLinearKTOLoss(beta=0.1)(torch.randn(3, 5, 16), torch.randn(50, 16), torch.randint(0, 50, (3, 5)), labels, kl=0.1)
+    >>> out.chosen_logps.shape, out.rejected_logps.shape
+    (torch.Size([2]), torch.Size([1]))
+    """
 
     _fn = "fused_linear_kto_loss"
     _options: ClassVar[dict[str, object]] = {"beta": 0.1, "ignore_index": -100, "average_log_prob": False}

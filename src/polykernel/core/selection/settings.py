@@ -17,12 +17,16 @@ def use_impl(impl: str | Sequence[str], op: str | None = None) -> Iterator[None]
     """Scoped override for this thread/task (a ContextVar).
 
     With ``op`` the choice is strict for that op; without, it is a preference list applied to
-    every op that has the impl (ops without it keep their normal choice)::
+    every op that has the impl (ops without it keep their normal choice).
 
-        with polykernel.use_impl("torch"):
-            y = polykernel.rms_norm(x, w)        # torch impl
-        with polykernel.use_impl("triton", op="rms_norm"):
-            y = polykernel.rms_norm(x, w)        # triton or ImplNotAvailableError
+    >>> import torch, polykernel
+    >>> x, w = torch.randn(4, 8), torch.ones(8)
+    >>> with polykernel.use_impl("torch"):  # preferred wherever an op has it
+    ...     y = polykernel.rms_norm(x, w)
+    >>> polykernel.decisions("rms_norm")[-1]["source"], polykernel.decisions("rms_norm")[-1]["impl"]
+    ('scope', 'torch')
+    >>> with polykernel.use_impl("torch", op="rms_norm"):  # strict: that impl or ImplNotAvailableError
+    ...     y = polykernel.rms_norm(x, w)
     """
     op_id = registry.resolve_op_id(op) if op is not None else None
     names = _parse_names(impl, "use_impl") if op_id is None else _parse_op_names(impl, "use_impl", op_id)
@@ -38,6 +42,13 @@ def set_impl(impl: str | Sequence[str] | None, op: str | None = None) -> None:
 
     ``set_impl("triton")`` prefers Triton wherever an op has it; ``set_impl("torch", op="softmax")``
     forces one op (strict). ``set_impl(None, op="softmax")`` resets that op only.
+
+    >>> import torch, polykernel
+    >>> polykernel.set_impl("torch", op="softmax")
+    >>> _ = polykernel.softmax(torch.randn(2, 8))
+    >>> polykernel.decisions("softmax")[-1]["impl"]
+    'torch'
+    >>> polykernel.set_impl(None, op="softmax")  # back to the automatic choice
     """
     op_id = registry.resolve_op_id(op) if op is not None else None
     with _lock:
@@ -66,7 +77,14 @@ def get_impl_settings() -> dict[str | None, tuple[str, ...]]:
 
 
 def clear_caches() -> None:
-    """Forget memoized decisions, runtime-fault marks and once-only log records."""
+    """Forget memoized decisions, runtime-fault marks and once-only log records.
+
+    >>> import torch, polykernel
+    >>> _ = polykernel.rms_norm(torch.randn(2, 8), torch.ones(8))
+    >>> polykernel.clear_caches()
+    >>> polykernel.decisions()  # the next call decides afresh
+    []
+    """
     reset_env_check()
     env.reset_warnings()
     with _lock:

@@ -179,7 +179,14 @@ def patch(
 
 
 def unpatch(model: nn.Module | str) -> nn.Module | None:
-    """Undo :func:`patch` (a model: its modules' own forwards; a model type: the classes)."""
+    """Undo :func:`patch` (a model: its modules' own forwards; a model type: the classes).
+
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=128)
+    >>> model = patch(LlamaForCausalLM(config))
+    >>> unpatch(model) is model, patched(model)
+    (True, {})
+    """
     if isinstance(model, str):
         _unpatch_classes(model)
         return None
@@ -192,7 +199,16 @@ def patched(model: nn.Module | str) -> dict[str, list[str] | str]:
     of the modules that run it, whether patched one by one or by model type (a model type: the patched
     class attributes, the MLP classes under ``swiglu``). A kind the model's family has but polykernel cannot express exactly maps to
     ``"left alone: <why>"`` instead (e.g. ``{"l2_norm": "left alone: Llama4's q/k L2 norm has no weight ..."}``,
-    ``{"moe_experts": "left alone: ..."}``): that part runs transformers' own code."""
+    ``{"moe_experts": "left alone: ..."}``): that part runs transformers' own code.
+
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=128)
+    >>> model = patch(LlamaForCausalLM(config))
+    >>> sorted(patched(model))
+    ['loss', 'rms_norm', 'rope', 'sdpa_is_causal', 'swiglu']
+    >>> patched(model)["rms_norm"]
+    ['model.layers.0.input_layernorm', 'model.layers.0.post_attention_layernorm', 'model.norm']
+    """
     out: dict[str, list[str] | str] = {}
     if isinstance(model, str):
         for owner, attr, _ in _CLASS_PATCHES.get(model, []):
