@@ -51,15 +51,32 @@ def _install(module: nn.Module, make_forward: Callable[[Callable], Callable]) ->
     d[_SAVED] = (slot, prev)
 
 
+def _installed_slot(module: nn.Module) -> str | None:
+    """Where the forward :func:`_install` gave ``module`` is now: accelerate's ``add_hook_to_module``
+    after the patch moves it into ``_old_forward`` (its wrapper in ``forward``), and
+    ``remove_hook_from_module`` moves it back into ``forward``; None where it was replaced."""
+    d = module.__dict__
+    for slot in ("forward", "_old_forward"):
+        fn = d.get(slot)
+        if isinstance(fn, types.MethodType) and fn.__self__ is module and hasattr(fn.__func__, "_polykernel"):
+            return slot
+    return None
+
+
 def _uninstall(module: nn.Module) -> None:
     saved = module.__dict__.pop(_SAVED, None)
     if saved is None:
         return
-    slot, prev = saved
-    if prev is None:
-        module.__dict__.pop(slot, None)
-    else:
+    prev = saved[1]
+    slot = _installed_slot(module)
+    if slot is None:  # replaced since (not ours to restore over)
+        return
+    if prev is not None:
         module.__dict__[slot] = prev
+    elif slot == "forward":
+        module.__dict__.pop(slot)
+    else:  # a hook's wrapper calls `_old_forward`: the class's forward, as it would have saved it
+        module.__dict__[slot] = types.MethodType(type(module).forward, module)
 
 
 def _kind(module: nn.Module) -> str | None:
@@ -67,7 +84,8 @@ def _kind(module: nn.Module) -> str | None:
     type>")``) its patched class's; a gated MLP's is its activation's op (swiglu or geglu)."""
     saved = module.__dict__.get(_SAVED)
     if saved is not None:
-        fn = module.__dict__.get(saved[0])
+        slot = _installed_slot(module)
+        fn = module.__dict__.get(slot) if slot is not None else None
         kind = getattr(getattr(fn, "__func__", None), "_polykernel", None)
     else:
         kind = _class_kind(module)
