@@ -571,3 +571,12 @@ def test_projections_wrapped_or_hooked_after_the_patch_run_their_own_forwards(mo
         torch.testing.assert_close(gk, wk, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(gv, wv, rtol=1e-5, atol=1e-5)
     assert calls == []
+
+
+def test_unpatch_lets_go_of_the_merged_weights():
+    # the merged gate/up and QKV tensors are the projections' storage while patched; after unpatch
+    # they must not be held, or a later .to() (another dtype, device) keeps the old copy alive
+    _, model = pair(layers=1)
+    unpatch(model)
+    model.to(torch.float16)
+    assert not [(name, key) for name, m in model.named_modules() for key in m.__dict__ if key.startswith("_polykernel_")]

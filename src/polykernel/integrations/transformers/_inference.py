@@ -146,6 +146,7 @@ def final_norm_forward(base: Callable, stream: _Stream) -> Callable:
 # (and biases) concatenated along the output dim, in this order.
 GATE_UP = ("gate_up", ("gate_proj", "up_proj"))
 QKV = ("qkv", ("q_proj", "k_proj", "v_proj"))
+MERGED = tuple(f"_polykernel_{key}_{name}" for key, _ in (GATE_UP, QKV) for name in ("weight", "bias"))  # module.__dict__ entries
 
 
 def _views_of(merged: torch.Tensor, parts: list[torch.Tensor]) -> bool:

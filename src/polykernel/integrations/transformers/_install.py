@@ -11,6 +11,7 @@ from torch import nn
 
 from ._code import _CannotPatch
 from ._families import _FAMILY_BY_MODULE, _config_left_alone, _Family
+from ._inference import MERGED
 from ._layers import _GATED_MLP, _gated_activation, _mlp_layout, _mlp_supported
 from ._switches import _gated_ops
 
@@ -129,5 +130,7 @@ def _unpatch_model(model: nn.Module) -> nn.Module:
     """Every module of ``model`` back on the forward it had before :func:`_install`."""
     for module in model.modules():
         module.__dict__.pop(_LEFT_ALONE, None)  # (a model patched before it was wrapped keeps it)
+        for key in MERGED:  # mode="inference"'s merged weights: after a .to(), the old copy
+            module.__dict__.pop(key, None)
         _uninstall(module)
     return model
