@@ -546,3 +546,37 @@ def test_under_autocast_the_patched_model_runs_and_matches():
     # the gated activation rounds once (silu_and_mul) where transformers rounds twice: 2e-3 measured
     # (the fused path under autocast was 0.6 off; the carried stream raised on two dtypes)
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-2)
+
+
+def test_projections_wrapped_or_hooked_after_the_patch_run_their_own_forwards(monkeypatch):
+    # an adapter loaded after patch(mode="inference") (PEFT's LoRA on the projections), or a hook
+    # on one: the merged gate/up and QKV matmuls would skip them, so those modules run their own
+    # forwards (the logits, and the static cache's contents, of the same model unpatched)
+    peft = pytest.importorskip("peft")
+    ref = tiny_llama(layers=1)
+    model = copy.deepcopy(ref)
+    patch(model, mode="inference")
+    config = dict(r=4, target_modules=["q_proj", "gate_proj"], init_lora_weights=False)
+    ref, model = peft.get_peft_model(ref, peft.LoraConfig(**config)), peft.get_peft_model(model, peft.LoraConfig(**config))
+    model.load_state_dict(ref.state_dict())
+    for m in (ref, model):
+        m.base_model.model.model.layers[0].self_attn.v_proj.register_forward_hook(lambda mod, args, out: out * 2)
+        m.base_model.model.model.layers[0].mlp.up_proj.register_forward_hook(lambda mod, args, out: out * 2)
+    calls = _fused_spy(monkeypatch)
+    with polykernel.use_impl("torch"):
+        got, got_cache = _decode_with_cache(model, transformers.StaticCache(config=model.config, max_cache_len=16), steps=1)
+        want, want_cache = _decode_with_cache(ref, transformers.StaticCache(config=ref.config, max_cache_len=16), steps=1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for (gk, gv, _), (wk, wv, _) in zip(got_cache, want_cache, strict=True):
+        torch.testing.assert_close(gk, wk, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gv, wv, rtol=1e-5, atol=1e-5)
+    assert calls == []
+
+
+def test_unpatch_lets_go_of_the_merged_weights():
+    # the merged gate/up and QKV tensors are the projections' storage while patched; after unpatch
+    # they must not be held, or a later .to() (another dtype, device) keeps the old copy alive
+    _, model = pair(layers=1)
+    unpatch(model)
+    model.to(torch.float16)
+    assert not [(name, key) for name, m in model.named_modules() for key in m.__dict__ if key.startswith("_polykernel_")]

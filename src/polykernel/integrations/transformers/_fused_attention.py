@@ -14,7 +14,7 @@ from torch import nn
 
 from polykernel import env
 
-from ._inference import QKV, _merged
+from ._inference import QKV, _merged, runs_merged
 
 
 @functools.cache
@@ -173,7 +173,7 @@ def _fused_call(
     q_proj, k_proj, v_proj = module.q_proj, module.k_proj, module.v_proj
     if torch.is_grad_enabled() and (hidden.requires_grad or any(p.weight.requires_grad for p in (q_proj, k_proj, v_proj))):
         return None
-    if "_polykernel_qkv_weight" not in module.__dict__:  # merged at patch time, else not mergeable
+    if "_polykernel_qkv_weight" not in module.__dict__ or not runs_merged(module, QKV):  # merged at patch time, and still mergeable
         return None
     d = getattr(module, "head_dim", None)
     if not isinstance(d, int) or d <= 0 or d % 2 or q_proj.out_features % d or k_proj.out_features % d:

@@ -29,7 +29,8 @@ dtype before the weight multiply, so in 16-bit the logits differ at that dtype's
 they agree to fp32 roundoff). Inference only: with gradients wanted, under ``torch.autocast`` (the stream
 and the projections' outputs are then of two dtypes), or when the caller asks for the hidden
 states of every layer (``output_hidden_states``: the carried layers return the MLP's output, not
-the stream), the model's own forwards run.
+the stream), the model's own forwards run; so do an MLP's and an attention's whose projections
+were wrapped (PEFT's LoRA) or hooked after the patch (logged once).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import polykernel as _pk
+from polykernel import _compat
+
+from ._layers import _fallback_once
 
 # The families whose decoder layer is Llama's (input norm, attention, post-attention norm, MLP;
 # residual adds around both), by model type. Only the tested one.
@@ -142,6 +146,7 @@ def final_norm_forward(base: Callable, stream: _Stream) -> Callable:
 # (and biases) concatenated along the output dim, in this order.
 GATE_UP = ("gate_up", ("gate_proj", "up_proj"))
 QKV = ("qkv", ("q_proj", "k_proj", "v_proj"))
+MERGED = tuple(f"_polykernel_{key}_{name}" for key, _ in (GATE_UP, QKV) for name in ("weight", "bias"))  # module.__dict__ entries
 
 
 def _views_of(merged: torch.Tensor, parts: list[torch.Tensor]) -> bool:
@@ -188,6 +193,20 @@ def mergeable(module: nn.Module, group: tuple[str, tuple[str, ...]]) -> str | No
     return None
 
 
+def runs_merged(module: nn.Module, group: tuple[str, tuple[str, ...]]) -> bool:
+    """Whether this call may run the ``group``'s projections as one matmul on their merged weight:
+    they are still mergeable and unhooked. Wrapped after the patch (PEFT's LoRA, a quantized layer)
+    or hooked, the merged matmul would skip what their forwards add: the module's own forward runs
+    then (logged once; an error under POLYKERNEL_STRICT=1)."""
+    why = mergeable(module, group)
+    if why is None and any(_compat.module_hooks_seen(getattr(module, a)) for a in group[1]):
+        why = f"{', '.join(group[1])} have forward hooks"
+    if why is None:
+        return True
+    _fallback_once(type(module).__name__, f"cannot run as one matmul now ({why})", f"inference_{group[0]}")
+    return False
+
+
 def merge(module: nn.Module, group: tuple[str, tuple[str, ...]]) -> None:
     """Merge the ``group``'s projections now (at patch time, outside any inference mode)."""
     _merged(module, group, "weight")
@@ -201,6 +220,8 @@ def mlp_forward(base: Callable, activation: tuple[str, str | None]) -> Callable:
     def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args or kwargs or (torch.is_grad_enabled() and (x.requires_grad or self.gate_proj.weight.requires_grad)):
             return base(self, x, *args, **kwargs)
+        if not runs_merged(self, GATE_UP):
+            return base(self, x)
         gate_up = F.linear(x, _merged(self, GATE_UP, "weight"), _merged(self, GATE_UP, "bias"))
         if activation[0] == "swiglu":
             return self.down_proj(_pk.silu_and_mul(gate_up))

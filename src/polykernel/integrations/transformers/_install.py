@@ -11,6 +11,7 @@ from torch import nn
 
 from ._code import _CannotPatch
 from ._families import _FAMILY_BY_MODULE, _config_left_alone, _Family
+from ._inference import MERGED
 from ._layers import _GATED_MLP, _gated_activation, _mlp_layout, _mlp_supported
 from ._switches import _gated_ops
 
@@ -51,15 +52,32 @@ def _install(module: nn.Module, make_forward: Callable[[Callable], Callable]) ->
     d[_SAVED] = (slot, prev)
 
 
+def _installed_slot(module: nn.Module) -> str | None:
+    """Where the forward :func:`_install` gave ``module`` is now: accelerate's ``add_hook_to_module``
+    after the patch moves it into ``_old_forward`` (its wrapper in ``forward``), and
+    ``remove_hook_from_module`` moves it back into ``forward``; None where it was replaced."""
+    d = module.__dict__
+    for slot in ("forward", "_old_forward"):
+        fn = d.get(slot)
+        if isinstance(fn, types.MethodType) and fn.__self__ is module and hasattr(fn.__func__, "_polykernel"):
+            return slot
+    return None
+
+
 def _uninstall(module: nn.Module) -> None:
     saved = module.__dict__.pop(_SAVED, None)
     if saved is None:
         return
-    slot, prev = saved
-    if prev is None:
-        module.__dict__.pop(slot, None)
-    else:
+    prev = saved[1]
+    slot = _installed_slot(module)
+    if slot is None:  # replaced since (not ours to restore over)
+        return
+    if prev is not None:
         module.__dict__[slot] = prev
+    elif slot == "forward":
+        module.__dict__.pop(slot)
+    else:  # a hook's wrapper calls `_old_forward`: the class's forward, as it would have saved it
+        module.__dict__[slot] = types.MethodType(type(module).forward, module)
 
 
 def _kind(module: nn.Module) -> str | None:
@@ -67,7 +85,8 @@ def _kind(module: nn.Module) -> str | None:
     type>")``) its patched class's; a gated MLP's is its activation's op (swiglu or geglu)."""
     saved = module.__dict__.get(_SAVED)
     if saved is not None:
-        fn = module.__dict__.get(saved[0])
+        slot = _installed_slot(module)
+        fn = module.__dict__.get(slot) if slot is not None else None
         kind = getattr(getattr(fn, "__func__", None), "_polykernel", None)
     else:
         kind = _class_kind(module)
@@ -111,5 +130,7 @@ def _unpatch_model(model: nn.Module) -> nn.Module:
     """Every module of ``model`` back on the forward it had before :func:`_install`."""
     for module in model.modules():
         module.__dict__.pop(_LEFT_ALONE, None)  # (a model patched before it was wrapped keeps it)
+        for key in MERGED:  # mode="inference"'s merged weights: after a .to(), the old copy
+            module.__dict__.pop(key, None)
         _uninstall(module)
     return model
