@@ -193,11 +193,36 @@ def mergeable(module: nn.Module, group: tuple[str, tuple[str, ...]]) -> str | No
     return None
 
 
+def _merged_and_plain(module: nn.Module, group: tuple[str, tuple[str, ...]]) -> bool:
+    """The per-call check's common answer, from the modules' own dicts (nn.Module's attribute
+    lookups cost more than the rest): plain unhooked nn.Linear projections whose weights are still
+    views of the merged one (so of one dtype, device and width), all with a bias or none."""
+    merged = module.__dict__.get(f"_polykernel_{group[0]}_weight")
+    children = module.__dict__.get("_modules")
+    if merged is None or children is None:
+        return False
+    at, row = merged.data_ptr(), merged.stride(0) * merged.element_size()
+    biases = set()
+    for name in group[1]:
+        p = children.get(name)
+        if type(p) is not nn.Linear or _compat.module_hooks_seen(p):
+            return False
+        params = p.__dict__["_parameters"]
+        weight = params.get("weight")
+        if weight is None or weight.data_ptr() != at:
+            return False
+        at += weight.shape[0] * row
+        biases.add(params.get("bias") is None)
+    return len(biases) == 1
+
+
 def runs_merged(module: nn.Module, group: tuple[str, tuple[str, ...]]) -> bool:
     """Whether this call may run the ``group``'s projections as one matmul on their merged weight:
     they are still mergeable and unhooked. Wrapped after the patch (PEFT's LoRA, a quantized layer)
     or hooked, the merged matmul would skip what their forwards add: the module's own forward runs
     then (logged once; an error under POLYKERNEL_STRICT=1)."""
+    if _merged_and_plain(module, group):
+        return True
     why = mergeable(module, group)
     if why is None and any(_compat.module_hooks_seen(getattr(module, a)) for a in group[1]):
         why = f"{', '.join(group[1])} have forward hooks"
