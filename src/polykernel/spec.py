@@ -99,6 +99,8 @@ class PlatformInfo:
     def __str__(self) -> str:
         where = self.device_type if self.device_index is None else f"{self.device_type}:{self.device_index}"
         arch = f", sm_{self.sm}" if self.cuda_arch else ""
+        if self.name in ("", self.device_type) and not arch:
+            return where  # "cpu", not "cpu (cpu)"
         return f"{where} ({self.name}{arch})"
 
     @staticmethod

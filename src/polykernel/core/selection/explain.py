@@ -141,7 +141,7 @@ def explain(
 
         >>> import polykernel, torch
         >>> print(polykernel.explain("rms_norm", torch.randn(4, 8), torch.ones(8)))  # doctest: +SKIP
-        norm.rms_norm on cpu (cpu)
+        norm.rms_norm on cpu
           chosen: torch (source: auto)
           ...
     """
