@@ -1,0 +1,63 @@
+"""Non-finite and extreme inputs: every runnable impl against the op's reference (NaN, inf and
+-inf where they belong, nowhere else), on the CPU (Triton through its interpreter)."""
+
+import pytest
+import torch
+
+import polykernel
+from polykernel.core import registry
+from polykernel.testing import runnable_impls
+
+IMPLS = ["torch", "triton"]
+
+
+def _need(op, impl, dtype=torch.float32):
+    if impl not in runnable_impls(op, "cpu", dtype):
+        pytest.skip(f"{impl} not runnable on the CPU here")
+
+
+def _same(got, want):
+    """Equal non-finite pattern, finite values close (want is the float64 reference)."""
+    torch.testing.assert_close(got.double(), want.double(), rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kw", [{}, {"reduction": "none", "z_loss": 1e-3}, {"label_smoothing": 0.1, "reduction": "sum"}], ids=str)
+def test_cross_entropy_ignored_rows_with_non_finite_logits_give_zero_gradients(impl, kw):
+    # torch documents that ignored targets do not contribute to the gradient; F.cross_entropy's
+    # backward gave NaN on such a row (0·NaN), and so did the reference and the torch impl, while
+    # the Triton impl gave 0: one answer now, 0, and a padding row poisons nothing
+    _need("cross_entropy", impl)
+    x = torch.randn(5, 40)
+    x[1], x[2, 3], x[3] = float("nan"), float("inf"), float("-inf")
+    t = torch.tensor([1, -100, -100, -100, 4])
+    xi, xr = x.clone().requires_grad_(), x.double().requires_grad_()
+    loss = polykernel.cross_entropy(xi, t, impl=impl, **kw)
+    want = registry.get_op("cross_entropy").reference(xr, t, **kw)
+    _same(loss, want)
+    assert loss.isfinite().all()
+    cot = torch.rand_like(want)
+    (g,) = torch.autograd.grad(loss, xi, cot.float())
+    (gr,) = torch.autograd.grad(want, xr, cot)
+    assert bool((g[1:4] == 0).all()) and bool((gr[1:4] == 0).all()) and g.isfinite().all()
+    _same(g, gr)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fused_linear_ce_ignored_row_with_nan_hidden_poisons_no_other_row(impl):
+    # the ignored row's dlogits are 0, so its grad_hidden is 0; grad_weight = dlogitsᵀ·hidden
+    # takes 0·NaN in that NaN's column only, as the reference's matmul does
+    _need("fused_linear_cross_entropy", impl)
+    h, w = torch.randn(4, 16), torch.randn(50, 16)
+    h[1, 2] = float("nan")
+    t = torch.tensor([1, -100, 3, 4])
+    hi, wi = h.clone().requires_grad_(), w.clone().requires_grad_()
+    hr, wr = h.double().requires_grad_(), w.double().requires_grad_()
+    loss = polykernel.fused_linear_cross_entropy(hi, wi, t, impl=impl)
+    want = registry.get_op("fused_linear_cross_entropy").reference(hr, wr, t)
+    _same(loss, want)
+    gh, gw = torch.autograd.grad(loss, (hi, wi))
+    ghr, gwr = torch.autograd.grad(want, (hr, wr))
+    assert bool((gh[1] == 0).all()) and gh.isfinite().all() and bool(gw[:, 2].isnan().all())
+    _same(gh, ghr)
+    _same(gw, gwr)
