@@ -61,3 +61,44 @@ def test_fused_linear_ce_ignored_row_with_nan_hidden_poisons_no_other_row(impl):
     assert bool((gh[1] == 0).all()) and gh.isfinite().all() and bool(gw[:, 2].isnan().all())
     _same(gh, ghr)
     _same(gw, gwr)
+
+
+def _grads(op, impl, args, kwargs, grad_of=(0,)):
+    """(loss, grads) of ``impl`` and of the float64 reference on the same values."""
+    mine = [a.clone().requires_grad_(i in grad_of) if torch.is_tensor(a) and a.is_floating_point() else a for i, a in enumerate(args)]
+    ref = [a.double().requires_grad_(i in grad_of) if torch.is_tensor(a) and a.is_floating_point() else a for i, a in enumerate(args)]
+    out = getattr(polykernel, op)(*mine, impl=impl, **kwargs)
+    want = registry.get_op(op).reference(*ref, **kwargs)
+    g = torch.autograd.grad(out, [mine[i] for i in grad_of])
+    gr = torch.autograd.grad(want, [ref[i] for i in grad_of])
+    return out, want, g, gr
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", ["jsd", "tvd"])
+def test_distill_ignored_rows_with_non_finite_values_give_zero_gradients(op, impl):
+    # as cross_entropy's: the reference masked the ignored rows after the math, so their
+    # gradient was 0·NaN = NaN there, while both impls gave 0
+    _need(op, impl)
+    a, b = torch.randn(4, 30).log_softmax(-1), torch.randn(4, 30).log_softmax(-1)
+    if op == "tvd":
+        a, b = a.exp(), b.exp()
+    a[1, 2], a[2, 0], b[2, 5] = float("nan"), float("inf"), float("-inf")
+    labels = torch.tensor([1, -100, -100, 3])
+    out, want, (g,), (gr,) = _grads(op, impl, (a, b, labels), {})
+    _same(out, want)
+    assert out.isfinite() and bool((g[1:3] == 0).all()) and g.isfinite().all()
+    _same(g, gr)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("reduction", ["batchmean", "sum"])
+def test_tvd_nan_gradient_follows_torch_sign(impl, reduction):
+    # the reference's abs backward is torch.sign, 0 at NaN (the loss is NaN); Triton gave NaN
+    _need("tvd", impl)
+    p, q = torch.rand(2, 7).softmax(-1), torch.rand(2, 7).softmax(-1)
+    p[0, 1] = float("nan")
+    out, want, (gp, gq), (gpr, gqr) = _grads("tvd", impl, (p, q), {"reduction": reduction}, grad_of=(0, 1))
+    assert out.isnan() and want.isnan()
+    _same(gp, gpr)
+    _same(gq, gqr)
