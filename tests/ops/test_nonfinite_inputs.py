@@ -102,3 +102,17 @@ def test_tvd_nan_gradient_follows_torch_sign(impl, reduction):
     assert out.isnan() and want.isnan()
     _same(gp, gpr)
     _same(gq, gqr)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fused_linear_jsd_ignored_row_with_nan_hidden_gives_zero_gradient(impl):
+    # the reference's log_softmax backward gave 0·NaN = NaN on the ignored row; the impls gave 0
+    _need("fused_linear_jsd", impl)
+    hs, ws, ht, wt = torch.randn(4, 16), 0.3 * torch.randn(50, 16), torch.randn(4, 16), 0.3 * torch.randn(50, 16)
+    hs[1, 2], ht[2, 0] = float("nan"), float("inf")
+    labels = torch.tensor([1, -100, -100, 3])
+    out, want, (gh, gw), (ghr, gwr) = _grads("fused_linear_jsd", impl, (hs, ws, ht, wt, labels), {}, grad_of=(0, 1))
+    _same(out, want)
+    assert out.isfinite() and bool((gh[1:3] == 0).all()) and gh.isfinite().all()
+    _same(gh, ghr)
+    _same(gw, gwr)  # NaN in column 2 only: 0·NaN in dlogitsᵀ·hidden, as the reference's matmul
