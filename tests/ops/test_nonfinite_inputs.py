@@ -116,3 +116,23 @@ def test_fused_linear_jsd_ignored_row_with_nan_hidden_gives_zero_gradient(impl):
     assert out.isfinite() and bool((gh[1:3] == 0).all()) and gh.isfinite().all()
     _same(gh, ghr)
     _same(gw, gwr)  # NaN in column 2 only: 0·NaN in dlogitsᵀ·hidden, as the reference's matmul
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", ["fused_linear_dpo_loss", "fused_linear_orpo_loss"])
+def test_preference_ignored_tokens_with_non_finite_hidden_give_zero_gradient(op, impl):
+    # the reference's and the torch impl's dlogits were −0·softmax on an ignored token, NaN
+    # when its hidden state holds a NaN or inf; the Triton impl gave 0
+    _need(op, impl)
+    hid, w = torch.randn(4, 5, 8), 0.3 * torch.randn(40, 8)
+    t = torch.randint(0, 40, (4, 5))
+    t[:, -2:] = -100
+    hid[0, -1, 3], hid[1, -2] = float("nan"), float("inf")
+    mine, ref = (hid.clone().requires_grad_(), w.clone().requires_grad_()), (hid.double().requires_grad_(), w.double().requires_grad_())
+    out = getattr(polykernel, op)(*mine, t, impl=impl).loss
+    want = registry.get_op(op).reference(*ref, t)[0]
+    _same(out, want)
+    (gh, gw), (ghr, gwr) = torch.autograd.grad(out, mine), torch.autograd.grad(want, ref)
+    assert out.isfinite() and bool((gh[0, -1] == 0).all()) and bool((gh[1, -2] == 0).all()) and gh.isfinite().all()
+    _same(gh, ghr)
+    _same(gw, gwr)  # all NaN: the inf row's 0·inf in dlogitsᵀ·hidden, as the reference's matmul
