@@ -143,7 +143,8 @@ def _row_grad_ex(
     p.scatter_add_(1, t[:, None], ((ls - 1.0) * wt)[:, None])
     if th is not None:
         p.mul_(1.0 - th.square())
-    return p.mul_(torch.where(valid, scale, 0.0).to(p.dtype)[:, None])
+    # masked, not multiplied by 0: an ignored row's non-finite logits must give 0 (the op's docstring)
+    return p.mul_(scale.to(p.dtype).expand(p.shape[0])[:, None]).masked_fill_(~valid[:, None], 0.0)
 
 
 def _row_grad(xf: torch.Tensor, t: torch.Tensor, valid: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor, ls: float) -> torch.Tensor:
@@ -155,7 +156,8 @@ def _row_grad(xf: torch.Tensor, t: torch.Tensor, valid: torch.Tensor, lse: torch
     # weight -(1 - ε) would carry fp32 rounding into fp64 gradients.
     hot = valid.to(p.dtype).mul_(ls - 1.0)
     p.scatter_add_(1, t[:, None], hot[:, None])
-    return p.mul_(torch.where(valid, scale, 0.0).to(p.dtype)[:, None])
+    # masked, not multiplied by 0: an ignored row's non-finite logits must give 0 (the op's docstring)
+    return p.mul_(scale.to(p.dtype).expand(p.shape[0])[:, None]).masked_fill_(~valid[:, None], 0.0)
 
 
 def loss_and_grad(
@@ -280,8 +282,8 @@ def differentiable(
     fp64 logits): the path under functorch transforms and of a create_graph backward."""
     v = logits.shape[-1]
     acc = _acc(logits.dtype)
-    x = logits.reshape(-1, v).to(acc)
     t = target.reshape(-1).long()
+    x = torch.where((t != ignore_index)[:, None], logits.reshape(-1, v).to(acc), 0.0)  # as the reference
     if weight is None and softcap is None and not z_loss:
         out = F.cross_entropy(x, t, ignore_index=ignore_index, label_smoothing=ls, reduction=reduction)
         return out.reshape(target.shape) if reduction == "none" else out

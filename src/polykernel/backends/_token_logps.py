@@ -30,7 +30,8 @@ def token_grad_(z: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, scale: torc
     valid = t != ignore_index
     z.sub_(lse[:, None]).exp_()  # softmax, in place (no second [n, V] buffer)
     z.scatter_add_(1, torch.where(valid, t, 0)[:, None], -valid.to(z.dtype)[:, None])
-    # where, not a product: an ignored row's gradient is 0 even when its scale is inf or NaN
-    z.mul_(torch.where(valid, scale, 0.0).to(z.dtype)[:, None])
+    # masked, not multiplied by 0: an ignored row's gradient is 0 even when its scale, or its
+    # softmax (a NaN or inf hidden state), is inf or NaN
+    z.mul_(scale.to(z.dtype)[:, None]).masked_fill_(~valid[:, None], 0.0)
     if out is not z:
         out.copy_(z)

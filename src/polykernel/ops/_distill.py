@@ -90,6 +90,13 @@ def scored(labels: torch.Tensor | None, ignore_index: int, rows: int) -> int:
 # -- the generalized JSD, element by element ---------------------------------------------------
 
 
+def skip_ignored(valid: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors [..., V]`` with the rows that ``valid [...]`` rejects read as zeros: an ignored
+    row adds nothing and its gradient is exactly 0 even where its values are NaN or inf (a row
+    masked after the math would carry 0·NaN = NaN back; ``cross_entropy``'s reference does so too)."""
+    return tuple(torch.where(valid[..., None], t, 0.0) for t in tensors)
+
+
 def jsd_terms(x: torch.Tensor, y: torch.Tensor, beta: float) -> torch.Tensor:
     """Per element of student log-probs ``x`` and teacher log-probs ``y``: the generalized JSD's
     term, differentiable in ``x`` with the exact derivative everywhere (the reference's).

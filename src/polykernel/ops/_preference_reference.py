@@ -77,12 +77,14 @@ def _lse_and_target(h: torch.Tensor, weight, bias, temperature: float, safe: tor
     return torch.stack(lses, -1).logsumexp(-1), zt
 
 
-def _dlogits(h, weight, bias, temperature: float, lse, safe, g):
+def _dlogits(h, weight, bias, temperature: float, lse, safe, g, valid):
     """``(vs, ve, weight block, dz)`` over the vocabulary: dz = g/t·(onehot − softmax) of one
-    block (``g`` already divided by the temperature and 0 on unscored rows)."""
+    block (``g`` already divided by the temperature; dz exactly 0 on unscored rows, even where
+    their logits are NaN or inf)."""
     rows = torch.arange(h.shape[0], device=h.device)
     for vs, ve, w, z in _vocab_blocks(h, weight, bias, temperature):
         dz = z.sub_(lse[:, None]).exp_().mul_(-g[:, None])  # −g·softmax, in place of the logits
+        dz.masked_fill_(~valid[:, None], 0.0)
         inside = (safe >= vs) & (safe < ve)
         dz[rows[inside], safe[inside] - vs] += g[inside]
         yield vs, ve, w, dz
@@ -124,7 +126,7 @@ class _ReferenceLogps(torch.autograd.Function):
         db = torch.zeros(weight.shape[0], dtype=f64, device=weight.device) if need_b and bias is not None else None
         for s, e in _row_blocks(h2.shape[0], weight.shape[0]):
             h = h2[s:e].to(f64)
-            for vs, ve, w, dz in _dlogits(h, weight, bias, ctx.temperature, lse[s:e], safe[s:e], g[s:e]):
+            for vs, ve, w, dz in _dlogits(h, weight, bias, ctx.temperature, lse[s:e], safe[s:e], g[s:e], valid[s:e]):
                 if dh is not None:
                     dh[s:e] += dz @ w
                 if dw is not None:
@@ -158,7 +160,9 @@ def dlogit_magnitudes(entry: dict[str, Any], grad: torch.Tensor) -> tuple[float,
     with torch.no_grad():
         for s, e in _row_blocks(h2.shape[0], weight.shape[0]):
             row = torch.zeros(e - s, dtype=f64, device=h2.device)
-            for vs, ve, _w, dz in _dlogits(h2[s:e].to(f64), weight, bias, entry["temperature"], entry["lse"][s:e], safe[s:e], g[s:e]):
+            for vs, ve, _w, dz in _dlogits(
+                h2[s:e].to(f64), weight, bias, entry["temperature"], entry["lse"][s:e], safe[s:e], g[s:e], valid[s:e]
+            ):
                 dz = dz.abs_()
                 row += dz.sum(-1)
                 col[vs:ve] += dz.sum(0)
@@ -176,5 +180,6 @@ def whole_logits_logps(
     too: ``backends/_linear_logps``, in their accumulation dtype)."""
     z = F.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)) / temperature
     valid = target != ignore_index
+    z = torch.where(valid[..., None], z, 0.0)  # ignored tokens: exactly 0 gradient, even from NaN logits
     lp = z.log_softmax(-1).gather(-1, torch.where(valid, target, 0).long().unsqueeze(-1)).squeeze(-1)
     return torch.where(valid, lp, torch.zeros((), dtype=dtype, device=lp.device))

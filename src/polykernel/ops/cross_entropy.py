@@ -8,7 +8,10 @@ is fp32 (fp64 for fp64 logits): a scalar for ``"mean"``/``"sum"``, ``target``'s 
     dloss/dx = softmax(x) - (1 - ε)·onehot(t) - ε/V
 
 ``"mean"`` divides the sum by the number of non-ignored targets, so an empty or all-ignored
-batch gives NaN with zero gradients, exactly as PyTorch does.
+batch gives NaN with zero gradients, exactly as PyTorch does. An ignored row's loss and gradient
+are exactly 0 whatever its logits, NaN and inf included (PyTorch documents that ignored targets
+do not contribute to the gradient; ``F.cross_entropy``'s backward gives NaN on such a row, 0·NaN,
+which no impl copies): a non-finite padding row poisons nothing.
 
 Options (all off by default; each costs nothing when off):
 
@@ -68,8 +71,10 @@ def reference(
     """
     out_dtype = torch.promote_types(logits.dtype, torch.float32)
     v = logits.shape[-1]
-    x = logits.reshape(-1, v).to(torch.float64)
     t = target.reshape(-1).long()
+    # ignored rows read as zeros: their loss and gradient are exactly 0 whatever their logits
+    # (torch documents that they do not contribute; its log_softmax backward gives 0·NaN there)
+    x = torch.where((t != ignore_index)[:, None], logits.reshape(-1, v).to(torch.float64), 0.0)
     if weight is None and softcap is None and not z_loss:
         out = F.cross_entropy(x, t, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
         out = out.to(out_dtype)

@@ -67,6 +67,8 @@ def reference(
     """The semantics, in plain torch (materializes both ``[N, V]`` logits)."""
     zs = logits(student_hidden, student_weight, temperature)
     zt = logits(teacher_hidden.detach(), teacher_weight.detach(), temperature)
+    if labels is not None:  # before log_softmax: its backward would give 0·NaN on an ignored NaN row
+        zs, zt = distill.skip_ignored(labels != ignore_index, zs, zt)
     return _jsd_reference(zs.log_softmax(-1), zt.log_softmax(-1), labels, beta, ignore_index)
 
 

@@ -6,7 +6,8 @@ except that β = 0 is the forward KL(P‖Q) and β = 1 the reverse KL(Q‖P) (Li
 convention; the formula would give 0 there). The rows are summed and divided by the number of
 scored rows: all of them, or those whose ``labels`` entry is not ``ignore_index``. An empty or
 all-ignored batch gives 0/0 = NaN (Liger returns 0) with zero gradients, as ``cross_entropy``'s
-"mean" does. A probability of exactly 0 contributes 0 (KL's 0·log 0 = 0: a vocabulary entry
+"mean" does; an ignored row's gradient is exactly 0 whatever its values (NaN and inf
+included), as ``cross_entropy``'s. A probability of exactly 0 contributes 0 (KL's 0·log 0 = 0: a vocabulary entry
 masked to -inf in both adds nothing; Liger and TRL give NaN there). The loss is fp32 (fp64 for
 fp64 inputs); the gradient is for ``student_logp`` only, in its dtype (the teacher takes none).
 """
@@ -33,10 +34,13 @@ def reference(
     """The semantics, in plain torch (fp32 math; fp64 stays fp64): per-element terms
     (:func:`polykernel.ops._distill.jsd_terms`), their row sums, the mean over scored rows."""
     acc = distill.acc_dtype(student_logp, teacher_logp)
-    rows = distill.jsd_terms(student_logp.to(acc), teacher_logp.to(acc), float(beta)).sum(-1)
+    x, y = student_logp.to(acc), teacher_logp.to(acc)
     if labels is None:
+        rows = distill.jsd_terms(x, y, float(beta)).sum(-1)
         return rows.sum() / rows.numel()
     valid = labels != ignore_index
+    x, y = distill.skip_ignored(valid, x, y)
+    rows = distill.jsd_terms(x, y, float(beta)).sum(-1)
     return torch.where(valid, rows, 0.0).sum() / valid.sum()
 
 

@@ -81,8 +81,9 @@ def _tvd_kernel(
             if COT_ELEM:
                 c = tl.load(SCALE + row * stride_cot + offs, mask=mask, other=0.0).to(tl.float32)
             half = 0.5 * c
-            # sign(d): 0 where p == q (and where the row is ignored: d = 0 there); NaN stays NaN
-            g = tl.where(d > 0, half, tl.where(d < 0, -half, tl.where(d == 0, 0.0, d)))
+            # sign(d): 0 where p == q (and where the row is ignored: d = 0 there), and 0 at NaN as
+            # torch.sign (the reference's abs backward; the loss itself is NaN there)
+            g = tl.where(d > 0, half, tl.where(d < 0, -half, 0.0))
             if GRAD_P:
                 tl.store(DP + row * stride_dp + offs, g.to(DP.dtype.element_ty), mask=offs < V)
             if GRAD_Q:

@@ -1,0 +1,138 @@
+"""Non-finite and extreme inputs: every runnable impl against the op's reference (NaN, inf and
+-inf where they belong, nowhere else), on the CPU (Triton through its interpreter)."""
+
+import pytest
+import torch
+
+import polykernel
+from polykernel.core import registry
+from polykernel.testing import runnable_impls
+
+IMPLS = ["torch", "triton"]
+
+
+def _need(op, impl, dtype=torch.float32):
+    if impl not in runnable_impls(op, "cpu", dtype):
+        pytest.skip(f"{impl} not runnable on the CPU here")
+
+
+def _same(got, want):
+    """Equal non-finite pattern, finite values close (want is the float64 reference)."""
+    torch.testing.assert_close(got.double(), want.double(), rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kw", [{}, {"reduction": "none", "z_loss": 1e-3}, {"label_smoothing": 0.1, "reduction": "sum"}], ids=str)
+def test_cross_entropy_ignored_rows_with_non_finite_logits_give_zero_gradients(impl, kw):
+    # torch documents that ignored targets do not contribute to the gradient; F.cross_entropy's
+    # backward gave NaN on such a row (0·NaN), and so did the reference and the torch impl, while
+    # the Triton impl gave 0: one answer now, 0, and a padding row poisons nothing
+    _need("cross_entropy", impl)
+    x = torch.randn(5, 40)
+    x[1], x[2, 3], x[3] = float("nan"), float("inf"), float("-inf")
+    t = torch.tensor([1, -100, -100, -100, 4])
+    xi, xr = x.clone().requires_grad_(), x.double().requires_grad_()
+    loss = polykernel.cross_entropy(xi, t, impl=impl, **kw)
+    want = registry.get_op("cross_entropy").reference(xr, t, **kw)
+    _same(loss, want)
+    assert loss.isfinite().all()
+    cot = torch.rand_like(want)
+    (g,) = torch.autograd.grad(loss, xi, cot.float())
+    (gr,) = torch.autograd.grad(want, xr, cot)
+    assert bool((g[1:4] == 0).all()) and bool((gr[1:4] == 0).all()) and g.isfinite().all()
+    _same(g, gr)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fused_linear_ce_ignored_row_with_nan_hidden_poisons_no_other_row(impl):
+    # the ignored row's dlogits are 0, so its grad_hidden is 0; grad_weight = dlogitsᵀ·hidden
+    # takes 0·NaN in that NaN's column only, as the reference's matmul does
+    _need("fused_linear_cross_entropy", impl)
+    h, w = torch.randn(4, 16), torch.randn(50, 16)
+    h[1, 2] = float("nan")
+    t = torch.tensor([1, -100, 3, 4])
+    hi, wi = h.clone().requires_grad_(), w.clone().requires_grad_()
+    hr, wr = h.double().requires_grad_(), w.double().requires_grad_()
+    loss = polykernel.fused_linear_cross_entropy(hi, wi, t, impl=impl)
+    want = registry.get_op("fused_linear_cross_entropy").reference(hr, wr, t)
+    _same(loss, want)
+    gh, gw = torch.autograd.grad(loss, (hi, wi))
+    ghr, gwr = torch.autograd.grad(want, (hr, wr))
+    assert bool((gh[1] == 0).all()) and gh.isfinite().all() and bool(gw[:, 2].isnan().all())
+    _same(gh, ghr)
+    _same(gw, gwr)
+
+
+def _grads(op, impl, args, kwargs, grad_of=(0,)):
+    """(loss, grads) of ``impl`` and of the float64 reference on the same values."""
+    mine = [a.clone().requires_grad_(i in grad_of) if torch.is_tensor(a) and a.is_floating_point() else a for i, a in enumerate(args)]
+    ref = [a.double().requires_grad_(i in grad_of) if torch.is_tensor(a) and a.is_floating_point() else a for i, a in enumerate(args)]
+    out = getattr(polykernel, op)(*mine, impl=impl, **kwargs)
+    want = registry.get_op(op).reference(*ref, **kwargs)
+    g = torch.autograd.grad(out, [mine[i] for i in grad_of])
+    gr = torch.autograd.grad(want, [ref[i] for i in grad_of])
+    return out, want, g, gr
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", ["jsd", "tvd"])
+def test_distill_ignored_rows_with_non_finite_values_give_zero_gradients(op, impl):
+    # as cross_entropy's: the reference masked the ignored rows after the math, so their
+    # gradient was 0·NaN = NaN there, while both impls gave 0
+    _need(op, impl)
+    a, b = torch.randn(4, 30).log_softmax(-1), torch.randn(4, 30).log_softmax(-1)
+    if op == "tvd":
+        a, b = a.exp(), b.exp()
+    a[1, 2], a[2, 0], b[2, 5] = float("nan"), float("inf"), float("-inf")
+    labels = torch.tensor([1, -100, -100, 3])
+    out, want, (g,), (gr,) = _grads(op, impl, (a, b, labels), {})
+    _same(out, want)
+    assert out.isfinite() and bool((g[1:3] == 0).all()) and g.isfinite().all()
+    _same(g, gr)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("reduction", ["batchmean", "sum"])
+def test_tvd_nan_gradient_follows_torch_sign(impl, reduction):
+    # the reference's abs backward is torch.sign, 0 at NaN (the loss is NaN); Triton gave NaN
+    _need("tvd", impl)
+    p, q = torch.rand(2, 7).softmax(-1), torch.rand(2, 7).softmax(-1)
+    p[0, 1] = float("nan")
+    out, want, (gp, gq), (gpr, gqr) = _grads("tvd", impl, (p, q), {"reduction": reduction}, grad_of=(0, 1))
+    assert out.isnan() and want.isnan()
+    _same(gp, gpr)
+    _same(gq, gqr)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fused_linear_jsd_ignored_row_with_nan_hidden_gives_zero_gradient(impl):
+    # the reference's log_softmax backward gave 0·NaN = NaN on the ignored row; the impls gave 0
+    _need("fused_linear_jsd", impl)
+    hs, ws, ht, wt = torch.randn(4, 16), 0.3 * torch.randn(50, 16), torch.randn(4, 16), 0.3 * torch.randn(50, 16)
+    hs[1, 2], ht[2, 0] = float("nan"), float("inf")
+    labels = torch.tensor([1, -100, -100, 3])
+    out, want, (gh, gw), (ghr, gwr) = _grads("fused_linear_jsd", impl, (hs, ws, ht, wt, labels), {}, grad_of=(0, 1))
+    _same(out, want)
+    assert out.isfinite() and bool((gh[1:3] == 0).all()) and gh.isfinite().all()
+    _same(gh, ghr)
+    _same(gw, gwr)  # NaN in column 2 only: 0·NaN in dlogitsᵀ·hidden, as the reference's matmul
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", ["fused_linear_dpo_loss", "fused_linear_orpo_loss"])
+def test_preference_ignored_tokens_with_non_finite_hidden_give_zero_gradient(op, impl):
+    # the reference's and the torch impl's dlogits were −0·softmax on an ignored token, NaN
+    # when its hidden state holds a NaN or inf; the Triton impl gave 0
+    _need(op, impl)
+    hid, w = torch.randn(4, 5, 8), 0.3 * torch.randn(40, 8)
+    t = torch.randint(0, 40, (4, 5))
+    t[:, -2:] = -100
+    hid[0, -1, 3], hid[1, -2] = float("nan"), float("inf")
+    mine, ref = (hid.clone().requires_grad_(), w.clone().requires_grad_()), (hid.double().requires_grad_(), w.double().requires_grad_())
+    out = getattr(polykernel, op)(*mine, t, impl=impl).loss
+    want = registry.get_op(op).reference(*ref, t)[0]
+    _same(out, want)
+    (gh, gw), (ghr, gwr) = torch.autograd.grad(out, mine), torch.autograd.grad(want, ref)
+    assert out.isfinite() and bool((gh[0, -1] == 0).all()) and bool((gh[1, -2] == 0).all()) and gh.isfinite().all()
+    _same(gh, ghr)
+    _same(gw, gwr)  # all NaN: the inf row's 0·inf in dlogitsᵀ·hidden, as the reference's matmul
