@@ -16,7 +16,8 @@ class RMSNorm(nn.Module):
     ``casting="fp32"`` matches ``torch.nn.RMSNorm`` (fp32 math, one cast at the end);
     ``"llama"`` matches Hugging Face Llama (normalized x cast to x.dtype before the weight).
     Gemma's ``x̂ · (1 + w)`` is ``offset=1.0``. The weight is initialized to ``1 - offset``, so a
-    fresh module scales by one either way.
+    fresh module scales by one either way. ``eps=None`` (the default, as in ``torch.nn.RMSNorm``)
+    is ``torch.finfo`` of the math's dtype per call: fp32's for fp16/bf16/fp32 inputs, fp64's for fp64.
 
     ``forward(x, residual=None)``: with a residual it returns ``(rms_norm(x + residual),
     x + residual)``, through the fused op ``polykernel.fused_add_rms_norm`` for ``casting="fp32"``
@@ -32,7 +33,7 @@ class RMSNorm(nn.Module):
     def __init__(
         self,
         hidden_size: int,
-        eps: float = 1e-6,
+        eps: float | None = None,
         *,
         offset: float = 0.0,
         casting: str = "fp32",
@@ -42,7 +43,7 @@ class RMSNorm(nn.Module):
     ) -> None:
         super().__init__()
         self.hidden_size = _size(type(self).__name__, "hidden_size", hidden_size)
-        self.eps = _eps(type(self).__name__, eps)
+        self.eps = None if eps is None else _eps(type(self).__name__, eps)
         self.offset = offset
         if casting not in ("fp32", "llama"):
             raise ValueError(f"RMSNorm: casting must be 'fp32' or 'llama', got {casting!r}")
@@ -55,12 +56,14 @@ class RMSNorm(nn.Module):
         nn.init.constant_(self.weight, 1.0 - self.offset)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # eps=None: torch.nn.RMSNorm's epsilon of its math dtype (fp32 for half types), per call
+        eps = torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps if self.eps is None else self.eps
         if residual is not None:
             if self.casting != "fp32":  # the fused op rounds like casting="fp32": add, then normalize
                 s = x + residual
-                return polykernel.rms_norm(s, self.weight, self.eps, offset=self.offset, casting=self.casting, impl=self.impl), s
-            return polykernel.fused_add_rms_norm(x, residual, self.weight, self.eps, offset=self.offset, impl=self.impl)
-        return polykernel.rms_norm(x, self.weight, self.eps, offset=self.offset, casting=self.casting, impl=self.impl)
+                return polykernel.rms_norm(s, self.weight, eps, offset=self.offset, casting=self.casting, impl=self.impl), s
+            return polykernel.fused_add_rms_norm(x, residual, self.weight, eps, offset=self.offset, impl=self.impl)
+        return polykernel.rms_norm(x, self.weight, eps, offset=self.offset, casting=self.casting, impl=self.impl)
 
     def extra_repr(self) -> str:
         s = f"({self.hidden_size},), eps={self.eps}"
