@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import nn
 
@@ -11,7 +13,7 @@ from ._common import _check_impl, _impl_repr
 
 
 class _Parameterless(nn.Module):
-    """A module with no parameters: only the op's ``impl=`` (Softmax, ReLUSquared)."""
+    """A module with no parameters: only the op's ``impl=`` (ReLUSquared)."""
 
     def __init__(self, *, impl: str | None = None) -> None:
         super().__init__()
@@ -21,8 +23,9 @@ class _Parameterless(nn.Module):
         return _impl_repr(self.impl).removeprefix(", ")
 
 
-class Softmax(_Parameterless):
-    """Softmax over the last dim (fp32 math, output in the input dtype).
+class Softmax(nn.Module):
+    """``torch.nn.Softmax(dim)`` (fp32 math, output in the input dtype); ``dim`` defaults to the
+    last one (torch's ``dim=None``, a deprecated implicit choice, is refused: pass the dim).
 
     >>> import torch, polykernel.nn as pnn
     >>> pnn.Softmax()(torch.zeros(2, 4))
@@ -30,8 +33,21 @@ class Softmax(_Parameterless):
             [0.2500, 0.2500, 0.2500, 0.2500]])
     """
 
+    def __init__(self, dim: int = -1, *, impl: str | None = None) -> None:
+        super().__init__()
+        if dim is None:  # torch picks 0 or 1 by x.dim() there (not the last dim for 3-d x)
+            raise TypeError("Softmax: dim=None (torch's deprecated implicit dim) is not supported: pass the dim")
+        self.dim = operator.index(dim)
+        self.impl = _check_impl(type(self).__name__, impl)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return polykernel.softmax(x, impl=self.impl)
+        if self.dim in (-1, x.dim() - 1):
+            return polykernel.softmax(x, impl=self.impl)
+        # the op takes the last dim: move ours there and back (movedim checks the range)
+        return polykernel.softmax(x.movedim(self.dim, -1), impl=self.impl).movedim(-1, self.dim)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}" + _impl_repr(self.impl)
 
 
 class ReLUSquared(_Parameterless):
