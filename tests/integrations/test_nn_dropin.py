@@ -52,3 +52,30 @@ def test_softmax_takes_torch_nn_softmaxs_dim(impl):
         pnn.Softmax(dim=3)(x)
     with pytest.raises(TypeError, match="dim=None"):
         pnn.Softmax(dim=None)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_groupnorm_takes_torch_nn_groupnorms_bias(affine):
+    import inspect
+
+    if "bias" not in inspect.signature(torch.nn.GroupNorm).parameters:
+        pytest.skip("this torch's GroupNorm has no bias= (torch >= 2.13)")
+    theirs = torch.nn.GroupNorm(2, 6, affine=affine, bias=False)
+    ours = pnn.GroupNorm(2, 6, affine=affine, bias=False)
+    assert ours.bias is None and (ours.weight is not None) == affine
+    if affine:
+        with torch.no_grad():
+            theirs.weight.copy_(1 + 0.1 * torch.randn(6))
+        assert repr(ours) == "GroupNorm(2, 6, eps=1e-05, affine=True, bias=False)"
+    ours.load_state_dict(theirs.state_dict())  # the same keys: no bias
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(3, 6, 5)
+    xa, xb = leaf(x), leaf(x)
+    ya, yb = ours(xa), theirs(xb)
+    torch.testing.assert_close(ya, yb)
+    g = torch.randn_like(ya)
+    pa, pb = [xa, *ours.parameters()], [xb, *theirs.parameters()]
+    for a, b in zip(torch.autograd.grad(ya, pa, g), torch.autograd.grad(yb, pb, g)):
+        torch.testing.assert_close(a, b)
+    ours.reset_parameters()
+    assert not affine or torch.equal(ours.weight, torch.ones(6))

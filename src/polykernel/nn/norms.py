@@ -123,7 +123,7 @@ class LayerNorm(nn.Module):
 
 class GroupNorm(nn.Module):
     """GroupNorm of ``x [N, C, *]``, like ``torch.nn.GroupNorm(num_groups, num_channels)`` (fp32
-    math); ``affine=False`` has no weight or bias.
+    math); ``affine=False`` has no weight or bias, ``bias=False`` (torch 2.13's) no bias.
 
     >>> import torch, polykernel.nn as pnn
     >>> gn = pnn.GroupNorm(4, 32)
@@ -138,6 +138,7 @@ class GroupNorm(nn.Module):
         eps: float = 1e-5,
         affine: bool = True,
         *,
+        bias: bool = True,
         impl: str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -152,22 +153,27 @@ class GroupNorm(nn.Module):
         self.impl = _check_impl(type(self).__name__, impl)
         if affine:
             self.weight = nn.Parameter(torch.empty(self.num_channels, device=device, dtype=dtype))
-            self.bias = nn.Parameter(torch.empty(self.num_channels, device=device, dtype=dtype))
+            if bias:
+                self.bias = nn.Parameter(torch.empty(self.num_channels, device=device, dtype=dtype))
+            else:
+                self.register_parameter("bias", None)
         else:
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self.affine:
+        if self.weight is not None:
             nn.init.ones_(self.weight)
+        if self.bias is not None:
             nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return polykernel.group_norm(x, self.num_groups, self.weight, self.bias, self.eps, impl=self.impl)
 
     def extra_repr(self) -> str:
-        return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}" + _impl_repr(self.impl)
+        no_bias = ", bias=False" if self.affine and self.bias is None else ""
+        return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}{no_bias}" + _impl_repr(self.impl)
 
 
 class DyT(nn.Module):
