@@ -79,3 +79,12 @@ def test_groupnorm_takes_torch_nn_groupnorms_bias(affine):
         torch.testing.assert_close(a, b)
     ours.reset_parameters()
     assert not affine or torch.equal(ours.weight, torch.ones(6))
+
+
+@pytest.mark.parametrize("cls, name", [(pnn.CrossEntropyLoss, "weight"), (pnn.FusedLinearCrossEntropyLoss, "ce_weight")])
+def test_ce_modules_name_the_weight_keyword_for_torchs_positional_weight(cls, name):
+    # torch.nn.CrossEntropyLoss(w) and Liger's take the class weights first; ours take ignore_index
+    # first, so the error says where the weights go (it named only ignore_index)
+    with pytest.raises(TypeError, match=rf"ignore_index.*keyword {name}="):
+        cls(torch.rand(5))
+    assert torch.equal(getattr(cls(**{name: torch.ones(5)}), name), torch.ones(5))

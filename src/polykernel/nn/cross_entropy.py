@@ -10,10 +10,15 @@ import polykernel
 from ._common import _check_impl, _impl_repr
 
 
-def _check_loss_options(cls: str, ignore_index: int, label_smoothing: float, reduction: str) -> None:
+def _check_loss_options(cls: str, ignore_index: int, label_smoothing: float, reduction: str, weight: str = "weight") -> None:
     """The loss ops' own option checks, at construction (errors name the module)."""
+    from ..ops import _checks
     from ..ops.cross_entropy import validate_options
 
+    if isinstance(ignore_index, torch.Tensor):  # torch's and Liger's modules take the weights first
+        raise _checks.OpTypeError(
+            cls, "ignore_index", f"got a tensor: class weights are the keyword {weight}= here (the first positional is ignore_index)"
+        )
     validate_options(cls, ignore_index, label_smoothing, reduction)
 
 
@@ -126,7 +131,7 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         impl: str | None = None,
     ) -> None:
         super().__init__()
-        _check_loss_options(type(self).__name__, ignore_index, label_smoothing, reduction)
+        _check_loss_options(type(self).__name__, ignore_index, label_smoothing, reduction, "ce_weight")
         _check_ce_extras(type(self).__name__, softcap, z_loss)
         if not isinstance(return_token_accuracy, bool):
             from ..ops import _checks
