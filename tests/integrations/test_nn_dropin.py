@@ -88,3 +88,14 @@ def test_ce_modules_name_the_weight_keyword_for_torchs_positional_weight(cls, na
     with pytest.raises(TypeError, match=rf"ignore_index.*keyword {name}="):
         cls(torch.rand(5))
     assert torch.equal(getattr(cls(**{name: torch.ones(5)}), name), torch.ones(5))
+
+
+def test_layernorm_without_weight_refuses_another_last_dim():
+    # torch.nn.LayerNorm(5, elementwise_affine=False) refuses x [..., 4]; ours normalized it over 4
+    with pytest.raises(RuntimeError):
+        torch.nn.LayerNorm(5, elementwise_affine=False)(torch.randn(2, 4))
+    for bad in (torch.randn(2, 4), torch.randn(5, 2), torch.tensor(1.0)):
+        with pytest.raises(ValueError, match=r"LayerNorm.*last dim of 5"):
+            pnn.LayerNorm(5, elementwise_affine=False)(bad)
+    x = torch.randn(2, 5)
+    torch.testing.assert_close(pnn.LayerNorm(5, elementwise_affine=False)(x), torch.nn.LayerNorm(5, elementwise_affine=False)(x))

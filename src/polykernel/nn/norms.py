@@ -7,6 +7,7 @@ from torch import nn
 
 import polykernel
 
+from ..ops import _checks
 from ._common import _check_impl, _eps, _impl_repr, _size
 
 
@@ -112,6 +113,9 @@ class LayerNorm(nn.Module):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None and (x.dim() == 0 or x.shape[-1] != self.hidden_size):
+            # with no weight the op cannot see the size: torch.nn.LayerNorm refuses such an x
+            raise _checks.OpArgumentError("LayerNorm", "x", f"expected a last dim of {self.hidden_size}, got shape {tuple(x.shape)}")
         return polykernel.layer_norm(x, self.weight, self.bias, self.eps, impl=self.impl)
 
     def extra_repr(self) -> str:
