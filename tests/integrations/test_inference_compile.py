@@ -27,7 +27,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _decode(forward, config, steps: int = 3) -> torch.Tensor:
+def _decode(forward, config, steps: int = 2) -> torch.Tensor:
     """Prefill 5 tokens into a StaticCache, then ``steps`` greedy steps: the logits of each."""
     cache = transformers.StaticCache(config=config, max_cache_len=16)
     out = []
@@ -109,3 +109,20 @@ def test_compiled_after_a_wrapper_or_hook_on_the_projections_runs_them():
         mlp.up_proj.register_forward_hook(lambda mod, args, out: out * 2)
         m.model.layers[0].self_attn.k_proj.register_forward_hook(lambda mod, args, out: out * 2)
     _same_logits(compiled, ref)
+
+
+def test_generate_auto_compiles_the_patched_forward_in_one_graph():
+    # transformers' generate() compiles a static-cache decode step by itself (on CUDA; here forced
+    # on the CPU): fullgraph=True raises at a break, and the tokens are the unpatched model's
+    ref = tiny_llama(layers=2)
+    model = copy.deepcopy(ref)
+    patch(model, mode="inference")
+    config = transformers.CompileConfig(fullgraph=True, backend="eager", mode=None, dynamic=False)
+    config._compile_all_devices = True
+    kw = dict(max_new_tokens=4, do_sample=False, cache_implementation="static", pad_token_id=0)
+    with torch.no_grad():
+        want = ref.generate(prompt(), **kw)
+        torch._dynamo.utils.counters.clear()
+        got = model.generate(prompt(), compile_config=config, **kw)
+    assert torch.equal(got, want)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
