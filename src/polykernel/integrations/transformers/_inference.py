@@ -97,7 +97,7 @@ def base_model_forward(base: Callable, stream: _Stream) -> Callable:
         autocast = torch.is_autocast_enabled(self.embed_tokens.weight.device.type)
         stream.active, stream.residual = not (wants_grad or per_layer or autocast), None
         # Dynamo traces neither object() nor ContextVar.set: under torch.compile no forward token is
-        # set, and shared_kv_sdpa leaves the boolean mask to SDPA (one graph: Inductor sees every layer's)
+        # set, and shared_kv_sdpa leaves the boolean mask to SDPA (each layer's conversion is in the graph)
         token = None if _compiling() else _FORWARD.set(object())
         try:
             return base(self, *args, **kwargs)
@@ -252,7 +252,7 @@ def _projected(module: nn.Module, group: tuple[str, tuple[str, ...]], x: torch.T
     projections still view the merged weight is a data-pointer test that Dynamo cannot trace, and
     no guard of its covers every way they stop doing so (``load_state_dict(assign=True)`` of
     same-shaped weights, ``p.data = ...``): a merged matmul there could read a stale weight. The
-    GEMMs are the projections' own; Inductor fuses the concatenation into the activation."""
+    GEMMs are the projections' own; what is concatenated is their outputs, not the weights."""
     return torch.cat([getattr(module, name)(x) for name in group[1]], -1)
 
 
