@@ -12,7 +12,10 @@ then greedy decode steps of one token per sequence, at batch 1 and 32. Variants:
   step captured in one CUDA graph (``[graph]``: the step, the next token fed back and the position
   advanced, all inside the graph; one replay per token);
 - ``compile[reduce-overhead]``: the unpatched model's forward under
-  ``torch.compile(mode="reduce-overhead")`` (Inductor + CUDA graphs).
+  ``torch.compile(mode="reduce-overhead")`` (Inductor + CUDA graphs);
+  ``polykernel+compile[reduce-overhead]``: the patched model's (inference mode) forward, the same
+  way (one graph, no break: the serving ops are custom ops; see docs/compile.md). Both record
+  ``graph_breaks`` (Dynamo's count during their warm-up).
 
 Reported per variant and batch: ms per decode step (= per token of each sequence; median of
 ``--repeats`` timed runs of ``--steps`` steps, CUDA events), tokens/s (batch / step time), and how
@@ -49,7 +52,7 @@ from polykernel.tools.rows import RowFile, announce
 
 EAGER = ("plain[eager]", "polykernel[eager]", "polykernel[flashinfer][eager]", "polykernel[sgl_kernel][eager]")
 GRAPH = ("plain[graph]", "polykernel[graph]", "polykernel[flashinfer][graph]", "polykernel[sgl_kernel][graph]")
-COMPILED = ("compile[reduce-overhead]",)
+COMPILED = ("compile[reduce-overhead]", "polykernel+compile[reduce-overhead]")
 ALL = EAGER + GRAPH + COMPILED
 
 
@@ -118,7 +121,10 @@ def run_variant(
     max_len = args.prompt + 8 + args.steps * (args.repeats + 1) + 8
     cache = transformers.StaticCache(config=model.config, max_cache_len=max_len)
     forward = model.forward
-    if name.startswith("compile"):
+    compiled = name in COMPILED
+    if compiled:  # fullgraph=False, as transformers' generate() compiles: a break is counted, not fatal
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
         forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
     tok = torch.empty(batch, 1, dtype=torch.long, device=device)
     pos = torch.empty(1, dtype=torch.long, device=device)
@@ -155,8 +161,10 @@ def run_variant(
                 step()
             run = graph.replay
         else:
-            for _ in range(3 if not name.startswith("compile") else 6):  # (compile: the graphs are recorded on warm-up)
+            for _ in range(6 if compiled else 3):  # (compile: the graphs are recorded on warm-up)
                 step()
+            if compiled:
+                record["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
         _sync(device)
         record["setup_s"] = round(time.perf_counter() - t0, 2)
         tokens.append(tok.clone())

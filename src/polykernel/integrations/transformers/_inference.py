@@ -23,6 +23,15 @@ engine runs it (vLLM's and SGLang's decoder layers).
 The KV cache, masks and attention stay transformers' code: a ``StaticCache`` makes the decode
 step CUDA-graph capturable (nothing here allocates outside the caching allocator or syncs).
 
+Under ``torch.compile`` (``fullgraph=True`` holds: one graph, prefill and decode, with a
+``StaticCache`` or without) the carried stream, the merged-layout activation and rope stay (the
+serving ops are custom ops), but nothing merged is trusted: whether the projections still view
+their merged weight is a data-pointer test Dynamo cannot trace, and no guard of Dynamo's sees
+every way they stop (``load_state_dict(assign=True)`` of same-shaped weights), so each projection
+runs as its own module (its weight, hooks, wrappers) and its outputs are concatenated for the
+activation (:func:`_projected`; the fused QKV + cache write is not traced either). The decode
+mask is left boolean for SDPA (no per-forward token: Dynamo traces no ``ContextVar.set``).
+
 Semantics: the norms are the serving op's (sum rounded to the model's dtype as transformers rounds
 ``residual + hidden``, then normalised in fp32 and rounded once); Llama's own norm rounds x̂ to the
 dtype before the weight multiply, so in 16-bit the logits differ at that dtype's roundoff (in fp32
@@ -48,6 +57,8 @@ import polykernel as _pk
 from polykernel import _compat
 
 from ._layers import _fallback_once
+
+_compiling = torch.compiler.is_compiling
 
 # The families whose decoder layer is Llama's (input norm, attention, post-attention norm, MLP;
 # residual adds around both), by model type. Only the tested one.
@@ -85,12 +96,15 @@ def base_model_forward(base: Callable, stream: _Stream) -> Callable:
         # in the model's: the serving norms take one dtype for both, so the model's own forwards run
         autocast = torch.is_autocast_enabled(self.embed_tokens.weight.device.type)
         stream.active, stream.residual = not (wants_grad or per_layer or autocast), None
-        token = _FORWARD.set(object())
+        # Dynamo traces neither object() nor ContextVar.set: under torch.compile no forward token is
+        # set, and shared_kv_sdpa leaves the boolean mask to SDPA (each layer's conversion is in the graph)
+        token = None if _compiling() else _FORWARD.set(object())
         try:
             return base(self, *args, **kwargs)
         finally:
             stream.active, stream.residual = False, None
-            _FORWARD.reset(token)
+            if token is not None:
+                _FORWARD.reset(token)
 
     forward._polykernel = "decode_stream"  # type: ignore[attr-defined]
     return forward
@@ -232,6 +246,16 @@ def runs_merged(module: nn.Module, group: tuple[str, tuple[str, ...]]) -> bool:
     return False
 
 
+def _projected(module: nn.Module, group: tuple[str, tuple[str, ...]], x: torch.Tensor) -> torch.Tensor:
+    """The ``group``'s projections of ``x`` in the merged layout, each run as its own module (its
+    forward, hooks, a wrapper such as PEFT's LoRA): what a call under torch.compile runs. Whether the
+    projections still view the merged weight is a data-pointer test that Dynamo cannot trace, and
+    no guard of its covers every way they stop doing so (``load_state_dict(assign=True)`` of
+    same-shaped weights, ``p.data = ...``): a merged matmul there could read a stale weight. The
+    GEMMs are the projections' own; what is concatenated is their outputs, not the weights."""
+    return torch.cat([getattr(module, name)(x) for name in group[1]], -1)
+
+
 def merge(module: nn.Module, group: tuple[str, tuple[str, ...]]) -> None:
     """Merge the ``group``'s projections now (at patch time, outside any inference mode)."""
     _merged(module, group, "weight")
@@ -245,9 +269,12 @@ def mlp_forward(base: Callable, activation: tuple[str, str | None]) -> Callable:
     def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args or kwargs or (torch.is_grad_enabled() and (x.requires_grad or self.gate_proj.weight.requires_grad)):
             return base(self, x, *args, **kwargs)
-        if not runs_merged(self, GATE_UP):
+        if _compiling():  # see _projected: no merged weight under torch.compile
+            gate_up = _projected(self, GATE_UP, x)
+        elif not runs_merged(self, GATE_UP):
             return base(self, x)
-        gate_up = F.linear(x, _merged(self, GATE_UP, "weight"), _merged(self, GATE_UP, "bias"))
+        else:
+            gate_up = F.linear(x, _merged(self, GATE_UP, "weight"), _merged(self, GATE_UP, "bias"))
         if activation[0] == "swiglu":
             return self.down_proj(_pk.silu_and_mul(gate_up))
         return self.down_proj(_pk.gelu_and_mul(gate_up, approximate=activation[1]))
@@ -275,7 +302,7 @@ def shared_kv_sdpa(sdpa: Callable) -> Callable:
     held: list[tuple[object, torch.Tensor, torch.dtype, torch.Tensor] | None] = [None]  # (forward, mask, dtype, additive)
 
     def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        step = _FORWARD.get()
+        step = None if _compiling() else _FORWARD.get()
         if step is None:
             return mask
         last = held[0]
