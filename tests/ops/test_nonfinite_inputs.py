@@ -136,3 +136,62 @@ def test_preference_ignored_tokens_with_non_finite_hidden_give_zero_gradient(op,
     assert out.isfinite() and bool((gh[0, -1] == 0).all()) and bool((gh[1, -2] == 0).all()) and gh.isfinite().all()
     _same(gh, ghr)
     _same(gw, gwr)  # all NaN: the inf row's 0·inf in dlogitsᵀ·hidden, as the reference's matmul
+
+
+# -- MoE experts: a token's or an expert's NaN reaches only what it is routed to ---------------------
+# expert 0 serves token 0 alone; token 2 is routed to experts 2 and 3
+_MOE_INDEX = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 1], [1, 2], [2, 3]])
+
+
+def _moe_args(op, t=6, h=16, inter=16, e=4):
+    """(hidden, index, weights, *params) of ``op`` in its layout, every float tensor fp32."""
+    w = torch.rand(t, 2) + 0.1
+    if op == "moe_experts":
+        params = (torch.randn(e, 2 * inter, h) / 4, torch.randn(e, h, inter) / 4)
+    else:  # gate_up [E, H, 2I] + bias, down [E, I, H] + bias
+        params = (torch.randn(e, h, 2 * inter) / 4, 0.1 * torch.randn(e, 2 * inter), torch.randn(e, inter, h) / 4, 0.1 * torch.randn(e, h))
+    return [torch.randn(t, h), _MOE_INDEX.clone(), w / w.sum(-1, keepdim=True), *params]
+
+
+def _moe_grads(op, impl, args, **kw):
+    """(out, want, grads, reference grads) of ``impl`` and of the float64 reference, the grads of
+    every float argument for one random cotangent."""
+    mine = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
+    ref = [a.double().requires_grad_() if a.is_floating_point() else a for a in args]
+    out = getattr(polykernel, op)(*mine, impl=impl, **kw)
+    want = registry.get_op(op).reference(*ref, **kw)
+    cot = torch.rand_like(want)
+    g = torch.autograd.grad(out, [a for a in mine if a.requires_grad], cot.float())
+    gr = torch.autograd.grad(want, [a for a in ref if a.requires_grad], cot)
+    return out, want, g, gr
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", ["moe_experts", "moe_experts_gpt_oss"])
+def test_moe_nan_in_one_token_stays_in_that_token(op, impl):
+    # Triton's clamped SwiGLU (gpt-oss) took min/max that drop NaN: the NaN token came out finite
+    _need(op, impl)
+    args = _moe_args(op)
+    args[0][2, 3] = float("nan")
+    kw = {"limit": 3.0} if op == "moe_experts_gpt_oss" else {}
+    out, want, g, gr = _moe_grads(op, impl, args, **kw)
+    assert bool(out[2].isnan().all()) and out[[0, 1, 3, 4, 5]].isfinite().all()
+    assert g[0][[0, 1, 3, 4, 5]].isfinite().all()  # d hidden of the other tokens
+    _same(out, want)
+    for a, b in zip(g, gr):
+        _same(a, b)
+
+
+def test_moe_gpt_oss_gradient_at_exactly_the_limit():
+    # torch's clamp passes the gradient at the limits themselves (ends included); zero projections
+    # and biases of exactly ±limit, below and above, put the pre-activations there
+    for impl in IMPLS:
+        _need("moe_experts_gpt_oss", impl)
+    args = _moe_args("moe_experts_gpt_oss")
+    args[3].zero_()
+    args[4].copy_(torch.tensor([7.0, -7.0, 8.0, -8.0, 6.5, 0.0, 14.0, 7.0]).repeat(4, 4))
+    for impl in IMPLS:
+        out, want, g, gr = _moe_grads("moe_experts_gpt_oss", impl, args)
+        _same(out, want)
+        for a, b in zip(g, gr):
+            _same(a, b)
