@@ -195,3 +195,24 @@ def test_moe_gpt_oss_gradient_at_exactly_the_limit():
         _same(out, want)
         for a, b in zip(g, gr):
             _same(a, b)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", ["moe_experts", "moe_experts_gpt_oss"])
+@pytest.mark.parametrize("bad", ["gate_up_proj", "down_proj", "top_k_weights"])
+def test_moe_nan_in_one_expert_reaches_only_its_tokens(op, impl, bad):
+    # the reference ran every expert on every token and scaled by a 0 weight: 0·NaN made every
+    # token's output (a NaN expert weight) or every expert's gradient (a NaN routing weight) NaN,
+    # where the impls, which compute only the routed pairs, confine it to expert 0's token 0
+    _need(op, impl)
+    args = _moe_args(op)
+    if bad == "top_k_weights":
+        args[2][0, 0] = float("nan")  # token 0's weight for expert 0
+    else:
+        args[{"gate_up_proj": 3, "down_proj": 4 if op == "moe_experts" else 5}[bad]][0, 1, 2] = float("nan")
+    out, want, g, gr = _moe_grads(op, impl, args)
+    assert out[1:].isfinite().all() and g[0][1:].isfinite().all() and g[1][1:].isfinite().all()  # other tokens, their weights
+    assert all(p[1:].isfinite().all() for p in g[2:])  # the other experts' parameters
+    _same(out, want)
+    for a, b in zip(g, gr):
+        _same(a, b)
