@@ -216,3 +216,43 @@ def test_moe_nan_in_one_expert_reaches_only_its_tokens(op, impl, bad):
     _same(out, want)
     for a, b in zip(g, gr):
         _same(a, b)
+
+
+# -- torch_compile: Inductor's generated code on non-finite inputs --------------------------------
+def _nonfinite_rows(*shape):
+    """Rows: a NaN, an inf, all -inf, all 0, then finite ones (the last dim is a row)."""
+    x = torch.randn(*shape)
+    rows = x.view(-1, shape[-1])
+    rows[0, 1], rows[1, 2], rows[2], rows[3] = float("nan"), float("inf"), float("-inf"), 0.0
+    return x.requires_grad_()
+
+
+def _compile_cases():
+    from polykernel.core.values import Case
+
+    w = lambda n: (1 + 0.1 * torch.randn(n)).requires_grad_()
+    r = lambda *s: torch.randn(*s).requires_grad_()
+    return {
+        "rms_norm": Case("rows", (_nonfinite_rows(6, 24), w(24)), {"offset": 1.0}),
+        "fused_add_rms_norm": Case("rows", (_nonfinite_rows(6, 24), r(6, 24), w(24))),
+        "layer_norm": Case("rows", (_nonfinite_rows(6, 24), w(24), r(24))),
+        "swiglu": Case("rows", (_nonfinite_rows(6, 24), _nonfinite_rows(6, 24))),
+        "geglu": Case("rows", (_nonfinite_rows(6, 24), r(6, 24))),
+        "silu_and_mul": Case("rows", (_nonfinite_rows(6, 48).detach(),)),
+        "rope": Case("rows", (_nonfinite_rows(1, 2, 3, 16), r(1, 1, 3, 16), torch.rand(1, 3, 16), torch.rand(1, 3, 16))),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", ["rms_norm", "fused_add_rms_norm", "layer_norm", "swiglu", "geglu", "silu_and_mul", "rope"])
+def test_torch_compile_non_finite_inputs_through_inductor(op, monkeypatch):
+    # Inductor may fuse and reorder the reference's math (x - max, x·σ(x), rsqrt(mean)); NaN, inf
+    # and -inf must land where the float64 reference puts them, forward and backward
+    from polykernel.backends.torch_compile import _compiled
+    from polykernel.testing import assert_parity
+
+    _need(op, "torch_compile")
+    monkeypatch.setattr(_compiled, "BACKEND", "inductor")
+    monkeypatch.setattr(_compiled, "_ops", {})
+    assert_parity(op, ["torch_compile"], dtypes=[torch.float32], cases=[_compile_cases()[op]])
+    assert _compiled._ops[registry.get_op(op).id]._seen  # it did compile
