@@ -1,6 +1,8 @@
 """Non-finite and extreme inputs: every runnable impl against the op's reference (NaN, inf and
 -inf where they belong, nowhere else), on the CPU (Triton through its interpreter)."""
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -136,6 +138,49 @@ def test_preference_ignored_tokens_with_non_finite_hidden_give_zero_gradient(op,
     assert out.isfinite() and bool((gh[0, -1] == 0).all()) and bool((gh[1, -2] == 0).all()) and gh.isfinite().all()
     _same(gh, ghr)
     _same(gw, gwr)  # all NaN: the inf row's 0·inf in dlogitsᵀ·hidden, as the reference's matmul
+
+
+def _rl_loss(op, impl, hid, w, t, kw):
+    """(loss, d hidden, d weight) of ``impl`` (None: the float64 reference) for KTO or GRPO on
+    targets ``t`` (-100: ignored; GRPO reads it as its attention mask)."""
+    h, w = (hid.double(), w.double()) if impl is None else (hid.clone(), w.clone())
+    h.requires_grad_(), w.requires_grad_()
+    if op == "fused_linear_kto_loss":
+        args = (h, w, t, torch.tensor([True, False, True, False]))
+    else:
+        args = (h, w, t.clamp(min=0), (t != -100).long(), torch.tensor([1.0, -0.5, 0.0, 2.0]))
+    fn = registry.get_op(op).reference if impl is None else partial(getattr(polykernel, op), impl=impl)
+    loss = fn(*args, **kw)[0]
+    return (loss, *torch.autograd.grad(loss, (h, w)))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    "op, kw",
+    [
+        ("fused_linear_kto_loss", {"kl": 0.1}),
+        ("fused_linear_grpo_loss", {"beta": 0.0}),
+        (
+            "fused_linear_grpo_loss",
+            {"importance_sampling_level": "sequence", "loss_type": "bnpo", "epsilon_low": 0.0, "epsilon_high": 0.0, "beta": 0.0},
+        ),
+    ],
+    ids=["kto", "grpo", "grpo-sequence-eps0"],
+)
+def test_kto_grpo_ignored_tokens_with_non_finite_hidden_give_zero_gradient(op, impl, kw):
+    # as DPO's and ORPO's above; GRPO's sequence 1 is all masked (it counts 0) and sequence 2
+    # has advantage 0
+    _need(op, impl)
+    hid, w = torch.randn(4, 5, 8), 0.3 * torch.randn(40, 8)
+    t = torch.randint(0, 40, (4, 5))
+    t[:, -2:], t[1] = -100, -100
+    hid[0, -1, 3], hid[2, -2], hid[1] = float("nan"), float("inf"), float("-inf")
+    out, gh, gw = _rl_loss(op, impl, hid, w, t, kw)
+    want, ghr, gwr = _rl_loss(op, None, hid, w, t, kw)
+    _same(out, want)
+    assert out.isfinite() and bool((gh[t == -100] == 0).all()) and bool((ghr[t == -100] == 0).all()) and gh.isfinite().all()
+    _same(gh, ghr)
+    _same(gw, gwr)
 
 
 # -- MoE experts: a token's or an expert's NaN reaches only what it is routed to ---------------------
