@@ -66,11 +66,15 @@ def reference(
     out = torch.zeros((t, h), dtype=acc, device=hidden.device)
     for e in range(n_experts):
         hit = top_k_index == e  # [T, k]
-        scale = (weights * hit).sum(-1, keepdim=True)  # Σ_j w[t, j] over the slots naming e
-        x = torch.where(hit.any(-1, keepdim=True), hidden, 0)
+        routed = hit.any(-1, keepdim=True)
+        # selects, not products with 0: a NaN/inf in expert e's weights, or in a routing weight
+        # of another slot, reaches only the tokens routed to e (and their gradients), as in the
+        # impls, which never compute the other pairs
+        scale = torch.where(hit, weights, 0).sum(-1, keepdim=True)  # Σ_j w[t, j] over the slots naming e
+        x = torch.where(routed, hidden, 0)
         gate, up = F.linear(x, gate_up_proj[e]).to(acc).split(two_i // 2, dim=-1)
         inner = (activate(gate, activation) * up).to(hidden.dtype)
-        out = out + scale * F.linear(inner, down_proj[e]).to(acc)
+        out = out + scale * torch.where(routed, F.linear(inner, down_proj[e]).to(acc), 0)
     return out.to(hidden.dtype)
 
 

@@ -67,11 +67,13 @@ def reference(
     out = torch.zeros((t, h), dtype=acc, device=hidden.device)
     for e in range(gate_up_proj.shape[0]):
         hit = top_k_index == e
-        scale = (weights * hit).sum(-1, keepdim=True)
-        x = torch.where(hit.any(-1, keepdim=True), hidden, 0)
+        routed = hit.any(-1, keepdim=True)
+        # selects, not products with 0: expert e's NaN/inf reaches only its tokens (moe_experts')
+        scale = torch.where(hit, weights, 0).sum(-1, keepdim=True)
+        x = torch.where(routed, hidden, 0)
         gate_up = (x @ gate_up_proj[e]).to(acc) + gate_up_proj_bias[e].to(acc)
         inner = clamped_swiglu(gate_up, alpha, limit).to(hidden.dtype)
-        out = out + scale * ((inner @ down_proj[e]).to(acc) + down_proj_bias[e].to(acc))
+        out = out + scale * torch.where(routed, (inner @ down_proj[e]).to(acc) + down_proj_bias[e].to(acc), 0)
     return out.to(hidden.dtype)
 
 

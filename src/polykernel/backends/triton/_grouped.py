@@ -108,9 +108,11 @@ def _gate_up_gemm(
 
 @triton.jit
 def _clamped_swiglu(gate, up, alpha, limit):
-    """gpt-oss's activation in fp32: (clamp(up, ±limit) + 1)·g·σ(alpha·g), g = min(gate, limit)."""
-    g = tl.minimum(gate, limit)
-    u = tl.minimum(tl.maximum(up, -limit), limit)
+    """gpt-oss's activation in fp32: (clamp(up, ±limit) + 1)·g·σ(alpha·g), g = min(gate, limit).
+    NaN propagates, as through torch's clamp (tl.minimum's default drops it: a NaN token or
+    expert weight came out finite)."""
+    g = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+    u = tl.clamp(up, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
     return (u + 1.0) * (g * tl.sigmoid(alpha * g))
 
 
@@ -118,8 +120,8 @@ def _clamped_swiglu(gate, up, alpha, limit):
 def _clamped_swiglu_bwd(gate, up, alpha, limit):
     """(the activation, d/d gate, d/d up) in fp32; torch's clamp passes the gradient where the
     value is inside the limits, ends included."""
-    g = tl.minimum(gate, limit)
-    u = tl.minimum(tl.maximum(up, -limit), limit)
+    g = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+    u = tl.clamp(up, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
     sig = tl.sigmoid(alpha * g)
     glu = g * sig
     slope_g = tl.where(gate <= limit, (u + 1.0) * (sig + alpha * g * sig * (1.0 - sig)), 0.0)
