@@ -1,5 +1,6 @@
 """Non-finite and extreme inputs: every runnable impl against the op's reference (NaN, inf and
--inf where they belong, nowhere else), on the CPU (Triton through its interpreter)."""
+-inf where they belong, nowhere else), on the CPU (Triton through its interpreter) and, under the
+gpu mark, on CUDA (compiled Triton: its NaN handling in min/max/clamp is the hardware's)."""
 
 from functools import partial
 
@@ -13,9 +14,16 @@ from polykernel.testing import runnable_impls
 IMPLS = ["torch", "triton"]
 
 
+@pytest.fixture(autouse=True, params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    with torch.device(request.param):  # every tensor a test makes lands there
+        yield request.param
+
+
 def _need(op, impl, dtype=torch.float32):
-    if impl not in runnable_impls(op, "cpu", dtype):
-        pytest.skip(f"{impl} not runnable on the CPU here")
+    here = torch.get_default_device()
+    if impl not in runnable_impls(op, here, dtype):
+        pytest.skip(f"{impl} not runnable on {here.type} here")
 
 
 def _same(got, want):
@@ -299,5 +307,5 @@ def test_torch_compile_non_finite_inputs_through_inductor(op, monkeypatch):
     _need(op, "torch_compile")
     monkeypatch.setattr(_compiled, "BACKEND", "inductor")
     monkeypatch.setattr(_compiled, "_ops", {})
-    assert_parity(op, ["torch_compile"], dtypes=[torch.float32], cases=[_compile_cases()[op]])
+    assert_parity(op, ["torch_compile"], device=torch.get_default_device(), dtypes=[torch.float32], cases=[_compile_cases()[op]])
     assert _compiled._ops[registry.get_op(op).id]._seen  # it did compile
