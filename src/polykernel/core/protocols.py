@@ -44,6 +44,8 @@ class OpLike(Protocol):
 
     def arg_class(self, argkey: tuple[Any, ...]) -> ArgClass: ...  # core.selection.verdicts, .explain
 
+    def inference_call(self, args: tuple[Any, ...]) -> bool: ...  # core.selection.explain
+
     def remember(self, key: MemoKey, decision: Any) -> None: ...  # core.selection.resolution
 
     def forget(self, key: MemoKey) -> None: ...  # core.selection.resolution (the fault policy)

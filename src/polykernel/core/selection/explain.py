@@ -14,7 +14,7 @@ from ..explain_args import call_args, device_arg, dtype_arg, rejection
 from . import resolution
 from .resolution import _record
 from .state import _scope
-from .subclasses import subclass_name
+from .subclasses import INFERENCE, subclass_name
 from .verdicts import Verdict, _probe_imports, _verdicts
 
 if TYPE_CHECKING:
@@ -173,6 +173,8 @@ def explain(
             return local
     if subclass is not None:
         key = key._replace(subclass=subclass)
+    elif call is not None and the_op.inference_call(call):  # as the call: its own key, the torch impl only
+        key = key._replace(subclass=INFERENCE)
     chosen = source = error = None
     rejected = None if args else rejection(the_op, None, argkey[1])
     if rejected is not None:  # the call would raise this before choosing: no impl runs
@@ -186,7 +188,7 @@ def explain(
             chosen, source, rows = d.impl, d.source, d.verdicts
         except ImplNotAvailableError as exc:
             error = str(exc)
-            rows = _verdicts(the_op, argkey, key.deterministic, capturing, subclass)
+            rows = _verdicts(the_op, argkey, key.deterministic, capturing, key.subclass)
     return Explanation(
         op=the_op.id,
         platform=str(PlatformInfo.detect(argkey[0])),
