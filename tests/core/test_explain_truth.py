@@ -11,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 import polykernel
 from polykernel.core import registry
 from polykernel.core.selection import _record
+from polykernel.errors import OpArgumentError
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -83,3 +85,21 @@ def test_a_call_that_saves_an_inference_tensor_is_explained_as_decided():
     assert explained == ran == ("torch", "auto")
     e = polykernel.explain("kl_div", x, target)
     assert "inference tensor" in {r["name"]: r["reason"] for r in e.impls}["triton"]
+
+
+@pytest.mark.parametrize("how", ["inference tensor", "requires grad"])
+def test_a_destination_the_call_refuses_to_write_is_refused_by_explain(how):
+    """The ops that write their arguments refuse, before deciding, what torch's in-place ops
+    refuse (an inference tensor outside inference_mode, a tensor that requires grad under grad
+    mode): explain used to name an impl for the first (the call raises), and to raise the op's
+    validation error, not the call's, for the second."""
+    x, residual, w = torch.randn(3, 8), torch.randn(3, 8), torch.ones(8)
+    x = _inference(x) if how == "inference tensor" else x.requires_grad_()
+    with pytest.raises(OpArgumentError) as call:
+        polykernel.fused_add_rms_norm_(x, residual, w)
+    with pytest.raises(OpArgumentError) as explained:
+        polykernel.explain("fused_add_rms_norm_", x, residual, w)
+    assert str(explained.value) == str(call.value)
+    if how == "requires grad":
+        with torch.no_grad():  # the same tensor under no_grad: written, and explained so
+            assert_truthful("fused_add_rms_norm_", (x, residual, w), {})
