@@ -103,3 +103,41 @@ def test_a_destination_the_call_refuses_to_write_is_refused_by_explain(how):
     if how == "requires grad":
         with torch.no_grad():  # the same tensor under no_grad: written, and explained so
             assert_truthful("fused_add_rms_norm_", (x, residual, w), {})
+
+
+def _memoized_decision(name: str) -> Any:
+    (decision,) = registry.get_op(name)._memo.values()
+    return decision
+
+
+def test_after_a_runtime_fault_explain_names_the_fallback_the_calls_run():
+    """After the chosen impl faulted, the calls run the memoized fallback decision: explain used
+    to resolve afresh and call it an auto choice."""
+    x, w = torch.randn(3, 8), torch.ones(8)
+    polykernel.rms_norm(x, w)
+    first = _memoized_decision("rms_norm")
+
+    def fault(*args):
+        raise RuntimeError("planted fault")
+
+    first.fn = fault
+    with pytest.warns(RuntimeWarning, match="failed at run time"):
+        polykernel.rms_norm(x, w)
+    assert polykernel.decisions("rms_norm")[-1]["source"] == "fallback"
+    explained, ran = explained_and_ran("rms_norm", (x, w), {})
+    assert explained == ran and ran[1] == "fallback" and ran[0] != first.impl
+
+
+def test_an_env_variable_set_after_the_decision_is_explained_as_the_call_ignores_it(monkeypatch):
+    """Env variables are read when a key is first decided: a call after one changed (without
+    clear_caches) runs the memoized decision, which explain names, not the env's impl."""
+    x, w = torch.randn(3, 8), torch.ones(8)
+    polykernel.rms_norm(x, w)
+    chosen = polykernel.decisions("rms_norm")[-1]["impl"]
+    other = next(n for n in polykernel.available_impls("rms_norm") if n != chosen)
+    monkeypatch.setenv("POLYKERNEL_IMPL_RMS_NORM", other)
+    explained, ran = explained_and_ran("rms_norm", (x, w), {})
+    assert explained == ran == (chosen, "auto")
+    polykernel.clear_caches()  # decided afresh: the env's impl, explained so
+    explained, ran = explained_and_ran("rms_norm", (x, w), {})
+    assert explained == ran == (other, "env")

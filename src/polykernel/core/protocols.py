@@ -47,6 +47,8 @@ class OpLike(Protocol):
 
     def inference_call(self, args: tuple[Any, ...]) -> bool: ...  # core.selection.explain
 
+    def memoized(self, key: MemoKey) -> Any: ...  # core.selection.explain
+
     def remember(self, key: MemoKey, decision: Any) -> None: ...  # core.selection.resolution
 
     def forget(self, key: MemoKey) -> None: ...  # core.selection.resolution (the fault policy)

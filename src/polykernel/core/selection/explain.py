@@ -184,7 +184,7 @@ def explain(
     else:
         try:
             tensors = (*args, *kwargs.values()) if args else None  # tuning keys on the call's tensors
-            d = resolution._resolve(the_op, key, tensors)
+            d = _memoized(the_op, key) or resolution._resolve(the_op, key, tensors)
             chosen, source, rows = d.impl, d.source, d.verdicts
         except ImplNotAvailableError as exc:
             error = str(exc)
@@ -204,6 +204,17 @@ def explain(
         tuned=_tuned_times(the_op, argkey) if source == "tuned" else None,
         route=route(chosen) if route is not None else None,
     )
+
+
+def _memoized(op: OpLike, key: memo_key.MemoKey) -> Any:
+    """The decision the call would run from the op's memo (a fallback after a runtime fault, one
+    made before an env variable changed), else None: resolved afresh. A per-size-bucket decision
+    is resolved afresh too (its impl depends on the call's bucket, which resolution looks up)."""
+    try:
+        d = op.memoized(key)
+    except TypeError:  # an unhashable option: the call's error, from resolution's path
+        return None
+    return d if d is not None and d.by_size is None else None
 
 
 def available_impls(op: str, device: Any = None, dtype: Any = None) -> list[str]:
