@@ -283,3 +283,24 @@ def test_the_check_catches_an_explain_that_skips_a_rule(rule, caught, monkeypatc
     monkeypatch.setattr(explain_module, rule, skip)
     with pytest.raises(AssertionError, match=caught):
         check_op("norm.rms_norm", monkeypatch)
+
+
+def test_a_tuned_decision_is_explained_as_the_call_takes_it(tmp_path, monkeypatch):
+    """A decision the tuning store holds (measured once on planted impls, on a fake clock): explain
+    and the call both take it from the store, for the measured size and for another bucket."""
+    from _tuning_helpers import isolate_tuning, only, plant, use_fake_clock
+
+    use_fake_clock(monkeypatch)
+    isolate_tuning(tmp_path, monkeypatch)
+    monkeypatch.setenv("POLYKERNEL_TUNE", "on")
+    plant("cuda_jit", 1, delay=0.006)
+    plant("cute_dsl", 2, delay=0.001)
+    only("cuda_jit", "cute_dsl")
+    x, w = torch.randn(4, 8), torch.ones(8)
+    polykernel.rms_norm(x, w)  # measures and stores
+    polykernel.clear_caches()
+    explained, ran = explained_and_ran("rms_norm", (x, w), {})
+    assert explained == ran == ("cute_dsl", "tuned")
+    monkeypatch.setenv("POLYKERNEL_TUNE", "cached")
+    polykernel.clear_caches()
+    assert_truthful("rms_norm", (torch.randn(512, 8), w), {})  # another size bucket, not measured
