@@ -86,7 +86,8 @@ def call_args(op: OpLike, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
 def rejection(op: OpLike, args: tuple[Any, ...] | None, dtype: Any) -> Exception | None:
     """The op's own validation of a call, as the real call runs it before choosing an impl.
 
-    ``args``: the call's arguments in the impls' order (a bad one raises, as the call would).
+    ``args``: the call's arguments in the impls' order (a bad one raises, as the call would; so
+    does a destination that torch's in-place ops would refuse to write).
     None: explain was given only ``device``/``dtype``; for a dtype the op does not declare, its
     first parity case with default options stands for the call, its floating tensors in
     ``dtype``, and the error is returned (an int dtype on a floating-only op). Ops without a
@@ -94,6 +95,10 @@ def rejection(op: OpLike, args: tuple[Any, ...] | None, dtype: Any) -> Exception
     """
     import torch
 
+    from .writes import writable
+
+    if args is not None:  # the call refuses a write torch's in-place ops refuse, first (Op._dispatch_slow)
+        writable(op.id, op._written, args)
     validate = op.validate or getattr(_module_of(op), "validate", None)
     if validate is None:
         return None

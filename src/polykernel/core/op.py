@@ -247,7 +247,7 @@ class Op:
         if grad is None or len(args) != len(self.guard):  # type: ignore[arg-type]
             return self.call(impl, argkey, *args)
         key = memo_key.make((argkey, impl, scope, det, False, None))
-        if grad and _dispatch.saves_inference_tensor(self._guarded(args)):  # see selection.INFERENCE
+        if grad and self.inference_call(args):  # see selection.INFERENCE
             key = key._replace(subclass=_dispatch.INFERENCE)
             return self._finish(self._memo.get(key) or self._miss(key, args), key, args)
         try:
@@ -266,6 +266,14 @@ class Op:
             fast.insert(0, (check, grad, impl, scope, det, decision, *self._options(args)))
             del fast[FAST_RECORDS:]
         return self._finish(decision, key, args)
+
+    def inference_call(self, args: tuple[Any, ...]) -> bool:
+        """Whether a call with ``args`` (all of them, in the reference's order) is decided under
+        ``selection.INFERENCE``: the guarded path's check (an op without a guard never is), which
+        ``explain`` asks too, so that it names the impl such a call runs."""
+        if self.guard is None or len(args) != len(self.guard) or not _grad_enabled():
+            return False
+        return _dispatch.saves_inference_tensor(self._guarded(args))
 
     def _mistyped(self, args: tuple[Any, ...]) -> OpTypeError | None:
         """The error naming the first option whose type its annotation does not allow (a bool is

@@ -41,8 +41,13 @@ class OpLike(Protocol):
     cases: Callable[[torch.device, torch.dtype], list[Case]]  # core.explain_args
     validate: Callable[..., None] | None  # core.explain_args
     writes: tuple[str, ...]  # core.registry, core.verify
+    _written: tuple[tuple[int, str], ...]  # (position, name) of each argument the op writes: core.explain_args, core.hot_path
 
     def arg_class(self, argkey: tuple[Any, ...]) -> ArgClass: ...  # core.selection.verdicts, .explain
+
+    def inference_call(self, args: tuple[Any, ...]) -> bool: ...  # core.selection.explain
+
+    def memoized(self, key: MemoKey) -> Any: ...  # core.selection.explain
 
     def remember(self, key: MemoKey, decision: Any) -> None: ...  # core.selection.resolution
 
@@ -58,7 +63,6 @@ class HotPathOp(OpLike, Protocol):
     guard: tuple[Any, ...] | None
     _memo: dict[tuple[Any, ...], Any]
     _fast: list[tuple[Any, ...]]
-    _written: tuple[tuple[int, str], ...]  # (position, name) of each argument the op writes
 
     def call(self, impl: str | None, argkey: tuple[Any, ...] | None, *args: Any) -> Any: ...
 

@@ -14,7 +14,7 @@ from ..explain_args import call_args, device_arg, dtype_arg, rejection
 from . import resolution
 from .resolution import _record
 from .state import _scope
-from .subclasses import subclass_name
+from .subclasses import INFERENCE, subclass_name
 from .verdicts import Verdict, _probe_imports, _verdicts
 
 if TYPE_CHECKING:
@@ -173,6 +173,8 @@ def explain(
             return local
     if subclass is not None:
         key = key._replace(subclass=subclass)
+    elif call is not None and the_op.inference_call(call):  # as the call: its own key, the torch impl only
+        key = key._replace(subclass=INFERENCE)
     chosen = source = error = None
     rejected = None if args else rejection(the_op, None, argkey[1])
     if rejected is not None:  # the call would raise this before choosing: no impl runs
@@ -182,11 +184,11 @@ def explain(
     else:
         try:
             tensors = (*args, *kwargs.values()) if args else None  # tuning keys on the call's tensors
-            d = resolution._resolve(the_op, key, tensors)
+            d = _memoized(the_op, key) or resolution._resolve(the_op, key, tensors)
             chosen, source, rows = d.impl, d.source, d.verdicts
         except ImplNotAvailableError as exc:
             error = str(exc)
-            rows = _verdicts(the_op, argkey, key.deterministic, capturing, subclass)
+            rows = _verdicts(the_op, argkey, key.deterministic, capturing, key.subclass)
     return Explanation(
         op=the_op.id,
         platform=str(PlatformInfo.detect(argkey[0])),
@@ -202,6 +204,17 @@ def explain(
         tuned=_tuned_times(the_op, argkey) if source == "tuned" else None,
         route=route(chosen) if route is not None else None,
     )
+
+
+def _memoized(op: OpLike, key: memo_key.MemoKey) -> Any:
+    """The decision the call would run from the op's memo (a fallback after a runtime fault, one
+    made before an env variable changed), else None: resolved afresh. A per-size-bucket decision
+    is resolved afresh too (its impl depends on the call's bucket, which resolution looks up)."""
+    try:
+        d = op.memoized(key)
+    except TypeError:  # an unhashable option: the call's error, from resolution's path
+        return None
+    return d if d is not None and d.by_size is None else None
 
 
 def available_impls(op: str, device: Any = None, dtype: Any = None) -> list[str]:
