@@ -47,30 +47,46 @@
 # rows. The GPU tests: `make test-gpu PART=...` parts (docs/testing.md), each under 8 min:
 #
 #   gpu-PART    one part of the GPU suite (norms grads losses moe serving peers backends reliability models rest)
+#
+# A dry run on the CPU: `PK_DRY_RUN=FILE bash benchmarks/h200_plan.sh PART` runs nothing (no peers,
+# builds, nvidia-smi or pack) and appends each step to FILE as a JSON line {"part", "name", "limit"
+# (after PK_DEADLINE's cut, the clock moved on by each limit), "declared", "argv"};
+# tests/tools/test_h200_plan.py checks every part's commands and limits so.
 set -u
 part=${1:?usage: bash benchmarks/h200_plan.sh PART}
 R=/tmp/h200/$part
-mkdir -p "$R"
+live() { [ -z "${PK_DRY_RUN:-}" ]; }  # false in a dry run
+dry_elapsed=0  # the dry run's clock: each step moves it on by its limit
+now() { echo $(($(date +%s) + dry_elapsed)); }
+live && mkdir -p "$R"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 dest=${OUT:-/tmp/h200}
 # the sweeps point POLYKERNEL_CACHE_DIR under their --out (a fresh store): their builds stay behind
 pack() { tar czf "$dest/h200-$part.tar.gz" --exclude="cache/native" --exclude="cache/cuda_jit" -C /tmp/h200 "$part"; echo "packed $dest/h200-$part.tar.gz"; }
-trap pack EXIT
+live && trap pack EXIT
 
 step() {  # step NAME LIMIT_S COMMAND...: run, keep the log, say how it ended
-  local name=$1 lim=$2 start rc left
+  local name=$1 lim=$2 declared=$2 start rc left
   shift 2
   if [ -n "${PK_DEADLINE:-}" ]; then  # epoch seconds by which every step must end (several parts in one device command)
-    left=$((PK_DEADLINE - $(date +%s)))
-    if [ "$left" -lt 20 ]; then echo "== $name skipped: ${left} s left before PK_DEADLINE"; return; fi
+    left=$((PK_DEADLINE - $(now)))
+    if [ "$left" -lt 20 ]; then echo "== $name skipped: ${left} s left before PK_DEADLINE"; dry 0 "$declared" "$@"; return; fi
     [ "$left" -lt "$lim" ] && lim=$left
   fi
+  dry "$lim" "$declared" "$@" && return
   echo "== $name (limit $lim s)"
   start=$(date +%s)
   timeout -k 5 "$lim" "$@" >"$R/$name.log" 2>&1
   rc=$?
   echo "   rc=$rc in $(($(date +%s) - start)) s$([ $rc = 124 ] && echo ' (cut at its limit)')"
   tail -3 "$R/$name.log" | cut -c1-200
+}
+
+dry() {  # dry LIMIT DECLARED COMMAND...: in a dry run, the step ($name) as a JSON line in $PK_DRY_RUN
+  live && return 1
+  dry_elapsed=$((dry_elapsed + $1))
+  python3 -c 'import json, sys; a = sys.argv; print(json.dumps({"part": a[1], "name": a[2], "limit": int(a[3]), "declared": int(a[4]), "argv": a[5:]}))' \
+    "$part" "$name" "$@" >>"$PK_DRY_RUN"
 }
 
 peers() {  # whichever staged setups came with this command (idempotent)
@@ -99,7 +115,7 @@ gpu_tests() {  # gpu_tests NAME LIMIT FILES...
 SERVING_OPS=(silu_and_mul gelu_and_mul fused_add_rms_norm_ rotary_embedding_ dynamic_quant_fp8 static_quant_fp8 rms_norm_quant_fp8)
 DISTILL_OPS=(kl_div jsd tvd fused_linear_jsd)
 
-peers
+live && peers
 case $part in  # the eager rows: build the native launch path first (else the first process builds it
   # in the background and launches from Python meanwhile: 2026-12-04's serving-b and decode rows)
   serving-* | decode | overhead | families-* | vision-* | trl) step native-build 150 python3 -m polykernel.backends.triton._native ;;
@@ -108,7 +124,7 @@ case $part in  # FlashInfer's JIT modules in one parallel build (else each build
   # time: 2026-12-04's sixth run, fresh machine, the serving tests' 240 s went on them; 80 s warm)
   serving-* | overhead) [ -f .gpu/serving/setup.sh ] && step flashinfer-jit 180 python3 -m polykernel.backends.flashinfer._prebuild ;;
 esac
-nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv >"$R/gpu.csv" 2>&1
+live && nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv >"$R/gpu.csv" 2>&1
 case $part in
   serving-a)
     step cuda-jit-build 150 python3 -m polykernel.backends.cuda_jit._build
@@ -207,7 +223,7 @@ case $part in
     ;;
   trl)  # needs .gpu/trl (the header); each variant is a process of its own (imports, a 1.2B model,
     # Triton compiles: ~30-60 s), cut at --timeout; both steps end within 530 s of here
-    : "${PK_DEADLINE:=$(($(date +%s) + 530))}"
+    : "${PK_DEADLINE:=$(($(now) + 530))}"
     export PK_DEADLINE HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # no network there: no hub look-ups
     step trl-dpo 220 python3 benchmarks/models/trl_dpo.py --steps 8 --timeout 100 --json "$R/trl_dpo.json"
     # generation (transformers' generate, eager, token by token) is most of a GRPO step: short
