@@ -13,12 +13,12 @@
 #   trl        : `bash benchmarks/stage_trl.sh` (TRL, datasets and the two of their dependencies the image
 #                lacks, and Liger: one 1.4 MB part); carry .gpu/trl/{setup.sh,manifest,parts-1}, nothing else
 #                (not the serving peers: they travel with the serving parts).
-#   overhead   : the serving parts' carry too (host_profile.py's sgl-kernel and FlashInfer rows; without them those rows are errors),
+#   overhead*  : the serving parts' carry too (host_profile.py's sgl-kernel and FlashInfer rows; without them those rows are errors),
 #                and .ab (`bash benchmarks/host/ab_overhead.sh stage`: the dispatcher A/B against the tree issue 36 was filed on).
 #   the others : the Liger wheel only.
 #
 # Parts, in the order the issues' "Done when" need them (the GPU time is 30 min a session):
-#   serving-a   issue 34: the serving GPU tests (peers, providers, op files), the serving ops in a graph and eager
+#   serving-a   issue 34: the serving GPU tests (peers, providers; the op files: serving-native), the serving ops in a graph and eager
 #   serving-native  issue 34: the native launch path's GPU tests, the serving op files' GPU tests, Liger's preference parity
 #   serving-b   issue 34: the providers' rows, the selection sweep's first six ops
 #   serving-c   issue 34: the sweep's last three ops, the kernel variants
@@ -31,14 +31,17 @@
 #   decode      issue 34: decode logits given the same token (batch 1-128), the decode loop, a kernel profile of a step
 #   trl         issue 22: TRL's DPOTrainer and GRPOTrainer on a Llama-1B shape: plain, use_liger_kernel, ours
 #   checks      the double-backward GPU tests (CuTeDSL, cuTile) and the peers' refusal overhead
-#   overhead    issue 36: dispatcher overhead and host time per call after the redesign, and the nine
-#               original ops' GPU rows (compare with benchmarks/results/h200-2026-12-01-redesign/)
+#   overhead    issue 36: dispatcher overhead and host time per call after the redesign
+#   overhead-graph  issue 36: the nine original ops' GPU rows in a graph (compare with
+#               benchmarks/results/h200-2026-12-01-redesign/graph.json)
 #   families-1..7  issue 23: each text family trained at a ~1B shape, plain / polykernel / Liger / compile
 #   vision-1, -2   issue 23: Qwen2-VL (2B widths) and Qwen2.5-VL (3B widths), 8+8 layers, 4 x 1024 tokens with a 448x448
 #                  image each: forward, backward, AdamW; plain / polykernel / Liger / compile
 #
-# Several parts in one device command: export PK_DEADLINE=$(($(date +%s) + 570)) first, and every
-# step's limit is cut to what is left (a step with under 20 s left is skipped, said in the output).
+# Each part ends within one device command: its steps must end within 570 s of its start (PK_DEADLINE,
+# epoch seconds): every step's limit is cut to what is left (a step with under 20 s left is skipped,
+# said in the output), so a slow build leaves less to the last steps, and the results are packed.
+# Several parts in one device command: export PK_DEADLINE=$(($(date +%s) + 570)) first.
 # Each step runs under its own time limit (a step that overruns is cut, its log says so, the next
 # runs); logs and JSON go to one folder, packed into one file at the end (the device returns at
 # most 8 files). The GPU tests run serially: with -n they filled the GPU's memory.
@@ -47,30 +50,46 @@
 # rows. The GPU tests: `make test-gpu PART=...` parts (docs/testing.md), each under 8 min:
 #
 #   gpu-PART    one part of the GPU suite (norms grads losses moe serving peers backends reliability models rest)
+#
+# A dry run on the CPU: `PK_DRY_RUN=FILE bash benchmarks/h200_plan.sh PART` runs nothing (no peers,
+# builds, nvidia-smi or pack) and appends each step to FILE as a JSON line {"part", "name", "limit"
+# (after PK_DEADLINE's cut, the clock moved on by each limit), "declared", "argv"};
+# tests/tools/test_h200_plan.py checks every part's commands and limits so.
 set -u
 part=${1:?usage: bash benchmarks/h200_plan.sh PART}
 R=/tmp/h200/$part
-mkdir -p "$R"
+live() { [ -z "${PK_DRY_RUN:-}" ]; }  # false in a dry run
+dry_elapsed=0  # the dry run's clock: each step moves it on by its limit
+now() { echo $(($(date +%s) + dry_elapsed)); }
+live && mkdir -p "$R"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 dest=${OUT:-/tmp/h200}
 # the sweeps point POLYKERNEL_CACHE_DIR under their --out (a fresh store): their builds stay behind
 pack() { tar czf "$dest/h200-$part.tar.gz" --exclude="cache/native" --exclude="cache/cuda_jit" -C /tmp/h200 "$part"; echo "packed $dest/h200-$part.tar.gz"; }
-trap pack EXIT
+live && trap pack EXIT
 
 step() {  # step NAME LIMIT_S COMMAND...: run, keep the log, say how it ended
-  local name=$1 lim=$2 start rc left
+  local name=$1 lim=$2 declared=$2 start rc left
   shift 2
   if [ -n "${PK_DEADLINE:-}" ]; then  # epoch seconds by which every step must end (several parts in one device command)
-    left=$((PK_DEADLINE - $(date +%s)))
-    if [ "$left" -lt 20 ]; then echo "== $name skipped: ${left} s left before PK_DEADLINE"; return; fi
+    left=$((PK_DEADLINE - $(now)))
+    if [ "$left" -lt 20 ]; then echo "== $name skipped: ${left} s left before PK_DEADLINE"; dry 0 "$declared" "$@"; return; fi
     [ "$left" -lt "$lim" ] && lim=$left
   fi
+  dry "$lim" "$declared" "$@" && return
   echo "== $name (limit $lim s)"
   start=$(date +%s)
   timeout -k 5 "$lim" "$@" >"$R/$name.log" 2>&1
   rc=$?
   echo "   rc=$rc in $(($(date +%s) - start)) s$([ $rc = 124 ] && echo ' (cut at its limit)')"
   tail -3 "$R/$name.log" | cut -c1-200
+}
+
+dry() {  # dry LIMIT DECLARED COMMAND...: in a dry run, the step ($name) as a JSON line in $PK_DRY_RUN
+  live && return 1
+  dry_elapsed=$((dry_elapsed + $1))
+  python3 -c 'import json, sys; a = sys.argv; print(json.dumps({"part": a[1], "name": a[2], "limit": int(a[3]), "declared": int(a[4]), "argv": a[5:]}))' \
+    "$part" "$name" "$@" >>"$PK_DRY_RUN"
 }
 
 peers() {  # whichever staged setups came with this command (idempotent)
@@ -99,16 +118,17 @@ gpu_tests() {  # gpu_tests NAME LIMIT FILES...
 SERVING_OPS=(silu_and_mul gelu_and_mul fused_add_rms_norm_ rotary_embedding_ dynamic_quant_fp8 static_quant_fp8 rms_norm_quant_fp8)
 DISTILL_OPS=(kl_div jsd tvd fused_linear_jsd)
 
-peers
+: "${PK_DEADLINE:=$(($(now) + 570))}"  # this part's own (unless given: several parts in one command)
+live && peers
 case $part in  # the eager rows: build the native launch path first (else the first process builds it
   # in the background and launches from Python meanwhile: 2026-12-04's serving-b and decode rows)
-  serving-* | decode | overhead | families-* | vision-* | trl) step native-build 150 python3 -m polykernel.backends.triton._native ;;
+  serving-* | decode | overhead* | families-* | vision-* | trl) step native-build 150 python3 -m polykernel.backends.triton._native ;;
 esac
 case $part in  # FlashInfer's JIT modules in one parallel build (else each builds on its first call, one at a
   # time: 2026-12-04's sixth run, fresh machine, the serving tests' 240 s went on them; 80 s warm)
-  serving-* | overhead) [ -f .gpu/serving/setup.sh ] && step flashinfer-jit 180 python3 -m polykernel.backends.flashinfer._prebuild ;;
+  serving-* | overhead*) [ -f .gpu/serving/setup.sh ] && step flashinfer-jit 180 python3 -m polykernel.backends.flashinfer._prebuild ;;
 esac
-nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv >"$R/gpu.csv" 2>&1
+live && nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv >"$R/gpu.csv" 2>&1
 case $part in
   serving-a)
     step cuda-jit-build 150 python3 -m polykernel.backends.cuda_jit._build
@@ -118,10 +138,7 @@ case $part in
     # the providers apart from the op files (2026-12-04: test_torch_compile.py's Inductor compiles
     # cut the one step holding all of them at 132 s; its GPU parity now takes three full-size cases)
     gpu_tests serving-providers 120 tests/backends/test_cuda_jit.py tests/backends/test_torch_compile.py
-    gpu_tests serving-tests 240 tests/ops/test_serving_common.py tests/ops/test_serving_fp8.py \
-      tests/ops/test_serving_glu.py tests/ops/test_serving_inplace.py tests/ops/test_silu_and_mul.py tests/ops/test_gelu_and_mul.py \
-      tests/ops/test_fused_add_rms_norm_.py tests/ops/test_rotary_embedding_.py tests/ops/test_dynamic_quant_fp8.py \
-      tests/ops/test_static_quant_fp8.py tests/ops/test_rms_norm_quant_fp8.py
+    # (the serving op files' GPU tests: part serving-native; with them here the part's steps took 740 s)
     step serving-graph 130 python3 -m polykernel bench --graph --no-compile --out "$R/graph" "${SERVING_OPS[@]}"
     step serving-eager 100 python3 -m polykernel bench --no-compile --out "$R/eager" "${SERVING_OPS[@]}"
     ;;
@@ -202,13 +219,14 @@ case $part in
     step helpers 40 python3 benchmarks/host/per_call_helpers.py --rounds 150 --json "$R/per_call_helpers.json"
     step plain-vs-generated 40 python3 benchmarks/host/plain_vs_generated.py --rounds 150 --json "$R/plain_vs_generated.json"
     step host-profile 180 python3 benchmarks/host/host_profile.py --out "$R/host"  # 19 cases (2026-12-04: 17 cases cut at 60 s)
+    ;;
+  overhead-graph)  # (a part of its own: with the host's steps it took 760 s)
     step graph 200 python3 -m polykernel bench --graph --no-compile --out "$R/graph" rms_norm layer_norm fused_add_rms_norm swiglu \
       geglu softmax rope cross_entropy fused_linear_cross_entropy
     ;;
   trl)  # needs .gpu/trl (the header); each variant is a process of its own (imports, a 1.2B model,
-    # Triton compiles: ~30-60 s), cut at --timeout; both steps end within 530 s of here
-    : "${PK_DEADLINE:=$(($(date +%s) + 530))}"
-    export PK_DEADLINE HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # no network there: no hub look-ups
+    # Triton compiles: ~30-60 s), cut at --timeout; both steps end by the part's PK_DEADLINE
+    export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # no network there: no hub look-ups
     step trl-dpo 220 python3 benchmarks/models/trl_dpo.py --steps 8 --timeout 100 --json "$R/trl_dpo.json"
     # generation (transformers' generate, eager, token by token) is most of a GRPO step: short
     # prompts and completions, 16 completions a step (its loss sees 16 x 192 tokens)
