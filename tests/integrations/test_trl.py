@@ -309,6 +309,7 @@ def test_grpo_trains_two_steps(tmp_path, tokenizer):
         (dict(delta=1.5), "delta"),
         (dict(top_entropy_quantile=0.5), "top_entropy_quantile"),
         (dict(entropy_coef=0.01), "entropy_coef"),
+        (dict(use_adaptive_entropy=True), "use_adaptive_entropy"),
         (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
     ],
 )

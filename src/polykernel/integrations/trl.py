@@ -35,7 +35,7 @@ config — use TRL's own trainer for those):
 - GRPO: ``loss_type`` in ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``;
   ``importance_sampling_level`` ``token`` or ``sequence``; any ``beta``, ``epsilon``,
   ``epsilon_high``, ``temperature``, ``use_bias_correction_kl`` (TRL's default: the KL weighted
-  by the importance ratio, which the fused loss computes too); ``delta=None``, ``top_entropy_quantile=1.0``, no entropy bonus, ``off_policy_mask_threshold=None``,
+  by the importance ratio, which the fused loss computes too); ``delta=None``, ``top_entropy_quantile=1.0``, no entropy bonus (``entropy_coef=0``, ``use_adaptive_entropy=False``), ``off_policy_mask_threshold=None``,
   no vLLM importance-sampling correction, one advantage per sequence.
 - Both: text-only batches (``pixel_values`` and the like raise: vision-language models are
   untested), a plain LM head (no ``final_logit_softcapping`` or logit scaling in the config).
@@ -319,12 +319,8 @@ class PolykernelGRPOMixin:
         _require(name, level in ("token", "sequence"), "importance_sampling_level", f"{level!r}: 'token' or 'sequence'")
         _require(name, config.delta is None, "delta", "two-sided clipping is not supported")
         _require(name, config.top_entropy_quantile == 1.0, "top_entropy_quantile", "the high-entropy token mask needs entropies")
-        _require(
-            name,
-            config.entropy_coef == 0.0 and not config.use_adaptive_entropy,
-            "entropy_coef",
-            "the entropy bonus needs entropies (entropy_coef=0, use_adaptive_entropy=False)",
-        )
+        _require(name, config.entropy_coef == 0.0, "entropy_coef", "the entropy bonus needs entropies")
+        _require(name, not config.use_adaptive_entropy, "use_adaptive_entropy", "the entropy bonus needs entropies")
         _require(name, config.off_policy_mask_threshold is None, "off_policy_mask_threshold", "the off-policy mask is not supported")
         _require(
             name,
