@@ -202,6 +202,12 @@ def test_dpo_mixed_precision_projects_in_the_autocast_dtype(tmp_path, tokenizer,
     torch.testing.assert_close(losses[1], losses[0], rtol=2e-2, atol=2e-3)
 
 
+def fake_zero3(monkeypatch, option):
+    """ZeRO-3 needs DeepSpeed installed to configure: fake what TRL's head asks (is ZeRO-3 on?)."""
+    if option == "deepspeed":
+        monkeypatch.setattr(transformers.integrations.deepspeed, "is_deepspeed_zero3_enabled", lambda: True)
+
+
 @pytest.mark.parametrize(
     ("config", "option"),
     [
@@ -210,10 +216,12 @@ def test_dpo_mixed_precision_projects_in_the_autocast_dtype(tmp_path, tokenizer,
         (dict(f_divergence_type="js_divergence"), "f_divergence_type"),
         (dict(ld_alpha=0.5), "ld_alpha"),
         (dict(use_weighting=True), "use_weighting"),
+        ({}, "deepspeed"),
     ],
 )
-def test_dpo_unsupported_config_raises_before_data(tmp_path, tokenizer, config, option):
+def test_dpo_unsupported_config_raises_before_data(tmp_path, tokenizer, monkeypatch, config, option):
     args = trl.DPOConfig(**config, **common_args(tmp_path))
+    fake_zero3(monkeypatch, option)
     never_read = datasets.Dataset.from_list([{"unexpected": 1}])  # TRL would fail on it: the check comes first
     with pytest.raises(pktrl.UnsupportedTRLConfig, match=option) as info:
         pktrl.PolykernelDPOTrainer(model=tiny_llama(), ref_model=tiny_llama(), args=args, train_dataset=never_read,
@@ -311,10 +319,12 @@ def test_grpo_trains_two_steps(tmp_path, tokenizer):
         (dict(entropy_coef=0.01), "entropy_coef"),
         (dict(use_adaptive_entropy=True), "use_adaptive_entropy"),
         (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
+        ({}, "deepspeed"),
     ],
 )
-def test_grpo_unsupported_config_raises(tmp_path, tokenizer, config, option):
+def test_grpo_unsupported_config_raises(tmp_path, tokenizer, monkeypatch, config, option):
     args = trl.GRPOConfig(per_device_train_batch_size=4, num_generations=4, **config, **common_args(tmp_path))
+    fake_zero3(monkeypatch, option)
     with pytest.raises(pktrl.UnsupportedTRLConfig, match=option) as info:
         pktrl.PolykernelGRPOTrainer(model=tiny_llama(), reward_funcs=reward_len, args=args, train_dataset=prompt_data(),
                                     processing_class=tokenizer)  # fmt: skip

@@ -40,7 +40,8 @@ config — use TRL's own trainer for those):
 - Both: text-only batches (``pixel_values`` and the like raise: vision-language models are
   untested), a plain LM head (no ``final_logit_softcapping`` or logit scaling in the config).
   MoE models add TRL's router load-balancing loss (``router_aux_loss_coef``, metric
-  ``aux_loss``).
+  ``aux_loss``). Not DeepSpeed ZeRO-3 (option ``deepspeed``): it partitions the ``lm_head`` weight
+  that the fused loss reads (TRL's own head gathers it).
 
 Written against TRL 1.16 (the ``trl`` extra pins it): the replaced method is private in TRL, so a
 TRL outside the tested range logs one warning when a trainer is built.
@@ -116,6 +117,14 @@ def _warn_untested_trl() -> None:
 def _require(trainer: str, ok: bool, option: str, message: str) -> None:
     if not ok:
         raise UnsupportedTRLConfig(trainer, option, message)
+
+
+def _check_zero3(trainer: str) -> None:
+    # ZeRO-3 leaves lm_head.weight partitioned outside its module's forward, which the fused loss
+    # never calls (TRL's own head gathers it; ours would get an empty weight at the first step)
+    from transformers.integrations import deepspeed
+
+    _require(trainer, not deepspeed.is_deepspeed_zero3_enabled(), "deepspeed", "ZeRO-3 (a partitioned lm_head) is not supported")
 
 
 def _check_model(trainer: str, model: Any) -> None:
@@ -221,6 +230,7 @@ class PolykernelDPOMixin:
         _require(name, config.f_divergence_type == "reverse_kl", "f_divergence_type", f"{config.f_divergence_type!r}: only 'reverse_kl'")
         _require(name, config.ld_alpha is None, "ld_alpha", "length-desensitized DPO is not supported")
         _require(name, not config.use_weighting, "use_weighting", "WPO weighting is not supported")
+        _check_zero3(name)
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool) -> Any:
         _check_text_only(type(self).__name__, inputs)
@@ -328,6 +338,7 @@ class PolykernelGRPOMixin:
             "vllm_importance_sampling_correction",
             "vLLM's importance-sampling correction is not supported",
         )
+        _check_zero3(name)
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         name = type(self).__name__
