@@ -35,13 +35,19 @@ config — use TRL's own trainer for those):
 - GRPO: ``loss_type`` in ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``;
   ``importance_sampling_level`` ``token`` or ``sequence``; any ``beta``, ``epsilon``,
   ``epsilon_high``, ``temperature``, ``use_bias_correction_kl`` (TRL's default: the KL weighted
-  by the importance ratio, which the fused loss computes too); ``delta=None``, ``top_entropy_quantile=1.0``, no entropy bonus (``entropy_coef=0``, ``use_adaptive_entropy=False``), ``off_policy_mask_threshold=None``,
-  no vLLM importance-sampling correction, one advantage per sequence.
+  by the importance ratio, which the fused loss computes too), ``cast_lm_head_to_fp32``, any
+  ``num_iterations``/``steps_per_generation`` (TRL's old log-probs, dapo's normaliser);
+  ``delta=None``, ``top_entropy_quantile=1.0``, no entropy bonus (``entropy_coef=0``,
+  ``use_adaptive_entropy=False``), ``off_policy_mask_threshold=None``, no vLLM importance-sampling
+  correction, one advantage per sequence.
 - Both: text-only batches (``pixel_values`` and the like raise: vision-language models are
   untested), a plain LM head (no ``final_logit_softcapping`` or logit scaling in the config).
   MoE models add TRL's router load-balancing loss (``router_aux_loss_coef``, metric
   ``aux_loss``). Not DeepSpeed ZeRO-3 (option ``deepspeed``): it partitions the ``lm_head`` weight
   that the fused loss reads (TRL's own head gathers it).
+
+``tests/_trl_fields.py`` classifies every field of TRL's ``DPOConfig`` and ``GRPOConfig``: no effect
+on the loss, honoured (a test compares it with TRL's trainer), or refused.
 
 Written against TRL 1.16 (the ``trl`` extra pins it): the replaced method is private in TRL, so a
 TRL outside the tested range logs one warning when a trainer is built.
