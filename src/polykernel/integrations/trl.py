@@ -35,12 +35,19 @@ config — use TRL's own trainer for those):
 - GRPO: ``loss_type`` in ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``;
   ``importance_sampling_level`` ``token`` or ``sequence``; any ``beta``, ``epsilon``,
   ``epsilon_high``, ``temperature``, ``use_bias_correction_kl`` (TRL's default: the KL weighted
-  by the importance ratio, which the fused loss computes too); ``delta=None``, ``top_entropy_quantile=1.0``, no entropy bonus, ``off_policy_mask_threshold=None``,
-  no vLLM importance-sampling correction, one advantage per sequence.
+  by the importance ratio, which the fused loss computes too), ``cast_lm_head_to_fp32``, any
+  ``num_iterations``/``steps_per_generation`` (TRL's old log-probs, dapo's normaliser);
+  ``delta=None``, ``top_entropy_quantile=1.0``, no entropy bonus (``entropy_coef=0``,
+  ``use_adaptive_entropy=False``), ``off_policy_mask_threshold=None``, no vLLM importance-sampling
+  correction, one advantage per sequence.
 - Both: text-only batches (``pixel_values`` and the like raise: vision-language models are
   untested), a plain LM head (no ``final_logit_softcapping`` or logit scaling in the config).
   MoE models add TRL's router load-balancing loss (``router_aux_loss_coef``, metric
-  ``aux_loss``).
+  ``aux_loss``). Not DeepSpeed ZeRO-3 (option ``deepspeed``): it partitions the ``lm_head`` weight
+  that the fused loss reads (TRL's own head gathers it).
+
+``tests/_trl_fields.py`` classifies every field of TRL's ``DPOConfig`` and ``GRPOConfig``: no effect
+on the loss, honoured (a test compares it with TRL's trainer), or refused.
 
 Written against TRL 1.16 (the ``trl`` extra pins it): the replaced method is private in TRL, so a
 TRL outside the tested range logs one warning when a trainer is built.
@@ -116,6 +123,14 @@ def _warn_untested_trl() -> None:
 def _require(trainer: str, ok: bool, option: str, message: str) -> None:
     if not ok:
         raise UnsupportedTRLConfig(trainer, option, message)
+
+
+def _check_zero3(trainer: str) -> None:
+    # ZeRO-3 leaves lm_head.weight partitioned outside its module's forward, which the fused loss
+    # never calls (TRL's own head gathers it; ours would get an empty weight at the first step)
+    from transformers.integrations import deepspeed
+
+    _require(trainer, not deepspeed.is_deepspeed_zero3_enabled(), "deepspeed", "ZeRO-3 (a partitioned lm_head) is not supported")
 
 
 def _check_model(trainer: str, model: Any) -> None:
@@ -221,6 +236,7 @@ class PolykernelDPOMixin:
         _require(name, config.f_divergence_type == "reverse_kl", "f_divergence_type", f"{config.f_divergence_type!r}: only 'reverse_kl'")
         _require(name, config.ld_alpha is None, "ld_alpha", "length-desensitized DPO is not supported")
         _require(name, not config.use_weighting, "use_weighting", "WPO weighting is not supported")
+        _check_zero3(name)
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool) -> Any:
         _check_text_only(type(self).__name__, inputs)
@@ -319,12 +335,8 @@ class PolykernelGRPOMixin:
         _require(name, level in ("token", "sequence"), "importance_sampling_level", f"{level!r}: 'token' or 'sequence'")
         _require(name, config.delta is None, "delta", "two-sided clipping is not supported")
         _require(name, config.top_entropy_quantile == 1.0, "top_entropy_quantile", "the high-entropy token mask needs entropies")
-        _require(
-            name,
-            config.entropy_coef == 0.0 and not config.use_adaptive_entropy,
-            "entropy_coef",
-            "the entropy bonus needs entropies (entropy_coef=0, use_adaptive_entropy=False)",
-        )
+        _require(name, config.entropy_coef == 0.0, "entropy_coef", "the entropy bonus needs entropies")
+        _require(name, not config.use_adaptive_entropy, "use_adaptive_entropy", "the entropy bonus needs entropies")
         _require(name, config.off_policy_mask_threshold is None, "off_policy_mask_threshold", "the off-policy mask is not supported")
         _require(
             name,
@@ -332,6 +344,7 @@ class PolykernelGRPOMixin:
             "vllm_importance_sampling_correction",
             "vLLM's importance-sampling correction is not supported",
         )
+        _check_zero3(name)
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         name = type(self).__name__
