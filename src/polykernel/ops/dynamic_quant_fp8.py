@@ -94,9 +94,11 @@ def example(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | s
     return Case(f"{'x'.join(map(str, shape))}", (torch.randn(shape, dtype=dtype, device=device),))
 
 
-def bytes_moved(x: torch.Tensor, *_: object, backward: bool = False) -> int:
-    """Fewest bytes: reads x once, writes q (1 byte each) and the scales."""
-    return x.numel() * (x.element_size() + 1) + 4 * max(1, x.numel() // max(x.shape[-1], 1))
+def bytes_moved(x: torch.Tensor, per_token: bool = True, *_: object, backward: bool = False) -> int:
+    """Fewest bytes: reads x once, writes q (1 byte each) and the fp32 scales: one per row, or
+    one per tensor (``per_token=False``)."""
+    scales = max(1, x.numel() // max(x.shape[-1], 1)) if per_token else 1
+    return x.numel() * (x.element_size() + 1) + 4 * scales
 
 
 def quant_inputs(device: torch.device | str, dtype: torch.dtype, large: bool) -> list[tuple[str, torch.Tensor]]:
