@@ -160,6 +160,13 @@ _HEAD = (e(R, S, H), e(V, H), e(R, S, dtype=I64))  # the policy's hidden [R, S, 
 _REF = (e(R, S, Hr), e(V, Hr))  # a reference model's head (no gradient)
 _POLICY = R * S * H * 2 + V * H * 2
 BYTES += [(f"fused_linear_{n}_loss", _HEAD, {}, _POLICY, 2 * _POLICY) for n in ("dpo", "orpo", "cpo", "simpo", "kto", "grpo")]
+# DPO and KTO with a reference head: its hidden states and weight read once, in both modes
+_WITH_REF = _POLICY + R * S * Hr * 2 + V * Hr * 2
+BYTES += [
+    ("fused_linear_dpo_loss", _HEAD, {"ref_hidden": _REF[0], "ref_weight": _REF[1]}, _WITH_REF, 2 * _POLICY + R * S * Hr * 2 + V * Hr * 2),
+    ("fused_linear_dpo_loss", (*_HEAD, None, *_REF), {}, _WITH_REF, 2 * _POLICY + R * S * Hr * 2 + V * Hr * 2),  # positional
+    ("fused_linear_kto_loss", (*_HEAD, e(R, dtype=torch.bool), None, *_REF), {}, _WITH_REF, 2 * _POLICY + R * S * Hr * 2 + V * Hr * 2),
+]
 
 
 def _id(row: tuple) -> str:
@@ -211,6 +218,29 @@ FLOPS = [
         3 * T * K * (2 * H * 2 * FF + 2 * FF * H),
     ),
     *[(f"fused_linear_{n}_loss", _HEAD, {}, _POLICY_FLOPS, 3 * _POLICY_FLOPS) for n in ("dpo", "orpo", "cpo", "simpo", "kto", "grpo")],
+    # a reference head runs forward only: + 2·R·S·Hr·V in both modes
+    (
+        "fused_linear_dpo_loss",
+        _HEAD,
+        {"ref_hidden": _REF[0], "ref_weight": _REF[1]},
+        _POLICY_FLOPS + 2 * R * S * Hr * V,
+        3 * _POLICY_FLOPS + 2 * R * S * Hr * V,
+    ),
+    ("fused_linear_dpo_loss", (*_HEAD, None, *_REF), {}, _POLICY_FLOPS + 2 * R * S * Hr * V, 3 * _POLICY_FLOPS + 2 * R * S * Hr * V),
+    (
+        "fused_linear_kto_loss",
+        (*_HEAD, e(R, dtype=torch.bool), None, *_REF),
+        {},
+        _POLICY_FLOPS + 2 * R * S * Hr * V,
+        3 * _POLICY_FLOPS + 2 * R * S * Hr * V,
+    ),
+    (
+        "fused_linear_kto_loss",
+        (*_HEAD, e(R, dtype=torch.bool)),
+        {"ref_hidden": _REF[0], "ref_weight": _REF[1]},
+        _POLICY_FLOPS + 2 * R * S * Hr * V,
+        3 * _POLICY_FLOPS + 2 * R * S * Hr * V,
+    ),
 ]
 
 
@@ -220,3 +250,23 @@ def test_flops(row):
     flops = importlib.import_module(f"polykernel.ops.{name}").flops
     assert flops(*args, backward=False, **kwargs) == fwd
     assert flops(*args, backward=True, **kwargs) == fwd_bwd
+
+
+def test_bench_rates_the_losses_by_the_op_files_flops():
+    # bench's TFLOP/s for a preference loss comes from the op file's flops with the row's options:
+    # DPO's reference head counts (it took the policy head's alone)
+    from polykernel.tools import bench
+
+    op = registry.get_op("fused_linear_dpo_loss")
+    kwargs = {"ref_hidden": _REF[0], "ref_weight": _REF[1]}
+    for mode, want in (("fwd", _POLICY_FLOPS + 2 * R * S * Hr * V), ("fwd+bwd", 3 * _POLICY_FLOPS + 2 * R * S * Hr * V)):
+        row = {"mode": mode, "ms": 1.0}
+        bench._perf(row, op, (R, S, H, V), _HEAD, kwargs, copy=1.0)
+        assert row["TFLOP/s"] == pytest.approx(want / 1e-3 / 1e12)
+        assert row["size"] == pytest.approx((_POLICY_FLOPS + 2 * R * S * Hr * V) / 1e9)
+    # bench's own FLOP table for the fused linear heads agrees with the op files' (shape (N, H, V))
+    for name in bench._FLOPS:
+        flops = importlib.import_module(f"polykernel.ops.{name}").flops
+        args = (e(M, H), e(V, H), e(M, H), e(V, H)) if name == "fused_linear_jsd" else (e(M, H), e(V, H))
+        for backward in (False, True):
+            assert bench._FLOPS[name](M, H, V, backward) == flops(*args, backward=backward)

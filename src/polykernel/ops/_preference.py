@@ -308,17 +308,17 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LARGE_SHAPE = (8, 1024, 2048, 128256)  # the issue's 1B-model shape: 8 sequences of 1024 tokens, H = 2048, V = 128256
 
 
-def op_fields(reference: Any) -> dict[str, Any]:
+def op_fields(reference: Any, moved: Callable[..., int] | None = None) -> dict[str, Any]:
     """The ``Op(...)`` fields the six losses share: the argument class from the reference's
     parameters (:func:`fields`, :func:`key_for`, :func:`default_key`), the dtypes, the policy
-    head's :func:`bytes_moved`, and ``compile_mode="eager"``: under torch.compile, a graph break
+    head's :func:`bytes_moved` (``moved``: the op's own, with a reference head), and ``compile_mode="eager"``: under torch.compile, a graph break
     around the eager dispatcher (NamedTuple outputs have no custom-op schema; Inductor's code for
     the float64 reference would hold the [N, V] logits)."""
     import inspect
 
     n_args = len(inspect.signature(reference).parameters)
     return {"fields": fields(reference), "key": key_for(reference), "default_key": default_key(n_args), "dtypes": DTYPES,
-            "bytes_moved": bytes_moved, "compile_mode": "eager"}  # fmt: skip
+            "bytes_moved": moved or bytes_moved, "compile_mode": "eager"}  # fmt: skip
 
 
 def pair_outputs(n_scalars: int) -> Any:
@@ -372,3 +372,26 @@ def bytes_moved(hidden: torch.Tensor, weight: torch.Tensor, *_: object, backward
     """Fewest bytes: read hidden and weight (+ write dH and dW). Matmul-bound: rate by ``flops``."""
     size = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
     return 2 * size if backward else size
+
+
+def with_ref_head(ref_at: int) -> tuple[Callable[..., int], Callable[..., int]]:
+    """``flops`` and ``bytes_moved`` of a loss that takes a reference model's head (DPO, KTO):
+    ``ref_hidden``/``ref_weight`` at positions ``ref_at``, ``ref_at + 1`` of the reference (or
+    by name). When given, the call also runs that head forward, without gradient: its logits'
+    2·N·Hr·V FLOPs, and ref_hidden and ref_weight read once, in both modes."""
+
+    def ref(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        at = ref_at - 2  # args holds what follows hidden and weight
+        rh = args[at] if len(args) > at else kwargs.get("ref_hidden")
+        rw = args[at + 1] if len(args) > at + 1 else kwargs.get("ref_weight")
+        return (rh, rw) if isinstance(rh, torch.Tensor) and isinstance(rw, torch.Tensor) else None
+
+    def ref_flops(hidden: torch.Tensor, weight: torch.Tensor, *args: Any, backward: bool = False, **kwargs: Any) -> int:
+        r = ref(args, kwargs)
+        return flops(hidden, weight, backward=backward) + (0 if r is None else flops(*r))
+
+    def ref_bytes(hidden: torch.Tensor, weight: torch.Tensor, *args: Any, backward: bool = False, **kwargs: Any) -> int:
+        r = ref(args, kwargs)
+        return bytes_moved(hidden, weight, backward=backward) + (0 if r is None else bytes_moved(*r))
+
+    return ref_flops, ref_bytes

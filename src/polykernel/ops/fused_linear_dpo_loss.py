@@ -188,9 +188,8 @@ def cases(device, dtype, large: bool = False) -> list[Case]:
     return out
 
 
-flops = pref.flops
-bytes_moved = pref.bytes_moved
+flops, bytes_moved = pref.with_ref_head(4)  # the policy head's, plus the reference head's forward when given
 
 _op = Op(OP_ID, validate=_validate, reference=reference, outputs=outputs, error_model=error_model, cases=cases, example=example,
-         **pref.op_fields(reference))  # impls: the backends' manifests (polykernel.backends)  # fmt: skip
+         **pref.op_fields(reference, bytes_moved))  # impls: the backends' manifests (polykernel.backends)  # fmt: skip
 _dispatch = _op.dispatch  # bound once

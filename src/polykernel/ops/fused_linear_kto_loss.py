@@ -197,11 +197,10 @@ def cases(device, dtype, large: bool = False) -> list[Case]:
     return out
 
 
-flops = pref.flops
-bytes_moved = pref.bytes_moved
+flops, bytes_moved = pref.with_ref_head(5)  # the policy head's, plus the reference head's forward when given
 
 
 # compile_mode "eager" (op_fields), also because the statistics' shapes follow the labels' values
 _op = Op(OP_ID, validate=_validate, reference=reference, outputs=outputs, error_model=error_model, cases=cases, example=example,
-         **pref.op_fields(reference))  # impls: the backends' manifests (polykernel.backends)  # fmt: skip
+         **pref.op_fields(reference, bytes_moved))  # impls: the backends' manifests (polykernel.backends)  # fmt: skip
 _dispatch = _op.dispatch  # bound once

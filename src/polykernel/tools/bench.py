@@ -38,6 +38,7 @@ mode (what ``torch.compile``'s default automatic dynamic shapes give a user) ins
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -270,11 +271,10 @@ def _perf(row: dict[str, Any], op: Any, shape: tuple[int, ...], args: tuple[Any,
         n, h, v = shape
         row["size"] = _FLOPS[op.name](n, h, v, False) / 1e9  # GFLOP forward: the plot's x
         row["TFLOP/s"] = _FLOPS[op.name](n, h, v, backward) / (ms * 1e-3) / 1e12
-    elif op.name in _PREFERENCE:  # matmul-bound: the policy head's GEMMs (ops/_preference.py's flops)
-        from polykernel.ops._preference import flops
-
-        row["size"] = flops(*args, backward=False) / 1e9
-        row["TFLOP/s"] = flops(*args, backward=backward) / (ms * 1e-3) / 1e12
+    elif op.name in _PREFERENCE:  # matmul-bound: the op file's flops (DPO, KTO: + a reference head given)
+        flops = importlib.import_module(f"polykernel.ops.{op.name}").flops
+        row["size"] = flops(*args, backward=False, **kwargs) / 1e9
+        row["TFLOP/s"] = flops(*args, backward=backward, **kwargs) / (ms * 1e-3) / 1e12
     elif op.name in ("moe_experts", "moe_experts_gpt_oss"):
         from polykernel.ops import moe_experts, moe_experts_gpt_oss
 
