@@ -30,6 +30,7 @@ NO_ROW_FILE = {
     "kernels/ncu_kernels.py": "the counters come from ncu's report, which exists once its run ends (see its docstring)",
     "models/decode_drift.py": "JSONL, a line appended (file closed) per row as measured",
     "models/decode_profile.py": "JSONL, a line appended (file closed) per row as measured",
+    "parity_power.py": "a CPU audit of the parity harness (mutants killed or not), printed per mutant: no measurement",
 }
 # script -> why it prints no estimate
 NO_ESTIMATE = {
@@ -37,6 +38,7 @@ NO_ESTIMATE = {
     "host/moe_gpu_compiles.py": "prints each test's count as it goes (~1 min; ~5 min with --compile: its docstring)",
     "kernels/bench_ops.py": "polykernel.tools.bench.main announces",
     "kernels/moe_paths.py": "not yet: edited elsewhere",
+    "parity_power.py": "measures nothing (verdicts, not times)",
 }
 
 
