@@ -203,7 +203,7 @@ def _moe_args(op, t=6, h=16, inter=16, e=4):
         params = (torch.randn(e, 2 * inter, h) / 4, torch.randn(e, h, inter) / 4)
     else:  # gate_up [E, H, 2I] + bias, down [E, I, H] + bias
         params = (torch.randn(e, h, 2 * inter) / 4, 0.1 * torch.randn(e, 2 * inter), torch.randn(e, inter, h) / 4, 0.1 * torch.randn(e, h))
-    return [torch.randn(t, h), _MOE_INDEX.clone(), w / w.sum(-1, keepdim=True), *params]
+    return [torch.randn(t, h), _MOE_INDEX.to(torch.get_default_device()), w / w.sum(-1, keepdim=True), *params]
 
 
 def _moe_grads(op, impl, args, **kw):
