@@ -72,11 +72,12 @@ class OpTypeError(OpArgumentError, TypeError):
     """An argument of the wrong type or dtype (also a ``TypeError``)."""
 
 
-def did_you_mean(name: str, valid: Sequence[str]) -> str:
-    """`` (did you mean 'rms_norm'?)`` for the valid name closest to a misspelt one, else ``""``."""
+def did_you_mean(name: str, valid: Sequence[str], longest: int = 200) -> str:
+    """`` (did you mean 'rms_norm'?)`` for the valid name closest to a misspelt one, else ``""``
+    (also for a name over ``longest`` characters: a pasted blob, not a typo)."""
     import difflib
 
-    close = difflib.get_close_matches(name, list(valid), 1, 0.6) if len(name) <= 200 else []
+    close = difflib.get_close_matches(name, list(valid), 1, 0.6) if len(name) <= longest else []
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ...errors import UnknownImplError, shown
+from ...errors import UnknownImplError, did_you_mean, shown
 from ...spec import KernelBackend
 from .. import registry
 
@@ -46,15 +46,10 @@ def _parse_names(value: str | Sequence[str] | KernelBackend, where: str) -> tupl
 def _impl_names_text(name: str) -> str:
     """The impl names some registered op has (the catalog loaded), a close match, and the
     ``KernelBackend`` values reserved for impls no op has yet. Off the hot path: errors only."""
-    import difflib
-
     registry.load_catalog()
     used = sorted({impl for op_id in registry.all_op_ids() for impl in registry.specs_for(op_id)})
     reserved = sorted(b.value for b in KernelBackend if b.value not in used)
-    close = difflib.get_close_matches(name, used + reserved, n=1) if len(name) <= 64 else []  # a typo, not a pasted blob
-    text = f"the ops' impls are: {', '.join(used)}"
-    if close:
-        text += f" (did you mean {close[0]!r}?)"
+    text = f"the ops' impls are: {', '.join(used)}{did_you_mean(name, used + reserved, longest=64)}"
     if reserved:
         text += f"; KernelBackend also reserves {', '.join(reserved)}, which no op has yet"
     return text

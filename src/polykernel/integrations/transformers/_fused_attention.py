@@ -14,7 +14,7 @@ from torch import nn
 
 from polykernel import env
 
-from ._inference import QKV, _merged, runs_merged
+from ._inference import QKV, _merged, _merged_and_plain, runs_merged
 
 
 @functools.cache
@@ -104,7 +104,8 @@ def fused_attention_forward(unfused: Callable, attention_functions: Any, default
             return unfused(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
         layer, hq, hk, t, kw = fused
         cos, sin = position_embeddings  # type: ignore[misc]
-        qkv = F.linear(hidden_states, _merged(self, QKV, "weight"), _merged(self, QKV, "bias"))
+        merged = _merged_and_plain(self, QKV) or (_merged(self, QKV, "weight"), _merged(self, QKV, "bias"))
+        qkv = F.linear(hidden_states, *merged)
         try:
             query = _rope_kv_write(qkv, hq, hk, cos, sin, layer.cumulative_length, layer.keys, layer.values)
         except Exception as exc:  # e.g. a Triton that cannot compile the kernel: before any write

@@ -207,27 +207,31 @@ def mergeable(module: nn.Module, group: tuple[str, tuple[str, ...]]) -> str | No
     return None
 
 
-def _merged_and_plain(module: nn.Module, group: tuple[str, tuple[str, ...]]) -> bool:
+def _merged_and_plain(module: nn.Module, group: tuple[str, tuple[str, ...]]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The per-call check's common answer, from the modules' own dicts (nn.Module's attribute
-    lookups cost more than the rest): plain unhooked nn.Linear projections whose weights are still
-    views of the merged one (so of one dtype, device and width), all with a bias or none."""
-    merged = module.__dict__.get(f"_polykernel_{group[0]}_weight")
-    children = module.__dict__.get("_modules")
+    lookups cost more than the rest): the merged weight and bias when the projections are plain
+    unhooked nn.Linear layers that still view them (so of one dtype, device and width), all with
+    a bias or none; else None (:func:`runs_merged` says why, :func:`_merged` merges again)."""
+    d = module.__dict__
+    merged, children = d.get(f"_polykernel_{group[0]}_weight"), d.get("_modules")
     if merged is None or children is None:
-        return False
-    at, row = merged.data_ptr(), merged.stride(0) * merged.element_size()
-    biases = set()
+        return None
+    weights, biases = [], []
     for name in group[1]:
         p = children.get(name)
         if type(p) is not nn.Linear or _compat.module_hooks_seen(p):
-            return False
+            return None
         params = p.__dict__["_parameters"]
-        weight = params.get("weight")
-        if weight is None or weight.data_ptr() != at:
-            return False
-        at += weight.shape[0] * row
-        biases.add(params.get("bias") is None)
-    return len(biases) == 1
+        weights.append(params.get("weight"))
+        biases.append(params.get("bias"))
+    if any(w is None for w in weights) or not _views_of(merged, weights):
+        return None
+    if all(b is None for b in biases):
+        return merged, None
+    bias = d.get(f"_polykernel_{group[0]}_bias")
+    if bias is None or any(b is None for b in biases) or not _views_of(bias, biases):
+        return None
+    return merged, bias
 
 
 def runs_merged(module: nn.Module, group: tuple[str, tuple[str, ...]]) -> bool:
@@ -235,7 +239,7 @@ def runs_merged(module: nn.Module, group: tuple[str, tuple[str, ...]]) -> bool:
     they are still mergeable and unhooked. Wrapped after the patch (PEFT's LoRA, a quantized layer)
     or hooked, the merged matmul would skip what their forwards add: the module's own forward runs
     then (logged once; an error under POLYKERNEL_STRICT=1)."""
-    if _merged_and_plain(module, group):
+    if _merged_and_plain(module, group) is not None:
         return True
     why = mergeable(module, group)
     if why is None and any(_compat.module_hooks_seen(getattr(module, a)) for a in group[1]):
@@ -271,6 +275,8 @@ def mlp_forward(base: Callable, activation: tuple[str, str | None]) -> Callable:
             return base(self, x, *args, **kwargs)
         if _compiling():  # see _projected: no merged weight under torch.compile
             gate_up = _projected(self, GATE_UP, x)
+        elif (merged := _merged_and_plain(self, GATE_UP)) is not None:  # checked once, on the common call
+            gate_up = F.linear(x, *merged)
         elif not runs_merged(self, GATE_UP):
             return base(self, x)
         else:
