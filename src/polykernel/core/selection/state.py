@@ -9,6 +9,8 @@ import threading
 from contextvars import ContextVar
 from typing import Any
 
+import torch
+
 from ... import env
 from .. import registry
 
@@ -58,9 +60,38 @@ def reset_env_check() -> None:
 
 
 def log_once(key: tuple[Any, ...], message: str) -> None:
+    """Log ``message`` the first time ``key`` is seen in this process (``clear_caches`` forgets).
+
+    Callable from code torch.compile traces: Dynamo cannot trace a logger call (fullgraph fails on
+    it), so there the call runs while Dynamo traces, once per compilation, which is when the
+    decision it reports is baked into the graph. ``key`` and ``message`` must then be constants."""
+    if torch.compiler.is_compiling():
+        _while_tracing(key, message, False)
+    else:
+        _report(key, message, False)
+
+
+def fallback_once(key: tuple[Any, ...], message: str) -> None:
+    """A fallback: a ``RuntimeError`` carrying ``message`` under ``POLYKERNEL_STRICT=1``, else
+    :func:`log_once`. Under torch.compile the error too is raised while Dynamo traces (raised in
+    the traced code, fullgraph reports only "Observed exception", not the message)."""
+    if torch.compiler.is_compiling():
+        _while_tracing(key, message, True)
+    else:
+        _report(key, message, True)
+
+
+def _report(key: tuple[Any, ...], message: str, strict_raises: bool) -> None:
+    if strict_raises and strict_mode():
+        raise RuntimeError(message)
     if key not in _logged:
         _logged.add(key)
         log.warning(message)
+
+
+@torch.compiler.assume_constant_result  # Dynamo calls it while tracing and puts its None in the graph
+def _while_tracing(key: tuple[Any, ...], message: str, strict_raises: bool) -> None:
+    _report(key, message, strict_raises)
 
 
 # Ops whose tensor-subclass arguments a layer above routes itself (polykernel.distributed.dtensor adds its ops

@@ -20,12 +20,10 @@ from ._switches import _has_op
 def _fallback_once(cls: str, why: str, kind: str = "rms_norm") -> None:
     """A patched module runs transformers' forward: logged once per class and kind (an error under
     POLYKERNEL_STRICT=1)."""
-    from polykernel.core.selection.state import log_once, strict_mode
+    from polykernel.core.selection.state import fallback_once
 
     message = f"polykernel: patch(): {cls} {why}; running transformers' forward for it (POLYKERNEL_STRICT=1 makes this an error)"
-    if strict_mode():
-        raise RuntimeError(message)
-    log_once(("transformers", kind, cls), message)
+    fallback_once(("transformers", kind, cls), message)
 
 
 def _hooked_activation(owner: nn.Module, act: Any, kind: str) -> bool:

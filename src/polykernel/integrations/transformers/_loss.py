@@ -124,15 +124,13 @@ def _logit_softcap(model: nn.Module, family: _Family | None) -> float | None:
 def _unfused(model: nn.Module, why: str) -> None:
     """The fused loss does not apply: logged once per model class and reason (an error under
     POLYKERNEL_STRICT=1), since the memory it saves is why users patch the loss."""
-    from polykernel.core.selection.state import log_once, strict_mode
+    from polykernel.core.selection.state import fallback_once
 
     message = (
         f"polykernel: patch(): {type(model).__name__}'s {why}; its loss runs on the logits, not fused "
         "with lm_head (POLYKERNEL_STRICT=1 makes this an error)"
     )
-    if strict_mode():
-        raise RuntimeError(message)
-    log_once(("transformers", "fused_linear_cross_entropy", type(model).__name__, why), message)
+    fallback_once(("transformers", "fused_linear_cross_entropy", type(model).__name__, why), message)
 
 
 def _flce_head(model: nn.Module, family: _Family | None = None) -> nn.Linear | None:
