@@ -579,6 +579,9 @@ def test_logits_to_keep_and_return_dict(calls, torch_impls):
     tup, want = model(ids, labels=labels, return_dict=False), ref(ids, labels=labels, return_dict=False)
     assert isinstance(tup, tuple)
     torch.testing.assert_close(tup[0], want[0], **FP32)
+    # the fused loss has no logits, but their slot stays: what follows is where the model puts it
+    assert len(tup) == len(want) and (tup[1] is None) == has_op("fused_linear_cross_entropy")
+    assert [type(v) for v in tup[2:]] == [type(v) for v in want[2:]]
 
 
 def test_generate_matches(calls, torch_impls):

@@ -277,7 +277,11 @@ def _causal_lm_forward(base: Callable, use_flce: bool, use_ce: bool, family: _Fa
             out = type(out)(loss=loss, **{n: v for n, v in out.items() if n != "loss"})
         else:
             return base(self, *args, **kwargs)
-        return out if return_dict else out.to_tuple()
+        if return_dict:
+            return out
+        if out.logits is None:  # fused: the tuple keeps logits' slot (to_tuple drops Nones) so positions match
+            return (out.loss, None, *(v for k, v in out.items() if k not in ("loss", "logits")))
+        return out.to_tuple()
 
     forward._polykernel = "loss"  # type: ignore[attr-defined]
     return forward
