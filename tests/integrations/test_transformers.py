@@ -1141,14 +1141,17 @@ def test_compiled_fullgraph_logs_the_fused_loss_refusal_once(torch_impls, caplog
     torch.testing.assert_close(out.loss, want.loss, **FP32)
     assert_grads_close(model, ref, **FP32_GRAD)
     refusals = [r.getMessage() for r in caplog.records if "not fused with lm_head" in r.getMessage()]
-    assert len(refusals) == 1 and "hooks" in refusals[0]
     assert len(seen) == 3  # the hook saw every call: two compiled, one reference
+    if _compat.comptime() is None:  # (POLYKERNEL_COMPAT_FALLBACKS=1) nothing can run while Dynamo traces
+        assert not refusals
+        return
+    assert len(refusals) == 1 and "hooks" in refusals[0]
 
     # POLYKERNEL_STRICT=1: the error carries the reason (raised in the traced code, fullgraph
     # said only "Observed exception")
     monkeypatch.setenv("POLYKERNEL_STRICT", "1")
     torch._dynamo.reset()
-    with pytest.raises(RuntimeError, match="lm_head has hooks"):
+    with pytest.raises(RuntimeError, match="lm_head.*hooks"):
         train_step(torch.compile(model, fullgraph=True, backend="aot_eager"), ids, labels)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ... import env
+from ... import _compat, env
 from .. import registry
 
 log = logging.getLogger("polykernel")
@@ -89,9 +89,17 @@ def _report(key: tuple[Any, ...], message: str, strict_raises: bool) -> None:
         log.warning(message)
 
 
-@torch.compiler.assume_constant_result  # Dynamo calls it while tracing and puts its None in the graph
 def _while_tracing(key: tuple[Any, ...], message: str, strict_raises: bool) -> None:
-    _report(key, message, strict_raises)
+    comptime = _compat.comptime()
+    if comptime is not None:
+        comptime(_from_trace)
+    elif strict_raises and strict_mode():  # (the message is lost under fullgraph)
+        raise RuntimeError(message)
+    # else no way to run code while Dynamo traces on this torch: not logged (it would break the graph)
+
+
+def _from_trace(ctx: Any) -> None:  # run by Dynamo while tracing _while_tracing; no free variables
+    _report(*(ctx.get_local(name).as_python_constant() for name in ("key", "message", "strict_raises")))
 
 
 # Ops whose tensor-subclass arguments a layer above routes itself (polykernel.distributed.dtensor adds its ops
