@@ -1151,7 +1151,7 @@ def test_compiled_fullgraph_logs_the_fused_loss_refusal_once(torch_impls, caplog
     # said only "Observed exception")
     monkeypatch.setenv("POLYKERNEL_STRICT", "1")
     torch._dynamo.reset()
-    with pytest.raises(RuntimeError, match="lm_head.*hooks"):
+    with pytest.raises(RuntimeError, match=r"lm_head.*hooks"):
         train_step(torch.compile(model, fullgraph=True, backend="aot_eager"), ids, labels)
 
 
