@@ -11,7 +11,7 @@ import torch
 import polykernel
 from _parity_mutants import MUTANTS, grad_scaled, out_scaled
 from polykernel.core import registry
-from polykernel.ops import moe_experts, rms_norm
+from polykernel.ops import fused_linear_jsd, fused_linear_orpo_loss, moe_experts, rms_norm
 from polykernel.spec import CapabilityRequirement
 from polykernel.testing import check_parity, isolated
 
@@ -34,6 +34,31 @@ POWER = [
     ("embedding.rope", "neox/gptj swapped", None, ["1x3x7x32-B1"], [F32, BF16]),
     ("moe.moe_router", "renormalize ignored", None, ["13x8-k2"], [F32, BF16]),
     ("moe.moe_experts", "dgate_up_proj*1.01", grad_scaled(moe_experts.reference, 3, 1.01), None, [F32]),
+    # fused_linear_jsd's and ORPO's gradient bounds summed worst cases (the log-probs' error times
+    # |∂ row/∂x| + |∂ row/∂y| with |x|, |y| factors; ORPO's mean log-probs as T-token sums): these
+    # mutants survived every case, and fused_linear_jsd's out*1.001 too
+    (
+        "loss.fused_linear_jsd",
+        "dstudent_hidden*1.01",
+        grad_scaled(fused_linear_jsd.reference, 0, 1.01),
+        ["1x8x1000", "12x24x1000-beta0-t2", "8x16x1200-teacher-h40"],
+        [F32],
+    ),
+    (
+        "loss.fused_linear_jsd",
+        "dstudent_weight*1.01",
+        grad_scaled(fused_linear_jsd.reference, 1, 1.01),
+        ["1x8x1000", "12x24x1000-beta0-t2"],
+        [F32],
+    ),
+    ("loss.fused_linear_jsd", "out*1.001", out_scaled(fused_linear_jsd.reference, 1.001), ["17x32x3001-ignored"], [F32]),
+    (
+        "loss.fused_linear_orpo_loss",
+        "dhidden*1.01",
+        grad_scaled(fused_linear_orpo_loss.reference, 0, 1.01),
+        ["4x6x16x97-beta", "6x5x24x300"],
+        [F32],
+    ),
 ]
 
 

@@ -18,7 +18,8 @@ from ._preference import _capture, keeps_g, reference_token_logps, sequence_logp
 # Σ_t |∂L/∂logp_t|·ε (first order; g = ∂L/∂logp from the float64 reference by autograd) plus its
 # own fp32 arithmetic on terms of magnitude A = Σ_t |g_t|·(|logp_t| + 1). A per-sequence statistic
 # is a sum of up to T log-probs (T·ε + λ·√T·u32 of their magnitude), times its gain (β for the
-# rewards). Backward: dz = g/t·(onehot − softmax) is off by ε relative (softmax) plus g's own
+# rewards); a mean over its n scored tokens (ORPO's, ``average``) divides the n·ε and the sum's
+# error by n: ε + (λ·√T + 1)·u32 of the largest |logp| + 1 (T: the sum's length, kept for its order). Backward: dz = g/t·(onehot − softmax) is off by ε relative (softmax) plus g's own
 # error (its slope through the formula: β·margin's error, a ratio's log-probs' error), rounded
 # to the inputs' dtype; dH = dz·W sums over V (scale max|W|·max_t Σ_v|dz|), dW = dzᵀ·h over the
 # rows (max|h|·max_v Σ_t|dz|, accumulated in the weight's dtype once per chunk), db = Σ_t dz.
@@ -30,10 +31,11 @@ from ._preference import _capture, keeps_g, reference_token_logps, sequence_logp
 
 
 def error_bounds(reference: Any, args: tuple, kwargs: dict, *, grads: dict[str, int], beta: float = 1.0, gain: float = 1.0,
-                 temperature: float = 1.0) -> Any:  # fmt: skip
+                 temperature: float = 1.0, average: bool = False) -> Any:  # fmt: skip
     """The op's :class:`~polykernel.core.op.Bounds` for one call (see the comment above):
     ``grads`` maps hidden/weight/bias to their positions; ``gain``: the statistics' largest
-    slope in the sequences' log-probs."""
+    slope in the sequences' log-probs; ``average``: the statistics are the sequences' mean
+    log-probs (every call), not their sums."""
     from ..core.op import SUM_LAMBDA, TINY, Bounds, ErrorModel
 
     hidden, weight = args[grads["hidden"]], args[grads["weight"]]
@@ -71,7 +73,7 @@ def error_bounds(reference: Any, args: tuple, kwargs: dict, *, grads: dict[str, 
         dz_row, dz_col_max = _preference_reference.dlogit_magnitudes(entry, g)
     lam_t = SUM_LAMBDA * max(t, 1) ** 0.5
     loss_err = 2 * g_abs * eps + (8 + lam_t) * u32 * a_mag
-    seq_err = t * eps + lam_t * u32 * t * (tok + 1)
+    seq_err = eps + (lam_t + 1) * u32 * (tok + 1) if average else t * eps + lam_t * u32 * t * (tok + 1)
     loss_model = ErrorModel(rounds=1, ops=8, cancel=loss_err / u32, scale=1.0)
     stat = ErrorModel(rounds=1, ops=8, cancel=gain * seq_err / u32, scale=1.0)
     budget = _preference.CHUNK_BYTES  # read per call, as the driver reads its own: tests shrink both
@@ -111,10 +113,12 @@ def _row_norm_and_max(weight: torch.Tensor) -> tuple[float, float]:
     return norm, top
 
 
-def error_model_for(reference: Any, grads: dict[str, int], *, beta: str | None = "beta", gain: Any = None, curv: Any = None) -> Any:
+def error_model_for(reference: Any, grads: dict[str, int], *, beta: str | None = "beta", gain: Any = None, curv: Any = None,
+                    average: bool = False) -> Any:  # fmt: skip
     """``Op(error_model=)``: :func:`error_bounds` with the call's ``beta`` (how fast the formula's
-    slope moves with a margin; ``curv(arguments)`` instead where given, None: no margin) and the
-    statistics' ``gain(arguments)`` (default max(1, β))."""
+    slope moves with a margin; ``curv(arguments)`` instead where given, None: no margin), the
+    statistics' ``gain(arguments)`` (default max(1, β)) and ``average`` (the loss always takes
+    the sequences' mean log-probs: ORPO)."""
     import inspect
 
     sig = inspect.signature(reference)
@@ -126,7 +130,8 @@ def error_model_for(reference: Any, grads: dict[str, int], *, beta: str | None =
         b = float(a[beta]) if beta is not None else 0.0
         g = gain(a) if gain is not None else max(1.0, b)
         c = curv(a) if curv is not None else b
-        return error_bounds(reference, args, kwargs, grads=grads, beta=c, gain=g, temperature=float(a.get("temperature", 1.0)))
+        return error_bounds(reference, args, kwargs, grads=grads, beta=c, gain=g, temperature=float(a.get("temperature", 1.0)),
+                            average=average)  # fmt: skip
 
     return error_model
 

@@ -213,36 +213,75 @@ def bytes_moved(
 
 
 # -- error model (see polykernel.core.op.ErrorModel) --------------------------------------------------
-# The logits are fp32 sums over H of products of the inputs' values: each is off by δ <= λ·√H·u32
-# of Σ_k |h_k·W_k| (Zabs, computed); x = z/t - lse then moves by ε <= 2δ/t + a few u32 of |z|/t +
-# |lse|, for the student and the teacher. Loss: loss.jsd's model (8 u32 of the terms' magnitudes
-# S) plus its sensitivity to ε, |∂ row / ∂x_v| + |∂ row / ∂y_v| <= e_v = 3·(P + Q)·(2 + |x| + |y|).
-# Backward: dz = (dX - Q·ΣdX)·c/t (c = 1/count) is off by ε·e (the same sensitivity) plus its own
-# fp32 error j (8 u32 of the student parts w of the terms, through dX and ΣdX), then rounded to
-# the inputs' dtype (rounds_abs: u(dtype) of |dz|). dH = dz·Ws sums over V: its scale is
-# max|Ws| times the largest row sum of |dz| (the matmul's own λ·√V·u32 of it), with ε·e and j's row
-# sums as a multiple of it; dW = dzᵀ·hs sums over rows, likewise with column sums and max|hs|,
-# accumulated in the weight's dtype once per chunk (and once more by the cotangent).
+# First order, every term a bound per element (no cancellation across classes or rows is assumed,
+# so another accumulation order or a GPU's correlated roundings stay within it).
+# - Logits: fp32 sums over H (Ht) of products of the inputs' values, each off by
+#   δ_v <= λ·√H·u32·Zabs_v, Zabs_v = Σ_k |h_k·W_vk| (per element; the reduction length H and the
+#   fp32 accumulation are the term's: it holds whatever the order of the sum), then /t.
+# - Log-probs x = z/t - lse (y likewise for the teacher): x_v is off by a_v + b, a_v = δ_v/t +
+#   u32·(|z_v/t| + |x_v|) its own (the logit's error, the division and the subtraction) and
+#   b = Σ_w Q_w·δ_w/t + u32·(3|lse| + max|z/t| + Σ_w Q_w·|x_w| + λ√V + 6) the row's (lse moves by
+#   Q·δ to first order; the sum of V exps carries λ√V u32 + a few, their arguments' error).
+# - The row's loss Σ_v term(x_v, y_v) moves by Σ_v |dX_v|·(a+b)_v + |dY_v|·(a+b)_v (dX, dY its
+#   exact partial derivatives), plus loss.jsd's own fp32 model: ~8 u32 of the terms' magnitudes w
+#   (_distill.jsd_weights) and λ·√V u32 of Σ_v |term_v| (the row's sum, mixed signs); the mean over
+#   scored rows (each >= 0) is relative (sum_rel).
+# - Student dlogits dz = (dX - Q·ΣdX)·c, c = 1/(count·t): dX_v = f(x_v, y_v) elementwise, so dz_v
+#   moves by E_v = (|f_x| + Q|ΣdX|)·δx_v + |f_y|·δy_v + Q_v·Σ_w (|f_x|·δx + |f_y|·δy)_w (f_x, f_y the
+#   exact second derivatives, in closed form per β branch), plus its own fp32 evaluation, 8 u32 of
+#   j (loss.jsd's gradient model: the student part of w, through dX and ΣdX) and λ√V u32 of
+#   Q·Σ|dX| (ΣdX's sum over V); then it is rounded to the inputs' dtype (rounds_abs: u(dtype) of
+#   |dz|, the term that holds in bf16/fp16).
+# - dH = dz·Ws sums over V: scale max|Ws|·c·max_row Σ_v|dz| (the matmul's own λ·√V·u32 of it: V is
+#   that reduction's length), the E and j row sums as a multiple of it; dW = dzᵀ·hs sums over rows,
+#   likewise with column sums and max|hs|, accumulated in the weight's dtype once per chunk (and
+#   once more by the cotangent).
 _CLASS_BLOCK = 1 << 14  # classes of a head converted to float64 at a time (the error model's: _head_blocks)
 
 
-def _logits64(rows: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``rows @ weight.T / temperature`` in float64 for float64 ``rows``, a block of classes at a time."""
+def _logits64(rows: torch.Tensor, weight: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows @ weight.T / temperature`` and ``|rows| @ |weight|.T`` (Zabs) in float64 for float64
+    ``rows``, a block of classes at a time."""
     z = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float64, device=rows.device)
+    za = torch.empty_like(z)
+    ra = rows.abs()
     for s, e, w, _ in float64_blocks(weight, None, _CLASS_BLOCK):
         z[:, s:e] = rows @ w.T
-    return z / temperature
+        za[:, s:e] = ra @ w.abs_().T
+    return z / temperature, za
 
 
-def _zabs(hidden: torch.Tensor, weight: torch.Tensor) -> float:
-    """max over rows and classes of Σ_k |h_k·W_vk|, without the [N, V] at once."""
-    top = 0.0
-    for rows in hidden.detach().split(1024):
-        ra = rows.abs().double()
-        for _s, _e, w, _ in float64_blocks(weight, None, _CLASS_BLOCK):
-            z = ra @ w.abs_().T
-            top = max(top, z.max().item() if z.numel() else 0.0)
-    return top
+def _jsd_derivatives(x: torch.Tensor, y: torch.Tensor, beta: float) -> tuple[torch.Tensor, ...]:
+    """Per element (fp64): the row's ∂/∂x and ∂/∂y (dX, dY) and dX's ∂/∂x and ∂/∂y (f_x, f_y), in
+    closed form. β = 0: row = P·(Y - X); β = 1: Q·(X - Y); else with L = log(β·P + (1-β)·Q),
+    dX = (1-β)·Q·(X - L), dY = β·P·(Y - L). A probability of 0 contributes 0."""
+    p, q = y.exp(), x.exp()
+    if beta == 0:
+        dx, dy, fx, fy = -p, p * (y - x + 1), torch.zeros_like(p), -p
+    elif beta == 1:
+        dx, dy, fx, fy = q * (x - y + 1), -q, q * (x - y + 2), -q
+    else:
+        m = torch.maximum(x, y).nan_to_num(neginf=0.0)
+        mix = beta * (y - m).exp() + (1 - beta) * (x - m).exp()
+        lm = m + mix.log()
+        sq = (1 - beta) * (x - m).exp() / mix  # (1-β)·Q/M
+        sp = beta * (y - m).exp() / mix  # β·P/M
+        dx, dy = (1 - beta) * q * (x - lm), beta * p * (y - lm)
+        fx, fy = (1 - beta) * q * (x - lm + 1 - sq), -(1 - beta) * q * sp
+    return tuple(torch.where((p == 0) & (q == 0), 0.0, a).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0) for a in (dx, dy, fx, fy))
+
+
+def _logp_error(z: torch.Tensor, x: torch.Tensor, za: torch.Tensor, h: int, temperature: float, v: int) -> torch.Tensor:
+    """Per element: the bound a + b on the fp32 log-probs' error (see the comment above)."""
+    u32 = 2.0**-24
+    q = x.exp()
+    d = SUM_LAMBDA * h**0.5 * u32 * za / temperature
+    lse = (z - x).abs().amax(-1, keepdim=True)
+    own = d + u32 * (z.abs() + x.abs())
+    row = (q * d).sum(-1, keepdim=True) + u32 * (
+        3 * lse + z.abs().amax(-1, keepdim=True) + (q * x.abs()).nan_to_num().sum(-1, keepdim=True) + SUM_LAMBDA * v**0.5 + 6
+    )
+    return (own + row).nan_to_num(posinf=0.0)
 
 
 def error_model(
@@ -263,44 +302,45 @@ def error_model(
     count = max(1, int(valid.sum()))
     u32 = 2.0**-24
     t, b = temperature, float(beta)
-    delta = SUM_LAMBDA * (h**0.5 * _zabs(hs2, student_weight) + ht**0.5 * _zabs(ht2, teacher_weight)) * u32
+    lam_v = SUM_LAMBDA * max(v, 1) ** 0.5
     # per row / per class sums over the scored rows, fp64, a row chunk at a time
-    s_tot = e_tot = 0.0
+    w_tot = a_tot = sens_tot = 0.0
     d_row = e_row = j_row = 0.0
     d_col, e_col, j_col = (torch.zeros(v, dtype=torch.float64) for _ in range(3))
-    z_top = 0.0
     step = max(1, distill._MODEL_ELEMS // max(v, 1))
     for s in range(0, n, step):
         ok = valid[s : s + step]
-        zs, zt = _logits64(hs2[s : s + step].double(), student_weight, t), _logits64(ht2[s : s + step].double(), teacher_weight, t)
+        zs, zsa = _logits64(hs2[s : s + step].double(), student_weight, t)
+        zt, zta = _logits64(ht2[s : s + step].double(), teacher_weight, t)
         x, y = zs.log_softmax(-1), zt.log_softmax(-1)
-        if x.numel():
-            z_top = max(z_top, zs.abs().max().item() + (zs - x).abs().max().item() + zt.abs().max().item() + (zt - y).abs().max().item())
+        ex, ey = _logp_error(zs, x, zsa, h, t, v), _logp_error(zt, y, zta, ht, t, v)
         wp, wq = distill.jsd_weights(x, y, b)
-        xr = x.detach().requires_grad_()
-        with torch.enable_grad():
-            (dx,) = torch.autograd.grad(distill.jsd_terms(xr, y, b).sum(), xr)
-        p, q = y.exp(), x.exp()
+        dx, dy, fx, fy = _jsd_derivatives(x, y, b)
+        q = x.exp()
         ssum = dx.sum(-1, keepdim=True)
         dz = (dx - q * ssum).abs()
-        e = 3 * (p + q) * (2 + x.abs() + y.abs())
+        moved = fx.abs() * ex + fy.abs() * ey
+        e = moved + q * ssum.abs() * ex + q * moved.sum(-1, keepdim=True) + lam_v * u32 * q * dx.abs().sum(-1, keepdim=True)
         j = wq + q * (x.abs() + 2) * ssum.abs() + q * wq.sum(-1, keepdim=True)
-        dz, e, j, wsum = (a.cpu()[ok] for a in (dz, e, j, wp + wq))
+        terms = distill.jsd_terms(x, y, b).abs()
+        sens = dx.abs() * ex + dy.abs() * ey
+        dz, e, j, wsum, terms, sens = (a.cpu()[ok] for a in (dz, e, j, wp + wq, terms, sens))
         if dz.numel():
-            s_tot += wsum.sum().item()
-            e_tot += e.sum().item()
+            w_tot += wsum.sum().item()
+            a_tot += terms.sum().item()
+            sens_tot += sens.sum().item()
             d_row, e_row, j_row = (max(old, a.sum(-1).max().item()) for old, a in ((d_row, dz), (e_row, e), (j_row, j)))
             d_col += dz.sum(0)
             e_col += e.sum(0)
             j_col += j.sum(0)
-    eps = 2 * delta / t + 4 * u32 * z_top  # the log-probs' error (student and teacher), absolute
     k = 1.0 / (count * t)
-    loss = ErrorModel(ops=4, sum_rel=1, cancel=8 + eps / u32 * e_tot / max(s_tot, 1e-300), sum_abs=1, n=max(v, n), scale=s_tot / count)
+    # the loss: its sensitivity to the log-probs' errors and loss.jsd's own fp32 model, per scored row
+    loss = ErrorModel(ops=4, sum_rel=1, cancel=(sens_tot / u32 + 8 * w_tot) / count, sum_abs=a_tot / count, n=max(v, n), scale=1.0)
 
     def grad(rounds: int, d: float, e_: float, j_: float, w_max: float, terms: int) -> ErrorModel:
         tiny = TINY.get(student_hidden.dtype, 0.0)
         return ErrorModel(
-            rounds=rounds, ops=4, rounds_abs=2, cancel=8 + (eps / u32 * e_ + 8 * j_) / max(d, 1e-300), sum_abs=1, n=max(terms, 1),
+            rounds=rounds, ops=4, rounds_abs=2, cancel=8 + (e_ / u32 + 8 * j_) / max(d, 1e-300), sum_abs=1, n=max(terms, 1),
             scale=w_max * k * d, inter=student_hidden.dtype, floor=SUM_LAMBDA * terms**0.5 * tiny * w_max,
         )  # fmt: skip
 

@@ -114,7 +114,8 @@ def reference(hidden, weight, target, bias=None, beta=0.1, ignore_index=-100, co
     return pref.contract(_stats(loss, logps, mask, float(beta)), hidden)
 
 
-error_model = error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 3}, gain=orpo_gain, curv=orpo_curv)
+# ORPO's c, r are always the sequences' mean log-probs (pref.pair_logps(..., True)): average=True
+error_model = error_model_for(reference, {"hidden": 0, "weight": 1, "bias": 3}, gain=orpo_gain, curv=orpo_curv, average=True)
 
 
 outputs = pref.pair_outputs(3)  # the first-call check: loss, the [B] log-probs and rewards, nll_loss, the log-odds' two
