@@ -65,7 +65,7 @@ def log_once(key: tuple[Any, ...], message: str) -> None:
     Callable from code torch.compile traces: Dynamo cannot trace a logger call (fullgraph fails on
     it), so there the call runs while Dynamo traces, once per compilation, which is when the
     decision it reports is baked into the graph. ``key`` and ``message`` must then be constants."""
-    if torch.compiler.is_compiling():
+    if _traced():
         _while_tracing(key, message, False)
     else:
         _report(key, message, False)
@@ -75,10 +75,17 @@ def fallback_once(key: tuple[Any, ...], message: str) -> None:
     """A fallback: a ``RuntimeError`` carrying ``message`` under ``POLYKERNEL_STRICT=1``, else
     :func:`log_once`. Under torch.compile the error too is raised while Dynamo traces (raised in
     the traced code, fullgraph reports only "Observed exception", not the message)."""
-    if torch.compiler.is_compiling():
+    if _traced():
         _while_tracing(key, message, True)
     else:
         _report(key, message, True)
+
+
+def _traced() -> bool:
+    """Whether Dynamo is tracing the caller's code (not: Python it runs while tracing, such as a
+    comptime function or a fake impl, where ``torch.compiler.is_compiling()`` is True too)."""
+    dynamo = _compat.dynamo_compiling
+    return dynamo() if dynamo is not None else torch.compiler.is_compiling()
 
 
 def _report(key: tuple[Any, ...], message: str, strict_raises: bool) -> None:
