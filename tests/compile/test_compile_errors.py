@@ -12,6 +12,17 @@ import torch
 import polykernel
 from polykernel.errors import OpArgumentError
 
+
+def _moe_args():
+    index = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 2], [1, 3]])
+    return torch.randn(6, 16), index, torch.full((6, 2), 0.5), torch.randn(4, 64, 16) / 4, torch.randn(4, 16, 32) / 6
+
+
+def _gpt_oss_args():
+    x, index, weights, _, _ = _moe_args()
+    return x, index, weights, torch.randn(4, 16, 64) / 4, torch.zeros(4, 64), torch.randn(4, 32, 16) / 6, torch.zeros(4, 16)
+
+
 BAD = [
     ("rms_norm", lambda: (torch.randn(4, 8), torch.ones(8)), {"eps": -1.0}, "eps"),
     ("rms_norm", lambda: (torch.randn(4, 8), torch.ones(8)), {"eps": float("nan")}, "eps"),
@@ -30,6 +41,11 @@ BAD = [
     ("cross_entropy", lambda: (torch.randn(4, 8), torch.randint(0, 8, (4,))), {"label_smoothing": torch.tensor(0.1)}, "label_smoothing"),
     # a float where an int goes: the schema refused it while tracing (TorchRuntimeError)
     ("cross_entropy", lambda: (torch.randn(4, 8), torch.randint(0, 8, (4,))), {"ignore_index": 1.5}, "ignore_index"),
+    # the MoE ops validate CPU calls in the public function (the index values): there, in the
+    # traced code, the error was raised, which fullgraph reported as "Observed exception" only
+    ("moe_experts", _moe_args, {"activation": "bogus"}, "activation"),
+    ("moe_experts_gpt_oss", _gpt_oss_args, {"alpha": float("nan")}, "alpha"),
+    ("moe_experts_gpt_oss", _gpt_oss_args, {"limit": -1.0}, "limit"),
 ]
 
 
