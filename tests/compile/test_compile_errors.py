@@ -86,3 +86,26 @@ def test_valid_call_under_fullgraph_compile_still_runs():
     torch._dynamo.reset()
     compiled = torch.compile(lambda x, w: polykernel.rms_norm(x, w, eps=1e-5), fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(x, w), polykernel.rms_norm(x, w, eps=1e-5))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("op", ["cross_entropy", "fused_linear_cross_entropy"])
+def test_compiled_cpu_call_checks_the_target_on_every_call(op, grad):
+    # On the CPU the eager public functions check a target's class range on every call.
+    # Compiled, the trace sees fake tensors (no values) and the custom op went through the
+    # dispatcher, which validates a class once: after a valid call, an out-of-range target gave
+    # a NaN loss, silently.
+    h, w = torch.randn(4, 8, requires_grad=grad), torch.randn(10, 8)
+    if op == "cross_entropy":
+        fn = lambda h, t: polykernel.cross_entropy(h @ w.T, t)
+    else:
+        fn = lambda h, t: polykernel.fused_linear_cross_entropy(h, w, t)
+    good, bad = torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2, 30, 4])
+    with pytest.raises(OpArgumentError) as eager:
+        fn(h, bad)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    compiled(h, good)  # valid: the dispatcher decides (and validates) the class
+    with pytest.raises(OpArgumentError) as got:
+        compiled(h, bad)
+    assert (got.value.op, got.value.arg) == (eager.value.op, eager.value.arg) == (f"loss.{op}", "target")

@@ -32,6 +32,7 @@ from .runtime import (
     _training_decision,
     _transformed,
     _valid,
+    _validate_on_cpu,
 )
 from .schema import _Param, _params, _schema
 from .store import NAMESPACE
@@ -240,8 +241,10 @@ class CompiledOp:
 
         def real(*args: Any, impl: str | None = None) -> Any:
             args = full(args)
+            op = _current(op_id)
+            _validate_on_cpu(op, args)  # the values, every call (see _validate_on_cpu)
             with torch.no_grad():
-                out = _as_tuple(_select_and_run(_current(op_id), impl, args, names))
+                out = _as_tuple(_select_and_run(op, impl, args, names))
             out = _fresh(out, args)
             return out[0] if single else tuple(out)
 
@@ -340,6 +343,7 @@ class CompiledOp:
             *args, mask = rest
             args = full(tuple(args))
             op = _current(op_id)
+            _validate_on_cpu(op, args)  # the values, every call (see _validate_on_cpu)
             decision = _training_decision(op, impl, args, names)
             split = _split_of(decision.fn_for(args)) if uses_split else None
             saved = None

@@ -54,6 +54,17 @@ def _valid(op: Op, args: Sequence[Any]) -> bool:
     return True
 
 
+def _validate_on_cpu(op: Op, args: Sequence[Any]) -> None:
+    """Validate a compiled call on its real arguments when they are on the CPU, on every call:
+    there the eager public functions check what the argument class cannot hold, the values (a
+    target's class range, the expert indices), on every call. The trace validated the fake
+    tensors, which have none, and the dispatcher validates a class once: without this, a later
+    out-of-range target ran (NaN losses, silently). Off the CPU such checks would cost a host
+    sync per call; eager skips them there too (the impls check the indices on the device)."""
+    if op.validate is not None and any(isinstance(a, torch.Tensor) and a.is_cpu for a in args):
+        op.validate(*args)
+
+
 # Whether _compat reads the forward-AD level itself; its fallback says "open" on every call.
 _LEVEL_READ = "forward_ad_level" not in _compat.fallbacks()
 
