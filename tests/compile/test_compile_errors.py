@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import polykernel
-from polykernel.errors import OpArgumentError
+from polykernel.errors import OpArgumentError, UnknownImplError
 
 
 def _moe_args():
@@ -109,3 +109,19 @@ def test_compiled_cpu_call_checks_the_target_on_every_call(op, grad):
     with pytest.raises(OpArgumentError) as got:
         compiled(h, bad)
     assert (got.value.op, got.value.arg) == (eager.value.op, eager.value.arg) == (f"loss.{op}", "target")
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+@pytest.mark.parametrize("impl", [5, True])
+def test_impl_that_is_no_name_is_the_eager_error_under_compile(impl, fullgraph):
+    # the compiled call turned impl= into the schema's string by iterating it: raised in the
+    # traced code, fullgraph said "Observed exception" and without fullgraph Dynamo hit a
+    # RecursionError; eager names the op and the impl (UnknownImplError)
+    x, w = torch.randn(4, 8), torch.ones(8)
+    with pytest.raises(UnknownImplError) as eager:
+        polykernel.rms_norm(x, w, impl=impl)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w: polykernel.rms_norm(x, w, impl=impl), fullgraph=fullgraph, backend="eager")
+    with pytest.raises(UnknownImplError) as got:
+        compiled(x, w)
+    assert got.value.op == eager.value.op == "norm.rms_norm" and got.value.impl == eager.value.impl == str(impl)

@@ -107,10 +107,17 @@ def _key_names(op: Op, names: Sequence[str]) -> tuple[str, ...] | None:
 
 def _impl_str(impl: Any) -> str:
     """``impl=`` as the schema's ``str``: a preference list becomes ``"a,b"`` (the dispatcher
-    parses both forms the same way)."""
+    parses both forms the same way). Anything that is no name (``impl=5``) becomes its repr,
+    which names no impl: the custom op raises the dispatcher's ``UnknownImplError`` for it when
+    the graph runs, as the eager call does (iterating it here raised in the traced code: a
+    fullgraph "Observed exception", a RecursionError inside Dynamo without fullgraph)."""
     if isinstance(impl, KernelBackend):
         return impl.value
-    return ",".join(v.value if isinstance(v, KernelBackend) else str(v) for v in impl)
+    if isinstance(impl, str):
+        return impl
+    if not isinstance(impl, (list, tuple)):
+        return repr(impl)
+    return ",".join(v.value if isinstance(v, KernelBackend) else v if isinstance(v, str) else repr(v) for v in impl)
 
 
 def _current(op_id: str) -> Op:
