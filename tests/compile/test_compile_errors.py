@@ -6,6 +6,8 @@ compile (fused_add_rms_norm) and ops that write in place included."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -125,3 +127,33 @@ def test_impl_that_is_no_name_is_the_eager_error_under_compile(impl, fullgraph):
     with pytest.raises(UnknownImplError) as got:
         compiled(x, w)
     assert got.value.op == eager.value.op == "norm.rms_norm" and got.value.impl == eager.value.impl == str(impl)
+
+
+@pytest.mark.parametrize(
+    ("op", "args"),
+    [
+        ("swiglu", lambda: (torch.randn(4, 8), torch.randn(4, 9))),
+        ("jsd", lambda: (torch.randn(3, 4).log_softmax(-1), torch.randn(3, 4).log_softmax(-1), torch.tensor([0, 1, 2, 3]))),
+    ],
+)
+def test_bad_shapes_under_compile_log_no_torch_error(op, args):
+    # Such a call is traced to raise when the graph runs; its custom op's fake impl ran the
+    # reference on the bad arguments first, and torch logged the meta kernel's refusal as an ERROR
+    # with a traceback ("failed while attempting to run meta for aten.where.self") before the op's
+    # own error: the op's output shapes stand in for it now
+    records = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_log.addHandler(handler)
+    try:
+        fn = getattr(polykernel, op)
+        with pytest.raises(OpArgumentError) as eager:
+            fn(*args())
+        torch._dynamo.reset()
+        with pytest.raises(OpArgumentError) as got:
+            torch.compile(fn, fullgraph=True, backend="eager")(*args())
+    finally:
+        fake_log.removeHandler(handler)
+    assert (got.value.op, got.value.arg) == (eager.value.op, eager.value.arg)
+    assert not [r.getMessage() for r in records]

@@ -251,6 +251,18 @@ class CompiledOp:
         def fake(*args: Any, impl: str | None = None) -> Any:
             args = full(args)
             op = _current(op_id)
+            # (only while compiling: validate reads a CPU target's values otherwise, which fake
+            # tensors lack: opcheck's fake-tensor tests)
+            if op.outputs is not None and torch.compiler.is_compiling() and not _valid(op, args):
+                # A call that fails validation, traced to raise at run time (see `call`): the
+                # op's output shapes, not the reference, which may refuse such arguments (shapes
+                # that do not broadcast), and each refusal of a meta kernel is an ERROR traceback
+                # in torch's log before the op's own error.
+                try:
+                    out = tuple(torch.empty(shape, dtype=dtype, device=args[0].device) for shape, dtype in op.outputs(*args))
+                    return out[0] if single else out
+                except Exception:  # outputs cannot read them either: the reference, as below
+                    pass
             try:
                 out = _reference_outputs(op, args)
             except Exception:
