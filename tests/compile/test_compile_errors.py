@@ -6,11 +6,24 @@ compile (fused_add_rms_norm) and ops that write in place included."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 import polykernel
-from polykernel.errors import OpArgumentError
+from polykernel.errors import OpArgumentError, UnknownImplError
+
+
+def _moe_args():
+    index = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 2], [1, 3]])
+    return torch.randn(6, 16), index, torch.full((6, 2), 0.5), torch.randn(4, 64, 16) / 4, torch.randn(4, 16, 32) / 6
+
+
+def _gpt_oss_args():
+    x, index, weights, _, _ = _moe_args()
+    return x, index, weights, torch.randn(4, 16, 64) / 4, torch.zeros(4, 64), torch.randn(4, 32, 16) / 6, torch.zeros(4, 16)
+
 
 BAD = [
     ("rms_norm", lambda: (torch.randn(4, 8), torch.ones(8)), {"eps": -1.0}, "eps"),
@@ -30,6 +43,11 @@ BAD = [
     ("cross_entropy", lambda: (torch.randn(4, 8), torch.randint(0, 8, (4,))), {"label_smoothing": torch.tensor(0.1)}, "label_smoothing"),
     # a float where an int goes: the schema refused it while tracing (TorchRuntimeError)
     ("cross_entropy", lambda: (torch.randn(4, 8), torch.randint(0, 8, (4,))), {"ignore_index": 1.5}, "ignore_index"),
+    # the MoE ops validate CPU calls in the public function (the index values): there, in the
+    # traced code, the error was raised, which fullgraph reported as "Observed exception" only
+    ("moe_experts", _moe_args, {"activation": "bogus"}, "activation"),
+    ("moe_experts_gpt_oss", _gpt_oss_args, {"alpha": float("nan")}, "alpha"),
+    ("moe_experts_gpt_oss", _gpt_oss_args, {"limit": -1.0}, "limit"),
 ]
 
 
@@ -70,3 +88,72 @@ def test_valid_call_under_fullgraph_compile_still_runs():
     torch._dynamo.reset()
     compiled = torch.compile(lambda x, w: polykernel.rms_norm(x, w, eps=1e-5), fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(x, w), polykernel.rms_norm(x, w, eps=1e-5))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("op", ["cross_entropy", "fused_linear_cross_entropy"])
+def test_compiled_cpu_call_checks_the_target_on_every_call(op, grad):
+    # On the CPU the eager public functions check a target's class range on every call.
+    # Compiled, the trace sees fake tensors (no values) and the custom op went through the
+    # dispatcher, which validates a class once: after a valid call, an out-of-range target gave
+    # a NaN loss, silently.
+    h, w = torch.randn(4, 8, requires_grad=grad), torch.randn(10, 8)
+    if op == "cross_entropy":
+        fn = lambda h, t: polykernel.cross_entropy(h @ w.T, t)
+    else:
+        fn = lambda h, t: polykernel.fused_linear_cross_entropy(h, w, t)
+    good, bad = torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2, 30, 4])
+    with pytest.raises(OpArgumentError) as eager:
+        fn(h, bad)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    compiled(h, good)  # valid: the dispatcher decides (and validates) the class
+    with pytest.raises(OpArgumentError) as got:
+        compiled(h, bad)
+    assert (got.value.op, got.value.arg) == (eager.value.op, eager.value.arg) == (f"loss.{op}", "target")
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+@pytest.mark.parametrize("impl", [5, True])
+def test_impl_that_is_no_name_is_the_eager_error_under_compile(impl, fullgraph):
+    # the compiled call turned impl= into the schema's string by iterating it: raised in the
+    # traced code, fullgraph said "Observed exception" and without fullgraph Dynamo hit a
+    # RecursionError; eager names the op and the impl (UnknownImplError)
+    x, w = torch.randn(4, 8), torch.ones(8)
+    with pytest.raises(UnknownImplError) as eager:
+        polykernel.rms_norm(x, w, impl=impl)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w: polykernel.rms_norm(x, w, impl=impl), fullgraph=fullgraph, backend="eager")
+    with pytest.raises(UnknownImplError) as got:
+        compiled(x, w)
+    assert got.value.op == eager.value.op == "norm.rms_norm" and got.value.impl == eager.value.impl == str(impl)
+
+
+@pytest.mark.parametrize(
+    ("op", "args"),
+    [
+        ("swiglu", lambda: (torch.randn(4, 8), torch.randn(4, 9))),
+        ("jsd", lambda: (torch.randn(3, 4).log_softmax(-1), torch.randn(3, 4).log_softmax(-1), torch.tensor([0, 1, 2, 3]))),
+    ],
+)
+def test_bad_shapes_under_compile_log_no_torch_error(op, args):
+    # Such a call is traced to raise when the graph runs; its custom op's fake impl ran the
+    # reference on the bad arguments first, and torch logged the meta kernel's refusal as an ERROR
+    # with a traceback ("failed while attempting to run meta for aten.where.self") before the op's
+    # own error: the op's output shapes stand in for it now
+    records = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_log.addHandler(handler)
+    try:
+        fn = getattr(polykernel, op)
+        with pytest.raises(OpArgumentError) as eager:
+            fn(*args())
+        torch._dynamo.reset()
+        with pytest.raises(OpArgumentError) as got:
+            torch.compile(fn, fullgraph=True, backend="eager")(*args())
+    finally:
+        fake_log.removeHandler(handler)
+    assert (got.value.op, got.value.arg) == (eager.value.op, eager.value.arg)
+    assert not [r.getMessage() for r in records]

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import polykernel
 import polykernel.nn as pnn
 from polykernel.core import registry
-from polykernel.errors import ImplNotAvailableError
+from polykernel.errors import ImplNotAvailableError, OpArgumentError
 from polykernel.testing import runnable_impls
 
 
@@ -171,6 +171,22 @@ def test_layernorm_repr_and_reset():
         ln.weight.zero_()
     ln.reset_parameters()
     assert torch.equal(ln.weight, torch.ones(6))
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_layernorm_without_weight_rejects_the_size_under_compile(fullgraph):
+    # the layer checks x's size itself (no weight: the op cannot); that raise, in traced code, was
+    # "Observed exception" under fullgraph (the message lost): now the error the eager call raises
+    need("layer_norm")
+    ln = pnn.LayerNorm(16, elementwise_affine=False)
+    x = torch.randn(4, 8)
+    with pytest.raises(OpArgumentError) as eager:
+        ln(x)
+    torch._dynamo.reset()
+    with pytest.raises(OpArgumentError) as got:
+        torch.compile(ln, fullgraph=fullgraph, backend="eager")(x)
+    assert str(got.value) == str(eager.value) and (got.value.op, got.value.arg) == ("LayerNorm", "x")
+    torch.testing.assert_close(torch.compile(ln, fullgraph=fullgraph, backend="eager")(torch.randn(4, 16)).shape, torch.Size([4, 16]))
 
 
 # ------------------------------------------------------------------------------------------------

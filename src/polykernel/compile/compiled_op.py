@@ -32,6 +32,7 @@ from .runtime import (
     _training_decision,
     _transformed,
     _valid,
+    _validate_on_cpu,
 )
 from .schema import _Param, _params, _schema
 from .store import NAMESPACE
@@ -240,14 +241,28 @@ class CompiledOp:
 
         def real(*args: Any, impl: str | None = None) -> Any:
             args = full(args)
+            op = _current(op_id)
+            _validate_on_cpu(op, args)  # the values, every call (see _validate_on_cpu)
             with torch.no_grad():
-                out = _as_tuple(_select_and_run(_current(op_id), impl, args, names))
+                out = _as_tuple(_select_and_run(op, impl, args, names))
             out = _fresh(out, args)
             return out[0] if single else tuple(out)
 
         def fake(*args: Any, impl: str | None = None) -> Any:
             args = full(args)
             op = _current(op_id)
+            # (only while compiling: validate reads a CPU target's values otherwise, which fake
+            # tensors lack: opcheck's fake-tensor tests)
+            if op.outputs is not None and torch.compiler.is_compiling() and not _valid(op, args):
+                # A call that fails validation, traced to raise at run time (see `call`): the
+                # op's output shapes, not the reference, which may refuse such arguments (shapes
+                # that do not broadcast), and each refusal of a meta kernel is an ERROR traceback
+                # in torch's log before the op's own error.
+                try:
+                    out = tuple(torch.empty(shape, dtype=dtype, device=args[0].device) for shape, dtype in op.outputs(*args))
+                    return out[0] if single else out
+                except Exception:  # outputs cannot read them either: the reference, as below
+                    pass
             try:
                 out = _reference_outputs(op, args)
             except Exception:
@@ -340,6 +355,7 @@ class CompiledOp:
             *args, mask = rest
             args = full(tuple(args))
             op = _current(op_id)
+            _validate_on_cpu(op, args)  # the values, every call (see _validate_on_cpu)
             decision = _training_decision(op, impl, args, names)
             split = _split_of(decision.fn_for(args)) if uses_split else None
             saved = None

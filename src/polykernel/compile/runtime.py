@@ -54,6 +54,17 @@ def _valid(op: Op, args: Sequence[Any]) -> bool:
     return True
 
 
+def _validate_on_cpu(op: Op, args: Sequence[Any]) -> None:
+    """Validate a compiled call on its real arguments when they are on the CPU, on every call:
+    there the eager public functions check what the argument class cannot hold, the values (a
+    target's class range, the expert indices), on every call. The trace validated the fake
+    tensors, which have none, and the dispatcher validates a class once: without this, a later
+    out-of-range target ran (NaN losses, silently). Off the CPU such checks would cost a host
+    sync per call; eager skips them there too (the impls check the indices on the device)."""
+    if op.validate is not None and any(isinstance(a, torch.Tensor) and a.is_cpu for a in args):
+        op.validate(*args)
+
+
 # Whether _compat reads the forward-AD level itself; its fallback says "open" on every call.
 _LEVEL_READ = "forward_ad_level" not in _compat.fallbacks()
 
@@ -96,10 +107,17 @@ def _key_names(op: Op, names: Sequence[str]) -> tuple[str, ...] | None:
 
 def _impl_str(impl: Any) -> str:
     """``impl=`` as the schema's ``str``: a preference list becomes ``"a,b"`` (the dispatcher
-    parses both forms the same way)."""
+    parses both forms the same way). Anything that is no name (``impl=5``) becomes its repr,
+    which names no impl: the custom op raises the dispatcher's ``UnknownImplError`` for it when
+    the graph runs, as the eager call does (iterating it here raised in the traced code: a
+    fullgraph "Observed exception", a RecursionError inside Dynamo without fullgraph)."""
     if isinstance(impl, KernelBackend):
         return impl.value
-    return ",".join(v.value if isinstance(v, KernelBackend) else str(v) for v in impl)
+    if isinstance(impl, str):
+        return impl
+    if not isinstance(impl, (list, tuple)):
+        return repr(impl)
+    return ",".join(v.value if isinstance(v, KernelBackend) else v if isinstance(v, str) else repr(v) for v in impl)
 
 
 def _current(op_id: str) -> Op:

@@ -115,7 +115,14 @@ class LayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is None and (x.dim() == 0 or x.shape[-1] != self.hidden_size):
             # with no weight the op cannot see the size: torch.nn.LayerNorm refuses such an x
-            raise _checks.OpArgumentError("LayerNorm", "x", f"expected a last dim of {self.hidden_size}, got shape {tuple(x.shape)}")
+            exc = _checks.OpArgumentError("LayerNorm", "x", f"expected a last dim of {self.hidden_size}, got shape {tuple(x.shape)}")
+            if not torch.compiler.is_compiling():
+                raise exc
+            # raised in traced code, fullgraph reports only "Observed exception": a graph node
+            # raises it when the graph runs, before the op (which takes any size without weight)
+            from ..compile.runtime import _argument_error
+
+            _argument_error(exc)
         return polykernel.layer_norm(x, self.weight, self.bias, self.eps, impl=self.impl)
 
     def extra_repr(self) -> str:

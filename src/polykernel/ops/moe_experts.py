@@ -170,7 +170,8 @@ def moe_experts(
     >>> polykernel.moe_experts(x, index, weights, gate_up, down).shape
     torch.Size([6, 16])
     """
-    if not isinstance(top_k_index, torch.Tensor) or top_k_index.is_cpu:  # validity depends on the index
+    # validity depends on the index (compiled: the trace validates the arguments, the custom op the values)
+    if (not isinstance(top_k_index, torch.Tensor) or top_k_index.is_cpu) and not torch.compiler.is_compiling():
         validate(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)  # values there: every call
     return _dispatch(impl, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)  # _op.dispatch; see _key
 
