@@ -5,6 +5,7 @@ roundoff), with a static KV cache as the decode loop runs it."""
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -571,6 +572,22 @@ def test_projections_wrapped_or_hooked_after_the_patch_run_their_own_forwards(mo
         torch.testing.assert_close(gk, wk, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(gv, wv, rtol=1e-5, atol=1e-5)
     assert calls == []
+
+
+def test_an_activation_hooked_or_replaced_after_the_patch_runs(caplog):
+    # the merged path's silu_and_mul stands in for act_fn: a hook on it, or another activation put
+    # in its place after the patch, must be run (the model's own MLP forward, logged once)
+    ref, model = pair(layers=2)
+    for m in (ref, model):
+        m.model.layers[0].mlp.act_fn.register_forward_hook(lambda mod, args, out: out * 2)
+        m.model.layers[1].mlp.act_fn = torch.nn.GELU()
+    ids = prompt()
+    with caplog.at_level(logging.WARNING, logger="polykernel"), torch.no_grad():
+        want, got = ref(ids).logits, model(ids).logits
+        model(ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    logged = [r.getMessage() for r in caplog.records if "act_fn" in r.getMessage()]
+    assert len(logged) == 1 and "has forward hooks" in logged[0]  # once per class and kind
 
 
 def test_unpatch_lets_go_of_the_merged_weights():

@@ -266,13 +266,21 @@ def merge(module: nn.Module, group: tuple[str, tuple[str, ...]]) -> None:
     _merged(module, group, "bias")
 
 
-def mlp_forward(base: Callable, activation: tuple[str, str | None]) -> Callable:
-    """The MLP as one gate/up matmul, the merged-layout activation, the down projection."""
+def mlp_forward(base: Callable, activation: tuple[str, str | None], act_fn: nn.Module) -> Callable:
+    """The MLP as one gate/up matmul, the merged-layout activation, the down projection.
+    ``act_fn``: the module's activation at patch time, which ``activation`` describes; replaced or
+    hooked since, the module's own forward runs (logged once), since the fused activation would
+    skip it."""
 
     @functools.wraps(base)
     def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args or kwargs or (torch.is_grad_enabled() and (x.requires_grad or self.gate_proj.weight.requires_grad)):
             return base(self, x, *args, **kwargs)
+        act = self.__dict__["_modules"].get("act_fn")
+        if act is not act_fn or _compat.module_hooks_seen(act):
+            why = "has forward hooks" if act is act_fn else "was replaced"
+            _fallback_once(type(self).__name__, f"act_fn {why} since the patch", "inference_act_fn")
+            return base(self, x)
         if _compiling():  # see _projected: no merged weight under torch.compile
             gate_up = _projected(self, GATE_UP, x)
         elif (merged := _merged_and_plain(self, GATE_UP)) is not None:  # checked once, on the common call

@@ -34,7 +34,7 @@ def _patch_inference(model: nn.Module, rope: bool) -> nn.Module:
             _install(layer, lambda b, s=stream, first=i == 0: _inference.decoder_layer_forward(b, s, first))
             activation = _gated_activation(layer.mlp.act_fn) if _mlp_supported(layer.mlp) is None else None
             if activation is not None and _inference.mergeable(layer.mlp, _inference.GATE_UP) is None:
-                _install(layer.mlp, lambda b, a=activation: _inference.mlp_forward(b, a))
+                _install(layer.mlp, lambda b, a=activation, f=layer.mlp.act_fn: _inference.mlp_forward(b, a, f))
                 _inference.merge(layer.mlp, _inference.GATE_UP)
             with_rope = rope and _calls_rope(layer.self_attn)
             fuse = with_rope and _inference.mergeable(layer.self_attn, _inference.QKV) is None
