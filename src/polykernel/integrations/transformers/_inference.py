@@ -39,7 +39,8 @@ they agree to fp32 roundoff). Inference only: with gradients wanted, under ``tor
 and the projections' outputs are then of two dtypes), or when the caller asks for the hidden
 states of every layer (``output_hidden_states``: the carried layers return the MLP's output, not
 the stream), the model's own forwards run; so do an MLP's and an attention's whose projections
-were wrapped (PEFT's LoRA) or hooked after the patch (logged once).
+were wrapped (PEFT's LoRA) or hooked after the patch, and an MLP's whose ``act_fn`` was hooked or
+replaced (logged once).
 """
 
 from __future__ import annotations
