@@ -723,6 +723,100 @@ def test_gradient_checkpointing(calls, torch_impls):
     assert_grads_close(model, ref, **FP32_GRAD)
 
 
+# -- training features the trainers use, against the unpatched model -------------------------------
+PACKED = torch.cat([torch.arange(6), torch.arange(T - 6)]).expand(B, T)  # two sequences per row
+LEFT_PAD = torch.ones(B, T, dtype=torch.long).index_fill_(1, torch.arange(4), 0)  # rows padded on the left
+
+
+def _left_padded(ids, labels):
+    return dict(attention_mask=LEFT_PAD, position_ids=(LEFT_PAD.cumsum(-1) - 1).clamp(min=0)), labels.masked_fill(LEFT_PAD == 0, -100)
+
+
+def _one_label(ids, labels):
+    only = torch.full_like(labels, -100)
+    only[0, 7] = ids[0, 7]
+    return {}, only
+
+
+def _head_with_bias(m):
+    head = torch.nn.Linear(m.lm_head.in_features, m.lm_head.out_features, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(m.lm_head.weight)
+        head.bias.copy_(torch.linspace(-1, 1, head.out_features))
+    m.lm_head = head
+
+
+# case -> (config overrides, model change after patch(), (ids, labels) -> (kwargs, labels))
+TRAINING_CASES = {
+    "packed positions": ({}, None, lambda x, y: (dict(position_ids=PACKED, use_cache=False), y)),
+    "packed positions, mask of ones": ({}, None, lambda x, y: (dict(position_ids=PACKED, attention_mask=torch.ones_like(x)), y)),
+    "left padding": ({}, None, _left_padded),
+    "one label, a row all ignored": ({}, None, _one_label),
+    "attention dropout": ({"attention_dropout": 0.3}, None, lambda x, y: ({}, y)),
+    "use_cache, hidden states": ({}, None, lambda x, y: (dict(use_cache=True, output_hidden_states=True), y)),
+    "eager attentions": ({"attn_implementation": "eager"}, None, lambda x, y: (dict(output_attentions=True), y)),
+    "resized tied embeddings": ({"tie_word_embeddings": True}, lambda m: m.resize_token_embeddings(300, pad_to_multiple_of=64), None),
+    "lm_head bias": ({}, _head_with_bias, None),
+}
+
+
+@pytest.mark.parametrize("case", TRAINING_CASES)
+def test_training_features_match_unpatched(case, calls, torch_impls):
+    # the fused loss's training step (the decoder's outputs, then the loss on lm_head's weight) keeps
+    # what each feature does to the loss, the gradients and the outputs asked for
+    need("fused_linear_cross_entropy")
+    overrides, change, inputs = TRAINING_CASES[case]
+    ref = tiny("llama", **overrides)
+    model = pkt.patch(copy.deepcopy(ref))
+    if change is not None:
+        change(ref), change(model)
+    ids, labels = batch()
+    kwargs, labels = inputs(ids, labels) if inputs is not None else ({}, labels)
+    outs = []
+    for m in (model, ref):
+        torch.manual_seed(0)  # (the same dropout masks)
+        outs.append(train_step(m, ids, labels, **kwargs))
+    out, want = outs
+    torch.testing.assert_close(out.loss, want.loss, **FP32)
+    assert_grads_close(model, ref, **FP32_GRAD)
+    for name in ("hidden_states", "attentions"):
+        got, expected = getattr(out, name), getattr(want, name)
+        assert (got is None) == (expected is None), name
+        if expected is not None:
+            torch.testing.assert_close(got, expected, **FP32)
+    assert (out.past_key_values is None) == (want.past_key_values is None)
+    assert calls["fused_linear_cross_entropy"] == 1
+
+
+def test_trainer_gradient_accumulation_padding_free_matches_unpatched(torch_impls, tmp_path):
+    # HF Trainer: the patched forward still takes **kwargs (model_accepts_loss_kwargs), so each
+    # micro-batch's loss is a sum over num_items_in_batch; padding-free batches (position_ids)
+    need("fused_linear_cross_entropy")
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+
+    g = torch.Generator().manual_seed(0)
+    data = []
+    for n in (5, 15, 9, 12):  # uneven lengths: a per-micro-batch mean would weigh tokens differently
+        x = torch.randint(1, VOCAB, (n,), generator=g).tolist()
+        data.append({"input_ids": x, "labels": [-100, -100, *x[2:]]})
+    ref = tiny("llama")
+    model = pkt.patch(copy.deepcopy(ref))
+    start = copy.deepcopy(ref.state_dict())
+    trainers = []
+    for m in (model, ref):
+        args = TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1,
+            learning_rate=1.0, lr_scheduler_type="constant", optim="sgd", max_grad_norm=0.0, report_to=[],
+            use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
+        )  # fmt: skip
+        trainers.append(Trainer(model=m, args=args, train_dataset=data, data_collator=DataCollatorWithFlattening()))
+        trainers[-1].train()
+    assert trainers[0].model_accepts_loss_kwargs and trainers[1].model_accepts_loss_kwargs
+    want = ref.state_dict()
+    for name, p in model.state_dict().items():  # the SGD step is the gradient: compare the updates
+        torch.testing.assert_close(p - start[name], want[name] - start[name], atol=2e-6, rtol=1e-4, msg=name)
+
+
 def checked_ops(monkeypatch):
     """The op ids whose first-call verification ran (POLYKERNEL_VERIFY=first for this test)."""
     monkeypatch.setenv("POLYKERNEL_VERIFY", "first")
