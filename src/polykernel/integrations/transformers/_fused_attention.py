@@ -14,7 +14,7 @@ from torch import nn
 
 from polykernel import env
 
-from ._inference import QKV, _merged, _merged_and_plain, runs_merged
+from ._inference import QKV, merged_for_call
 
 
 @functools.cache
@@ -102,9 +102,8 @@ def fused_attention_forward(unfused: Callable, attention_functions: Any, default
         fused = None if _FUSED_OFF else _fused_call(self, hidden_states, position_embeddings, args, kwargs)
         if fused is None:
             return unfused(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
-        layer, hq, hk, t, kw = fused
+        layer, hq, hk, t, kw, merged = fused
         cos, sin = position_embeddings  # type: ignore[misc]
-        merged = _merged_and_plain(self, QKV) or (_merged(self, QKV, "weight"), _merged(self, QKV, "bias"))
         qkv = F.linear(hidden_states, *merged)
         try:
             query = _rope_kv_write(qkv, hq, hk, cos, sin, layer.cumulative_length, layer.keys, layer.values)
@@ -158,9 +157,9 @@ def _rope_kv_write(*args: Any) -> torch.Tensor:
 
 def _fused_call(
     module: nn.Module, hidden: Any, position_embeddings: Any, args: tuple, kwargs: dict[str, Any]
-) -> tuple[Any, int, int, int, dict[str, Any]] | None:
-    """(the cache layer, q heads, KV heads, tokens, the attention function's kwargs) when this
-    call can take the fused path, else None."""
+) -> tuple[Any, int, int, int, dict[str, Any], tuple[torch.Tensor, torch.Tensor | None]] | None:
+    """(the cache layer, q heads, KV heads, tokens, the attention function's kwargs, the merged QKV
+    weight and bias) when this call can take the fused path, else None."""
     if args or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or torch.compiler.is_compiling():
         return None
     if "cache" in kwargs and "past_key_values" in kwargs:
@@ -174,7 +173,8 @@ def _fused_call(
     q_proj, k_proj, v_proj = module.q_proj, module.k_proj, module.v_proj
     if torch.is_grad_enabled() and (hidden.requires_grad or any(p.weight.requires_grad for p in (q_proj, k_proj, v_proj))):
         return None
-    if "_polykernel_qkv_weight" not in module.__dict__ or not runs_merged(module, QKV):  # merged at patch time, and still mergeable
+    merged = merged_for_call(module, QKV) if "_polykernel_qkv_weight" in module.__dict__ else None  # merged at patch time
+    if merged is None:
         return None
     d = getattr(module, "head_dim", None)
     if not isinstance(d, int) or d <= 0 or d % 2 or q_proj.out_features % d or k_proj.out_features % d:
@@ -195,4 +195,4 @@ def _fused_call(
     layer = _static_layer(module, cache, (b, hk, t, d), hidden)
     if layer is None:
         return None
-    return layer, hq, hk, t, kw
+    return layer, hq, hk, t, kw, merged

@@ -212,7 +212,7 @@ def _merged_and_plain(module: nn.Module, group: tuple[str, tuple[str, ...]]) -> 
     """The per-call check's common answer, from the modules' own dicts (nn.Module's attribute
     lookups cost more than the rest): the merged weight and bias when the projections are plain
     unhooked nn.Linear layers that still view them (so of one dtype, device and width), all with
-    a bias or none; else None (:func:`runs_merged` says why, :func:`_merged` merges again)."""
+    a bias or none; else None (:func:`merged_for_call` says why, :func:`_merged` merges again)."""
     d = module.__dict__
     merged, children = d.get(f"_polykernel_{group[0]}_weight"), d.get("_modules")
     if merged is None or children is None:
@@ -235,20 +235,22 @@ def _merged_and_plain(module: nn.Module, group: tuple[str, tuple[str, ...]]) -> 
     return merged, bias
 
 
-def runs_merged(module: nn.Module, group: tuple[str, tuple[str, ...]]) -> bool:
-    """Whether this call may run the ``group``'s projections as one matmul on their merged weight:
-    they are still mergeable and unhooked. Wrapped after the patch (PEFT's LoRA, a quantized layer)
-    or hooked, the merged matmul would skip what their forwards add: the module's own forward runs
-    then (logged once; an error under POLYKERNEL_STRICT=1)."""
-    if _merged_and_plain(module, group) is not None:
-        return True
+def merged_for_call(module: nn.Module, group: tuple[str, tuple[str, ...]]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The merged weight and bias this call may run the ``group``'s projections on as one matmul
+    (merged again if the projections were reassigned but are still mergeable), else None: wrapped
+    after the patch (PEFT's LoRA, a quantized layer) or hooked, the merged matmul would skip what
+    their forwards add, so the module's own forward runs (logged once; an error under
+    POLYKERNEL_STRICT=1)."""
+    merged = _merged_and_plain(module, group)
+    if merged is not None:  # the common call: one check
+        return merged
     why = mergeable(module, group)
     if why is None and any(_compat.module_hooks_seen(getattr(module, a)) for a in group[1]):
         why = f"{', '.join(group[1])} have forward hooks"
     if why is None:
-        return True
+        return _merged(module, group, "weight"), _merged(module, group, "bias")
     _fallback_once(type(module).__name__, f"cannot run as one matmul now ({why})", f"inference_{group[0]}")
-    return False
+    return None
 
 
 def _projected(module: nn.Module, group: tuple[str, tuple[str, ...]], x: torch.Tensor) -> torch.Tensor:
@@ -284,12 +286,10 @@ def mlp_forward(base: Callable, activation: tuple[str, str | None], act_fn: nn.M
             return base(self, x)
         if _compiling():  # see _projected: no merged weight under torch.compile
             gate_up = _projected(self, GATE_UP, x)
-        elif (merged := _merged_and_plain(self, GATE_UP)) is not None:  # checked once, on the common call
+        elif (merged := merged_for_call(self, GATE_UP)) is not None:
             gate_up = F.linear(x, *merged)
-        elif not runs_merged(self, GATE_UP):
-            return base(self, x)
         else:
-            gate_up = F.linear(x, _merged(self, GATE_UP, "weight"), _merged(self, GATE_UP, "bias"))
+            return base(self, x)
         if activation[0] == "swiglu":
             return self.down_proj(_pk.silu_and_mul(gate_up))
         return self.down_proj(_pk.gelu_and_mul(gate_up, approximate=activation[1]))
