@@ -68,6 +68,34 @@ def test_bad_option_under_fullgraph_compile_is_the_eager_error(op, make, bad, ar
     assert (got.value.op, got.value.arg) == (eager.value.op, eager.value.arg) == (eager.value.op, arg)
 
 
+# A non-tensor where a tensor goes: the custom op's schema refused it while tracing (torch's
+# TorchRuntimeError "Expected a value of type 'Tensor'"), not the op's own OpTypeError.
+NOT_TENSORS = [
+    ("rms_norm", lambda: (torch.randn(4, 8),), {"weight": [1.0] * 8}, "weight"),
+    ("rms_norm", lambda: (torch.randn(4, 8),), {"weight": 1.0}, "weight"),
+    ("layer_norm", lambda: (torch.randn(4, 8), torch.ones(8)), {"bias": "zeros"}, "bias"),
+    ("cross_entropy", lambda: (torch.randn(4, 8),), {"target": [1, 2, 3, 0]}, "target"),
+    ("fused_add_rms_norm_", lambda: (torch.randn(4, 8), torch.randn(4, 8)), {"weight": [1.0] * 8}, "weight"),
+]
+
+
+@pytest.mark.parametrize(("op", "make", "bad", "arg"), NOT_TENSORS, ids=[f"{b[0]}-{b[3]}" for b in NOT_TENSORS])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_non_tensor_argument_under_fullgraph_compile_is_the_eager_error(op, make, bad, arg, backend):
+    fn = getattr(polykernel, op)
+    args = make()
+    before = [a.clone() for a in args]
+    with torch.no_grad(), pytest.raises(OpArgumentError) as eager:
+        fn(*args, **bad)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: fn(*a, **bad), fullgraph=True, backend=backend)
+    with torch.no_grad(), pytest.raises(OpArgumentError) as got:
+        compiled(*args)
+    assert type(got.value) is type(eager.value)
+    assert (got.value.op, got.value.arg) == (eager.value.op, eager.value.arg) and eager.value.arg == arg
+    assert all(torch.equal(a, b) for a, b in zip(args, before))  # an in-place op wrote nothing
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_bad_option_of_an_in_place_op_raises_before_writing(backend):
     # eps=True went through the mutating custom op as eps=1.0: x and residual were overwritten

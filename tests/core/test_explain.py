@@ -154,3 +154,16 @@ def test_the_public_function_names_its_op():
 def test_something_that_is_not_an_op_is_an_unknown_op_error(not_an_op):
     with pytest.raises(polykernel.errors.UnknownOpError, match="unknown op"):
         polykernel.explain(not_an_op, device="cpu")
+
+
+def test_explain_shows_a_skipped_preference_and_leaves_its_log_line_to_the_call(caplog):
+    # explain resolved the call, which logged the once-only line: the call itself then logged nothing
+    polykernel.clear_caches()
+    x, w = torch.randn(4, 8), torch.ones(8)
+    with polykernel.use_impl("liger"), caplog.at_level("WARNING", logger="polykernel"):
+        e = polykernel.explain("rms_norm", x, w)
+        assert e.chosen != "liger" and any("preference liger skipped" in n for n in e.notes)
+        assert "note: " in str(e) and e.as_dict()["notes"] == e.notes
+        assert "skipped" not in caplog.text
+        polykernel.rms_norm(x, w)
+    assert caplog.text.count("preference liger skipped") == 1

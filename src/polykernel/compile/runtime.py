@@ -218,10 +218,17 @@ _FITS: dict[str, tuple[type, ...]] = {"float": (float, int), "SymInt": (int,), "
 
 def _schema_fit(types: Sequence[str], defaults: Sequence[Any], args: Sequence[Any]) -> tuple[Any, ...]:
     """``args`` with each option its schema type cannot hold (a bool for a float, a float for an
-    int) replaced by its default, so that a call that fails validation still traces (its outputs'
-    shapes) up to the node that raises the error."""
+    int) replaced by its default, and each non-tensor where a tensor goes by a stand-in (None for
+    an optional one, else one of the call's tensors), so that a call that fails validation still
+    traces (its outputs' shapes) up to the node that raises the error (without the stand-in, the
+    custom op's schema check fails the trace first, with torch's message instead of the op's)."""
     out = list(args)
+    stand_in = next((a for a in args if isinstance(a, torch.Tensor)), None)
     for i, (tp, a) in enumerate(zip(types, args)):
+        if tp in ("Tensor", "Tensor?") and not isinstance(a, torch.Tensor):
+            if a is not None or tp == "Tensor":
+                out[i] = None if tp == "Tensor?" else stand_in if stand_in is not None else torch.empty(0)
+            continue
         fits = _FITS.get(tp.rstrip("?"))
         if fits is None or (a is None and tp.endswith("?")):
             continue

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...errors import ImplNotAvailableError, OpTypeError
@@ -13,7 +13,7 @@ from .. import hooks, memo_key, registry
 from ..explain_args import call_args, device_arg, dtype_arg, rejection
 from . import resolution
 from .resolution import _record
-from .state import _scope
+from .state import _scope, collected_notes
 from .subclasses import INFERENCE, subclass_name
 from .verdicts import Verdict, _probe_imports, _verdicts
 
@@ -35,6 +35,7 @@ class Explanation:
     import_errors: dict[str, str]
     tuned: dict[str, Any] | None = None  # source "tuned": the store key, the choice and the measured times
     route: str | None = None  # DTensor arguments: the path taken (local shards or DTensor's rules) and why
+    notes: list[str] = field(default_factory=list)  # the lines the call would log once (a preference skipped)
 
     def __str__(self) -> str:
         args = ", ".join(f"{k}={_short(v)}" for k, v in self.arg_class.items())
@@ -56,6 +57,7 @@ class Explanation:
             lines.append(f"  ! module {module} failed to import: {err}")
         if self.tuned:
             lines.append(_tuned_lines(self.tuned))
+        lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
@@ -70,6 +72,7 @@ class Explanation:
             "import_errors": self.import_errors,
             "tuned": self.tuned,
             "route": self.route,
+            "notes": self.notes,
         }
 
 
@@ -176,6 +179,7 @@ def explain(
     elif call is not None and the_op.inference_call(call):  # as the call: its own key, the torch impl only
         key = key._replace(subclass=INFERENCE)
     chosen = source = error = None
+    notes: list[str] = []
     rejected = None if args else rejection(the_op, None, argkey[1])
     if rejected is not None:  # the call would raise this before choosing: no impl runs
         error = str(rejected)
@@ -184,7 +188,8 @@ def explain(
     else:
         try:
             tensors = (*args, *kwargs.values()) if args else None  # tuning keys on the call's tensors
-            d = _memoized(the_op, key) or resolution._resolve(the_op, key, tensors)
+            with collected_notes() as notes:  # the call logs them (once), not explain
+                d = _memoized(the_op, key) or resolution._resolve(the_op, key, tensors)
             chosen, source, rows = d.impl, d.source, d.verdicts
         except ImplNotAvailableError as exc:
             error = str(exc)
@@ -203,6 +208,7 @@ def explain(
         import_errors=registry.import_errors(the_op),
         tuned=_tuned_times(the_op, argkey) if source == "tuned" else None,
         route=route(chosen) if route is not None else None,
+        notes=notes,
     )
 
 

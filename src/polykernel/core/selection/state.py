@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
@@ -88,9 +90,30 @@ def _traced() -> bool:
     return dynamo() if dynamo is not None else torch.compiler.is_compiling()
 
 
+# While ``explain`` resolves a call: the lines the call would log, collected for its answer instead
+# of logged (logging them would mark them seen, and the call itself would then log nothing).
+_collecting: ContextVar[list[str] | None] = ContextVar("polykernel_explain_notes", default=None)
+
+
+@contextmanager
+def collected_notes() -> Iterator[list[str]]:
+    """Collect the lines :func:`log_once` would log in this block, unlogged and not marked seen."""
+    notes: list[str] = []
+    token = _collecting.set(notes)
+    try:
+        yield notes
+    finally:
+        _collecting.reset(token)
+
+
 def _report(key: tuple[Any, ...], message: str, strict_raises: bool) -> None:
     if strict_raises and strict_mode():
         raise RuntimeError(message)
+    notes = _collecting.get()
+    if notes is not None:
+        if message not in notes:
+            notes.append(message)
+        return
     if key not in _logged:
         _logged.add(key)
         log.warning(message)
