@@ -216,6 +216,24 @@ def test_activation_and_rope_predicates():
     assert "float32 only" in sgl(t(3, 32), t(3, 16))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("peer", PEERS)
+@pytest.mark.parametrize("op", ["silu_and_mul", "gelu_and_mul"])
+def test_gpu_parity_cases_reach_each_peer_activation(op, peer, dtype):
+    """test_parity_gpu compares a peer only on the cases its gate takes: each activation form
+    (gelu's erf and tanh) needs a case of data whose half rows are multiples of 16 bytes, or the
+    peer's kernel for it is never checked (FlashInfer's gelu_tanh uses tanh.approx.f32).
+    Meta tensors: the full-size cases' shapes without their memory."""
+    the_op = registry.get_op(op)
+    forms = {}
+    for case in the_op.cases("meta", dtype, large=True):
+        form = case.kwargs.get("approximate", "none")
+        forms.setdefault(form, False)
+        if case.args[0].numel() and _why(op, peer, *case.args, **case.kwargs) is None:
+            forms[form] = True
+    assert forms and all(forms.values()), forms
+
+
 # -- fake FlashInfer: the adapters' calls ----------------------------------------------------
 
 
