@@ -234,6 +234,20 @@ def test_gpu_parity_cases_reach_each_peer_activation(op, peer, dtype):
     assert forms and all(forms.values()), forms
 
 
+@pytest.mark.parametrize("peer, dtype", [("flashinfer", torch.bfloat16), ("sgl_kernel", torch.float32)])
+def test_gpu_parity_cases_reach_each_peer_rope_form(peer, dtype):
+    """Likewise for rotary_embedding_: NeoX and GPT-J, each with the whole head and with a partial
+    rotary_dim (where the pairs are rotary_dim/2 apart, not head_size/2), on cases the peer's gate
+    takes (FlashInfer compiles head sizes 64/128/256/512 only)."""
+    the_op = registry.get_op("rotary_embedding_")
+    reached = set()
+    for case in the_op.cases("meta", dtype, large=True):
+        positions, head_size, cache = case.args[0], case.args[3], case.args[4]
+        if positions.numel() and _why("rotary_embedding_", peer, *case.args, **case.kwargs) is None:
+            reached.add((case.kwargs.get("is_neox", True), cache.shape[-1] < head_size))
+    assert reached == {(True, False), (True, True), (False, False), (False, True)}, reached
+
+
 # -- fake FlashInfer: the adapters' calls ----------------------------------------------------
 
 

@@ -309,6 +309,10 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
         Case("3tok-int32-positions", (pos(3, 64).int(), t(3, 32), t(3, 32), 16, cache)),
         Case("7tok-cache-fp64", (pos(7, 64), t(7, 32), t(7, 16), 16, rope_cache(64, 16, dtype=torch.float64, device=device))),
         Case("2tok-head256-rd64", (pos(2, 1000), t(2, 2 * 256), t(2, 256), 256, rope_cache(1000, 64, device=device)), {"is_neox": False}),
+        # head sizes FlashInfer compiles, in the two forms the others leave out there: NeoX with a
+        # partial rotary_dim (its kernel pairs x[i] with x[i + rotary_dim/2], not head_size/2) and GPT-J whole
+        Case("3tok-head128-rd32", (pos(3, 64), t(3, 2 * 128), t(3, 128), 128, rope_cache(64, 32, device=device))),
+        Case("2tok-head64-gptj", (pos(2, 64), t(2, 4 * 64), t(2, 64), 64, rope_cache(64, 64, device=device)), {"is_neox": False}),
         Case("40tok-wide", (pos(40, 4096), t(40, 4 * 128), t(40, 128), 128, rope_cache(4096, 128, device=device))),
     ]
     if large:
