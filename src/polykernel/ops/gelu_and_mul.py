@@ -4,6 +4,11 @@ The serving layout of geglu (vLLM's ``gelu_and_mul`` / ``gelu_tanh_and_mul``): o
 projection's output, gate first. ``approximate="none"`` (the default, as vLLM's) is the exact erf
 GELU, ``"tanh"`` its tanh approximation. Math in fp32 (fp64 stays fp64), the result in x's dtype;
 ``out=`` writes into a given tensor and returns it. Inference only; CUDA-graph safe.
+
+vLLM's CUDA kernel rounds ``gelu(gate)`` to x's dtype before the multiply (FlashInfer's and
+sgl-kernel's round once, as here), and drops the last element of an odd last dim (an error here).
+FlashInfer's tanh form uses the hardware's approximate tanh (``tanh.approx.f32``); its impl is
+held to this op's error model like every other.
 """
 
 from __future__ import annotations
