@@ -216,6 +216,38 @@ def test_activation_and_rope_predicates():
     assert "float32 only" in sgl(t(3, 32), t(3, 16))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("peer", PEERS)
+@pytest.mark.parametrize("op", ["silu_and_mul", "gelu_and_mul"])
+def test_gpu_parity_cases_reach_each_peer_activation(op, peer, dtype):
+    """test_parity_gpu compares a peer only on the cases its gate takes: each activation form
+    (gelu's erf and tanh) needs a case of data whose half rows are multiples of 16 bytes, or the
+    peer's kernel for it is never checked (FlashInfer's gelu_tanh uses tanh.approx.f32).
+    Meta tensors: the full-size cases' shapes without their memory."""
+    the_op = registry.get_op(op)
+    forms = {}
+    for case in the_op.cases("meta", dtype, large=True):
+        form = case.kwargs.get("approximate", "none")
+        forms.setdefault(form, False)
+        if case.args[0].numel() and _why(op, peer, *case.args, **case.kwargs) is None:
+            forms[form] = True
+    assert forms and all(forms.values()), forms
+
+
+@pytest.mark.parametrize("peer, dtype", [("flashinfer", torch.bfloat16), ("sgl_kernel", torch.float32)])
+def test_gpu_parity_cases_reach_each_peer_rope_form(peer, dtype):
+    """Likewise for rotary_embedding_: NeoX and GPT-J, each with the whole head and with a partial
+    rotary_dim (where the pairs are rotary_dim/2 apart, not head_size/2), on cases the peer's gate
+    takes (FlashInfer compiles head sizes 64/128/256/512 only)."""
+    the_op = registry.get_op("rotary_embedding_")
+    reached = set()
+    for case in the_op.cases("meta", dtype, large=True):
+        positions, head_size, cache = case.args[0], case.args[3], case.args[4]
+        if positions.numel() and _why("rotary_embedding_", peer, *case.args, **case.kwargs) is None:
+            reached.add((case.kwargs.get("is_neox", True), cache.shape[-1] < head_size))
+    assert reached == {(True, False), (True, True), (False, False), (False, True)}, reached
+
+
 # -- fake FlashInfer: the adapters' calls ----------------------------------------------------
 
 

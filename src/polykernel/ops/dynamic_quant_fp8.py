@@ -4,9 +4,22 @@
 (``per_token=True``: scale ``[..., 1]``, one per token) or over the whole tensor (``[1]``);
 ``q = clamp(x / scale, -448, 448)`` rounded to ``float8_e4m3fn`` (nearest even), so that
 ``q.float() * scale`` dequantises. 448 is e4m3's largest finite value; the floor keeps an
-all-zero row at zeros. Math in fp32 (fp64 stays fp64). vLLM's ``scaled_fp8_quant`` multiplies by
-``1/scale``: that rounds once more. A NaN in x makes its row's (or the tensor's) scale NaN.
-Inference only; CUDA-graph safe (the outputs are allocated before the launches).
+all-zero row at zeros. Math in fp32 (fp64 stays fp64). A NaN in x makes its row's (or the
+tensor's) scale and q NaN; an inf makes the scale inf, q 0 for the finite values and NaN for the
+inf (inf / inf). Inference only; CUDA-graph safe (the outputs are allocated before the launches).
+
+Where vLLM's ``scaled_fp8_quant`` (and SGLang's, which mirrors it) differ, by choice:
+
+- the default here is per token; theirs is per tensor (``use_per_token_if_dynamic=False``);
+- the floor: vLLM's per-token kernel floors the scale at ``1 / (448·512)`` (~4.4e-6), so a row
+  whose amax is below 1/512 gets that scale and a coarser q (the same values dequantised, to
+  within e4m3's rounding); its per-tensor kernel has no floor; SGLang's per-token scale is 0 for
+  an all-zero row. Here it is 1e-12 throughout;
+- no ``scale_ub`` (vLLM clamps each row's amax to it before dividing);
+- non-finite input: their CUDA kernels take amax with ``fmaxf`` (a NaN is skipped) and clamp with
+  ``fminf``/``fmaxf``, which turn a NaN into +448: a NaN activation comes out finite there;
+- they multiply by ``1/scale`` (one more rounding, inside e4m3's); q is ``float8_e4m3fn`` only
+  (vLLM on ROCm: ``e4m3fnuz`` with max 224).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 RMSNorm fused with static fp8 quantisation (vLLM's ``rms_norm_static_fp8_quant``): the normalised,
 weighted x stays in fp32 (fp64 for fp64) and is rounded once, to e4m3; vLLM's kernel rounds it to
-x's dtype first. The scale is fp32, one value (``()`` or ``(1,)``) or one per row (``[..., 1]``);
-the weight ``[N]`` may have another floating dtype. Inference only; CUDA-graph safe.
+x's dtype first, and its clamp turns a NaN into +448 (here a NaN in a row makes the row's q NaN,
+an inf its own q at least). The scale is fp32, one value (``()`` or ``(1,)``) or one per row
+(``[..., 1]``); the weight ``[N]`` may have another floating dtype. Inference only; CUDA-graph safe.
 """
 
 from __future__ import annotations

@@ -11,7 +11,11 @@ untouched, partial rotary), pair i by angle i:
 
 ``(x1, x2) <- (x1·cos - x2·sin, x2·cos + x1·sin)``, in fp32 (fp64 stays fp64), each result rounded
 once to the tensor's dtype, written over query and key; returns ``(query, key)``.
-``rotary_dim`` defaults to the cache's width and must equal it when given.
+``rotary_dim`` defaults to the cache's width and must equal it when given. The cache is read in
+its own dtype: an fp32 cache with bf16 q rotates by the fp32 cos/sin (so does vLLM's kernel when
+handed one; vLLM's ``RotaryEmbedding`` layer casts its cache to the query's dtype first, and a bf16
+cache gives the same result here). Positions are ``[T]`` only (vLLM's take ``[B, S]`` too);
+vLLM's ``offsets``, ``rope_dim_offset`` and ``inverse`` have no counterpart.
 
 Positions outside ``[0, max_pos)``: for CPU tensors the call raises before writing anything. On
 CUDA that check would need a device sync (no CUDA graphs, a host stall per call), so it is not
@@ -242,7 +246,9 @@ def rope_cache(
     max_pos: int, rotary_dim: int, base: float = 10000.0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
     """vLLM's ``cos_sin_cache`` for the standard RoPE: ``cat(cos(p·θ_i), sin(p·θ_i))`` with
-    ``θ_i = base^(-2i/rotary_dim)``, ``[max_pos, rotary_dim]`` (tests, benchmarks, examples)."""
+    ``θ_i = base^(-2i/rotary_dim)``, ``[max_pos, rotary_dim]`` (tests, benchmarks, examples).
+    Computed in float64 and rounded once to ``dtype``; vLLM computes θ and p·θ in fp32, so its
+    entries at position p are off by up to about p·2^-23 radians from these."""
     inv_freq = base ** -(torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device) / rotary_dim)
     angles = torch.arange(max_pos, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
     return torch.cat((angles.cos(), angles.sin()), -1).to(dtype)
@@ -309,6 +315,10 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
         Case("3tok-int32-positions", (pos(3, 64).int(), t(3, 32), t(3, 32), 16, cache)),
         Case("7tok-cache-fp64", (pos(7, 64), t(7, 32), t(7, 16), 16, rope_cache(64, 16, dtype=torch.float64, device=device))),
         Case("2tok-head256-rd64", (pos(2, 1000), t(2, 2 * 256), t(2, 256), 256, rope_cache(1000, 64, device=device)), {"is_neox": False}),
+        # head sizes FlashInfer compiles, in the two forms the others leave out there: NeoX with a
+        # partial rotary_dim (its kernel pairs x[i] with x[i + rotary_dim/2], not head_size/2) and GPT-J whole
+        Case("3tok-head128-rd32", (pos(3, 64), t(3, 2 * 128), t(3, 128), 128, rope_cache(64, 32, device=device))),
+        Case("2tok-head64-gptj", (pos(2, 64), t(2, 4 * 64), t(2, 64), 64, rope_cache(64, 64, device=device)), {"is_neox": False}),
         Case("40tok-wide", (pos(40, 4096), t(40, 4 * 128), t(40, 128), 128, rope_cache(4096, 128, device=device))),
     ]
     if large:

@@ -4,6 +4,10 @@ The serving layout of swiglu (vLLM's ``silu_and_mul``): one fused gate/up projec
 gate first. Math in fp32 (fp64 stays fp64), the result in x's dtype. ``out=`` writes the result
 into a given tensor (x's dtype and device, shape ``[..., d]``, sharing no memory with x) and
 returns it. Inference only (no autograd); CUDA-graph safe in every impl.
+
+vLLM's CUDA kernel rounds ``silu(gate)`` to x's dtype before the multiply (two roundings, within
+an ulp of this in 16-bit); FlashInfer's and sgl-kernel's round once, as here. vLLM takes
+``d = n // 2`` of an odd last dim n and drops its last element; here an odd n is an error.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 The scale is given (calibrated, or from ``dynamic_quant_fp8``): fp32, one value (shape ``()`` or
 ``(1,)``) or one per row (``[..., 1]``). Math in fp32 (fp64 stays fp64), one rounding to e4m3
 (nearest even). Scale values are not checked (that would need a device sync on CUDA): a zero
-scale gives ±448 and NaN like the division does. Inference only; CUDA-graph safe.
+scale gives ±448 and NaN like the division does. A NaN in x stays NaN in q, where vLLM's
+``static_scaled_fp8_quant`` clamps it to +448 (``fminf``); ±inf saturates to ±448 in both. Per-row
+scales are ours (vLLM's static kernel takes one). Inference only; CUDA-graph safe.
 """
 
 from __future__ import annotations

@@ -24,8 +24,9 @@ def gelu_and_mul(a: Any) -> str | None:
 
 
 def rotary_embedding_(a: Any) -> str | None:
-    # csrc/elementwise/pos_enc.cu (vLLM's kernel): x·cos - y·sin in the tensors' own dtype, each
-    # product rounded to it; the op computes in fp32 and rounds once
+    # csrc/elementwise/pos_enc.cu (a copy of an older vLLM kernel; vLLM's own now computes in
+    # fp32): x·cos - y·sin in the tensors' own dtype, each product rounded to it; the op computes
+    # in fp32 and rounds once
     if str(a.dtype).removeprefix("torch.") != "float32":
         return f"sgl-kernel's rotary_embedding computes in the tensors' dtype (each product rounded): float32 only, got {str(a.dtype).removeprefix('torch.')}"
     return None
