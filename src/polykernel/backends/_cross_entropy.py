@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..ops import _autocast
 from ..ops.cross_entropy import mean_divisor
 
 TEMP_BYTES = 64 << 20  # fp32 bytes of one chunk of upcast rows (a few such temporaries live at once)
@@ -108,7 +109,9 @@ def _rows_ex(xf: torch.Tensor, t: torch.Tensor, valid: torch.Tensor, ls: float, 
             r = r + ls * (lse - z.mean(-1))
         else:
             w = ex.weight.to(z.dtype)
-            r = r + (ls / v) * (lse * w.sum() - z @ w)
+            with _autocast.off(z.device.type):  # a matmul, which autocast would round to 16 bits
+                zw = z @ w
+            r = r + (ls / v) * (lse * w.sum() - zw)
     if ex.z_loss:
         r = r + ex.z_loss * wt * lse.square()
     return torch.where(valid, r, 0.0), lse, z, th, wt

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _compat
+from ..ops import _autocast
 from ..ops.fused_linear_cross_entropy import OP_ID
 from ..spec import Split
 from . import _cross_entropy as _ce
@@ -29,7 +30,6 @@ from ._cross_entropy import NO_EXTRAS, Extras, denominator, extras, grad_scale, 
 from ._double_backward import anchor, refuse
 
 _transforms_active = _compat.functorch_transforms_active
-_any_autocast = _compat.any_autocast_enabled
 
 CHUNK_BYTES = 256 << 20  # logits of one row chunk, in the logits' dtype (~1024 rows at V = 128K bf16)
 
@@ -167,15 +167,6 @@ def differentiable(
     return _ce.differentiable(F.linear(hidden, weight, bias), target, ignore_index, label_smoothing, reduction, *ex)
 
 
-def _autocast_dtype(hidden: torch.Tensor) -> torch.dtype | None:
-    """The dtype F.linear would compute hidden @ weight.T in under autocast (None: no autocast)."""
-    device = hidden.device.type
-    if not torch.is_autocast_enabled(device) or hidden.dtype == torch.float64:  # autocast leaves fp64 as it is
-        return None
-    dtype = torch.get_autocast_dtype(device)
-    return None if dtype == hidden.dtype else dtype
-
-
 def run(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -194,13 +185,10 @@ def run(
     (``impl``: the calling impl's name, for error messages; ``ex``: the options)."""
     if _transforms_active():  # functorch (grad, vmap): plain torch ops, which its transforms take
         return differentiable(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, ex)
-    if _any_autocast():
-        dtype = _autocast_dtype(hidden)
-        if dtype is not None:  # as F.linear: the matmuls in the autocast dtype, the casts differentiable
-            hidden, weight = hidden.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
-            with torch.autocast(hidden.device.type, enabled=False):
-                return run(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_fn, scale_fn, impl, ex)
+    if _autocast.enabled(hidden.device.type):  # the head as F.linear there (ops._autocast)
+        hidden, weight, bias = _autocast.as_linear(hidden.device.type, hidden, weight, bias)
+        with _autocast.off(hidden.device.type):
+            return run(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_fn, scale_fn, impl, ex)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias)):
         args = (hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_fn, scale_fn, impl, ex)
         return _FusedLinearCrossEntropy.apply(*args)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..ops import _autocast
 from ..ops._distill import acc_dtype, rows_view
 
 # the chunking lives in the op file: its error model counts on it
@@ -135,6 +136,11 @@ def run(
     *grads)`` multiplying the forward's gradients by the cotangent in backward; ``budget``: the
     chunk's bytes (default ``CHUNK_BYTES``); ``impl``: the caller's name, for errors."""
     budget = CHUNK_BYTES if budget is None else budget
+    device = student_hidden.device.type
+    if _autocast.enabled(device):  # both heads as F.linear there (ops._autocast)
+        cast = _autocast.as_linear(device, student_hidden, student_weight, teacher_hidden, teacher_weight)
+        with _autocast.off(device):
+            return run(*cast, labels, beta, ignore_index, temperature, chunk_fn, scale_fn, budget, impl)  # type: ignore[arg-type]
     if torch.is_grad_enabled() and (student_hidden.requires_grad or student_weight.requires_grad):
         return _FusedLinearJSD.apply(
             student_hidden,

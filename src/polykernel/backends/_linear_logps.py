@@ -41,6 +41,7 @@ from types import ModuleType
 import torch
 
 from .. import _compat
+from ..ops import _autocast
 
 # the chunking the losses' error models count on is theirs (CHUNK_BYTES, units_per_chunk)
 from ..ops._preference import CHUNK_BYTES, SUB_BYTES, keeps_g, unit_bytes, units_per_chunk
@@ -297,6 +298,10 @@ def logps_only(
     if _transforms_active():
         with torch.no_grad():
             return _plain_logps(hidden, weight, bias, target, ignore_index, temperature)
+    if _autocast.enabled(hidden.device.type):  # the head as F.linear there (ops._autocast)
+        hidden, weight, bias = _autocast.as_linear(hidden.device.type, hidden, weight, bias)
+        with _autocast.off(hidden.device.type):
+            return logps_only(prim, hidden, weight, bias, target, ignore_index, temperature, budget)  # type: ignore[arg-type]
     with torch.no_grad():
         return walk(prim, hidden.detach(), weight.detach(), None if bias is None else bias.detach(), target, ignore_index,
                     temperature, False, None, budget=budget)[1]  # fmt: skip
@@ -347,6 +352,10 @@ def run(
         lp = _plain_logps(hidden, weight, bias, target, ignore_index, temperature)
         loss = contrib(lp.to(torch.float64), *aux).sum().to(lp.dtype)  # the formula in float64, as the walk's
         return loss, lp.detach()
+    if _autocast.enabled(hidden.device.type):  # the head as F.linear there (ops._autocast)
+        hidden, weight, bias = _autocast.as_linear(hidden.device.type, hidden, weight, bias)
+        with _autocast.off(hidden.device.type):
+            return run(prim, hidden, weight, bias, target, ignore_index, temperature, pairs, contrib, aux, budget)  # type: ignore[arg-type]
     hidden = hidden if hidden.is_contiguous() else hidden.contiguous()
     args = (target, ignore_index, temperature, pairs, contrib, tuple(aux))
     kw = {"budget": budget}

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _compat
+from ..ops import _autocast
 from . import _moe_route as route
 
 _transforms_active = _compat.functorch_transforms_active
@@ -108,7 +109,11 @@ def sorted_experts(
     if grouped:
         x = x.contiguous()
     acc = torch.promote_types(torch.promote_types(hidden.dtype, top_k_weights.dtype), torch.float32)
-    y = experts(x, lambda a, weight: gemm(a, weight, offsets), perm, acc)
+    if _autocast.enabled(hidden.device.type):  # the op's math in its dtypes: autocast would lower F.linear's loop, not _grouped_mm
+        with _autocast.off(hidden.device.type):
+            y = experts(x, lambda a, weight: gemm(a, weight, offsets), perm, acc)
+    else:
+        y = experts(x, lambda a, weight: gemm(a, weight, offsets), perm, acc)
     weighted = y * top_k_weights.reshape(-1).index_select(0, perm).to(acc)[:, None]
     out = weighted.index_select(0, route.inverse(perm)).view(t, k, h).sum(1)  # back to token order, Σ over k
     return out.to(hidden.dtype)

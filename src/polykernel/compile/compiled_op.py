@@ -119,6 +119,7 @@ class CompiledOp:
         fwd, train, validate, reference = self.forward, self.train, getattr(op, "validate", None), op.reference
         decompose, single, op_id, n_out, full = mode == "decompose", self.single, op.id, len(returns), self._full
         mistyped, types, defaults = op._mistyped, [p.type for p in params], self.defaults
+        autocast = op.autocast
 
         def call(impl: Any, *args: Any) -> Any:
             # Traced by Dynamo: validation runs at trace time, on the (fake) arguments, with the
@@ -138,6 +139,8 @@ class CompiledOp:
                 return fwd(*_schema_fit(types, defaults, args), impl=impl if impl is None or isinstance(impl, str) else _impl_str(impl))
             if impl is not None and not isinstance(impl, str):  # a list or a KernelBackend
                 impl = _impl_str(impl)
+            if autocast is not None:  # the custom op runs with autocast off: its eager casts, traced here
+                args = autocast(args)
             dtensors = _has_dtensor(args)
             if dtensors:  # the ops' sharding rules, registered at trace time (once)
                 _at_trace_time("register_rules", op_id)

@@ -120,6 +120,9 @@ class Op:
     - ``bench_shapes``: ``(label, shape)`` pairs for ``example``, the shapes ``polykernel bench``
       and ``polykernel tune`` use for an op without README shapes of its own
       (:data:`polykernel.tools.bench.SHAPES`): a new op benches with no list to edit.
+    - ``autocast``: for an op whose impls cast their arguments under ``torch.autocast`` (the fused
+      linear ops: ``polykernel.ops._autocast``), the arguments as they cast them; a compiled
+      call applies it at trace time, since the custom op runs with autocast off.
     """
 
     def __init__(
@@ -146,6 +149,7 @@ class Op:
         writes: Sequence[str] = (),
         validate_each_call: bool = False,
         bench_shapes: Sequence[tuple[str, tuple[int, ...]]] = (),
+        autocast: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None,
     ) -> None:
         if tuple(fields[:3]) != ("device", "dtype", "needs_grad"):
             raise ValueError("Op fields must start with device, dtype, needs_grad")
@@ -171,6 +175,7 @@ class Op:
         self.dtensor_layout = dtensor_layout
         self.writes = tuple(writes)
         self.bench_shapes = tuple((label, tuple(shape)) for label, shape in bench_shapes)
+        self.autocast = autocast
         params = list(inspect.signature(reference).parameters)
         unknown = set(self.writes) - set(params)
         if unknown:

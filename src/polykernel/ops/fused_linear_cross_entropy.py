@@ -34,6 +34,7 @@ from ..compile.facts import SavedGrads
 from ..core.hit_guard import SHAPE
 from ..core.op import SUM_LAMBDA, TINY, Bounds, Case, ErrorModel, Op
 from ..distributed.layout import ROWS, Layout, rows_with
+from . import _autocast
 from . import _checks as check
 from .cross_entropy import as_smoothing, as_softcap, validate_extras, validate_options, validate_target, weight_matches
 from .cross_entropy import reference as _ce_reference
@@ -434,6 +435,7 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
+    autocast=_autocast.linear_args(0, 1, 3),  # the heads as F.linear under autocast (eager: the backends' drivers)
     # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     # torch.compile: our custom ops (compile can only run the op by materializing the [N, V]
     # logits). Saves grad_hidden, grad_weight, grad_bias (fp32): computed in the forward for

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from ..core.hit_guard import SHAPE
 from ..core.op import SUM_LAMBDA, TINY, Bounds, Case, ErrorModel, Op
+from . import _autocast
 from . import _checks as check
 from . import _distill as distill
 from ._head_blocks import float64_blocks
@@ -442,6 +443,7 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
+    autocast=_autocast.linear_args(0, 1, 2, 3),  # the heads as F.linear under autocast (eager: the backends' drivers)
     # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     # torch.compile: our custom ops (Inductor's code for the reference would materialize both
     # [N, V] logits); nothing saved: a compiled backward recomputes the forward
