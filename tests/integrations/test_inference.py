@@ -97,6 +97,32 @@ def test_threads_running_one_model_at_once_each_carry_their_own_stream(monkeypat
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
+def test_a_forward_while_the_patch_is_half_done_is_right(monkeypatch):
+    """Another thread's forward that runs while ``patch`` is still installing (here: from inside
+    the patch, after layer 0's MLP is merged, layers 1 and 2 not patched yet) must see either the
+    carried stream in every layer or in none."""
+    from polykernel.integrations.transformers import _inference
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ref = tiny_llama()
+    model = copy.deepcopy(ref)
+    ids = prompt()
+    with torch.no_grad():
+        want = ref(ids).logits
+    midway: list[torch.Tensor] = []
+    real = _inference.merge
+
+    def merge(module, group):
+        real(module, group)
+        if not midway:
+            with torch.no_grad():
+                midway.append(model(ids).logits)
+
+    monkeypatch.setattr(_inference, "merge", merge)
+    patch(model, mode="inference")
+    torch.testing.assert_close(midway[0], want, rtol=1e-4, atol=1e-4)
+
+
 def test_the_serving_ops_run(monkeypatch):
     """The patched forward really goes through the serving ops (not the originals)."""
     _, model = pair(layers=2)
