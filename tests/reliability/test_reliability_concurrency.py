@@ -197,3 +197,26 @@ def test_scopes_do_not_leak_across_asyncio_tasks(monkeypatch):
     assert outside == "auto"
     assert results == [(names[i % len(names)], "scope") for i in range(8)]
     assert polykernel.explain("rms_norm", x, w).source == "auto"
+
+
+def test_a_line_met_by_threads_at_once_is_logged_once(monkeypatch, caplog):
+    """log_once's check and record are one step: two threads that both look before either
+    records (a barrier inside the check holds each there until the other arrives, or for a
+    second when the other cannot) log the line once."""
+    from polykernel.core.selection import state
+
+    meet = threading.Barrier(2, timeout=1.0)
+
+    class Meeting(set):
+        def __contains__(self, key):
+            seen = super().__contains__(key)
+            try:
+                meet.wait()
+            except threading.BrokenBarrierError:
+                pass
+            return seen
+
+    monkeypatch.setattr(state, "_logged", Meeting())
+    with caplog.at_level("WARNING", logger="polykernel"):
+        _all_at_once(lambda i: state.log_once(("concurrency", "once"), "polykernel: one line"), n=2)
+    assert [r.getMessage() for r in caplog.records].count("polykernel: one line") == 1

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import ImplNotAvailableError, ImplVerificationError, UnknownImplError
 from .. import first_call, registry
 from .names import _parse_names, _parse_op_names
-from .state import _broken, _check_env, _global, _lock, _logged, log, log_once, routed, strict_mode
+from .state import _broken, _check_env, _global, _lock, first_time, log, log_once, routed, strict_mode
 from .subclasses import subclass_name
 from .verdicts import Verdict, _load, _verdicts
 
@@ -107,9 +107,7 @@ class Decision:
                 f"({type(again).__name__}), so nothing was marked broken: check the arguments",
             )
             raise exc from None
-        once = ("fault", self.op.id, failed, argkey)
-        if once not in _logged:
-            _logged.add(once)
+        if first_time(("fault", self.op.id, failed, argkey)):
             warnings.warn(message, RuntimeWarning, stacklevel=3)
             log.warning(message)
         return out

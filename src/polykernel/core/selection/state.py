@@ -88,11 +88,20 @@ def _traced() -> bool:
     return dynamo() if dynamo is not None else torch.compiler.is_compiling()
 
 
+def first_time(key: tuple[Any, ...]) -> bool:
+    """Whether ``key`` is new to the once-only records (it is recorded now). One check and add
+    for threads meeting one key at once: a line is logged once, not by each of them."""
+    with _lock:
+        if key in _logged:
+            return False
+        _logged.add(key)
+        return True
+
+
 def _report(key: tuple[Any, ...], message: str, strict_raises: bool) -> None:
     if strict_raises and strict_mode():
         raise RuntimeError(message)
-    if key not in _logged:
-        _logged.add(key)
+    if first_time(key):
         log.warning(message)
 
 
