@@ -345,6 +345,32 @@ def test_set_impl_per_op_beats_global_and_resets_alone():
     assert run() == "liger"
 
 
+@pytest.mark.parametrize("hot", [False, True], ids=["memo", "guarded"])
+def test_set_impl_while_another_thread_resolves_is_not_undone(monkeypatch, hot):
+    # Another thread's set_impl lands while this call resolves (after it read the settings): the
+    # decision it made runs for this call, and is then neither memoized nor kept by the guard.
+    fake("liger", 50)
+    real, fired = resolution._tuned, []
+
+    def tuned(*a, **k):
+        if not fired:
+            fired.append(polykernel.set_impl("torch", op="rms_norm"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(resolution, "_tuned", tuned)
+    x, w = args()
+    if hot:  # the guarded hot path (recent decisions by their guards)
+        polykernel.rms_norm(x, w)
+        polykernel.rms_norm(x, w)
+    else:  # the memo (Op.call, as the compiled and DTensor paths take it)
+        op = registry.get_op("rms_norm")
+        argkey = op.key(x, w, 1e-6, 0.0, "fp32")
+        op.call(None, argkey, x, w, 1e-6, 0.0, "fp32")
+        op.call(None, argkey, x, w, 1e-6, 0.0, "fp32")
+    assert CALLS == ["liger"]  # the second call: the torch impl, as set_impl says
+    assert polykernel.explain("rms_norm", x, w).chosen == "torch"
+
+
 def test_set_impl_validates_names():
     with pytest.raises(ValueError, match="not an impl name"):
         polykernel.set_impl("fast")

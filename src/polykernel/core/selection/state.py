@@ -23,6 +23,13 @@ _global: dict[str | None, tuple[str, ...]] = {}
 _broken: dict[tuple[str, tuple[Any, ...]], dict[str, str]] = {}
 _logged: set[tuple[Any, ...]] = set()
 _lock = threading.RLock()
+# Bumped (under _lock) before the memos are cleared: a decision resolved against the settings and
+# impls of an older generation runs for the call that made it, and is never kept (see decide).
+_generation = [0]
+
+
+def generation() -> int:
+    return _generation[0]
 
 
 def strict_mode() -> bool:
