@@ -345,6 +345,32 @@ def test_set_impl_per_op_beats_global_and_resets_alone():
     assert run() == "liger"
 
 
+@pytest.mark.parametrize("hot", [False, True], ids=["memo", "guarded"])
+def test_set_impl_while_another_thread_resolves_is_not_undone(monkeypatch, hot):
+    # Another thread's set_impl lands while this call resolves (after it read the settings): the
+    # decision it made runs for this call, and is then neither memoized nor kept by the guard.
+    fake("liger", 50)
+    real, fired = resolution._tuned, []
+
+    def tuned(*a, **k):
+        if not fired:
+            fired.append(polykernel.set_impl("torch", op="rms_norm"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(resolution, "_tuned", tuned)
+    x, w = args()
+    if hot:  # the guarded hot path (recent decisions by their guards)
+        polykernel.rms_norm(x, w)
+        polykernel.rms_norm(x, w)
+    else:  # the memo (Op.call, as the compiled and DTensor paths take it)
+        op = registry.get_op("rms_norm")
+        argkey = op.key(x, w, 1e-6, 0.0, "fp32")
+        op.call(None, argkey, x, w, 1e-6, 0.0, "fp32")
+        op.call(None, argkey, x, w, 1e-6, 0.0, "fp32")
+    assert CALLS == ["liger"]  # the second call: the torch impl, as set_impl says
+    assert polykernel.explain("rms_norm", x, w).chosen == "torch"
+
+
 def test_set_impl_validates_names():
     with pytest.raises(ValueError, match="not an impl name"):
         polykernel.set_impl("fast")
@@ -529,6 +555,52 @@ def test_declare_op_locations_is_lazy_and_idempotent():
     registry.specs_for("rms_norm")
     assert builtins._pk_location_imports == before + 1
     registry.undeclare_op_location("rms_norm", "_pk_location_ok")
+
+
+# Thread B's first rms_norm call imports its op module and stops just before registering the op
+# (which takes the registry's lock) until thread A, on its first softmax call, is importing a
+# declared location of softmax that imports the rms_norm op module too.
+_LOCATION_IMPORTS_AN_OP = """
+import builtins
+builtins._pk_a_in_location.set()
+import polykernel.ops.rms_norm
+"""
+_TWO_FIRST_IMPORTS = """
+import builtins, sys, threading
+import torch, polykernel
+from polykernel import backends
+from polykernel.core import registry
+sys.path.insert(0, sys.argv[1])
+registry.get_op("softmax")
+builtins._pk_a_in_location, b_registering = threading.Event(), threading.Event()
+real = backends.declared
+def declared(op_id):
+    if op_id == "norm.rms_norm":
+        b_registering.set()
+        builtins._pk_a_in_location.wait(10)
+    return real(op_id)
+backends.declared = declared
+polykernel.declare_op_locations("softmax", "_pk_location_imports_an_op")
+b = threading.Thread(target=lambda: polykernel.rms_norm(torch.randn(2, 8), torch.ones(8)), daemon=True)
+b.start()
+b_registering.wait(10)
+a = threading.Thread(target=lambda: polykernel.softmax(torch.randn(2, 8)), daemon=True)
+a.start()
+a.join(30)
+b.join(30)
+print("deadlock" if a.is_alive() or b.is_alive() else "done")
+"""
+
+
+def test_a_location_importing_an_op_module_that_another_thread_imports_does_not_deadlock(tmp_path):
+    # (in a subprocess: a deadlock there leaves this process's registry usable)
+    import subprocess
+    import sys
+
+    (tmp_path / "_pk_location_imports_an_op.py").write_text(_LOCATION_IMPORTS_AN_OP)
+    out = subprocess.run([sys.executable, "-c", _TWO_FIRST_IMPORTS, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "done"
 
 
 def test_failing_location_is_recorded_and_shown():

@@ -68,6 +68,61 @@ def test_logits_match_unpatched():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_threads_running_one_model_at_once_each_carry_their_own_stream(monkeypatch):
+    """A server's thread pool runs one patched model: each forward carries its own residual
+    stream. Both threads finish layer 0 before either starts layer 1 (a barrier in a pre-hook),
+    so a stream shared between them would hand one thread the other's residual."""
+    import threading
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the CPU interpreter's launches are not thread-safe
+    ref, model = pair()
+    ids = [prompt(), torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(9))]
+    with torch.no_grad():
+        want = [ref(i).logits for i in ids]
+    barrier = threading.Barrier(2)
+    model.model.layers[1].register_forward_pre_hook(lambda module, args: (barrier.wait(60), None)[1])
+    got: list[torch.Tensor | None] = [None, None]
+
+    def run(i: int) -> None:
+        with torch.no_grad():
+            got[i] = model(ids[i]).logits
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for g, w in zip(got, want, strict=True):
+        assert g is not None
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_a_forward_while_the_patch_is_half_done_is_right(monkeypatch):
+    """Another thread's forward that runs while ``patch`` is still installing (here: from inside
+    the patch, after layer 0's MLP is merged, layers 1 and 2 not patched yet) must see either the
+    carried stream in every layer or in none."""
+    from polykernel.integrations.transformers import _inference
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ref = tiny_llama()
+    model = copy.deepcopy(ref)
+    ids = prompt()
+    with torch.no_grad():
+        want = ref(ids).logits
+    midway: list[torch.Tensor] = []
+    real = _inference.merge
+
+    def merge(module, group):
+        real(module, group)
+        if not midway:
+            with torch.no_grad():
+                midway.append(model(ids).logits)
+
+    monkeypatch.setattr(_inference, "merge", merge)
+    patch(model, mode="inference")
+    torch.testing.assert_close(midway[0], want, rtol=1e-4, atol=1e-4)
+
+
 def test_the_serving_ops_run(monkeypatch):
     """The patched forward really goes through the serving ops (not the originals)."""
     _, model = pair(layers=2)

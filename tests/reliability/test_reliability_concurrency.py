@@ -141,6 +141,40 @@ def test_first_calls_measure_once_per_key(monkeypatch, tmp_path):
     assert {d["impl"] for d in polykernel.decisions("rms_norm")} == {"cute_dsl"}
 
 
+def test_measurements_of_different_keys_never_overlap(monkeypatch, tmp_path):
+    """Two threads meeting two new keys at once measure one after the other: timings taken side by
+    side (one process, one clock, one GPU stream) would each count the other's work. A barrier
+    inside the measurement holds the first there until the second arrives (then they overlapped),
+    or for a second when it cannot."""
+    monkeypatch.setenv("POLYKERNEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("POLYKERNEL_TUNE", "on")
+    plant("cuda_jit", 1)
+    plant("cute_dsl", 2)
+    only("cuda_jit", "cute_dsl")
+    inside, most = [0], [0]
+    meet = threading.Barrier(2, timeout=1.0)
+    real = tuning_measure.measure
+
+    def measure(*a, **k):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        try:
+            meet.wait()
+        except threading.BrokenBarrierError:
+            pass
+        try:
+            return real(*a, **k)
+        finally:
+            inside[0] -= 1
+
+    monkeypatch.setattr(tuning_measure, "measure", measure)
+    w = torch.ones(32)
+    xs = [torch.randn(4, 32), torch.randn(4096, 32)]  # two size buckets: two store keys
+    polykernel.clear_caches()
+    _all_at_once(lambda i: polykernel.rms_norm(xs[i], w), n=2)
+    assert most[0] == 1
+
+
 def _two_impls(monkeypatch) -> list[str]:
     """torch and a planted impl (the interpreter cannot run in several threads at once)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -197,3 +231,26 @@ def test_scopes_do_not_leak_across_asyncio_tasks(monkeypatch):
     assert outside == "auto"
     assert results == [(names[i % len(names)], "scope") for i in range(8)]
     assert polykernel.explain("rms_norm", x, w).source == "auto"
+
+
+def test_a_line_met_by_threads_at_once_is_logged_once(monkeypatch, caplog):
+    """log_once's check and record are one step: two threads that both look before either
+    records (a barrier inside the check holds each there until the other arrives, or for a
+    second when the other cannot) log the line once."""
+    from polykernel.core.selection import state
+
+    meet = threading.Barrier(2, timeout=1.0)
+
+    class Meeting(set):
+        def __contains__(self, key):
+            seen = super().__contains__(key)
+            try:
+                meet.wait()
+            except threading.BrokenBarrierError:
+                pass
+            return seen
+
+    monkeypatch.setattr(state, "_logged", Meeting())
+    with caplog.at_level("WARNING", logger="polykernel"):
+        _all_at_once(lambda i: state.log_once(("concurrency", "once"), "polykernel: one line"), n=2)
+    assert [r.getMessage() for r in caplog.records].count("polykernel: one line") == 1

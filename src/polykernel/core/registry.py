@@ -71,7 +71,7 @@ class Registry:
         self._ops: dict[str, OpLike] = {}
         self._locations: dict[str, list[str]] = {}
         self._imported: set[str] = set()
-        self._importing: set[str] = set()
+        self._importing = threading.local()  # .modules: the locations this thread is importing
         self._import_errors: dict[str, dict[str, str]] = {}
         self._preloaded: dict[tuple[str, str], Callable[..., Any]] = {}
         # The impls each op declares (its built-ins), kept apart so that restore() can put them
@@ -235,22 +235,28 @@ class Registry:
         """Impl name -> spec for an op, after importing every declared location (once each)."""
         the_op = self.get_op(op)
         pending = [m for m in self._locations.get(the_op.id, ()) if m not in self._imported]
-        if pending:
-            # A module counts as imported only once its import has finished (under the lock), so
-            # a thread that finds nothing pending never sees an op without that module's impls.
-            with self.lock:
-                for module in pending:
-                    if module in self._imported or module in self._importing:  # done, or our own import re-entering
-                        continue
-                    self._importing.add(module)
-                    try:
-                        importlib.import_module(module)
-                    except Exception as exc:  # recorded and shown by explain, never raised here
-                        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-                        self._import_errors.setdefault(the_op.id, {})[module] = last
-                    finally:
-                        self._importing.discard(module)
-                        self._imported.add(module)
+        # A module counts as imported only once its import has finished, so a thread that finds
+        # nothing pending never sees an op without that module's impls; a thread that finds it
+        # pending imports it too, which Python's per-module import lock makes wait for the
+        # first's. Not under self.lock: a module imported here may import an op module that
+        # another thread is importing, and that one waits for self.lock to register its op.
+        importing = getattr(self._importing, "modules", None)  # this thread's
+        if importing is None:
+            importing = self._importing.modules = set()
+        for module in pending:
+            if module in self._imported or module in importing:  # done, or our own import re-entering
+                continue
+            importing.add(module)
+            try:
+                importlib.import_module(module)
+            except Exception as exc:  # recorded and shown by explain, never raised here
+                last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+                with self.lock:
+                    self._import_errors.setdefault(the_op.id, {})[module] = last
+            finally:
+                importing.discard(module)
+                with self.lock:
+                    self._imported.add(module)
         return dict(self._specs.get(the_op.id, {}))
 
     def import_errors(self, op: str | OpLike) -> dict[str, str]:

@@ -45,7 +45,11 @@ _lock = threading.RLock()
 _store: Store | None = None
 _pinned: dict[tuple[str, tuple[Any, ...]], str] = {}  # remember(): in-process, no measurement
 _seen: dict[tuple[str, tuple[Any, ...]], tuple[str, dict[str, Any]]] = {}  # argument class -> (key, entry)
-_measuring: dict[str, threading.Lock] = {}  # store key -> held while one thread measures it
+# Held while a thread measures: one measurement at a time in a process. Threads meeting one new
+# key wait for its entry; threads meeting other keys wait too, since timings taken side by side
+# (one clock, one GPU stream, the GIL) would each count the other's work. Never re-entered: a
+# measurement's nested op calls do not measure (``_busy``).
+_measuring = threading.Lock()
 _busy = threading.local()  # set while measuring: a nested op call uses stored/static choices
 # Set by `collecting()` (the `tune` command): measure every key met, return records, store nothing.
 _collect: ContextVar[list[dict[str, Any]] | None] = ContextVar("polykernel_tune_collect", default=None)
@@ -174,7 +178,7 @@ def lookup(
     entry = None if collect is not None else st.get(key)
     if entry is None and measure and (the_mode == "on" or collect is not None) and _measurable(args, capturing):
         # Threads that meet a new key at once measure it once: the others wait for the entry.
-        with _key_lock(key):
+        with _measuring:
             entry = None if collect is not None else st.get(key)
             if entry is None:
                 entry = _measure(op, argkey, tuple(args), rows, key, collect)
@@ -182,12 +186,6 @@ def lookup(
         return None
     _seen[(op.id, argkey)] = (key, entry)
     return _choice(entry, capturing)
-
-
-def _key_lock(key: str) -> threading.Lock:
-    # Never re-entered: a measurement's nested op calls do not measure (``_busy``).
-    with _lock:
-        return _measuring.setdefault(key, threading.Lock())
 
 
 def _choice(entry: dict[str, Any], capturing: bool) -> str | None:

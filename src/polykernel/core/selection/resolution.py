@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import ImplNotAvailableError, ImplVerificationError, UnknownImplError
 from .. import first_call, registry
 from .names import _parse_names, _parse_op_names
-from .state import _broken, _check_env, _global, _lock, _logged, log, log_once, routed, strict_mode
+from .state import _broken, _check_env, _global, _lock, first_time, generation, log, log_once, routed, strict_mode
 from .subclasses import subclass_name
 from .verdicts import Verdict, _load, _verdicts
 
@@ -48,6 +48,8 @@ class Decision:
     # A tuned decision's per-size-bucket chooser (polykernel.tuning.by_size.BySize), which ``fn``
     # runs; None otherwise. ``impl`` is then the first bucket's choice.
     by_size: Any = None
+    # The settings' generation it was resolved in (state.generation): an older one is stale.
+    generation: int = 0
 
     def fn_for(self, args: tuple[Any, ...]) -> Any:
         """What a call with ``args`` runs: ``fn``, or for a tuned decision its bucket's impl
@@ -107,9 +109,7 @@ class Decision:
                 f"({type(again).__name__}), so nothing was marked broken: check the arguments",
             )
             raise exc from None
-        once = ("fault", self.op.id, failed, argkey)
-        if once not in _logged:
-            _logged.add(once)
+        if first_time(("fault", self.op.id, failed, argkey)):
             warnings.warn(message, RuntimeWarning, stacklevel=3)
             log.warning(message)
         return out
@@ -159,6 +159,7 @@ def decide(
     ``by_size``: choose per size bucket even if this key's answer is static (a tuned decision's
     fallback after a fault, whose other buckets keep their measured impls). ``for_dtensor``: made on
     a DTensor call's miss, whose route may run instead (see :func:`record_route`)."""
+    gen = generation()
     decision = _resolve(op, key, args, measure=args is not None)
     if decision.source == "tuned" or (decision.source == "auto" and (by_size or _stored_class(op, key))):
         _choose_by_size(decision, args)
@@ -167,7 +168,10 @@ def decide(
     decision.cuda = getattr(key.argclass[0], "type", None) == "cuda"
     decision.guarded = decision.raw or decision.cuda
     decision.for_dtensor = for_dtensor
+    decision.generation = gen
     op.remember(key, decision)
+    if generation() != gen:  # set_impl, register_impl... in another thread while resolving: this
+        op.forget(key)  # call runs it, the memo must not keep it (checked after remember: no gap)
     _record[(op.id, key)] = decision  # what `decisions()` lists; outlives the memo
     return decision
 

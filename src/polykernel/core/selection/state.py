@@ -25,6 +25,13 @@ _global: dict[str | None, tuple[str, ...]] = {}
 _broken: dict[tuple[str, tuple[Any, ...]], dict[str, str]] = {}
 _logged: set[tuple[Any, ...]] = set()
 _lock = threading.RLock()
+# Bumped (under _lock) before the memos are cleared: a decision resolved against the settings and
+# impls of an older generation runs for the call that made it, and is never kept (see decide).
+_generation = [0]
+
+
+def generation() -> int:
+    return _generation[0]
 
 
 def strict_mode() -> bool:
@@ -106,6 +113,16 @@ def collected_notes() -> Iterator[list[str]]:
         _collecting.reset(token)
 
 
+def first_time(key: tuple[Any, ...]) -> bool:
+    """Whether ``key`` is new to the once-only records (it is recorded now). One check and add
+    for threads meeting one key at once: a line is logged once, not by each of them."""
+    with _lock:
+        if key in _logged:
+            return False
+        _logged.add(key)
+        return True
+
+
 def _report(key: tuple[Any, ...], message: str, strict_raises: bool) -> None:
     if strict_raises and strict_mode():
         raise RuntimeError(message)
@@ -114,8 +131,7 @@ def _report(key: tuple[Any, ...], message: str, strict_raises: bool) -> None:
         if message not in notes:
             notes.append(message)
         return
-    if key not in _logged:
-        _logged.add(key)
+    if first_time(key):
         log.warning(message)
 
 

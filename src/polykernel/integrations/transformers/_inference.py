@@ -46,6 +46,7 @@ replaced (logged once).
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
@@ -71,10 +72,9 @@ FAMILIES = ("llama",)
 _FORWARD: ContextVar[object | None] = ContextVar("polykernel_inference_forward", default=None)
 
 
-class _Stream:
-    """The residual stream between a patched model's layers during one forward."""
-
-    __slots__ = ("active", "residual")
+class _Stream(threading.local):
+    """The residual stream between a patched model's layers during one forward. Per thread:
+    several threads may run one model's forwards at once (a server's pool), each its own stream."""
 
     def __init__(self) -> None:
         self.active = False

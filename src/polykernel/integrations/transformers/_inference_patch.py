@@ -27,7 +27,6 @@ def _patch_inference(model: nn.Module, rope: bool) -> nn.Module:
         if isinstance(layers, str):
             raise ValueError(f"polykernel.integrations.transformers.patch: mode='inference': {name or '<model>'}: {layers}")
         stream = _inference._Stream()
-        _install(base_model, lambda b, s=stream: _inference.base_model_forward(b, s))
         _install(base_model.norm, lambda b, s=stream: _inference.final_norm_forward(b, s))
         modeling = sys.modules[family.module]
         for i, layer in enumerate(layers):
@@ -41,4 +40,8 @@ def _patch_inference(model: nn.Module, rope: bool) -> nn.Module:
             if fuse:
                 _inference.merge(layer.self_attn, _inference.QKV)
             _install(layer.self_attn, lambda b, m=modeling, f=family, r=with_rope, q=fuse: _inference_attention(b, m, f, r, q))
+        # Last: the stream starts only once every layer carries it. A forward (another thread's)
+        # that met a patched base model before its later layers were patched would hand them the
+        # MLP output without the residual.
+        _install(base_model, lambda b, s=stream: _inference.base_model_forward(b, s))
     return model
