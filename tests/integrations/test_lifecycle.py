@@ -3,6 +3,9 @@ removed, unpatching, copying) keeps transformers' results. Tiny random Llamas in
 torch impls; the parity and mechanics of the patch itself are in test_transformers.py."""
 
 import copy
+import io
+import logging
+import pickle
 
 import pytest
 import torch
@@ -22,12 +25,12 @@ def torch_impls():
         yield
 
 
-def tiny_llama():
+def tiny_llama(layers=1):
     config = transformers.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=1,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=32,
@@ -83,3 +86,68 @@ def test_unpatch_after_an_accelerate_hook_was_removed():
     polykernel.clear_caches()
     logits(model)
     assert not polykernel.decisions("rms_norm")  # transformers' own norm ran
+
+
+def _round_trips():
+    def pickled(model):
+        return pickle.loads(pickle.dumps(model))
+
+    def saved(model):
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=False)
+
+    return {"deepcopy": copy.deepcopy, "pickle": pickled, "torch.save": saved}
+
+
+def _closure_objects(module):
+    """What the module's patched forward holds beyond itself (its closure's cells, all the way in)."""
+    found, todo, seen = [], [module.forward.__func__], set()
+    while todo:
+        fn = todo.pop()
+        for cell in getattr(fn, "__closure__", None) or ():
+            value = cell.cell_contents
+            if id(value) not in seen:
+                seen.add(id(value))
+                (todo if callable(value) and hasattr(value, "__closure__") else found).append(value)
+    return found
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+@pytest.mark.parametrize("mode", ["default", "inference"])
+def test_a_copy_of_a_patched_model_comes_back_patched_the_same_way(mode, how, caplog):
+    # a bound method in a module's __dict__ pickles as getattr(module, "forward"): the copy came
+    # back on transformers' forwards while keeping polykernel's bookkeeping; a deepcopy shared the
+    # original's closures (mode="inference": its residual stream and its MLPs' activations, so the
+    # copy's MLPs fell back to transformers', and the two models' streams were one)
+    ref = tiny_llama(layers=2)
+    model = pkt.patch(copy.deepcopy(ref), mode=mode)
+    logits(model)
+    clone = _round_trips()[how](model)
+    assert pkt.patched(clone) == pkt.patched(model)
+    for name, m in clone.named_modules():
+        if "forward" in m.__dict__:
+            assert m.forward.__self__ is m, name
+            held = _closure_objects(m)
+            originals = dict(model.named_modules())[name].modules()
+            assert not any(o is x for o in originals for x in held), name  # nothing of the original model
+    streams = {id(x) for m in clone.modules() if "forward" in m.__dict__ for x in _closure_objects(m) if type(x).__name__ == "_Stream"}
+    assert len(streams) == (1 if mode == "inference" else 0)  # one stream, the copy's own
+    polykernel.clear_caches()
+    with caplog.at_level(logging.WARNING, logger="polykernel"):
+        torch.testing.assert_close(logits(clone), logits(ref), **FP32)
+    assert not [r for r in caplog.records if "running transformers' forward" in r.getMessage()]
+    assert polykernel.decisions("fused_add_rms_norm_" if mode == "inference" else "rms_norm")  # polykernel ran in the copy
+    if mode == "inference":  # the copy's projections view its own merged weights, and saving it writes them whole
+        attn = clone.model.layers[0].self_attn
+        assert attn.q_proj.weight.data_ptr() == attn.__dict__["_polykernel_qkv_weight"].data_ptr()
+        assert attn.q_proj.weight.data_ptr() != model.model.layers[0].self_attn.q_proj.weight.data_ptr()
+    want = ref.state_dict()
+    got = clone.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    pkt.unpatch(clone)
+    assert pkt.patched(clone) == {}
+    assert not [(n, k) for n, m in clone.named_modules() for k in m.__dict__ if k.startswith(("_polykernel", "forward", "__"))]
+    assert pkt.patched(model) != {}  # the original is still patched
+    torch.testing.assert_close(logits(clone), logits(ref), **FP32)
