@@ -151,3 +151,40 @@ def test_a_copy_of_a_patched_model_comes_back_patched_the_same_way(mode, how, ca
     assert not [(n, k) for n, m in clone.named_modules() for k in m.__dict__ if k.startswith(("_polykernel", "forward", "__"))]
     assert pkt.patched(model) != {}  # the original is still patched
     torch.testing.assert_close(logits(clone), logits(ref), **FP32)
+
+
+def _frozen_but(model, trainable):
+    model.requires_grad_(False)
+    for name in trainable:
+        model.get_parameter(name).requires_grad_(True)
+
+
+@pytest.mark.parametrize(
+    "trainable",
+    [
+        ["model.layers.1.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight", "model.norm.weight"],  # frozen embeddings
+        ["model.layers.0.mlp.up_proj.weight"],  # the gate frozen, the up projection not
+        ["model.layers.1.self_attn.k_proj.bias"],  # a bias alone
+        [],  # nothing but the caller's inputs_embeds
+    ],
+)
+def test_inference_patch_with_some_weights_trainable_gives_their_gradients(trainable):
+    # mode="inference" runs the serving ops (in-place, merged detached weights) when no gradient is
+    # wanted; it judged that from the embeddings' and the gate's requires_grad only: frozen
+    # embeddings raised from fused_add_rms_norm_, a trainable up_proj (gate frozen) got no gradient
+    ref = tiny_llama(layers=2)
+    ref.config.attention_bias = True
+    for layer in ref.model.layers:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            proj = getattr(layer.self_attn, name)
+            setattr(layer.self_attn, name, torch.nn.Linear(proj.in_features, proj.out_features, bias=True))
+    model = pkt.patch(copy.deepcopy(ref), mode="inference")
+    grads = []
+    for m in (ref, model):
+        _frozen_but(m, trainable)
+        embeds = m.model.embed_tokens(ids()).detach().requires_grad_(not trainable)
+        m(inputs_embeds=embeds).logits.square().sum().backward()
+        grads.append([m.get_parameter(n).grad for n in trainable] + ([embeds.grad] if not trainable else []))
+    assert all(g is not None for g in grads[1])
+    for want, got in zip(*grads):
+        torch.testing.assert_close(got, want, **FP32)

@@ -35,7 +35,8 @@ mask is left boolean for SDPA (no per-forward token: Dynamo traces no ``ContextV
 Semantics: the norms are the serving op's (sum rounded to the model's dtype as transformers rounds
 ``residual + hidden``, then normalised in fp32 and rounded once); Llama's own norm rounds x̂ to the
 dtype before the weight multiply, so in 16-bit the logits differ at that dtype's roundoff (in fp32
-they agree to fp32 roundoff). Inference only: with gradients wanted, under ``torch.autocast`` (the stream
+they agree to fp32 roundoff). Inference only: with gradients wanted (grad enabled and any weight or
+input that requires grad: frozen embeddings do not make the rest frozen), under ``torch.autocast`` (the stream
 and the projections' outputs are then of two dtypes), or when the caller asks for the hidden
 states of every layer (``output_hidden_states``: the carried layers return the MLP's output, not
 the stream), the model's own forwards run; so do an MLP's and an attention's whose projections
@@ -90,7 +91,12 @@ def base_model_forward(base: Callable, stream: _Stream) -> Callable:
 
     @functools.wraps(base)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        wants_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.embed_tokens.parameters())
+        # any weight that trains (frozen embeddings, a LoRA-style subset) or inputs_embeds that do:
+        # the serving ops write in place and run on detached merged weights
+        wants_grad = torch.is_grad_enabled() and (
+            any(p.requires_grad for p in self.parameters())
+            or any(isinstance(t, torch.Tensor) and t.requires_grad for t in (*args, *kwargs.values()))
+        )
         hidden = kwargs.get("output_hidden_states")
         per_layer = hidden if hidden is not None else getattr(self.config, "output_hidden_states", False)
         # under autocast the projections' outputs are in the autocast dtype and the residual stream
@@ -162,6 +168,13 @@ def final_norm_forward(base: Callable, stream: _Stream) -> Callable:
 GATE_UP = ("gate_up", ("gate_proj", "up_proj"))
 QKV = ("qkv", ("q_proj", "k_proj", "v_proj"))
 MERGED = tuple(f"_polykernel_{key}_{name}" for key, _ in (GATE_UP, QKV) for name in ("weight", "bias"))  # module.__dict__ entries
+
+
+def wants_grad(x: torch.Tensor, *projections: nn.Module) -> bool:
+    """Whether autograd wants this call's gradients (of ``x`` or of any of the projections'
+    parameters, biases too): the merged matmul's weight is detached, so their own forwards run
+    then. (Callers test ``torch.is_grad_enabled()`` first: a decode step pays nothing more.)"""
+    return x.requires_grad or any(p.requires_grad for m in projections for p in m.parameters())
 
 
 def _views_of(merged: torch.Tensor, parts: list[torch.Tensor]) -> bool:
@@ -277,7 +290,7 @@ def mlp_forward(base: Callable, activation: tuple[str, str | None], act_fn: nn.M
 
     @functools.wraps(base)
     def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if args or kwargs or (torch.is_grad_enabled() and (x.requires_grad or self.gate_proj.weight.requires_grad)):
+        if args or kwargs or (torch.is_grad_enabled() and wants_grad(x, self.gate_proj, self.up_proj)):
             return base(self, x, *args, **kwargs)
         act = self.__dict__["_modules"].get("act_fn")
         if act is not act_fn or _compat.module_hooks_seen(act):
