@@ -188,3 +188,55 @@ def test_inference_patch_with_some_weights_trainable_gives_their_gradients(train
     assert all(g is not None for g in grads[1])
     for want, got in zip(*grads):
         torch.testing.assert_close(got, want, **FP32)
+
+
+def _draft_sharing(model, index):
+    """Another Llama of two layers whose second layer is ``model``'s layer ``index`` (shared)."""
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = 2
+    torch.manual_seed(1)
+    other = transformers.LlamaForCausalLM(config).eval()
+    other.model.layers[1] = model.model.layers[index]
+    return other
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "another model patched",
+        "another model patched by default",
+        "another model unpatched",
+        "layer copied",
+        "layer replaced",
+        "layer used twice",
+    ],
+)
+def test_inference_patch_after_its_layers_change_keeps_the_logits(change, caplog):
+    # mode="inference" carries the residual stream from layer to layer: each layer returns its MLP
+    # output and leaves the residual to the next. A layer in the chain that no longer takes part
+    # (re-patched for another model that shares it, unpatched, replaced, a copy on its own stream)
+    # got the MLP output alone: silently wrong logits. The model's own forwards run then, logged.
+    ref = tiny_llama(layers=3)
+    model = pkt.patch(copy.deepcopy(ref), mode="inference")
+    layers = model.model.layers
+    if change.startswith("another model"):
+        other = _draft_sharing(model, 1)
+        if change == "another model patched":
+            pkt.patch(other, mode="inference")
+        elif change == "another model patched by default":
+            pkt.patch(other)
+        else:
+            pkt.unpatch(other)
+        with torch.no_grad():
+            other(ids())  # the other model runs too
+    elif change == "layer copied":
+        layers[1] = copy.deepcopy(layers[1])  # its own copy of the stream
+    elif change == "layer replaced":
+        layers[1] = copy.deepcopy(ref.model.layers[1])
+    else:  # the first layer again, last (a layer used twice: it takes its input as the embeddings)
+        for m in (model, ref):
+            m.model.layers = torch.nn.ModuleList([*m.model.layers[:2], m.model.layers[0]])
+            m.config.use_cache = False  # (its attention has one cache slot)
+    with caplog.at_level(logging.WARNING, logger="polykernel"):
+        torch.testing.assert_close(logits(model), logits(ref), **FP32)
+    assert [r for r in caplog.records if "decoder layers" in r.getMessage()]

@@ -5,6 +5,9 @@ engine runs it (vLLM's and SGLang's decoder layers).
   output and leaves the residual stream to the next, whose input norm adds and normalises in one
   in-place call; the post-attention norm does the same within the layer, and the model's final
   norm closes the stream. Three residual adds and three norms per layer become two launches.
+  Each forward first checks that its layers, in their order now, and its final norm still carry
+  its stream; where one does not (replaced, copied, unpatched, or patched again as part of another
+  model that shares it), the model's own forwards run, logged once.
 - **Merged gate/up** (``silu_and_mul`` / ``gelu_and_mul``): the MLP's gate and up weights are
   concatenated once into one ``[2I, H]`` weight (the two projections' weights become views of it,
   so no memory is added), one matmul, then the merged-layout activation.
@@ -102,7 +105,11 @@ def base_model_forward(base: Callable, stream: _Stream) -> Callable:
         # under autocast the projections' outputs are in the autocast dtype and the residual stream
         # in the model's: the serving norms take one dtype for both, so the model's own forwards run
         autocast = torch.is_autocast_enabled(self.embed_tokens.weight.device.type)
-        stream.active, stream.residual = not (wants_grad or per_layer or autocast), None
+        active = not (wants_grad or per_layer or autocast)
+        if active and not _chain_whole(self, stream):
+            _fallback_once(type(self).__name__, _CHAIN_BROKEN, "inference_stream")
+            active = False
+        stream.active, stream.residual = active, None
         # Dynamo traces neither object() nor ContextVar.set: under torch.compile no forward token is
         # set, and shared_kv_sdpa leaves the boolean mask to SDPA (each layer's conversion is in the graph)
         token = None if _compiling() else _FORWARD.set(object())
@@ -115,6 +122,34 @@ def base_model_forward(base: Callable, stream: _Stream) -> Callable:
 
     forward._polykernel = "decode_stream"  # type: ignore[attr-defined]
     return forward
+
+
+_CHAIN_BROKEN = (
+    "has decoder layers that no longer carry its residual stream (a layer replaced, copied, unpatched, or "
+    "patched again as part of another model that shares it; patch(model, mode='inference') again to carry it)"
+)
+
+
+def _on_stream(module: nn.Module, stream: _Stream, place: str) -> bool:
+    """Whether ``module`` runs the forward that takes part in ``stream`` at ``place`` (``first``
+    layer, a later ``layer``, the final ``norm``); under an accelerate hook it is in ``_old_forward``."""
+    d = module.__dict__
+    for slot in ("forward", "_old_forward"):
+        fn = d.get(slot)
+        tag = getattr(getattr(fn, "__func__", None), "_polykernel_stream", None)
+        if tag is not None and fn.__self__ is module:
+            return tag[0] is stream and tag[1] == place
+    return False
+
+
+def _chain_whole(base_model: nn.Module, stream: _Stream) -> bool:
+    """Whether every decoder layer and the final norm, in their order now, carry ``stream``: each
+    layer hands the next its MLP output alone (the residual in ``stream``), which a layer out of
+    the chain would take as the whole hidden state."""
+    layers = base_model.layers
+    if not len(layers) or not _on_stream(base_model.norm, stream, "norm"):
+        return False
+    return all(_on_stream(layer, stream, "layer" if i else "first") for i, layer in enumerate(layers))
 
 
 def _closed(hidden_states: torch.Tensor, stream: _Stream) -> torch.Tensor:
@@ -145,6 +180,7 @@ def decoder_layer_forward(base: Callable, stream: _Stream, first: bool) -> Calla
         return self.mlp(x)
 
     forward._polykernel = "fused_add_rms_norm_"  # type: ignore[attr-defined]
+    forward._polykernel_stream = (stream, "first" if first else "layer")  # type: ignore[attr-defined]
     return forward
 
 
@@ -160,6 +196,7 @@ def final_norm_forward(base: Callable, stream: _Stream) -> Callable:
         return _pk.fused_add_rms_norm_(hidden_states, residual, self.weight, self.variance_epsilon)[0]
 
     forward._polykernel = "fused_add_rms_norm_"  # type: ignore[attr-defined]
+    forward._polykernel_stream = (stream, "norm")  # type: ignore[attr-defined]
     return forward
 
 
