@@ -66,7 +66,8 @@ attention modules a copy of their ``forward`` whose globals see polykernel's
 ``apply_rotary_pos_emb`` (the modeling module itself is not changed). ``patch("<model_type>")``
 instead swaps the class ``forward`` methods and the modeling module's ``apply_rotary_pos_emb``.
 Calling ``patch`` again re-applies it with the new switches (idempotent); ``unpatch`` restores
-the originals. A switch whose polykernel op is not in this build is skipped with a warning.
+the originals. A copy of a patched model (``copy.deepcopy``, ``pickle``, ``torch.save``) comes
+back patched the same way, with its own state (``_install._reduce``). A switch whose polykernel op is not in this build is skipped with a warning.
 
 What polykernel cannot express exactly stays transformers' code, and :func:`patched` says why
 (``{"l2_norm": "left alone: ..."}``): Llama4's weightless q/k L2 norm, a partial-rotary config of a

@@ -14,7 +14,7 @@ from torch import nn
 
 from polykernel import env
 
-from ._inference import QKV, merged_for_call
+from ._inference import QKV, merged_for_call, wants_grad
 
 
 @functools.cache
@@ -171,7 +171,7 @@ def _fused_call(
     if torch.is_autocast_enabled(hidden.device.type):  # q/k/v in the autocast dtype, the tables in the model's
         return None
     q_proj, k_proj, v_proj = module.q_proj, module.k_proj, module.v_proj
-    if torch.is_grad_enabled() and (hidden.requires_grad or any(p.weight.requires_grad for p in (q_proj, k_proj, v_proj))):
+    if torch.is_grad_enabled() and wants_grad(hidden, q_proj, k_proj, v_proj):
         return None
     merged = merged_for_call(module, QKV) if "_polykernel_qkv_weight" in module.__dict__ else None  # merged at patch time
     if merged is None:

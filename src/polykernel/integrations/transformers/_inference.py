@@ -5,6 +5,9 @@ engine runs it (vLLM's and SGLang's decoder layers).
   output and leaves the residual stream to the next, whose input norm adds and normalises in one
   in-place call; the post-attention norm does the same within the layer, and the model's final
   norm closes the stream. Three residual adds and three norms per layer become two launches.
+  Each forward first checks that its layers, in their order now, and its final norm still carry
+  its stream; where one does not (replaced, copied, unpatched, or patched again as part of another
+  model that shares it), the model's own forwards run, logged once.
 - **Merged gate/up** (``silu_and_mul`` / ``gelu_and_mul``): the MLP's gate and up weights are
   concatenated once into one ``[2I, H]`` weight (the two projections' weights become views of it,
   so no memory is added), one matmul, then the merged-layout activation.
@@ -35,7 +38,8 @@ mask is left boolean for SDPA (no per-forward token: Dynamo traces no ``ContextV
 Semantics: the norms are the serving op's (sum rounded to the model's dtype as transformers rounds
 ``residual + hidden``, then normalised in fp32 and rounded once); Llama's own norm rounds x̂ to the
 dtype before the weight multiply, so in 16-bit the logits differ at that dtype's roundoff (in fp32
-they agree to fp32 roundoff). Inference only: with gradients wanted, under ``torch.autocast`` (the stream
+they agree to fp32 roundoff). Inference only: with gradients wanted (grad enabled and any weight or
+input that requires grad: frozen embeddings do not make the rest frozen), under ``torch.autocast`` (the stream
 and the projections' outputs are then of two dtypes), or when the caller asks for the hidden
 states of every layer (``output_hidden_states``: the carried layers return the MLP's output, not
 the stream), the model's own forwards run; so do an MLP's and an attention's whose projections
@@ -90,13 +94,22 @@ def base_model_forward(base: Callable, stream: _Stream) -> Callable:
 
     @functools.wraps(base)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        wants_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.embed_tokens.parameters())
+        # any weight that trains (frozen embeddings, a LoRA-style subset) or inputs_embeds that do:
+        # the serving ops write in place and run on detached merged weights
+        wants_grad = torch.is_grad_enabled() and (
+            any(p.requires_grad for p in self.parameters())
+            or any(isinstance(t, torch.Tensor) and t.requires_grad for t in (*args, *kwargs.values()))
+        )
         hidden = kwargs.get("output_hidden_states")
         per_layer = hidden if hidden is not None else getattr(self.config, "output_hidden_states", False)
         # under autocast the projections' outputs are in the autocast dtype and the residual stream
         # in the model's: the serving norms take one dtype for both, so the model's own forwards run
         autocast = torch.is_autocast_enabled(self.embed_tokens.weight.device.type)
-        stream.active, stream.residual = not (wants_grad or per_layer or autocast), None
+        active = not (wants_grad or per_layer or autocast)
+        if active and not _chain_whole(self, stream):
+            _fallback_once(type(self).__name__, _CHAIN_BROKEN, "inference_stream")
+            active = False
+        stream.active, stream.residual = active, None
         # Dynamo traces neither object() nor ContextVar.set: under torch.compile no forward token is
         # set, and shared_kv_sdpa leaves the boolean mask to SDPA (each layer's conversion is in the graph)
         token = None if _compiling() else _FORWARD.set(object())
@@ -109,6 +122,34 @@ def base_model_forward(base: Callable, stream: _Stream) -> Callable:
 
     forward._polykernel = "decode_stream"  # type: ignore[attr-defined]
     return forward
+
+
+_CHAIN_BROKEN = (
+    "has decoder layers that no longer carry its residual stream (a layer replaced, copied, unpatched, or "
+    "patched again as part of another model that shares it; patch(model, mode='inference') again to carry it)"
+)
+
+
+def _on_stream(module: nn.Module, stream: _Stream, place: str) -> bool:
+    """Whether ``module`` runs the forward that takes part in ``stream`` at ``place`` (``first``
+    layer, a later ``layer``, the final ``norm``); under an accelerate hook it is in ``_old_forward``."""
+    d = module.__dict__
+    for slot in ("forward", "_old_forward"):
+        fn = d.get(slot)
+        tag = getattr(getattr(fn, "__func__", None), "_polykernel_stream", None)
+        if tag is not None and fn.__self__ is module:
+            return tag[0] is stream and tag[1] == place
+    return False
+
+
+def _chain_whole(base_model: nn.Module, stream: _Stream) -> bool:
+    """Whether every decoder layer and the final norm, in their order now, carry ``stream``: each
+    layer hands the next its MLP output alone (the residual in ``stream``), which a layer out of
+    the chain would take as the whole hidden state."""
+    layers = base_model.layers
+    if not len(layers) or not _on_stream(base_model.norm, stream, "norm"):
+        return False
+    return all(_on_stream(layer, stream, "layer" if i else "first") for i, layer in enumerate(layers))
 
 
 def _closed(hidden_states: torch.Tensor, stream: _Stream) -> torch.Tensor:
@@ -139,6 +180,7 @@ def decoder_layer_forward(base: Callable, stream: _Stream, first: bool) -> Calla
         return self.mlp(x)
 
     forward._polykernel = "fused_add_rms_norm_"  # type: ignore[attr-defined]
+    forward._polykernel_stream = (stream, "first" if first else "layer")  # type: ignore[attr-defined]
     return forward
 
 
@@ -154,6 +196,7 @@ def final_norm_forward(base: Callable, stream: _Stream) -> Callable:
         return _pk.fused_add_rms_norm_(hidden_states, residual, self.weight, self.variance_epsilon)[0]
 
     forward._polykernel = "fused_add_rms_norm_"  # type: ignore[attr-defined]
+    forward._polykernel_stream = (stream, "norm")  # type: ignore[attr-defined]
     return forward
 
 
@@ -162,6 +205,13 @@ def final_norm_forward(base: Callable, stream: _Stream) -> Callable:
 GATE_UP = ("gate_up", ("gate_proj", "up_proj"))
 QKV = ("qkv", ("q_proj", "k_proj", "v_proj"))
 MERGED = tuple(f"_polykernel_{key}_{name}" for key, _ in (GATE_UP, QKV) for name in ("weight", "bias"))  # module.__dict__ entries
+
+
+def wants_grad(x: torch.Tensor, *projections: nn.Module) -> bool:
+    """Whether autograd wants this call's gradients (of ``x`` or of any of the projections'
+    parameters, biases too): the merged matmul's weight is detached, so their own forwards run
+    then. (Callers test ``torch.is_grad_enabled()`` first: a decode step pays nothing more.)"""
+    return x.requires_grad or any(p.requires_grad for m in projections for p in m.parameters())
 
 
 def _views_of(merged: torch.Tensor, parts: list[torch.Tensor]) -> bool:
@@ -277,7 +327,7 @@ def mlp_forward(base: Callable, activation: tuple[str, str | None], act_fn: nn.M
 
     @functools.wraps(base)
     def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if args or kwargs or (torch.is_grad_enabled() and (x.requires_grad or self.gate_proj.weight.requires_grad)):
+        if args or kwargs or (torch.is_grad_enabled() and wants_grad(x, self.gate_proj, self.up_proj)):
             return base(self, x, *args, **kwargs)
         act = self.__dict__["_modules"].get("act_fn")
         if act is not act_fn or _compat.module_hooks_seen(act):

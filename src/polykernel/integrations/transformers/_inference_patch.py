@@ -3,14 +3,22 @@
 
 from __future__ import annotations
 
-import sys
+import importlib
+from collections.abc import Callable
+from functools import partial
 
 from torch import nn
 
 from . import _inference
 from ._attention import _inference_attention
+from ._families import _Family
 from ._install import _calls_rope, _classify, _install, _unpatch_model
 from ._layers import _gated_activation, _mlp_supported
+
+
+def _attention(base: Callable, family: _Family, rope: bool, fuse: bool) -> Callable:
+    """(a forward maker _install keeps: picklable, see _model)"""
+    return _inference_attention(base, importlib.import_module(family.module), family, rope, fuse)
 
 
 def _patch_inference(model: nn.Module, rope: bool) -> nn.Module:
@@ -27,21 +35,20 @@ def _patch_inference(model: nn.Module, rope: bool) -> nn.Module:
         if isinstance(layers, str):
             raise ValueError(f"polykernel.integrations.transformers.patch: mode='inference': {name or '<model>'}: {layers}")
         stream = _inference._Stream()
-        _install(base_model.norm, lambda b, s=stream: _inference.final_norm_forward(b, s))
-        modeling = sys.modules[family.module]
+        _install(base_model.norm, partial(_inference.final_norm_forward, stream=stream))
         for i, layer in enumerate(layers):
-            _install(layer, lambda b, s=stream, first=i == 0: _inference.decoder_layer_forward(b, s, first))
+            _install(layer, partial(_inference.decoder_layer_forward, stream=stream, first=i == 0))
             activation = _gated_activation(layer.mlp.act_fn) if _mlp_supported(layer.mlp) is None else None
             if activation is not None and _inference.mergeable(layer.mlp, _inference.GATE_UP) is None:
-                _install(layer.mlp, lambda b, a=activation, f=layer.mlp.act_fn: _inference.mlp_forward(b, a, f))
+                _install(layer.mlp, partial(_inference.mlp_forward, activation=activation, act_fn=layer.mlp.act_fn))
                 _inference.merge(layer.mlp, _inference.GATE_UP)
             with_rope = rope and _calls_rope(layer.self_attn)
             fuse = with_rope and _inference.mergeable(layer.self_attn, _inference.QKV) is None
             if fuse:
                 _inference.merge(layer.self_attn, _inference.QKV)
-            _install(layer.self_attn, lambda b, m=modeling, f=family, r=with_rope, q=fuse: _inference_attention(b, m, f, r, q))
+            _install(layer.self_attn, partial(_attention, family=family, rope=with_rope, fuse=fuse))
         # Last: the stream starts only once every layer carries it. A forward (another thread's)
         # that met a patched base model before its later layers were patched would hand them the
         # MLP output without the residual.
-        _install(base_model, lambda b, s=stream: _inference.base_model_forward(b, s))
+        _install(base_model, partial(_inference.base_model_forward, stream=stream))
     return model

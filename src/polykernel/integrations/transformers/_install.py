@@ -11,11 +11,12 @@ from torch import nn
 
 from ._code import _CannotPatch
 from ._families import _FAMILY_BY_MODULE, _config_left_alone, _Family
-from ._inference import MERGED
+from ._inference import GATE_UP, MERGED, QKV, merge, mergeable
 from ._layers import _GATED_MLP, _gated_activation, _mlp_layout, _mlp_supported
 from ._switches import _gated_ops
 
-_SAVED = "_polykernel_saved"  # module.__dict__ entry: (slot, previous value or None)
+_SAVED = "_polykernel_saved"  # module.__dict__ entry: (slot, previous value or None, the forward's maker)
+_REDUCE = "__reduce_ex__"  # module.__dict__ entry: how copy and pickle copy a patched module (see _reduce)
 
 
 def _classify(module: nn.Module) -> tuple[_Family, str, type] | None:
@@ -34,7 +35,9 @@ def _classify(module: nn.Module) -> tuple[_Family, str, type] | None:
 
 
 def _install(module: nn.Module, make_forward: Callable[[Callable], Callable]) -> None:
-    """Give ``module`` its own forward, built from the one it runs now.
+    """Give ``module`` its own forward, built from the one it runs now. ``make_forward``: a
+    ``functools.partial`` of a module-level function on picklable arguments, kept to make the
+    forward again on a copy of the module (:func:`_reduce`).
 
     accelerate's hooks keep the real forward in ``_old_forward`` (and a wrapper in ``forward``):
     that is the slot to swap then, so the hook keeps working.
@@ -49,7 +52,61 @@ def _install(module: nn.Module, make_forward: Callable[[Callable], Callable]) ->
     else:
         raise _CannotPatch(f"its {slot} was replaced by {prev!r}")
     d[slot] = types.MethodType(make_forward(base), module)
-    d[_SAVED] = (slot, prev)
+    d[_SAVED] = (slot, prev, make_forward)
+    cls = type(module)
+    if cls.__reduce_ex__ is object.__reduce_ex__ and cls.__reduce__ is object.__reduce__:  # (a class's own: left to it)
+        d[_REDUCE] = types.MethodType(_reduce, module)
+
+
+def _reduce(module: nn.Module, protocol: int) -> tuple:
+    """A patched module for ``copy.deepcopy``, ``copy.copy``, ``pickle`` and ``torch.save`` (they
+    look ``__reduce_ex__`` up on the instance): its state as it was before the patch, and the patch
+    made again on the copy from its maker, whose arguments (a model's residual stream, an MLP's
+    activation) are copied with the module. The bound forward itself would come back from pickle
+    as ``getattr(copy, "forward")``, the class's (unpatched, with our bookkeeping still there),
+    and from deepcopy bound to the copy but with the original's closure. The merged inference
+    weights are not copied: the copy merges its own."""
+    state = type(module).__getstate__(module)  # nn.Module's: a copy of __dict__
+    state.pop(_REDUCE, None)
+    _, prev, make = state.pop(_SAVED)
+    slot = _installed_slot(module)
+    if slot is None:  # replaced since: copied as it is, not patched again
+        make = None
+    else:
+        _restore(state, slot, prev, module)
+    merged = [group for group in (GATE_UP, QKV) if state.pop(f"_polykernel_{group[0]}_weight", None) is not None]
+    for key in MERGED:
+        state.pop(key, None)
+    return _copied, (type(module),), (state, make, merged)
+
+
+def _copied(cls: type) -> nn.Module:
+    """The new module of a copy, which :func:`_reduce`'s state patches once it has its own."""
+    module = cls.__new__(cls)
+    module.__dict__["__setstate__"] = types.MethodType(_set_copied_state, module)  # pickle and copy look it up on the instance
+    return module
+
+
+def _set_copied_state(module: nn.Module, state: tuple) -> None:
+    d, make, merged = state
+    del module.__dict__["__setstate__"]
+    type(module).__setstate__(module, d)
+    if make is None:
+        return
+    for group in merged:
+        if mergeable(module, group) is None:
+            merge(module, group)
+    _install(module, make)
+
+
+def _restore(d: dict, slot: str, prev: object, module: nn.Module) -> None:
+    """Put back into ``d`` (``module.__dict__`` or a copy of it) what ``slot`` held before the patch."""
+    if prev is not None:
+        d[slot] = prev
+    elif slot == "forward":
+        d.pop(slot)
+    else:  # a hook's wrapper calls `_old_forward`: the class's forward, as it would have saved it
+        d[slot] = types.MethodType(type(module).forward, module)
 
 
 def _installed_slot(module: nn.Module) -> str | None:
@@ -65,19 +122,14 @@ def _installed_slot(module: nn.Module) -> str | None:
 
 
 def _uninstall(module: nn.Module) -> None:
+    module.__dict__.pop(_REDUCE, None)
     saved = module.__dict__.pop(_SAVED, None)
     if saved is None:
         return
-    prev = saved[1]
     slot = _installed_slot(module)
     if slot is None:  # replaced since (not ours to restore over)
         return
-    if prev is not None:
-        module.__dict__[slot] = prev
-    elif slot == "forward":
-        module.__dict__.pop(slot)
-    else:  # a hook's wrapper calls `_old_forward`: the class's forward, as it would have saved it
-        module.__dict__[slot] = types.MethodType(type(module).forward, module)
+    _restore(module.__dict__, slot, saved[1], module)
 
 
 def _kind(module: nn.Module) -> str | None:

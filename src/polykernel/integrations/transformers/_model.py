@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
-import sys
+from collections.abc import Callable
+from functools import partial
 
 from torch import nn
 
 from ._attention import _attention_forward
 from ._code import _CannotPatch
-from ._families import SUPPORTED_MODEL_TYPES, _config_left_alone
+from ._families import SUPPORTED_MODEL_TYPES, _config_left_alone, _Family
 from ._install import _LEFT_ALONE, _calls_rope, _classify, _install, _unpatch_model
 from ._layers import _mlp_forward, _mlp_supported, _rms_norm_forward
 from ._loss import _causal_lm_forward
@@ -18,6 +20,20 @@ from ._moe import _experts_factory, _experts_supported
 from ._switches import _enabled, _gated_ops, _requested
 
 logger = logging.getLogger(__package__)
+
+
+# The forward makers that _install keeps, as partials of module-level functions on picklable
+# arguments (a family, not its modeling module): a copy of the model makes its forwards again.
+def _experts(base: Callable, layout: str) -> Callable:
+    return _experts_factory(layout)(base)
+
+
+def _attention(base: Callable, family: _Family) -> Callable:
+    return _attention_forward(base, importlib.import_module(family.module), family)
+
+
+def _base_model(base: Callable, family: _Family) -> Callable:
+    return _base_model_forward(base, importlib.import_module(family.module))
 
 
 def _patch_model(model: nn.Module, switches: dict[str, bool]) -> nn.Module:
@@ -41,30 +57,28 @@ def _patch_model(model: nn.Module, switches: dict[str, bool]) -> nn.Module:
         family_left = configured.get(family.model_type, dict(family.left_alone))
         try:
             if role == "rms_norm" and on["rms_norm"]:
-                _install(module, lambda base, n=family.norm: _rms_norm_forward(base, n))
+                _install(module, partial(_rms_norm_forward, norm=family.norm))
             elif role == "mlp" and on["swiglu"]:
                 why = _mlp_supported(module)
                 if why is not None:
                     logger.info("polykernel: MLP %s left as is: %s", name, why)
                     left.setdefault("swiglu", f"{type(module).__name__}: {why}")
                     continue
-                _install(module, lambda base: _mlp_forward(base, _gated_ops()))
+                _install(module, partial(_mlp_forward, ops=_gated_ops()))
             elif role == "moe_experts" and on["moe_experts"]:
                 why = _experts_supported(module, family.experts)
                 if why is not None:
                     logger.info("polykernel: experts %s left as is: %s", name, why)
                     left.setdefault("moe_experts", f"{type(module).__name__}: {why}")
                     continue
-                _install(module, lambda base, lay=family.experts: _experts_factory(lay)(base))
+                _install(module, partial(_experts, layout=family.experts))
             elif role == "attention" and on["rope"] and "rope" not in family_left and _calls_rope(module):
-                modeling = sys.modules[family.module]
-                _install(module, lambda base, m=modeling, f=family: _attention_forward(base, m, f))
+                _install(module, partial(_attention, family=family))
             elif role == "base_model" and on["sdpa_is_causal"]:
-                modeling = sys.modules[family.module]
-                _install(module, lambda base, m=modeling: _base_model_forward(base, m))
+                _install(module, partial(_base_model, family=family))
             elif role == "causal_lm" and use_loss:
                 flce, ce = on["fused_linear_cross_entropy"], on["cross_entropy"]
-                _install(module, lambda base, f=flce, c=ce, fam=family: _causal_lm_forward(base, f, c, fam))
+                _install(module, partial(_causal_lm_forward, use_flce=flce, use_ce=ce, family=family))
         except _CannotPatch as exc:
             logger.warning("polykernel: %s (%s) left as is: %s", name or "<model>", role, exc)
     for family_left in configured.values():
