@@ -84,6 +84,11 @@ class _Stream(threading.local):
         self.active = False
         self.residual: torch.Tensor | None = None
 
+    def __reduce_ex__(self, protocol: object) -> tuple[type, tuple[()]]:
+        # A copy of a patched model (deepcopy, pickle) gets a new stream, which its modules
+        # share (the copy's memo): the state is one forward's, never copied.
+        return (_Stream, ())
+
 
 def _norm_args(norm: nn.Module) -> tuple[torch.Tensor, float]:
     return norm.weight, norm.variance_epsilon
