@@ -4,13 +4,18 @@ Autocast lowers matmuls and leaves elementwise math alone. The fused linear ops 
 as ``F.linear`` under autocast does (the op on the head's inputs cast to autocast's dtype), every
 impl alike, eager and compiled; an op's own fp32 math is never lowered behind its back."""
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import polykernel as pk
 from polykernel.core import registry
-from polykernel.testing import runnable_impls
+from polykernel.errors import ImplNotAvailableError
+from polykernel.ops import _autocast
+from polykernel.spec import CapabilityRequirement
+from polykernel.testing import isolated, runnable_impls
 
 BF16 = torch.bfloat16
 PREFERENCE = ["fused_linear_dpo_loss", "fused_linear_orpo_loss", "fused_linear_cpo_loss", "fused_linear_simpo_loss",
@@ -33,13 +38,15 @@ def _floats(out):
     return [t for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-def _run(fn, args, kwargs, *, autocast, cast_heads=False):
+def _run(fn, args, kwargs, *, autocast, cast_heads=False, device="cpu", cast=None):
     """The call's float outputs and the gradients of its first one for the leaves that need them."""
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    if cast is not None:
+        args, kwargs = cast(args, kwargs)
     if cast_heads:  # the heads' inputs as F.linear under autocast takes them (differentiable casts)
         args = [a.to(BF16) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
         kwargs = {k: v.to(BF16) if k in HEAD_KWARGS and v is not None else v for k, v in kwargs.items()}
-    with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+    with torch.autocast(device, dtype=BF16, enabled=autocast):
         outs = _floats(fn(*args, **kwargs))
     return [o.detach() for o in outs], list(torch.autograd.grad(outs[0], leaves))
 
@@ -158,3 +165,70 @@ def test_compiled_fused_linear_ops_under_cpu_autocast_match_eager(name):
     for a, b in zip(*outs):
         assert a.dtype == b.dtype == torch.float32
         torch.testing.assert_close(b, a)
+
+
+# -- every impl alike: a peer's too (its own matmuls, which autocast would lower its own way) -------
+
+
+@pytest.mark.parametrize("name", ["fused_linear_cross_entropy", "fused_linear_jsd", *PREFERENCE])
+def test_under_autocast_every_impl_gets_the_heads_cast_and_autocast_off(name):
+    # Was: only our drivers cast the heads; a peer's impl (Liger's, which runs its own matmuls)
+    # got the fp32 heads with autocast on, and computed whatever autocast made of its code.
+    op = registry.get_op(name)
+    heads = [i for i, p in enumerate(inspect.signature(op.reference).parameters) if p in _autocast.HEADS]
+    seen = []
+
+    def spy(*args):
+        seen.append(
+            (torch.is_autocast_enabled("cpu"), [args[i].dtype for i in heads if i < len(args) and isinstance(args[i], torch.Tensor)])
+        )
+        return op.reference(*args)
+
+    case = op.cases("cpu", torch.float32)[0]
+    args, kwargs = _fresh(case.args, case.kwargs)
+    with isolated():
+        pk.register_impl(op=name, backend="liger", rank=0, capabilities=frozenset({CapabilityRequirement.CPU}))(spy)
+        pk.clear_caches()
+        try:
+            with torch.autocast("cpu", dtype=BF16):
+                getattr(pk, name)(*args, impl="liger", **kwargs)
+        finally:
+            pk.clear_caches()
+    (on, dtypes), *_ = seen
+    assert not on and len(dtypes) >= 2 and set(dtypes) == {BF16}, (on, dtypes)
+
+
+def _cast_heads(op, args, kwargs):
+    """The op's head arguments (ops._autocast.HEADS) in bf16, differentiably: F.linear's under autocast."""
+    names = list(inspect.signature(op.reference).parameters)
+    cast = lambda a: a.to(BF16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+    return [cast(a) if names[i] in _autocast.HEADS else a for i, a in enumerate(args)], {
+        k: cast(v) if k in _autocast.HEADS else v for k, v in kwargs.items()
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fused_linear_cross_entropy", "fused_linear_jsd", *PREFERENCE])
+def test_under_cuda_autocast_every_impl_is_the_op_on_autocast_heads(name):
+    # Autocast training on the GPU (fp32 master weights, bf16 matmuls): each impl that can run,
+    # peers included, computes what it computes on the heads cast to bf16 with autocast off.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    op = registry.get_op(name)
+    torch.manual_seed(0)
+    case = op.cases("cuda", torch.float32)[0]
+    ran = []
+    for impl in runnable_impls(op, "cuda", BF16):
+        fn = lambda *a, impl=impl, **k: getattr(pk, name)(*a, impl=impl, **k)
+        try:
+            got, got_g = _run(fn, *_fresh(case.args, case.kwargs), autocast=True, device="cuda")
+        except ImplNotAvailableError:  # its predicate refuses this case (an option it lacks)
+            continue
+        want, want_g = _run(fn, *_fresh(case.args, case.kwargs), autocast=False, device="cuda", cast=lambda a, k: _cast_heads(op, a, k))
+        assert [t.dtype for t in got] == [t.dtype for t in want], impl
+        for a, b in zip(got + got_g, want + want_g):  # the same impl on the same bf16 heads: up to its atomics' order
+            torch.testing.assert_close(
+                a, b, rtol=2e-2, atol=1e-2 * max(b.abs().max().item(), 1e-6), msg=lambda m, impl=impl: f"{impl}: {m}"
+            )
+        ran.append(impl)
+    assert ran

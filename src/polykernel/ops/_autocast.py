@@ -21,6 +21,7 @@ import torch
 from .. import _compat
 
 _any_autocast = _compat.any_autocast_enabled
+any_autocast = _any_autocast  # whether any autocast is on: one C call, the public functions' test
 
 
 def enabled(device_type: str) -> bool:
@@ -61,3 +62,34 @@ def linear_args(*positions: int) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]
         return tuple(new.get(i, a) for i, a in enumerate(args))
 
     return cast
+
+
+HEADS = ("hidden", "weight", "bias", "ref_hidden", "ref_weight", "ref_bias", "student_hidden", "student_weight", "teacher_hidden",
+         "teacher_weight")  # fmt: skip
+
+
+def head_args(reference: Callable[..., Any]) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    """:func:`linear_args` at the positions of ``reference``'s head parameters (:data:`HEADS`)."""
+    import inspect
+
+    names = list(inspect.signature(reference).parameters)
+    return linear_args(*(i for i, name in enumerate(names) if name in HEADS))
+
+
+_compiling = torch.compiler.is_compiling
+
+
+def dispatch(op: Any, dispatch_fn: Callable[..., Any], impl: Any, args: tuple[Any, ...]) -> Any:
+    """``dispatch_fn(impl, *args)`` for a fused linear op's public function, which calls this when
+    any autocast is on: the heads cast by the op's ``autocast`` hook, then the op with autocast off
+    for their device, so that every impl, a peer's too (whose matmuls autocast would otherwise
+    lower, each its own way), computes the same thing. Under torch.compile the compiled call casts
+    (the hook, at trace time)."""
+    if _compiling():
+        return dispatch_fn(impl, *args)
+    first = args[0]
+    args = op.autocast(args)
+    if not isinstance(first, torch.Tensor):  # validation names it
+        return dispatch_fn(impl, *args)
+    with off(first.device.type):
+        return dispatch_fn(impl, *args)

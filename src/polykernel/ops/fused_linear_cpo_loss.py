@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.op import Case, Op
+from . import _autocast
 from . import _checks as check
 from . import _preference as pref
 from ._preference_error import error_model_for
@@ -85,6 +86,8 @@ def fused_linear_cpo_loss(
     """
     args = (hidden, weight, target, bias, beta, alpha, label_smoothing, ignore_index, average_log_prob)
     _validate(*args)  # every call: the token ids' range is data
+    if _any_autocast():  # the heads as F.linear there, every impl alike (ops._autocast)
+        return _autocast.dispatch(_op, _dispatch, impl, args)
     return _dispatch(impl, *args)
 
 
@@ -146,6 +149,7 @@ flops = pref.flops
 bytes_moved = pref.bytes_moved
 
 
-_op = Op(OP_ID, validate=_validate, reference=reference, outputs=outputs, error_model=error_model, cases=cases, example=example,
+_op = Op(OP_ID, validate=_validate, reference=reference, autocast=_autocast.head_args(reference), outputs=outputs, error_model=error_model, cases=cases, example=example,
          **pref.op_fields(reference))  # impls: the backends' manifests (polykernel.backends)  # fmt: skip
 _dispatch = _op.dispatch  # bound once
+_any_autocast = _autocast.any_autocast

@@ -181,7 +181,11 @@ def fused_linear_cross_entropy(
         not isinstance(target, torch.Tensor) or target.is_cpu
     ) and not _compiling():  # its values: every call (compiled: the custom op validates)
         validate(hidden, weight, target, bias, ignore_index, ls, reduction, ce_weight, cap, z)  # there (its range): every call
-    loss = _dispatch(impl, hidden, weight, target, bias, ignore_index, ls, reduction, ce_weight, cap, z)  # _op.dispatch; see _key
+    args = (hidden, weight, target, bias, ignore_index, ls, reduction, ce_weight, cap, z)
+    if _any_autocast():  # the heads as F.linear there, every impl alike (ops._autocast)
+        loss = _autocast.dispatch(_op, _dispatch, impl, args)
+    else:
+        loss = _dispatch(impl, *args)  # _op.dispatch; see _key
     if return_token_accuracy:
         return loss, token_accuracy(hidden, weight, target, bias, ignore_index)
     return loss
@@ -435,7 +439,7 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    autocast=_autocast.linear_args(0, 1, 3),  # the heads as F.linear under autocast (eager: the backends' drivers)
+    autocast=_autocast.head_args(reference),  # the heads as F.linear under autocast (ops._autocast)
     # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     # torch.compile: our custom ops (compile can only run the op by materializing the [N, V]
     # logits). Saves grad_hidden, grad_weight, grad_bias (fp32): computed in the forward for
@@ -447,3 +451,4 @@ _op = Op(
     dtensor_layout=Layout(ROWS, rows_with(2), ("loss",), loss_args=(2, 4, 6), loss_weight=7, vocab="weight"),
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup
+_any_autocast = _autocast.any_autocast

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.op import Case, Op
+from . import _autocast
 from . import _checks as check
 from . import _preference as pref
 from ._preference_error import error_model_for
@@ -120,6 +121,8 @@ def fused_linear_dpo_loss(
     args = (hidden, weight, target, bias, ref_hidden, ref_weight, ref_bias, ref_chosen_logps, ref_rejected_logps, beta, ignore_index,
             average_log_prob, compute_nll_loss)  # fmt: skip
     _validate(*args[:11])  # every call: the token ids' range is data, never memoized
+    if _any_autocast():  # the heads as F.linear there, every impl alike (ops._autocast)
+        return _autocast.dispatch(_op, _dispatch, impl, args)
     return _dispatch(impl, *args)
 
 
@@ -190,6 +193,7 @@ def cases(device, dtype, large: bool = False) -> list[Case]:
 
 flops, bytes_moved = pref.with_ref_head(4)  # the policy head's, plus the reference head's forward when given
 
-_op = Op(OP_ID, validate=_validate, reference=reference, outputs=outputs, error_model=error_model, cases=cases, example=example,
+_op = Op(OP_ID, validate=_validate, reference=reference, autocast=_autocast.head_args(reference), outputs=outputs, error_model=error_model, cases=cases, example=example,
          **pref.op_fields(reference, bytes_moved))  # impls: the backends' manifests (polykernel.backends)  # fmt: skip
 _dispatch = _op.dispatch  # bound once
+_any_autocast = _autocast.any_autocast

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from ..core.op import Case, Op
+from . import _autocast
 from . import _checks as check
 from . import _preference as pref
 from ._preference_error import error_model_for
@@ -220,6 +221,8 @@ def fused_linear_grpo_loss(
             epsilon_low, epsilon_high, loss_type, importance_sampling_level, temperature, max_completion_length,
             use_bias_correction_kl)  # fmt: skip
     _validate(*args)  # every call: the token ids' range is data
+    if _any_autocast():  # the heads as F.linear there, every impl alike (ops._autocast)
+        return _autocast.dispatch(_op, _dispatch, impl, args)
     return _dispatch(impl, *args)
 
 
@@ -318,6 +321,7 @@ bytes_moved = pref.bytes_moved
 
 
 # compile_mode "eager" (op_fields), also because the metrics' kl is None when beta = 0
-_op = Op(OP_ID, validate=_validate, reference=reference, outputs=outputs, error_model=error_model, cases=cases, example=example,
+_op = Op(OP_ID, validate=_validate, reference=reference, autocast=_autocast.head_args(reference), outputs=outputs, error_model=error_model, cases=cases, example=example,
          **pref.op_fields(reference))  # impls: the backends' manifests (polykernel.backends)  # fmt: skip
 _dispatch = _op.dispatch  # bound once
+_any_autocast = _autocast.any_autocast

@@ -185,7 +185,10 @@ def fused_linear_jsd(
     >>> polykernel.fused_linear_jsd(hs, ws, ht, wt, beta=0.5, temperature=2.0).shape
     torch.Size([])
     """
-    return _dispatch(impl, student_hidden, student_weight, teacher_hidden, teacher_weight, labels, beta, ignore_index, temperature)
+    args = (student_hidden, student_weight, teacher_hidden, teacher_weight, labels, beta, ignore_index, temperature)
+    if _any_autocast():  # the heads as F.linear there, every impl alike (ops._autocast)
+        return _autocast.dispatch(_op, _dispatch, impl, args)
+    return _dispatch(impl, *args)
 
 
 def flops(
@@ -443,10 +446,11 @@ _op = Op(
     cases=cases,
     example=example,
     bytes_moved=bytes_moved,
-    autocast=_autocast.linear_args(0, 1, 2, 3),  # the heads as F.linear under autocast (eager: the backends' drivers)
+    autocast=_autocast.head_args(reference),  # the heads as F.linear under autocast (ops._autocast)
     # impls: none here, each backend registers its own (its manifest.py: polykernel.backends)
     # torch.compile: our custom ops (Inductor's code for the reference would materialize both
     # [N, V] logits); nothing saved: a compiled backward recomputes the forward
     compile_mode="ours",
 )
 _dispatch = _op.dispatch  # bound once: ~30 ns less per call than the attribute lookup
+_any_autocast = _autocast.any_autocast

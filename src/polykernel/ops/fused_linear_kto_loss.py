@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from ..core.op import Case, Op
+from . import _autocast
 from . import _checks as check
 from . import _preference as pref
 from ._preference_error import error_model_for
@@ -141,6 +142,8 @@ def fused_linear_kto_loss(
     args = (hidden, weight, target, preference_labels, bias, ref_hidden, ref_weight, ref_bias, ref_logps, kl, beta, ignore_index,
             average_log_prob)  # fmt: skip
     _validate(*args)  # every call: the token ids' range is data
+    if _any_autocast():  # the heads as F.linear there, every impl alike (ops._autocast)
+        return _autocast.dispatch(_op, _dispatch, impl, args)
     return _dispatch(impl, *args)
 
 
@@ -201,6 +204,7 @@ flops, bytes_moved = pref.with_ref_head(5)  # the policy head's, plus the refere
 
 
 # compile_mode "eager" (op_fields), also because the statistics' shapes follow the labels' values
-_op = Op(OP_ID, validate=_validate, reference=reference, outputs=outputs, error_model=error_model, cases=cases, example=example,
+_op = Op(OP_ID, validate=_validate, reference=reference, autocast=_autocast.head_args(reference), outputs=outputs, error_model=error_model, cases=cases, example=example,
          **pref.op_fields(reference, bytes_moved))  # impls: the backends' manifests (polykernel.backends)  # fmt: skip
 _dispatch = _op.dispatch  # bound once
+_any_autocast = _autocast.any_autocast

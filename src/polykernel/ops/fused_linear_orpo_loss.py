@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.op import Case, Op
+from . import _autocast
 from . import _checks as check
 from . import _preference as pref
 from ._preference_error import error_model_for, orpo_curv, orpo_gain
@@ -85,7 +86,10 @@ def fused_linear_orpo_loss(
     torch.Size([4, 5, 16])
     """
     _validate(hidden, weight, target, bias, beta, ignore_index)  # every call: the token ids' range is data
-    return _dispatch(impl, hidden, weight, target, bias, beta, ignore_index, compute_nll_loss)
+    args = (hidden, weight, target, bias, beta, ignore_index, compute_nll_loss)
+    if _any_autocast():  # the heads as F.linear there, every impl alike (ops._autocast)
+        return _autocast.dispatch(_op, _dispatch, impl, args)
+    return _dispatch(impl, *args)
 
 
 def validate_options(op: str, *, beta=0.1, ignore_index=-100, compute_nll_loss=True) -> None:
@@ -141,6 +145,7 @@ flops = pref.flops
 bytes_moved = pref.bytes_moved
 
 
-_op = Op(OP_ID, validate=_validate, reference=reference, outputs=outputs, error_model=error_model, cases=cases, example=example,
+_op = Op(OP_ID, validate=_validate, reference=reference, autocast=_autocast.head_args(reference), outputs=outputs, error_model=error_model, cases=cases, example=example,
          **pref.op_fields(reference))  # impls: the backends' manifests (polykernel.backends)  # fmt: skip
 _dispatch = _op.dispatch  # bound once
+_any_autocast = _autocast.any_autocast
