@@ -155,6 +155,41 @@ def test_cross_entropy_compiles(dtype, v, tdtype):
         assert k.compile_ce(dtype, v, tdtype, grad, smooth, per_row) is f
 
 
+def _row_strides_of_compile(monkeypatch, build) -> list:
+    """The row stride of each 2-D fake tensor that ``build()`` hands to ``cute.compile``."""
+    import cutlass.cute as cute_mod
+
+    seen = []
+
+    def capture(_kernel, *args, **_kw):
+        seen.extend(a.stride[0] for a in args if len(getattr(a, "shape", ())) == 2)
+
+    monkeypatch.setattr(cute_mod, "compile", capture)
+    build()
+    return seen
+
+
+def test_row_offsets_are_64_bit(monkeypatch):
+    """The [M, N] operands are compiled with a runtime int64 row stride. With the static N of a
+    compact layout, CuTeDSL computes ``row * N + column`` in 32 bits (sm_90a PTX: ``mad.lo.s32
+    %r, %ctaid, 128256, ...``; softmax ``shl.b32 %ctaid, 15``), which wraps past 2^32 elements and
+    reads and writes an earlier row: cross_entropy at V = 128256 from row 33488 on, softmax at N =
+    32768 from row 131072 on (both reachable on an H200)."""
+    cute()
+    from polykernel.backends.cute_dsl import _ce_kernel as ce
+    from polykernel.backends.cute_dsl import _softmax_kernel as sm
+
+    builds = [
+        lambda: ce.compile_ce.__wrapped__("bfloat16", 128256, "int64", False, False, False),
+        lambda: ce.compile_ce.__wrapped__("bfloat16", 128256, "int64", True, False, True),
+        lambda: sm.compile_forward.__wrapped__("bfloat16", 32768),
+        lambda: sm.compile_backward.__wrapped__("bfloat16", 32768),
+    ]
+    for build in builds:
+        strides = _row_strides_of_compile(monkeypatch, build)
+        assert strides and all(not isinstance(st, int) and getattr(st, "width", 0) == 64 for st in strides), strides
+
+
 # -- H200 parity (-m gpu) ----------------------------------------------------------------------------
 
 
@@ -262,3 +297,35 @@ def test_cross_entropy_out_of_range_target_is_nan(monkeypatch):
     assert torch.isnan(loss[1]) and torch.isfinite(loss[[0, 2]]).all()
     (g,) = torch.autograd.grad(loss.sum(), x)
     assert torch.isnan(g[1]).all() and torch.isfinite(g[[0, 2]]).all()
+
+
+# -- past 2^32 elements: the rows the 32-bit row offset reached wrongly (~17 GB each) --------------
+
+
+@pytest.mark.gpu
+def test_cross_entropy_past_2_32_elements_gpu(monkeypatch):
+    """[33500, 128256] bf16 logits (2^32 elements end at row 33487): the last rows' loss and
+    gradient match torch's on those rows alone (they read and wrote rows near the start before)."""
+    monkeypatch.setenv("POLYKERNEL_VERIFY", "off")  # no full-size torch copy of the call: the tail is checked here
+    n, v = 33500, 128256
+    x = torch.randn(n, v, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda")
+    loss = polykernel.cross_entropy(x, t, reduction="none", impl="cute_dsl")
+    (g,) = torch.autograd.grad(loss.sum(), x)
+    tail = slice(n - 8, n)
+    x_ref = x.detach()[tail].float().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(x_ref, t[tail], reduction="none")
+    (g_ref,) = torch.autograd.grad(ref.sum(), x_ref)
+    torch.testing.assert_close(loss[tail].float(), ref, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(g[tail].float(), g_ref, atol=2e-3, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_softmax_past_2_32_elements_gpu(monkeypatch):
+    """[131080, 32768] bf16 (2^32 elements end at row 131071): the last rows match torch's."""
+    monkeypatch.setenv("POLYKERNEL_VERIFY", "off")
+    m, n = 131080, 32768
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    y = polykernel.softmax(x, impl="cute_dsl")
+    tail = slice(m - 8, m)
+    torch.testing.assert_close(y[tail].float(), torch.softmax(x[tail].float(), -1), atol=1e-5, rtol=2e-2)

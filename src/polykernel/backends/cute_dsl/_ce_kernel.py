@@ -32,6 +32,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
+from ._common import fake_rows
 from ._rowops import LN2, LOG2E, block_reduce, col_pred, fadd, fmax, row_copy, vec_elems
 
 CHUNK_VECS = 2048  # 16-byte vectors a chunk: 512 threads x 4 (16K bf16 / 8K fp32 columns)
@@ -202,13 +203,16 @@ def compile_ce(dtype: str, v: int, tdtype: str, grad: bool, smooth: bool, per_ro
     compile serves every row count.
     """
     dt, m, k = DTYPES[dtype], cute.sym_int(), cute.sym_int()
+    # x2 and dx by a runtime int64 row stride, not the static V of a compact layout: with a
+    # static stride CuTeDSL computes row * V + column in 32 bits (PTX mad.lo.s32), which wraps
+    # past 2^32 elements (bf16 V = 128256: row 33488 on) and reads and writes an earlier row
     return cute.compile(
         _CrossEntropy(dt, v, TDTYPES[tdtype], grad, smooth, per_row),
-        _fake(dt, m, v, align=16),
+        fake_rows(dt, m, v),
         _fake(TDTYPES[tdtype], m, align=4),
         _fake(Float32, m, align=4),
         _fake(Float32, m, align=4),
-        _fake(dt, m, v, align=16),
+        fake_rows(dt, m, v),
         _fake(Float32, k, align=4),
         Int64(-100),
         Float32(0.0),

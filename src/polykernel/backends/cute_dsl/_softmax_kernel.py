@@ -26,6 +26,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
+from ._common import fake_rows
 from ._rowops import LOG2E, MAX_THREADS, block_reduce, col_pred, fadd, fmax, row_copy, vec_elems
 
 MAX_N = 32768  # 32 fp32 values a thread at 1024 threads: the register budget of one row
@@ -152,8 +153,10 @@ class _SoftmaxBwd:
 
 
 def _rows(dtype: type[cutlass.Numeric], n: int) -> cute.Tensor:
-    """A fake [M, n] row-major tensor, M dynamic, 16-byte aligned (the host guarantees it)."""
-    return cute.runtime.make_fake_compact_tensor(dtype, (cute.sym_int(), n), stride_order=(1, 0), assumed_align=16)
+    """A fake [M, n] row-major tensor, M dynamic, 16-byte aligned (the host guarantees it), by a
+    runtime int64 row stride: with the static n of a compact layout CuTeDSL computes row * n +
+    column in 32 bits, which wraps past 2^32 elements (N = 32768: row 131072 on)."""
+    return fake_rows(dtype, cute.sym_int(), n)
 
 
 def _stats() -> cute.Tensor:
