@@ -1945,3 +1945,14 @@ def test_patched_reports_what_is_left_alone_through_a_wrapper(torch_impls):
     assert pkt.patched(wrapper)["l2_norm"].startswith("left alone: ")
     pkt.unpatch(wrapper)
     assert pkt.patched(wrapper) == {} and pkt.patched(model) == {}
+
+
+@pytest.mark.parametrize("use_qk_norm", [True, False])
+def test_llama4_reports_its_l2_norm_left_alone_only_where_it_has_one(use_qk_norm, torch_impls):
+    # use_qk_norm=False (Llama 4 Maverick): no weightless q/k norm exists, so patched() must not
+    # say one runs transformers' code
+    model = tiny("llama4_text", layers=1, use_qk_norm=use_qk_norm)
+    has = any(type(m).__name__ == "Llama4TextWeightlessRMSNorm" or "L2Norm" in type(m).__name__ for m in model.modules())
+    assert has == use_qk_norm
+    pkt.patch(model)
+    assert ("l2_norm" in pkt.patched(model)) == has
