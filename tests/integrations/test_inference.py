@@ -658,3 +658,73 @@ def test_unpatch_lets_go_of_the_merged_weights():
     unpatch(model)
     model.to(torch.float16)
     assert not [(name, key) for name, m in model.named_modules() for key in m.__dict__ if key.startswith("_polykernel_")]
+
+
+# Llama config knobs the serving forwards must keep, several on at once per case: biases in the
+# merged QKV and gate/up matmuls, head_dim apart from hidden/heads, one KV head, a tied head, the
+# GELU activations (gelu_and_mul), an epsilon that shows, and rope tables transformers builds with
+# their scalings (YaRN's attention factor, longrope's switch past the original length mid-decode,
+# llama3's bands), which the fused RoPE + cache write takes as they come.
+_LLAMA_KNOBS = {
+    "biases-head-dim-mqa-tied-yarn": dict(
+        attention_bias=True,
+        mlp_bias=True,
+        head_dim=32,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8},
+    ),
+    "gelu-eps-longrope": dict(
+        hidden_act="gelu",
+        rms_norm_eps=0.3,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.5] * 8,
+            "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 8,
+        },
+    ),
+    "gelu-tanh-llama3": dict(
+        hidden_act="gelu_pytorch_tanh",
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("knobs", list(_LLAMA_KNOBS))
+def test_llama_config_knobs_keep_logits_and_greedy_generation(monkeypatch, knobs):
+    from polykernel.integrations.transformers import _fused_attention
+
+    overrides = _LLAMA_KNOBS[knobs]
+    kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    kwargs.update(num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+    kwargs.update(overrides)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs)).eval()
+    with torch.no_grad():  # biases and norms off their init, activations of order 1 and more
+        for p in ref.parameters():
+            p.add_(0.3 * torch.randn_like(p)) if p.dim() == 1 else p.mul_(3.0)
+    model = copy.deepcopy(ref)
+    patch(model, mode="inference")
+    act = "silu_and_mul" if "hidden_act" not in overrides else "gelu_and_mul"
+    assert len(patched(model)[act]) == 2
+    writes = []
+    real = _fused_attention._rope_kv_write
+    monkeypatch.setattr(_fused_attention, "_rope_kv_write", lambda *a: (writes.append(1), real(*a))[1])
+    ids = prompt()
+    kw = dict(max_new_tokens=6, do_sample=False, cache_implementation="static", pad_token_id=0)
+    kw.update(output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
+        want, got = ref.generate(ids, **kw), model.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4)
+    assert len(writes) == 2 * 6  # every layer's prefill and decode steps took the fused RoPE + cache write

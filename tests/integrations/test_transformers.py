@@ -1198,6 +1198,129 @@ def test_family_parity_fp32_where_the_config_bites(family, torch_impls):
     assert ops_ran() >= {OP_IDS[op] for op in (*ops, loss) if has_op(op)}
 
 
+# -- config knobs that change the math of what the patch replaces, each turned on ------------------
+# (id, family, overrides, the ops the patched model must run besides the loss). Beyond BITING: the
+# activations each MLP and expert maps onto (exact, tanh, python-tanh GELU, nn.SiLU), head_dim
+# apart from hidden/heads, tied heads with Granite's logits_scaling and biases, YaRN/dynamic/linear
+# rope tables (per layer type for Gemma 3), Gemma 2/3's attention and final soft-capping with
+# query_pre_attn_scalar and sliding windows, GLM4's rotary fraction (1/4 and whole), DeepSeek-V3's
+# group-limited routing without top-k normalisation and without q LoRA, Llama 4's attention
+# temperature, chunking and NoPE layers, and router_aux_loss_coef taken from the config's
+# output_router_logits (not the call's), which the fused loss must add as the model does.
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8}
+_DYNAMIC = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 8}
+_AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+_BASE = ("rms_norm", "rope")
+KNOBS = [
+    ("llama-gelu-python-tanh", "llama", {"hidden_act": "gelu_python_tanh"}, (*_BASE, "geglu")),
+    ("llama-swish", "llama", {"hidden_act": "swish"}, (*_BASE, "swiglu")),
+    ("llama-head-dim-yarn-tied", "llama", {"head_dim": 32, "rope_parameters": _YARN, "tie_word_embeddings": True}, (*_BASE, "swiglu")),
+    ("llama-dynamic-rope", "llama", {"rope_parameters": _DYNAMIC}, (*_BASE, "swiglu")),
+    (
+        "gemma2-softcaps",
+        "gemma2",
+        {"attn_logit_softcapping": 0.5, "final_logit_softcapping": 0.7, "query_pre_attn_scalar": 7, "sliding_window": 4},
+        (*_BASE, "geglu"),
+    ),
+    (
+        "gemma3-softcaps-rope-per-layer-type",
+        "gemma3_text",
+        {
+            "attn_logit_softcapping": 0.5,
+            "final_logit_softcapping": 0.7,
+            "query_pre_attn_scalar": 7,
+            "sliding_window": 4,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        },
+        (*_BASE, "geglu"),
+    ),
+    ("gemma3-silu", "gemma3_text", {"hidden_activation": "silu"}, (*_BASE, "swiglu")),
+    ("qwen2-sliding-layers", "qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}, (*_BASE, "swiglu")),
+    ("olmo2-yarn-bias", "olmo2", {"rope_parameters": _YARN, "attention_bias": True}, (*_BASE, "swiglu")),
+    (
+        "qwen3-moe-gelu-unnormalised-aux",
+        "qwen3_moe",
+        {"norm_topk_prob": False, "hidden_act": "gelu", **_AUX},
+        (*_BASE, "geglu", "moe_experts"),
+    ),
+    ("mixtral-gelu-tanh-aux", "mixtral", {"hidden_act": "gelu_pytorch_tanh", **_AUX}, (*_BASE, "moe_experts")),
+    ("gpt-oss-aux", "gpt_oss", {"swiglu_limit": 0.5, **_AUX}, (*_BASE, "moe_experts_gpt_oss")),
+    (
+        "granite-tied-scaled-biased",
+        "granite",
+        {"logits_scaling": 3.0, "tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True, "embedding_multiplier": 3.0},
+        (*_BASE, "swiglu"),
+    ),
+    ("phi3-partial-tied", "phi3", {"partial_rotary_factor": 0.75, "tie_word_embeddings": True}, (*_BASE, "swiglu")),
+    ("glm4-quarter-rotary-bias", "glm4", {"partial_rotary_factor": 0.25, "attention_bias": True}, (*_BASE, "swiglu")),
+    ("glm4-whole-rotary", "glm4", {"partial_rotary_factor": 1.0}, (*_BASE, "swiglu")),
+    ("exaone4-yarn", "exaone4", {"rope_parameters": _YARN}, (*_BASE, "swiglu")),
+    (
+        "deepseek-v3-group-routing",
+        "deepseek_v3",
+        {
+            "n_group": 2,
+            "topk_group": 1,
+            "norm_topk_prob": False,
+            "routed_scaling_factor": 2.0,
+            "q_lora_rank": None,
+            "num_experts_per_tok": 3,
+        },
+        (*_BASE, "swiglu", "moe_experts"),
+    ),
+    (
+        "deepseek-v3-gelu-tanh-bias",
+        "deepseek_v3",
+        {"hidden_act": "gelu_pytorch_tanh", "attention_bias": True},
+        (*_BASE, "geglu", "moe_experts"),
+    ),
+    (
+        "llama4-temperature-chunks-nope",
+        "llama4_text",
+        {"attn_temperature_tuning": True, "floor_scale": 2, "attn_scale": 0.5, "no_rope_layers": [1, 0], "attention_chunk_size": 4},
+        (*_BASE, "swiglu", "moe_experts"),
+    ),
+    ("llama4-gelu-aux", "llama4_text", {"hidden_act": "gelu", **_AUX}, (*_BASE, "geglu", "moe_experts")),
+]
+
+
+@pytest.mark.parametrize("family, overrides, ops", [pytest.param(*case[1:], id=case[0]) for case in KNOBS])
+def test_family_knob_parity_fp32(family, overrides, ops, torch_impls):
+    # the knob on, weights x4 (activations of order 1): logits and loss in eval, the fused loss and
+    # every gradient in training, as the unpatched model; the family's ops really ran, nothing left
+    # alone that the family does not leave alone
+    ref = tiny(family, **overrides)
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.dim() >= 2:
+                p.mul_(4.0)
+    model = copy.deepcopy(ref)
+    pkt.patch(model)
+    left = {kind for kind, v in pkt.patched(model).items() if isinstance(v, str)}
+    assert left == LEFT_ALONE.get(family, set()), pkt.patched(model)
+    ids, labels = batch()
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, **FP32)
+        out, want = model(ids, labels=labels), ref(ids, labels=labels)
+    torch.testing.assert_close(out.loss, want.loss, **FP32)
+    polykernel.clear_caches()
+    out, want = train_step(model, ids, labels), train_step(ref, ids, labels)
+    torch.testing.assert_close(out.loss, want.loss, **FP32)
+    assert_grads_close(model, ref, **FP32_GRAD)
+    fused = has_op("fused_linear_cross_entropy")
+    assert (out.logits is None) == fused
+    aux = getattr(want, "aux_loss", None)  # from the config's flag, not the call's (Llama 4's causal LM adds none)
+    assert (aux is not None) == (overrides.get("output_router_logits", False) and family != "llama4_text")
+    assert (getattr(out, "aux_loss", None) is None) == (aux is None)
+    if aux is not None:
+        torch.testing.assert_close(out.aux_loss, aux, **FP32)
+    assert ops_ran() >= {OP_IDS[op] for op in (*ops, "fused_linear_cross_entropy" if fused else "cross_entropy") if has_op(op)}
+
+
 @pytest.mark.parametrize("family", ["gemma3_text", "phi3", "qwen3_moe", "glm4", "llama4_text"])  # glm4, llama4: rope with its options
 def test_family_compiled_fullgraph(family, torch_impls):
     # a training step of the patched model under torch.compile(fullgraph=True): no graph break,
@@ -1822,3 +1945,14 @@ def test_patched_reports_what_is_left_alone_through_a_wrapper(torch_impls):
     assert pkt.patched(wrapper)["l2_norm"].startswith("left alone: ")
     pkt.unpatch(wrapper)
     assert pkt.patched(wrapper) == {} and pkt.patched(model) == {}
+
+
+@pytest.mark.parametrize("use_qk_norm", [True, False])
+def test_llama4_reports_its_l2_norm_left_alone_only_where_it_has_one(use_qk_norm, torch_impls):
+    # use_qk_norm=False (Llama 4 Maverick): no weightless q/k norm exists, so patched() must not
+    # say one runs transformers' code
+    model = tiny("llama4_text", layers=1, use_qk_norm=use_qk_norm)
+    has = any(type(m).__name__ == "Llama4TextWeightlessRMSNorm" or "L2Norm" in type(m).__name__ for m in model.modules())
+    assert has == use_qk_norm
+    pkt.patch(model)
+    assert ("l2_norm" in pkt.patched(model)) == has

@@ -201,6 +201,8 @@ _LEFT_ALONE_SWITCH = {"rope": "rope", "l2_norm": "rms_norm", "swiglu": "swiglu",
 def _config_left_alone(family: _Family, config: Any) -> dict[str, str]:
     """kind -> why: what this family, in this configuration, leaves to transformers."""
     out = dict(family.left_alone)
+    if getattr(config, "use_qk_norm", True) is False:  # Llama 4 without q/k norms (Maverick): no L2 norm to leave
+        out.pop("l2_norm", None)
     params = getattr(config, "rope_parameters", None)
     factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
     if factor is None:
