@@ -275,6 +275,13 @@ GRPO_CASES = [
     dict(loss_type="dr_grpo", beta=0.04, bf16=True, off_policy=True),  # the head in bf16: within bf16 of TRL's
     dict(loss_type="bnpo", beta=0.04, fp16=True, off_policy=True),
     dict(loss_type="grpo", tool_mask=True),  # tool-call tokens (TRL's tool_mask) are not scored
+    # mask_truncated_completions: the tiny model writes no EOS within max_completion_length, so nothing is
+    # scored; TRL logs 0 (and NaN per-sequence extremes at token level), not an empty mean's NaN
+    dict(loss_type="bnpo", beta=0.04, mask_truncated_completions=True, all_masked=True),
+    dict(loss_type="dr_grpo", importance_sampling_level="sequence", mask_truncated_completions=True, all_masked=True),
+    # several processes: TRL's means weigh each process by its token (or sequence) count
+    dict(loss_type="grpo", beta=0.04, off_policy=True, other_rank=True),
+    dict(loss_type="dapo", beta=0.04, importance_sampling_level="sequence", off_policy=True, other_rank=True),
     # read by TRL's loss only for what we refuse (sapo, vespo, vLLM's correction, the adaptive entropy bonus)
     dict(
         loss_type="grpo",
@@ -302,10 +309,11 @@ GRPO_CASES = [
 def test_grpo_loss_metrics_and_grads_match_trl(tmp_path, tokenizer, config):
     config = dict(config)
     off_policy, tool_mask = config.pop("off_policy", False), config.pop("tool_mask", False)
+    all_masked, other_rank = config.pop("all_masked", False), config.pop("other_rank", False)
     theirs, ours = grpo_pair(tmp_path, tokenizer, **config)
     batch = next(iter(theirs.get_train_dataloader()))
     inputs = theirs._generate_and_score_completions(batch)  # one generated batch, fed to both
-    assert inputs["completion_mask"].sum() > 0
+    assert (inputs["completion_mask"].sum() > 0) != all_masked
     generate_every = theirs.args.steps_per_generation * theirs.args.num_iterations  # TRL's test for a stale batch
     assert ("old_per_token_logps" in inputs) == (theirs.args.gradient_accumulation_steps % generate_every != 0)
     stale = off_policy or "old_per_token_logps" in inputs  # TRL's own: the policy's, so no ratio clips
@@ -319,6 +327,8 @@ def test_grpo_loss_metrics_and_grads_match_trl(tmp_path, tokenizer, config):
                 torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), inputs["completion_ids"].size(1),
             )  # fmt: skip
         inputs["old_per_token_logps"] = logps + noise
+    if other_rank:
+        fake_other_rank(theirs, ours)
     results = []
     for trainer in (theirs, ours):
         trainer.model.train()  # as in training (from_pretrained gives an eval-mode model)
@@ -340,9 +350,17 @@ def test_grpo_loss_metrics_and_grads_match_trl(tmp_path, tokenizer, config):
     logged += ["aux_loss"] if config.get("moe") else []
     assert set(logged) <= metrics_o.keys() <= metrics_t.keys()
     for key in logged:
-        assert metrics_o[key] == pytest.approx(metrics_t[key], rel=1e-5, abs=1e-6), key
+        assert metrics_o[key] == pytest.approx(metrics_t[key], rel=1e-5, abs=1e-6, nan_ok=True), key
     if off_policy:
         assert metrics_t["clip_ratio/region_mean"] > 0  # the comparison saw clipped tokens
+
+
+def fake_other_rank(*trainers):
+    """A second process that scored 3 tokens (or sequences) with no clipping and no KL: what its
+    reduce (sums, counts) and gather (per-sequence values) would add to this one's."""
+    for trainer in trainers:
+        trainer.accelerator.reduce = lambda t, reduction: t + torch.tensor([0.0, 3.0], dtype=t.dtype)
+        trainer.accelerator.gather = lambda t: torch.cat([t, torch.zeros_like(t)])
 
 
 def test_grpo_trains_two_steps(tmp_path, tokenizer):
