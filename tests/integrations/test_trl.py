@@ -92,23 +92,29 @@ def last_metrics(trainer):
 
 
 # -- DPO ---------------------------------------------------------------------------------------
-def dpo_pair(tmp_path, tokenizer, *, moe=False, **config):
-    """TRL's trainer and ours on copies of one model (and reference)."""
+def dpo_pair(tmp_path, tokenizer, *, moe=False, peft=None, **config):
+    """TRL's trainer and ours on copies of one model (and reference; with ``peft``, a LoRA config,
+    the adapter-disabled model is the reference)."""
     model = tiny_mixtral() if moe else tiny_llama()
-    ref = copy.deepcopy(model).eval()
+    ref = None if peft else copy.deepcopy(model).eval()
     args = trl.DPOConfig(per_device_train_batch_size=4, **{**common_args(tmp_path), **config})
     data = preference_data()
-    theirs = trl.DPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(ref), args=copy.deepcopy(args), train_dataset=data,
-                            processing_class=tokenizer)  # fmt: skip
-    ours = pktrl.PolykernelDPOTrainer(model=model, ref_model=ref, args=args, train_dataset=data, processing_class=tokenizer, impl=IMPL)
+    kwargs = dict(train_dataset=data, processing_class=tokenizer)
+    if peft:
+        kwargs["peft_config"] = pytest.importorskip("peft").LoraConfig(r=4, **peft)
+    theirs = trl.DPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(ref), args=copy.deepcopy(args), **kwargs)
+    ours = pktrl.PolykernelDPOTrainer(model=model, ref_model=ref, args=args, impl=IMPL, **kwargs)
+    if peft:  # the same adapters (their initialisation is random)
+        ours.model.load_state_dict(theirs.model.state_dict())
     return theirs, ours
 
 
 def perturb(*trainers):
-    """The same change to each policy: it then differs from its reference, so rewards are not 0."""
+    """The same change to each policy: it then differs from its reference, so rewards are not 0
+    (with PEFT, to the trained parameters: the frozen base is the reference)."""
     with torch.no_grad():
         for trainer in trainers:
-            for p in trainer.model.parameters():
+            for p in filter(lambda p: p.requires_grad, trainer.model.parameters()):
                 p.add_(0.05 * torch.sin(torch.arange(p.numel(), dtype=p.dtype)).view_as(p))
 
 
@@ -122,6 +128,9 @@ DPO_CASES = {
     # read by TRL's loss only for the loss types and f-divergences we refuse: TRL's sigmoid loss ignores them too
     "inert": dict(beta=0.1, label_smoothing=0.2, discopop_tau=0.5, f_alpha_divergence_coef=0.3),
     # the collated batch: truncated from the end, padded to a multiple (padding_free: TRL 1.16 turns it off)
+    # PEFT: the reference is the adapter-disabled model, its head the original one, not modules_to_save's trained copy
+    "peft-lora": dict(beta=0.1, peft=dict(target_modules=["q_proj", "v_proj"])),
+    "peft-lm-head-saved": dict(beta=0.1, peft=dict(target_modules=["q_proj"], modules_to_save=["lm_head"])),
     "truncated-padded": dict(beta=0.1, max_length=6, truncation_mode="keep_end", pad_to_multiple_of=8, padding_free=True),
 }
 

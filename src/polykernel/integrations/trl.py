@@ -266,12 +266,14 @@ class PolykernelDPOMixin:
                     # the base model is the reference: the adapter disabled (or the initial copy "ref")
                     unwrapped = self.accelerator.unwrap_model(self.model)
                     adapter = use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
-                    ref_model, ref_head = self.model, (weight.detach(), None if bias is None else bias.detach())
+                    ref_model = self.model
                 else:
                     adapter, ref_model = contextlib.nullcontext(), self.ref_model
-                    ref_head = _head(ref_model, self.accelerator)
                 with adapter, self.accelerator.autocast():
                     ref_hidden = ref_model(**ref_kwargs, **{_HIDDEN_FLAG: True}).last_hidden_state[:, -seq_len:-1]
+                    # read in the adapter's context: a head PEFT wraps (modules_to_save=["lm_head"], trainable
+                    # tokens) gives the reference's weight there, the trained copy outside
+                    ref_head = [None if t is None else t.detach() for t in _head(ref_model, self.accelerator)]
                 ref_hidden, ref_weight, ref_bias = _head_inputs(self.accelerator, ref_hidden, *ref_head)
             ref = {"ref_hidden": ref_hidden, "ref_weight": ref_weight, "ref_bias": ref_bias}
 
