@@ -87,8 +87,8 @@ def assert_same_grads(ours, theirs):
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def last_metrics(trainer):
-    return {k: v[-1] for k, v in trainer._metrics["train"].items()}
+def last_metrics(trainer, mode="train"):
+    return {k: v[-1] for k, v in trainer._metrics[mode].items()}
 
 
 # -- DPO ---------------------------------------------------------------------------------------
@@ -131,6 +131,8 @@ DPO_CASES = {
     # PEFT: the reference is the adapter-disabled model, its head the original one, not modules_to_save's trained copy
     "peft-lora": dict(beta=0.1, peft=dict(target_modules=["q_proj", "v_proj"])),
     "peft-lm-head-saved": dict(beta=0.1, peft=dict(target_modules=["q_proj"], modules_to_save=["lm_head"])),
+    # keep_start truncation (TRL drops the examples it truncates to no completion token)
+    "truncated-away": dict(beta=0.1, max_length=4, truncation_mode="keep_start"),
     "truncated-padded": dict(beta=0.1, max_length=6, truncation_mode="keep_end", pad_to_multiple_of=8, padding_free=True),
 }
 
@@ -290,6 +292,8 @@ GRPO_CASES = [
     dict(loss_type="dr_grpo", importance_sampling_level="sequence", mask_truncated_completions=True, all_masked=True),
     # several processes: TRL's means weigh each process by its token (or sequence) count
     dict(loss_type="grpo", beta=0.04, off_policy=True, other_rank=True),
+    dict(loss_type="dapo", beta=0.04, steps_per_generation=2, off_policy=True, eval_mode=True),  # eval: no accumulation scaling
+    dict(loss_type="grpo", beta=0.04, off_policy=True, eval_mode=True),
     dict(loss_type="dapo", beta=0.04, importance_sampling_level="sequence", off_policy=True, other_rank=True),
     # read by TRL's loss only for what we refuse (sapo, vespo, vLLM's correction, the adaptive entropy bonus)
     dict(
@@ -319,6 +323,7 @@ def test_grpo_loss_metrics_and_grads_match_trl(tmp_path, tokenizer, config):
     config = dict(config)
     off_policy, tool_mask = config.pop("off_policy", False), config.pop("tool_mask", False)
     all_masked, other_rank = config.pop("all_masked", False), config.pop("other_rank", False)
+    eval_mode = config.pop("eval_mode", False)
     theirs, ours = grpo_pair(tmp_path, tokenizer, **config)
     batch = next(iter(theirs.get_train_dataloader()))
     inputs = theirs._generate_and_score_completions(batch)  # one generated batch, fed to both
@@ -340,11 +345,11 @@ def test_grpo_loss_metrics_and_grads_match_trl(tmp_path, tokenizer, config):
         fake_other_rank(theirs, ours)
     results = []
     for trainer in (theirs, ours):
-        trainer.model.train()  # as in training (from_pretrained gives an eval-mode model)
+        trainer.model.train(not eval_mode)  # as in training (from_pretrained gives an eval-mode model)
         trainer.current_gradient_accumulation_steps = max(2, trainer.args.gradient_accumulation_steps)  # TRL scales the loss for it
         loss = trainer.compute_loss(trainer.model, copy.deepcopy(inputs))
         loss.backward()
-        results.append((loss.detach(), last_metrics(trainer), grads(trainer.model)))
+        results.append((loss.detach(), last_metrics(trainer, "eval" if eval_mode else "train"), grads(trainer.model)))
     (loss_t, metrics_t, grads_t), (loss_o, metrics_o, grads_o) = results
     if (config.get("bf16") or config.get("fp16")) and not config.get("cast_lm_head_to_fp32"):  # both project in 16 bits, differently
         torch.testing.assert_close(loss_o, loss_t, rtol=2e-2, atol=2e-3)
