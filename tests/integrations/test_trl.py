@@ -27,6 +27,10 @@ IMPL = "torch"
 
 @pytest.fixture(scope="module")
 def tokenizer():
+    return word_tokenizer()
+
+
+def word_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(WORDS)]
