@@ -245,13 +245,14 @@ def test_dpo_unsupported_config_raises_before_data(tmp_path, tokenizer, monkeypa
     assert info.value.option == option
 
 
-def test_dpo_softcapped_model_raises(tmp_path, tokenizer):
-    model = tiny_llama()
-    model.config.final_logit_softcapping = 30.0
+@pytest.mark.parametrize("which", ["policy", "reference"])
+def test_dpo_softcapped_model_raises(tmp_path, tokenizer, which):
+    """TRL's fused head softcaps by each model's own config (the reference's too)."""
+    model, ref = tiny_llama(), tiny_llama()
+    (model if which == "policy" else ref).config.final_logit_softcapping = 30.0
     args = trl.DPOConfig(**common_args(tmp_path))
     with pytest.raises(pktrl.UnsupportedTRLConfig, match="final_logit_softcapping"):
-        pktrl.PolykernelDPOTrainer(model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=preference_data(),
-                                   processing_class=tokenizer)  # fmt: skip
+        pktrl.PolykernelDPOTrainer(model=model, ref_model=ref, args=args, train_dataset=preference_data(), processing_class=tokenizer)
 
 
 # -- GRPO --------------------------------------------------------------------------------------

@@ -221,7 +221,8 @@ class PolykernelDPOMixin:
         self._polykernel_impl = impl
         _check_model(name, self.model)
         _add_hidden_states_forward(self.model.get_base_model() if is_peft_model(self.model) else self.model)
-        if self.ref_model is not None:
+        if self.ref_model is not None:  # its own config: TRL's head softcaps or scales its logits by it too
+            _check_model(name, self.accelerator.unwrap_model(self.ref_model))
             _add_hidden_states_forward(self.accelerator.unwrap_model(self.ref_model))
 
     @staticmethod
