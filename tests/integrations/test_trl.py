@@ -27,6 +27,10 @@ IMPL = "torch"
 
 @pytest.fixture(scope="module")
 def tokenizer():
+    return word_tokenizer()
+
+
+def word_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(WORDS)]
@@ -87,28 +91,34 @@ def assert_same_grads(ours, theirs):
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def last_metrics(trainer):
-    return {k: v[-1] for k, v in trainer._metrics["train"].items()}
+def last_metrics(trainer, mode="train"):
+    return {k: v[-1] for k, v in trainer._metrics[mode].items()}
 
 
 # -- DPO ---------------------------------------------------------------------------------------
-def dpo_pair(tmp_path, tokenizer, *, moe=False, **config):
-    """TRL's trainer and ours on copies of one model (and reference)."""
+def dpo_pair(tmp_path, tokenizer, *, moe=False, peft=None, **config):
+    """TRL's trainer and ours on copies of one model (and reference; with ``peft``, a LoRA config,
+    the adapter-disabled model is the reference)."""
     model = tiny_mixtral() if moe else tiny_llama()
-    ref = copy.deepcopy(model).eval()
+    ref = None if peft else copy.deepcopy(model).eval()
     args = trl.DPOConfig(per_device_train_batch_size=4, **{**common_args(tmp_path), **config})
     data = preference_data()
-    theirs = trl.DPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(ref), args=copy.deepcopy(args), train_dataset=data,
-                            processing_class=tokenizer)  # fmt: skip
-    ours = pktrl.PolykernelDPOTrainer(model=model, ref_model=ref, args=args, train_dataset=data, processing_class=tokenizer, impl=IMPL)
+    kwargs = dict(train_dataset=data, processing_class=tokenizer)
+    if peft:
+        kwargs["peft_config"] = pytest.importorskip("peft").LoraConfig(r=4, **peft)
+    theirs = trl.DPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(ref), args=copy.deepcopy(args), **kwargs)
+    ours = pktrl.PolykernelDPOTrainer(model=model, ref_model=ref, args=args, impl=IMPL, **kwargs)
+    if peft:  # the same adapters (their initialisation is random)
+        ours.model.load_state_dict(theirs.model.state_dict())
     return theirs, ours
 
 
 def perturb(*trainers):
-    """The same change to each policy: it then differs from its reference, so rewards are not 0."""
+    """The same change to each policy: it then differs from its reference, so rewards are not 0
+    (with PEFT, to the trained parameters: the frozen base is the reference)."""
     with torch.no_grad():
         for trainer in trainers:
-            for p in trainer.model.parameters():
+            for p in filter(lambda p: p.requires_grad, trainer.model.parameters()):
                 p.add_(0.05 * torch.sin(torch.arange(p.numel(), dtype=p.dtype)).view_as(p))
 
 
@@ -122,6 +132,11 @@ DPO_CASES = {
     # read by TRL's loss only for the loss types and f-divergences we refuse: TRL's sigmoid loss ignores them too
     "inert": dict(beta=0.1, label_smoothing=0.2, discopop_tau=0.5, f_alpha_divergence_coef=0.3),
     # the collated batch: truncated from the end, padded to a multiple (padding_free: TRL 1.16 turns it off)
+    # PEFT: the reference is the adapter-disabled model, its head the original one, not modules_to_save's trained copy
+    "peft-lora": dict(beta=0.1, peft=dict(target_modules=["q_proj", "v_proj"])),
+    "peft-lm-head-saved": dict(beta=0.1, peft=dict(target_modules=["q_proj"], modules_to_save=["lm_head"])),
+    # keep_start truncation (TRL drops the examples it truncates to no completion token)
+    "truncated-away": dict(beta=0.1, max_length=4, truncation_mode="keep_start"),
     "truncated-padded": dict(beta=0.1, max_length=6, truncation_mode="keep_end", pad_to_multiple_of=8, padding_free=True),
 }
 
@@ -230,13 +245,14 @@ def test_dpo_unsupported_config_raises_before_data(tmp_path, tokenizer, monkeypa
     assert info.value.option == option
 
 
-def test_dpo_softcapped_model_raises(tmp_path, tokenizer):
-    model = tiny_llama()
-    model.config.final_logit_softcapping = 30.0
+@pytest.mark.parametrize("which", ["policy", "reference"])
+def test_dpo_softcapped_model_raises(tmp_path, tokenizer, which):
+    """TRL's fused head softcaps by each model's own config (the reference's too)."""
+    model, ref = tiny_llama(), tiny_llama()
+    (model if which == "policy" else ref).config.final_logit_softcapping = 30.0
     args = trl.DPOConfig(**common_args(tmp_path))
     with pytest.raises(pktrl.UnsupportedTRLConfig, match="final_logit_softcapping"):
-        pktrl.PolykernelDPOTrainer(model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=preference_data(),
-                                   processing_class=tokenizer)  # fmt: skip
+        pktrl.PolykernelDPOTrainer(model=model, ref_model=ref, args=args, train_dataset=preference_data(), processing_class=tokenizer)
 
 
 # -- GRPO --------------------------------------------------------------------------------------
@@ -275,6 +291,15 @@ GRPO_CASES = [
     dict(loss_type="dr_grpo", beta=0.04, bf16=True, off_policy=True),  # the head in bf16: within bf16 of TRL's
     dict(loss_type="bnpo", beta=0.04, fp16=True, off_policy=True),
     dict(loss_type="grpo", tool_mask=True),  # tool-call tokens (TRL's tool_mask) are not scored
+    # mask_truncated_completions: the tiny model writes no EOS within max_completion_length, so nothing is
+    # scored; TRL logs 0 (and NaN per-sequence extremes at token level), not an empty mean's NaN
+    dict(loss_type="bnpo", beta=0.04, mask_truncated_completions=True, all_masked=True),
+    dict(loss_type="dr_grpo", importance_sampling_level="sequence", mask_truncated_completions=True, all_masked=True),
+    # several processes: TRL's means weigh each process by its token (or sequence) count
+    dict(loss_type="grpo", beta=0.04, off_policy=True, other_rank=True),
+    dict(loss_type="dapo", beta=0.04, steps_per_generation=2, off_policy=True, eval_mode=True),  # eval: no accumulation scaling
+    dict(loss_type="grpo", beta=0.04, off_policy=True, eval_mode=True),
+    dict(loss_type="dapo", beta=0.04, importance_sampling_level="sequence", off_policy=True, other_rank=True),
     # read by TRL's loss only for what we refuse (sapo, vespo, vLLM's correction, the adaptive entropy bonus)
     dict(
         loss_type="grpo",
@@ -302,10 +327,12 @@ GRPO_CASES = [
 def test_grpo_loss_metrics_and_grads_match_trl(tmp_path, tokenizer, config):
     config = dict(config)
     off_policy, tool_mask = config.pop("off_policy", False), config.pop("tool_mask", False)
+    all_masked, other_rank = config.pop("all_masked", False), config.pop("other_rank", False)
+    eval_mode = config.pop("eval_mode", False)
     theirs, ours = grpo_pair(tmp_path, tokenizer, **config)
     batch = next(iter(theirs.get_train_dataloader()))
     inputs = theirs._generate_and_score_completions(batch)  # one generated batch, fed to both
-    assert inputs["completion_mask"].sum() > 0
+    assert (inputs["completion_mask"].sum() > 0) != all_masked
     generate_every = theirs.args.steps_per_generation * theirs.args.num_iterations  # TRL's test for a stale batch
     assert ("old_per_token_logps" in inputs) == (theirs.args.gradient_accumulation_steps % generate_every != 0)
     stale = off_policy or "old_per_token_logps" in inputs  # TRL's own: the policy's, so no ratio clips
@@ -319,13 +346,15 @@ def test_grpo_loss_metrics_and_grads_match_trl(tmp_path, tokenizer, config):
                 torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), inputs["completion_ids"].size(1),
             )  # fmt: skip
         inputs["old_per_token_logps"] = logps + noise
+    if other_rank:
+        fake_other_rank(theirs, ours)
     results = []
     for trainer in (theirs, ours):
-        trainer.model.train()  # as in training (from_pretrained gives an eval-mode model)
+        trainer.model.train(not eval_mode)  # as in training (from_pretrained gives an eval-mode model)
         trainer.current_gradient_accumulation_steps = max(2, trainer.args.gradient_accumulation_steps)  # TRL scales the loss for it
         loss = trainer.compute_loss(trainer.model, copy.deepcopy(inputs))
         loss.backward()
-        results.append((loss.detach(), last_metrics(trainer), grads(trainer.model)))
+        results.append((loss.detach(), last_metrics(trainer, "eval" if eval_mode else "train"), grads(trainer.model)))
     (loss_t, metrics_t, grads_t), (loss_o, metrics_o, grads_o) = results
     if (config.get("bf16") or config.get("fp16")) and not config.get("cast_lm_head_to_fp32"):  # both project in 16 bits, differently
         torch.testing.assert_close(loss_o, loss_t, rtol=2e-2, atol=2e-3)
@@ -340,9 +369,17 @@ def test_grpo_loss_metrics_and_grads_match_trl(tmp_path, tokenizer, config):
     logged += ["aux_loss"] if config.get("moe") else []
     assert set(logged) <= metrics_o.keys() <= metrics_t.keys()
     for key in logged:
-        assert metrics_o[key] == pytest.approx(metrics_t[key], rel=1e-5, abs=1e-6), key
+        assert metrics_o[key] == pytest.approx(metrics_t[key], rel=1e-5, abs=1e-6, nan_ok=True), key
     if off_policy:
         assert metrics_t["clip_ratio/region_mean"] > 0  # the comparison saw clipped tokens
+
+
+def fake_other_rank(*trainers):
+    """A second process that scored 3 tokens (or sequences) with no clipping and no KL: what its
+    reduce (sums, counts) and gather (per-sequence values) would add to this one's."""
+    for trainer in trainers:
+        trainer.accelerator.reduce = lambda t, reduction: t + torch.tensor([0.0, 3.0], dtype=t.dtype)
+        trainer.accelerator.gather = lambda t: torch.cat([t, torch.zeros_like(t)])
 
 
 def test_grpo_trains_two_steps(tmp_path, tokenizer):

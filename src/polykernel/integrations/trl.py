@@ -19,7 +19,8 @@ Metrics keep TRL's names. Logged: DPO ``rewards/chosen``, ``rewards/rejected``,
 ``num_tokens``; GRPO ``kl`` (β ≠ 0), ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
 ``clip_ratio/region_mean``, and ``clip_ratio/low_min``/``clip_ratio/high_max`` when the batch is
 on-policy (no ``old_per_token_logps``: every ratio is 1, so they are 0; off-policy they would
-need per-sequence ratios the fused loss does not return). Not logged, because each needs a pass
+need per-sequence ratios the fused loss does not return); GRPO's means weigh each process by its
+scored tokens, as TRL's do. Not logged, because each needs a pass
 over the vocabulary that the fused loss exists to avoid: ``entropy``, ``logits/chosen``,
 ``logits/rejected``, ``mean_token_accuracy``.
 
@@ -76,7 +77,7 @@ from accelerate.utils import is_peft_model
 from torch.distributed.tensor import DTensor
 from trl import DPOTrainer, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import use_adapter
+from trl.trainer.utils import nanmin, use_adapter
 
 import polykernel as _pk
 
@@ -220,7 +221,8 @@ class PolykernelDPOMixin:
         self._polykernel_impl = impl
         _check_model(name, self.model)
         _add_hidden_states_forward(self.model.get_base_model() if is_peft_model(self.model) else self.model)
-        if self.ref_model is not None:
+        if self.ref_model is not None:  # its own config: TRL's head softcaps or scales its logits by it too
+            _check_model(name, self.accelerator.unwrap_model(self.ref_model))
             _add_hidden_states_forward(self.accelerator.unwrap_model(self.ref_model))
 
     @staticmethod
@@ -265,12 +267,14 @@ class PolykernelDPOMixin:
                     # the base model is the reference: the adapter disabled (or the initial copy "ref")
                     unwrapped = self.accelerator.unwrap_model(self.model)
                     adapter = use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
-                    ref_model, ref_head = self.model, (weight.detach(), None if bias is None else bias.detach())
+                    ref_model = self.model
                 else:
                     adapter, ref_model = contextlib.nullcontext(), self.ref_model
-                    ref_head = _head(ref_model, self.accelerator)
                 with adapter, self.accelerator.autocast():
                     ref_hidden = ref_model(**ref_kwargs, **{_HIDDEN_FLAG: True}).last_hidden_state[:, -seq_len:-1]
+                    # read in the adapter's context: a head PEFT wraps (modules_to_save=["lm_head"], trainable
+                    # tokens) gives the reference's weight there, the trained copy outside
+                    ref_head = [None if t is None else t.detach() for t in _head(ref_model, self.accelerator)]
                 ref_hidden, ref_weight, ref_bias = _head_inputs(self.accelerator, ref_hidden, *ref_head)
             ref = {"ref_hidden": ref_hidden, "ref_weight": ref_weight, "ref_bias": ref_bias}
 
@@ -396,23 +400,35 @@ class PolykernelGRPOMixin:
             aux_loss = _router_aux_loss(model, self.accelerator, backbone, attention_mask)
             loss = loss + self.router_aux_loss_coef * aux_loss / (self.current_gradient_accumulation_steps if mode == "train" else 1.0)
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
-        self._polykernel_log_grpo(mode, stats, on_policy=inputs.get("old_per_token_logps") is None)
+        self._polykernel_log_grpo(mode, stats, mask.to(weight.device), on_policy=inputs.get("old_per_token_logps") is None)
         return loss
 
-    def _polykernel_log_grpo(self, mode: str, stats: Any, *, on_policy: bool) -> None:
+    def _polykernel_log_grpo(self, mode: str, stats: Any, mask: torch.Tensor, *, on_policy: bool) -> None:
         metrics = self._metrics[mode]
+        tokens = (mask != 0).sum().float()
+        # a sequence-level ratio is one value per sequence: TRL counts its clipping per sequence
+        units = torch.tensor(float(mask.size(0)), device=mask.device) if self.importance_sampling_level == "sequence" else tokens
 
-        def mean(x: torch.Tensor) -> float:  # the batch's masked mean, averaged over processes
-            return self.accelerator.gather(x.detach().reshape(1)).nanmean().item()
+        def global_mean(x: torch.Tensor, count: torch.Tensor) -> float:
+            # TRL's global_masked_mean: sums and counts over all processes, 0 where nothing is scored
+            # (the fused loss's mean of an empty mask is NaN; its sum is 0)
+            local = torch.where(count > 0, x.detach().float().reshape(()) * count, 0.0)
+            totals = self.accelerator.reduce(torch.stack([local, count]), reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
 
         if self.beta != 0.0:
-            metrics["kl"].append(mean(stats.kl))
-        metrics["clip_ratio/low_mean"].append(mean(stats.clip_ratio_low))
-        metrics["clip_ratio/high_mean"].append(mean(stats.clip_ratio_high))
-        metrics["clip_ratio/region_mean"].append(mean(stats.clip_ratio_region))
+            metrics["kl"].append(global_mean(stats.kl, tokens))
+        metrics["clip_ratio/low_mean"].append(global_mean(stats.clip_ratio_low, units))
+        metrics["clip_ratio/high_mean"].append(global_mean(stats.clip_ratio_high, units))
+        metrics["clip_ratio/region_mean"].append(global_mean(stats.clip_ratio_region, units))
         if on_policy:  # every ratio is exp(0) = 1: no sequence is clipped
-            metrics["clip_ratio/low_min"].append(0.0)
-            metrics["clip_ratio/high_max"].append(0.0)
+            # TRL's per-sequence fractions: 0, NaN for a sequence with no scored token (token level)
+            rows = torch.zeros(mask.size(0), device=mask.device)
+            if self.importance_sampling_level == "token":
+                rows = rows.masked_fill((mask != 0).sum(-1) == 0, float("nan"))
+            least = nanmin(self.accelerator.gather(rows)).item()
+            metrics["clip_ratio/low_min"].append(least)
+            metrics["clip_ratio/high_max"].append(least)
 
 
 class PolykernelDPOTrainer(PolykernelDPOMixin, DPOTrainer):
