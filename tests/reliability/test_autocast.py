@@ -232,3 +232,25 @@ def test_under_cuda_autocast_every_impl_is_the_op_on_autocast_heads(name):
             )
         ran.append(impl)
     assert ran
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_fused_linear_cross_entropy_takes_mixed_head_dtypes_under_autocast_as_f_linear_does(impl):
+    # An fp32 hidden state (an fp32 final norm) with a bf16 head: F.linear under autocast takes it.
+    # Was: refused on the CPU (validation ran before the cast) and taken on CUDA (after it).
+    _need("fused_linear_cross_entropy", impl, BF16)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(6, 16, generator=g).requires_grad_()
+    w = torch.randn(40, 16, generator=g).to(BF16).requires_grad_()
+    t = torch.randint(0, 40, (6,), generator=g)
+    with torch.autocast("cpu", dtype=BF16):
+        loss, acc = pk.fused_linear_cross_entropy(h, w, t, impl=impl, return_token_accuracy=True)
+        logits = F.linear(h, w)
+    want = F.cross_entropy(logits.float(), t)
+    torch.testing.assert_close(loss, want)
+    assert acc.item() == (logits.argmax(-1) == t).float().mean().item()
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    wh, ww = torch.autograd.grad(want, (h, w))
+    assert (gh.dtype, gw.dtype) == (torch.float32, BF16)
+    torch.testing.assert_close(gh, wh, rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(gw, ww, rtol=2e-2, atol=1e-3)

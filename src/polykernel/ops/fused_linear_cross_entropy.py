@@ -177,12 +177,15 @@ def fused_linear_cross_entropy(
     cap = softcap if softcap is None or type(softcap) is float else as_softcap(softcap)
     z = z_loss if type(z_loss) is float else as_smoothing(z_loss)
     check.boolean(OP_ID, "return_token_accuracy", return_token_accuracy)
+    args = (hidden, weight, target, bias, ignore_index, ls, reduction, ce_weight, cap, z)
+    autocast = _any_autocast()
+    if autocast:  # the heads as F.linear there (before validation: it takes mixed dtypes then, on every device)
+        args = _op.autocast(args)
     if (
         not isinstance(target, torch.Tensor) or target.is_cpu
     ) and not _compiling():  # its values: every call (compiled: the custom op validates)
-        validate(hidden, weight, target, bias, ignore_index, ls, reduction, ce_weight, cap, z)  # there (its range): every call
-    args = (hidden, weight, target, bias, ignore_index, ls, reduction, ce_weight, cap, z)
-    if _any_autocast():  # the heads as F.linear there, every impl alike (ops._autocast)
+        validate(*args)  # there (its range): every call
+    if autocast:  # every impl alike (ops._autocast)
         loss = _autocast.dispatch(_op, _dispatch, impl, args)
     else:
         loss = _dispatch(impl, *args)  # _op.dispatch; see _key
