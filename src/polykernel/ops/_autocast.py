@@ -81,15 +81,19 @@ _compiling = torch.compiler.is_compiling
 
 def dispatch(op: Any, dispatch_fn: Callable[..., Any], impl: Any, args: tuple[Any, ...]) -> Any:
     """``dispatch_fn(impl, *args)`` for a fused linear op's public function, which calls this when
-    any autocast is on: the heads cast by the op's ``autocast`` hook, then the op with autocast off
-    for their device, so that every impl, a peer's too (whose matmuls autocast would otherwise
-    lower, each its own way), computes the same thing. Under torch.compile the compiled call casts
-    (the hook, at trace time)."""
+    any autocast is on: the heads cast by the op's ``autocast`` hook, then :func:`without`. Under
+    torch.compile the compiled call casts (the hook, at trace time)."""
     if _compiling():
         return dispatch_fn(impl, *args)
+    return without(dispatch_fn, impl, op.autocast(args))
+
+
+def without(dispatch_fn: Callable[..., Any], impl: Any, args: tuple[Any, ...]) -> Any:
+    """``dispatch_fn(impl, *args)`` on heads already cast, with autocast off for their device, so
+    that every impl, a peer's too (whose matmuls autocast would otherwise lower, each its own way),
+    computes the same thing."""
     first = args[0]
-    args = op.autocast(args)
-    if not isinstance(first, torch.Tensor):  # validation names it
+    if _compiling() or not isinstance(first, torch.Tensor):  # (a non-tensor: validation names it)
         return dispatch_fn(impl, *args)
     with off(first.device.type):
         return dispatch_fn(impl, *args)

@@ -185,8 +185,8 @@ def fused_linear_cross_entropy(
         not isinstance(target, torch.Tensor) or target.is_cpu
     ) and not _compiling():  # its values: every call (compiled: the custom op validates)
         validate(*args)  # there (its range): every call
-    if autocast:  # every impl alike (ops._autocast)
-        loss = _autocast.dispatch(_op, _dispatch, impl, args)
+    if autocast:  # every impl alike (ops._autocast): the heads cast above
+        loss = _autocast.without(_dispatch, impl, args)
     else:
         loss = _dispatch(impl, *args)  # _op.dispatch; see _key
     if return_token_accuracy:
