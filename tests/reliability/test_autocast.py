@@ -170,10 +170,13 @@ def test_compiled_fused_linear_ops_under_cpu_autocast_match_eager(name):
 # -- every impl alike: a peer's too (its own matmuls, which autocast would lower its own way) -------
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("name", ["fused_linear_cross_entropy", "fused_linear_jsd", *PREFERENCE])
-def test_under_autocast_every_impl_gets_the_heads_cast_and_autocast_off(name):
+def test_under_autocast_every_impl_gets_the_heads_cast_and_autocast_off(name, compiled):
     # Was: only our drivers cast the heads; a peer's impl (Liger's, which runs its own matmuls)
-    # got the fp32 heads with autocast on, and computed whatever autocast made of its code.
+    # got the fp32 heads with autocast on, and computed whatever autocast made of its code. Under
+    # torch.compile the preference losses (compile mode "eager": a graph break around the eager
+    # call) still did: the call behind the break ran with autocast on, on the fp32 heads.
     op = registry.get_op(name)
     heads = [i for i, p in enumerate(inspect.signature(op.reference).parameters) if p in _autocast.HEADS]
     seen = []
@@ -190,8 +193,12 @@ def test_under_autocast_every_impl_gets_the_heads_cast_and_autocast_off(name):
         pk.register_impl(op=name, backend="liger", rank=0, capabilities=frozenset({CapabilityRequirement.CPU}))(spy)
         pk.clear_caches()
         try:
+            call = lambda *a: getattr(pk, name)(*a, impl="liger", **kwargs)
+            if compiled:
+                torch._dynamo.reset()
+                call = torch.compile(call, backend="eager")
             with torch.autocast("cpu", dtype=BF16):
-                getattr(pk, name)(*args, impl="liger", **kwargs)
+                call(*args)
         finally:
             pk.clear_caches()
     (on, dtypes), *_ = seen

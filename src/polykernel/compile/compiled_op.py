@@ -17,6 +17,7 @@ from .facts import MODES, SavedGrads
 from .runtime import (
     _argument_error,
     _as_tuple,
+    _autocast_off,
     _autograd_on,
     _current,
     _fresh,
@@ -74,13 +75,16 @@ class CompiledOp:
         self.qualname = f"{NAMESPACE}::{name}"
         if op.compile_mode == "eager":  # no custom op: Dynamo breaks the graph around the eager call
             self.mode, self.writes = "eager", ()
-            slow, validate = op._dispatch_slow, op.validate
+            slow, validate, hook = op._dispatch_slow, op.validate, op.autocast
 
             @torch.compiler.disable
             def eager(impl: Any, *args: Any) -> Any:
-                if validate is not None:  # every call: such ops' validity may depend on data (token ids)
-                    validate(*args)
-                return slow(impl, args)
+                if hook is not None and _compat.any_autocast_enabled():  # as the eager call: cast heads, autocast off
+                    args = hook(args)
+                with _autocast_off(op, args):
+                    if validate is not None:  # every call: such ops' validity may depend on data (token ids)
+                        validate(*args)
+                    return slow(impl, args)
 
             self.call = eager
             return
@@ -362,7 +366,7 @@ class CompiledOp:
             decision = _training_decision(op, impl, args, names)
             split = _split_of(decision.fn_for(args)) if uses_split else None
             saved = None
-            with torch.no_grad():
+            with torch.no_grad(), _autocast_off(op, args):
                 try:
                     if split is not None:
                         outs, saved = split.forward(*args, list(mask))
@@ -468,7 +472,7 @@ class CompiledOp:
                 it = iter(recompute(grads, *args, mask, impl=impl))
                 got = [next(it) if m else None for m in mask]
             else:
-                with torch.no_grad():
+                with torch.no_grad(), _autocast_off(op, args):
                     got = list(split.backward(_output_grads(op, grads, args), unflatten(saved), *args, list(mask)))
             out = _fresh(grad_or_placeholder(got, args, mask, fake=False), [*args, *grads, *saved])
             return out[0] if len(out) == 1 else tuple(out)

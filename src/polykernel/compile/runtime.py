@@ -3,6 +3,7 @@ alias nothing, the reference's outputs on fake tensors, the torch impl's split (
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from collections.abc import Sequence
@@ -25,12 +26,28 @@ def _has_dtensor(args: Sequence[Any]) -> bool:
     return dtensor is not None and any(isinstance(a, dtensor) for a in args)
 
 
+def _autocast_off(op: Op, args: Sequence[Any]) -> contextlib.AbstractContextManager[Any]:
+    """Autocast off for the first tensor argument's device, for an op with an ``autocast`` hook
+    (the fused linear ops: their impls, a peer's too, run on the cast heads with autocast off, as
+    their eager public functions run them). A custom op does not turn autocast off by itself: its
+    kernel runs with the caller's autocast state, and autocast would lower a peer's matmuls."""
+    if op.autocast is None or not _compat.any_autocast_enabled():
+        return contextlib.nullcontext()
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    try:
+        return torch.autocast(first.device.type, enabled=False) if first is not None else contextlib.nullcontext()
+    except RuntimeError:  # a device type autocast does not know: nothing to turn off
+        return contextlib.nullcontext()
+
+
 def _select_and_run(op: Op, impl: str | None, args: Sequence[Any], names: Sequence[str] | None) -> Any:
     """The dispatcher's eager path (:meth:`Op.run`: ``Op.call`` minus its compile check, which
-    would re-enter the custom op while a compile is in progress). ``names``: pass the arguments
-    to ``op.key`` by name (its signature is the public function's, with keyword-only options)."""
+    would re-enter the custom op while a compile is in progress), autocast off for an op with an
+    ``autocast`` hook. ``names``: pass the arguments to ``op.key`` by name (its signature is the
+    public function's, with keyword-only options)."""
     argkey = op.key(**dict(zip(names, args))) if names is not None else op.key(*args)
-    return op.run(impl, argkey, *args)
+    with _autocast_off(op, args):
+        return op.run(impl, argkey, *args)
 
 
 def _training_decision(op: Op, impl: str | None, args: Sequence[Any], names: Sequence[str] | None) -> Any:
