@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Iterable
 
@@ -53,6 +54,7 @@ BOOLEANS = ("POLYKERNEL_STRICT", "POLYKERNEL_FAST_LAUNCH", "POLYKERNEL_LEAN_APPL
 _TRITON_TRUE = ("1", "true", "on", "yes", "y")
 _TRITON_FALSE = ("0", "false", "off", "no", "n", "")
 _warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()  # check and add as one: threads meeting one key warn once
 
 
 def flag(name: str, default: bool) -> bool:
@@ -143,9 +145,10 @@ def _problem(name: str, per_op: set[str]) -> str | None:
 
 
 def _warn_once(key: tuple[str, str], message: str) -> None:
-    if key in _warned:
-        return
-    _warned.add(key)
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
     warnings.warn(message, RuntimeWarning, stacklevel=3)
     log.warning(message)
 

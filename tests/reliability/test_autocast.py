@@ -261,3 +261,28 @@ def test_fused_linear_cross_entropy_takes_mixed_head_dtypes_under_autocast_as_f_
     assert (gh.dtype, gw.dtype) == (torch.float32, BF16)
     torch.testing.assert_close(gh, wh, rtol=2e-2, atol=1e-3)
     torch.testing.assert_close(gw, ww, rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("name", ["rms_norm", "layer_norm", "softmax", "cross_entropy"])
+def test_under_cuda_autocast_the_common_ops_give_what_torch_gives(name, x_dtype):
+    # CUDA autocast runs some ops in fp32 (torch's list: layer_norm, softmax, the losses...): the
+    # drop-in calls must return what torch's do there, the dtype included, every impl auto picks.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(64, 512, device="cuda", generator=g).to(x_dtype)
+    w = (1 + 0.1 * torch.randn(512, device="cuda", generator=g)).to(x_dtype)
+    b = 0.1 * torch.randn(512, device="cuda", generator=g).to(x_dtype)
+    t = torch.randint(0, 512, (64,), device="cuda", generator=g)
+    ours, theirs = {
+        "rms_norm": (lambda: pk.rms_norm(x, w, 1e-6), lambda: F.rms_norm(x, (512,), w, 1e-6)),
+        "layer_norm": (lambda: pk.layer_norm(x, w, b, 1e-5), lambda: F.layer_norm(x, (512,), w, b, 1e-5)),
+        "softmax": (lambda: pk.softmax(x), lambda: torch.softmax(x, -1)),
+        "cross_entropy": (lambda: pk.cross_entropy(x, t), lambda: F.cross_entropy(x, t)),
+    }[name]
+    with torch.autocast("cuda", dtype=BF16):
+        got, want = ours(), theirs()
+    assert got.dtype == want.dtype, (name, x_dtype, got.dtype, want.dtype)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)

@@ -35,6 +35,7 @@ import contextlib
 import inspect
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
@@ -70,6 +71,7 @@ MEMORY_FACTOR = {False: 4, True: 6}
 
 _paused: ContextVar[bool] = ContextVar("polykernel_verify_paused", default=False)
 _noted: set[tuple[Any, ...]] = set()
+_noted_lock = threading.Lock()  # check and add as one: threads meeting one key log it once
 
 
 def mode(decision: DecisionLike) -> str:
@@ -216,8 +218,10 @@ def _over_budget(args: tuple[Any, ...], needs_grad: bool, device: torch.device, 
 
 def _note(op_id: str, impl: str, message: str) -> None:
     key = (op_id, impl, message)
-    if key not in _noted:
+    with _noted_lock:
+        new = key not in _noted
         _noted.add(key)
+    if new:
         log.warning("polykernel: %s: impl %r %s", op_id, impl, message)
 
 

@@ -42,13 +42,15 @@ LOCK_TIMEOUT_S = 2.0  # a writer (POLYKERNEL_TUNE=on in an op call, `polykernel 
 MAX_FILE_BYTES = 64 << 20  # a store is kilobytes; a larger file is not one (or a runaway)
 _MAX_PATH = 4096
 _warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()  # check and add as one: threads meeting one key warn once
 
 
 def warn_once(where: str, problem: str, message: str) -> None:
     """One warning per (place, kind of problem) until :func:`reset_warnings`."""
-    if (where, problem) in _warned:
-        return
-    _warned.add((where, problem))
+    with _warned_lock:
+        if (where, problem) in _warned:
+            return
+        _warned.add((where, problem))
     warnings.warn(message, RuntimeWarning, stacklevel=4)
     log.warning(message)
 
