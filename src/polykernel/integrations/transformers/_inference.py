@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import types
 from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
@@ -71,9 +72,18 @@ _compiling = torch.compiler.is_compiling
 FAMILIES = ("llama",)
 
 
-# The patched base model's forward in progress (a fresh token per forward, None outside one):
-# what a per-forward cache is keyed on (see shared_kv_sdpa's mask).
-_FORWARD: ContextVar[object | None] = ContextVar("polykernel_inference_forward", default=None)
+class _Forward:
+    """One forward of a patched base model and its cache (``mask``: the decode mask shared_kv_sdpa
+    converted), held only by ``_FORWARD`` below: nothing of it outlives that forward (or the model)."""
+
+    __slots__ = ("mask",)
+
+    def __init__(self) -> None:
+        self.mask: tuple[torch.Tensor, torch.dtype, torch.Tensor] | None = None  # (mask, dtype, additive)
+
+
+# The patched base model's forward in progress (a fresh token per forward, None outside one).
+_FORWARD: ContextVar[_Forward | None] = ContextVar("polykernel_inference_forward", default=None)
 
 
 class _Stream(threading.local):
@@ -115,9 +125,9 @@ def base_model_forward(base: Callable, stream: _Stream) -> Callable:
             _fallback_once(type(self).__name__, _CHAIN_BROKEN, "inference_stream")
             active = False
         stream.active, stream.residual = active, None
-        # Dynamo traces neither object() nor ContextVar.set: under torch.compile no forward token is
+        # Dynamo traces neither a new token nor ContextVar.set: under torch.compile no forward token is
         # set, and shared_kv_sdpa leaves the boolean mask to SDPA (each layer's conversion is in the graph)
-        token = None if _compiling() else _FORWARD.set(object())
+        token = None if _compiling() else _FORWARD.set(_Forward())
         try:
             return base(self, *args, **kwargs)
         finally:
@@ -210,6 +220,7 @@ def final_norm_forward(base: Callable, stream: _Stream) -> Callable:
 GATE_UP = ("gate_up", ("gate_proj", "up_proj"))
 QKV = ("qkv", ("q_proj", "k_proj", "v_proj"))
 MERGED = tuple(f"_polykernel_{key}_{name}" for key, _ in (GATE_UP, QKV) for name in ("weight", "bias"))  # module.__dict__ entries
+_APPLY = "_apply"  # and, where merged, the module's own nn.Module._apply (see _apply_unmerged)
 
 
 def wants_grad(x: torch.Tensor, *projections: nn.Module) -> bool:
@@ -245,8 +256,39 @@ def _merged(module: nn.Module, group: tuple[str, tuple[str, ...]], name: str) ->
         start = 0
         for p in parts:
             p.data, start = merged[start : start + p.shape[0]], start + p.shape[0]
-    module.__dict__[f"_polykernel_{key}_{name}"] = merged
+    d = module.__dict__
+    d[f"_polykernel_{key}_{name}"] = merged
+    if _APPLY not in d:
+        d[_APPLY] = types.MethodType(_apply_unmerged, module)
     return merged
+
+
+def _apply_unmerged(module: nn.Module, fn: Callable, *args: Any, **kwargs: Any) -> nn.Module:
+    """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``, ``to_empty`` ...), then the merged
+    weights that the projections no longer view dropped: ``_apply`` gives the projections new
+    tensors, and the old merged copy (after ``model.to("cpu")``, the GPU's whole gate/up and QKV
+    weights) would stay held here until a next forward merged again, which may never come. A
+    conversion that changes nothing keeps them (no merge again on the next forward)."""
+    out = type(module)._apply(module, fn, *args, **kwargs)
+    d = module.__dict__
+    for key, attrs in (GATE_UP, QKV):
+        for name in ("weight", "bias"):
+            merged = d.get(f"_polykernel_{key}_{name}")
+            parts = [getattr(d["_modules"].get(a), name, None) for a in attrs]
+            if merged is not None and (any(p is None for p in parts) or not _views_of(merged, parts)):
+                del d[f"_polykernel_{key}_{name}"]
+    return out
+
+
+def unmerged(d: dict[str, Any]) -> list[tuple[str, tuple[str, ...]]]:
+    """Remove from ``d`` (a module's ``__dict__`` or a copy of it) what merging added; returns the
+    groups that were merged."""
+    groups = [group for group in (GATE_UP, QKV) if d.get(f"_polykernel_{group[0]}_weight") is not None]
+    for key in MERGED:
+        d.pop(key, None)
+    if getattr(d.get(_APPLY), "__func__", None) is _apply_unmerged:
+        del d[_APPLY]
+    return groups
 
 
 def mergeable(module: nn.Module, group: tuple[str, tuple[str, ...]]) -> str | None:
@@ -363,23 +405,22 @@ def shared_kv_sdpa(sdpa: Callable) -> Callable:
     A boolean mask (transformers' SDPA mask) is made additive once per forward of a patched
     model, not once per layer: SDPA converts a boolean mask on every call (``where(~mask, -big,
     scalar_tensor(0))``: a ``logical_not``, two fills and a ``where`` on the GPU, 4 launches per
-    layer), and every layer of one forward gets the same mask tensor (held only for that forward:
-    outside one, or for another forward, SDPA converts as before). The additive value is the
+    layer), and every layer of one forward gets the same mask tensor (held by that forward's token,
+    so only for that forward: outside one, or for another forward, SDPA converts as before). The additive value is the
     dtype's lowest finite number (as transformers' eager masks): a masked key's weight is then
     exp(-huge) = 0 exactly, as with SDPA's own conversion (``-inf``, or ``-65504`` on cuDNN), so the
     attention is the same, bit for bit, in every row that has a key left (a decode row always has
     its own position)."""
-    held: list[tuple[object, torch.Tensor, torch.dtype, torch.Tensor] | None] = [None]  # (forward, mask, dtype, additive)
 
     def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         step = None if _compiling() else _FORWARD.get()
         if step is None:
             return mask
-        last = held[0]
-        if last is not None and last[0] is step and last[1] is mask and last[2] == dtype:
-            return last[3]
+        last = step.mask
+        if last is not None and last[0] is mask and last[1] == dtype:
+            return last[2]
         out = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-        held[0] = (step, mask, dtype, out)
+        step.mask = (mask, dtype, out)
         return out
 
     @functools.wraps(sdpa)

@@ -11,7 +11,7 @@ from torch import nn
 
 from ._code import _CannotPatch
 from ._families import _FAMILY_BY_MODULE, _config_left_alone, _Family
-from ._inference import GATE_UP, MERGED, QKV, merge, mergeable
+from ._inference import merge, mergeable, unmerged
 from ._layers import _GATED_MLP, _gated_activation, _mlp_layout, _mlp_supported
 from ._switches import _gated_ops
 
@@ -74,9 +74,7 @@ def _reduce(module: nn.Module, protocol: int) -> tuple:
         make = None
     else:
         _restore(state, slot, prev, module)
-    merged = [group for group in (GATE_UP, QKV) if state.pop(f"_polykernel_{group[0]}_weight", None) is not None]
-    for key in MERGED:
-        state.pop(key, None)
+    merged = unmerged(state)
     return _copied, (type(module),), (state, make, merged)
 
 
@@ -182,7 +180,6 @@ def _unpatch_model(model: nn.Module) -> nn.Module:
     """Every module of ``model`` back on the forward it had before :func:`_install`."""
     for module in model.modules():
         module.__dict__.pop(_LEFT_ALONE, None)  # (a model patched before it was wrapped keeps it)
-        for key in MERGED:  # mode="inference"'s merged weights: after a .to(), the old copy
-            module.__dict__.pop(key, None)
+        unmerged(module.__dict__)  # mode="inference"'s merged weights (the parameters still view them)
         _uninstall(module)
     return model
