@@ -516,3 +516,24 @@ def test_gpu_kept_walk_matches_the_formula_within_less_memory(monkeypatch, impl,
         c = c.double()  # the formula's gradient comes back in the inputs' dtype
         scale = c.abs().max().clamp(min=1e-30)
         torch.testing.assert_close(a.double() / scale, c / scale, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("name", ["fused_linear_grpo_loss", "fused_linear_dpo_loss"])
+def test_one_decision_across_batch_and_sequence_lengths(name):
+    # GRPO's completions and DPO's pairs change length every step: one argument class (device,
+    # dtype, the head's widths, options), not one per (B, T). Was: a decision per shape, so on
+    # CUDA every new length ran the first-use check (a whole torch-impl loss on copies) again.
+    from polykernel.core import registry
+
+    op_id = registry.get_op(name).id
+    polykernel.clear_caches()
+    for r, t in [(4, 5), (4, 9), (6, 7), (2, 3)]:
+        hid, w, b = head(r, t, 16, 40)
+        tg = targets(r, t, 40)
+        if name == "fused_linear_grpo_loss":
+            out = polykernel.fused_linear_grpo_loss(hid, w, tg.clamp(min=0), (tg != -100).long(), torch.randn(r), b, beta=0.0, impl="torch")
+        else:
+            out = polykernel.fused_linear_dpo_loss(hid, w, tg, b, impl="torch")
+        out.loss.backward()
+    made = [d for d in polykernel.decisions() if d["op"] == op_id]
+    assert len(made) == 1, made

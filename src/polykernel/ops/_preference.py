@@ -259,20 +259,33 @@ def contract(out: Any, hidden: torch.Tensor) -> Any:
     return cast(out)
 
 
-def _describe(a: Any) -> Any:
+# The head's widths, as the class holds them: a weight's (and bias's) whole shape, a hidden
+# state's last dimension; every other size is the batch's (pairs, sequences, tokens), which
+# changes step to step (GRPO's completion lengths) and no impl's choice depends on.
+_WIDTHS = {"weight": 0, "bias": 0, "ref_weight": 0, "ref_bias": 0, "hidden": -1, "ref_hidden": -1}
+
+
+def _describe(a: Any, name: str | None = None) -> Any:
+    """A tensor by its shape (the batch's sizes as None: see ``_WIDTHS``), dtype, device and
+    requires_grad; an option by value."""
     if isinstance(a, torch.Tensor):
-        return (tuple(a.shape), a.dtype, a.device, a.requires_grad)
+        keep = _WIDTHS.get(name) if name is not None else 0
+        shape = tuple(a.shape) if keep == 0 else (*[None] * (a.dim() - 1), a.shape[-1]) if keep == -1 and a.dim() else (None,) * a.dim()
+        return (shape, a.dtype, a.device, a.requires_grad)
     return a
 
 
-def arg_key(*args: Any) -> tuple:
+def arg_key(*args: Any, names: Sequence[str] | None = None) -> tuple:
     """The argument class: hidden's device and dtype, whether a gradient is wanted, then every
-    argument (a tensor by its shape, dtype, device and requires_grad; an option by value). The
-    public functions validate every call themselves (the token ids' range is data), so this
-    class only has to tell impls' refusals apart."""
+    argument (a tensor by its rank, the head's widths, dtype, device and requires_grad, without
+    the batch's sizes; an option by value). The public functions validate every call themselves
+    (shapes that disagree, the token ids' range), so this class only has to tell impls'
+    refusals apart, and one class serves every batch and sequence length. ``names``: the
+    arguments' parameter names (without them every tensor's whole shape is kept)."""
     hidden = args[0]
     floats = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
-    return (hidden.device, hidden.dtype, check.needs_grad(*floats), *map(_describe, args))
+    described = map(_describe, args, names) if names is not None else map(_describe, args)
+    return (hidden.device, hidden.dtype, check.needs_grad(*floats), *described)
 
 
 def key_for(reference: Any) -> Any:
@@ -281,13 +294,14 @@ def key_for(reference: Any) -> Any:
     import inspect
 
     sig = inspect.signature(reference)
+    names = tuple(sig.parameters)
 
     def key(*args: Any, **kwargs: Any) -> tuple:
         if kwargs or len(args) != len(sig.parameters):
             bound = sig.bind(*args, **kwargs)
             bound.apply_defaults()
             args = tuple(bound.arguments.values())
-        return arg_key(*args)
+        return arg_key(*args, names=names)
 
     return key
 
