@@ -1,0 +1,72 @@
+"""Recompiles under ``torch.compile``: what polykernel adds must not make Dynamo trace again.
+
+A compiled call with the same shapes must reuse its graph (exactly one compile), and
+``dynamic=True`` must hold one graph for every size. Counted with Dynamo's own counters, which
+are deterministic: no timing here. Each test is one we failed once:
+
+- ``patch(model, mode="inference")``'s attention table wrapped transformers' SDPA on a forward's
+  first lookup, so the dict it filled changed between the first trace and the second call: the
+  whole patched model compiled twice (the unpatched one, once).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+transformers = pytest.importorskip("transformers")
+
+from polykernel.integrations.transformers import patch  # noqa: E402
+
+VOCAB = 96
+
+
+@pytest.fixture(autouse=True)
+def _dynamo_reset():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _tiny_llama(layers: int = 1) -> torch.nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _graphs_per_call(model: torch.nn.Module, lengths: tuple[int, ...], **compile_kwargs) -> list[int]:
+    """Dynamo's count of distinct graphs after each no-grad call of the compiled ``model``, one
+    call per sequence length."""
+    counters.clear()
+    compiled = torch.compile(model, backend="eager", **compile_kwargs)
+    seen = []
+    with torch.no_grad():
+        for t in lengths:
+            compiled(torch.randint(1, VOCAB, (2, t), generator=torch.Generator().manual_seed(t)))
+            seen.append(counters["stats"]["unique_graphs"])
+    return seen
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_patched_inference_model_compiles_as_often_as_the_plain_one(dynamic):
+    ref = _tiny_llama()
+    model = copy.deepcopy(ref)
+    patch(model, mode="inference")
+    lengths = (8, 8, 8, 11, 13)  # the same shape three times, then new lengths
+    want = _graphs_per_call(ref, lengths, dynamic=dynamic)
+    torch._dynamo.reset()
+    got = _graphs_per_call(model, lengths, dynamic=dynamic, fullgraph=True)
+    assert got[:3] == [1, 1, 1]  # a repeated shape never compiles again
+    assert got == want
