@@ -7,6 +7,9 @@ are deterministic: no timing here. Each test is one we failed once:
 - ``patch(model, mode="inference")``'s attention table wrapped transformers' SDPA on a forward's
   first lookup, so the dict it filled changed between the first trace and the second call: the
   whole patched model compiled twice (the unpatched one, once).
+- gpt-oss's experts validated ``limit`` with ``math.isinf``, which Dynamo cannot call on the
+  symbolic float that ``dynamic=True`` makes of it: ``fullgraph=True`` failed, and without it the
+  op was a graph break.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import copy
 import pytest
 import torch
 from torch._dynamo.utils import counters
+
+import polykernel
+from polykernel.core import registry
 
 transformers = pytest.importorskip("transformers")
 
@@ -70,3 +76,26 @@ def test_patched_inference_model_compiles_as_often_as_the_plain_one(dynamic):
     got = _graphs_per_call(model, lengths, dynamic=dynamic, fullgraph=True)
     assert got[:3] == [1, 1, 1]  # a repeated shape never compiles again
     assert got == want
+
+
+def _gpt_oss_experts_args(rows: int) -> tuple:
+    case = registry.get_op("moe.moe_experts_gpt_oss").example((rows, 16), torch.float32, "cpu")
+    return case.args
+
+
+def test_gpt_oss_experts_under_dynamic_fullgraph_take_symbolic_floats():
+    # alpha and limit as arguments: dynamic=True traces them as symbolic floats, as it traces a
+    # module's float attributes (transformers' GptOssExperts.alpha, .limit). The custom op then
+    # specializes them (as torch's own ops do their float options): one graph for every row count.
+    def fn(*args, alpha, limit):
+        return polykernel.moe_experts_gpt_oss(*args, alpha=alpha, limit=limit)
+
+    counters.clear()
+    compiled = torch.compile(fn, backend="eager", dynamic=True, fullgraph=True)
+    for rows, alpha, limit in ((6, 1.5, 5.0), (9, 1.5, 5.0)):
+        args = _gpt_oss_experts_args(rows)
+        want = polykernel.moe_experts_gpt_oss(*args, alpha=alpha, limit=limit)
+        torch.testing.assert_close(compiled(*args, alpha=alpha, limit=limit), want)
+    assert counters["stats"]["unique_graphs"] == 1
+    with pytest.raises(polykernel.OpArgumentError, match="finite limit"):  # still refused, named
+        compiled(*_gpt_oss_experts_args(6), alpha=1.5, limit=float("inf"))
