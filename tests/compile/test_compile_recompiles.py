@@ -10,11 +10,16 @@ are deterministic: no timing here. Each test is one we failed once:
 - gpt-oss's experts validated ``limit`` with ``math.isinf``, which Dynamo cannot call on the
   symbolic float that ``dynamic=True`` makes of it: ``fullgraph=True`` failed, and without it the
   op was a graph break.
+- An op that decomposes under compile (swiglu...) runs no impl there, so a ``set_impl(op=)``,
+  ``use_impl(op=)`` or ``POLYKERNEL_IMPL_<OP>`` naming one was silently ignored, where the docs
+  said those settings apply to compiled code: now logged while tracing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 
 import pytest
 import torch
@@ -99,3 +104,40 @@ def test_gpt_oss_experts_under_dynamic_fullgraph_take_symbolic_floats():
     assert counters["stats"]["unique_graphs"] == 1
     with pytest.raises(polykernel.OpArgumentError, match="finite limit"):  # still refused, named
         compiled(*_gpt_oss_experts_args(6), alpha=1.5, limit=float("inf"))
+
+
+# -- a choice naming an impl of an op that decomposes under compile ----------------------------
+
+
+@pytest.fixture
+def _unset():
+    yield
+    polykernel.set_impl(None)
+    polykernel.clear_caches()  # the once-only log records
+
+
+@pytest.mark.parametrize("how", ["set_impl", "use_impl", "env"])
+def test_a_forced_impl_of_a_decomposed_op_is_reported_not_silently_ignored(how, monkeypatch, caplog, _unset):
+    # swiglu decomposes under compile: the graph holds the reference's torch ops and no impl runs,
+    # whatever names one. Such a choice is logged while tracing (named, as a patch fallback is).
+    polykernel.clear_caches()
+    scope = polykernel.use_impl("torch", op="swiglu") if how == "use_impl" else contextlib.nullcontext()
+    if how == "set_impl":
+        polykernel.set_impl("torch", op="swiglu")
+    elif how == "env":
+        monkeypatch.setenv("POLYKERNEL_IMPL_SWIGLU", "torch")
+    x = torch.randn(4, 8)
+    compiled = torch.compile(lambda a, b: polykernel.swiglu(a, b), backend="eager", fullgraph=True)
+    with scope, caplog.at_level(logging.WARNING, logger="polykernel"):
+        torch.testing.assert_close(compiled(x, x), polykernel.swiglu(x, x))
+    assert any("swiglu" in r.getMessage() and "decomposes" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_a_decomposed_op_without_a_forced_impl_logs_nothing(caplog, _unset):
+    polykernel.clear_caches()
+    polykernel.set_impl("torch", op="rms_norm")  # another op's choice: not swiglu's
+    x = torch.randn(4, 8)
+    with caplog.at_level(logging.WARNING, logger="polykernel"):
+        torch.compile(lambda a, b: polykernel.swiglu(a, b), backend="eager", fullgraph=True)(x, x)
+        torch.compile(lambda a, b: polykernel.swiglu(a, b, impl="torch"), backend="eager", fullgraph=True)(x, x)
+    assert not [r for r in caplog.records if "decomposes" in r.getMessage()]
