@@ -10,6 +10,9 @@ are deterministic: no timing here. Each test is one we failed once:
 - gpt-oss's experts validated ``limit`` with ``math.isinf``, which Dynamo cannot call on the
   symbolic float that ``dynamic=True`` makes of it: ``fullgraph=True`` failed, and without it the
   op was a graph break.
+- The causal-LM loss of ``patch`` checked Gemma 2's final logit softcap with ``math.isfinite``:
+  under ``dynamic=True`` the config's float is symbolic, and that check was a graph break in
+  every training step (``fullgraph=True`` failed), where the unpatched model has none.
 - An op that decomposes under compile (swiglu...) runs no impl there, so a ``set_impl(op=)``,
   ``use_impl(op=)`` or ``POLYKERNEL_IMPL_<OP>`` naming one was silently ignored, where the docs
   said those settings apply to compiled code: now logged while tracing.
@@ -104,6 +107,32 @@ def test_gpt_oss_experts_under_dynamic_fullgraph_take_symbolic_floats():
     assert counters["stats"]["unique_graphs"] == 1
     with pytest.raises(polykernel.OpArgumentError, match="finite limit"):  # still refused, named
         compiled(*_gpt_oss_experts_args(6), alpha=1.5, limit=float("inf"))
+
+
+def test_patched_softcapped_model_trains_under_dynamic_fullgraph():
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    assert config.final_logit_softcapping  # the fused loss takes it as its softcap
+    torch.manual_seed(0)
+    model = patch(transformers.Gemma2ForCausalLM(config).train())
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    want = model(ids, labels=ids).loss
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True, fullgraph=True)  # a graph break raises
+    got = compiled(ids, labels=ids).loss
+    got.backward()
+    torch.testing.assert_close(got, want)
+    assert sum(counters["graph_break"].values()) == 0
 
 
 # -- a choice naming an impl of an op that decomposes under compile ----------------------------
