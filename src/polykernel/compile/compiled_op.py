@@ -155,6 +155,7 @@ class CompiledOp:
                     # a Partial loss; the train ops too) over the global count of scored rows.
                     return dtensor_sharding.mean_of_sum(op_id, lambda *a: call(impl, *a), full(args))
             if decompose and impl is None:  # Inductor's own code is as fast: let it fuse the op
+                _at_trace_time("report_unforced", op_id)  # a set_impl/env/scope for this op: not run
                 return reference(*args)
             if _transformed(args):  # torch.func, dual tensors: torch ops carry them (see _transformed)
                 return reference(*args)
@@ -232,6 +233,7 @@ class CompiledOp:
             if impl is not None and not isinstance(impl, str):  # a list or a KernelBackend
                 impl = _impl_str(impl)
             if decompose and impl is None:  # the reference writes the destinations with torch ops
+                _at_trace_time("report_unforced", op_id)
                 return reference(*args)
             fwd(*args, impl=impl)
             args = full(args)

@@ -33,11 +33,29 @@ def _report_decomposing(op_id: str, why: str) -> None:
     dispatch.log_once(("compile-dtensor", op_id, why), f"polykernel: {op_id}: compiled training on DTensors decomposes the op ({why})")
 
 
+def _report_unforced(op_id: str) -> None:
+    """A compiled call of ``op_id`` decomposes (its compile mode) while a choice names one of its
+    impls: that impl does not run in the compiled code. Logged once; ``POLYKERNEL_STRICT=1`` makes it
+    an error. Read while tracing: a choice made after the compile is not seen (docs/compile.md)."""
+    from ..core import selection as dispatch
+    from ..core.selection.state import fallback_once
+
+    source = dispatch.forced_for(op_id)
+    if source is None:
+        return
+    name = _current(op_id).name
+    fallback_once(
+        ("compile-decompose-forced", op_id, source),
+        f"polykernel: {op_id}: {source} names an impl, but under torch.compile the op decomposes into torch ops for "
+        f"Inductor (its compile_mode), so no impl runs; pass impl= or set POLYKERNEL_COMPILE_{name.upper()}=ours",
+    )
+
+
 # Side effects of a compiled call that must really happen while Dynamo traces CompiledOp.call
 # (registering rules, logging: a logger call in traced code would break the graph, and
 # fullgraph=True with it). They run through ``comptime``, whose function Dynamo runs; by name,
 # with string arguments, so that the rule reads only constants.
-_TRACE_TIME = {"register_rules": _register_rules, "report_decomposing": _report_decomposing}
+_TRACE_TIME = {"register_rules": _register_rules, "report_decomposing": _report_decomposing, "report_unforced": _report_unforced}
 
 
 def _at_trace_time(action: str, *args: str) -> None:

@@ -62,16 +62,16 @@ def nonnegative_float(op: str, name: str, value: Any) -> None:
         raise OpArgumentError(op, name, f"expected a number >= 0, {_got(value)}")
 
 
-def _finite(v: float) -> bool:
+def is_finite(v: float) -> bool:
     """``math.isfinite(v)``, also for a symbolic float, which Dynamo cannot pass to ``math``
     (``torch.compile(dynamic=True)`` traces modules' float attributes so): ``inf - inf`` and
-    ``nan - nan`` are NaN, never 0."""
+    ``nan - nan`` are NaN, never 0. Validation traced under compile checks finiteness with this."""
     return v - v == 0
 
 
 def finite_float(op: str, name: str, value: Any) -> None:
     v = _float(value)
-    if v is None or not _finite(v):
+    if v is None or not is_finite(v):
         raise OpArgumentError(op, name, f"expected a finite number, {_got(value)}")
 
 

@@ -25,8 +25,6 @@ and each expert's GEMM output to the dtype once each.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..core.hit_guard import SHAPE
@@ -123,7 +121,7 @@ def validate(
     _moe.check_routing(OP_ID, hidden, top_k_index, top_k_weights, n_experts)
     check.finite_float(OP_ID, "alpha", alpha)
     check.positive_float(OP_ID, "limit", limit)
-    if math.isinf(float(limit)):
+    if not check.is_finite(float(limit)):  # not math.isinf: Dynamo traces this on a symbolic float (dynamic=True)
         raise check.OpArgumentError(OP_ID, "limit", f"expected a finite limit > 0, got {check.shown(limit)}")
 
 

@@ -32,7 +32,7 @@ record of decisions and the fault policy), ``settings`` (the public controls), `
 from .explain import Explanation, available_impls, decisions, explain
 from .names import _parse_names  # noqa: F401
 from .resolution import Decision, _record, decide, record_route  # noqa: F401
-from .settings import clear_caches, clear_memos, get_impl_settings, restore_impl_settings, set_impl, use_impl
+from .settings import clear_caches, clear_memos, forced_for, get_impl_settings, restore_impl_settings, set_impl, use_impl
 from .state import SCOPE, _broken, _logged, generation, log_once, routed, strict_mode  # noqa: F401
 from .subclasses import INFERENCE, saves_inference_tensor, subclass_name
 from .verdicts import Verdict, _load, _why_not  # noqa: F401
@@ -49,6 +49,7 @@ __all__ = [
     "decide",
     "decisions",
     "explain",
+    "forced_for",
     "get_impl_settings",
     "log_once",
     "record_route",

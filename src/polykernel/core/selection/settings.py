@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 
 from ... import env
@@ -61,6 +62,20 @@ def set_impl(impl: str | Sequence[str] | None, op: str | None = None) -> None:
             names = _parse_names(impl, "set_impl") if op_id is None else _parse_op_names(impl, "set_impl", op_id)
             _global[op_id] = names
     clear_memos()
+
+
+def forced_for(op_id: str) -> str | None:
+    """What names one impl for ``op_id`` alone, as selection would read it now (a ``use_impl(op=)``
+    scope of this context, ``POLYKERNEL_IMPL_<OP>``, ``set_impl(op=)``), or None. The compiled path
+    reports such a choice for an op that decomposes under torch.compile, where no impl runs."""
+    if any(scope_op == op_id for scope_op, _ in _scope.get()):
+        return "use_impl(op=...)"
+    op = registry.loaded_op(op_id)
+    if op is not None and os.environ.get(f"POLYKERNEL_IMPL_{op.name.upper()}"):
+        return f"POLYKERNEL_IMPL_{op.name.upper()}"
+    if op_id in _global:
+        return "set_impl(op=...)"
+    return None
 
 
 def restore_impl_settings(settings: dict[str | None, tuple[str, ...]]) -> None:

@@ -470,6 +470,12 @@ class AttentionFunctions:
     def __init__(self, base: Any) -> None:
         self._base = base
         self._wrapped: dict[int, Callable] = {}
+        # Wrapped now, not on a forward's first lookup: under torch.compile that first lookup
+        # filled the dict while Dynamo traced, and the next call failed the trace's guard on it
+        # (one recompile of the whole model, the second call of a patched model being compiled).
+        sdpa = base.get("sdpa") if hasattr(base, "get") else None
+        if sdpa is not None:
+            self._wrapped[id(sdpa)] = shared_kv_sdpa(sdpa)
 
     def get_interface(self, name: str, default: Callable) -> Callable:
         fn = self._base.get_interface(name, default)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -141,7 +140,9 @@ def _flce_head(model: nn.Module, family: _Family | None = None) -> nn.Linear | N
         if name not in handled and getattr(config, name, None) not in (None, 1, 1.0):
             return _unfused(model, f"config sets {name}, which the fused loss does not apply")
     cap = _logit_softcap(model, family)
-    if cap is not None and not (cap > 0 and math.isfinite(cap)):
+    # cap - cap == 0: finite (inf - inf and NaN are NaN), also for the symbolic float Dynamo makes of the
+    # config's value under dynamic=True, where math.isfinite was a graph break before the loss
+    if cap is not None and not (cap > 0 and cap - cap == 0):
         return _unfused(model, f"logit softcap {cap!r} is not a positive finite number")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else getattr(model, "lm_head", None)
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
