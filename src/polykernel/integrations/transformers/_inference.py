@@ -39,12 +39,11 @@ Semantics: the norms are the serving op's (sum rounded to the model's dtype as t
 ``residual + hidden``, then normalised in fp32 and rounded once); Llama's own norm rounds x̂ to the
 dtype before the weight multiply, so in 16-bit the logits differ at that dtype's roundoff (in fp32
 they agree to fp32 roundoff). Inference only: with gradients wanted (grad enabled and any weight or
-input that requires grad: frozen embeddings do not make the rest frozen), under ``torch.autocast`` (the stream
-and the projections' outputs are then of two dtypes), or when the caller asks for the hidden
-states of every layer (``output_hidden_states``: the carried layers return the MLP's output, not
-the stream), the model's own forwards run; so do an MLP's and an attention's whose projections
-were wrapped (PEFT's LoRA) or hooked after the patch, and an MLP's whose ``act_fn`` was hooked or
-replaced (logged once).
+input that requires grad), under ``torch.autocast`` (the stream and the projections' outputs are
+then of two dtypes), or when the caller asks for every layer's hidden states (the carried layers
+return the MLP's output, not the stream), the model's own forwards run; so do an MLP's and an
+attention's whose projections were wrapped (PEFT's LoRA) or hooked after the patch, and an MLP's
+whose ``act_fn`` was hooked or replaced (logged once).
 """
 
 from __future__ import annotations
@@ -73,8 +72,7 @@ FAMILIES = ("llama",)
 
 
 class _Forward:
-    """One forward of a patched base model and its cache (``mask``: the decode mask shared_kv_sdpa
-    converted), held only by ``_FORWARD`` below: nothing of it outlives that forward (or the model)."""
+    """One forward of a patched base model and its cache (``mask``: shared_kv_sdpa's), held by ``_FORWARD`` alone."""
 
     __slots__ = ("mask",)
 
@@ -264,11 +262,9 @@ def _merged(module: nn.Module, group: tuple[str, tuple[str, ...]], name: str) ->
 
 
 def _apply_unmerged(module: nn.Module, fn: Callable, *args: Any, **kwargs: Any) -> nn.Module:
-    """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``, ``to_empty`` ...), then the merged
-    weights that the projections no longer view dropped: ``_apply`` gives the projections new
-    tensors, and the old merged copy (after ``model.to("cpu")``, the GPU's whole gate/up and QKV
-    weights) would stay held here until a next forward merged again, which may never come. A
-    conversion that changes nothing keeps them (no merge again on the next forward)."""
+    """``nn.Module._apply`` (``.to()``, ``.half()`` ...), then the merged weights the projections no
+    longer view dropped (after ``model.to("cpu")`` they would hold the GPU's gate/up and QKV weights
+    until a next forward merged again, which may never come); a no-op conversion keeps them."""
     out = type(module)._apply(module, fn, *args, **kwargs)
     d = module.__dict__
     for key, attrs in (GATE_UP, QKV):
@@ -470,9 +466,8 @@ class AttentionFunctions:
     def __init__(self, base: Any) -> None:
         self._base = base
         self._wrapped: dict[int, Callable] = {}
-        # Wrapped now, not on a forward's first lookup: under torch.compile that first lookup
-        # filled the dict while Dynamo traced, and the next call failed the trace's guard on it
-        # (one recompile of the whole model, the second call of a patched model being compiled).
+        # Wrapped now, not on a forward's first lookup: under torch.compile that lookup filled the
+        # dict while Dynamo traced, and the next call failed the trace's guard (a whole recompile).
         sdpa = base.get("sdpa") if hasattr(base, "get") else None
         if sdpa is not None:
             self._wrapped[id(sdpa)] = shared_kv_sdpa(sdpa)
