@@ -266,15 +266,17 @@ def test_fused_linear_cross_entropy_takes_mixed_head_dtypes_under_autocast_as_f_
 @pytest.mark.gpu
 @pytest.mark.parametrize("x_dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("name", ["rms_norm", "layer_norm", "softmax", "cross_entropy"])
-def test_under_cuda_autocast_the_common_ops_give_what_torch_gives(name, x_dtype):
-    # CUDA autocast runs some ops in fp32 (torch's list: layer_norm, softmax, the losses...): the
-    # drop-in calls must return what torch's do there, the dtype included, every impl auto picks.
+def test_under_cuda_autocast_the_common_ops_keep_their_inputs_dtype(name, x_dtype):
+    # CUDA autocast runs F.rms_norm, F.layer_norm and softmax in fp32 (fp32 outputs for 16-bit
+    # inputs; AutocastCUDA's fp32 list): ours compute in fp32 too but return the input's dtype, as
+    # Liger's and HF's own norm modules do (docs/impls.md, "Under torch.autocast"); the values are
+    # torch's to that dtype's rounding. The loss is fp32 either way.
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(64, 512, device="cuda", generator=g).to(x_dtype)
     w = (1 + 0.1 * torch.randn(512, device="cuda", generator=g)).to(x_dtype)
-    b = 0.1 * torch.randn(512, device="cuda", generator=g).to(x_dtype)
+    b = (0.1 * torch.randn(512, device="cuda", generator=g)).to(x_dtype)
     t = torch.randint(0, 512, (64,), device="cuda", generator=g)
     ours, theirs = {
         "rms_norm": (lambda: pk.rms_norm(x, w, 1e-6), lambda: F.rms_norm(x, (512,), w, 1e-6)),
@@ -284,5 +286,5 @@ def test_under_cuda_autocast_the_common_ops_give_what_torch_gives(name, x_dtype)
     }[name]
     with torch.autocast("cuda", dtype=BF16):
         got, want = ours(), theirs()
-    assert got.dtype == want.dtype, (name, x_dtype, got.dtype, want.dtype)
-    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert got.dtype == (torch.float32 if name == "cross_entropy" else x_dtype), (got.dtype, want.dtype)
+    torch.testing.assert_close(got, want.to(got.dtype), rtol=2e-2, atol=2e-2)
