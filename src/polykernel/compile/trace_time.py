@@ -58,13 +58,18 @@ def _report_unforced(op_id: str) -> None:
 _TRACE_TIME = {"register_rules": _register_rules, "report_decomposing": _report_decomposing, "report_unforced": _report_unforced}
 
 
+# Notices only: without comptime they are not worth a node in every graph of a decomposed op
+# (the no-op custom op stays in the compiled code), so they are left out there.
+_NOTICE_ONLY = frozenset({"report_unforced"})
+
+
 def _at_trace_time(action: str, *args: str) -> None:
     """``_TRACE_TIME[action](*args)``, now: also while Dynamo traces the caller."""
     if torch.compiler.is_compiling():
         comptime = _compat.comptime()
         if comptime is not None:
             comptime(_from_trace)
-        else:  # no comptime in this torch: the fake impl of a no-op custom op, run while tracing
+        elif action not in _NOTICE_ONLY:  # no comptime in this torch: the fake impl of a no-op custom op, run while tracing
             _trace_time_op(action, list(args))
     else:
         _TRACE_TIME[action](*args)
