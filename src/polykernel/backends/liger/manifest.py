@@ -168,18 +168,21 @@ IMPLS = {
         graph_safe=False,
         target="polykernel.backends.liger.preference:fused_linear_orpo_loss",
         description="Liger LigerFusedLinearORPOFunction (logits in the inputs' dtype; nll_loss NaN unless compute_nll_loss)",
+        predicate=_gates.fused_linear_orpo_loss,
     ),
     "loss.fused_linear_cpo_loss": LIGER.impl(
         rank=60,
         graph_safe=False,
         target="polykernel.backends.liger.preference:fused_linear_cpo_loss",
         description="Liger LigerFusedLinearCPOFunction (logits in the inputs' dtype; nll_loss NaN when alpha = 0)",
+        predicate=_gates.fused_linear_cpo_loss,
     ),
     "loss.fused_linear_simpo_loss": LIGER.impl(
         rank=60,
         graph_safe=False,
         target="polykernel.backends.liger.preference:fused_linear_simpo_loss",
         description="Liger LigerFusedLinearSimPOFunction (logits in the inputs' dtype)",
+        predicate=_gates.fused_linear_simpo_loss,
     ),
     "loss.fused_linear_grpo_loss": LIGER.impl(
         rank=60,
