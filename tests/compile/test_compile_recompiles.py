@@ -33,10 +33,8 @@ from polykernel import _compat
 from polykernel.core import registry
 
 transformers = pytest.importorskip("transformers")
-
+from _tiny_llama import VOCAB, tiny_llama  # noqa: E402
 from polykernel.integrations.transformers import patch  # noqa: E402
-
-VOCAB = 96
 
 
 @pytest.fixture(autouse=True)
@@ -47,18 +45,7 @@ def _dynamo_reset():
 
 
 def _tiny_llama(layers: int = 1) -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
+    return tiny_llama(layers)
 
 
 def _graphs_per_call(model: torch.nn.Module, lengths: tuple[int, ...], **compile_kwargs) -> list[int]:

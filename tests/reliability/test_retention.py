@@ -11,25 +11,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-
+from _tiny_llama import VOCAB, tiny_llama  # noqa: E402
 from polykernel.integrations.transformers import patch, unpatch  # noqa: E402
-
-VOCAB = 96
-
-
-def tiny_llama(layers: int = 2) -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
 
 
 def ids() -> torch.Tensor:

@@ -138,8 +138,12 @@ def fused_linear_grpo_loss(a: Any) -> str | None:
         return "Liger's GRPO has no importance-weighted KL (use_bias_correction_kl)"
     # measured on the H200: in bf16 its gradient of hidden misses the error model (1.4-1.9x the
     # tolerance; benchmarks/results/h200-2026-12-01-late/)
+    return _not_float32(a, "GRPO", "gradients miss")
+
+
+def _not_float32(a: Any, loss: str, what: str) -> str | None:
     if str(a.dtype).removeprefix("torch.") != "float32":
-        return "Liger's GRPO is registered for float32 only (its 16-bit gradients miss the error model)"
+        return f"Liger's {loss} is registered for float32 only (its 16-bit {what} the error model)"
     return None
 
 
@@ -147,12 +151,7 @@ def _float32_only(loss: str) -> Any:
     # measured on the H200 under CUDA autocast (bf16 heads): Liger's logits in the inputs' dtype put
     # its 16-bit loss outside the error model, 1.75-4.13x the tolerance
     # (benchmarks/results/h200-2026-12-05-eleventh/autocast_gpu.log)
-    def gate(a: Any) -> str | None:
-        if str(a.dtype).removeprefix("torch.") != "float32":
-            return f"Liger's {loss} is registered for float32 only (its 16-bit loss misses the error model)"
-        return None
-
-    return gate
+    return lambda a: _not_float32(a, loss, "loss misses")
 
 
 fused_linear_orpo_loss = _float32_only("ORPO")
