@@ -75,6 +75,7 @@ def plain_dispatch(op: Op) -> Callable[..., Any]:
     arity = len(params)
     defaults = tuple(p.default for p in params)
     dyn, flag = _compile_checks()
+    forward_ad_open = _compat.forward_ad_open
     custom_op, slow, scope_get, det, grad, capturing = (
         op.custom_op,
         op._dispatch_slow,
@@ -116,35 +117,42 @@ def plain_dispatch(op: Op) -> Callable[..., Any]:
                 return False
         return True
 
+    def hit(f: tuple[Any, ...], impl: Any, args: tuple[Any, ...], scope: Any, dt: bool) -> bool:
+        try:
+            return bool(
+                (impl is f[2] or impl == f[2])
+                and scope is f[3]
+                and dt is f[4]
+                and (f[1] is None or grad() is f[1])
+                and f[0](*guarded(args))
+                and (not related or all(args[i].shape == args[j].shape for i, j in related))
+                and (all(map(is_, o := options(args), rec := f[6:])) or same_options(o, rec))
+            )
+        except Exception:  # an option that compares oddly (a tensor eps), a non-tensor
+            return False
+
     def dispatch(impl: Any, *args: Any) -> Any:
-        if dyn() or flag._is_compiling_flag:
+        if dyn():  # the rest of a compile reaches the slow path (see hot_path._TRACING_EXPR)
             return custom_op(impl, *args)
+        if forward_ad_open():
+            return op.forward_ad(impl, complete(args))
         if len(args) != arity:
             args = complete(args)
         scope = scope_get()
         dt = det()
-        for f in fast:
-            try:
-                if (
-                    (impl is f[2] or impl == f[2])
-                    and scope is f[3]
-                    and dt is f[4]
-                    and (f[1] is None or grad() is f[1])
-                    and f[0](*guarded(args))
-                    and (not related or all(args[i].shape == args[j].shape for i, j in related))
-                    and (all(map(is_, o := options(args), rec := f[6:])) or same_options(o, rec))
-                ):
+        f = fast[0] if fast else None
+        if f is None or not hit(f, impl, args, scope, dt):
+            for f in fast[1:]:
+                if hit(f, impl, args, scope, dt):
                     break
-            except Exception:  # an option that compares oddly (a tensor eps), a non-tensor
+            else:
+                return slow(impl, args, scope, dt, grad())
+            try:
+                if f is not fast[0]:  # a class that alternates with others: tried first from now on
+                    fast.remove(f)
+                    fast.insert(0, f)
+            except (ValueError, IndexError):  # another thread changed the list meanwhile
                 pass
-        else:
-            return slow(impl, args, scope, dt, grad())
-        try:
-            if f is not fast[0]:  # a class that alternates with others: tried first from now on
-                fast.remove(f)
-                fast.insert(0, f)
-        except (ValueError, IndexError):  # another thread changed the list meanwhile
-            pass
         d = f[5]
         if d.guarded:
             if d.cuda and capturing():

@@ -378,7 +378,12 @@ def test_impl_preference_list_under_compile(recorded_impl):
     assert calls == [False, False]
 
 
-def test_export_keeps_the_custom_op():
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("eager_first", [False, True])
+def test_export_keeps_the_custom_op(strict, eager_first):
+    # eager_first: the hot path holds a guard record for these very tensors when export starts;
+    # non-strict export runs the Python (no Dynamo) on fake tensors, which the guard refuses, and
+    # the slow path sends the call to the custom op (hot_path._TRACING_EXPR)
     op = _op("norm.rms_norm")
     _, fwd, _ = _overloads(op)
 
@@ -391,7 +396,11 @@ def test_export_keeps_the_custom_op():
             return polykernel.rms_norm(x, self.weight, casting="llama")
 
     model, x = Norm(), torch.randn(3, 16)
-    program = torch.export.export(model, (x,))
+    if eager_first:
+        model(x)
+        with torch.no_grad():
+            model(x)
+    program = torch.export.export(model, (x,), strict=strict)
     # The weight requires grad, so the training op (forward + saved tensors) is what is exported.
     assert {fwd, library._built[op.id].train} & _targets(program.graph_module)
     torch.testing.assert_close(program.module()(x), model(x))

@@ -56,6 +56,7 @@ class Sq(torch.autograd.Function):
 report = {
     "forced": _compat.FORCED,
     "compiling_expr": op_mod._COMPILING_EXPR,
+    "tracing_expr": op_mod._TRACING_EXPR,
     "deterministic_public": op_mod._deterministic is torch.are_deterministic_algorithms_enabled,
     "capturing_public": op_mod._stream_capturing is torch.cuda.is_current_stream_capturing,
     "guard": hit_guard.available(),
@@ -81,7 +82,7 @@ def test_forced_switch_takes_every_fallback():
     out = subprocess.run([sys.executable, "-c", _FORCED_REPORT], env=env, capture_output=True, text=True, check=True, timeout=300)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["forced"]
-    assert r["compiling_expr"] == "compiling()"
+    assert r["compiling_expr"] == r["tracing_expr"] == "compiling()"
     assert r["deterministic_public"] and r["capturing_public"]
     assert r["guard"] is False
     assert r["lean_apply_is_apply"] and r["transforms_active"] is False and r["transforms_by_probe"]
@@ -151,6 +152,7 @@ def test_compile_check_fallback_still_sends_compiled_calls_to_the_custom_op(monk
     # The hot path generated with the public check (`compiling()`) puts the op's custom op in the
     # graph, as the inlined flag does, and eager calls still dispatch.
     monkeypatch.setattr(op_mod, "_COMPILING_EXPR", "compiling()")
+    monkeypatch.setattr(op_mod, "_TRACING_EXPR", "compiling()")  # (no is_dynamo_compiling in this torch)
     op = registry.get_op("rms_norm")
     fn = op_mod._hot_dispatch(op)
     x, w = torch.randn(4, 16), torch.randn(16)

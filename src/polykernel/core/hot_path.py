@@ -36,6 +36,12 @@ _compiling = _compat.is_compiling
 # The generated hot path (see _hot_dispatch) inlines `is_compiling` where this torch allows (one Python
 # frame instead of two): the expression and the names it reads are polykernel._compat's.
 _COMPILING_EXPR = _compat.COMPILING_EXPR
+# ... where a guard stands before the impl, only Dynamo's check: under Dynamo the generated code is
+# traced, not run, and must reach the custom op before the guard (a C call Dynamo cannot trace).
+# The rest of a compile (non-strict export, AOTAutograd, a backend's make_fx) runs it on fake or
+# functional tensors or under a dispatch mode, which no guard accepts: the slow path, which asks
+# the whole check (Op._dispatch_slow). ~20 ns a call (benchmarks/results/cpu-2026-12-05-hot-path/).
+_TRACING_EXPR = "dynamo_compiling()" if _COMPILING_EXPR != "compiling()" else _COMPILING_EXPR  # (its probe's fallback)
 # ... and the check that a forward-AD dual level is open (then Op.forward_ad looks at the tensors).
 _FORWARD_AD_EXPR = _compat.FORWARD_AD_EXPR
 # torch.cuda.is_current_stream_capturing's C function where there is one; asked only for
@@ -258,28 +264,36 @@ def _hot_dispatch(op: HotPathOp) -> Callable[..., Any]:
         + "))"
         for k, (name, t) in enumerate(zip(options, typed))
     )
+    # the most recent record first, outside the loop (a repeat of the last class, the usual call,
+    # creates no iterator: ~15 ns), then the others
     src = (
         f"def dispatch(impl, {sig}):\n"
-        f"    if {_COMPILING_EXPR}:\n"
+        f"    if {_TRACING_EXPR}:\n"
         f"        return op.custom_op(impl, {args})\n"
         f"    if {_FORWARD_AD_EXPR}:  # dual tensors: their tangents (see Op.forward_ad)\n"
         f"        return op.forward_ad(impl, ({args},))\n"
         f"    scope = scope_get()\n"
         f"    dt = det()\n"
-        f"    for f in fast:\n"
-        f"        try:\n"
-        f"            if {test}:\n"
-        f"                break\n"
-        f"        except Exception:  # an option that compares oddly (a tensor eps), a non-tensor\n"
-        f"            pass\n"
-        f"    else:\n"
-        f"        return slow(impl, ({args},), scope, dt, grad())\n"
         f"    try:\n"
-        f"        if f is not fast[0]:  # a class that alternates with others: tried first from now on\n"
-        f"            fast.remove(f)\n"
-        f"            fast.insert(0, f)\n"
-        f"    except (ValueError, IndexError):  # another thread changed the list meanwhile\n"
-        f"        pass\n"
+        f"        f = fast[0]\n"
+        f"        miss = not ({test})\n"
+        f"    except Exception:  # no record yet, an option that compares oddly (a tensor eps), a non-tensor\n"
+        f"        miss = True\n"
+        f"    if miss:\n"
+        f"        for f in fast[1:]:\n"
+        f"            try:\n"
+        f"                if {test}:\n"
+        f"                    break\n"
+        f"            except Exception:\n"
+        f"                pass\n"
+        f"        else:\n"
+        f"            return slow(impl, ({args},), scope, dt, grad())\n"
+        f"        try:\n"
+        f"            if f is not fast[0]:  # a class that alternates with others: tried first from now on\n"
+        f"                fast.remove(f)\n"
+        f"                fast.insert(0, f)\n"
+        f"        except (ValueError, IndexError):  # another thread changed the list meanwhile\n"
+        f"            pass\n"
         f"    d = f[5]\n"
         f"{_run_tail(args, plain, ''.join(f'{names[i]}, ' for i, _ in op._written))}"
     )

@@ -225,7 +225,10 @@ class Op:
     def _dispatch_slow(self, impl: str | None, args: tuple[Any, ...], scope: Any = None, det: Any = None, grad: Any = None) -> Any:
         """:meth:`_decide_and_guard`, for an op that writes its arguments between :meth:`_writable`'s
         refusals and the version bumps (as :meth:`_run_writing`; its guarded repeats bump only:
-        what the refusals read, the guard pins)."""
+        what the refusals read, the guard pins). A compile's calls that Dynamo does not trace
+        come here (see hot_path._TRACING_EXPR): the op's custom op."""
+        if _compiling():
+            return self.custom_op(impl, *args)
         if not self._written or grad is None:  # grad None: Op.call's path, which does both itself
             return self._decide_and_guard(impl, args, scope, det, grad)
         written = self._writable(args)
