@@ -38,9 +38,9 @@ _compiling = _compat.is_compiling
 _COMPILING_EXPR = _compat.COMPILING_EXPR
 # ... where a guard stands before the impl, only Dynamo's check: under Dynamo the generated code is
 # traced, not run, and must reach the custom op before the guard (a C call Dynamo cannot trace).
-# The rest of a compile (non-strict export, AOTAutograd, a backend's make_fx) runs it on fake or
-# functional tensors or under a dispatch mode, which no guard accepts: the slow path, which asks
-# the whole check (Op._dispatch_slow). ~20 ns a call (benchmarks/results/cpu-2026-12-05-hot-path/).
+# The rest of a compile that runs this code (non-strict export, and in newer torch anything inside a
+# compile session) hands it fake or functional tensors, which no guard accepts (a subclass): the
+# slow path asks the whole check (Op._dispatch_slow). ~20 ns a call (benchmarks/results/cpu-2026-12-05-hot-path/).
 _TRACING_EXPR = "dynamo_compiling()" if _COMPILING_EXPR != "compiling()" else _COMPILING_EXPR  # (its probe's fallback)
 # ... and the check that a forward-AD dual level is open (then Op.forward_ad looks at the tensors).
 _FORWARD_AD_EXPR = _compat.FORWARD_AD_EXPR
