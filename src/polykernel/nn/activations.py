@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch import nn
 
 import polykernel
 
-from ._common import _check_impl, _impl_repr
+from ._common import _check_impl, _dim, _impl_repr
 
 
 class _Parameterless(nn.Module):
@@ -37,7 +35,7 @@ class Softmax(nn.Module):
         super().__init__()
         if dim is None:  # torch picks 0 or 1 by x.dim() there (not the last dim for 3-d x)
             raise TypeError("Softmax: dim=None (torch's deprecated implicit dim) is not supported: pass the dim")
-        self.dim = operator.index(dim)
+        self.dim = _dim(type(self).__name__, dim)
         self.impl = _check_impl(type(self).__name__, impl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,7 +70,7 @@ class Sparsemax(nn.Module):
 
     def __init__(self, dim: int = -1, *, impl: str | None = None) -> None:
         super().__init__()
-        self.dim = int(dim)
+        self.dim = _dim(type(self).__name__, dim)
         self.impl = _check_impl(type(self).__name__, impl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -104,6 +104,7 @@ class FusedLinearCrossEntropyLoss(nn.Module):
 
     ``forward(hidden [..., H], weight [V, H], target [...], bias=None)``; the LM head's weight is
     passed in (the module owns no parameters), so it stays tied to / sharded with the model.
+    Liger's module takes ``(lin_weight, _input, target)``: the order differs (``hidden`` first).
 
     >>> import torch, polykernel.nn as pnn
     >>> head = torch.nn.Linear(32, 100, bias=False)

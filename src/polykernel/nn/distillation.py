@@ -29,7 +29,9 @@ def _check_distill_options(cls: str, **options: object) -> None:
 
 class KLDivLoss(nn.Module):
     """``torch.nn.KLDivLoss`` (``input``: log-probs) with an fp32 result; ``reduction`` defaults
-    to ``"batchmean"`` (the mathematically right one; Liger's default too).
+    to ``"batchmean"`` (the mathematically right one: the sum over ``input.size(0)``, as torch's),
+    where ``torch.nn.KLDivLoss`` and Liger's ``LigerKLDIVLoss`` default to ``"mean"`` (the mean
+    over every element): pass ``reduction="mean"`` to match them.
 
     >>> import torch, polykernel.nn as pnn
     >>> loss_fn = pnn.KLDivLoss(log_target=True)

@@ -7,7 +7,7 @@ from torch import nn
 
 import polykernel
 
-from ._common import _check_impl, _impl_repr
+from ._common import _check_impl, _count, _impl_repr
 
 
 class _GatedMLP(nn.Module):
@@ -23,8 +23,8 @@ class _GatedMLP(nn.Module):
         dtype: torch.dtype | None,
     ) -> None:
         super().__init__()
-        self.hidden_size = int(hidden_size)
-        self.intermediate_size = int(intermediate_size)
+        self.hidden_size = _count(type(self).__name__, "hidden_size", hidden_size)
+        self.intermediate_size = _count(type(self).__name__, "intermediate_size", intermediate_size)
         self.impl = _check_impl(type(self).__name__, impl)
         kw = {"bias": bias, "device": device, "dtype": dtype}
         self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, **kw)

@@ -7,7 +7,7 @@ from torch import nn
 
 import polykernel
 
-from ._common import _check_impl, _impl_repr
+from ._common import _check_impl, _count, _impl_repr
 
 
 class MoEExperts(nn.Module):
@@ -43,9 +43,10 @@ class MoEExperts(nn.Module):
 
         if activation not in ACTIVATIONS:
             raise ValueError(f"MoEExperts: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
-        self.num_experts = int(num_experts)
-        self.hidden_size = int(hidden_size)
-        self.intermediate_size = int(intermediate_size)
+        cls = type(self).__name__
+        self.num_experts = _count(cls, "num_experts", num_experts)
+        self.hidden_size = _count(cls, "hidden_size", hidden_size)
+        self.intermediate_size = _count(cls, "intermediate_size", intermediate_size)
         self.activation = activation
         self.impl = _check_impl(type(self).__name__, impl)
         kw = {"device": device, "dtype": dtype}

@@ -8,7 +8,7 @@ from torch import nn
 import polykernel
 
 from ..ops import _checks
-from ._common import _check_impl, _eps, _impl_repr, _size
+from ._common import _check_impl, _eps, _impl_repr, _number, _size
 
 
 class RMSNorm(nn.Module):
@@ -45,7 +45,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.hidden_size = _size(type(self).__name__, "hidden_size", hidden_size)
         self.eps = None if eps is None else _eps(type(self).__name__, eps)
-        self.offset = offset
+        self.offset = _number(type(self).__name__, "offset", offset)
         if casting not in ("fp32", "llama"):
             raise ValueError(f"RMSNorm: casting must be 'fp32' or 'llama', got {casting!r}")
         self.casting = casting
@@ -210,7 +210,7 @@ class DyT(nn.Module):
     ) -> None:
         super().__init__()
         self.hidden_size = _size(type(self).__name__, "hidden_size", hidden_size)
-        self.init_alpha = float(init_alpha)
+        self.init_alpha = _init_alpha(init_alpha)
         self.impl = _check_impl(type(self).__name__, impl)
         self.alpha = nn.Parameter(torch.empty(1, device=device, dtype=dtype))
         self.weight = nn.Parameter(torch.empty(self.hidden_size, device=device, dtype=dtype))
@@ -228,6 +228,16 @@ class DyT(nn.Module):
 
     def extra_repr(self) -> str:
         return f"({self.hidden_size},), init_alpha={self.init_alpha}, bias={self.bias is not None}" + _impl_repr(self.impl)
+
+
+def _init_alpha(value: object) -> float:
+    """DyT's ``init_alpha``: a finite number. A bool is Liger's ``LigerDyT(hidden_size, beta,
+    init_alpha)`` order, whose second positional is the bias switch (ours is ``bias=``)."""
+    if isinstance(value, bool):
+        raise _checks.OpTypeError(
+            "DyT", "init_alpha", f"got {value}: the bias switch is the keyword bias= here (Liger's DyT takes beta= second)"
+        )
+    return _number("DyT", "init_alpha", value)
 
 
 class PolyNorm(nn.Module):

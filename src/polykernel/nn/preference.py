@@ -15,7 +15,12 @@ from ._common import _check_impl, _impl_repr
 
 class _FusedLinearPreferenceLoss(nn.Module):
     """A module over one ``polykernel.fused_linear_*_loss``: it keeps the loss's options (passed
-    as keywords on every call) and owns no parameters (the LM head's weight is passed in)."""
+    as keywords on every call) and owns no parameters (the LM head's weight is passed in).
+
+    ``forward`` takes ``hidden`` first, then the head's ``weight`` (Liger's DPO, ORPO, CPO and
+    SimPO modules take the weight first; swapped, the shape checks refuse the call).
+    Each option is also an attribute, as on Liger's modules: ``loss_fn.beta = 0.2`` is checked
+    and used by the next call (``options`` holds them: one place, read by ``forward``)."""
 
     _fn: str  # the public function's name
     _options: ClassVar[dict[str, object]]  # option name -> default, in the function's order
@@ -25,10 +30,27 @@ class _FusedLinearPreferenceLoss(nn.Module):
         unknown = set(options) - set(self._options)
         if unknown:
             raise TypeError(f"{type(self).__name__}: unknown option(s) {sorted(unknown)}; known: {list(self._options)}")
+        self._validate({**self._options, **options})
         self.options = {**self._options, **options}
-        # the op's own option checks, now rather than at the first call (errors name the module)
-        importlib.import_module(f"polykernel.ops.{self._fn}").validate_options(type(self).__name__, **self.options)
         self.impl = _check_impl(type(self).__name__, impl)
+
+    def _validate(self, options: dict[str, object]) -> None:
+        """The op's own option checks, at construction and on each option set (errors name the module)."""
+        importlib.import_module(f"polykernel.ops.{self._fn}").validate_options(type(self).__name__, **options)
+
+    def __getattr__(self, name: str) -> object:
+        options = self.__dict__.get("options")  # absent while unpickling: no recursion
+        if options is not None and name in options:
+            return options[name]
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # an option set as an attribute would otherwise sit beside ``options``, read by nothing
+        if name in type(self)._options and "options" in self.__dict__:
+            self._validate({**self.options, name: value})
+            self.options[name] = value
+        else:
+            super().__setattr__(name, value)
 
     def forward(self, *args: torch.Tensor | None, **kwargs: torch.Tensor | None):  # returns the function's NamedTuple
         return getattr(polykernel, self._fn)(*args, **kwargs, **self.options, impl=self.impl)
@@ -58,7 +80,8 @@ class FusedLinearGRPOLoss(_FusedLinearPreferenceLoss):
     """``polykernel.fused_linear_grpo_loss`` as a module (Liger's ``LigerFusedLinearGRPOLoss``):
     ``forward(hidden [B, T, H], weight [V, H], selected_token_ids [B, T], attention_mask [B, T],
     advantages [B], bias=None, *, ref_per_token_logps=None, old_per_token_logps=None)`` returns
-    ``GRPOOutput(loss, metrics)``.
+    ``GRPOOutput(loss, metrics)``. ``loss_type`` defaults to ``"grpo"``; Liger's module (and TRL's
+    config) default to ``'dapo'``: pass it to match them.
 
     >>> import torch, polykernel.nn as pnn
     >>> head = torch.nn.Linear(16, 50, bias=False)
@@ -109,6 +132,9 @@ class FusedLinearCPOLoss(_FusedLinearPreferenceLoss):
 class FusedLinearSimPOLoss(_FusedLinearPreferenceLoss):
     """``polykernel.fused_linear_simpo_loss`` as a module (Liger's ``LigerFusedLinearSimPOLoss``):
     ``forward(hidden [2B, T, H], weight [V, H], target [2B, T], bias=None)`` returns ``SimPOOutput``.
+    Two defaults differ from Liger's module: ``beta`` is 2.0 (the SimPO paper's; Liger's 0.1), and
+    there is no NLL term (Liger's ``compute_nll_loss`` defaults to True, adding ``alpha``·NLL of
+    the chosen sequences to the loss).
 
     >>> import torch, polykernel.nn as pnn
     >>> out = pnn.FusedLinearSimPOLoss(beta=2.0, gamma=0.5)(torch.randn(4, 5, 16), torch.randn(50, 16), torch.randint(0, 50, (4, 5)))

@@ -7,7 +7,7 @@ from torch import nn
 
 import polykernel
 
-from ._common import _check_impl, _impl_repr
+from ._common import _check_impl, _count, _impl_repr, _number
 
 
 class RotaryEmbedding(nn.Module):
@@ -39,11 +39,12 @@ class RotaryEmbedding(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        if head_dim % 2:
+        self.head_dim = _count("RotaryEmbedding", "head_dim", head_dim)
+        if self.head_dim % 2:
             raise ValueError(f"RotaryEmbedding: head_dim must be even, got {head_dim}")
-        self.head_dim = int(head_dim)
-        self.max_position_embeddings = int(max_position_embeddings)
-        self.base = float(base)
+        self.max_position_embeddings = _count("RotaryEmbedding", "max_position_embeddings", max_position_embeddings)
+        # base**(-2i/d): a bool (1), 0, a negative or non-finite base gives constant, inf or NaN frequencies
+        self.base = _number("RotaryEmbedding", "base", base, positive=True)
         self.impl = _check_impl(type(self).__name__, impl)
         self.register_buffer("inv_freq", torch.empty(self.head_dim // 2, device=device, dtype=torch.float32), persistent=False)
         self.reset_parameters()
