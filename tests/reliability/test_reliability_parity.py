@@ -198,20 +198,27 @@ def test_parity_property_cpu(op, impl):
     run()
 
 
-# GPU: every impl registered and runnable on the device (peers included), more examples, 256K rows.
+def _gpu_cases() -> list[tuple[str, str | None]]:
+    """(op, impl) for every impl runnable on CUDA here; without CUDA one skipped case per op (its
+    impls are known only where the device is): each impl is a test of its own, so a failure or a
+    timeout names it and the per-test limit applies to one impl's compiles, not every impl's."""
+    if not torch.cuda.is_available():
+        return [(op, None) for op in OPS]
+    return _impls("cuda")
+
+
+# GPU: every impl registered and runnable on the device (peers included), 256K rows. 24 examples: at
+# 40 with every impl in one test, the part ran 24 tests in 420 s on a fresh H200 (2026-12-05,
+# benchmarks/results/h200-2026-12-05-twelfth/), each new shape a compile for Inductor and Triton.
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", OPS)
-def test_parity_property_gpu(op):
-    names = sorted({n for dtype in registry.get_op(op).dtypes for n in runnable_impls(op, "cuda", dtype)})
-    for impl in names:
-        _gpu_property(op, impl)()
+@pytest.mark.parametrize(("op", "impl"), _gpu_cases())
+def test_parity_property_gpu(op, impl):
+    if impl is None:
+        pytest.skip("needs a CUDA GPU")
 
-
-def _gpu_property(op: str, impl: str):
-    # a factory, not a default argument: hypothesis refuses @given on functions with defaults
-    @_settings(_examples(40))
+    @_settings(_examples(24))
     @given(st.data())
     def run(data):
         _check(data, op, impl, "cuda", 262144)
 
-    return run
+    run()
