@@ -49,8 +49,9 @@ from typing import TYPE_CHECKING, Any
 
 # Shared with the tuner; bench's names for them (benchmarks/ import them from here).
 from ..timing import capture_graph, copy_bandwidth, do_bench, host_us_per_call
+from . import options
 from .bench_contenders import _contenders, transformers_experts, transformers_gpt_oss_experts  # noqa: F401 (re-exported)
-from .bench_report import _row_line, _write_csv, print_rows
+from .bench_report import _row_line, _write_csv, check_result, print_rows
 from .rows import RowFile, announce, load
 
 if TYPE_CHECKING:
@@ -404,7 +405,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("op", nargs="*", help="ops to measure (default: all)")
     p.add_argument("--ops", default="", help="comma-separated ops (same as the positional list)")
     p.add_argument(
-        "--out", default=os.environ.get("OUT", "results"), help="directory for <device>-<date>-<graph|call>.json/.csv (and .png)"
+        "--out",
+        default=os.environ.get("OUT", "results"),
+        help="directory for <device>-<date>-<graph|call>.json/.csv (and .png) (default: $OUT, else ./results)",
     )
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"), help="the inputs' dtype (default: bfloat16)")
@@ -432,29 +435,36 @@ def run_cli(a: argparse.Namespace) -> int:
         from polykernel.tools.plotting import require_matplotlib
 
         require_matplotlib("polykernel bench --plot")  # before measuring, not after minutes of it
+    if a.plot:
+        options.writable_file(a.plot, "--plot")
     if a.load:
-        result = load(a.load)
+        _load_conflict(a)
+        result = check_result(load(a.load), a.load)
         stem = os.path.splitext(a.load)[0]
         if result.get("complete") is False:
             con.print(f"{a.load}: a run cut before its end ({len(result['rows'])} rows kept)")
     else:
         import torch
 
-        if not torch.cuda.is_available():
-            print("polykernel bench needs a CUDA GPU (or --load RESULTS.json to plot saved results)", file=sys.stderr)
-            return 2
         # default: every op of the catalog, the README's first and in their order
         catalog = [op_id.rpartition(".")[2] for op_id in registry.all_op_ids()]
         names = [*a.op, *(o for o in a.ops.split(",") if o)] or [*SHAPES, *(n for n in catalog if n not in SHAPES)]
         ops = [registry.get_op(o).name for o in names]
         for o in ops:  # an op without shapes: a clear error before the run, not after minutes of it
             shapes_for(o)
+        if not torch.cuda.is_available():
+            print("polykernel bench needs a CUDA GPU (or --load RESULTS.json to plot saved results)", file=sys.stderr)
+            return 2
+        options.writable_dir(a.out, "--out")
         header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
         header["mode"] = "graph" if a.graph else "call"
         stem = os.path.join(a.out, f"{device_slug(header['device'])}-{header['date']}-{header['mode']}")
         # each row goes to <stem>.json as it is measured: a run cut at its time limit keeps them
         out = RowFile(f"{stem}.json", header, echo=lambda line: con.print(line, markup=False, highlight=False))
-        rows, copy = run(ops, not a.no_compile, getattr(torch, a.dtype), a.graph, a.sweep, con, out=out)
+        try:
+            rows, copy = run(ops, not a.no_compile, getattr(torch, a.dtype), a.graph, a.sweep, con, out=out)
+        except KeyboardInterrupt:  # the rows so far stay in the file, which says it is incomplete
+            raise KeyboardInterrupt(f"{len(out.rows)} row{'s' * (len(out.rows) != 1)} kept in {out.path} (complete: false)") from None
         out.finish(copy_GBps=copy)
         result = {**out.header, "rows": rows}
         _write_csv(rows, stem)
@@ -469,6 +479,14 @@ def run_cli(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(result["rows"], indent=1))
     return 0
+
+
+def _load_conflict(a: argparse.Namespace) -> None:
+    """An option of a measuring run given with --load is an error (it would be ignored)."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    if name := options.given(a, p, ["op", "ops", "out", "no_compile", "dtype", "graph", "sweep"]):
+        raise ValueError(f"--load reads saved rows; {name} applies to a measuring run only")
 
 
 def main(argv: list[str] | None = None) -> int:

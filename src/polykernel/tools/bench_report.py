@@ -29,15 +29,34 @@ def print_rows(rows: list[dict[str, Any]], console: Console) -> None:
             r["shape"],
             r["mode"],
             r["impl"],
-            r["chosen"],
+            r.get("chosen", ""),  # rows loaded from older files lack the newer columns
             f"{r['ms']:.3f}",
             _host(r),
             perf,
             pct,
-            f"{r['peak_extra_MiB']:.0f}",
-            r["error"],
+            f"{r.get('peak_extra_MiB', float('nan')):.0f}",
+            r.get("error", ""),
         )
     console.print(t)
+
+
+# What every row of a results file has (the other columns came later, or only for some ops).
+_REQUIRED = ("op", "shape", "mode", "impl", "ms")
+
+
+def check_result(result: dict[str, Any], path: str) -> dict[str, Any]:
+    """``result`` (a loaded ``--load`` file) when it holds bench rows; else a ``ValueError``
+    naming the file and what is missing (another tool's JSON, a file with no rows)."""
+    rows = result.get("rows")
+    why = "no 'rows' list" if not isinstance(rows, list) else "no rows" if not rows else ""
+    for i, row in enumerate(rows if not why else []):
+        missing = [k for k in _REQUIRED if k not in row] if isinstance(row, dict) else None
+        why = f"row {i} is not an object" if missing is None else f"row {i} lacks {missing[0]!r}" if missing else ""
+        if why:
+            break
+    if why:
+        raise ValueError(f"--load {path}: not a bench results file ({why})")
+    return result
 
 
 def _host(row: dict[str, Any]) -> str:

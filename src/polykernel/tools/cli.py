@@ -18,6 +18,7 @@ import platform as _platform
 import sys
 from typing import TYPE_CHECKING, Any
 
+from polykernel.tools import options
 from polykernel.tools.console import make_console, progress, table
 
 if TYPE_CHECKING:
@@ -34,46 +35,14 @@ def _default_device() -> str:
 
 
 def _device(args: argparse.Namespace) -> str:
-    """``--device``, else the default; a CUDA device on a machine without one is an error (the
-    answer would be about a machine that is not this one, and the torch impl would run)."""
-    device = args.device or _default_device()
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {device}: no CUDA device here (torch {torch.__version__} sees none)")
-    return device
-
-
-def _example(op: Any, shape: tuple[int, ...], dtype: Any, device: str, grad: bool) -> Any:
-    """The op's example call for ``--shape``; a shape that does not fit its layout is an error
-    that names the layout (the first paragraph of the op's ``example`` docstring)."""
-    import inspect
-
-    try:
-        return op.example(shape, dtype, device, grad)
-    except (ValueError, TypeError, IndexError, RuntimeError) as exc:
-        layout = " ".join((inspect.getdoc(op.example) or "").split("\n\n")[0].split()).replace("``", "")
-        layout = layout.removeprefix("Op(example=) of ")
-        raise ValueError(
-            f"--shape {'x'.join(map(str, shape))} does not fit {op.id}'s example inputs ({exc}); {op.name}: {layout}"
-        ) from None
+    """``--device``, else the default; one this machine does not have is an error (options.device)."""
+    return options.device(args.device) if args.device else _default_device()
 
 
 def _dtype(name: str) -> Any:
     import torch
 
     return getattr(torch, name)
-
-
-def _shape(text: str) -> tuple[int, ...]:
-    try:
-        dims = tuple(int(d) for d in text.lower().replace(",", "x").split("x") if d)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--shape {text!r}: expected sizes like 4096x4096") from None
-    if not dims or any(d < 0 for d in dims):
-        raise argparse.ArgumentTypeError(f"--shape {text!r}: expected sizes like 4096x4096")
-    return dims
 
 
 def _console(args: argparse.Namespace) -> Console:
@@ -108,8 +77,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     device = _device(args)
     dtype = _dtype(args.dtype)
+    known = sorted(registry.specs_for(registry.get_op(args.op)))
+    if args.impl is not None and args.impl not in known:  # a typo, not an impl that cannot run here (explained below)
+        raise ValueError(f"--impl {args.impl!r}: {registry.get_op(args.op).id} has no such impl; its impls are: {', '.join(known)}")
     if args.shape:
-        case = _example(registry.get_op(args.op), args.shape, dtype, device, args.grad)
+        case = options.example(registry.get_op(args.op), args.shape, dtype, device, args.grad)
         e = polykernel.explain(args.op, *case.args, impl=args.impl, **case.kwargs)
     else:
         e = polykernel.explain(args.op, device=device, dtype=dtype, impl=args.impl, needs_grad=args.grad)
@@ -143,7 +115,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     dtypes = [_dtype(args.dtype)] if args.dtype else None
     con = _console(args)
     plan = _check_plan(args.op, args.impl)
-    if isinstance(plan, str):  # a name no op (or not the op asked for) has: one line, nothing runs
+    if not isinstance(plan, str) and args.dtype:
+        plan = _check_dtype(plan, args.dtype, args.op is not None)
+    if isinstance(plan, str):  # a name no op (or not the op asked for) has, a dtype it lacks: one line, nothing runs
         print(f"polykernel check: {plan}", file=sys.stderr)
         return 2
     results = []
@@ -229,6 +203,21 @@ def _check_plan(op: str | None, impls: list[str] | None) -> dict[str, list[str] 
     if unknown:
         return f"no op has an impl {unknown[0]!r}; the ops' impls are: {', '.join(sorted(union))}"
     return plan
+
+
+def _check_dtype(plan: dict[str, list[str] | None], dtype: str, named: bool) -> dict[str, list[str] | None] | str:
+    """The plan without the ops not declared for ``dtype`` (their cases and tolerances are not
+    defined there: a check would report false failures), or the error line when none is left."""
+    from polykernel.core import registry
+
+    kept = {op: names for op, names in plan.items() if _dtype(dtype) in registry.get_op(op).dtypes}
+    if kept:
+        return kept
+    if named:
+        (op,) = plan
+        declared = ", ".join(str(d).removeprefix("torch.") for d in registry.get_op(op).dtypes)
+        return f"--dtype {dtype}: {op} is checked in {declared}"
+    return f"--dtype {dtype}: no op is checked in {dtype}"
 
 
 def _not_run_lines(skipped: list[Any], results: list[Any], unavailable: set[tuple[str, str]]) -> list[str]:
@@ -375,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="bfloat16", choices=_DTYPES, help="the inputs' dtype (default: bfloat16)")
     s.add_argument(
         "--shape",
-        type=_shape,
+        type=options.shape,
         help="sizes of the op's example inputs (random), in the op's layout: x's shape for a norm or activation (e.g. 4096x4096), "
         "NxHxV for fused_linear_cross_entropy, 2BxTxHxV for the pairwise losses (dpo, orpo, cpo, simpo), BxTxHxV for kto and grpo; "
         "a shape that does not fit says the op's layout",
@@ -419,14 +408,14 @@ def main(argv: list[str] | None = None, *, console: Console | None = None) -> in
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo":
-        return cmd_demo(argparse.Namespace(console=console), argv[1:])
+        return _interruptible("demo", lambda: cmd_demo(argparse.Namespace(console=console), argv[1:]))
     args = build_parser().parse_args(argv)
     args.console = console
     handler = {"list": cmd_list, "explain": cmd_explain, "check": cmd_check, "bench": cmd_bench, "tune": cmd_tune, "env": cmd_env}[
         args.command
     ]
     try:
-        return handler(args)
+        return _interruptible(args.command, lambda: handler(args))
     except Exception as exc:  # polykernel's own errors read well without a traceback
         from polykernel.errors import PolykernelError
 
@@ -434,6 +423,16 @@ def main(argv: list[str] | None = None, *, console: Console | None = None) -> in
             print(f"polykernel {args.command}: {exc}", file=sys.stderr)
             return 2
         raise
+
+
+def _interruptible(command: str, run: Any) -> int:
+    """``run()``; Ctrl-C ends it with one line and status 130 (128 + SIGINT), as a shell reports
+    it. What a command measured so far stays where it was written (bench's rows: "complete": false)."""
+    try:
+        return run()
+    except KeyboardInterrupt as exc:  # its message, if any, says what was kept
+        print(f"polykernel {command}: interrupted" + (f"; {exc}" if str(exc) else ""), file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

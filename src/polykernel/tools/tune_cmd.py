@@ -19,24 +19,14 @@ import os
 import sys
 from typing import Any
 
+from polykernel.tools import options
 from polykernel.tools.console import make_console, progress, table
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def _shapes(text: str) -> list[tuple[int, ...]]:
-    out = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        if not part:
-            continue
-        try:
-            dims = tuple(int(d) for d in part.split("x"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--shapes {text!r}: expected sizes like 4096x4096,1024x8192") from None
-        if not dims or any(d <= 0 for d in dims):
-            raise argparse.ArgumentTypeError(f"--shapes {text!r}: sizes must be positive, like 4096x4096")
-        out.append(dims)
+    out = [options.shape(part, "--shapes") for part in text.split(",") if part.strip()]
     if not out:
         raise argparse.ArgumentTypeError(f"--shapes {text!r}: expected sizes like 4096x4096,1024x8192")
     return out
@@ -76,7 +66,8 @@ def run_cli(args: argparse.Namespace) -> int:
 
     dist, owned = _init_distributed()
     try:
-        device = args.device or (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+        default = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        device = options.device(args.device) if args.device else default
         cuda = torch.device(device).type == "cuda"
         dtypes = [getattr(torch, d) for d in (args.dtype or (["bfloat16"] if cuda else ["float32"]))]
         ops = [registry.get_op(op) for op in args.ops]
@@ -97,7 +88,7 @@ def run_cli(args: argparse.Namespace) -> int:
             task = bar.add_task("tuning", total=len(cases))
             for op, shape, dtype in cases:
                 dispatch.clear_caches()  # every case must be a memo miss (that is where tuning measures)
-                case = op.example(shape, dtype, device, args.grad)
+                case = options.example(op, shape, dtype, device, args.grad, "--shapes")
                 before = len(records)
                 bar.update(
                     task, description=f"tuning {op.name} {case.label} {str(dtype).removeprefix('torch.')}{' +grad' if args.grad else ''}"
@@ -112,6 +103,7 @@ def run_cli(args: argparse.Namespace) -> int:
             dist.all_gather_object(gathered, plain)
             plain = [r for rank_records in gathered for r in rank_records or []]
         rank0 = dist is None or dist.get_rank() == 0
+        status = 0
         if rank0:
             from polykernel.tuning.measure import Timing
 
@@ -130,9 +122,12 @@ def run_cli(args: argparse.Namespace) -> int:
                 con.print(t)
             for line in unmeasured:
                 print(line, file=sys.stderr)
+            if not entries:  # every case was an override or a key already decided: a run that stored nothing
+                print("polykernel tune: nothing was measured; no decision stored", file=sys.stderr)
+                status = 1
         if dist is not None:
             dist.barrier()
-        return 0
+        return status
     finally:
         if owned and dist is not None:
             dist.destroy_process_group()

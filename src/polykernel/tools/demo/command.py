@@ -9,11 +9,13 @@ from typing import IO, TYPE_CHECKING
 
 import torch
 
+from polykernel.tools import options
 from polykernel.tools.console import make_console, progress
 from polykernel.tools.rows import load
 
 from .data import SETUPS
 from .models import VARIANTS, model_kind, parse_compare
+from .plots import check_result
 from .report import ok_line, op_table, print_op_table, print_platform, print_result
 from .runs import model_shape, run_demo, run_worker
 
@@ -26,10 +28,11 @@ __all__ = ["build_parser", "main"]
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(options.device(name))
+    except ValueError as exc:  # a name torch does not know, a device this machine does not have
+        raise SystemExit(f"polykernel demo: {exc}") from None
     if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("polykernel demo: --device cuda but CUDA is not available here")
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
     return dev
@@ -68,15 +71,15 @@ def build_parser(prog: str = "polykernel demo") -> argparse.ArgumentParser:
         description="Show which kernels run here, then train the same Llama with plain PyTorch, polykernel, "
         "Liger-Kernel and torch.compile, side by side, and compare.",
     )
-    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 20 at --size medium, else 30)")
+    p.add_argument("--steps", type=options.positive_int, default=None, help="training steps per run (default 20 at --size medium, else 30)")
     p.add_argument("--size", choices=["auto", *SETUPS], default="auto",
                    help="model size (default: tiny on CPU, medium on a GPU with >= 60 GiB, else small)")  # fmt: skip
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16")
     p.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights (default 0)")
-    p.add_argument("--batch", type=int, default=None, help="override the size's batch")
-    p.add_argument("--seq-len", type=int, default=None, help="override the size's sequence length")
-    p.add_argument("--lr", type=float, default=None, help="override the size's learning rate")
+    p.add_argument("--batch", type=options.positive_int, default=None, help="override the size's batch")
+    p.add_argument("--seq-len", type=options.positive_int, default=None, help="override the size's sequence length")
+    p.add_argument("--lr", type=options.positive_float, default=None, help="override the size's learning rate")
     p.add_argument("--compare", default=None, metavar="RUNS",
                    help=f"comma-separated runs from {','.join(VARIANTS)} (default: torch,polykernel; on CUDA also liger "
                    "when installed and compile; torch.compile is left out on the CPU, where compiling the model takes "
@@ -87,7 +90,7 @@ def build_parser(prog: str = "polykernel demo") -> argparse.ArgumentParser:
     p.add_argument("--isolate", action="store_true", help="run each contender in its own process (clean peak memory; for GPU figures)")
     p.add_argument("--loss", choices=["fused", "logits"], default="fused",
                    help="polykernel loss: fused linear CE (default) or CE on materialized logits")  # fmt: skip
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=options.positive_int, default=None,
                    help="CPU threads (default: 1 for --size tiny on the CPU, whose ops are too small to gain from more "
                    "and which OpenMP spin-waits slow down badly when other processes share the cores; else torch's default)")  # fmt: skip
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
@@ -106,7 +109,8 @@ def main(argv: list[str] | None = None, *, out: IO[str] | None = None, console: 
     >>> main(["--device", "cpu", "--steps", "12"])  # doctest: +SKIP
     0
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     con = console or make_console(out)
     if args.plot:
         from polykernel.tools.plotting import require_matplotlib
@@ -118,8 +122,12 @@ def main(argv: list[str] | None = None, *, out: IO[str] | None = None, console: 
     if args.load:
         if not args.plot:  # nothing else reads a saved result: say so rather than do nothing
             raise SystemExit("polykernel demo: --load reads a saved result to plot it: add --plot FILE.png")
+        trained = [a.dest for a in parser._actions if a.dest not in ("help", "load", "plot", "no_progress")]
         try:
-            result = load(args.load)
+            if options.given(args, parser, trained):
+                raise ValueError(f"--load reads a saved result; {options.given(args, parser, trained)} applies to training only")
+            options.writable_file(args.plot, "--plot")
+            result = check_result(load(args.load), args.load)
         except ValueError as exc:
             raise SystemExit(f"polykernel demo: {exc}") from None
         _plot(result, args.plot, con)
@@ -128,8 +136,13 @@ def main(argv: list[str] | None = None, *, out: IO[str] | None = None, console: 
     dtype = resolve_dtype(args.dtype, device)
     size = resolve_size(args.size, device)
     steps = args.steps if args.steps is not None else (20 if size == "medium" else 30)
-    if steps < 1:
-        raise SystemExit("polykernel demo: --steps must be >= 1")
+    for option in ("--json", "--plot"):  # checked now: they are written after the training
+        path = getattr(args, option[2:])
+        try:
+            if path:
+                options.writable_file(path, option)
+        except ValueError as exc:
+            raise SystemExit(f"polykernel demo: {exc}") from None
     threads_before = torch.get_num_threads()
     threads = args.threads or (1 if device.type == "cpu" and size == "tiny" else None)
     if threads:
