@@ -1,5 +1,5 @@
 """A tiny Llama (hidden 64, 4 heads over 2 KV heads, vocab 96) for tests that need a real
-transformers model but not its numbers: retention, recompiles."""
+transformers model but not its numbers: retention, recompiles, the inference patch."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 VOCAB = 96
 
 
-def tiny_llama(layers: int = 2) -> torch.nn.Module:
+def tiny_llama(layers: int = 2, seed: int = 0) -> torch.nn.Module:
     import transformers
 
     config = transformers.LlamaConfig(
@@ -21,5 +21,5 @@ def tiny_llama(layers: int = 2) -> torch.nn.Module:
         max_position_embeddings=64,
         pad_token_id=0,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).eval()

@@ -44,10 +44,6 @@ def _dynamo_reset():
     torch._dynamo.reset()
 
 
-def _tiny_llama(layers: int = 1) -> torch.nn.Module:
-    return tiny_llama(layers)
-
-
 def _graphs_per_call(model: torch.nn.Module, lengths: tuple[int, ...], **compile_kwargs) -> list[int]:
     """Dynamo's count of distinct graphs after each no-grad call of the compiled ``model``, one
     call per sequence length."""
@@ -63,7 +59,7 @@ def _graphs_per_call(model: torch.nn.Module, lengths: tuple[int, ...], **compile
 
 @pytest.mark.parametrize("dynamic", [None, True])
 def test_patched_inference_model_compiles_as_often_as_the_plain_one(dynamic):
-    ref = _tiny_llama()
+    ref = tiny_llama(1)
     model = copy.deepcopy(ref)
     patch(model, mode="inference")
     lengths = (8, 8, 8, 11, 13)  # the same shape three times, then new lengths

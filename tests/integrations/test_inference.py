@@ -13,24 +13,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import polykernel  # noqa: E402
+from _tiny_llama import VOCAB  # noqa: E402
+from _tiny_llama import tiny_llama as shared_tiny_llama  # noqa: E402
 from polykernel.integrations.transformers import patch, patched, unpatch  # noqa: E402
-
-VOCAB = 96
 
 
 def tiny_llama(layers: int = 3, seed: int = 0) -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-    )
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = shared_tiny_llama(layers, seed)
     with torch.no_grad():  # norm weights off their init of ones
         for p in model.parameters():
             if p.dim() == 1:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import csv
 from typing import TYPE_CHECKING, Any
 
+from . import options
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -47,16 +49,7 @@ _REQUIRED = ("op", "shape", "mode", "impl", "ms")
 def check_result(result: dict[str, Any], path: str) -> dict[str, Any]:
     """``result`` (a loaded ``--load`` file) when it holds bench rows; else a ``ValueError``
     naming the file and what is missing (another tool's JSON, a file with no rows)."""
-    rows = result.get("rows")
-    why = "no 'rows' list" if not isinstance(rows, list) else "no rows" if not rows else ""
-    for i, row in enumerate(rows if not why else []):
-        missing = [k for k in _REQUIRED if k not in row] if isinstance(row, dict) else None
-        why = f"row {i} is not an object" if missing is None else f"row {i} lacks {missing[0]!r}" if missing else ""
-        if why:
-            break
-    if why:
-        raise ValueError(f"--load {path}: not a bench results file ({why})")
-    return result
+    return options.records(result, "rows", _REQUIRED, path, "a bench results file")
 
 
 def _host(row: dict[str, Any]) -> str:

@@ -50,26 +50,39 @@ def shape(text: str, option: str = "--shape") -> tuple[int, ...]:
     return dims
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (a count: steps, batch, threads)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
-    return value
+def _positive(convert: Any, kind: str) -> Any:
+    """An argparse type: ``convert(text)`` when it is finite and > 0, else one line saying so."""
+
+    def check(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"must be a positive {kind}, not {text!r}")
+        return value
+
+    return check
 
 
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0 (a learning rate)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive number, not {text!r}")
-    return value
+positive_int = _positive(int, "integer")  # a count: steps, batch, threads
+positive_float = _positive(float, "number")  # a learning rate
+
+
+def records(result: dict[str, Any], key: str, required: tuple[str, ...], path: str, what: str) -> dict[str, Any]:
+    """``result`` (a loaded ``--load`` file) when ``result[key]`` is a non-empty list of objects
+    that each hold ``required``; else a ``ValueError`` naming the file, ``what`` it should be
+    and the first thing missing (another tool's JSON, a file with no rows)."""
+    items = result.get(key)
+    why = f"no {key!r} list" if not isinstance(items, list) else f"no {key}" if not items else ""
+    for i, item in enumerate(items if not why else []):
+        missing = [k for k in required if k not in item] if isinstance(item, dict) else None
+        why = f"{key[:-1]} {i} is not an object" if missing is None else f"{key[:-1]} {i} lacks {missing[0]!r}" if missing else ""
+        if why:
+            break
+    if why:
+        raise ValueError(f"--load {path}: not {what} ({why})")
+    return result
 
 
 def example(op: Any, dims: tuple[int, ...], dtype: Any, device: str, grad: bool, option: str = "--shape") -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from polykernel.tools import options
 from polykernel.tools.plotting import pyplot
 
 __all__ = ["check_result", "plot_demo"]
@@ -12,18 +13,9 @@ __all__ = ["check_result", "plot_demo"]
 def check_result(result: dict[str, Any], path: str) -> dict[str, Any]:
     """``result`` (a loaded ``--load`` file) when it is a demo result (what :func:`plot_demo`
     reads); else a ``ValueError`` naming the file and what is missing."""
-    runs = result.get("runs")
-    why = "no 'runs' list" if not isinstance(runs, list) else "no runs" if not runs else ""
-    if not why and "entropy_floor" not in result:
-        why = "no 'entropy_floor'"
-    for i, run in enumerate(runs if not why else []):
-        missing = [k for k in ("label", "losses", "tokens_per_second") if k not in run] if isinstance(run, dict) else None
-        why = f"run {i} is not an object" if missing is None else f"run {i} lacks {missing[0]!r}" if missing else ""
-        if why:
-            break
-    if why:
-        raise ValueError(f"--load {path}: not a demo result ({why})")
-    return result
+    if isinstance(result.get("runs"), list) and result["runs"] and "entropy_floor" not in result:
+        raise ValueError(f"--load {path}: not a demo result (no 'entropy_floor')")
+    return options.records(result, "runs", ("label", "losses", "tokens_per_second"), path, "a demo result")
 
 
 def plot_demo(result: dict[str, Any], path: str) -> None:
