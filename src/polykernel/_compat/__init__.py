@@ -123,9 +123,8 @@ dynamo_compiling: Callable[[], bool] | None = getattr(torch.compiler, "is_dynamo
 
 # The compile check that generated hot paths inline (polykernel.core.op): Dynamo constant-folds
 # `is_dynamo_compiling()` to True while tracing, and non-strict export sets the module flag that
-# `is_compiling` reads (one Python frame instead of two, ~50 ns per call). The expression reads the
-# names `dynamo_compiling` (the function above), `compiler_mod` (torch.compiler) and `compiling`
-# (is_compiling above), which the generator binds.
+# `is_compiling` reads (one Python frame instead of two, ~50 ns per call). It reads the names the
+# generator binds: `dynamo_compiling` (above), `compiler_mod` (torch.compiler), `compiling`.
 COMPILING_EXPR: str = _probe(
     "compiling_flag",
     lambda: (
@@ -150,7 +149,8 @@ def tensor_guards() -> Any:
 
         t = torch.zeros(2)
         probe = TensorGuards(t, dynamic_dims_sizes=[[None]], dynamic_dims_strides=[[None]])
-        if not (probe.check(torch.ones(3)) and not probe.check(t.double()) and not probe.check(t[None])):
+        sub = torch.nn.Parameter(torch.ones(2), requires_grad=False)  # exact types: hot_path._run_tail counts on it
+        if not (probe.check(torch.ones(3)) and not probe.check(t.double()) and not probe.check(t[None]) and not probe.check(sub)):
             raise RuntimeError("TensorGuards checks other metadata than expected")
         return TensorGuards
 

@@ -107,17 +107,26 @@ def plain_check(reference: Callable[..., Any]) -> Callable[[tuple[Any, ...]], bo
 FAST_RECORDS = 4
 
 
-def _run_tail(args: str, plain: str, written: str = "") -> str:
-    """The generated hot paths' end: the decision ``d``'s two rare guards, then the impl; for an op
+def _run_tail(args: str, plain: str | None, written: str = "") -> str:
+    """The generated hot paths' end: the decision ``d``'s rare guards, then the impl; for an op
     that writes its arguments (``written``: those argument names), their version bumps after it
-    (:func:`polykernel.core.writes.mark_written`; also after a fault, which may have written part)."""
+    (:func:`polykernel.core.writes.mark_written`; also after a fault, which may have written part).
+    ``plain``: the subclass check of the tensor arguments the record's guard does not cover (None:
+    it covers them all; TensorGuards compares each tensor's exact type, and records are built from
+    plain tensors only, so a hit's tensors are plain: ~0.08 µs less per call of an impl that reads
+    raw memory, ``benchmarks/results/h200-2026-12-05-thirteenth/``)."""
+    if plain is None:
+        guards = f"    if d.cuda and capturing():\n        d = op._captured(d.key, ({args},))\n"
+    else:
+        guards = (
+            f"    if d.guarded:\n"
+            f"        if d.cuda and capturing():\n"
+            f"            d = op._captured(d.key, ({args},))\n"
+            f"        if d.raw and not ({plain}):\n"
+            f"            d = op._subclass(d.key, ({args},), d)\n"
+        )
     return (
-        f"    if d.guarded:\n"
-        f"        if d.cuda and capturing():\n"
-        f"            d = op._captured(d.key, ({args},))\n"
-        f"        if d.raw and not ({plain}):\n"
-        f"            d = op._subclass(d.key, ({args},), d)\n"
-        f"    try:\n"
+        guards + f"    try:\n"
         f"        return d.fn({args})\n"
         f"    except Exception as exc:\n"
         f"        return d.on_fault(exc, ({args},))\n" + (f"    finally:\n        mark_written(({written}))\n" if written else "")
@@ -245,13 +254,15 @@ def _hot_dispatch(op: HotPathOp) -> Callable[..., Any]:
             f"    return slow(impl, ({args},), scope_get(), det(), grad())\n"
         )
         return _exec(op, src, "dispatch")
-    plain = " and ".join(f"type(a{i}) in P" for i in _tensor_positions(op.reference) if i < len(names)) or "True"
-    tensors = ", ".join(names[i] for i in hit_guard.tensor_positions(spec))
+    guarded = hit_guard.tensor_positions(spec)
+    # the subclass check of the tail: only tensor arguments the guard does not see (see _run_tail)
+    plain = " and ".join(f"type(a{i}) in P" for i in _tensor_positions(op.reference) if i < len(names) and i not in guarded) or None
+    tensors = ", ".join(names[i] for i in guarded)
     options = [names[i] for i, kind in enumerate(spec) if kind is None]
     # impl: identity first (None, a literal), == for an equal string built at run time
     # grad mode: None in a record whose tensors all have requires_grad False (the guard pins it),
     # where the class does not depend on it: inference calls skip reading it
-    test = f"(impl is f[2] or impl == f[2]) and scope is f[3] and dt is f[4] and (f[1] is None or grad() is f[1]) and f[0]({tensors})"
+    test = f"(impl is f[2] or impl == f[2]) and SCOPE is f[3] and DET is f[4] and (f[1] is None or grad() is f[1]) and f[0]({tensors})"
     test += "".join(f" and {names[i]}.shape == {names[j]}.shape" for i, j in hit_guard.relations(spec))
     # options: the same object (a default, a literal: one `is`), else the same type and equal, so
     # that False never passes for 0.0, nor a tensor for a float (`tensor == 1e-6` is truthy)
@@ -265,24 +276,28 @@ def _hot_dispatch(op: HotPathOp) -> Callable[..., Any]:
         for k, (name, t) in enumerate(zip(options, typed))
     )
     # the most recent record first, outside the loop (a repeat of the last class, the usual call,
-    # creates no iterator: ~15 ns), then the others
+    # creates no iterator: ~15 ns), with the scope and deterministic flag read in the test itself
+    # (~10 ns less on Python 3.12 than through locals: benchmarks/results/h200-2026-12-05-thirteenth/);
+    # then the others
+    first = test.replace("SCOPE", "scope_get()").replace("DET", "det()")
+    others = test.replace("SCOPE", "scope").replace("DET", "dt")
     src = (
         f"def dispatch(impl, {sig}):\n"
         f"    if {_TRACING_EXPR}:\n"
         f"        return op.custom_op(impl, {args})\n"
         f"    if {_FORWARD_AD_EXPR}:  # dual tensors: their tangents (see Op.forward_ad)\n"
         f"        return op.forward_ad(impl, ({args},))\n"
-        f"    scope = scope_get()\n"
-        f"    dt = det()\n"
         f"    try:\n"
         f"        f = fast[0]\n"
-        f"        miss = not ({test})\n"
+        f"        miss = not ({first})\n"
         f"    except Exception:  # no record yet, an option that compares oddly (a tensor eps), a non-tensor\n"
         f"        miss = True\n"
         f"    if miss:\n"
+        f"        scope = scope_get()\n"
+        f"        dt = det()\n"
         f"        for f in fast[1:]:\n"
         f"            try:\n"
-        f"                if {test}:\n"
+        f"                if {others}:\n"
         f"                    break\n"
         f"            except Exception:\n"
         f"                pass\n"
