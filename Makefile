@@ -70,7 +70,10 @@ test-fallbacks: setup  ## the CPU suite again with every private-API fallback fo
 # 15 slowest tests and stops any one test after GPU_TIMEOUT s. The last part, `rest`, is every
 # test file the others do not name: no GPU test is left out when files are added.
 GPU_TIMEOUT ?= 240
-GPU_PART_losses  := $(addprefix tests/ops/test_,cross_entropy.py fused_linear_cross_entropy.py ce_options.py kl_div.py jsd.py tvd.py fused_linear_jsd.py preference_losses.py $(foreach l,dpo orpo cpo simpo kto grpo,fused_linear_$(l)_loss.py))
+# the losses in two parts: as one, a fresh H200 ran all but the six fused preference files in 480 s
+# (2026-12-05, benchmarks/results/h200-2026-12-05-thirteenth/)
+GPU_PART_losses  := $(addprefix tests/ops/test_,cross_entropy.py fused_linear_cross_entropy.py ce_options.py kl_div.py jsd.py tvd.py fused_linear_jsd.py)
+GPU_PART_preference := $(addprefix tests/ops/test_,preference_losses.py $(foreach l,dpo orpo cpo simpo kto grpo,fused_linear_$(l)_loss.py))
 GPU_PART_moe     := $(addprefix tests/ops/test_,moe_experts.py moe_router.py moe_experts_gpt_oss.py)
 SERVING_OPS      := silu_and_mul gelu_and_mul fused_add_rms_norm_ rotary_embedding_ dynamic_quant_fp8 static_quant_fp8 rms_norm_quant_fp8
 # the peers in a process of their own: a peer kernel that faults poisons the CUDA context, and every
@@ -80,7 +83,7 @@ GPU_PART_serving := $(wildcard tests/ops/test_serving_*.py) $(foreach o,$(SERVIN
 GPU_PART_grads   := tests/ops/test_double_backward.py tests/ops/test_func_transforms.py
 # the other op files in three parts: as one, 36 of their 105 tests ran in 480 s on a fresh H200
 # (2026-12-05, benchmarks/results/h200-2026-12-05-eighth/): every impl's large parity per dtype
-GPU_OPS_OTHER    := $(filter-out $(GPU_PART_losses) $(GPU_PART_moe) $(GPU_PART_serving) $(GPU_PART_grads),$(wildcard tests/ops/test_*.py))
+GPU_OPS_OTHER    := $(filter-out $(GPU_PART_losses) $(GPU_PART_preference) $(GPU_PART_moe) $(GPU_PART_serving) $(GPU_PART_grads),$(wildcard tests/ops/test_*.py))
 GPU_PART_norms   := $(filter $(foreach c,a b c d e f g h i j k l,tests/ops/test_$(c)%),$(GPU_OPS_OTHER))
 GPU_PART_edge    := $(addprefix tests/ops/test_,nonfinite_inputs.py moe_error_model.py moe_paths.py mrope.py)
 GPU_PART_norms2  := $(filter-out $(GPU_PART_norms) $(GPU_PART_edge),$(GPU_OPS_OTHER))
@@ -90,7 +93,7 @@ GPU_PART_backends := $(filter-out $(GPU_PART_serving) $(GPU_PART_peers),$(wildca
 GPU_PART_parity  := tests/reliability/test_reliability_parity.py
 GPU_PART_reliability := $(filter-out $(GPU_PART_parity),$(wildcard tests/reliability/test_*.py))
 GPU_PART_models  := tests/compile tests/integrations tests/distributed tests/tools
-GPU_PARTS        := norms norms2 edge grads losses moe serving peers backends reliability parity models rest
+GPU_PARTS        := norms norms2 edge grads losses preference moe serving peers backends reliability parity models rest
 GPU_PART_rest    := $(filter-out $(foreach p,$(filter-out rest,$(GPU_PARTS)),$(GPU_PART_$(p))) $(foreach d,core tuning reliability compile integrations distributed tools,tests/$(d)/%),$(wildcard tests/test_*.py tests/*/test_*.py))
 PART ?=
 
