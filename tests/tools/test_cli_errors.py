@@ -120,6 +120,62 @@ def test_tune_that_measured_nothing_fails(capsys, monkeypatch, tmp_path):
     assert "norm.rms_norm 4x8: not measured" in err and "polykernel tune: nothing was measured" in err
 
 
+def _stored_keys(tmp_path) -> list[dict]:
+    paths = list(tmp_path.glob("tuning-*.json"))
+    return [json.loads(k) for path in paths for k in json.loads(path.read_text())["entries"]]
+
+
+def _cut_at(monkeypatch, shape, then=lambda: None):
+    """polykernel.rms_norm raising KeyboardInterrupt on ``shape`` (after ``then()``)."""
+    import polykernel
+
+    real = polykernel.rms_norm
+
+    def rms_norm(x, *args, **kwargs):
+        if tuple(x.shape) == shape:
+            then()
+            raise KeyboardInterrupt
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(polykernel, "rms_norm", rms_norm)
+
+
+def test_tune_keeps_each_case_as_measured_and_an_interrupted_run_says_so(capsys, monkeypatch, tmp_path):
+    # The second case is cut (Ctrl-C, or SIGTERM at a time limit): the first case's decision is
+    # already in the store file when it starts, and Ctrl-C says how many decisions are there.
+    import polykernel
+
+    monkeypatch.setenv("POLYKERNEL_CACHE_DIR", str(tmp_path))
+    seen_on_disk: list[dict] = []
+    _cut_at(monkeypatch, (16, 64), then=lambda: seen_on_disk.extend(_stored_keys(tmp_path)))
+    try:
+        assert main(["tune", "rms_norm", "--device", "cpu", "--shapes", "8x32,16x64", "--dtype", "float32"]) == 130
+    finally:
+        polykernel.clear_caches()
+    assert [k["tensors"] for k in seen_on_disk] == [["float32[8x32]", "float32[32]"]]
+    assert [k["tensors"] for k in _stored_keys(tmp_path)] == [["float32[8x32]", "float32[32]"]]
+    (path,) = tmp_path.glob("tuning-*.json")
+    assert _one_line(capsys.readouterr().err) == f"polykernel tune: interrupted; 1 decision stored in {path}"
+
+
+def test_tune_under_torchrun_stores_at_the_end_and_a_cut_run_says_it_stored_nothing(capsys, monkeypatch, tmp_path):
+    # The ranks' times are gathered once at the end (collectives in lockstep): nothing per case.
+    import polykernel
+    from polykernel.tools import tune_cmd
+
+    monkeypatch.setenv("POLYKERNEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tune_cmd, "_init_distributed", lambda: (object(), False))  # cut before any collective
+    _cut_at(monkeypatch, (16, 64))
+    try:
+        assert main(["tune", "rms_norm", "--device", "cpu", "--shapes", "8x32,16x64", "--dtype", "float32"]) == 130
+    finally:
+        polykernel.clear_caches()
+    assert _stored_keys(tmp_path) == []
+    assert _one_line(capsys.readouterr().err) == (
+        "polykernel tune: interrupted; no decision stored (under torchrun they are stored at the end of the run)"
+    )
+
+
 # ------------------------------------------------------------------------------------------------
 # bench --load: what a results file must hold, and the options that do not apply to it
 

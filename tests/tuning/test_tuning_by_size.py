@@ -242,3 +242,25 @@ def test_a_lookup_error_in_a_new_bucket_is_raised_and_marks_nothing_broken(monke
     monkeypatch.setenv("POLYKERNEL_TUNE", "on")
     assert sel._broken.get(("norm.rms_norm", _decision().key.argclass), {}) == {}
     assert runs(impls, xs, ws) == "cuda_jit"  # the tuned decision stands
+
+
+def test_tune_stores_a_bucket_met_by_two_cases_from_both_cases_times(monkeypatch):
+    # `polykernel tune` stores after each case (a cut run keeps them); the second case of a bucket
+    # must not replace the first's times with its own: the choice comes from the slowest of both.
+    from polykernel.tools import cli
+
+    plant("cuda_jit", 1, delay=lambda x: 0.006 if _rows(x) == 3 else 0.001)  # alone, 4 rows would pick it
+    plant("cute_dsl", 2, delay=0.004)
+    only("cuda_jit", "cute_dsl")
+    real = polykernel.rms_norm
+
+    def cut_at_16_rows(x, *args, **kwargs):
+        if _rows(x) == 16:
+            raise KeyboardInterrupt
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(polykernel, "rms_norm", cut_at_16_rows)
+    assert cli.main(["tune", "rms_norm", "--device", "cpu", "--shapes", "3x8,4x8,16x8", "--dtype", "float32"]) == 130
+    polykernel.clear_caches()  # a later process reads the file
+    (entry,) = tuning.store().entries().values()
+    assert entry["eager"] == "cute_dsl"

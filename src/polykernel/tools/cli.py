@@ -427,7 +427,8 @@ def main(argv: list[str] | None = None, *, console: Console | None = None) -> in
 
 def _interruptible(command: str, run: Any) -> int:
     """``run()``; Ctrl-C ends it with one line and status 130 (128 + SIGINT), as a shell reports
-    it. What a command measured so far stays where it was written (bench's rows: "complete": false)."""
+    it. What a command measured so far stays where it was written (bench's rows, with
+    "complete": false; tune's decisions, in the tuning store)."""
     try:
         return run()
     except KeyboardInterrupt as exc:  # its message, if any, says what was kept
