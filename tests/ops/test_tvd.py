@@ -152,3 +152,22 @@ def test_liger_adapter_gpu():
             checked += 1
     if not checked:  # Liger not staged here (or refusing every case): say so, not a silent pass
         pytest.skip(f"liger took none of tvd's cases here: {polykernel.testing.refusal('tvd', 'liger', case)}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_liger_is_float32_only(dtype):
+    # An H100 (2026-12-05): Liger's TVD on 16-bit inputs returned a loss rounded to their precision,
+    # up to 1e4x outside the op's fp32 error model (13 of 20 bf16 cases, 10 of 20 fp16 cases;
+    # benchmarks/results/h200-2026-12-05-thirteenth/h100/loss-fail.log): its predicate refuses them.
+    from polykernel.backends.liger import _gates
+    from polykernel.backends.liger.manifest import IMPLS
+    from polykernel.core import registry
+
+    assert IMPLS["loss.tvd"].predicate is _gates.tvd
+    p = torch.rand(4, 16).softmax(-1).to(dtype)
+    op = registry.get_op("tvd")
+    why = _gates.tvd(op.arg_class(op.key(p, p.clone(), None, "mean", -100)))
+    if dtype == torch.float32:
+        assert why is None
+    else:
+        assert "float32 only" in why
