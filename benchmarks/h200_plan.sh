@@ -211,11 +211,14 @@ case $part in
     step peer-refusing 90 python3 benchmarks/host/peer_refusing.py --cuda --json "$R/peer_refusing.json"
     ;;
   overhead)
+    # issue 36's "at or below": this tree's dispatch against the filing tree's template in one
+    # process (the hosts' processes spread too much for a process A/B: h200-2026-12-05-twelfth/)
+    step templates-cpu 40 python3 benchmarks/host/hot_path_templates.py --json "$R/templates-cpu.json"
+    step templates-cuda 40 python3 benchmarks/host/hot_path_templates.py --device cuda --json "$R/templates-cuda.json"
     step overhead 60 python3 benchmarks/host/overhead.py --rounds 150 --calls 200 --json "$R/overhead.json"
-    # issue 36's "at or below": against the tree when it was filed, interleaved on this host (carry
-    # .ab: `bash benchmarks/host/ab_overhead.sh stage` first)
     step serving-entry 40 python3 benchmarks/host/serving_entry.py --device cuda --json "$R/serving_entry.json"
-    [ -d .ab ] && step ab-overhead 200 env AB_DEVICE=cuda bash benchmarks/host/ab_overhead.sh run 4 "$R/ab"
+    # the process A/B against the filing tree, where .ab is carried (`bash benchmarks/host/ab_overhead.sh stage`)
+    [ -d .ab ] && step ab-overhead 120 env AB_DEVICE=cuda bash benchmarks/host/ab_overhead.sh run 2 "$R/ab"
     step helpers 40 python3 benchmarks/host/per_call_helpers.py --rounds 150 --json "$R/per_call_helpers.json"
     step plain-vs-generated 40 python3 benchmarks/host/plain_vs_generated.py --rounds 150 --json "$R/plain_vs_generated.json"
     step host-profile 180 python3 benchmarks/host/host_profile.py --out "$R/host"  # 19 cases (2026-12-04: 17 cases cut at 60 s)
