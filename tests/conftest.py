@@ -35,6 +35,8 @@ if not _cuda:
 
 from polykernel.testing import polykernel_reset  # noqa: F401  (fixture)
 
+pytest_plugins = ["_failures_now"]  # PK_FAILURES_NOW=1: each failure's message as it happens (make test-gpu)
+
 
 @pytest.fixture(autouse=True)
 def _seeded(request):
