@@ -97,6 +97,40 @@ def test_liger_grpo_is_float32_only():
         assert (gate(key) is not None) is refused, dtype
 
 
+def _gate_says(name, *args, **kw):
+    """The Liger predicate's answer for ``name``'s argument class of these arguments."""
+    op = registry.get_op(name)
+    bound = inspect.signature(op.reference).bind(*args, **kw)
+    bound.apply_defaults()
+    return registry.specs_for(op)["liger"].predicate(op.arg_class(op.key(*bound.args)))
+
+
+def test_liger_dpo_is_float32_only():
+    # On the CPU (2026-12-05; the op's 4x6x16x97-avg-nll case, several seeds): its logits in the
+    # inputs' dtype put its statistics 8-15x (bf16) and 1.1-2.3x (fp16) outside the error model
+    for dtype, refused in ((torch.float32, False), (torch.bfloat16, True), (torch.float16, True)):
+        hid, w = torch.randn(2, 3, 8, dtype=dtype), torch.randn(16, 8, dtype=dtype)
+        why = _gate_says("fused_linear_dpo_loss", hid, w, torch.randint(0, 16, (2, 3)), compute_nll_loss=True)
+        assert (why is not None and "float32 only" in why) is refused, (dtype, why)
+
+
+@pytest.mark.parametrize(
+    ("name", "kw", "words"),
+    [("fused_linear_orpo_loss", {"compute_nll_loss": False}, "compute_nll_loss"), ("fused_linear_cpo_loss", {"alpha": 0.0}, "alpha = 0")],
+    ids=["orpo", "cpo"],
+)
+def test_liger_pairwise_refuses_a_class_without_its_nll(name, kw, words):
+    # Liger returns the NLL only where it adds it to the loss: the adapter's nll_loss is NaN there,
+    # where the op reports the value (the op's own fp32 cases failed on the CPU: DPO's gate, here)
+    hid, w, t = torch.randn(2, 3, 8), torch.randn(16, 8), torch.randint(0, 16, (2, 3))
+    assert words in _gate_says(name, hid, w, t, **kw)
+    assert _gate_says(name, hid, w, t) is None  # the defaults report it
+    op = registry.get_op(name)  # a class of unknown options (available_impls') is not refused
+    assert registry.specs_for(op)["liger"].predicate(op.arg_class(op.default_key(torch.device("cpu"), torch.float32))) is None
+    out = liger(name, hid, w, t, **kw)  # what the refusal keeps from the caller
+    assert math.isnan(out.nll_loss)
+
+
 @pytest.mark.parametrize(
     ("mod", "kw"),
     [

@@ -182,12 +182,17 @@ def test_gpu_dpo_and_grpo_match_the_float64_formulas(impl, dtype, monkeypatch):
     hid = torch.randn(r, t, h, device="cuda").to(dtype).requires_grad_()
     w = (torch.randn(v, h, device="cuda") * 2 / h**0.5).to(dtype).requires_grad_()
     tg = torch.randint(0, v, (r, t), device="cuda").masked_fill(torch.rand(r, t, device="cuda") < 0.1, -100)
-    out = polykernel.fused_linear_dpo_loss(hid, w, tg, impl=impl, compute_nll_loss=True)
-    want = dpo_formula(hid, w, None, tg, nll=True)
-    # liger rounds its logits to bf16 before the log-softmax; ours are fp32 GEMM outputs
-    rtol = 2e-2 if (impl == "liger" and dtype == torch.bfloat16) else 1e-4
-    torch.testing.assert_close(out.loss.double(), want[0].detach(), rtol=rtol, atol=rtol)
-    assert_grads(out.loss, want[0], (hid, w), torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    rtol = 1e-4
+    if impl == "liger" and dtype != torch.float32:
+        # liger rounds its logits to bf16 before the log-softmax (ours are fp32 GEMM outputs): its
+        # 16-bit statistics missed the error model (on the CPU, 2026-12-05): refused
+        with pytest.raises(ImplNotAvailableError, match="float32 only"):
+            polykernel.fused_linear_dpo_loss(hid, w, tg, impl=impl, compute_nll_loss=True)
+    else:
+        out = polykernel.fused_linear_dpo_loss(hid, w, tg, impl=impl, compute_nll_loss=True)
+        want = dpo_formula(hid, w, None, tg, nll=True)
+        torch.testing.assert_close(out.loss.double(), want[0].detach(), rtol=rtol, atol=rtol)
+        assert_grads(out.loss, want[0], (hid, w), torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
     ids, mask, adv = (
         torch.randint(0, v, (r, t), device="cuda"),
         (torch.rand(r, t, device="cuda") > 0.1).long(),
@@ -551,6 +556,7 @@ def test_liger_pairwise_losses_are_refused_in_16_bit(name):
 
     gate = getattr(_gates, name)
     assert IMPLS[f"loss.{name}"].predicate is gate
+    cls = lambda dtype: types.SimpleNamespace(dtype=dtype, compute_nll_loss=True, alpha=1.0)  # the options reporting the NLL
     for dtype in (torch.bfloat16, torch.float16):
-        assert "float32 only" in gate(types.SimpleNamespace(dtype=dtype))
-    assert gate(types.SimpleNamespace(dtype=torch.float32)) is None
+        assert "float32 only" in gate(cls(dtype))
+    assert gate(cls(torch.float32)) is None

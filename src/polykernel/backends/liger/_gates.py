@@ -135,7 +135,10 @@ def fused_linear_dpo_loss(a: Any) -> str | None:
     # NaN field would disagree with the reference (POLYKERNEL_VERIFY refused it on the H200)
     if not a.compute_nll_loss:
         return "Liger's DPO reports no NLL unless compute_nll_loss=True"
-    return None
+    # its logits in the inputs' dtype (chunked_loss/fused_linear_preference.py: input @ weight.t()
+    # + bias, then .float()), as its ORPO/CPO/SimPO: on the CPU (2026-12-05) its 16-bit statistics
+    # missed the error model 8-15x in bf16, 1.1-2.3x in fp16 (the GPU runs never reached this case)
+    return _not_float32(a, "DPO", "log-probs miss")
 
 
 def fused_linear_grpo_loss(a: Any) -> str | None:
@@ -160,6 +163,20 @@ def _float32_only(loss: str) -> Any:
     return lambda a: _not_float32(a, loss, "loss misses")
 
 
-fused_linear_orpo_loss = _float32_only("ORPO")
-fused_linear_cpo_loss = _float32_only("CPO")
+def fused_linear_orpo_loss(a: Any) -> str | None:
+    # Liger returns the NLL only when it adds it to the loss: the adapter's nll_loss is NaN without
+    # compute_nll_loss, where the op reports the value (as DPO's; `is False`: a class of unknown
+    # options, available_impls', is not refused)
+    if a.compute_nll_loss is False:
+        return "Liger's ORPO reports no NLL unless compute_nll_loss=True"
+    return _float32_only("ORPO")(a)
+
+
+def fused_linear_cpo_loss(a: Any) -> str | None:
+    # Liger computes (and returns) the NLL only with alpha != 0: the adapter's nll_loss is NaN then
+    if a.alpha is not None and float(a.alpha) == 0.0:
+        return "Liger's CPO reports no NLL when alpha = 0"
+    return _float32_only("CPO")(a)
+
+
 fused_linear_simpo_loss = _float32_only("SimPO")
