@@ -98,7 +98,7 @@ def run_cli(args: argparse.Namespace) -> int:
             # the slowest times, as at the end; putting all again writes entries a busy file
             # lock left in memory (clear_caches drops the in-memory store before the next case).
             nonlocal stored
-            stored = len(tuning.decide_and_store(_restored(_plain(records)), persist=True))
+            stored = len(tuning.decide_and_store(records, persist=True))
 
         try:
             records = _measure(cases, args.grad, device, con, unmeasured, None if dist is not None else keep)
@@ -106,15 +106,14 @@ def run_cli(args: argparse.Namespace) -> int:
             if dist is not None:
                 raise KeyboardInterrupt("no decision stored (under torchrun they are stored at the end of the run)") from None
             raise KeyboardInterrupt(f"{stored} decision{'s' * (stored != 1)} stored in {_where()}") from None
-        plain = _plain(records)
-        if dist is not None:  # every rank's times: rank 0 decides from the slowest
+        if dist is not None:  # every rank's times (as JSON): rank 0 decides from the slowest
             gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, plain)
-            plain = [r for rank_records in gathered for r in rank_records or []]
+            dist.all_gather_object(gathered, _plain(records))
+            records = _restored([r for rank_records in gathered for r in rank_records or []])
         rank0 = dist is None or dist.get_rank() == 0
         status = 0
         if rank0:
-            entries = tuning.decide_and_store(_restored(plain), persist=True)  # all of the run's entries
+            entries = tuning.decide_and_store(records, persist=True)  # all of the run's entries
             _report(entries, _where(), args.json, con)
             for line in unmeasured:
                 print(line, file=sys.stderr)

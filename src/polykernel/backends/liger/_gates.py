@@ -169,14 +169,14 @@ def fused_linear_orpo_loss(a: Any) -> str | None:
     # options, available_impls', is not refused)
     if a.compute_nll_loss is False:
         return "Liger's ORPO reports no NLL unless compute_nll_loss=True"
-    return _float32_only("ORPO")(a)
+    return _not_float32(a, "ORPO", "loss misses")
 
 
 def fused_linear_cpo_loss(a: Any) -> str | None:
     # Liger computes (and returns) the NLL only with alpha != 0: the adapter's nll_loss is NaN then
     if a.alpha is not None and float(a.alpha) == 0.0:
         return "Liger's CPO reports no NLL when alpha = 0"
-    return _float32_only("CPO")(a)
+    return _not_float32(a, "CPO", "loss misses")
 
 
 fused_linear_simpo_loss = _float32_only("SimPO")
