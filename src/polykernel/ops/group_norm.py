@@ -219,7 +219,8 @@ _op = Op(
     fields=("device", "dtype", "needs_grad", "channels", "ndim", "num_groups", "weight", "bias", "eps"),
     key=_key,
     guard=(dims(1), None, SHAPE, SHAPE, None),
-    default_key=lambda device, dtype: (device, dtype, False, None, None, 1, None, None, 1e-5),
+    # the parameters' class of unknown shape: present, in x's dtype (the common call; None would say "absent")
+    default_key=lambda device, dtype: (device, dtype, False, None, None, 1, (dtype, None, device), (dtype, None, device), 1e-5),
     validate=validate,
     reference=reference,
     outputs=outputs,

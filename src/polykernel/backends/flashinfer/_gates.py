@@ -28,6 +28,8 @@ def gelu_and_mul(a: Any) -> str | None:
 def rotary_embedding_(a: Any) -> str | None:
     if not a.has_key:
         return "FlashInfer's apply_rope_with_cos_sin_cache_inplace needs a key"
+    if a.head_size is None:  # a class of unknown sizes (available_impls'): not refused for them
+        return None
     if a.head_size not in _ROPE_HEADS:
         return f"FlashInfer's cos/sin-cache rope kernel has head sizes {_ROPE_HEADS}, got {a.head_size}"
     # each thread rotates vectors of max(8, head_size / 32) features: rotary_dim a multiple of two

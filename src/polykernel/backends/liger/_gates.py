@@ -24,7 +24,7 @@ def fused_add_rms_norm(a: Any) -> str | None:
 
 
 def layer_norm(a: Any) -> str | None:
-    if a.weight is None or a.bias is None:
+    if a.weight_dtype is None or a.bias_dtype is None:  # (the shapes are None in a class of unknown shapes)
         return "Liger's LayerNorm needs both weight and bias"
     return _row(a)
 
@@ -133,7 +133,7 @@ def fused_linear_dpo_loss(a: Any) -> str | None:
         return "Liger's loss takes no ref_chosen_logps"
     # Liger reports the chosen NLL only when it adds it to the loss; ours always reports it, and a
     # NaN field would disagree with the reference (POLYKERNEL_VERIFY refused it on the H200)
-    if not a.compute_nll_loss:
+    if a.compute_nll_loss is False:  # (None: a class of unknown options, available_impls')
         return "Liger's DPO reports no NLL unless compute_nll_loss=True"
     # its logits in the inputs' dtype (chunked_loss/fused_linear_preference.py: input @ weight.t()
     # + bias, then .float()), as its ORPO/CPO/SimPO: on the CPU (2026-12-05) its 16-bit statistics
