@@ -136,6 +136,23 @@ def test_predicates_other_norms():
     assert "weight" in _why("layer_norm", "liger", t(2, 64))
 
 
+def test_quack_fused_add_rms_norm_leads_with_a_backward_in_cuda_graphs_only():
+    # measured at N = 4096 in bf16 graph replays (backends/quack/_gates.py names the files): ahead
+    # of Triton with a backward from 4096 rows on; eager calls and other N keep the static ranks
+    spec = registry.specs_for("fused_add_rms_norm")["quack"]
+    the_op = registry.get_op("fused_add_rms_norm")
+
+    def rank(n, capturing=True, dtype=torch.bfloat16, grad=True):
+        info = the_op.arg_class(the_op.key(t(2, n, dtype=dtype, grad=grad), t(2, n, dtype=dtype), t(n, dtype=dtype)))
+        return spec.rank_here(info, capturing)
+
+    first, why = rank(4096)
+    assert first < registry.specs_for("fused_add_rms_norm")["triton"].rank and "in CUDA graphs" in why
+    assert rank(4096, capturing=False) == (spec.rank, None)
+    for other in (rank(4096, grad=False), rank(2048), rank(8192), rank(4096, dtype=torch.float32)):
+        assert other == (spec.rank, None)
+
+
 def test_predicates_activations_and_losses():
     assert _why("geglu", "liger", t(2, 64), t(2, 64)) is None
     assert "65536" in _why("geglu", "liger", t(2, 70000), t(2, 70000))  # one block per row

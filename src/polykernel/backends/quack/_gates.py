@@ -47,6 +47,18 @@ def rms_norm_rank(a: Any) -> tuple[int, str] | None:
     return 5, "forward only, N >= 32768: 3.64-3.75 TB/s vs triton 2.50-2.84 (1.3-1.45x; H200 bf16, 2026-11-30)"
 
 
+def fused_add_rms_norm_graph_rank(a: Any) -> tuple[int, str] | None:
+    """Measured rule (KernelSpec.graph_rank_for: GPU time alone): QuACK first for the fused add +
+    RMSNorm with a backward in 16-bit at N = 4096, the row length measured (bf16, CUDA-graph
+    replays: h200-2026-11-30-graph.json, h200-2026-12-01-redesign/graph.json,
+    h100-2026-12-05-fourteenth/graph.json). Behind Triton at 256 rows (0.0226 vs 0.019 ms), tied at
+    1024; the class does not know the rows, and a backward comes with a training step's thousands.
+    Eager calls keep the static ranks: QuACK's host cost per call is unmeasured."""
+    if not a.needs_grad or a.n != 4096 or str(a.dtype) not in _HALF:
+        return None
+    return 5, "fwd+bwd, N = 4096: 0.88-0.96x triton's GPU time at 4096-16384 rows (H200 2026-11-30/12-01, H100 2026-12-05)"
+
+
 # Shared memory per CTA on sm_90 (227 KiB), and QuACK 0.6.5's forward cluster size per row length
 # (quack/rmsnorm_config.py, Hopper): the row is split over a cluster of CTAs, each staging its slice.
 SMEM_BYTES = 232448

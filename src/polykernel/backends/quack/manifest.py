@@ -14,11 +14,13 @@ IMPLS = {
         predicate=_gates.rms_norm,
         rank_for=_gates.rms_norm_rank,
     ),
-    # Peers not compared with Triton for this op yet: behind it.
+    # Ties the forward; with a backward it leads at N = 4096 from 4096 rows on and trails at 256:
+    # first in CUDA graphs there (graph_rank_for), behind Triton otherwise.
     "norm.fused_add_rms_norm": QUACK.impl(
         rank=50,
         description="QuACK rmsnorm(residual=, prenorm=True); normalizes the unrounded fp32 sum",
         predicate=_gates.fused_add_rms_norm,
+        graph_rank_for=_gates.fused_add_rms_norm_graph_rank,
     ),
     # activation.softmax: QuACK's softmax (0.6.5) is faster than Triton at 8192x32768 but not registered: in the H200
     # parity run (benchmarks/kernels/check_peers.py) it returned non-finite values where the reference has none
