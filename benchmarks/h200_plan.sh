@@ -10,6 +10,8 @@
 #                and the stage script's Liger paths. Each part sets the peers up again when the
 #                machine is fresh (seconds once unpacked).
 #   checks     : `bash ../shared/gpu/stage.sh cute cutile` (its 2-3 runs; the CuTeDSL and cuTile tests skip without).
+#   checks, overhead-graph, gpu-backends: after stage.sh, `python3 benchmarks/fit_gpu_parts.py` (its parts of 58 MB and
+#                this tree pass the 64 MiB a run carries: the first run is refused); it prints each run's carry.
 #   trl        : `bash benchmarks/stage_trl.sh` (TRL, datasets and the two of their dependencies the image
 #                lacks, and Liger: one 1.4 MB part); carry .gpu/trl/{setup.sh,manifest,parts-1}, nothing else
 #                (not the serving peers: they travel with the serving parts).
@@ -33,7 +35,7 @@
 #   checks      the double-backward GPU tests (CuTeDSL, cuTile) and the peers' refusal overhead
 #   overhead    issue 36: dispatcher overhead and host time per call after the redesign
 #   overhead-graph  issue 36: the nine original ops' GPU rows in a graph (compare with
-#               benchmarks/results/h200-2026-12-01-redesign/graph.json)
+#               benchmarks/results/h200-2026-12-01-redesign/graph.json); QuACK's RMSNorm impls against Triton's by N and rows
 #   families-1..7  issue 23: each text family trained at a ~1B shape, plain / polykernel / Liger / compile
 #   vision-1, -2   issue 23: Qwen2-VL (2B widths) and Qwen2.5-VL (3B widths), 8+8 layers, 4 x 1024 tokens with a 448x448
 #                  image each: forward, backward, AdamW; plain / polykernel / Liger / compile
@@ -226,6 +228,8 @@ case $part in
   overhead-graph)  # (a part of its own: with the host's steps it took 760 s)
     step graph 200 python3 -m polykernel bench --graph --no-compile --out "$R/graph" rms_norm layer_norm fused_add_rms_norm swiglu \
       geglu softmax rope cross_entropy fused_linear_cross_entropy
+    # where QuACK's RMSNorm impls lead Triton's by N and rows (backends/quack/_gates.py's rules; stage.sh cute)
+    step norm-peers 240 python3 benchmarks/kernels/sweep_norm_peers.py --json "$R/norm_peers.json"
     ;;
   trl)  # needs .gpu/trl (the header); each variant is a process of its own (imports, a 1.2B model,
     # Triton compiles: ~30-60 s), cut at --timeout; both steps end by the part's PK_DEADLINE
