@@ -292,6 +292,24 @@ def test_groupnorm_repr_reset_and_errors():
         pnn.GroupNorm(4, 6)
 
 
+def test_dyt_loads_a_liger_checkpoint():
+    # LigerDyT names its parameters alpha, gamma, beta (ours: the paper's alpha, weight, bias): a
+    # model trained with Liger's module loads into ours, strict, and ours saves its own names
+    alpha, gamma, beta = torch.tensor([0.3]), torch.randn(8), torch.randn(8)
+    outer = torch.nn.Sequential(pnn.DyT(8))
+    outer.load_state_dict({"0.alpha": alpha, "0.gamma": gamma, "0.beta": beta})
+    m = outer[0]
+    assert torch.equal(m.alpha.detach(), alpha) and torch.equal(m.weight.detach(), gamma) and torch.equal(m.bias.detach(), beta)
+    assert set(outer.state_dict()) == {"0.alpha", "0.weight", "0.bias"}
+    no_bias = pnn.DyT(8, bias=False)
+    no_bias.load_state_dict({"alpha": alpha, "gamma": gamma})
+    assert torch.equal(no_bias.weight.detach(), gamma)
+    with pytest.raises(RuntimeError, match="beta"):  # Liger's bias into a module without one: not dropped silently
+        pnn.DyT(8, bias=False).load_state_dict({"alpha": alpha, "gamma": gamma, "beta": beta})
+    with pytest.raises(RuntimeError, match="weight"):  # both names of one parameter: an error, neither wins
+        pnn.DyT(8).load_state_dict({"alpha": alpha, "gamma": gamma, "weight": gamma, "bias": beta})
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_dyt_module_is_weight_tanh_alpha_x_plus_bias(impl):
     skip_unless_runnable("dyt", impl)

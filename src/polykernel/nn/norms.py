@@ -226,6 +226,19 @@ class DyT(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return polykernel.dyt(x, self.alpha, self.weight, self.bias, impl=self.impl)
 
+    # LigerDyT's names for weight and bias: its checkpoints load here (saved under ours)
+    _LIGER_NAMES = (("gamma", "weight"), ("beta", "bias"))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        for theirs, ours in self._LIGER_NAMES:
+            if prefix + theirs not in state_dict or getattr(self, ours) is None:
+                continue  # (beta into a module without a bias stays an unexpected key)
+            if prefix + ours in state_dict:
+                error_msgs.append(f"DyT: both {prefix + theirs!r} (Liger's name) and {prefix + ours!r} are given")
+                continue
+            state_dict[prefix + ours] = state_dict.pop(prefix + theirs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
     def extra_repr(self) -> str:
         return f"({self.hidden_size},), init_alpha={self.init_alpha}, bias={self.bias is not None}" + _impl_repr(self.impl)
 
