@@ -62,15 +62,15 @@ report = {
     "guard": hit_guard.available(),
     "lean_apply_is_apply": _autograd.lean_apply(Sq) == Sq.apply,
     "transforms_active": _compat.functorch_transforms_active(),
-    "transforms_by_probe": _compat.functorch_transforms_active is _compat._transforms_active_by_probe,
+    "transforms_by_probe": _compat.functorch_transforms_active is _compat.autograd._transforms_active_by_probe,
     "fast_launch": _launch.ENABLED or _launch._JITFunction is not None or _launch._runtime_knobs is not None,
     "comptime": _compat.comptime() is not None,
-    "autograd_guard": _compat._autograd_guard is not None,
+    "autograd_guard": _compat.custom_ops._autograd_guard is not None,
     "schema_infos": _compat.dtensor_schema_infos() is not None,
     "hooks": _compat.module_has_hooks(torch.nn.Linear(2, 2)),
-    "softmax_formula": _compat.softmax_backward_data is _compat._softmax_backward_formula,
-    "storage_by_address": _compat._storage_key is _compat._data_ptr_id,
-    "sleep_fallback": _compat.cuda_sleep is _compat._busy_matmuls,
+    "softmax_formula": _compat.softmax_backward_data is _compat.autograd._softmax_backward_formula,
+    "storage_by_address": _compat.storage._storage_key is _compat.storage._data_ptr_id,
+    "sleep_fallback": _compat.cuda_sleep is _compat.kernels._busy_matmuls,
 }
 report["fallbacks"] = sorted(_compat.fallbacks())  # the lazy probes were asked above
 print(json.dumps(report))
@@ -135,7 +135,7 @@ def test_forward_ad_fallback_still_carries_tangents_and_plain_calls_dispatch(mon
     # Without the dual level's module global every call looks for tangents (the public unpack_dual):
     # a dual call gets the reference's tangent, a plain one its impl as before.
     monkeypatch.setattr(op_mod, "_FORWARD_AD_EXPR", "forward_ad_open()")
-    monkeypatch.setattr(_compat, "forward_ad_open", _compat._dual_level_unknown)
+    monkeypatch.setattr(_compat, "forward_ad_open", _compat.autograd._dual_level_unknown)
     op = registry.get_op("rms_norm")
     fn = op_mod._hot_dispatch(op)
     x, t, w = torch.randn(4, 16), torch.randn(4, 16), torch.randn(16)
@@ -243,9 +243,9 @@ def test_lean_apply_fallbacks_record_the_same_gradient(monkeypatch, fallback):
     from polykernel.backends.triton import _autograd
 
     if fallback == "function_apply":
-        monkeypatch.setattr(_compat, "_c_apply", None)
+        monkeypatch.setattr(_compat.autograd, "_c_apply", None)
     else:
-        monkeypatch.setattr(_compat, "functorch_transforms_active", _compat._transforms_active_by_probe)
+        monkeypatch.setattr(_compat, "functorch_transforms_active", _compat.autograd._transforms_active_by_probe)
     apply = _autograd.lean_apply(_Square)
     x = torch.randn(5, requires_grad=True)
     (g,) = torch.autograd.grad(apply(x, 3.0).sum(), x)
@@ -258,10 +258,10 @@ def test_transforms_probe_agrees_with_the_private_flag():
     seen = []
 
     def f(x):
-        seen.append((_compat._transforms_active_by_probe(), private() if private else True))
+        seen.append((_compat.autograd._transforms_active_by_probe(), private() if private else True))
         return (x * x).sum()
 
-    seen.append((_compat._transforms_active_by_probe(), private() if private else False))
+    seen.append((_compat.autograd._transforms_active_by_probe(), private() if private else False))
     torch.func.vmap(f)(torch.randn(3, 2))
     torch.func.grad(f)(torch.randn(3))
     torch.func.jvp(f, (torch.randn(2),), (torch.randn(2),))
@@ -270,14 +270,14 @@ def test_transforms_probe_agrees_with_the_private_flag():
 
 def test_autocast_fallback_agrees_with_the_private_flag():
     private = getattr(torch._C, "_is_any_autocast_enabled", None)
-    assert _compat._any_autocast_by_device() is False and (private is None or private() is False)
+    assert _compat.dispatch._any_autocast_by_device() is False and (private is None or private() is False)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert _compat._any_autocast_by_device() is True and (private is None or private() is True)
+        assert _compat.dispatch._any_autocast_by_device() is True and (private is None or private() is True)
 
 
 def test_delayed_error_fallback_passes_values_and_raises_in_backward():
     x = torch.randn(4, requires_grad=True)
-    for make in (_compat.delayed_error, _compat._delayed_error_function):
+    for make in (_compat.delayed_error, _compat.autograd._delayed_error_function):
         y, none = make("no double backward here", 2)(x * 2, None)
         assert none is None and y.requires_grad
         torch.testing.assert_close(y, x.detach() * 2)
@@ -298,7 +298,7 @@ def test_fresh_thread_runs_autograd_inside_a_custom_op_kernel():
                 leaf = x.detach().requires_grad_(True)
                 return torch.autograd.grad((leaf * leaf).sum(), leaf)[0]
 
-        return _compat._on_fresh_thread(body)
+        return _compat.custom_ops._on_fresh_thread(body)
 
     token = var.set("set")
     try:
@@ -307,7 +307,7 @@ def test_fresh_thread_runs_autograd_inside_a_custom_op_kernel():
     finally:
         var.reset(token)
     with pytest.raises(ZeroDivisionError):
-        _compat._on_fresh_thread(lambda: 1 / 0)
+        _compat.custom_ops._on_fresh_thread(lambda: 1 / 0)
 
 
 def test_backward_custom_op_recomputes_the_same_gradients_without_the_guard(monkeypatch):
@@ -320,7 +320,7 @@ def test_backward_custom_op_recomputes_the_same_gradients_without_the_guard(monk
     x, w, g = torch.randn(6, 32), torch.randn(32), torch.randn(6, 32)
     mask = [True, True, False, False, False]  # one per argument
     want = compiled.backward([g], x, w, 1e-6, 0.0, "fp32", mask)
-    monkeypatch.setattr(_compat, "_autograd_guard", None)
+    monkeypatch.setattr(_compat.custom_ops, "_autograd_guard", None)
     got = compiled.backward([g], x, w, 1e-6, 0.0, "fp32", mask)
     assert len(got) == len(want) == 2
     for a, b in zip(got, want):
@@ -370,8 +370,8 @@ def test_storage_id_fallback_tells_aliases_apart_as_the_private_one(monkeypatch)
     from polykernel.compile import library
 
     a = torch.randn(4, 4)
-    for key in (_compat._storage_key, _compat._data_ptr_id):
-        monkeypatch.setattr(_compat, "_storage_key", key)
+    for key in (_compat.storage._storage_key, _compat.storage._data_ptr_id):
+        monkeypatch.setattr(_compat.storage, "_storage_key", key)
         assert _compat.storage_id(a) == _compat.storage_id(a[1:]) == _compat.storage_id(a.t())
         assert _compat.storage_id(a) != _compat.storage_id(a.clone())
         out = library._fresh([a[1:], a.clone()], [a])  # a view of an input is copied, a fresh tensor kept
@@ -384,7 +384,7 @@ def test_softmax_backward_fallback_matches_the_exact_gradient():
     dy = torch.randn(6, 50, dtype=torch.float64)
     (exact,) = torch.autograd.grad(torch.softmax(x, -1), x, dy)
     y = torch.softmax(x.detach().float(), -1)
-    for fn in (_compat.softmax_backward_data, _compat._softmax_backward_formula):
+    for fn in (_compat.softmax_backward_data, _compat.autograd._softmax_backward_formula):
         got = fn(dy.float(), y, -1, torch.float32)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-6)
@@ -398,7 +398,7 @@ def test_async_collective_check_by_name_agrees_with_the_class(monkeypatch):
 
     act, plain = AsyncCollectiveTensor(torch.randn(3)), torch.randn(3)
     for forced in (False, True):
-        monkeypatch.setattr(_compat, "FORCED", forced)
+        monkeypatch.setattr(_compat.distributed, "FORCED", forced)  # the global is_async_collective reads
         assert _compat.is_async_collective(act) and not _compat.is_async_collective(plain)
     # (not polykernel.distributed.dtensor._waited here: importing that module routes subclass
     # calls for the rest of the process, which tests/core/test_subclass_guard.py does not expect)
@@ -431,7 +431,7 @@ def test_module_hooks_fallback_leaves_modules_alone(monkeypatch):
     handle = lin.register_forward_hook(lambda *a: None)
     assert _compat.module_has_hooks(lin) and (_compat.module_hooks_seen(lin) or _compat.FORCED)
     handle.remove()
-    monkeypatch.setattr(_compat, "_hooks_readable", False)
+    monkeypatch.setattr(_compat.hooks, "_hooks_readable", False)
     assert _compat.module_has_hooks(lin)  # cannot tell: treated as hooked
     assert not _compat.module_hooks_seen(lin)  # ... or as not hooked, by callers that fuse past it by default
 
@@ -451,14 +451,14 @@ def test_cuda_fallbacks_match_on_the_gpu():
         pytest.skip("needs a CUDA GPU")
     dev = torch.cuda.current_device()
     assert torch.cuda.current_device() == _compat.cuda_current_device() == dev
-    assert _compat._public_raw_stream(dev) == _compat.cuda_raw_stream(dev) == torch.cuda.current_stream().cuda_stream
+    assert _compat.kernels._public_raw_stream(dev) == _compat.cuda_raw_stream(dev) == torch.cuda.current_stream().cuda_stream
     # the busy-kernel fallback holds the stream at least about as long as asked (a lower bound)
     cycles = 20_000_000
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    _compat._busy_matmuls(cycles)  # calibrates
+    _compat.kernels._busy_matmuls(cycles)  # calibrates
     torch.cuda.synchronize()
     start.record()
-    _compat._busy_matmuls(cycles)
+    _compat.kernels._busy_matmuls(cycles)
     end.record()
     end.synchronize()
-    assert start.elapsed_time(end) >= 0.5 * cycles / _compat._clock_khz(dev)
+    assert start.elapsed_time(end) >= 0.5 * cycles / _compat.kernels._clock_khz(dev)

@@ -90,7 +90,7 @@ def test_a_forward_while_the_patch_is_half_done_is_right(monkeypatch):
     """Another thread's forward that runs while ``patch`` is still installing (here: from inside
     the patch, after layer 0's MLP is merged, layers 1 and 2 not patched yet) must see either the
     carried stream in every layer or in none."""
-    from polykernel.integrations.transformers import _inference
+    from polykernel.integrations.transformers import _merged
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     ref = tiny_llama()
@@ -99,7 +99,7 @@ def test_a_forward_while_the_patch_is_half_done_is_right(monkeypatch):
     with torch.no_grad():
         want = ref(ids).logits
     midway: list[torch.Tensor] = []
-    real = _inference.merge
+    real = _merged.merge
 
     def merge(module, group):
         real(module, group)
@@ -107,7 +107,7 @@ def test_a_forward_while_the_patch_is_half_done_is_right(monkeypatch):
             with torch.no_grad():
                 midway.append(model(ids).logits)
 
-    monkeypatch.setattr(_inference, "merge", merge)
+    monkeypatch.setattr(_merged, "merge", merge)
     patch(model, mode="inference")
     torch.testing.assert_close(midway[0], want, rtol=1e-4, atol=1e-4)
 

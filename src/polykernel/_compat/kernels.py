@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from . import _probe
+from .probe import _probe
 
 # -- CUDA ----------------------------------------------------------------------------------------
 

@@ -81,8 +81,9 @@ import one way (each only from those above it):
   transformers'); ``_switches``: the ops each switch needs;
 - ``_layers`` (RMSNorm, gated MLP), ``_moe`` (routed experts), ``_rope`` (rotary functions),
   ``_code`` (function copies with other globals), ``_mask`` (the causal mask under compile),
-  ``_loss`` (cross-entropy and the fused loss), ``_inference`` and ``_fused_attention`` (the
-  serving forwards of ``mode="inference"``), ``_attention`` (the patched attention forwards);
+  ``_loss`` (cross-entropy and the fused loss), ``_merged`` (gate/up and q/k/v as one matmul),
+  ``_inference`` and ``_fused_attention`` (the serving forwards of ``mode="inference"``),
+  ``_attention`` (the patched attention forwards);
 - ``_install`` (a module's own forward, installed and restored; what runs where), ``_model``
   (``patch(model)``), ``_inference_patch`` (``patch(model, mode="inference")``), ``_classes``
   (``patch("<model_type>")``), and this module: ``patch``, ``unpatch``, ``patched``.

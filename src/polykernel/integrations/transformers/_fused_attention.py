@@ -14,7 +14,7 @@ from torch import nn
 
 from polykernel import env
 
-from ._inference import QKV, merged_for_call, wants_grad
+from ._merged import QKV, merged_for_call, wants_grad
 
 
 @functools.cache

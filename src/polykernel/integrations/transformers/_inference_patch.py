@@ -9,7 +9,7 @@ from functools import partial
 
 from torch import nn
 
-from . import _inference
+from . import _inference, _merged
 from ._attention import _inference_attention
 from ._families import _Family
 from ._install import _calls_rope, _classify, _install, _unpatch_model
@@ -39,13 +39,13 @@ def _patch_inference(model: nn.Module, rope: bool) -> nn.Module:
         for i, layer in enumerate(layers):
             _install(layer, partial(_inference.decoder_layer_forward, stream=stream, first=i == 0))
             activation = _gated_activation(layer.mlp.act_fn) if _mlp_supported(layer.mlp) is None else None
-            if activation is not None and _inference.mergeable(layer.mlp, _inference.GATE_UP) is None:
+            if activation is not None and _merged.mergeable(layer.mlp, _merged.GATE_UP) is None:
                 _install(layer.mlp, partial(_inference.mlp_forward, activation=activation, act_fn=layer.mlp.act_fn))
-                _inference.merge(layer.mlp, _inference.GATE_UP)
+                _merged.merge(layer.mlp, _merged.GATE_UP)
             with_rope = rope and _calls_rope(layer.self_attn)
-            fuse = with_rope and _inference.mergeable(layer.self_attn, _inference.QKV) is None
+            fuse = with_rope and _merged.mergeable(layer.self_attn, _merged.QKV) is None
             if fuse:
-                _inference.merge(layer.self_attn, _inference.QKV)
+                _merged.merge(layer.self_attn, _merged.QKV)
             _install(layer.self_attn, partial(_attention, family=family, rope=with_rope, fuse=fuse))
         # Last: the stream starts only once every layer carries it. A forward (another thread's)
         # that met a patched base model before its later layers were patched would hand them the

@@ -11,8 +11,8 @@ from torch import nn
 
 from ._code import _CannotPatch
 from ._families import _FAMILY_BY_MODULE, _config_left_alone, _Family
-from ._inference import merge, mergeable, unmerged
 from ._layers import _GATED_MLP, _gated_activation, _mlp_layout, _mlp_supported
+from ._merged import merge, mergeable, unmerged
 from ._switches import _gated_ops
 
 _SAVED = "_polykernel_saved"  # module.__dict__ entry: (slot, previous value or None, the forward's maker)
