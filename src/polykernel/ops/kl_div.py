@@ -227,7 +227,7 @@ _op = Op(
     ),
     key=_key,
     guard=(LAST, 0, None, None),
-    default_key=lambda device, dtype: (device, dtype, False, None, dtype, device, False, True, "batchmean", False),
+    default_key=lambda device, dtype: (device, dtype, False, None, dtype, device, False, True, None, False),  # reduction None: unknown
     validate=validate,
     reference=reference,
     outputs=outputs,

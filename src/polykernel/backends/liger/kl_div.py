@@ -5,7 +5,10 @@ input.size(0). So this adapter asks Liger for the "sum" (or "none") and divides 
 passes 1/divisor to Liger's backward as its cotangent. Liger's loss is fp32; its log t is clamped
 at eps = 1e-10 (a target below that is off by less than 1e-10·|log 1e-10|). It has no gradient for
 target (the predicate refuses a target that needs one) and writes the input gradient in target's
-dtype (refused unless it is input's). Its backward compares the cotangent with 1 on the host.
+dtype (refused unless it is input's). Its backward compares the cotangent with 1 on the host and
+otherwise multiplies its 16-bit gradient by it in that dtype: a second rounding, so "batchmean"
+and "mean" are refused in 16-bit (``_gates.kl_div``); a "sum" whose loss is scaled before the
+backward rounds twice too, which no predicate can see (it reads no values).
 """
 
 from __future__ import annotations
