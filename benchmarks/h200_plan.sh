@@ -51,7 +51,7 @@
 # (polykernel.tools.rows: "complete": false until the end), so a step cut at its limit keeps its
 # rows. The GPU tests: `make test-gpu PART=...` parts (docs/testing.md), each under 8 min:
 #
-#   gpu-PART    one part of the GPU suite (norms norms2 edge grads losses preference moe serving peers backends reliability parity models rest)
+#   gpu-PART    one part of the GPU suite (norms norms3 norms2 edge grads losses preference moe serving peers backends reliability parity models rest)
 #
 # A dry run on the CPU: `PK_DRY_RUN=FILE bash benchmarks/h200_plan.sh PART` runs nothing (no peers,
 # builds, nvidia-smi or pack) and appends each step to FILE as a JSON line {"part", "name", "limit"

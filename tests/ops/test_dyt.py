@@ -10,8 +10,9 @@ import polykernel
 from _property import check_case, draw_dtype, layout, property_settings
 from polykernel.core.op import Case
 from polykernel.errors import OpArgumentError, OpTypeError
+from polykernel.ops.dyt import cases as dyt_cases
 from polykernel.ops.dyt import reference
-from polykernel.testing import assert_parity, runnable_impls
+from polykernel.testing import assert_parity, refusal, runnable_impls
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 IMPLS = ["torch", "triton"]
@@ -159,7 +160,20 @@ def test_property_parity(impl):
     run()
 
 
+# Liger's DyT autotunes each of its two kernels over 18 configs, per row length and dtype
+# (liger_kernel/ops/dyt.py): ~16 row lengths here, ~580 compiles a dtype on a fresh machine, where
+# this test with Liger on every case was cut after 240 s in bf16 (benchmarks/results/
+# h100-2026-12-06-sixteenth/norms-a.log). On the GPU Liger takes the large cases and the two
+# awkward ones below; the interpreter checks it on every small case (test_liger_interpreter.py).
+LIGER_GPU_SMALL = ("3x9001-column-blocks", "300x40-many-rows")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_parity_gpu_large(dtype):
-    assert_parity("dyt", device="cuda", dtypes=[dtype], large=True)
+    every = dyt_cases("cuda", dtype, large=True)
+    small = {c.label for c in dyt_cases("cuda", dtype)} - set(LIGER_GPU_SMALL)
+    for name in runnable_impls("dyt", "cuda", dtype):  # each on the cases it would be chosen for
+        cases = [c for c in every if refusal("dyt", name, c) is None and not (name == "liger" and c.label in small)]
+        assert len(cases) >= 4, (name, [c.label for c in cases])
+        assert_parity("dyt", [name], device="cuda", dtypes=[dtype], cases=cases)
