@@ -89,14 +89,20 @@ GPU_OPS_OTHER    := $(filter-out $(GPU_PART_losses) $(GPU_PART_preference) $(GPU
 GPU_PART_norms   := $(filter $(foreach c,a b c d e f,tests/ops/test_$(c)%),$(GPU_OPS_OTHER))
 GPU_PART_norms3  := $(filter $(foreach c,g h i j k l,tests/ops/test_$(c)%),$(GPU_OPS_OTHER))
 GPU_PART_edge    := $(addprefix tests/ops/test_,nonfinite_inputs.py moe_error_model.py moe_paths.py mrope.py)
-GPU_PART_norms2  := $(filter-out $(GPU_PART_norms) $(GPU_PART_norms3) $(GPU_PART_edge),$(GPU_OPS_OTHER))
+# from ro (rope) to z apart: with the m to r files, 11 of their 26 tests ran in 480 s on a fresh H200
+# (2026-12-06, benchmarks/results/h200-2026-12-06-seventeenth/)
+GPU_PART_norms4  := $(filter $(foreach c,ro s t u v w x y z,tests/ops/test_$(c)%),$(GPU_OPS_OTHER))
+GPU_PART_norms2  := $(filter-out $(GPU_PART_norms) $(GPU_PART_norms3) $(GPU_PART_edge) $(GPU_PART_norms4),$(GPU_OPS_OTHER))
 GPU_PART_backends := $(filter-out $(GPU_PART_serving) $(GPU_PART_peers),$(wildcard tests/backends/test_*.py)) tests/core tests/tuning
 # the GPU parity properties apart: every impl's compiles for each new shape (the rest of the part
 # and 7 of them ran in 420 s on a fresh H200, 2026-12-05)
 GPU_PART_parity  := tests/reliability/test_reliability_parity.py
 GPU_PART_reliability := $(filter-out $(GPU_PART_parity),$(wildcard tests/reliability/test_*.py))
-GPU_PART_models  := tests/compile tests/integrations tests/distributed tests/tools
-GPU_PARTS        := norms norms3 norms2 edge grads losses preference moe serving peers backends reliability parity models rest
+# Inductor on CUDA for every op apart: with the rest of the part, 66 of its 106 tests/compile GPU
+# tests ran in 347 s on a warm H200 and the part was cut (2026-12-06, the seventeenth run's results)
+GPU_PART_compile := tests/compile/test_compile.py
+GPU_PART_models  := $(filter-out $(GPU_PART_compile),$(wildcard tests/compile/test_*.py)) tests/integrations tests/distributed tests/tools
+GPU_PARTS        := norms norms3 norms2 norms4 edge grads losses preference moe serving peers backends reliability parity compile models rest
 GPU_PART_rest    := $(filter-out $(foreach p,$(filter-out rest,$(GPU_PARTS)),$(GPU_PART_$(p))) $(foreach d,core tuning reliability compile integrations distributed tools,tests/$(d)/%),$(wildcard tests/test_*.py tests/*/test_*.py))
 PART ?=
 

@@ -51,7 +51,9 @@
 # (polykernel.tools.rows: "complete": false until the end), so a step cut at its limit keeps its
 # rows. The GPU tests: `make test-gpu PART=...` parts (docs/testing.md), each under 8 min:
 #
-#   gpu-PART    one part of the GPU suite (norms norms3 norms2 edge grads losses preference moe serving peers backends reliability parity models rest)
+#   compile-cache  the compile caches as $OUT/compile-cache.tar.xz.part-* (run it last in a call; copy
+#               them into .gpu/compile-cache/ here and carry that folder: see "Compile caches" below)
+#   gpu-PART    one part of the GPU suite (norms norms3 norms2 norms4 edge grads losses preference moe serving peers backends reliability parity compile models rest)
 #
 # A dry run on the CPU: `PK_DRY_RUN=FILE bash benchmarks/h200_plan.sh PART` runs nothing (no peers,
 # builds, nvidia-smi or pack) and appends each step to FILE as a JSON line {"part", "name", "limit"
@@ -69,6 +71,35 @@ dest=${OUT:-/tmp/h200}
 # the sweeps point POLYKERNEL_CACHE_DIR under their --out (a fresh store): their builds stay behind
 pack() { tar czf "$dest/h200-$part.tar.gz" --exclude="cache/native" --exclude="cache/cuda_jit" -C /tmp/h200 "$part"; echo "packed $dest/h200-$part.tar.gz"; }
 live && trap pack EXIT
+
+# Compile caches carried from one session's machine to the next (a fresh machine compiles every
+# Triton kernel and Inductor graph again: moe_experts' large parity 49-76 s a dtype cold, 2.6 s
+# in fp32 warm, benchmarks/results/h200-2026-12-06-seventeenth/). Triton's and Inductor's caches go under
+# $CC (Triton's binaries only), polykernel's native and CUDA JIT builds and FlashInfer's JIT
+# modules stay under $HOME (copied in when packed); the part `compile-cache` packs them all into
+# $dest/compile-cache.tar.xz.part-* (15 MiB a file); carried back as .gpu/compile-cache/, they are
+# unpacked before a machine's first part. A cache entry's key holds its source and versions: a
+# stale one is never used, only carried. Never the tuning store: a carried decision would be a
+# measurement of another machine.
+CC=${PK_COMPILE_CACHE:-/tmp/pk-compile-cache}  # (a test points it elsewhere)
+CACHED=(.cache/polykernel/native .cache/polykernel/cuda_jit .cache/flashinfer)  # under $HOME
+if live; then
+  export TRITON_CACHE_DIR=$CC/triton TORCHINDUCTOR_CACHE_DIR=$CC/inductor TRITON_STORE_BINARY_ONLY=1
+  if [ ! -d "$CC" ] && ls .gpu/compile-cache/compile-cache.tar.xz.part-* >/dev/null 2>&1; then
+    mkdir -p "$CC/home" && cat .gpu/compile-cache/compile-cache.tar.xz.part-* | tar xJf - -C "$CC" \
+      && cp -a "$CC/home/." "$HOME/" && echo "compile caches unpacked: $(du -sh "$CC" | cut -f1)"
+  fi
+fi
+pack_caches() {  # the part `compile-cache`
+  local have=() d
+  mkdir -p "$CC/home"
+  for d in "${CACHED[@]}"; do [ -d "$HOME/$d" ] && have+=("$d"); done
+  [ ${#have[@]} -gt 0 ] && (cd "$HOME" && cp -a --parents "${have[@]}" "$CC/home/")
+  rm -f "$dest"/compile-cache.tar.xz.part-*
+  tar cf - -C "$CC" . | xz -T0 -6 | split -b 15M - "$dest/compile-cache.tar.xz.part-"
+  du -sh "$CC"/* | sed 's/^/  /'
+  ls -l "$dest"/compile-cache.tar.xz.part-* | awk '{print "  " $5 " bytes " $9}'
+}
 
 step() {  # step NAME LIMIT_S COMMAND...: run, keep the log, say how it ended
   local name=$1 lim=$2 declared=$2 start rc left
@@ -120,6 +151,10 @@ gpu_tests() {  # gpu_tests NAME LIMIT FILES...
 SERVING_OPS=(silu_and_mul gelu_and_mul fused_add_rms_norm_ rotary_embedding_ dynamic_quant_fp8 static_quant_fp8 rms_norm_quant_fp8)
 DISTILL_OPS=(kl_div jsd tvd fused_linear_jsd)
 
+if [ "$part" = compile-cache ]; then
+  if live; then trap - EXIT; pack_caches; else name=compile-cache dry 0 0 pack_caches; fi
+  exit 0
+fi
 : "${PK_DEADLINE:=$(($(now) + 570))}"  # this part's own (unless given: several parts in one command)
 live && peers
 case $part in  # the eager rows: build the native launch path first (else the first process builds it

@@ -4,7 +4,8 @@ and backward; ``opcheck`` passes; dispatcher state is read at run time inside co
 
 Parametrized over every op in the catalog; an op whose module does not import yet is skipped.
 CPU tests use the smallest non-empty parity cases (inductor on the CPU compiles C++: only a few
-inductor tests run there). GPU tests (``-m gpu``) run inductor for every op, forward and backward.
+inductor tests run there). GPU tests (``-m gpu``) run inductor for every op, forward and backward;
+``test_compile_cuda.py`` runs ``opcheck`` and a CUDA graph on the GPU.
 """
 
 from __future__ import annotations
@@ -799,28 +800,6 @@ def test_inductor_cuda(op_id, dtype):
         assert node is None or any(node in _targets(g) for g in counter.graphs)
         del got, want
     del large
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("op_id", OP_IDS)
-def test_opcheck_cuda(op_id):
-    op = _op(op_id)
-    _, fwd, _ = _overloads(op)
-    for case in _small_cases(op, "cuda"):
-        torch.library.opcheck(fwd, case.args, case.kwargs)
-
-
-@pytest.mark.gpu
-def test_cuda_graphs_rms_norm():
-    op = _op("norm.rms_norm")
-    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.ones(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    case = Case("64x1024", (x, w))
-    compiled = torch.compile(lambda x, w: polykernel.rms_norm(x, w), fullgraph=True, mode="reduce-overhead")
-    want = _run(polykernel.rms_norm, case)
-    for _ in range(3):  # warm-up, record, replay
-        got = _run(compiled, case)
-    _assert_same(op, case, got, want, torch.bfloat16, "rms_norm cuda graphs")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,61 @@
+"""``h200_plan.sh compile-cache`` packs the compile caches in parts a device call can return, and a
+later machine's first part unpacks them where each tool looks: Triton's and Inductor's under
+``$CC``, polykernel's native builds and FlashInfer's JIT modules under ``$HOME``; the tuning store
+never travels."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PLAN = ROOT / "benchmarks" / "h200_plan.sh"
+
+pytestmark = pytest.mark.skipif(not all(shutil.which(t) for t in ("bash", "tar", "xz", "split")), reason="needs bash, tar, xz, split")
+
+
+def _plan(plan: Path, part: str, cwd: Path, home: Path, cc: Path, out: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in {"PK_DEADLINE", "PK_DRY_RUN", "PYTHONPATH"}}
+    env.update(HOME=str(home), PK_COMPILE_CACHE=str(cc), OUT=str(out))
+    return subprocess.run(["bash", str(plan), part], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_the_caches_go_out_in_parts_and_come_back_where_each_tool_looks(tmp_path):
+    home, cc, out, work = (tmp_path / d for d in ("home", "cc", "out", "work"))
+    for d in (out, work):
+        d.mkdir()
+    files = {
+        cc / "triton" / "K1" / "k.cubin": os.urandom(40_000),  # incompressible: more than one part
+        cc / "inductor" / "fxgraph" / "g.py": b"graph",
+        home / ".cache" / "polykernel" / "native" / "t-py" / "polykernel_native.so": b"so",
+        home / ".cache" / "flashinfer" / "m.so": b"fi",
+    }
+    tuning = home / ".cache" / "polykernel" / "decisions.json"  # the tuning store: stays behind
+    for path, data in {**files, tuning: b"{}"}.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    text = PLAN.read_text()
+    assert "split -b 15M" in text
+    plan = tmp_path / "plan.sh"
+    plan.write_text(text.replace("split -b 15M", "split -b 16K"))  # small parts for the test
+    r = _plan(plan, "compile-cache", work, home, cc, out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    parts = sorted(out.glob("compile-cache.tar.xz.part-*"))
+    assert len(parts) >= 2 and sorted(p.name for p in out.iterdir()) == [p.name for p in parts]  # nothing else packed
+    # a fresh machine: no caches, the parts carried as .gpu/compile-cache/
+    shutil.rmtree(home)
+    shutil.rmtree(cc)
+    carried = work / ".gpu" / "compile-cache"
+    carried.mkdir(parents=True)
+    for p in parts:
+        shutil.move(p, carried / p.name)
+    r = _plan(plan, "compile-cache", work, home, cc, out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "compile caches unpacked" in r.stdout
+    for path, data in files.items():
+        assert path.read_bytes() == data, path
+    assert not tuning.exists()
