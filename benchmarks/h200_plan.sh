@@ -85,9 +85,15 @@ CC=${PK_COMPILE_CACHE:-/tmp/pk-compile-cache}  # (a test points it elsewhere)
 CACHED=(.cache/polykernel/native .cache/polykernel/cuda_jit .cache/flashinfer)  # under $HOME
 if live; then
   export TRITON_CACHE_DIR=$CC/triton TORCHINDUCTOR_CACHE_DIR=$CC/inductor TRITON_STORE_BINARY_ONLY=1
-  if [ ! -d "$CC" ] && ls .gpu/compile-cache/compile-cache.tar.xz.part-* >/dev/null 2>&1; then
-    mkdir -p "$CC/home" && cat .gpu/compile-cache/compile-cache.tar.xz.part-* | tar xJf - -C "$CC" \
-      && cp -a "$CC/home/." "$HOME/" && echo "compile caches unpacked: $(du -sh "$CC" | cut -f1)"
+  if ls .gpu/compile-cache/compile-cache.tar.xz.part-* >/dev/null 2>&1; then
+    mkdir -p "$CC/home"
+    (  # once a machine; parts started side by side: one unpacks, the others wait for it
+      command -v flock >/dev/null && flock 9
+      if [ ! -e "$CC/.unpacked" ]; then
+        cat .gpu/compile-cache/compile-cache.tar.xz.part-* | tar xJf - -C "$CC" && cp -a "$CC/home/." "$HOME/" \
+          && touch "$CC/.unpacked" && echo "compile caches unpacked: $(du -sh "$CC" | cut -f1)"
+      fi
+    ) 9>"$CC.lock"
   fi
 fi
 pack_caches() {  # the part `compile-cache`
@@ -96,7 +102,7 @@ pack_caches() {  # the part `compile-cache`
   for d in "${CACHED[@]}"; do [ -d "$HOME/$d" ] && have+=("$d"); done
   [ ${#have[@]} -gt 0 ] && (cd "$HOME" && cp -a --parents "${have[@]}" "$CC/home/")
   rm -f "$dest"/compile-cache.tar.xz.part-*
-  tar cf - -C "$CC" . | xz -T0 -6 | split -b 15M - "$dest/compile-cache.tar.xz.part-"
+  tar cf - -C "$CC" --exclude=./.unpacked . | xz -T0 -6 | split -b 15M - "$dest/compile-cache.tar.xz.part-"
   du -sh "$CC"/* | sed 's/^/  /'
   ls -l "$dest"/compile-cache.tar.xz.part-* | awk '{print "  " $5 " bytes " $9}'
 }

@@ -59,3 +59,36 @@ def test_the_caches_go_out_in_parts_and_come_back_where_each_tool_looks(tmp_path
     for path, data in files.items():
         assert path.read_bytes() == data, path
     assert not tuning.exists()
+    # packed again: the unpack's own marker stays behind; a later part on the machine unpacks nothing
+    listing = subprocess.run(
+        f"cat {out}/compile-cache.tar.xz.part-* | xz -d | tar tf -", shell=True, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert "./triton/K1/k.cubin" in listing and not any(".unpacked" in name for name in listing)
+    r = _plan(plan, "compile-cache", work, home, cc, out)
+    assert r.returncode == 0 and "compile caches unpacked" not in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(shutil.which("flock") is None, reason="needs flock")
+def test_parts_started_side_by_side_unpack_once(tmp_path):
+    home, cc, out, work = (tmp_path / d for d in ("home", "cc", "out", "work"))
+    for d in (home, out, work):
+        d.mkdir()
+    (cc / "triton").mkdir(parents=True)
+    (cc / "triton" / "k.cubin").write_bytes(os.urandom(200_000))
+    assert _plan(PLAN, "compile-cache", work, home, cc, out).returncode == 0
+    carried = work / ".gpu" / "compile-cache"
+    carried.mkdir(parents=True)
+    for p in out.glob("compile-cache.tar.xz.part-*"):
+        shutil.move(p, carried / p.name)
+    shutil.rmtree(cc)
+    env = {k: v for k, v in os.environ.items() if k not in {"PK_DEADLINE", "PK_DRY_RUN", "PYTHONPATH"}}
+    env.update(HOME=str(home), PK_COMPILE_CACHE=str(cc), OUT=str(out))
+    procs = [
+        subprocess.Popen(
+            ["bash", str(PLAN), "compile-cache"], cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for _ in range(3)
+    ]
+    outputs = [p.communicate(timeout=60)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outputs
+    assert sum("compile caches unpacked" in o for o in outputs) == 1, outputs
