@@ -67,7 +67,7 @@ class PlatformInfo:
     @property
     def sm(self) -> int | None:
         """``cuda_arch`` as one number (``(9, 0)`` -> 90), or None."""
-        return None if self.cuda_arch is None else self.cuda_arch[0] * 10 + self.cuda_arch[1]
+        return None if self.cuda_arch is None else _sm(self.cuda_arch)
 
     def __str__(self) -> str:
         where = self.device_type if self.device_index is None else f"{self.device_type}:{self.device_index}"

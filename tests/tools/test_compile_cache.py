@@ -18,10 +18,15 @@ PLAN = ROOT / "benchmarks" / "h200_plan.sh"
 pytestmark = pytest.mark.skipif(not all(shutil.which(t) for t in ("bash", "tar", "xz", "split")), reason="needs bash, tar, xz, split")
 
 
-def _plan(plan: Path, part: str, cwd: Path, home: Path, cc: Path, out: Path) -> subprocess.CompletedProcess:
+def _env(home: Path, cc: Path, out: Path) -> dict[str, str]:
+    """A device command's environment, with its home, cache folder and $OUT in ``tmp_path``."""
     env = {k: v for k, v in os.environ.items() if k not in {"PK_DEADLINE", "PK_DRY_RUN", "PYTHONPATH"}}
     env.update(HOME=str(home), PK_COMPILE_CACHE=str(cc), OUT=str(out))
-    return subprocess.run(["bash", str(plan), part], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    return env
+
+
+def _plan(plan: Path, part: str, cwd: Path, home: Path, cc: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(plan), part], cwd=cwd, env=_env(home, cc, out), capture_output=True, text=True, timeout=60)
 
 
 def test_the_caches_go_out_in_parts_and_come_back_where_each_tool_looks(tmp_path):
@@ -81,8 +86,7 @@ def test_parts_started_side_by_side_unpack_once(tmp_path):
     for p in out.glob("compile-cache.tar.xz.part-*"):
         shutil.move(p, carried / p.name)
     shutil.rmtree(cc)
-    env = {k: v for k, v in os.environ.items() if k not in {"PK_DEADLINE", "PK_DRY_RUN", "PYTHONPATH"}}
-    env.update(HOME=str(home), PK_COMPILE_CACHE=str(cc), OUT=str(out))
+    env = _env(home, cc, out)
     procs = [
         subprocess.Popen(
             ["bash", str(PLAN), "compile-cache"], cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
