@@ -75,35 +75,36 @@ live && trap pack EXIT
 # Compile caches carried from one session's machine to the next (a fresh machine compiles every
 # Triton kernel and Inductor graph again: moe_experts' large parity 49-76 s a dtype cold, 2.6 s
 # in fp32 warm, benchmarks/results/h200-2026-12-06-seventeenth/). Triton's and Inductor's caches go under
-# $CC (Triton's binaries only), polykernel's native and CUDA JIT builds and FlashInfer's JIT
+# $CACHES (Triton's binaries only), polykernel's native and CUDA JIT builds and FlashInfer's JIT
 # modules stay under $HOME (copied in when packed); the part `compile-cache` packs them all into
 # $dest/compile-cache.tar.xz.part-* (15 MiB a file); carried back as .gpu/compile-cache/, they are
 # unpacked before a machine's first part. A cache entry's key holds its source and versions: a
 # stale one is never used, only carried. Never the tuning store: a carried decision would be a
 # measurement of another machine.
-CC=${PK_COMPILE_CACHE:-/tmp/pk-compile-cache}  # (a test points it elsewhere)
+CACHES=${PK_COMPILE_CACHE:-/tmp/pk-compile-cache}  # (a test points it elsewhere)
+# (not CC: an exported CC, as the device image has, names the C compiler Triton and Inductor call)
 CACHED=(.cache/polykernel/native .cache/polykernel/cuda_jit .cache/flashinfer)  # under $HOME
 if live; then
-  export TRITON_CACHE_DIR=$CC/triton TORCHINDUCTOR_CACHE_DIR=$CC/inductor TRITON_STORE_BINARY_ONLY=1
+  export TRITON_CACHE_DIR=$CACHES/triton TORCHINDUCTOR_CACHE_DIR=$CACHES/inductor TRITON_STORE_BINARY_ONLY=1
   if ls .gpu/compile-cache/compile-cache.tar.xz.part-* >/dev/null 2>&1; then
-    mkdir -p "$CC/home"
+    mkdir -p "$CACHES/home"
     (  # once a machine; parts started side by side: one unpacks, the others wait for it
       command -v flock >/dev/null && flock 9
-      if [ ! -e "$CC/.unpacked" ]; then
-        cat .gpu/compile-cache/compile-cache.tar.xz.part-* | tar xJf - -C "$CC" && cp -a "$CC/home/." "$HOME/" \
-          && touch "$CC/.unpacked" && echo "compile caches unpacked: $(du -sh "$CC" | cut -f1)"
+      if [ ! -e "$CACHES/.unpacked" ]; then
+        cat .gpu/compile-cache/compile-cache.tar.xz.part-* | tar xJf - -C "$CACHES" && cp -a "$CACHES/home/." "$HOME/" \
+          && touch "$CACHES/.unpacked" && echo "compile caches unpacked: $(du -sh "$CACHES" | cut -f1)"
       fi
-    ) 9>"$CC.lock"
+    ) 9>"$CACHES.lock"
   fi
 fi
 pack_caches() {  # the part `compile-cache`
   local have=() d
-  mkdir -p "$CC/home"
+  mkdir -p "$CACHES/home"
   for d in "${CACHED[@]}"; do [ -d "$HOME/$d" ] && have+=("$d"); done
-  [ ${#have[@]} -gt 0 ] && (cd "$HOME" && cp -a --parents "${have[@]}" "$CC/home/")
+  [ ${#have[@]} -gt 0 ] && (cd "$HOME" && cp -a --parents "${have[@]}" "$CACHES/home/")
   rm -f "$dest"/compile-cache.tar.xz.part-*
-  tar cf - -C "$CC" --exclude=./.unpacked . | xz -T0 -6 | split -b 15M - "$dest/compile-cache.tar.xz.part-"
-  du -sh "$CC"/* | sed 's/^/  /'
+  tar cf - -C "$CACHES" --exclude=./.unpacked . | xz -T0 -6 | split -b 15M - "$dest/compile-cache.tar.xz.part-"
+  du -sh "$CACHES"/* | sed 's/^/  /'
   ls -l "$dest"/compile-cache.tar.xz.part-* | awk '{print "  " $5 " bytes " $9}'
 }
 

@@ -1646,7 +1646,9 @@ def _gpu_bf16_pair(family: str, head_dim: bool) -> tuple:
     weights moved off their init, so the norms' offsets matter), its patched copy, and a batch
     whose first 32 labels are ignored."""
     kwargs = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=2)
-    kwargs.update(num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)
+    # pad_token_id inside the vocabulary: Phi-3's, GLM-4's and SmolLM3's defaults (32000, 151329,
+    # 128004) are not, and their embeddings refuse them
+    kwargs.update(num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512, pad_token_id=0)
     if head_dim:
         kwargs["head_dim"] = 64
     cfg_name, model_name, extra = ALL_FAMILIES[family]
@@ -1665,19 +1667,50 @@ def _gpu_bf16_pair(family: str, head_dim: bool) -> tuple:
     return ref, model, ids, labels
 
 
+def assert_bf16_as_close_as_plain(model, ref, ids, labels, out, want, **kwargs):
+    """The patched bf16 step is about as far from the fp32 step of the same weights as the plain
+    bf16 step is: each gradient's distance to fp32 (relative to its norm) at most twice plain's,
+    plus 0.5%. Patched against plain directly is no measure: in the MoE families the two bf16
+    roundings differed by 4.5-7.7% in the experts' and the embeddings' gradients
+    (benchmarks/results/h100-2026-12-06-eighteenth/), and a router's top-k can move a token to
+    another expert on a last-bit difference; the fp32 step is the reference both approximate."""
+    torch.testing.assert_close(out.loss.float(), want.loss.float(), atol=1e-2, rtol=2e-3)
+    gold = copy.deepcopy(ref).float()
+    train_step(gold, ids, labels, **kwargs)
+    plain, fp32 = dict(ref.named_parameters()), dict(gold.named_parameters())
+    for name, p in model.named_parameters():
+        g32 = fp32[name].grad
+        scale = g32.norm().clamp_min(1e-6)
+        ours = (p.grad.float() - g32).norm() / scale
+        theirs = (plain[name].grad.float() - g32).norm() / scale
+        assert ours <= 2 * theirs + 5e-3, f"{name}: {ours:.3g} of the fp32 gradient away, plain bf16 {theirs:.3g}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", list(ALL_FAMILIES))
 def test_gpu_bf16_real_kernels(family):
     head_dim = family in ("mistral", "qwen3", "gemma", "gemma2") or "head_dim" in ALL_FAMILIES[family][2]
     ref, model, ids, labels = _gpu_bf16_pair(family, head_dim)
     out, want = train_step(model, ids, labels), train_step(ref, ids, labels)
-    assert_bf16_close(model, ref, out, want)
+    assert_bf16_as_close_as_plain(model, ref, ids, labels, out, want)
     if has_op("fused_linear_cross_entropy"):
         assert out.logits is None  # Gemma 2's soft-capped logits too: the fused loss's softcap
-    ref.eval(), model.eval()
+    # The inference forward against the fp32 model's too. Not the largest difference from plain:
+    # in four MoE families one token's logits moved by 17-44% of the largest logit (gpu-models,
+    # benchmarks/results/h100-2026-12-06-eighteenth/), where their gradients were as close to
+    # fp32 as plain's: most likely a token routed to another expert on a last-bit difference,
+    # which plain bf16 does too. So: the logits' distance (their norm) at most twice plain's plus
+    # 0.5%, and the tokens 10% or more away from fp32 at most twice plain's count plus 1% of the
+    # batch (a kernel wrong on a tile of tokens fails here even where the norm hides it).
+    gold = copy.deepcopy(ref).float()
+    for m in (ref, model, gold):
+        m.eval()
     with torch.no_grad():
-        a, b = model(ids).logits.float(), ref(ids).logits.float()
-    assert (a - b).abs().max() < 0.05 * b.abs().max()
+        a, b, c = (m(ids).logits.float() for m in (model, ref, gold))
+    ours, theirs = ((x - c).norm() / c.norm() for x in (a, b))
+    assert ours <= 2 * theirs + 5e-3, f"logits {ours:.3g} of the fp32 model's away, plain bf16 {theirs:.3g}"
+    far = [int(((x - c).norm(dim=-1) > 0.1 * c.norm(dim=-1)).sum()) for x in (a, b)]
+    assert far[0] <= 2 * far[1] + ids.numel() // 100, f"{far[0]} tokens 10% or more from fp32, plain bf16 {far[1]}"
 
 
 @pytest.mark.gpu
@@ -1699,7 +1732,7 @@ def test_gpu_gradient_checkpointing_with_first_call_verification(family, monkeyp
     with caplog.at_level(logging.WARNING, logger="polykernel"):
         out = train_step(model, ids, labels)
     want = train_step(ref, ids, labels)
-    assert_bf16_close(model, ref, out, want)
+    assert_bf16_as_close_as_plain(model, ref, ids, labels, out, want)
     noted = [r.getMessage() for r in caplog.records if r.name == "polykernel"]
     assert not [m for m in noted if "not verified" in m or "falling back" in m], noted
 

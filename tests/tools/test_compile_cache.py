@@ -1,6 +1,6 @@
 """``h200_plan.sh compile-cache`` packs the compile caches in parts a device call can return, and a
 later machine's first part unpacks them where each tool looks: Triton's and Inductor's under
-``$CC``, polykernel's native builds and FlashInfer's JIT modules under ``$HOME``; the tuning store
+``$CACHES``, polykernel's native builds and FlashInfer's JIT modules under ``$HOME``; the tuning store
 never travels."""
 
 from __future__ import annotations
@@ -96,3 +96,24 @@ def test_parts_started_side_by_side_unpack_once(tmp_path):
     outputs = [p.communicate(timeout=60)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], outputs
     assert sum("compile caches unpacked" in o for o in outputs) == 1, outputs
+
+
+def test_the_compilers_environment_passes_through(tmp_path):
+    """The device image exports CC (its C compiler, which Triton and Inductor call): the plan's
+    cache folder once took that name, and every Triton build ran the folder as the compiler
+    (benchmarks/results/h100-2026-12-06-eighteenth/compile-CC-clash.log). What a part's steps see:
+    the caller's CC and CXX as given, the caches' variables under the cache folder."""
+    home, cc, out, work = (tmp_path / d for d in ("home", "cc", "out", "work"))
+    for d in (home, out, work):
+        d.mkdir()
+    text = PLAN.read_text()
+    anchor = "\npack_caches() {"
+    assert anchor in text
+    plan = tmp_path / "plan.sh"
+    plan.write_text(text.replace(anchor, f'\nenv > "$OUT/env.txt"; exit 0{anchor}', 1))  # the steps' environment
+    env = {**_env(home, cc, out), "CC": "/opt/gcc/bin/gcc", "CXX": "/opt/gcc/bin/g++"}
+    r = subprocess.run(["bash", str(plan), "compile-cache"], cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    seen = dict(line.split("=", 1) for line in (out / "env.txt").read_text().splitlines() if "=" in line)
+    assert seen["CC"] == "/opt/gcc/bin/gcc" and seen["CXX"] == "/opt/gcc/bin/g++"
+    assert seen["TRITON_CACHE_DIR"] == f"{cc}/triton" and seen["TORCHINDUCTOR_CACHE_DIR"] == f"{cc}/inductor"
