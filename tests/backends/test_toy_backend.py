@@ -68,7 +68,7 @@ def test_the_toy_impl_shows_in_explain_with_its_gate(toy):
 
 
 def test_the_toy_impl_is_a_bench_row(toy, monkeypatch):
-    from polykernel.tools import bench
+    from polykernel.tools import bench, bench_shapes
     from polykernel.tools.console import make_console
 
     def fake_measure(fn, grad_inputs, backward, graph=False, warmup=25, rep=100):  # timing needs CUDA
@@ -78,7 +78,7 @@ def test_the_toy_impl_is_a_bench_row(toy, monkeypatch):
 
     monkeypatch.setattr(bench, "measure", fake_measure)
     monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4000.0)
-    monkeypatch.setattr(bench, "SHAPES", {"relu_squared": [("64x256", (64, 256))]})
+    monkeypatch.setattr(bench_shapes, "SHAPES", {"relu_squared": [("64x256", (64, 256))]})
     rows, _ = bench.run(["relu_squared"], False, torch.float32, device="cpu", console=make_console(io.StringIO(), force_terminal=False))
     forward = [r for r in rows if r["mode"] == "fwd"]
     toy_row = next(r for r in forward if r["impl"] == "polykernel:cuda_jit")

@@ -234,7 +234,7 @@ def test_every_serving_op_replays_in_a_cuda_graph():
 
 
 def test_bench_times_the_serving_ops_forward_only(monkeypatch):
-    from polykernel.tools import bench
+    from polykernel.tools import bench, bench_shapes
     from polykernel.tools.console import make_console
 
     def fake_measure(fn, grad_inputs, backward, graph=False, warmup=25, rep=100):
@@ -245,7 +245,9 @@ def test_bench_times_the_serving_ops_forward_only(monkeypatch):
     assert set(bench.SHAPES) >= {op.partition(".")[2] for op in SERVING}  # README rows for every serving op
     monkeypatch.setattr(bench, "measure", fake_measure)
     monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4000.0)
-    monkeypatch.setattr(bench, "SHAPES", {"fused_add_rms_norm_": [("4x64", (4, 64))], "rotary_embedding_": [("T3,q2x128,k1", (3, 256))]})
+    monkeypatch.setattr(
+        bench_shapes, "SHAPES", {"fused_add_rms_norm_": [("4x64", (4, 64))], "rotary_embedding_": [("T3,q2x128,k1", (3, 256))]}
+    )
     rows, _ = bench.run(
         ["fused_add_rms_norm_", "rotary_embedding_"],
         False,

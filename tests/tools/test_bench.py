@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from polykernel.tools import bench
+from polykernel.tools import bench, bench_shapes
 from polykernel.tools.console import make_console
 
 
@@ -55,7 +55,7 @@ def _fake_run(monkeypatch, **kw):
 
     monkeypatch.setattr(bench, "measure", fake_measure)
     monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4000.0)
-    monkeypatch.setattr(bench, "SHAPES", {"rms_norm": [("64x256", (64, 256))], "softmax": [("32x128", (32, 128))]})
+    monkeypatch.setattr(bench_shapes, "SHAPES", {"rms_norm": [("64x256", (64, 256))], "softmax": [("32x128", (32, 128))]})
     rows, copy = bench.run(
         ["rms_norm", "softmax"], False, torch.float32, device="cpu", console=make_console(io.StringIO(), force_terminal=False), **kw
     )
@@ -81,7 +81,7 @@ def test_run_has_an_automatic_row_with_its_choice_beside_each_forced_impl(monkey
 
 
 def test_sweep_times_extra_sizes_shorter(monkeypatch):
-    monkeypatch.setattr(bench, "_SWEEP_DIM", {"rms_norm": (0, 1), "softmax": (0, 1)})
+    monkeypatch.setattr(bench_shapes, "_SWEEP_DIM", {"rms_norm": (0, 1), "softmax": (0, 1)})
     rows, _, calls = _fake_run(monkeypatch, sweep=True)
     assert {r["shape"] for r in rows if r["op"] == "rms_norm"} == {"64x256", "16x256"}
     assert all(r["sweep"] for r in rows)
@@ -194,7 +194,7 @@ def test_moe_experts_rows_report_tflops_next_to_transformers_experts(monkeypatch
 
     monkeypatch.setattr(bench, "measure", fake_measure)
     monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4000.0)
-    monkeypatch.setattr(bench, "SHAPES", {"moe_experts": [("T6,H16,I16,E4,k2", (6, 16, 16, 4, 2))]})
+    monkeypatch.setattr(bench_shapes, "SHAPES", {"moe_experts": [("T6,H16,I16,E4,k2", (6, 16, 16, 4, 2))]})
     monkeypatch.setenv("POLYKERNEL_IMPL", "torch")  # (the interpreter's Triton is not what this checks)
     rows, _ = bench.run(["moe_experts"], False, torch.float32, device="cpu", console=make_console(io.StringIO(), force_terminal=False))
     impls = {r["impl"] for r in rows}
@@ -217,7 +217,7 @@ def test_moe_experts_gpt_oss_rows_report_tflops_next_to_transformers_experts(mon
 
     monkeypatch.setattr(bench, "measure", fake_measure)
     monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4000.0)
-    monkeypatch.setattr(bench, "SHAPES", {"moe_experts_gpt_oss": [("T6,H16,I16,E4,k2", (6, 16, 16, 4, 2))]})
+    monkeypatch.setattr(bench_shapes, "SHAPES", {"moe_experts_gpt_oss": [("T6,H16,I16,E4,k2", (6, 16, 16, 4, 2))]})
     monkeypatch.setenv("POLYKERNEL_IMPL", "torch")
     rows, _ = bench.run(
         ["moe_experts_gpt_oss"], False, torch.float32, device="cpu", console=make_console(io.StringIO(), force_terminal=False)
@@ -243,7 +243,7 @@ def test_option_rows_pass_their_options(monkeypatch):
     monkeypatch.setattr(polykernel, "cross_entropy", spy)
     monkeypatch.setattr(bench, "measure", lambda fn, *a, **kw: (fn(), (0.5, 1.0))[1])
     monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4000.0)
-    monkeypatch.setattr(bench, "SHAPES", {"cross_entropy": [("8x64,softcap30", (8, 64))]})
+    monkeypatch.setattr(bench_shapes, "SHAPES", {"cross_entropy": [("8x64,softcap30", (8, 64))]})
     monkeypatch.setitem(bench.OPTIONS, ("cross_entropy", "8x64,softcap30"), {"softcap": 30.0})
     rows, _ = bench.run(["cross_entropy"], False, torch.float32, device="cpu", console=make_console(io.StringIO(), force_terminal=False))
     assert rows and seen and set(seen) == {30.0}
@@ -264,7 +264,7 @@ def test_preference_loss_rows_are_rated_by_the_head_gemms(monkeypatch, name):
 
     monkeypatch.setattr(bench, "measure", fake_measure)
     monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4000.0)
-    monkeypatch.setattr(bench, "SHAPES", {name: [("R2,T3,H8,V40", (2, 3, 8, 40))]})
+    monkeypatch.setattr(bench_shapes, "SHAPES", {name: [("R2,T3,H8,V40", (2, 3, 8, 40))]})
     monkeypatch.setenv("POLYKERNEL_IMPL", "torch")  # (the interpreter's Triton is not what this checks)
     rows, _ = bench.run([name], False, torch.float32, device="cpu", console=make_console(io.StringIO(), force_terminal=False))
     assert all(r["error"] == "" for r in rows), [r["error"] for r in rows if r["error"]]
@@ -276,6 +276,6 @@ def test_preference_loss_rows_are_rated_by_the_head_gemms(monkeypatch, name):
 def test_an_op_without_bench_shapes_is_a_clear_error(monkeypatch):
     # README shapes first; else the op file's Op(bench_shapes=...); else an error naming the op
     assert bench.shapes_for("softmax") == bench.SHAPES["softmax"]
-    monkeypatch.setattr(bench, "SHAPES", {})
+    monkeypatch.setattr(bench_shapes, "SHAPES", {})
     with pytest.raises(ValueError, match=r"activation\.softmax: no bench shapes \(declare them in its op file"):
         bench.cases_for("softmax", sweep=False)

@@ -19,7 +19,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 # row so that the run is still going when the test kills it.
 _BENCH = """
 import functools, sys, time, torch
-from polykernel.tools import bench
+from polykernel.tools import bench, bench_shapes
 
 def fake_measure(fn, grad_inputs, backward, graph=False, warmup=25, rep=100):
     time.sleep(0.3)
@@ -27,7 +27,7 @@ def fake_measure(fn, grad_inputs, backward, graph=False, warmup=25, rep=100):
 
 bench.measure = fake_measure
 bench.copy_bandwidth = lambda: 4000.0
-bench.SHAPES = {"rms_norm": [("64x256", (64, 256))], "softmax": [("32x128", (32, 128))], "layer_norm": [("64x256", (64, 256))]}
+bench_shapes.SHAPES = {"rms_norm": [("64x256", (64, 256))], "softmax": [("32x128", (32, 128))], "layer_norm": [("64x256", (64, 256))]}
 bench.run = functools.partial(bench.run, device="cpu")
 torch.cuda.is_available = lambda: True
 torch.cuda.get_device_name = lambda *a: "NVIDIA Test"

@@ -119,7 +119,7 @@ class Op:
       ``dispatch``. (:meth:`call` and :meth:`run` take arguments their caller validated.)
     - ``bench_shapes``: ``(label, shape)`` pairs for ``example``, the shapes ``polykernel bench``
       and ``polykernel tune`` use for an op without README shapes of its own
-      (:data:`polykernel.tools.bench.SHAPES`): a new op benches with no list to edit.
+      (:data:`polykernel.tools.bench_shapes.SHAPES`): a new op benches with no list to edit.
     - ``autocast``: for an op whose impls cast their arguments under ``torch.autocast`` (the fused
       linear ops: ``polykernel.ops._autocast``), the arguments as they cast them; a compiled
       call applies it at trace time, since the custom op runs with autocast off.
