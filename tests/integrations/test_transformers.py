@@ -1667,13 +1667,14 @@ def _gpu_bf16_pair(family: str, head_dim: bool) -> tuple:
     return ref, model, ids, labels
 
 
-def assert_bf16_as_close_as_plain(model, ref, ids, labels, out, want, **kwargs):
+def assert_bf16_as_close_as_plain(model, ref, ids, labels, out, want, **kwargs) -> torch.nn.Module:
     """The patched bf16 step is about as far from the fp32 step of the same weights as the plain
     bf16 step is: each gradient's distance to fp32 (relative to its norm) at most twice plain's,
     plus 0.5%. Patched against plain directly is no measure: in the MoE families the two bf16
     roundings differed by 4.5-7.7% in the experts' and the embeddings' gradients
     (benchmarks/results/h100-2026-12-06-eighteenth/), and a router's top-k can move a token to
-    another expert on a last-bit difference; the fp32 step is the reference both approximate."""
+    another expert on a last-bit difference; the fp32 step is the reference both approximate.
+    Returns that fp32 model."""
     torch.testing.assert_close(out.loss.float(), want.loss.float(), atol=1e-2, rtol=2e-3)
     gold = copy.deepcopy(ref).float()
     train_step(gold, ids, labels, **kwargs)
@@ -1684,6 +1685,7 @@ def assert_bf16_as_close_as_plain(model, ref, ids, labels, out, want, **kwargs):
         ours = (p.grad.float() - g32).norm() / scale
         theirs = (plain[name].grad.float() - g32).norm() / scale
         assert ours <= 2 * theirs + 5e-3, f"{name}: {ours:.3g} of the fp32 gradient away, plain bf16 {theirs:.3g}"
+    return gold
 
 
 @pytest.mark.gpu
@@ -1692,7 +1694,7 @@ def test_gpu_bf16_real_kernels(family):
     head_dim = family in ("mistral", "qwen3", "gemma", "gemma2") or "head_dim" in ALL_FAMILIES[family][2]
     ref, model, ids, labels = _gpu_bf16_pair(family, head_dim)
     out, want = train_step(model, ids, labels), train_step(ref, ids, labels)
-    assert_bf16_as_close_as_plain(model, ref, ids, labels, out, want)
+    gold = assert_bf16_as_close_as_plain(model, ref, ids, labels, out, want)
     if has_op("fused_linear_cross_entropy"):
         assert out.logits is None  # Gemma 2's soft-capped logits too: the fused loss's softcap
     # The inference forward against the fp32 model's too. Not the largest difference from plain:
@@ -1702,7 +1704,6 @@ def test_gpu_bf16_real_kernels(family):
     # which plain bf16 does too. So: the logits' distance (their norm) at most twice plain's plus
     # 0.5%, and the tokens 10% or more away from fp32 at most twice plain's count plus 1% of the
     # batch (a kernel wrong on a tile of tokens fails here even where the norm hides it).
-    gold = copy.deepcopy(ref).float()
     for m in (ref, model, gold):
         m.eval()
     with torch.no_grad():

@@ -12,6 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+# the fused preference and RL losses, in the README's order (matmul-bound: rated by their op files' flops)
+_PREFERENCE = tuple(f"fused_linear_{n}_loss" for n in ("dpo", "orpo", "cpo", "simpo", "kto", "grpo"))
+
 # op -> list of (label, example shape): the README's tables, curated by hand (each a model's real
 # width, and the README's figures are measured at them). An op not listed here is benched at its
 # op file's ``Op(bench_shapes=...)`` (shapes_for): a new op needs no edit here.
@@ -57,10 +60,7 @@ SHAPES: dict[str, list[tuple[str, tuple[int, ...]]]] = {
     "fused_linear_jsd": [("N8192,H4096,V128256", (8192, 4096, 128256))],
     # the fused preference/RL losses at the issue's 1B-model shape: 2×4 sequences of 1024 tokens
     # (R, T, H, V), H = 2048, V = 128256 (issue 22)
-    **{
-        f"fused_linear_{n}_loss": [("R8,T1024,H2048,V128256", (8, 1024, 2048, 128256))]
-        for n in ("dpo", "orpo", "cpo", "simpo", "kto", "grpo")
-    },
+    **{name: [("R8,T1024,H2048,V128256", (8, 1024, 2048, 128256))] for name in _PREFERENCE},
 }
 
 # The tables below refine some ops' rows and are optional: an op not in them gets its example's
@@ -90,9 +90,6 @@ _FLOPS: dict[str, Callable[[int, int, int, bool], int]] = {
     "fused_linear_cross_entropy": lambda n, h, v, bwd: (6 if bwd else 2) * n * h * v,
     "fused_linear_jsd": lambda n, h, v, bwd: (8 if bwd else 4) * n * h * v,
 }
-
-
-_PREFERENCE = {f"fused_linear_{n}_loss" for n in ("dpo", "orpo", "cpo", "simpo", "kto", "grpo")}
 
 
 def shapes_for(op_name: str) -> list[tuple[str, tuple[int, ...]]]:
