@@ -132,20 +132,27 @@ dry() {  # dry LIMIT DECLARED COMMAND...: in a dry run, the step ($name) as a JS
     "$part" "$name" "$@" >>"$PK_DRY_RUN"
 }
 
+SITE=${PK_SITE:-/tmp/site}  # where the carried wheels (.whl/) go (a test points it elsewhere)
 peers() {  # whichever staged setups came with this command (idempotent)
-  if [ -z "${PK_NO_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then  # wheels carried as .whl/ (e.g. liger-kernel alone, without the CuTeDSL front)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  local wheels=""  # the carried wheels' names and sizes, as a checksum: installed once a machine
+  if [ -z "${PK_NO_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then  # e.g. liger-kernel alone, without the CuTeDSL front
+    wheels=$(stat -c '%n %s' .whl/*.whl | cksum | cut -d' ' -f1)
   fi
-  for s in .gpu/setup.sh .gpu/lite/setup.sh; do [ -x "$s" ] && bash "$s" >/dev/null 2>&1; done
+  (  # the installs, one part at a time: parts started side by side wait for the first (two pip runs
+    # into one --target at once failed, and that part ran without Liger: h100-2026-12-06-nineteenth/gpu-norms4.out)
+    command -v flock >/dev/null && flock 9
+    if [ -n "$wheels" ] && [ "$(cat "$SITE/.wheels" 2>/dev/null)" != "$wheels" ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+        && echo "$wheels" >"$SITE/.wheels" && echo "wheels installed in $SITE"
+    fi
+    for s in .gpu/setup.sh .gpu/lite/setup.sh; do [ -x "$s" ] && bash "$s" >/dev/null 2>&1; done
+    [ -f .gpu/serving/setup.sh ] && bash .gpu/serving/setup.sh | tail -1
+    [ -f .gpu/trl/setup.sh ] && bash .gpu/trl/setup.sh  # TRL, datasets, Liger (benchmarks/stage_trl.sh)
+  ) 9>"$SITE.lock"
+  if [ -n "$wheels" ] && [ "$(cat "$SITE/.wheels" 2>/dev/null)" = "$wheels" ]; then export PYTHONPATH=$PYTHONPATH:$SITE; fi
   [ -f /opt/pk/env.sh ] && source /opt/pk/env.sh
-  if [ -f .gpu/serving/setup.sh ]; then
-    bash .gpu/serving/setup.sh | tail -1
-    source /opt/pk/serving/env.sh
-  fi
-  if [ -f .gpu/trl/setup.sh ]; then  # TRL, datasets, Liger (benchmarks/stage_trl.sh)
-    bash .gpu/trl/setup.sh
-    [ -f "${PK_TRL_DIR:-/opt/pk/trl}/env.sh" ] && source "${PK_TRL_DIR:-/opt/pk/trl}/env.sh"
-  fi
+  [ -f .gpu/serving/setup.sh ] && source /opt/pk/serving/env.sh
+  if [ -f .gpu/trl/setup.sh ] && [ -f "${PK_TRL_DIR:-/opt/pk/trl}/env.sh" ]; then source "${PK_TRL_DIR:-/opt/pk/trl}/env.sh"; fi
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 }
 
@@ -290,8 +297,10 @@ case $part in
     chunk=$(((${#fams[@]} + 6) / 7))
     mine=$(IFS=,; echo "${fams[*]:$(((k - 1) * chunk)):$chunk}")
     mine=${PK_FAMILIES:-$mine}  # a list of one's own (e.g. PK_FAMILIES=qwen2): when the list grows, the parts' three shift
-    step "families-$k" 540 python3 benchmarks/models/families.py --families "$mine" --steps 6 --warmup 3 --timeout 120 \
-      --json "$R/families-$k.json"
+    # (PK_VARIANTS: some of them again, e.g. PK_FAMILIES=mixtral,qwen3_moe PK_VARIANTS=liger; PK_PROFILE=N:
+    # each run's N kernels of most GPU time in one more step, e.g. PK_FAMILIES=gpt_oss PK_VARIANTS=polykernel,compile)
+    step "families-$k" 540 python3 benchmarks/models/families.py --families "$mine" --variants "${PK_VARIANTS:-plain,polykernel,liger,compile}" \
+      --steps 6 --warmup 3 --timeout 120 ${PK_PROFILE:+--profile "$PK_PROFILE"} --json "$R/families-$k.json"
     ;;
   vision-[12])
     # one vision family a part, its four variants (plain and Liger ~30 s each, polykernel's Triton

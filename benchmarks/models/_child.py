@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -48,16 +49,21 @@ def emit(record: dict[str, Any]) -> None:
 
 
 def run_child(script: str, name: str, argv: list[str], timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run ``script --child=name *argv`` and return its record, or ``{"variant", "error"}``."""
+    """Run ``script --child=name *argv`` and return its record, or ``{"variant", "error"}``; either
+    with ``wall_s``, the process's seconds from start to end (imports, builds and compiles included:
+    what a plan's part must leave room for)."""
+    start = time.perf_counter()
     try:
         proc = subprocess.run(
             [sys.executable, script, f"--child={name}", *argv],
             capture_output=True, text=True, timeout=timeout, env=env if env is not None else os.environ.copy(),
         )  # fmt: skip
     except subprocess.TimeoutExpired:
-        return {"variant": name, "error": f"timed out after {timeout} s"}
+        return {"variant": name, "error": f"timed out after {timeout} s", "wall_s": round(time.perf_counter() - start, 1)}
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(_PREFIX)), None)
-    return json.loads(line[len(_PREFIX) :]) if line else {"variant": name, "error": (proc.stderr or proc.stdout)[-3000:]}
+    record = json.loads(line[len(_PREFIX) :]) if line else {"variant": name, "error": (proc.stderr or proc.stdout)[-3000:]}
+    record["wall_s"] = round(time.perf_counter() - start, 1)
+    return record
 
 
 def run_all(

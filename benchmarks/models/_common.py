@@ -207,6 +207,10 @@ def add_family_args(parser: argparse.ArgumentParser, families: list[str], batch:
     parser.add_argument("--tiny", action="store_true", help="tiny configs (a CPU check of the script)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="N",
+        help="one more step under the torch profiler: its N kernels of most time in the record and printed",
+    )  # fmt: skip
 
 
 def family_selection(parser: argparse.ArgumentParser, args: argparse.Namespace, families: Any) -> tuple[list[str], list[str]]:
@@ -224,7 +228,8 @@ def family_argv(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     argv = [f"--batch={args.batch}", f"--seq={args.seq}", f"--steps={args.steps}", f"--warmup={args.warmup}"]
     argv += ["--tiny"] if args.tiny else []
     argv += [f"--device={args.device}"] if args.device else []
-    return argv, {k: getattr(args, k) for k in ("batch", "seq", "steps", "warmup", "tiny", "device")}
+    argv += [f"--profile={args.profile}"] if args.profile else []
+    return argv, {k: getattr(args, k) for k in ("batch", "seq", "steps", "warmup", "tiny", "device", "profile")}
 
 
 def with_variant(model: Any, model_type: str, variant: str) -> Any:
@@ -237,6 +242,11 @@ def with_variant(model: Any, model_type: str, variant: str) -> Any:
 
         patch(model)
     elif variant == "liger":
+        # Liger >= 0.8.5 autotunes its fused MoE kernels on their first call (~170 configs): the MoE
+        # families' Liger runs went past 120 s without a step (h100-2026-12-06-nineteenth/families-4);
+        # its default configs instead, as moe_train.py's liger[fixed] (read at import; a value set
+        # by whoever runs the script wins)
+        os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
 
         if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
@@ -300,17 +310,37 @@ def family_child(args: argparse.Namespace, build: Callable[[str, Any, Any], tupl
             tokens_per_second=args.batch * args.seq / median,
             peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         )
+        if args.profile:  # after the timed steps and the peak: the profiler's own memory and time stay out of both
+            record["kernels"] = top_kernels(step, sync, device, args.profile)
         if variant == "polykernel":
             import polykernel
             from polykernel.integrations.transformers import patched
 
             record["patched"] = {k: (v if isinstance(v, str) else len(v)) for k, v in patched(model).items()}
             record["ops"] = sorted({(d["op"], d["impl"]) for d in polykernel.decisions()})
+        elif variant == "liger":
+            record["liger_fused_moe_autotune"] = os.environ.get("LIGER_FUSED_MOE_AUTOTUNE")
     except Exception as exc:  # one family failing must not lose the others' rows
         import traceback
 
         record["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"
     return record
+
+
+def top_kernels(step: Callable[[], Any], sync: Callable[[], None], device: Any, n: int) -> list[dict[str, Any]]:
+    """One ``step()`` under the torch profiler: the ``n`` kernels (on a CPU: ops) of most self time,
+    each ``{"name", "us", "calls", "share"}`` (its share of all the step's kernel time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        step()
+        sync()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [(e.key, getattr(e, attr), e.count) for e in prof.key_averages() if getattr(e, attr) > 0]
+    total = sum(us for _, us, _ in events) or 1.0
+    events.sort(key=lambda e: -e[1])
+    return [{"name": k, "us": round(us, 1), "calls": c, "share": round(us / total, 4)} for k, us, c in events[:n]]
 
 
 def run_families(script: str, families: list[str], variants: list[str], argv: list[str], timeout: float, out: Any) -> list[dict[str, Any]]:
@@ -329,7 +359,9 @@ def run_families(script: str, families: list[str], variants: list[str], argv: li
             else:
                 mem = rec["peak_memory_bytes"]
                 mem_text = f"{mem / 2**30:6.2f} GiB" if mem is not None else "      -"
-                line = f"{family:12s} {variant:10s} {rec['tokens_per_second']:10.0f} tok/s {mem_text}  loss {rec['first_loss']:.4f}"
+                line = f"{family:12s} {variant:10s} {rec['tokens_per_second']:10.0f} tok/s {mem_text}  loss {rec['first_loss']:.4f}  ({rec['wall_s']:.0f} s)"
+            for k in rec.get("kernels", []):  # --profile
+                line += f"\n    {k['share']:6.1%} {k['us'] / 1e3:9.2f} ms {k['calls']:5d}x  {k['name'][:100]}"
             out.add(rec, line)
     summary = summarize_families(out.rows)
     for row in summary:

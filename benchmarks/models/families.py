@@ -202,7 +202,8 @@ def main() -> None:
     families, variants = _common.family_selection(parser, args, FAMILIES)
     argv, setup = _common.family_argv(args)
     out = RowFile(args.json, {"setup": setup})  # each run's record kept as it ends (a cut run keeps them)
-    announce(len(families) * len(variants), per_case_s=10 if args.tiny else 120, what="runs", path=args.json)
+    # a run on an H100: 12-18 s, torch.compile's 40-71 s (benchmarks/results/h100-2026-12-06-nineteenth/)
+    announce(len(families) * len(variants), per_case_s=10 if args.tiny else 30, what="runs", path=args.json)
     summary = _common.run_families(__file__, families, variants, argv, args.timeout, out)
     out.finish(summary=summary)
 

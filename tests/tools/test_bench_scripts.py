@@ -32,6 +32,7 @@ NO_ROW_FILE = {
     "models/decode_profile.py": "JSONL, a line appended (file closed) per row as measured",
     "parity_power.py": "a CPU audit of the parity harness (mutants killed or not), printed per mutant: no measurement",
     "fit_gpu_parts.py": "re-cuts staged payloads into parts: measures nothing",
+    "models/plot_families.py": "draws families.py's results files: measures nothing",
 }
 # script -> why it prints no estimate
 NO_ESTIMATE = {
@@ -41,6 +42,7 @@ NO_ESTIMATE = {
     "kernels/moe_paths.py": "not yet: edited elsewhere",
     "parity_power.py": "measures nothing (verdicts, not times)",
     "fit_gpu_parts.py": "measures nothing (seconds of file copies)",
+    "models/plot_families.py": "measures nothing (draws a picture)",
 }
 
 

@@ -117,3 +117,60 @@ def test_the_compilers_environment_passes_through(tmp_path):
     seen = dict(line.split("=", 1) for line in (out / "env.txt").read_text().splitlines() if "=" in line)
     assert seen["CC"] == "/opt/gcc/bin/gcc" and seen["CXX"] == "/opt/gcc/bin/g++"
     assert seen["TRITON_CACHE_DIR"] == f"{cc}/triton" and seen["TORCHINDUCTOR_CACHE_DIR"] == f"{cc}/inductor"
+
+
+def _wheel(folder: Path, name: str = "pkfake", version: str = "0.1") -> Path:
+    """A one-module wheel ``name`` (``import name; name.VERSION``), written by hand."""
+    import zipfile
+
+    dist = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": f"VERSION = {version!r}\n",
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{dist}/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{dist}/RECORD"])
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for member, text in files.items():
+            z.writestr(member, text)
+    return path
+
+
+@pytest.mark.skipif(shutil.which("flock") is None, reason="needs flock")
+def test_parts_started_side_by_side_install_the_wheels_once(tmp_path):
+    """Two parts' pip runs into one --target at once failed, and one part ran without Liger
+    (benchmarks/results/h100-2026-12-06-nineteenth/gpu-norms4.out): parts started side by side take
+    turns, one installs the carried wheels, and every part's steps import them."""
+    home, cc, out, work, site = (tmp_path / d for d in ("home", "cc", "out", "work", "site"))
+    for d in (home, out, work / ".whl"):
+        d.mkdir(parents=True)
+    _wheel(work / ".whl")
+    text = PLAN.read_text()
+    anchor = "\ngpu_tests() {"
+    assert anchor in text
+    plan = tmp_path / "plan.sh"
+    # the part's set-up without its probe of torch and the GPU, then what a step would import
+    probe = 'python3 -c "import torch, triton;'
+    assert probe in text
+    body = text.replace(probe, 'true || python3 -c "', 1)
+    body = body.replace(anchor, f'\npeers; python3 -c "import pkfake; print(pkfake.__file__)" > "$OUT/seen-$$.txt"; exit 0{anchor}', 1)
+    plan.write_text(body)
+    env = {**_env(home, cc, out), "PK_SITE": str(site)}
+    procs = [
+        subprocess.Popen(["bash", str(plan), "gpu-any"], cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(3)
+    ]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outputs
+    assert sum("wheels installed" in o for o in outputs) == 1, outputs
+    seen = [f.read_text().strip() for f in out.glob("seen-*.txt")]
+    assert seen == [str(site / "pkfake" / "__init__.py")] * 3, (seen, outputs)
+    # a new set of wheels on the same machine is installed again; the same set is not
+    (work / ".whl" / "pkfake-0.1-py3-none-any.whl").unlink()
+    _wheel(work / ".whl", version="0.2")
+    r = subprocess.run(["bash", str(plan), "gpu-any"], cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "wheels installed" in r.stdout, r.stdout + r.stderr
+    assert "VERSION = '0.2'" in (site / "pkfake" / "__init__.py").read_text()
+    r = subprocess.run(["bash", str(plan), "gpu-any"], cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "wheels installed" not in r.stdout, r.stdout + r.stderr

@@ -78,11 +78,15 @@ def _check_plain_and_polykernel(rows: dict) -> None:
 
 @pytest.mark.parametrize("family", NEW_TEXT_FAMILIES)
 def test_new_text_family_tiny_run(family, tmp_path):
-    stdout, data = _run("families.py", tmp_path, "--families", family, "--variants", "plain,polykernel")
+    stdout, data = _run("families.py", tmp_path, "--families", family, "--variants", "plain,polykernel", "--profile", "3")
     assert stdout.startswith("estimate: 2 runs"), stdout[:200]  # announced before measuring
     assert data["complete"]
     rows = {r["variant"]: r for r in data["rows"]}
     assert list(rows) == ["plain", "polykernel"] and {r["family"] for r in data["rows"]} == {family}
+    assert all(r["wall_s"] > 0 for r in data["rows"]) and "s)\n" in stdout  # each process's time, kept and printed
+    for r in data["rows"]:  # --profile: the step's three ops of most time (a CPU has no kernels), kept and printed
+        assert len(r["kernels"]) == 3 and r["kernels"][0]["us"] >= r["kernels"][-1]["us"] > 0, r["kernels"]
+        assert f"x  {r['kernels'][0]['name']}" in stdout
     _check_plain_and_polykernel(rows)
     (summary,) = data["summary"]
     assert summary["family"] == family and abs(summary["polykernel_loss_minus_plain"]) < 1e-3
@@ -101,3 +105,25 @@ def test_vision_family_tiny_run(family, tmp_path):
     assert rows["polykernel"]["patched"]["rope"] == vision + families.TINY["num_hidden_layers"]  # the vision blocks' rotary too
     liger = rows["liger"]
     assert liger["error"] if "error" in liger else math.isclose(liger["first_loss"], rows["plain"]["first_loss"], rel_tol=1e-3)
+
+
+def test_plot_families_reads_each_files_gpu_and_lets_the_last_file_win(tmp_path):
+    plot_families = load_benchmark("plot_families")
+
+    def rows(folder, gpu, runs):
+        folder.mkdir()
+        (folder / "gpu.csv").write_text(f"name, clocks.max.sm [MHz], memory.total [MiB]\n{gpu}, 1980 MHz, 81559 MiB\n")
+        path = folder / "families.json"
+        recs = [{"family": f, "variant": v, "tokens_per_second": t} for f, v, t in runs]
+        path.write_text(json.dumps({"rows": [*recs, {"family": "x", "variant": "liger", "error": "timed out"}]}))
+        return path
+
+    old = rows(tmp_path / "a", "NVIDIA H200", [("llama", "plain", 100.0), ("llama", "polykernel", 150.0)])
+    new = rows(tmp_path / "b", "NVIDIA H100 80GB HBM3", [("llama", "plain", 50.0), ("llama", "polykernel", 60.0), ("llama", "liger", 55.0)])
+    table = plot_families.speedups([old, new])
+    assert table == {"llama": {"gpu": "H100", "polykernel": pytest.approx(1.2), "liger": pytest.approx(1.1), "compile": None}}
+    assert plot_families.speedups([new, old])["llama"] == {"gpu": "H200", "polykernel": 1.5, "liger": None, "compile": None}
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "f.png"
+    plot_families.plot(table, png, "t")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
