@@ -11,6 +11,9 @@ what polykernel ran (``decisions()``).
 
     # the H200 table (one run; ~1B shapes, 8 timed steps after 3 warm-up steps)
     python benchmarks/models/families.py --json benchmarks/results/h200-families.json
+    # where a family's step spends its GPU time: one more step under the torch profiler, its 25
+    # kernels of most time printed and kept in the record (``kernels``)
+    python benchmarks/models/families.py --families gpt_oss --variants polykernel,compile --profile 25 --json /tmp/gpt_oss.json
     # a quick check of the script on the CPU (tiny shapes, plain and polykernel)
     python benchmarks/models/families.py --tiny --variants plain,polykernel --steps 1 --warmup 1 --json /tmp/families.json
 
