@@ -1,0 +1,144 @@
+"""Attention with sinks (gpt_oss: a learned logit per head joins each row's softmax and is
+dropped after it) on torch's own fused attention kernels, where transformers runs it eagerly
+(``_supports_sdpa = False``: every layer materialises the scores per head and softmaxes them).
+
+The sink is folded into the log-sum-exp: with ``lse`` a row's log-sum-exp of its masked, scaled
+scores and ``s`` the head's sink, ``lse' = logaddexp(lse, s)`` and the output is
+``O · exp(lse − lse')``. The fused backward, given ``(O', lse')`` for ``(O, lse)``, recomputes the
+sink-normalised probabilities ``exp(S − lse')``, and its ``D = rowsum(dO' ∘ O')`` is the extended
+softmax's too (the sink's value row is zero), so its dq, dk, dv are exact; the sink's gradient is
+``−Σ_{b,q} exp(s − lse') · D``. Kernels: the memory-efficient attention on CUDA (it takes the
+model's additive mask as a bias and returns the log-sum-exp), the flash attention for CPUs on
+the CPU.
+
+Not installed by ``patch`` yet: :func:`sink_attention_forward` is the drop-in for gpt_oss's
+``eager_attention_forward``, to be wired in once its GPU test (``tests/integrations/
+test_sink_attention.py``) has passed on the H200 (notes/PERF.md, 2026-12-06).
+
+>>> import torch
+>>> q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+>>> sink_attention(q, k, v, torch.zeros(2), None, 8**-0.5).shape
+torch.Size([1, 2, 5, 8])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+_BIAS_ALIGN = 16  # the memory-efficient kernel reads its bias rows in blocks of 16 elements
+
+
+def _aligned_bias(bias: torch.Tensor, heads: int) -> torch.Tensor:
+    """``bias`` ([B, 1 or H, Lq, Lk]) as the CUDA kernel reads it: broadcast to ``heads`` without a
+    copy, its rows in storage padded to a multiple of 16 elements (the values past Lk are never read)."""
+    b, h, lq, lk = bias.shape
+    if lk % _BIAS_ALIGN or bias.stride(-1) != 1:
+        padded = bias.new_zeros(b, h, lq, -(-lk // _BIAS_ALIGN) * _BIAS_ALIGN)
+        padded[..., :lk] = bias
+        bias = padded[..., :lk]
+    return bias.expand(b, heads, lq, lk)
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float) -> tuple[Any, ...]:
+    """The fused kernel's output, its log-sum-exp (fp32; on CUDA padded to a multiple of 32 rows)
+    and what its backward needs besides."""
+    if q.device.type == "cuda":
+        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, False, scale=scale)
+        return out, lse, (seed, offset)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, bias is None, attn_mask=bias, scale=scale)
+    return out, lse, None
+
+
+def _backward(
+    go: torch.Tensor, saved: tuple[torch.Tensor, ...], bias: torch.Tensor | None, state: Any, scale: float
+) -> tuple[torch.Tensor, ...]:
+    q, k, v, out, lse = saved
+    if q.device.type == "cuda":
+        seed, offset = state
+        grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            go, q, k, v, bias, out, lse, seed, offset, 0.0, [True, True, True, False], False, scale=scale
+        )
+        return grads[:3]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        go, q, k, v, out, lse, 0.0, bias is None, attn_mask=bias, scale=scale
+    )
+
+
+def _acc(x: torch.Tensor) -> torch.dtype:
+    """The sink's arithmetic: fp32, or fp64 for fp64 inputs."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+class _SinkAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, bias: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
+        out, lse, state = _forward(q, k, v, bias, scale)
+        rows, acc = q.shape[-2], _acc(q)
+        sink = sinks.to(acc).view(1, -1, 1)
+        with_sink = torch.logaddexp(lse[..., :rows].to(acc), sink).to(lse.dtype)
+        o = (out.to(acc) * torch.exp(lse[..., :rows].to(acc) - with_sink).unsqueeze(-1)).to(out.dtype)
+        lse = lse.clone()  # the backward's log-sum-exp: the sink's (its padding rows as they were)
+        lse[..., :rows] = with_sink
+        ctx.save_for_backward(q, k, v, o, lse, sinks)
+        ctx.bias, ctx.state, ctx.scale = bias, state, scale
+        return o
+
+    @staticmethod
+    def backward(ctx: Any, go: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, o, lse, sinks = ctx.saved_tensors
+        go = go.contiguous()
+        dq, dk, dv = _backward(go, (q, k, v, o, lse), ctx.bias, ctx.state, ctx.scale)
+        rows, acc = q.shape[-2], _acc(q)
+        d = (go.to(acc) * o.to(acc)).sum(-1)  # [B, H, Lq]
+        p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse[..., :rows].to(acc))
+        dsinks = -(p_sink * d).sum((0, 2)).to(sinks.dtype)
+        return dq, dk, dv, dsinks, None, None
+
+
+def sink_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Softmax attention whose every row also normalises over ``sinks[h]`` (a logit with a zero
+    value row): [B, H, Lq, D] from query [B, H, Lq, D], key and value [B, H, Lk, D] (as many heads),
+    ``mask`` an additive [B, 1 or H, Lq, Lk] bias (transformers' eager mask) or None (causal)."""
+    q, k, v = (t.contiguous() for t in (query, key, value))
+    bias = None
+    if mask is not None:
+        bias = mask.to(q.dtype)
+        bias = _aligned_bias(bias, q.shape[1]) if q.device.type == "cuda" else bias.expand(q.shape[0], q.shape[1], *bias.shape[-2:])
+    return _SinkAttention.apply(q, k, v, sinks, bias, scale)
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return x
+    b, h, n, d = x.shape
+    return x[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
+
+
+def sink_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None] | None:
+    """gpt_oss's ``eager_attention_forward`` on the fused kernels: ``(output [B, Lq, H, D], None)``,
+    or None where they do not apply (dropout, a CUDA call without a mask, no ``sinks`` on the
+    module): the caller then runs transformers' own."""
+    sinks = getattr(module, "sinks", None)
+    if dropout or sinks is None or (attention_mask is None and query.device.type == "cuda"):
+        return None
+    groups = getattr(module, "num_key_value_groups", query.shape[1] // key.shape[1])
+    k, v = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    mask = None if attention_mask is None else attention_mask[:, :, :, : k.shape[-2]]
+    out = sink_attention(query, k, v, sinks, mask, scaling)
+    return out.transpose(1, 2).contiguous(), None
