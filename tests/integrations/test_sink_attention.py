@@ -80,6 +80,19 @@ def test_matches_the_formula_gpu(dtype, kind):
     assert max(errors) <= BOUND[dtype], dict(zip(("out", "dq", "dk", "dv", "dsinks"), errors))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_mask_of_one_sequence_serves_the_batch(device):
+    gen = torch.Generator(device=device).manual_seed(2)
+    q, k, v = (torch.randn(3, 2, 21, 8, device=device, generator=gen) for _ in range(3))
+    sinks = torch.randn(2, device=device, generator=gen)
+    one = _mask("sliding", 1, 21, 21, torch.float32, device)
+    torch.testing.assert_close(sink_attention(q, k, v, sinks, one, 0.3), sink_attention(q, k, v, sinks, one.expand(3, 1, 21, 21), 0.3))
+    ref = _formula(q, k, v, sinks, one, 0.3)
+    torch.testing.assert_close(
+        sink_attention(q, k, v, sinks, one, 0.3).double(), ref, rtol=0, atol=BOUND[torch.float32] * ref.abs().max().item()
+    )
+
+
 def _gpt_oss_attention():
     transformers = pytest.importorskip("transformers")
     modeling = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")

@@ -31,15 +31,16 @@ from torch import nn
 _BIAS_ALIGN = 16  # the memory-efficient kernel reads its bias rows in blocks of 16 elements
 
 
-def _aligned_bias(bias: torch.Tensor, heads: int) -> torch.Tensor:
-    """``bias`` ([B, 1 or H, Lq, Lk]) as the CUDA kernel reads it: broadcast to ``heads`` without a
-    copy, its rows in storage padded to a multiple of 16 elements (the values past Lk are never read)."""
+def _aligned_bias(bias: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
+    """``bias`` ([1 or B, 1 or H, Lq, Lk]) as the CUDA kernel reads it: broadcast to ``batch`` and
+    ``heads`` without a copy, its rows in storage padded to a multiple of 16 elements (the values
+    past Lk are never read)."""
     b, h, lq, lk = bias.shape
     if lk % _BIAS_ALIGN or bias.stride(-1) != 1:
         padded = bias.new_zeros(b, h, lq, -(-lk // _BIAS_ALIGN) * _BIAS_ALIGN)
         padded[..., :lk] = bias
         bias = padded[..., :lk]
-    return bias.expand(b, heads, lq, lk)
+    return bias.expand(batch, heads, lq, lk)
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float) -> tuple[Any, ...]:
@@ -105,12 +106,13 @@ def sink_attention(
 ) -> torch.Tensor:
     """Softmax attention whose every row also normalises over ``sinks[h]`` (a logit with a zero
     value row): [B, H, Lq, D] from query [B, H, Lq, D], key and value [B, H, Lk, D] (as many heads),
-    ``mask`` an additive [B, 1 or H, Lq, Lk] bias (transformers' eager mask) or None (causal)."""
+    ``mask`` an additive [1 or B, 1 or H, Lq, Lk] bias (transformers' eager mask) or None (causal)."""
     q, k, v = (t.contiguous() for t in (query, key, value))
     bias = None
     if mask is not None:
         bias = mask.to(q.dtype)
-        bias = _aligned_bias(bias, q.shape[1]) if q.device.type == "cuda" else bias.expand(q.shape[0], q.shape[1], *bias.shape[-2:])
+        batch, heads = q.shape[:2]
+        bias = _aligned_bias(bias, batch, heads) if q.device.type == "cuda" else bias.expand(batch, heads, *bias.shape[-2:])
     return _SinkAttention.apply(q, k, v, sinks, bias, scale)
 
 
