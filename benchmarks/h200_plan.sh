@@ -133,6 +133,7 @@ dry() {  # dry LIMIT DECLARED COMMAND...: in a dry run, the step ($name) as a JS
 }
 
 SITE=${PK_SITE:-/tmp/site}  # where the carried wheels (.whl/) go (a test points it elsewhere)
+installed() { [ -n "$1" ] && [ "$(cat "$SITE/.wheels" 2>/dev/null)" = "$1" ]; }  # installed WHEELS: that set is in $SITE
 peers() {  # whichever staged setups came with this command (idempotent)
   local wheels=""  # the carried wheels' names and sizes, as a checksum: installed once a machine
   if [ -z "${PK_NO_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then  # e.g. liger-kernel alone, without the CuTeDSL front
@@ -141,7 +142,7 @@ peers() {  # whichever staged setups came with this command (idempotent)
   (  # the installs, one part at a time: parts started side by side wait for the first (two pip runs
     # into one --target at once failed, and that part ran without Liger: h100-2026-12-06-nineteenth/gpu-norms4.out)
     command -v flock >/dev/null && flock 9
-    if [ -n "$wheels" ] && [ "$(cat "$SITE/.wheels" 2>/dev/null)" != "$wheels" ]; then
+    if [ -n "$wheels" ] && ! installed "$wheels"; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
         && echo "$wheels" >"$SITE/.wheels" && echo "wheels installed in $SITE"
     fi
@@ -149,7 +150,7 @@ peers() {  # whichever staged setups came with this command (idempotent)
     [ -f .gpu/serving/setup.sh ] && bash .gpu/serving/setup.sh | tail -1
     [ -f .gpu/trl/setup.sh ] && bash .gpu/trl/setup.sh  # TRL, datasets, Liger (benchmarks/stage_trl.sh)
   ) 9>"$SITE.lock"
-  if [ -n "$wheels" ] && [ "$(cat "$SITE/.wheels" 2>/dev/null)" = "$wheels" ]; then export PYTHONPATH=$PYTHONPATH:$SITE; fi
+  if installed "$wheels"; then export PYTHONPATH=$PYTHONPATH:$SITE; fi
   [ -f /opt/pk/env.sh ] && source /opt/pk/env.sh
   [ -f .gpu/serving/setup.sh ] && source /opt/pk/serving/env.sh
   if [ -f .gpu/trl/setup.sh ] && [ -f "${PK_TRL_DIR:-/opt/pk/trl}/env.sh" ]; then source "${PK_TRL_DIR:-/opt/pk/trl}/env.sh"; fi

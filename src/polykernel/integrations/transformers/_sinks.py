@@ -80,11 +80,11 @@ class _SinkAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         out, lse, state = _forward(q, k, v, bias, scale)
         rows, acc = q.shape[-2], _acc(q)
-        sink = sinks.to(acc).view(1, -1, 1)
-        with_sink = torch.logaddexp(lse[..., :rows].to(acc), sink).to(lse.dtype)
-        o = (out.to(acc) * torch.exp(lse[..., :rows].to(acc) - with_sink).unsqueeze(-1)).to(out.dtype)
+        lse_q = lse[..., :rows].to(acc)
+        with_sink = torch.logaddexp(lse_q, sinks.to(acc).view(1, -1, 1))
+        o = (out.to(acc) * torch.exp(lse_q - with_sink).unsqueeze(-1)).to(out.dtype)
         lse = lse.clone()  # the backward's log-sum-exp: the sink's (its padding rows as they were)
-        lse[..., :rows] = with_sink
+        lse[..., :rows] = with_sink.to(lse.dtype)
         ctx.save_for_backward(q, k, v, o, lse, sinks)
         ctx.bias, ctx.state, ctx.scale = bias, state, scale
         return o
