@@ -132,6 +132,7 @@ FAMILIES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "head_dim": 64,  # the rotary part's width (the config's head_dim is what its rotary embedding uses)
             "qk_nope_head_dim": 128,
             "v_head_dim": 128,
+            "num_key_value_heads": 16,  # MLA: every head has its own keys (with BASE's 8, SDPA saw 16 query and 32 key heads)
         },
         {
             "n_routed_experts": 4,
@@ -147,6 +148,7 @@ FAMILIES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "head_dim": 8,
             "qk_nope_head_dim": 8,
             "v_head_dim": 16,
+            "num_key_value_heads": 4,
         },
     ),
     "llama4_text": (

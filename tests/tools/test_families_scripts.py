@@ -59,6 +59,26 @@ def test_every_family_is_about_1b():
     assert not outside, outside
 
 
+@pytest.mark.parametrize("family", sorted(families.FAMILIES))
+def test_every_full_size_config_runs_a_step_on_the_meta_device(family):
+    # the GPU run's first step at the full widths, its shapes only (two layers, one short sequence,
+    # no memory): a config the model cannot run (2026-12-06: deepseek_v3 with BASE's 8 KV heads, MLA
+    # giving every head its own keys) fails here, not on the device
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = families.config_for(family, tiny=False)
+    config.num_hidden_layers = 2
+    if family == "deepseek_v3":
+        config.first_k_dense_replace = 1  # one dense layer, one MoE layer
+    with torch.device("meta"):  # bf16 as on the GPU (transformers' grouped_mm MoE takes no float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        ids = torch.zeros(1, 16, dtype=torch.long)
+        out = model(input_ids=ids, labels=ids)
+    assert out.logits.shape == (1, 16, config.vocab_size)
+    out.loss.backward()
+
+
 def _run(script: str, tmp_path, *args: str) -> tuple[str, dict]:
     out = tmp_path / "rows.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]), "CUDA_VISIBLE_DEVICES": ""}
@@ -123,6 +143,12 @@ def test_plot_families_reads_each_files_gpu_and_lets_the_last_file_win(tmp_path)
     table = plot_families.speedups([old, new])
     assert table == {"llama": {"gpu": "H100", "polykernel": pytest.approx(1.2), "liger": pytest.approx(1.1), "compile": None}}
     assert plot_families.speedups([new, old])["llama"] == {"gpu": "H200", "polykernel": 1.5, "liger": None, "compile": None}
+    # a rerun of some variants (no plain row) fills them in against the plain row on the same GPU kind only
+    rerun = rows(tmp_path / "c", "NVIDIA H100 80GB HBM3", [("llama", "compile", 70.0), ("qwen2", "compile", 9.0)])
+    assert plot_families.speedups([old, new, rerun]) == {
+        "llama": {"gpu": "H100", "polykernel": pytest.approx(1.2), "liger": pytest.approx(1.1), "compile": pytest.approx(1.4)}
+    }
+    assert plot_families.speedups([new, old, rerun])["llama"]["compile"] is None  # plain measured on the H200
     pytest.importorskip("matplotlib")
     png = tmp_path / "f.png"
     plot_families.plot(table, png, "t")
