@@ -47,6 +47,16 @@ def fused_norm(peer: str, a: Any) -> str | None:
     return reason
 
 
+def gelu_and_mul(peer: str, a: Any) -> str | None:
+    """gelu_and_mul: the erf form only. Both peers' tanh kernels use the hardware's approximate
+    tanh (``tanh.approx.f32``, ~2^-11 relative): where gelu's ``1 + tanh`` cancels (a negative
+    gate) that is an absolute error of ~2^-12·|gate·up|, 1.4-1.6x the op's error model on an H100
+    (bf16 and fp16, 64 and 8192 x 28672; benchmarks/results/h100-2026-12-06-twentieth/)."""
+    if a.approximate == "tanh":
+        return f"{peer}'s gelu_tanh_and_mul uses the approximate hardware tanh (tanh.approx.f32): outside the op's error model"
+    return and_mul(peer, a)
+
+
 def and_mul(peer: str, a: Any) -> str | None:
     """silu_and_mul / gelu_and_mul: both peers' kernels load x's halves and write out's rows 16
     bytes at a time, from ``x + row·2d`` and ``x + row·2d + d``, so each half row, d elements, must

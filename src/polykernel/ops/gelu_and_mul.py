@@ -7,8 +7,9 @@ GELU, ``"tanh"`` its tanh approximation. Math in fp32 (fp64 stays fp64), the res
 
 vLLM's CUDA kernel rounds ``gelu(gate)`` to x's dtype before the multiply (FlashInfer's and
 sgl-kernel's round once, as here), and drops the last element of an odd last dim (an error here).
-FlashInfer's tanh form uses the hardware's approximate tanh (``tanh.approx.f32``); its impl is
-held to this op's error model like every other.
+FlashInfer's and sgl-kernel's tanh kernels use the hardware's approximate tanh
+(``tanh.approx.f32``) and missed this op's error model on the GPU: their gates refuse the tanh form
+(``backends/_serving_gates.py``).
 """
 
 from __future__ import annotations
@@ -71,9 +72,9 @@ def cases(device: torch.device | str, dtype: torch.dtype, large: bool = False) -
     tanh = [Case(f"{c.label}-tanh", c.args, {"approximate": "tanh"}) for c in small[:6]]
     if large:
         # The full-size rows are the only ones whose half rows are multiples of 16 bytes, which the
-        # peers' kernels need (their gates refuse the small ones): without these, FlashInfer's and
-        # sgl-kernel's tanh kernels (FlashInfer's uses tanh.approx.f32) are never compared with the
-        # reference on the GPU.
+        # peers' kernels need (their gates refuse the small ones): these are the cases that found
+        # FlashInfer's and sgl-kernel's tanh kernels outside the error model (their gates now refuse
+        # the tanh form).
         tanh += [Case(f"{c.label}-tanh", c.args, {"approximate": "tanh"}) for c in out[len(small) :]]
     return out + tanh
 

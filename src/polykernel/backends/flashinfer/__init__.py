@@ -11,7 +11,7 @@ adapters use at once, in parallel: ``python -m polykernel.backends.flashinfer._p
 kernels when ``nvidia-cutlass-dsl`` imports, else its CUDA ones (same math: fp32, one rounding).
 
 Ops: rms_norm (forward only; ``casting="fp32"``, offset 0 or 1), fused_add_rms_norm_, silu_and_mul,
-gelu_and_mul (erf and tanh), rotary_embedding_ (with a key; fp32 cache). Staging it on the H200:
+gelu_and_mul (erf; its tanh kernel is refused), rotary_embedding_ (with a key; fp32 cache). Staging it on the H200:
 ``benchmarks/stage_serving_peers.sh``.
 """
 

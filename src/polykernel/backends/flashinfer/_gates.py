@@ -22,7 +22,7 @@ def silu_and_mul(a: Any) -> str | None:
 
 
 def gelu_and_mul(a: Any) -> str | None:
-    return shared.and_mul("FlashInfer", a)
+    return shared.gelu_and_mul("FlashInfer", a)
 
 
 def rotary_embedding_(a: Any) -> str | None:

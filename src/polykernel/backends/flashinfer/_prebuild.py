@@ -19,13 +19,12 @@ import time
 from typing import Any
 
 # (FlashInfer module, spec generator, its arguments): the JIT modules behind our adapters
-# (silu_and_mul.py, gelu_and_mul.py: erf and tanh; rms_norm.py, fused_add_rms_norm_.py and
+# (silu_and_mul.py, gelu_and_mul.py: erf (its tanh form is refused); rms_norm.py, fused_add_rms_norm_.py and
 # rms_norm_quant_fp8.py: the norm module, the CUDA form FlashInfer takes without nvidia-cutlass-dsl;
 # rotary_embedding_.py: rope)
 MODULES: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
     ("flashinfer.jit.activation", "gen_act_and_mul_module", ("silu",)),
     ("flashinfer.jit.activation", "gen_act_and_mul_module", ("gelu",)),
-    ("flashinfer.jit.activation", "gen_act_and_mul_module", ("gelu_tanh",)),
     ("flashinfer.jit.norm", "gen_norm_module", ()),
     ("flashinfer.jit.rope", "gen_rope_module", ()),
 )

@@ -23,7 +23,7 @@ IMPLS = {
     "serving.gelu_and_mul": FLASHINFER.impl(
         rank=70,
         supports_backward=False,
-        description="FlashInfer gelu_and_mul / gelu_tanh_and_mul (rows in multiples of 16 bytes; dense x and out, else copies)",
+        description="FlashInfer gelu_and_mul, erf only (its tanh kernel misses the error model; rows in multiples of 16 bytes; dense x and out, else copies)",
         predicate=_gates.gelu_and_mul,
         rank_for=_gates.gelu_and_mul_rank,
         graph_rank_for=_gates.gelu_and_mul_graph_rank,

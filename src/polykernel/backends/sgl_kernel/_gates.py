@@ -20,7 +20,7 @@ def silu_and_mul(a: Any) -> str | None:
 
 
 def gelu_and_mul(a: Any) -> str | None:
-    return shared.and_mul("sgl-kernel", a)
+    return shared.gelu_and_mul("sgl-kernel", a)
 
 
 def rotary_embedding_(a: Any) -> str | None:

@@ -22,7 +22,7 @@ IMPLS = {
     "serving.gelu_and_mul": SGL_KERNEL.impl(
         rank=75,
         supports_backward=False,
-        description="sgl-kernel gelu_and_mul / gelu_tanh_and_mul (rows in multiples of 16 bytes; dense x and out, else copies)",
+        description="sgl-kernel gelu_and_mul, erf only (its tanh kernel misses the error model; rows in multiples of 16 bytes; dense x and out, else copies)",
         predicate=_gates.gelu_and_mul,
     ),
     # FlashInfer's FusedAddRMSNorm inside sgl-kernel: within the op's error model (see flashinfer's row).
