@@ -130,3 +130,151 @@ def test_the_drop_in_declines_what_the_kernels_do_not_run():
     assert sink_attention_forward(layer, q, k, v, None, 0.25, dropout=0.1) is None  # dropout: transformers' own
     del layer.sinks
     assert sink_attention_forward(layer, q, k, v, None, 0.25) is None  # no sinks: not gpt_oss's attention
+
+
+# -- installed by patch: gpt_oss's attention ------------------------------------------------------
+def _gpt_oss_model(seed: int = 0):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(
+        "gpt_oss", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
+        num_local_experts=2, num_experts_per_tok=1, intermediate_size=32, sliding_window=5, vocab_size=128,
+        layer_types=["sliding_attention", "full_attention"], attn_implementation="eager", experts_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).double()
+    for layer in model.model.layers:
+        torch.nn.init.normal_(layer.self_attn.sinks)
+    return model
+
+
+def _sink_calls(monkeypatch) -> list[int]:
+    """Counts the fused path's calls (the patched attention reaches it through the module's global)."""
+    from polykernel.integrations.transformers import _sinks
+
+    calls: list[int] = []
+    real = _sinks.sink_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_sinks, "sink_attention", counted)
+    return calls
+
+
+def _step(model, ids, mask):
+    """The logits (no labels: the patched loss returns none), then the loss and every gradient."""
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    model.zero_grad()
+    loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits, loss, grads
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "left-padded"])
+def test_patch_runs_gpt_oss_attention_on_the_fused_kernels(monkeypatch, padded):
+    """A patched gpt_oss model (float64) against the same model patched without its sinks
+    attention (transformers' eager attention, the rest polykernel's as before): its loss, logits
+    and every gradient (the sinks' included) agree to float64 roundoff, and every layer's
+    attention ran the fused path (a sliding and a full layer; left padding with rows that see no
+    key)."""
+    from polykernel.integrations.transformers import patch, patched, unpatch
+
+    model = _gpt_oss_model()
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 128, (2, 19), generator=gen)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :6] = 0
+    patch(model, attention_sinks=False)
+    want_logits, want_loss, want_grads = _step(model, ids, mask)
+    calls = _sink_calls(monkeypatch)
+    patch(model)
+    assert patched(model)["attention_sinks"] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert "rope" in patched(model)
+    got_logits, got_loss, got_grads = _step(model, ids, mask)
+    assert len(calls) == 4  # two forwards, both layers each
+    keep = mask.bool()  # (the padded rows' logits are the model's business, not the attention's)
+    torch.testing.assert_close(got_logits[keep], want_logits[keep], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-10, atol=1e-12)
+    assert got_grads.keys() == want_grads.keys() and any("sinks" in n for n in got_grads)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(got_grads[name], g, rtol=1e-9, atol=1e-10 * (1 + g.abs().max().item()), msg=name)
+    unpatch(model)
+    assert "attention_sinks" not in patched(model)
+    _step(model, ids, mask)
+    assert len(calls) == 4  # unpatched: transformers' eager attention again
+
+
+def test_the_switch_and_the_attention_weights(monkeypatch):
+    """``attention_sinks=False`` leaves the eager attention (and rope still patched); with
+    ``rope=False`` the attention is patched for its sinks alone; ``output_attentions=True`` runs
+    the eager path, which returns the weights."""
+    from polykernel.integrations.transformers import patch, patched
+
+    model = _gpt_oss_model()
+    ids = torch.randint(3, 128, (1, 11), generator=torch.Generator().manual_seed(3))
+    calls = _sink_calls(monkeypatch)
+    patch(model, attention_sinks=False)
+    assert "attention_sinks" not in patched(model) and len(patched(model)["rope"]) == 2
+    model(input_ids=ids)
+    assert not calls
+    patch(model, rope=False)
+    assert "rope" not in patched(model) and len(patched(model)["attention_sinks"]) == 2
+    model(input_ids=ids)
+    assert len(calls) == 2
+    out = model(input_ids=ids, output_attentions=True)
+    assert len(calls) == 2  # the weights asked for: eager
+    assert len(out.attentions) == 2 and all(a is not None and a.shape == (1, 4, 11, 11) for a in out.attentions)
+
+
+def test_patch_by_model_type_swaps_the_eager_attention(monkeypatch):
+    from polykernel.integrations.transformers import patch, patched, unpatch
+
+    modeling = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    original = modeling.eager_attention_forward
+    calls = _sink_calls(monkeypatch)
+    try:
+        patch("gpt_oss")
+        assert modeling.eager_attention_forward is not original
+        assert any(n.endswith("eager_attention_forward") for n in patched("gpt_oss")["attention_sinks"])
+        model = _gpt_oss_model()
+        assert patched(model)["attention_sinks"] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+        model(input_ids=torch.randint(3, 128, (1, 7)))
+        assert len(calls) == 2
+        patch(model)  # an instance patch on top: the original eager attention underneath, once
+        model(input_ids=torch.randint(3, 128, (1, 7)))
+        assert len(calls) == 4
+    finally:
+        unpatch("gpt_oss")
+    assert modeling.eager_attention_forward is original
+
+
+def test_a_patched_gpt_oss_compiles_whole(monkeypatch):
+    """torch.compile of the patched model (AOTAutograd, no Inductor: seconds on a CPU): no graph
+    break in the forward, the loss and the sinks' gradients those of the patched model in eager."""
+    import torch._dynamo
+
+    from polykernel.integrations.transformers import patch
+
+    model = patch(_gpt_oss_model().float())
+    ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(4))
+
+    def step(fn):
+        model.zero_grad()
+        loss = fn(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [layer.self_attn.sinks.grad.clone() for layer in model.model.layers]
+
+    want_loss, want_grads = step(model)
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(model)(input_ids=ids, labels=ids).graph_break_count == 0
+    calls = _sink_calls(monkeypatch)
+    torch._dynamo.reset()
+    got_loss, got_grads = step(torch.compile(model, backend="aot_eager"))
+    assert calls  # traced through the fused path
+    torch.testing.assert_close(got_loss, want_loss)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w)

@@ -106,7 +106,7 @@ from torch import nn
 from ._classes import _CLASS_LEFT_ALONE, _CLASS_PATCHES, _patch_classes, _unpatch_classes
 from ._families import _FAMILIES, SUPPORTED_MODEL_TYPES, _config_left_alone  # noqa: F401  (the private two: tests read them here)
 from ._inference_patch import _patch_inference
-from ._install import _LEFT_ALONE, _SAVED, _classify, _kind, _unpatch_model
+from ._install import _LEFT_ALONE, _SAVED, _classify, _kinds, _unpatch_model
 from ._model import _patch_model
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "patch", "patched", "unpatch"]
@@ -126,6 +126,7 @@ def patch(
     fused_linear_cross_entropy: bool = True,
     sdpa_is_causal: bool = True,
     moe_experts: bool = True,
+    attention_sinks: bool = True,
     mode: str = "default",
 ) -> nn.Module | None:
     """Run a Hugging Face model's norms, MLP activations, RoPE and loss on polykernel's ops.
@@ -138,8 +139,11 @@ def patch(
     transformers does outside compile (same result; keeps SDPA's flash/GQA path). ``moe_experts``:
     the routed ``*Experts`` modules (qwen3_moe, mixtral, deepseek_v3: :func:`polykernel.moe_experts`;
     gpt_oss: :func:`polykernel.moe_experts_gpt_oss`; llama4_text: its ``Llama4TextMoe`` block
-    through moe_experts); their routers stay transformers'. Patching again re-applies with the
-    new switches.
+    through moe_experts); their routers stay transformers'. ``attention_sinks``: gpt_oss's
+    attention (a learned sink logit per head, which transformers runs eagerly) on torch's fused
+    attention kernels, exact gradients included (``_sinks.py``); where they do not apply, or the
+    attention weights are asked for (``output_attentions``), transformers' eager attention runs.
+    Patching again re-applies with the new switches.
 
     ``mode="inference"`` (a built Llama): the decoder as a serving engine runs it, on the serving
     ops: the residual stream carried between layers through ``fused_add_rms_norm_``, one merged
@@ -160,6 +164,7 @@ def patch(
         "fused_linear_cross_entropy": fused_linear_cross_entropy,
         "sdpa_is_causal": sdpa_is_causal,
         "moe_experts": moe_experts,
+        "attention_sinks": attention_sinks,
     }
     if isinstance(model, str):
         if mode != "default":
@@ -197,7 +202,7 @@ def unpatch(model: nn.Module | str) -> nn.Module | None:
 
 def patched(model: nn.Module | str) -> dict[str, list[str] | str]:
     """What polykernel runs in ``model``: kind (``rms_norm``, ``swiglu`` or ``geglu`` (the MLPs, by
-    their activation), ``rope``, ``loss``, ``sdpa_is_causal``, ``moe_experts``) -> the qualified names
+    their activation), ``rope``, ``loss``, ``sdpa_is_causal``, ``moe_experts``, ``attention_sinks``) -> the qualified names
     of the modules that run it, whether patched one by one or by model type (a model type: the patched
     class attributes, the MLP classes under ``swiglu``). A kind the model's family has but polykernel cannot express exactly maps to
     ``"left alone: <why>"`` instead (e.g. ``{"l2_norm": "left alone: Llama4's q/k L2 norm has no weight ..."}``,
@@ -223,10 +228,10 @@ def patched(model: nn.Module | str) -> dict[str, list[str] | str]:
         left = {}
         for name, module in model.named_modules():
             left.update(module.__dict__.get(_LEFT_ALONE, {}))  # the patched model may sit in a wrapper (PEFT's)
-            kind = _kind(module)
-            if kind is not None:
+            kinds = _kinds(module)
+            for kind in kinds:
                 out.setdefault(kind, []).append(name)  # type: ignore[union-attr]
-            found = _classify(module) if kind is not None and _SAVED not in module.__dict__ else None
+            found = _classify(module) if kinds and _SAVED not in module.__dict__ else None
             if found is not None:  # patched by model type: what that patch leaves alone
                 for k, why in _CLASS_LEFT_ALONE.get(found[0].model_type, {}).items():
                     left.setdefault(k, why)

@@ -1,5 +1,6 @@
 """The patched attention forwards: transformers' own, as copies whose globals see polykernel's
-rotary functions (``patch``) and, for ``patch(mode="inference")``, the serving attention."""
+rotary functions and, for a family with sinks, its eager attention on the fused kernels
+(``patch``); for ``patch(mode="inference")``, the serving attention."""
 
 from __future__ import annotations
 
@@ -7,23 +8,35 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from . import _fused_attention, _inference
+from . import _fused_attention, _inference, _sinks
 from ._code import _namespace, _with_globals
 from ._families import _Family
 from ._rope import _rope_function
 
-_ROPE_NAMESPACES: dict[str, dict] = {}
+_SINKS = "eager_attention_forward"  # the function a family with sinks runs its attention through
+_ATTENTION_NAMESPACES: dict[tuple[str, bool, bool], dict] = {}
 
 
-def _attention_forward(base: Callable, modeling: types.ModuleType, family: _Family) -> Callable:
-    names = tuple(name for name, _ in family.rope)
-    ns = _ROPE_NAMESPACES.get(modeling.__name__)
+def _attention_forward(base: Callable, modeling: types.ModuleType, family: _Family, rope: bool = True, sinks: bool = False) -> Callable:
+    """``base`` seeing polykernel's rotary functions (``rope``) and, for a family with sinks,
+    :func:`_sinks.eager_with_sinks` as its eager attention (``sinks``). Its kind: ``rope``, else
+    ``attention_sinks``; with both, ``attention_sinks`` is its second kind (``_polykernel_also``)."""
+    calls = tuple(name for name, _ in family.rope) if rope else ()
+    key = (modeling.__name__, rope, sinks)
+    ns = _ATTENTION_NAMESPACES.get(key)
     if ns is None:
-        swapped = {name: _rope_function(getattr(modeling, name), layout) for name, layout in family.rope if hasattr(modeling, name)}
-        ns = _namespace(modeling.__dict__, **swapped)
-        _ROPE_NAMESPACES[modeling.__name__] = ns
-    forward = _with_globals(base, modeling.__dict__, ns, names)
-    forward._polykernel = "rope"  # type: ignore[attr-defined]
+        swapped: dict[str, Any] = {}
+        if rope:
+            swapped.update(
+                {name: _rope_function(getattr(modeling, name), layout) for name, layout in family.rope if hasattr(modeling, name)}
+            )
+        if sinks:
+            eager = getattr(modeling, _SINKS)
+            swapped[_SINKS] = _sinks.eager_with_sinks(getattr(eager, "_polykernel_eager", eager))  # (patched by type: its original)
+        ns = _ATTENTION_NAMESPACES[key] = _namespace(modeling.__dict__, **swapped)
+    forward = _with_globals(base, modeling.__dict__, ns, calls + ((_SINKS,) if sinks else ()))
+    forward._polykernel = "rope" if rope else "attention_sinks"  # type: ignore[attr-defined]
+    forward._polykernel_also = ("attention_sinks",) if rope and sinks else ()  # type: ignore[attr-defined]
     return forward
 
 

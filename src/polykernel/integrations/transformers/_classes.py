@@ -14,6 +14,7 @@ from ._loss import _causal_lm_forward
 from ._mask import _base_model_forward
 from ._moe import _experts_factory
 from ._rope import _rope_function
+from ._sinks import eager_with_sinks
 from ._switches import _enabled, _gated_ops, _requested
 
 logger = logging.getLogger(__package__)
@@ -56,6 +57,8 @@ def _patch_classes(model_type: str, switches: dict[str, bool]) -> None:
         for name, layout in family.rope:
             if hasattr(modeling, name):
                 swap(modeling, name, lambda f, lay=layout: _rope_function(f, lay))
+    if on["attention_sinks"] and family.attention_sinks:
+        swap(modeling, "eager_attention_forward", eager_with_sinks)
     if on["fused_linear_cross_entropy"] or on["cross_entropy"]:
         flce, ce = on["fused_linear_cross_entropy"], on["cross_entropy"]
         for c in classes["causal_lm"]:

@@ -72,6 +72,7 @@ class _Family:
     logit_divisor: str = ""  # config attribute the logits are divided by (the fused loss divides the hidden states)
     experts: str = ""  # the <prefix>Experts layout (_HF_EXPERTS, _GPT_OSS_EXPERTS; _LLAMA4_EXPERTS: <prefix>Moe); "" = none
     logit_softcap: str = ""  # config attribute of cap·tanh(logits / cap) on the logits (the fused loss's softcap)
+    attention_sinks: bool = False  # its eager_attention_forward has sinks (gpt_oss): _sinks.eager_with_sinks runs it
 
     @property
     def module(self) -> str:
@@ -123,6 +124,7 @@ _FAMILIES: dict[str, _Family] = {
             rope=(("apply_rotary_pos_emb", _HALF_TABLES),),
             experts=_GPT_OSS_EXPERTS,
             output="MoeCausalLMOutputWithPast",
+            attention_sinks=True,  # transformers runs it eagerly (no SDPA for sinks)
         ),
         _Family("phi3", "Phi3", _LLAMA_NORM, rope=(("apply_rotary_pos_emb", _PARTIAL),)),  # merged gate_up_proj; partial rotary
         # embedding/residual/attention multipliers live in forwards the patch keeps as they are

@@ -147,6 +147,25 @@ def _kind(module: nn.Module) -> str | None:
     return kind
 
 
+def _kinds(module: nn.Module) -> tuple[str, ...]:
+    """Every kind polykernel runs in ``module``: :func:`_kind`'s, then a patched attention's second
+    (``attention_sinks`` beside ``rope``)."""
+    kind = _kind(module)
+    if kind is None:
+        return ()
+    saved = module.__dict__.get(_SAVED)
+    if saved is not None:
+        slot = _installed_slot(module)
+        fn = module.__dict__.get(slot) if slot is not None else None
+        return (kind, *getattr(getattr(fn, "__func__", None), "_polykernel_also", ()))
+    found = _classify(module)  # patched by model type: the modeling module's eager attention
+    if found is not None and found[1] == "attention" and kind == "rope" and found[0].attention_sinks:
+        eager = getattr(sys.modules.get(found[0].module), "eager_attention_forward", None)
+        if getattr(eager, "_polykernel", None) == "attention_sinks":
+            return (kind, "attention_sinks")
+    return (kind,)
+
+
 def _class_kind(module: nn.Module) -> str | None:
     """The kind of a module whose family's classes ``patch("<model type>")`` patched: its class's
     forward's, or for an attention layer that calls the rotary function, ``rope`` where that
@@ -161,7 +180,10 @@ def _class_kind(module: nn.Module) -> str | None:
     rope = any(getattr(getattr(modeling, name, None), "_polykernel", None) == "rope" for name, _ in family.rope)
     config = getattr(module, "config", None)
     if not rope or not _calls_rope(module) or (config is not None and "rope" in _config_left_alone(family, config)):
-        return None
+        sinks = (
+            family.attention_sinks and getattr(getattr(modeling, "eager_attention_forward", None), "_polykernel", None) == "attention_sinks"
+        )
+        return "attention_sinks" if sinks else None
     return "rope"
 
 

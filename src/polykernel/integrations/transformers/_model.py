@@ -28,8 +28,8 @@ def _experts(base: Callable, layout: str) -> Callable:
     return _experts_factory(layout)(base)
 
 
-def _attention(base: Callable, family: _Family) -> Callable:
-    return _attention_forward(base, importlib.import_module(family.module), family)
+def _attention(base: Callable, family: _Family, rope: bool = True, sinks: bool = False) -> Callable:
+    return _attention_forward(base, importlib.import_module(family.module), family, rope, sinks)
 
 
 def _base_model(base: Callable, family: _Family) -> Callable:
@@ -72,8 +72,11 @@ def _patch_model(model: nn.Module, switches: dict[str, bool]) -> nn.Module:
                     left.setdefault("moe_experts", f"{type(module).__name__}: {why}")
                     continue
                 _install(module, partial(_experts, layout=family.experts))
-            elif role == "attention" and on["rope"] and "rope" not in family_left and _calls_rope(module):
-                _install(module, partial(_attention, family=family))
+            elif role == "attention":
+                rope = on["rope"] and "rope" not in family_left and _calls_rope(module)
+                sinks = on["attention_sinks"] and family.attention_sinks
+                if rope or sinks:
+                    _install(module, partial(_attention, family=family, rope=rope, sinks=sinks))
             elif role == "base_model" and on["sdpa_is_causal"]:
                 _install(module, partial(_base_model, family=family))
             elif role == "causal_lm" and use_loss:

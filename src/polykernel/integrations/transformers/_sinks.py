@@ -11,9 +11,11 @@ softmax's too (the sink's value row is zero), so its dq, dk, dv are exact; the s
 model's additive mask as a bias and returns the log-sum-exp), the flash attention for CPUs on
 the CPU.
 
-Not installed by ``patch`` yet: :func:`sink_attention_forward` is the drop-in for gpt_oss's
-``eager_attention_forward``, to be wired in once its GPU test (``tests/integrations/
-test_sink_attention.py``) has passed on the H200 (notes/PERF.md, 2026-12-06).
+``patch``'s ``attention_sinks`` switch puts :func:`eager_with_sinks` in place of gpt_oss's
+``eager_attention_forward`` (its GPU test, ``tests/integrations/test_sink_attention.py``, passed on
+an H100: benchmarks/results/h100-2026-12-06-twentieth/; notes/PERF.md, 2026-12-06). Where the fused
+kernels do not apply, or transformers collects the attention weights (``output_attentions``),
+transformers' own eager attention runs.
 
 >>> import torch
 >>> q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
@@ -23,6 +25,8 @@ torch.Size([1, 2, 5, 8])
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -144,3 +148,53 @@ def sink_attention_forward(
     mask = None if attention_mask is None else attention_mask[:, :, :, : k.shape[-2]]
     out = sink_attention(query, k, v, sinks, mask, scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _collector() -> Any:
+    """transformers' collector of the outputs a forward was asked for, or None where this
+    transformers has none (its attention weights then come back only when the model asks)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return None
+    return _active_collector
+
+
+def _weights_wanted() -> bool:
+    """Whether transformers is collecting the attention weights (``output_attentions=True``): the
+    fused kernels return none, so the eager attention runs. (Under ``torch.compile`` not asked:
+    transformers' collector is not traced there.)"""
+    if torch.compiler.is_compiling():
+        return False
+    collector = _collector()
+    if collector is None:
+        return False
+    collected = collector.get()
+    return bool(collected) and "attentions" in collected
+
+
+def eager_with_sinks(eager: Callable) -> Callable:
+    """``eager`` (gpt_oss's ``eager_attention_forward``) run on the fused kernels where they apply
+    (:func:`sink_attention_forward`), else ``eager`` itself; the attention weights it returns are
+    None then, as SDPA's are."""
+
+    def eager_attention_forward(
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float,
+        dropout: float = 0.0,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not _weights_wanted():
+            fused = sink_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+            if fused is not None:
+                return fused
+        return eager(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+    eager_attention_forward._polykernel = "attention_sinks"  # type: ignore[attr-defined]
+    eager_attention_forward._polykernel_eager = eager  # type: ignore[attr-defined]
+    return eager_attention_forward

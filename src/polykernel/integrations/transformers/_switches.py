@@ -20,6 +20,7 @@ _SWITCH_OPS = {
     "cross_entropy": ("cross_entropy",),
     "fused_linear_cross_entropy": ("fused_linear_cross_entropy",),
     "sdpa_is_causal": (),  # no polykernel op: how transformers hands the causal mask to SDPA
+    "attention_sinks": (),  # no polykernel op: gpt_oss's attention on torch's fused kernels (_sinks.py)
     "moe_experts": ("moe_experts", "moe_experts_gpt_oss"),  # transformers' Experts layout, gpt-oss's
 }
 
