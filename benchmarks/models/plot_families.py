@@ -1,7 +1,9 @@
 """The families table as one picture: each family's training tokens/s over plain's, per variant
 (polykernel, Liger-Kernel, ``torch.compile``), from ``families.py``'s JSON files, the GPU of each
 file (its ``gpu.csv``, which ``h200_plan.sh`` writes beside it) named with the family. A family in
-several files is drawn from the last one given.
+several files is drawn from the last one given with its plain row; a later file with some variants
+and no plain row (a ``PK_VARIANTS`` rerun) fills in those variants against that plain row, where
+its GPU is the same kind.
 
     python benchmarks/models/plot_families.py --out families.png \\
         benchmarks/results/h200-2026-12-04-third/families-1/families-1.json \\
@@ -30,19 +32,25 @@ def gpu_of(path: Path) -> str:
 
 
 def speedups(paths: list[Path]) -> dict[str, dict[str, Any]]:
-    """Per family (in first-seen order, the last file's rows winning): its GPU and each variant's
-    tokens/s over plain's (None where the variant failed or did not run)."""
+    """Per family (in first-seen order, the last file with its plain row winning): its GPU and
+    each variant's tokens/s over plain's (None where the variant failed or did not run); a file
+    without the plain row fills in its variants against the kept one on the same kind of GPU."""
     out: dict[str, dict[str, Any]] = {}
+    plains: dict[str, float] = {}  # family -> the plain tokens/s its entry is relative to
     for path in paths:
+        gpu = gpu_of(path)
         runs: dict[str, dict[str, dict[str, Any]]] = {}
         for r in json.loads(path.read_text())["rows"]:
             runs.setdefault(r["family"], {})[r["variant"]] = r
         for family, by in runs.items():
+            ok = {v: by[v]["tokens_per_second"] for v in VARIANTS if v in by and "error" not in by[v]}
             plain = by.get("plain")
-            if plain is None or "error" in plain:
-                continue
-            ok = {v: by[v]["tokens_per_second"] / plain["tokens_per_second"] for v in VARIANTS if v in by and "error" not in by[v]}
-            out[family] = {"gpu": gpu_of(path), **{v: ok.get(v) for v in VARIANTS}}
+            if plain is not None and "error" not in plain:
+                plains[family] = plain["tokens_per_second"]
+                out[family] = {"gpu": gpu, **{v: None for v in VARIANTS}}
+            elif plain is not None or family not in out or out[family]["gpu"] != gpu:
+                continue  # (a failed plain row; or nothing to compare with on this kind of GPU)
+            out[family].update({v: tps / plains[family] for v, tps in ok.items()})
     return out
 
 
