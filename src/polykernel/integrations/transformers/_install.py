@@ -130,14 +130,17 @@ def _uninstall(module: nn.Module) -> None:
     _restore(module.__dict__, slot, saved[1], module)
 
 
+def _installed_forward(module: nn.Module) -> Callable | None:
+    """The function of the forward :func:`_install` gave ``module`` (None where it was replaced)."""
+    slot = _installed_slot(module)
+    return module.__dict__[slot].__func__ if slot is not None else None
+
+
 def _kind(module: nn.Module) -> str | None:
     """What polykernel runs in ``module``: its own patched forward's kind, else (``patch("<model
     type>")``) its patched class's; a gated MLP's is its activation's op (swiglu or geglu)."""
-    saved = module.__dict__.get(_SAVED)
-    if saved is not None:
-        slot = _installed_slot(module)
-        fn = module.__dict__.get(slot) if slot is not None else None
-        kind = getattr(getattr(fn, "__func__", None), "_polykernel", None)
+    if _SAVED in module.__dict__:
+        kind = getattr(_installed_forward(module), "_polykernel", None)
     else:
         kind = _class_kind(module)
     if kind == _GATED_MLP:  # one forward for both: the module's activation says which op runs
@@ -153,17 +156,18 @@ def _kinds(module: nn.Module) -> tuple[str, ...]:
     kind = _kind(module)
     if kind is None:
         return ()
-    saved = module.__dict__.get(_SAVED)
-    if saved is not None:
-        slot = _installed_slot(module)
-        fn = module.__dict__.get(slot) if slot is not None else None
-        return (kind, *getattr(getattr(fn, "__func__", None), "_polykernel_also", ()))
+    if _SAVED in module.__dict__:
+        return (kind, *getattr(_installed_forward(module), "_polykernel_also", ()))
     found = _classify(module)  # patched by model type: the modeling module's eager attention
-    if found is not None and found[1] == "attention" and kind == "rope" and found[0].attention_sinks:
-        eager = getattr(sys.modules.get(found[0].module), "eager_attention_forward", None)
-        if getattr(eager, "_polykernel", None) == "attention_sinks":
-            return (kind, "attention_sinks")
+    if kind == "rope" and found is not None and found[1] == "attention" and _sinks_swapped(found[0]):
+        return (kind, "attention_sinks")
     return (kind,)
+
+
+def _sinks_swapped(family: _Family) -> bool:
+    """Whether ``patch("<model type>")`` swapped the family's eager attention with sinks."""
+    modeling = sys.modules.get(family.module)
+    return family.attention_sinks and getattr(getattr(modeling, "eager_attention_forward", None), "_polykernel", None) == "attention_sinks"
 
 
 def _class_kind(module: nn.Module) -> str | None:
@@ -180,10 +184,7 @@ def _class_kind(module: nn.Module) -> str | None:
     rope = any(getattr(getattr(modeling, name, None), "_polykernel", None) == "rope" for name, _ in family.rope)
     config = getattr(module, "config", None)
     if not rope or not _calls_rope(module) or (config is not None and "rope" in _config_left_alone(family, config)):
-        sinks = (
-            family.attention_sinks and getattr(getattr(modeling, "eager_attention_forward", None), "_polykernel", None) == "attention_sinks"
-        )
-        return "attention_sinks" if sinks else None
+        return "attention_sinks" if _sinks_swapped(family) else None
     return "rope"
 
 
