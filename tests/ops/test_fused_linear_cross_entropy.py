@@ -10,6 +10,7 @@ from torch.utils._pytree import tree_leaves
 
 import polykernel
 import polykernel.backends._fused_linear_cross_entropy as driver
+from _matmul_helpers import Matmuls, assert_padded, assert_same, padded_then_plain
 from polykernel.errors import OpArgumentError, OpTypeError
 from polykernel.ops.fused_linear_cross_entropy import cases, reference
 from polykernel.testing import assert_parity, runnable_impls
@@ -91,6 +92,65 @@ def test_never_allocates_n_by_v(impl, reduction, monkeypatch):
     assert biggest <= v * h * 4 and biggest < n * v * 4 // 8  # ...and no buffer bigger than dW (fp32): no [N/8, V]
     ref_biggest, ref_shapes = run(reference)
     assert (n, v) in ref_shapes and ref_biggest >= n * v * 4  # ...and would see a materialized one
+
+
+@pytest.mark.parametrize("dtype, per", [(torch.bfloat16, 8), (torch.float32, 4), (torch.float64, 2)], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_matmuls_run_on_a_head_padded_to_16_bytes(dtype, per, reduction):
+    """An odd vocabulary (granite's 49155) put cuBLAS on its 1-element-aligned kernels: every
+    matmul of the walk, forward and backward, sees the classes padded to 16 bytes (sizes and
+    leading dimensions), and the result is the reference's."""
+    n, h, v = 12, 16, 4999
+    torch.manual_seed(0)
+    hidden = torch.randn(n, h, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(v, h) / 4).to(dtype).requires_grad_()
+    bias = torch.randn(v, dtype=dtype, requires_grad=True)
+    target = torch.randint(0, v, (n,))
+    impl = (
+        "torch"
+        if dtype == torch.float64
+        else "triton"
+        if "triton" in runnable_impls("fused_linear_cross_entropy", "cpu", dtype)
+        else "torch"
+    )
+    with Matmuls() as rec:
+        loss = polykernel.fused_linear_cross_entropy(hidden, weight, target, bias, reduction=reduction, impl=impl)
+        got = torch.autograd.grad(loss, (hidden, weight, bias), torch.ones_like(loss))
+    assert len(rec.calls) >= 3  # logits, dhidden, dweight
+    assert_padded(rec.calls, v, per)
+    hd, wd, bd = (x.detach().double().requires_grad_() for x in (hidden, weight, bias))
+    ref = reference(hd, wd, target, bd, reduction=reduction)
+    wants = torch.autograd.grad(ref, (hd, wd, bd), torch.ones_like(ref))
+    tol = {
+        torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+        torch.float32: dict(rtol=1e-4, atol=1e-5),
+        torch.float64: dict(rtol=1e-10, atol=1e-12),
+    }[dtype]
+    torch.testing.assert_close(loss.double(), ref, **tol)
+    for g, w_ in zip(got, wants):
+        assert g.shape == w_.shape and g.is_contiguous()
+        torch.testing.assert_close(g.double(), w_, **tol)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_padding_the_head_changes_nothing_for_a_non_finite_row(impl, monkeypatch):
+    """The padded classes add exact zeros, also where a hidden row is infinite (its logits past V
+    are NaN, inf * 0, and are cleared before the gradient matmuls): the same losses and gradients,
+    NaNs in the same places, as the walk on the head as it is."""
+    _need(impl)
+    n, h, v = 10, 8, 1001
+    torch.manual_seed(2)
+    hidden = torch.randn(n, h)
+    hidden[3, 2] = float("inf")
+    weight, bias = torch.randn(v, h) / 4, torch.randn(v)
+    target = torch.randint(0, v, (n,)).masked_fill(torch.arange(n) == 3, -100)  # the bad row ignored too
+
+    def run():
+        xs = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
+        loss = polykernel.fused_linear_cross_entropy(*xs[:2], target, xs[2], reduction="none", impl=impl)
+        return (loss, *torch.autograd.grad(loss, xs, torch.ones_like(loss)))
+
+    assert_same(*padded_then_plain(monkeypatch, driver, run), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

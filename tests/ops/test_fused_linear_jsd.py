@@ -20,6 +20,7 @@ from _distill_helpers import (
     parity_property,
     raises_naming,
 )
+from _matmul_helpers import Matmuls, assert_padded, assert_same, padded_then_plain
 from polykernel.core import registry
 from polykernel.core.op import Case
 from polykernel.errors import OpArgumentError, OpTypeError
@@ -87,6 +88,55 @@ def test_never_builds_the_n_by_v_logits(impl, monkeypatch):
         torch.autograd.grad(loss, (hs, ws))
     # the largest: a chunk's logits (12 KB) or the weight's gradient (16 KB); [N, V] fp32 is 128 KB
     assert rec.largest <= max(6 * v * 4, v * 8 * 4), rec.largest
+
+
+@pytest.mark.parametrize("dtype, per", [(torch.bfloat16, 8), (torch.float32, 4)], ids=str)
+def test_matmuls_run_on_heads_padded_to_16_bytes(dtype, per, monkeypatch):
+    """An odd vocabulary put cuBLAS on its 1-element-aligned kernels (the fused linear
+    cross-entropy's, h100-2026-12-06-twentyfirst): every matmul sees both heads' classes padded
+    to 16 bytes, and the loss and gradients are those of the walk on the heads as they are."""
+    import polykernel.backends._fused_linear_jsd as drv
+
+    v = 999
+    torch.manual_seed(3)
+    hs, ws, ht, wt = (x.detach().to(dtype) for x in _heads(v=v))
+    labels = torch.randint(0, v, (12,)).masked_fill(torch.rand(12) < 0.3, -100)
+
+    checked = []
+
+    def run():
+        a, b = hs.clone().requires_grad_(), ws.clone().requires_grad_()
+        with Matmuls() as rec:
+            loss = polykernel.fused_linear_jsd(a, b, ht, wt, labels, beta=0.3, impl="torch")
+            grads = torch.autograd.grad(loss, (a, b))
+        if not checked:  # the first run: the padded one
+            assert_padded(rec.calls, v, per)
+            checked.append(True)
+        return (loss, *grads)
+
+    tol = dict(rtol=2e-2, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-7)
+    assert_same(*padded_then_plain(monkeypatch, drv, run), **tol)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_padding_the_heads_changes_nothing_for_a_non_finite_row(impl, monkeypatch):
+    """The padded classes add exact zeros, also where a student row is infinite (its logits past
+    V are NaN, cleared before the gradient matmuls): the same loss and gradients, NaNs in the
+    same places, as the walk on the heads as they are."""
+    need("fused_linear_jsd", impl)
+    import polykernel.backends._fused_linear_jsd as drv
+
+    torch.manual_seed(4)
+    hs, ws, ht, wt = (x.detach() for x in _heads(v=301))
+    hs[5, 3] = float("inf")
+    labels = torch.randint(0, 301, (12,)).masked_fill(torch.arange(12) == 5, -100)  # the bad row ignored
+
+    def run():
+        a, b = hs.clone().requires_grad_(), ws.clone().requires_grad_()
+        loss = polykernel.fused_linear_jsd(a, b, ht, wt, labels, impl=impl)
+        return (loss, *torch.autograd.grad(loss, (a, b)))
+
+    assert_same(*padded_then_plain(monkeypatch, drv, run), rtol=1e-5, atol=1e-7)
 
 
 def test_chunk_rows_come_from_the_problem():

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import polykernel
+from _matmul_helpers import Matmuls, assert_padded, assert_same, padded_then_plain
 from _preference_helpers import (
     IMPLS,
     assert_grads,
@@ -560,3 +561,71 @@ def test_liger_pairwise_losses_are_refused_in_16_bit(name):
     for dtype in (torch.bfloat16, torch.float16):
         assert "float32 only" in gate(cls(dtype))
     assert gate(cls(torch.float32)) is None
+
+
+# -- the head padded to 16 bytes for the matmuls (backends/_aligned_head.py) -----------------------------
+
+PAD_V = 43  # a multiple of neither 8 (16-bit) nor 4 (fp32)
+
+
+def _walk_mode(monkeypatch, mode: str) -> None:
+    """``one-pass``: whole units per chunk; ``two-pass``: token chunks; ``kept``: one unit per
+    chunk in sub-chunks of 3 tokens, G kept."""
+    from polykernel.ops import _preference
+
+    if mode == "kept":
+        _kept(monkeypatch, True)
+        monkeypatch.setattr(_linear_logps, "SUB_BYTES", 3 * PAD_V * 4)
+        return
+    budget = 1 << 30 if mode == "one-pass" else 5 * PAD_V * 8
+    monkeypatch.setattr(_linear_logps, "CHUNK_BYTES", budget)
+    monkeypatch.setattr(_preference, "CHUNK_BYTES", budget)
+    monkeypatch.setattr(_linear_logps, "UNIT_BYTES", 1 << 30 if mode == "one-pass" else 0)
+
+
+def _padded_and_plain(monkeypatch, impl, dtype, loss, inf_row: bool):
+    """The loss and its gradients (hidden, weight, bias) with the head padded, then on the head as
+    it is, and the padded walk's matmuls."""
+    torch.manual_seed(7)
+    hid, w, b = (x.detach() for x in head(4, 6, 8, PAD_V, dtype=dtype))
+    t = targets(4, 6, PAD_V)
+    if inf_row:  # a non-finite hidden state at an ignored token: its logits past V are NaN (inf * 0)
+        hid[1, 2, 3] = float("inf")
+        t[1, 2] = -100
+
+    calls = []
+
+    def run():
+        xs = [x.clone().requires_grad_() for x in (hid, w, b)]
+        with Matmuls() as rec:
+            out = LOSS_CALLS[loss](*xs, t, impl)
+            grads = torch.autograd.grad(out.loss, xs)
+        calls.append(rec.calls)
+        return (out.loss, *grads)
+
+    padded, plain = padded_then_plain(monkeypatch, _linear_logps, run)
+    return padded, plain, calls[0]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("mode", ["one-pass", "two-pass", "kept"])
+@pytest.mark.parametrize("dtype, per", [(torch.bfloat16, 8), (torch.float32, 4)], ids=str)
+def test_matmuls_run_on_a_head_padded_to_16_bytes(monkeypatch, impl, mode, dtype, per):
+    """An odd vocabulary put cuBLAS on its 1-element-aligned kernels (the fused linear
+    cross-entropy's, h100-2026-12-06-twentyfirst): in each walk every matmul sees the head's
+    classes padded to 16 bytes, and the loss and gradients are the unpadded walk's."""
+    _walk_mode(monkeypatch, mode)
+    padded, plain, calls = _padded_and_plain(monkeypatch, impl, dtype, "dpo", inf_row=False)
+    assert_padded(calls, PAD_V, per)
+    rtol, atol = (1e-5, 1e-6) if dtype == torch.float32 else (2e-2, 1e-2)
+    assert_same(padded, plain, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("mode", ["one-pass", "two-pass", "kept"])
+def test_padding_the_head_changes_nothing_for_a_non_finite_row(monkeypatch, impl, mode):
+    """The padded classes add exact zeros, also where a hidden state is infinite (its logits past
+    V are NaN, cleared before the gradient matmuls): NaNs in the same places as the unpadded walk."""
+    _walk_mode(monkeypatch, mode)
+    padded, plain, _ = _padded_and_plain(monkeypatch, impl, torch.float32, "grpo-seq", inf_row=True)
+    assert_same(padded, plain, rtol=1e-5, atol=1e-6)

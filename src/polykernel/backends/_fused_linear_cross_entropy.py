@@ -9,6 +9,8 @@ overwrites them with the scaled dlogits. Per chunk of ``chunk_rows`` rows:
     loss[c] = chunk_fn(logits, ...)               (logits -> dlogits in place)
     grad_hidden[c] = dlogits @ weight;  grad_weight += dlogits.T @ hidden[c];  grad_bias += Σ dlogits
 
+with the head's classes padded to a multiple of 16 bytes for the matmuls (``_aligned_head``).
+
 Peak extra memory: one chunk of logits (``CHUNK_BYTES``) plus the chunk_fn's temporaries (this
 impl: ``TEMP_BYTES`` fp32 rows at a time), besides the gradients themselves.
 """
@@ -26,6 +28,7 @@ from ..ops import _autocast
 from ..ops.fused_linear_cross_entropy import OP_ID
 from ..spec import Split
 from . import _cross_entropy as _ce
+from ._aligned_head import aligned_head
 from ._cross_entropy import NO_EXTRAS, Extras, denominator, extras, grad_scale, reduce_rows, scale_grads_
 from ._double_backward import anchor, refuse
 
@@ -67,29 +70,36 @@ def _walk(
     dev = h2.device
     losses = torch.empty(n, dtype=acc, device=dev)
     grads = scale is not None
+    # the matmuls run over the head padded to 16-byte multiples (_aligned_head): zero rows, whose
+    # logits are zero and whose dlogits are cleared below, so they add exact zeros
+    wk, bk = aligned_head(weight, bias, h2.element_size())
+    vp = wk.shape[0]
     gh = torch.empty((n, h), dtype=h2.dtype, device=dev) if grads and needs[0] else None
-    gw = torch.empty((v, h), dtype=weight.dtype, device=dev) if grads and needs[1] else None
+    gw = torch.empty((vp, h), dtype=weight.dtype, device=dev) if grads and needs[1] else None
     gb = torch.zeros(v, dtype=acc, device=dev) if grads and needs[2] else None
     if gw is not None and n == 0:
         gw.zero_()
-    step = chunk_rows(v, h2.element_size())
+    step = chunk_rows(vp, h2.element_size())
     for s in range(0, n, step):
         e = min(n, s + step)
         hc = h2[s:e]
-        logits = F.linear(hc, weight, bias)
+        full = F.linear(hc, wk, bk)
+        logits = full if vp == v else full[:, :v]
         sc = None if scale is None else scale if scale.dim() == 0 else scale[s:e]
         losses[s:e] = chunk_fn(logits, t[s:e], ignore_index, ls, sc, ex)
+        if vp != v and (gh is not None or gw is not None):
+            full[:, v:].zero_()  # a non-finite hidden row gives NaN there (inf * 0)
         if gh is not None:
-            torch.mm(logits, weight, out=gh[s:e])
+            torch.mm(full, wk, out=gh[s:e])
         if gw is not None:
             if s == 0:
-                torch.mm(logits.t(), hc, out=gw)
+                torch.mm(full.t(), hc, out=gw)
             else:
-                gw.addmm_(logits.t(), hc)
+                gw.addmm_(full.t(), hc)
         if gb is not None:
             gb += logits.sum(0, dtype=acc)
-        del logits
-    return losses, gh, gw, gb
+        del logits, full
+    return losses, gh, None if gw is None else gw[:v], gb
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):

@@ -9,6 +9,8 @@ scaled dlogits into a buffer of the inputs' dtype. Per chunk of ``chunk_rows`` r
     loss[c] = chunk_fn(zs, zt, ...)                (-> dz, the student's dlogits)
     grad_hidden[c] = dz @ Ws;  grad_weight += dz.T @ hs[c]
 
+with both heads' classes padded to a multiple of 16 bytes for the matmuls (``_aligned_head``).
+
 Peak extra memory: one chunk's two fp32 logits and its dlogits (``CHUNK_BYTES`` in all; the torch
 chunk_fn's temporaries are a few more fp32 chunks, so it takes a quarter of it), besides the
 gradients themselves.
@@ -25,6 +27,7 @@ from ..ops._distill import acc_dtype, rows_view
 
 # the chunking lives in the op file: its error model counts on it
 from ..ops.fused_linear_jsd import CHUNK_BYTES, OP_ID, chunk_rows
+from ._aligned_head import aligned_head
 from ._cross_entropy import scale_grads_
 from ._double_backward import anchor, refuse
 from ._jsd import count_and_scale
@@ -60,32 +63,41 @@ def _walk(hs2, ws, ht2, wt, labels, beta, ignore_index, temperature, chunk_fn, n
     _, count, scale = count_and_scale(labels, ignore_index, n, acc, dev)
     grads = needs[0] or needs[1]
     losses = torch.empty(n, dtype=acc, device=dev)
+    # both heads padded to 16 bytes of the narrower dtype for the matmuls (_aligned_head): zero
+    # rows, whose logits are zero and whose dlogits are cleared below, so they add exact zeros
+    elt = min(hs2.element_size(), ht2.element_size())
+    ws_k, wt_k = aligned_head(ws, None, elt)[0], aligned_head(wt, None, elt)[0]
+    vp = ws_k.shape[0]
     gh = torch.empty((n, h), dtype=hs2.dtype, device=dev) if needs[0] else None
-    gw = torch.empty((v, h), dtype=ws.dtype, device=dev) if needs[1] else None
+    gw = torch.empty((vp, h), dtype=ws.dtype, device=dev) if needs[1] else None
     if gw is not None and n == 0:
         gw.zero_()
-    proj_s, proj_t = projector(ws), projector(wt)
+    proj_s, proj_t = projector(ws_k), projector(wt_k)
     inv_t = 1.0 / temperature
-    step = chunk_rows(v, hs2.element_size(), n, budget)
+    step = chunk_rows(v, hs2.element_size(), n, budget)  # (of V, not Vp: the error model counts these chunks)
     for s in range(0, n, step):
         e = min(n, s + step)
         hc = hs2[s:e]
-        zs, zt = proj_s(hc), proj_t(ht2[s:e])
-        dz = None
+        zs_full, zt_full = proj_s(hc), proj_t(ht2[s:e])
+        dz_full = dz = None
         if grads:  # in place over the student's logits when they have the inputs' dtype
-            dz = zs if zs.dtype == hs2.dtype else torch.empty((e - s, v), dtype=hs2.dtype, device=dev)
+            dz_full = zs_full if zs_full.dtype == hs2.dtype else torch.empty((e - s, vp), dtype=hs2.dtype, device=dev)
+            dz = dz_full[:, :v]
         lab = None if labels is None else labels[s:e]
+        zs, zt = zs_full[:, :v], zt_full[:, :v]
         losses[s:e] = chunk_fn(zs, zt, lab, beta, ignore_index, inv_t, scale if grads else None, dz)
-        del zt
+        del zt, zt_full
+        if dz_full is not None and vp != v:
+            dz_full[:, v:].zero_()
         if gh is not None:
-            torch.mm(dz, ws, out=gh[s:e])
+            torch.mm(dz_full, ws_k, out=gh[s:e])
         if gw is not None:
             if s == 0:
-                torch.mm(dz.t(), hc, out=gw)
+                torch.mm(dz_full.t(), hc, out=gw)
             else:
-                gw.addmm_(dz.t(), hc)
-        del zs, dz
-    return losses.sum() / count, gh, gw
+                gw.addmm_(dz_full.t(), hc)
+        del zs, zs_full, dz, dz_full
+    return losses.sum() / count, gh, None if gw is None else gw[:v]
 
 
 class _FusedLinearJSD(torch.autograd.Function):

@@ -12,6 +12,8 @@ before any logit is computed. So the walk takes whole units per chunk and, per c
     dz   = −d/temperature · (softmax(z) − onehot(t))     (the primitive, into the inputs' dtype)
     grad_hidden[c] = dz @ W;  grad_weight += dz.T @ hidden[c];  grad_bias += Σ dz
 
+with the head's classes padded to a multiple of 16 bytes for the matmuls (``_aligned_head``).
+
 No per-sequence statistic couples two chunks: a chunk holds whole pairs (both rows of a pair)
 or whole sequences (GRPO's sequence-level importance ratio is a statistic of one sequence).
 The forward stores the gradients for a unit cotangent; the backward scales them by it, so the
@@ -46,6 +48,7 @@ from ..ops import _autocast
 # the chunking the losses' error models count on is theirs (CHUNK_BYTES, units_per_chunk)
 from ..ops._preference import CHUNK_BYTES, SUB_BYTES, keeps_g, unit_bytes, units_per_chunk
 from ..ops._preference_reference import whole_logits_logps
+from ._aligned_head import aligned_head
 from ._fused_linear_jsd import projector
 
 # One unit larger than CHUNK_BYTES still goes in one pass up to this size of fp32 logits and
@@ -91,26 +94,32 @@ def token_rows(v: int, elt: int, budget: int) -> int:
 
 
 class _Grads:
-    """The gradients being accumulated, and the push of one chunk's dlogits into them."""
+    """The gradients being accumulated, and the push of one chunk's dlogits into them.
+    ``weight``: the head padded to 16 bytes (``_aligned_head``), ``v`` its classes before."""
 
-    def __init__(self, hidden, weight, bias, needs, acc) -> None:
+    def __init__(self, hidden, weight, bias, needs, acc, v: int) -> None:
         r, t, h = hidden.shape
-        v, dev = weight.shape[0], hidden.device
+        dev = hidden.device
         self.h = torch.zeros((r, t, h), dtype=hidden.dtype, device=dev) if needs[0] else None
-        self.w = torch.zeros((v, h), dtype=weight.dtype, device=dev) if needs[1] else None
+        self.w = torch.zeros((weight.shape[0], h), dtype=weight.dtype, device=dev) if needs[1] else None
         self.b = torch.zeros(v, dtype=acc, device=dev) if needs[2] and bias is not None else None
         self.weight, self.dtype, self.acc, self.bias_dtype = weight, hidden.dtype, acc, None if bias is None else bias.dtype
+        self.v = v
 
     def push(self, prim, z, tc, lse, scale, hc, ignore_index) -> torch.Tensor | None:
-        """``dz = scale · (softmax − onehot)`` over the chunk's logits ``z`` (overwritten), then
-        ``dW += dzᵀ hc``, ``db += Σ dz``; returns ``dz @ W`` (the chunk's rows of dH) if wanted."""
+        """``dz = scale · (softmax − onehot)`` over the chunk's logits ``z [r, Vp]`` (overwritten;
+        0 past V), then ``dW += dzᵀ hc``, ``db += Σ dz``; returns ``dz @ W`` (the chunk's rows of
+        dH) if wanted."""
+        v = self.v
         dz = z if z.dtype == self.dtype else torch.empty(z.shape, dtype=self.dtype, device=z.device)
-        prim.token_grad_(z, tc, lse, scale, dz, ignore_index)
+        prim.token_grad_(z[:, :v], tc, lse, scale, dz[:, :v], ignore_index)
         del z
+        if dz.shape[1] != v:
+            dz[:, v:].zero_()  # (a non-finite hidden row gave NaN logits there: inf * 0)
         if self.w is not None:
             self.w.addmm_(dz.t(), hc)
         if self.b is not None:
-            self.b += dz.sum(0, dtype=self.acc)
+            self.b += dz[:, :v].sum(0, dtype=self.acc)
         return None if self.h is None else torch.mm(dz, self.weight)
 
     def push_kept(self, g, scale, hc) -> torch.Tensor | None:
@@ -122,31 +131,34 @@ class _Grads:
         if self.w is not None:
             self.w.addmm_(g.t(), (hc * s).to(hc.dtype))
         if self.b is not None:
-            self.b += torch.mv(g.t(), scale.to(g.dtype)).to(self.acc)
+            self.b += torch.mv(g[:, : self.v].t(), scale.to(g.dtype)).to(self.acc)
         return None if self.h is None else torch.mm(g, self.weight).mul_(s)
 
     def result(self):
-        return self.h, self.w, None if self.b is None else self.b.to(self.bias_dtype)
+        return self.h, None if self.w is None else self.w[: self.v], None if self.b is None else self.b.to(self.bias_dtype)
 
 
-def _unit_logps(prim, proj, weight, hc, tc, bias, inv_t, ignore_index, keep):
+def _unit_logps(prim, proj, weight, hc, tc, bias, inv_t, ignore_index, keep, v):
     """One unit over the chunk budget: its log-probs from ``SUB_BYTES`` of fp32 logits at a time
-    and, with ``keep``, ``G = softmax − onehot`` of every token (0 where ignored) in the inputs'
-    dtype: the dlogits up to the per-token scale, which the formula gives only once it has seen
-    the whole unit's log-probs. fp32 inputs compute each sub-chunk's logits in G's own rows."""
-    n, v = hc.shape[0], weight.shape[0]
+    and, with ``keep``, ``G = softmax − onehot`` of every token (0 where ignored, and past the
+    ``v`` classes of the padded head ``weight``) in the inputs' dtype: the dlogits up to the
+    per-token scale, which the formula gives only once it has seen the whole unit's log-probs.
+    fp32 inputs compute each sub-chunk's logits in G's own rows."""
+    n, vp = hc.shape[0], weight.shape[0]
     acc = torch.promote_types(hc.dtype, torch.float32)
     lp = torch.empty(n, dtype=acc, device=hc.device)
-    g = torch.empty((n, v), dtype=hc.dtype, device=hc.device) if keep else None
+    g = torch.empty((n, vp), dtype=hc.dtype, device=hc.device) if keep else None
     step = token_rows(v, 0, SUB_BYTES)
     ones = torch.ones(min(step, n), dtype=acc, device=hc.device)  # token_grad_'s scale: G itself
     for s in range(0, n, step):
         e = min(n, s + step)
         into = torch.mm(hc[s:e], weight.t(), out=g[s:e]) if keep and g.dtype == acc else None
         z = _logits(proj, hc[s:e], bias, inv_t, into)
-        lp[s:e], lse = prim.token_logps(z, tc[s:e], ignore_index)
+        lp[s:e], lse = prim.token_logps(z[:, :v], tc[s:e], ignore_index)
         if keep:
-            prim.token_grad_(z, tc[s:e], lse, ones[: e - s], z if into is not None else g[s:e], ignore_index)
+            prim.token_grad_(z[:, :v], tc[s:e], lse, ones[: e - s], (z if into is not None else g[s:e])[:, :v], ignore_index)
+            if vp != v:
+                g[s:e, v:].zero_()
         del z
     return lp, g
 
@@ -199,8 +211,11 @@ def walk(
     logps = torch.zeros((r, t), dtype=acc, device=dev)
     loss = torch.zeros((), dtype=acc, device=dev)
     grads = contrib is not None and any(needs)
-    acc_grads = _Grads(hidden, weight, bias, needs if grads else (False, False, False), acc)
-    proj = projector(weight)
+    # the matmuls run over the head padded to 16 bytes (_aligned_head): zero rows, whose logits
+    # are zero and whose dlogits are cleared (_Grads.push, _unit_logps), so they add exact zeros
+    weight_k, bias_k = aligned_head(weight, bias, elt)
+    acc_grads = _Grads(hidden, weight_k, bias, needs if grads else (False, False, False), acc, v)
+    proj = projector(weight_k)
     inv_t = 1.0 / temperature
     step = units_per_chunk(units, rows_per_unit, t, v, elt, budget)
     # one unit per chunk, over the budget (or 16-bit, its fp32 logits over SUB_BYTES): its logits in sub-chunks, G kept
@@ -210,10 +225,10 @@ def walk(
         hc = _take(hidden, rows).reshape(-1, h)
         tc = _take(target, rows).reshape(-1).contiguous()  # the kernel reads ids at unit stride
         if kept:  # z: the unit's G (None without gradients), not its logits
-            lp, z = _unit_logps(prim, proj, weight, hc, tc, bias, inv_t, ignore_index, grads)
+            lp, z = _unit_logps(prim, proj, weight_k, hc, tc, bias_k, inv_t, ignore_index, grads, v)
         else:
-            z = _logits(proj, hc, bias, inv_t)
-            lp, lse = prim.token_logps(z, tc, ignore_index)
+            z = _logits(proj, hc, bias_k, inv_t)
+            lp, lse = prim.token_logps(z[:, :v], tc, ignore_index)
         lp = lp.view(nr, t)  # (not view(-1, t): ambiguous for T = 0)
         at = 0
         for s in rows:
@@ -251,17 +266,18 @@ def _walk_tokens(prim, hidden, weight, bias, target, ignore_index, temperature, 
     n, v, dev = r * t, weight.shape[0], hidden.device
     acc = torch.promote_types(hidden.dtype, torch.float32)
     h2, t2 = hidden.reshape(n, h), target.reshape(n).contiguous()
-    proj = projector(weight)
+    weight_k, bias_k = aligned_head(weight, bias, hidden.element_size())  # (as walk's)
+    proj = projector(weight_k)
     inv_t = 1.0 / temperature
     step = token_rows(v, hidden.element_size(), budget)
     lp_all = torch.empty(n, dtype=acc, device=dev)
     lse_all = torch.empty(n, dtype=acc, device=dev)
     for s in range(0, n, step):
-        lp, lse = prim.token_logps(_logits(proj, h2[s : s + step], bias, inv_t), t2[s : s + step], ignore_index)
+        lp, lse = prim.token_logps(_logits(proj, h2[s : s + step], bias_k, inv_t)[:, :v], t2[s : s + step], ignore_index)
         lp_all[s : s + step], lse_all[s : s + step] = lp, lse
     logps = lp_all.view(r, t)
     grads = contrib is not None and any(needs)
-    acc_grads = _Grads(hidden, weight, bias, needs if grads else (False, False, False), acc)
+    acc_grads = _Grads(hidden, weight_k, bias, needs if grads else (False, False, False), acc, v)
     if contrib is None:
         return (torch.zeros((), dtype=acc, device=dev), logps, *acc_grads.result())
     part, d = _slope(contrib, logps, list(aux), grads)
@@ -269,7 +285,7 @@ def _walk_tokens(prim, hidden, weight, bias, target, ignore_index, temperature, 
         scale = (d.reshape(-1) * -inv_t).to(acc).contiguous()
         for s in range(0, n, step):
             hc = h2[s : s + step]
-            z = _logits(proj, hc, bias, inv_t)
+            z = _logits(proj, hc, bias_k, inv_t)
             g = acc_grads.push(prim, z, t2[s : s + step], lse_all[s : s + step], scale[s : s + step], hc, ignore_index)
             del z
             if g is not None:
