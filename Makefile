@@ -113,7 +113,7 @@ test-gpu-parts:  ## list the GPU suite's parts and their files
 	@$(foreach p,$(GPU_PARTS),echo "$(p): $(or $(GPU_PART_$(p)),(none))";)
 
 $(addprefix test-gpu-,$(GPU_PARTS)): test-gpu-%:
-	$(if $(strip $(GPU_PART_$*)),PK_FAILURES_NOW=1 PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest -v -p no:cacheprovider -m "gpu or gpu2" --timeout=$(GPU_TIMEOUT) --durations=15 -rfE $(GPU_PART_$*),@echo "test-gpu-$*: no files")
+	$(if $(strip $(GPU_PART_$*)),PK_FAILURES_NOW=1 PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest -v -p no:cacheprovider -m "gpu or gpu2" --timeout=$(GPU_TIMEOUT) --durations=15 -rfEs $(GPU_PART_$*),@echo "test-gpu-$*: no files")
 
 lint: setup  ## style, formatting, and the core's one-way import layers ([tool.importlinter] in pyproject.toml)
 	$(BIN)/ruff check src tests benchmarks && $(BIN)/ruff format --check src tests benchmarks

@@ -160,7 +160,7 @@ peers() {  # whichever staged setups came with this command (idempotent)
 gpu_tests() {  # gpu_tests NAME LIMIT FILES...
   local name=$1 lim=$2
   shift 2
-  step "$name" "$lim" env PK_FAILURES_NOW=1 python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 120 --durations=15 -rfE --tb=short "$@"
+  step "$name" "$lim" env PK_FAILURES_NOW=1 python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 120 --durations=15 -rfEs --tb=short "$@"
 }
 
 SERVING_OPS=(silu_and_mul gelu_and_mul fused_add_rms_norm_ rotary_embedding_ dynamic_quant_fp8 static_quant_fp8 rms_norm_quant_fp8)

@@ -47,9 +47,12 @@ def measure(op: str, impl: str, rows: int, n: int, grad: bool) -> float:
     outs = outs if isinstance(outs, tuple) else (outs,)
     dys = [torch.randn_like(o) for o in outs]
 
+    # autograd.grad, not backward: backward's AccumulateGrad into .grad, made on the default
+    # stream, invalidated the capture on the side stream, and every later row failed with it
+    # (benchmarks/results/h100-2026-12-06-twentyfirst/overhead-graph/norm-peers.log)
     def step() -> None:
         o = _call(op, impl, args)
-        torch.autograd.backward(o if isinstance(o, tuple) else (o,), dys)
+        torch.autograd.grad(o if isinstance(o, tuple) else (o,), args, dys)
 
     step()
     return triton.testing.do_bench_cudagraph(step, rep=50, return_mode="median")
