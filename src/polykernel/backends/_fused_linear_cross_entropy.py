@@ -79,7 +79,7 @@ def _walk(
     gb = torch.zeros(v, dtype=acc, device=dev) if grads and needs[2] else None
     if gw is not None and n == 0:
         gw.zero_()
-    step = chunk_rows(vp, h2.element_size())
+    step = chunk_rows(v, h2.element_size())  # (of V, as the op's error model counts the chunks of dW)
     for s in range(0, n, step):
         e = min(n, s + step)
         hc = h2[s:e]
