@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from _spies import count_calls
 from polykernel.integrations.transformers._sinks import sink_attention, sink_attention_forward
 
 MASKS = ("none", "causal", "sliding", "left-padded")
@@ -151,15 +152,7 @@ def _sink_calls(monkeypatch) -> list[int]:
     """Counts the fused path's calls (the patched attention reaches it through the module's global)."""
     from polykernel.integrations.transformers import _sinks
 
-    calls: list[int] = []
-    real = _sinks.sink_attention
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(_sinks, "sink_attention", counted)
-    return calls
+    return count_calls(monkeypatch, _sinks, "sink_attention")
 
 
 def _step(model, ids, mask):

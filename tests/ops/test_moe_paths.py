@@ -9,6 +9,7 @@ import torch
 
 import _moe_helpers as moe
 import polykernel
+from _spies import count_calls
 from polykernel.backends.triton import _grouped_mm
 from polykernel.ops import moe_experts as op
 from polykernel.ops import moe_experts_gpt_oss as oss_op
@@ -47,15 +48,7 @@ def test_grouped_mm_path_matches_the_reference(name, dtype, monkeypatch):
 
 
 def _spy(monkeypatch):
-    calls = []
-    real = _grouped_mm.forward
-
-    def spy(*a, **kw):
-        calls.append(1)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(_grouped_mm, "forward", spy)
-    return calls
+    return count_calls(monkeypatch, _grouped_mm, "forward")
 
 
 @pytest.mark.parametrize("name", sorted(OPS))

@@ -179,21 +179,13 @@ def eager_with_sinks(eager: Callable) -> Callable:
     (:func:`sink_attention_forward`), else ``eager`` itself; the attention weights it returns are
     None then, as SDPA's are."""
 
-    def eager_attention_forward(
-        module: nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        scaling: float,
-        dropout: float = 0.0,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def eager_attention_forward(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # (eager's arguments, passed on as given: sink_attention_forward names them)
         if not _weights_wanted():
-            fused = sink_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+            fused = sink_attention_forward(module, *args, **kwargs)
             if fused is not None:
                 return fused
-        return eager(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+        return eager(module, *args, **kwargs)
 
     eager_attention_forward._polykernel = "attention_sinks"  # type: ignore[attr-defined]
     eager_attention_forward._polykernel_eager = eager  # type: ignore[attr-defined]
