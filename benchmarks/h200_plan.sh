@@ -255,7 +255,9 @@ case $part in
     ;;
   decode)
     step drift 120 python3 benchmarks/models/decode_drift.py --batches 1,8,32,128 --jsonl "$R/drift.jsonl"
-    step decode 240 python3 benchmarks/models/decode_loop.py --steps 32 --repeats 3 --variants "plain[eager],polykernel[eager],plain[graph],polykernel[graph],compile[reduce-overhead],polykernel+compile[reduce-overhead]" --json "$R/decode.json"
+    # strict: a patched row whose patch falls back (the twenty-first run's polykernel+compile rows ran
+    # transformers' forward, logged only) raises instead of being measured as polykernel's
+    step decode 240 env POLYKERNEL_STRICT=1 python3 benchmarks/models/decode_loop.py --steps 32 --repeats 3 --variants "plain[eager],polykernel[eager],plain[graph],polykernel[graph],compile[reduce-overhead],polykernel+compile[reduce-overhead]" --json "$R/decode.json"
     step profile 200 python3 benchmarks/models/decode_profile.py --jsonl "$R/decode_profile.jsonl"
     ;;
   checks)

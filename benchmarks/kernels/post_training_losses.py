@@ -53,6 +53,8 @@ from polykernel.tools.bench import peak_extra_mib
 from polykernel.tools.rows import RowFile, announce
 
 IMPLS = ("auto", "triton", "torch", "liger", "plain")  # auto: polykernel's public function, impl=None
+# (five steps a row, auto's first: a difference of ~0.3 ms between auto and the impl it ran is this
+# order, not the dispatch; auto_vs_forced.py alternates the two: h100-2026-12-06-twentysecond/losses/)
 RTOL = 2e-2  # loose: bf16 logits (Liger's, the plain loss's) against polykernel's fp32 GEMM outputs
 # H200 seconds a row (inputs, first calls and their Triton compiles, 8 fwd+bwd steps): the ten
 # losses' 50 rows took 64 s on 2026-12-04 (sixth run, after the part's GPU tests), Liger's six

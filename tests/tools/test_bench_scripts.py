@@ -33,6 +33,7 @@ NO_ROW_FILE = {
     "parity_power.py": "a CPU audit of the parity harness (mutants killed or not), printed per mutant: no measurement",
     "fit_gpu_parts.py": "re-cuts staged payloads into parts: measures nothing",
     "models/plot_families.py": "draws families.py's results files: measures nothing",
+    "models/chain_under_compile.py": "a diagnostic of the inference patch under torch.compile: one JSON of booleans, no timed rows",
 }
 # script -> why it prints no estimate
 NO_ESTIMATE = {
@@ -43,6 +44,7 @@ NO_ESTIMATE = {
     "parity_power.py": "measures nothing (verdicts, not times)",
     "fit_gpu_parts.py": "measures nothing (seconds of file copies)",
     "models/plot_families.py": "measures nothing (draws a picture)",
+    "models/chain_under_compile.py": "measures nothing (a few seconds: one tiny model traced)",
 }
 
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import types
 from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
@@ -149,7 +150,11 @@ def _on_stream(module: nn.Module, stream: _Stream, place: str) -> bool:
     d = module.__dict__
     for slot in ("forward", "_old_forward"):
         fn = d.get(slot)
-        tag = getattr(getattr(fn, "__func__", None), "_polykernel_stream", None)
+        if not isinstance(fn, types.MethodType):
+            continue
+        # the tag through the bound method (it reads its function's attributes): under torch 2.11's
+        # Dynamo, getattr(fn, "__func__", None) gave None (benchmarks/models/chain_under_compile.py)
+        tag = getattr(fn, "_polykernel_stream", None)
         if tag is not None and fn.__self__ is module:
             return tag[0] is stream and tag[1] == place
     return False
