@@ -1,6 +1,6 @@
 """What the chunked loss drivers hand cuBLAS: every matmul's operands and result, recorded, the
 check that none of them has a class count (or a row stride) off 16 bytes
-(``polykernel.backends._aligned_head``), and a walk's results with the head padded and without."""
+(``polykernel.core.aligned_head``), and a walk's results with the head padded and without."""
 
 from __future__ import annotations
 

@@ -592,3 +592,41 @@ def test_zero_weight_sum_mean_is_nan_with_nan_scored_gradients_as_f_cross_entrop
         assert r["scored_rows_nan"] and r["ignored_rows_zero"], (name, r)  # the reference's own shape
         for g in r["grads"].values():
             assert g["nan_match"] and g["diff"] <= 1e-5, (name, r)
+
+
+# -- the local slice padded to 16 bytes for the matmuls (core/aligned_head.py) ----------------------
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])  # grads made in the forward; recomputed in the backward
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_local_slice_matmuls_run_padded_and_change_nothing(monkeypatch, dtype, reduction):
+    """One rank's walk (the collective made the identity: a world of one): every matmul of the fused
+    loss's forward and backward sees the slice's classes rounded up to 16 bytes, and the loss and
+    gradients equal the unpadded walk's, NaNs in the same places for a hidden row with an inf."""
+    from _matmul_helpers import Matmuls, assert_padded, assert_same
+    from polykernel.distributed import vocab, vocab_math
+
+    monkeypatch.setattr(vocab_math, "_all_gather", lambda x, group: x[None])
+    n, h, v = 12, 16, 37  # 37 classes: 40 (fp32) or 48 (bf16) padded
+    per = 16 // torch.empty((), dtype=dtype).element_size()
+    o = vocab_math.Options(ignore_index=-100, label_smoothing=0.1, reduction=reduction, softcap=None, z_loss=0.0)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=gen).to(dtype)
+    hidden[3, 5] = float("inf")
+    weight = (0.3 * torch.randn(v, h, generator=gen)).to(dtype)
+    bias = (0.1 * torch.randn(v, generator=gen)).to(dtype)
+    target = _targets(n, v)
+
+    def run():
+        hs, ws, bs = (x.detach().clone().requires_grad_() for x in (hidden, weight, bias))
+        rec = Matmuls()
+        with rec:
+            loss = vocab._VocabFLCE.apply(hs, ws, bs, target, None, 0, v, o, None)
+            grads = torch.autograd.grad(loss, (hs, ws, bs), torch.ones_like(loss))
+        run.calls = rec.calls
+        return (loss.detach(), *grads)
+
+    padded = run()
+    assert_padded(run.calls, v, per)
+    monkeypatch.setattr(vocab, "aligned_head", lambda weight, bias, element_size: (weight, bias))
+    assert_same(padded, run(), rtol=1e-5, atol=1e-6)

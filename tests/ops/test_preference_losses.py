@@ -563,7 +563,7 @@ def test_liger_pairwise_losses_are_refused_in_16_bit(name):
     assert gate(cls(torch.float32)) is None
 
 
-# -- the head padded to 16 bytes for the matmuls (backends/_aligned_head.py) -----------------------------
+# -- the head padded to 16 bytes for the matmuls (core/aligned_head.py) -----------------------------
 
 PAD_V = 43  # a multiple of neither 8 (16-bit) nor 4 (fp32)
 

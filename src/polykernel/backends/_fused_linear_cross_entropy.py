@@ -9,7 +9,7 @@ overwrites them with the scaled dlogits. Per chunk of ``chunk_rows`` rows:
     loss[c] = chunk_fn(logits, ...)               (logits -> dlogits in place)
     grad_hidden[c] = dlogits @ weight;  grad_weight += dlogits.T @ hidden[c];  grad_bias += Σ dlogits
 
-with the head's classes padded to a multiple of 16 bytes for the matmuls (``_aligned_head``).
+with the head's classes padded to a multiple of 16 bytes for the matmuls (``core.aligned_head``).
 
 Peak extra memory: one chunk of logits (``CHUNK_BYTES``) plus the chunk_fn's temporaries (this
 impl: ``TEMP_BYTES`` fp32 rows at a time), besides the gradients themselves.
@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from .. import _compat
+from ..core.aligned_head import aligned_head
 from ..ops import _autocast
 from ..ops.fused_linear_cross_entropy import OP_ID
 from ..spec import Split
 from . import _cross_entropy as _ce
-from ._aligned_head import aligned_head
 from ._cross_entropy import NO_EXTRAS, Extras, denominator, extras, grad_scale, reduce_rows, scale_grads_
 from ._double_backward import anchor, refuse
 
@@ -70,7 +70,7 @@ def _walk(
     dev = h2.device
     losses = torch.empty(n, dtype=acc, device=dev)
     grads = scale is not None
-    # the matmuls run over the head padded to 16-byte multiples (_aligned_head): zero rows, whose
+    # the matmuls run over the head padded to 16-byte multiples (core.aligned_head): zero rows, whose
     # logits are zero and whose dlogits are cleared below, so they add exact zeros
     wk, bk = aligned_head(weight, bias, h2.element_size())
     vp = wk.shape[0]

@@ -9,7 +9,7 @@ scaled dlogits into a buffer of the inputs' dtype. Per chunk of ``chunk_rows`` r
     loss[c] = chunk_fn(zs, zt, ...)                (-> dz, the student's dlogits)
     grad_hidden[c] = dz @ Ws;  grad_weight += dz.T @ hs[c]
 
-with both heads' classes padded to a multiple of 16 bytes for the matmuls (``_aligned_head``).
+with both heads' classes padded to a multiple of 16 bytes for the matmuls (``core.aligned_head``).
 
 Peak extra memory: one chunk's two fp32 logits and its dlogits (``CHUNK_BYTES`` in all; the torch
 chunk_fn's temporaries are a few more fp32 chunks, so it takes a quarter of it), besides the
@@ -22,12 +22,12 @@ from collections.abc import Callable
 
 import torch
 
+from ..core.aligned_head import aligned_head
 from ..ops import _autocast
 from ..ops._distill import acc_dtype, rows_view
 
 # the chunking lives in the op file: its error model counts on it
 from ..ops.fused_linear_jsd import CHUNK_BYTES, OP_ID, chunk_rows
-from ._aligned_head import aligned_head
 from ._cross_entropy import scale_grads_
 from ._double_backward import anchor, refuse
 from ._jsd import count_and_scale
@@ -63,7 +63,7 @@ def _walk(hs2, ws, ht2, wt, labels, beta, ignore_index, temperature, chunk_fn, n
     _, count, scale = count_and_scale(labels, ignore_index, n, acc, dev)
     grads = needs[0] or needs[1]
     losses = torch.empty(n, dtype=acc, device=dev)
-    # both heads padded to 16 bytes of the narrower dtype for the matmuls (_aligned_head): zero
+    # both heads padded to 16 bytes of the narrower dtype for the matmuls (core.aligned_head): zero
     # rows, whose logits are zero and whose dlogits are cleared below, so they add exact zeros
     elt = min(hs2.element_size(), ht2.element_size())
     ws_k, wt_k = aligned_head(ws, None, elt)[0], aligned_head(wt, None, elt)[0]

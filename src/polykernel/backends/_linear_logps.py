@@ -12,7 +12,7 @@ before any logit is computed. So the walk takes whole units per chunk and, per c
     dz   = −d/temperature · (softmax(z) − onehot(t))     (the primitive, into the inputs' dtype)
     grad_hidden[c] = dz @ W;  grad_weight += dz.T @ hidden[c];  grad_bias += Σ dz
 
-with the head's classes padded to a multiple of 16 bytes for the matmuls (``_aligned_head``).
+with the head's classes padded to a multiple of 16 bytes for the matmuls (``core.aligned_head``).
 
 No per-sequence statistic couples two chunks: a chunk holds whole pairs (both rows of a pair)
 or whole sequences (GRPO's sequence-level importance ratio is a statistic of one sequence).
@@ -43,12 +43,12 @@ from types import ModuleType
 import torch
 
 from .. import _compat
+from ..core.aligned_head import aligned_head
 from ..ops import _autocast
 
 # the chunking the losses' error models count on is theirs (CHUNK_BYTES, units_per_chunk)
 from ..ops._preference import CHUNK_BYTES, SUB_BYTES, keeps_g, unit_bytes, units_per_chunk
 from ..ops._preference_reference import whole_logits_logps
-from ._aligned_head import aligned_head
 from ._fused_linear_jsd import projector
 
 # One unit larger than CHUNK_BYTES still goes in one pass up to this size of fp32 logits and
@@ -95,7 +95,7 @@ def token_rows(v: int, elt: int, budget: int) -> int:
 
 class _Grads:
     """The gradients being accumulated, and the push of one chunk's dlogits into them.
-    ``weight``: the head padded to 16 bytes (``_aligned_head``), ``v`` its classes before."""
+    ``weight``: the head padded to 16 bytes (``core.aligned_head``), ``v`` its classes before."""
 
     def __init__(self, hidden, weight, bias, needs, acc, v: int) -> None:
         r, t, h = hidden.shape
@@ -211,7 +211,7 @@ def walk(
     logps = torch.zeros((r, t), dtype=acc, device=dev)
     loss = torch.zeros((), dtype=acc, device=dev)
     grads = contrib is not None and any(needs)
-    # the matmuls run over the head padded to 16 bytes (_aligned_head): zero rows, whose logits
+    # the matmuls run over the head padded to 16 bytes (core.aligned_head): zero rows, whose logits
     # are zero and whose dlogits are cleared (_Grads.push, _unit_logps), so they add exact zeros
     weight_k, bias_k = aligned_head(weight, bias, elt)
     acc_grads = _Grads(hidden, weight_k, bias, needs if grads else (False, False, False), acc, v)

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..core.aligned_head import aligned_head
 from ..errors import OpArgumentError, OpTypeError
 from .vocab_math import (  # the math on one rank's slice; loss_stats is public here
     N_STATS,
@@ -158,8 +159,10 @@ class _VocabFLCE(torch.autograd.Function):
         # "sum"/"mean": the gradients are made here, per chunk, for a cotangent of 1 (scaled in
         # the backward); "none": the backward recomputes the logits with the saved lse
         coef = _coef(torch.ones((), device=h.device), o.reduction, den, n, acc) if grads_now else None
+        # the matmuls run over the slice padded to 16-byte multiples, as on one device (core.aligned_head)
+        wk, bk = aligned_head(w, b, h.element_size())
         gh = torch.zeros_like(h) if grads_now and needs[0] else None
-        gw = torch.zeros_like(w) if grads_now and needs[1] else None
+        gw = torch.zeros((wk.shape[0], w.shape[1]), dtype=w.dtype, device=w.device) if grads_now and needs[1] else None
         gb = torch.zeros(vl, dtype=acc, device=w.device) if grads_now and needs[2] else None
         losses = torch.empty(n, dtype=acc, device=h.device)
         lses = torch.empty(n, dtype=acc, device=h.device)
@@ -167,11 +170,14 @@ class _VocabFLCE(torch.autograd.Function):
         step = _chunk_rows(vl, h.element_size())
         for s in range(0, n, step):
             e = min(n, s + step)
-            x = torch.nn.functional.linear(h[s:e], w, b).to(acc)
+            full, x = _logits(h[s:e], wk, bk, vl, acc)
             lse, zt, sz = loss_stats(group, local_stats(_capped(x, o.softcap), t[s:e], lo, w_local, bool(o.label_smoothing)))
             losses[s:e], lses[s:e] = row_losses(lse, zt, sz, t[s:e], o, v, cw), lse
             if coef is not None:
-                _accumulate(grad_logits(x, lse, t[s:e], lo, coef[s:e], o, v, cw, inplace=True), h, w, s, e, gh, gw, gb)
+                dz = grad_logits(x, lse, t[s:e], lo, coef[s:e], o, v, cw, inplace=True)
+                _accumulate(dz, full, h, wk, s, e, gh, gw, gb)
+        if gw is not None:
+            gw = gw[:vl]
         ctx.grads = (gh, gw, gb) if grads_now else None
         ctx.save_for_backward(h, w, b, t, lses, den, cw)
         ctx.args = (lo, v, o, needs, acc, step)
@@ -188,26 +194,47 @@ class _VocabFLCE(torch.autograd.Function):
             gw = None if gw is None else gw.mul_(g)
             gb = None if gb is None else (gb * g).to(b.dtype)
         else:
-            n = h.shape[0]
+            n, vl = h.shape[0], w.shape[0]
             coef = _coef(g, o.reduction, den, n, acc)
+            wk, bk = aligned_head(w, b, h.element_size())
             gh = torch.zeros_like(h) if needs[0] else None
-            gw = torch.zeros_like(w) if needs[1] else None
-            gb = torch.zeros(w.shape[0], dtype=acc, device=w.device) if needs[2] else None
+            gw = torch.zeros((wk.shape[0], w.shape[1]), dtype=w.dtype, device=w.device) if needs[1] else None
+            gb = torch.zeros(vl, dtype=acc, device=w.device) if needs[2] else None
             for s in range(0, n, step):
                 e = min(n, s + step)
-                x = torch.nn.functional.linear(h[s:e], w, b).to(acc)
-                _accumulate(grad_logits(x, lses[s:e], t[s:e], lo, coef[s:e], o, v, cw, inplace=True), h, w, s, e, gh, gw, gb)
+                full, x = _logits(h[s:e], wk, bk, vl, acc)
+                dz = grad_logits(x, lses[s:e], t[s:e], lo, coef[s:e], o, v, cw, inplace=True)
+                _accumulate(dz, full, h, wk, s, e, gh, gw, gb)
+            gw = None if gw is None else gw[:vl]
             gb = None if gb is None else gb.to(b.dtype)
         return gh, gw, gb, None, None, None, None, None, None
 
 
-def _accumulate(dz: torch.Tensor, h: torch.Tensor, w: torch.Tensor, s: int, e: int, gh: Any, gw: Any, gb: Any) -> None:
-    """A chunk's ``dz [rows, V_local]`` into the partial grad_hidden, grad_weight and grad_bias:
-    matmuls in the inputs' dtype (fp32 accumulation inside), grad_weight accumulated in the
-    weight's dtype over the chunks as the single-device op does (no fp32 [V_local, H] copy)."""
-    d = dz.to(h.dtype)
+def _logits(hc: torch.Tensor, wk: torch.Tensor, bk: torch.Tensor | None, vl: int, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's logits over the padded slice ``wk`` (``full``, ``[rows, Vp]`` in the inputs'
+    dtype) and its first ``vl`` columns in ``acc`` (a view of ``full`` where the dtypes agree)."""
+    full = torch.nn.functional.linear(hc, wk, bk)
+    return full, (full if full.shape[1] == vl else full[:, :vl]).to(acc)
+
+
+def _accumulate(dz: torch.Tensor, full: torch.Tensor, h: torch.Tensor, wk: torch.Tensor, s: int, e: int, gh: Any, gw: Any, gb: Any) -> None:
+    """A chunk's ``dz [rows, V_local]`` into the partial grad_hidden, grad_weight (``[Vp, H]``) and
+    grad_bias: matmuls in the inputs' dtype (fp32 accumulation inside) over the padded slice, ``dz``
+    written into the chunk's ``full`` logits (its columns past V_local zeroed: zero rows of ``wk``,
+    they add exact zeros; a non-finite hidden row would leave NaN there), grad_weight accumulated in
+    the weight's dtype over the chunks as the single-device op does (no fp32 [V_local, H] copy)."""
+    vl = dz.shape[1]
+    if full.shape[1] == vl:
+        d = dz.to(h.dtype)
+    else:
+        d = full
+        if gh is not None or gw is not None:
+            view = full[:, :vl]
+            if not (dz.data_ptr() == view.data_ptr() and dz.stride() == view.stride() and dz.dtype == view.dtype):
+                view.copy_(dz)
+            full[:, vl:].zero_()
     if gh is not None:
-        torch.mm(d, w, out=gh[s:e])
+        torch.mm(d, wk, out=gh[s:e])
     if gw is not None:
         gw.addmm_(d.t(), h[s:e])
     if gb is not None:

@@ -1,11 +1,13 @@
 """An LM head with its class count padded to a multiple of 16 bytes, for the chunked loss drivers'
-matmuls.
+matmuls (the single-device ones in ``polykernel.backends``, and the vocabulary-parallel loss's
+slice of the head in ``polykernel.distributed.vocab``: here, below both layers).
 
 A vocabulary that is not a multiple of 8 (16-bit) classes, such as granite's 49155 or olmo3's
 100278, leaves every matmul over the head with a dimension and a leading dimension off cuBLAS's
 16-byte alignment: its Hopper kernels then give way to CUTLASS's 1- or 2-element-aligned ones,
 about a quarter of a training step's time (profiles in
-``benchmarks/results/h100-2026-12-06-twentyfirst/``, families-6). ``torch.compile`` pads these
+``benchmarks/results/h100-2026-12-06-twentyfirst/``, families-6; with the padding, the
+twenty-second run's). ``torch.compile`` pads these
 matmuls itself (Inductor's ``pad_mm``). With the head's rows zero-padded, the logits come out
 ``[n, Vp]`` with zero columns past V; a driver hands its loss ``logits[:, :V]`` (a view: unit
 column stride, row stride Vp), clears the columns past V in the gradient it writes there, and
