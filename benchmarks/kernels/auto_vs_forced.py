@@ -17,7 +17,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -28,6 +27,7 @@ if "--tiny" in sys.argv and not torch.cuda.is_available():
 from _loss_cases import FULL, TINY, inputs, polykernel_call
 
 import polykernel
+from polykernel.timing import Timer
 from polykernel.tools.rows import RowFile, announce
 
 LOSSES = ("kl_div", "jsd", "tvd", "dpo")
@@ -45,17 +45,13 @@ def stepper(loss: str, x, impl: str | None):
     return step
 
 
-def timed(step, cuda: bool) -> float:
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    step()
-    return (time.perf_counter() - t0) * 1e3
+def timed(timer: Timer, step) -> float:
+    """One step's milliseconds: GPU time between CUDA events, else host time."""
+    sample = timer.time(step)
+    if sample.events is None:
+        return sample.host_ms
+    torch.cuda.synchronize()
+    return sample.gpu_ms()
 
 
 def kernels(step, cuda: bool, top: int) -> list[list]:
@@ -97,11 +93,12 @@ def main() -> None:
             step()
             step()
         ran = sorted({f"{d['op']}={d['impl']}" for d in polykernel.decisions()})
+        timer = Timer(device, flush_bytes=0)  # no L2 flush: the steps run back to back, as in training
         times: dict[str, list[float]] = {k: [] for k in steps}
         for r in range(args.rounds):
             order = list(steps) if r % 2 == 0 else list(reversed(steps))
             for k in order:
-                times[k].append(timed(steps[k], cuda))
+                times[k].append(timed(timer, steps[k]))
         for k, step in steps.items():
             row = {"loss": loss, "impl": k, "shape": x.shape, "median_ms": statistics.median(times[k]), "min_ms": min(times[k])}
             if k == "auto":
