@@ -20,36 +20,46 @@ import logging
 
 import torch
 
+PIECES = ("forward_in_dict", "getattr_func", "tag_via_func", "direct_func", "tag_via_method", "self_is_module", "stream_is", "on_stream")
 
-def steps(base_model, stream) -> tuple:
-    """The check's pieces for the final norm and the second layer (``_inference._on_stream``)."""
+
+def pieces(module, stream, place: str) -> tuple:
+    """``_inference._on_stream``'s steps on ``module``'s bound forward, each way of reading its tag
+    (through ``getattr(fn, "__func__", None)``, ``fn.__func__``, the method itself), as booleans."""
     from polykernel.integrations.transformers import _inference
 
-    out = []
-    for module, place in ((base_model.norm, "norm"), (base_model.layers[1], "layer")):
-        d = module.__dict__
-        fn = d.get("forward")
-        func = getattr(fn, "__func__", None)
-        tag = getattr(func, "_polykernel_stream", None)
-        out += [
-            fn is not None,
-            func is not None,
-            tag is not None,
-            tag is not None and fn.__self__ is module,
-            tag is not None and tag[0] is stream,
-            tag is not None and tag[1] == place,
-            _inference._on_stream(module, stream, place),
-        ]
-    out.append(_inference._chain_whole(base_model, stream))
-    return tuple(out)
+    fn = module.__dict__.get("forward")
+    func = getattr(fn, "__func__", None)
+    via_func = getattr(func, "_polykernel_stream", None)
+    try:
+        direct = fn.__func__ is not None
+    except Exception as exc:  # (what Dynamo raises there, if it does)
+        direct = type(exc).__name__
+    tag = getattr(fn, "_polykernel_stream", None)
+    return (
+        fn is not None,
+        func is not None,
+        via_func is not None,
+        direct,
+        tag is not None,
+        tag is not None and fn.__self__ is module,
+        tag is not None and tag[0] is stream and tag[1] == place,
+        _inference._on_stream(module, stream, place),
+    )
 
 
-NAMES = [
-    f"{m}:{s}"
-    for m in ("norm", "layer1")
-    for s in ("forward_in_dict", "has_func", "tag", "self_is_module", "stream_is", "place", "on_stream")
-]
-NAMES.append("chain_whole")
+def steps(base_model, stream) -> tuple:
+    """The pieces for the final norm and the second layer, then the whole check."""
+    from polykernel.integrations.transformers import _inference
+
+    return (
+        *pieces(base_model.norm, stream, "norm"),
+        *pieces(base_model.layers[1], stream, "layer"),
+        _inference._chain_whole(base_model, stream),
+    )
+
+
+NAMES = [f"{m}:{p}" for m in ("norm", "layer1") for p in PIECES] + ["chain_whole"]
 
 
 def main() -> None:
@@ -99,32 +109,7 @@ def main() -> None:
     original = _inference._chain_whole
 
     def recording(base, stream_):
-        layers = base.layers
-        pieces = [len(layers), _inference._on_stream(base.norm, stream_, "norm")]
-        for i, layer in enumerate(layers):
-            d = layer.__dict__
-            fn = d.get("forward")
-            func = getattr(fn, "__func__", None)
-            tag = getattr(func, "_polykernel_stream", None)
-            pieces.append(
-                (
-                    fn is not None,
-                    func is not None,
-                    tag is not None,
-                    tag is not None and fn.__self__ is layer,
-                    tag is not None and tag[0] is stream_,
-                    _inference._on_stream(layer, stream_, "layer" if i else "first"),
-                )
-            )
-        pieces.append(stream_ is stream)
-        fn = layers[1].__dict__.get("forward")
-        try:
-            direct = fn.__func__ is not None
-        except Exception as exc:
-            direct = type(exc).__name__
-        passthrough = getattr(fn, "_polykernel_stream", None)  # a bound method's attributes are its function's
-        pieces.append(("direct __func__", direct, "through the method", passthrough is not None and passthrough[0] is stream_))
-        seen.append(pieces)
+        seen.append([stream_ is stream, *(pieces(layer, stream_, "layer" if i else "first") for i, layer in enumerate(base.layers))])
         return original(base, stream_)
 
     _inference._chain_whole = recording

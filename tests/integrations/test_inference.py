@@ -13,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import polykernel  # noqa: E402
+from _spies import count_calls  # noqa: E402
 from _tiny_llama import VOCAB  # noqa: E402
 from _tiny_llama import tiny_llama as shared_tiny_llama  # noqa: E402
 from polykernel import env  # noqa: E402
@@ -275,10 +276,7 @@ def _fused_spy(monkeypatch) -> list[int]:
     """Counts the fused kernel's launches (one per layer and forward that takes the fused path)."""
     from polykernel.integrations.transformers import _fused_attention
 
-    calls: list[int] = []
-    real = _fused_attention._rope_kv_write
-    monkeypatch.setattr(_fused_attention, "_rope_kv_write", lambda *a: (calls.append(1), real(*a))[1])
-    return calls
+    return count_calls(monkeypatch, _fused_attention, "_rope_kv_write")
 
 
 def _decode_with_cache(model: torch.nn.Module, cache, batch: int = 2, steps: int = 3):
@@ -712,8 +710,6 @@ _LLAMA_KNOBS = {
 @fused_on_cpu
 @pytest.mark.parametrize("knobs", list(_LLAMA_KNOBS))
 def test_llama_config_knobs_keep_logits_and_greedy_generation(monkeypatch, knobs):
-    from polykernel.integrations.transformers import _fused_attention
-
     overrides = _LLAMA_KNOBS[knobs]
     kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
     kwargs.update(num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
@@ -727,9 +723,7 @@ def test_llama_config_knobs_keep_logits_and_greedy_generation(monkeypatch, knobs
     patch(model, mode="inference")
     act = "silu_and_mul" if "hidden_act" not in overrides else "gelu_and_mul"
     assert len(patched(model)[act]) == 2
-    writes = []
-    real = _fused_attention._rope_kv_write
-    monkeypatch.setattr(_fused_attention, "_rope_kv_write", lambda *a: (writes.append(1), real(*a))[1])
+    writes = _fused_spy(monkeypatch)
     ids = prompt()
     kw = dict(max_new_tokens=6, do_sample=False, cache_implementation="static", pad_token_id=0)
     kw.update(output_logits=True, return_dict_in_generate=True)
