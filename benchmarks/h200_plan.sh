@@ -25,6 +25,7 @@
 #   serving-b   issue 34: the providers' rows, the selection sweep's first six ops
 #   serving-c   issue 34: the sweep's last three ops, the kernel variants
 #   losses      issues 22, 35: the loss GPU tests, the distillation bench rows, the ten post-training losses vs Liger's modules
+#   losses-jsd  issue 35: fused_linear_jsd's GPU tests and bench rows alone
 #   moe-tests   issue 33: the MoE GPU test files alone (run with PK_NO_WHEELS=1 if .whl/ is carried)
 #   moe         issue 33: the MoE GPU tests; one experts layer at Qwen3-30B-A3B, Mixtral, gpt-oss-20b shapes, profiled; the sweep
 #   moe-liger   issue 33: the MoE GPU parity with Liger's fused MoE among the impls (carry the Liger wheel)
@@ -228,6 +229,11 @@ case $part in
     # 540 s). The ten took 64 s on 2026-12-04 (sixth run); the script estimates ~150 s with the
     # options: a cut run keeps the ten, and `--only` resumes the rest
     step post-train-losses 190 python3 benchmarks/kernels/post_training_losses.py --json "$R/post_training.json"
+    ;;
+  losses-jsd)  # fused_linear_jsd alone: its GPU tests (~170 s on 2026-12-06's twenty-second run, before the
+    # error model kept its sums on the GPU) and its bench rows (43-84 s each, cut three times inside `losses`)
+    gpu_tests jsd-tests 150 tests/ops/test_fused_linear_jsd.py --durations=0
+    step jsd-bench 380 python3 -m polykernel bench --no-compile --out "$R/jsd" fused_linear_jsd
     ;;
   moe | moe-tests)  # each test file on its own (2026-12-03, fresh machine: gpt-oss 54 s; the other two cut at 50-65 s, compiling);
     # their compiles, counted on the CPU: benchmarks/results/cpu-2026-12-03-moe-compiles/. No Liger wheel for this part:

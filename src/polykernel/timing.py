@@ -34,6 +34,9 @@ L2_FLUSH_BYTES = 256 << 20
 # Cycles queued ahead of a host-time measurement: ~25 ms on a ~2 GHz GPU, longer than the calls
 # take to issue.
 HOST_HOLD_CYCLES = 50_000_000
+# Host seconds of calls a host-time round queues behind the hold: ~250-500 launches at 2-4 µs
+# each, well inside the driver's launch queue (~1024 entries), so the host never waits on it.
+QUEUED_HOST_S = 1e-3
 
 
 def now() -> float:
@@ -101,6 +104,11 @@ def host_us_per_call(step: Callable[[], Any], calls: int = 20, rounds: int = 7, 
     enqueues its work; best round. A shorter hold buys more rounds for the same time, as long as
     it outlasts the ``calls`` (20 calls of 100 µs: 2 ms).
 
+    A probe round (one call behind the hold) sets how many calls a round queues: at most
+    ``calls``, and no more than ~:data:`QUEUED_HOST_S` of issuing. A step of hundreds of launches
+    (a chunked loss) would otherwise fill the driver's launch queue behind the hold, and the host
+    would wait for the GPU to drain it: the GPU's pace read as the host's.
+
     A step that synchronizes with the GPU (``.item()``, a host copy) waits out the hold and shows
     up as thousands of microseconds here: that is the point.
     """
@@ -108,13 +116,18 @@ def host_us_per_call(step: Callable[[], Any], calls: int = 20, rounds: int = 7, 
 
     step()
     torch.cuda.synchronize()
-    best = float("inf")
+    hold_gpu(hold_cycles)
+    t = now()
+    step()
+    best = now() - t
+    torch.cuda.synchronize()
+    per_round = max(1, min(calls, int(QUEUED_HOST_S / max(best, 1e-9))))
     for _ in range(rounds):
         hold_gpu(hold_cycles)
         t = now()
-        for _ in range(calls):
+        for _ in range(per_round):
             step()
-        best = min(best, (now() - t) / calls)
+        best = min(best, (now() - t) / per_round)
         torch.cuda.synchronize()
     return best * 1e6
 
