@@ -116,19 +116,16 @@ def host_us_per_call(step: Callable[[], Any], calls: int = 20, rounds: int = 7, 
 
     step()
     torch.cuda.synchronize()
-    hold_gpu(hold_cycles)
-    t = now()
-    step()
-    best = now() - t
-    torch.cuda.synchronize()
-    per_round = max(1, min(calls, int(QUEUED_HOST_S / max(best, 1e-9))))
-    for _ in range(rounds):
+    best, per_round = float("inf"), 1
+    for r in range(rounds + 1):  # round 0: the probe
         hold_gpu(hold_cycles)
         t = now()
         for _ in range(per_round):
             step()
         best = min(best, (now() - t) / per_round)
         torch.cuda.synchronize()
+        if r == 0:
+            per_round = max(1, min(calls, int(QUEUED_HOST_S / max(best, 1e-9))))
     return best * 1e6
 
 

@@ -334,9 +334,10 @@ def error_model(
         sens = dx.abs() * ex + dy.abs() * ey
         dz, e, j, wsum, terms, sens = (a[ok] for a in (dz, e, j, wp + wq, terms, sens))
         if dz.numel():
-            sums = torch.stack([wsum.sum(), terms.sum(), sens.sum(), dz.sum(-1).max(), e.sum(-1).max(), j.sum(-1).max()]).tolist()
-            w_tot, a_tot, sens_tot = w_tot + sums[0], a_tot + sums[1], sens_tot + sums[2]
-            d_row, e_row, j_row = max(d_row, sums[3]), max(e_row, sums[4]), max(j_row, sums[5])
+            sums = (wsum.sum(), terms.sum(), sens.sum(), dz.sum(-1).max(), e.sum(-1).max(), j.sum(-1).max())
+            w_add, a_add, sens_add, d_max, e_max, j_max = torch.stack(sums).tolist()  # one host sync a chunk
+            w_tot, a_tot, sens_tot = w_tot + w_add, a_tot + a_add, sens_tot + sens_add
+            d_row, e_row, j_row = max(d_row, d_max), max(e_row, e_max), max(j_row, j_max)
             d_col += dz.sum(0)
             e_col += e.sum(0)
             j_col += j.sum(0)
