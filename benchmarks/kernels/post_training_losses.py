@@ -24,6 +24,7 @@ saving), and its timed calls after the first read the previous call's gradient (
     ... --only ce_softcap,flce_weight             # some CE options (e.g. what a cut run missed)
     ... --tiny --liger-on-cpu    # CPU: Liger too (chunked losses uncompiled; its kernels in Triton's interpreter)
     ... --chunk-mib 512          # polykernel's chunk budget (default: _linear_logps.CHUNK_BYTES, 1 GiB)
+    ... --only flce_z_loss --flce-chunk-mib 128   # fused_linear_cross_entropy's (default: 256 MiB of logits)
 """
 
 from __future__ import annotations
@@ -142,17 +143,32 @@ def main() -> None:
     ap.add_argument("--impls", default="", help=f"comma-separated candidates (default: {','.join(IMPLS)})")
     ap.add_argument("--liger-on-cpu", action="store_true", help="run Liger on a CPU too: a check of the arguments, not a timing")
     ap.add_argument("--chunk-mib", type=int, help="polykernel's chunk budget (default: _linear_logps.CHUNK_BYTES, 1 GiB)")
+    ap.add_argument(
+        "--flce-chunk-mib",
+        type=int,
+        help="fused_linear_cross_entropy's logits per chunk (default: _fused_linear_cross_entropy.CHUNK_BYTES, 256 MiB)",
+    )
     args = ap.parse_args()
     losses, impls = pick(args.only, LOSSES, "--only"), pick(args.impls, IMPLS, "--impls")
     if args.chunk_mib:
         from polykernel.backends import _linear_logps
 
         _linear_logps.CHUNK_BYTES = args.chunk_mib << 20
+    if args.flce_chunk_mib:
+        from polykernel.backends import _fused_linear_cross_entropy
+
+        _fused_linear_cross_entropy.CHUNK_BYTES = args.flce_chunk_mib << 20
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes, reps = (TINY, 2) if args.tiny else (FULL, args.reps)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     header = {"device": where, "dtype": str(dtype), "torch": torch.__version__, "rtol": RTOL}
+    from polykernel.backends import _fused_linear_cross_entropy, _linear_logps
+
+    header["chunk_mib"] = {
+        "linear_logps": _linear_logps.CHUNK_BYTES >> 20,
+        "fused_linear_cross_entropy": _fused_linear_cross_entropy.CHUNK_BYTES >> 20,
+    }
     header["ce_options"] = {**OPTION_VALUES, "weight": "seeded, in [0.5, 1.5), fp32"}
     out = RowFile(args.json, header)
     estimate(losses, impls, device.type == "cuda", args.tiny, args.json)
