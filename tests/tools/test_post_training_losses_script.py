@@ -68,6 +68,7 @@ def test_tiny_run_writes_the_ce_option_rows(tmp_path):
     data = _run(tmp_path, "--only", ",".join(CE_OPTION_LOSSES), "--impls", "auto,torch,liger,plain")
     assert data["stdout"].startswith("estimate: 32 rows") and data["complete"], data["stdout"][:200]
     assert data["ce_options"]["softcap"] == 30.0 and data["ce_options"]["z_loss"] == 1e-4
+    assert data["chunk_mib"] == {"linear_logps": 1024, "fused_linear_cross_entropy": 256}  # the library's budgets
     rows = {(r["loss"], r["impl"]): r for r in data["rows"]}
     assert list(rows) == [(loss, impl) for loss in CE_OPTION_LOSSES for impl in ("auto", "torch", "liger", "plain")]
     for loss in CE_OPTION_LOSSES:
@@ -78,6 +79,14 @@ def test_tiny_run_writes_the_ce_option_rows(tmp_path):
             assert _rel(row["loss_value"], torch_value) <= 1e-5, row  # fp32 on the CPU: far inside the 2% of a bf16 run
         assert rows[loss, "liger"]["error"].startswith("skipped on CPU"), rows[loss, "liger"]
     assert rows["ce_softcap", "torch"]["shape"] == "N=64,V=1000" and rows["flce_softcap", "torch"]["shape"] == "N=64,H=32,V=1000"
+
+
+def test_flce_chunk_budget_is_set_and_recorded(tmp_path):
+    data = _run(tmp_path, "--only", "flce_z_loss", "--impls", "torch,plain", "--flce-chunk-mib", "1")
+    assert data["chunk_mib"] == {"linear_logps": 1024, "fused_linear_cross_entropy": 1}
+    rows = {r["impl"]: r for r in data["rows"]}
+    assert "error" not in rows["torch"] and rows["torch"]["agrees"], rows
+    assert _rel(rows["torch"]["loss_value"], rows["plain"]["loss_value"]) <= 1e-5, rows
 
 
 @pytest.fixture
