@@ -150,21 +150,17 @@ def main() -> None:
     )
     args = ap.parse_args()
     losses, impls = pick(args.only, LOSSES, "--only"), pick(args.impls, IMPLS, "--impls")
-    if args.chunk_mib:
-        from polykernel.backends import _linear_logps
+    from polykernel.backends import _fused_linear_cross_entropy, _linear_logps
 
+    if args.chunk_mib:
         _linear_logps.CHUNK_BYTES = args.chunk_mib << 20
     if args.flce_chunk_mib:
-        from polykernel.backends import _fused_linear_cross_entropy
-
         _fused_linear_cross_entropy.CHUNK_BYTES = args.flce_chunk_mib << 20
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes, reps = (TINY, 2) if args.tiny else (FULL, args.reps)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     header = {"device": where, "dtype": str(dtype), "torch": torch.__version__, "rtol": RTOL}
-    from polykernel.backends import _fused_linear_cross_entropy, _linear_logps
-
     header["chunk_mib"] = {
         "linear_logps": _linear_logps.CHUNK_BYTES >> 20,
         "fused_linear_cross_entropy": _fused_linear_cross_entropy.CHUNK_BYTES >> 20,
