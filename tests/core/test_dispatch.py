@@ -371,6 +371,39 @@ def test_set_impl_while_another_thread_resolves_is_not_undone(monkeypatch, hot):
     assert polykernel.explain("rms_norm", x, w).chosen == "torch"
 
 
+@pytest.mark.parametrize("hot", [False, True], ids=["memo", "guarded"])
+@pytest.mark.parametrize("changed", ["loss.cross_entropy", "norm.rms_norm"])
+def test_a_change_while_resolving_makes_stale_only_that_ops_decisions(monkeypatch, hot, changed):
+    # While rms_norm's call resolves, an op's impls change (as when an impl module registers its
+    # op on its first import: backends/triton/kl_div.py imports ops/cross_entropy.py). Another
+    # op's change leaves this decision memoized: its second call neither decides nor runs the
+    # first-call check again (the H100, 2026-12-07: fused_linear_jsd's check ran on its first two
+    # calls). A change to rms_norm's own impls still makes it stale.
+    fake("liger", 50)
+    real, resolved = resolution._tuned, []
+
+    def tuned(*a, **k):
+        if not resolved:
+            registry.REGISTRY.changed(changed)
+        resolved.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(resolution, "_tuned", tuned)
+    checks = []
+    real_checked = resolution.first_call.checked
+    monkeypatch.setattr(resolution.first_call, "checked", lambda d: checks.append(d.impl) or real_checked(d))
+    x, w = args()
+    op = registry.get_op("rms_norm")
+    for _ in range(3):
+        if hot:
+            polykernel.rms_norm(x, w)
+        else:
+            argkey = op.key(x, w, 1e-6, 0.0, "fp32")
+            op.call(None, argkey, x, w, 1e-6, 0.0, "fp32")
+    assert CALLS == ["liger"] * 3
+    assert len(resolved) == len(checks) == (1 if changed != "norm.rms_norm" else 2)
+
+
 def test_set_impl_validates_names():
     with pytest.raises(ValueError, match="not an impl name"):
         polykernel.set_impl("fast")

@@ -273,7 +273,7 @@ class Op:
             fast = self._fast  # the generated code holds this list: changed in place
             fast.insert(0, (check, grad, impl, scope, det, decision, *self._options(args)))
             del fast[FAST_RECORDS:]
-            if decision.generation != _dispatch.generation():  # stale (see selection.decide): not kept
+            if decision.generation != _dispatch.generation(self.id):  # stale (see selection.decide): not kept
                 fast.clear()
         return self._finish(decision, key, args)
 

@@ -159,7 +159,7 @@ def decide(
     ``by_size``: choose per size bucket even if this key's answer is static (a tuned decision's
     fallback after a fault, whose other buckets keep their measured impls). ``for_dtensor``: made on
     a DTensor call's miss, whose route may run instead (see :func:`record_route`)."""
-    gen = generation()
+    gen = generation(op.id)
     decision = _resolve(op, key, args, measure=args is not None)
     if decision.source == "tuned" or (decision.source == "auto" and (by_size or _stored_class(op, key))):
         _choose_by_size(decision, args)
@@ -170,7 +170,7 @@ def decide(
     decision.for_dtensor = for_dtensor
     decision.generation = gen
     op.remember(key, decision)
-    if generation() != gen:  # set_impl, register_impl... in another thread while resolving: this
+    if generation(op.id) != gen:  # set_impl, register_impl... in another thread while resolving: this
         op.forget(key)  # call runs it, the memo must not keep it (checked after remember: no gap)
     _record[(op.id, key)] = decision  # what `decisions()` lists; outlives the memo
     return decision

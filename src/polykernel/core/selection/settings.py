@@ -10,7 +10,7 @@ from ... import env
 from .. import registry
 from .names import _parse_names, _parse_op_names
 from .resolution import _record
-from .state import _broken, _generation, _global, _lock, _logged, _scope, reset_env_check
+from .state import _broken, _generation, _global, _lock, _logged, _op_generation, _scope, reset_env_check
 
 
 @contextlib.contextmanager
@@ -119,7 +119,10 @@ def clear_memos(op_id: str | None = None) -> None:
     """Drop memoized decisions: of ``op_id`` only (its impls changed), or of every op (None).
     The record that :func:`decisions` reads is kept: it lists what ran since ``clear_caches``."""
     with _lock:  # first: a decision another thread is resolving now is then not memoized
-        _generation[0] += 1
+        if op_id is None:
+            _generation[0] += 1
+        else:  # that op's decisions alone go stale
+            _op_generation[op_id] = _op_generation.get(op_id, 0) + 1
     if op_id is not None:
         op = registry.loaded_op(op_id)
         if op is not None:

@@ -27,11 +27,19 @@ _logged: set[tuple[Any, ...]] = set()
 _lock = threading.RLock()
 # Bumped (under _lock) before the memos are cleared: a decision resolved against the settings and
 # impls of an older generation runs for the call that made it, and is never kept (see decide).
+# [0] counts the changes that may touch every op (settings, clear_caches); _op_generation one op's
+# own (its impls registered): an impl module that registers another op on its first import
+# (backends/triton/kl_div.py imports ops/cross_entropy.py) must not make the decision that loads
+# it stale, else its next call decides and checks it again (the H100, 2026-12-07: fused_linear_jsd's
+# second call ran the first-call check again, benchmarks/results/h100-2026-12-07-twentyfifth/).
 _generation = [0]
+_op_generation: dict[str, int] = {}
 
 
-def generation() -> int:
-    return _generation[0]
+def generation(op_id: str | None = None) -> int:
+    """The generation that a decision of ``op_id`` is resolved in: it changes whenever a change
+    to the settings, or to that op's impls, may change the decision (never otherwise)."""
+    return _generation[0] + (_op_generation.get(op_id, 0) if op_id is not None else 0)
 
 
 def strict_mode() -> bool:
