@@ -211,6 +211,11 @@ def add_family_args(parser: argparse.ArgumentParser, families: list[str], batch:
         "--profile", type=int, default=0, metavar="N",
         help="one more step under the torch profiler: its N kernels of most time in the record and printed",
     )  # fmt: skip
+    parser.add_argument(
+        "--flce-chunk-mib", type=int, default=None, metavar="M",
+        help="fused_linear_cross_entropy's logits per row chunk, in MiB (default: the library's); "
+        "its time and peak in a training step against the budget",
+    )  # fmt: skip
 
 
 def family_selection(parser: argparse.ArgumentParser, args: argparse.Namespace, families: Any) -> tuple[list[str], list[str]]:
@@ -229,7 +234,21 @@ def family_argv(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     argv += ["--tiny"] if args.tiny else []
     argv += [f"--device={args.device}"] if args.device else []
     argv += [f"--profile={args.profile}"] if args.profile else []
-    return argv, {k: getattr(args, k) for k in ("batch", "seq", "steps", "warmup", "tiny", "device", "profile")}
+    argv += [f"--flce-chunk-mib={args.flce_chunk_mib}"] if args.flce_chunk_mib is not None else []
+    setup = {k: getattr(args, k) for k in ("batch", "seq", "steps", "warmup", "tiny", "device", "profile")}
+    return argv, {**setup, "flce_chunk_mib": flce_chunk_mib(args)}
+
+
+def flce_chunk_mib(args: argparse.Namespace) -> float:
+    """The fused linear cross-entropy's logits budget per row chunk that the runs use, in MiB
+    (``--flce-chunk-mib``, set here, or the library's ``CHUNK_BYTES``)."""
+    from polykernel.backends import _fused_linear_cross_entropy as flce
+
+    if args.flce_chunk_mib is not None:
+        if args.flce_chunk_mib < 1:
+            raise SystemExit(f"--flce-chunk-mib: expected a positive number of MiB, got {args.flce_chunk_mib}")
+        flce.CHUNK_BYTES = args.flce_chunk_mib << 20
+    return flce.CHUNK_BYTES / 2**20
 
 
 def with_variant(model: Any, model_type: str, variant: str) -> Any:
@@ -267,9 +286,12 @@ def family_child(args: argparse.Namespace, build: Callable[[str, Any, Any], tupl
     import torch
 
     family, variant = args.child.split(":")
+    chunk_mib = flce_chunk_mib(args)  # before the model's first step
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     record: dict[str, Any] = {"family": family, "variant": variant, "device": str(device), "dtype": str(dtype).removeprefix("torch.")}
+    if variant == "polykernel":
+        record["flce_chunk_mib"] = chunk_mib
     try:
         torch.manual_seed(0)  # (CUDA's generator too)
         model, batch = build(family, device, dtype)

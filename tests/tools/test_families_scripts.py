@@ -112,6 +112,23 @@ def test_new_text_family_tiny_run(family, tmp_path):
     assert summary["family"] == family and abs(summary["polykernel_loss_minus_plain"]) < 1e-3
 
 
+def test_flce_chunk_budget_is_set_in_each_run_and_recorded(tmp_path):
+    # the A/B of the fused linear CE's chunk budget in a training step: each child process sets it
+    # before its first step (read back from the library there), the setup records it; plain unaffected
+    from polykernel.backends import _fused_linear_cross_entropy as flce
+
+    _, data = _run("families.py", tmp_path, "--families", "llama", "--variants", "plain,polykernel", "--flce-chunk-mib", "1")
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert data["setup"]["flce_chunk_mib"] == 1 and rows["polykernel"]["flce_chunk_mib"] == 1
+    assert "flce_chunk_mib" not in rows["plain"]
+    _check_plain_and_polykernel(rows)
+    _, default = _run("families.py", tmp_path, "--families", "llama", "--variants", "polykernel")
+    assert default["setup"]["flce_chunk_mib"] == default["rows"][0]["flce_chunk_mib"] == flce.CHUNK_BYTES / 2**20
+    cmd = [sys.executable, str(BENCHMARKS / "models" / "families.py"), "--tiny", "--flce-chunk-mib", "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(SRC)})
+    assert proc.returncode != 0 and "--flce-chunk-mib: expected a positive number of MiB, got 0" in proc.stderr
+
+
 @pytest.mark.parametrize("family", list(vision_families.FAMILIES))
 def test_vision_family_tiny_run(family, tmp_path):
     # an image in each row; Liger's VL patch, where it fails (on a CPU, or with this transformers), is the row's error
