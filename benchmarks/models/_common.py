@@ -286,12 +286,11 @@ def family_child(args: argparse.Namespace, build: Callable[[str, Any, Any], tupl
     import torch
 
     family, variant = args.child.split(":")
-    chunk_mib = flce_chunk_mib(args)  # before the model's first step
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     record: dict[str, Any] = {"family": family, "variant": variant, "device": str(device), "dtype": str(dtype).removeprefix("torch.")}
-    if variant == "polykernel":
-        record["flce_chunk_mib"] = chunk_mib
+    if variant == "polykernel":  # (the only variant that runs the op)
+        record["flce_chunk_mib"] = flce_chunk_mib(args)  # before the model's first step
     try:
         torch.manual_seed(0)  # (CUDA's generator too)
         model, batch = build(family, device, dtype)
