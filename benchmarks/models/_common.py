@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from polykernel.tools.options import positive_int
+
 # A Llama-3.2-1B-shaped model: the scripts' default sizes
 LLAMA_1B = dict(layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, vocab=128256)
 
@@ -212,7 +214,7 @@ def add_family_args(parser: argparse.ArgumentParser, families: list[str], batch:
         help="one more step under the torch profiler: its N kernels of most time in the record and printed",
     )  # fmt: skip
     parser.add_argument(
-        "--flce-chunk-mib", type=int, default=None, metavar="M",
+        "--flce-chunk-mib", type=positive_int, default=None, metavar="M",
         help="fused_linear_cross_entropy's logits per row chunk, in MiB (default: the library's); "
         "its time and peak in a training step against the budget",
     )  # fmt: skip
@@ -245,8 +247,6 @@ def flce_chunk_mib(args: argparse.Namespace) -> float:
     from polykernel.backends import _fused_linear_cross_entropy as flce
 
     if args.flce_chunk_mib is not None:
-        if args.flce_chunk_mib < 1:
-            raise SystemExit(f"--flce-chunk-mib: expected a positive number of MiB, got {args.flce_chunk_mib}")
         flce.CHUNK_BYTES = args.flce_chunk_mib << 20
     return flce.CHUNK_BYTES / 2**20
 

@@ -126,7 +126,7 @@ def test_flce_chunk_budget_is_set_in_each_run_and_recorded(tmp_path):
     assert default["setup"]["flce_chunk_mib"] == default["rows"][0]["flce_chunk_mib"] == flce.CHUNK_BYTES / 2**20
     cmd = [sys.executable, str(BENCHMARKS / "models" / "families.py"), "--tiny", "--flce-chunk-mib", "0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(SRC)})
-    assert proc.returncode != 0 and "--flce-chunk-mib: expected a positive number of MiB, got 0" in proc.stderr
+    assert proc.returncode != 0 and "argument --flce-chunk-mib: must be a positive integer, not '0'" in proc.stderr
 
 
 @pytest.mark.parametrize("family", list(vision_families.FAMILIES))
