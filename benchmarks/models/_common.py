@@ -70,9 +70,11 @@ def timed_steps(step: Callable[[], Any], steps: int, sync: Callable[[], None]) -
     return times, losses, statistics.median(steady)
 
 
-def step_timer(cuda: bool, times: list[float]) -> Any:
+def step_timer(cuda: bool, times: list[float], peaks: list[float] | None = None) -> Any:
     """A ``transformers.TrainerCallback`` that appends each optimizer step's wall time to ``times``
-    (synchronizing the GPU at both ends when ``cuda``)."""
+    (synchronizing the GPU at both ends when ``cuda``). With ``peaks`` (and ``cuda``), each step's
+    CUDA peak in GiB too, the peak statistics reset after each: the first step's (first-call
+    checks, compiles, autotuning) stands apart from the steady steps'."""
     import torch
     import transformers
 
@@ -86,8 +88,29 @@ def step_timer(cuda: bool, times: list[float]) -> Any:
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - self.t0)
+            if cuda and peaks is not None:
+                peaks.append(torch.cuda.max_memory_allocated() / 2**30)
+                torch.cuda.reset_peak_memory_stats()
 
     return Timer()
+
+
+def peak_fields(peaks: list[float]) -> dict[str, Any]:
+    """A record's peaks from :func:`step_timer`'s per-step list: the whole run's (``peak_gib``),
+    the steps after the first (``steady_peak_gib``) and each step's; None where not measured."""
+    return {
+        "peak_gib": max(peaks) if peaks else None,
+        "steady_peak_gib": max(peaks[1:]) if len(peaks) > 1 else None,
+        "step_peaks_gib": peaks,
+    }
+
+
+def peak_text(record: dict[str, Any]) -> str:
+    """``12.57 GiB (later 12.14)``: a record's peak and, apart, its steady steps' (``-`` if none)."""
+    if record.get("peak_gib") is None:
+        return "-"
+    later = record.get("steady_peak_gib")
+    return f"{record['peak_gib']:.2f} GiB" + ("" if later is None else f" (later {later:.2f})")
 
 
 def versions(*names: str) -> dict[str, str | None]:

@@ -16,7 +16,8 @@ steps. Each variant in its own subprocess (fresh allocator):
   SwiGLU, RoPE: the counterpart of ``liger``).
 
 Per variant: tokens/s (the batch's real tokens over the median step time of steps 2..N), peak
-memory (CUDA's max allocated), the per-step losses and DPO metrics from TRL's log, errors.
+memory (CUDA's max allocated: the whole run's, the steps after the first apart, each step's), the
+per-step losses and DPO metrics from TRL's log, errors.
 
     PYTHONPATH=src python benchmarks/models/trl_dpo.py --json trl_dpo.json             # H200, ~N=10 steps
     PYTHONPATH=src python benchmarks/models/trl_dpo.py --json /tmp/trl_dpo.json --tiny  # CPU smoke run, seconds
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from _child import parse, run_all
-from _common import add_llama_args, llama_config, step_timer, tiny_llama, versions
+from _common import add_llama_args, llama_config, peak_fields, peak_text, step_timer, tiny_llama, versions
 
 from polykernel.tools.rows import RowFile
 
@@ -100,6 +101,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         for m in (model, ref):  # the loss is the DPO trainer's: no causal-LM loss switches
             patch(m, cross_entropy=False, fused_linear_cross_entropy=False)
     step_times: list[float] = []
+    peaks: list[float] = []  # each step's CUDA peak: the first step's first-call checks apart
     config = trl.DPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl_dpo_"),
         per_device_train_batch_size=args.batch,
@@ -118,7 +120,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
     )
     kwargs = dict(model=model, ref_model=ref, args=config, train_dataset=_dataset(args.batch * args.steps, args.seq, args.seed),
-                  processing_class=_tokenizer(), callbacks=[step_timer(cuda, step_times)])  # fmt: skip
+                  processing_class=_tokenizer(), callbacks=[step_timer(cuda, step_times, peaks)])  # fmt: skip
     if variant.startswith("polykernel"):
         from polykernel.integrations.trl import PolykernelDPOTrainer
 
@@ -137,7 +139,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "tokens_per_step": tokens,
         "step_s_median": statistics.median(steady),
         "tokens_per_s": tokens / statistics.median(steady),
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        **peak_fields(peaks),
         "step_s": step_times,
         "steps": [{k: log.get(k) for k in keep} for log in logs],
     }
@@ -179,9 +181,8 @@ def main() -> None:
     argv += ["--gradient-checkpointing"] * args.gradient_checkpointing + ["--tiny"] * args.tiny
 
     def summary(record: dict[str, Any]) -> str:
-        peak = "-" if record["peak_gib"] is None else f"{record['peak_gib']:.2f} GiB"
         losses = " ".join(f"{s['loss']:.4f}" for s in record["steps"])
-        return f"{record['tokens_per_s']:10.0f} tok/s  peak {peak:>10}  losses {losses}"
+        return f"{record['tokens_per_s']:10.0f} tok/s  peak {peak_text(record):>24}  losses {losses}"
 
     out = RowFile(args.json, {"env": env()})  # each variant's record kept as it ends
     run_all(__file__, args.only.split(","), argv, args.timeout, summary, width=18, out=out, per_variant_s=20 if args.tiny else 120)

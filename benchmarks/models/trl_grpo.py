@@ -6,7 +6,8 @@ Generation is TRL's own (``transformers.generate``, no vLLM) with a reward funct
 (a hash of the completion's text: varied rewards), so it runs offline. It is timed apart: it is the
 same in every variant and would hide the loss's share of the step. Per variant: the step time,
 the generation time, their difference (the training part: forwards, loss, backward, optimizer),
-the completion tokens per second of that part, CUDA peak memory, per-step losses and metrics.
+the completion tokens per second of that part, CUDA peak memory (the whole run's, the steps after
+the first apart, each step's), per-step losses and metrics.
 
     PYTHONPATH=src python benchmarks/models/trl_grpo.py --json trl_grpo.json              # H200
     PYTHONPATH=src python benchmarks/models/trl_grpo.py --json /tmp/trl_grpo.json --tiny  # CPU smoke run
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from _child import parse, run_all
-from _common import add_llama_args, step_timer, tiny_llama
+from _common import add_llama_args, peak_fields, peak_text, step_timer, tiny_llama
 from trl_dpo import VARIANTS, WORDS, _model, _tokenizer, env
 
 from polykernel.tools.rows import RowFile
@@ -65,6 +66,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         return [zlib.crc32(c.encode()) % 1000 / 1000 for c in completions]
 
     step_times: list[float] = []
+    peaks: list[float] = []  # each step's CUDA peak: the first step's first-call checks apart
     gen_times: list[float] = []
     config = trl.GRPOConfig(
         output_dir=str(path.parent),
@@ -86,7 +88,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
     )
     kwargs = dict(model=str(path), reward_funcs=reward_crc, args=config, train_dataset=datasets.Dataset.from_list(prompts),
-                  processing_class=tokenizer, callbacks=[step_timer(cuda, step_times)])  # fmt: skip
+                  processing_class=tokenizer, callbacks=[step_timer(cuda, step_times, peaks)])  # fmt: skip
     if variant.startswith("polykernel"):
         from polykernel.integrations.trl import PolykernelGRPOTrainer
 
@@ -126,7 +128,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "train_s": train_s,
         "train_s_median": statistics.median(steady),
         "completion_tokens_per_train_s": statistics.median(completion_tokens) / statistics.median(steady),
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        **peak_fields(peaks),
         "steps": [{k: log.get(k) for k in keep} for log in logs],
     }
 
@@ -160,9 +162,8 @@ def main() -> None:
     argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in _PASSED] + ["--tiny"] * args.tiny
 
     def summary(record: dict[str, Any]) -> str:
-        peak = "-" if record["peak_gib"] is None else f"{record['peak_gib']:.2f} GiB"
         losses = " ".join(f"{s['loss']:.4g}" for s in record["steps"])
-        return f"train {record['train_s_median']:.3f} s/step  peak {peak:>10}  losses {losses}"
+        return f"train {record['train_s_median']:.3f} s/step  peak {peak_text(record):>24}  losses {losses}"
 
     out = RowFile(args.json, {"env": env()})  # each variant's record kept as it ends
     run_all(__file__, args.only.split(","), argv, args.timeout, summary, width=18, out=out, per_variant_s=20 if args.tiny else 180)
