@@ -34,7 +34,10 @@ from ._double_backward import anchor, refuse
 
 _transforms_active = _compat.functorch_transforms_active
 
-CHUNK_BYTES = 256 << 20  # logits of one row chunk, in the logits' dtype (~1024 rows at V = 128K bf16)
+# Logits of one row chunk, in the logits' dtype (~1024 rows at V = 128K bf16). Measured in training
+# steps: smaller budgets cost tokens/s for tens of MiB of peak, larger gain ~1% for more
+# (benchmarks/results/h100-2026-12-07-twentysixth/flce-training/).
+CHUNK_BYTES = 256 << 20
 
 ChunkFn = Callable[[torch.Tensor, torch.Tensor, int, float, "torch.Tensor | None", Extras], torch.Tensor]
 
