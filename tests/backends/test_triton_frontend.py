@@ -9,19 +9,25 @@ import pytest
 triton = pytest.importorskip("triton")
 
 
-def _compile(jobs: list, tmp_path) -> list[str]:
+def _compile(jobs: list, tmp_path, kept: str) -> list[str]:
     """Run ``jobs`` ((module, kernel name, signature, constexprs) each) through the frontend in a
     process without the interpreter (in one that has run interpreted kernels, Triton's
-    ``tl`` builtins may still be the interpreter's); the lines of the kernels that fail."""
+    ``tl`` builtins may still be the interpreter's); the lines of the kernels that fail. The jobs
+    that compile are kept in the cache folder's file ``kept`` (one per caller), by a hash of all
+    that their compile reads, and not compiled again while that is unchanged
+    (_triton_frontend_jobs.py says what the hash holds)."""
     import os
     import pickle
     import subprocess
     import sys
     from pathlib import Path
 
+    from polykernel.tuning.json_store import cache_dir
+
     pytest.importorskip("triton.backends.nvidia.compiler")
     path = tmp_path / "compile.pkl"
-    path.write_bytes(pickle.dumps({"jobs": jobs, "errors": []}))
+    passed = (cache_dir() or Path.home() / ".cache" / "polykernel") / "triton-frontend" / kept
+    path.write_bytes(pickle.dumps({"jobs": jobs, "errors": [], "passed": str(passed)}))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(Path(__file__).parents[2] / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")
     here = Path(__file__).with_name("_triton_frontend_jobs.py")
@@ -30,20 +36,34 @@ def _compile(jobs: list, tmp_path) -> list[str]:
     return [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
-def test_rope_kv_write_kernel_compiles_for_sm90(dtype, tmp_path):
+ROPE_KV_DTYPES = ("bf16", "fp16", "fp32")
+
+
+@pytest.fixture(scope="module")
+def rope_kv_write_failures(tmp_path_factory) -> dict[str, list[str]]:
+    """``rope_kv_write``'s kernel with each of ROPE_KV_DTYPES through the frontend, in one process
+    (a process per dtype spent most of its time importing); the FAILED lines of each dtype."""
     import inspect
 
     from polykernel.backends.triton import rope_kv_write
 
     names = list(inspect.signature(rope_kv_write._rope_kv_kernel.fn).parameters)
     const = {"HALF": 32, "BLOCK_H": 8, "BLOCK_D": 32}
-    sig = {
-        n: "constexpr" if n in const else ("*i64" if n == "CUM" else f"*{dtype}" if n in ("QKV", "COS", "SIN", "QO", "KC", "VC") else "i64")
-        for n in names
+    pointers = ("QKV", "COS", "SIN", "QO", "KC", "VC")
+    jobs = []
+    for dtype in ROPE_KV_DTYPES:
+        sig = {n: "constexpr" if n in const else ("*i64" if n == "CUM" else f"*{dtype}" if n in pointers else "i64") for n in names}
+        jobs.append((rope_kv_write.__name__, "_rope_kv_kernel", sig, {(names.index(n),): v for n, v in const.items()}))
+    failed = _compile(jobs, tmp_path_factory.mktemp("rope_kv_write"), "rope_kv_write.txt")
+    # each line names its job's signature, whose pointer types give the dtype
+    return {dtype: [line for line in failed if f"'QKV': '*{dtype}'" in line] for dtype in ROPE_KV_DTYPES} | {
+        "unattributed": [line for line in failed if not any(f"'QKV': '*{d}'" in line for d in ROPE_KV_DTYPES)]
     }
-    job = (rope_kv_write.__name__, "_rope_kv_kernel", sig, {(names.index(n),): v for n, v in const.items()})
-    assert _compile([job], tmp_path) == []
+
+
+@pytest.mark.parametrize("dtype", ROPE_KV_DTYPES)
+def test_rope_kv_write_kernel_compiles_for_sm90(dtype, rope_kv_write_failures):
+    assert rope_kv_write_failures[dtype] == [] and rope_kv_write_failures["unattributed"] == []
 
 
 def test_every_kernel_the_ops_launch_compiles_for_sm90(tmp_path):
@@ -72,4 +92,4 @@ def test_every_kernel_the_ops_launch_compiles_for_sm90(tmp_path):
     names = {name for _, name, _, _ in recorded["jobs"]}
     reached = {"_rms_fwd_kernel"} | ({"_act_bwd_kernel", "_combine_kernel"} if recorded["grouped_mm"] else set())
     assert reached <= names, sorted(names)  # the sweep reaches them (the hybrid MoE path's only with torch._grouped_mm)
-    assert _compile(recorded["jobs"], tmp_path) == []
+    assert _compile(recorded["jobs"], tmp_path, "ops.txt") == []

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from _scripts import BENCHMARKS, load_benchmark
+from polykernel.backends import _fused_linear_cross_entropy as flce
 from polykernel.integrations.transformers import SUPPORTED_MODEL_TYPES
 
 SRC = BENCHMARKS.parent / "src"
@@ -108,22 +109,23 @@ def test_new_text_family_tiny_run(family, tmp_path):
         assert len(r["kernels"]) == 3 and r["kernels"][0]["us"] >= r["kernels"][-1]["us"] > 0, r["kernels"]
         assert f"x  {r['kernels'][0]['name']}" in stdout
     _check_plain_and_polykernel(rows)
+    # no --flce-chunk-mib: the library's own budget, set in the polykernel run and recorded (the
+    # default half of test_flce_chunk_budget_is_set_in_each_run_and_recorded, on these runs)
+    assert data["setup"]["flce_chunk_mib"] == rows["polykernel"]["flce_chunk_mib"] == flce.CHUNK_BYTES / 2**20
     (summary,) = data["summary"]
     assert summary["family"] == family and abs(summary["polykernel_loss_minus_plain"]) < 1e-3
 
 
 def test_flce_chunk_budget_is_set_in_each_run_and_recorded(tmp_path):
     # the A/B of the fused linear CE's chunk budget in a training step: each child process sets it
-    # before its first step (read back from the library there), the setup records it; plain unaffected
-    from polykernel.backends import _fused_linear_cross_entropy as flce
-
+    # before its first step (read back from the library there), the setup records it; plain
+    # unaffected. Without the option, the library's default is set and recorded: checked on
+    # test_new_text_family_tiny_run's runs (one child process fewer here)
     _, data = _run("families.py", tmp_path, "--families", "llama", "--variants", "plain,polykernel", "--flce-chunk-mib", "1")
     rows = {r["variant"]: r for r in data["rows"]}
     assert data["setup"]["flce_chunk_mib"] == 1 and rows["polykernel"]["flce_chunk_mib"] == 1
     assert "flce_chunk_mib" not in rows["plain"]
     _check_plain_and_polykernel(rows)
-    _, default = _run("families.py", tmp_path, "--families", "llama", "--variants", "polykernel")
-    assert default["setup"]["flce_chunk_mib"] == default["rows"][0]["flce_chunk_mib"] == flce.CHUNK_BYTES / 2**20
     cmd = [sys.executable, str(BENCHMARKS / "models" / "families.py"), "--tiny", "--flce-chunk-mib", "0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(SRC)})
     assert proc.returncode != 0 and "argument --flce-chunk-mib: must be a positive integer, not '0'" in proc.stderr
