@@ -51,6 +51,7 @@ from _loss_cases import CE_OPTION_LOSSES, FULL, LOSSES, OPTION_VALUES, PREFERENC
 
 import polykernel
 from polykernel.tools.bench import peak_extra_mib
+from polykernel.tools.options import positive_int
 from polykernel.tools.rows import RowFile, announce
 
 IMPLS = ("auto", "triton", "torch", "liger", "plain")  # auto: polykernel's public function, impl=None
@@ -142,19 +143,19 @@ def main() -> None:
     )
     ap.add_argument("--impls", default="", help=f"comma-separated candidates (default: {','.join(IMPLS)})")
     ap.add_argument("--liger-on-cpu", action="store_true", help="run Liger on a CPU too: a check of the arguments, not a timing")
-    ap.add_argument("--chunk-mib", type=int, help="polykernel's chunk budget (default: _linear_logps.CHUNK_BYTES, 1 GiB)")
+    ap.add_argument("--chunk-mib", type=positive_int, help="polykernel's chunk budget (default: _linear_logps.CHUNK_BYTES, 1 GiB)")
     ap.add_argument(
         "--flce-chunk-mib",
-        type=int,
+        type=positive_int,
         help="fused_linear_cross_entropy's logits per chunk (default: _fused_linear_cross_entropy.CHUNK_BYTES, 256 MiB)",
     )
     args = ap.parse_args()
     losses, impls = pick(args.only, LOSSES, "--only"), pick(args.impls, IMPLS, "--impls")
     from polykernel.backends import _fused_linear_cross_entropy, _linear_logps
 
-    if args.chunk_mib:
+    if args.chunk_mib is not None:
         _linear_logps.CHUNK_BYTES = args.chunk_mib << 20
-    if args.flce_chunk_mib:
+    if args.flce_chunk_mib is not None:
         _fused_linear_cross_entropy.CHUNK_BYTES = args.flce_chunk_mib << 20
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -89,6 +89,16 @@ def test_flce_chunk_budget_is_set_and_recorded(tmp_path):
     assert _rel(rows["torch"]["loss_value"], rows["plain"]["loss_value"]) <= 1e-5, rows
 
 
+@pytest.mark.parametrize("option", ["--chunk-mib", "--flce-chunk-mib"])
+def test_a_budget_that_is_not_positive_exits_naming_the_option(option, tmp_path):
+    # 0 once meant "the default" without a word (a typo'd A/B measured the default twice)
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, str(SCRIPT), "--tiny", option, "0", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode != 0 and f"argument {option}: must be a positive integer, not '0'" in proc.stderr, proc.stderr[-2000:]
+    assert not out.exists()  # before any row
+
+
 @pytest.fixture
 def loss_cases(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS / "kernels"))  # its `import _plain_losses`
