@@ -33,6 +33,7 @@
 #   moe-train-liger  issue 33: Qwen3-MoE with Liger as it comes (its fused MoE autotuned in the first step)
 #   decode      issue 34: decode logits given the same token (batch 1-128), the decode loop, a kernel profile of a step
 #   trl         issue 22: TRL's DPOTrainer and GRPOTrainer on a Llama-1B shape: plain, use_liger_kernel, ours
+#   trl-memory  issue 35: what GRPO's peak holds, ours (patched) and Liger's: the allocator's history, grouped by origin
 #   checks      the double-backward GPU tests (CuTeDSL, cuTile) and the peers' refusal overhead
 #   overhead    issue 36: dispatcher overhead and host time per call after the redesign
 #   overhead-graph  issue 36: the nine original ops' GPU rows in a graph (compare with
@@ -175,7 +176,7 @@ fi
 live && peers
 case $part in  # the eager rows: build the native launch path first (else the first process builds it
   # in the background and launches from Python meanwhile: 2026-12-04's serving-b and decode rows)
-  serving-* | decode | overhead* | families-* | vision-* | trl) step native-build 150 python3 -m polykernel.backends.triton._native ;;
+  serving-* | decode | overhead* | families-* | vision-* | trl*) step native-build 150 python3 -m polykernel.backends.triton._native ;;
 esac
 case $part in  # FlashInfer's JIT modules in one parallel build (else each builds on its first call, one at a
   # time: 2026-12-04's sixth run, fresh machine, the serving tests' 240 s went on them; 80 s warm)
@@ -297,6 +298,12 @@ case $part in
     # prompts and completions, 16 completions a step (its loss sees 16 x 192 tokens)
     step trl-grpo 310 python3 benchmarks/models/trl_grpo.py --steps 4 --prompts 2 --generations 8 --prompt-len 128 \
       --completion-len 192 --timeout 120 --json "$R/trl_grpo.json"
+    ;;
+  trl-memory)  # needs .gpu/trl; the trl part's GRPO shape with the CUDA allocator's history recorded
+    # (slower steps: no timings to compare), each record's "at_peak" what was live at its peak, by origin
+    export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+    step trl-grpo-memory 300 python3 benchmarks/models/trl_grpo.py --only "polykernel+patch,liger" --steps 4 --prompts 2 \
+      --generations 8 --prompt-len 128 --completion-len 192 --timeout 140 --memory-trace --json "$R/trl_grpo_memory.json"
     ;;
   families-[1-7])
     # 20 text families, 3 per part (each variant in its own process; compile's first steps compile)

@@ -113,6 +113,81 @@ def peak_text(record: dict[str, Any]) -> str:
     return f"{record['peak_gib']:.2f} GiB" + ("" if later is None else f" (later {later:.2f})")
 
 
+_OURS = ("polykernel", "/trl/", "/transformers/", "/accelerate/", "/peft/", "liger_kernel", "benchmarks/")
+
+
+def peak_allocations(trace: list[dict[str, Any]], top: int = 12) -> dict[str, Any]:
+    """What was live at the highest point of a CUDA allocator trace (one device's events of
+    ``torch.cuda.memory._snapshot()["device_traces"]``, recorded with Python stacks): the bytes the
+    trace had allocated then (``peak_bytes``: memory allocated before the recording started is
+    not in it), and its live blocks grouped by the innermost frames of polykernel, TRL,
+    transformers, accelerate, PEFT, Liger or this folder that made them, the ``top`` largest groups
+    (``bytes``, ``blocks``, ``frames``). Frees count when requested (``max_memory_allocated``'s
+    view). To tell what a run's peak holds without its whole trace (tens of MB)."""
+    sizes: dict[int, int] = {}
+    now = peak = peak_at = 0
+    for i, e in enumerate(trace):  # pass 1: where the peak is
+        action = e.get("action")
+        if action == "alloc":
+            sizes[e["addr"]] = e["size"]
+            now += e["size"]
+            if now > peak:
+                peak, peak_at = now, i
+        elif action == "free_requested":
+            now -= sizes.pop(e["addr"], 0)
+    live: dict[int, dict[str, Any]] = {}
+    for e in trace[: peak_at + 1]:  # pass 2: what is live there
+        if e.get("action") == "alloc":
+            live[e["addr"]] = e
+        elif e.get("action") == "free_requested":
+            live.pop(e["addr"], None)
+    groups: dict[tuple[str, ...], dict[str, Any]] = {}
+    for e in live.values():
+        frames = e.get("frames") or []
+        named = [f for f in frames if any(k in f.get("filename", "") for k in _OURS)][:3] or frames[:2]
+        key = tuple(f"{f.get('filename', '?').rsplit('site-packages/', 1)[-1]}:{f.get('line', '?')} {f.get('name', '?')}" for f in named)
+        g = groups.setdefault(key, {"bytes": 0, "blocks": 0, "frames": list(key)})
+        g["bytes"] += e["size"]
+        g["blocks"] += 1
+    ranked = sorted(groups.values(), key=lambda g: -g["bytes"])[:top]
+    return {"peak_bytes": peak, "events": len(trace), "live": ranked}
+
+
+def at_peak_text(record: dict[str, Any]) -> str:
+    """The largest group live at a record's traced peak, ``""`` without a trace."""
+    live = (record.get("at_peak") or {}).get("live")
+    if not live:
+        return ""
+    top = live[0]
+    return f"  largest at peak: {top['bytes'] / 2**20:.0f} MiB in {top['blocks']} from {' < '.join(top['frames'][:2]) or '?'}"
+
+
+def memory_trace(cuda: bool) -> Any:
+    """A context manager: with ``cuda``, the CUDA allocator's history recorded (Python stacks)
+    inside it, and its :func:`peak_allocations` in the dict it yields once it exits; without,
+    nothing recorded and the dict stays empty."""
+    import contextlib
+
+    import torch
+
+    @contextlib.contextmanager
+    def record() -> Any:
+        out: dict[str, Any] = {}
+        if not cuda:
+            yield out
+            return
+        torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
+        try:
+            yield out
+            snapshot = torch.cuda.memory._snapshot()
+            traces = snapshot.get("device_traces") or [[]]
+            out.update(peak_allocations(traces[min(torch.cuda.current_device(), len(traces) - 1)]))
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    return record()
+
+
 def versions(*names: str) -> dict[str, str | None]:
     """Each installed distribution's version, None where it is missing (a record, not a crash)."""
     out: dict[str, str | None] = {}

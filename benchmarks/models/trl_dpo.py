@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from _child import parse, run_all
-from _common import add_llama_args, llama_config, peak_fields, peak_text, step_timer, tiny_llama, versions
+from _common import add_llama_args, at_peak_text, llama_config, memory_trace, peak_fields, peak_text, step_timer, tiny_llama, versions
 
 from polykernel.tools.rows import RowFile
 
@@ -130,7 +130,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     tokens = int(next(iter(trainer.get_train_dataloader()))["attention_mask"].sum())
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    trainer.train()
+    with memory_trace(cuda and args.memory_trace) as at_peak:
+        trainer.train()
     steady = step_times[1:] or step_times
     logs = [log for log in trainer.state.log_history if "loss" in log]
     keep = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
@@ -140,6 +141,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "step_s_median": statistics.median(steady),
         "tokens_per_s": tokens / statistics.median(steady),
         **peak_fields(peaks),
+        **({"at_peak": at_peak} if at_peak else {}),
         "step_s": step_times,
         "steps": [{k: log.get(k) for k in keep} for log in logs],
     }
@@ -173,16 +175,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="a CPU-sized model (smoke run)")
+    parser.add_argument(
+        "--memory-trace",
+        action="store_true",
+        help="record the CUDA allocator's history (slower steps): what is live at the peak, by origin",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per variant")
     args = parse(parser, child, required="--json PATH", prepare=_tiny)
     if args is None:
         return
     argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in _SHAPE]
-    argv += ["--gradient-checkpointing"] * args.gradient_checkpointing + ["--tiny"] * args.tiny
+    argv += ["--gradient-checkpointing"] * args.gradient_checkpointing + ["--tiny"] * args.tiny + ["--memory-trace"] * args.memory_trace
 
     def summary(record: dict[str, Any]) -> str:
         losses = " ".join(f"{s['loss']:.4f}" for s in record["steps"])
-        return f"{record['tokens_per_s']:10.0f} tok/s  peak {peak_text(record):>24}  losses {losses}"
+        return f"{record['tokens_per_s']:10.0f} tok/s  peak {peak_text(record):>24}  losses {losses}" + at_peak_text(record)
 
     out = RowFile(args.json, {"env": env()})  # each variant's record kept as it ends
     run_all(__file__, args.only.split(","), argv, args.timeout, summary, width=18, out=out, per_variant_s=20 if args.tiny else 120)

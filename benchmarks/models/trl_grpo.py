@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from _child import parse, run_all
-from _common import add_llama_args, peak_fields, peak_text, step_timer, tiny_llama
+from _common import add_llama_args, at_peak_text, memory_trace, peak_fields, peak_text, step_timer, tiny_llama
 from trl_dpo import VARIANTS, WORDS, _model, _tokenizer, env
 
 from polykernel.tools.rows import RowFile
@@ -116,7 +116,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     trainer._generate_and_score_completions = timed_generate
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    trainer.train()
+    with memory_trace(cuda and args.memory_trace) as at_peak:
+        trainer.train()
     train_s = [s - g for s, g in zip(step_times, gen_times)]
     steady = train_s[1:] or train_s
     logs = [log for log in trainer.state.log_history if "loss" in log]
@@ -129,6 +130,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "train_s_median": statistics.median(steady),
         "completion_tokens_per_train_s": statistics.median(completion_tokens) / statistics.median(steady),
         **peak_fields(peaks),
+        **({"at_peak": at_peak} if at_peak else {}),
         "steps": [{k: log.get(k) for k in keep} for log in logs],
     }
 
@@ -155,15 +157,22 @@ def main() -> None:
     parser.add_argument("--loss-type", default="dapo")
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--tiny", action="store_true", help="a CPU-sized model (smoke run)")
+    parser.add_argument(
+        "--memory-trace",
+        action="store_true",
+        help="record the CUDA allocator's history (slower steps): what is live at the peak, by origin",
+    )
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per variant")
     args = parse(parser, child, required="--json PATH", prepare=_sizes)
     if args is None:
         return
-    argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in _PASSED] + ["--tiny"] * args.tiny
+    argv = (
+        [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in _PASSED] + ["--tiny"] * args.tiny + ["--memory-trace"] * args.memory_trace
+    )
 
     def summary(record: dict[str, Any]) -> str:
         losses = " ".join(f"{s['loss']:.4g}" for s in record["steps"])
-        return f"train {record['train_s_median']:.3f} s/step  peak {peak_text(record):>24}  losses {losses}"
+        return f"train {record['train_s_median']:.3f} s/step  peak {peak_text(record):>24}  losses {losses}" + at_peak_text(record)
 
     out = RowFile(args.json, {"env": env()})  # each variant's record kept as it ends
     run_all(__file__, args.only.split(","), argv, args.timeout, summary, width=18, out=out, per_variant_s=20 if args.tiny else 180)

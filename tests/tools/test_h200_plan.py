@@ -31,7 +31,7 @@ def gpu_parts() -> list[str]:
 
 PARTS = [
     *("serving-a", "serving-native", "serving-b", "serving-c", "losses", "losses-jsd", "moe", "moe-tests", "moe-liger"),
-    *("moe-train", "moe-train-liger", "decode", "trl", "checks", "overhead", "overhead-graph"),
+    *("moe-train", "moe-train-liger", "decode", "trl", "trl-memory", "checks", "overhead", "overhead-graph"),
     *(f"families-{k}" for k in range(1, 8)),
     "vision-1",
     "vision-2",
