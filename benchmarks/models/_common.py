@@ -6,11 +6,12 @@ variant per process). Scripts in this folder import it by name."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,79 +114,94 @@ def peak_text(record: dict[str, Any]) -> str:
     return f"{record['peak_gib']:.2f} GiB" + ("" if later is None else f" (later {later:.2f})")
 
 
-_OURS = ("polykernel", "/trl/", "/transformers/", "/accelerate/", "/peft/", "liger_kernel", "benchmarks/")
-
-
-def peak_allocations(trace: list[dict[str, Any]], top: int = 12) -> dict[str, Any]:
-    """What was live at the highest point of a CUDA allocator trace (one device's events of
-    ``torch.cuda.memory._snapshot()["device_traces"]``, recorded with Python stacks): the bytes the
-    trace had allocated then (``peak_bytes``: memory allocated before the recording started is
-    not in it), and its live blocks grouped by the innermost frames of polykernel, TRL,
-    transformers, accelerate, PEFT, Liger or this folder that made them, the ``top`` largest groups
-    (``bytes``, ``blocks``, ``frames``). Frees count when requested (``max_memory_allocated``'s
-    view). To tell what a run's peak holds without its whole trace (tens of MB)."""
+def peak_allocations(events: list[dict[str, Any]]) -> tuple[int, list[dict[str, Any]]]:
+    """From a CUDA caching-allocator trace (``torch.cuda.memory._snapshot()["device_traces"][i]``):
+    the most bytes allocated at once during the trace, and the allocations alive at that moment
+    (those made during the trace), largest first. Frees count when completed. Two passes (where
+    the peak is, then what is alive there): no copy of the live set at each new high."""
     sizes: dict[int, int] = {}
-    now = peak = peak_at = 0
-    for i, e in enumerate(trace):  # pass 1: where the peak is
-        action = e.get("action")
+    total = peak = 0
+    peak_at = -1
+    for i, e in enumerate(events):
+        action, addr = e.get("action"), e.get("addr")
         if action == "alloc":
-            sizes[e["addr"]] = e["size"]
-            now += e["size"]
-            if now > peak:
-                peak, peak_at = now, i
-        elif action == "free_requested":
-            now -= sizes.pop(e["addr"], 0)
+            sizes[addr] = e.get("size", 0)
+            total += sizes[addr]
+            if total > peak:
+                peak, peak_at = total, i
+        elif action == "free_completed" and addr in sizes:
+            total -= sizes.pop(addr)
     live: dict[int, dict[str, Any]] = {}
-    for e in trace[: peak_at + 1]:  # pass 2: what is live there
+    for e in events[: peak_at + 1]:
         if e.get("action") == "alloc":
-            live[e["addr"]] = e
-        elif e.get("action") == "free_requested":
-            live.pop(e["addr"], None)
-    groups: dict[tuple[str, ...], dict[str, Any]] = {}
-    for e in live.values():
-        frames = e.get("frames") or []
-        named = [f for f in frames if any(k in f.get("filename", "") for k in _OURS)][:3] or frames[:2]
-        key = tuple(f"{f.get('filename', '?').rsplit('site-packages/', 1)[-1]}:{f.get('line', '?')} {f.get('name', '?')}" for f in named)
-        g = groups.setdefault(key, {"bytes": 0, "blocks": 0, "frames": list(key)})
-        g["bytes"] += e["size"]
-        g["blocks"] += 1
-    ranked = sorted(groups.values(), key=lambda g: -g["bytes"])[:top]
-    return {"peak_bytes": peak, "events": len(trace), "live": ranked}
+            live[e.get("addr")] = e
+        elif e.get("action") == "free_completed":
+            live.pop(e.get("addr"), None)
+    return peak, sorted(live.values(), key=lambda e: -e.get("size", 0))
+
+
+# C++ frames that say nothing about who allocated: the unwinder, the allocator, empty/new_empty.
+_CPP_NOISE = ("torch::unwind", "c10::", "at::empty", "at::native::empty", "at::detail::empty", "at::_ops::empty", "at::TensorBase::", "??")
+
+
+def allocation_site(e: dict[str, Any]) -> str:
+    """Who made an allocation: its innermost Python frame outside torch's own modules (Inductor's
+    generated code counts as ours), else its innermost C++ frame past the allocator (the autograd
+    engine's thread has no Python frames), else '?'."""
+    frames = e.get("frames") or []
+    for f in frames:
+        name = str(f.get("filename", ""))
+        if name.endswith(".py") and ("/torch/" not in name or "torchinductor" in name):
+            return f"{name}:{f.get('line')} {f.get('name')}"
+    for f in frames:
+        fn = str(f.get("name", ""))
+        if not str(f.get("filename", "")).endswith(".py") and fn and not fn.startswith(_CPP_NOISE):
+            return fn[:160]
+    return "?"
+
+
+def by_site(alive: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The allocations ``alive`` summed per :func:`allocation_site`, largest total first:
+    ``{"site", "bytes", "blocks"}`` each."""
+    sites: dict[str, dict[str, Any]] = {}
+    for e in alive:
+        site = allocation_site(e)
+        group = sites.setdefault(site, {"site": site, "bytes": 0, "blocks": 0})
+        group["bytes"] += e.get("size", 0)
+        group["blocks"] += 1
+    return sorted(sites.values(), key=lambda g: -g["bytes"])
 
 
 def at_peak_text(record: dict[str, Any]) -> str:
-    """The largest group live at a record's traced peak, ``""`` without a trace."""
-    live = (record.get("at_peak") or {}).get("live")
-    if not live:
+    """The largest site alive at a record's traced peak (:func:`memory_trace`), ``""`` without one."""
+    sites = (record.get("at_peak") or {}).get("by_site")
+    if not sites:
         return ""
-    top = live[0]
-    return f"  largest at peak: {top['bytes'] / 2**20:.0f} MiB in {top['blocks']} from {' < '.join(top['frames'][:2]) or '?'}"
+    top = sites[0]
+    return f"  largest at peak: {top['bytes'] / 2**20:.0f} MiB in {top['blocks']} from {top['site']}"
 
 
-def memory_trace(cuda: bool) -> Any:
-    """A context manager: with ``cuda``, the CUDA allocator's history recorded (Python stacks)
-    inside it, and its :func:`peak_allocations` in the dict it yields once it exits; without,
-    nothing recorded and the dict stays empty."""
-    import contextlib
-
+@contextlib.contextmanager
+def memory_trace(cuda: bool, top: int = 12) -> Iterator[dict[str, Any]]:
+    """With ``cuda``, the CUDA allocator's history recorded inside the block, and once it exits
+    the dict it yields holds what its peak held: ``peak_bytes`` (allocated within the block),
+    ``allocations`` alive then, and the ``top`` sites of :func:`by_site`. Without, nothing is
+    recorded and the dict stays empty."""
     import torch
 
-    @contextlib.contextmanager
-    def record() -> Any:
-        out: dict[str, Any] = {}
-        if not cuda:
-            yield out
-            return
-        torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
-        try:
-            yield out
-            snapshot = torch.cuda.memory._snapshot()
-            traces = snapshot.get("device_traces") or [[]]
-            out.update(peak_allocations(traces[min(torch.cuda.current_device(), len(traces) - 1)]))
-        finally:
-            torch.cuda.memory._record_memory_history(enabled=None)
-
-    return record()
+    out: dict[str, Any] = {}
+    if not cuda:
+        yield out
+        return
+    torch.cuda.memory._record_memory_history(max_entries=500_000)
+    try:
+        yield out
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    peak, alive = peak_allocations(snapshot["device_traces"][torch.cuda.current_device()])
+    out.update(peak_bytes=peak, allocations=len(alive), by_site=by_site(alive)[:top])
 
 
 def versions(*names: str) -> dict[str, str | None]:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from _child import last_error_line, parse, run_child
-from _common import llama_config, timed_steps
+from _common import allocation_site, by_site, llama_config, peak_allocations, timed_steps
 
 from polykernel.tools.rows import RowFile, announce
 
@@ -142,55 +142,6 @@ def _profile(run_step: Any, out: Path, variant: str) -> dict[str, Any]:
     return {"gpu_ms_per_step": sum(families.values()), "families_ms_per_step": families}
 
 
-def peak_allocations(events: list[dict[str, Any]]) -> tuple[int, list[dict[str, Any]]]:
-    """From a CUDA caching-allocator trace (``torch.cuda.memory._snapshot()["device_traces"][i]``):
-    the most bytes allocated at once during the trace, and the allocations alive at that moment
-    (those made during the trace), largest first. Frees count when completed."""
-    live: dict[int, dict[str, Any]] = {}
-    total = peak = 0
-    at_peak: list[dict[str, Any]] = []
-    for e in events:
-        action, addr, size = e.get("action"), e.get("addr"), e.get("size", 0)
-        if action == "alloc":
-            live[addr] = e
-            total += size
-            if total > peak:
-                peak, at_peak = total, list(live.values())
-        elif action == "free_completed" and addr in live:
-            total -= live.pop(addr).get("size", 0)
-    return peak, sorted(at_peak, key=lambda e: -e.get("size", 0))
-
-
-# C++ frames that say nothing about who allocated: the unwinder, the allocator, empty/new_empty.
-_CPP_NOISE = ("torch::unwind", "c10::", "at::empty", "at::native::empty", "at::detail::empty", "at::_ops::empty", "at::TensorBase::", "??")
-
-
-def _where(e: dict[str, Any]) -> str:
-    """Who made an allocation: its innermost Python frame outside torch's own modules (Inductor's
-    generated code counts as ours), else its innermost C++ frame past the allocator (the autograd
-    engine's thread has no Python frames), else '?'."""
-    frames = e.get("frames") or []
-    for f in frames:
-        name = str(f.get("filename", ""))
-        if name.endswith(".py") and ("/torch/" not in name or "torchinductor" in name):
-            return f"{name}:{f.get('line')} {f.get('name')}"
-    for f in frames:
-        fn = str(f.get("name", ""))
-        if not str(f.get("filename", "")).endswith(".py") and fn and not fn.startswith(_CPP_NOISE):
-            return fn[:160]
-    return "?"
-
-
-def _by_site(alive: list[dict[str, Any]]) -> list[str]:
-    """The allocations alive at the peak summed per site, largest total first."""
-    sites: dict[str, list[int]] = {}
-    for e in alive:
-        total = sites.setdefault(_where(e), [0, 0])
-        total[0] += e.get("size", 0)
-        total[1] += 1
-    return [f"{b / 2**20:10.1f} MiB {n:5d}x  {site}" for site, (b, n) in sorted(sites.items(), key=lambda kv: -kv[1][0])]
-
-
 def _memory(run_step: Any, out: Path, variant: str) -> dict[str, Any]:
     """One steady step with the allocator's history on: the step's peak over its start and the
     largest allocations alive at that peak, with where they were made (``memory-<variant>.txt``)."""
@@ -207,8 +158,9 @@ def _memory(run_step: Any, out: Path, variant: str) -> dict[str, Any]:
     events = snap["device_traces"][torch.cuda.current_device()]
     peak, alive = peak_allocations(events)
     lines = [f"{variant}: peak over the step's start {peak / 2**20:.1f} MiB; {len(alive)} allocations alive at it."]
-    lines += ["", "By site:", *_by_site(alive), "", "Largest:"]
-    lines += [f"{e.get('size', 0) / 2**20:10.1f} MiB  {_where(e)}" for e in alive[:60]]
+    sites = [f"{g['bytes'] / 2**20:10.1f} MiB {g['blocks']:5d}x  {g['site']}" for g in by_site(alive)]
+    lines += ["", "By site:", *sites, "", "Largest:"]
+    lines += [f"{e.get('size', 0) / 2**20:10.1f} MiB  {allocation_site(e)}" for e in alive[:60]]
     name = variant.replace("+", "_plus_").replace("[", "-").replace("]", "")
     (out / f"memory-{name}.txt").write_text("\n".join(lines) + "\n")
     return {

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import pickle
@@ -148,11 +149,9 @@ def _job_key(kernel, target, opts, sig: dict, const: dict) -> str:
 
     source = kernel.cache_key  # computing it fills used_global_vals
     used = sorted((name, repr(val)) for (name, _), (val, _) in kernel.used_global_vals.items())
-    with open(__file__, "rb") as f:
-        this = hashlib.sha256(f.read()).hexdigest()
     parts = (
         triton_key(),
-        this,
+        _this_file_hash(),
         repr(target),
         repr(opts),
         source,
@@ -161,6 +160,15 @@ def _job_key(kernel, target, opts, sig: dict, const: dict) -> str:
         repr(sorted(const.items(), key=repr)),
     )
     return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+@functools.cache
+def _this_file_hash() -> str:
+    """This file's sha256, read once a process (every job's key holds it)."""
+    import hashlib
+
+    with open(__file__, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def _read_passed(path: str) -> set:

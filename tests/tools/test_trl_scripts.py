@@ -87,22 +87,25 @@ def _frame(filename: str, line: int, name: str) -> dict:
 def test_peak_allocations_says_what_is_live_at_the_peak_by_origin(common):
     ours = [_frame("/x/torch/nn/functional.py", 10, "linear"), _frame("/x/site-packages/polykernel/backends/_linear_logps.py", 5, "walk")]
     other = [_frame("/x/site-packages/transformers/models/llama/modeling_llama.py", 7, "forward")]
+    engine = [_frame("", 0, "c10::cuda::CUDACachingAllocator::malloc"), _frame("", 0, "torch::autograd::Engine::thread_main")]
     trace = [
         {"action": "alloc", "addr": 1, "size": 100, "frames": other},
         {"action": "alloc", "addr": 2, "size": 300, "frames": ours},
-        {"action": "alloc", "addr": 3, "size": 300, "frames": ours},  # the peak: 700
+        {"action": "alloc", "addr": 3, "size": 300, "frames": ours},
+        {"action": "alloc", "addr": 5, "size": 50, "frames": engine},  # the peak: 750
         {"action": "free_requested", "addr": 2, "size": 300},
         {"action": "free_completed", "addr": 2, "size": 300},
-        {"action": "alloc", "addr": 4, "size": 250, "frames": other},  # 650: below the peak
-        {"action": "free_requested", "addr": 99, "size": 5},  # allocated before the recording began
+        {"action": "alloc", "addr": 4, "size": 250, "frames": other},  # 700: below the peak
+        {"action": "free_completed", "addr": 99, "size": 5},  # allocated before the recording began
         {"action": "segment_alloc", "addr": 0, "size": 4096},
     ]
-    got = common.peak_allocations(trace, top=5)
-    assert got["peak_bytes"] == 700 and got["events"] == len(trace)
-    (first, second) = got["live"]  # block 4 came after the peak: not in it
-    assert first == {"bytes": 600, "blocks": 2, "frames": ["polykernel/backends/_linear_logps.py:5 walk"]}
-    assert second["bytes"] == 100 and second["frames"] == ["transformers/models/llama/modeling_llama.py:7 forward"]
-    assert common.peak_allocations([], top=3) == {"peak_bytes": 0, "events": 0, "live": []}
+    peak, alive = common.peak_allocations(trace)
+    assert peak == 750 and [e["addr"] for e in alive] == [2, 3, 1, 5]  # largest first; block 4 came after the peak
+    sites = common.by_site(alive)
+    assert sites[0] == {"site": "/x/site-packages/polykernel/backends/_linear_logps.py:5 walk", "bytes": 600, "blocks": 2}
+    assert sites[1]["bytes"] == 100 and sites[1]["site"].endswith("modeling_llama.py:7 forward")
+    assert sites[2]["site"] == "torch::autograd::Engine::thread_main"  # the backward's thread: C++ frames only
+    assert common.peak_allocations([]) == (0, [])
 
 
 def test_without_a_gpu_the_memory_trace_records_nothing(common, monkeypatch):
@@ -121,16 +124,18 @@ def test_with_a_gpu_the_memory_trace_summarizes_and_stops_recording(common, monk
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: calls.append(k.get("enabled", "all")))
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a, **k: {"device_traces": [trace]})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     with common.memory_trace(True) as at_peak:
         assert calls == ["all"] and at_peak == {}
     assert calls == ["all", None]  # recording stopped
-    assert at_peak["peak_bytes"] == 64 and at_peak["live"][0]["frames"] == ["trl/trainer/grpo.py:3 step"]
+    assert at_peak["peak_bytes"] == 64 and at_peak["allocations"] == 1
+    assert at_peak["by_site"] == [{"site": "/x/site-packages/trl/trainer/grpo.py:3 step", "bytes": 64, "blocks": 1}]
     with pytest.raises(RuntimeError), common.memory_trace(True):  # stopped on an error too
         raise RuntimeError("a step failed")
     assert calls[-1] is None
 
 
-def test_the_largest_group_at_the_peak_is_printed(common):
-    record = {"at_peak": {"live": [{"bytes": 3 << 20, "blocks": 2, "frames": ["a.py:1 f", "b.py:2 g", "c.py:3 h"]}]}}
-    assert common.at_peak_text(record) == "  largest at peak: 3 MiB in 2 from a.py:1 f < b.py:2 g"
-    assert common.at_peak_text({}) == "" and common.at_peak_text({"at_peak": {"live": []}}) == ""
+def test_the_largest_site_at_the_peak_is_printed(common):
+    record = {"at_peak": {"by_site": [{"site": "a.py:1 f", "bytes": 3 << 20, "blocks": 2}, {"site": "b.py:2 g", "bytes": 1, "blocks": 1}]}}
+    assert common.at_peak_text(record) == "  largest at peak: 3 MiB in 2 from a.py:1 f"
+    assert common.at_peak_text({}) == "" and common.at_peak_text({"at_peak": {"by_site": []}}) == ""
