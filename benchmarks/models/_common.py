@@ -182,26 +182,47 @@ def at_peak_text(record: dict[str, Any]) -> str:
 
 
 @contextlib.contextmanager
-def memory_trace(cuda: bool, top: int = 12) -> Iterator[dict[str, Any]]:
-    """With ``cuda``, the CUDA allocator's history recorded inside the block, and once it exits
-    the dict it yields holds what its peak held: ``peak_bytes`` (allocated within the block),
-    ``allocations`` alive then, and the ``top`` sites of :func:`by_site`. Without, nothing is
-    recorded and the dict stays empty."""
+def allocator_events(cuda: bool = True) -> Iterator[list[dict[str, Any]]]:
+    """With ``cuda``, the CUDA caching allocator's history recorded inside the block (Python and
+    C++ stacks); once the block exits, the list it yields holds the current device's events, for
+    :func:`peak_allocations`. Recording stops on an error too. Without, it stays empty."""
     import torch
 
-    out: dict[str, Any] = {}
+    events: list[dict[str, Any]] = []
     if not cuda:
-        yield out
+        yield events
         return
     torch.cuda.memory._record_memory_history(max_entries=500_000)
     try:
-        yield out
+        yield events
         torch.cuda.synchronize()
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    peak, alive = peak_allocations(snapshot["device_traces"][torch.cuda.current_device()])
-    out.update(peak_bytes=peak, allocations=len(alive), by_site=by_site(alive)[:top])
+    events += snapshot["device_traces"][torch.cuda.current_device()]
+
+
+@contextlib.contextmanager
+def memory_trace(cuda: bool, top: int = 12) -> Iterator[dict[str, Any]]:
+    """With ``cuda``, the CUDA allocator's history recorded inside the block (:func:`allocator_events`),
+    and once it exits the dict it yields holds what its peak held: ``peak_bytes`` (allocated within
+    the block), ``allocations`` alive then, and the ``top`` sites of :func:`by_site`. Without,
+    nothing is recorded and the dict stays empty."""
+    out: dict[str, Any] = {}
+    with allocator_events(cuda) as events:
+        yield out
+    if cuda:
+        peak, alive = peak_allocations(events)
+        out.update(peak_bytes=peak, allocations=len(alive), by_site=by_site(alive)[:top])
+
+
+def add_memory_trace_arg(parser: argparse.ArgumentParser) -> None:
+    """``--memory-trace``: :func:`memory_trace` around the run (the TRL scripts)."""
+    parser.add_argument(
+        "--memory-trace",
+        action="store_true",
+        help="record the CUDA allocator's history (slower steps): what is live at the peak, by origin",
+    )
 
 
 def versions(*names: str) -> dict[str, str | None]:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from _child import last_error_line, parse, run_child
-from _common import allocation_site, by_site, llama_config, peak_allocations, timed_steps
+from _common import allocation_site, allocator_events, by_site, llama_config, peak_allocations, timed_steps
 
 from polykernel.tools.rows import RowFile, announce
 
@@ -148,14 +148,8 @@ def _memory(run_step: Any, out: Path, variant: str) -> dict[str, Any]:
     import torch
 
     torch.cuda.synchronize()
-    torch.cuda.memory._record_memory_history(max_entries=500_000)
-    try:
+    with allocator_events() as events:
         run_step()
-        torch.cuda.synchronize()
-        snap = torch.cuda.memory._snapshot()
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
-    events = snap["device_traces"][torch.cuda.current_device()]
     peak, alive = peak_allocations(events)
     lines = [f"{variant}: peak over the step's start {peak / 2**20:.1f} MiB; {len(alive)} allocations alive at it."]
     sites = [f"{g['bytes'] / 2**20:10.1f} MiB {g['blocks']:5d}x  {g['site']}" for g in by_site(alive)]

@@ -39,7 +39,18 @@ from pathlib import Path
 from typing import Any
 
 from _child import parse, run_all
-from _common import add_llama_args, at_peak_text, llama_config, memory_trace, peak_fields, peak_text, step_timer, tiny_llama, versions
+from _common import (
+    add_llama_args,
+    add_memory_trace_arg,
+    at_peak_text,
+    llama_config,
+    memory_trace,
+    peak_fields,
+    peak_text,
+    step_timer,
+    tiny_llama,
+    versions,
+)
 
 from polykernel.tools.rows import RowFile
 
@@ -175,11 +186,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="a CPU-sized model (smoke run)")
-    parser.add_argument(
-        "--memory-trace",
-        action="store_true",
-        help="record the CUDA allocator's history (slower steps): what is live at the peak, by origin",
-    )
+    add_memory_trace_arg(parser)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per variant")
     args = parse(parser, child, required="--json PATH", prepare=_tiny)
     if args is None:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from _child import parse, run_all
-from _common import add_llama_args, at_peak_text, memory_trace, peak_fields, peak_text, step_timer, tiny_llama
+from _common import add_llama_args, add_memory_trace_arg, at_peak_text, memory_trace, peak_fields, peak_text, step_timer, tiny_llama
 from trl_dpo import VARIANTS, WORDS, _model, _tokenizer, env
 
 from polykernel.tools.rows import RowFile
@@ -157,11 +157,7 @@ def main() -> None:
     parser.add_argument("--loss-type", default="dapo")
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--tiny", action="store_true", help="a CPU-sized model (smoke run)")
-    parser.add_argument(
-        "--memory-trace",
-        action="store_true",
-        help="record the CUDA allocator's history (slower steps): what is live at the peak, by origin",
-    )
+    add_memory_trace_arg(parser)
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per variant")
     args = parse(parser, child, required="--json PATH", prepare=_sizes)
     if args is None:
