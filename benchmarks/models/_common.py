@@ -140,24 +140,51 @@ def peak_allocations(events: list[dict[str, Any]]) -> tuple[int, list[dict[str, 
     return peak, sorted(live.values(), key=lambda e: -e.get("size", 0))
 
 
-# C++ frames that say nothing about who allocated: the unwinder, the allocator, empty/new_empty.
-_CPP_NOISE = ("torch::unwind", "c10::", "at::empty", "at::native::empty", "at::detail::empty", "at::_ops::empty", "at::TensorBase::", "??")
+# C++ frames that say nothing about who allocated: the recorder itself, the unwinder, the allocator,
+# empty/new_empty and the standard library's call plumbing.
+_CPP_NOISE = (
+    "torch::CapturedTraceback",
+    "torch::unwind",
+    "c10::",
+    "at::empty",
+    "at::native::empty",
+    "at::detail::empty",
+    "at::_ops::empty",
+    "at::TensorBase::",
+    "std::",
+    "??",
+)
+
+
+def _frame_text(f: dict[str, Any]) -> str | None:
+    """A frame as ``file:line name`` (Python) or its C++ name, None for a C++ frame of no say."""
+    name, fn = str(f.get("filename", "")), str(f.get("name", ""))
+    if name.endswith(".py"):
+        return f"{name}:{f.get('line')} {fn}"
+    return fn[:160] if fn and not fn.startswith(_CPP_NOISE) else None
 
 
 def allocation_site(e: dict[str, Any]) -> str:
     """Who made an allocation: its innermost Python frame outside torch's own modules (Inductor's
-    generated code counts as ours), else its innermost C++ frame past the allocator (the autograd
-    engine's thread has no Python frames), else '?'."""
+    generated code counts as ours); else (the autograd engine's thread has no Python frames) the
+    autograd node whose backward allocated it (``torch::autograd::generated::MmBackward0::apply``),
+    else the innermost C++ frame that is not the recorder, the allocator or an ``empty``; else '?'."""
     frames = e.get("frames") or []
     for f in frames:
         name = str(f.get("filename", ""))
         if name.endswith(".py") and ("/torch/" not in name or "torchinductor" in name):
-            return f"{name}:{f.get('line')} {f.get('name')}"
-    for f in frames:
-        fn = str(f.get("name", ""))
-        if not str(f.get("filename", "")).endswith(".py") and fn and not fn.startswith(_CPP_NOISE):
-            return fn[:160]
-    return "?"
+            return _frame_text(f) or "?"
+    cpp = [text for f in frames if not str(f.get("filename", "")).endswith(".py") and (text := _frame_text(f))]
+    for text in cpp:
+        if "Backward" in text or "autograd::generated" in text:
+            return text
+    return cpp[0] if cpp else "?"
+
+
+def allocation_stack(e: dict[str, Any], depth: int = 10) -> list[str]:
+    """An allocation's ``depth`` innermost frames that say something (Python ``file:line name``,
+    C++ names), for reading one large block's origin after the run."""
+    return [text for f in e.get("frames") or [] if (text := _frame_text(f))][:depth]
 
 
 def by_site(alive: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -207,13 +234,15 @@ def memory_trace(cuda: bool, top: int = 12) -> Iterator[dict[str, Any]]:
     """With ``cuda``, the CUDA allocator's history recorded inside the block (:func:`allocator_events`),
     and once it exits the dict it yields holds what its peak held: ``peak_bytes`` (allocated within
     the block), ``allocations`` alive then, and the ``top`` sites of :func:`by_site`. Without,
-    nothing is recorded and the dict stays empty."""
+    nothing is recorded and the dict stays empty. ``largest``: the ``top`` largest allocations alive
+    then, each with its :func:`allocation_stack`."""
     out: dict[str, Any] = {}
     with allocator_events(cuda) as events:
         yield out
     if cuda:
         peak, alive = peak_allocations(events)
-        out.update(peak_bytes=peak, allocations=len(alive), by_site=by_site(alive)[:top])
+        largest = [{"bytes": e.get("size", 0), "stack": allocation_stack(e)} for e in alive[:top]]
+        out.update(peak_bytes=peak, allocations=len(alive), by_site=by_site(alive)[:top], largest=largest)
 
 
 def add_memory_trace_arg(parser: argparse.ArgumentParser) -> None:

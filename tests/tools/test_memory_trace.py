@@ -68,6 +68,7 @@ def test_with_a_gpu_the_memory_trace_summarizes_and_stops_recording(common, monk
     assert calls == ["all", None]  # recording stopped
     assert at_peak["peak_bytes"] == 64 and at_peak["allocations"] == 1
     assert at_peak["by_site"] == [{"site": "/x/site-packages/trl/trainer/grpo.py:3 step", "bytes": 64, "blocks": 1}]
+    assert at_peak["largest"] == [{"bytes": 64, "stack": ["/x/site-packages/trl/trainer/grpo.py:3 step"]}]
     with pytest.raises(RuntimeError), common.memory_trace(True):  # stopped on an error too
         raise RuntimeError("a step failed")
     assert calls[-1] is None
@@ -80,6 +81,7 @@ def test_the_largest_site_at_the_peak_is_printed(common):
 
 
 _ALLOCATOR = [
+    _frame("??", 0, "torch::CapturedTraceback::gather(bool, bool, bool)"),  # the recorder itself (an H100's trace)
     _frame("??", 0, "torch::unwind::unwind()"),
     _frame("??", 0, "c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc"),
     _frame("??", 0, "at::empty(c10::ArrayRef<long>, c10::TensorOptions)"),
@@ -96,6 +98,24 @@ def test_allocation_site_names_the_maker_past_torch_and_the_allocator(common):
     assert site({"frames": backward}) == "(anonymous namespace)::RmsNormFn::backward"  # first C++ frame past the allocator
     assert site({"frames": [*backward, _frame("/m/model.py", 3, "f")]}) == "/m/model.py:3 f"  # a Python frame wins
     assert site({"frames": _ALLOCATOR}) == site({"frames": []}) == site({}) == "?"
+    # the autograd engine's thread: the node whose backward allocated, past the op it called
+    node = [*_ALLOCATOR, _frame("??", 0, "at::native::mm_out_cuda"), _frame("??", 0, "torch::autograd::generated::MmBackward0::apply")]
+    assert (
+        site({"frames": [*node, _frame("??", 0, "torch::autograd::Engine::thread_main")]})
+        == "torch::autograd::generated::MmBackward0::apply"
+    )
+
+
+def test_allocation_stack_keeps_the_frames_that_say_something(common):
+    frames = [*_ALLOCATOR, _frame("??", 0, "at::native::mm_out_cuda"), _frame("/x/torch/nn/functional.py", 9, "inner")]
+    frames += [_frame("??", 0, "std::function<void ()>::operator()"), _frame("/m/model.py", 3, "f")]
+    assert common.allocation_stack({"frames": frames}) == [
+        "at::native::mm_out_cuda",
+        "/x/torch/nn/functional.py:9 inner",
+        "/m/model.py:3 f",
+    ]
+    assert common.allocation_stack({"frames": frames}, depth=1) == ["at::native::mm_out_cuda"]
+    assert common.allocation_stack({}) == []
 
 
 def test_a_block_freed_but_not_yet_released_still_counts(common):
