@@ -5,17 +5,27 @@ passes (its docstring), so the values compare."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
-try:
-    from trl.trainer.utils import selective_log_softmax
-except ImportError:  # TRL not installed: its naive equivalent
 
-    def selective_log_softmax(logits, index):
-        return logits.log_softmax(-1).gather(-1, index[..., None]).squeeze(-1)
+@functools.cache
+def _selective_log_softmax():
+    # imported on first use: ``trl.trainer.utils`` takes ~5 s to import, which a run that exits on
+    # a bad option (and each ``--tiny`` test of the script) would pay for nothing
+    try:
+        from trl.trainer.utils import selective_log_softmax
+    except ImportError:  # TRL not installed: its naive equivalent
+        return lambda logits, index: logits.log_softmax(-1).gather(-1, index[..., None]).squeeze(-1)
+    return selective_log_softmax
+
+
+def selective_log_softmax(logits, index):
+    """TRL's ``selective_log_softmax`` (its naive equivalent without TRL)."""
+    return _selective_log_softmax()(logits, index)
 
 
 IGNORE = -100

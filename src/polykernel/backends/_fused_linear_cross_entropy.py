@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from .. import _compat
 from ..core.aligned_head import aligned_head
+from ..core.cpu_gemm import mm
 from ..ops import _autocast
 from ..ops.fused_linear_cross_entropy import OP_ID
 from ..spec import Split
@@ -93,7 +94,7 @@ def _walk(
         if vp != v and (gh is not None or gw is not None):
             full[:, v:].zero_()  # a non-finite hidden row gives NaN there (inf * 0)
         if gh is not None:
-            torch.mm(full, wk, out=gh[s:e])
+            mm(full, wk, out=gh[s:e])
         if gw is not None:
             if s == 0:
                 torch.mm(full.t(), hc, out=gw)

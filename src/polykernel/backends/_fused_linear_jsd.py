@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from ..core.aligned_head import aligned_head
+from ..core.cpu_gemm import mm
 from ..ops import _autocast
 from ..ops._distill import acc_dtype, rows_view
 
@@ -90,7 +91,7 @@ def _walk(hs2, ws, ht2, wt, labels, beta, ignore_index, temperature, chunk_fn, n
         if dz_full is not None and vp != v:
             dz_full[:, v:].zero_()
         if gh is not None:
-            torch.mm(dz_full, ws_k, out=gh[s:e])
+            mm(dz_full, ws_k, out=gh[s:e])
         if gw is not None:
             if s == 0:
                 torch.mm(dz_full.t(), hc, out=gw)

@@ -44,6 +44,7 @@ import torch
 
 from .. import _compat
 from ..core.aligned_head import aligned_head
+from ..core.cpu_gemm import mm
 from ..ops import _autocast
 
 # the chunking the losses' error models count on is theirs (CHUNK_BYTES, units_per_chunk)
@@ -120,7 +121,7 @@ class _Grads:
             self.w.addmm_(dz.t(), hc)
         if self.b is not None:
             self.b += dz[:, :v].sum(0, dtype=self.acc)
-        return None if self.h is None else torch.mm(dz, self.weight)
+        return None if self.h is None else mm(dz, self.weight)
 
     def push_kept(self, g, scale, hc) -> torch.Tensor | None:
         """The same for a unit whose ``G = softmax − onehot`` was kept (:func:`_unit_logps`):
@@ -132,7 +133,7 @@ class _Grads:
             self.w.addmm_(g.t(), (hc * s).to(hc.dtype))
         if self.b is not None:
             self.b += torch.mv(g[:, : self.v].t(), scale.to(g.dtype)).to(self.acc)
-        return None if self.h is None else torch.mm(g, self.weight).mul_(s)
+        return None if self.h is None else mm(g, self.weight).mul_(s)
 
     def result(self):
         return self.h, None if self.w is None else self.w[: self.v], None if self.b is None else self.b.to(self.bias_dtype)

@@ -46,6 +46,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..core.aligned_head import aligned_head
+from ..core.cpu_gemm import mm
 from ..errors import OpArgumentError, OpTypeError
 from .vocab_math import (  # the math on one rank's slice; loss_stats is public here
     N_STATS,
@@ -233,7 +234,7 @@ def _accumulate(dz: torch.Tensor, full: torch.Tensor, h: torch.Tensor, wk: torch
                 full[:, :vl].copy_(dz)
             full[:, vl:].zero_()
     if gh is not None:
-        torch.mm(d, wk, out=gh[s:e])
+        mm(d, wk, out=gh[s:e])
     if gw is not None:
         gw.addmm_(d.t(), h[s:e])
     if gb is not None:
