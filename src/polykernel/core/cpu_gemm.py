@@ -39,5 +39,4 @@ def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> tor
     >>> mm(a, b).tolist()[0]
     [3.0, 3.0, 3.0, 3.0]
     """
-    a, b = operands(a, b)
-    return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
+    return torch.mm(*operands(a, b), out=out)
