@@ -72,7 +72,7 @@ test-fallbacks: setup  ## the CPU suite again with every private-API fallback fo
 GPU_TIMEOUT ?= 240
 # the losses in two parts: as one, a fresh H200 ran all but the six fused preference files in 480 s
 # (2026-12-05, benchmarks/results/h200-2026-12-05-thirteenth/)
-GPU_PART_losses  := $(addprefix tests/ops/test_,cross_entropy.py fused_linear_cross_entropy.py ce_options.py kl_div.py jsd.py tvd.py fused_linear_jsd.py)
+GPU_PART_losses  := $(addprefix tests/ops/test_,cross_entropy.py fused_linear_cross_entropy.py ce_options.py kl_div.py jsd.py tvd.py fused_linear_jsd.py tied_head_grads.py)
 GPU_PART_preference := $(addprefix tests/ops/test_,preference_losses.py $(foreach l,dpo orpo cpo simpo kto grpo,fused_linear_$(l)_loss.py))
 GPU_PART_moe     := $(addprefix tests/ops/test_,moe_experts.py moe_router.py moe_experts_gpt_oss.py)
 SERVING_OPS      := silu_and_mul gelu_and_mul fused_add_rms_norm_ rotary_embedding_ dynamic_quant_fp8 static_quant_fp8 rms_norm_quant_fp8

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _compat
-from ..core.aligned_head import aligned_head
+from ..core.aligned_head import aligned_head, own_rows
 from ..core.cpu_gemm import mm
 from ..ops import _autocast
 from ..ops.fused_linear_cross_entropy import OP_ID
@@ -103,7 +103,7 @@ def _walk(
         if gb is not None:
             gb += logits.sum(0, dtype=acc)
         del logits, full
-    return losses, gh, None if gw is None else gw[:v], gb
+    return losses, gh, own_rows(gw, v), gb
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):

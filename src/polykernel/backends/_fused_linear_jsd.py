@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..core.aligned_head import aligned_head
+from ..core.aligned_head import aligned_head, own_rows
 from ..core.cpu_gemm import mm
 from ..ops import _autocast
 from ..ops._distill import acc_dtype, rows_view
@@ -98,7 +98,7 @@ def _walk(hs2, ws, ht2, wt, labels, beta, ignore_index, temperature, chunk_fn, n
             else:
                 gw.addmm_(dz_full.t(), hc)
         del zs, zs_full, dz, dz_full
-    return losses.sum() / count, gh, None if gw is None else gw[:v]
+    return losses.sum() / count, gh, own_rows(gw, v)
 
 
 class _FusedLinearJSD(torch.autograd.Function):

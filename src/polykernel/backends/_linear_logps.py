@@ -43,7 +43,7 @@ from types import ModuleType
 import torch
 
 from .. import _compat
-from ..core.aligned_head import aligned_head
+from ..core.aligned_head import aligned_head, own_rows
 from ..core.cpu_gemm import mm
 from ..ops import _autocast
 
@@ -136,7 +136,7 @@ class _Grads:
         return None if self.h is None else mm(g, self.weight).mul_(s)
 
     def result(self):
-        return self.h, None if self.w is None else self.w[: self.v], None if self.b is None else self.b.to(self.bias_dtype)
+        return self.h, own_rows(self.w, self.v), None if self.b is None else self.b.to(self.bias_dtype)
 
 
 def _unit_logps(prim, proj, weight, hc, tc, bias, inv_t, ignore_index, keep, v):

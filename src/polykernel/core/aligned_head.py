@@ -41,3 +41,22 @@ def aligned_head(weight: torch.Tensor, bias: torch.Tensor | None, element_size: 
     if pad == 0:
         return weight, bias
     return F.pad(weight, (0, 0, 0, pad)), None if bias is None else F.pad(bias, (0, pad))
+
+
+def own_rows(grad: torch.Tensor | None, v: int) -> torch.Tensor | None:
+    """The first ``v`` rows of a padded ``[Vp, H]`` gradient buffer as a tensor of its own, not a
+    view: ``grad`` itself, shrunk in place (its storage kept, nothing copied).
+
+    A tied head (the embedding's weight as the LM head) gets two gradients in one backward, which
+    autograd sums in place into the first only when that tensor is its own; a view (even
+    ``grad[:Vp]``) made it sum into a third ``[V, H]`` tensor, one head more at the peak
+    (benchmarks/results/h100-2026-12-07-thirtieth/trl-memory/; tests/ops/test_tied_head_grads.py).
+
+    >>> g = torch.ones(8, 3)
+    >>> r = own_rows(g, 5)
+    >>> r is g, tuple(r.shape), r._is_view()
+    (True, (5, 3), False)
+    """
+    if grad is not None and grad.shape[0] != v:
+        grad.resize_(v, *grad.shape[1:])
+    return grad

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..core.aligned_head import aligned_head
+from ..core.aligned_head import aligned_head, own_rows
 from ..core.cpu_gemm import mm
 from ..errors import OpArgumentError, OpTypeError
 from .vocab_math import (  # the math on one rank's slice; loss_stats is public here
@@ -177,8 +177,7 @@ class _VocabFLCE(torch.autograd.Function):
             if coef is not None:
                 dz = grad_logits(x, lse, t[s:e], lo, coef[s:e], o, v, cw, inplace=True)
                 _accumulate(dz, full, h, wk, s, e, gh, gw, gb)
-        if gw is not None:
-            gw = gw[:vl]
+        gw = own_rows(gw, vl)  # not a view: a tied head's two gradients are summed in place (core.aligned_head)
         ctx.grads = (gh, gw, gb) if grads_now else None
         ctx.save_for_backward(h, w, b, t, lses, den, cw)
         ctx.args = (lo, v, o, needs, acc, step)
@@ -206,7 +205,7 @@ class _VocabFLCE(torch.autograd.Function):
                 full, x = _logits(h[s:e], wk, bk, vl, acc)
                 dz = grad_logits(x, lses[s:e], t[s:e], lo, coef[s:e], o, v, cw, inplace=True)
                 _accumulate(dz, full, h, wk, s, e, gh, gw, gb)
-            gw = None if gw is None else gw[:vl]
+            gw = own_rows(gw, vl)
             gb = None if gb is None else gb.to(b.dtype)
         return gh, gw, gb, None, None, None, None, None, None
 
