@@ -144,6 +144,7 @@ def peak_allocations(events: list[dict[str, Any]]) -> tuple[int, list[dict[str, 
 # empty/new_empty and the standard library's call plumbing.
 _CPP_NOISE = (
     "torch::CapturedTraceback",
+    "torch::cuda::(anonymous namespace)::gather",  # the recorder's own frame too (gather_with_cpp: thirtieth run's trace)
     "torch::unwind",
     "c10::",
     "at::empty",
@@ -167,14 +168,17 @@ def _frame_text(f: dict[str, Any]) -> str | None:
 def allocation_site(e: dict[str, Any]) -> str:
     """Who made an allocation: its innermost Python frame outside torch's own modules (Inductor's
     generated code counts as ours); else (the autograd engine's thread has no Python frames) the
-    autograd node whose backward allocated it (``torch::autograd::generated::MmBackward0::apply``),
-    else the innermost C++ frame that is not the recorder, the allocator or an ``empty``; else '?'."""
+    autograd node whose backward allocated it (``torch::autograd::generated::MmBackward0::apply``), or
+    the engine's sum of two gradients of one tensor (``torch::autograd::InputBuffer::add``), else the innermost C++ frame that is not the recorder, the allocator or an ``empty``; else '?'."""
     frames = e.get("frames") or []
     for f in frames:
         name = str(f.get("filename", ""))
         if name.endswith(".py") and ("/torch/" not in name or "torchinductor" in name):
             return _frame_text(f) or "?"
     cpp = [text for f in frames if not str(f.get("filename", "")).endswith(".py") and (text := _frame_text(f))]
+    for text in cpp:  # autograd summing two gradients of one tensor (a tied weight's), out of place
+        if "autograd::InputBuffer" in text:
+            return text
     for text in cpp:
         if "Backward" in text or "autograd::generated" in text:
             return text
