@@ -168,8 +168,9 @@ def _frame_text(f: dict[str, Any]) -> str | None:
 def allocation_site(e: dict[str, Any]) -> str:
     """Who made an allocation: its innermost Python frame outside torch's own modules (Inductor's
     generated code counts as ours); else (the autograd engine's thread has no Python frames) the
-    autograd node whose backward allocated it (``torch::autograd::generated::MmBackward0::apply``), or
-    the engine's sum of two gradients of one tensor (``torch::autograd::InputBuffer::add``), else the innermost C++ frame that is not the recorder, the allocator or an ``empty``; else '?'."""
+    engine's sum of two gradients of one tensor (``torch::autograd::InputBuffer::add``) or the
+    autograd node whose backward allocated it (``torch::autograd::generated::MmBackward0::apply``),
+    else the innermost C++ frame that is not the recorder, the allocator or an ``empty``; else '?'."""
     frames = e.get("frames") or []
     for f in frames:
         name = str(f.get("filename", ""))

@@ -46,14 +46,14 @@ def _loss(name: str, impl: str | None):
         )
     assert name == "grpo"
 
-    def grpo_args(h, ids):
+    def grpo_args(ids):
         mask = torch.ones(ids.shape, device=ids.device)
         adv = torch.linspace(-1, 1, ids.shape[0], device=ids.device)
         return ids, mask, adv
 
     return (
-        lambda h, w, ids: polykernel.fused_linear_grpo_loss(h, w, *grpo_args(h, ids), beta=0.0, impl=impl)[0],
-        lambda h, w, ids: grpo_op.reference(h, w, *grpo_args(h, ids), beta=0.0)[0],
+        lambda h, w, ids: polykernel.fused_linear_grpo_loss(h, w, *grpo_args(ids), beta=0.0, impl=impl)[0],
+        lambda h, w, ids: grpo_op.reference(h, w, *grpo_args(ids), beta=0.0)[0],
     )
 
 
